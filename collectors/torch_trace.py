@@ -1,0 +1,187 @@
+"""torch.profiler trace capture, driven from the training thread at step boundaries.
+
+:class:`TraceSession` wraps one ``torch.profiler.profile``: :meth:`start` and :meth:`step`
+run on the training thread (torch.profiler records the operators of the thread that starts
+it); :meth:`stop` ends profiling there too and returns quickly; :meth:`export` writes the
+gzipped Chrome trace into an artifact and may run on another thread, so the training thread
+is paused only for ``stop``. The artifact's manifest records that pause.
+
+Readers: :func:`read_trace` and :func:`summarize` (used by ``dynprof show`` and the demo).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+TRACE_FILE = "trace.json.gz"
+KIND = "trace"
+
+
+@dataclass
+class TraceOptions:
+    record_shapes: bool = False
+    with_stack: bool = False
+    profile_memory: bool = False
+    with_flops: bool = False
+    with_modules: bool = False
+    activities: list[str] = field(default_factory=list)  # empty: cpu, plus cuda if initialised
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def resolve_activities(names: list[str]) -> list[Any]:
+    import torch
+    from torch.profiler import ProfilerActivity
+
+    if not names:
+        names = ["cpu"]
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            names.append("cuda")
+    table = {"cpu": ProfilerActivity.CPU, "cuda": ProfilerActivity.CUDA}
+    xpu = getattr(ProfilerActivity, "XPU", None)
+    if xpu is not None:
+        table["xpu"] = xpu
+    out = []
+    for name in names:
+        if name not in table:
+            raise ValueError(f"unknown activity {name!r}; choose from {', '.join(sorted(table))}")
+        out.append(table[name])
+    return out
+
+
+class TraceSession:
+    def __init__(self, options: TraceOptions, distributed_info: dict[str, Any]) -> None:
+        self.options = options
+        self.distributed_info = distributed_info
+        self.prof: Any = None
+        self.started_at = 0.0
+        self.stopped_at = 0.0
+        self.first_step: int | None = None
+        self.steps_recorded = 0
+        self.stop_pause_s = 0.0
+        self.thread_id: int | None = None
+
+    def start(self, first_step: int | None) -> None:
+        """Start profiling on the calling thread. ``first_step`` names the first ProfilerStep."""
+        import threading
+
+        import torch.profiler
+
+        o = self.options
+        prof = torch.profiler.profile(
+            activities=resolve_activities(o.activities),
+            record_shapes=o.record_shapes,
+            with_stack=o.with_stack,
+            profile_memory=o.profile_memory,
+            with_flops=o.with_flops,
+            with_modules=o.with_modules,
+        )
+        if first_step is not None:
+            prof.step_num = first_step
+        self.first_step = first_step
+        prof.start()
+        self.prof = prof
+        self.thread_id = threading.get_ident()
+        self.started_at = time.time()
+        if not _dist_initialized():
+            # torch adds distributedInfo itself when torch.distributed is initialised;
+            # otherwise we describe this process so HTA and Perfetto accept the trace.
+            try:
+                prof.add_metadata_json("distributedInfo", json.dumps(self.distributed_info))
+            except Exception:
+                pass
+
+    def step(self) -> None:
+        self.prof.step()
+        self.steps_recorded += 1
+
+    def stop(self) -> None:
+        t0 = time.perf_counter()
+        self.prof.stop()
+        self.stop_pause_s = time.perf_counter() - t0
+        self.stopped_at = time.time()
+
+    def export(self, directory: Path) -> dict[str, Any]:
+        """Write the gzipped Chrome trace into ``directory``; return manifest summary fields."""
+        t0 = time.perf_counter()
+        path = directory / TRACE_FILE
+        self.prof.export_chrome_trace(str(path))  # torch gzips when the name ends in .gz
+        export_s = time.perf_counter() - t0
+        return {
+            "trace_file": TRACE_FILE,
+            "first_step": self.first_step,
+            "profiled_from": self.started_at,
+            "profiled_until": self.stopped_at,
+            "profiled_s": round(self.stopped_at - self.started_at, 6),
+            "training_thread_pause_ms": round(self.stop_pause_s * 1000, 3),
+            "export_s": round(export_s, 3),
+            "activities": self.options.activities,
+            "trace_bytes": path.stat().st_size,
+        }
+
+
+def _dist_initialized() -> bool:
+    try:
+        import torch.distributed as dist
+
+        return bool(dist.is_available() and dist.is_initialized())
+    except Exception:
+        return False
+
+
+# -- readers ---------------------------------------------------------------------------------
+def read_trace(path: Path) -> dict[str, Any]:
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt") as fh:  # type: ignore[operator]
+        data: dict[str, Any] = json.load(fh)
+    return data
+
+
+def profiler_steps(trace: dict[str, Any]) -> list[dict[str, Any]]:
+    """The ``ProfilerStep#N`` spans of the trace, in order."""
+    steps = [
+        e
+        for e in trace.get("traceEvents", [])
+        if e.get("ph") == "X" and str(e.get("name", "")).startswith("ProfilerStep#")
+    ]
+    steps.sort(key=lambda e: e.get("ts", 0))
+    return steps
+
+
+def summarize(trace: dict[str, Any], top: int = 10) -> dict[str, Any]:
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
+    steps = profiler_steps(trace)
+    cpu_ops: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    kernels: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for e in events:
+        cat = str(e.get("cat", ""))
+        name = str(e.get("name", ""))
+        dur = float(e.get("dur", 0) or 0)
+        if cat in ("cpu_op", "Operator"):
+            cpu_ops[name][0] += 1
+            cpu_ops[name][1] += dur
+        elif cat == "kernel":
+            kernels[name][0] += 1
+            kernels[name][1] += dur
+
+    def top_of(table: dict[str, list[float]]) -> list[dict[str, Any]]:
+        rows = sorted(table.items(), key=lambda kv: kv[1][1], reverse=True)[:top]
+        return [{"name": k, "count": int(v[0]), "total_us": round(v[1], 1)} for k, v in rows]
+
+    return {
+        "events": len(events),
+        "steps": [
+            {"name": s["name"], "dur_ms": round(float(s.get("dur", 0)) / 1000, 3)} for s in steps
+        ],
+        "distributed_info": trace.get("distributedInfo"),
+        "cpu_ops": top_of(cpu_ops),
+        "gpu_kernels": top_of(kernels),
+        "gpu_kernel_count": int(sum(v[0] for v in kernels.values())),
+    }

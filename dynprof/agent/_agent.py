@@ -1,0 +1,256 @@
+"""The in-process agent: registration, control socket, step tracking, extensions.
+
+Nothing here imports torch or protobuf on the calling thread: the socket is bound with the
+standard library, and the server thread imports the protocol and the command handlers when
+it starts. Every failure is caught, logged to ``<run dir>/logs/<pid>.log`` and, for warnings,
+to stderr; the job keeps running.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import importlib
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from dynprof import __version__
+from dynprof.agent._steps import StepTracker
+from dynprof.identity import Identity, detect
+from dynprof.paths import MAX_SOCKET_PATH, agents_dir, logs_dir
+from dynprof.registry import AgentRecord, process_start_ticks, remove_record, socket_path, write_record
+
+log = logging.getLogger("dynprof.agent")
+
+# Modules that add capabilities to the agent. Each has ``install(agent)``; it may register
+# command handlers (agent.handlers[name] = fn) and exit callbacks. A module that is missing
+# or fails to install is logged and skipped: the rest of the agent still works.
+EXTENSIONS = (
+    "dynprof.agent._ext_trace",
+    "dynprof.agent._ext_stacks",
+    "dynprof.agent._ext_memory",
+    "dynprof.agent._ext_hang",
+    "dynprof.agent._ext_flight",
+)
+
+
+def _setup_logging(pid: int) -> str:
+    path = ""
+    if getattr(log, "_dynprof_configured", False):
+        return getattr(log, "_dynprof_log_path", "")
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    fmt = logging.Formatter("%(asctime)s %(process)d %(threadName)s %(levelname)s %(message)s")
+    try:
+        path = str(logs_dir() / f"{pid}.log")
+        fh = logging.FileHandler(path, delay=True)
+        fh.setFormatter(fmt)
+        log.addHandler(fh)
+    except Exception:
+        path = ""
+    err = logging.StreamHandler(sys.stderr)
+    err.setLevel(logging.WARNING)
+    err.setFormatter(logging.Formatter("dynprof: %(message)s"))
+    log.addHandler(err)
+    log._dynprof_configured = True  # type: ignore[attr-defined]
+    log._dynprof_log_path = path  # type: ignore[attr-defined]
+    return path
+
+
+class Agent:
+    def __init__(self, activation: str, options: dict[str, Any] | None = None) -> None:
+        self.pid = os.getpid()
+        self.activation = activation
+        self.options = dict(options or {})
+        self.identity: Identity = detect()
+        self.started_at = time.time()
+        self.steps = StepTracker()
+        self.handlers: dict[str, Callable[[Any], tuple[str, Any]]] = {}
+        self.exit_callbacks: list[Callable[[], None]] = []
+        self.extensions: dict[str, Any] = {}
+        self.record: AgentRecord | None = None
+        self.log_path = ""
+        self._sock: socket.socket | None = None
+        self._server: Any = None
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._stopped = False
+
+    # -- life cycle --------------------------------------------------------------------------
+    def start(self) -> None:
+        self.log_path = _setup_logging(self.pid)
+        directory = agents_dir()
+        path = str(socket_path(self.pid, directory))
+        if len(path.encode()) > MAX_SOCKET_PATH:
+            raise OSError(f"socket path {path} is longer than {MAX_SOCKET_PATH} bytes; set a shorter DYNPROF_RUN_DIR")
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old_umask = os.umask(0o177)
+        try:
+            sock.bind(path)
+        finally:
+            os.umask(old_umask)
+        sock.listen(64)
+        self._sock = sock
+        self.record = self._make_record(path)
+        self.steps.install()
+        self._thread = threading.Thread(target=self._run_server, name="dynprof-agent", daemon=True)
+        self._thread.start()
+        write_record(self.record, directory)
+        atexit.register(self.stop)
+        log.info("agent started (%s) pid=%d rank=%s job=%s socket=%s", self.activation, self.pid,
+                 self.identity.rank, self.identity.job_id, path)
+
+    def _make_record(self, sock_path: str) -> AgentRecord:
+        torch = sys.modules.get("torch")
+        return AgentRecord(
+            pid=self.pid,
+            ppid=os.getppid(),
+            host=self.identity.host,
+            rank=self.identity.rank,
+            local_rank=self.identity.local_rank,
+            world_size=self.identity.world_size,
+            job_id=self.identity.job_id,
+            cmdline=list(sys.orig_argv) if hasattr(sys, "orig_argv") else [sys.executable, *sys.argv],
+            python_version=sys.version.split()[0],
+            torch_version=getattr(torch, "__version__", None) if torch else None,
+            dynprof_version=__version__,
+            started_at=self.started_at,
+            start_ticks=process_start_ticks(self.pid),
+            socket=sock_path,
+            log=self.log_path,
+            activation=self.activation,
+            extra={k: v for k, v in self.options.items() if isinstance(v, (int, float, str, bool))},
+        )
+
+    def _run_server(self) -> None:
+        try:
+            from dynprof.agent._server import ControlServer
+
+            self._load_extensions()
+            assert self._sock is not None and self.record is not None
+            self._server = ControlServer(self._sock, self.record.socket, self.handlers)
+            self._ready.set()
+            self._server.serve_forever()
+        except BaseException:
+            log.exception("the agent's server thread failed; the job continues without it")
+        finally:
+            self._ready.set()
+
+    def _load_extensions(self) -> None:
+        from dynprof.agent._core_handlers import install as install_core
+
+        install_core(self)
+        for name in EXTENSIONS:
+            try:
+                module = importlib.import_module(name)
+            except ModuleNotFoundError as exc:
+                if exc.name == name:
+                    continue
+                log.exception("agent extension %s failed to import", name)
+                continue
+            except Exception:
+                log.exception("agent extension %s failed to import", name)
+                continue
+            try:
+                self.extensions[name] = module.install(self)
+            except Exception:
+                log.exception("agent extension %s failed to install", name)
+
+    def wait_ready(self, timeout: float = 10.0) -> bool:
+        return self._ready.wait(timeout)
+
+    def stop(self) -> None:
+        """Flush captures in progress and unregister. Runs at interpreter exit."""
+        if self._stopped or os.getpid() != self.pid:
+            return
+        self._stopped = True
+        for callback in reversed(self.exit_callbacks):
+            try:
+                callback()
+            except Exception:
+                log.exception("exit callback failed")
+        if self._server is not None:
+            self._server.close()
+        elif self._sock is not None:
+            with contextlib.suppress(OSError):
+                self._sock.close()
+        self.steps.uninstall()
+        remove_record(self.pid)
+        log.info("agent stopped")
+
+    # -- state for the Status reply -----------------------------------------------------------
+    def cuda_initialized(self) -> bool:
+        torch = sys.modules.get("torch")
+        if torch is None:
+            return False
+        try:
+            return bool(torch.cuda.is_initialized())
+        except Exception:
+            return False
+
+
+_agent: Agent | None = None
+_agent_lock = threading.Lock()
+
+
+def _after_fork_in_child() -> None:
+    # A forked child (a DataLoader worker, say) is not the process the agent describes:
+    # it inherits the agent object but no server thread. Forget it; the parent's record stays.
+    global _agent
+    agent = _agent
+    _agent = None
+    if agent is not None:
+        agent._stopped = True
+        agent.steps.uninstall()
+        if agent._sock is not None:
+            with contextlib.suppress(OSError):
+                agent._sock.close()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def start(activation: str = "api", **options: Any) -> Agent | None:
+    """Start the agent in this process (idempotent). Returns it, or None if it could not start.
+
+    Never raises: a failure is logged and reported on stderr, and the job goes on.
+    """
+    global _agent
+    with _agent_lock:
+        if _agent is not None and _agent.pid == os.getpid():
+            return _agent
+        agent = Agent(activation, options)
+        try:
+            agent.start()
+        except Exception as exc:
+            log.exception("agent failed to start")
+            with contextlib.suppress(Exception):
+                sys.stderr.write(f"dynprof: agent not started: {type(exc).__name__}: {exc}\n")
+            with contextlib.suppress(Exception):
+                agent.stop()
+            return None
+        _agent = agent
+        return agent
+
+
+def get() -> Agent | None:
+    agent = _agent
+    return agent if agent is not None and agent.pid == os.getpid() else None
+
+
+def shutdown() -> None:
+    global _agent
+    with _agent_lock:
+        agent, _agent = _agent, None
+    if agent is not None:
+        agent.stop()
+        with contextlib.suppress(ValueError):
+            atexit.unregister(agent.stop)

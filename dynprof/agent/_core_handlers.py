@@ -1,0 +1,40 @@
+"""Commands every agent answers: ``ping`` and ``status``."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from dynprof import __version__
+from dynprof.proto import pb
+
+if TYPE_CHECKING:
+    from dynprof.agent._agent import Agent
+
+
+def install(agent: Agent) -> None:
+    def ping(_: Any) -> tuple[str, Any]:
+        return "pong", pb.Pong(dynprof_version=__version__)
+
+    def status(_: Any) -> tuple[str, Any]:
+        ident = agent.identity
+        steps = agent.steps
+        trace = getattr(agent, "trace", None)
+        return "status", pb.Status(
+            pid=agent.pid,
+            step=steps.step,
+            step_time_s=steps.step_time_s,
+            last_step_at=steps.last_step_at,
+            torch_imported="torch" in __import__("sys").modules,
+            cuda_initialized=agent.cuda_initialized(),
+            step_hook_installed=steps.hook_installed,
+            trace=trace.state_pb() if trace is not None else pb.TraceState(state="unavailable"),
+            job_id=ident.job_id or "",
+            rank=ident.rank if ident.rank is not None else -1,
+            world_size=ident.world_size if ident.world_size is not None else -1,
+            dynprof_version=__version__,
+            started_at=agent.started_at,
+            memory_history=str(getattr(agent, "memory_history_policy", "off")),
+        )
+
+    agent.handlers["ping"] = ping
+    agent.handlers["status"] = status

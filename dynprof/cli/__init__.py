@@ -1,0 +1,100 @@
+"""The ``dynprof`` command line.
+
+One module per subcommand, each with a class following :class:`Command`: its docstring is the
+help text, ``prepare_parser`` adds its arguments and ``run`` returns the exit code. Only
+:class:`~dynprof.errors.DynprofError` is caught here; anything else is a bug and shows its
+traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from typing import Protocol
+
+from dynprof import __version__
+from dynprof.errors import DynprofError
+
+# (subcommand name, module under dynprof.cli, class name), in the order `--help` lists them.
+COMMANDS: list[tuple[str, str, str]] = [
+    ("run", "run", "RunCommand"),
+    ("ps", "ps", "PsCommand"),
+    ("start", "start", "StartCommand"),
+    ("stop", "stop", "StopCommand"),
+    ("stacks", "stacks", "StacksCommand"),
+    ("nccl", "nccl", "NcclCommand"),
+    ("memory", "memory", "MemoryCommand"),
+    ("memory-report", "memory_report", "MemoryReportCommand"),
+    ("healthcheck", "healthcheck", "HealthcheckCommand"),
+    ("ls", "ls", "LsCommand"),
+    ("show", "show", "ShowCommand"),
+    ("serve", "serve", "ServeCommand"),
+]
+
+
+class Command(Protocol):
+    def prepare_parser(self, parser: argparse.ArgumentParser) -> None: ...
+
+    def run(self, args: argparse.Namespace) -> int: ...
+
+
+def _load_commands() -> list[tuple[str, Command]]:
+    loaded = []
+    for name, module_name, class_name in COMMANDS:
+        try:
+            module = importlib.import_module(f"dynprof.cli.{module_name}")
+        except ModuleNotFoundError as exc:
+            if exc.name == f"dynprof.cli.{module_name}":
+                continue  # a subcommand this build does not ship
+            raise
+        loaded.append((name, getattr(module, class_name)()))
+    return loaded
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dynprof",
+        description="Non-intrusive runtime profiler and diagnostics for PyTorch training jobs.",
+        epilog="Exit codes: 0 ok, 1 error, 2 usage, 3 no such process, 4 permission denied, "
+        "5 no agent, 6 busy, 7 unsupported in the target, 8 agent error, 9 timed out. "
+        "`dynprof healthcheck` has its own: 0 healthy, 1 warning, 2 unhealthy, 3 could not run.",
+    )
+    parser.add_argument("--version", action="version", version=f"dynprof {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name, command in _load_commands():
+        doc = (type(command).__doc__ or "").strip()
+        summary = doc.splitlines()[0] if doc else ""
+        p = sub.add_parser(
+            name,
+            help=summary,
+            description=doc,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        command.prepare_parser(p)
+        p.set_defaults(_command=command)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args._command.run(args))
+    except DynprofError as exc:
+        report_error(exc, as_json=bool(getattr(args, "json", False)))
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("dynprof: interrupted", file=sys.stderr)
+        return 130
+
+
+def report_error(exc: DynprofError, as_json: bool = False) -> None:
+    if as_json:
+        print(json.dumps({"error": {"type": type(exc).__name__, "message": exc.message,
+                                    "help": exc.help, "exit_code": exc.exit_code}}, indent=2))
+    print(f"dynprof: error: {exc.message}", file=sys.stderr)
+    if exc.help:
+        print(f"  what to do: {exc.help}", file=sys.stderr)

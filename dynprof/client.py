@@ -1,0 +1,111 @@
+"""Talking to an agent: one request, one reply, over the agent's Unix socket."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+from dynprof import errors
+from dynprof.proto import PROTOCOL_VERSION, FrameError, pb, recv_frame, send_frame
+from dynprof.registry import AgentRecord, read_record, socket_path
+
+_ids = itertools.count(1)
+
+# Structured error codes from the wire -> the exception a person sees. Never match on text.
+_ERROR_CLASSES: dict[int, type[errors.DynprofError]] = {
+    pb.BUSY: errors.Busy,
+    pb.NO_TORCH: errors.Unsupported,
+    pb.NO_CUDA: errors.Unsupported,
+    pb.UNSUPPORTED: errors.Unsupported,
+    pb.NOT_RUNNING: errors.DynprofError,
+    pb.INVALID_ARGUMENT: errors.UsageError,
+}
+
+
+class AgentReplyError(errors.AgentError):
+    """The agent answered with a structured error; ``code`` is the wire's ErrorCode."""
+
+    def __init__(self, code: int, message: str, help: str | None = None) -> None:
+        super().__init__(message, help)
+        self.code = code
+
+
+def error_from_reply(pid: int, err: Any) -> errors.DynprofError:
+    cls = _ERROR_CLASSES.get(err.code)
+    name = pb.ErrorCode.Name(err.code) if err.code in pb.ErrorCode.values() else str(err.code)
+    message = f"pid {pid}: {err.message} [{name}]"
+    if cls is None:
+        return AgentReplyError(err.code, message, err.help or None)
+    exc = cls(message, err.help or None)
+    exc.code = err.code  # type: ignore[attr-defined]
+    return exc
+
+
+@dataclass
+class AgentClient:
+    pid: int
+    sock_path: str
+    timeout: float = 5.0
+
+    @classmethod
+    def for_pid(cls, pid: int, timeout: float = 5.0) -> AgentClient:
+        """Client for ``pid``, raising a precise error when there is no agent to talk to."""
+        errors.probe_pid(pid)
+        record = read_record(pid)
+        path = record.socket if record is not None else str(socket_path(pid))
+        if record is None or not os.path.exists(path):
+            raise errors.NoAgent(f"process {pid} has no dynprof agent")
+        if record.pid != pid or not record.is_alive():
+            raise errors.NoAgent(f"process {pid} has no dynprof agent (stale record of an earlier process)")
+        return cls(pid=pid, sock_path=path, timeout=timeout)
+
+    @classmethod
+    def for_record(cls, record: AgentRecord, timeout: float = 5.0) -> AgentClient:
+        return cls(pid=record.pid, sock_path=record.socket, timeout=timeout)
+
+    def request(self, raise_on_error: bool = True, **command: Any) -> Any:
+        """Send one command (``status=pb.StatusRequest()``...) and return the Reply."""
+        if len(command) != 1:
+            raise TypeError("exactly one command")
+        (name, message), = command.items()
+        req = pb.Request(protocol_version=PROTOCOL_VERSION, request_id=next(_ids) + os.getpid() * 1_000_000)
+        getattr(req, name).CopyFrom(message)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        try:
+            try:
+                sock.connect(self.sock_path)
+            except (FileNotFoundError, ConnectionRefusedError):
+                raise errors.NoAgent(
+                    f"process {self.pid} has no listening dynprof agent (socket {self.sock_path} is dead)"
+                ) from None
+            except PermissionError:
+                raise errors.PermissionDenied(f"cannot connect to the agent of process {self.pid}") from None
+            send_frame(sock, req.SerializeToString())
+            data = recv_frame(sock)
+        except socket.timeout:
+            raise errors.Timeout(
+                f"the agent of process {self.pid} did not answer within {self.timeout:g} s",
+                help="The process may be stuck holding the GIL; try `dynprof stacks --pid "
+                f"{self.pid}`, which reads it from outside.",
+            ) from None
+        except (FrameError, ConnectionResetError, BrokenPipeError) as exc:
+            raise errors.AgentError(f"the agent of process {self.pid} broke the connection: {exc}") from None
+        finally:
+            sock.close()
+        reply = pb.Reply()
+        try:
+            reply.ParseFromString(data)
+        except Exception as exc:  # protobuf raises DecodeError, a private subclass
+            raise errors.AgentError(f"unreadable reply from process {self.pid}: {exc}") from None
+        if reply.request_id != req.request_id:
+            raise errors.AgentError(f"reply from process {self.pid} answers another request")
+        if raise_on_error and reply.HasField("error"):
+            raise error_from_reply(self.pid, reply.error)
+        return reply
+
+    def status(self) -> Any:
+        return self.request(status=pb.StatusRequest()).status

@@ -1,0 +1,114 @@
+"""Errors a person can act on.
+
+Every error dynprof raises on purpose is a :class:`DynprofError`. Each subclass carries a
+``help`` text that names the concrete fix, and an ``exit_code`` that the CLI returns. Anything
+else that escapes to the top is a bug and shows its traceback.
+
+Exit codes are stable and documented in the README:
+
+====  ======================================================
+ 0    success
+ 1    generic dynprof error (bad input, nothing matched)
+ 2    usage error (argparse)
+ 3    target process not found
+ 4    permission denied (other user, ptrace blocked)
+ 5    no agent in the target process
+ 6    the target is busy (a capture already running)
+ 7    the target lacks a capability (no torch, no CUDA, ...)
+ 8    the agent answered with an error / protocol failure
+ 9    timed out waiting for the target
+====  ======================================================
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+
+
+class DynprofError(Exception):
+    """Base class of every error dynprof reports to a person."""
+
+    exit_code = 1
+    default_help = ""
+
+    def __init__(self, message: str, help: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.help = help if help is not None else self.default_help
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class UsageError(DynprofError):
+    """Bad arguments that argparse could not catch."""
+
+    exit_code = 2
+
+
+class ProcessNotFound(DynprofError):
+    exit_code = 3
+    default_help = "Check the pid with `dynprof ps` or `ps -p PID`; the process may have exited."
+
+
+class PermissionDenied(DynprofError):
+    exit_code = 4
+    default_help = (
+        "Run dynprof as the same user as the target process, or as root. In a container, "
+        "reading another process's memory needs CAP_SYS_PTRACE (docker run --cap-add=SYS_PTRACE; "
+        "Kubernetes securityContext.capabilities.add: [SYS_PTRACE]) and "
+        "/proc/sys/kernel/yama/ptrace_scope must be 0 or 1 (1: same user, parent only)."
+    )
+
+
+class NoAgent(DynprofError):
+    exit_code = 5
+    default_help = (
+        "Start the job under the agent: `dynprof run -- python train.py ...` (or torchrun), "
+        "or set DYNPROF=1 in the job's environment (the dynprof package must be installed in "
+        "the job's Python), or call dynprof.agent.start() in the training script."
+    )
+
+
+class Busy(DynprofError):
+    exit_code = 6
+    default_help = "Wait for the running capture to finish, or end it with `dynprof stop`."
+
+
+class Unsupported(DynprofError):
+    exit_code = 7
+
+
+class AgentError(DynprofError):
+    exit_code = 8
+
+
+class Timeout(DynprofError):
+    exit_code = 9
+
+
+class ArtifactError(DynprofError):
+    exit_code = 1
+
+
+def probe_pid(pid: int) -> None:
+    """Raise :class:`ProcessNotFound` or :class:`PermissionDenied` unless we may signal ``pid``.
+
+    ``kill(pid, 0)`` tells "no such process" (ESRCH) from "someone else's process" (EPERM)
+    without touching the process.
+    """
+    if pid <= 0:
+        raise UsageError(f"invalid pid {pid}: a pid is a positive integer")
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        raise ProcessNotFound(f"no process with pid {pid}") from None
+    except PermissionError:
+        raise PermissionDenied(
+            f"process {pid} belongs to another user",
+        ) from None
+    except OSError as exc:  # pragma: no cover - other errno values are not expected
+        if exc.errno == errno.ESRCH:
+            raise ProcessNotFound(f"no process with pid {pid}") from None
+        raise

@@ -1,0 +1,70 @@
+"""Who this process is within its job: rank, local rank, world size, job id, host.
+
+Read from the launcher's environment: torchrun / torch.distributed.elastic, Slurm, Open MPI,
+and dynprof's own overrides (``DYNPROF_RANK``, ``DYNPROF_JOB_ID``...). Nothing here imports
+torch or touches the network.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+def _first_int(env: dict[str, str] | os._Environ[str], *names: str) -> int | None:
+    for name in names:
+        value = env.get(name)
+        if value is None or value == "":
+            continue
+        try:
+            return int(value)
+        except ValueError:
+            continue
+    return None
+
+
+def _first_str(env: dict[str, str] | os._Environ[str], *names: str) -> str | None:
+    for name in names:
+        value = env.get(name)
+        if value:
+            return value
+    return None
+
+
+@dataclass(frozen=True)
+class Identity:
+    host: str
+    rank: int | None
+    local_rank: int | None
+    world_size: int | None
+    job_id: str | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @property
+    def job_label(self) -> str:
+        """The job id used in artifact paths: the real id, else ``pid-<launcher pid>``."""
+        return self.job_id or "nojob"
+
+    @property
+    def rank_label(self) -> str:
+        return f"rank{self.rank}" if self.rank is not None else "norank"
+
+
+def detect(env: dict[str, str] | os._Environ[str] | None = None) -> Identity:
+    env = os.environ if env is None else env
+    rank = _first_int(env, "DYNPROF_RANK", "RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
+    local_rank = _first_int(
+        env, "DYNPROF_LOCAL_RANK", "LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK"
+    )
+    world_size = _first_int(
+        env, "DYNPROF_WORLD_SIZE", "WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"
+    )
+    job_id = _first_str(env, "DYNPROF_JOB_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID")
+    if job_id == "none":  # torchrun's default run id when --rdzv-id is not given
+        job_id = _first_str(env, "DYNPROF_JOB_ID", "SLURM_JOB_ID")
+    host = env.get("DYNPROF_HOST") or socket.gethostname()
+    return Identity(host=host, rank=rank, local_rank=local_rank, world_size=world_size, job_id=job_id)

@@ -1,0 +1,125 @@
+"""Registration records of the agents on this node.
+
+Each agent writes ``<run dir>/agents/<pid>.json`` next to its socket ``<pid>.sock``. The CLI
+discovers agents by reading these records; records whose process is gone (or whose pid was
+reused by another process) are removed when read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dynprof.paths import agents_dir
+
+RECORD_SCHEMA_VERSION = 1
+
+
+def process_start_ticks(pid: int) -> int | None:
+    """Start time of ``pid`` in clock ticks since boot (field 22 of /proc/PID/stat)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            data = fh.read()
+    except OSError:
+        return None
+    # The command name (field 2) may hold spaces and parentheses: split after the last ')'.
+    rest = data[data.rfind(b")") + 2 :].split()
+    try:
+        return int(rest[19])
+    except (IndexError, ValueError):
+        return None
+
+
+@dataclass
+class AgentRecord:
+    pid: int
+    ppid: int
+    host: str
+    rank: int | None
+    local_rank: int | None
+    world_size: int | None
+    job_id: str | None
+    cmdline: list[str]
+    python_version: str
+    torch_version: str | None
+    dynprof_version: str
+    started_at: float
+    start_ticks: int | None
+    socket: str
+    log: str
+    activation: str
+    schema_version: int = RECORD_SCHEMA_VERSION
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> AgentRecord:
+        known = {f for f in cls.__dataclass_fields__}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+    def is_alive(self) -> bool:
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        ticks = process_start_ticks(self.pid)
+        return ticks is None or self.start_ticks is None or ticks == self.start_ticks
+
+
+def record_path(pid: int, directory: Path | None = None) -> Path:
+    return (directory or agents_dir()) / f"{pid}.json"
+
+
+def socket_path(pid: int, directory: Path | None = None) -> Path:
+    return (directory or agents_dir()) / f"{pid}.sock"
+
+
+def write_record(record: AgentRecord, directory: Path | None = None) -> Path:
+    path = record_path(record.pid, directory)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(record.to_dict(), indent=2) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def remove_record(pid: int, directory: Path | None = None) -> None:
+    for p in (record_path(pid, directory), socket_path(pid, directory)):
+        with contextlib.suppress(FileNotFoundError):
+            p.unlink()
+
+
+def read_record(pid: int, directory: Path | None = None) -> AgentRecord | None:
+    try:
+        data = json.loads(record_path(pid, directory).read_text())
+    except (OSError, ValueError):
+        return None
+    try:
+        return AgentRecord.from_dict(data)
+    except TypeError:
+        return None
+
+
+def list_records(directory: Path | None = None, clean: bool = True) -> list[AgentRecord]:
+    """Records of live agents, newest first; records of dead processes are removed."""
+    directory = directory or agents_dir()
+    records = []
+    for path in directory.glob("*.json"):
+        try:
+            record = AgentRecord.from_dict(json.loads(path.read_text()))
+        except (OSError, ValueError, TypeError):
+            continue
+        if not record.is_alive():
+            if clean:
+                remove_record(record.pid, directory)
+            continue
+        records.append(record)
+    records.sort(key=lambda r: r.started_at, reverse=True)
+    return records
