@@ -73,10 +73,13 @@ class TraceSession:
         import threading
 
         import torch.profiler
+        from torch.profiler import ProfilerAction
 
         o = self.options
         prof = torch.profiler.profile(
             activities=resolve_activities(o.activities),
+            # A schedule that always records makes the profiler mark ProfilerStep#N spans.
+            schedule=lambda step: ProfilerAction.RECORD,
             record_shapes=o.record_shapes,
             with_stack=o.with_stack,
             profile_memory=o.profile_memory,
@@ -108,10 +111,9 @@ class TraceSession:
         self.stop_pause_s = time.perf_counter() - t0
         self.stopped_at = time.time()
 
-    def export(self, directory: Path) -> dict[str, Any]:
-        """Write the gzipped Chrome trace into ``directory``; return manifest summary fields."""
+    def export(self, path: Path) -> dict[str, Any]:
+        """Write the gzipped Chrome trace to ``path``; return manifest summary fields."""
         t0 = time.perf_counter()
-        path = directory / TRACE_FILE
         self.prof.export_chrome_trace(str(path))  # torch gzips when the name ends in .gz
         export_s = time.perf_counter() - t0
         return {
@@ -185,3 +187,28 @@ def summarize(trace: dict[str, Any], top: int = 10) -> dict[str, Any]:
         "gpu_kernels": top_of(kernels),
         "gpu_kernel_count": int(sum(v[0] for v in kernels.values())),
     }
+
+
+def render_artifact(artifact: Any) -> tuple[dict[str, Any], str]:
+    """Summary of a trace artifact, for `dynprof show` and the demo."""
+    manifest_summary = artifact.manifest.get("summary", {})
+    summary = summarize(read_trace(artifact.file(TRACE_FILE)))
+    lines = []
+    steps = summary["steps"]
+    step_text = ", ".join(f"{s['name'].split('#')[1]} ({s['dur_ms']:.1f} ms)" for s in steps[:8])
+    lines.append(f"{len(steps)} profiler steps: {step_text}{' ...' if len(steps) > 8 else ''}")
+    lines.append(f"{summary['events']} events; training thread paused {manifest_summary.get('training_thread_pause_ms', '?')} ms "
+                 f"to stop the profiler; export took {manifest_summary.get('export_s', '?')} s off the training thread")
+    if summary.get("distributed_info"):
+        lines.append(f"distributedInfo: {summary['distributed_info']}")
+    if summary["cpu_ops"]:
+        lines.append("")
+        lines.append(f"{'top CPU operators':<48} {'calls':>7} {'total ms':>10}")
+        for row in summary["cpu_ops"]:
+            lines.append(f"{row['name'][:48]:<48} {row['count']:>7} {row['total_us'] / 1000:>10.3f}")
+    if summary["gpu_kernels"]:
+        lines.append("")
+        lines.append(f"{'top GPU kernels':<48} {'calls':>7} {'total ms':>10}")
+        for row in summary["gpu_kernels"]:
+            lines.append(f"{row['name'][:48]:<48} {row['count']:>7} {row['total_us'] / 1000:>10.3f}")
+    return summary, "\n".join(lines)

@@ -16,7 +16,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from collectors.torch_trace import KIND, TraceOptions, TraceSession
+from collectors.torch_trace import KIND, TRACE_FILE, TraceOptions, TraceSession
 from dynprof.agent._mainthread import call_soon_in_main_thread
 from dynprof.agent._server import CommandError
 from dynprof.proto import pb
@@ -293,7 +293,7 @@ class TraceController:
             writer = store.create(KIND, job=ident.job_id, host=ident.host, rank=ident.rank, options=options,
                                   extra={"world_size": ident.world_size, "local_rank": ident.local_rank})
             try:
-                summary = session.export(writer.path)
+                summary = session.export(writer.file_path(TRACE_FILE))
                 summary.update(steps_requested=req.steps, steps_captured=steps_done, stopped_by=why,
                                start_step=self.start_step)
                 art = writer.finish(status, summary=summary)

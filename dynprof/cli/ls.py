@@ -1,0 +1,50 @@
+"""List the artifacts in the store, newest first.
+
+Artifacts still being written are not listed as finished; `--all` shows them as `writing`.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from dynprof.cli._common import add_json, human_bytes, print_json, table
+from dynprof.store import ArtifactStore
+
+
+class LsCommand:
+    """List the artifacts in the store, newest first."""
+
+    def prepare_parser(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--job", help="only this job's artifacts")
+        parser.add_argument("--kind", help="only this kind (trace, stacks, memory, healthcheck, ...)")
+        parser.add_argument("--limit", type=int, default=0, help="show at most this many (default: all)")
+        parser.add_argument("--all", action="store_true", help="also list artifacts still being written")
+        add_json(parser)
+
+    def run(self, args: argparse.Namespace) -> int:
+        store = ArtifactStore()
+        arts = store.list(job=args.job, kind=args.kind)
+        if args.limit:
+            arts = arts[: args.limit]
+        writing = [str(p) for p in store.in_progress()] if args.all else []
+        if args.json:
+            print_json({
+                "root": str(store.root),
+                "artifacts": [
+                    {"id": a.id, "path": str(a.path), "kind": a.kind, "status": a.status, "job": a.manifest.get("job"),
+                     "host": a.manifest.get("host"), "rank": a.manifest.get("rank"), "pid": a.manifest.get("pid"),
+                     "created_at": a.created_at, "bytes": a.size}
+                    for a in arts
+                ],
+                "writing": writing,
+            })
+            return 0
+        if not arts and not writing:
+            print(f"no artifacts in {store.root}")
+            return 0
+        rows = [(a.id, a.kind, a.status, a.manifest.get("rank") if a.manifest.get("rank") is not None else "-",
+                 a.created_at, human_bytes(a.size)) for a in arts]
+        rows += [(p, "?", "writing", "", "", "") for p in writing]
+        print(table(rows, ["ID", "KIND", "STATUS", "RANK", "CREATED", "SIZE"]))
+        print(f"\n{len(arts)} artifact(s) in {store.root}")
+        return 0

@@ -1,0 +1,93 @@
+"""List the dynprof agents on this node, newest first.
+
+Each agent is asked for its live state (step, trace state); one that does not answer within
+the timeout is shown as `unresponsive` (its process may hold the GIL in C code: try
+`dynprof stacks`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+from dynprof import errors
+from dynprof.cli._common import add_json, human_age, parallel, print_json, table
+from dynprof.client import AgentClient
+from dynprof.registry import AgentRecord, list_records
+
+
+def agent_rows(records: list[AgentRecord], timeout: float) -> list[dict[str, Any]]:
+    def query(record: AgentRecord) -> Any:
+        return AgentClient.for_record(record, timeout=timeout).status()
+
+    statuses = parallel(query, records)
+    now = time.time()
+    rows = []
+    for record, status in zip(records, statuses):
+        row: dict[str, Any] = {
+            "pid": record.pid,
+            "ppid": record.ppid,
+            "rank": record.rank,
+            "local_rank": record.local_rank,
+            "world_size": record.world_size,
+            "job": record.job_id,
+            "host": record.host,
+            "age_s": round(now - record.started_at, 1),
+            "cmdline": record.cmdline,
+            "torch": record.torch_version,
+            "activation": record.activation,
+        }
+        if isinstance(status, Exception):
+            row.update(state="unresponsive" if isinstance(status, errors.Timeout) else "error",
+                       step=None, error=str(status))
+        else:
+            row.update(
+                state=status.trace.state,
+                step=status.step,
+                step_time_ms=round(status.step_time_s * 1000, 3) if status.step_time_s else None,
+                torch_imported=status.torch_imported,
+                cuda_initialized=status.cuda_initialized,
+                memory_history=status.memory_history,
+                last_artifact=status.trace.last_artifact or None,
+            )
+        rows.append(row)
+    return rows
+
+
+class PsCommand:
+    """List the dynprof agents on this node, newest first."""
+
+    def prepare_parser(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--job", help="only this job's agents")
+        parser.add_argument("--timeout", type=float, default=1.0, help="seconds to wait for each agent (default 1)")
+        add_json(parser)
+
+    def run(self, args: argparse.Namespace) -> int:
+        records = list_records()
+        if args.job:
+            records = [r for r in records if r.job_id == args.job]
+        rows = agent_rows(records, args.timeout)
+        if args.json:
+            print_json({"agents": rows})
+            return 0
+        if not rows:
+            print("no dynprof agents on this node" + (f" for job {args.job}" if args.job else ""))
+            print("start one with: dynprof run -- python train.py   (or DYNPROF=1 in the job's environment)")
+            return 0
+        print(table(
+            [
+                (
+                    r["pid"],
+                    r["rank"] if r["rank"] is not None else "-",
+                    r["job"] or "-",
+                    r["step"] if r.get("step") is not None else "-",
+                    r["state"],
+                    human_age(r["age_s"]),
+                    " ".join(r["cmdline"])[:60],
+                )
+                for r in rows
+            ],
+            ["PID", "RANK", "JOB", "STEP", "STATE", "AGE", "COMMAND"],
+        ))
+        return 0

@@ -1,0 +1,102 @@
+"""Run a command with the dynprof agent in every Python process it starts.
+
+    dynprof run -- python train.py --lr 3e-4
+    dynprof run -- torchrun --nproc-per-node 8 train.py
+
+Sets DYNPROF=1 and puts a start-up hook on PYTHONPATH, so the launcher and every worker
+(torchrun's, multiprocessing's) load the agent without a code change. The command replaces
+this process (exec), so its exit code and signals are its own. All ranks share one job id
+(printed here; see `dynprof ps`): the scheduler's (TORCHELASTIC_RUN_ID, SLURM_JOB_ID) or,
+without one, a generated id.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import socket
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import dynprof
+from dynprof import errors
+
+BOOTSTRAP_DIR = Path(dynprof.__file__).resolve().parent / "_bootstrap"
+
+# Other features add their `dynprof run` options here: (add_arguments, apply_to_environment).
+# apply_to_environment(args, env) validates its options and sets the variables the agent reads.
+RunOption = tuple[Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace, dict[str, str]], None]]
+RUN_OPTIONS: list[RunOption] = []
+
+
+def _load_run_options() -> None:
+    # Imported for their side effect of appending to RUN_OPTIONS; missing ones are skipped.
+    import importlib
+
+    for name in ("dynprof.cli._run_hang", "dynprof.cli._run_memory", "dynprof.cli._run_flight"):
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name != name:
+                raise
+
+
+def generated_job_id() -> str:
+    host = socket.gethostname().split(".")[0]
+    return f"{host}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+
+
+def build_environment(args: argparse.Namespace, base: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ if base is None else base)
+    env["DYNPROF"] = "1"
+    paths = [str(BOOTSTRAP_DIR)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    env["DYNPROF_HOME"] = str(Path(dynprof.__file__).resolve().parent.parent)
+    job = args.job_id or env.get("DYNPROF_JOB_ID")
+    if not job:
+        elastic = env.get("TORCHELASTIC_RUN_ID")
+        job = env.get("SLURM_JOB_ID") or (elastic if elastic and elastic != "none" else None)
+    env["DYNPROF_JOB_ID"] = job or generated_job_id()
+    for apply in (a for _, a in RUN_OPTIONS):
+        apply(args, env)
+    return env
+
+
+class RunCommand:
+    """Run a command with the dynprof agent in every Python process it starts.
+
+    dynprof run [--job-id ID] -- python train.py ...
+    dynprof run -- torchrun --nproc-per-node 8 train.py ...
+    """
+
+    def prepare_parser(self, parser: argparse.ArgumentParser) -> None:
+        _load_run_options()
+        parser.add_argument("--job-id", help="job id for `--job` selection (default: the scheduler's, or generated)")
+        parser.add_argument("--quiet", "-q", action="store_true", help="do not print the job id banner")
+        for add, _ in RUN_OPTIONS:
+            add(parser)
+        parser.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD [ARGS...]", help="the command to run")
+
+    def run(self, args: argparse.Namespace) -> int:
+        cmd = list(args.cmd)
+        if cmd and cmd[0] == "--":
+            cmd = cmd[1:]
+        if not cmd:
+            raise errors.UsageError("no command given", help="Write it after --: dynprof run -- python train.py")
+        exe = shutil.which(cmd[0])
+        if exe is None:
+            raise errors.UsageError(f"command not found: {cmd[0]}", help="Check the name and your PATH.")
+        env = build_environment(args)
+        if not args.quiet:
+            print(f"dynprof: job {env['DYNPROF_JOB_ID']}: agent enabled for {' '.join(cmd)}", file=sys.stderr)
+            print(f"dynprof: see it with `dynprof ps --job {env['DYNPROF_JOB_ID']}`", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        try:
+            os.execvpe(exe, cmd, env)
+        except OSError as exc:
+            raise errors.DynprofError(f"cannot run {cmd[0]}: {exc}") from None
+        return 0  # not reached

@@ -1,0 +1,75 @@
+"""Show one artifact: its manifest, its files, and a summary of its contents.
+
+ARTIFACT is a path, an id from `dynprof ls`, or the last part of an id.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from typing import Any
+
+from dynprof.cli._common import add_json, human_bytes, print_json
+from dynprof.store import Artifact, ArtifactStore
+
+# kind -> "module:function" rendering an artifact's contents. The function takes the Artifact
+# and returns (summary dict for --json, text for people).
+RENDERERS: dict[str, str] = {
+    "trace": "collectors.torch_trace:render_artifact",
+    "stacks": "collectors.stacks:render_artifact",
+    "hang": "collectors.stacks:render_artifact",
+    "memory": "collectors.memory_snapshot:render_artifact",
+    "host-memory": "collectors.host_memory:render_artifact",
+    "nccl": "collectors.flight_recorder:render_artifact",
+    "healthcheck": "healthcheck.report:render_artifact",
+}
+
+
+def render(artifact: Artifact) -> tuple[dict[str, Any] | None, str]:
+    target = RENDERERS.get(artifact.kind)
+    if target is None or artifact.status == "failed":
+        return None, ""
+    module_name, func = target.split(":")
+    try:
+        fn = getattr(importlib.import_module(module_name), func)
+    except (ImportError, AttributeError):
+        return None, ""
+    try:
+        summary, text = fn(artifact)
+    except Exception as exc:  # a damaged artifact must not hide its manifest
+        return {"error": f"{type(exc).__name__}: {exc}"}, f"(cannot summarise the contents: {exc})"
+    return summary, text
+
+
+class ShowCommand:
+    """Show one artifact: its manifest, its files, and a summary of its contents."""
+
+    def prepare_parser(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("artifact", metavar="ARTIFACT", help="path, id, or unique end of an id")
+        parser.add_argument("--verify", action="store_true", help="check every file's size and sha256")
+        add_json(parser)
+
+    def run(self, args: argparse.Namespace) -> int:
+        art = ArtifactStore().get(args.artifact)
+        problems = art.verify() if args.verify else []
+        summary, text = render(art)
+        if args.json:
+            print_json({"path": str(art.path), "manifest": art.manifest, "contents": summary,
+                        **({"verify": problems or "ok"} if args.verify else {})})
+            return 1 if problems else 0
+        m = art.manifest
+        print(f"{art.kind} artifact  {art.path}")
+        print(f"  status   {art.status}" + (f"  ({m.get('error')})" if m.get("error") else ""))
+        print(f"  job      {m.get('job') or '-'}   host {m.get('host')}   rank {m.get('rank')}   pid {m.get('pid')}")
+        print(f"  created  {m.get('created_at')}   finished {m.get('finished_at')}")
+        opts = {k: v for k, v in (m.get("options") or {}).items() if v not in (None, False, 0, "", [])}
+        if opts:
+            print("  options  " + ", ".join(f"{k}={v}" for k, v in opts.items()))
+        for f in m.get("files", []):
+            print(f"  file     {f['name']}  {human_bytes(f['size'])}  sha256 {f['sha256'][:16]}…")
+        if args.verify:
+            print("  verify   " + ("ok" if not problems else "; ".join(problems)))
+        if text:
+            print()
+            print(text)
+        return 1 if problems else 0

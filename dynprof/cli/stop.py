@@ -1,0 +1,84 @@
+"""End a running trace; the artifact is written and its path printed.
+
+The processes stop at their next step boundary (or at once on the main thread when they have
+no optimizer steps), then export the trace in the background.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+from dynprof import errors
+from dynprof.cli._common import Progress, add_json, add_targets, parallel, print_json, resolve_agents
+from dynprof.client import AgentClient
+from dynprof.proto import pb
+
+
+class StopCommand:
+    """End a running trace; the artifact is written and its path printed."""
+
+    def prepare_parser(self, parser: argparse.ArgumentParser) -> None:
+        add_targets(parser)
+        parser.add_argument("--no-wait", action="store_true", help="do not wait for the artifact")
+        parser.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the artifacts")
+        add_json(parser)
+
+    def run(self, args: argparse.Namespace) -> int:
+        records = resolve_agents(args)
+        clients = [AgentClient.for_record(r) for r in records]
+        replies = parallel(lambda c: c.request(stop_trace=pb.StopTraceRequest()), clients)
+        stopping = []
+        results: list[dict[str, Any]] = []
+        for record, client, reply in zip(records, clients, replies):
+            if isinstance(reply, Exception):
+                not_running = getattr(reply, "code", None) == pb.NOT_RUNNING
+                results.append({"pid": record.pid, "rank": record.rank, "status": "not-running" if not_running
+                                else "failed", "artifact": None, "error": str(reply)})
+            else:
+                stopping.append((record, client, reply.trace_stopped.trace.group_id))
+        if not stopping:
+            if args.json:
+                print_json({"results": results})
+            else:
+                for res in results:
+                    print(f"pid {res['pid']}: {res['error']}")
+            return 1
+        if not args.no_wait:
+            progress = Progress(enabled=not args.json)
+            deadline = time.monotonic() + args.timeout
+            pending = list(stopping)
+            while pending:
+                states = parallel(lambda p: p[1].status().trace, pending)
+                still = []
+                for item, st in zip(pending, states):
+                    record, _, group = item
+                    if isinstance(st, Exception):
+                        results.append({"pid": record.pid, "rank": record.rank, "status": "failed",
+                                        "artifact": None, "error": str(st)})
+                    elif st.state == "idle" and st.group_id == group:
+                        results.append({"pid": record.pid, "rank": record.rank,
+                                        "status": st.last_artifact_status or "failed",
+                                        "artifact": st.last_artifact or None, "error": st.last_error or None})
+                    else:
+                        still.append(item)
+                pending = still
+                if pending:
+                    if time.monotonic() > deadline:
+                        progress.done()
+                        raise errors.Timeout(f"the trace of {len(pending)} process(es) was not written within "
+                                             f"{args.timeout:g} s", help="See `dynprof ps` and `dynprof ls`.")
+                    progress.update(f"stopping: waiting for {len(pending)} artifact(s)")
+                    time.sleep(0.1)
+            progress.done()
+        else:
+            results.extend({"pid": r.pid, "rank": r.rank, "status": "stopping", "artifact": None, "error": None}
+                           for r, _, _ in stopping)
+        if args.json:
+            print_json({"results": results})
+        else:
+            for res in results:
+                who = f"rank {res['rank']} (pid {res['pid']})" if res["rank"] is not None else f"pid {res['pid']}"
+                print(f"{who}: {res['status']}: {res['artifact'] or res['error'] or ''}".rstrip(": "))
+        return 0 if all(r["status"] in ("complete", "partial", "stopping") for r in results) else 1

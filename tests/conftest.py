@@ -1,0 +1,186 @@
+"""Shared fixtures: isolated run/artifact directories, real target processes, capability probes."""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PROGRAMS = ROOT / "tests" / "integration" / "programs"
+
+
+# -- capability probes (each tries the capability once) -------------------------------------
+@functools.lru_cache(maxsize=None)
+def cuda_device_count() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:
+        return 0
+
+
+@functools.lru_cache(maxsize=None)
+def ptrace_works() -> bool:
+    """Can py-spy read a child process's stacks here? (CAP_SYS_PTRACE, ptrace_scope)."""
+    exe = shutil.which("py-spy")
+    if exe is None:
+        return False
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        time.sleep(0.3)
+        proc = subprocess.run([exe, "dump", "--pid", str(child.pid)], capture_output=True, timeout=20)
+        return proc.returncode == 0
+    except Exception:
+        return False
+    finally:
+        child.kill()
+        child.wait()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if "gpu" in item.keywords and cuda_device_count() < 1:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU: run on the GPU machine (pytest -m gpu)"))
+        if "multi_gpu" in item.keywords and cuda_device_count() < 2:
+            item.add_marker(pytest.mark.skip(reason="needs two or more CUDA GPUs"))
+        if "ptrace" in item.keywords and not ptrace_works():
+            item.add_marker(pytest.mark.skip(
+                reason="py-spy cannot read other processes here (no CAP_SYS_PTRACE or ptrace_scope > 1)"))
+
+
+# -- isolation and hygiene ----------------------------------------------------------------------
+@pytest.fixture(autouse=True)
+def dynprof_dirs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Path]]:
+    """A private run dir (short path: Unix socket paths are limited to 107 bytes) and store."""
+    run_dir = Path(tempfile.mkdtemp(prefix="dp-", dir="/tmp"))
+    artifacts = tmp_path / "artifacts"
+    monkeypatch.setenv("DYNPROF_RUN_DIR", str(run_dir))
+    monkeypatch.setenv("DYNPROF_ARTIFACT_DIR", str(artifacts))
+    monkeypatch.delenv("DYNPROF", raising=False)
+    monkeypatch.delenv("DYNPROF_JOB_ID", raising=False)
+    yield {"run": run_dir, "artifacts": artifacts}
+    shutil.rmtree(run_dir, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def hygiene() -> Iterator[None]:
+    """Each test leaves no agent, no profiler, no memory history and no stray agent threads."""
+    import signal
+
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)}
+    yield
+    import dynprof.agent
+
+    dynprof.agent.shutdown()
+    for s, h in handlers.items():
+        assert signal.getsignal(s) == h, f"signal handler for {s!r} was not restored"
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        from torch.autograd import profiler as autograd_profiler
+
+        assert not autograd_profiler._is_profiler_enabled, "a torch profiler was left running"
+    deadline = time.monotonic() + 2
+    while time.monotonic() < deadline:
+        stray = [t.name for t in threading.enumerate() if t.name == "dynprof-agent" and t.is_alive()]
+        if not stray:
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError(f"agent threads left running: {stray}")
+
+
+# -- real target processes ------------------------------------------------------------------
+class Target:
+    """A child process started for a test, with its output lines collected."""
+
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        self.proc = proc
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def wait_for_line(self, prefix: str, timeout: float = 60.0, count: int = 1) -> list[str]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = [line for line in self.lines if line.startswith(prefix)]
+            if len(found) >= count:
+                return found
+            if self.proc.poll() is not None and not self._reader.is_alive():
+                break
+            time.sleep(0.02)
+        raise AssertionError(
+            f"no {prefix!r} line from pid {self.proc.pid} after {timeout} s "
+            f"(exit {self.proc.poll()}); output:\n" + "\n".join(self.lines[-40:])
+        )
+
+    def ready_pids(self, count: int = 1, timeout: float = 60.0) -> list[int]:
+        return [int(line.split()[1]) for line in self.wait_for_line("READY", timeout, count)[:count]]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+
+
+@pytest.fixture
+def spawn() -> Iterator[object]:
+    """``spawn(args, under_run=True, env=None)`` starts a target; all are reaped at the end."""
+    targets: list[Target] = []
+
+    def _spawn(args: list[str], under_run: bool = True, env: dict[str, str] | None = None) -> Target:
+        full_env = dict(os.environ)
+        full_env["PYTHONUNBUFFERED"] = "1"
+        if env:
+            full_env.update(env)
+        cmd = [sys.executable, "-m", "dynprof", "run", "-q", "--", sys.executable, *args] if under_run else [
+            sys.executable, *args]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env,
+                                cwd=str(ROOT), start_new_session=True)
+        target = Target(proc)
+        targets.append(target)
+        return target
+
+    try:
+        yield _spawn
+    finally:
+        for t in targets:
+            t.stop()
+
+
+def run_cli(*args: str, timeout: float = 120, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run ``python -m dynprof ARGS`` as a real subprocess."""
+    full_env = dict(os.environ)
+    if env:
+        full_env.update(env)
+    return subprocess.run([sys.executable, "-m", "dynprof", *args], capture_output=True, text=True,
+                          timeout=timeout, env=full_env, cwd=str(ROOT))
+
+
+@pytest.fixture
+def cli() -> object:
+    """``cli(*args)`` runs ``python -m dynprof ARGS`` in a subprocess and returns the result."""
+    return run_cli
