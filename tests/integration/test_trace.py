@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 from collectors.torch_trace import profiler_steps, read_trace
@@ -35,3 +36,119 @@ def test_steps_mode_captures_exactly_n_steps(spawn, cli):
     assert manifest["summary"]["steps_captured"] == 5
     assert manifest["summary"]["training_thread_pause_ms"] >= 0
     assert trace["distributedInfo"]["world_size"] == 1
+
+
+def test_unbounded_start_then_stop(spawn, cli):
+    # GIVEN a running loop
+    target = spawn([PROGRAM, "--step-sleep", "0.005"])
+    (pid,) = target.ready_pids()
+
+    # WHEN a trace is started without a bound
+    started = cli("start", "--pid", str(pid))
+    # THEN it returns once the trace is active
+    assert started.returncode == 0, started.stderr
+    assert "tracing in 1 process" in started.stdout
+    status = json.loads(cli("ps", "--json").stdout)["agents"][0]
+    assert status["state"] == "tracing"
+
+    # WHEN it is stopped
+    stopped = cli("stop", "--pid", str(pid), "--json")
+
+    # THEN the artifact is written, complete, with the steps that ran meanwhile
+    assert stopped.returncode == 0, stopped.stderr
+    (res,) = json.loads(stopped.stdout)["results"]
+    assert res["status"] == "complete"
+    trace = read_trace(Path(res["artifact"]) / "trace.json.gz")
+    assert len(profiler_steps(trace)) >= 1
+
+
+def test_two_ranks_of_one_job_start_at_the_same_step(spawn, cli):
+    # GIVEN a 2-rank gloo job launched by torchrun under `dynprof run`
+    target = spawn(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", PROGRAM, "--dist",
+                    "--step-sleep", "0.002"], env={"DYNPROF_JOB_ID": "twojob"})
+    target.ready_pids(count=2, timeout=120)
+
+    # WHEN one command traces the job's ranks (the torchrun launcher is not a rank and is left out)
+    result = cli("start", "--job", "twojob", "--steps", "4", "--json")
+
+    # THEN each rank's trace covers the same four steps
+    assert result.returncode == 0, result.stderr
+    results = json.loads(result.stdout)["results"]
+    assert sorted(r["rank"] for r in results) == [0, 1]
+    step_names = []
+    for res in results:
+        trace = read_trace(Path(res["artifact"]) / "trace.json.gz")
+        step_names.append([s["name"] for s in profiler_steps(trace)])
+        assert trace["distributedInfo"]["world_size"] == 2
+        assert trace["distributedInfo"]["rank"] == res["rank"]
+    assert step_names[0] == step_names[1]
+    assert len(step_names[0]) == 4
+
+
+def test_duration_mode_for_a_loop_without_optimizer(spawn, cli):
+    # GIVEN a loop that runs forward passes only (no optimizer step to align to)
+    target = spawn([PROGRAM, "--no-optimizer", "--step-sleep", "0.002"])
+    (pid,) = target.ready_pids()
+
+    # WHEN half a second is traced
+    result = cli("start", "--pid", str(pid), "--duration", "0.5", "--json")
+
+    # THEN the trace holds the forward passes' operators over about that long
+    assert result.returncode == 0, result.stderr
+    trace, manifest = _trace_of(json.loads(result.stdout))
+    names = {e.get("name") for e in trace["traceEvents"]}
+    assert "aten::linear" in names
+    assert 0.4 <= manifest["summary"]["profiled_s"] < 5
+    assert manifest["summary"]["stopped_by"] == "duration"
+
+
+def test_second_start_is_refused_as_busy(spawn, cli):
+    target = spawn([PROGRAM, "--step-sleep", "0.005"])
+    (pid,) = target.ready_pids()
+    first = cli("start", "--pid", str(pid), "--steps", "100000", "--no-wait")
+    assert first.returncode == 0, first.stderr
+
+    second = cli("start", "--pid", str(pid), "--steps", "5")
+
+    assert second.returncode == 6
+    assert "already" in second.stderr and "dynprof stop" in second.stderr
+    stopped = cli("stop", "--pid", str(pid), "--json")
+    assert stopped.returncode == 0, stopped.stderr
+    (res,) = json.loads(stopped.stdout)["results"]
+    assert res["status"] == "partial"  # fewer steps than the 100000 requested
+
+
+def test_trace_is_flushed_as_partial_when_the_process_exits(spawn, cli, dynprof_dirs):
+    # GIVEN a loop that ends by itself in a few seconds, traced without a bound
+    target = spawn([PROGRAM, "--step-sleep", "0.005", "--max-seconds", "4"])
+    (pid,) = target.ready_pids()
+    assert cli("start", "--pid", str(pid)).returncode == 0
+
+    # WHEN the process exits mid-trace
+    target.wait_for_line("DONE", timeout=30)
+    target.proc.wait(timeout=30)
+
+    # THEN the trace was written and marked partial
+    listing = json.loads(cli("ls", "--kind", "trace", "--json").stdout)["artifacts"]
+    assert [a["status"] for a in listing] == ["partial"]
+    manifest = json.loads((Path(listing[0]["path"]) / "manifest.json").read_text())
+    assert manifest["summary"]["stopped_by"] == "exit"
+    assert len(profiler_steps(read_trace(Path(listing[0]["path"]) / "trace.json.gz"))) >= 1
+
+
+def test_trace_ends_by_itself_at_the_hard_cap_without_the_cli(spawn, cli):
+    # GIVEN an unbounded trace whose CLI returned at once
+    target = spawn([PROGRAM, "--step-sleep", "0.005"])
+    (pid,) = target.ready_pids()
+    assert cli("start", "--pid", str(pid), "--max-duration", "1", "--no-wait").returncode == 0
+
+    # THEN within a few seconds the agent ended it and wrote the artifact
+    deadline = time.monotonic() + 20
+    listing = []
+    while time.monotonic() < deadline and not listing:
+        listing = json.loads(cli("ls", "--kind", "trace", "--json").stdout)["artifacts"]
+        time.sleep(0.2)
+    assert listing, "no artifact after the cap"
+    manifest = json.loads((Path(listing[0]["path"]) / "manifest.json").read_text())
+    assert manifest["summary"]["stopped_by"] == "cap"
+    assert 0.9 <= manifest["summary"]["profiled_s"] < 10

@@ -1,0 +1,27 @@
+# dynprof developer tasks. `make test` is what CI runs (through .ci/run).
+PYTHON ?= python3
+
+.PHONY: setup demo test test-gpu lint proto bench
+
+setup:
+	bash scripts/setup_dev.sh
+
+demo: setup
+	$(PYTHON) scripts/demo.py
+
+test: setup
+	$(PYTHON) -m pytest -q
+
+test-gpu:
+	$(PYTHON) -m pytest -q -m gpu
+
+lint:
+	$(PYTHON) -m ruff check .
+	$(PYTHON) -m ruff format --check .
+	$(PYTHON) -m mypy
+
+proto:
+	$(PYTHON) scripts/gen_proto.py
+
+bench:
+	$(PYTHON) scripts/bench_agent.py

@@ -1,0 +1,69 @@
+"""Rank/job detection, registration records and target selection."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from dynprof.cli._common import select_workers
+from dynprof.cli.start import alignment_step
+from dynprof.identity import detect
+from dynprof.proto import pb
+from dynprof.registry import AgentRecord, list_records, process_start_ticks, write_record
+
+
+def test_torchrun_environment():
+    ident = detect({"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "TORCHELASTIC_RUN_ID": "abc"})
+    assert (ident.rank, ident.local_rank, ident.world_size, ident.job_id) == (3, 1, 8, "abc")
+
+
+def test_slurm_environment_and_dynprof_override():
+    ident = detect({"SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NTASKS": "16", "SLURM_JOB_ID": "777"})
+    assert (ident.rank, ident.world_size, ident.job_id) == (5, 16, "777")
+    ident = detect({"SLURM_JOB_ID": "777", "DYNPROF_JOB_ID": "mine"})
+    assert ident.job_id == "mine"
+
+
+def test_torchrun_default_run_id_is_not_a_job_id():
+    assert detect({"TORCHELASTIC_RUN_ID": "none"}).job_id is None
+
+
+def _record(pid, rank=None, job="j", ppid=1, started=0.0):
+    return AgentRecord(pid=pid, ppid=ppid, host="h", rank=rank, local_rank=rank, world_size=2, job_id=job,
+                       cmdline=["python"], python_version="3", torch_version=None, dynprof_version="0",
+                       started_at=started, start_ticks=None, socket="/x", log="", activation="run")
+
+
+def test_select_workers_drops_launcher_and_dataloader_children():
+    launcher = _record(100, rank=None)
+    r0 = _record(101, rank=0, ppid=100)
+    r1 = _record(102, rank=1, ppid=100)
+    worker_of_r0 = _record(103, rank=0, ppid=101)
+    other_job = _record(200, rank=None, job="other")
+    chosen = select_workers([launcher, r0, r1, worker_of_r0, other_job])
+    assert [r.pid for r in chosen] == [101, 102, 200]
+
+
+def test_records_of_dead_processes_are_cleaned_up(dynprof_dirs):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    write_record(_record(dead.pid))
+    alive = _record(os.getpid(), started=1.0)
+    alive.start_ticks = process_start_ticks(os.getpid())
+    write_record(alive)
+    assert [r.pid for r in list_records()] == [os.getpid()]
+    assert not (dynprof_dirs["run"] / "agents" / f"{dead.pid}.json").exists()
+
+
+def test_reused_pid_is_not_taken_for_the_old_agent():
+    rec = _record(os.getpid())
+    rec.start_ticks = (process_start_ticks(os.getpid()) or 0) + 12345
+    assert not rec.is_alive()
+
+
+def test_alignment_step_covers_the_lead_time_of_the_fastest_rank():
+    fast = pb.Status(step=100, step_time_s=0.001)
+    slow = pb.Status(step=98, step_time_s=0.01)
+    assert alignment_step([fast, slow], lead_s=0.3) == 100 + 301
+    assert alignment_step([pb.Status(step=5), pb.Status(step=7)]) == 9

@@ -1,0 +1,96 @@
+"""Wire protocol: framing, the generated module, and the agent's dispatch of bad input."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dynprof.agent._server import CommandError, ControlServer
+from dynprof.proto import PROTOCOL_VERSION, FrameError, pb, recv_frame, send_frame
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_generated_module_is_current():
+    # The checked-in dynprof_pb2.py must match dynprof.proto (regenerate: make proto).
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "gen_proto.py"), "--check"],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+def test_frame_round_trip():
+    a, b = socket.socketpair()
+    with a, b:
+        send_frame(a, b"hello")
+        assert recv_frame(b) == b"hello"
+
+
+def test_oversized_frame_is_refused_without_reading_it():
+    a, b = socket.socketpair()
+    with a, b:
+        a.sendall(struct.pack(">I", 10_000_000))
+        with pytest.raises(FrameError, match="exceeds"):
+            recv_frame(b, max_bytes=1024)
+
+
+def test_truncated_frame_is_an_error():
+    a, b = socket.socketpair()
+    with b:
+        a.sendall(struct.pack(">I", 100) + b"abc")
+        a.close()
+        with pytest.raises(FrameError, match="closed"):
+            recv_frame(b)
+
+
+def _server(handlers):
+    return ControlServer(socket.socket(socket.AF_UNIX), "/nonexistent", handlers)
+
+
+def _request(**command):
+    req = pb.Request(protocol_version=PROTOCOL_VERSION, request_id=7)
+    (name, msg), = command.items()
+    getattr(req, name).CopyFrom(msg)
+    return req.SerializeToString()
+
+
+def test_dispatch_answers_with_the_handler_result():
+    server = _server({"ping": lambda m: ("pong", pb.Pong(dynprof_version="x"))})
+    reply = server.dispatch(_request(ping=pb.Ping()))
+    assert reply.request_id == 7 and reply.pong.dynprof_version == "x"
+    assert not reply.HasField("error")
+
+
+@pytest.mark.parametrize(
+    "data,code",
+    [
+        (b"\xff\xff\xff garbage", pb.BAD_REQUEST),
+        (pb.Request(protocol_version=PROTOCOL_VERSION).SerializeToString(), pb.BAD_REQUEST),
+        (pb.Request(protocol_version=99, ping=pb.Ping()).SerializeToString(), pb.VERSION_MISMATCH),
+        (_request(stop_trace=pb.StopTraceRequest()), pb.UNKNOWN_COMMAND),
+    ],
+    ids=["garbage", "no-command", "version", "unknown"],
+)
+def test_dispatch_rejects_bad_requests_with_structured_errors(data, code):
+    server = _server({"ping": lambda m: ("pong", pb.Pong())})
+    reply = server.dispatch(data)
+    assert reply.HasField("error")
+    assert reply.error.code == code
+
+
+def test_handler_failures_become_error_replies():
+    def broken(_):
+        raise ValueError("nope")
+
+    def refusing(_):
+        raise CommandError(pb.BUSY, "busy now", "wait")
+
+    server = _server({"ping": broken, "status": refusing})
+    r1 = server.dispatch(_request(ping=pb.Ping()))
+    assert r1.error.code == pb.INTERNAL and "nope" in r1.error.message
+    r2 = server.dispatch(_request(status=pb.StatusRequest()))
+    assert (r2.error.code, r2.error.message, r2.error.help) == (pb.BUSY, "busy now", "wait")
