@@ -1,0 +1,194 @@
+#!/usr/bin/env python3
+"""Benchmark the dynprof agent: idle step-time overhead and request-to-trace latency.
+
+1. Idle overhead. A CPU training loop of ~1 ms steps runs in this process with the agent
+   started (server thread blocked in accept, optimizer-step hook). Blocks of steps alternate
+   between the hook registered and removed, so both are measured side by side under the same
+   machine noise; the ratio is median(step time with agent) / median(step time without).
+   The hook's own cost per call is also timed directly.
+2. Request -> trace active. A training process is started under `dynprof run`; the time from
+   sending `start` to the profiler running is measured in step mode (next step boundary) and
+   in duration mode (main thread's pending-call queue), over several trials.
+
+    python scripts/bench_agent.py [--rounds 40] [--block 200] [--trials 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import timeit
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def make_loop(width: int):
+    import torch
+
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.ReLU(), torch.nn.Linear(width, width))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(64, width)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        model(x).square().mean().backward()
+        opt.step()
+
+    return step
+
+
+def calibrate_width(target_s: float = 0.001) -> int:
+    width = 64
+    while width < 4096:
+        step = make_loop(width)
+        for _ in range(20):
+            step()
+        t0 = time.perf_counter()
+        for _ in range(50):
+            step()
+        if (time.perf_counter() - t0) / 50 >= target_s:
+            return width
+        width = int(width * 1.25)
+    return width
+
+
+def idle_overhead(rounds: int, block: int) -> dict[str, float]:
+    import dynprof.agent
+
+    width = calibrate_width()
+    step = make_loop(width)
+    agent = dynprof.agent.start(activation="bench")
+    assert agent is not None and agent.wait_ready()
+    assert agent.steps.hook_installed, "the optimizer hook should be installed (torch.optim is imported)"
+    import torch.optim.optimizer as optmod
+
+    for _ in range(200):
+        step()
+    with_agent: list[float] = []
+    without: list[float] = []
+    for r in range(rounds):
+        order = (True, False) if r % 2 == 0 else (False, True)
+        for hooked in order:
+            if hooked:
+                agent.steps._handle = optmod.register_optimizer_step_post_hook(agent.steps._hook)
+            t0 = time.perf_counter()
+            for _ in range(block):
+                step()
+            dt = (time.perf_counter() - t0) / block
+            if hooked:
+                agent.steps._handle.remove()
+                with_agent.append(dt)
+            else:
+                without.append(dt)
+    agent.steps._handle = optmod.register_optimizer_step_post_hook(agent.steps._hook)
+    steps_counted = agent.steps.step
+    # The hook alone, called directly.
+    opt = object()
+    n = 200_000
+    hook_s = timeit.timeit(lambda: agent.steps._hook(opt, (), {}), number=n) / n
+    call_s = timeit.timeit(lambda: None, number=n) / n
+    dynprof.agent.shutdown()
+    ratios = [a / b for a, b in zip(with_agent, without)]
+    return {
+        "width": width,
+        "step_ms_without": statistics.median(without) * 1e3,
+        "step_ms_with": statistics.median(with_agent) * 1e3,
+        "ratio_of_medians": statistics.median(with_agent) / statistics.median(without),
+        "median_paired_ratio": statistics.median(ratios),
+        "paired_ratio_p25": statistics.quantiles(ratios, n=4)[0],
+        "paired_ratio_p75": statistics.quantiles(ratios, n=4)[2],
+        "hook_us": (hook_s - call_s) * 1e6,
+        "hook_fraction_of_step": (hook_s - call_s) / statistics.median(without),
+        "steps_counted": steps_counted,
+    }
+
+
+def latency(trials: int) -> dict[str, list[float]]:
+    from dynprof.client import AgentClient
+    from dynprof.proto import pb
+
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    run_dir = tempfile.mkdtemp(prefix="dpb-", dir="/tmp")
+    env["DYNPROF_RUN_DIR"] = run_dir
+    env["DYNPROF_ARTIFACT_DIR"] = tempfile.mkdtemp(prefix="dpb-art-")
+    os.environ.update(DYNPROF_RUN_DIR=run_dir, DYNPROF_ARTIFACT_DIR=env["DYNPROF_ARTIFACT_DIR"])
+    program = ROOT / "tests" / "integration" / "programs" / "train_program.py"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dynprof", "run", "-q", "--", sys.executable, str(program),
+         "--step-sleep", "0.02", "--max-seconds", "600"],
+        stdout=subprocess.PIPE, text=True, env=env, cwd=str(ROOT),
+    )
+    out: dict[str, list[float]] = {"step_mode_s": [], "step_time_s": [], "duration_mode_s": []}
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        pid = int(line.split()[1])
+        client = AgentClient.for_pid(pid)
+        time.sleep(1.0)
+        for mode in ("steps", "duration"):
+            for _ in range(trials):
+                req = pb.StartTraceRequest(steps=1) if mode == "steps" else pb.StartTraceRequest(duration_s=0.05)
+                t0 = time.time()
+                client.request(start_trace=req)
+                while True:
+                    st = client.status()
+                    if st.trace.active_since:
+                        break
+                    if st.trace.state == "idle" and st.trace.last_artifact:
+                        break
+                    time.sleep(0.001)
+                active = st.trace.active_since
+                if mode == "steps":
+                    out["step_mode_s"].append(active - t0)
+                    out["step_time_s"].append(st.step_time_s)
+                else:
+                    out["duration_mode_s"].append(active - t0)
+                while client.status().trace.state != "idle":
+                    time.sleep(0.01)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=40)
+    parser.add_argument("--block", type=int, default=200)
+    parser.add_argument("--trials", type=int, default=10)
+    args = parser.parse_args()
+
+    os.environ.setdefault("DYNPROF_RUN_DIR", tempfile.mkdtemp(prefix="dpb-", dir="/tmp"))
+    o = idle_overhead(args.rounds, args.block)
+    print("== idle agent, step-time overhead (target ratio <= 1.002) ==")
+    print(f"loop: MLP width {o['width']}, {args.rounds} rounds x 2 blocks x {args.block} steps, alternating")
+    print(f"median step without agent hook: {o['step_ms_without']:.4f} ms")
+    print(f"median step with agent hook:    {o['step_ms_with']:.4f} ms")
+    print(f"ratio of medians:               {o['ratio_of_medians']:.4f}")
+    print(f"median paired ratio:            {o['median_paired_ratio']:.4f}  "
+          f"(IQR {o['paired_ratio_p25']:.4f} .. {o['paired_ratio_p75']:.4f})")
+    print(f"hook cost per step, timed alone: {o['hook_us']:.3f} us = {o['hook_fraction_of_step'] * 100:.4f} % of a step")
+
+    lat = latency(args.trials)
+    st = statistics.median(lat["step_time_s"])
+    print()
+    print("== request -> trace active ==")
+    print(f"step mode (target: next step boundary), step time {st * 1e3:.1f} ms: "
+          f"median {statistics.median(lat['step_mode_s']) * 1e3:.1f} ms, max {max(lat['step_mode_s']) * 1e3:.1f} ms "
+          f"= {max(lat['step_mode_s']) / st:.2f} steps")
+    print(f"duration mode (target <= 100 ms): median {statistics.median(lat['duration_mode_s']) * 1e3:.1f} ms, "
+          f"max {max(lat['duration_mode_s']) * 1e3:.1f} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
