@@ -1,0 +1,1 @@
+"""Decision logic: readings in, :class:`~healthcheck.result.CheckResult` out, no I/O."""

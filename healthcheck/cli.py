@@ -1,0 +1,235 @@
+"""The healthcheck command line, shared by ``dynprof healthcheck`` and ``python -m healthcheck``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, NoReturn
+
+from dynprof.errors import ArtifactError, DynprofError
+from healthcheck.baseline import learn, read_results
+from healthcheck.compare import Thresholds
+from healthcheck.report import Report, render_prometheus, render_table, write_atomically
+from healthcheck.result import EXIT_COULD_NOT_RUN
+from healthcheck.runner import ALL_CHECKS, LEVELS, Options, run
+
+DESCRIPTION = """\
+Check this node's accelerators and host before a job runs on it.
+
+Levels: quick (passive: driver state, ECC, row remapping, XIDs, PCIe, clocks, NVLink, host;
+seconds), standard (quick plus GEMM, memory and host-transfer bandwidth, a memory pattern test
+and an all-reduce over the local devices, judged against the SKU baseline and the device's
+peers; well under a minute), full (standard, longer).
+
+Exit codes: 0 healthy, 1 warning, 2 unhealthy (drain the node), 3 could not run.
+Results are saved as a `healthcheck` artifact (see `dynprof ls`).
+"""
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors exit 3 ("could not run"): 2 means "unhealthy" to a scheduler."""
+
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        self.exit(EXIT_COULD_NOT_RUN, f"{self.prog}: error: {message}\n")
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"{text} is not a fraction between 0 and 1")
+    return value
+
+
+def _checks(text: str) -> set[str]:
+    names = {n.strip() for n in text.split(",") if n.strip()}
+    unknown = names - set(ALL_CHECKS)
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown checks {sorted(unknown)}; known: {', '.join(ALL_CHECKS)}")
+    return names
+
+
+def prepare_parser(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--level", choices=LEVELS, default="quick", help="how much to check (default: quick)")
+    parser.add_argument(
+        "--backend",
+        choices=("auto", "nvml", "smi"),
+        default="auto",
+        help="how to read the devices (default: NVML, else an smi tool)",
+    )
+    parser.add_argument("--smi-tool", metavar="NAME", help="nvidia-smi-style tool for --backend smi (e.g. ppu-smi)")
+    parser.add_argument(
+        "--expect-devices",
+        type=int,
+        metavar="N",
+        help="devices this node must have (default: $DYNPROF_EXPECT_DEVICES, $SLURM_GPUS_ON_NODE); "
+        "0 on a node without accelerators",
+    )
+    parser.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
+    parser.add_argument("--prometheus", metavar="FILE", help="also write Prometheus text format to FILE (atomically)")
+    parser.add_argument(
+        "--baseline",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="baseline file (from `baseline learn`); wins over the shipped ones",
+    )
+    parser.add_argument(
+        "--fail-below",
+        type=_fraction,
+        default=0.90,
+        metavar="F",
+        help="fail a measurement below F x baseline (default 0.90)",
+    )
+    parser.add_argument(
+        "--warn-below", type=_fraction, default=0.95, metavar="F", help="warn below F x baseline (default 0.95)"
+    )
+    parser.add_argument(
+        "--peer-fail",
+        type=_fraction,
+        default=0.08,
+        metavar="F",
+        help="fail a device slower than its peers' median by F (default 0.08)",
+    )
+    parser.add_argument(
+        "--peer-warn",
+        type=_fraction,
+        default=0.05,
+        metavar="F",
+        help="warn a device slower than its peers' median by F (default 0.05)",
+    )
+    parser.add_argument("--disk", action="append", metavar="PATH", help="check free space here (default: / and /tmp)")
+    parser.add_argument(
+        "--min-disk-gib", type=float, default=10.0, metavar="GIB", help="warn below this much free disk (default 10)"
+    )
+    parser.add_argument(
+        "--xid-window",
+        type=float,
+        default=60.0,
+        metavar="MINUTES",
+        help="look for XIDs in the kernel log this far back (default 60)",
+    )
+    parser.add_argument(
+        "--skip", type=_checks, default=set(), metavar="CHECK[,CHECK]", help="checks not to run (reported as skipped)"
+    )
+    parser.add_argument(
+        "--timeout-scale", type=float, default=1.0, metavar="X", help="multiply every check's timeout by X"
+    )
+    parser.add_argument("--failures-only", action="store_true", help="table: leave out passed and skipped checks")
+    parser.add_argument("--no-save", action="store_true", help="do not save the results as an artifact")
+    parser.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
+    sub = parser.add_subparsers(dest="hc_command", metavar="{baseline}", parser_class=_Parser)
+    baseline = sub.add_parser("baseline", help="build baselines from results")
+    baseline_sub = baseline.add_subparsers(dest="baseline_command", metavar="{learn}", parser_class=_Parser)
+    baseline_sub.required = True
+    learn_p = baseline_sub.add_parser(
+        "learn",
+        help="build a per-SKU baseline (median and spread) from many nodes' JSON results",
+        description="Build a per-SKU baseline (median and spread of every measurement) from the JSON results "
+        "of `dynprof healthcheck --level standard --json`, artifact directories, or directories holding them.",
+    )
+    learn_p.add_argument("results", nargs="+", metavar="RESULTS", help="result files or directories")
+    learn_p.add_argument("-o", "--output", metavar="FILE", help="write the baseline here (default: stdout)")
+    learn_p.add_argument("--source", default="", help="describe where the results come from")
+
+
+def options_from_args(args: argparse.Namespace) -> Options:
+    return Options(
+        level=args.level,
+        backend=args.backend,
+        smi_tool=args.smi_tool,
+        expect_devices=args.expect_devices,
+        disk_paths=args.disk or ["/", "/tmp"],
+        min_disk_gib=args.min_disk_gib,
+        xid_window_s=args.xid_window * 60,
+        thresholds=Thresholds(args.fail_below, args.warn_below, args.peer_fail, args.peer_warn),
+        baseline_paths=args.baseline,
+        skip=set(args.skip),
+        timeout_scale=args.timeout_scale,
+    )
+
+
+def save_artifact(report: Report, table_text: str) -> str:
+    from dynprof.store import ArtifactStore
+
+    data = report.to_json()
+    job = os.environ.get("DYNPROF_JOB_ID") or os.environ.get("SLURM_JOB_ID") or None
+    writer = ArtifactStore().create("healthcheck", job=job, host=report.host, options=report.options)
+    writer.write_json("results.json", data)
+    writer.write_text("report.txt", table_text + "\n")
+    summary = {k: data[k] for k in ("level", "verdict", "exit_code", "counts", "actions", "duration_s")}
+    return str(writer.finish("complete", summary=summary).path)
+
+
+def run_command(args: argparse.Namespace) -> int:
+    if getattr(args, "hc_command", None) == "baseline":
+        return learn_command(args)
+    show_progress = not args.quiet and sys.stderr.isatty()
+
+    def progress(text: str) -> None:
+        if show_progress:
+            sys.stderr.write("\r\033[K" + text)
+            sys.stderr.flush()
+
+    report = run(options_from_args(args), progress=progress)
+    if show_progress:
+        sys.stderr.write("\r\033[K")
+    table_text = render_table(report)
+    artifact: str | None = None
+    if not args.no_save:
+        try:
+            artifact = save_artifact(report, table_text)
+        except (ArtifactError, OSError) as exc:
+            print(f"dynprof healthcheck: results not saved: {exc}", file=sys.stderr)
+    if args.prometheus:
+        write_atomically(args.prometheus, render_prometheus(report))
+    if args.json:
+        data: dict[str, Any] = report.to_json()
+        data["artifact"] = artifact
+        print(json.dumps(data, indent=2, default=str))
+    else:
+        print(render_table(report, show_passed=not args.failures_only))
+        if artifact:
+            print(f"saved: {artifact}")
+    return report.exit_code
+
+
+def learn_command(args: argparse.Namespace) -> int:
+    results = read_results(args.results)
+    baseline = learn(results, source=args.source)
+    text = json.dumps(baseline, indent=2) + "\n"
+    if args.output:
+        Path(args.output).write_text(text)
+        skus = ", ".join(f"{b['sku']['name']} {b['sku']['memory_gib']}GiB" for b in baseline["baselines"])
+        print(f"baseline for {skus} from {len(results)} results written to {args.output}", file=sys.stderr)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+def usage_errors_exit_3(parser: argparse.ArgumentParser) -> None:
+    """Make ``parser`` (created by someone else) exit 3 on a usage error, like :class:`_Parser`."""
+
+    def error(message: str) -> NoReturn:
+        parser.print_usage(sys.stderr)
+        parser.exit(EXIT_COULD_NOT_RUN, f"{parser.prog}: error: {message}\n")
+
+    parser.error = error  # type: ignore[method-assign]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _Parser(
+        prog="python -m healthcheck", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    prepare_parser(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run_command(args)
+    except DynprofError as exc:
+        print(f"healthcheck: error: {exc.message}", file=sys.stderr)
+        if exc.help:
+            print(f"  what to do: {exc.help}", file=sys.stderr)
+        return EXIT_COULD_NOT_RUN

@@ -1,0 +1,522 @@
+"""One healthcheck run: host checks, passive device checks, functional checks, judgement.
+
+Levels:
+
+* ``quick``: passive checks only (driver state, counters, kernel log, links, host);
+* ``standard``: ``quick`` plus the functional micro-benchmarks, judged against the SKU's
+  baseline and the device's peers;
+* ``full``: ``standard`` with longer runs and a larger memory test.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from dynprof.store import utcnow_iso
+from healthcheck import xid as xidlog
+from healthcheck.backends import Backend, NoAccelerator, open_backend
+from healthcheck.baseline import Baseline, find_baseline, load_baselines
+from healthcheck.checks.device import check_clocks, check_pcie_link, passive_device_checks
+from healthcheck.checks.host import host_checks
+from healthcheck.checks.xid import check_kernel_log_xids, check_live_xids
+from healthcheck.compare import DeviceMeasurement, Thresholds, judge, needs_retry
+from healthcheck.pci import normalize_bus_id
+from healthcheck.readings import DeviceReadings
+from healthcheck.report import DeviceSummary, Report
+from healthcheck.result import CheckResult, Status
+from healthcheck.timeouts import Call, TimedOut, call_with_timeout
+
+LEVELS = ("quick", "standard", "full")
+EXPECT_ENV = ("DYNPROF_EXPECT_DEVICES", "SLURM_GPUS_ON_NODE")
+
+# Every check name, in report order (for --skip and the docs).
+PASSIVE_CHECKS = (
+    "accelerators",
+    "devices",
+    "driver",
+    "persistence_mode",
+    "ecc_mode",
+    "ecc_errors",
+    "row_remap",
+    "retired_pages",
+    "pcie_link",
+    "clock_events",
+    "temperature",
+    "nvlink",
+    "device_processes",
+    "xid_kernel_log",
+    "xid_live",
+)
+FUNCTIONAL_CHECKS = (
+    "gemm_bf16",
+    "clocks_under_load",
+    "memory_bandwidth",
+    "h2d_bandwidth",
+    "d2h_bandwidth",
+    "memory_pattern",
+    "allreduce",
+)
+HOST_CHECKS = ("disk_free", "shm_size", "host_memory", "host_processes", "ib_ports")
+ALL_CHECKS = PASSIVE_CHECKS + FUNCTIONAL_CHECKS + HOST_CHECKS
+
+
+@dataclass
+class Options:
+    level: str = "quick"
+    backend: str = "auto"
+    smi_tool: str | None = None
+    expect_devices: int | None = None
+    disk_paths: list[str] = field(default_factory=lambda: ["/", "/tmp"])
+    min_disk_gib: float = 10.0
+    xid_window_s: float = 3600.0
+    thresholds: Thresholds = field(default_factory=Thresholds)
+    baseline_paths: list[str] = field(default_factory=list)
+    skip: set[str] = field(default_factory=set)
+    read_timeout_s: float = 15.0
+    timeout_scale: float = 1.0
+
+    def to_json(self) -> dict[str, Any]:
+        data = dict(self.__dict__)
+        data["thresholds"] = self.thresholds.__dict__
+        data["skip"] = sorted(self.skip)
+        return data
+
+
+def expected_devices(options: Options) -> tuple[int | None, str]:
+    if options.expect_devices is not None:
+        return options.expect_devices, "--expect-devices"
+    for name in EXPECT_ENV:
+        value = os.environ.get(name, "").strip()
+        if value.isdigit():
+            return int(value), name
+    return None, ""
+
+
+def visible_cuda_count(backend_count: int) -> int:
+    """How many devices CUDA will show (CUDA_VISIBLE_DEVICES may hide some)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return backend_count
+    entries = [e for e in visible.split(",") if e.strip()]
+    return min(len(entries), backend_count)
+
+
+class _Run:
+    def __init__(self, options: Options, progress: Callable[[str], None] | None) -> None:
+        self.o = options
+        self.progress = progress or (lambda _text: None)
+        self.results: list[CheckResult] = []
+        self.timings: dict[str, float] = {}
+        self.backend: Backend | None = None
+        self.readings: list[DeviceReadings] = []
+
+    def add(self, results: list[CheckResult] | CheckResult) -> None:
+        self.results.extend(results if isinstance(results, list) else [results])
+
+    def timed(self, name: str, start: float) -> None:
+        self.timings[name] = time.monotonic() - start
+
+    # -- steps -------------------------------------------------------------------------------
+    def open_backend(self) -> None:
+        expected, source = expected_devices(self.o)
+        t0 = time.monotonic()
+        try:
+            self.backend = call_with_timeout(
+                lambda: open_backend(self.o.backend, self.o.smi_tool), self.o.read_timeout_s
+            )
+        except (NoAccelerator, TimedOut) as exc:
+            message = exc.message if isinstance(exc, NoAccelerator) else f"opening the backend {exc}"
+            if expected == 0:
+                self.add(
+                    CheckResult(
+                        "accelerators", Status.PASS, f"none expected ({source}); {message}", value=0, expected="0"
+                    )
+                )
+            else:
+                self.add(
+                    CheckResult(
+                        "accelerators",
+                        Status.UNKNOWN,
+                        message,
+                        value=0,
+                        expected=str(expected) if expected is not None else ">= 1",
+                        critical=True,
+                        details={"help": NoAccelerator.default_help},
+                    )
+                )
+            return
+        finally:
+            self.timed("open_backend", t0)
+        count = self.backend.device_count()
+        name = self.backend.name
+        if expected is None:
+            if count:
+                self.add(
+                    CheckResult(
+                        "devices",
+                        Status.PASS,
+                        f"{count} found through {name} (no expected count: give --expect-devices or run under Slurm)",
+                        value=count,
+                        critical=True,
+                    )
+                )
+            else:
+                self.add(
+                    CheckResult(
+                        "devices",
+                        Status.UNKNOWN,
+                        f"{name} lists no device",
+                        value=0,
+                        expected=">= 1",
+                        critical=True,
+                        details={"help": NoAccelerator.default_help},
+                    )
+                )
+        elif count == expected:
+            self.add(
+                CheckResult(
+                    "devices",
+                    Status.PASS,
+                    f"{count} found, {expected} expected ({source})",
+                    value=count,
+                    expected=str(expected),
+                    critical=True,
+                )
+            )
+        elif count < expected:
+            self.add(
+                CheckResult(
+                    "devices",
+                    Status.FAIL,
+                    f"{expected - count} devices missing ({source} expects "
+                    f"{expected}): fallen off the bus or not given to this container",
+                    value=count,
+                    expected=str(expected),
+                    action="drain",
+                    critical=True,
+                )
+            )
+        else:
+            self.add(
+                CheckResult(
+                    "devices",
+                    Status.WARN,
+                    f"more devices than expected ({source})",
+                    value=count,
+                    expected=str(expected),
+                    critical=True,
+                )
+            )
+        driver = self.backend.driver_version()
+        if driver:
+            self.add(CheckResult("driver", Status.PASS, f"driver {driver} reachable through {name}", value=driver))
+        else:
+            self.add(CheckResult("driver", Status.UNKNOWN, f"driver version not readable through {name}"))
+
+    def read_devices(self) -> None:
+        assert self.backend is not None
+        backend = self.backend
+        t0 = time.monotonic()
+        calls = [(i, Call(functools.partial(backend.read, i))) for i in range(backend.device_count())]
+        deadline = time.monotonic() + self.o.read_timeout_s
+        for index, call in calls:
+            try:
+                self.readings.append(call.result(max(0.0, deadline - time.monotonic())))
+            except TimedOut:
+                self.add(
+                    CheckResult(
+                        "device_read",
+                        Status.UNKNOWN,
+                        f"reading the device timed out after {self.o.read_timeout_s:g} s (driver hung?)",
+                        device=index,
+                        critical=True,
+                    )
+                )
+            except Exception as exc:
+                self.add(
+                    CheckResult(
+                        "device_read", Status.UNKNOWN, f"reading the device failed: {exc}", device=index, critical=True
+                    )
+                )
+        self.timed("read_devices", t0)
+
+    def passive(self) -> None:
+        assert self.backend is not None
+        source = self.backend.name
+        active_links: dict[str, int] = {}
+        for r in self.readings:
+            if r.nvlinks:
+                active_links[r.sku] = max(active_links.get(r.sku, 0), sum(1 for link in r.nvlinks if link.active))
+        for r in self.readings:
+            self.add(
+                passive_device_checks(
+                    r, source, peer_nvlinks=active_links.get(r.sku), own_pids=frozenset({os.getpid()})
+                )
+            )
+
+    def kernel_log(self) -> None:
+        t0 = time.monotonic()
+        devices = {
+            bus: r.index for r in self.readings if r.pci_bus_id for bus in [normalize_bus_id(r.pci_bus_id)] if bus
+        }
+        try:
+            records, source = call_with_timeout(
+                lambda: xidlog.read_kernel_log_xids(self.o.xid_window_s), self.o.read_timeout_s
+            )
+        except xidlog.KernelLogUnreadable as exc:
+            self.add(
+                CheckResult(
+                    "xid_kernel_log",
+                    Status.UNKNOWN,
+                    f"kernel log not readable ({exc}): run as root or with CAP_SYSLOG, or set kernel.dmesg_restrict=0",
+                )
+            )
+        except TimedOut as exc:
+            self.add(CheckResult("xid_kernel_log", Status.UNKNOWN, f"reading the kernel log {exc}"))
+        else:
+            self.add(check_kernel_log_xids(records, devices, self.o.xid_window_s, source))
+        self.timed("kernel_log", t0)
+
+    def pcie_quick(self) -> None:
+        """PCIe at the quick level: links below their maximum while idle are re-read under load."""
+        assert self.backend is not None
+        source = self.backend.name
+        idle_low = [
+            r
+            for r in self.readings
+            if None not in (r.pcie_gen_current, r.pcie_gen_max, r.pcie_width_current, r.pcie_width_max)
+            and (
+                (r.pcie_gen_current or 0) < (r.pcie_gen_max or 0)
+                or (r.pcie_width_current or 0) < (r.pcie_width_max or 0)
+            )
+        ]
+        loaded: dict[int, tuple[int, int]] = {}
+        error: str | None = None
+        if idle_low:
+            t0 = time.monotonic()
+            from healthcheck.pcie_load import loaded_links
+
+            backend = self.backend
+            try:
+                loaded, error = call_with_timeout(lambda: loaded_links(backend, self.readings), 60)
+            except TimedOut as exc:
+                error = f"loading the links {exc}"
+            except Exception as exc:
+                error = f"loading the links failed: {type(exc).__name__}: {exc}"
+            self.timed("pcie_load", t0)
+        for r in self.readings:
+            gen, width = loaded.get(r.index, (None, None))
+            self.add(check_pcie_link(r, source, gen, width, error))
+
+    def functional(self, baselines: list[Baseline]) -> bool:
+        """Run the functional checks; True if they also judged the PCIe links (under load)."""
+        from healthcheck.functional.launcher import PER_DEVICE_CHECKS, level_plan, run_workers
+
+        assert self.backend is not None
+        source = self.backend.name
+        count = visible_cuda_count(len(self.readings))
+        skip = self.o.skip
+        per_device = [c for c in PER_DEVICE_CHECKS if not self._skipped(c)]
+        checks = list(per_device)
+        if count > 1 and "allreduce" not in skip:
+            checks.append("allreduce")
+        if not checks or count == 0:
+            return False
+        plan = level_plan(self.o.level)
+        t0 = time.monotonic()
+        self.progress(f"functional checks on {count} devices")
+        outcomes, identities = run_workers(
+            list(range(count)), checks, plan, timeout_scale=self.o.timeout_scale, progress=self.progress
+        )
+        self.timed("functional", t0)
+        # Map worker (torch ordinal) to the backend's device index by UUID.
+        by_uuid = {r.uuid: r for r in self.readings if r.uuid}
+        reading_of: dict[int, DeviceReadings | None] = {}
+        for ident in identities:
+            r = by_uuid.get(ident.uuid or "")
+            if r is None and len(identities) == len(self.readings):
+                r = self.readings[ident.local_rank]
+            reading_of[ident.local_rank] = r
+        sku_baselines = {r.sku: find_baseline(baselines, r.name, r.memory_gib) for r in self.readings}
+        node_sku = self.readings[0].sku if self.readings else "unknown"
+        items: list[DeviceMeasurement] = []
+        for outcome in outcomes:
+            r = reading_of.get(outcome.local_rank)
+            index = r.index if r is not None else outcome.local_rank
+            if outcome.check == "allreduce":
+                if outcome.local_rank != 0:
+                    continue
+                index_or_none: int | None = None
+            else:
+                index_or_none = index
+            if outcome.error is not None:
+                names = {"host_transfer": ["h2d_bandwidth", "d2h_bandwidth"]}.get(outcome.check, [outcome.check])
+                for name in names:
+                    self.add(
+                        CheckResult(
+                            name,
+                            Status.UNKNOWN,
+                            outcome.error,
+                            device=index_or_none,
+                            critical=True,
+                            duration_s=outcome.duration_s,
+                        )
+                    )
+                continue
+            sku = r.sku if r is not None else node_sku
+            for m in outcome.measurements:
+                items.append(
+                    DeviceMeasurement(
+                        index_or_none, sku if index_or_none is not None else node_sku, m, [m.value], outcome.duration_s
+                    )
+                )
+        judged = judge(items, sku_baselines, self.o.thresholds)
+        retry = [(item, result) for item, result in zip(items, judged, strict=False) if needs_retry(result)]
+        if retry:
+            self._retry(retry, items, plan, identities, reading_of)
+            judged = judge(items, sku_baselines, self.o.thresholds)
+        self.add(judged)
+        # Clocks and PCIe, as read while the benchmarks ran.
+        by_index = {r.index: r for r in self.readings}
+        loaded_pcie: dict[int, tuple[int, int]] = {}
+        for item in items:
+            r = by_index.get(item.device) if item.device is not None else None
+            if r is None:
+                continue
+            d = item.measurement.details
+            if item.measurement.check == "gemm_bf16" and "clock_event_reasons" in d:
+                loaded = DeviceReadings(
+                    index=r.index,
+                    clock_event_reasons=d["clock_event_reasons"],
+                    sm_clock_mhz=d.get("sm_clock_mhz"),
+                    sm_clock_max_mhz=r.sm_clock_max_mhz,
+                )
+                self.add(check_clocks(loaded, source, name="clocks_under_load"))
+            if item.measurement.check == "h2d_bandwidth" and "pcie_gen_under_load" in d:
+                loaded_pcie[r.index] = (d["pcie_gen_under_load"], d["pcie_width_under_load"])
+        if "host_transfer" not in checks:
+            return False
+        for r in self.readings:
+            gen, width = loaded_pcie.get(r.index, (None, None))
+            why = None if gen is not None else "no reading during the host-transfer test"
+            self.add(check_pcie_link(r, source, gen, width, why))
+        return True
+
+    def _retry(
+        self,
+        retry: list[tuple[DeviceMeasurement, CheckResult]],
+        items: list[DeviceMeasurement],
+        plan: Any,
+        identities: Any,
+        reading_of: dict[int, DeviceReadings | None],
+    ) -> None:
+        """Repeat each slow measurement once (all flagged devices together); keep the better value."""
+        from healthcheck.functional.launcher import run_workers
+
+        check_of = {"h2d_bandwidth": "host_transfer", "d2h_bandwidth": "host_transfer"}
+        ordinal_of = {r.index: o for o, r in reading_of.items() if r is not None}
+        node_retry = [item for item, _ in retry if item.device is None]
+        device_retry = [item for item, _ in retry if item.device is not None]
+        t0 = time.monotonic()
+        self.progress("repeating slow measurements once")
+        if device_retry:
+            ordinals = sorted(
+                {ordinal_of.get(item.device, item.device) for item in device_retry if item.device is not None}
+            )
+            checks = sorted({check_of.get(item.measurement.check, item.measurement.check) for item in device_retry})
+            outcomes, _ = run_workers(ordinals, checks, plan, timeout_scale=self.o.timeout_scale)
+            self._merge(device_retry, outcomes, ordinal_of)
+        if node_retry:
+            count = visible_cuda_count(len(self.readings))
+            outcomes, _ = run_workers(list(range(count)), ["allreduce"], plan, timeout_scale=self.o.timeout_scale)
+            self._merge(node_retry, [o for o in outcomes if o.local_rank == 0], None)
+        self.timed("retry", t0)
+
+    @staticmethod
+    def _merge(targets: list[DeviceMeasurement], outcomes: Any, ordinal_of: dict[int, int] | None) -> None:
+        for item in targets:
+            ordinal = None if item.device is None or ordinal_of is None else ordinal_of.get(item.device, item.device)
+            for outcome in outcomes:
+                if ordinal is not None and outcome.local_rank != ordinal:
+                    continue
+                for m in outcome.measurements:
+                    if m.metric != item.measurement.metric:
+                        continue
+                    item.attempts.append(m.value)
+                    if m.value > item.measurement.value and m.ok:
+                        item.measurement = m
+
+    def _skipped(self, check: str) -> bool:
+        aliases = {"host_transfer": {"h2d_bandwidth", "d2h_bandwidth"}}
+        names = aliases.get(check, {check})
+        return bool(names & self.o.skip)
+
+    def devices_summary(self, baselines: list[Baseline]) -> list[DeviceSummary]:
+        out = []
+        for r in self.readings:
+            b = find_baseline(baselines, r.name, r.memory_gib)
+            out.append(
+                DeviceSummary(
+                    r.index,
+                    r.name,
+                    r.uuid,
+                    r.pci_bus_id,
+                    r.memory_total_bytes,
+                    r.memory_gib,
+                    r.sku,
+                    baseline=(b.path or b.source) if b else None,
+                )
+            )
+        return out
+
+
+def run(options: Options, progress: Callable[[str], None] | None = None) -> Report:
+    if options.level not in LEVELS:
+        raise ValueError(f"level must be one of {LEVELS}")
+    started_at = utcnow_iso()
+    t_start = time.monotonic()
+    state = _Run(options, progress)
+    host_call = Call(lambda: host_checks(options.disk_paths, options.min_disk_gib), name="healthcheck-host")
+    baselines = load_baselines(options.baseline_paths) if options.level != "quick" else []
+    state.progress("opening the accelerator backend")
+    state.open_backend()
+    backend = state.backend
+    watching = False
+    driver_version = None
+    if backend is not None:
+        watching = backend.watch_xid()
+        state.progress("reading devices")
+        state.read_devices()
+        state.passive()
+        state.kernel_log()
+        pcie_judged = options.level != "quick" and state.functional(baselines)
+        if not pcie_judged and not state._skipped("pcie_link"):
+            state.pcie_quick()
+        indices = [r.index for r in state.readings]
+        state.add(check_live_xids(backend.xid_events(), watching, indices))
+        driver_version = backend.driver_version()
+        backend.close()
+    try:
+        state.add(host_call.result(timeout=30))
+    except TimedOut as exc:
+        state.add(CheckResult("host", Status.UNKNOWN, f"host checks {exc}"))
+    results = [
+        CheckResult(r.name, Status.SKIPPED, "skipped (--skip)", device=r.device) if r.name in options.skip else r
+        for r in state.results
+    ]
+    return Report(
+        level=options.level,
+        backend=backend.name if backend is not None else None,
+        started_at=started_at,
+        duration_s=time.monotonic() - t_start,
+        checks=results,
+        devices=state.devices_summary(baselines),
+        driver_version=driver_version,
+        options=options.to_json(),
+        timings=state.timings,
+    )
