@@ -42,7 +42,7 @@ def resolve_activities(names: list[str]) -> list[Any]:
 
     if not names:
         names = ["cpu"]
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
+        if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
             names.append("cuda")
     table = {"cpu": ProfilerActivity.CPU, "cuda": ProfilerActivity.CUDA}
     xpu = getattr(ProfilerActivity, "XPU", None)
@@ -179,9 +179,7 @@ def summarize(trace: dict[str, Any], top: int = 10) -> dict[str, Any]:
 
     return {
         "events": len(events),
-        "steps": [
-            {"name": s["name"], "dur_ms": round(float(s.get("dur", 0)) / 1000, 3)} for s in steps
-        ],
+        "steps": [{"name": s["name"], "dur_ms": round(float(s.get("dur", 0)) / 1000, 3)} for s in steps],
         "distributed_info": trace.get("distributedInfo"),
         "cpu_ops": top_of(cpu_ops),
         "gpu_kernels": top_of(kernels),
@@ -197,8 +195,10 @@ def render_artifact(artifact: Any) -> tuple[dict[str, Any], str]:
     steps = summary["steps"]
     step_text = ", ".join(f"{s['name'].split('#')[1]} ({s['dur_ms']:.1f} ms)" for s in steps[:8])
     lines.append(f"{len(steps)} profiler steps: {step_text}{' ...' if len(steps) > 8 else ''}")
-    lines.append(f"{summary['events']} events; training thread paused {manifest_summary.get('training_thread_pause_ms', '?')} ms "
-                 f"to stop the profiler; export took {manifest_summary.get('export_s', '?')} s off the training thread")
+    lines.append(
+        f"{summary['events']} events; training thread paused {manifest_summary.get('training_thread_pause_ms', '?')} ms "
+        f"to stop the profiler; export took {manifest_summary.get('export_s', '?')} s off the training thread"
+    )
     if summary.get("distributed_info"):
         lines.append(f"distributedInfo: {summary['distributed_info']}")
     if summary["cpu_ops"]:

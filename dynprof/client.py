@@ -70,7 +70,7 @@ class AgentClient:
         """Send one command (``status=pb.StatusRequest()``...) and return the Reply."""
         if len(command) != 1:
             raise TypeError("exactly one command")
-        (name, message), = command.items()
+        ((name, message),) = command.items()
         req = pb.Request(protocol_version=PROTOCOL_VERSION, request_id=next(_ids) + os.getpid() * 1_000_000)
         getattr(req, name).CopyFrom(message)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -86,7 +86,7 @@ class AgentClient:
                 raise errors.PermissionDenied(f"cannot connect to the agent of process {self.pid}") from None
             send_frame(sock, req.SerializeToString())
             data = recv_frame(sock)
-        except socket.timeout:
+        except TimeoutError:
             raise errors.Timeout(
                 f"the agent of process {self.pid} did not answer within {self.timeout:g} s",
                 help="The process may be stuck holding the GIL; try `dynprof stacks --pid "

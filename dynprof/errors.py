@@ -17,6 +17,8 @@ Exit codes are stable and documented in the README:
  7    the target lacks a capability (no torch, no CUDA, ...)
  8    the agent answered with an error / protocol failure
  9    timed out waiting for the target
+10    the target is not a Python process (``dynprof stacks``)
+11    reading the target's memory from outside (ptrace) was refused and no agent could answer
 ====  ======================================================
 """
 
@@ -86,6 +88,17 @@ class AgentError(DynprofError):
 
 class Timeout(DynprofError):
     exit_code = 9
+
+
+class NotPython(DynprofError):
+    exit_code = 10
+    default_help = "dynprof reads Python processes: point it at the training process (see `dynprof ps`)."
+
+
+class PtraceRefused(PermissionDenied):
+    """Reading a process from outside was refused (and no in-process agent could answer)."""
+
+    exit_code = 11
 
 
 class ArtifactError(DynprofError):

@@ -57,12 +57,8 @@ class Identity:
 def detect(env: dict[str, str] | os._Environ[str] | None = None) -> Identity:
     env = os.environ if env is None else env
     rank = _first_int(env, "DYNPROF_RANK", "RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
-    local_rank = _first_int(
-        env, "DYNPROF_LOCAL_RANK", "LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK"
-    )
-    world_size = _first_int(
-        env, "DYNPROF_WORLD_SIZE", "WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"
-    )
+    local_rank = _first_int(env, "DYNPROF_LOCAL_RANK", "LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK")
+    world_size = _first_int(env, "DYNPROF_WORLD_SIZE", "WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
     job_id = _first_str(env, "DYNPROF_JOB_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID")
     if job_id == "none":  # torchrun's default run id when --rdzv-id is not given
         job_id = _first_str(env, "DYNPROF_JOB_ID", "SLURM_JOB_ID")

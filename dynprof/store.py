@@ -15,6 +15,7 @@ finished artifacts first.
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import fcntl
 import hashlib
@@ -325,7 +326,7 @@ class ArtifactStore:
         )
 
     # -- size cap --------------------------------------------------------------------------
-    def enforce_cap(self, keep: Path | None = None) -> list[Path]:
+    def enforce_cap(self, keep: Path | None = None) -> builtins.list[Path]:
         """Delete the oldest finished artifacts until the store fits under ``max_bytes``."""
         if self.max_bytes <= 0 or not self.root.is_dir():
             return []

@@ -123,9 +123,24 @@ def latency(trials: int) -> dict[str, list[float]]:
     os.environ.update(DYNPROF_RUN_DIR=run_dir, DYNPROF_ARTIFACT_DIR=env["DYNPROF_ARTIFACT_DIR"])
     program = ROOT / "tests" / "integration" / "programs" / "train_program.py"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "dynprof", "run", "-q", "--", sys.executable, str(program),
-         "--step-sleep", "0.02", "--max-seconds", "600"],
-        stdout=subprocess.PIPE, text=True, env=env, cwd=str(ROOT),
+        [
+            sys.executable,
+            "-m",
+            "dynprof",
+            "run",
+            "-q",
+            "--",
+            sys.executable,
+            str(program),
+            "--step-sleep",
+            "0.02",
+            "--max-seconds",
+            "600",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=str(ROOT),
     )
     out: dict[str, list[float]] = {"step_mode_s": [], "step_time_s": [], "duration_mode_s": []}
     try:
@@ -174,19 +189,27 @@ def main() -> int:
     print(f"median step without agent hook: {o['step_ms_without']:.4f} ms")
     print(f"median step with agent hook:    {o['step_ms_with']:.4f} ms")
     print(f"ratio of medians:               {o['ratio_of_medians']:.4f}")
-    print(f"median paired ratio:            {o['median_paired_ratio']:.4f}  "
-          f"(IQR {o['paired_ratio_p25']:.4f} .. {o['paired_ratio_p75']:.4f})")
-    print(f"hook cost per step, timed alone: {o['hook_us']:.3f} us = {o['hook_fraction_of_step'] * 100:.4f} % of a step")
+    print(
+        f"median paired ratio:            {o['median_paired_ratio']:.4f}  "
+        f"(IQR {o['paired_ratio_p25']:.4f} .. {o['paired_ratio_p75']:.4f})"
+    )
+    print(
+        f"hook cost per step, timed alone: {o['hook_us']:.3f} us = {o['hook_fraction_of_step'] * 100:.4f} % of a step"
+    )
 
     lat = latency(args.trials)
     st = statistics.median(lat["step_time_s"])
     print()
     print("== request -> trace active ==")
-    print(f"step mode (target: next step boundary), step time {st * 1e3:.1f} ms: "
-          f"median {statistics.median(lat['step_mode_s']) * 1e3:.1f} ms, max {max(lat['step_mode_s']) * 1e3:.1f} ms "
-          f"= {max(lat['step_mode_s']) / st:.2f} steps")
-    print(f"duration mode (target <= 100 ms): median {statistics.median(lat['duration_mode_s']) * 1e3:.1f} ms, "
-          f"max {max(lat['duration_mode_s']) * 1e3:.1f} ms")
+    print(
+        f"step mode (target: next step boundary), step time {st * 1e3:.1f} ms: "
+        f"median {statistics.median(lat['step_mode_s']) * 1e3:.1f} ms, max {max(lat['step_mode_s']) * 1e3:.1f} ms "
+        f"= {max(lat['step_mode_s']) / st:.2f} steps"
+    )
+    print(
+        f"duration mode (target <= 100 ms): median {statistics.median(lat['duration_mode_s']) * 1e3:.1f} ms, "
+        f"max {max(lat['duration_mode_s']) * 1e3:.1f} ms"
+    )
     return 0
 
 

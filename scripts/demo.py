@@ -34,8 +34,21 @@ def main() -> int:
     os.environ.setdefault("DYNPROF_RUN_DIR", tempfile.mkdtemp(prefix="dpdemo-", dir="/tmp"))
     os.environ["DYNPROF_JOB_ID"] = "demo"
     os.environ["PYTHONUNBUFFERED"] = "1"
-    cmd = [sys.executable, "-m", "dynprof", "run", "--", sys.executable, str(PROGRAM),
-           "--step-sleep", "0.02", "--width", "256", "--max-seconds", "120"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "dynprof",
+        "run",
+        "--",
+        sys.executable,
+        str(PROGRAM),
+        "--step-sleep",
+        "0.02",
+        "--width",
+        "256",
+        "--max-seconds",
+        "120",
+    ]
     print("$ dynprof run -- python train_program.py --step-sleep 0.02 --width 256 &   # the training job", flush=True)
     job = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=str(ROOT))
     try:
@@ -47,8 +60,13 @@ def main() -> int:
         print(f"training job running as pid {pid}", flush=True)
         dynprof("ps")
         dynprof("start", "--pid", pid, "--steps", "3")
-        listing = subprocess.run([sys.executable, "-m", "dynprof", "ls", "--kind", "trace", "--json"],
-                                 capture_output=True, text=True, check=True, cwd=str(ROOT))
+        listing = subprocess.run(
+            [sys.executable, "-m", "dynprof", "ls", "--kind", "trace", "--json"],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=str(ROOT),
+        )
         artifact = json.loads(listing.stdout)["artifacts"][0]["path"]
         dynprof("show", artifact)
         dynprof("ls", "--job", "demo")

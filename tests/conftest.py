@@ -20,7 +20,7 @@ PROGRAMS = ROOT / "tests" / "integration" / "programs"
 
 
 # -- capability probes (each tries the capability once) -------------------------------------
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def cuda_device_count() -> int:
     try:
         import torch
@@ -30,7 +30,7 @@ def cuda_device_count() -> int:
         return 0
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def ptrace_works() -> bool:
     """Can py-spy read a child process's stacks here? (CAP_SYS_PTRACE, ptrace_scope)."""
     exe = shutil.which("py-spy")
@@ -55,8 +55,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if "multi_gpu" in item.keywords and cuda_device_count() < 2:
             item.add_marker(pytest.mark.skip(reason="needs two or more CUDA GPUs"))
         if "ptrace" in item.keywords and not ptrace_works():
-            item.add_marker(pytest.mark.skip(
-                reason="py-spy cannot read other processes here (no CAP_SYS_PTRACE or ptrace_scope > 1)"))
+            item.add_marker(
+                pytest.mark.skip(
+                    reason="py-spy cannot read other processes here (no CAP_SYS_PTRACE or ptrace_scope > 1)"
+                )
+            )
 
 
 # -- isolation and hygiene ----------------------------------------------------------------------
@@ -156,10 +159,20 @@ def spawn() -> Iterator[object]:
         full_env["PYTHONUNBUFFERED"] = "1"
         if env:
             full_env.update(env)
-        cmd = [sys.executable, "-m", "dynprof", "run", "-q", "--", sys.executable, *args] if under_run else [
-            sys.executable, *args]
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env,
-                                cwd=str(ROOT), start_new_session=True)
+        cmd = (
+            [sys.executable, "-m", "dynprof", "run", "-q", "--", sys.executable, *args]
+            if under_run
+            else [sys.executable, *args]
+        )
+        proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=full_env,
+            cwd=str(ROOT),
+            start_new_session=True,
+        )
         target = Target(proc)
         targets.append(target)
         return target
@@ -176,8 +189,14 @@ def run_cli(*args: str, timeout: float = 120, env: dict[str, str] | None = None)
     full_env = dict(os.environ)
     if env:
         full_env.update(env)
-    return subprocess.run([sys.executable, "-m", "dynprof", *args], capture_output=True, text=True,
-                          timeout=timeout, env=full_env, cwd=str(ROOT))
+    return subprocess.run(
+        [sys.executable, "-m", "dynprof", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=full_env,
+        cwd=str(ROOT),
+    )
 
 
 @pytest.fixture

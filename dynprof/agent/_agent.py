@@ -105,8 +105,14 @@ class Agent:
         self._thread.start()
         write_record(self.record, directory)
         atexit.register(self.stop)
-        log.info("agent started (%s) pid=%d rank=%s job=%s socket=%s", self.activation, self.pid,
-                 self.identity.rank, self.identity.job_id, path)
+        log.info(
+            "agent started (%s) pid=%d rank=%s job=%s socket=%s",
+            self.activation,
+            self.pid,
+            self.identity.rank,
+            self.identity.job_id,
+            path,
+        )
 
     def _make_record(self, sock_path: str) -> AgentRecord:
         torch = sys.modules.get("torch")

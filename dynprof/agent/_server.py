@@ -17,7 +17,6 @@ import logging
 import os
 import socket
 import struct
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -126,15 +125,21 @@ class ControlServer:
             return self._error(req.request_id, pb.BAD_REQUEST, "request carries no command (unknown to this agent?)")
         handler = self.handlers.get(command)
         if handler is None:
-            return self._error(req.request_id, pb.UNKNOWN_COMMAND, f"command {command!r} is not available in this agent")
+            return self._error(
+                req.request_id, pb.UNKNOWN_COMMAND, f"command {command!r} is not available in this agent"
+            )
         try:
             field, result = handler(getattr(req, command))
         except CommandError as exc:
             return self._error(req.request_id, exc.code, exc.message, exc.help)
         except Exception as exc:
             log.exception("handler %s failed", command)
-            return self._error(req.request_id, pb.INTERNAL, f"{command} failed: {type(exc).__name__}: {exc}",
-                               "See the agent log in the dynprof runtime directory (logs/PID.log).")
+            return self._error(
+                req.request_id,
+                pb.INTERNAL,
+                f"{command} failed: {type(exc).__name__}: {exc}",
+                "See the agent log in the dynprof runtime directory (logs/PID.log).",
+            )
         reply = pb.Reply(protocol_version=PROTOCOL_VERSION, request_id=req.request_id)
         getattr(reply, field).CopyFrom(result)
         return reply

@@ -48,7 +48,7 @@ class StepTracker:
     def add_listener(self, listener: BoundaryListener) -> None:
         with self._lock:
             if listener not in self._listeners:
-                self._listeners = self._listeners + (listener,)
+                self._listeners = (*self._listeners, listener)
 
     def remove_listener(self, listener: BoundaryListener) -> None:
         with self._lock:
@@ -98,8 +98,10 @@ class StepTracker:
             return
         register = getattr(module, "register_optimizer_step_post_hook", None)
         if register is None:
-            log.warning("torch %s has no global optimizer step hook; step mode is unavailable",
-                        getattr(sys.modules.get("torch"), "__version__", "?"))
+            log.warning(
+                "torch %s has no global optimizer step hook; step mode is unavailable",
+                getattr(sys.modules.get("torch"), "__version__", "?"),
+            )
             return
         self._handle = register(self._hook)
         self.hook_installed = True
@@ -149,7 +151,7 @@ class _PostImportFinder(importlib.abc.MetaPathFinder):
             return spec
         loader = spec.loader
         callback = self.callback
-        finder = self
+        this = self
 
         class _Loader(importlib.abc.Loader):
             def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
@@ -158,13 +160,13 @@ class _PostImportFinder(importlib.abc.MetaPathFinder):
             def exec_module(self, module: ModuleType) -> None:
                 loader.exec_module(module)
                 try:
-                    sys.meta_path.remove(finder)
+                    sys.meta_path.remove(this)
                 except ValueError:
                     pass
                 try:
                     callback(module)
                 except Exception:
-                    log.exception("post-import callback for %s failed", finder.name)
+                    log.exception("post-import callback for %s failed", this.name)
 
         spec.loader = _Loader()
         return spec

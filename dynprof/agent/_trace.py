@@ -73,7 +73,7 @@ class TraceController:
                 raise CommandError(
                     pb.BUSY,
                     f"a trace is already {self.state} (group {self.last_group or '-'})",
-                    "Wait for it to finish, or end it with `dynprof stop --pid %d`." % os.getpid(),
+                    f"Wait for it to finish, or end it with `dynprof stop --pid {os.getpid()}`.",
                 )
             now_step = self.steps.step
             step_aligned = msg.steps > 0 or (msg.duration_s == 0 and self._steps_flowing())
@@ -84,9 +84,7 @@ class TraceController:
                     "Use --duration SEC for processes without optimizer steps.",
                 )
             if msg.at_step and msg.at_step <= now_step:
-                raise CommandError(
-                    pb.STEP_PASSED, f"step {msg.at_step} has passed (the process is at step {now_step})"
-                )
+                raise CommandError(pb.STEP_PASSED, f"step {msg.at_step} has passed (the process is at step {now_step})")
             self.req = msg
             self.start_step = msg.at_step or (now_step + 1 if step_aligned else 0)
             self.steps_done = 0
@@ -104,8 +102,13 @@ class TraceController:
             elif not call_soon_in_main_thread(self._start_in_main_thread):
                 self._reset_to_idle("the main thread's pending-call queue is full")
                 raise CommandError(pb.INTERNAL, "could not reach the main thread; try again")
-            log.info("trace armed: steps=%d duration=%.3f start_step=%d group=%s",
-                     msg.steps, msg.duration_s, self.start_step, msg.group_id)
+            log.info(
+                "trace armed: steps=%d duration=%.3f start_step=%d group=%s",
+                msg.steps,
+                msg.duration_s,
+                self.start_step,
+                msg.group_id,
+            )
             return "trace_started", pb.TraceStarted(trace=self.state_pb())
 
     def handle_stop(self, msg: Any) -> tuple[str, Any]:
@@ -271,8 +274,10 @@ class TraceController:
         req = self.req
         partial = bool(req.steps) and self.steps_done < req.steps
         self._export_thread = threading.Thread(
-            target=self._export, args=(session, req, self.steps_done, why, partial),
-            name="dynprof-trace-export", daemon=True,
+            target=self._export,
+            args=(session, req, self.steps_done, why, partial),
+            name="dynprof-trace-export",
+            daemon=True,
         )
         self._export_thread.start()
 
@@ -290,12 +295,19 @@ class TraceController:
                 "group_id": req.group_id,
                 **session.options.to_dict(),
             }
-            writer = store.create(KIND, job=ident.job_id, host=ident.host, rank=ident.rank, options=options,
-                                  extra={"world_size": ident.world_size, "local_rank": ident.local_rank})
+            writer = store.create(
+                KIND,
+                job=ident.job_id,
+                host=ident.host,
+                rank=ident.rank,
+                options=options,
+                extra={"world_size": ident.world_size, "local_rank": ident.local_rank},
+            )
             try:
                 summary = session.export(writer.file_path(TRACE_FILE))
-                summary.update(steps_requested=req.steps, steps_captured=steps_done, stopped_by=why,
-                               start_step=self.start_step)
+                summary.update(
+                    steps_requested=req.steps, steps_captured=steps_done, stopped_by=why, start_step=self.start_step
+                )
                 art = writer.finish(status, summary=summary)
             except BaseException as exc:
                 writer.finish("failed", error=f"{type(exc).__name__}: {exc}")

@@ -93,8 +93,19 @@ def main(argv: list[str] | None = None) -> int:
 
 def report_error(exc: DynprofError, as_json: bool = False) -> None:
     if as_json:
-        print(json.dumps({"error": {"type": type(exc).__name__, "message": exc.message,
-                                    "help": exc.help, "exit_code": exc.exit_code}}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "error": {
+                        "type": type(exc).__name__,
+                        "message": exc.message,
+                        "help": exc.help,
+                        "exit_code": exc.exit_code,
+                    }
+                },
+                indent=2,
+            )
+        )
     print(f"dynprof: error: {exc.message}", file=sys.stderr)
     if exc.help:
         print(f"  what to do: {exc.help}", file=sys.stderr)

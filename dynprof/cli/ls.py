@@ -28,22 +28,42 @@ class LsCommand:
             arts = arts[: args.limit]
         writing = [str(p) for p in store.in_progress()] if args.all else []
         if args.json:
-            print_json({
-                "root": str(store.root),
-                "artifacts": [
-                    {"id": a.id, "path": str(a.path), "kind": a.kind, "status": a.status, "job": a.manifest.get("job"),
-                     "host": a.manifest.get("host"), "rank": a.manifest.get("rank"), "pid": a.manifest.get("pid"),
-                     "created_at": a.created_at, "bytes": a.size}
-                    for a in arts
-                ],
-                "writing": writing,
-            })
+            print_json(
+                {
+                    "root": str(store.root),
+                    "artifacts": [
+                        {
+                            "id": a.id,
+                            "path": str(a.path),
+                            "kind": a.kind,
+                            "status": a.status,
+                            "job": a.manifest.get("job"),
+                            "host": a.manifest.get("host"),
+                            "rank": a.manifest.get("rank"),
+                            "pid": a.manifest.get("pid"),
+                            "created_at": a.created_at,
+                            "bytes": a.size,
+                        }
+                        for a in arts
+                    ],
+                    "writing": writing,
+                }
+            )
             return 0
         if not arts and not writing:
             print(f"no artifacts in {store.root}")
             return 0
-        rows = [(a.id, a.kind, a.status, a.manifest.get("rank") if a.manifest.get("rank") is not None else "-",
-                 a.created_at, human_bytes(a.size)) for a in arts]
+        rows = [
+            (
+                a.id,
+                a.kind,
+                a.status,
+                a.manifest.get("rank") if a.manifest.get("rank") is not None else "-",
+                a.created_at,
+                human_bytes(a.size),
+            )
+            for a in arts
+        ]
         rows += [(p, "?", "writing", "", "", "") for p in writing]
         print(table(rows, ["ID", "KIND", "STATUS", "RANK", "CREATED", "SIZE"]))
         print(f"\n{len(arts)} artifact(s) in {store.root}")

@@ -39,8 +39,9 @@ def agent_rows(records: list[AgentRecord], timeout: float) -> list[dict[str, Any
             "activation": record.activation,
         }
         if isinstance(status, Exception):
-            row.update(state="unresponsive" if isinstance(status, errors.Timeout) else "error",
-                       step=None, error=str(status))
+            row.update(
+                state="unresponsive" if isinstance(status, errors.Timeout) else "error", step=None, error=str(status)
+            )
         else:
             row.update(
                 state=status.trace.state,
@@ -75,19 +76,21 @@ class PsCommand:
             print("no dynprof agents on this node" + (f" for job {args.job}" if args.job else ""))
             print("start one with: dynprof run -- python train.py   (or DYNPROF=1 in the job's environment)")
             return 0
-        print(table(
-            [
-                (
-                    r["pid"],
-                    r["rank"] if r["rank"] is not None else "-",
-                    r["job"] or "-",
-                    r["step"] if r.get("step") is not None else "-",
-                    r["state"],
-                    human_age(r["age_s"]),
-                    " ".join(r["cmdline"])[:60],
-                )
-                for r in rows
-            ],
-            ["PID", "RANK", "JOB", "STEP", "STATE", "AGE", "COMMAND"],
-        ))
+        print(
+            table(
+                [
+                    (
+                        r["pid"],
+                        r["rank"] if r["rank"] is not None else "-",
+                        r["job"] or "-",
+                        r["step"] if r.get("step") is not None else "-",
+                        r["state"],
+                        human_age(r["age_s"]),
+                        " ".join(r["cmdline"])[:60],
+                    )
+                    for r in rows
+                ],
+                ["PID", "RANK", "JOB", "STEP", "STATE", "AGE", "COMMAND"],
+            )
+        )
         return 0

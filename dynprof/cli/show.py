@@ -54,8 +54,14 @@ class ShowCommand:
         problems = art.verify() if args.verify else []
         summary, text = render(art)
         if args.json:
-            print_json({"path": str(art.path), "manifest": art.manifest, "contents": summary,
-                        **({"verify": problems or "ok"} if args.verify else {})})
+            print_json(
+                {
+                    "path": str(art.path),
+                    "manifest": art.manifest,
+                    "contents": summary,
+                    **({"verify": problems or "ok"} if args.verify else {}),
+                }
+            )
             return 1 if problems else 0
         m = art.manifest
         print(f"{art.kind} artifact  {art.path}")

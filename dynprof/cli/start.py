@@ -70,22 +70,43 @@ class StartCommand:
         add_targets(parser)
         bound = parser.add_mutually_exclusive_group()
         bound.add_argument("--steps", type=_positive_int, metavar="N", help="trace exactly N optimizer steps")
-        bound.add_argument("--duration", type=_positive_float, metavar="SEC",
-                           help="trace for SEC seconds (for processes without optimizer steps)")
-        parser.add_argument("--at-step", type=_positive_int, metavar="K",
-                            help="start once step K has completed (step mode; default: the next boundary)")
+        bound.add_argument(
+            "--duration",
+            type=_positive_float,
+            metavar="SEC",
+            help="trace for SEC seconds (for processes without optimizer steps)",
+        )
+        parser.add_argument(
+            "--at-step",
+            type=_positive_int,
+            metavar="K",
+            help="start once step K has completed (step mode; default: the next boundary)",
+        )
         parser.add_argument("--record-shapes", action="store_true", help="record operator input shapes")
         parser.add_argument("--with-stack", action="store_true", help="record Python stacks of operators")
         parser.add_argument("--profile-memory", action="store_true", help="record tensor allocations")
         parser.add_argument("--with-flops", action="store_true", help="estimate FLOPs of matmul/conv")
         parser.add_argument("--with-modules", action="store_true", help="record nn.Module hierarchy")
-        parser.add_argument("--activities", type=_activities, default=[], metavar="cpu,cuda",
-                            help="what to record (default: cpu, plus cuda when the process uses CUDA)")
-        parser.add_argument("--max-duration", type=_positive_float, metavar="SEC",
-                            help="hard cap: the agent ends the trace by itself after this long (default 600)")
+        parser.add_argument(
+            "--activities",
+            type=_activities,
+            default=[],
+            metavar="cpu,cuda",
+            help="what to record (default: cpu, plus cuda when the process uses CUDA)",
+        )
+        parser.add_argument(
+            "--max-duration",
+            type=_positive_float,
+            metavar="SEC",
+            help="hard cap: the agent ends the trace by itself after this long (default 600)",
+        )
         parser.add_argument("--no-wait", action="store_true", help="return once the request is accepted")
-        parser.add_argument("--timeout", type=_positive_float, metavar="SEC",
-                            help="give up waiting after SEC seconds (the trace goes on and ends by itself)")
+        parser.add_argument(
+            "--timeout",
+            type=_positive_float,
+            metavar="SEC",
+            help="give up waiting after SEC seconds (the trace goes on and ends by itself)",
+        )
         add_json(parser)
 
     def run(self, args: argparse.Namespace) -> int:
@@ -100,16 +121,26 @@ class StartCommand:
         at_step = args.at_step or 0
         group_id = uuid.uuid4().hex[:12]
         options = pb.TraceOptions(
-            record_shapes=args.record_shapes, with_stack=args.with_stack, profile_memory=args.profile_memory,
-            with_flops=args.with_flops, with_modules=args.with_modules, activities=args.activities,
+            record_shapes=args.record_shapes,
+            with_stack=args.with_stack,
+            profile_memory=args.profile_memory,
+            with_flops=args.with_flops,
+            with_modules=args.with_modules,
+            activities=args.activities,
         )
         lead = ALIGN_LEAD_S
         for attempt in range(ALIGN_RETRIES):
             if align and not args.at_step:
                 at_step = alignment_step(statuses, lead)
-            request = pb.StartTraceRequest(steps=steps, duration_s=duration, at_step=at_step, options=options,
-                                           max_duration_s=args.max_duration or 0.0, group_id=group_id)
-            replies = parallel(lambda c: c.request(start_trace=request), clients)
+            request = pb.StartTraceRequest(
+                steps=steps,
+                duration_s=duration,
+                at_step=at_step,
+                options=options,
+                max_duration_s=args.max_duration or 0.0,
+                group_id=group_id,
+            )
+            replies = parallel(lambda c, r=request: c.request(start_trace=r), clients)
             failures = [(r, x) for r, x in zip(records, replies) if isinstance(x, Exception)]
             if not failures:
                 break
@@ -119,57 +150,90 @@ class StartCommand:
                 lead *= 4
                 statuses = _check(parallel(lambda c: c.status(), clients), records)
                 continue
-            record, exc = failures[0]
-            raise exc
+            raise failures[0][1]
         started = {r.pid: reply.trace_started.trace for r, reply in zip(records, replies)}
         where = f"at step {at_step}" if at_step else ("at the next step boundary" if steps else "now")
         what = f"{steps} steps" if steps else (f"{duration:g} s" if duration else "until `dynprof stop`")
         if not args.json:
-            print(f"dynprof: trace of {what} requested from {len(records)} process(es), starting {where}"
-                  f" (group {group_id})")
+            print(
+                f"dynprof: trace of {what} requested from {len(records)} process(es), starting {where}"
+                f" (group {group_id})"
+            )
         if args.no_wait:
             if args.json:
-                print_json({"group_id": group_id, "at_step": at_step, "state": "armed",
-                            "targets": [_target(r, started[r.pid].start_step) for r in records]})
+                print_json(
+                    {
+                        "group_id": group_id,
+                        "at_step": at_step,
+                        "state": "armed",
+                        "targets": [_target(r, started[r.pid].start_step) for r in records],
+                    }
+                )
             return 0
         if not steps and not duration:
             return self._wait_active(args, clients, records, group_id)
         return self._wait_done(args, clients, records, group_id, steps, at_step)
 
-    def _wait_active(self, args: argparse.Namespace, clients: list[AgentClient], records: list[AgentRecord],
-                     group_id: str) -> int:
+    def _wait_active(
+        self, args: argparse.Namespace, clients: list[AgentClient], records: list[AgentRecord], group_id: str
+    ) -> int:
         deadline = time.monotonic() + (args.timeout or 120.0)
         progress = Progress(enabled=not args.json)
         while True:
             states = parallel(lambda c: c.status().trace, clients)
             active = [s for s in states if not isinstance(s, Exception) and s.state == "tracing"]
-            failed = [(r, s) for r, s in zip(records, states)
-                      if isinstance(s, Exception) or (s.state == "idle" and s.group_id == group_id)]
+            failed = [
+                (r, s)
+                for r, s in zip(records, states)
+                if isinstance(s, Exception) or (s.state == "idle" and s.group_id == group_id)
+            ]
             if failed:
                 progress.done()
                 record, s = failed[0]
-                raise s if isinstance(s, Exception) else errors.AgentError(
-                    f"pid {record.pid}: the trace did not start: {s.last_error or 'unknown reason'}")
+                raise (
+                    s
+                    if isinstance(s, Exception)
+                    else errors.AgentError(
+                        f"pid {record.pid}: the trace did not start: {s.last_error or 'unknown reason'}"
+                    )
+                )
             if len(active) == len(records):
                 progress.done()
                 if args.json:
-                    print_json({"group_id": group_id, "state": "tracing",
-                                "targets": [_target(r, s.start_step) for r, s in zip(records, states)]})
+                    print_json(
+                        {
+                            "group_id": group_id,
+                            "state": "tracing",
+                            "targets": [_target(r, s.start_step) for r, s in zip(records, states)],
+                        }
+                    )
                 else:
-                    sel = f"--job {args.job}" if args.job else ("--all" if args.all else
-                                                              "--pid " + ",".join(str(r.pid) for r in records))
+                    sel = (
+                        f"--job {args.job}"
+                        if args.job
+                        else ("--all" if args.all else "--pid " + ",".join(str(r.pid) for r in records))
+                    )
                     print(f"dynprof: tracing in {len(records)} process(es); end it with `dynprof stop {sel}`")
                 return 0
             if time.monotonic() > deadline:
                 progress.done()
-                raise errors.Timeout(f"the trace was not active after {args.timeout or 120:g} s",
-                                     help="Check that the process is stepping (`dynprof ps`); the request stays "
-                                          "armed until the hard cap.")
+                raise errors.Timeout(
+                    f"the trace was not active after {args.timeout or 120:g} s",
+                    help="Check that the process is stepping (`dynprof ps`); the request stays "
+                    "armed until the hard cap.",
+                )
             progress.update(f"waiting for the trace to start: {len(active)}/{len(records)} active")
             time.sleep(POLL_S)
 
-    def _wait_done(self, args: argparse.Namespace, clients: list[AgentClient], records: list[AgentRecord],
-                   group_id: str, steps: int, at_step: int) -> int:
+    def _wait_done(
+        self,
+        args: argparse.Namespace,
+        clients: list[AgentClient],
+        records: list[AgentRecord],
+        group_id: str,
+        steps: int,
+        at_step: int,
+    ) -> int:
         deadline = time.monotonic() + args.timeout if args.timeout else None
         progress = Progress(enabled=not args.json)
         results: dict[int, dict[str, Any]] = {}
@@ -180,8 +244,12 @@ class StartCommand:
                 parts = []
                 for (record, _), st in zip(pending, states):
                     if isinstance(st, Exception):
-                        results[record.pid] = {**_target(record, at_step), "status": "failed", "artifact": None,
-                                               "error": f"lost contact with the process: {st}"}
+                        results[record.pid] = {
+                            **_target(record, at_step),
+                            "status": "failed",
+                            "artifact": None,
+                            "error": f"lost contact with the process: {st}",
+                        }
                         continue
                     t = st.trace
                     if t.group_id == group_id and t.state == "idle":
@@ -213,8 +281,10 @@ class StartCommand:
         except KeyboardInterrupt:
             progress.done()
             parallel(lambda c: c.request(stop_trace=pb.StopTraceRequest()), clients)
-            raise errors.DynprofError("interrupted: asked the processes to stop the trace early",
-                                      help="The partial traces are listed by `dynprof ls --kind trace`.") from None
+            raise errors.DynprofError(
+                "interrupted: asked the processes to stop the trace early",
+                help="The partial traces are listed by `dynprof ls --kind trace`.",
+            ) from None
         progress.done()
         ordered = [results[r.pid] for r in records]
         if args.json:
@@ -234,7 +304,7 @@ def _target(record: AgentRecord, start_step: int) -> dict[str, Any]:
 
 
 def _check(statuses: list[Any], records: list[AgentRecord]) -> list[Any]:
-    for record, st in zip(records, statuses):
+    for st in statuses:
         if isinstance(st, Exception):
             raise st
     return statuses

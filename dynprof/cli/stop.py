@@ -34,8 +34,15 @@ class StopCommand:
         for record, client, reply in zip(records, clients, replies):
             if isinstance(reply, Exception):
                 not_running = getattr(reply, "code", None) == pb.NOT_RUNNING
-                results.append({"pid": record.pid, "rank": record.rank, "status": "not-running" if not_running
-                                else "failed", "artifact": None, "error": str(reply)})
+                results.append(
+                    {
+                        "pid": record.pid,
+                        "rank": record.rank,
+                        "status": "not-running" if not_running else "failed",
+                        "artifact": None,
+                        "error": str(reply),
+                    }
+                )
             else:
                 stopping.append((record, client, reply.trace_stopped.trace.group_id))
         if not stopping:
@@ -55,26 +62,43 @@ class StopCommand:
                 for item, st in zip(pending, states):
                     record, _, group = item
                     if isinstance(st, Exception):
-                        results.append({"pid": record.pid, "rank": record.rank, "status": "failed",
-                                        "artifact": None, "error": str(st)})
+                        results.append(
+                            {
+                                "pid": record.pid,
+                                "rank": record.rank,
+                                "status": "failed",
+                                "artifact": None,
+                                "error": str(st),
+                            }
+                        )
                     elif st.state == "idle" and st.group_id == group:
-                        results.append({"pid": record.pid, "rank": record.rank,
-                                        "status": st.last_artifact_status or "failed",
-                                        "artifact": st.last_artifact or None, "error": st.last_error or None})
+                        results.append(
+                            {
+                                "pid": record.pid,
+                                "rank": record.rank,
+                                "status": st.last_artifact_status or "failed",
+                                "artifact": st.last_artifact or None,
+                                "error": st.last_error or None,
+                            }
+                        )
                     else:
                         still.append(item)
                 pending = still
                 if pending:
                     if time.monotonic() > deadline:
                         progress.done()
-                        raise errors.Timeout(f"the trace of {len(pending)} process(es) was not written within "
-                                             f"{args.timeout:g} s", help="See `dynprof ps` and `dynprof ls`.")
+                        raise errors.Timeout(
+                            f"the trace of {len(pending)} process(es) was not written within {args.timeout:g} s",
+                            help="See `dynprof ps` and `dynprof ls`.",
+                        )
                     progress.update(f"stopping: waiting for {len(pending)} artifact(s)")
                     time.sleep(0.1)
             progress.done()
         else:
-            results.extend({"pid": r.pid, "rank": r.rank, "status": "stopping", "artifact": None, "error": None}
-                           for r, _, _ in stopping)
+            results.extend(
+                {"pid": r.pid, "rank": r.rank, "status": "stopping", "artifact": None, "error": None}
+                for r, _, _ in stopping
+            )
         if args.json:
             print_json({"results": results})
         else:

@@ -64,8 +64,10 @@ def test_agent_started_from_code(spawn, cli):
 
 
 def test_registration_record_describes_the_process(spawn, dynprof_dirs):
-    target = spawn([PROGRAM, "--step-sleep", "0.01"], env={"DYNPROF_JOB_ID": "recjob", "RANK": "3",
-                                                           "WORLD_SIZE": "4", "LOCAL_RANK": "1"})
+    target = spawn(
+        [PROGRAM, "--step-sleep", "0.01"],
+        env={"DYNPROF_JOB_ID": "recjob", "RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1"},
+    )
     (pid,) = target.ready_pids()
     record = json.loads((dynprof_dirs["run"] / "agents" / f"{pid}.json").read_text())
     assert record["job_id"] == "recjob" and record["rank"] == 3 and record["world_size"] == 4
@@ -121,8 +123,12 @@ def test_agent_survives_malformed_and_oversized_frames(spawn):
     s.connect(client.sock_path)
     s.sendall(struct.pack(">I", 100) + b"abc")
     s.close()
-    wrong = raw(struct.pack(">I", len(b := pb.Request(protocol_version=PROTOCOL_VERSION + 1,
-                                                      ping=pb.Ping()).SerializeToString())) + b)
+    wrong = raw(
+        struct.pack(
+            ">I", len(b := pb.Request(protocol_version=PROTOCOL_VERSION + 1, ping=pb.Ping()).SerializeToString())
+        )
+        + b
+    )
 
     # THEN each gets a structured error, and the agent still answers and the job still steps
     assert garbage.error.code == pb.BAD_REQUEST
@@ -203,7 +209,7 @@ def _as_nobody(fn):
         try:
             os.close(r)
             os.dup2(w, 2)
-            sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115 - pytest captures sys.stderr
+            sys.stderr = open(2, "w", closefd=False)
             os.setgroups([])
             os.setgid(65534)
             os.setuid(65534)
@@ -250,7 +256,9 @@ def test_agent_refuses_commands_from_another_uid(spawn, dynprof_dirs):
         s.settimeout(5)
         s.connect(sock_path)
         try:
-            send_frame(s, pb.Request(protocol_version=PROTOCOL_VERSION, request_id=1, ping=pb.Ping()).SerializeToString())
+            send_frame(
+                s, pb.Request(protocol_version=PROTOCOL_VERSION, request_id=1, ping=pb.Ping()).SerializeToString()
+            )
             data = s.recv(4)
         except (ConnectionResetError, BrokenPipeError):
             data = b""

@@ -64,8 +64,20 @@ def test_unbounded_start_then_stop(spawn, cli):
 
 def test_two_ranks_of_one_job_start_at_the_same_step(spawn, cli):
     # GIVEN a 2-rank gloo job launched by torchrun under `dynprof run`
-    target = spawn(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", PROGRAM, "--dist",
-                    "--step-sleep", "0.002"], env={"DYNPROF_JOB_ID": "twojob"})
+    target = spawn(
+        [
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            PROGRAM,
+            "--dist",
+            "--step-sleep",
+            "0.002",
+        ],
+        env={"DYNPROF_JOB_ID": "twojob"},
+    )
     target.ready_pids(count=2, timeout=120)
 
     # WHEN one command traces the job's ranks (the torchrun launcher is not a rank and is left out)

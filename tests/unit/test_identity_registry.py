@@ -30,9 +30,24 @@ def test_torchrun_default_run_id_is_not_a_job_id():
 
 
 def _record(pid, rank=None, job="j", ppid=1, started=0.0):
-    return AgentRecord(pid=pid, ppid=ppid, host="h", rank=rank, local_rank=rank, world_size=2, job_id=job,
-                       cmdline=["python"], python_version="3", torch_version=None, dynprof_version="0",
-                       started_at=started, start_ticks=None, socket="/x", log="", activation="run")
+    return AgentRecord(
+        pid=pid,
+        ppid=ppid,
+        host="h",
+        rank=rank,
+        local_rank=rank,
+        world_size=2,
+        job_id=job,
+        cmdline=["python"],
+        python_version="3",
+        torch_version=None,
+        dynprof_version="0",
+        started_at=started,
+        start_ticks=None,
+        socket="/x",
+        log="",
+        activation="run",
+    )
 
 
 def test_select_workers_drops_launcher_and_dataloader_children():

@@ -18,8 +18,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_generated_module_is_current():
     # The checked-in dynprof_pb2.py must match dynprof.proto (regenerate: make proto).
-    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "gen_proto.py"), "--check"],
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "gen_proto.py"), "--check"], capture_output=True, text=True
+    )
     assert result.returncode == 0, result.stderr
 
 
@@ -53,7 +54,7 @@ def _server(handlers):
 
 def _request(**command):
     req = pb.Request(protocol_version=PROTOCOL_VERSION, request_id=7)
-    (name, msg), = command.items()
+    ((name, msg),) = command.items()
     getattr(req, name).CopyFrom(msg)
     return req.SerializeToString()
 

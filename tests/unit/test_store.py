@@ -32,8 +32,9 @@ def test_artifact_is_hidden_until_finished_then_complete_with_checksums(tmp_path
     m = json.loads((art.path / "manifest.json").read_text())
     assert m["status"] == "complete" and m["kind"] == "trace" and m["rank"] == 3 and m["pid"] == 42
     assert m["schema_version"] == 1 and m["options"] == {"steps": 5} and m["summary"] == {"x": 1}
-    assert m["files"] == [{"name": "a.txt", "size": 5,
-                           "sha256": "2cf24dba5fb0a30e26e83b2ac5b9e29e1b161e5c1fa7425e73043362938b9824"}]
+    assert m["files"] == [
+        {"name": "a.txt", "size": 5, "sha256": "2cf24dba5fb0a30e26e83b2ac5b9e29e1b161e5c1fa7425e73043362938b9824"}
+    ]
     assert store.in_progress() == []
     assert art.verify() == []
 
@@ -108,7 +109,9 @@ def test_load_rejects_a_directory_without_manifest(tmp_path):
         Artifact.load(tmp_path)
 
 
-@pytest.mark.parametrize("text,value", [("1024", 1024), ("2K", 2048), ("1.5G", int(1.5 * 1024**3)), ("3MiB", 3 * 1024**2)])
+@pytest.mark.parametrize(
+    "text,value", [("1024", 1024), ("2K", 2048), ("1.5G", int(1.5 * 1024**3)), ("3MiB", 3 * 1024**2)]
+)
 def test_parse_size(text, value):
     assert parse_size(text) == value
 

@@ -25,8 +25,12 @@ def main() -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--agent-api", action="store_true", help="start the agent with dynprof.agent.start()")
-    parser.add_argument("--stop-stepping-after", type=int, default=0,
-                        help="after this many steps, stop stepping and sleep (a stuck loop)")
+    parser.add_argument(
+        "--stop-stepping-after",
+        type=int,
+        default=0,
+        help="after this many steps, stop stepping and sleep (a stuck loop)",
+    )
     args = parser.parse_args()
 
     if args.agent_api:
