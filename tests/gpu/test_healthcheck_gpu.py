@@ -1,0 +1,205 @@
+"""The healthcheck on real GPUs (run on the GPU machine: pytest -m gpu tests/gpu/test_healthcheck_gpu.py).
+
+Set DYNPROF_HC_RESULTS_DIR to keep each run's JSON report there (the measured figures quoted
+in docs/healthcheck.md come from these files).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.gpu
+
+FUNCTIONAL = ("gemm_bf16", "memory_bandwidth", "h2d_bandwidth", "d2h_bandwidth", "memory_pattern")
+
+
+def healthcheck(*args: str, timeout: float = 300, name: str | None = None) -> tuple[int, dict[str, Any], float]:
+    """Run ``python -m healthcheck ARGS --json`` for real; return (exit code, report, wall seconds)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), NCCL_NVLS_ENABLE=os.environ.get("NCCL_NVLS_ENABLE", "0"))
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "healthcheck", *args, "--json", "--no-save"],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=str(ROOT),
+    )
+    wall = time.monotonic() - start
+    assert proc.stdout.strip(), f"no report (exit {proc.returncode}); stderr:\n{proc.stderr[-3000:]}"
+    report = json.loads(proc.stdout)
+    report["wall_s"] = round(wall, 2)
+    keep = os.environ.get("DYNPROF_HC_RESULTS_DIR")
+    if keep and name:
+        Path(keep).mkdir(parents=True, exist_ok=True)
+        (Path(keep) / f"{name}.json").write_text(json.dumps(report, indent=1))
+    return proc.returncode, report, wall
+
+
+def checks(report: dict[str, Any], name: str) -> list[dict[str, Any]]:
+    return [c for c in report["checks"] if c["name"] == name]
+
+
+def gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def test_quick_reads_every_device_in_seconds():
+    # GIVEN a node with CUDA GPUs
+    n = gpu_count()
+
+    # WHEN the quick (passive) level runs
+    code, report, wall = healthcheck("--level", "quick", "--expect-devices", str(n), name="quick")
+
+    # THEN every device was found and read, nothing critical is unknown, and it took seconds
+    print(f"\nquick: exit {code}, wall {wall:.2f} s, timings {report['timings']}")
+    assert code in (0, 1, 2), report
+    assert len(report["devices"]) == n
+    assert checks(report, "devices")[0]["status"] == "pass"
+    for name in ("ecc_mode", "ecc_errors", "row_remap", "clock_events", "temperature", "pcie_link"):
+        found = checks(report, name)
+        assert len(found) == n, name
+        assert all(c["status"] != "unknown" for c in found), found
+    assert not [c for c in report["checks"] if c["critical"] and c["status"] == "unknown"]
+    assert wall < 30, f"quick took {wall:.1f} s"
+
+
+def test_standard_measures_every_device_and_the_allreduce():
+    # GIVEN a node with CUDA GPUs
+    n = gpu_count()
+
+    # WHEN the standard (functional) level runs
+    code, report, wall = healthcheck("--level", "standard", "--expect-devices", str(n), name="standard")
+
+    # THEN each device has a measured, correct value for every functional check
+    print(f"\nstandard: exit {code}, wall {wall:.2f} s, timings {report['timings']}")
+    for c in report["checks"]:
+        if c["metric"] or c["name"] in ("memory_pattern", "clocks_under_load", "pcie_link"):
+            print(
+                f"  {c['name']:<18} dev {c['device']}  {c['status']:<5} {c['value']} {c['unit'] or ''}  {c['reason']}"
+            )
+    for name in FUNCTIONAL:
+        found = checks(report, name)
+        assert len(found) == n, (name, found)
+        for c in found:
+            assert c["status"] != "unknown", c
+            assert c["details"]["correct"] is True, c
+            if c["metric"]:
+                assert c["value"] > 0
+    assert all(c["value"] == 0 for c in checks(report, "memory_pattern"))
+    if n > 1:
+        (allreduce,) = checks(report, "allreduce")
+        assert allreduce["status"] != "unknown", allreduce
+        assert allreduce["value"] > 0 and allreduce["details"]["world_size"] == n
+    assert len(checks(report, "clocks_under_load")) == n
+    assert code in (0, 1), [c for c in report["checks"] if c["status"] in ("fail", "unknown")]
+
+
+@pytest.mark.multi_gpu
+def test_competing_workload_makes_a_device_fail_against_its_peers():
+    # GIVEN a process that runs GEMMs on the last GPU (a device made slow)
+    n = gpu_count()
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(n - 1))
+    hog = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import time, torch\n"
+            "a = torch.randn(8192, 8192, device='cuda', dtype=torch.bfloat16)\n"
+            "print('ready', flush=True)\n"
+            "end = time.time() + 120\n"
+            "while time.time() < end:\n"
+            "    for _ in range(20): a @ a\n"
+            "    torch.cuda.synchronize()\n",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+    try:
+        assert hog.stdout is not None and hog.stdout.readline().strip() == "ready"
+
+        # WHEN the GEMM check runs on every device
+        skip = "memory_bandwidth,h2d_bandwidth,d2h_bandwidth,memory_pattern,allreduce"
+        code, report, _ = healthcheck("--level", "standard", "--skip", skip, name="competing_workload")
+    finally:
+        hog.kill()
+        hog.wait(timeout=30)
+
+    # THEN the shared device fails (slower than its peers, confirmed by a repeat), the others do not
+    gemm = {c["device"]: c for c in checks(report, "gemm_bf16")}
+    for c in gemm.values():
+        print(
+            f"\n  gemm dev {c['device']}: {c['status']} {c['value']} TFLOP/s; {c['reason']}; "
+            f"attempts {c['details'].get('attempts')}"
+        )
+    slow = gemm[n - 1]
+    assert slow["status"] == "fail", slow
+    assert "slower than its" in slow["reason"]
+    assert len(slow["details"]["attempts"]) == 2, "a failing measurement is repeated once"
+    assert all(gemm[i]["status"] != "fail" for i in range(n - 1))
+    assert code == 2
+
+
+@pytest.mark.skipif(shutil.which("nvidia-smi") is None, reason="nvidia-smi is not on PATH")
+def test_smi_backend_reads_through_nvidia_smi():
+    # GIVEN nvidia-smi, standing in for any nvidia-smi-style tool (ppu-smi)
+    n = gpu_count()
+
+    # WHEN the quick level reads the devices through it
+    code, report, wall = healthcheck(
+        "--backend",
+        "smi",
+        "--smi-tool",
+        "nvidia-smi",
+        "--expect-devices",
+        str(n),
+        "--skip",
+        "pcie_link",
+        name="smi_quick",
+    )
+
+    # THEN the devices and their ECC state are read; what the tool cannot give is unknown, never pass
+    print(f"\nsmi: exit {code}, wall {wall:.2f} s")
+    for c in report["checks"]:
+        if c["device"] == 0:
+            print(f"  {c['name']:<18} {c['status']:<7} {c['value']}  {c['reason']}")
+    assert report["backend"] == "smi:nvidia-smi"
+    assert len(report["devices"]) == n
+    assert all(c["status"] in ("pass", "warn") for c in checks(report, "ecc_mode"))
+    assert all(c["status"] in ("pass", "warn", "fail") for c in checks(report, "ecc_errors"))
+    assert checks(report, "xid_live")[0]["status"] == "unknown"
+
+
+def test_benchmarks_on_one_gpu_are_correct():
+    import torch
+
+    from healthcheck.functional.bench import gemm, host_transfer, memory_bandwidth, memory_pattern
+
+    # GIVEN the first GPU
+    device = torch.device("cuda", 0)
+
+    # WHEN the benchmarks run with small sizes
+    g = gemm(device, n=2048, warmup_s=0.1, measure_s=0.2)
+    bw = memory_bandwidth(device, size_bytes=256 * 1024**2, iters=10)
+    h2d, d2h = host_transfer(device, size_bytes=64 * 1024**2, iters=3)
+    pattern = memory_pattern(device, fraction=0.05)
+
+    # THEN each reports a positive figure and a correct result
+    for m in (g, bw, h2d, d2h):
+        assert m.ok and m.value > 0, m
+    assert g.details["max_rel_error"] < 1e-2 and g.details["bitwise_stable"]
+    assert pattern.ok and pattern.value == 0 and pattern.details["tested_bytes"] > 0
