@@ -147,11 +147,17 @@ def read_trace(path: Path) -> dict[str, Any]:
 
 
 def profiler_steps(trace: dict[str, Any]) -> list[dict[str, Any]]:
-    """The ``ProfilerStep#N`` spans of the trace, in order."""
+    """The ``ProfilerStep#N`` spans of the training thread, in order.
+
+    With CUDA activities the profiler also projects each span onto the GPU timeline
+    (category ``gpu_user_annotation``); those copies are not steps of their own.
+    """
     steps = [
         e
         for e in trace.get("traceEvents", [])
-        if e.get("ph") == "X" and str(e.get("name", "")).startswith("ProfilerStep#")
+        if e.get("ph") == "X"
+        and str(e.get("name", "")).startswith("ProfilerStep#")
+        and e.get("cat") != "gpu_user_annotation"
     ]
     steps.sort(key=lambda e: e.get("ts", 0))
     return steps
