@@ -1,0 +1,222 @@
+"""Agent extension: the hang watchdog (opt-in with ``DYNPROF_HANG_TIMEOUT=SEC``).
+
+When no optimizer step completes for the timeout, this process's stacks (every thread) are
+dumped by faulthandler's C watchdog thread, which needs no GIL: it works when the training
+thread is stuck in C code holding the GIL. The dump is then registered as a ``hang`` artifact;
+a second dump follows ``SECOND_DUMP_FACTOR`` timeouts later if the process is still stuck, so
+the two can be compared. Once steps flow again the watchdog re-arms for the next stall.
+
+Cost per optimizer step: nothing. No step listener is installed; a low-frequency monitor thread
+(waking every timeout/4) re-arms faulthandler's timer only when the step counter has advanced,
+so the timer fires between 1 and 1.25 timeouts after the last step. Before the first step
+(compilation, data loading) the watchdog is quiet unless ``DYNPROF_HANG_FIRST_STEP_TIMEOUT`` is
+set.
+
+faulthandler has one such timer per process: a job that calls
+``faulthandler.dump_traceback_later`` itself should not also use the watchdog.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from dynprof.agent._agent import Agent
+
+log = logging.getLogger("dynprof.agent")
+
+ENV_TIMEOUT = "DYNPROF_HANG_TIMEOUT"
+ENV_FIRST_STEP = "DYNPROF_HANG_FIRST_STEP_TIMEOUT"
+SECOND_DUMP_FACTOR = 3.0  # the second dump of a stall comes this many timeouts after the first
+MAX_ARTIFACTS = 20  # per process, over its whole life
+
+
+def _seconds(name: str) -> float:
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return 0.0
+    try:
+        value = float(text)
+    except ValueError:
+        log.warning("%s=%r is not a number of seconds; the hang watchdog is off", name, text)
+        return 0.0
+    return value if value > 0 else 0.0
+
+
+class HangWatchdog:
+    def __init__(self, agent: Agent, timeout_s: float, first_step_timeout_s: float = 0.0) -> None:
+        self.agent = agent
+        self.timeout_s = timeout_s
+        self.first_step_timeout_s = first_step_timeout_s
+        self.interval_s = max(0.05, timeout_s / 4)
+        self.artifacts: list[str] = []
+        self.state = "waiting for the first step"
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._file: IO[str] | None = None
+        self._file_path: Path | None = None
+        self._seq = 0
+        self._armed_for = 0.0
+        self._seen_step = -1
+        self._progress_at = time.time()
+        self._dumps_this_stall = 0
+
+    # -- life cycle -------------------------------------------------------------------------
+    def start(self) -> None:
+        from dynprof.paths import ensure_private_dir, run_dir
+
+        self._dir = run_dir() / "hang"
+        ensure_private_dir(self._dir)
+        self._thread = threading.Thread(target=self._run, name="dynprof-hang", daemon=True)
+        self._thread.start()
+        log.info(
+            "hang watchdog on: timeout %.3g s (first step: %s)",
+            self.timeout_s,
+            f"{self.first_step_timeout_s:g} s" if self.first_step_timeout_s else "not watched",
+        )
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._disarm()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=2)
+        self._close_file(remove_if_empty=True)
+
+    # -- faulthandler's timer ---------------------------------------------------------------
+    def _open_file(self) -> IO[str]:
+        if self._file is None:
+            self._seq += 1
+            self._file_path = self._dir / f"{os.getpid()}-{self._seq}.txt"
+            self._file = open(self._file_path, "w")  # kept open: faulthandler writes into it
+        return self._file
+
+    def _close_file(self, remove_if_empty: bool = False) -> None:
+        fh, path = self._file, self._file_path
+        self._file = None
+        if fh is not None:
+            with contextlib.suppress(OSError):
+                fh.close()
+            if remove_if_empty and path is not None:
+                with contextlib.suppress(OSError):
+                    if path.stat().st_size == 0:
+                        path.unlink()
+
+    def _arm(self, seconds: float) -> None:
+        faulthandler.dump_traceback_later(seconds, repeat=False, file=self._open_file(), exit=False)
+        self._armed_for = seconds
+
+    def _disarm(self) -> None:
+        if self._armed_for:
+            faulthandler.cancel_dump_traceback_later()
+            self._armed_for = 0.0
+
+    def _fired(self) -> bool:
+        path = self._file_path
+        if not self._armed_for or path is None:
+            return False
+        try:
+            return path.stat().st_size > 0
+        except OSError:
+            return False
+
+    # -- the monitor thread -----------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self._check()
+            except Exception:
+                log.exception("hang watchdog check failed; it stops")
+                self._disarm()
+                return
+
+    def _check(self) -> None:
+        steps = self.agent.steps
+        step = steps.step
+        if step != self._seen_step:
+            first = self._seen_step < 0
+            self._seen_step = step
+            self._progress_at = time.time()
+            if self._dumps_this_stall:
+                log.info("steps flow again (step %d) after a stall; the watchdog re-arms", step)
+                self._dumps_this_stall = 0
+            if step > 0:
+                self._arm(self.timeout_s)  # restarts the C timer: it fires timeout after now
+                self.state = "armed"
+            elif first and self.first_step_timeout_s:
+                self._arm(self.first_step_timeout_s)
+                self.state = "armed (first step)"
+            return
+        if not self._fired():
+            return
+        time.sleep(0.05)  # let faulthandler finish writing
+        self._armed_for = 0.0
+        self._dumps_this_stall += 1
+        path = self._file_path
+        self._close_file()
+        if path is not None:
+            self._register(path, step)
+        if self._dumps_this_stall == 1 and len(self.artifacts) < MAX_ARTIFACTS:
+            self._arm(self.timeout_s * SECOND_DUMP_FACTOR)
+            self.state = "stalled; second dump armed"
+        else:
+            self.state = "stalled; dumped"
+
+    def _register(self, dump: Path, step: int) -> None:
+        from collectors.stacks import HANG_KIND, ProcessStacks, parse_faulthandler, render_process
+        from dynprof.store import ArtifactStore
+
+        if len(self.artifacts) >= MAX_ARTIFACTS:
+            log.warning("hang dump %s not registered: %d artifacts already", dump, MAX_ARTIFACTS)
+            return
+        text = dump.read_text(errors="replace")
+        names = {t.ident: (t.name, getattr(t, "native_id", None)) for t in threading.enumerate() if t.ident}
+        stalled = time.time() - (self.agent.steps.last_step_at or self._progress_at)
+        ident = self.agent.identity
+        stacks = ProcessStacks(
+            pid=os.getpid(),
+            method="faulthandler",
+            rank=ident.rank,
+            job=ident.job_id,
+            host=ident.host,
+            threads=parse_faulthandler(text, os.getpid(), names, threading.main_thread().ident),
+            captured_at=time.time(),
+            notes=[f"hang watchdog: no optimizer step for {stalled:.1f} s after step {step}"],
+        )
+        main = stacks.main_thread()
+        main_frames = main.frames if main is not None else []
+        summary: dict[str, Any] = {
+            "step": step,
+            "stalled_for_s": round(stalled, 1),
+            "timeout_s": self.timeout_s,
+            "dump": self._dumps_this_stall,
+            "main_thread": [f.where() for f in main_frames][:3],
+        }
+        writer = ArtifactStore().create(
+            HANG_KIND, job=ident.job_id, host=ident.host, rank=ident.rank, options={"timeout_s": self.timeout_s}
+        )
+        writer.write_text("hang.txt", text)
+        writer.write_json("stacks.json", stacks.to_dict())
+        writer.write_text("stacks.txt", render_process(stacks) + "\n")
+        art = writer.finish("complete", summary=summary)
+        self.artifacts.append(str(art.path))
+        with contextlib.suppress(OSError):
+            dump.unlink()
+        log.warning("no optimizer step for %.0f s (after step %d): stacks saved in %s", stalled, step, art.path)
+
+
+def install(agent: Agent) -> HangWatchdog | None:
+    timeout = _seconds(ENV_TIMEOUT)
+    if not timeout:
+        return None
+    watchdog = HangWatchdog(agent, timeout, _seconds(ENV_FIRST_STEP))
+    watchdog.start()
+    agent.hang_watchdog = watchdog  # type: ignore[attr-defined]
+    agent.exit_callbacks.append(watchdog.stop)
+    return watchdog

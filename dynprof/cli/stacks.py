@@ -1,0 +1,287 @@
+"""Print the stacks of running processes (or a core file), grouped by where they are.
+
+    dynprof stacks --job JOB                 # every rank of a job, grouped by identical stack
+    dynprof stacks --pid 4242,4243 --native  # any Python process, with or without an agent
+    dynprof stacks --core core.4242 [--executable /usr/bin/python3]
+
+Stacks are read from outside the process with py-spy (Python frames) or pystack (with
+--native), so this works on a rank stuck in C code, holding the GIL, or stopped. When reading
+from outside is refused (no CAP_SYS_PTRACE, Yama ptrace_scope, another user), the dynprof agent
+inside the process answers instead, and the output says so and why. All targets are read in
+parallel; one artifact holds every process's dump (text and JSON) and the merged view.
+
+The merged view groups processes by the stack of their main thread, largest group first, and
+for each other group names the frame where it departs from the largest one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from dynprof import errors
+from dynprof.cli._common import add_json, add_targets, parallel, print_json, resolve_agents
+from dynprof.registry import AgentRecord, read_record
+
+METHODS = ("auto", "py-spy", "pystack", "agent")
+
+
+@dataclass
+class Target:
+    pid: int
+    record: AgentRecord | None
+
+    @property
+    def rank(self) -> int | None:
+        return self.record.rank if self.record is not None else None
+
+
+class StacksCommand:
+    """Print the stacks of running processes (or a core file), grouped by where they are."""
+
+    def prepare_parser(self, parser: argparse.ArgumentParser) -> None:
+        add_targets(parser, required=False)
+        parser.add_argument("--core", metavar="CORE", help="read a core file (through pystack) instead of processes")
+        parser.add_argument("--executable", metavar="EXE", help="with --core: the Python executable that dumped it")
+        parser.add_argument("--native", action="store_true", help="include native (C/C++) frames")
+        parser.add_argument("--locals", action="store_true", help="include local variables of each frame")
+        parser.add_argument(
+            "--method",
+            choices=METHODS,
+            default="auto",
+            help="how to read: auto (py-spy, then pystack, then the agent), or one of them",
+        )
+        parser.add_argument(
+            "--timeout", type=float, default=15.0, metavar="SEC", help="per-process limit for each reader (default 15)"
+        )
+        parser.add_argument("--no-save", action="store_true", help="print only; do not save an artifact")
+        parser.add_argument("--full", action="store_true", help="also print every process's dump, all threads")
+        add_json(parser)
+
+    # -- entry ---------------------------------------------------------------------------------
+    def run(self, args: argparse.Namespace) -> int:
+        from collectors import stacks as st
+
+        chosen = [x for x in (args.pid, args.job, args.all, args.core) if x]
+        if len(chosen) != 1:
+            raise errors.UsageError(
+                "give exactly one of --pid, --job, --all or --core", help="See `dynprof stacks --help`."
+            )
+        if args.executable and not args.core:
+            raise errors.UsageError("--executable goes with --core")
+        t0 = time.monotonic()
+        failures: dict[str, str] = {}
+        if args.core:
+            processes = [self._core(args)]
+        else:
+            targets = self._targets(args)
+            results = parallel(lambda t: self._capture(t, args), targets)
+            processes = [r for r in results if isinstance(r, st.ProcessStacks)]
+            failed = [(t, r) for t, r in zip(targets, results) if not isinstance(r, st.ProcessStacks)]
+            for t, exc in failed:
+                if not isinstance(exc, errors.DynprofError):
+                    raise exc
+                failures[f"pid {t.pid}" if t.rank is None else f"rank {t.rank} (pid {t.pid})"] = exc.message
+            if not processes:
+                # Nothing read: the error of the first target says what to do.
+                raise failed[0][1]
+        elapsed = time.monotonic() - t0
+        groups = st.group_processes(processes)
+        artifact = None if args.no_save else self._save(args, processes, failures)
+        if args.json:
+            print_json(
+                {
+                    "artifact": str(artifact.path) if artifact else None,
+                    "elapsed_s": round(elapsed, 3),
+                    "groups": [g.to_dict() for g in groups],
+                    "processes": [
+                        {
+                            "pid": p.pid,
+                            "rank": p.rank,
+                            "method": p.method,
+                            "native": p.native,
+                            "fallback_reason": p.fallback_reason,
+                            "fallback_help": p.fallback_help,
+                            "threads": len(p.threads),
+                        }
+                        for p in processes
+                    ],
+                    "failures": failures,
+                }
+            )
+        else:
+            print(st.render_merged(processes, groups), end="")
+            if args.full:
+                for p in processes:
+                    print()
+                    print(st.render_process(p))
+            for who, why in failures.items():
+                print(f"FAILED {who}: {why}")
+            for p in processes:
+                if p.fallback_help:
+                    print(f"  to read {p.label} from outside next time: {p.fallback_help}")
+            print(
+                f"\n{len(processes)} process(es) read in {elapsed:.2f} s"
+                + (f"; artifact {artifact.path}" if artifact else "")
+            )
+        if failures:
+            return 1
+        return 0
+
+    # -- targets -------------------------------------------------------------------------------
+    def _targets(self, args: argparse.Namespace) -> list[Target]:
+        if args.pid:
+            targets = []
+            for pid in dict.fromkeys(args.pid):
+                errors.probe_pid(pid)  # dead pid (3), another user's (4)
+                record = read_record(pid)
+                if record is not None and (record.pid != pid or not record.is_alive()):
+                    record = None
+                targets.append(Target(pid, record))
+            return targets
+        return [Target(r.pid, r) for r in resolve_agents(args)]
+
+    # -- one process -------------------------------------------------------------------------
+    def _capture(self, target: Target, args: argparse.Namespace) -> Any:
+        from collectors import stacks as st
+
+        pid = target.pid
+        attempts: list[str] = []
+        refusal: str | None = None
+        if args.method != "agent":
+            refusal = st.ptrace_refusal(pid)
+            if refusal is None:
+                readers = {"py-spy": st.capture_py_spy, "pystack": st.capture_pystack}
+                order = (
+                    [args.method]
+                    if args.method != "auto"
+                    else (["pystack", "py-spy"] if args.native else ["py-spy", "pystack"])
+                )
+                for name in order:
+                    try:
+                        result = readers[name](pid, native=args.native, locals=args.locals, timeout=args.timeout)
+                    except st.CaptureError as exc:
+                        attempts.append(f"{exc.method} failed: {exc.reason}")
+                        continue
+                    return self._finish(result, target, attempts)
+            else:
+                attempts.append(refusal)
+        if target.record is not None and args.method in ("auto", "agent"):
+            try:
+                result = self._from_agent(target, args)
+            except errors.DynprofError as exc:
+                attempts.append(f"the agent could not answer: {exc.message}")
+            else:
+                if args.native:
+                    result.notes.append("native frames are not available from inside the process")
+                result = self._finish(result, target, attempts)
+                if refusal is not None:
+                    result.fallback_help = errors.PermissionDenied.default_help
+                return result
+        raise self._classify(pid, refusal, attempts, target.record is not None, args)
+
+    def _finish(self, result: Any, target: Target, attempts: list[str]) -> Any:
+        rec = target.record
+        if rec is not None:
+            result.rank, result.job, result.host = rec.rank, rec.job_id, rec.host
+        else:
+            import socket
+
+            result.host = socket.gethostname()
+        if attempts:
+            result.fallback_reason = "; ".join(attempts)
+        return result
+
+    def _from_agent(self, target: Target, args: argparse.Namespace) -> Any:
+        import os
+        import tempfile
+
+        from collectors.stacks import ProcessStacks
+        from dynprof.client import AgentClient
+        from dynprof.proto import pb
+
+        assert target.record is not None
+        client = AgentClient.for_record(target.record, timeout=min(args.timeout, 10.0))
+        with tempfile.TemporaryDirectory(prefix="dynprof-stacks-") as tmp:
+            out = os.path.join(tmp, f"{target.pid}.json")
+            client.request(dump_stacks=pb.DumpStacksRequest(all_threads=True, locals=args.locals, output_path=out))
+            with open(out) as fh:
+                return ProcessStacks.from_dict(json.load(fh))
+
+    def _classify(
+        self, pid: int, refusal: str | None, attempts: list[str], has_agent: bool, args: argparse.Namespace
+    ) -> errors.DynprofError:
+        from collectors import stacks as st
+
+        detail = "; ".join(attempts)
+        if refusal is not None:
+            hint = (
+                ""
+                if has_agent
+                else (
+                    " With the dynprof agent in the process, dynprof would ask it instead: "
+                    + errors.NoAgent.default_help
+                )
+            )
+            return errors.PtraceRefused(
+                f"cannot read the stacks of pid {pid}: {detail}", help=errors.PermissionDenied.default_help + hint
+            )
+        if args.method == "agent" and not has_agent:
+            return errors.NoAgent(f"process {pid} has no dynprof agent to ask (--method agent)")
+        if st.looks_like_python(pid) is False:
+            return errors.NotPython(f"process {pid} ({_comm(pid)}) is not a Python process: {detail}")
+        return errors.DynprofError(
+            f"cannot read the stacks of pid {pid}: {detail}",
+            help="Try --method pystack or --method py-spy, or a longer --timeout; "
+            "check that py-spy and pystack are installed (`pip install py-spy pystack`).",
+        )
+
+    # -- core files ------------------------------------------------------------------------------
+    def _core(self, args: argparse.Namespace) -> Any:
+        import os
+
+        from collectors import stacks as st
+
+        if not os.path.exists(args.core):
+            raise errors.DynprofError(f"no core file {args.core}")
+        if args.executable and not os.path.exists(args.executable):
+            raise errors.DynprofError(f"no executable {args.executable}")
+        try:
+            return st.capture_core(
+                args.core, args.executable, native=args.native, locals=args.locals, timeout=max(args.timeout, 120.0)
+            )
+        except st.CaptureError as exc:
+            raise errors.DynprofError(
+                f"cannot read core file {args.core}: {exc.reason}",
+                help="Give the Python executable that produced it with --executable; the core must come from "
+                "a Python process and the shared libraries it used must be present here.",
+            ) from None
+
+    # -- artifact ------------------------------------------------------------------------------
+    def _save(self, args: argparse.Namespace, processes: list[Any], failures: dict[str, str]) -> Any:
+        from collectors.stacks import KIND, write_request_artifact
+        from dynprof.store import ArtifactStore
+
+        jobs = {p.job for p in processes if p.job}
+        job = args.job or (jobs.pop() if len(jobs) == 1 else None)
+        options = {
+            "native": args.native,
+            "locals": args.locals,
+            "method": args.method,
+            "targets": [p.pid for p in processes],
+            "core": args.core,
+        }
+        writer = ArtifactStore().create(KIND, job=job, options=options)
+        summary = write_request_artifact(writer, processes, failures)
+        return writer.finish("partial" if failures else "complete", summary=summary)
+
+
+def _comm(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as fh:
+            return fh.read().strip()
+    except OSError:
+        return "?"
