@@ -1,0 +1,86 @@
+"""`dynprof run` options for memory capture; the agent reads the variables they set."""
+
+from __future__ import annotations
+
+import argparse
+
+from collectors._mem_policy import DEFAULT_POLICY, PolicyError, parse_policy
+from dynprof import errors
+from dynprof.cli.run import RUN_OPTIONS
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("memory capture")
+    group.add_argument(
+        "--memory-history",
+        metavar="N|off|all-stacks[:N]|state",
+        help="CUDA allocator history recorded for snapshots: the last N events with Python stacks, "
+        f"off, the same with C++ frames too (slow), or the stacks of live blocks only "
+        f"(default: {DEFAULT_POLICY.max_entries} events with Python stacks)",
+    )
+    group.add_argument(
+        "--memory-oom-interval",
+        type=float,
+        metavar="SECONDS",
+        help="at most one CUDA OOM capture per this many seconds in a process (default 60)",
+    )
+    group.add_argument(
+        "--memory-oom-max",
+        type=int,
+        metavar="N",
+        help="at most N CUDA OOM captures per process (default 3; 0 turns OOM capture off)",
+    )
+    group.add_argument(
+        "--host-memory-fraction",
+        metavar="F|off",
+        help="capture host-memory state once a process's memory passes this fraction of its "
+        "cgroup limit (or of the machine's memory) (default 0.9)",
+    )
+    group.add_argument(
+        "--host-memory-limit",
+        metavar="SIZE",
+        help="weigh host memory against this limit instead of the cgroup's (e.g. 48G)",
+    )
+
+
+def apply(args: argparse.Namespace, env: dict[str, str]) -> None:
+    if getattr(args, "memory_history", None) is not None:
+        try:
+            policy = parse_policy(args.memory_history)
+        except PolicyError as exc:
+            raise errors.UsageError(
+                f"--memory-history: {exc}",
+                help="Give a number of events (100000), off, all-stacks, all-stacks:N or state.",
+            ) from None
+        env["DYNPROF_MEMORY_HISTORY"] = policy.describe()
+    if getattr(args, "memory_oom_interval", None) is not None:
+        if args.memory_oom_interval < 0:
+            raise errors.UsageError("--memory-oom-interval must be >= 0")
+        env["DYNPROF_MEMORY_OOM_INTERVAL_S"] = repr(float(args.memory_oom_interval))
+    if getattr(args, "memory_oom_max", None) is not None:
+        if args.memory_oom_max < 0:
+            raise errors.UsageError("--memory-oom-max must be >= 0")
+        env["DYNPROF_MEMORY_OOM_MAX"] = str(int(args.memory_oom_max))
+    fraction = getattr(args, "host_memory_fraction", None)
+    if fraction is not None:
+        if fraction.strip().lower() in ("off", "0"):
+            env["DYNPROF_HOST_MEMORY_FRACTION"] = "off"
+        else:
+            try:
+                value = float(fraction)
+            except ValueError:
+                value = -1.0
+            if not 0 < value <= 1:
+                raise errors.UsageError(f"--host-memory-fraction {fraction!r} is not a number in (0, 1] or off")
+            env["DYNPROF_HOST_MEMORY_FRACTION"] = repr(value)
+    limit = getattr(args, "host_memory_limit", None)
+    if limit is not None:
+        from dynprof.store import parse_size
+
+        try:
+            env["DYNPROF_HOST_MEMORY_LIMIT"] = str(parse_size(limit))
+        except errors.DynprofError as exc:
+            raise errors.UsageError(f"--host-memory-limit: {exc.message}", help=exc.help) from None
+
+
+RUN_OPTIONS.append((add_arguments, apply))

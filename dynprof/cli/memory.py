@@ -1,0 +1,118 @@
+"""`dynprof memory`: CUDA memory snapshots and allocator history of running processes."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from dynprof import errors
+from dynprof.cli._common import add_json, add_targets, human_bytes, parallel, print_json, resolve_agents, table
+from dynprof.client import AgentClient
+from dynprof.proto import pb
+
+
+class MemoryCommand:
+    """Take a CUDA memory snapshot of running processes now, or turn allocator history on or off.
+
+    dynprof memory --pid 1234                          snapshot now (same artifact as at an OOM)
+    dynprof memory --job JOB --history-start 200000    record the next 200000 allocator events
+    dynprof memory --all --history-stop                stop recording history
+
+    Each snapshot is one `memory` artifact per process (see `dynprof show`, `dynprof memory-report`).
+    Starting history clears what was recorded before, so the next snapshot shows only what happened
+    since; --stacks all adds C++ frames, which makes recording and dumping much slower.
+    """
+
+    def prepare_parser(self, parser: argparse.ArgumentParser) -> None:
+        add_targets(parser)
+        action = parser.add_mutually_exclusive_group()
+        action.add_argument(
+            "--history-start",
+            type=int,
+            metavar="N",
+            help="start recording the next N allocator events (with stacks) instead of a snapshot",
+        )
+        action.add_argument("--history-stop", action="store_true", help="stop recording allocator history")
+        parser.add_argument(
+            "--stacks",
+            choices=("python", "all"),
+            default="python",
+            help="with --history-start: Python frames only (default) or C++ frames too",
+        )
+        parser.add_argument(
+            "--timeout", type=float, default=300.0, help="seconds to wait for each process's snapshot (default 300)"
+        )
+        add_json(parser)
+
+    def run(self, args: argparse.Namespace) -> int:
+        if args.history_start is not None and args.history_start <= 0:
+            raise errors.UsageError("--history-start N needs N > 0 events", help="Use --history-stop to stop.")
+        records = resolve_agents(args)
+        history = args.history_start is not None or args.history_stop
+        if history:
+            message: Any = pb.MemoryHistoryRequest(
+                enable=not args.history_stop, max_entries=args.history_start or 0, stacks=args.stacks
+            )
+            command, timeout = "memory_history", 30.0
+        else:
+            message, command, timeout = pb.MemorySnapshotRequest(), "memory_snapshot", args.timeout
+
+        def ask(record: Any) -> Any:
+            return AgentClient.for_record(record, timeout=timeout).request(**{command: message})
+
+        replies = parallel(ask, records)
+        results: list[dict[str, Any]] = []
+        failures: list[errors.DynprofError] = []
+        for record, reply in zip(records, replies):
+            res: dict[str, Any] = {"pid": record.pid, "rank": record.rank, "job": record.job_id}
+            if isinstance(reply, errors.DynprofError):
+                res.update(status="failed", error=reply.message, help=reply.help, exit_code=reply.exit_code)
+                failures.append(reply)
+            elif isinstance(reply, Exception):
+                raise reply
+            elif history:
+                res.update(status="ok", memory_history=reply.ack.detail)
+            else:
+                res.update(
+                    status=reply.artifact.status,
+                    artifact=reply.artifact.path,
+                    summary=json.loads(reply.artifact.summary_json or "{}"),
+                )
+            results.append(res)
+        failed = [r for r in results if r["status"] not in ("ok", "complete")]
+        code = 0
+        if failed:
+            codes = {r.get("exit_code", 1) for r in failed}
+            code = codes.pop() if len(codes) == 1 else 1
+        if len(results) == 1 and failures and not args.json:
+            raise failures[0]
+        if args.json:
+            print_json({"results": results})
+            return code
+        self._print(results, history)
+        for r in failed:
+            if r.get("help"):
+                print(f"  what to do: {r['help']}")
+        return code
+
+    @staticmethod
+    def _print(results: list[dict[str, Any]], history: bool) -> None:
+        rows = []
+        for r in results:
+            who = f"rank {r['rank']}" if r["rank"] is not None else "-"
+            if r["status"] == "failed":
+                rows.append([who, r["pid"], "failed", r["error"]])
+            elif history:
+                rows.append([who, r["pid"], "ok", f"memory history: {r['memory_history']}"])
+            else:
+                s = r.get("summary") or {}
+                detail = (
+                    f"{human_bytes(s.get('allocated_bytes') or 0)} allocated / "
+                    f"{human_bytes(s.get('reserved_bytes') or 0)} reserved, {s.get('capture_s')} s"
+                )
+                if s.get("top_site"):
+                    detail += f"; top site {s['top_site']} ({human_bytes(s.get('top_site_bytes') or 0)})"
+                rows.append([who, r["pid"], r["status"], detail])
+                rows.append(["", "", "", r["artifact"]])
+        print(table(rows, ["rank", "pid", "status", "result"]))

@@ -1,0 +1,158 @@
+"""`dynprof memory-report`: an offline report of a CUDA memory snapshot."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from dynprof import errors
+from dynprof.cli._common import add_json, print_json
+from dynprof.store import MANIFEST, Artifact, ArtifactStore
+
+EMBED_PICKLE_MAX = 20 * 1024 * 1024
+
+
+class MemoryReportCommand:
+    """Summarise a CUDA memory snapshot and write a self-contained HTML report.
+
+    dynprof memory-report ARTIFACT_OR_PICKLE [-o report.html]
+
+    ARTIFACT_OR_PICKLE is a `memory` artifact (path, id or end of an id from `dynprof ls`) or any
+    snapshot pickle (torch.cuda.memory._dump_snapshot). The summary is printed; the HTML opens
+    without network access. --torch-viz also writes PyTorch's own interactive viewer page, which
+    loads its scripts from a CDN when opened.
+    """
+
+    def prepare_parser(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("source", metavar="ARTIFACT_OR_PICKLE", help="memory artifact or snapshot pickle")
+        parser.add_argument(
+            "-o",
+            "--output",
+            metavar="OUT.html",
+            help="where to write the HTML report (default: memory-report-<name>.html here)",
+        )
+        parser.add_argument("--no-html", action="store_true", help="only print the summary")
+        parser.add_argument(
+            "--torch-viz",
+            metavar="FILE.html",
+            help="also write torch.cuda._memory_viz.trace_plot's page (needs internet to open)",
+        )
+        parser.add_argument("--top", type=int, default=10, help="rows in the site and block tables (default 10)")
+        add_json(parser)
+
+    def run(self, args: argparse.Namespace) -> int:
+        from collectors import memory_snapshot as ms
+
+        pickle_path, artifact = _locate(args.source)
+        data = _read(pickle_path)
+        snapshot = ms.parse_snapshot(data, str(pickle_path))
+        summary = ms.summarize_snapshot(snapshot, top=args.top)
+        if artifact is not None:  # what the capture knew beyond the snapshot: trigger, OOM, free/total
+            saved = artifact.file(ms.SUMMARY_FILE)
+            if saved.exists():
+                try:
+                    captured = json.loads(saved.read_text())
+                    for key in (
+                        "trigger",
+                        "memory_history",
+                        "torch_version",
+                        "failing_allocation",
+                        "device_memory",
+                        "capture",
+                    ):
+                        if key in captured:
+                            summary[key] = captured[key]
+                except ValueError:
+                    pass
+        html_path = None
+        if not args.no_html:
+            from collectors._mem_html import render_html
+
+            name = artifact.path.name if artifact is not None else pickle_path.stem
+            html_path = Path(args.output) if args.output else Path.cwd() / f"memory-report-{name}.html"
+            page = render_html(
+                snapshot,
+                summary,
+                title=f"CUDA memory: {name}",
+                source=str(pickle_path),
+                pickle_bytes=data if len(data) <= EMBED_PICKLE_MAX else None,
+            )
+            try:
+                html_path.write_text(page)
+            except OSError as exc:
+                raise errors.DynprofError(
+                    f"cannot write {html_path}: {exc}", help="Give a writable path with -o."
+                ) from None
+        viz_path = None
+        if args.torch_viz:
+            viz_path = Path(args.torch_viz)
+            try:
+                from torch.cuda import _memory_viz  # type: ignore[attr-defined]
+            except Exception as exc:
+                raise errors.Unsupported(f"--torch-viz needs torch here: {type(exc).__name__}: {exc}") from None
+            trace_plot: Any = _memory_viz.trace_plot
+            viz_path.write_text(trace_plot(snapshot))
+        if args.json:
+            print_json(
+                {
+                    "source": str(pickle_path),
+                    "html": str(html_path) if html_path else None,
+                    "torch_viz": str(viz_path) if viz_path else None,
+                    "summary": summary,
+                }
+            )
+            return 0
+        print(ms.format_summary(summary, top=args.top))
+        if not summary.get("history_recorded"):
+            print("\nnote: no allocation history or stacks in this snapshot (memory history was off in the process)")
+        if html_path:
+            print(f"\nHTML report: {html_path}")
+        if viz_path:
+            print(f"PyTorch's interactive viewer: {viz_path} (loads its scripts from cdn.jsdelivr.net when opened)")
+        return 0
+
+
+def _read(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        raise errors.ArtifactError(
+            f"{path}: no such file or artifact",
+            help="Give a memory artifact (`dynprof ls --kind memory`) or a snapshot pickle.",
+        ) from None
+    except OSError as exc:
+        raise errors.ArtifactError(f"cannot read {path}: {exc}") from None
+
+
+def _locate(source: str) -> tuple[Path, Artifact | None]:
+    from collectors.memory_snapshot import KIND, SNAPSHOT_FILE
+
+    path = Path(source).expanduser()
+    if path.is_file() and path.name != MANIFEST:
+        return path, None
+    if path.is_dir() and not (path / MANIFEST).exists():
+        if (path / SNAPSHOT_FILE).exists():
+            return path / SNAPSHOT_FILE, None
+        raise errors.ArtifactError(
+            f"{path} is a directory without a {SNAPSHOT_FILE}",
+            help="Give a memory artifact (`dynprof ls --kind memory`) or a snapshot pickle.",
+        )
+    try:
+        artifact = ArtifactStore().get(source)
+    except errors.ArtifactError:
+        if not path.exists():
+            raise errors.ArtifactError(
+                f"{source}: no such file or artifact",
+                help="Give a memory artifact (`dynprof ls --kind memory`) or a snapshot pickle.",
+            ) from None
+        raise
+    if artifact.kind != KIND:
+        raise errors.ArtifactError(
+            f"{artifact.path} is a {artifact.kind!r} artifact, not a memory snapshot",
+            help="List memory artifacts with `dynprof ls --kind memory`.",
+        )
+    if artifact.status == "failed":
+        raise errors.ArtifactError(f"{artifact.path}: the capture failed ({artifact.manifest.get('error')})")
+    return artifact.file(SNAPSHOT_FILE), artifact
