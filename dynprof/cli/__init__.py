@@ -40,20 +40,19 @@ class Command(Protocol):
     def run(self, args: argparse.Namespace) -> int: ...
 
 
-def _load_commands() -> list[tuple[str, Command]]:
-    loaded = []
-    for name, module_name, class_name in COMMANDS:
-        try:
-            module = importlib.import_module(f"dynprof.cli.{module_name}")
-        except ModuleNotFoundError as exc:
-            if exc.name == f"dynprof.cli.{module_name}":
-                continue  # a subcommand this build does not ship
-            raise
-        loaded.append((name, getattr(module, class_name)()))
-    return loaded
+def _load_command(module_name: str, class_name: str) -> Command | None:
+    try:
+        module = importlib.import_module(f"dynprof.cli.{module_name}")
+    except ModuleNotFoundError as exc:
+        if exc.name == f"dynprof.cli.{module_name}":
+            return None  # a subcommand this build does not ship
+        raise
+    command: Command = getattr(module, class_name)()
+    return command
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The full parser; with ``only``, other subcommands' modules are not imported (fast start)."""
     parser = argparse.ArgumentParser(
         prog="dynprof",
         description="Non-intrusive runtime profiler and diagnostics for PyTorch training jobs.",
@@ -64,7 +63,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"dynprof {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    for name, command in _load_commands():
+    for name, module_name, class_name in COMMANDS:
+        if only is not None and name != only:
+            sub.add_parser(name)
+            continue
+        command = _load_command(module_name, class_name)
+        if command is None:
+            continue
         doc = (type(command).__doc__ or "").strip()
         summary = doc.splitlines()[0] if doc else ""
         p = sub.add_parser(
@@ -79,7 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    names = {name for name, _, _ in COMMANDS}
+    only = argv[0] if argv and argv[0] in names else None
+    parser = build_parser(only)
     args = parser.parse_args(argv)
     try:
         return int(args._command.run(args))

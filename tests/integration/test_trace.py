@@ -164,3 +164,27 @@ def test_trace_ends_by_itself_at_the_hard_cap_without_the_cli(spawn, cli):
     manifest = json.loads((Path(listing[0]["path"]) / "manifest.json").read_text())
     assert manifest["summary"]["stopped_by"] == "cap"
     assert 0.9 <= manifest["summary"]["profiled_s"] < 10
+
+
+def test_at_step_starts_after_that_step(spawn, cli):
+    # GIVEN a loop and a step K comfortably in its future
+    target = spawn([PROGRAM, "--step-sleep", "0.01"])
+    (pid,) = target.ready_pids()
+    now = json.loads(cli("ps", "--json").stdout)["agents"][0]["step"]
+    k = now + 300
+
+    # WHEN a trace is requested at step K
+    result = cli("start", "--pid", str(pid), "--steps", "2", "--at-step", str(k), "--json")
+
+    # THEN the first traced step is K+1
+    assert result.returncode == 0, result.stderr
+    trace, _ = _trace_of(json.loads(result.stdout))
+    assert [s["name"] for s in profiler_steps(trace)] == [f"ProfilerStep#{k + 1}", f"ProfilerStep#{k + 2}"]
+
+
+def test_at_step_in_the_past_is_refused(spawn, cli):
+    target = spawn([PROGRAM, "--step-sleep", "0.005"])
+    (pid,) = target.ready_pids()
+    result = cli("start", "--pid", str(pid), "--steps", "2", "--at-step", "1")
+    assert result.returncode == 8
+    assert "step 1 has passed" in result.stderr
