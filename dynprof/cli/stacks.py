@@ -173,6 +173,8 @@ class StacksCommand:
             try:
                 result = self._from_agent(target, args)
             except errors.DynprofError as exc:
+                if args.method == "agent":
+                    raise  # the agent's own error (no agent, timed out...) says it best
                 attempts.append(f"the agent could not answer: {exc.message}")
             else:
                 if args.native:
