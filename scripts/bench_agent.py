@@ -80,10 +80,10 @@ def idle_overhead(rounds: int, block: int) -> dict[str, float]:
         for hooked in order:
             if hooked:
                 agent.steps._handle = optmod.register_optimizer_step_post_hook(agent.steps._hook)
-            t0 = time.perf_counter()
+            t0 = time.thread_time()  # CPU time of this thread: immune to being descheduled
             for _ in range(block):
                 step()
-            dt = (time.perf_counter() - t0) / block
+            dt = (time.thread_time() - t0) / block
             if hooked:
                 agent.steps._handle.remove()
                 with_agent.append(dt)
@@ -98,7 +98,11 @@ def idle_overhead(rounds: int, block: int) -> dict[str, float]:
     call_s = timeit.timeit(lambda: None, number=n) / n
     dynprof.agent.shutdown()
     ratios = [a / b for a, b in zip(with_agent, without)]
+    # Standard error of the mean paired ratio: the resolution of this measurement.
+    sem = statistics.stdev(ratios) / len(ratios) ** 0.5
     return {
+        "mean_paired_ratio": statistics.fmean(ratios),
+        "sem": sem,
         "width": width,
         "step_ms_without": statistics.median(without) * 1e3,
         "step_ms_with": statistics.median(with_agent) * 1e3,
@@ -110,6 +114,19 @@ def idle_overhead(rounds: int, block: int) -> dict[str, float]:
         "hook_fraction_of_step": (hook_s - call_s) / statistics.median(without),
         "steps_counted": steps_counted,
     }
+
+
+def pth_hook_cost() -> float:
+    """Seconds to run the installed .pth line in a process without DYNPROF set."""
+    line = (ROOT / "dynprof" / "dynprof-agent.pth").read_text().strip()
+    code = compile(line, "dynprof-agent.pth", "exec")
+    saved = os.environ.pop("DYNPROF", None)
+    try:
+        n = 100_000
+        return timeit.timeit(lambda: exec(code, {}), number=n) / n
+    finally:
+        if saved is not None:
+            os.environ["DYNPROF"] = saved
 
 
 def latency(trials: int) -> dict[str, list[float]]:
@@ -177,8 +194,8 @@ def latency(trials: int) -> dict[str, list[float]]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=40)
-    parser.add_argument("--block", type=int, default=200)
+    parser.add_argument("--rounds", type=int, default=200)
+    parser.add_argument("--block", type=int, default=50)
     parser.add_argument("--trials", type=int, default=10)
     args = parser.parse_args()
 
@@ -186,16 +203,19 @@ def main() -> int:
     o = idle_overhead(args.rounds, args.block)
     print("== idle agent, step-time overhead (target ratio <= 1.002) ==")
     print(f"loop: MLP width {o['width']}, {args.rounds} rounds x 2 blocks x {args.block} steps, alternating")
-    print(f"median step without agent hook: {o['step_ms_without']:.4f} ms")
-    print(f"median step with agent hook:    {o['step_ms_with']:.4f} ms")
+    print(f"median step without agent (thread CPU time): {o['step_ms_without']:.4f} ms")
+    print(f"median step with agent (thread CPU time):    {o['step_ms_with']:.4f} ms")
     print(f"ratio of medians:               {o['ratio_of_medians']:.4f}")
     print(
         f"median paired ratio:            {o['median_paired_ratio']:.4f}  "
         f"(IQR {o['paired_ratio_p25']:.4f} .. {o['paired_ratio_p75']:.4f})"
     )
+    print(f"mean paired ratio:              {o['mean_paired_ratio']:.4f} +/- {o['sem']:.4f} (standard error)")
     print(
         f"hook cost per step, timed alone: {o['hook_us']:.3f} us = {o['hook_fraction_of_step'] * 100:.4f} % of a step"
     )
+
+    print(f"start-up hook (.pth) without DYNPROF set: {pth_hook_cost() * 1e6:.2f} us per process (target < 1 ms)")
 
     lat = latency(args.trials)
     st = statistics.median(lat["step_time_s"])
