@@ -22,7 +22,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from healthcheck.functional.bench import Measurement, synchronize
+from healthcheck.functional.bench import synchronize
+from healthcheck.functional.measurement import Measurement
 
 ALLREDUCE_SCHEMA = "dynprof.healthcheck.allreduce"
 

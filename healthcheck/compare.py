@@ -14,7 +14,7 @@ import statistics
 from dataclasses import dataclass, field
 
 from healthcheck.baseline import Baseline
-from healthcheck.functional.bench import Measurement
+from healthcheck.functional.measurement import Measurement
 from healthcheck.result import CheckResult, Status
 
 

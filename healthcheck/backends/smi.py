@@ -66,7 +66,10 @@ FIELDS: list[tuple[str, list[str], Callable[[str], Any]]] = [
     ("sm_clock_mhz", ["clocks.sm"], _int),
     ("sm_clock_max_mhz", ["clocks.max.sm"], _int),
     ("temperature_c", ["temperature.gpu"], _int),
-    ("temperature_slowdown_c", ["temperature.gpu.tlimit.slowdown"], _int),
+    ("remapped_rows_correctable", ["remapped_rows.correctable"], _int),
+    ("remapped_rows_uncorrectable", ["remapped_rows.uncorrectable"], _int),
+    ("remap_pending", ["remapped_rows.pending"], _enabled),
+    ("remap_failure", ["remapped_rows.failure"], _enabled),
 ]
 
 REMAP_FIELDS: list[tuple[str, str, Callable[[str], Any]]] = [
@@ -152,7 +155,8 @@ class SmiBackend:
         if not readings:
             raise NoAccelerator(f"{self.tool} lists no devices")
         self._rows = readings
-        self._load_remapped_rows()
+        if not any(q and q.startswith("remapped_rows.") for _, q, _ in queried):
+            self._load_remapped_rows()
         self._load_processes()
 
     def _query_one_by_one(self, fields: list[str]) -> list[list[str]]:

@@ -8,21 +8,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-
-@dataclass
-class Measurement:
-    check: str
-    metric: str | None
-    value: float
-    unit: str
-    ok: bool = True
-    reason: str = ""
-    details: dict[str, Any] = field(default_factory=dict)
+from healthcheck.functional.measurement import Measurement
 
 
 def synchronize(device: torch.device) -> None:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from healthcheck.functional.bench import Measurement
+from healthcheck.functional.measurement import Measurement
 
 # Startup: interpreter, torch import, CUDA context.
 STARTUP_TIMEOUT_S = 120.0
@@ -57,7 +57,7 @@ def level_plan(level: str) -> LevelPlan:
         params={
             "gemm_bf16": {"n": 8192, "warmup_s": 1.0, "measure_s": 2.0, "repeats": 3},
             "memory_bandwidth": {"size_bytes": 2 * 1024**3, "warmup_s": 0.2, "iters": 100},
-            "host_transfer": {"size_bytes": 512 * 1024**2, "iters": 10},
+            "host_transfer": {"size_bytes": 512 * 1024**2, "iters": 20},
             "memory_pattern": {"fraction": 0.5},
             "allreduce": {"size_bytes": 256 * 1024**2, "warmup": 5, "iters": 20},
         },

@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from healthcheck.functional.bench import Measurement, gemm, host_transfer, memory_bandwidth, memory_pattern
+from healthcheck.functional.bench import gemm, host_transfer, memory_bandwidth, memory_pattern
+from healthcheck.functional.measurement import Measurement
 
 
 def emit(event: str, **fields: Any) -> None:

@@ -203,3 +203,25 @@ def test_benchmarks_on_one_gpu_are_correct():
         assert m.ok and m.value > 0, m
     assert g.details["max_rel_error"] < 1e-2 and g.details["bitwise_stable"]
     assert pattern.ok and pattern.value == 0 and pattern.details["tested_bytes"] > 0
+
+
+def test_pcie_links_read_under_load_reach_their_maximum():
+    from healthcheck.backends.nvml import NvmlBackend
+    from healthcheck.pcie_load import loaded_links
+
+    # GIVEN the NVML readings of every device
+    backend = NvmlBackend.open()
+    try:
+        readings = [backend.read(i) for i in range(backend.device_count())]
+
+        # WHEN the links are read while host-to-device copies run
+        found, why = loaded_links(backend, readings)
+    finally:
+        backend.close()
+
+    # THEN every device's link is read under load, at its maximum generation and width
+    print(f"\nunder load: {found}; maxima: {[(r.pcie_gen_max, r.pcie_width_max) for r in readings]}")
+    assert why is None
+    assert set(found) == {r.index for r in readings}
+    for r in readings:
+        assert found[r.index] == (r.pcie_gen_max, r.pcie_width_max)
