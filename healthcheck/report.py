@@ -159,21 +159,25 @@ def render_prometheus(report: Report) -> str:
         "# HELP dynprof_healthcheck_check_status Status of each check: 0 pass, 1 warn, 2 fail, 3 unknown, -1 skipped.",
         "# TYPE dynprof_healthcheck_check_status gauge",
     ]
-    seen: set[tuple[str, str]] = set()
+    # One series per check and device (and path or port); where a check has several results
+    # for the same labels, the worst status is exported.
+    worst: dict[tuple[str, str, str], int] = {}
+    rank = {Status.SKIPPED: 0, Status.PASS: 1, Status.WARN: 2, Status.UNKNOWN: 3, Status.FAIL: 4}
+    chosen: dict[tuple[str, str, str], Status] = {}
     for c in report.checks:
         device = "node" if c.device is None else str(c.device)
         extra = ""
-        if c.name in ("disk_free",) and "path" in c.details:
+        if c.name == "disk_free" and "path" in c.details:
             extra = f',path="{_label(c.details["path"])}"'
         elif c.name == "ib_ports" and "device" in c.details:
             extra = f',port="{_label(c.details["device"])}/{_label(c.details["port"])}"'
-        key = (c.name, device + extra)
-        if key in seen:
-            continue
-        seen.add(key)
+        key = (c.name, device, extra)
+        if key not in chosen or rank[c.status] > rank[chosen[key]]:
+            chosen[key] = c.status
+            worst[key] = STATUS_CODES[c.status]
+    for (name, device, extra), code in worst.items():
         lines.append(
-            f'dynprof_healthcheck_check_status{{host="{host}",check="{_label(c.name)}",'
-            f'device="{device}"{extra}}} {STATUS_CODES[c.status]}'
+            f'dynprof_healthcheck_check_status{{host="{host}",check="{_label(name)}",device="{device}"{extra}}} {code}'
         )
     measured = [c for c in report.checks if c.metric and isinstance(c.value, (int, float))]
     if measured:

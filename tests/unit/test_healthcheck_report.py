@@ -361,3 +361,15 @@ def test_dynprof_cli_runs_baseline_learn(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(out.read_text())["baselines"][0]["metrics"]["gemm_bf16_tflops"]["median"] == 701.5
+
+
+def test_prometheus_exports_the_worst_status_of_a_check_with_several_results():
+    report = sample_report()
+    report.checks += [
+        CheckResult("xid_kernel_log", Status.PASS, "none"),
+        CheckResult("xid_kernel_log", Status.WARN, "XID 13 on a device not checked here"),
+    ]
+    lines = render_prometheus(report).splitlines()
+    assert [line for line in lines if 'check="xid_kernel_log"' in line] == [
+        'dynprof_healthcheck_check_status{host="node\\"7",check="xid_kernel_log",device="node"} 1'
+    ]

@@ -101,3 +101,15 @@ def test_live_xids_and_a_backend_that_cannot_listen():
     results = {r.device: r for r in check_live_xids([XidEvent(0, 48), XidEvent(0, 63)], True, [0, 1])}
     assert results[0].status is Status.FAIL and results[0].action == "reset"
     assert results[1].status is Status.PASS
+
+
+def test_documented_policy_table_is_the_code_table():
+    from pathlib import Path
+
+    # GIVEN the XID table in docs/healthcheck.md
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "healthcheck.md").read_text()
+    table = doc.split("<!-- xid-policy-table")[1].split("<!-- end xid-policy-table")[0]
+    rows = [line.strip("|").split("|") for line in table.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    # THEN it lists exactly the policy the code applies
+    documented = {int(r[0]): (r[1].strip(), r[2].strip(), r[3].strip()) for r in rows}
+    assert documented == {x: (p.meaning, p.action, p.why) for x, p in POLICY.items()}
