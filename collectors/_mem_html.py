@@ -19,7 +19,7 @@ import html
 import zlib
 from typing import Any
 
-from collectors.memory_snapshot import ACTIVE_STATES, _b, allocation_site, format_frame
+from collectors.memory_snapshot import ACTIVE_STATES, NO_STACK, _b, allocation_site, format_frame
 
 PALETTE = ["#4e79a7", "#f28e2c", "#e15759", "#76b7b2", "#59a14f", "#edc949", "#af7aa1", "#ff9da7", "#9c755f", "#bab0ab"]
 MAX_SEGMENTS_DRAWN = 200
@@ -153,7 +153,7 @@ def segments_svg(snapshot: dict[str, Any], device: int, width: int = 960) -> tup
             offset += size
             if state not in ACTIVE_STATES or bw <= 0:
                 continue
-            site = allocation_site(block.get("frames")) or "(no stack recorded)"
+            site = allocation_site(block.get("frames")) or NO_STACK
             fill = "#d62728" if state != "active_allocated" else _color(site)
             stack = "\n".join(format_frame(f) for f in (block.get("frames") or [])[:12])
             parts.append(
@@ -291,7 +291,7 @@ def render_html(
         for b in largest:
             out.append(
                 f"<tr><td class=n>{_e(_b(b['size']))}</td><td>cuda:{b['device']}</td><td><code>{_e(b['address'])}"
-                f"</code></td><td><code>{_e(b.get('site') or '(no stack recorded)')}</code></td></tr>"
+                f"</code></td><td><code>{_e(b.get('site') or NO_STACK)}</code></td></tr>"
             )
         out.append("</table>")
     hist = summary.get("history") or []

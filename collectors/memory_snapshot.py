@@ -39,6 +39,10 @@ PICKLE_PROTOCOL = 4  # what torch's own _dump_snapshot writes on Python 3.8-3.13
 SUMMARY_SCHEMA = "dynprof.memory.summary"
 SUMMARY_VERSION = 1
 
+# Live blocks without a Python stack: allocated before recording started, with history off, or
+# by threads that run no Python (the autograd engine's backward threads, C++ extensions).
+NO_STACK = "(no Python stack recorded)"
+
 ACTIVE_STATES = ("active_allocated", "active_pending_free", "active_awaiting_free")
 
 # Frames inside PyTorch itself, the standard library or the interpreter never name an allocation
@@ -211,7 +215,7 @@ def summarize_snapshot(snapshot: dict[str, Any], top: int = 10) -> dict[str, Any
                 if frames:
                     blocks_with_frames += 1
                 live.append((size, d["device"], block))
-                site = allocation_site(frames) or "(no stack recorded)"
+                site = allocation_site(frames) or NO_STACK
                 entry = sites.setdefault(
                     site, {"site": site, "bytes": 0, "blocks": 0, "devices": set(), "stack": _short_stack(frames)}
                 )
@@ -507,9 +511,7 @@ def format_summary(summary: dict[str, Any], top: int = 10) -> str:
         lines.append("")
         lines.append("largest live blocks:")
         for b in largest[:top]:
-            lines.append(
-                f"  {_b(b['size']):>11}  cuda:{b['device']} {b['address']}  {b.get('site') or '(no stack recorded)'}"
-            )
+            lines.append(f"  {_b(b['size']):>11}  cuda:{b['device']} {b['address']}  {b.get('site') or NO_STACK}")
     hist = summary.get("history") or []
     lines.append("")
     if hist:

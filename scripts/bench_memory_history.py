@@ -100,9 +100,9 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated policies (as for --memory-history); off is always the baseline",
     )
     parser.add_argument("--workloads", default="small,medium")
-    parser.add_argument("--steps", type=int, default=40, help="timed steps per round")
+    parser.add_argument("--steps", type=int, default=30, help="timed steps per round")
     parser.add_argument("--warmup", type=int, default=8, help="untimed steps after each switch")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--no-dump", action="store_true", help="skip the snapshot-cost measurement")
     parser.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
     args = parser.parse_args(argv)

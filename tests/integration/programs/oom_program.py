@@ -38,6 +38,8 @@ def main() -> int:
     args = parser.parse_args()
 
     device = torch.device(args.device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     if args.limit_gb:
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.limit_gb * 2**30 / total), device)
