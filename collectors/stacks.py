@@ -197,7 +197,7 @@ def short_symbol(symbol: str, limit: int = 100) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-_SYSTEM_LIBS = ("libc.", "libc-", "libstdc++", "libpthread", "ld-linux", "libgcc", "libpython")
+_SYSTEM_LIBS = ("libc.", "libc-", "libstdc++", "libpthread", "ld-linux", "libgcc", "libpython", "python")
 
 
 def is_library_path(path: str) -> bool:
@@ -504,7 +504,13 @@ def headline(frames: Sequence[Frame]) -> str:
     # With native frames: the innermost C/C++ frame of the program's own libraries (a
     # collective's wait, a CUDA synchronize) says what the Python frame is blocked in.
     inner = frames[: frames.index(py[0])]
-    waits = [f for f in inner if not os.path.basename(f.library or f.file).startswith(_SYSTEM_LIBS)]
+    waits = [
+        f
+        for f in inner
+        if not os.path.basename(f.library or f.file).startswith(_SYSTEM_LIBS)
+        and f.function not in ("???", "")
+        and not f.function.startswith("0x")
+    ]
     if waits:
         text += f" [native: {short_symbol(waits[0].function, 60)}]"
     return text

@@ -133,8 +133,18 @@ class Target:
             time.sleep(0.02)
         raise AssertionError(
             f"no {prefix!r} line from pid {self.proc.pid} after {timeout} s "
-            f"(exit {self.proc.poll()}); output:\n" + "\n".join(self.lines[-40:])
+            f"(exit {self.proc.poll()}); output:\n" + "\n".join(self.lines[-40:]) + self.stacks()
         )
+
+    def stacks(self) -> str:
+        """Where the process is stuck, read with our own `dynprof stacks` (empty if it has exited)."""
+        if self.proc.poll() is not None:
+            return ""
+        try:
+            found = run_cli("stacks", "--pid", str(self.proc.pid), "--no-save", timeout=60)
+        except Exception as exc:
+            return f"\n(dynprof stacks failed: {exc})"
+        return f"\nstacks of pid {self.proc.pid}:\n{found.stdout}{found.stderr}"
 
     def ready_pids(self, count: int = 1, timeout: float = 60.0) -> list[int]:
         return [int(line.split()[1]) for line in self.wait_for_line("READY", timeout, count)[:count]]

@@ -88,7 +88,16 @@ def test_native_frames_group_by_symbol_not_address():
 
 
 def test_headline_names_the_native_wait_of_the_program_libraries():
-    frames = [Frame("pthread_cond_wait", "", native=True, library="/lib/libc.so.6"), Frame("c10d::ProcessGroupNCCL::WorkNCCL::synchronize()", "", native=True, library="/venv/torch/lib/libtorch_cuda.so"), *_waiting()]
+    frames = [
+        Frame("pthread_cond_wait", "", native=True, library="/lib/libc.so.6"),
+        Frame(
+            "c10d::ProcessGroupNCCL::WorkNCCL::synchronize()",
+            "",
+            native=True,
+            library="/venv/torch/lib/libtorch_cuda.so",
+        ),
+        *_waiting(),
+    ]
     assert headline(frames).endswith("[native: c10d::ProcessGroupNCCL::WorkNCCL::synchronize()]")
 
 
@@ -175,3 +184,20 @@ def test_parse_faulthandler_real_dump(tmp_path):
     blocker = next(th for th in threads if th.name == "blocker")
     assert blocker.tid == t.native_id
     assert any(f.function == "blocked_in_here" for f in blocker.frames)
+
+
+def test_headline_skips_unresolved_native_frames():
+    # Recorded on the GPU machine (torch 2.11, CUDA 13): rank 0 in torch.cuda.synchronize.
+    frames = [
+        Frame("???", "", native=True, library="/usr/lib/x86_64-linux-gnu/libcuda.so.580.159.04"),
+        Frame("cuCtxSynchronize_v2", "", native=True, library="/usr/lib/x86_64-linux-gnu/libcuda.so.580.159.04"),
+        Frame("cudaDeviceSynchronize", "", native=True, library="/venv/lib/libcudart.so.13"),
+        Frame("???", "", native=True, library="/usr/bin/python3.12"),
+        Frame("synchronize", "/venv/lib/python3.12/site-packages/torch/cuda/__init__.py", 1162),
+        Frame("collective_wait", "/job/hang_program.py", 39),
+    ]
+    assert headline(frames) == (
+        "in synchronize (torch/cuda/__init__.py:1162) <- collective_wait (/job/hang_program.py:39)"
+        " [native: cuCtxSynchronize_v2]"
+    )
+    assert headline(frames[3:]).endswith("(/job/hang_program.py:39)")
