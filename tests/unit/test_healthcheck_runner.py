@@ -175,23 +175,26 @@ def test_live_xid_during_the_run_fails_the_device(node):
 
 
 @pytest.mark.slow
-def test_standard_measures_each_device_and_flags_a_slow_one(node):
-    # GIVEN three devices, the last one's GEMM throughput made 15 % lower at the measurement layer
-    node([healthy(0), healthy(1), healthy(2)], slow={2: 0.85})
+def test_standard_measures_each_device_and_flags_a_slow_one(node, monkeypatch):
+    # GIVEN two devices, the second one's GEMM throughput made 30 % lower at the measurement layer
+    # (one CPU thread per worker, so that the CPU "devices" do not compete with each other)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    node([healthy(0), healthy(1)], slow={1: 0.7})
 
     # WHEN the standard level runs (real worker processes, on the CPU)
     report = runner_mod.run(runner_mod.Options(level="standard", disk_paths=["/"], min_disk_gib=0.001))
 
     # THEN every device was measured, the slow one fails against its peers after one repeat
     gemm = {c.device: c for c in by_name(report, "gemm_bf16")}
-    assert set(gemm) == {0, 1, 2}
-    assert gemm[2].status is Status.FAIL, gemm[2]
-    assert "slower than its 2 peers" in gemm[2].reason
-    assert len(gemm[2].details["attempts"]) == 2
+    assert set(gemm) == {0, 1}
+    assert gemm[1].status is Status.FAIL, gemm[1]
+    assert "slower than its 1 peers" in gemm[1].reason
+    assert len(gemm[1].details["attempts"]) == 2
+    assert gemm[0].status is not Status.FAIL, gemm[0]
     for name in ("memory_bandwidth", "h2d_bandwidth", "d2h_bandwidth", "memory_pattern"):
-        assert len(by_name(report, name)) == 3 and all(c.status is not Status.UNKNOWN for c in by_name(report, name))
+        assert len(by_name(report, name)) == 2 and all(c.status is not Status.UNKNOWN for c in by_name(report, name))
     (allreduce,) = by_name(report, "allreduce")
-    assert allreduce.details["world_size"] == 3 and allreduce.details["correct"] is True
+    assert allreduce.details["world_size"] == 2 and allreduce.details["correct"] is True
     assert all(c.status is Status.PASS for c in by_name(report, "pcie_link"))  # read during the transfer test
     assert report.exit_code == 2
 
