@@ -89,7 +89,14 @@ def main(argv: list[str] | None = None) -> int:
     names = {name for name, _, _ in COMMANDS}
     only = argv[0] if argv and argv[0] in names else None
     parser = build_parser(only)
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:
+        # `dynprof healthcheck` gates jobs on its exit code, where 2 means "unhealthy, drain":
+        # a usage error there must read as "could not run" (3), never as a verdict.
+        if only == "healthcheck" and exc.code == 2:
+            return 3
+        raise
     try:
         return int(args._command.run(args))
     except DynprofError as exc:
