@@ -19,7 +19,7 @@ import html
 import zlib
 from typing import Any
 
-from collectors.memory_snapshot import ACTIVE_STATES, NO_STACK, _b, allocation_site, format_frame
+from collectors.memory_snapshot import ACTIVE_STATES, NO_STACK, _b, allocation_site, format_frame, oom_sentence
 
 PALETTE = ["#4e79a7", "#f28e2c", "#e15759", "#76b7b2", "#59a14f", "#edc949", "#af7aa1", "#ff9da7", "#9c755f", "#bab0ab"]
 MAX_SEGMENTS_DRAWN = 200
@@ -214,9 +214,7 @@ def render_html(
     failing = summary.get("failing_allocation")
     if failing:
         out.append(
-            f'<div class="oom"><b>CUDA out of memory on cuda:{_e(failing.get("device"))}</b>: tried to allocate '
-            f"{_e(_b(failing.get('requested_bytes')))} with {_e(_b(failing.get('device_free_bytes')))} free of "
-            f"{_e(_b(failing.get('device_limit_bytes')))}"
+            f'<div class="oom"><b>{_e(oom_sentence(dict(failing, site=None)))}</b>'
             + (f"<br>at <code>{_e(failing['site'])}</code>" if failing.get("site") else "")
             + "</div>"
         )

@@ -381,8 +381,15 @@ def capture(
             except Exception as exc:
                 entry["stats_error"] = f"{type(exc).__name__}: {exc}"
             if oom is not None and oom.get("device") == index:
+                # The observer's figures, from the moment of the failure; the device's size is
+                # a property cached on the host. (The observer's limit is the device's size or the
+                # process's cap from set_per_process_memory_fraction, whichever applies.)
                 entry["free_bytes"] = oom.get("device_free_bytes")
-                entry["total_bytes"] = oom.get("device_limit_bytes")
+                entry["limit_bytes"] = oom.get("device_limit_bytes")
+                try:
+                    entry["total_bytes"] = int(torch.cuda.get_device_properties(index).total_memory)
+                except Exception:
+                    entry["total_bytes"] = oom.get("device_limit_bytes")
             else:
                 try:  # this device has segments, so a context: cudaMemGetInfo allocates nothing
                     free, total = torch.cuda.mem_get_info(index)
@@ -462,6 +469,17 @@ def _b(n: Any) -> str:
     return f"{value:.2f} TiB"
 
 
+def oom_sentence(failing: dict[str, Any]) -> str:
+    """One line on the failed allocation: size, site, and what limited it."""
+    where = f" at {failing['site']}" if failing.get("site") else ""
+    free, limit = failing.get("device_free_bytes"), failing.get("device_limit_bytes")
+    head = f"CUDA out of memory on cuda:{failing.get('device')}: tried to allocate {_b(failing.get('requested_bytes'))}{where}"
+    if isinstance(free, int) and isinstance(limit, int) and free > limit:
+        # The allocator refused because of the process's cap, not because the device was full.
+        return f"{head}; the process is capped at {_b(limit)} (set_per_process_memory_fraction), {_b(free)} free on the device"
+    return f"{head}; {_b(free)} free of {_b(limit)}"
+
+
 def format_summary(summary: dict[str, Any], top: int = 10) -> str:
     lines: list[str] = []
     failing = summary.get("failing_allocation")
@@ -471,12 +489,7 @@ def format_summary(summary: dict[str, Any], top: int = 10) -> str:
             + (f"   torch {summary['torch_version']}" if summary.get("torch_version") else "")
         )
     if failing:
-        where = f" at {failing['site']}" if failing.get("site") else ""
-        lines.append(
-            f"CUDA out of memory on cuda:{failing.get('device')}: tried to allocate "
-            f"{_b(failing.get('requested_bytes'))}{where}; {_b(failing.get('device_free_bytes'))} free "
-            f"of {_b(failing.get('device_limit_bytes'))}"
-        )
+        lines.append(oom_sentence(failing))
     if not failing:
         for o in (summary.get("oom_events") or [])[-3:]:
             where = f" at {o['site']}" if o.get("site") else ""

@@ -125,6 +125,9 @@ class MemoryController:
         self._in_oom = threading.local()
         self._finder: Any = None
         self._host: HostMemoryWatcher | None = None
+        # An observer cannot be detached from torch: once the agent stops, its callbacks return
+        # at once (a restarted agent's new controller takes over).
+        self._closed = False
         agent.memory_history_policy = "off"  # type: ignore[attr-defined]
 
     # -- life cycle ------------------------------------------------------------------------------
@@ -141,6 +144,7 @@ class MemoryController:
             self._host.start()
 
     def at_exit(self) -> None:
+        self._closed = True
         if self._host is not None:
             self._host.stop()
         if self._finder is not None:
@@ -189,7 +193,7 @@ class MemoryController:
         # Runs inside torch.cuda._lazy_init on the job's thread: it must never raise (PyTorch
         # would turn that into a failed CUDA initialisation of the job) and must stay short.
         try:
-            if self.cuda_ready or os.getpid() != self.agent.pid:
+            if self.cuda_ready or self._closed or os.getpid() != self.agent.pid:
                 return
             self.cuda_ready = True
             import torch
@@ -220,7 +224,7 @@ class MemoryController:
         # Called by the CUDA caching allocator; an exception here would propagate into the
         # allocator, so nothing escapes.
         try:
-            if getattr(self._in_oom, "active", False) or os.getpid() != self.agent.pid:
+            if self._closed or getattr(self._in_oom, "active", False) or os.getpid() != self.agent.pid:
                 return
             now = time.monotonic()
             o = self.options

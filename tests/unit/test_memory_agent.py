@@ -184,3 +184,18 @@ def test_commands_in_a_process_without_cuda(cuda, monkeypatch):
         with pytest.raises(CommandError) as err:
             c.agent.handlers[name](req)
         assert err.value.code == pb.NO_CUDA and "has not used CUDA" in err.value.message
+
+
+def test_a_stopped_agent_leaves_cuda_and_ooms_alone(cuda, tmp_path, monkeypatch):
+    # GIVEN an agent stopped before the job initialised CUDA (its callback stays queued in torch)
+    monkeypatch.setenv("DYNPROF_ARTIFACT_DIR", str(tmp_path))
+    c = controller()
+    c.at_exit()
+
+    # WHEN torch runs the callback and the allocator reports an OOM
+    c._on_cuda_init()
+    c._on_oom(0, MB, 2 * MB, 0)
+
+    # THEN nothing is attached, recorded or written
+    assert cuda["observers"] == [] and cuda["history"] == []
+    assert ArtifactStore().list() == []
