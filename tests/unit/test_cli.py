@@ -68,3 +68,16 @@ def test_start_all_with_no_agents_says_how_to_enable_one(capsys):
     assert main(["start", "--all", "--steps", "1"]) == 5
     err = capsys.readouterr().err
     assert "no dynprof agent is running" in err and "DYNPROF=1" in err
+
+
+def test_cli_reference_is_current():
+    # docs/cli.md is generated from the parser (python scripts/gen_cli_reference.py).
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    result = subprocess.run(
+        [sys.executable, str(root / "scripts" / "gen_cli_reference.py"), "--check"], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr
