@@ -25,6 +25,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from dynprof.units import human_bytes
+
 KIND = "host-memory"
 SUMMARY_FILE = "summary.json"
 STACKS_FILE = "stacks.txt"
@@ -405,14 +407,7 @@ def capture(
 
 
 def _b(n: Any) -> str:
-    if n is None:
-        return "?"
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} TiB"
+    return human_bytes(n, digits=1)
 
 
 def format_tensors(tensors: list[dict[str, Any]]) -> str:

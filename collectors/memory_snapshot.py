@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from dynprof.errors import ArtifactError
+from dynprof.units import human_bytes
 
 KIND = "memory"
 SNAPSHOT_FILE = "snapshot.pickle"
@@ -459,14 +460,7 @@ def manifest_summary(summary: dict[str, Any]) -> dict[str, Any]:
 
 # -- text rendering -----------------------------------------------------------------------------------
 def _b(n: Any) -> str:
-    if n is None:
-        return "?"
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
-        value /= 1024
-    return f"{value:.2f} TiB"
+    return human_bytes(n, digits=2)
 
 
 def oom_sentence(failing: dict[str, Any]) -> str:

@@ -12,6 +12,7 @@ from typing import Any
 
 from dynprof import errors
 from dynprof.registry import AgentRecord, list_records, read_record
+from dynprof.units import human_bytes as human_bytes  # re-exported for the subcommands
 
 
 # -- option groups -----------------------------------------------------------------------------
@@ -137,14 +138,6 @@ def human_age(seconds: float) -> str:
     if seconds < 86400:
         return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
     return f"{seconds // 86400}d{seconds % 86400 // 3600:02d}h"
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 class Progress:
