@@ -15,6 +15,7 @@ request must carry the access token (``Authorization: Bearer TOKEN`` or ``?token
 from __future__ import annotations
 
 import hmac
+import json
 import html
 from typing import Any
 
@@ -48,6 +49,14 @@ def _artifact_json(a: Artifact) -> dict[str, Any]:
         "created_at": a.created_at,
         "bytes": a.size,
     }
+
+
+def _value(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, (dict, list)):
+        return json.dumps(v)
+    return str(v)
 
 
 def create_app(store: ArtifactStore | None = None, token: str | None = None) -> Flask:
@@ -146,7 +155,7 @@ def create_app(store: ArtifactStore | None = None, token: str | None = None) -> 
             for f in m.get("files", [])
         )
         fields = "".join(
-            f"<tr><th>{k}</th><td>{html.escape(str(m.get(k)))}</td></tr>"
+            f"<tr><th>{k}</th><td>{html.escape(_value(m.get(k)))}</td></tr>"
             for k in ("kind", "status", "job", "host", "rank", "pid", "created_at", "finished_at", "options", "error")
         )
         return (

@@ -66,7 +66,10 @@ class ShowCommand:
         m = art.manifest
         print(f"{art.kind} artifact  {art.path}")
         print(f"  status   {art.status}" + (f"  ({m.get('error')})" if m.get("error") else ""))
-        print(f"  job      {m.get('job') or '-'}   host {m.get('host')}   rank {m.get('rank')}   pid {m.get('pid')}")
+        rank = m.get("rank")
+        print(
+            f"  job      {m.get('job') or '-'}   host {m.get('host')}   rank {'-' if rank is None else rank}   pid {m.get('pid')}"
+        )
         print(f"  created  {m.get('created_at')}   finished {m.get('finished_at')}")
         opts = {k: v for k, v in (m.get("options") or {}).items() if v not in (None, False, 0, "", [])}
         if opts:
