@@ -15,8 +15,8 @@ request must carry the access token (``Authorization: Bearer TOKEN`` or ``?token
 from __future__ import annotations
 
 import hmac
-import json
 import html
+import json
 from typing import Any
 
 from flask import Flask, Response, abort, jsonify, request, send_file
