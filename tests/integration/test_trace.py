@@ -188,3 +188,33 @@ def test_at_step_in_the_past_is_refused(spawn, cli):
     result = cli("start", "--pid", str(pid), "--steps", "2", "--at-step", "1")
     assert result.returncode == 8
     assert "step 1 has passed" in result.stderr
+
+
+def test_all_profiler_options_are_passed_to_torch(spawn, cli):
+    target = spawn([PROGRAM, "--step-sleep", "0.005"])
+    (pid,) = target.ready_pids()
+    result = cli(
+        "start",
+        "--pid",
+        str(pid),
+        "--steps",
+        "2",
+        "--record-shapes",
+        "--with-stack",
+        "--profile-memory",
+        "--with-flops",
+        "--with-modules",
+        "--activities",
+        "cpu",
+        "--json",
+    )
+    assert result.returncode == 0, result.stderr
+    trace, manifest = _trace_of(json.loads(result.stdout))
+    assert manifest["options"]["record_shapes"] and manifest["options"]["with_stack"]
+    linear = [e for e in trace["traceEvents"] if e.get("name") == "aten::addmm" and e.get("ph") == "X"]
+    assert linear and "Input Dims" in linear[0]["args"]  # --record-shapes
+    assert any(e.get("cat") == "python_function" for e in trace["traceEvents"])  # --with-stack
+    # torch records the options it ran with in the trace's metadata
+    assert [trace.get(k) for k in ("record_shapes", "with_stack", "profile_memory", "with_flops", "with_modules")] == [
+        1
+    ] * 5
