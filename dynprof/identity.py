@@ -44,15 +44,6 @@ class Identity:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
-    @property
-    def job_label(self) -> str:
-        """The job id used in artifact paths: the real id, else ``pid-<launcher pid>``."""
-        return self.job_id or "nojob"
-
-    @property
-    def rank_label(self) -> str:
-        return f"rank{self.rank}" if self.rank is not None else "norank"
-
 
 def detect(env: dict[str, str] | os._Environ[str] | None = None) -> Identity:
     env = os.environ if env is None else env
