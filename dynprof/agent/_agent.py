@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from dynprof import __version__
@@ -68,7 +69,7 @@ class Agent:
         self.pid = os.getpid()
         self.activation = activation
         self.options = dict(options or {})
-        self.identity: Identity = detect()
+        self._identity: Identity = detect()
         self.started_at = time.time()
         self.steps = StepTracker()
         self.handlers: dict[str, Callable[[Any], tuple[str, Any]]] = {}
@@ -191,6 +192,41 @@ class Agent:
         self.steps.uninstall()
         remove_record(self.pid)
         log.info("agent stopped")
+
+    # -- identity ------------------------------------------------------------------------------
+    @property
+    def identity(self) -> Identity:
+        """Who this process is, read again on each use (never on the training hot path).
+
+        Launchers such as ``torch.multiprocessing.spawn`` set RANK/WORLD_SIZE in the child
+        after it started, and torch.distributed knows the rank once the process group exists:
+        both win over what the environment said at start-up. The record follows.
+        """
+        try:
+            ident = detect()
+            dist = sys.modules.get("torch.distributed")
+            if dist is not None and dist.is_available() and dist.is_initialized():
+                ident = replace(ident, rank=dist.get_rank(), world_size=dist.get_world_size())
+        except Exception:
+            return self._identity
+        if ident != self._identity:
+            self._identity = ident
+            self._update_record()
+        return ident
+
+    def _update_record(self) -> None:
+        record = self.record
+        if record is None:
+            return
+        ident = self._identity
+        record.rank, record.local_rank, record.world_size = ident.rank, ident.local_rank, ident.world_size
+        record.job_id, record.host = ident.job_id, ident.host
+        torch = sys.modules.get("torch")
+        record.torch_version = getattr(torch, "__version__", None) if torch else None
+        try:
+            write_record(record)
+        except Exception:
+            log.exception("updating the registration record failed")
 
     # -- state for the Status reply -----------------------------------------------------------
     def cuda_initialized(self) -> bool:

@@ -66,6 +66,22 @@ def select_workers(records: Sequence[AgentRecord]) -> list[AgentRecord]:
     return kept
 
 
+def refresh_records(records: list[AgentRecord], timeout: float = 1.0) -> list[AgentRecord]:
+    """Update rank, world size and job from each agent's live status (a launcher such as
+    torch.multiprocessing.spawn sets RANK after the process started); unreachable agents keep
+    what their record says."""
+    from dynprof.client import AgentClient
+
+    statuses = parallel(lambda r: AgentClient.for_record(r, timeout=timeout).status(), records)
+    for record, st in zip(records, statuses):
+        if isinstance(st, Exception):
+            continue
+        record.rank = st.rank if st.rank >= 0 else None
+        record.world_size = st.world_size if st.world_size >= 0 else None
+        record.job_id = st.job_id or None
+    return records
+
+
 def resolve_agents(args: argparse.Namespace) -> list[AgentRecord]:
     """Agent records for --pid / --job / --all, with a precise error when none match."""
     if getattr(args, "pid", None):
@@ -77,7 +93,7 @@ def resolve_agents(args: argparse.Namespace) -> list[AgentRecord]:
                 raise errors.NoAgent(f"process {pid} has no dynprof agent{_describe_pid(pid)}")
             records.append(record)
         return records
-    records = list_records()
+    records = refresh_records(list_records())
     if getattr(args, "job", None):
         matching = [r for r in records if r.job_id == args.job]
         if not matching:

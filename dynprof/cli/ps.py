@@ -44,6 +44,9 @@ def agent_rows(records: list[AgentRecord], timeout: float) -> list[dict[str, Any
             )
         else:
             row.update(
+                rank=status.rank if status.rank >= 0 else None,
+                world_size=status.world_size if status.world_size >= 0 else None,
+                job=status.job_id or None,
                 state=status.trace.state,
                 step=status.step,
                 step_time_ms=round(status.step_time_s * 1000, 3) if status.step_time_s else None,

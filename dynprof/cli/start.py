@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 import time
 import uuid
 from typing import Any
@@ -117,6 +118,21 @@ class StartCommand:
         statuses = _check(parallel(lambda c: c.status(), clients), records)
         steps = args.steps or 0
         duration = args.duration or 0.0
+        if not args.pid and not duration and len(records) > 1:
+            # Among the processes of a job, those that never stepped an optimizer (a launcher,
+            # data-loader workers started with spawn) would wait for a step that never comes.
+            stepping = [s.step > 0 for s in statuses]
+            if any(stepping) and not all(stepping):
+                skipped = [r.pid for r, ok in zip(records, stepping) if not ok]
+                print(
+                    f"dynprof: skipping {len(skipped)} process(es) that have not stepped an optimizer "
+                    f"(a launcher or data-loader worker?): pid {', '.join(map(str, skipped))}",
+                    file=sys.stderr,
+                )
+                keep = [i for i, ok in enumerate(stepping) if ok]
+                records = [records[i] for i in keep]
+                clients = [clients[i] for i in keep]
+                statuses = [statuses[i] for i in keep]
         align = len(records) > 1 and duration == 0 and all(s.step_hook_installed and s.step > 0 for s in statuses)
         at_step = args.at_step or 0
         group_id = uuid.uuid4().hex[:12]

@@ -218,3 +218,57 @@ def test_all_profiler_options_are_passed_to_torch(spawn, cli):
     assert [trace.get(k) for k in ("record_shapes", "with_stack", "profile_memory", "with_flops", "with_modules")] == [
         1
     ] * 5
+
+
+MP_PROGRAM = "tests/integration/programs/mp_spawn_program.py"
+
+
+def test_ranks_started_by_mp_spawn_are_found_and_traced(spawn, cli):
+    # GIVEN ranks that learn their rank after start-up (torch.multiprocessing.spawn), a waiting
+    # parent and a spawned helper process that never steps
+    target = spawn([MP_PROGRAM, "--mode", "ranks"], env={"DYNPROF_JOB_ID": "mpjob"})
+    pids = target.ready_pids(count=2, timeout=120)
+
+    # WHEN the job is traced
+    result = cli("start", "--job", "mpjob", "--steps", "3", "--json")
+
+    # THEN exactly the two ranks were traced, each knowing its rank, at the same steps
+    assert result.returncode == 0, result.stderr
+    results = json.loads(result.stdout)["results"]
+    assert sorted(r["pid"] for r in results) == sorted(pids)
+    assert sorted(r["rank"] for r in results) == [0, 1]
+    names = [[s["name"] for s in profiler_steps(read_trace(Path(r["artifact"]) / "trace.json.gz"))] for r in results]
+    assert names[0] == names[1] and len(names[0]) == 3
+
+
+def test_spawned_helper_of_a_process_is_not_a_target(spawn, cli):
+    # GIVEN a single training process with a spawned helper process beside it (both agents)
+    target = spawn([MP_PROGRAM, "--mode", "single"], env={"DYNPROF_JOB_ID": "onejob"})
+    (pid,) = target.ready_pids(timeout=120)
+    agents = [a for a in json.loads(cli("ps", "--json").stdout)["agents"] if a["job"] == "onejob"]
+    assert len(agents) == 2
+
+    # WHEN the job is traced, THEN only the training process is
+    result = cli("start", "--job", "onejob", "--steps", "2", "--json")
+    assert result.returncode == 0, result.stderr
+    assert [r["pid"] for r in json.loads(result.stdout)["results"]] == [pid]
+
+
+def test_a_process_of_the_job_that_never_steps_is_skipped_with_a_note(spawn, cli):
+    # GIVEN two unrelated processes of one job: a trainer and a loop without optimizer
+    env = {"DYNPROF_JOB_ID": "mixjob"}
+    trainer = spawn([PROGRAM, "--step-sleep", "0.005"], env=env)
+    evaluator = spawn([PROGRAM, "--no-optimizer", "--step-sleep", "0.005"], env=env)
+    (tpid,) = trainer.ready_pids()
+    (epid,) = evaluator.ready_pids()
+
+    # WHEN the job is traced in step mode
+    result = cli("start", "--job", "mixjob", "--steps", "2", "--json")
+
+    # THEN the trainer is traced and the other is named as skipped, instead of waiting forever
+    assert result.returncode == 0, result.stderr
+    assert [r["pid"] for r in json.loads(result.stdout)["results"]] == [tpid]
+    assert (
+        f"skipping 1 process(es) that have not stepped an optimizer (a launcher or data-loader worker?): pid {epid}"
+        in result.stderr
+    )

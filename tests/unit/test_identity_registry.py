@@ -82,3 +82,13 @@ def test_alignment_step_covers_the_lead_time_of_the_fastest_rank():
     slow = pb.Status(step=98, step_time_s=0.01)
     assert alignment_step([fast, slow], lead_s=0.3) == 100 + 301
     assert alignment_step([pb.Status(step=5), pb.Status(step=7)]) == 9
+
+
+def test_multiprocessing_service_interpreters_get_no_agent():
+    from dynprof._startup import is_multiprocessing_service
+
+    tracker = ["/usr/bin/python3", "-B", "-c", "from multiprocessing.resource_tracker import main;main(8)"]
+    spawned = ["/usr/bin/python3", "-c", "from multiprocessing.spawn import spawn_main; spawn_main(tracker_fd=9)"]
+    assert is_multiprocessing_service(tracker)
+    assert not is_multiprocessing_service(spawned)
+    assert not is_multiprocessing_service(["python", "train.py"])
