@@ -68,7 +68,7 @@ def main() -> int:
             opt.step()
         step += 1
         if not ready:
-            print(f"READY {os.getpid()}", flush=True)
+            os.write(1, f"READY {os.getpid()}\n".encode())  # one write: ranks may share the pipe
             ready = True
         if args.step_sleep:
             time.sleep(args.step_sleep)
