@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -213,3 +214,47 @@ def run_cli(*args: str, timeout: float = 120, env: dict[str, str] | None = None)
 def cli() -> object:
     """``cli(*args)`` runs ``python -m dynprof ARGS`` in a subprocess and returns the result."""
     return run_cli
+
+
+HANG_PROGRAM = "tests/integration/programs/hang_program.py"
+
+
+@pytest.fixture
+def hang_job(spawn: object) -> object:
+    """``hang_job(job, hold, run_args=())`` starts a 2-rank gloo job of hang_program.py under
+    ``dynprof run RUN_ARGS``: rank 0 waits in an all_reduce that rank 1 (holding in ``hold``:
+    sleep, gil, ...) never enters. Returns the ranks' pids once both are in place."""
+
+    def _start(job: str, hold: str = "sleep", run_args: list[str] | tuple[str, ...] = ()) -> list[int]:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = str(s.getsockname()[1])
+        targets = []
+        for rank in (0, 1):
+            env = {
+                "RANK": str(rank),
+                "WORLD_SIZE": "2",
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": port,
+                "DYNPROF_JOB_ID": job,
+            }
+            args = [
+                "-m",
+                "dynprof",
+                "run",
+                "-q",
+                *run_args,
+                "--",
+                sys.executable,
+                HANG_PROGRAM,
+                "--hold",
+                hold,
+                "--seconds",
+                "90",
+            ]
+            targets.append(spawn(args, under_run=False, env=env))  # type: ignore[operator]
+        pids = [pid for t in targets for pid in t.ready_pids(timeout=90)]
+        time.sleep(0.5)  # rank 0 enters the collective right after its READY line
+        return pids
+
+    return _start

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -15,53 +12,11 @@ from collectors.flight_recorder import detect_environment
 HANG = "tests/integration/programs/hang_program.py"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _job(spawn, job: str, run_args: list[str]) -> None:
-    port = str(_free_port())
-    targets = []
-    for rank in (0, 1):
-        env = {
-            "RANK": str(rank),
-            "WORLD_SIZE": "2",
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": port,
-            "DYNPROF_JOB_ID": job,
-        }
-        targets.append(
-            spawn(
-                [
-                    "-m",
-                    "dynprof",
-                    "run",
-                    "-q",
-                    *run_args,
-                    "--",
-                    sys.executable,
-                    HANG,
-                    "--hold",
-                    "sleep",
-                    "--seconds",
-                    "90",
-                ],
-                under_run=False,
-                env=env,
-            )
-        )
-    for t in targets:
-        t.ready_pids(timeout=90)
-    time.sleep(0.5)
-
-
-def test_nccl_names_the_missing_rank_and_the_collective(spawn, cli):
+def test_nccl_names_the_missing_rank_and_the_collective(hang_job, cli):
     if not detect_environment().names & {"TORCH_FR_BUFFER_SIZE"}:
         pytest.skip("this torch has no flight recorder for Gloo (CPU); see tests/gpu/test_hang_gpu.py")
     # GIVEN a job started with the flight recorder where rank 1 never enters rank 0's all_reduce
-    _job(spawn, "frjob", ["--flight-recorder", "64"])
+    hang_job("frjob", run_args=["--flight-recorder", "64"])
 
     # WHEN every rank's recorder is collected
     result = cli("nccl", "--job", "frjob", "--json")
@@ -81,8 +36,8 @@ def test_nccl_names_the_missing_rank_and_the_collective(spawn, cli):
     assert "missing: rank 1" in shown.stdout
 
 
-def test_job_without_the_recorder_gets_a_clear_message(spawn, cli):
-    _job(spawn, "plainjob", [])
+def test_job_without_the_recorder_gets_a_clear_message(hang_job, cli):
+    hang_job("plainjob")
     result = cli("nccl", "--job", "plainjob")
     assert result.returncode == 7, result.stderr
     assert "flight recorder is off" in result.stderr

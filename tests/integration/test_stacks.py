@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -20,41 +19,9 @@ HANG = "tests/integration/programs/hang_program.py"
 pytestmark = pytest.mark.ptrace
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _job(spawn, job: str, hold: str, extra: list[str] | None = None) -> list[int]:
-    port = str(_free_port())
-    pids = []
-    targets = []
-    for rank in (0, 1):
-        env = {
-            "RANK": str(rank),
-            "WORLD_SIZE": "2",
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": port,
-            "DYNPROF_JOB_ID": job,
-        }
-        targets.append(
-            spawn(
-                [HANG, "--hold", hold, "--seconds", "90"]
-                if not extra
-                else [*extra, HANG, "--hold", hold, "--seconds", "90"],
-                env=env,
-            )
-        )
-    for t in targets:
-        pids += t.ready_pids(timeout=90)
-    time.sleep(0.5)  # rank 0 enters the collective right after its READY line
-    return pids
-
-
-def test_hung_gloo_job_splits_into_two_groups(spawn, cli):
+def test_hung_gloo_job_splits_into_two_groups(hang_job, cli):
     # GIVEN a 2-rank gloo job where rank 0 waits in all_reduce and rank 1 sleeps before it
-    _job(spawn, "hungjob", "sleep")
+    hang_job("hungjob", "sleep")
 
     # WHEN the stacks of the job are read
     result = cli("stacks", "--job", "hungjob", "--json")
@@ -78,9 +45,9 @@ def test_hung_gloo_job_splits_into_two_groups(spawn, cli):
     assert shown.returncode == 0 and "rank 1: in wait_for_data" in shown.stdout
 
 
-def test_rank_holding_the_gil_in_c_still_gives_its_stack(spawn, cli):
+def test_rank_holding_the_gil_in_c_still_gives_its_stack(hang_job, cli):
     # GIVEN rank 1 stuck in a C call that holds the GIL (its agent cannot answer)
-    pids = _job(spawn, "giljob", "gil")
+    pids = hang_job("giljob", "gil")
 
     # WHEN the stacks are read, with native frames
     result = cli("stacks", "--job", "giljob", "--native", "--full")
