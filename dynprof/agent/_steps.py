@@ -59,7 +59,7 @@ class StepTracker:
         self._lock = threading.Lock()
         self._handle: Any = None
         self._finder: _PostImportFinder | None = None
-        self._is_compiling: Callable[[], bool] = _never
+        self._is_compiling: Callable[[], bool] = self._resolve_is_compiling
 
     # -- listeners (armed only while a capture needs step boundaries) ----------------------
     def add_listener(self, listener: BoundaryListener) -> None:
@@ -82,6 +82,14 @@ class StepTracker:
         return True
 
     # -- the hook ----------------------------------------------------------------------------
+    def _resolve_is_compiling(self) -> bool:
+        """First hook call (torch is fully imported by then): find torch.compiler.is_compiling,
+        which Dynamo reads as True while it traces."""
+        compiler = getattr(sys.modules.get("torch"), "compiler", None)
+        is_compiling = getattr(compiler, "is_compiling", None)
+        self._is_compiling = is_compiling if callable(is_compiling) else _never
+        return bool(self._is_compiling())
+
     def _hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self._is_compiling():
             # Inside a region Dynamo traces: only a plain attribute update, which Dynamo
@@ -149,11 +157,7 @@ class StepTracker:
                 getattr(sys.modules.get("torch"), "__version__", "?"),
             )
             return
-        compiler = getattr(sys.modules.get("torch"), "compiler", None)
-        is_compiling = getattr(compiler, "is_compiling", None)
-        if callable(is_compiling):
-            self._is_compiling = is_compiling
-        self._handle = register(self._hook)
+        self._handle = register(_dynamo_skipped(self._hook))
         self.hook_installed = True
         log.info("optimizer step hook installed")
         callback = self.on_install
@@ -183,6 +187,23 @@ def _never() -> bool:
     return False
 
 
+def _dynamo_skipped(method: Callable[[Any, Any, Any], None]) -> Callable[[Any, Any, Any], None]:
+    """The hook as a plain function that Dynamo calls instead of tracing.
+
+    ``_torchdynamo_disable`` is the mark ``torch._dynamo.skip`` sets: Dynamo then runs the
+    function eagerly at that point of a compiled optimizer step (where torch.optim already
+    breaks the graph) rather than tracing into it, and it costs nothing in eager mode: no
+    wrapper, no import of torch._dynamo.
+    """
+
+    def dynprof_step_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
+        method(optimizer, args, kwargs)
+
+    dynprof_step_hook._torchdynamo_disable = True  # type: ignore[attr-defined]
+    dynprof_step_hook._torchdynamo_disable_msg = "dynprof's step counter runs eagerly"  # type: ignore[attr-defined]
+    return dynprof_step_hook
+
+
 _OPTIMIZER_FILE = "torch/optim/optimizer.py"
 
 
@@ -199,7 +220,9 @@ def _after_optimizer_range(callback: Callable[[], None]) -> bool:
     """
     if sys.getprofile() is not None:
         return False
-    frame: Any = sys._getframe(3)  # _after_optimizer_range <- _eager_step <- _hook <- the caller
+    frame: Any = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename == __file__:
+        frame = frame.f_back  # dynprof's own hook frames
     target = None
     depth = 0
     while frame is not None and depth < 8:

@@ -40,6 +40,7 @@ MAX_STEPS = 1_000_000
 MAX_AT_STEP = 2**62
 # A start or stop that lands somewhere unsafe is retried this often (main thread only).
 SAFE_POINT_RETRY_S = 0.005
+COMPILED_STEP_POLL_S = 0.005
 
 
 def _default_max_duration() -> float:
@@ -112,6 +113,7 @@ class TraceController:
                 )
             if other_profiler_active():
                 raise _profiler_active_error()
+            self.steps.fold_compiled()
             now_step = self.steps.step
             step_aligned = msg.steps > 0 or (msg.duration_s == 0 and self._steps_flowing())
             if msg.steps > 0 and not self.steps.hook_installed:
@@ -138,6 +140,7 @@ class TraceController:
             self._timer(max_s, self._on_cap)
             if step_aligned:
                 self.steps.add_listener(self._on_boundary)
+                self._start_compiled_step_poller()
             elif not call_soon_in_main_thread(self._start_at_safe_point):
                 self._reset_to_idle("the main thread's pending-call queue is full")
                 raise CommandError(pb.INTERNAL, "could not reach the main thread; try again")
@@ -278,6 +281,20 @@ class TraceController:
                     self._retry_on_main_thread(self._stop_at_safe_point)
             else:
                 self.session.step()
+
+    def _start_compiled_step_poller(self) -> None:
+        """Optimizer steps inside a torch.compile region call no listener (Dynamo replays only
+        the counter). While a trace is armed or running, a poller turns new compiled steps into
+        boundaries on the main thread, through the pending-call queue."""
+
+        def poll() -> None:
+            while self.state in ("armed", "tracing"):
+                time.sleep(COMPILED_STEP_POLL_S)
+                if self.steps.fold_compiled():
+                    step = self.steps.step
+                    call_soon_in_main_thread(lambda step=step: self._on_boundary(step))  # type: ignore[misc]
+
+        threading.Thread(target=poll, name="dynprof-trace-steps", daemon=True).start()
 
     def _retry_on_main_thread(self, fn: Any) -> None:
         """Run ``fn`` on the main thread soon, through the pending-call queue.

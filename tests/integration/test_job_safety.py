@@ -195,6 +195,17 @@ def test_traces_leave_the_job_output_and_losses_untouched(spawn, cli):
     assert _result(step_run.stdout)["status"] == "complete"
     assert _result(duration_run.stdout)["status"] == "complete"
     assert [line for line in target.lines if line.startswith("LOSS")] == expected
+    # the optimizer's own range is never cut by a ProfilerStep boundary
+    trace = read_trace(Path(_result(step_run.stdout)["artifact"]) / "trace.json.gz")
+    optimizer_spans = [
+        e for e in trace["traceEvents"] if e.get("ph") == "X" and str(e.get("name", "")).startswith("Optimizer.step#")
+    ]
+    assert optimizer_spans
+    for span in optimizer_spans:
+        begin, end = span["ts"], span["ts"] + span["dur"]
+        for step in profiler_steps(trace):
+            s0, s1 = step["ts"], step["ts"] + step["dur"]
+            assert end <= s0 or begin >= s1 or (s0 <= begin and end <= s1), (span, step)
     assert _foreign_lines(target.lines) == [], _foreign_lines(target.lines)
     assert target.proc.returncode == 0
 
@@ -243,3 +254,23 @@ def test_a_process_that_exits_mid_trace_is_reported_partial_with_its_path(spawn,
     res = _result(result.stdout)
     assert res["status"] == "partial", res
     assert res["artifact"] and Path(res["artifact"]).is_dir()
+
+
+def test_a_compiled_optimizer_step_is_counted_and_traced_without_graph_breaks(spawn, cli):
+    # GIVEN a job whose optimizer step runs under torch.compile
+    target = spawn([PROGRAM, "--mode", "compiled-step", "--step-sleep", "0.01"])
+    (pid,) = target.ready_pids()
+    target.wait_for_line("LOSS 20 ", timeout=120)
+
+    # WHEN it is listed and traced for three steps
+    listing = cli("ps", "--json", "--timeout", "10")
+    result = cli("start", "--pid", str(pid), "--steps", "3", "--json")
+
+    # THEN its steps are counted, the trace holds three steps, and Dynamo said nothing about
+    # dynprof's hook (no graph break, no warning in the job's output)
+    (agent,) = [a for a in json.loads(listing.stdout)["agents"] if a["pid"] == pid]
+    assert agent["step"] >= 19, agent
+    assert result.returncode == 0, result.stdout + result.stderr
+    res = _result(result.stdout)
+    assert res["status"] == "complete" and len(_trace_steps(res)) == 3
+    assert not [line for line in target.lines if "dynprof/agent" in line or "Dynamo" in line]

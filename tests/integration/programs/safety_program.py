@@ -7,6 +7,8 @@
                               are inside backward)
     --mode own-profiler       the job runs its own torch.profiler with a schedule and on_trace_ready
     --mode recreate           a new optimizer every --recreate-every steps (stages, k-fold)
+    --mode compiled-step      the optimizer step runs under torch.compile (Dynamo traces the
+                              global step hooks; backend "eager" keeps it quick on a CPU)
     --mode plain              a plain loop
 
 Prints ``READY <pid>`` after the first step, ``LOSS <step> <value>`` every step (exact repr, to
@@ -39,7 +41,9 @@ class Block(torch.nn.Module):
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument(
-        "--mode", choices=["checkpoint", "opt-in-backward", "own-profiler", "recreate", "plain"], required=True
+        "--mode",
+        choices=["checkpoint", "opt-in-backward", "own-profiler", "recreate", "compiled-step", "plain"],
+        required=True,
     )
     parser.add_argument("--max-steps", type=int, default=0)
     parser.add_argument("--max-seconds", type=float, default=120.0)
@@ -94,6 +98,10 @@ def main() -> int:
             h = checkpoint(layer, h, use_reentrant=False) if args.mode == "checkpoint" else layer(h)
         return model[-1](h)
 
+    optimizer_step = opt.step if opt is not None else None
+    if args.mode == "compiled-step" and opt is not None:
+        optimizer_step = torch.compile(opt.step, backend="eager")
+
     deadline = time.monotonic() + args.max_seconds
     step = 0
     while time.monotonic() < deadline and (not args.max_steps or step < args.max_steps):
@@ -104,7 +112,7 @@ def main() -> int:
             opt.zero_grad()
         loss.backward()
         if opt is not None:
-            opt.step()
+            (optimizer_step if args.mode == "compiled-step" else opt.step)()
         if prof is not None:
             prof.step()
         step += 1
