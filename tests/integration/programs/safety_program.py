@@ -51,12 +51,16 @@ def main() -> int:
     parser.add_argument("--depth", type=int, default=12)
     parser.add_argument("--recreate-every", type=int, default=20)
     parser.add_argument("--step-sleep", type=float, default=0.0)
+    parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*[Block(args.width) for _ in range(args.depth)], torch.nn.Linear(args.width, 1))
-    x = torch.randn(64, args.width)
-    y = torch.randn(64, 1)
+    device = torch.device(args.device)
+    model = torch.nn.Sequential(*[Block(args.width) for _ in range(args.depth)], torch.nn.Linear(args.width, 1)).to(
+        device
+    )
+    x = torch.randn(64, args.width, device=device)
+    y = torch.randn(64, 1, device=device)
 
     def make_optimizer() -> torch.optim.Optimizer:
         return torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -85,8 +89,11 @@ def main() -> int:
             p.export_chrome_trace(os.path.join(out_dir, f"job-{traces_written}.json"))
             print(f"JOBTRACE {traces_written}", flush=True)
 
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
         prof = torch.profiler.profile(
-            activities=[torch.profiler.ProfilerActivity.CPU],
+            activities=activities,
             schedule=torch.profiler.schedule(wait=3, warmup=1, active=2, repeat=0),
             on_trace_ready=ready,
         )
