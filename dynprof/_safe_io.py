@@ -21,6 +21,7 @@ from __future__ import annotations
 import codecs
 import json
 import os
+import re
 import stat
 import zlib
 from collections.abc import Iterable, Iterator
@@ -42,6 +43,7 @@ DEFAULT_MAX_TRACE_BYTES = 2 << 30
 STREAM_VALUE_MAX_BYTES = 16 << 20
 """One value of a streamed document (one trace event, or one top-level field) at most."""
 _CHUNK = 1 << 20
+_WS = re.compile(r"[ \t\r\n]*")
 
 
 def max_trace_bytes() -> int:
@@ -247,13 +249,10 @@ class _TextStream:
     def skip_ws(self) -> str:
         """The next non-space character (not consumed); ``""`` at the end."""
         while True:
-            buf, pos = self.buf, self.pos
-            n = len(buf)
-            while pos < n and buf[pos] in " \t\r\n":
-                pos += 1
-            self.pos = pos
-            if pos < n:
-                return buf[pos]
+            end = _WS.match(self.buf, self.pos)
+            self.pos = end.end() if end else self.pos
+            if self.pos < len(self.buf):
+                return self.buf[self.pos]
             if not self.fill(_CHUNK):
                 return ""
 
@@ -277,6 +276,8 @@ class _TextStream:
             # A value that ends exactly at the window's end may be cut (a number), so it counts
             # only when something follows it or the file has ended.
             if end != -1 and (end < len(self.buf) or self.eof):
+                if end - self.pos > max_chars:
+                    raise ArtifactError(f"{self.what}: one JSON value is over {max_chars} characters: refused")
                 if check_depth and json_depth_exceeds(obj, JSON_MAX_DEPTH):
                     raise ArtifactError(f"{self.what}: JSON nested deeper than {JSON_MAX_DEPTH} levels: refused")
                 self.pos = end
