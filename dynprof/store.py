@@ -501,10 +501,7 @@ class ArtifactStore:
             tmp = parent / f".{final.name}.{os.getpid()}.tmp"
             os.mkdir(tmp, 0o700)
         except OSError as exc:
-            raise StoreError(
-                f"cannot create an artifact directory in {parent}: {exc.strerror}",
-                help="Set DYNPROF_ARTIFACT_DIR to a writable directory with free space.",
-            ) from None
+            raise StoreError(f"cannot create an artifact directory in {parent}: {exc.strerror}") from None
         manifest: dict[str, Any] = {
             "schema": SCHEMA,
             "schema_version": SCHEMA_VERSION,

@@ -85,6 +85,20 @@ def _url(host: str, port: int, token: str) -> str:
     return f"http://{shown}:{port}/?token={token}"
 
 
+REQUEST_TIMEOUT_S = 30.0
+
+
+def _request_handler() -> type:
+    """Werkzeug's handler with a socket timeout, so an idle or dripping client cannot hold a
+    server thread forever."""
+    from werkzeug.serving import WSGIRequestHandler
+
+    class Handler(WSGIRequestHandler):
+        timeout = REQUEST_TIMEOUT_S
+
+    return Handler
+
+
 class ServeCommand:
     """Serve a web page and an HTTP API over this node's agents and artifacts (token required)."""
 
@@ -113,7 +127,7 @@ class ServeCommand:
             print(f"dynprof: token from {source}", file=sys.stderr)
         sys.stderr.flush()
         try:
-            app.run(host=args.host, port=args.port, debug=False, use_reloader=False)
+            app.run(host=args.host, port=args.port, debug=False, use_reloader=False, request_handler=_request_handler())
         except OSError as exc:
             raise errors.DynprofError(
                 f"cannot listen on {args.host}:{args.port}: {exc}", help="Choose another --port."
