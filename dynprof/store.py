@@ -497,8 +497,9 @@ class ArtifactStore:
             while final.exists():
                 n += 1
                 final = parent / f"{name}-{n}"
-            # The writer's pid is in the name, so a directory left by a dead writer can be swept.
-            tmp = parent / f".{final.name}.{os.getpid()}.tmp"
+            # The writer's pid (and pid namespace) is in the name, so a directory left by a
+            # writer that died can be swept.
+            tmp = parent / f".{final.name}.{owner_tag()}.tmp"
             os.mkdir(tmp, 0o700)
         except OSError as exc:
             raise StoreError(f"cannot create an artifact directory in {parent}: {exc.strerror}") from None
@@ -548,9 +549,12 @@ class ArtifactStore:
                 continue
             age = max(0.0, now - st.st_mtime)
             parts = p.name[1:].rsplit(".", 2)
-            owner = int(parts[1]) if len(parts) == 3 and parts[1].isdigit() else None
+            pid_text, _, ns = parts[1].partition("@") if len(parts) == 3 else ("", "", "")
+            owner = int(pid_text) if pid_text.isdigit() else None
             stale = age > STALE_TMP_AFTER_S
-            if not stale and owner is not None and p.parent.parent.parent.name == here and age > DEAD_OWNER_GRACE_S:
+            # A dead owner is known only for a writer on this host, in this pid namespace.
+            ours = p.parent.parent.parent.name == here and ns == str(_pid_namespace())
+            if not stale and owner is not None and ours and age > DEAD_OWNER_GRACE_S:
                 stale = not _pid_alive(owner)
             found.append(TempDir(p, owner, age, _disk_usage(p), stale, self.root))
         return found
@@ -661,6 +665,18 @@ class ArtifactStore:
                 total -= size
                 removed.append(art.path)
         return removed
+
+
+def _pid_namespace() -> int:
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def owner_tag() -> str:
+    """``PID@PIDNS`` of this process: what a temporary directory's name records of its writer."""
+    return f"{os.getpid()}@{_pid_namespace()}"
 
 
 def _pid_alive(pid: int) -> bool:

@@ -157,12 +157,15 @@ def test_stale_tmp_dirs_are_swept_counted_and_shown(tmp_path, capsys, dynprof_di
     parent.mkdir(parents=True)
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     dead_pid = int(dead.stdout)
-    stale = parent / f".20260101T000000.000000Z-{dead_pid}.{dead_pid}.tmp"
+    stale = parent / f".20260101T000000.000000Z-{dead_pid}.{dead_pid}@{store_mod._pid_namespace()}.tmp"
     stale.mkdir()
     (stale / "trace.json.gz").write_bytes(b"x" * 5000)
     old = time.time() - 60
     os.utime(stale, (old, old))
-    live = parent / f".20260101T000001.000000Z-1.{os.getpid()}.tmp"
+    live = parent / f".20260101T000001.000000Z-1.{store_mod.owner_tag()}.tmp"
+    other_ns = parent / f".20260101T000002.000000Z-1.{dead_pid}@1.tmp"  # another pid namespace: not judged
+    other_ns.mkdir()
+    os.utime(other_ns, (old, old))
     live.mkdir()
     (live / "trace.json.gz").write_bytes(b"y" * 3000)
     ancient = parent / ".20250101T000000.000000Z-1.tmp"  # no owner pid in the name, a day old
@@ -172,7 +175,9 @@ def test_stale_tmp_dirs_are_swept_counted_and_shown(tmp_path, capsys, dynprof_di
     # THEN ls --all tells them apart
     assert main(["ls", "--all", "--json"]) == 0
     listing = json.loads(capsys.readouterr().out)
-    assert listing["writing"] == [str(live)] and sorted(listing["stale"]) == sorted([str(stale), str(ancient)])
+    assert listing["writing"] == [str(live), str(other_ns)] and sorted(listing["stale"]) == sorted(
+        [str(stale), str(ancient)]
+    )
     assert main(["ls", "--all"]) == 0
     out = capsys.readouterr().out
     assert "stale" in out and "writing" in out and "4.9 KiB" in out
@@ -187,9 +192,10 @@ def test_stale_tmp_dirs_are_swept_counted_and_shown(tmp_path, capsys, dynprof_di
     b.finish()
 
     # THEN the stale ones are gone, the live one kept, and the cap evicted the older artifact
-    assert not stale.exists() and not ancient.exists() and live.exists()
+    assert not stale.exists() and not ancient.exists() and live.exists() and other_ns.exists()
     assert not first.path.exists() and len(store.list()) == 1
     shutil.rmtree(live)
+    shutil.rmtree(other_ns)
 
 
 def can_mount_tmpfs(path: Path) -> bool:
