@@ -32,8 +32,11 @@ from dynprof.errors import ArtifactError
 
 MANIFEST_MAX_BYTES = 1 << 20
 """A manifest larger than this is refused (real ones are a few KiB)."""
-JSON_MAX_BYTES = 256 << 20
+JSON_MAX_BYTES = 32 << 20
 """Other JSON files read whole (summaries, stack dumps, analyses)."""
+JSON_MAX_VALUES = 1_000_000
+"""At most this many JSON values in a file read whole (bounded from the count of ``,``, ``[``
+and ``{``): ``[{},{},...]`` costs ~70 bytes of memory per 3 bytes of file."""
 TEXT_MAX_BYTES = 64 << 20
 """Text files shown whole (stack.txt, memory_summary.txt)."""
 JSON_MAX_DEPTH = 64
@@ -162,7 +165,11 @@ def loads_json(data: bytes | str, what: str, max_depth: int = JSON_MAX_DEPTH) ->
 def read_json_in(
     directory: Path | str, name: str, max_bytes: int = JSON_MAX_BYTES, max_depth: int = JSON_MAX_DEPTH
 ) -> Any:
-    return loads_json(read_bytes_in(directory, name, max_bytes), f"{name} in {directory}", max_depth)
+    data = read_bytes_in(directory, name, max_bytes)
+    values = data.count(b",") + data.count(b"[") + data.count(b"{")
+    if values > JSON_MAX_VALUES:
+        raise ArtifactError(f"{name} in {directory} holds over {JSON_MAX_VALUES} JSON values: refused")
+    return loads_json(data, f"{name} in {directory}", max_depth)
 
 
 # -- bounded decompression ----------------------------------------------------------------------

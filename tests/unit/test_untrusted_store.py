@@ -383,6 +383,52 @@ def test_pickle_bombs_are_refused_cleanly(tmp_path, capsys):
     assert ms._SnapshotUnpickler(io.BytesIO(pickle.dumps(bytearray(b"abc"), protocol=4))).load() == b"abc"
 
 
+def dict_bomb(n: int = 4 << 20) -> bytes:
+    """4 MiB: a list of 4 Mi empty dicts, one opcode each (about 300 MB once loaded)."""
+    return b"\x80\x04](" + b"}" * n + b"e."
+
+
+@pytest.mark.parametrize("in_thread", [False, True], ids=["C-unpickler-with-rlimit", "pure-python-with-rss-checks"])
+def test_amplifying_pickles_are_refused_at_the_memory_budget(in_thread):
+    # GIVEN bombs that would take far more memory than their size; in the main thread (the C
+    # unpickler under an address-space cap) and in a worker thread (the pure-Python unpickler)
+    import threading
+
+    results: dict[str, str] = {}
+
+    def load_all() -> None:
+        cases = (
+            ("dict", dict_bomb()),
+            ("memo", memo_bomb()),
+            ("bytearray", bytearray_bomb()),
+            ("code", pickle.dumps(os.getcwd, protocol=4)),
+        )
+        for name, bomb in cases:
+            try:
+                ms.parse_snapshot(bomb, name)
+                results[name] = "loaded"
+            except ArtifactError as exc:
+                results[name] = exc.message
+
+    if in_thread:
+        t = threading.Thread(target=load_all)
+        t.start()
+        t.join()
+    else:
+        load_all()
+    # THEN each is refused with a reason, and nothing else escapes
+    assert "needs more than 96 MiB" in results["dict"]
+    assert "not a PyTorch memory snapshot" in results["memo"]
+    assert "bytearray" in results["bytearray"]
+    assert "refers to posix.getcwd" in results["code"]
+
+
+def test_json_with_too_many_values_is_refused(tmp_path):
+    (tmp_path / "many.json").write_bytes(b"[" + b"{}," * 1_000_001 + b"{}]")
+    with pytest.raises(ArtifactError, match="over 1000000 JSON values"):
+        _safe_io.read_json_in(tmp_path, "many.json")
+
+
 def test_ill_typed_snapshot_contents_are_clean_errors(tmp_path, capsys):
     for obj in (
         {"segments": [1, 2], "device_traces": []},
