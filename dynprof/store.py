@@ -645,8 +645,9 @@ class ArtifactStore:
             return []
         removed = []
         lock_path = self.root / ".lock"
-        fd = os.open(lock_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-        with os.fdopen(fd, "a") as lock:
+        # Read-only is enough for flock, so users of a store shared on purpose can all take it.
+        fd = os.open(lock_path, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, artifact_modes()[1])
+        with os.fdopen(fd, "rb") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             temps = self.temporaries()
             for t in temps:
