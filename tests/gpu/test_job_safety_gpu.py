@@ -45,7 +45,9 @@ def test_cuda_checkpointing_loop_traced_in_both_modes_never_crashes(spawn, cli):
     print(f"\nstatuses {statuses}; GPU kernels per trace {kernels}")
     assert statuses == ["complete"] * 8
     assert all(k > 0 for k in kernels)
-    assert [line for line in target.lines if line and not JOB_LINE.match(line) and not line.startswith("dynprof: ")] == []
+    assert [
+        line for line in target.lines if line and not JOB_LINE.match(line) and not line.startswith("dynprof: ")
+    ] == []
 
 
 def test_cuda_job_with_its_own_profiler_traced_in_both_modes_never_crashes(spawn, cli):
