@@ -1,0 +1,63 @@
+"""A 2-rank gloo training loop where one rank can be made slow in its data loading.
+
+Each rank joins a gloo process group (RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT from the environment,
+as torchrun sets them), then per step: ``load_batch`` (sleeping ``--load-ms`` on the ranks listed in
+``--slow-ranks``, ``--base-load-ms`` elsewhere), forward, backward, one all_reduce of the gradients,
+optimizer step. Prints ``READY <pid>`` after the first optimizer step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def load_batch(width: int, sleep_s: float) -> tuple[torch.Tensor, torch.Tensor]:
+    if sleep_s:
+        time.sleep(sleep_s)
+    return torch.randn(32, width), torch.randn(32, 1)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--slow-ranks", default="", help="comma-separated ranks whose load_batch is slow")
+    parser.add_argument("--load-ms", type=float, default=60.0, help="load_batch time on the slow ranks")
+    parser.add_argument("--base-load-ms", type=float, default=1.0, help="load_batch time on the other ranks")
+    parser.add_argument("--width", type=int, default=64)
+    parser.add_argument("--max-seconds", type=float, default=120.0)
+    args = parser.parse_args()
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    slow = {int(r) for r in args.slow_ranks.split(",") if r.strip()}
+    sleep_s = (args.load_ms if rank in slow else args.base_load_ms) / 1000.0
+    torch.manual_seed(rank)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(args.width, args.width), torch.nn.ReLU(), torch.nn.Linear(args.width, 1)
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    deadline = time.monotonic() + args.max_seconds
+    ready = False
+    while time.monotonic() < deadline:
+        x, y = load_batch(args.width, sleep_s)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+        opt.step()
+        if not ready:
+            os.write(1, f"READY {os.getpid()}\n".encode())  # one write: ranks may share the pipe
+            ready = True
+    dist.destroy_process_group()
+    print("DONE", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
