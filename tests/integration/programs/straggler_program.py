@@ -32,6 +32,7 @@ def main() -> int:
     parser.add_argument("--max-seconds", type=float, default=120.0)
     args = parser.parse_args()
 
+    torch.set_num_threads(1)  # two ranks on a small CPU machine: no intra-op threads fighting
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     slow = {int(r) for r in args.slow_ranks.split(",") if r.strip()}
