@@ -87,6 +87,7 @@ _COMM_KERNEL = re.compile(
 _OP_CATS = frozenset({"cpu_op", "user_annotation", "cuda_runtime", "cuda_driver", "operator", "Operator"})
 _GPU_CATS = frozenset({"kernel", "gpu_memcpy", "gpu_memset", "Kernel", "Memcpy", "Memset"})
 _WS = re.compile(r"[ \t\n\r]*")
+_SEP = re.compile(r"[ \t\n\r]*(?:,[ \t\n\r]*)?")
 
 
 class TraceError(Exception):
@@ -206,6 +207,24 @@ def iter_trace(
                 raise TraceError(f"{path}: traceEvents is not a list")
             text.pos += 1
             while True:
+                # Fast path: decode events back to back while the buffer holds whole ones.
+                buf, pos = text.buf, text.pos
+                limit = len(buf)
+                try:
+                    while True:
+                        event, end = scan(buf, pos)
+                        pos = _SEP.match(buf, end).end()  # type: ignore[union-attr]
+                        if pos >= limit:
+                            text.pos = end
+                            if isinstance(event, dict):
+                                yield event
+                            break
+                        if isinstance(event, dict):
+                            yield event
+                except (StopIteration, ValueError):
+                    text.pos = pos
+                except RecursionError:
+                    raise TraceError(f"{path}: JSON nested too deeply") from None
                 c = text.skip_ws()
                 if c == "]":
                     text.pos += 1
@@ -379,11 +398,14 @@ def analyze_rank(item: RankInput) -> dict[str, Any]:
         events += 1
         if e.get("ph") != "X":
             continue
-        cat = e.get("cat")
-        ts = _num(e.get("ts"))
-        dur = _num(e.get("dur"))
+        try:
+            ts = float(e["ts"])
+            dur = float(e["dur"])
+        except (KeyError, TypeError, ValueError):
+            continue
         if not (dur >= 0 and ts == ts):  # NaN-safe
             continue
+        cat = e.get("cat")
         name = e.get("name")
         name = name if isinstance(name, str) else str(name)
         if cat in _GPU_CATS:
