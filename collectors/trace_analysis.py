@@ -1094,7 +1094,7 @@ def render_text(analysis: dict[str, Any], top: int = 10) -> str:
     lines.append("")
     s = analysis.get("straggler")
     if s:
-        lines.append(f"STRAGGLER: rank {s['rank']} on {s.get('host') or '?'}: {s['reason']}")
+        lines.append(f"STRAGGLER on {s.get('host') or '?'}: {s['reason']}")
     lines.append(f"({analysis.get('straggler_check', '')})")
     for key, title in (("top_kernels", "top GPU kernels"), ("top_ops", "top CPU operators (self time)")):
         rows = (analysis.get(key) or [])[:top]

@@ -62,7 +62,7 @@ def test_rank_with_slow_data_loading_is_named(two_rank_job, cli):
             assert sum(r["cpu"].values()) == pytest.approx(r["step_ms"], rel=0.01)
     assert data["artifact"], "the analysis was not saved"
     shown = cli("show", data["artifact"])
-    assert "STRAGGLER: rank 1" in shown.stdout
+    assert "rank 1: " in shown.stdout and "STRAGGLER on " in shown.stdout
 
 
 def test_even_job_has_no_straggler(two_rank_job, cli):

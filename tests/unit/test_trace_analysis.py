@@ -219,7 +219,7 @@ def test_analyze_job_prints_the_table_and_saves_an_artifact(store_with, capsys):
     # THEN the table has both ranks and the verdict, and an analysis artifact is saved
     out = capsys.readouterr().out
     assert rc == 0
-    assert "STRAGGLER: rank 1" in out
+    assert "STRAGGLER on vm: rank 1:" in out
     assert "CPU OPS" in out and "OUTSIDE" in out
     (art,) = store.list(kind="analysis")
     assert art.manifest["job"] == "fixture-slow1"
@@ -229,7 +229,7 @@ def test_analyze_job_prints_the_table_and_saves_an_artifact(store_with, capsys):
     # WHEN it is shown
     assert main(["show", art.id]) == 0
     # THEN `dynprof show` renders the same table
-    assert "STRAGGLER: rank 1" in capsys.readouterr().out
+    assert "STRAGGLER on vm: rank 1:" in capsys.readouterr().out
 
 
 def test_analyze_json_schema(store_with, capsys):
@@ -324,3 +324,13 @@ def test_artifact_page_draws_svg_charts(store_with):
     assert "class='seg outside_ops'" in page and "class='lane cpu_wait'" in page
     assert "Straggler: rank 1" in page
     assert "<script" not in page and "http://" not in page.replace("http://www.w3.org/2000/svg", "")
+    # each chart is well-formed SVG (XML), with a bar per rank and a lane per rank
+    import re
+    import xml.etree.ElementTree as ET
+
+    svgs = [ET.fromstring(m) for m in re.findall(r"<svg.*?</svg>", page, re.S)]
+    ns = "{http://www.w3.org/2000/svg}"
+    labels = [t.text for t in svgs[0].iter(ns + "text")]
+    assert "rank 0 CPU" in labels and "rank 1 CPU" in labels
+    lanes = [r for r in svgs[1].iter(ns + "rect") if "lane" in (r.get("class") or "")]
+    assert lanes and all(float(r.get("width")) > 0 for r in lanes)
