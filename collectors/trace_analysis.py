@@ -35,10 +35,11 @@ Breakdown of a step (the ``ProfilerStep#N`` span of the training thread, ``[star
 Straggler
     Per rank and step, ``collective_ms`` is the time spent waiting in collectives (GPU traces:
     GPU ``comm``; CPU-only traces: CPU ``collective + collective_wait``) and ``work_ms`` the
-    rest of the step. The rank with the most work (median over steps) is the straggler when
-    its work exceeds the median of the other ranks' by more than the noise threshold
-    (``max(NOISE_FLOOR_MS, NOISE_FRACTION x median step time)``) and the others spend at
-    least half that excess waiting in collectives.
+    rest of the step. The rank with the most work (mean over the common steps) is the
+    straggler when its work exceeds the median of the other ranks' by more than the noise
+    threshold (``max(NOISE_FLOOR_MS, NOISE_FRACTION x median step time)``), it is the slowest
+    rank in at least half of the steps, and the others spend at least half that excess more
+    than it waiting in collectives. docs/analyze.md has the details.
 """
 
 from __future__ import annotations
@@ -392,7 +393,6 @@ def analyze_rank(item: RankInput) -> dict[str, Any]:
     threads: dict[tuple[Any, Any], _Spans] = defaultdict(_Spans)
     gpu = _Spans()
     steps: list[tuple[int, float, float, Any]] = []
-    kernels: dict[int, list[float]] = defaultdict(lambda: [0, 0.0])
     events = 0
     for e in iter_trace(path, header, item.max_bytes):
         events += 1
@@ -411,9 +411,6 @@ def analyze_rank(item: RankInput) -> dict[str, Any]:
         if cat in _GPU_CATS:
             if cat in ("kernel", "Kernel"):
                 flag = _COMM if is_comm_kernel(name) else _COMPUTE
-                k = kernels[nid(name)]
-                k[0] += 1
-                k[1] += dur
             else:
                 flag = _MEM
             gpu.add(ts, ts + dur, nid(name), flag)
@@ -442,9 +439,19 @@ def analyze_rank(item: RankInput) -> dict[str, Any]:
     train = threads.get(train_key, _Spans())
 
     # CPU covers.
-    ops = train.cover(lambda f: f != _PY)
-    coll = train.cover(lambda f: f == _COLL)
-    other_comm = [t.cover(lambda f: f == _COLL) for k, t in threads.items() if k != train_key]
+    # With CUDA tensors, backward runs on the autograd engine's device threads while the
+    # training thread waits for it: their operators count as the training loop's.
+    backward = [
+        k
+        for k, t in threads.items()
+        if k != train_key
+        and k[0] == train_key[0]
+        and any(name_list[n].startswith("autograd::engine::evaluate_function") for n in set(t.names))
+    ]
+    loop = [train, *(threads[k] for k in backward)]
+    ops = _cover_of(loop, lambda f: f != _PY)
+    coll = _cover_of(loop, lambda f: f == _COLL)
+    other_comm = [t.cover(lambda f: f == _COLL) for k, t in threads.items() if k != train_key and k not in backward]
     comm_elsewhere = Cover([], [])
     for c in other_comm:
         comm_elsewhere = comm_elsewhere.plus(c) if len(comm_elsewhere) else c
@@ -495,6 +502,12 @@ def analyze_rank(item: RankInput) -> dict[str, Any]:
         step_rows.append(row)
 
     first, last = steps[0][1], steps[-1][2]
+    kernels: dict[str, list[float]] = {}
+    for i in range(len(gpu)):
+        if gpu.flags[i] != _MEM and first <= gpu.starts[i] < last:
+            k = kernels.setdefault(name_list[gpu.names[i]], [0, 0.0])
+            k[0] += 1
+            k[1] += (gpu.ends[i] - gpu.starts[i]) / 1000
     outside = _outside(ops, wait, first, last)
     python = _python_outside(train, outside, name_list, steps)
     top_ops = _self_times(threads, name_list, first, last)
@@ -513,12 +526,23 @@ def analyze_rank(item: RankInput) -> dict[str, Any]:
         "events": events,
         "has_gpu": has_gpu,
         "steps": step_rows,
-        "kernels": {name_list[i]: (int(v[0]), v[1] / 1000) for i, v in kernels.items()},
+        "kernels": {name: (int(v[0]), v[1]) for name, v in kernels.items()},
         "ops": top_ops,
         "python_outside": python,
         "collectives": collectives,
         "timeline": timeline,
     }
+
+
+def _cover_of(spans: list[_Spans], keep: Callable[[int], bool]) -> Cover:
+    starts: list[float] = []
+    ends: list[float] = []
+    for t in spans:
+        for i in range(len(t)):
+            if keep(t.flags[i]):
+                starts.append(t.starts[i])
+                ends.append(t.ends[i])
+    return Cover.union(starts, ends)
 
 
 def _collective_waits(ops: Cover, coll: Cover, comm_elsewhere: Cover) -> Cover:

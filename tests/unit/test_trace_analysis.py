@@ -208,6 +208,29 @@ def test_gpu_straggler_with_extra_compute_is_named_with_its_kernel(tmp_path):
     _assert_categories_add_up(analysis)
 
 
+def test_backward_on_an_autograd_device_thread_counts_as_operators(tmp_path):
+    # GIVEN a step (synthetic) whose backward runs on the autograd engine's device thread for
+    # 4 ms while the training thread waits, and a data-loader thread busy in an operator
+    def x(name: str, tid: int, ts: float, dur: float) -> dict:
+        return {"ph": "X", "cat": "cpu_op", "name": name, "pid": 7, "tid": tid, "ts": ts, "dur": dur}
+
+    events = [
+        {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#1", "pid": 7, "tid": 7, "ts": 0, "dur": 10_000},
+        x("aten::linear", 7, 1000, 1000),
+        x("autograd::engine::evaluate_function: AddmmBackward0", 9, 2000, 4000),
+        x("aten::pin_memory", 11, 0, 10_000),
+    ]
+    path = tmp_path / "t.json.gz"
+    path.write_bytes(gzip.compress(json.dumps({"traceEvents": events}).encode()))
+
+    # WHEN it is analysed
+    cpu = ta.analyze_rank(ta.RankInput(str(path)))["steps"][0]["cpu"]
+
+    # THEN forward and backward are operator time; the data-loader thread hides nothing
+    assert cpu["ops"] == pytest.approx(5.0)
+    assert cpu["outside_ops"] == pytest.approx(5.0)
+
+
 # -- the command --------------------------------------------------------------------------------
 def test_analyze_job_prints_the_table_and_saves_an_artifact(store_with, capsys):
     # GIVEN the store holds a job-wide trace group
