@@ -209,7 +209,8 @@ def iter_trace(
             text.pos += 1
             while True:
                 # Fast path: decode events back to back while the buffer holds whole ones.
-                buf, pos = text.buf, text.pos
+                buf = text.buf
+                pos = _SEP.match(buf, text.pos).end()  # type: ignore[union-attr]
                 limit = len(buf)
                 try:
                     while True:
@@ -348,6 +349,8 @@ class _Spans:
 # Span flags.
 _OP, _COLL, _PY = 0, 1, 2
 _COMPUTE, _COMM, _MEM = 0, 1, 2
+# What an event is for the analysis.
+_W_SKIP, _W_GPU, _W_THREAD, _W_STEP = 0, 1, 2, 3
 
 
 def is_comm_op(name: str) -> bool:
@@ -390,13 +393,44 @@ def analyze_rank(item: RankInput) -> dict[str, Any]:
             name_list.append(name)
         return i
 
-    threads: dict[tuple[Any, Any], _Spans] = defaultdict(_Spans)
+    threads: dict[tuple[Any, Any], _Spans] = {}
     gpu = _Spans()
     steps: list[tuple[int, float, float, Any]] = []
     events = 0
+    # (cat, name) -> (what, name id, flag): classified once per distinct pair.
+    memo: dict[tuple[Any, str], tuple[int, int, int]] = {}
+
+    def classify(cat: Any, name: str) -> tuple[int, int, int]:
+        if cat in _GPU_CATS:
+            if cat in ("kernel", "Kernel"):
+                return _W_GPU, nid(name), _COMM if is_comm_kernel(name) else _COMPUTE
+            return _W_GPU, nid(name), _MEM
+        if name.startswith("ProfilerStep#") and cat != "gpu_user_annotation":
+            try:
+                return _W_STEP, int(name.split("#", 1)[1]), 0
+            except ValueError:
+                return _W_SKIP, 0, 0
+        if cat in _OP_CATS:
+            return _W_THREAD, nid(name), _COLL if is_comm_op(name) else _OP
+        if cat == "python_function":
+            return _W_THREAD, nid(name), _PY
+        return _W_SKIP, 0, 0
+
     for e in iter_trace(path, header, item.max_bytes):
         events += 1
         if e.get("ph") != "X":
+            continue
+        cat = e.get("cat")
+        name = e.get("name")
+        if not isinstance(name, str):
+            name = str(name)
+        try:
+            what, ident, flag = memo[(cat, name)]
+        except KeyError:
+            what, ident, flag = memo[(cat, name)] = classify(cat, name)
+        except TypeError:  # an unhashable category
+            continue
+        if what == _W_SKIP:
             continue
         try:
             ts = float(e["ts"])
@@ -405,28 +439,16 @@ def analyze_rank(item: RankInput) -> dict[str, Any]:
             continue
         if not (dur >= 0 and ts == ts):  # NaN-safe
             continue
-        cat = e.get("cat")
-        name = e.get("name")
-        name = name if isinstance(name, str) else str(name)
-        if cat in _GPU_CATS:
-            if cat in ("kernel", "Kernel"):
-                flag = _COMM if is_comm_kernel(name) else _COMPUTE
-            else:
-                flag = _MEM
-            gpu.add(ts, ts + dur, nid(name), flag)
-            continue
-        key = (e.get("pid"), e.get("tid"))
-        if name.startswith("ProfilerStep#") and cat != "gpu_user_annotation":
-            try:
-                number = int(name.split("#", 1)[1])
-            except ValueError:
-                continue
-            steps.append((number, ts, ts + dur, key))
-            continue
-        if cat in _OP_CATS:
-            threads[key].add(ts, ts + dur, nid(name), _COLL if is_comm_op(name) else _OP)
-        elif cat == "python_function":
-            threads[key].add(ts, ts + dur, nid(name), _PY)
+        if what == _W_GPU:
+            gpu.add(ts, ts + dur, ident, flag)
+        elif what == _W_THREAD:
+            key = (e.get("pid"), e.get("tid"))
+            spans = threads.get(key)
+            if spans is None:
+                spans = threads[key] = _Spans()
+            spans.add(ts, ts + dur, ident, flag)
+        else:
+            steps.append((ident, ts, ts + dur, (e.get("pid"), e.get("tid"))))
     if not steps:
         raise TraceError(f"{path}: no ProfilerStep spans (trace with `dynprof start --steps N`)")
     steps.sort(key=lambda s: s[1])
