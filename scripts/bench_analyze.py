@@ -9,8 +9,9 @@ Two cases:
   large   one rank, one trace of >= --large-mb MB uncompressed (default 200)
   ranks   --ranks trace files (default 64) of --rank-mb MB each (default 3)
 
-For each case it reports wall time and peak memory (the largest summed RSS of the child process
-that runs the tool and its worker processes, sampled every 50 ms) for:
+For each case it reports wall time, CPU time (user + system, the child and its worker
+processes) and peak memory (the largest summed RSS of the child process that runs the tool and
+its worker processes, sampled every 50 ms) for:
   dynprof   collectors.trace_analysis: analyze_ranks + combine (the work of `dynprof analyze`)
   hta       hta.TraceAnalysis(trace_dir=...) + get_temporal_breakdown + get_comm_comp_overlap
             + get_gpu_kernel_breakdown (visualize=False)
@@ -188,10 +189,14 @@ print(json.dumps({"seconds": dt, "parse_seconds": t1 - t0, "ranks": len(tb),
 
 
 def run_child(code: str, args: list[str]) -> dict:
-    """Run ``code`` in a child; wall time, and the peak of the summed RSS of the child and its
-    descendants (worker processes), sampled every 50 ms."""
+    """Run ``code`` in a child; wall time, CPU time (user + system of the child and its worker
+    processes: the fairer figure on a shared machine), and the peak of the summed RSS of the
+    child and its descendants, sampled every 50 ms."""
+    import resource
+
     import psutil
 
+    usage0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     t0 = time.perf_counter()
     proc = subprocess.Popen(
@@ -213,10 +218,13 @@ def run_child(code: str, args: list[str]) -> dict:
         time.sleep(0.05)
     stdout, stderr = proc.communicate()
     wall = time.perf_counter() - t0
+    usage1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (usage1.ru_utime - usage0.ru_utime) + (usage1.ru_stime - usage0.ru_stime)
     if proc.returncode != 0:
         return {"error": stderr.strip().splitlines()[-1] if stderr.strip() else f"exit {proc.returncode}"}
     out = json.loads(stdout.strip().splitlines()[-1])
     out["wall_seconds"] = wall
+    out["cpu_seconds"] = cpu  # user + system of the child and its worker processes
     out["peak_rss_mb"] = peak / 1e6
     return out
 
@@ -274,15 +282,22 @@ def main() -> int:
         if hta_r is not None:
             print(f"  hta:     {json.dumps(hta_r)}")
         rows.append((label, dp, hta_r))
-    print("\ncase                      tool      wall s   peak RSS      x faster")
+    print("\ncase                      tool      wall s    CPU s   peak RSS   x faster (wall, CPU)")
     for label, dp, hta_r in rows:
-        print(f"{label:<25} dynprof {dp.get('wall_seconds', float('nan')):>8.2f}   {peak_note(dp):>12}")
+        if "error" in dp:
+            print(f"{label:<25} dynprof failed: {dp['error']}")
+            continue
+        print(f"{label:<25} dynprof {dp['wall_seconds']:>8.2f} {dp['cpu_seconds']:>8.2f}   {peak_note(dp):>8}")
         if hta_r is not None:
             if "error" in hta_r:
                 print(f"{'':<25} hta     failed: {hta_r['error']}")
             else:
-                ratio = hta_r["wall_seconds"] / dp["wall_seconds"]
-                print(f"{'':<25} hta     {hta_r['wall_seconds']:>8.2f}   {peak_note(hta_r):>12}   {ratio:>8.1f}")
+                w = hta_r["wall_seconds"] / dp["wall_seconds"]
+                c = hta_r["cpu_seconds"] / dp["cpu_seconds"]
+                print(
+                    f"{'':<25} hta     {hta_r['wall_seconds']:>8.2f} {hta_r['cpu_seconds']:>8.2f}   "
+                    f"{peak_note(hta_r):>8}   {w:>5.1f}, {c:>4.1f}"
+                )
     return 0
 
 
