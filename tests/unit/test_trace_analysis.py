@@ -357,3 +357,19 @@ def test_artifact_page_draws_svg_charts(store_with):
     assert "rank 0 CPU" in labels and "rank 1 CPU" in labels
     lanes = [r for r in svgs[1].iter(ns + "rect") if "lane" in (r.get("class") or "")]
     assert lanes and all(float(r.get("width")) > 0 for r in lanes)
+
+
+def test_traces_over_the_size_limit_are_refused_with_exit_1(store_with, capsys):
+    # GIVEN a job's traces, and a decompressed-size limit below their size
+    store_with("slow1")
+
+    # WHEN the job is analysed with that limit, as JSON
+    rc = main(["analyze", "--job", "fixture-slow1", "--max-trace-bytes", "10K", "--json"])
+
+    # THEN no rank is analysed: exit 1, the reason in the JSON error and on stderr
+    captured = capsys.readouterr()
+    assert rc == 1
+    error = json.loads(captured.out)["error"]
+    assert "no trace could be analysed" in error["message"]
+    assert "more than 10240 bytes once decompressed" in error["message"]
+    assert "--max-trace-bytes" in captured.err
