@@ -361,14 +361,6 @@ def is_comm_kernel(name: str) -> bool:
     return bool(_COMM_KERNEL.search(name))
 
 
-def _num(v: Any) -> float:
-    try:
-        f = float(v)
-    except (TypeError, ValueError):
-        return math.nan
-    return f
-
-
 # -- one rank -----------------------------------------------------------------------------------
 @dataclass
 class RankInput:
