@@ -65,7 +65,7 @@ def breakdown_svg(analysis: dict[str, Any]) -> str:
         return ""
     scale_max = max(sum(_num(v.get(k)) for k in cats) for _, v, cats in rows) or 1.0
     bar_h, gap = 18, 6
-    plot_w = WIDTH - LEFT - 20
+    plot_w = WIDTH - LEFT - 70  # room for the total after the longest bar
     used = [k for k in (*CPU_CATS, *GPU_CATS) if any(k in cats for _, _, cats in rows)]
     legend_rows = (len(used) + 2) // 3
     height = len(rows) * (bar_h + gap) + 40 + legend_rows * 18
@@ -88,7 +88,7 @@ def breakdown_svg(analysis: dict[str, Any]) -> str:
             )
             x += w
         total = sum(_num(values.get(k)) for k in cats)
-        out.append(f"<text x='{min(x + 4, WIDTH - 60):.2f}' y='{y + 13}'>{total:.1f} ms</text>")
+        out.append(f"<text x='{x + 4:.2f}' y='{y + 13}'>{total:.1f} ms</text>")
     y0 = 10 + len(rows) * (bar_h + gap) + 10
     for j, k in enumerate(used):
         lx = LEFT + (j % 3) * 215
