@@ -736,9 +736,40 @@ def _safe_analyze_rank(item: RankInput) -> dict[str, Any]:
         return {"error": f"{item.path}: out of memory analysing it", "path": item.path, "rank": item.rank}
 
 
+def _decompressed_size(path: str) -> int:
+    """A gzip file's uncompressed size from its trailer (modulo 4 GiB), else its size."""
+    try:
+        size = os.path.getsize(path)
+        if not path.endswith(".gz") or size < 18:
+            return size
+        with open(path, "rb") as fh:
+            fh.seek(-4, os.SEEK_END)
+            return max(size, int.from_bytes(fh.read(4), "little"))
+    except OSError:
+        return 0
+
+
+def default_workers(items: list[RankInput]) -> int:
+    """One process per CPU (at most 32), fewer when the traces are large: each worker holds
+    about as much memory as its trace's decompressed size at most (measured: 150 MB for a
+    200 MB trace), and all of them together stay under half the available memory."""
+    workers = min(len(items), os.cpu_count() or 1, 32)
+    try:
+        import psutil
+
+        available = int(psutil.virtual_memory().available)
+    except Exception:
+        return workers
+    largest = max((_decompressed_size(i.path) for i in items), default=0)
+    if largest > 0:
+        workers = min(workers, max(1, available // 2 // largest))
+    return workers
+
+
 def analyze_ranks(items: list[RankInput], workers: int | None = None) -> list[dict[str, Any]]:
-    """Analyse every rank's trace, in parallel processes (at most ``workers``, default: CPUs)."""
-    workers = workers or min(len(items), os.cpu_count() or 1, 32)
+    """Analyse every rank's trace, in parallel processes (at most ``workers``; default:
+    :func:`default_workers`)."""
+    workers = workers or default_workers(items)
     if workers <= 1 or len(items) <= 1:
         return [_safe_analyze_rank(i) for i in items]
     import multiprocessing

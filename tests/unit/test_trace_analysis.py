@@ -373,3 +373,19 @@ def test_traces_over_the_size_limit_are_refused_with_exit_1(store_with, capsys):
     assert "no trace could be analysed" in error["message"]
     assert "more than 10240 bytes once decompressed" in error["message"]
     assert "--max-trace-bytes" in captured.err
+
+
+def test_fewer_workers_when_traces_are_large(monkeypatch, tmp_path):
+    # GIVEN 8 traces whose gzip trailers say 1 GiB each, and 3 GiB of memory available
+    import psutil
+
+    for i in range(8):
+        (tmp_path / f"r{i}.json.gz").write_bytes(gzip.compress(b"{}")[:-4] + (1024**3).to_bytes(4, "little"))
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: type("M", (), {"available": 3 * 1024**3})())
+    monkeypatch.setattr(ta.os, "cpu_count", lambda: 64)
+
+    # WHEN the number of parallel workers is chosen
+    n = ta.default_workers([ta.RankInput(str(p)) for p in tmp_path.glob("*.gz")])
+
+    # THEN it keeps them under half the available memory
+    assert n == 1
