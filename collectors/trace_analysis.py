@@ -560,9 +560,12 @@ def _cover_of(spans: list[_Spans], keep: Callable[[int], bool]) -> Cover:
 
 
 def _collective_waits(ops: Cover, coll: Cover, comm_elsewhere: Cover) -> Cover:
-    """Gaps between operators that follow a collective operator, where a collective runs on
-    another thread: the training thread waits for it (gloo runs ``gloo:*`` on worker threads)."""
-    if not len(comm_elsewhere) or not len(coll):
+    """Where the training thread sits between operators waiting for a collective that runs on
+    another thread (gloo runs ``gloo:*`` on its worker threads; ``work.wait()`` records no
+    operator). A gap right after a collective operator waits for whatever collective runs
+    during it; any other gap (DDP's wait at the end of backward) only for the collectives
+    already running when the gap began."""
+    if not len(comm_elsewhere):
         return Cover([], [])
     out_s: list[float] = []
     out_e: list[float] = []
@@ -570,11 +573,14 @@ def _collective_waits(ops: Cover, coll: Cover, comm_elsewhere: Cover) -> Cover:
         gap_a, gap_b = ops.ends[i], ops.starts[i + 1]
         # Does a collective operator end where this busy stretch ends?
         j = bisect.bisect_left(coll.ends, gap_a - 1e-3)
-        if j >= len(coll.ends) or abs(coll.ends[j] - gap_a) > 1e-3:
-            continue
-        for s, e in comm_elsewhere.segments(gap_a, gap_b):
-            out_s.append(s)
-            out_e.append(e)
+        after_collective = j < len(coll.ends) and abs(coll.ends[j] - gap_a) <= 1e-3
+        k = bisect.bisect_right(comm_elsewhere.ends, gap_a)
+        while k < len(comm_elsewhere) and comm_elsewhere.starts[k] < gap_b:
+            s, e = comm_elsewhere.starts[k], comm_elsewhere.ends[k]
+            if after_collective or s <= gap_a + 1e-3:
+                out_s.append(max(s, gap_a))
+                out_e.append(min(e, gap_b))
+            k += 1
     return Cover(out_s, out_e)
 
 
