@@ -20,9 +20,10 @@ Breakdown of a step (the ``ProfilerStep#N`` span of the training thread, ``[star
         ``collective``       inside a collective operator (``c10d::*``, ``record_param_comms``,
                              ``nccl:*``, ``gloo:*``, functional collectives and their waits)
         ``ops``              inside any other operator or CUDA runtime call, not a collective
-        ``collective_wait``  outside operators, right after a collective operator, while a
-                             collective is still running on another thread (gloo's worker
-                             threads run ``gloo:*``): the training thread waits for it
+        ``collective_wait``  outside operators while a collective runs on another thread
+                             (gloo's worker threads run ``gloo:*``): after a collective
+                             operator, any; elsewhere, those already running when the gap
+                             began (DDP's wait at the end of backward)
         ``outside_ops``      everything else: Python, data loading, sleeps
     GPU (all streams of the rank together; absent in CPU-only traces)
         ``compute``          a compute kernel runs, no communication kernel
