@@ -76,7 +76,7 @@ class AnalyzeCommand:
             arts = [store.get(ref) for ref in args.artifacts]
             if len(arts) == 1 and arts[0].kind == ta.KIND:
                 data = _load(arts[0])
-                _output(args, data, arts[0].id, None)
+                _output(args, data, f"saved analysis {arts[0].id}", arts[0], loaded=True)
                 return 0
             label = ", ".join(a.id for a in arts)
         else:
@@ -229,7 +229,9 @@ def _load(art: Artifact) -> dict[str, Any]:
         raise errors.ArtifactError(str(exc)) from None
 
 
-def _output(args: argparse.Namespace, data: dict[str, Any], label: str, saved: Artifact | None) -> None:
+def _output(
+    args: argparse.Namespace, data: dict[str, Any], label: str, saved: Artifact | None, loaded: bool = False
+) -> None:
     from collectors import trace_analysis as ta
 
     if args.json:
@@ -241,7 +243,7 @@ def _output(args: argparse.Namespace, data: dict[str, Any], label: str, saved: A
         return
     print(f"analysis of {label}")
     print(ta.render_text(data, top=args.top))
-    if data.get("elapsed_s") is not None:
+    if data.get("elapsed_s") is not None and not loaded:
         print(f"\nanalysed in {data['elapsed_s']:.2f} s", end="")
         print(f"; saved as {saved.id}" if saved else "")
     for e in data.get("errors") or []:

@@ -249,10 +249,16 @@ def test_analyze_job_prints_the_table_and_saves_an_artifact(store_with, capsys):
     assert art.manifest["summary"]["straggler_rank"] == 1
     assert f"saved as {art.id}" in out
 
-    # WHEN it is shown
+    # WHEN it is shown, or given to `dynprof analyze` again
     assert main(["show", art.id]) == 0
-    # THEN `dynprof show` renders the same table
-    assert "STRAGGLER on vm: rank 1:" in capsys.readouterr().out
+    shown = capsys.readouterr().out
+    assert main(["analyze", art.id, "--json"]) == 0
+    again = json.loads(capsys.readouterr().out)
+
+    # THEN `dynprof show` renders the same table, and the saved analysis comes back as it was
+    assert "STRAGGLER on vm: rank 1:" in shown
+    assert again["artifact"] == art.id and again["straggler"]["rank"] == 1
+    assert len(store.list(kind="analysis")) == 1  # printing a saved analysis saves nothing new
 
 
 def test_analyze_json_schema(store_with, capsys):
