@@ -166,25 +166,23 @@ class _Text:
             return obj
 
 
-def _open(path: Path) -> IO[bytes]:
-    if str(path).endswith(".gz"):
-        return gzip.open(path, "rb")  # type: ignore[return-value]
-    return open(path, "rb")
-
-
 def iter_trace(
-    path: Path, header: dict[str, Any] | None = None, max_bytes: int = DEFAULT_MAX_TRACE_BYTES
+    path: Path | str, header: dict[str, Any] | None = None, max_bytes: int = DEFAULT_MAX_TRACE_BYTES
 ) -> Iterator[dict[str, Any]]:
     """Yield the events of a Chrome trace one by one; top-level keys other than
     ``traceEvents`` go into ``header`` (those after the event array only once it is exhausted)."""
     header = {} if header is None else header
+    from dynprof._safe_io import open_in
+    from dynprof.errors import ArtifactError
+
     scan = json.scanner.make_scanner(json.JSONDecoder())  # type: ignore[arg-type]
+    path = Path(path)
     try:
-        fh = _open(path)
-    except OSError as exc:
-        raise TraceError(f"cannot open {path}: {exc}") from None
-    with fh:
-        text = _Text(fh, max_bytes, str(path))
+        raw = open_in(path.parent, path.name)  # a regular file, never through a link
+    except ArtifactError as exc:
+        raise TraceError(str(exc)) from None
+    with raw, gzip.GzipFile(fileobj=raw, mode="rb") if path.name.endswith(".gz") else raw as fh:
+        text = _Text(fh, max_bytes, str(path))  # type: ignore[arg-type]
         if text.skip_ws() != "{":
             raise TraceError(f"{path}: not a Chrome trace (no JSON object)")
         text.pos += 1
@@ -1215,18 +1213,19 @@ MAX_ANALYSIS_FILE_BYTES = 64 * 1024**2
 
 def load_analysis(artifact: Any) -> dict[str, Any]:
     """The analysis saved in an ``analysis`` artifact (bounded read, schema checked)."""
-    path = artifact.file(ANALYSIS_FILE)
+    from dynprof._safe_io import loads_json
+    from dynprof.errors import ArtifactError
+
+    what = f"{ANALYSIS_FILE} in {artifact.path}"
     try:
-        size = path.stat().st_size
-        if size > MAX_ANALYSIS_FILE_BYTES:
-            raise TraceError(f"{path}: {size} bytes, more than an analysis holds ({MAX_ANALYSIS_FILE_BYTES})")
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise TraceError(f"cannot read {path}: {exc}") from None
+        data = loads_json(artifact.read_bytes(ANALYSIS_FILE, MAX_ANALYSIS_FILE_BYTES), what)
+    except ArtifactError as exc:
+        raise TraceError(str(exc)) from None
     if not isinstance(data, dict) or data.get("schema") != SCHEMA:
-        raise TraceError(f"{path} is not a dynprof analysis")
-    if int(data.get("schema_version", 0)) > SCHEMA_VERSION:
-        raise TraceError(f"{path}: schema version {data.get('schema_version')} is newer than this dynprof reads")
+        raise TraceError(f"{what} is not a dynprof analysis")
+    version = data.get("schema_version")
+    if not isinstance(version, int) or version > SCHEMA_VERSION:
+        raise TraceError(f"{what}: schema version {version!r} is not one this dynprof reads")
     return data
 
 

@@ -41,9 +41,8 @@ class AnalyzeCommand:
         parser.add_argument("--workers", type=int, default=0, help="parallel processes (default: one per CPU)")
         parser.add_argument(
             "--max-trace-bytes",
-            default="2G",
             metavar="SIZE",
-            help="refuse a trace larger than this once decompressed (default 2G)",
+            help="refuse a trace larger than this once decompressed (default: DYNPROF_MAX_TRACE_BYTES, or 2G)",
         )
         parser.add_argument("--no-save", action="store_true", help="do not save the analysis as an artifact")
         add_json(parser)
@@ -53,7 +52,9 @@ class AnalyzeCommand:
 
         if args.top < 1:
             raise errors.UsageError("--top must be 1 or more")
-        max_bytes = parse_size(args.max_trace_bytes)
+        from dynprof._safe_io import max_trace_bytes
+
+        max_bytes = parse_size(args.max_trace_bytes) if args.max_trace_bytes else max_trace_bytes()
         store = ArtifactStore()
         if args.compare:
             if args.artifacts:
@@ -164,7 +165,7 @@ def _check_traces(arts: list[Artifact]) -> list[Artifact]:
             f"{bad[0].id} is a {bad[0].kind} artifact, not a trace",
             help="Give trace artifacts (`dynprof ls --kind trace`), or one analysis artifact to print it.",
         )
-    missing = [a for a in arts if not a.file(TRACE_FILE).is_file()]
+    missing = [a for a in arts if not a.has_file(TRACE_FILE)]
     if missing:
         raise errors.ArtifactError(f"{missing[0].id} has no {TRACE_FILE} ({missing[0].status})")
     # One trace per rank: with several of the same rank, the newest.

@@ -98,6 +98,14 @@ def test_a_file_that_is_not_gzip_is_a_trace_error(tmp_path):
         list(ta.iter_trace(path))
 
 
+def test_a_trace_that_is_a_symbolic_link_is_refused(tmp_path):
+    real = _trace_files("slow1")[0]
+    link = tmp_path / "trace.json.gz"
+    link.symlink_to(real)
+    with pytest.raises(ta.TraceError, match="symbolic link"):
+        list(ta.iter_trace(link))
+
+
 # -- CPU (gloo) traces --------------------------------------------------------------------------
 def test_slow_data_loading_rank_is_named_the_straggler():
     # GIVEN a 2-rank gloo job where rank 1 sleeps 60 ms per step in load_batch
