@@ -214,6 +214,12 @@ def test_gpu_straggler_with_extra_compute_is_named_with_its_kernel(tmp_path):
     assert "wait 4.0 ms/step in AllReduce (nccl)" in s["reason"], s["reason"]
     assert analysis["top_kernels"][0]["name"] == "ampere_sgemm_128x64_tn"
     _assert_categories_add_up(analysis)
+    # and the page draws a GPU bar per rank and the GPU lanes of the timeline
+    from collectors._analysis_html import analysis_html
+
+    page = analysis_html(analysis)
+    assert page.count("class='seg compute'") == 2 and page.count(">rank 1 GPU<") == 1
+    assert "class='lane gpu_comm'" in page and "class='lane gpu_compute'" in page
 
 
 def test_backward_on_an_autograd_device_thread_counts_as_operators(tmp_path):
