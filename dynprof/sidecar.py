@@ -34,7 +34,7 @@ from werkzeug.exceptions import HTTPException
 
 from dynprof.cli._common import human_age, human_bytes
 from dynprof.cli.ps import agent_rows
-from dynprof.cli.show import render
+from dynprof.cli.show import render, render_html
 from dynprof.errors import ArtifactError
 from dynprof.registry import list_records
 from dynprof.store import Artifact, ArtifactStore
@@ -296,6 +296,7 @@ def create_app(store: ArtifactStore | None = None, token: str | None = None, hos
             f"<style>{_STYLE}</style></head><body><p><a href='/'>&larr; dynprof</a></p>"
             f"<h1>{html.escape(art.kind)} <small>{html.escape(art.id)}</small></h1><table>{fields}</table>"
             f"<h2>Files</h2><table><tr><th>name</th><th>size</th><th>sha256</th></tr>{files}</table>"
+            f"{render_html(art)}"
             f"<h2>Contents</h2><pre>{html.escape(text or '(no summary for this kind)')}</pre></body></html>"
         )
 

@@ -30,6 +30,7 @@ COMMANDS: list[tuple[str, str, str]] = [
     ("healthcheck", "healthcheck", "HealthcheckCommand"),
     ("ls", "ls", "LsCommand"),
     ("show", "show", "ShowCommand"),
+    ("analyze", "analyze", "AnalyzeCommand"),
     ("serve", "serve", "ServeCommand"),
 ]
 

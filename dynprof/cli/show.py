@@ -27,6 +27,12 @@ RENDERERS: dict[str, str] = {
     "host-memory": "collectors.host_memory:render_artifact",
     "nccl": "collectors.flight_recorder:render_artifact",
     "healthcheck": "healthcheck.report:render_artifact",
+    "analysis": "collectors.trace_analysis:render_artifact",
+}
+# kind -> "module:function" returning an HTML fragment (self-contained, no script) that the web
+# page shows above the text summary.
+HTML_RENDERERS: dict[str, str] = {
+    "analysis": "collectors.trace_analysis:render_html",
 }
 
 
@@ -52,6 +58,18 @@ def render(artifact: Artifact) -> tuple[dict[str, Any] | None, str]:
     except Exception as exc:  # a damaged artifact must not hide its manifest
         return {"error": f"{type(exc).__name__}: {exc}"}, f"(cannot summarise the contents: {exc})"
     return summary, text
+
+
+def render_html(artifact: Artifact) -> str:
+    """The kind's HTML fragment for the web page, or "" (no renderer, or it failed)."""
+    target = HTML_RENDERERS.get(artifact.kind)
+    if target is None or artifact.status == "failed":
+        return ""
+    module_name, func = target.split(":")
+    try:
+        return str(getattr(importlib.import_module(module_name), func)(artifact))
+    except Exception:  # the text summary says what is wrong with the artifact
+        return ""
 
 
 class ShowCommand:
