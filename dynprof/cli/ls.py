@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from dynprof.cli._common import add_json, human_bytes, print_json, table
+from dynprof.cli._common import add_json, bounded_int, human_bytes, print_json, table
 from dynprof.store import ArtifactStore
 
 
@@ -17,7 +17,9 @@ class LsCommand:
     def prepare_parser(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--job", help="only this job's artifacts")
         parser.add_argument("--kind", help="only this kind (trace, stacks, memory, healthcheck, ...)")
-        parser.add_argument("--limit", type=int, default=0, help="show at most this many (default: all)")
+        parser.add_argument(
+            "--limit", type=bounded_int(0, 10**9), default=0, help="show at most this many (default: all)"
+        )
         parser.add_argument("--all", action="store_true", help="also list artifacts still being written")
         add_json(parser)
 

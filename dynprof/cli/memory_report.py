@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from dynprof import errors
-from dynprof.cli._common import add_json, print_json
+from dynprof.cli._common import add_json, bounded_int, print_json
 from dynprof.store import MANIFEST, Artifact, ArtifactStore
 
 EMBED_PICKLE_MAX = 20 * 1024 * 1024
@@ -39,7 +39,9 @@ class MemoryReportCommand:
             metavar="FILE.html",
             help="also write torch.cuda._memory_viz.trace_plot's page (needs internet to open)",
         )
-        parser.add_argument("--top", type=int, default=10, help="rows in the site and block tables (default 10)")
+        parser.add_argument(
+            "--top", type=bounded_int(1, 100_000), default=10, help="rows in the site and block tables (default 10)"
+        )
         add_json(parser)
 
     def run(self, args: argparse.Namespace) -> int:

@@ -19,7 +19,7 @@ import time
 from typing import Any
 
 from dynprof import errors
-from dynprof.cli._common import add_json, add_targets, parallel, print_json, resolve_agents
+from dynprof.cli._common import add_json, add_targets, parallel, print_json, resolve_agents, seconds
 from dynprof.registry import AgentRecord, read_record
 
 
@@ -33,7 +33,7 @@ class NcclCommand:
             "--no-stack-traces", action="store_true", help="leave out the Python stacks of each collective's caller"
         )
         parser.add_argument(
-            "--timeout", type=float, default=15.0, metavar="SEC", help="per-rank limit for a dump (default 15)"
+            "--timeout", type=seconds, default=15.0, metavar="SEC", help="per-rank limit for a dump (default 15)"
         )
         add_json(parser)
 

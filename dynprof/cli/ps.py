@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 from dynprof import errors
-from dynprof.cli._common import add_json, human_age, parallel, print_json, table
+from dynprof.cli._common import add_json, human_age, parallel, print_json, seconds, table
 from dynprof.client import AgentClient
 from dynprof.registry import AgentRecord, list_records
 
@@ -64,7 +64,7 @@ class PsCommand:
 
     def prepare_parser(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--job", help="only this job's agents")
-        parser.add_argument("--timeout", type=float, default=1.0, help="seconds to wait for each agent (default 1)")
+        parser.add_argument("--timeout", type=seconds, default=1.0, help="seconds to wait for each agent (default 1)")
         add_json(parser)
 
     def run(self, args: argparse.Namespace) -> int:

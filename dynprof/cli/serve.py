@@ -13,6 +13,7 @@ import secrets
 import sys
 
 from dynprof import errors
+from dynprof.cli._common import port
 
 
 def _is_loopback(host: str) -> bool:
@@ -29,7 +30,7 @@ class ServeCommand:
 
     def prepare_parser(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-        parser.add_argument("--port", type=int, default=8787, help="port (default 8787)")
+        parser.add_argument("--port", type=port, default=8787, help="port, 1-65535 (default 8787)")
         parser.add_argument("--token", help="access token (required, or generated, off loopback)")
 
     def run(self, args: argparse.Namespace) -> int:

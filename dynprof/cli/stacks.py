@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dynprof import errors
-from dynprof.cli._common import add_json, add_targets, parallel, print_json, resolve_agents
+from dynprof.cli._common import add_json, add_targets, parallel, print_json, resolve_agents, seconds
 from dynprof.registry import AgentRecord, read_record
 
 METHODS = ("auto", "py-spy", "pystack", "agent")
@@ -55,7 +55,11 @@ class StacksCommand:
             help="how to read: auto (py-spy, then pystack, then the agent), or one of them",
         )
         parser.add_argument(
-            "--timeout", type=float, default=15.0, metavar="SEC", help="per-process limit for each reader (default 15)"
+            "--timeout",
+            type=seconds,
+            default=15.0,
+            metavar="SEC",
+            help="per-process limit for each reader (default 15)",
         )
         parser.add_argument("--no-save", action="store_true", help="print only; do not save an artifact")
         parser.add_argument("--full", action="store_true", help="also print every process's dump, all threads")
