@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from dynprof.cli._common import add_json, bounded_int, human_bytes, print_json, table
+from dynprof.cli._common import add_json, bounded_int, human_bytes, print_json, printable, table
 from dynprof.store import ArtifactStore
 
 
@@ -53,7 +53,7 @@ class LsCommand:
             )
             return 0
         if not arts and not writing:
-            print(f"no artifacts in {store.root}")
+            print(f"no artifacts in {printable(store.root)}")
             return 0
         rows = [
             (
@@ -68,5 +68,5 @@ class LsCommand:
         ]
         rows += [(p, "?", "writing", "", "", "") for p in writing]
         print(table(rows, ["ID", "KIND", "STATUS", "RANK", "CREATED", "SIZE"]))
-        print(f"\n{len(arts)} artifact(s) in {store.root}")
+        print(f"\n{len(arts)} artifact(s) in {printable(store.root)}")
         return 0

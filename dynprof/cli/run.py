@@ -89,6 +89,9 @@ class RunCommand:
         exe = shutil.which(cmd[0])
         if exe is None:
             raise errors.UsageError(f"command not found: {cmd[0]}", help="Check the name and your PATH.")
+        from dynprof.paths import run_dir
+
+        run_dir()  # an unusable runtime directory is said here, once, not by every process of the job
         env = build_environment(args)
         if not args.quiet:
             print(f"dynprof: job {env['DYNPROF_JOB_ID']}: agent enabled for {' '.join(cmd)}", file=sys.stderr)

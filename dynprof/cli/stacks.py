@@ -140,7 +140,7 @@ class StacksCommand:
         if args.pid:
             targets = []
             for pid in dict.fromkeys(args.pid):
-                errors.probe_pid(pid)  # dead pid (3), another user's (4)
+                errors.probe_pid(pid)  # dead pid or zombie (3), another user's (4)
                 record = read_record(pid)
                 if record is not None and (record.pid != pid or not record.is_alive()):
                     record = None
@@ -177,6 +177,9 @@ class StacksCommand:
             try:
                 result = self._from_agent(target, args)
             except errors.DynprofError as exc:
+                gone = errors.process_gone(pid)
+                if gone is not None:
+                    raise errors.ProcessNotFound(f"process {pid} {gone} while its stacks were being read") from None
                 if args.method == "agent":
                     raise  # the agent's own error (no agent, timed out...) says it best
                 attempts.append(f"the agent could not answer: {exc.message}")
@@ -223,6 +226,10 @@ class StacksCommand:
         from collectors import stacks as st
 
         detail = "; ".join(attempts)
+        gone = errors.process_gone(pid)
+        if gone is not None:
+            # The readers' own messages ("Failed to get process executable name") say nothing useful.
+            return errors.ProcessNotFound(f"process {pid} {gone} while its stacks were being read")
         if refusal is not None:
             hint = (
                 ""
