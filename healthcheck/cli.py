@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
-from dynprof.cli._common import bounded_int, nonnegative_float, parse_float, positive_float
+from dynprof.cli._common import bounded_int, nonnegative_float, parse_float, path_arg, positive_float
 from dynprof.errors import ArtifactError, DynprofError
 from healthcheck.baseline import learn, read_results
 from healthcheck.compare import Thresholds
@@ -50,10 +50,12 @@ MAX_DEVICES = 4096
 
 def _output_file(text: str) -> str:
     """A file we can create: its directory exists, and it is not itself a directory."""
-    path = Path(text)
+    path = Path(path_arg(text))
     parent = path.parent if str(path.parent) else Path(".")
     if not text.strip():
         raise argparse.ArgumentTypeError("empty file name")
+    if len(path.name.encode("utf-8", "surrogateescape")) > 255:
+        raise argparse.ArgumentTypeError("file name longer than 255 bytes")
     if not parent.is_dir():
         raise argparse.ArgumentTypeError(f"directory {ascii(str(parent))[1:-1]} does not exist")
     if path.is_dir():
@@ -92,6 +94,7 @@ def prepare_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--baseline",
         action="append",
+        type=path_arg,
         default=[],
         metavar="FILE",
         help="baseline file (from `baseline learn`); wins over the shipped ones",
@@ -120,7 +123,9 @@ def prepare_parser(parser: argparse.ArgumentParser) -> None:
         metavar="F",
         help="warn a device slower than its peers' median by F (default 0.05)",
     )
-    parser.add_argument("--disk", action="append", metavar="PATH", help="check free space here (default: / and /tmp)")
+    parser.add_argument(
+        "--disk", action="append", type=path_arg, metavar="PATH", help="check free space here (default: / and /tmp)"
+    )
     parser.add_argument(
         "--min-disk-gib",
         type=nonnegative_float(MAX_DISK_GIB),
@@ -158,8 +163,10 @@ def prepare_parser(parser: argparse.ArgumentParser) -> None:
         description="Build a per-SKU baseline (median and spread of every measurement) from the JSON results "
         "of `dynprof healthcheck --level standard --json`, artifact directories, or directories holding them.",
     )
-    learn_p.add_argument("results", nargs="+", metavar="RESULTS", help="result files or directories")
-    learn_p.add_argument("-o", "--output", metavar="FILE", help="write the baseline here (default: stdout)")
+    learn_p.add_argument("results", nargs="+", type=path_arg, metavar="RESULTS", help="result files or directories")
+    learn_p.add_argument(
+        "-o", "--output", type=_output_file, metavar="FILE", help="write the baseline here (default: stdout)"
+    )
     learn_p.add_argument("--source", default="", help="describe where the results come from")
 
 

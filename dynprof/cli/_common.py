@@ -92,6 +92,21 @@ def seconds(text: str) -> float:
     return parse_float(text, 0.0, MAX_SECONDS, what="a number of seconds")
 
 
+MAX_PATH_BYTES = 4095  # PATH_MAX, less the terminating NUL
+
+
+def path_arg(text: str) -> str:
+    """An argparse ``type``: a file name the system can take (no NUL byte, not empty, not
+    longer than PATH_MAX). Whether it exists is for the command to say."""
+    if not text:
+        raise argparse.ArgumentTypeError("empty file name")
+    if "\x00" in text:
+        raise argparse.ArgumentTypeError(f"{_number_text(text)!r}: a file name cannot hold a NUL byte")
+    if len(text.encode("utf-8", "surrogateescape")) > MAX_PATH_BYTES:
+        raise argparse.ArgumentTypeError(f"{_number_text(text)!r}: file name longer than {MAX_PATH_BYTES} bytes")
+    return text
+
+
 def port(text: str) -> int:
     """An argparse ``type``: a TCP port, 1..65535."""
     return parse_int(text, 1, 65535, what="a port number")

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dynprof import errors
-from dynprof.cli._common import add_json, add_targets, parallel, print_json, resolve_agents, seconds
+from dynprof.cli._common import add_json, add_targets, parallel, path_arg, print_json, resolve_agents, seconds
 from dynprof.registry import AgentRecord, read_record
 
 METHODS = ("auto", "py-spy", "pystack", "agent")
@@ -44,8 +44,12 @@ class StacksCommand:
 
     def prepare_parser(self, parser: argparse.ArgumentParser) -> None:
         add_targets(parser, required=False)
-        parser.add_argument("--core", metavar="CORE", help="read a core file (through pystack) instead of processes")
-        parser.add_argument("--executable", metavar="EXE", help="with --core: the Python executable that dumped it")
+        parser.add_argument(
+            "--core", type=path_arg, metavar="CORE", help="read a core file (through pystack) instead of processes"
+        )
+        parser.add_argument(
+            "--executable", type=path_arg, metavar="EXE", help="with --core: the Python executable that dumped it"
+        )
         parser.add_argument("--native", action="store_true", help="include native (C/C++) frames")
         parser.add_argument("--locals", action="store_true", help="include local variables of each frame")
         parser.add_argument(
@@ -255,13 +259,20 @@ class StacksCommand:
     # -- core files ------------------------------------------------------------------------------
     def _core(self, args: argparse.Namespace) -> Any:
         import os
+        import stat
 
         from collectors import stacks as st
 
-        if not os.path.exists(args.core):
-            raise errors.DynprofError(f"no core file {args.core}")
-        if args.executable and not os.path.exists(args.executable):
-            raise errors.DynprofError(f"no executable {args.executable}")
+        for what, path in (("core file", args.core), ("executable", args.executable)):
+            if not path:
+                continue
+            try:
+                mode = os.stat(path).st_mode
+            except OSError as exc:
+                raise errors.DynprofError(f"no {what} {path}: {exc.strerror or exc}") from None
+            if not stat.S_ISREG(mode):
+                # pystack would block on a FIFO, or read a device for ever.
+                raise errors.DynprofError(f"{what} {path} is not a regular file")
         try:
             return st.capture_core(
                 args.core, args.executable, native=args.native, locals=args.locals, timeout=max(args.timeout, 120.0)
