@@ -107,6 +107,26 @@ def path_arg(text: str) -> str:
     return text
 
 
+def host_arg(text: str) -> str:
+    """An argparse ``type``: an IP address or a host name (RFC 1123 labels), nothing else."""
+    import ipaddress
+    import re
+
+    try:
+        ipaddress.ip_address(text)
+        return text
+    except ValueError:
+        pass
+    labels = text[:-1].split(".") if text.endswith(".") else text.split(".")
+    if (
+        not text
+        or len(text) > 253
+        or not all(re.fullmatch(r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?", label) for label in labels)
+    ):
+        raise argparse.ArgumentTypeError(f"{_number_text(text)!r} is not an IP address or a host name")
+    return text
+
+
 def port(text: str) -> int:
     """An argparse ``type``: a TCP port, 1..65535."""
     return parse_int(text, 1, 65535, what="a port number")

@@ -13,7 +13,7 @@ import secrets
 import sys
 
 from dynprof import errors
-from dynprof.cli._common import port
+from dynprof.cli._common import host_arg, port
 
 
 def _is_loopback(host: str) -> bool:
@@ -29,7 +29,7 @@ class ServeCommand:
     """Serve a web page and an HTTP API over this node's agents and artifacts."""
 
     def prepare_parser(self, parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+        parser.add_argument("--host", type=host_arg, default="127.0.0.1", help="address to bind (default 127.0.0.1)")
         parser.add_argument("--port", type=port, default=8787, help="port, 1-65535 (default 8787)")
         parser.add_argument("--token", help="access token (required, or generated, off loopback)")
 
