@@ -269,8 +269,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     prepare_parser(parser)
     args = parser.parse_args(argv)
+    code: int | None = None
     try:
-        return run_command(args)
+        code = run_command(args)
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:
+        # The reader went away (`| head`): the verdict, if there was one, stands as the exit code;
+        # never "healthy" by default.
+        from dynprof.cli import _silence_stdout
+
+        _silence_stdout()
+        return EXIT_COULD_NOT_RUN if code is None else code
     except DynprofError as exc:
         print(f"healthcheck: error: {exc.message}", file=sys.stderr)
         if exc.help:

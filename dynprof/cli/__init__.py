@@ -60,7 +60,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         epilog="Exit codes: 0 ok, 1 error, 2 usage, 3 no such process, 4 permission denied, "
         "5 no agent, 6 busy, 7 unsupported in the target, 8 agent error, 9 timed out, 10 not a Python process, "
         "11 ptrace refused and no agent to fall back on; a closed output pipe (`| head`) ends a command quietly "
-        "with 0. "
+        "(with its own code once it has one, else 0). "
         "`dynprof healthcheck` has its own: 0 healthy, 1 warning, 2 unhealthy, 3 could not run.",
     )
     parser.add_argument("--version", action="version", version=f"dynprof {__version__}")
@@ -99,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         if only == "healthcheck" and exc.code == 2:
             return 3
         raise
+    code: int | None = None
     try:
         code = int(args._command.run(args))
         sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit
@@ -110,9 +111,12 @@ def main(argv: list[str] | None = None) -> int:
         print("dynprof: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:
-        # The reader went away (`dynprof ls | head -1`): it has what it wanted. End quietly.
+        # The reader went away (`dynprof ls | head -1`): it has what it wanted. End quietly, with
+        # the command's own code when it had one. A healthcheck cut short never reads "healthy".
         _silence_stdout()
-        return 0
+        if code is not None:
+            return code
+        return 3 if only == "healthcheck" else 0
 
 
 def _silence_stdout() -> None:

@@ -500,3 +500,17 @@ def test_commands_on_another_users_process_fail_cleanly(monkeypatch):
     for argv, code, output in results:
         assert code in (4, 11), (argv, code, output)
         assert "Traceback" not in output and "belongs to another user" in output, (argv, output)
+
+
+def test_a_healthcheck_cut_short_by_a_closed_pipe_never_reads_healthy(monkeypatch):
+    from healthcheck import cli as hc_cli
+
+    # GIVEN a reader that goes away before the verdict is printed
+    def broken_pipe(args):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(hc_cli, "run_command", broken_pipe)
+    # WHEN the healthcheck runs, through dynprof or on its own
+    # THEN it says "could not run" (3), never "healthy" (0), and shows no traceback
+    assert _run_main(["healthcheck", "--no-save"])[0] == 3
+    assert hc_cli.main(["--no-save"]) == 3
