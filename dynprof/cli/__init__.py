@@ -147,6 +147,9 @@ def report_error(exc: DynprofError, as_json: bool = False) -> None:
                 indent=2,
             )
         )
-    print(f"dynprof: error: {exc.message}", file=sys.stderr)
+    from dynprof.cli._common import printable_lines
+
+    # Messages may quote what a target, a file or an argument said: escape it for the terminal.
+    print(f"dynprof: error: {printable_lines(exc.message)}", file=sys.stderr)
     if exc.help:
-        print(f"  what to do: {exc.help}", file=sys.stderr)
+        print(f"  what to do: {printable_lines(exc.help)}", file=sys.stderr)

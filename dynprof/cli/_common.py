@@ -290,6 +290,11 @@ def printable(text: object) -> str:
     return "".join(out)
 
 
+def printable_lines(text: str) -> str:
+    """Like :func:`printable`, line by line: newlines kept, everything else escaped."""
+    return "\n".join(printable(line) for line in text.split("\n"))
+
+
 def table(rows: Sequence[Sequence[Any]], headers: Sequence[str]) -> str:
     cells = [[printable(h) for h in headers]] + [[("" if c is None else printable(c)) for c in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]

@@ -23,7 +23,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from dynprof import errors
-from dynprof.cli._common import add_json, add_targets, parallel, path_arg, print_json, resolve_agents, seconds
+from dynprof.cli._common import (
+    add_json,
+    add_targets,
+    parallel,
+    path_arg,
+    print_json,
+    printable_lines,
+    resolve_agents,
+    seconds,
+)
 from dynprof.registry import AgentRecord, read_record
 
 METHODS = ("auto", "py-spy", "pystack", "agent")
@@ -121,13 +130,14 @@ class StacksCommand:
                 }
             )
         else:
-            print(st.render_merged(processes, groups), end="")
+            # Frames, file and thread names come from the target: nothing in them reaches the terminal raw.
+            print(printable_lines(st.render_merged(processes, groups)), end="")
             if args.full:
                 for p in processes:
                     print()
-                    print(st.render_process(p))
+                    print(printable_lines(st.render_process(p)))
             for who, why in failures.items():
-                print(f"FAILED {who}: {why}")
+                print(printable_lines(f"FAILED {who}: {why}"))
             for p in processes:
                 if p.fallback_help:
                     print(f"  to read {p.label} from outside next time: {p.fallback_help}")

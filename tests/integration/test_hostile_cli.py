@@ -513,4 +513,31 @@ def test_a_healthcheck_cut_short_by_a_closed_pipe_never_reads_healthy(monkeypatc
     # WHEN the healthcheck runs, through dynprof or on its own
     # THEN it says "could not run" (3), never "healthy" (0), and shows no traceback
     assert _run_main(["healthcheck", "--no-save"])[0] == 3
-    assert hc_cli.main(["--no-save"]) == 3
+    with contextlib.redirect_stdout(io.StringIO()):  # not pytest's capture file: it would be silenced
+        assert hc_cli.main(["--no-save"]) == 3
+
+
+def test_stacks_output_escapes_what_the_target_names(monkeypatch, capsys):
+    from collectors import stacks as st
+
+    # GIVEN a target whose thread and file names carry terminal escapes
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+
+    def read(pid, **_):
+        frame = st.Frame(function="run\x1b[2J", file="/tmp/\x1b]0;owned\x07evil.py", line=3)
+        thread = st.ThreadStack(tid=pid, name="\x1b[31mworker", main=True, frames=[frame])
+        return st.ProcessStacks(pid=pid, method="py-spy", threads=[thread])
+
+    monkeypatch.setattr(st, "capture_py_spy", read)
+    monkeypatch.setattr(st, "ptrace_refusal", lambda pid: None)
+    try:
+        # WHEN its stacks are printed, every thread in full
+        code = main(["stacks", "--pid", str(child.pid), "--no-save", "--full"])
+        out = capsys.readouterr().out
+    finally:
+        child.kill()
+        child.wait()
+    # THEN the escapes are shown as text, never sent raw
+    assert code == 0
+    assert "\x1b" not in out and "\x07" not in out
+    assert "run\\x1b[2J" in out
