@@ -311,13 +311,36 @@ def test_a_run_dir_that_is_a_file_is_a_clear_error(tmp_path, monkeypatch, capsys
     blocker.write_text("")
     for run_dir in (blocker, blocker / "sub"):
         monkeypatch.setenv("DYNPROF_RUN_DIR", str(run_dir))
-        # WHEN commands that use it run (run stops before starting the job)
-        for argv in (["ps"], ["start", "--all", "--steps", "1"], ["run", "--", sys.executable, "-c", "pass"]):
+        # WHEN commands that use it run (run stops before starting the job: a real process, as
+        # in-process it would replace the test runner were it to start the job)
+        for argv in (["ps"], ["start", "--all", "--steps", "1"]):
             code = main(argv)
             err = capsys.readouterr().err
             # THEN a clear error, exit 1
             assert code == 1, (argv, err)
             assert f"cannot use {run_dir} as a dynprof runtime directory" in err
+        ran = _cli("run", "--", sys.executable, "-c", "print('job ran')")
+        assert ran.returncode == 1 and "job ran" not in ran.stdout, ran.stdout + ran.stderr
+        assert f"cannot use {run_dir} as a dynprof runtime directory" in ran.stderr
+
+
+def test_a_run_dir_too_long_for_a_socket_is_said_before_the_job_starts(monkeypatch):
+    long_dir = "/tmp/" + "d" * 110
+    monkeypatch.setenv("DYNPROF_RUN_DIR", long_dir)
+    try:
+        ran = _cli("run", "--", sys.executable, "-c", "print('job ran')")
+    finally:
+        import shutil
+
+        shutil.rmtree(long_dir, ignore_errors=True)
+    assert ran.returncode == 1 and "job ran" not in ran.stdout
+    assert "too long a path for the agents' sockets" in ran.stderr and "Traceback" not in ran.stderr
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "dynprof", *args], capture_output=True, text=True, timeout=60, cwd=str(ROOT)
+    )
 
 
 def test_stacks_of_a_zombie_says_it_has_exited(capsys):
