@@ -21,6 +21,7 @@ _MAX_RETRY_PAUSE_S = 0.5
 # Structured error codes from the wire -> the exception a person sees. Never match on text.
 _ERROR_CLASSES: dict[int, type[errors.DynprofError]] = {
     pb.BUSY: errors.Busy,
+    pb.PROFILER_ACTIVE: errors.Busy,
     pb.NO_TORCH: errors.Unsupported,
     pb.NO_CUDA: errors.Unsupported,
     pb.UNSUPPORTED: errors.Unsupported,

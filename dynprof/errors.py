@@ -105,6 +105,15 @@ class ArtifactError(DynprofError):
     exit_code = 1
 
 
+class StoreError(ArtifactError):
+    """Writing an artifact failed (no space left, permission, ...); nothing half-written is left."""
+
+    default_help = (
+        "Free space in the artifact store (or lower DYNPROF_ARTIFACT_MAX_BYTES), or point "
+        "DYNPROF_ARTIFACT_DIR at a writable filesystem with room; the next capture works once it has."
+    )
+
+
 def probe_pid(pid: int) -> None:
     """Raise :class:`ProcessNotFound` or :class:`PermissionDenied` unless we may signal ``pid``.
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -52,14 +52,23 @@ class MemoryReportCommand:
         from collectors import memory_snapshot as ms
 
         pickle_path, artifact = _locate(args.source)
-        data = _read(pickle_path)
+        if artifact is not None:  # only the artifact's own file, never through a link
+            data = artifact.read_bytes(ms.SNAPSHOT_FILE, ms.max_snapshot_bytes())
+        else:
+            data = _read(pickle_path)
         snapshot = ms.parse_snapshot(data, str(pickle_path))
-        summary = ms.summarize_snapshot(snapshot, top=args.top)
+        try:
+            summary = ms.summarize_snapshot(snapshot, top=args.top)
+        except (TypeError, AttributeError, ValueError, KeyError, IndexError, OverflowError) as exc:
+            raise errors.ArtifactError(
+                f"{pickle_path} is not a well-formed PyTorch memory snapshot: {type(exc).__name__}: {exc}"
+            ) from None
         if artifact is not None:  # what the capture knew beyond the snapshot: trigger, OOM, free/total
-            saved = artifact.file(ms.SUMMARY_FILE)
-            if saved.exists():
+            if artifact.has_file(ms.SUMMARY_FILE):
                 try:
-                    captured = json.loads(saved.read_text())
+                    captured = artifact.read_json(ms.SUMMARY_FILE)
+                    if not isinstance(captured, dict):
+                        captured = {}
                     for key in (
                         "trigger",
                         "memory_history",
@@ -70,7 +79,7 @@ class MemoryReportCommand:
                     ):
                         if key in captured:
                             summary[key] = captured[key]
-                except ValueError:
+                except errors.ArtifactError:
                     pass
         html_path = None
         if not args.no_html:
@@ -78,13 +87,18 @@ class MemoryReportCommand:
 
             name = artifact.path.name if artifact is not None else pickle_path.stem
             html_path = Path(args.output) if args.output else Path.cwd() / f"memory-report-{name}.html"
-            page = render_html(
-                snapshot,
-                summary,
-                title=f"CUDA memory: {name}",
-                source=str(pickle_path),
-                pickle_bytes=data if len(data) <= EMBED_PICKLE_MAX else None,
-            )
+            try:
+                page = render_html(
+                    snapshot,
+                    summary,
+                    title=f"CUDA memory: {name}",
+                    source=str(pickle_path),
+                    pickle_bytes=data if len(data) <= EMBED_PICKLE_MAX else None,
+                )
+            except (TypeError, AttributeError, ValueError, KeyError, IndexError, OverflowError) as exc:
+                raise errors.ArtifactError(
+                    f"{pickle_path} is not a well-formed PyTorch memory snapshot: {type(exc).__name__}: {exc}"
+                ) from None
             try:
                 html_path.write_text(page)
             except OSError as exc:
@@ -126,24 +140,24 @@ class MemoryReportCommand:
 
 
 def _read(path: Path) -> bytes:
-    try:
-        return path.read_bytes()
-    except FileNotFoundError:
-        raise errors.ArtifactError(
-            f"{path}: no such file or artifact",
-            help="Give a memory artifact (`dynprof ls --kind memory`) or a snapshot pickle.",
-        ) from None
-    except OSError as exc:
-        raise errors.ArtifactError(f"cannot read {path}: {exc}") from None
+    from collectors.memory_snapshot import _read_pickle
+
+    return _read_pickle(path)
 
 
 def _locate(source: str) -> tuple[Path, Artifact | None]:
     from collectors.memory_snapshot import KIND, SNAPSHOT_FILE
 
     path = Path(source).expanduser()
-    if path.is_file() and path.name != MANIFEST:
+    try:
+        is_file, is_dir = path.is_file(), path.is_dir()
+        has_manifest = is_dir and os.path.lexists(path / MANIFEST)
+        exists = path.exists()
+    except (OSError, ValueError):  # a name too long, a NUL byte
+        is_file = is_dir = has_manifest = exists = False
+    if is_file and path.name != MANIFEST:
         return path, None
-    if path.is_dir() and not (path / MANIFEST).exists():
+    if is_dir and not has_manifest:
         if (path / SNAPSHOT_FILE).exists():
             return path / SNAPSHOT_FILE, None
         raise errors.ArtifactError(
@@ -155,7 +169,7 @@ def _locate(source: str) -> tuple[Path, Artifact | None]:
     except OSError as exc:  # a name the filesystem refuses (too long, say)
         raise errors.ArtifactError(f"{source!a}: no such file or artifact ({exc.strerror or exc})") from None
     except errors.ArtifactError:
-        if not path.exists():
+        if not exists:
             raise errors.ArtifactError(
                 f"{source}: no such file or artifact",
                 help="Give a memory artifact (`dynprof ls --kind memory`) or a snapshot pickle.",

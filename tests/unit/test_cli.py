@@ -13,7 +13,7 @@ from dynprof.store import ArtifactStore
 def test_ls_json_on_an_empty_store(capsys, dynprof_dirs):
     assert main(["ls", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out == {"root": str(dynprof_dirs["artifacts"]), "artifacts": [], "writing": []}
+    assert out == {"root": str(dynprof_dirs["artifacts"]), "artifacts": [], "writing": [], "stale": [], "bad": []}
 
 
 def test_ls_and_show_an_artifact(capsys):
