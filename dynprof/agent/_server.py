@@ -89,6 +89,14 @@ class ClientNoise:
                 suffix = f" (latest: {detail})" if detail else ""
         log.info("%s%s", message, suffix)
 
+    def flush(self) -> None:
+        """Log the counts not yet logged (when the agent stops)."""
+        with self._lock:
+            pending = {k: n for k, n in self._pending.items() if n}
+            self._pending.clear()
+        for kind, count in pending.items():
+            log.info("%s: %d more since the last note", kind, count)
+
 
 class ControlServer:
     def __init__(
@@ -112,6 +120,8 @@ class ControlServer:
 
     def close(self) -> None:
         self._closing = True
+        with contextlib.suppress(Exception):
+            self.noise.flush()
         sock, self._sock = self._sock, None
         if sock is not None:
             with contextlib.suppress(OSError):

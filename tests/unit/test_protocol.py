@@ -161,3 +161,37 @@ def test_client_retries_a_busy_answer_for_an_unread_request(tmp_path):
     finally:
         thread.join(timeout=5)
         listener.close()
+
+
+def test_client_noise_logs_the_first_note_then_counts():
+    import logging
+
+    from dynprof.agent._server import ClientNoise
+
+    records: list[logging.LogRecord] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    logger = logging.getLogger("dynprof.agent")
+    handler, old_level = Collect(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        # GIVEN a flood of 500 bad frames within one interval
+        noise = ClientNoise(interval=60.0)
+        for i in range(500):
+            noise.note("bad frame from a client", f"case {i}")
+        # WHEN the agent stops
+        noise.flush()
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old_level)
+    # THEN the log holds the first in full and one count for the rest, all at INFO (not the job's stderr)
+    lines = [r.getMessage() for r in records]
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("bad frame from a client: case 0")
+    assert lines[1] == "bad frame from a client: 499 more since the last note"
+    assert all(r.levelno == logging.INFO for r in records)
+    assert noise.counts["bad frame from a client"] == 500
