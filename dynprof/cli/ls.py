@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from dynprof.cli._common import add_json, human_bytes, print_json, table
+from dynprof.cli._common import add_json, bounded_int, human_bytes, print_json, printable, table
 from dynprof.store import ArtifactStore
 
 
@@ -20,7 +20,9 @@ class LsCommand:
     def prepare_parser(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--job", help="only this job's artifacts")
         parser.add_argument("--kind", help="only this kind (trace, stacks, memory, healthcheck, ...)")
-        parser.add_argument("--limit", type=int, default=0, help="show at most this many (default: all)")
+        parser.add_argument(
+            "--limit", type=bounded_int(0, 10**9), default=0, help="show at most this many (default: all)"
+        )
         parser.add_argument("--all", action="store_true", help="also list artifacts still being written")
         add_json(parser)
 
@@ -57,9 +59,9 @@ class LsCommand:
             )
             return 0
         for b in bad:
-            print(f"dynprof: skipped {b.id}: {b.reason}", file=sys.stderr)
+            print(f"dynprof: skipped {printable(b.id)}: {printable(b.reason)}", file=sys.stderr)
         if not arts and not temps:
-            print(f"no artifacts in {store.root}")
+            print(f"no artifacts in {printable(store.root)}")
             return 0
         rows = [
             (
@@ -77,5 +79,5 @@ class LsCommand:
             for t in temps
         ]
         print(table(rows, ["ID", "KIND", "STATUS", "RANK", "CREATED", "SIZE"]))
-        print(f"\n{len(arts)} artifact(s) in {store.root}")
+        print(f"\n{len(arts)} artifact(s) in {printable(store.root)}")
         return 0

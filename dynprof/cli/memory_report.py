@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from dynprof import errors
-from dynprof.cli._common import add_json, print_json
+from dynprof.cli._common import add_json, bounded_int, path_arg, print_json
 from dynprof.store import MANIFEST, Artifact, ArtifactStore
 
 EMBED_PICKLE_MAX = 20 * 1024 * 1024
@@ -26,20 +26,26 @@ class MemoryReportCommand:
     """
 
     def prepare_parser(self, parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("source", metavar="ARTIFACT_OR_PICKLE", help="memory artifact or snapshot pickle")
+        parser.add_argument(
+            "source", type=path_arg, metavar="ARTIFACT_OR_PICKLE", help="memory artifact or snapshot pickle"
+        )
         parser.add_argument(
             "-o",
             "--output",
+            type=path_arg,
             metavar="OUT.html",
             help="where to write the HTML report (default: memory-report-<name>.html here)",
         )
         parser.add_argument("--no-html", action="store_true", help="only print the summary")
         parser.add_argument(
             "--torch-viz",
+            type=path_arg,
             metavar="FILE.html",
             help="also write torch.cuda._memory_viz.trace_plot's page (needs internet to open)",
         )
-        parser.add_argument("--top", type=int, default=10, help="rows in the site and block tables (default 10)")
+        parser.add_argument(
+            "--top", type=bounded_int(1, 100_000), default=10, help="rows in the site and block tables (default 10)"
+        )
         add_json(parser)
 
     def run(self, args: argparse.Namespace) -> int:
@@ -107,7 +113,12 @@ class MemoryReportCommand:
             except Exception as exc:
                 raise errors.Unsupported(f"--torch-viz needs torch here: {type(exc).__name__}: {exc}") from None
             trace_plot: Any = _memory_viz.trace_plot
-            viz_path.write_text(trace_plot(snapshot))
+            try:
+                viz_path.write_text(trace_plot(snapshot))
+            except OSError as exc:
+                raise errors.DynprofError(
+                    f"cannot write {viz_path}: {exc.strerror or exc}", help="Give a writable path to --torch-viz."
+                ) from None
         if args.json:
             print_json(
                 {
@@ -155,6 +166,8 @@ def _locate(source: str) -> tuple[Path, Artifact | None]:
         )
     try:
         artifact = ArtifactStore().get(source)
+    except OSError as exc:  # a name the filesystem refuses (too long, say)
+        raise errors.ArtifactError(f"{source!a}: no such file or artifact ({exc.strerror or exc})") from None
     except errors.ArtifactError:
         if not exists:
             raise errors.ArtifactError(

@@ -18,6 +18,7 @@ import stat
 import sys
 
 from dynprof import errors
+from dynprof.cli._common import host_arg, path_arg, port
 
 MIN_TOKEN_CHARS = 16
 MAX_TOKEN_FILE_BYTES = 4096
@@ -39,10 +40,11 @@ def read_token_file(path: str) -> str:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError as exc:
         raise errors.UsageError(f"cannot open the token file {path}: {exc.strerror}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):  # before fdopen, which refuses a directory itself
+        os.close(fd)
+        raise errors.UsageError(f"the token file {path} is not a regular file")
     with os.fdopen(fd, "rb") as fh:
         st = os.fstat(fh.fileno())
-        if not stat.S_ISREG(st.st_mode):
-            raise errors.UsageError(f"the token file {path} is not a regular file")
         if st.st_uid not in (os.getuid(), 0):
             raise errors.PermissionDenied(
                 f"the token file {path} belongs to uid {st.st_uid}, not to you ({os.getuid()})",
@@ -103,14 +105,15 @@ class ServeCommand:
     """Serve a web page and an HTTP API over this node's agents and artifacts (token required)."""
 
     def prepare_parser(self, parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-        parser.add_argument("--port", type=int, default=8787, help="port (default 8787)")
+        parser.add_argument("--host", type=host_arg, default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+        parser.add_argument("--port", type=port, default=8787, help="port, 1-65535 (default 8787)")
         parser.add_argument(
             "--token",
             help="access token (16+ characters; visible in the process list, so prefer --token-file)",
         )
         parser.add_argument(
             "--token-file",
+            type=path_arg,
             metavar="FILE",
             help="read the access token from FILE (mode 0600); default $DYNPROF_TOKEN_FILE, else one is generated",
         )
