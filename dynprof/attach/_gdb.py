@@ -12,6 +12,7 @@ mapped: the pending call reads it later.
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 from dataclasses import dataclass
@@ -85,6 +86,8 @@ class GdbSession:
                 help="Check the process with `dynprof stacks --pid PID --native`.",
             ) from None
         out = proc.stdout + proc.stderr
+        if not os.path.exists(f"/proc/{self.pid}"):
+            raise errors.ProcessNotFound(f"process {self.pid} exited during attach")
         if "ptrace: Operation not permitted" in out:
             raise errors.PtraceRefused(f"gdb was not allowed to ptrace process {self.pid}", help=PTRACE_HELP)
         if "ptrace: No such process" in out or ("No such process" in out and not _VALUE.search(out)):

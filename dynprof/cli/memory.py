@@ -7,7 +7,16 @@ import json
 from typing import Any
 
 from dynprof import errors
-from dynprof.cli._common import add_json, add_targets, human_bytes, parallel, print_json, resolve_agents, table
+from dynprof.cli._common import (
+    add_attach_flag,
+    add_json,
+    add_targets,
+    human_bytes,
+    parallel,
+    print_json,
+    resolve_agents,
+    table,
+)
 from dynprof.client import AgentClient
 from dynprof.proto import pb
 
@@ -26,6 +35,7 @@ class MemoryCommand:
 
     def prepare_parser(self, parser: argparse.ArgumentParser) -> None:
         add_targets(parser)
+        add_attach_flag(parser)
         action = parser.add_mutually_exclusive_group()
         action.add_argument(
             "--history-start",
