@@ -52,6 +52,9 @@ class AttachOptions:
     main_thread_wait_s: float = 2.0  # before the fallback (or the refusal) is considered
     ready_timeout_s: float = 30.0  # from the bootstrap running to the agent answering
     fallback: bool = True
+    # False: inject even into a process whose agent answers (the bootstrap then finds the agent
+    # and reports "already"); for stress tests of the injection itself.
+    check_existing: bool = True
 
 
 @dataclass
@@ -116,7 +119,7 @@ def attach(pid: int, options: AttachOptions | None = None) -> AttachResult:
     options = options or AttachOptions()
     t0 = time.monotonic()
     _preflight.check_process(pid)
-    record = existing_agent(pid)
+    record = existing_agent(pid) if options.check_existing else None
     if record is not None:
         return _already(pid, record, t0)
     version = _preflight.target_python(pid)

@@ -48,6 +48,7 @@ def main() -> int:
     parser.add_argument("--gap-ms", type=float, default=0.0)
     parser.add_argument("--dist", action="store_true")
     parser.add_argument("--width", type=int, default=64)
+    parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
 
     if args.dist:
@@ -56,11 +57,12 @@ def main() -> int:
         dist.init_process_group("gloo")
     torch.set_num_threads(1)
     torch.manual_seed(0)
+    device = torch.device(args.device)
     model = torch.nn.Sequential(
         torch.nn.Linear(args.width, args.width), torch.nn.ReLU(), torch.nn.Linear(args.width, 1)
-    )
+    ).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    x, y = torch.randn(32, args.width), torch.randn(32, 1)
+    x, y = torch.randn(32, args.width, device=device), torch.randn(32, 1, device=device)
     if args.churn:
         threading.Thread(target=churn, name="churn", daemon=True).start()
     deadline = time.monotonic() + args.max_seconds
