@@ -49,15 +49,17 @@ def test_plain_python_loop_attached_then_traced(spawn, cli, dynprof_dirs):
     (pid,) = target.ready_pids()
     assert _record(dynprof_dirs["run"], pid) is None
 
-    # WHEN dynprof attaches to it
-    result, out = _attach(cli, str(pid))
+    # WHEN dynprof attaches to it, with a `dynprof run` option
+    result, out = _attach(cli, str(pid), "--hang-timeout", "30")
 
     # THEN the agent runs in it, registered where the CLI looks, started by attach through a
-    # pending call, with the optimizer step hook in place although torch.optim was imported before
+    # pending call, with the optimizer step hook in place although torch.optim was imported
+    # before, and configured by the option (the hang watchdog is on)
     assert result.returncode == 0, result.stderr
     (proc,) = out["processes"]
     assert proc["status"] == "attached" and proc["method"] == "gdb-pending-call"
     assert proc["hook_installed"] is True
+    assert "hang watchdog on: timeout 30 s" in Path(proc["log"]).read_text()
     record = _record(dynprof_dirs["run"], pid)
     assert record is not None and record["activation"] == "attach"
     # ... and nothing was bound in the job's __main__ nor printed into its output
