@@ -252,7 +252,7 @@ def _wait_for(path: Path, pid: int, timeout: float) -> dict[str, Any] | None:
                 return data
             except (OSError, ValueError):
                 pass
-        if not os.path.exists(f"/proc/{pid}"):
+        if _preflight.exited(pid):
             raise errors.ProcessNotFound(f"process {pid} exited during attach")
         if time.monotonic() >= deadline:
             return None

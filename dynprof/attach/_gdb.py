@@ -12,13 +12,12 @@ mapped: the pending call reads it later.
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 from dataclasses import dataclass
 
 from dynprof import errors
-from dynprof.attach._preflight import PTRACE_HELP
+from dynprof.attach._preflight import PTRACE_HELP, exited
 
 PROT_READ_WRITE = 0x3
 MAP_PRIVATE_ANONYMOUS = 0x22
@@ -86,7 +85,7 @@ class GdbSession:
                 help="Check the process with `dynprof stacks --pid PID --native`.",
             ) from None
         out = proc.stdout + proc.stderr
-        if not os.path.exists(f"/proc/{self.pid}"):
+        if exited(self.pid):
             raise errors.ProcessNotFound(f"process {self.pid} exited during attach")
         if "ptrace: Operation not permitted" in out:
             raise errors.PtraceRefused(f"gdb was not allowed to ptrace process {self.pid}", help=PTRACE_HELP)

@@ -54,6 +54,8 @@ def _user(uid: int) -> str:
 def check_process(pid: int) -> None:
     """Exists, is ours, and may be ptraced by us (3, 4 or 11 otherwise)."""
     errors.probe_pid(pid)
+    if exited(pid):
+        raise errors.ProcessNotFound(f"process {pid} has exited (a zombie, not yet reaped by its parent)")
     try:
         owner = os.stat(f"/proc/{pid}").st_uid
     except FileNotFoundError:
@@ -151,6 +153,16 @@ def remote_debug_disabled(pid: int) -> str | None:
         ):
             return "it runs with -X disable-remote-debug"
     return None
+
+
+def exited(pid: int) -> bool:
+    """Gone, or a zombie (dead, waiting for its parent to reap it)."""
+    try:
+        data = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return True
+    state = data[data.rfind(b")") + 2 : data.rfind(b")") + 3]
+    return state in (b"Z", b"X", b"x")
 
 
 def _comm(pid: int) -> str:
