@@ -170,6 +170,13 @@ def _attach(
     ran = _wait_for(work / _bootstrap.RAN_FILE, pid, options.main_thread_wait_s)
     if ran is None:
         holder = gil_holder(pid)
+        if holder == GIL_UNKNOWN:
+            raise errors.Timeout(
+                f"process {pid}: the main thread did not reach the interpreter within {options.main_thread_wait_s:g} s, "
+                "and py-spy could not tell whether a thread holds the GIL, so the fallback was not tried",
+                help="The request stays queued and runs when the main thread returns to Python. Install py-spy "
+                "(pip install py-spy) to let attach check the GIL and run it now.",
+            )
         if holder is not None:
             raise errors.Timeout(
                 f"process {pid}: {holder}. No Python code, the agent's included, can run until it returns",
@@ -259,9 +266,13 @@ def _wait_for(path: Path, pid: int, timeout: float) -> dict[str, Any] | None:
         time.sleep(POLL_S)
 
 
+GIL_UNKNOWN = "unknown"
+
+
 def gil_holder(pid: int) -> str | None:
     """``"thread T holds the GIL in native code: in f (file:line)"`` when one thread keeps the GIL
-    across several samples without moving; None when nobody holds it (or it changes hands)."""
+    across several samples without moving; None when nobody holds it (or it changes hands);
+    GIL_UNKNOWN when py-spy cannot tell."""
     from collectors import stacks
 
     seen: list[tuple[int, str] | None] = []
@@ -271,7 +282,7 @@ def gil_holder(pid: int) -> str | None:
         try:
             captured = stacks.capture_py_spy(pid, timeout=10.0)
         except stacks.CaptureError:
-            return None
+            return GIL_UNKNOWN
         owner = next((t for t in captured.threads if t.holds_gil), None)
         seen.append(None if owner is None else (owner.tid, stacks.headline(owner.frames)))
     first = seen[0]

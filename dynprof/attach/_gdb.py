@@ -13,6 +13,7 @@ mapped: the pending call reads it later.
 from __future__ import annotations
 
 import re
+import signal
 import subprocess
 from dataclasses import dataclass
 
@@ -41,7 +42,7 @@ class GdbRun:
 
 
 class GdbSession:
-    def __init__(self, gdb: str, pid: int, symbols: dict[str, int], timeout: float = 60.0) -> None:
+    def __init__(self, gdb: str, pid: int, symbols: dict[str, int], timeout: float = 120.0) -> None:
         self.gdb = gdb
         self.pid = pid
         self.symbols = symbols
@@ -77,14 +78,28 @@ class GdbSession:
         ]
         for command in commands:
             cmd += ["-ex", command]
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True
+        )
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=self.timeout, stdin=subprocess.DEVNULL)
+            stdout, stderr = proc.communicate(timeout=self.timeout)
         except subprocess.TimeoutExpired:
+            # Never SIGKILL gdb in the middle of a call into the target: the target would
+            # return into gdb's dummy frame and die of SIGTRAP. SIGINT makes gdb interrupt the
+            # call and, with unwindonsignal on, restore the thread as it was before; then it
+            # detaches.
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.communicate()
             raise errors.Timeout(
-                f"gdb did not finish within {self.timeout:g} s while attached to process {self.pid}",
-                help="Check the process with `dynprof stacks --pid PID --native`.",
+                f"gdb did not finish within {self.timeout:g} s while attached to process {self.pid}; "
+                "it was interrupted and detached",
+                help=f"Check the process with `dynprof stacks --pid {self.pid} --native`.",
             ) from None
-        out = proc.stdout + proc.stderr
+        out = stdout + stderr
         if exited(self.pid):
             raise errors.ProcessNotFound(f"process {self.pid} exited during attach")
         if "ptrace: Operation not permitted" in out:
