@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import statistics
 import sys
 import tempfile
@@ -56,6 +57,11 @@ def report(name: str, n: int, failures: list[str], latencies: list[float]) -> No
         print(f"  {f}")
 
 
+def progress(name: str, i: int, n: int, failures: list[str]) -> None:
+    if (i + 1) % 25 == 0 or i + 1 == n:
+        print(f"  {name}: {i + 1}/{n} done, {len(failures)} failure(s)", flush=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n", type=int, default=200)
@@ -63,6 +69,7 @@ def main() -> int:
     parser.add_argument("--torch", action="store_true", help="torch training-loop targets (slower to start)")
     args = parser.parse_args()
     os.environ.setdefault("DYNPROF_RUN_DIR", tempfile.mkdtemp(prefix="dp-stress-", dir="/tmp"))
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally blocks: no orphaned targets
     total_fail = 0
     if "fresh" in args.series:
         failures, lat = [], []
@@ -74,6 +81,7 @@ def main() -> int:
                 lat.append(elapsed)
                 if not ok or what != "attached":
                     failures.append(f"#{i} pid {target.pid}: {what}")
+                progress("fresh", i, args.n, failures)
             finally:
                 target.stop()
         report("fresh targets", args.n, failures, lat)
@@ -90,6 +98,7 @@ def main() -> int:
                     failures.append(f"#{i}: {what}")
                     if not target.alive():
                         break
+                progress("repeat", i, args.n, failures)
             alive = target.alive()
         finally:
             target.stop()

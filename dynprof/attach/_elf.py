@@ -96,7 +96,28 @@ def python_version(pid: int) -> tuple[int, int] | None:
     except OSError:
         return None
     found = _PYTHON_EXE.match(exe)
-    return (int(found.group(1)), int(found.group(2))) if found else None
+    if found:
+        return int(found.group(1)), int(found.group(2))
+    return _py_version_variable(pid)
+
+
+def _py_version_variable(pid: int) -> tuple[int, int] | None:
+    """From the exported ``Py_Version`` (3.11+, PY_VERSION_HEX), for an executable named plain
+    ``python`` with libpython linked in."""
+    try:
+        address = resolve(pid, ["Py_Version"]).get("Py_Version")
+        if address is None:
+            return None
+        with open(f"/proc/{pid}/mem", "rb") as mem:
+            mem.seek(address)
+            raw = mem.read(4)
+    except (OSError, ValueError, OverflowError):
+        return None
+    if len(raw) != 4:
+        return None
+    value = int.from_bytes(raw, "little")
+    major, minor = value >> 24, (value >> 16) & 0xFF
+    return (major, minor) if major == 3 else None
 
 
 def resolve(pid: int, wanted: Iterable[str]) -> dict[str, int]:

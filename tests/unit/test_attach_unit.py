@@ -31,6 +31,8 @@ def test_symbols_resolved_from_dynsym_match_the_loaded_functions():
     assert found["PyGILState_Ensure"] == ctypes.cast(ctypes.pythonapi.PyGILState_Ensure, ctypes.c_void_p).value
     assert found["mmap"] == ctypes.cast(ctypes.CDLL(None).mmap, ctypes.c_void_p).value
     assert _elf.python_version(os.getpid()) == tuple(sys.version_info[:2])
+    # ... and the version can also be read from the exported Py_Version (a plain `python` executable)
+    assert _elf._py_version_variable(os.getpid()) == tuple(sys.version_info[:2])
 
 
 def test_a_non_elf_file_is_rejected(tmp_path):
