@@ -2,7 +2,8 @@
 """Attach latency and the pause the target sees (targets: <= 1.5 s to agent ready, <= 150 ms).
 
 Starts a torch training loop with plain python (tests/integration/programs/attach_program.py,
-~6 ms steps, an allocation-heavy second thread unless --no-churn), attaches to it with
+~6 ms steps; --churn adds an allocation-heavy second thread, whose GIL contention makes the
+loop's own gaps reach a second on a loaded 2-core machine, hiding attach's), attaches to it with
 `dynprof.attach.attach` and measures:
 * latency: from the call to the agent ready (its socket answering);
 * pause: the longest gap between two consecutive steps of the target's loop while attach was
@@ -38,12 +39,12 @@ GAP_MS = 15.0  # the target reports every step gap longer than this
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--no-churn", action="store_true")
+    parser.add_argument("--churn", action="store_true", help="run an allocation-heavy second thread in the target")
     args = parser.parse_args()
     os.environ.setdefault("DYNPROF_RUN_DIR", tempfile.mkdtemp(prefix="dp-bench-", dir="/tmp"))
     latencies, injects, pauses, quiet = [], [], [], []
     for i in range(args.rounds):
-        target = Target(torch=True, gap_ms=GAP_MS, churn=not args.no_churn)
+        target = Target(torch=True, gap_ms=GAP_MS, churn=args.churn)
         try:
             target.wait_ready()
             time.sleep(3.0)  # past start-up
