@@ -194,6 +194,7 @@ def _attach(
             f"the main thread did not reach the interpreter within {options.main_thread_wait_s:g} s and no thread "
             "holds the GIL: ran the bootstrap on it under PyGILState_Ensure"
         )
+        via = "gdb-gil-state"
         if not session.run_under_gil_state(buffer):
             raise errors.Timeout(
                 f"process {pid}: the main thread held the GIL when gdb stopped it; nothing was run",
@@ -227,8 +228,6 @@ def _attach(
         hook_installed=result.get("hook_installed"),
         notes=notes,
     )
-    if any("PyGILState_Ensure" in n for n in notes):
-        out.method = "gdb-gil-state"
     if record is None:
         out.notes.append(
             f"the agent registered at {result.get('socket')}, outside this run directory ({run_dir()}): "
