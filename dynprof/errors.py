@@ -64,12 +64,18 @@ class PermissionDenied(DynprofError):
     )
 
 
+LAUNCH_WITH_AGENT_HELP = (
+    "start the job under the agent: `dynprof run -- python train.py ...` (or torchrun), "
+    "or set DYNPROF=1 in the job's environment (the dynprof package must be installed in "
+    "the job's Python), or call dynprof.agent.start() in the training script."
+)
+
+
 class NoAgent(DynprofError):
     exit_code = 5
     default_help = (
-        "Start the job under the agent: `dynprof run -- python train.py ...` (or torchrun), "
-        "or set DYNPROF=1 in the job's environment (the dynprof package must be installed in "
-        "the job's Python), or call dynprof.agent.start() in the training script."
+        "Attach one to the running process: `dynprof attach PID` (or `dynprof attach --job JOB`), "
+        "or add --attach to this command; or " + LAUNCH_WITH_AGENT_HELP
     )
 
 

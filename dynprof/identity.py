@@ -7,13 +7,15 @@ torch or touches the network.
 
 from __future__ import annotations
 
-import os
 import socket
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from dynprof import _settings
 
-def _first_int(env: dict[str, str] | os._Environ[str], *names: str) -> int | None:
+
+def _first_int(env: Mapping[str, str], *names: str) -> int | None:
     for name in names:
         value = env.get(name)
         if value is None or value == "":
@@ -25,7 +27,7 @@ def _first_int(env: dict[str, str] | os._Environ[str], *names: str) -> int | Non
     return None
 
 
-def _first_str(env: dict[str, str] | os._Environ[str], *names: str) -> str | None:
+def _first_str(env: Mapping[str, str], *names: str) -> str | None:
     for name in names:
         value = env.get(name)
         if value:
@@ -45,8 +47,8 @@ class Identity:
         return asdict(self)
 
 
-def detect(env: dict[str, str] | os._Environ[str] | None = None) -> Identity:
-    env = os.environ if env is None else env
+def detect(env: Mapping[str, str] | None = None) -> Identity:
+    env = _settings.environ() if env is None else env
     rank = _first_int(env, "DYNPROF_RANK", "RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
     local_rank = _first_int(env, "DYNPROF_LOCAL_RANK", "LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK")
     world_size = _first_int(env, "DYNPROF_WORLD_SIZE", "WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")

@@ -12,6 +12,7 @@ import os
 import stat
 from pathlib import Path
 
+from dynprof import _settings
 from dynprof.errors import DynprofError, PermissionDenied
 
 # sockaddr_un.sun_path is 108 bytes on Linux, including the terminating NUL.
@@ -19,7 +20,7 @@ MAX_SOCKET_PATH = 107
 
 
 def run_dir(create: bool = True) -> Path:
-    env = os.environ.get("DYNPROF_RUN_DIR")
+    env = _settings.getenv("DYNPROF_RUN_DIR")
     if env:
         path = Path(env)
     elif os.environ.get("XDG_RUNTIME_DIR") and os.path.isdir(os.environ["XDG_RUNTIME_DIR"]):
@@ -80,7 +81,7 @@ def logs_dir(create: bool = True) -> Path:
 
 
 def artifact_dir() -> Path:
-    env = os.environ.get("DYNPROF_ARTIFACT_DIR")
+    env = _settings.getenv("DYNPROF_ARTIFACT_DIR")
     if env:
         return Path(env)
     data_home = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")

@@ -31,6 +31,8 @@ import time
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
+from dynprof import _settings
+
 if TYPE_CHECKING:
     from dynprof.agent._agent import Agent
 
@@ -43,7 +45,7 @@ MAX_ARTIFACTS = 20  # per process, over its whole life
 
 
 def _seconds(name: str) -> float:
-    text = os.environ.get(name, "").strip()
+    text = (_settings.getenv(name) or "").strip()
     if not text:
         return 0.0
     try:

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from collectors import _mem_policy
 from collectors._mem_policy import HistoryPolicy, PolicyError
+from dynprof import _settings
 
 if TYPE_CHECKING:
     from dynprof.agent._agent import Agent
@@ -61,7 +62,7 @@ class MemoryOptions:
     def from_env(cls, env: Any = None) -> MemoryOptions:
         from dynprof.store import parse_size
 
-        env = os.environ if env is None else env
+        env = _settings.environ() if env is None else env
         opts = cls()
         problems = []
 

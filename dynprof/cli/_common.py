@@ -162,6 +162,14 @@ def add_targets(parser: argparse.ArgumentParser, required: bool = True) -> None:
     group.add_argument("--all", action="store_true", help="every agent on this node")
 
 
+def add_attach_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--attach",
+        action="store_true",
+        help="first start the agent in target processes that have none (with --pid or --job; see `dynprof attach`)",
+    )
+
+
 # -- target selection ------------------------------------------------------------------------
 def select_workers(records: Sequence[AgentRecord]) -> list[AgentRecord]:
     """The training processes among ``records``.
@@ -200,14 +208,23 @@ def refresh_records(records: list[AgentRecord], timeout: float = 1.0) -> list[Ag
 
 
 def resolve_agents(args: argparse.Namespace) -> list[AgentRecord]:
-    """Agent records for --pid / --job / --all, with a precise error when none match."""
+    """Agent records for --pid / --job / --all, with a precise error when none match.
+
+    With ``--attach``, processes named by --pid or found by --job that have no agent get one first.
+    """
+    if getattr(args, "attach", False):
+        attach_first(args)
     if getattr(args, "pid", None):
         records = []
         for pid in args.pid:
             errors.probe_pid(pid)
             record = read_record(pid)
             if record is None or not record.is_alive():
-                raise errors.NoAgent(f"process {pid} has no dynprof agent{_describe_pid(pid)}")
+                raise errors.NoAgent(
+                    f"process {pid} has no dynprof agent{_describe_pid(pid)}",
+                    help=f"Attach one: `dynprof attach {pid}`, or add --attach to this command; or "
+                    + errors.LAUNCH_WITH_AGENT_HELP,
+                )
             records.append(record)
         return records
     records = refresh_records(list_records())
@@ -217,12 +234,38 @@ def resolve_agents(args: argparse.Namespace) -> list[AgentRecord]:
             jobs = sorted({r.job_id or "-" for r in records})
             raise errors.DynprofError(
                 f"no agent of job {args.job!r} on this node",
-                help=("Jobs with agents here: " + ", ".join(jobs)) if jobs else errors.NoAgent.default_help,
+                help=(
+                    f"Attach agents to its processes: `dynprof attach --job {args.job}`, or add --attach to this "
+                    "command. " + (("Jobs with agents here: " + ", ".join(jobs)) if jobs else "")
+                ).strip(),
             )
         return select_workers(matching)
     if not records:
         raise errors.NoAgent("no dynprof agent is running on this node (for this user)")
     return select_workers(records)
+
+
+def attach_first(args: argparse.Namespace) -> None:
+    """``--attach``: start the agent in the targets that have none (a no-op for the others)."""
+    from dynprof.attach import AttachOptions, attach, existing_agent
+    from dynprof.attach._discover import find_job_processes
+    from dynprof.cli.attach import describe
+
+    if getattr(args, "all", False):
+        raise errors.UsageError("--attach needs --pid or --job", help="--all selects processes that have agents.")
+    if getattr(args, "pid", None):
+        todo, settings = list(args.pid), {}
+    elif getattr(args, "job", None):
+        search = find_job_processes(args.job)
+        todo, settings = [p.pid for p in search.found], {"DYNPROF_JOB_ID": args.job}
+    else:
+        return
+    for pid in todo:
+        errors.probe_pid(pid)
+        if existing_agent(pid) is not None:
+            continue
+        result = attach(pid, AttachOptions(settings=dict(settings)))
+        print(f"dynprof: {describe(result)}", file=sys.stderr)
 
 
 def _describe_pid(pid: int) -> str:

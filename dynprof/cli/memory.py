@@ -9,6 +9,7 @@ from typing import Any
 from dynprof import errors
 from dynprof.cli._common import (
     MAX_HISTORY_EVENTS,
+    add_attach_flag,
     add_json,
     add_targets,
     bounded_int,
@@ -37,6 +38,7 @@ class MemoryCommand:
 
     def prepare_parser(self, parser: argparse.ArgumentParser) -> None:
         add_targets(parser)
+        add_attach_flag(parser)
         action = parser.add_mutually_exclusive_group()
         action.add_argument(
             "--history-start",

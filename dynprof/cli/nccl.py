@@ -19,7 +19,16 @@ import time
 from typing import Any
 
 from dynprof import errors
-from dynprof.cli._common import add_json, add_targets, parallel, print_json, printable_lines, resolve_agents, seconds
+from dynprof.cli._common import (
+    add_attach_flag,
+    add_json,
+    add_targets,
+    parallel,
+    print_json,
+    printable_lines,
+    resolve_agents,
+    seconds,
+)
 from dynprof.registry import AgentRecord, read_record
 
 
@@ -28,6 +37,7 @@ class NcclCommand:
 
     def prepare_parser(self, parser: argparse.ArgumentParser) -> None:
         add_targets(parser)
+        add_attach_flag(parser)
         parser.add_argument("--only-active", action="store_true", help="only collectives not yet completed")
         parser.add_argument(
             "--no-stack-traces", action="store_true", help="leave out the Python stacks of each collective's caller"

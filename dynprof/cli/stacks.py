@@ -249,8 +249,8 @@ class StacksCommand:
                 ""
                 if has_agent
                 else (
-                    " With the dynprof agent in the process, dynprof would ask it instead: "
-                    + errors.NoAgent.default_help
+                    " With the dynprof agent in the process, dynprof would ask it instead (attaching one "
+                    "needs ptrace too): " + errors.LAUNCH_WITH_AGENT_HELP
                 )
             )
             return errors.PtraceRefused(

@@ -27,6 +27,7 @@ from dynprof.cli._common import (
     MAX_STEP_NUMBER,
     MAX_TRACE_STEPS,
     Progress,
+    add_attach_flag,
     add_json,
     add_targets,
     bounded_int,
@@ -62,11 +63,41 @@ def alignment_step(statuses: list[Any], lead_s: float = ALIGN_LEAD_S) -> int:
     return int(current + margin)
 
 
+def boundary_offsets(statuses: list[Any]) -> list[int] | None:
+    """Per process, its step counter minus the first process's, at the same step boundary.
+
+    Ranks of a synchronous job cross each step boundary at nearly the same moment, but an
+    attached process counts steps from the attach, so counters of ranks attached at different
+    moments disagree. The time of each one's latest boundary says how many boundaries apart
+    their counters were read. None when step times are unknown.
+    """
+    times = [s.step_time_s for s in statuses if s.step_time_s > 0]
+    if not times or any(s.last_step_at <= 0 for s in statuses):
+        return None
+    period = sorted(times)[len(times) // 2]
+    ref = statuses[0]
+    return [int(s.step - round((s.last_step_at - ref.last_step_at) / period) - ref.step) for s in statuses]
+
+
+def aligned_steps(statuses: list[Any], offsets: list[int], lead_s: float = ALIGN_LEAD_S) -> list[int]:
+    """``at_step`` for each process so that all start after the same boundary."""
+    common = alignment_step([replace_step(s, s.step - o) for s, o in zip(statuses, offsets)], lead_s)
+    return [common + o for o in offsets]
+
+
+def replace_step(status: Any, step: int) -> Any:
+    copy = type(status)()
+    copy.CopyFrom(status)
+    copy.step = max(0, step)
+    return copy
+
+
 class StartCommand:
     """Start a torch.profiler trace in running processes."""
 
     def prepare_parser(self, parser: argparse.ArgumentParser) -> None:
         add_targets(parser)
+        add_attach_flag(parser)
         bound = parser.add_mutually_exclusive_group()
         bound.add_argument(
             "--steps",
@@ -148,18 +179,30 @@ class StartCommand:
             activities=args.activities,
         )
         lead = ALIGN_LEAD_S
+        # Attached processes count steps from their attach: align them by boundary times.
+        by_time = align and not args.at_step and any(r.activation == "attach" for r in records)
         for attempt in range(ALIGN_RETRIES):
+            per_process = [at_step] * len(records)
             if align and not args.at_step:
-                at_step = alignment_step(statuses, lead)
-            request = pb.StartTraceRequest(
-                steps=steps,
-                duration_s=duration,
-                at_step=at_step,
-                options=options,
-                max_duration_s=args.max_duration or 0.0,
-                group_id=group_id,
-            )
-            replies = parallel(lambda c, r=request: c.request(start_trace=r), clients)
+                offsets = boundary_offsets(statuses) if by_time else None
+                if offsets is not None:
+                    per_process = aligned_steps(statuses, offsets, lead)
+                    at_step = per_process[0]
+                else:
+                    at_step = alignment_step(statuses, lead)
+                    per_process = [at_step] * len(records)
+            requests = [
+                pb.StartTraceRequest(
+                    steps=steps,
+                    duration_s=duration,
+                    at_step=k,
+                    options=options,
+                    max_duration_s=args.max_duration or 0.0,
+                    group_id=group_id,
+                )
+                for k in per_process
+            ]
+            replies = parallel(lambda cr: cr[0].request(start_trace=cr[1]), list(zip(clients, requests)))
             failures = [(r, x) for r, x in zip(records, replies) if isinstance(x, Exception)]
             if not failures:
                 break
@@ -172,6 +215,12 @@ class StartCommand:
             raise failures[0][1]
         started = {r.pid: reply.trace_started.trace for r, reply in zip(records, replies)}
         where = f"at step {at_step}" if at_step else ("at the next step boundary" if steps else "now")
+        if len(set(per_process)) > 1:
+            where = (
+                "at the same step boundary (by each process's own step count: "
+                + ", ".join(f"pid {r.pid} after {k}" for r, k in zip(records, per_process))
+                + ")"
+            )
         what = f"{steps} steps" if steps else (f"{duration:g} s" if duration else "until `dynprof stop`")
         if not args.json:
             print(

@@ -11,7 +11,16 @@ import time
 from typing import Any
 
 from dynprof import errors
-from dynprof.cli._common import Progress, add_json, add_targets, parallel, print_json, resolve_agents, seconds
+from dynprof.cli._common import (
+    Progress,
+    add_attach_flag,
+    add_json,
+    add_targets,
+    parallel,
+    print_json,
+    resolve_agents,
+    seconds,
+)
 from dynprof.client import AgentClient
 from dynprof.proto import pb
 
@@ -21,6 +30,7 @@ class StopCommand:
 
     def prepare_parser(self, parser: argparse.ArgumentParser) -> None:
         add_targets(parser)
+        add_attach_flag(parser)
         parser.add_argument("--no-wait", action="store_true", help="do not wait for the artifact")
         parser.add_argument("--timeout", type=seconds, default=120.0, help="seconds to wait for the artifacts")
         add_json(parser)

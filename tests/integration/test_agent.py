@@ -164,6 +164,7 @@ def test_no_agent_in_a_plain_process(spawn, cli):
     result = cli("start", "--pid", str(pid), "--steps", "2")
     assert result.returncode == 5
     assert f"process {pid} has no dynprof agent" in result.stderr
+    assert f"dynprof attach {pid}" in result.stderr and "--attach" in result.stderr
     assert "dynprof run" in result.stderr and "DYNPROF=1" in result.stderr
 
 

@@ -1,0 +1,193 @@
+"""`dynprof attach`: start the agent in running Python processes (transport: dynprof.attach)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from dynprof import errors
+from dynprof.attach import METHODS, AttachOptions, AttachResult, attach
+from dynprof.attach._discover import find_job_processes
+from dynprof.cli._common import add_json, print_json
+from dynprof.cli.run import RUN_OPTIONS, RunOption, _load_run_options
+
+# `dynprof run` options that also apply to a running process (the flight recorder does not:
+# NCCL reads its settings when the process group is created).
+ATTACH_RUN_OPTIONS = ("dynprof.cli._run_memory", "dynprof.cli._run_hang")
+
+
+def _run_options() -> list[RunOption]:
+    _load_run_options()
+    wanted = {name for name in ATTACH_RUN_OPTIONS}
+    return [opt for opt in RUN_OPTIONS if opt[0].__module__ in wanted]
+
+
+def add_attach_options(parser: argparse.ArgumentParser) -> None:
+    """The options of `dynprof attach` that shape how and with what settings the agent starts."""
+    group = parser.add_argument_group("attach")
+    group.add_argument(
+        "--method",
+        choices=METHODS,
+        default="auto",
+        help="how to get in: sys.remote_exec (Python 3.14+ targets, same Python here), gdb, or the best "
+        "available (default auto)",
+    )
+    group.add_argument(
+        "--wait",
+        type=float,
+        default=2.0,
+        metavar="SEC",
+        help="seconds to wait for the target's main thread to reach the interpreter before running the "
+        "bootstrap under PyGILState_Ensure (default 2)",
+    )
+    group.add_argument(
+        "--ready-timeout",
+        type=float,
+        default=30.0,
+        metavar="SEC",
+        help="seconds to wait for the agent to be ready once it runs (default 30)",
+    )
+
+
+def attach_settings(args: argparse.Namespace) -> dict[str, str]:
+    """The agent settings (DYNPROF_* names) the run options in ``args`` ask for."""
+    settings: dict[str, str] = {}
+    for _, apply in _run_options():
+        apply(args, settings)
+    return settings
+
+
+def attach_options(args: argparse.Namespace, settings: dict[str, str]) -> AttachOptions:
+    if args.wait <= 0 or args.ready_timeout <= 0:
+        raise errors.UsageError("--wait and --ready-timeout take a positive number of seconds")
+    return AttachOptions(
+        method=args.method,
+        settings=settings,
+        main_thread_wait_s=args.wait,
+        ready_timeout_s=args.ready_timeout,
+    )
+
+
+def describe(result: AttachResult) -> str:
+    if result.status == "already":
+        how = f" (started by {result.activation})" if result.activation else ""
+        return f"pid {result.pid}: already has a dynprof agent{how}; nothing done"
+    via = {
+        "remote-exec": "sys.remote_exec",
+        "gdb-pending-call": "gdb, pending call",
+        "gdb-gil-state": "gdb, PyGILState fallback",
+    }.get(result.method, result.method)
+    text = f"pid {result.pid}: attached ({via}, {result.seconds:.2f} s): agent ready, log {result.log}"
+    if result.hook_installed is False:
+        text += "\n  no optimizer step hook yet (torch.optim not imported): step mode starts once it is"
+    for note in result.notes:
+        text += f"\n  note: {note}"
+    return text
+
+
+def attach_many(
+    pids: list[int], options: AttachOptions, quiet: bool = False
+) -> list[AttachResult | errors.DynprofError]:
+    """Attach to each pid in turn; each answer is a result or the error it met."""
+    out: list[AttachResult | errors.DynprofError] = []
+    for pid in pids:
+        try:
+            result: AttachResult | errors.DynprofError = attach(pid, options)
+        except errors.DynprofError as exc:
+            result = exc
+        out.append(result)
+        if not quiet:
+            if isinstance(result, AttachResult):
+                print(describe(result), file=sys.stderr)
+            elif len(pids) > 1:
+                print(f"pid {pid}: error: {result.message}", file=sys.stderr)
+                if result.help:
+                    print(f"  what to do: {result.help}", file=sys.stderr)
+    return out
+
+
+class AttachCommand:
+    """Start the dynprof agent in running Python processes launched without it.
+
+    dynprof attach PID [PID...]
+    dynprof attach --job JOB      every process of a job on this node, found by the
+                                  TORCHELASTIC_RUN_ID, SLURM_JOB_ID or DYNPROF_JOB_ID
+                                  in its environment
+
+    Then use the process as if it had been started under `dynprof run` (`dynprof start
+    --pid PID --steps 3`, `dynprof memory --pid PID`), or add --attach to those commands.
+    Attaching to a process that already has an agent does nothing and says so.
+
+    Needs ptrace permission on the target, as py-spy and gdb do: the same user, and Yama
+    kernel.yama.ptrace_scope 0 (or CAP_SYS_PTRACE; in Kubernetes `securityContext:
+    {capabilities: {add: [SYS_PTRACE]}}`). Python < 3.14 targets need gdb on PATH. The target
+    stops for a fraction of a second while gdb queues the request; the agent then starts on a
+    thread of its own. Attached processes count optimizer steps from the attach; `dynprof
+    start --job` aligns them by the time of their step boundaries. See docs/attach.md.
+    """
+
+    def prepare_parser(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("pids", nargs="*", type=int, metavar="PID", help="process ids to attach to")
+        parser.add_argument(
+            "--job",
+            metavar="JOB",
+            help="every process of this job on this node, found by TORCHELASTIC_RUN_ID, SLURM_JOB_ID or "
+            "DYNPROF_JOB_ID in its environment",
+        )
+        add_attach_options(parser)
+        for add, _ in _run_options():
+            add(parser)
+        add_json(parser)
+
+    def run(self, args: argparse.Namespace) -> int:
+        if bool(args.pids) == bool(args.job):
+            raise errors.UsageError("give either PIDs or --job JOB", help="dynprof attach 4242, dynprof attach --job J")
+        for pid in args.pids:
+            if pid <= 0:
+                raise errors.UsageError(f"invalid pid {pid}: a pid is a positive integer")
+        settings = attach_settings(args)
+        report: dict[str, Any] = {}
+        if args.job:
+            search = find_job_processes(args.job)
+            report["job"] = args.job
+            report["found"] = [p.pid for p in search.found]
+            report["skipped"] = [{"pid": p.pid, "why": why} for p, why in search.skipped]
+            if not search.found:
+                raise errors.ProcessNotFound(
+                    f"no Python process of job {args.job!r} found on this node (for this user)",
+                    help="The job's processes are found by TORCHELASTIC_RUN_ID, SLURM_JOB_ID or DYNPROF_JOB_ID "
+                    "in their environment; give the pids instead: dynprof attach PID...",
+                )
+            print(
+                f"dynprof: job {args.job}: found {len(search.found)} process(es): "
+                + "; ".join(p.describe() for p in search.found),
+                file=sys.stderr,
+            )
+            for p, why in search.skipped:
+                print(f"dynprof: job {args.job}: skipped pid {p.pid}: {why}", file=sys.stderr)
+            settings.setdefault("DYNPROF_JOB_ID", args.job)
+            pids = [p.pid for p in search.found]
+        else:
+            pids = list(dict.fromkeys(args.pids))
+        options = attach_options(args, settings)
+        if len(pids) == 1 and not args.job:
+            results: list[AttachResult | errors.DynprofError] = [attach(pids[0], options)]
+            if not args.json:
+                print(describe(results[0]), file=sys.stderr)  # type: ignore[arg-type]
+        else:
+            results = attach_many(pids, options, quiet=args.json)
+        failures = [r for r in results if isinstance(r, errors.DynprofError)]
+        if args.json:
+            report["processes"] = [
+                r.to_dict()
+                if isinstance(r, AttachResult)
+                else {
+                    "pid": pid,
+                    "status": "failed",
+                    "error": {"type": type(r).__name__, "message": r.message, "help": r.help, "exit_code": r.exit_code},
+                }
+                for pid, r in zip(pids, results)
+            ]
+            print_json(report)
+        return failures[0].exit_code if failures else 0
