@@ -25,7 +25,7 @@ def main() -> int:
     def on_trace_ready(prof: torch.profiler.profile) -> None:
         nonlocal received
         received += 1
-        steps = sum(1 for e in prof.events() if e.name.startswith("ProfilerStep#"))
+        steps = sum(1 for e in prof.events() if e.name.startswith("ProfilerStep"))
         emit(f"OWN_TRACE {received} steps {steps}")
 
     pacer = Pacer(args)
