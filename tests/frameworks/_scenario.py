@@ -46,6 +46,7 @@ class Case:
     wait_for: str = ""  # a line the job prints before the captures begin (e.g. "STAGE 2")
     ci: bool = True  # False: run on demand only (`pytest -m frameworks`)
     slow: bool = False
+    gpu: bool = False  # needs a CUDA GPU (marked `gpu`: skipped without one)
     own_profiler: bool = False  # the job runs its own torch.profiler: a clear refusal is acceptable
 
     def command(self, extra: list[str]) -> list[str]:

@@ -18,7 +18,14 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "scenario" not in metafunc.fixturenames or metafunc.cls is None:
         return
     cases: list[Case] = metafunc.cls.CASES
-    params = [pytest.param(case, id=case.name, marks=[pytest.mark.slow] if case.slow else []) for case in cases]
+    params = [
+        pytest.param(
+            case,
+            id=case.name,
+            marks=([pytest.mark.slow] if case.slow else []) + ([pytest.mark.gpu] if case.gpu else []),
+        )
+        for case in cases
+    ]
     metafunc.parametrize("scenario", params, indirect=True, scope="class")
 
 

@@ -12,14 +12,15 @@ from _job import Pacer, emit, parser, seed_everything
 def main() -> int:
     p = parser(__doc__ or "")
     p.add_argument("--width", type=int, default=64)
+    p.add_argument("--device", default="cpu")
     args = p.parse_args()
     seed_everything(0, args.threads)
     model = torch.nn.Sequential(
         torch.nn.Linear(args.width, args.width), torch.nn.ReLU(), torch.nn.Linear(args.width, 1)
-    )
+    ).to(args.device)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    x = torch.randn(64, args.width)
-    y = torch.randn(64, 1)
+    x = torch.randn(64, args.width).to(args.device)
+    y = torch.randn(64, 1).to(args.device)
     received = 0
 
     def on_trace_ready(prof: torch.profiler.profile) -> None:
@@ -30,9 +31,10 @@ def main() -> int:
 
     pacer = Pacer(args)
     schedule = torch.profiler.schedule(wait=2, warmup=1, active=3, repeat=0)
-    with torch.profiler.profile(
-        activities=[torch.profiler.ProfilerActivity.CPU], schedule=schedule, on_trace_ready=on_trace_ready
-    ) as prof:
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if args.device.startswith("cuda"):
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities, schedule=schedule, on_trace_ready=on_trace_ready) as prof:
         while True:
             loss = torch.nn.functional.mse_loss(model(x), y)
             opt.zero_grad()
