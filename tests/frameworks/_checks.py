@@ -129,11 +129,18 @@ class FrameworkChecks:
         assert pids, scenario.traced.error
         before = _agents(scenario.steps_before, pids)
         after = _agents(scenario.steps_after, pids)
-        # THEN each rank's step count moved on with the training, and the torch version is known
+        # THEN each rank's step count moved on with the training
         for b, a in zip(before, after):
             assert b["step"] and a["step"] is not None and a["step"] > b["step"], (b, a)
-            assert a["torch"], a
         assert scenario.stage_lines_seen, f"no {scenario.case.wait_for!r} line"
+
+    def test_ps_names_the_torch_the_job_imported(self, scenario: Scenario) -> None:
+        # WHEN `dynprof ps --json` lists the job, which imported torch before its first step
+        pids = scenario.traced.pids
+        assert pids, scenario.traced.error
+        # THEN its torch version is shown
+        for row in _agents(scenario.steps_before, pids):
+            assert row["torch_imported"] and row["torch"], {k: row.get(k) for k in ("pid", "torch", "torch_imported")}
 
     def test_hang_watchdog_stays_quiet_while_training(self, scenario: Scenario) -> None:
         # GIVEN the job ran under `dynprof run --hang-timeout 3` and kept training
