@@ -150,6 +150,12 @@ class FrameworkChecks:
         assert outcome.json()["artifacts"] == [], f"hang reported (timeout {HANG_TIMEOUT_S:g} s): {outcome.json()}"
         assert not [line for line in scenario.traced.lines if "no optimizer step" in line]
 
+    def test_store_keeps_no_temporary_directories(self, scenario: Scenario) -> None:
+        # GIVEN the job has ended and `dynprof ls` has read the store
+        assert scenario.hang_listing is not None, scenario.traced.error
+        # THEN no capture left a hidden in-progress directory behind
+        assert scenario.leftover_tmp == [], scenario.leftover_tmp
+
     def test_job_output_has_nothing_but_its_own_lines(self, scenario: Scenario) -> None:
         # GIVEN the lines the job prints by itself (plain run)
         own = {normalize(line) for line in scenario.plain.lines}

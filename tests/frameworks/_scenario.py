@@ -128,6 +128,7 @@ class Scenario:
     steps_after: Outcome | None = None
     hang_listing: Outcome | None = None
     stage_lines_seen: bool = True
+    leftover_tmp: list[str] = field(default_factory=list)  # hidden in-progress dirs left in the store
 
     def artifacts(self, outcome: Outcome | None) -> list[tuple[dict[str, Any], dict[str, Any]]]:
         """(result, manifest) of each process's trace of a `start --json` outcome."""
@@ -285,6 +286,8 @@ def run_traced(case: Case, env: dict[str, str], stop_file: Path, need: list[int]
         stop_file.write_text("stop\n")
         rc = job.finish(timeout=120)
         sc.hang_listing = cli(run_env, "ls", "--kind", "hang", "--json")
+        store = Path(run_env["DYNPROF_ARTIFACT_DIR"])
+        sc.leftover_tmp = sorted(str(p.relative_to(store)) for p in store.glob("*/*/*/*/.*.tmp"))
         sc.traced = JobRun(
             list(job.lines), rc, pids, error="" if rc is not None else "did not exit after its stop file"
         )
