@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from typing import Any
 
@@ -124,14 +125,15 @@ class FrameworkChecks:
         assert scenario.case.program in outcome.proc.stdout, outcome.proc.stdout[-3000:]  # type: ignore[union-attr]
 
     def test_ps_step_count_follows_the_training(self, scenario: Scenario) -> None:
-        # WHEN `dynprof ps --json` was asked before and after the captures (a few seconds apart)
+        # WHEN `dynprof ps --json` was asked three times: a second apart right after READY (or after
+        # the job created a new optimizer), and again after the captures
         pids = scenario.traced.pids
         assert pids, scenario.traced.error
-        before = _agents(scenario.steps_before, pids)
-        after = _agents(scenario.steps_after, pids)
-        # THEN each rank's step count moved on with the training
-        for b, a in zip(before, after):
-            assert b["step"] and a["step"] is not None and a["step"] > b["step"], (b, a)
+        reads = [_agents(o, pids) for o in (scenario.steps_before, scenario.steps_soon_after, scenario.steps_after)]
+        # THEN each rank's step count moved on with the training every time
+        for rank_reads in zip(*reads):
+            steps = [row["step"] for row in rank_reads]
+            assert steps[0] and all(b is not None and b > a for a, b in itertools.pairwise(steps)), steps
         assert scenario.stage_lines_seen, f"no {scenario.case.wait_for!r} line"
 
     def test_ps_names_the_torch_the_job_imported(self, scenario: Scenario) -> None:

@@ -1,7 +1,8 @@
 """One framework job, run twice: once under plain python, once under `dynprof run` with every
 capture taken while it trains. The tests of each check read what the two runs recorded.
 
-The dynprof run does, in order, while the job trains: `ps --json`, `stacks --full`, a
+The dynprof run does, in order, while the job trains: `ps --json` twice a second apart (right
+after READY, or after the case's `wait_for` line such as a new optimizer's), `stacks --full`, a
 step-mode trace (`start --steps 3`), a duration-mode trace (`start --duration 1`), `ps --json`
 again; then it lets the job run until it has computed at least as many losses as the plain run,
 and ends it through its stop file. Each action's outcome (or exception) is recorded, so one
@@ -122,6 +123,7 @@ class Scenario:
     traced: JobRun
     env: dict[str, str]
     steps_before: Outcome | None = None
+    steps_soon_after: Outcome | None = None  # a second later, before any capture
     step_trace: Outcome | None = None
     duration_trace: Outcome | None = None
     stacks: Outcome | None = None
@@ -276,6 +278,8 @@ def run_traced(case: Case, env: dict[str, str], stop_file: Path, need: list[int]
             sc.stage_lines_seen = job.wait_until(lambda: bool(job.lines_starting(case.wait_for)), 180)
         sel = ",".join(map(str, pids))
         sc.steps_before = cli(run_env, "ps", "--json")
+        time.sleep(1.0)
+        sc.steps_soon_after = cli(run_env, "ps", "--json")
         sc.stacks = cli(run_env, "stacks", "--pid", sel, "--no-save", "--full")
         sc.step_trace = cli(run_env, "start", "--pid", sel, "--steps", str(STEP_TRACE_STEPS), "--json")
         sc.duration_trace = cli(run_env, "start", "--pid", sel, "--duration", str(DURATION_S), "--json")
