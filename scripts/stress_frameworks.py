@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python scripts/stress_frameworks.py                 # every case, 20 traces each
     PYTHONPATH=. python scripts/stress_frameworks.py --runs 5 --cases ckpt-duration,fsdp2-duration
+    PYTHONPATH=. python scripts/stress_frameworks.py --device cuda    # the checkpointing and own-profiler loops on a GPU
 
 Each case is a training loop from tests/frameworks/programs/ launched under `dynprof run` and one
 kind of trace (`dynprof start --steps 3` or `--duration SEC`) requested from it RUNS times, one
@@ -19,6 +20,7 @@ the store). Needs the `frameworks` extra for the HF and Lightning cases (skipped
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import os
@@ -48,18 +50,19 @@ class Case:
     ranks: int = 1
     needs: tuple[str, ...] = ()
     crash_prone: bool = True
+    takes_device: bool = False  # the program has --device (run on CUDA with --device cuda)
 
 
 HF = ("transformers", "accelerate")
 CASES = [
     # duration-mode trace inside a checkpointing loop (starts and stops can land inside backward)
-    Case("ckpt-duration", "checkpoint_program.py", (), "duration"),
+    Case("ckpt-duration", "checkpoint_program.py", (), "duration", takes_device=True),
     Case("hf-ckpt-duration", "hf_trainer_program.py", ("--grad-ckpt", "--accum", "2"), "duration", needs=HF),
     # step mode with the optimizer stepped from post-accumulate-grad hooks (inside backward)
     Case("optinbwd-steps", "opt_in_backward_program.py", (), "steps"),
     # a job that runs its own torch.profiler
-    Case("ownprof-steps", "own_profiler_program.py", (), "steps"),
-    Case("ownprof-duration", "own_profiler_program.py", (), "duration"),
+    Case("ownprof-steps", "own_profiler_program.py", (), "steps", takes_device=True),
+    Case("ownprof-duration", "own_profiler_program.py", (), "duration", takes_device=True),
     # FSDP2 on gloo, two ranks
     Case("fsdp2-duration", "dist_program.py", ("--mode", "fsdp2"), "duration", ranks=2),
     # duration mode on the other framework loops: stop pause and requested vs profiled seconds
@@ -302,6 +305,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--list", action="store_true", help="list the cases and exit")
     parser.add_argument("--duration", type=float, default=1.0, help="seconds of a duration-mode trace (default 1)")
     parser.add_argument("--fresh", action="store_true", help="a new job for every trace")
+    parser.add_argument(
+        "--device",
+        default="",
+        help="run the loops that take a device there (e.g. cuda): the checkpointing and own-profiler cases",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the artifact store (its path is printed)")
     parser.add_argument("--json", metavar="FILE", help="also write the table as JSON to FILE")
     args = parser.parse_args(argv)
@@ -314,6 +322,12 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown case(s) {', '.join(unknown)}; see --list")
     chosen = [c for c in CASES if not names or c.name in names]
+    if args.device:
+        chosen = [
+            dataclasses.replace(c, name=f"{c.name}-{args.device}", args=(*c.args, "--device", args.device))
+            for c in chosen
+            if c.takes_device
+        ]
 
     run_dir = Path(tempfile.mkdtemp(prefix="dps-", dir="/tmp"))
     store = Path(tempfile.mkdtemp(prefix="dynprof-stress-"))
