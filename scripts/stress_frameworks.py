@@ -8,8 +8,9 @@ Each case is a training loop from tests/frameworks/programs/ launched under `dyn
 kind of trace (`dynprof start --steps 3` or `--duration SEC`) requested from it RUNS times, one
 after the other. A job killed by a signal is counted as a crash and started again; with --fresh
 every trace gets a new job. For each case the table gives: runs, crashes (the job died of a
-signal), traces complete, refused with a clear error (non-zero exit, no traceback), and failed
-(anything else: a failed or partial artifact, a traceback, no answer); for duration mode also the
+signal), traces complete, refused with a clear error (non-zero exit, no traceback; or, for a job
+with its own profiler, a trace given up or cut short with a reason naming that profiler), and
+failed (anything else: a failed or partial artifact, a traceback, no answer); for duration mode also the
 training thread's pause to stop the profiler (`training_thread_pause_ms` of the manifest) and
 the requested vs profiled seconds (`profiled_s`). Exits 1 if any job crashed.
 
@@ -208,6 +209,26 @@ def _short(text: str) -> str:
     return text[:160]
 
 
+def _stopped_by(result: dict[str, Any]) -> str:
+    if not result.get("artifact"):
+        return ""
+    try:
+        manifest = json.loads((Path(result["artifact"]) / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return ""
+    return f"stopped by {(manifest.get('summary') or {}).get('stopped_by')}"
+
+
+def _yielded(result: dict[str, Any]) -> bool:
+    """dynprof stood back for the job's own profiler and said so (not a failure of its own)."""
+    if result.get("status") == "complete":
+        return False
+    if _stopped_by(result) == "stopped by job-profiler":
+        return True
+    text = str(result.get("error") or "").lower()
+    return "profiler" in text and ("by the job" in text or "job started its own" in text or "job's own" in text)
+
+
 def trace_once(case: Case, job: Job, env: dict[str, str], duration: float, tally: Tally) -> None:
     sel = ",".join(map(str, job.pids))
     bound = ["--steps", "3"] if case.mode == "steps" else ["--duration", f"{duration:g}"]
@@ -237,24 +258,26 @@ def trace_once(case: Case, job: Job, env: dict[str, str], duration: float, tally
         tally.failed += 1
         tally.reasons["dynprof start gave no answer within 150 s"] += 1
         return
-    if proc.returncode != 0:
-        try:
-            results = json.loads(proc.stdout)["results"]
-        except (ValueError, KeyError):
-            results = None
-        if results is None and "Traceback" not in proc.stderr:
+    try:
+        results = json.loads(proc.stdout)["results"]
+    except (ValueError, KeyError, TypeError):
+        results = None
+    if results is None:
+        if proc.returncode != 0 and "Traceback" not in proc.stderr:
             tally.refused += 1
             tally.reasons["refused: " + _short(proc.stderr)] += 1
-            return
-        tally.failed += 1
-        why = proc.stderr if results is None else "; ".join(str(r.get("error") or r.get("status")) for r in results)
-        tally.reasons["failed: " + _short(why)] += 1
+        else:
+            tally.failed += 1
+            tally.reasons["failed: " + _short(proc.stderr or proc.stdout)] += 1
         return
-    results = json.loads(proc.stdout)["results"]
-    statuses = {r["status"] for r in results}
-    if statuses != {"complete"}:
-        tally.failed += 1
-        tally.reasons["failed: " + _short("; ".join(f"{r['status']} {r.get('error') or ''}" for r in results))] += 1
+    if {r["status"] for r in results} != {"complete"}:
+        why = "; ".join(f"{r['status']} {r.get('error') or _stopped_by(r)}" for r in results)
+        if all(_yielded(r) for r in results):
+            tally.refused += 1
+            tally.reasons["stood back for the job's profiler: " + _short(why)] += 1
+        else:
+            tally.failed += 1
+            tally.reasons["failed: " + _short(why)] += 1
         return
     tally.complete += 1
     for r in results:
