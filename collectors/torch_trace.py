@@ -11,9 +11,12 @@ Readers: :func:`read_trace` and :func:`summarize` (used by ``dynprof show`` and 
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
+import os
 import time
+import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +24,12 @@ from typing import Any
 
 TRACE_FILE = "trace.json.gz"
 KIND = "trace"
+
+# Kineto prints "USDT: ... profiler_start/stop" lines and, with a CUDA build on a machine
+# without a GPU, device-probe errors into the process's stderr. Severity 6 is above all of
+# them. Set only when the job has not chosen a level itself, before Kineto first initialises.
+KINETO_QUIET_LEVEL = "6"
+MAX_WARNINGS_KEPT = 20
 
 
 @dataclass
@@ -63,10 +72,25 @@ class TraceSession:
         self.prof: Any = None
         self.started_at = 0.0
         self.stopped_at = 0.0
+        self.stop_requested_at = 0.0  # when the stop was due (it may wait for a safe point)
         self.first_step: int | None = None
         self.steps_recorded = 0
         self.stop_pause_s = 0.0
         self.thread_id: int | None = None
+        self.warnings: list[str] = []  # what torch warned about while dynprof drove the profiler
+
+    @contextlib.contextmanager
+    def _quiet(self) -> Any:
+        """Keep torch's warnings about dynprof's own profiler out of the job's output.
+
+        Only used on the training thread around start/stop, which take milliseconds; the
+        warnings are kept for the manifest instead.
+        """
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield
+        for w in caught[: max(0, MAX_WARNINGS_KEPT - len(self.warnings))]:
+            self.warnings.append(f"{w.category.__name__}: {w.message}")
 
     def start(self, first_step: int | None) -> None:
         """Start profiling on the calling thread. ``first_step`` names the first ProfilerStep."""
@@ -89,7 +113,9 @@ class TraceSession:
         if first_step is not None:
             prof.step_num = first_step
         self.first_step = first_step
-        prof.start()
+        os.environ.setdefault("KINETO_LOG_LEVEL", KINETO_QUIET_LEVEL)
+        with self._quiet():
+            prof.start()
         self.prof = prof
         self.thread_id = threading.get_ident()
         self.started_at = time.time()
@@ -106,10 +132,13 @@ class TraceSession:
         self.steps_recorded += 1
 
     def stop(self) -> None:
-        t0 = time.perf_counter()
-        self.prof.stop()
-        self.stop_pause_s = time.perf_counter() - t0
+        """Stop recording. ``stopped_at`` is when recording ended; the time torch then spends
+        collecting the events on this thread is ``stop_pause_s``."""
         self.stopped_at = time.time()
+        t0 = time.perf_counter()
+        with self._quiet():
+            self.prof.stop()
+        self.stop_pause_s = time.perf_counter() - t0
 
     def export(self, path: Path) -> dict[str, Any]:
         """Write the gzipped Chrome trace to ``path``; return manifest summary fields."""
@@ -123,9 +152,13 @@ class TraceSession:
             "profiled_until": self.stopped_at,
             "profiled_s": round(self.stopped_at - self.started_at, 6),
             "training_thread_pause_ms": round(self.stop_pause_s * 1000, 3),
+            "stop_waited_s": round(max(0.0, self.stopped_at - self.stop_requested_at), 6)
+            if self.stop_requested_at
+            else 0.0,
             "export_s": round(export_s, 3),
             "activities": self.options.activities,
             "trace_bytes": path.stat().st_size,
+            "torch_warnings": list(self.warnings),
         }
 
 

@@ -17,6 +17,7 @@ _ids = itertools.count(1)
 # Structured error codes from the wire -> the exception a person sees. Never match on text.
 _ERROR_CLASSES: dict[int, type[errors.DynprofError]] = {
     pb.BUSY: errors.Busy,
+    pb.PROFILER_ACTIVE: errors.Busy,
     pb.NO_TORCH: errors.Unsupported,
     pb.NO_CUDA: errors.Unsupported,
     pb.UNSUPPORTED: errors.Unsupported,

@@ -18,6 +18,7 @@ import socket
 import sys
 import time
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -109,8 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         init_process_group(device, args.timeout)
         result = allreduce_busbw(device, args.size_mb * 1024**2, iters=args.iters)
-        hosts: list[str | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(hosts, socket.gethostname())
+        hosts = gather_hostnames(device)
     except Exception as exc:  # NCCL / rendezvous failures: report, do not hang
         print(
             json.dumps({"schema": ALLREDUCE_SCHEMA, "rank": os.environ.get("RANK"), "error": str(exc)}), file=sys.stderr
@@ -135,6 +135,22 @@ def main(argv: list[str] | None = None) -> int:
         )
     dist.destroy_process_group()
     return code
+
+
+HOSTNAME_BYTES = 256
+
+
+def gather_hostnames(device: Any) -> list[str]:
+    """Every rank's host name, gathered as fixed-size byte tensors.
+
+    ``all_gather_object`` would pickle through numpy, which a node need not have.
+    """
+    name = socket.gethostname().encode()[:HOSTNAME_BYTES]
+    mine = torch.zeros(HOSTNAME_BYTES, dtype=torch.uint8, device=device)
+    mine[: len(name)] = torch.tensor(list(name), dtype=torch.uint8)
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, mine)
+    return [bytes(t.cpu().tolist()).rstrip(b"\0").decode(errors="replace") for t in gathered]
 
 
 if __name__ == "__main__":

@@ -101,6 +101,7 @@ class Agent:
         sock.listen(64)
         self._sock = sock
         self.record = self._make_record(path)
+        self.steps.on_install = self._on_torch_imported
         self.steps.install()
         self._thread = threading.Thread(target=self._run_server, name="dynprof-agent", daemon=True)
         self._thread.start()
@@ -213,6 +214,14 @@ class Agent:
             self._identity = ident
             self._update_record()
         return ident
+
+    def _on_torch_imported(self) -> None:
+        """torch.optim was just imported (so torch is): record torch's version, and watch for
+        the job's own profilers (see ``_safety.ProfilerWatch``)."""
+        from dynprof.agent._safety import WATCH
+
+        WATCH.install()
+        self._update_record()
 
     def _update_record(self) -> None:
         record = self.record

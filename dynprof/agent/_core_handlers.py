@@ -18,6 +18,7 @@ def install(agent: Agent) -> None:
     def status(_: Any) -> tuple[str, Any]:
         ident = agent.identity
         steps = agent.steps
+        steps.fold_compiled()
         trace = getattr(agent, "trace", None)
         return "status", pb.Status(
             pid=agent.pid,

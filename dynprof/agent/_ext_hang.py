@@ -1,16 +1,20 @@
 """Agent extension: the hang watchdog (opt-in with ``DYNPROF_HANG_TIMEOUT=SEC``).
 
-When no optimizer step completes for the timeout, this process's stacks (every thread) are
-dumped by faulthandler's C watchdog thread, which needs no GIL: it works when the training
-thread is stuck in C code holding the GIL. The dump is then registered as a ``hang`` artifact;
-a second dump follows ``SECOND_DUMP_FACTOR`` timeouts later if the process is still stuck, so
-the two can be compared. Once steps flow again the watchdog re-arms for the next stall.
+When no optimizer step of any optimizer completes for the timeout, this process's stacks
+(every thread) are dumped and registered as a ``hang`` artifact; a second dump follows
+``SECOND_DUMP_FACTOR`` timeouts later if the process is still stuck, so the two can be
+compared. Once steps flow again the watchdog re-arms for the next stall.
 
-Cost per optimizer step: nothing. No step listener is installed; a low-frequency monitor thread
-(waking every timeout/4) re-arms faulthandler's timer only when the step counter has advanced,
-so the timer fires between 1 and 1.25 timeouts after the last step. Before the first step
-(compilation, data loading) the watchdog is quiet unless ``DYNPROF_HANG_FIRST_STEP_TIMEOUT`` is
-set.
+Who dumps: a low-frequency monitor thread (waking every timeout/4) dumps with faulthandler
+while *it holds the GIL*, so every other thread is parked (waiting for the GIL, or in C without
+it) and its frames cannot change under the reader. faulthandler's C timer, which needs no GIL,
+is only the backstop for a thread stuck in C *holding* the GIL: it is set ``grace`` seconds
+later than the monitor's deadline, so on a live process it never fires. The dump comes between
+1 and 1.25 timeouts after the last step; never before the timeout.
+
+Cost per optimizer step: nothing. No step listener is installed: the monitor reads the step
+tracker's last-progress time. Before the first step (compilation, data loading) the watchdog
+is quiet unless ``DYNPROF_HANG_FIRST_STEP_TIMEOUT`` is set.
 
 faulthandler has one such timer per process: a job that calls
 ``faulthandler.dump_traceback_later`` itself should not also use the watchdog.
@@ -64,8 +68,10 @@ class HangWatchdog:
         self._file_path: Path | None = None
         self._seq = 0
         self._armed_for = 0.0
-        self._seen_step = -1
+        self.grace_s = max(1.0, timeout_s / 2)  # the C backstop fires this much after the monitor's deadline
+        self._seen_progress = -1.0
         self._progress_at = time.time()
+        self._next_dump_at = 0.0
         self._dumps_this_stall = 0
 
     # -- life cycle -------------------------------------------------------------------------
@@ -109,7 +115,8 @@ class HangWatchdog:
                         path.unlink()
 
     def _arm(self, seconds: float) -> None:
-        faulthandler.dump_traceback_later(seconds, repeat=False, file=self._open_file(), exit=False)
+        """Arm faulthandler's C timer as the backstop for a GIL held in C."""
+        faulthandler.dump_traceback_later(seconds + self.grace_s, repeat=False, file=self._open_file(), exit=False)
         self._armed_for = seconds
 
     def _disarm(self) -> None:
@@ -117,9 +124,9 @@ class HangWatchdog:
             faulthandler.cancel_dump_traceback_later()
             self._armed_for = 0.0
 
-    def _fired(self) -> bool:
+    def _c_timer_fired(self) -> bool:
         path = self._file_path
-        if not self._armed_for or path is None:
+        if not self._armed_for or path is None or self._file is None:
             return False
         try:
             return path.stat().st_size > 0
@@ -138,37 +145,58 @@ class HangWatchdog:
 
     def _check(self) -> None:
         steps = self.agent.steps
-        step = steps.step
-        if step != self._seen_step:
-            first = self._seen_step < 0
-            self._seen_step = step
-            self._progress_at = time.time()
+        steps.fold_compiled()
+        progress = steps.last_progress_at
+        now = time.time()
+        if progress != self._seen_progress:
+            self._seen_progress = progress
+            self._progress_at = progress or now
             if self._dumps_this_stall:
-                log.info("steps flow again (step %d) after a stall; the watchdog re-arms", step)
+                log.info("steps flow again (step %d) after a stall; the watchdog re-arms", steps.step)
                 self._dumps_this_stall = 0
-            if step > 0:
-                self._arm(self.timeout_s)  # restarts the C timer: it fires timeout after now
+            self._next_dump_at = 0.0
+            if progress:
+                self._arm(self.timeout_s)  # restarts the C backstop from now
                 self.state = "armed"
-            elif first and self.first_step_timeout_s:
+            elif self.first_step_timeout_s:
                 self._arm(self.first_step_timeout_s)
                 self.state = "armed (first step)"
             return
-        if not self._fired():
+        if self._c_timer_fired():
+            # The monitor could not run in time: a thread held the GIL in C. Use the C dump.
+            time.sleep(0.05)  # let faulthandler finish writing
+            self._armed_for = 0.0
+            self._dumped(now, from_c_timer=True)
             return
-        time.sleep(0.05)  # let faulthandler finish writing
-        self._armed_for = 0.0
+        limit = self.timeout_s if progress else self.first_step_timeout_s
+        if not limit:
+            return
+        due = self._next_dump_at or (self._progress_at + limit)
+        if now < due or self._dumps_this_stall >= 2:
+            return
+        # This thread holds the GIL here: the other threads' frames are stable while it reads.
+        self._disarm()
+        fh = self._open_file()
+        faulthandler.dump_traceback(file=fh, all_threads=True)
+        fh.flush()
+        self._dumped(now, from_c_timer=False)
+
+    def _dumped(self, now: float, from_c_timer: bool) -> None:
         self._dumps_this_stall += 1
         path = self._file_path
         self._close_file()
         if path is not None:
-            self._register(path, step)
+            self._register(path, self.agent.steps.step, from_c_timer)
         if self._dumps_this_stall == 1 and len(self.artifacts) < MAX_ARTIFACTS:
-            self._arm(self.timeout_s * SECOND_DUMP_FACTOR)
+            second = self.timeout_s * SECOND_DUMP_FACTOR
+            self._next_dump_at = now + second
+            self._arm(second)
             self.state = "stalled; second dump armed"
         else:
+            self._disarm()
             self.state = "stalled; dumped"
 
-    def _register(self, dump: Path, step: int) -> None:
+    def _register(self, dump: Path, step: int, from_c_timer: bool = False) -> None:
         from collectors.stacks import HANG_KIND, ProcessStacks, parse_faulthandler, render_process
         from dynprof.store import ArtifactStore
 
@@ -177,7 +205,7 @@ class HangWatchdog:
             return
         text = dump.read_text(errors="replace")
         names = {t.ident: (t.name, getattr(t, "native_id", None)) for t in threading.enumerate() if t.ident}
-        stalled = time.time() - (self.agent.steps.last_step_at or self._progress_at)
+        stalled = time.time() - (self.agent.steps.last_progress_at or self._progress_at)
         ident = self.agent.identity
         stacks = ProcessStacks(
             pid=os.getpid(),
@@ -187,7 +215,10 @@ class HangWatchdog:
             host=ident.host,
             threads=parse_faulthandler(text, os.getpid(), names, threading.main_thread().ident),
             captured_at=time.time(),
-            notes=[f"hang watchdog: no optimizer step for {stalled:.1f} s after step {step}"],
+            notes=[
+                f"hang watchdog: no optimizer step for {stalled:.1f} s after step {step}"
+                + (" (dumped by faulthandler's C timer: a thread held the GIL)" if from_c_timer else "")
+            ],
         )
         main = stacks.main_thread()
         main_frames = main.frames if main is not None else []

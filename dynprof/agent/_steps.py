@@ -29,20 +29,37 @@ BoundaryListener = Callable[[int], None]
 
 
 class StepTracker:
-    """Counts completed optimizer steps and calls listeners at each step boundary."""
+    """Counts training steps and calls listeners at each step boundary.
+
+    A *step* is one training iteration, whatever number of optimizers it steps: the counter
+    advances at the first optimizer step of each iteration, and a new iteration is recognised
+    when an optimizer that already stepped in the current one steps again. So one optimizer
+    counts each of its steps; several optimizers per iteration (a GAN's two, the per-parameter
+    optimizers of "optimizer step in backward") count once per iteration; and an optimizer
+    created mid-run (a second training stage, a k-fold loop, a second HF ``Trainer``) goes on
+    counting from where the previous one left off (its very first step joins the iteration
+    in progress). Optimizer steps that run inside a ``torch.compile``d region are counted as
+    one step each (Dynamo traces only the counter increment; no listener runs there).
+    """
 
     def __init__(self) -> None:
         self.step = 0
         self.last_step_at = 0.0  # time.time() of the latest boundary
+        self.last_progress_at = 0.0  # time.time() of the latest optimizer step of any kind
         self.step_time_s = 0.0  # exponential mean of step durations
+        self.optimizer_steps = 0  # every optimizer step seen, eager ones
+        self.compiled_steps = 0  # optimizer steps seen inside a compiled region (Dynamo replays +1)
+        self._folded_compiled = 0
         self.hook_installed = False
         self.hook_thread_id: int | None = None
-        self._per_optimizer: dict[int, int] = {}
+        self.on_install: Callable[[], None] | None = None
+        self._iteration: set[int] = set()  # ids of the optimizers that stepped in this iteration
         self._last_mono = 0.0
         self._listeners: tuple[BoundaryListener, ...] = ()
         self._lock = threading.Lock()
         self._handle: Any = None
         self._finder: _PostImportFinder | None = None
+        self._is_compiling: Callable[[], bool] = self._resolve_is_compiling
 
     # -- listeners (armed only while a capture needs step boundaries) ----------------------
     def add_listener(self, listener: BoundaryListener) -> None:
@@ -54,33 +71,70 @@ class StepTracker:
         with self._lock:
             self._listeners = tuple(x for x in self._listeners if x is not listener)
 
+    def fold_compiled(self) -> bool:
+        """Count optimizer steps made inside compiled regions. True if the step advanced."""
+        compiled = self.compiled_steps
+        if compiled == self._folded_compiled:
+            return False
+        self.step += compiled - self._folded_compiled
+        self._folded_compiled = compiled
+        self.last_step_at = self.last_progress_at = time.time()
+        return True
+
     # -- the hook ----------------------------------------------------------------------------
+    def _resolve_is_compiling(self) -> bool:
+        """First hook call (torch is fully imported by then): find torch.compiler.is_compiling,
+        which Dynamo reads as True while it traces."""
+        compiler = getattr(sys.modules.get("torch"), "compiler", None)
+        is_compiling = getattr(compiler, "is_compiling", None)
+        self._is_compiling = is_compiling if callable(is_compiling) else _never
+        return bool(self._is_compiling())
+
     def _hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self._is_compiling():
+            # Inside a region Dynamo traces: only a plain attribute update, which Dynamo
+            # replays after the compiled graph; no clock, no listener, no graph break.
+            self.compiled_steps += 1
+            return
+        self._eager_step(optimizer)
+
+    def _eager_step(self, optimizer: Any) -> None:
         try:
+            self.optimizer_steps += 1
+            now = time.time()
+            self.last_progress_at = now
+            if self.compiled_steps != self._folded_compiled:
+                self.fold_compiled()
             key = id(optimizer)
-            count = self._per_optimizer.get(key, 0) + 1
-            self._per_optimizer[key] = count
-            # Several optimizers stepping once per iteration count as one step.
-            if count <= self.step:
+            iteration = self._iteration
+            if key in iteration:
+                iteration.clear()
+            if iteration:
+                iteration.add(key)  # another optimizer of the iteration in progress
                 return
-            self.step = count
+            iteration.add(key)
+            self.step += 1
+            count = self.step
             mono = time.monotonic()
             if self._last_mono:
                 dt = mono - self._last_mono
                 self.step_time_s = dt if not self.step_time_s else 0.9 * self.step_time_s + 0.1 * dt
             self._last_mono = mono
-            self.last_step_at = time.time()
-            listeners = self._listeners
-            if listeners:
+            self.last_step_at = now
+            if self._listeners:
                 self.hook_thread_id = threading.get_ident()
-                for listener in listeners:
-                    try:
-                        listener(count)
-                    except Exception:
-                        log.exception("step listener failed; it is removed")
-                        self.remove_listener(listener)
+                if not _after_optimizer_range(lambda: self._notify(count)):
+                    self._notify(count)
         except Exception:  # the training step must never see our failure
             log.exception("step hook failed")
+
+    def _notify(self, count: int) -> None:
+        for listener in self._listeners:
+            try:
+                listener(count)
+            except Exception:
+                log.exception("step listener failed; it is removed")
+                self.remove_listener(listener)
 
     # -- installation ------------------------------------------------------------------------
     def install(self) -> None:
@@ -103,9 +157,15 @@ class StepTracker:
                 getattr(sys.modules.get("torch"), "__version__", "?"),
             )
             return
-        self._handle = register(self._hook)
+        self._handle = register(_dynamo_skipped(self._hook))
         self.hook_installed = True
         log.info("optimizer step hook installed")
+        callback = self.on_install
+        if callback is not None:
+            try:
+                callback()
+            except Exception:
+                log.exception("step hook install callback failed")
 
     def uninstall(self) -> None:
         if self._finder is not None:
@@ -121,6 +181,70 @@ class StepTracker:
                 log.exception("removing the step hook failed")
             self._handle = None
         self.hook_installed = False
+
+
+def _never() -> bool:
+    return False
+
+
+def _dynamo_skipped(method: Callable[[Any, Any, Any], None]) -> Callable[[Any, Any, Any], None]:
+    """The hook as a plain function that Dynamo calls instead of tracing.
+
+    ``_torchdynamo_disable`` is the mark ``torch._dynamo.skip`` sets: Dynamo then runs the
+    function eagerly at that point of a compiled optimizer step (where torch.optim already
+    breaks the graph) rather than tracing into it, and it costs nothing in eager mode: no
+    wrapper, no import of torch._dynamo.
+    """
+
+    def dynprof_step_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
+        method(optimizer, args, kwargs)
+
+    dynprof_step_hook._torchdynamo_disable = True  # type: ignore[attr-defined]
+    dynprof_step_hook._torchdynamo_disable_msg = "dynprof's step counter runs eagerly"  # type: ignore[attr-defined]
+    return dynprof_step_hook
+
+
+_OPTIMIZER_FILE = "torch/optim/optimizer.py"
+
+
+def _after_optimizer_range(callback: Callable[[], None]) -> bool:
+    """Run ``callback`` right after the optimizer's ``step()`` wrapper returns.
+
+    The global post hooks run inside the optimizer's own profiler range
+    (``Optimizer.step#...``); a ProfilerStep boundary taken there would cut that range in two.
+    Only while a capture listens (never on the idle path): find the outermost frame of the
+    optimizer's step wrapper and run the callback from a one-shot profile function when that
+    frame returns, after its range has closed. Returns False (the caller runs the callback now)
+    when that is not possible: the thread already has a profile function (cProfile, a
+    debugger), or the hook was not called from the optimizer's wrapper.
+    """
+    if sys.getprofile() is not None:
+        return False
+    frame: Any = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename == __file__:
+        frame = frame.f_back  # dynprof's own hook frames
+    target = None
+    depth = 0
+    while frame is not None and depth < 8:
+        if not frame.f_code.co_filename.replace("\\", "/").endswith(_OPTIMIZER_FILE):
+            break
+        target = frame
+        frame = frame.f_back
+        depth += 1
+    if target is None:
+        return False
+
+    def _on_event(frame: Any, event: str, arg: Any) -> None:
+        if event != "return" or frame is not target:
+            return
+        sys.setprofile(None)
+        try:
+            callback()
+        except Exception:
+            log.exception("step boundary callback failed")
+
+    sys.setprofile(_on_event)
+    return True
 
 
 class _PostImportFinder(importlib.abc.MetaPathFinder):

@@ -6,11 +6,18 @@ step boundaries (step mode), or through the main thread's pending-call queue whe
 no steps to align to (duration mode, or a process that never steps an optimizer). Export runs
 on a background thread. A trace always ends by itself: after its steps or duration, or at the
 hard cap, whether or not the CLI that asked for it is still there.
+
+The profiler is started and stopped only at a safe point (see ``_safety``): never inside
+autograd's backward, a torch.compile region, or while the job's own profiler records. A step
+boundary or pending call that lands somewhere unsafe is retried a few milliseconds later; a
+job that starts its own profiler during a dynprof trace ends that trace first (``partial``,
+stopped by ``job-profiler``).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
@@ -18,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from collectors.torch_trace import KIND, TRACE_FILE, TraceOptions, TraceSession
 from dynprof.agent._mainthread import call_soon_in_main_thread
+from dynprof.agent._safety import WATCH, other_profiler_active, unsafe_reason
 from dynprof.agent._server import CommandError
 from dynprof.proto import pb
 from dynprof.store import ArtifactStore
@@ -27,7 +35,27 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("dynprof.agent")
 
-DEFAULT_MAX_DURATION_S = float(os.environ.get("DYNPROF_TRACE_MAX_S", "600"))
+MAX_DURATION_LIMIT_S = 7 * 24 * 3600.0  # no duration or cap beyond a week is accepted
+MAX_STEPS = 1_000_000
+MAX_AT_STEP = 2**62
+# A start or stop that lands somewhere unsafe is retried this often (main thread only).
+SAFE_POINT_RETRY_S = 0.005
+COMPILED_STEP_POLL_S = 0.005
+
+
+def _default_max_duration() -> float:
+    text = os.environ.get("DYNPROF_TRACE_MAX_S", "").strip()
+    try:
+        value = float(text) if text else 600.0
+    except ValueError:
+        value = 600.0
+    if not (math.isfinite(value) and 0 < value <= MAX_DURATION_LIMIT_S):
+        log.warning("DYNPROF_TRACE_MAX_S=%r is not a duration in (0, %g] s; using 600", text, MAX_DURATION_LIMIT_S)
+        value = 600.0
+    return value
+
+
+DEFAULT_MAX_DURATION_S = _default_max_duration()
 
 
 class TraceController:
@@ -48,6 +76,8 @@ class TraceController:
         self.last_group = ""
         self._timers: list[threading.Timer] = []
         self._export_thread: threading.Thread | None = None
+        self._stop_deferred = False
+        WATCH.on_foreign_prepare = self._on_foreign_profiler
 
     # -- protocol handlers (server thread) -------------------------------------------------
     def handle_start(self, msg: Any) -> tuple[str, Any]:
@@ -55,8 +85,13 @@ class TraceController:
 
         if msg.steps and msg.duration_s:
             raise CommandError(pb.INVALID_ARGUMENT, "give --steps or --duration, not both")
-        if msg.duration_s < 0 or msg.max_duration_s < 0:
-            raise CommandError(pb.INVALID_ARGUMENT, "durations must be positive")
+        for name, value in (("duration", msg.duration_s), ("max duration", msg.max_duration_s)):
+            if not (math.isfinite(value) and 0 <= value <= MAX_DURATION_LIMIT_S):
+                raise CommandError(
+                    pb.INVALID_ARGUMENT, f"{name} {value!r} s is out of range (0 .. {MAX_DURATION_LIMIT_S:g} s)"
+                )
+        if msg.steps > MAX_STEPS or msg.at_step > MAX_AT_STEP:
+            raise CommandError(pb.INVALID_ARGUMENT, f"steps must be at most {MAX_STEPS} and at_step at most 2**62")
         if "torch" not in sys.modules:
             raise CommandError(
                 pb.NO_TORCH,
@@ -68,6 +103,7 @@ class TraceController:
             import torch.profiler  # noqa: F401
         except Exception as exc:
             raise CommandError(pb.UNSUPPORTED, f"torch.profiler is unavailable: {exc}") from None
+        WATCH.install()  # normally in place since torch was imported; a no-op then
         with self._lock:
             if self.state != "idle":
                 raise CommandError(
@@ -75,6 +111,9 @@ class TraceController:
                     f"a trace is already {self.state} (group {self.last_group or '-'})",
                     f"Wait for it to finish, or end it with `dynprof stop --pid {os.getpid()}`.",
                 )
+            if other_profiler_active():
+                raise _profiler_active_error()
+            self.steps.fold_compiled()
             now_step = self.steps.step
             step_aligned = msg.steps > 0 or (msg.duration_s == 0 and self._steps_flowing())
             if msg.steps > 0 and not self.steps.hook_installed:
@@ -91,6 +130,8 @@ class TraceController:
             self.stop_requested = None
             self.last_group = msg.group_id
             self.last_error = ""
+            self.last_artifact = ""  # the state reports this request's artifact, never an older one
+            self.last_status = ""
             self.armed_at = time.time()
             self.state = "armed"
             max_s = msg.max_duration_s or DEFAULT_MAX_DURATION_S
@@ -99,7 +140,8 @@ class TraceController:
             self._timer(max_s, self._on_cap)
             if step_aligned:
                 self.steps.add_listener(self._on_boundary)
-            elif not call_soon_in_main_thread(self._start_in_main_thread):
+                self._start_compiled_step_poller()
+            elif not call_soon_in_main_thread(self._start_at_safe_point):
                 self._reset_to_idle("the main thread's pending-call queue is full")
                 raise CommandError(pb.INTERNAL, "could not reach the main thread; try again")
             log.info(
@@ -158,6 +200,7 @@ class TraceController:
 
     def _reset_to_idle(self, error: str = "") -> None:
         self._cancel_timers()
+        self._stop_deferred = False
         self.steps.remove_listener(self._on_boundary)
         self.state = "idle"
         self.session = None
@@ -188,52 +231,120 @@ class TraceController:
         )
 
     # -- training-thread side ---------------------------------------------------------------
-    def _begin(self, first_step: int | None) -> None:
-        """Start the profiler on the calling thread. Caller holds the lock."""
+    def _begin(self, first_step: int | None) -> bool:
+        """Start the profiler on the calling thread, at a safe point. Caller holds the lock.
+
+        Returns False (and changes nothing) when this moment is not safe; the caller retries.
+        """
+        reason = unsafe_reason()
+        if reason is not None:
+            if reason == "another torch.profiler is active":
+                self._reset_to_idle(_profiler_active_error().message)
+                return True
+            log.info("trace start deferred: %s", reason)
+            return False
         session = TraceSession(self._options(), self._distributed_info())
         try:
-            session.start(first_step)
+            with WATCH.ours():
+                session.start(first_step)
         except Exception as exc:
             log.exception("starting the profiler failed")
             self._reset_to_idle(f"starting torch.profiler failed: {type(exc).__name__}: {exc}")
-            return
+            return True
         self.session = session
         self.state = "tracing"
         req = self.req
         if req.duration_s:
             self._timer(req.duration_s, lambda: self._request_stop_locked("duration"))
         log.info("trace started at step %d", self.steps.step)
+        return True
 
     def _on_boundary(self, step: int) -> None:
         with self._lock:
             if self.state == "armed":
-                if step >= self.start_step:
-                    self._begin(first_step=step + 1)
+                if step >= self.start_step and not self._begin(first_step=step + 1):
+                    self._retry_on_main_thread(self._start_at_safe_point)
                 return
             if self.state != "tracing" or self.session is None:
                 return
             if threading.get_ident() != self.session.thread_id:
                 return
+            if self._stop_deferred:
+                return  # the stop is already waiting for a safe point
             self.steps_done += 1
             req = self.req
             if self.stop_requested or (req.steps and self.steps_done >= req.steps):
-                self._end(self.stop_requested or "steps")
+                why = self.stop_requested or "steps"
+                if not self._end_at_safe_point(why):
+                    self.stop_requested = why
+                    self._stop_deferred = True
+                    self._retry_on_main_thread(self._stop_at_safe_point)
             else:
                 self.session.step()
 
-    def _start_in_main_thread(self) -> None:
-        with self._lock:
-            if self.state == "armed" and self.start_step == 0:
-                first = self.steps.step + 1 if self.steps.hook_installed else None
-                self._begin(first_step=first)
-                if self.state == "tracing" and self.steps.hook_installed:
-                    self.steps.add_listener(self._on_boundary)
+    def _start_compiled_step_poller(self) -> None:
+        """Optimizer steps inside a torch.compile region call no listener (Dynamo replays only
+        the counter). While a trace is armed or running, a poller turns new compiled steps into
+        boundaries on the main thread, through the pending-call queue."""
 
-    def _stop_in_main_thread(self) -> None:
+        def poll() -> None:
+            while self.state in ("armed", "tracing"):
+                time.sleep(COMPILED_STEP_POLL_S)
+                if self.steps.fold_compiled():
+                    step = self.steps.step
+                    call_soon_in_main_thread(lambda step=step: self._on_boundary(step))  # type: ignore[misc]
+
+        threading.Thread(target=poll, name="dynprof-trace-steps", daemon=True).start()
+
+    def _retry_on_main_thread(self, fn: Any) -> None:
+        """Run ``fn`` on the main thread soon, through the pending-call queue.
+
+        When the training thread is not the main thread, the next step boundary retries.
+        """
+        session_thread = self.session.thread_id if self.session is not None else self.steps.hook_thread_id
+        if session_thread is not None and session_thread != threading.main_thread().ident:
+            return
+
+        def queue() -> None:
+            if not call_soon_in_main_thread(fn):
+                log.warning("trace: the main thread's pending-call queue is full; retrying")
+                self._timer(SAFE_POINT_RETRY_S * 10, queue)
+
+        self._timer(SAFE_POINT_RETRY_S, queue)
+
+    def _start_at_safe_point(self) -> None:
+        """On the main thread: start an armed trace whose start is due (duration mode, or a
+        step-mode start that landed somewhere unsafe)."""
         with self._lock:
-            if self.state == "tracing" and self.session is not None and self.stop_requested:
-                if self.session.thread_id == threading.get_ident():
-                    self._end(self.stop_requested)
+            if self.state != "armed":
+                return
+            due = self.start_step == 0 or self.steps.step >= self.start_step
+            if not due:
+                return
+            first = self.steps.step + 1 if self.steps.hook_installed else None
+            if not self._begin(first_step=first):
+                self._retry_on_main_thread(self._start_at_safe_point)
+                return
+            if self.state == "tracing" and self.steps.hook_installed:
+                self.steps.add_listener(self._on_boundary)
+
+    def _stop_at_safe_point(self) -> None:
+        with self._lock:
+            if self.state != "tracing" or self.session is None or not self.stop_requested:
+                return
+            if self.session.thread_id != threading.get_ident():
+                return
+            if not self._end_at_safe_point(self.stop_requested):
+                self._stop_deferred = True
+                self._retry_on_main_thread(self._stop_at_safe_point)
+
+    def _end_at_safe_point(self, why: str) -> bool:
+        reason = unsafe_reason(check_other_profiler=False)
+        if reason is not None:
+            log.info("trace stop waits for a safe point: %s", reason)
+            return False
+        self._end(why)
+        return True
 
     def _request_stop_locked(self, why: str) -> None:
         with self._lock:
@@ -244,9 +355,28 @@ class TraceController:
             return
         if self.stop_requested is None:
             self.stop_requested = why
+            if self.session.stop_requested_at == 0.0:
+                self.session.stop_requested_at = time.time()
         if self.session.thread_id == threading.main_thread().ident:
-            call_soon_in_main_thread(self._stop_in_main_thread)
+            call_soon_in_main_thread(self._stop_at_safe_point)
         # Otherwise the next step boundary on the tracing thread ends it.
+
+    def _on_foreign_profiler(self) -> None:
+        """The job is starting its own profiler: end dynprof's trace first (the job wins)."""
+        with self._lock:
+            if self.state != "tracing" or self.session is None:
+                return
+            if self.session.thread_id == threading.get_ident():
+                log.warning("the job started its own torch.profiler: dynprof's trace ends here (partial)")
+                self.stop_requested = "job-profiler"
+                self._end("job-profiler")
+                return
+            # Another thread: Kineto is about to be taken over, and dynprof's profiler can only
+            # be stopped from its own thread. Give the trace up without touching the profiler.
+            log.warning("the job started its own torch.profiler on another thread: dynprof's trace is abandoned")
+            self._reset_to_idle(
+                "the job started its own torch.profiler while dynprof was tracing; dynprof gave its trace up"
+            )
 
     def _on_cap(self) -> None:
         with self._lock:
@@ -264,6 +394,9 @@ class TraceController:
         assert session is not None
         self.steps.remove_listener(self._on_boundary)
         self._cancel_timers()
+        self._stop_deferred = False
+        if session.stop_requested_at == 0.0:
+            session.stop_requested_at = time.time()
         try:
             session.stop()
         except Exception as exc:
@@ -272,7 +405,7 @@ class TraceController:
             return
         self.state = "exporting"
         req = self.req
-        partial = bool(req.steps) and self.steps_done < req.steps
+        partial = (bool(req.steps) and self.steps_done < req.steps) or why == "job-profiler"
         self._export_thread = threading.Thread(
             target=self._export,
             args=(session, req, self.steps_done, why, partial),
@@ -349,3 +482,13 @@ class TraceController:
         thread = self._export_thread
         if thread is not None and thread.is_alive():
             thread.join(timeout=60)
+
+
+def _profiler_active_error() -> CommandError:
+    return CommandError(
+        pb.PROFILER_ACTIVE,
+        "a torch.profiler started by the job is already active in this process",
+        "Kineto allows one profiler per process, and dynprof never takes the job's over. Trace when the "
+        "job's own profiler is idle, or use the traces it writes. A profiler the job starts during a dynprof "
+        "trace ends that trace first (status partial).",
+    )

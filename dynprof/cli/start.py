@@ -260,11 +260,13 @@ class StartCommand:
                 parts = []
                 for (record, _), st in zip(pending, states):
                     if isinstance(st, Exception):
-                        results[record.pid] = {
+                        # The process is gone (it exited, or was killed): a trace it flushed on
+                        # the way out is in the store under this request's group.
+                        results[record.pid] = _result_from_store(record, group_id, at_step) or {
                             **_target(record, at_step),
                             "status": "failed",
                             "artifact": None,
-                            "error": f"lost contact with the process: {st}",
+                            "error": f"lost contact with the process before it wrote a trace: {st}",
                         }
                         continue
                     t = st.trace
@@ -313,6 +315,31 @@ class StartCommand:
                 else:
                     print(f"{who}: failed: {res['error']}")
         return 0 if all(r["status"] == "complete" for r in ordered) else 1
+
+
+def _result_from_store(record: AgentRecord, group_id: str, at_step: int) -> dict[str, Any] | None:
+    """The trace artifact this request's group left for ``record``'s process, if any."""
+    try:
+        from dynprof.store import ArtifactStore
+
+        found = [
+            a
+            for a in ArtifactStore().list(kind="trace")
+            if a.manifest.get("pid") == record.pid and (a.manifest.get("options") or {}).get("group_id") == group_id
+        ]
+    except Exception:
+        return None
+    if not found:
+        return None
+    art = found[0]  # newest first
+    summary = art.manifest.get("summary") or {}
+    return {
+        **_target(record, int(summary.get("start_step") or at_step)),
+        "status": art.status,
+        "artifact": str(art.path),
+        "error": art.manifest.get("error")
+        or (f"the process exited; stopped by {summary.get('stopped_by')}" if art.status != "complete" else None),
+    }
 
 
 def _target(record: AgentRecord, start_step: int) -> dict[str, Any]:

@@ -73,7 +73,10 @@ def test_registration_record_describes_the_process(spawn, dynprof_dirs):
     assert record["job_id"] == "recjob" and record["rank"] == 3 and record["world_size"] == 4
     assert record["local_rank"] == 1 and record["pid"] == pid
     assert PROGRAM in " ".join(record["cmdline"])
-    assert record["torch_version"] is None  # the agent starts before the job imports torch
+    # the agent starts before the job imports torch, and records torch's version once it does
+    import torch
+
+    assert record["torch_version"] == torch.__version__
     assert oct((dynprof_dirs["run"] / "agents").stat().st_mode & 0o777) == "0o700"
 
 

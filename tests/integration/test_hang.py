@@ -52,7 +52,9 @@ def test_watchdog_dumps_the_stuck_function(spawn, cli):
     stacks = json.loads((Path(art.path) / "stacks.json").read_text())
     (main,) = [t for t in stacks["threads"] if t["main"]]
     assert main["frames"][0]["function"] == "stuck_forever"
-    assert "Timeout" in (Path(art.path) / "hang.txt").read_text()
+    # the dump was taken by the monitor thread while it held the GIL (no C-timer dump of a live process)
+    text = (Path(art.path) / "hang.txt").read_text()
+    assert "most recent call first" in text and "Timeout" not in text
     listed = cli("ls", "--json")
     assert listed.returncode == 0 and str(art.path) in listed.stdout
     shown = cli("show", str(art.path))

@@ -17,8 +17,12 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun is not on PATH")
 @pytest.mark.parametrize(("minimum", "code"), [(None, 0), (1e9, 2)])
-def test_torchrun_allreduce_reports_busbw_and_gates_on_a_minimum(minimum, code):
-    # GIVEN two ranks started by torchrun (one node here; --nnodes N across nodes)
+def test_torchrun_allreduce_reports_busbw_and_gates_on_a_minimum(minimum, code, tmp_path):
+    # GIVEN two ranks started by torchrun (one node here; --nnodes N across nodes), on a node
+    # without numpy (a stub that refuses to import stands in front of any installed one)
+    stub = tmp_path / "no-numpy" / "numpy"
+    stub.mkdir(parents=True)
+    (stub / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'numpy'\", name='numpy')\n")
     args = [
         "torchrun",
         "--nnodes",
@@ -42,7 +46,12 @@ def test_torchrun_allreduce_reports_busbw_and_gates_on_a_minimum(minimum, code):
 
     # WHEN they run the all-reduce check
     proc = subprocess.run(
-        args, capture_output=True, text=True, timeout=180, cwd=str(ROOT), env=dict(os.environ, PYTHONPATH=str(ROOT))
+        args,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=str(ROOT),
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(stub.parent), str(ROOT)])),
     )
 
     # THEN rank 0 prints one JSON result with the bus bandwidth; the exit code gates on the minimum

@@ -1,0 +1,182 @@
+"""Where a profiler may start or stop without harming the job.
+
+torch.profiler keeps its state in the thread-local state of the thread that starts it.
+Autograd's backward runs under a guard that saves and restores that thread-local state, so a
+profiler started inside ``loss.backward()`` (from a hook, a checkpoint recomputation, an
+optimizer stepped from a post-accumulate-grad hook, or a pending call that fired there) is
+silently dropped when backward returns, and stopping it later crashes in libtorch. Kineto is
+also one per process: a second profiler started while the job runs its own silently ends the
+first one. So dynprof starts and stops its profiler only at a *safe point*: on the training
+thread, outside any autograd graph task, outside torch.compile's machinery, and only while no
+other profiler is active. :func:`unsafe_reason` says why a moment is not safe; the trace
+controller then retries a few milliseconds later (or at the next step boundary).
+
+:class:`ProfilerWatch` knows when the job's own profiler is prepared or recording, and tells
+the trace controller when one prepares during a dynprof trace, so dynprof can end its trace
+first (the job's profiler always wins).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import sys
+import threading
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+log = logging.getLogger("dynprof.agent")
+
+# Python files whose frames on the stack mean "inside torch.compile": tracing, compiling, or
+# running a compiled region through its wrappers.
+_COMPILE_PATHS = ("/torch/_dynamo/", "/torch/_inductor/", "/torch/_functorch/", "/torch/_higher_order_ops/")
+_MAX_FRAMES = 512
+
+
+def in_backward() -> bool:
+    """True when the calling thread is executing an autograd graph task (inside backward)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return False
+    try:
+        return int(torch._C._current_graph_task_id()) != -1
+    except Exception:
+        return False
+
+
+def in_compiled_region(skip: int = 1) -> bool:
+    """True when a torch.compile frame is on the calling thread's Python stack."""
+    try:
+        frame: Any = sys._getframe(skip)
+    except ValueError:
+        return False
+    depth = 0
+    while frame is not None and depth < _MAX_FRAMES:
+        name = frame.f_code.co_filename.replace("\\", "/")
+        if any(p in name for p in _COMPILE_PATHS):
+            return True
+        frame = frame.f_back
+        depth += 1
+    return False
+
+
+def other_profiler_active() -> bool:
+    """True when a torch.profiler (or autograd profiler) other than dynprof's is recording.
+
+    Checks the process-wide flag torch's profilers set on start, and the calling thread's
+    profiler state in libtorch.
+    """
+    if WATCH.foreign_active():
+        return True
+    autograd_profiler = sys.modules.get("torch.autograd.profiler")
+    if autograd_profiler is not None and getattr(autograd_profiler, "_is_profiler_enabled", False):
+        return True
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return False
+    try:
+        return bool(torch._C._autograd._profiler_enabled())
+    except Exception:
+        return False
+
+
+def unsafe_reason(check_other_profiler: bool = True) -> str | None:
+    """Why a profiler must not be started or stopped on this thread now, or None if it may."""
+    if in_backward():
+        return "inside autograd's backward"
+    if in_compiled_region(skip=2):
+        return "inside a torch.compile region"
+    if check_other_profiler and other_profiler_active():
+        return "another torch.profiler is active"
+    return None
+
+
+class ProfilerWatch:
+    """Knows when the job's own torch profiler is prepared or recording.
+
+    Every torch profiler (``torch.profiler.profile`` with or without a schedule, and the
+    autograd profiler's context manager) prepares Kineto through
+    ``torch.autograd.profiler.profile._prepare_trace`` and ends through its ``__exit__``.
+    A profiler in its schedule's warm-up is prepared but not yet recording, and invisible to
+    torch's "enabled" flags; starting dynprof's profiler then would cancel its warm-up and
+    later crash libtorch. So once torch is imported, dynprof wraps those two methods with
+    bookkeeping only (the original always runs, whatever the bookkeeping does): the set of
+    profiler objects that are prepared and not yet exited, other than dynprof's own, and a
+    callback when one prepares while dynprof traces (dynprof then ends its trace first).
+    """
+
+    def __init__(self) -> None:
+        self.on_foreign_prepare: Callable[[], None] | None = None
+        self._foreign: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._ours: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._starting_ours = False
+        self._lock = threading.Lock()
+        self.installed = False
+
+    def install(self) -> bool:
+        """Wrap the two methods (once). Returns whether the watch is in place."""
+        with self._lock:
+            if self.installed:
+                return True
+            autograd_profiler = sys.modules.get("torch.autograd.profiler")
+            cls: Any = getattr(autograd_profiler, "profile", None)
+            prepare = getattr(cls, "_prepare_trace", None) if cls is not None else None
+            leave = getattr(cls, "__exit__", None) if cls is not None else None
+            if cls is None or prepare is None or leave is None:
+                return False
+            watch = self
+
+            def _prepare_trace(prof: Any, *args: Any, **kwargs: Any) -> Any:
+                watch._prepared(prof)
+                return prepare(prof, *args, **kwargs)
+
+            def __exit__(prof: Any, *args: Any, **kwargs: Any) -> Any:
+                try:
+                    return leave(prof, *args, **kwargs)
+                finally:
+                    watch._exited(prof)
+
+            for wrapper, original in ((_prepare_trace, prepare), (__exit__, leave)):
+                functools.update_wrapper(wrapper, original)
+                setattr(wrapper, "_dynprof_watch", True)  # noqa: B010
+            cls._prepare_trace = _prepare_trace
+            cls.__exit__ = __exit__
+            self.installed = True
+            log.info("watching torch.profiler for the job's own profilers")
+            return True
+
+    @contextlib.contextmanager
+    def ours(self) -> Iterator[None]:
+        """Profilers prepared on this thread inside this block are dynprof's own."""
+        self._starting_ours = True
+        try:
+            yield
+        finally:
+            self._starting_ours = False
+
+    def foreign_active(self) -> bool:
+        return len(self._foreign) > 0
+
+    def _prepared(self, prof: Any) -> None:
+        try:
+            if self._starting_ours:
+                self._ours.add(prof)
+                return
+            self._foreign.add(prof)
+            callback = self.on_foreign_prepare
+            if callback is not None:
+                callback()
+        except Exception:
+            log.exception("noting the job's own profiler failed")
+
+    def _exited(self, prof: Any) -> None:
+        try:
+            self._foreign.discard(prof)
+            self._ours.discard(prof)
+        except Exception:
+            log.exception("noting the end of a profiler failed")
+
+
+WATCH = ProfilerWatch()
