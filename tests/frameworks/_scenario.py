@@ -326,4 +326,7 @@ def run_scenario(case: Case, workdir: Path) -> Scenario:
         sc.plain = plain
         return sc
     finally:
+        # The agents' logs outlive the run directory, for whoever reads a failure.
+        if (run_dir / "logs").is_dir():
+            shutil.copytree(run_dir / "logs", workdir / "agent-logs", dirs_exist_ok=True)
         shutil.rmtree(run_dir, ignore_errors=True)
