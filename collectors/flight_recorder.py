@@ -477,8 +477,7 @@ def render_analysis(analysis: dict[str, Any]) -> str:
 
 
 def render_artifact(artifact: Any) -> tuple[dict[str, Any], str]:
-    path = Path(artifact.path) / "analysis.json"
-    analysis = json.loads(path.read_text())
+    analysis = artifact.read_json("analysis.json")  # the artifact's own file, with limits
     summary = {
         "process_groups": [
             {k: pg[k] for k in ("process_group", "verdict", "hung", "missing", "waiting")}

@@ -15,7 +15,6 @@ came from, cgroup usage and OOM-kill counters, system memory, the largest CPU te
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import threading
@@ -419,7 +418,7 @@ def format_tensors(tensors: list[dict[str, Any]]) -> str:
 
 def render_artifact(artifact: Any) -> tuple[dict[str, Any], str]:
     """Summary of a host-memory artifact, for ``dynprof show``."""
-    summary: dict[str, Any] = json.loads(Path(artifact.file(SUMMARY_FILE)).read_text())
+    summary: dict[str, Any] = artifact.read_json(SUMMARY_FILE)  # the artifact's own file, with limits
     lines = [
         f"RSS {_b(summary['rss_bytes'])} (peak {_b(summary.get('peak_rss_bytes'))}) = "
         f"{summary['usage_fraction'] * 100:.1f} % of the limit {_b(summary['limit_bytes'])} "

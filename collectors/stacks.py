@@ -30,6 +30,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dynprof.errors import ArtifactError
+
 SCHEMA = "dynprof.stacks"
 SCHEMA_VERSION = 1
 KIND = "stacks"
@@ -697,17 +699,42 @@ def write_request_artifact(writer: Any, processes: Sequence[ProcessStacks], fail
     }
 
 
+MAX_PROCESSES = 100_000
+
+
+def _process_from(directory: Path, name: str) -> ProcessStacks:
+    from dynprof._safe_io import read_json_in
+
+    data = read_json_in(directory, name)
+    if not isinstance(data, dict):
+        raise ArtifactError(f"{name} in {directory} is not a JSON object")
+    try:
+        return ProcessStacks.from_dict(data)
+    except (TypeError, ValueError, AttributeError, OverflowError) as exc:
+        raise ArtifactError(f"{name} in {directory} is not a stacks dump: {type(exc).__name__}: {exc}") from None
+
+
 def load_processes(directory: Path) -> list[ProcessStacks]:
-    merged = directory / "merged.json"
-    if merged.exists():
-        info = json.loads(merged.read_text())
-        return [
-            ProcessStacks.from_dict(json.loads((directory / f"{e['file']}.json").read_text()))
-            for e in info.get("processes", [])
-        ]
-    single = directory / "stacks.json"
-    if single.exists():
-        return [ProcessStacks.from_dict(json.loads(single.read_text()))]
+    """The processes of a stacks artifact. Its files are untrusted: only plain names inside
+    ``directory`` are read (an entry naming ``../x`` or ``/etc/x`` is refused), never
+    through a link, with size and depth limits."""
+    from dynprof._safe_io import check_name, read_json_in
+
+    directory = Path(directory)
+    if os.path.lexists(directory / "merged.json"):
+        info = read_json_in(directory, "merged.json")
+        entries = info.get("processes", []) if isinstance(info, dict) else None
+        if not isinstance(entries, list) or len(entries) > MAX_PROCESSES:
+            raise ArtifactError(f"merged.json in {directory} has no valid list of processes")
+        processes = []
+        for e in entries:
+            stem = e.get("file") if isinstance(e, dict) else None
+            if not isinstance(stem, str):
+                raise ArtifactError(f"merged.json in {directory}: an entry without a file name")
+            processes.append(_process_from(directory, check_name(f"{stem}.json")))
+        return processes
+    if os.path.lexists(directory / "stacks.json"):
+        return [_process_from(directory, "stacks.json")]
     return []
 
 

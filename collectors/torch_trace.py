@@ -12,15 +12,16 @@ Readers: :func:`read_trace` and :func:`summarize` (used by ``dynprof show`` and 
 from __future__ import annotations
 
 import contextlib
-import gzip
 import json
+import math
 import os
 import time
 import warnings
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 TRACE_FILE = "trace.json.gz"
 KIND = "trace"
@@ -172,11 +173,111 @@ def _dist_initialized() -> bool:
 
 
 # -- readers ---------------------------------------------------------------------------------
+# Trace files are untrusted input: they are inflated as a stream with a cap on the uncompressed
+# size (DYNPROF_MAX_TRACE_BYTES) and parsed one event at a time (dynprof._safe_io), so a small
+# gzip bomb costs bounded memory and time.
+_MAX_NAMES = 100_000  # distinct operator/kernel names tallied; the rest count as "(other names)"
+_MAX_STEPS = 100_000
+
+
+def iter_trace(fh: IO[bytes], what: str = "trace") -> Iterator[tuple[str, Any, bool]]:
+    """``(key, value, False)`` for each top-level field of a Chrome trace, and
+    ``("traceEvents", event, True)`` for each event, from a gzipped or plain file object."""
+    from dynprof._safe_io import iter_decompressed, iter_json_document, max_trace_bytes
+
+    chunks = iter_decompressed(fh, max_trace_bytes(), what)
+    return iter_json_document(chunks, ("traceEvents",), what)
+
+
 def read_trace(path: Path) -> dict[str, Any]:
-    opener = gzip.open if str(path).endswith(".gz") else open
-    with opener(path, "rt") as fh:  # type: ignore[operator]
-        data: dict[str, Any] = json.load(fh)
+    """A whole trace as a dict (memory grows with the trace; the size and shape limits apply)."""
+    from dynprof._safe_io import open_in
+
+    path = Path(path)
+    data: dict[str, Any] = {}
+    events: list[Any] = []
+    with open_in(path.parent, path.name) as fh:
+        for key, value, streamed in iter_trace(fh, str(path)):
+            if streamed:
+                events.append(value)
+            else:
+                data[key] = value
+    if events or "traceEvents" not in data:
+        data["traceEvents"] = events
     return data
+
+
+def _number(value: Any) -> float:
+    if isinstance(value, bool):
+        return 0.0
+    if isinstance(value, (int, float)):
+        try:
+            number = float(value)
+        except OverflowError:
+            return 0.0
+        return number if math.isfinite(number) else 0.0
+    return 0.0
+
+
+class TraceSummary:
+    """Tallies a trace's events one at a time (so a trace never has to be held whole)."""
+
+    def __init__(self) -> None:
+        self.events = 0
+        self.steps: list[tuple[float, str, float]] = []
+        self.distributed_info: Any = None
+        self.cpu_ops: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+        self.kernels: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+
+    @staticmethod
+    def _tally(table: dict[str, list[float]], name: str, dur: float) -> None:
+        if name not in table and len(table) >= _MAX_NAMES:
+            name = "(other names)"
+        row = table[name]
+        row[0] += 1
+        row[1] += dur
+
+    def add(self, e: Any) -> None:
+        if not isinstance(e, dict) or e.get("ph") != "X":
+            return
+        self.events += 1
+        cat = str(e.get("cat", ""))
+        name = str(e.get("name", ""))
+        dur = _number(e.get("dur", 0))
+        if cat in ("cpu_op", "Operator"):
+            self._tally(self.cpu_ops, name, dur)
+        elif cat == "kernel":
+            self._tally(self.kernels, name, dur)
+        # With CUDA activities the profiler also projects each step onto the GPU timeline
+        # (category gpu_user_annotation); those copies are not steps of their own.
+        if name.startswith("ProfilerStep#") and cat != "gpu_user_annotation" and len(self.steps) < _MAX_STEPS:
+            self.steps.append((_number(e.get("ts", 0)), name, dur))
+
+    def result(self, top: int = 10) -> dict[str, Any]:
+        def top_of(table: dict[str, list[float]]) -> list[dict[str, Any]]:
+            rows = sorted(table.items(), key=lambda kv: kv[1][1], reverse=True)[:top]
+            return [{"name": k, "count": int(v[0]), "total_us": round(v[1], 1)} for k, v in rows]
+
+        steps = sorted(self.steps, key=lambda s: s[0])
+        return {
+            "events": self.events,
+            "steps": [{"name": name, "dur_ms": round(dur / 1000, 3)} for _, name, dur in steps],
+            "distributed_info": self.distributed_info,
+            "cpu_ops": top_of(self.cpu_ops),
+            "gpu_kernels": top_of(self.kernels),
+            "gpu_kernel_count": int(sum(v[0] for v in self.kernels.values())),
+        }
+
+
+def summarize_file(fh: IO[bytes], what: str = "trace", top: int = 10) -> dict[str, Any]:
+    """:func:`summarize` of a trace file, streamed: memory stays bounded whatever its size."""
+    acc = TraceSummary()
+    for key, value, streamed in iter_trace(fh, what):
+        if streamed:
+            acc.add(value)
+        elif key == "distributedInfo":
+            acc.distributed_info = value
+    return acc.result(top)
 
 
 def profiler_steps(trace: dict[str, Any]) -> list[dict[str, Any]]:
@@ -188,48 +289,29 @@ def profiler_steps(trace: dict[str, Any]) -> list[dict[str, Any]]:
     steps = [
         e
         for e in trace.get("traceEvents", [])
-        if e.get("ph") == "X"
+        if isinstance(e, dict)
+        and e.get("ph") == "X"
         and str(e.get("name", "")).startswith("ProfilerStep#")
         and e.get("cat") != "gpu_user_annotation"
     ]
-    steps.sort(key=lambda e: e.get("ts", 0))
+    steps.sort(key=lambda e: _number(e.get("ts", 0)))
     return steps
 
 
 def summarize(trace: dict[str, Any], top: int = 10) -> dict[str, Any]:
-    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
-    steps = profiler_steps(trace)
-    cpu_ops: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
-    kernels: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
-    for e in events:
-        cat = str(e.get("cat", ""))
-        name = str(e.get("name", ""))
-        dur = float(e.get("dur", 0) or 0)
-        if cat in ("cpu_op", "Operator"):
-            cpu_ops[name][0] += 1
-            cpu_ops[name][1] += dur
-        elif cat == "kernel":
-            kernels[name][0] += 1
-            kernels[name][1] += dur
-
-    def top_of(table: dict[str, list[float]]) -> list[dict[str, Any]]:
-        rows = sorted(table.items(), key=lambda kv: kv[1][1], reverse=True)[:top]
-        return [{"name": k, "count": int(v[0]), "total_us": round(v[1], 1)} for k, v in rows]
-
-    return {
-        "events": len(events),
-        "steps": [{"name": s["name"], "dur_ms": round(float(s.get("dur", 0)) / 1000, 3)} for s in steps],
-        "distributed_info": trace.get("distributedInfo"),
-        "cpu_ops": top_of(cpu_ops),
-        "gpu_kernels": top_of(kernels),
-        "gpu_kernel_count": int(sum(v[0] for v in kernels.values())),
-    }
+    acc = TraceSummary()
+    events = trace.get("traceEvents", [])
+    for e in events if isinstance(events, list) else []:
+        acc.add(e)
+    acc.distributed_info = trace.get("distributedInfo")
+    return acc.result(top)
 
 
 def render_artifact(artifact: Any) -> tuple[dict[str, Any], str]:
     """Summary of a trace artifact, for `dynprof show` and the demo."""
-    manifest_summary = artifact.manifest.get("summary", {})
-    summary = summarize(read_trace(artifact.file(TRACE_FILE)))
+    manifest_summary = artifact.manifest.get("summary") or {}
+    with artifact.open(TRACE_FILE) as fh:  # only the artifact's own file, never through a link
+        summary = summarize_file(fh, str(artifact.file(TRACE_FILE)))
     lines = []
     steps = summary["steps"]
     step_text = ", ".join(f"{s['name'].split('#')[1]} ({s['dur_ms']:.1f} ms)" for s in steps[:8])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import os
 import socket
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,6 +14,9 @@ from dynprof.proto import PROTOCOL_VERSION, FrameError, pb, recv_frame, send_fra
 from dynprof.registry import AgentRecord, read_record, socket_path
 
 _ids = itertools.count(1)
+# Pauses between attempts to reach an agent whose connection queue is full.
+_FIRST_RETRY_PAUSE_S = 0.02
+_MAX_RETRY_PAUSE_S = 0.5
 
 # Structured error codes from the wire -> the exception a person sees. Never match on text.
 _ERROR_CLASSES: dict[int, type[errors.DynprofError]] = {
@@ -68,25 +72,75 @@ class AgentClient:
         return cls(pid=record.pid, sock_path=record.socket, timeout=timeout)
 
     def request(self, raise_on_error: bool = True, **command: Any) -> Any:
-        """Send one command (``status=pb.StatusRequest()``...) and return the Reply."""
+        """Send one command (``status=pb.StatusRequest()``...) and return the Reply.
+
+        An agent whose connection queue is full (the kernel's backlog, or the agent's own limit
+        on connections served at once) is asked again with a growing pause, for up to
+        ``timeout`` seconds; then :class:`~dynprof.errors.Busy` says so."""
         if len(command) != 1:
             raise TypeError("exactly one command")
         ((name, message),) = command.items()
         req = pb.Request(protocol_version=PROTOCOL_VERSION, request_id=next(_ids) + os.getpid() * 1_000_000)
         getattr(req, name).CopyFrom(message)
+        payload = req.SerializeToString()
+        deadline = time.monotonic() + self.timeout
+        pause = _FIRST_RETRY_PAUSE_S
+        attempts = 0
+        while True:
+            attempts += 1
+            data = self._exchange(payload)
+            reply = pb.Reply()
+            try:
+                reply.ParseFromString(b"" if data is None else data)
+            except Exception as exc:  # protobuf raises DecodeError, a private subclass
+                raise errors.AgentError(f"unreadable reply from process {self.pid}: {exc}") from None
+            # No answer (a full backlog), or BUSY for request 0: the agent did not read our request
+            # because it serves too many connections. Anything else is the answer.
+            crowded = data is None or (
+                reply.request_id == 0 and reply.HasField("error") and reply.error.code == pb.BUSY
+            )
+            if not crowded:
+                break
+            if time.monotonic() + pause > deadline:
+                raise errors.Busy(
+                    f"the agent of process {self.pid} is not taking connections: its queue stayed full "
+                    f"for {self.timeout:g} s ({attempts} attempts)",
+                    help="Too many clients are talking to it at once (or something floods its socket). "
+                    "Try again in a moment; `dynprof ps` shows whether the process is still running.",
+                )
+            time.sleep(pause)
+            pause = min(pause * 2, _MAX_RETRY_PAUSE_S)
+        if reply.request_id != req.request_id:
+            raise errors.AgentError(f"reply from process {self.pid} answers another request")
+        if raise_on_error and reply.HasField("error"):
+            raise error_from_reply(self.pid, reply.error)
+        return reply
+
+    def _exchange(self, payload: bytes) -> bytes | None:
+        """One connection: send the request, return the reply frame, or None when the agent's
+        connection queue is full (connect would block)."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(self.timeout)
         try:
             try:
                 sock.connect(self.sock_path)
+            except BlockingIOError:
+                return None  # EAGAIN: the listening socket's backlog is full
             except (FileNotFoundError, ConnectionRefusedError):
                 raise errors.NoAgent(
                     f"process {self.pid} has no listening dynprof agent (socket {self.sock_path} is dead)"
                 ) from None
             except PermissionError:
                 raise errors.PermissionDenied(f"cannot connect to the agent of process {self.pid}") from None
-            send_frame(sock, req.SerializeToString())
-            data = recv_frame(sock)
+            except OSError as exc:
+                raise errors.AgentError(f"cannot connect to the agent of process {self.pid}: {exc}") from None
+            try:
+                send_frame(sock, payload)
+            except (BrokenPipeError, ConnectionResetError):
+                # An agent at its connection limit answers BUSY and hangs up without reading:
+                # that answer may be waiting for us even though our request could not go out.
+                pass
+            return recv_frame(sock)
         except TimeoutError:
             raise errors.Timeout(
                 f"the agent of process {self.pid} did not answer within {self.timeout:g} s",
@@ -97,16 +151,6 @@ class AgentClient:
             raise errors.AgentError(f"the agent of process {self.pid} broke the connection: {exc}") from None
         finally:
             sock.close()
-        reply = pb.Reply()
-        try:
-            reply.ParseFromString(data)
-        except Exception as exc:  # protobuf raises DecodeError, a private subclass
-            raise errors.AgentError(f"unreadable reply from process {self.pid}: {exc}") from None
-        if reply.request_id != req.request_id:
-            raise errors.AgentError(f"reply from process {self.pid} answers another request")
-        if raise_on_error and reply.HasField("error"):
-            raise error_from_reply(self.pid, reply.error)
-        return reply
 
     def status(self) -> Any:
         return self.request(status=pb.StatusRequest()).status

@@ -105,6 +105,15 @@ class ArtifactError(DynprofError):
     exit_code = 1
 
 
+class StoreError(ArtifactError):
+    """Writing an artifact failed (no space left, permission, ...); nothing half-written is left."""
+
+    default_help = (
+        "Free space in the artifact store (or lower DYNPROF_ARTIFACT_MAX_BYTES), or point "
+        "DYNPROF_ARTIFACT_DIR at a writable filesystem with room; the next capture works once it has."
+    )
+
+
 def probe_pid(pid: int) -> None:
     """Raise :class:`ProcessNotFound` or :class:`PermissionDenied` unless we may signal ``pid``.
 
@@ -115,6 +124,9 @@ def probe_pid(pid: int) -> None:
         raise UsageError(f"invalid pid {pid}: a pid is a positive integer")
     try:
         os.kill(pid, 0)
+        gone = process_gone(pid)
+        if gone is not None:
+            raise ProcessNotFound(f"process {pid} {gone}")
     except ProcessLookupError:
         raise ProcessNotFound(f"no process with pid {pid}") from None
     except PermissionError:
@@ -125,3 +137,21 @@ def probe_pid(pid: int) -> None:
         if exc.errno == errno.ESRCH:
             raise ProcessNotFound(f"no process with pid {pid}") from None
         raise
+
+
+def process_gone(pid: int) -> str | None:
+    """Why ``pid`` is no longer a running process ("has exited", "... a zombie ..."), or None.
+
+    A zombie still answers ``kill(pid, 0)`` but has no memory, threads or agent left to read."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            stat = fh.read()
+    except FileNotFoundError:
+        return "has exited"
+    except OSError:
+        return None
+    # The state is the field after the parenthesised command name (which may hold spaces and ")").
+    fields = stat[stat.rfind(b")") + 1 :].split()
+    if fields and fields[0] in (b"Z", b"X"):
+        return "has exited (a zombie: it waits for its parent to reap it)"
+    return None

@@ -40,7 +40,20 @@ def ensure_private_dir(path: Path) -> None:
             f"cannot create the dynprof runtime directory {path}",
             help="Set DYNPROF_RUN_DIR to a directory you own.",
         ) from None
-    st = path.lstat()
+    except (FileExistsError, NotADirectoryError):
+        raise DynprofError(
+            f"cannot use {path} as a dynprof runtime directory: it, or a directory above it, is a file",
+            help="Remove the file, or set DYNPROF_RUN_DIR to a directory you own.",
+        ) from None
+    except OSError as exc:
+        raise DynprofError(
+            f"cannot create the dynprof runtime directory {path}: {exc.strerror or exc}",
+            help="Set DYNPROF_RUN_DIR to a directory you own on a writable filesystem.",
+        ) from None
+    try:
+        st = path.lstat()
+    except OSError as exc:
+        raise DynprofError(f"cannot use the dynprof runtime directory {path}: {exc.strerror or exc}") from None
     if not stat.S_ISDIR(st.st_mode):
         raise DynprofError(f"{path} exists and is not a directory", help="Remove it or set DYNPROF_RUN_DIR.")
     if st.st_uid != os.getuid():

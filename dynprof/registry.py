@@ -59,9 +59,37 @@ class AgentRecord:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> AgentRecord:
+    def from_dict(cls, data: Any) -> AgentRecord:
+        """A record from its JSON, checked: a ValueError or TypeError for anything ill-formed (a
+        record is read back from a file, so it is checked like any other input)."""
+        if not isinstance(data, dict):
+            raise TypeError(f"a record is a JSON object, not {type(data).__name__}")
         known = {f for f in cls.__dataclass_fields__}
-        return cls(**{k: v for k, v in data.items() if k in known})
+        record = cls(**{k: v for k, v in data.items() if k in known})
+        record._check()
+        return record
+
+    def _check(self) -> None:
+        def is_int(v: Any) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        if not (is_int(self.pid) and 0 < self.pid <= 2**22) or not is_int(self.ppid):
+            raise ValueError("bad pid")
+        for name in ("rank", "local_rank", "world_size", "start_ticks"):
+            if getattr(self, name) is not None and not is_int(getattr(self, name)):
+                raise ValueError(f"bad {name}")
+        for name in ("host", "python_version", "dynprof_version", "socket", "log", "activation"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"bad {name}")
+        for name in ("job_id", "torch_version"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise ValueError(f"bad {name}")
+        if not isinstance(self.cmdline, list) or not all(isinstance(a, str) for a in self.cmdline):
+            raise ValueError("bad cmdline")
+        if not isinstance(self.started_at, (int, float)) or isinstance(self.started_at, bool):
+            raise ValueError("bad started_at")
+        if not isinstance(self.extra, dict):
+            raise ValueError("bad extra")
 
     def is_alive(self) -> bool:
         try:
@@ -99,11 +127,11 @@ def remove_record(pid: int, directory: Path | None = None) -> None:
 def read_record(pid: int, directory: Path | None = None) -> AgentRecord | None:
     try:
         data = json.loads(record_path(pid, directory).read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
     try:
         return AgentRecord.from_dict(data)
-    except TypeError:
+    except (TypeError, ValueError):
         return None
 
 
@@ -114,7 +142,7 @@ def list_records(directory: Path | None = None, clean: bool = True) -> list[Agen
     for path in directory.glob("*.json"):
         try:
             record = AgentRecord.from_dict(json.loads(path.read_text()))
-        except (OSError, ValueError, TypeError):
+        except (OSError, ValueError, TypeError, RecursionError):
             continue
         if not record.is_alive():
             if clean:

@@ -28,6 +28,8 @@ BASELINE_SCHEMA = "dynprof.healthcheck.baseline"
 BASELINE_SCHEMA_VERSION = 1
 SHIPPED_DIR = Path(__file__).parent / "baselines"
 MEMORY_TOLERANCE_GIB = 2
+# Baselines and results are small JSON files; anything bigger is not one of them.
+MAX_JSON_BYTES = 64 * 1024 * 1024
 
 
 class BaselineError(DynprofError):
@@ -62,10 +64,45 @@ class Baseline:
         return f"{self.name} {self.memory_gib}GiB" if self.memory_gib is not None else self.name
 
 
-def parse_baselines(data: dict[str, Any], path: str = "") -> list[Baseline]:
-    if data.get("schema") != BASELINE_SCHEMA:
+def read_json_file(path: Path, what: str) -> Any:
+    """The JSON in ``path``, a regular file of at most MAX_JSON_BYTES; a BaselineError otherwise
+    (never a hang on a FIFO or a device, never a traceback on deep nesting)."""
+    import os
+    import stat
+
+    try:
+        st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode):
+            raise BaselineError(f"cannot read {what} {path}: not a regular file")
+        with open(path, "rb") as fh:
+            raw = fh.read(MAX_JSON_BYTES + 1)
+    except OSError as exc:
+        raise BaselineError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
+    if len(raw) > MAX_JSON_BYTES:
+        raise BaselineError(f"{what} {path} is larger than {MAX_JSON_BYTES >> 20} MiB")
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise BaselineError(f"cannot read {what} {path}: not valid JSON ({type(exc).__name__})") from None
+
+
+def parse_baselines(data: Any, path: str = "") -> list[Baseline]:
+    try:
+        return _parse_baselines(data, path)
+    except BaselineError:
+        raise
+    except (AttributeError, KeyError, TypeError, ValueError) as exc:
         raise BaselineError(
-            f"{path or 'input'} is not a dynprof healthcheck baseline (schema {data.get('schema')!r})",
+            f"{path or 'input'} is not a valid dynprof healthcheck baseline ({type(exc).__name__}: {exc})",
+            help="Build one with `dynprof healthcheck baseline learn RESULTS...`.",
+        ) from None
+
+
+def _parse_baselines(data: Any, path: str) -> list[Baseline]:
+    if not isinstance(data, dict) or data.get("schema") != BASELINE_SCHEMA:
+        got = data.get("schema") if isinstance(data, dict) else type(data).__name__
+        raise BaselineError(
+            f"{path or 'input'} is not a dynprof healthcheck baseline (schema {got!r})",
             help="Build one with `dynprof healthcheck baseline learn RESULTS...`.",
         )
     found = []
@@ -93,11 +130,7 @@ def load_baselines(paths: list[str] | None = None, shipped: bool = True) -> list
         files += sorted(SHIPPED_DIR.glob("*.json"))
     found = []
     for path in files:
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError) as exc:
-            raise BaselineError(f"cannot read baseline {path}: {exc}") from None
-        found += parse_baselines(data, str(path))
+        found += parse_baselines(read_json_file(path, "baseline"), str(path))
     return found
 
 
@@ -187,19 +220,33 @@ def read_results(paths: list[str]) -> list[dict[str, Any]]:
     found: list[dict[str, Any]] = []
     for raw in paths:
         path = Path(raw)
-        if path.is_dir():
-            files = sorted(path.rglob("results.json")) or sorted(path.glob("*.json"))
-        else:
-            files = [path]
+        try:
+            is_dir = path.is_dir()
+        except (OSError, ValueError) as exc:  # a name too long, a NUL byte
+            raise BaselineError(f"cannot read {raw!a}: {exc}") from None
+        files = _result_files(path) if is_dir else [path]
         if not files:
             raise BaselineError(f"no results in {path}")
         for f in files:
-            try:
-                data = json.loads(f.read_text())
-            except (OSError, ValueError) as exc:
-                raise BaselineError(f"cannot read {f}: {exc}") from None
+            data = read_json_file(f, "results")
             if isinstance(data, dict) and data.get("schema") == "dynprof.healthcheck":
                 found.append(data)
             elif not path.is_dir():
                 raise BaselineError(f"{f} is not a dynprof healthcheck result")
     return found
+
+
+def _result_files(directory: Path) -> list[Path]:
+    """``results.json`` files under ``directory`` (else its ``*.json``), not following links and
+    skipping what cannot be read (a directory that vanishes while walked, say)."""
+    import os
+
+    found = []
+    top = []
+    for root, _dirs, names in os.walk(directory, followlinks=False):
+        for name in names:
+            if name == "results.json":
+                found.append(Path(root) / name)
+            elif root == str(directory) and name.endswith(".json"):
+                top.append(Path(root) / name)
+    return sorted(found) or sorted(top)

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
+from dynprof.cli._common import bounded_int, nonnegative_float, parse_float, path_arg, positive_float
 from dynprof.errors import ArtifactError, DynprofError
 from healthcheck.baseline import learn, read_results
 from healthcheck.compare import Thresholds
@@ -38,10 +39,28 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _fraction(text: str) -> float:
-    value = float(text)
-    if not 0 <= value <= 1:
-        raise argparse.ArgumentTypeError(f"{text} is not a fraction between 0 and 1")
-    return value
+    return parse_float(text, 0.0, 1.0, low_open=False, what="a fraction between 0 and 1")
+
+
+MAX_TIMEOUT_SCALE = 100.0
+MAX_DISK_GIB = 1_000_000.0
+MAX_XID_WINDOW_MIN = 525_600.0  # a year
+MAX_DEVICES = 4096
+
+
+def _output_file(text: str) -> str:
+    """A file we can create: its directory exists, and it is not itself a directory."""
+    path = Path(path_arg(text))
+    parent = path.parent if str(path.parent) else Path(".")
+    if not text.strip():
+        raise argparse.ArgumentTypeError("empty file name")
+    if len(path.name.encode("utf-8", "surrogateescape")) > 255:
+        raise argparse.ArgumentTypeError("file name longer than 255 bytes")
+    if not parent.is_dir():
+        raise argparse.ArgumentTypeError(f"directory {ascii(str(parent))[1:-1]} does not exist")
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{ascii(text)[1:-1]} is a directory")
+    return text
 
 
 def _checks(text: str) -> set[str]:
@@ -63,16 +82,19 @@ def prepare_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--smi-tool", metavar="NAME", help="nvidia-smi-style tool for --backend smi (e.g. ppu-smi)")
     parser.add_argument(
         "--expect-devices",
-        type=int,
+        type=bounded_int(0, MAX_DEVICES),
         metavar="N",
         help="devices this node must have (default: $DYNPROF_EXPECT_DEVICES, $SLURM_GPUS_ON_NODE); "
         "0 on a node without accelerators",
     )
     parser.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
-    parser.add_argument("--prometheus", metavar="FILE", help="also write Prometheus text format to FILE (atomically)")
+    parser.add_argument(
+        "--prometheus", type=_output_file, metavar="FILE", help="also write Prometheus text format to FILE (atomically)"
+    )
     parser.add_argument(
         "--baseline",
         action="append",
+        type=path_arg,
         default=[],
         metavar="FILE",
         help="baseline file (from `baseline learn`); wins over the shipped ones",
@@ -101,13 +123,19 @@ def prepare_parser(parser: argparse.ArgumentParser) -> None:
         metavar="F",
         help="warn a device slower than its peers' median by F (default 0.05)",
     )
-    parser.add_argument("--disk", action="append", metavar="PATH", help="check free space here (default: / and /tmp)")
     parser.add_argument(
-        "--min-disk-gib", type=float, default=10.0, metavar="GIB", help="warn below this much free disk (default 10)"
+        "--disk", action="append", type=path_arg, metavar="PATH", help="check free space here (default: / and /tmp)"
+    )
+    parser.add_argument(
+        "--min-disk-gib",
+        type=nonnegative_float(MAX_DISK_GIB),
+        default=10.0,
+        metavar="GIB",
+        help="warn below this much free disk (default 10)",
     )
     parser.add_argument(
         "--xid-window",
-        type=float,
+        type=nonnegative_float(MAX_XID_WINDOW_MIN),
         default=60.0,
         metavar="MINUTES",
         help="look for XIDs in the kernel log this far back (default 60)",
@@ -116,7 +144,11 @@ def prepare_parser(parser: argparse.ArgumentParser) -> None:
         "--skip", type=_checks, default=set(), metavar="CHECK[,CHECK]", help="checks not to run (reported as skipped)"
     )
     parser.add_argument(
-        "--timeout-scale", type=float, default=1.0, metavar="X", help="multiply every check's timeout by X"
+        "--timeout-scale",
+        type=positive_float(MAX_TIMEOUT_SCALE),
+        default=1.0,
+        metavar="X",
+        help=f"multiply every check's timeout by X (0 < X <= {MAX_TIMEOUT_SCALE:g})",
     )
     parser.add_argument("--failures-only", action="store_true", help="table: leave out passed and skipped checks")
     parser.add_argument("--no-save", action="store_true", help="do not save the results as an artifact")
@@ -131,8 +163,10 @@ def prepare_parser(parser: argparse.ArgumentParser) -> None:
         description="Build a per-SKU baseline (median and spread of every measurement) from the JSON results "
         "of `dynprof healthcheck --level standard --json`, artifact directories, or directories holding them.",
     )
-    learn_p.add_argument("results", nargs="+", metavar="RESULTS", help="result files or directories")
-    learn_p.add_argument("-o", "--output", metavar="FILE", help="write the baseline here (default: stdout)")
+    learn_p.add_argument("results", nargs="+", type=path_arg, metavar="RESULTS", help="result files or directories")
+    learn_p.add_argument(
+        "-o", "--output", type=_output_file, metavar="FILE", help="write the baseline here (default: stdout)"
+    )
     learn_p.add_argument("--source", default="", help="describe where the results come from")
 
 
@@ -185,7 +219,13 @@ def run_command(args: argparse.Namespace) -> int:
         except (ArtifactError, OSError) as exc:
             print(f"dynprof healthcheck: results not saved: {exc}", file=sys.stderr)
     if args.prometheus:
-        write_atomically(args.prometheus, render_prometheus(report))
+        try:
+            write_atomically(args.prometheus, render_prometheus(report))
+        except OSError as exc:
+            raise DynprofError(
+                f"cannot write the Prometheus file {args.prometheus}: {exc.strerror or exc}",
+                help="Point --prometheus at a writable file (the node exporter's textfile directory).",
+            ) from None
     if args.json:
         data: dict[str, Any] = report.to_json()
         data["artifact"] = artifact
@@ -202,7 +242,10 @@ def learn_command(args: argparse.Namespace) -> int:
     baseline = learn(results, source=args.source)
     text = json.dumps(baseline, indent=2) + "\n"
     if args.output:
-        Path(args.output).write_text(text)
+        try:
+            Path(args.output).write_text(text)
+        except OSError as exc:
+            raise DynprofError(f"cannot write the baseline to {args.output}: {exc.strerror or exc}") from None
         skus = ", ".join(f"{b['sku']['name']} {b['sku']['memory_gib']}GiB" for b in baseline["baselines"])
         print(f"baseline for {skus} from {len(results)} results written to {args.output}", file=sys.stderr)
     else:
@@ -226,8 +269,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     prepare_parser(parser)
     args = parser.parse_args(argv)
+    code: int | None = None
     try:
-        return run_command(args)
+        code = run_command(args)
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:
+        # The reader went away (`| head`): the verdict, if there was one, stands as the exit code;
+        # never "healthy" by default.
+        from dynprof.cli import _silence_stdout
+
+        _silence_stdout()
+        return EXIT_COULD_NOT_RUN if code is None else code
     except DynprofError as exc:
         print(f"healthcheck: error: {exc.message}", file=sys.stderr)
         if exc.help:

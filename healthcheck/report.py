@@ -195,8 +195,16 @@ def render_prometheus(report: Report) -> str:
 
 
 def write_atomically(path: str | Path, text: str) -> None:
-    """Write ``text`` so that a reader (node_exporter) never sees a half-written file."""
+    """Write ``text`` so that a reader (node_exporter) never sees a half-written file.
+
+    A path that exists and is not a regular file (``/dev/stdout``, ``/dev/null``, a FIFO) is
+    written in place: renaming over it would replace a device node when run as root.
+    """
     path = Path(path)
+    if path.exists() and not path.is_file():
+        with open(path, "w") as out:
+            out.write(text)
+        return
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as fh:

@@ -41,6 +41,26 @@ EXTENSIONS = (
 )
 
 
+class _OneLineFormatter(logging.Formatter):
+    """What reaches the job's stderr: one prefixed line per warning, never a traceback.
+
+    The traceback, if any, is in the agent's log file, which the line names.
+    """
+
+    def __init__(self, log_path: str) -> None:
+        super().__init__()
+        self.log_path = log_path
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = record.getMessage()
+        if record.exc_info and record.exc_info[1] is not None:
+            exc = record.exc_info[1]
+            text += f": {type(exc).__name__}: {exc}"
+            if self.log_path:
+                text += f" (details in {self.log_path})"
+        return "dynprof: " + " ".join(text.split("\n"))
+
+
 def _setup_logging(pid: int) -> str:
     path = ""
     if getattr(log, "_dynprof_configured", False):
@@ -57,7 +77,7 @@ def _setup_logging(pid: int) -> str:
         path = ""
     err = logging.StreamHandler(sys.stderr)
     err.setLevel(logging.WARNING)
-    err.setFormatter(logging.Formatter("dynprof: %(message)s"))
+    err.setFormatter(_OneLineFormatter(path))
     log.addHandler(err)
     log._dynprof_configured = True  # type: ignore[attr-defined]
     log._dynprof_log_path = path  # type: ignore[attr-defined]
@@ -282,7 +302,7 @@ def start(activation: str = "api", **options: Any) -> Agent | None:
         try:
             agent.start()
         except Exception as exc:
-            log.exception("agent failed to start")
+            log.info("agent failed to start", exc_info=True)  # the log file only: one line below
             with contextlib.suppress(Exception):
                 sys.stderr.write(f"dynprof: agent not started: {type(exc).__name__}: {exc}\n")
             with contextlib.suppress(Exception):

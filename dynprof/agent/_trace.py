@@ -77,6 +77,7 @@ class TraceController:
         self._timers: list[threading.Timer] = []
         self._export_thread: threading.Thread | None = None
         self._stop_deferred = False
+        self._deferred_reason = ""  # why the pending start or stop waits (logged once per reason)
         WATCH.on_foreign_prepare = self._on_foreign_profiler
 
     # -- protocol handlers (server thread) -------------------------------------------------
@@ -187,6 +188,7 @@ class TraceController:
         return time.time() - s.last_step_at < window
 
     def _timer(self, seconds: float, fn: Any) -> None:
+        self._timers = [t for t in self._timers if t.is_alive()]
         t = threading.Timer(seconds, fn)
         t.daemon = True
         t.name = "dynprof-trace-timer"
@@ -241,8 +243,11 @@ class TraceController:
             if reason == "another torch.profiler is active":
                 self._reset_to_idle(_profiler_active_error().message)
                 return True
-            log.info("trace start deferred: %s", reason)
+            if reason != self._deferred_reason:
+                log.info("trace start waits for a safe point: %s", reason)
+                self._deferred_reason = reason
             return False
+        self._deferred_reason = ""
         session = TraceSession(self._options(), self._distributed_info())
         try:
             with WATCH.ours():
@@ -341,8 +346,11 @@ class TraceController:
     def _end_at_safe_point(self, why: str) -> bool:
         reason = unsafe_reason(check_other_profiler=False)
         if reason is not None:
-            log.info("trace stop waits for a safe point: %s", reason)
+            if reason != self._deferred_reason:
+                log.info("trace stop waits for a safe point: %s", reason)
+                self._deferred_reason = reason
             return False
+        self._deferred_reason = ""
         self._end(why)
         return True
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
 from typing import Protocol
 
@@ -30,6 +31,7 @@ COMMANDS: list[tuple[str, str, str]] = [
     ("healthcheck", "healthcheck", "HealthcheckCommand"),
     ("ls", "ls", "LsCommand"),
     ("show", "show", "ShowCommand"),
+    ("analyze", "analyze", "AnalyzeCommand"),
     ("serve", "serve", "ServeCommand"),
 ]
 
@@ -58,7 +60,8 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         description="Non-intrusive runtime profiler and diagnostics for PyTorch training jobs.",
         epilog="Exit codes: 0 ok, 1 error, 2 usage, 3 no such process, 4 permission denied, "
         "5 no agent, 6 busy, 7 unsupported in the target, 8 agent error, 9 timed out, 10 not a Python process, "
-        "11 ptrace refused and no agent to fall back on. "
+        "11 ptrace refused and no agent to fall back on; a closed output pipe (`| head`) ends a command quietly "
+        "(with its own code once it has one, else 0). "
         "`dynprof healthcheck` has its own: 0 healthy, 1 warning, 2 unhealthy, 3 could not run.",
     )
     parser.add_argument("--version", action="version", version=f"dynprof {__version__}")
@@ -97,14 +100,37 @@ def main(argv: list[str] | None = None) -> int:
         if only == "healthcheck" and exc.code == 2:
             return 3
         raise
+    code: int | None = None
     try:
-        return int(args._command.run(args))
+        code = int(args._command.run(args))
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit
+        return code
     except DynprofError as exc:
         report_error(exc, as_json=bool(getattr(args, "json", False)))
         return exc.exit_code
     except KeyboardInterrupt:
         print("dynprof: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader went away (`dynprof ls | head -1`): it has what it wanted. End quietly, with
+        # the command's own code when it had one. A healthcheck cut short never reads "healthy".
+        _silence_stdout()
+        if code is not None:
+            return code
+        return 3 if only == "healthcheck" else 0
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null, so that flushing it at exit cannot raise again."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):
+        return  # not a real file (captured by a test, say)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, fd)
+    finally:
+        os.close(devnull)
 
 
 def report_error(exc: DynprofError, as_json: bool = False) -> None:
@@ -122,6 +148,9 @@ def report_error(exc: DynprofError, as_json: bool = False) -> None:
                 indent=2,
             )
         )
-    print(f"dynprof: error: {exc.message}", file=sys.stderr)
+    from dynprof.cli._common import printable_lines
+
+    # Messages may quote what a target, a file or an argument said: escape it for the terminal.
+    print(f"dynprof: error: {printable_lines(exc.message)}", file=sys.stderr)
     if exc.help:
-        print(f"  what to do: {exc.help}", file=sys.stderr)
+        print(f"  what to do: {printable_lines(exc.help)}", file=sys.stderr)

@@ -6,6 +6,7 @@ import argparse
 import math
 
 from dynprof import errors
+from dynprof.cli._common import seconds
 from dynprof.cli.run import RUN_OPTIONS
 
 
@@ -13,14 +14,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("hang watchdog")
     group.add_argument(
         "--hang-timeout",
-        type=float,
+        type=seconds,
         metavar="SEC",
         help="save every thread's stacks when no optimizer step completes for SEC seconds, and "
         "again 3*SEC later (also DYNPROF_HANG_TIMEOUT; default off)",
     )
     group.add_argument(
         "--hang-first-step-timeout",
-        type=float,
+        type=seconds,
         metavar="SEC",
         help="also watch the first step (compilation, data loading) with this timeout "
         "(default: the first step is not watched)",

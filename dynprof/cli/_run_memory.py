@@ -6,6 +6,7 @@ import argparse
 
 from collectors._mem_policy import DEFAULT_POLICY, PolicyError, parse_policy
 from dynprof import errors
+from dynprof.cli._common import MAX_SECONDS, bounded_int, nonnegative_float
 from dynprof.cli.run import RUN_OPTIONS
 
 
@@ -20,13 +21,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--memory-oom-interval",
-        type=float,
+        type=nonnegative_float(MAX_SECONDS),
         metavar="SECONDS",
         help="at most one CUDA OOM capture per this many seconds in a process (default 60)",
     )
     group.add_argument(
         "--memory-oom-max",
-        type=int,
+        type=bounded_int(0, 1_000_000),
         metavar="N",
         help="at most N CUDA OOM captures per process (default 3; 0 turns OOM capture off)",
     )

@@ -1,13 +1,16 @@
 """List the artifacts in the store, newest first.
 
-Artifacts still being written are not listed as finished; `--all` shows them as `writing`.
+Artifacts still being written are not listed as finished; `--all` shows them as `writing`,
+and temporary directories left by a writer that died as `stale` (the next capture removes
+them). A directory whose manifest is damaged is skipped and reported on stderr.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 
-from dynprof.cli._common import add_json, human_bytes, print_json, table
+from dynprof.cli._common import add_json, bounded_int, human_bytes, print_json, printable, table
 from dynprof.store import ArtifactStore
 
 
@@ -17,16 +20,19 @@ class LsCommand:
     def prepare_parser(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--job", help="only this job's artifacts")
         parser.add_argument("--kind", help="only this kind (trace, stacks, memory, healthcheck, ...)")
-        parser.add_argument("--limit", type=int, default=0, help="show at most this many (default: all)")
+        parser.add_argument(
+            "--limit", type=bounded_int(0, 10**9), default=0, help="show at most this many (default: all)"
+        )
         parser.add_argument("--all", action="store_true", help="also list artifacts still being written")
         add_json(parser)
 
     def run(self, args: argparse.Namespace) -> int:
         store = ArtifactStore()
-        arts = store.list(job=args.job, kind=args.kind)
+        arts, bad = store.scan(job=args.job, kind=args.kind)
         if args.limit:
             arts = arts[: args.limit]
-        writing = [str(p) for p in store.in_progress()] if args.all else []
+        temps = store.temporaries() if args.all else []
+        writing = [str(t.path) for t in temps if not t.stale]
         if args.json:
             print_json(
                 {
@@ -47,11 +53,15 @@ class LsCommand:
                         for a in arts
                     ],
                     "writing": writing,
+                    "stale": [str(t.path) for t in temps if t.stale],
+                    "bad": [{"path": str(b.path), "reason": b.reason} for b in bad],
                 }
             )
             return 0
-        if not arts and not writing:
-            print(f"no artifacts in {store.root}")
+        for b in bad:
+            print(f"dynprof: skipped {printable(b.id)}: {printable(b.reason)}", file=sys.stderr)
+        if not arts and not temps:
+            print(f"no artifacts in {printable(store.root)}")
             return 0
         rows = [
             (
@@ -64,7 +74,10 @@ class LsCommand:
             )
             for a in arts
         ]
-        rows += [(p, "?", "writing", "", "", "") for p in writing]
+        rows += [
+            (t.id, t.kind, "stale" if t.stale else "writing", t.rank, f"{t.age_s:.0f} s ago", human_bytes(t.size))
+            for t in temps
+        ]
         print(table(rows, ["ID", "KIND", "STATUS", "RANK", "CREATED", "SIZE"]))
-        print(f"\n{len(arts)} artifact(s) in {store.root}")
+        print(f"\n{len(arts)} artifact(s) in {printable(store.root)}")
         return 0

@@ -7,7 +7,18 @@ import json
 from typing import Any
 
 from dynprof import errors
-from dynprof.cli._common import add_json, add_targets, human_bytes, parallel, print_json, resolve_agents, table
+from dynprof.cli._common import (
+    MAX_HISTORY_EVENTS,
+    add_json,
+    add_targets,
+    bounded_int,
+    human_bytes,
+    parallel,
+    print_json,
+    resolve_agents,
+    seconds,
+    table,
+)
 from dynprof.client import AgentClient
 from dynprof.proto import pb
 
@@ -29,7 +40,7 @@ class MemoryCommand:
         action = parser.add_mutually_exclusive_group()
         action.add_argument(
             "--history-start",
-            type=int,
+            type=bounded_int(1, MAX_HISTORY_EVENTS),
             metavar="N",
             help="start recording the next N allocator events (with stacks) instead of a snapshot",
         )
@@ -41,7 +52,7 @@ class MemoryCommand:
             help="with --history-start: Python frames only (default) or C++ frames too",
         )
         parser.add_argument(
-            "--timeout", type=float, default=300.0, help="seconds to wait for each process's snapshot (default 300)"
+            "--timeout", type=seconds, default=300.0, help="seconds to wait for each process's snapshot (default 300)"
         )
         add_json(parser)
 

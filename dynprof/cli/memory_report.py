@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import json
+import os
 from pathlib import Path
 from typing import Any
 
 from dynprof import errors
-from dynprof.cli._common import add_json, print_json
+from dynprof.cli._common import add_json, bounded_int, path_arg, print_json
 from dynprof.store import MANIFEST, Artifact, ArtifactStore
 
 EMBED_PICKLE_MAX = 20 * 1024 * 1024
@@ -26,34 +26,49 @@ class MemoryReportCommand:
     """
 
     def prepare_parser(self, parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("source", metavar="ARTIFACT_OR_PICKLE", help="memory artifact or snapshot pickle")
+        parser.add_argument(
+            "source", type=path_arg, metavar="ARTIFACT_OR_PICKLE", help="memory artifact or snapshot pickle"
+        )
         parser.add_argument(
             "-o",
             "--output",
+            type=path_arg,
             metavar="OUT.html",
             help="where to write the HTML report (default: memory-report-<name>.html here)",
         )
         parser.add_argument("--no-html", action="store_true", help="only print the summary")
         parser.add_argument(
             "--torch-viz",
+            type=path_arg,
             metavar="FILE.html",
             help="also write torch.cuda._memory_viz.trace_plot's page (needs internet to open)",
         )
-        parser.add_argument("--top", type=int, default=10, help="rows in the site and block tables (default 10)")
+        parser.add_argument(
+            "--top", type=bounded_int(1, 100_000), default=10, help="rows in the site and block tables (default 10)"
+        )
         add_json(parser)
 
     def run(self, args: argparse.Namespace) -> int:
         from collectors import memory_snapshot as ms
 
         pickle_path, artifact = _locate(args.source)
-        data = _read(pickle_path)
+        if artifact is not None:  # only the artifact's own file, never through a link
+            data = artifact.read_bytes(ms.SNAPSHOT_FILE, ms.max_snapshot_bytes())
+        else:
+            data = _read(pickle_path)
         snapshot = ms.parse_snapshot(data, str(pickle_path))
-        summary = ms.summarize_snapshot(snapshot, top=args.top)
+        try:
+            summary = ms.summarize_snapshot(snapshot, top=args.top)
+        except (TypeError, AttributeError, ValueError, KeyError, IndexError, OverflowError) as exc:
+            raise errors.ArtifactError(
+                f"{pickle_path} is not a well-formed PyTorch memory snapshot: {type(exc).__name__}: {exc}"
+            ) from None
         if artifact is not None:  # what the capture knew beyond the snapshot: trigger, OOM, free/total
-            saved = artifact.file(ms.SUMMARY_FILE)
-            if saved.exists():
+            if artifact.has_file(ms.SUMMARY_FILE):
                 try:
-                    captured = json.loads(saved.read_text())
+                    captured = artifact.read_json(ms.SUMMARY_FILE)
+                    if not isinstance(captured, dict):
+                        captured = {}
                     for key in (
                         "trigger",
                         "memory_history",
@@ -64,7 +79,7 @@ class MemoryReportCommand:
                     ):
                         if key in captured:
                             summary[key] = captured[key]
-                except ValueError:
+                except errors.ArtifactError:
                     pass
         html_path = None
         if not args.no_html:
@@ -72,13 +87,18 @@ class MemoryReportCommand:
 
             name = artifact.path.name if artifact is not None else pickle_path.stem
             html_path = Path(args.output) if args.output else Path.cwd() / f"memory-report-{name}.html"
-            page = render_html(
-                snapshot,
-                summary,
-                title=f"CUDA memory: {name}",
-                source=str(pickle_path),
-                pickle_bytes=data if len(data) <= EMBED_PICKLE_MAX else None,
-            )
+            try:
+                page = render_html(
+                    snapshot,
+                    summary,
+                    title=f"CUDA memory: {name}",
+                    source=str(pickle_path),
+                    pickle_bytes=data if len(data) <= EMBED_PICKLE_MAX else None,
+                )
+            except (TypeError, AttributeError, ValueError, KeyError, IndexError, OverflowError) as exc:
+                raise errors.ArtifactError(
+                    f"{pickle_path} is not a well-formed PyTorch memory snapshot: {type(exc).__name__}: {exc}"
+                ) from None
             try:
                 html_path.write_text(page)
             except OSError as exc:
@@ -93,7 +113,12 @@ class MemoryReportCommand:
             except Exception as exc:
                 raise errors.Unsupported(f"--torch-viz needs torch here: {type(exc).__name__}: {exc}") from None
             trace_plot: Any = _memory_viz.trace_plot
-            viz_path.write_text(trace_plot(snapshot))
+            try:
+                viz_path.write_text(trace_plot(snapshot))
+            except OSError as exc:
+                raise errors.DynprofError(
+                    f"cannot write {viz_path}: {exc.strerror or exc}", help="Give a writable path to --torch-viz."
+                ) from None
         if args.json:
             print_json(
                 {
@@ -115,24 +140,24 @@ class MemoryReportCommand:
 
 
 def _read(path: Path) -> bytes:
-    try:
-        return path.read_bytes()
-    except FileNotFoundError:
-        raise errors.ArtifactError(
-            f"{path}: no such file or artifact",
-            help="Give a memory artifact (`dynprof ls --kind memory`) or a snapshot pickle.",
-        ) from None
-    except OSError as exc:
-        raise errors.ArtifactError(f"cannot read {path}: {exc}") from None
+    from collectors.memory_snapshot import _read_pickle
+
+    return _read_pickle(path)
 
 
 def _locate(source: str) -> tuple[Path, Artifact | None]:
     from collectors.memory_snapshot import KIND, SNAPSHOT_FILE
 
     path = Path(source).expanduser()
-    if path.is_file() and path.name != MANIFEST:
+    try:
+        is_file, is_dir = path.is_file(), path.is_dir()
+        has_manifest = is_dir and os.path.lexists(path / MANIFEST)
+        exists = path.exists()
+    except (OSError, ValueError):  # a name too long, a NUL byte
+        is_file = is_dir = has_manifest = exists = False
+    if is_file and path.name != MANIFEST:
         return path, None
-    if path.is_dir() and not (path / MANIFEST).exists():
+    if is_dir and not has_manifest:
         if (path / SNAPSHOT_FILE).exists():
             return path / SNAPSHOT_FILE, None
         raise errors.ArtifactError(
@@ -141,8 +166,10 @@ def _locate(source: str) -> tuple[Path, Artifact | None]:
         )
     try:
         artifact = ArtifactStore().get(source)
+    except OSError as exc:  # a name the filesystem refuses (too long, say)
+        raise errors.ArtifactError(f"{source!a}: no such file or artifact ({exc.strerror or exc})") from None
     except errors.ArtifactError:
-        if not path.exists():
+        if not exists:
             raise errors.ArtifactError(
                 f"{source}: no such file or artifact",
                 help="Give a memory artifact (`dynprof ls --kind memory`) or a snapshot pickle.",

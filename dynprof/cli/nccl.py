@@ -19,7 +19,7 @@ import time
 from typing import Any
 
 from dynprof import errors
-from dynprof.cli._common import add_json, add_targets, parallel, print_json, resolve_agents
+from dynprof.cli._common import add_json, add_targets, parallel, print_json, printable_lines, resolve_agents, seconds
 from dynprof.registry import AgentRecord, read_record
 
 
@@ -33,7 +33,7 @@ class NcclCommand:
             "--no-stack-traces", action="store_true", help="leave out the Python stacks of each collective's caller"
         )
         parser.add_argument(
-            "--timeout", type=float, default=15.0, metavar="SEC", help="per-rank limit for a dump (default 15)"
+            "--timeout", type=seconds, default=15.0, metavar="SEC", help="per-rank limit for a dump (default 15)"
         )
         add_json(parser)
 
@@ -96,7 +96,7 @@ class NcclCommand:
                 {"artifact": str(art.path), "elapsed_s": round(elapsed, 3), "analysis": analysis, "notes": notes}
             )
         else:
-            print(fr.render_analysis(analysis), end="")
+            print(printable_lines(fr.render_analysis(analysis)), end="")
             for n in notes:
                 print(f"note: {n}")
             print(f"{len(per_rank)} rank(s) dumped in {elapsed:.2f} s; artifact {art.path}")

@@ -2,17 +2,19 @@
 
 Each agent is asked for its live state (step, trace state); one that does not answer within
 the timeout is shown as `unresponsive` (its process may hold the GIL in C code: try
-`dynprof stacks`).
+`dynprof stacks`). One that answers with an error, or not in the protocol, is shown as `error`,
+the error is printed on stderr, and the command exits 8 (after listing every agent).
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from typing import Any
 
 from dynprof import errors
-from dynprof.cli._common import add_json, human_age, parallel, print_json, table
+from dynprof.cli._common import add_json, human_age, parallel, print_json, printable, seconds, table
 from dynprof.client import AgentClient
 from dynprof.registry import AgentRecord, list_records
 
@@ -64,7 +66,7 @@ class PsCommand:
 
     def prepare_parser(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--job", help="only this job's agents")
-        parser.add_argument("--timeout", type=float, default=1.0, help="seconds to wait for each agent (default 1)")
+        parser.add_argument("--timeout", type=seconds, default=1.0, help="seconds to wait for each agent (default 1)")
         add_json(parser)
 
     def run(self, args: argparse.Namespace) -> int:
@@ -72,11 +74,15 @@ class PsCommand:
         if args.job:
             records = [r for r in records if r.job_id == args.job]
         rows = agent_rows(records, args.timeout)
+        failed = [r for r in rows if r["state"] == "error"]
+        code = errors.AgentError.exit_code if failed else 0
+        for r in failed:
+            print(f"dynprof: agent of pid {r['pid']}: {printable(r['error'])}", file=sys.stderr)
         if args.json:
             print_json({"agents": rows})
-            return 0
+            return code
         if not rows:
-            print("no dynprof agents on this node" + (f" for job {args.job}" if args.job else ""))
+            print("no dynprof agents on this node" + (f" for job {printable(args.job)}" if args.job else ""))
             print("start one with: dynprof run -- python train.py   (or DYNPROF=1 in the job's environment)")
             return 0
         print(
@@ -96,4 +102,4 @@ class PsCommand:
                 ["PID", "RANK", "JOB", "STEP", "STATE", "AGE", "COMMAND"],
             )
         )
-        return 0
+        return code

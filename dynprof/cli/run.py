@@ -89,6 +89,16 @@ class RunCommand:
         exe = shutil.which(cmd[0])
         if exe is None:
             raise errors.UsageError(f"command not found: {cmd[0]}", help="Check the name and your PATH.")
+        from dynprof.paths import MAX_SOCKET_PATH, run_dir
+
+        # An unusable runtime directory is said here, once, not by every process of the job.
+        longest_socket = run_dir() / "agents" / "4194304.sock"
+        if len(str(longest_socket).encode()) > MAX_SOCKET_PATH:
+            raise errors.DynprofError(
+                f"the dynprof runtime directory {run_dir(create=False)} is too long a path for the agents' "
+                f"sockets (at most {MAX_SOCKET_PATH} bytes)",
+                help="Set DYNPROF_RUN_DIR to a shorter path, such as /tmp/dynprof-$(id -u).",
+            )
         env = build_environment(args)
         if not args.quiet:
             print(f"dynprof: job {env['DYNPROF_JOB_ID']}: agent enabled for {' '.join(cmd)}", file=sys.stderr)

@@ -1,12 +1,17 @@
 """Show one artifact: its manifest, its files, and a summary of its contents.
 
 ARTIFACT is a path, an id from `dynprof ls`, or the last part of an id.
+
+Artifacts are untrusted input: only files inside the artifact's directory are read (never
+through a link), with size and depth limits, and control characters from its manifest are
+not sent to the terminal.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import re
 from typing import Any
 
 from dynprof.cli._common import add_json, human_bytes, print_json
@@ -22,7 +27,21 @@ RENDERERS: dict[str, str] = {
     "host-memory": "collectors.host_memory:render_artifact",
     "nccl": "collectors.flight_recorder:render_artifact",
     "healthcheck": "healthcheck.report:render_artifact",
+    "analysis": "collectors.trace_analysis:render_artifact",
 }
+# kind -> "module:function" returning an HTML fragment (self-contained, no script) that the web
+# page shows above the text summary.
+HTML_RENDERERS: dict[str, str] = {
+    "analysis": "collectors.trace_analysis:render_html",
+}
+
+
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def _clean(value: object) -> str:
+    """Text from a manifest, safe for a terminal (no escape sequences)."""
+    return _CONTROL.sub("?", str(value))
 
 
 def render(artifact: Artifact) -> tuple[dict[str, Any] | None, str]:
@@ -39,6 +58,18 @@ def render(artifact: Artifact) -> tuple[dict[str, Any] | None, str]:
     except Exception as exc:  # a damaged artifact must not hide its manifest
         return {"error": f"{type(exc).__name__}: {exc}"}, f"(cannot summarise the contents: {exc})"
     return summary, text
+
+
+def render_html(artifact: Artifact) -> str:
+    """The kind's HTML fragment for the web page, or "" (no renderer, or it failed)."""
+    target = HTML_RENDERERS.get(artifact.kind)
+    if target is None or artifact.status == "failed":
+        return ""
+    module_name, func = target.split(":")
+    try:
+        return str(getattr(importlib.import_module(module_name), func)(artifact))
+    except Exception:  # the text summary says what is wrong with the artifact
+        return ""
 
 
 class ShowCommand:
@@ -64,21 +95,22 @@ class ShowCommand:
             )
             return 1 if problems else 0
         m = art.manifest
-        print(f"{art.kind} artifact  {art.path}")
-        print(f"  status   {art.status}" + (f"  ({m.get('error')})" if m.get("error") else ""))
+        lines = [f"{art.kind} artifact  {art.path}"]
+        lines.append(f"  status   {art.status}" + (f"  ({m.get('error')})" if m.get("error") else ""))
         rank = m.get("rank")
-        print(
+        lines.append(
             f"  job      {m.get('job') or '-'}   host {m.get('host')}   rank {'-' if rank is None else rank}   pid {m.get('pid')}"
         )
-        print(f"  created  {m.get('created_at')}   finished {m.get('finished_at')}")
+        lines.append(f"  created  {m.get('created_at')}   finished {m.get('finished_at')}")
         opts = {k: v for k, v in (m.get("options") or {}).items() if v not in (None, False, 0, "", [])}
         if opts:
-            print("  options  " + ", ".join(f"{k}={v}" for k, v in opts.items()))
-        for f in m.get("files", []):
-            print(f"  file     {f['name']}  {human_bytes(f['size'])}  sha256 {f['sha256'][:16]}…")
+            lines.append("  options  " + ", ".join(f"{k}={v}" for k, v in opts.items()))
+        for f in art.files:
+            lines.append(f"  file     {f['name']}  {human_bytes(f['size'])}  sha256 {f['sha256'][:16]}…")
         if args.verify:
-            print("  verify   " + ("ok" if not problems else "; ".join(problems)))
+            lines.append("  verify   " + ("ok" if not problems else "; ".join(problems)))
+        print("\n".join(_clean(line) for line in lines))
         if text:
             print()
-            print(text)
+            print(_clean(text))
         return 1 if problems else 0

@@ -23,7 +23,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from dynprof import errors
-from dynprof.cli._common import add_json, add_targets, parallel, print_json, resolve_agents
+from dynprof.cli._common import (
+    add_json,
+    add_targets,
+    parallel,
+    path_arg,
+    print_json,
+    printable_lines,
+    resolve_agents,
+    seconds,
+)
 from dynprof.registry import AgentRecord, read_record
 
 METHODS = ("auto", "py-spy", "pystack", "agent")
@@ -44,8 +53,12 @@ class StacksCommand:
 
     def prepare_parser(self, parser: argparse.ArgumentParser) -> None:
         add_targets(parser, required=False)
-        parser.add_argument("--core", metavar="CORE", help="read a core file (through pystack) instead of processes")
-        parser.add_argument("--executable", metavar="EXE", help="with --core: the Python executable that dumped it")
+        parser.add_argument(
+            "--core", type=path_arg, metavar="CORE", help="read a core file (through pystack) instead of processes"
+        )
+        parser.add_argument(
+            "--executable", type=path_arg, metavar="EXE", help="with --core: the Python executable that dumped it"
+        )
         parser.add_argument("--native", action="store_true", help="include native (C/C++) frames")
         parser.add_argument("--locals", action="store_true", help="include local variables of each frame")
         parser.add_argument(
@@ -55,7 +68,11 @@ class StacksCommand:
             help="how to read: auto (py-spy, then pystack, then the agent), or one of them",
         )
         parser.add_argument(
-            "--timeout", type=float, default=15.0, metavar="SEC", help="per-process limit for each reader (default 15)"
+            "--timeout",
+            type=seconds,
+            default=15.0,
+            metavar="SEC",
+            help="per-process limit for each reader (default 15)",
         )
         parser.add_argument("--no-save", action="store_true", help="print only; do not save an artifact")
         parser.add_argument("--full", action="store_true", help="also print every process's dump, all threads")
@@ -113,13 +130,14 @@ class StacksCommand:
                 }
             )
         else:
-            print(st.render_merged(processes, groups), end="")
+            # Frames, file and thread names come from the target: nothing in them reaches the terminal raw.
+            print(printable_lines(st.render_merged(processes, groups)), end="")
             if args.full:
                 for p in processes:
                     print()
-                    print(st.render_process(p))
+                    print(printable_lines(st.render_process(p)))
             for who, why in failures.items():
-                print(f"FAILED {who}: {why}")
+                print(printable_lines(f"FAILED {who}: {why}"))
             for p in processes:
                 if p.fallback_help:
                     print(f"  to read {p.label} from outside next time: {p.fallback_help}")
@@ -136,7 +154,7 @@ class StacksCommand:
         if args.pid:
             targets = []
             for pid in dict.fromkeys(args.pid):
-                errors.probe_pid(pid)  # dead pid (3), another user's (4)
+                errors.probe_pid(pid)  # dead pid or zombie (3), another user's (4)
                 record = read_record(pid)
                 if record is not None and (record.pid != pid or not record.is_alive()):
                     record = None
@@ -173,6 +191,9 @@ class StacksCommand:
             try:
                 result = self._from_agent(target, args)
             except errors.DynprofError as exc:
+                gone = errors.process_gone(pid)
+                if gone is not None:
+                    raise errors.ProcessNotFound(f"process {pid} {gone} while its stacks were being read") from None
                 if args.method == "agent":
                     raise  # the agent's own error (no agent, timed out...) says it best
                 attempts.append(f"the agent could not answer: {exc.message}")
@@ -219,6 +240,10 @@ class StacksCommand:
         from collectors import stacks as st
 
         detail = "; ".join(attempts)
+        gone = errors.process_gone(pid)
+        if gone is not None:
+            # The readers' own messages ("Failed to get process executable name") say nothing useful.
+            return errors.ProcessNotFound(f"process {pid} {gone} while its stacks were being read")
         if refusal is not None:
             hint = (
                 ""
@@ -244,13 +269,20 @@ class StacksCommand:
     # -- core files ------------------------------------------------------------------------------
     def _core(self, args: argparse.Namespace) -> Any:
         import os
+        import stat
 
         from collectors import stacks as st
 
-        if not os.path.exists(args.core):
-            raise errors.DynprofError(f"no core file {args.core}")
-        if args.executable and not os.path.exists(args.executable):
-            raise errors.DynprofError(f"no executable {args.executable}")
+        for what, path in (("core file", args.core), ("executable", args.executable)):
+            if not path:
+                continue
+            try:
+                mode = os.stat(path).st_mode
+            except OSError as exc:
+                raise errors.DynprofError(f"no {what} {path}: {exc.strerror or exc}") from None
+            if not stat.S_ISREG(mode):
+                # pystack would block on a FIFO, or read a device for ever.
+                raise errors.DynprofError(f"{what} {path} is not a regular file")
         try:
             return st.capture_core(
                 args.core, args.executable, native=args.native, locals=args.locals, timeout=max(args.timeout, 120.0)

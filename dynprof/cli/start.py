@@ -22,7 +22,19 @@ import uuid
 from typing import Any
 
 from dynprof import errors
-from dynprof.cli._common import Progress, add_json, add_targets, parallel, print_json, resolve_agents
+from dynprof.cli._common import (
+    MAX_SECONDS,
+    MAX_STEP_NUMBER,
+    MAX_TRACE_STEPS,
+    Progress,
+    add_json,
+    add_targets,
+    bounded_int,
+    parallel,
+    print_json,
+    resolve_agents,
+    seconds,
+)
 from dynprof.client import AgentClient
 from dynprof.proto import pb
 from dynprof.registry import AgentRecord
@@ -41,20 +53,6 @@ def _activities(text: str) -> list[str]:
     return names
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError("must be a positive integer")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError("must be a positive number of seconds")
-    return value
-
-
 def alignment_step(statuses: list[Any], lead_s: float = ALIGN_LEAD_S) -> int:
     """A step every process reaches after the request arrives: the furthest one's step,
     plus enough steps to cover ``lead_s`` of training at the fastest process's pace."""
@@ -70,16 +68,21 @@ class StartCommand:
     def prepare_parser(self, parser: argparse.ArgumentParser) -> None:
         add_targets(parser)
         bound = parser.add_mutually_exclusive_group()
-        bound.add_argument("--steps", type=_positive_int, metavar="N", help="trace exactly N optimizer steps")
+        bound.add_argument(
+            "--steps",
+            type=bounded_int(1, MAX_TRACE_STEPS),
+            metavar="N",
+            help=f"trace exactly N optimizer steps (1..{MAX_TRACE_STEPS:,})",
+        )
         bound.add_argument(
             "--duration",
-            type=_positive_float,
+            type=seconds,
             metavar="SEC",
-            help="trace for SEC seconds (for processes without optimizer steps)",
+            help=f"trace for SEC seconds (for processes without optimizer steps; at most {MAX_SECONDS:g})",
         )
         parser.add_argument(
             "--at-step",
-            type=_positive_int,
+            type=bounded_int(1, MAX_STEP_NUMBER),
             metavar="K",
             help="start once step K has completed (step mode; default: the next boundary)",
         )
@@ -97,14 +100,14 @@ class StartCommand:
         )
         parser.add_argument(
             "--max-duration",
-            type=_positive_float,
+            type=seconds,
             metavar="SEC",
-            help="hard cap: the agent ends the trace by itself after this long (default 600)",
+            help=f"hard cap: the agent ends the trace by itself after this long (default 600, at most {MAX_SECONDS:g})",
         )
         parser.add_argument("--no-wait", action="store_true", help="return once the request is accepted")
         parser.add_argument(
             "--timeout",
-            type=_positive_float,
+            type=seconds,
             metavar="SEC",
             help="give up waiting after SEC seconds (the trace goes on and ends by itself)",
         )

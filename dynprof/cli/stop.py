@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 from dynprof import errors
-from dynprof.cli._common import Progress, add_json, add_targets, parallel, print_json, resolve_agents
+from dynprof.cli._common import Progress, add_json, add_targets, parallel, print_json, resolve_agents, seconds
 from dynprof.client import AgentClient
 from dynprof.proto import pb
 
@@ -22,7 +22,7 @@ class StopCommand:
     def prepare_parser(self, parser: argparse.ArgumentParser) -> None:
         add_targets(parser)
         parser.add_argument("--no-wait", action="store_true", help="do not wait for the artifact")
-        parser.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the artifacts")
+        parser.add_argument("--timeout", type=seconds, default=120.0, help="seconds to wait for the artifacts")
         add_json(parser)
 
     def run(self, args: argparse.Namespace) -> int:

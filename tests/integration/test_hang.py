@@ -93,3 +93,41 @@ def test_watchdog_stays_quiet_while_steps_flow_and_before_the_first_step(spawn):
     # THEN no hang was reported (neither the slow start nor the steps)
     assert _hang_artifacts() == []
     assert not any("no optimizer step" in line for line in target.lines), target.lines
+
+
+def test_watchdog_backstop_dumps_a_process_stuck_in_c_holding_the_gil(spawn, cli):
+    # GIVEN a loop that stops stepping inside a C call that holds the GIL for 6 s
+    target = spawn(
+        [
+            "-m",
+            "dynprof",
+            "run",
+            "-q",
+            "--hang-timeout",
+            "1",
+            "--",
+            "python",
+            PROGRAM,
+            "--stop-stepping-after",
+            "5",
+            "--hold-gil-seconds",
+            "6",
+            "--max-seconds",
+            "20",
+        ],
+        under_run=False,
+    )
+    target.ready_pids()
+
+    # WHEN the watchdog thread cannot run (no GIL) past the timeout
+    deadline = time.monotonic() + 30
+    while not _hang_artifacts() and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+    # THEN faulthandler's C timer dumped it (named in the artifact), inside the C call's caller
+    (art,) = _hang_artifacts()[:1]
+    stacks = json.loads((Path(art.path) / "stacks.json").read_text())
+    assert "C timer" in " ".join(stacks["notes"])
+    (main,) = [t for t in stacks["threads"] if t["main"]]
+    assert main["frames"][0]["function"] == "stuck_holding_gil"
+    assert "Timeout" in (Path(art.path) / "hang.txt").read_text()

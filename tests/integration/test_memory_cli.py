@@ -49,7 +49,7 @@ def test_memory_on_several_processes_reports_each(spawn, cli):
 
 def test_bad_arguments(cli):
     res = cli("memory", "--all", "--history-start", "0")
-    assert res.returncode == 2 and "N > 0" in res.stderr
+    assert res.returncode == 2 and "argument --history-start: 0 is out of range (1.." in res.stderr
     res = cli("memory", "--all", "--history-start", "5", "--history-stop")
     assert res.returncode == 2  # argparse: not allowed together
 

@@ -13,7 +13,7 @@ from dynprof.store import ArtifactStore
 def test_ls_json_on_an_empty_store(capsys, dynprof_dirs):
     assert main(["ls", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out == {"root": str(dynprof_dirs["artifacts"]), "artifacts": [], "writing": []}
+    assert out == {"root": str(dynprof_dirs["artifacts"]), "artifacts": [], "writing": [], "stale": [], "bad": []}
 
 
 def test_ls_and_show_an_artifact(capsys):
@@ -48,8 +48,44 @@ def test_json_errors_are_machine_readable(capsys):
         ["start", "--pid", "1", "--steps", "0"],
         ["start", "--steps", "2"],
         ["start", "--pid", "1", "--activities", "tpu"],
+        ["start", "--pid", "1", "--duration", "inf"],
+        ["start", "--pid", "1", "--duration", "nan"],
+        ["start", "--pid", "1", "--duration", "-1"],
+        ["start", "--pid", "1", "--max-duration", "inf"],
+        ["start", "--pid", "1", "--max-duration", "1e12"],
+        ["start", "--pid", "1", "--steps", "4294967296"],
+        ["start", "--pid", "1", "--at-step", str(2**64)],
+        ["start", "--pid", "1", "--at-step", "2**64"],
+        ["start", "--pid", "99999999999", "--steps", "2"],
+        ["serve", "--port", "99999"],
+        ["serve", "--port", "-1"],
+        ["serve", "--port", "0"],
+        ["ps", "--timeout", "nan"],
+        ["stop", "--all", "--timeout", "inf"],
+        ["ls", "--limit", "-3"],
     ],
-    ids=["bad-pid", "two-bounds", "zero-steps", "no-target", "bad-activity"],
+    ids=[
+        "bad-pid",
+        "two-bounds",
+        "zero-steps",
+        "no-target",
+        "bad-activity",
+        "duration-inf",
+        "duration-nan",
+        "duration-negative",
+        "max-duration-inf",
+        "max-duration-huge",
+        "steps-over-uint32",
+        "at-step-over-uint64",
+        "at-step-expression",
+        "pid-too-big",
+        "port-too-big",
+        "port-negative",
+        "port-zero",
+        "ps-timeout-nan",
+        "stop-timeout-inf",
+        "ls-limit-negative",
+    ],
 )
 def test_bad_arguments_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as exc:

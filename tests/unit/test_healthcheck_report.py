@@ -129,6 +129,27 @@ def test_prometheus_file_is_replaced_atomically(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["dynprof.prom"]
 
 
+def test_a_fifo_or_device_target_is_written_in_place_never_replaced(tmp_path):
+    # GIVEN a FIFO where the Prometheus file would go (as /dev/stdout or /dev/null would be)
+    import os
+    import stat
+    import threading
+
+    fifo = tmp_path / "out.prom"
+    os.mkfifo(fifo)
+    got: list[str] = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_text()))
+    reader.start()
+
+    # WHEN the report is written there
+    write_atomically(fifo, "a 1\n")
+    reader.join(timeout=10)
+
+    # THEN the text went through the FIFO, which is still a FIFO (not renamed over)
+    assert got == ["a 1\n"]
+    assert stat.S_ISFIFO(fifo.stat().st_mode)
+
+
 # -- host checks ------------------------------------------------------------------------------
 def test_host_decisions():
     assert check_disk("/", 100 * GIB, 50 * GIB, 10).status is Status.PASS

@@ -95,13 +95,28 @@ def test_no_options_leave_the_environment_alone():
         ["--memory-history", "many"],
         ["--host-memory-fraction", "1.5"],
         ["--host-memory-fraction", "x"],
-        ["--memory-oom-max", "-1"],
         ["--host-memory-limit", "lots"],
     ],
 )
 def test_bad_run_options_are_usage_errors(argv):
     with pytest.raises(errors.UsageError):
         _run_memory.apply(_run_args(*argv), {})
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--memory-oom-max", "-1"],
+        ["--memory-oom-max", "99999999999999999999"],
+        ["--memory-oom-interval", "nan"],
+        ["--memory-oom-interval", "-1"],
+    ],
+)
+def test_bad_run_numbers_are_refused_by_the_parser(argv, capsys):
+    with pytest.raises(SystemExit) as info:
+        _run_args(*argv)
+    assert info.value.code == 2
+    assert f"argument {argv[0]}" in capsys.readouterr().err
 
 
 def test_bad_variables_fall_back_to_defaults():

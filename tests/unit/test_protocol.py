@@ -95,3 +95,103 @@ def test_handler_failures_become_error_replies():
     assert r1.error.code == pb.INTERNAL and "nope" in r1.error.message
     r2 = server.dispatch(_request(status=pb.StatusRequest()))
     assert (r2.error.code, r2.error.message, r2.error.help) == (pb.BUSY, "busy now", "wait")
+
+
+def test_client_retries_a_full_backlog_then_says_busy(tmp_path):
+    import time
+
+    from dynprof import errors
+    from dynprof.client import AgentClient
+
+    # GIVEN a listening socket that never accepts, its backlog filled
+    path = str(tmp_path / "a.sock")
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(path)
+    listener.listen(0)
+    fillers = []
+    try:
+        while True:
+            s = socket.socket(socket.AF_UNIX)
+            s.setblocking(False)
+            try:
+                s.connect(path)
+            except BlockingIOError:
+                s.close()
+                break
+            fillers.append(s)
+        # WHEN a client asks
+        t0 = time.monotonic()
+        with pytest.raises(errors.Busy) as info:
+            AgentClient(pid=123, sock_path=path, timeout=0.5).request(ping=pb.Ping())
+        # THEN it retried for its timeout, then said why, with the "busy" exit code
+        assert 0.3 < time.monotonic() - t0 < 2
+        assert "queue stayed full" in info.value.message and info.value.exit_code == 6
+    finally:
+        for s in fillers:
+            s.close()
+        listener.close()
+
+
+def test_client_retries_a_busy_answer_for_an_unread_request(tmp_path):
+    import threading
+
+    from dynprof.client import AgentClient
+
+    # GIVEN a server that answers the first connection BUSY (request 0), then serves normally
+    path = str(tmp_path / "b.sock")
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(path)
+    listener.listen(4)
+    server = _server({"ping": lambda m: ("pong", pb.Pong(dynprof_version="v"))})
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        server._reply_error(conn, 0, pb.BUSY, "full", timeout=0.0)
+        conn.close()
+        conn, _ = listener.accept()
+        with conn:
+            send_frame(conn, server.dispatch(recv_frame(conn)).SerializeToString())
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    try:
+        # WHEN a client asks, THEN it gets the real answer on its second attempt
+        reply = AgentClient(pid=1, sock_path=path, timeout=3).request(ping=pb.Ping())
+        assert reply.pong.dynprof_version == "v"
+    finally:
+        thread.join(timeout=5)
+        listener.close()
+
+
+def test_client_noise_logs_the_first_note_then_counts():
+    import logging
+
+    from dynprof.agent._server import ClientNoise
+
+    records: list[logging.LogRecord] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    logger = logging.getLogger("dynprof.agent")
+    handler, old_level = Collect(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        # GIVEN a flood of 500 bad frames within one interval
+        noise = ClientNoise(interval=60.0)
+        for i in range(500):
+            noise.note("bad frame from a client", f"case {i}")
+        # WHEN the agent stops
+        noise.flush()
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old_level)
+    # THEN the log holds the first in full and one count for the rest, all at INFO (not the job's stderr)
+    lines = [r.getMessage() for r in records]
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("bad frame from a client: case 0")
+    assert lines[1] == "bad frame from a client: 499 more since the last note"
+    assert all(r.levelno == logging.INFO for r in records)
+    assert noise.counts["bad frame from a client"] == 500

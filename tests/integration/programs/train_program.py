@@ -31,6 +31,12 @@ def main() -> int:
         default=0,
         help="after this many steps, stop stepping and sleep (a stuck loop)",
     )
+    parser.add_argument(
+        "--hold-gil-seconds",
+        type=int,
+        default=0,
+        help="when stuck, first spend this long in a C call that holds the GIL",
+    )
     args = parser.parse_args()
 
     if args.agent_api:
@@ -54,6 +60,8 @@ def main() -> int:
     ready = False
     while time.monotonic() < deadline and (not args.max_steps or step < args.max_steps):
         if args.stop_stepping_after and step >= args.stop_stepping_after:
+            if args.hold_gil_seconds:
+                stuck_holding_gil(args.hold_gil_seconds)
             stuck_forever(deadline)
             break
         loss = torch.nn.functional.mse_loss(model(x), y)
@@ -74,6 +82,12 @@ def main() -> int:
             time.sleep(args.step_sleep)
     print(f"DONE {step}", flush=True)
     return 0
+
+
+def stuck_holding_gil(seconds: int) -> None:
+    import ctypes
+
+    ctypes.PyDLL("libc.so.6").sleep(seconds)  # a PyDLL call keeps the GIL: no Python runs meanwhile
 
 
 def stuck_forever(deadline: float) -> None:

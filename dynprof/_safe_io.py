@@ -1,0 +1,346 @@
+"""Reading untrusted artifact files safely.
+
+Every file in a store is untrusted input: whoever can write to the store (or hands over a
+directory to ``dynprof show``) controls its bytes, its names and its links. The readers here
+apply the limits that docs/security.md promises:
+
+* a file of an artifact is opened only by a plain name (no ``/``, no ``..``), relative to the
+  artifact's directory, with ``O_NOFOLLOW`` (a link is refused, never followed), and only if it
+  is a regular file; the artifact directory itself must resolve inside the store;
+* small JSON files (manifests, summaries, stack dumps) are read whole only up to a size cap and
+  parsed with a nesting-depth cap;
+* gzipped traces are decompressed as a stream with a cap on the uncompressed bytes
+  (``DYNPROF_MAX_TRACE_BYTES``), and parsed one event at a time (:func:`iter_json_document`),
+  so memory stays bounded whatever the compression ratio.
+
+Every refusal is an :class:`~dynprof.errors.ArtifactError` with a reason a person can act on.
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+import os
+import re
+import stat
+import zlib
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import IO, Any
+
+from dynprof.errors import ArtifactError
+
+MANIFEST_MAX_BYTES = 1 << 20
+"""A manifest larger than this is refused (real ones are a few KiB)."""
+JSON_MAX_BYTES = 32 << 20
+"""Other JSON files read whole (summaries, stack dumps, analyses)."""
+JSON_MAX_VALUES = 1_000_000
+"""At most this many JSON values in a file read whole (bounded from the count of ``,``, ``[``
+and ``{``): ``[{},{},...]`` costs ~70 bytes of memory per 3 bytes of file."""
+TEXT_MAX_BYTES = 64 << 20
+"""Text files shown whole (stack.txt, memory_summary.txt)."""
+JSON_MAX_DEPTH = 64
+"""Nesting depth cap of every JSON document dynprof reads (real ones nest < 12 deep)."""
+DEFAULT_MAX_TRACE_BYTES = 2 << 30
+"""Uncompressed bytes of one trace read at most (``DYNPROF_MAX_TRACE_BYTES`` overrides)."""
+STREAM_VALUE_MAX_BYTES = 16 << 20
+"""One value of a streamed document (one trace event, or one top-level field) at most."""
+_CHUNK = 1 << 20
+_WS = re.compile(r"[ \t\r\n]*")
+
+
+def max_trace_bytes() -> int:
+    """The cap on a trace's uncompressed size: ``DYNPROF_MAX_TRACE_BYTES`` (bytes, or 4G, 512M...)."""
+    env = os.environ.get("DYNPROF_MAX_TRACE_BYTES")
+    if not env:
+        return DEFAULT_MAX_TRACE_BYTES
+    from dynprof.store import parse_size
+
+    return max(1, parse_size(env))
+
+
+# -- names and paths ----------------------------------------------------------------------------
+def check_name(name: object) -> str:
+    """``name`` if it is a plain file name inside a directory, else :class:`ArtifactError`."""
+    if (
+        not isinstance(name, str)
+        or name in ("", ".", "..")
+        or "/" in name
+        or "\x00" in name
+        or len(name.encode("utf-8", "surrogateescape")) > 255
+    ):
+        raise ArtifactError(f"refused file name {str(name)[:80]!r}: not a plain name inside the artifact")
+    return name
+
+
+def is_inside(root: Path | str, path: Path | str) -> bool:
+    """Whether ``path``, with every link resolved, is ``root`` itself or lies under it."""
+    real_root = os.path.realpath(root)
+    real = os.path.realpath(path)
+    return real == real_root or real.startswith(real_root.rstrip("/") + "/")
+
+
+def open_in(directory: Path | str, name: str) -> IO[bytes]:
+    """Open ``directory/name`` for reading: a plain name, never through a link, a regular file."""
+    check_name(name)
+    try:
+        dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise ArtifactError(f"cannot open {directory}: {exc.strerror}") from None
+    try:
+        # O_NONBLOCK: a FIFO put in place of a file must not block the reader forever.
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dfd)
+    except FileNotFoundError:
+        raise ArtifactError(f"{name}: no such file in {directory}") from None
+    except OSError as exc:
+        if os.path.islink(os.path.join(directory, name)):
+            raise ArtifactError(f"{name} in {directory} is a symbolic link: refused") from None
+        raise ArtifactError(f"cannot open {name} in {directory}: {exc.strerror}") from None
+    finally:
+        os.close(dfd)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ArtifactError(f"{name} in {directory} is not a regular file: refused")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def stat_in(directory: Path | str, name: str) -> os.stat_result:
+    """``fstat`` of an artifact file opened as :func:`open_in` does (so never of a link's target)."""
+    with open_in(directory, name) as fh:
+        return os.fstat(fh.fileno())
+
+
+def read_bytes_in(directory: Path | str, name: str, max_bytes: int) -> bytes:
+    """The whole file, refused when it is larger than ``max_bytes``."""
+    with open_in(directory, name) as fh:
+        size = os.fstat(fh.fileno()).st_size
+        if size > max_bytes:
+            raise ArtifactError(f"{name} in {directory} is {size} bytes, over the {max_bytes}-byte limit: refused")
+        data = fh.read(max_bytes + 1)
+    if len(data) > max_bytes:  # grew while we read it
+        raise ArtifactError(f"{name} in {directory} is over the {max_bytes}-byte limit: refused")
+    return data
+
+
+def read_text_in(directory: Path | str, name: str, max_bytes: int = TEXT_MAX_BYTES) -> str:
+    return read_bytes_in(directory, name, max_bytes).decode("utf-8", "replace")
+
+
+# -- JSON with limits ---------------------------------------------------------------------------
+def json_depth_exceeds(obj: Any, max_depth: int) -> bool:
+    """Whether ``obj`` nests deeper than ``max_depth`` containers (iterative: no recursion)."""
+    stack: list[tuple[Any, int]] = [(obj, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, dict):
+            children: Iterable[Any] = value.values()
+        elif isinstance(value, list):
+            children = value
+        else:
+            continue
+        if depth > max_depth:
+            return True
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+    return False
+
+
+def loads_json(data: bytes | str, what: str, max_depth: int = JSON_MAX_DEPTH) -> Any:
+    """Parse JSON text with a depth cap; any malformed input is an :class:`ArtifactError`."""
+    try:
+        obj = json.loads(data)
+    except RecursionError:
+        raise ArtifactError(f"{what}: JSON nested too deeply: refused") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ArtifactError(f"{what}: not valid JSON ({str(exc)[:120]})") from None
+    if json_depth_exceeds(obj, max_depth):
+        raise ArtifactError(f"{what}: JSON nested deeper than {max_depth} levels: refused")
+    return obj
+
+
+def read_json_in(
+    directory: Path | str, name: str, max_bytes: int = JSON_MAX_BYTES, max_depth: int = JSON_MAX_DEPTH
+) -> Any:
+    data = read_bytes_in(directory, name, max_bytes)
+    values = data.count(b",") + data.count(b"[") + data.count(b"{")
+    if values > JSON_MAX_VALUES:
+        raise ArtifactError(f"{name} in {directory} holds over {JSON_MAX_VALUES} JSON values: refused")
+    return loads_json(data, f"{name} in {directory}", max_depth)
+
+
+# -- bounded decompression ----------------------------------------------------------------------
+def iter_decompressed(fh: IO[bytes], max_bytes: int, what: str = "file") -> Iterator[bytes]:
+    """The bytes of ``fh``, gunzipped when they are gzip, in chunks; stops with an
+    :class:`ArtifactError` as soon as more than ``max_bytes`` come out (a gzip bomb costs at
+    most one chunk of memory and the time to inflate ``max_bytes``)."""
+    head = fh.read(2)
+    total = 0
+    if head != b"\x1f\x8b":  # plain (uncompressed) JSON
+        block = head
+        while block:
+            total += len(block)
+            if total > max_bytes:
+                raise ArtifactError(f"{what} is over the {max_bytes}-byte limit: refused")
+            yield block
+            block = fh.read(_CHUNK)
+        return
+    pending = head
+    dec = zlib.decompressobj(16 + zlib.MAX_WBITS)
+    try:
+        while True:
+            if not pending:
+                pending = fh.read(_CHUNK)
+                if not pending:
+                    if not dec.eof:
+                        raise ArtifactError(f"{what} is truncated: the gzip stream ends early")
+                    return
+            out = dec.decompress(pending, _CHUNK)
+            pending = dec.unconsumed_tail
+            if out:
+                total += len(out)
+                if total > max_bytes:
+                    raise ArtifactError(
+                        f"{what} inflates to more than {max_bytes} bytes: refused "
+                        "(raise DYNPROF_MAX_TRACE_BYTES if it is a real trace)"
+                    )
+                yield out
+            if dec.eof:  # another gzip member may follow
+                rest = dec.unused_data + pending
+                dec = zlib.decompressobj(16 + zlib.MAX_WBITS)
+                pending = rest
+                if not rest:
+                    more = fh.read(_CHUNK)
+                    if not more:
+                        return
+                    pending = more
+    except zlib.error as exc:
+        raise ArtifactError(f"{what} is not a readable gzip file: {exc}") from None
+
+
+# -- streaming JSON -----------------------------------------------------------------------------
+class _TextStream:
+    """UTF-8 text over byte chunks, with a window that drops what was consumed."""
+
+    def __init__(self, chunks: Iterator[bytes], what: str) -> None:
+        self.chunks = chunks
+        self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self.buf = ""
+        self.pos = 0
+        self.eof = False
+        self.what = what
+
+    def fill(self, at_least: int = 1) -> bool:
+        """Read until ``at_least`` more characters are buffered past :attr:`pos`, or EOF."""
+        if self.pos > _CHUNK:
+            self.buf = self.buf[self.pos :]
+            self.pos = 0
+        want = len(self.buf) - self.pos + at_least
+        parts = [self.buf]
+        have = len(self.buf) - self.pos
+        while have < want and not self.eof:
+            chunk = next(self.chunks, None)
+            if chunk is None:
+                self.eof = True
+                parts.append(self.decoder.decode(b"", final=True))
+                break
+            text = self.decoder.decode(chunk)
+            parts.append(text)
+            have += len(text)
+        self.buf = "".join(parts)
+        return len(self.buf) > self.pos
+
+    def skip_ws(self) -> str:
+        """The next non-space character (not consumed); ``""`` at the end."""
+        while True:
+            end = _WS.match(self.buf, self.pos)
+            self.pos = end.end() if end else self.pos
+            if self.pos < len(self.buf):
+                return self.buf[self.pos]
+            if not self.fill(_CHUNK):
+                return ""
+
+    def expect(self, char: str) -> None:
+        if self.skip_ws() != char:
+            got = self.buf[self.pos : self.pos + 20] or "the end of the file"
+            raise ArtifactError(f"{self.what}: expected {char!r} in the JSON, found {got!r}")
+        self.pos += 1
+
+    def value(self, decoder: json.JSONDecoder, max_chars: int, check_depth: bool = True) -> Any:
+        """Decode one JSON value, growing the window until it is complete (at most ``max_chars``)."""
+        self.skip_ws()
+        while True:
+            try:
+                obj, end = decoder.raw_decode(self.buf, self.pos)
+            except RecursionError:
+                raise ArtifactError(f"{self.what}: JSON nested too deeply: refused") from None
+            except ValueError:
+                end = -1
+                obj = None
+            # A value that ends exactly at the window's end may be cut (a number), so it counts
+            # only when something follows it or the file has ended.
+            if end != -1 and (end < len(self.buf) or self.eof):
+                if end - self.pos > max_chars:
+                    raise ArtifactError(f"{self.what}: one JSON value is over {max_chars} characters: refused")
+                if check_depth and json_depth_exceeds(obj, JSON_MAX_DEPTH):
+                    raise ArtifactError(f"{self.what}: JSON nested deeper than {JSON_MAX_DEPTH} levels: refused")
+                self.pos = end
+                return obj
+            if self.eof:
+                raise ArtifactError(f"{self.what}: malformed or truncated JSON")
+            pending = len(self.buf) - self.pos
+            if pending > max_chars:
+                raise ArtifactError(f"{self.what}: one JSON value is over {max_chars} characters: refused")
+            self.fill(max(pending, _CHUNK))
+
+
+def iter_json_document(
+    chunks: Iterator[bytes],
+    stream_keys: Iterable[str],
+    what: str,
+    max_value_chars: int = STREAM_VALUE_MAX_BYTES,
+) -> Iterator[tuple[str, Any, bool]]:
+    """Parse a top-level JSON object piece by piece: yields ``(key, value, False)`` for each
+    field, except that the elements of an array under one of ``stream_keys`` come one at a
+    time as ``(key, element, True)``. No value larger than ``max_value_chars`` is built, and
+    memory holds one value at a time (plus a window of the text)."""
+    streamed = set(stream_keys)
+    decoder = json.JSONDecoder()
+    text = _TextStream(chunks, what)
+    text.expect("{")
+    if text.skip_ws() == "}":
+        text.pos += 1
+        return
+    while True:
+        key = text.value(decoder, 1 << 16)
+        if not isinstance(key, str):
+            raise ArtifactError(f"{what}: malformed JSON object (a key that is not a string)")
+        text.expect(":")
+        if key in streamed and text.skip_ws() == "[":
+            text.pos += 1
+            if text.skip_ws() == "]":
+                text.pos += 1
+            else:
+                while True:
+                    # Elements are checked for depth only by the parser's own recursion limit:
+                    # walking each of millions of events again would double the cost.
+                    yield key, text.value(decoder, max_value_chars, check_depth=False), True
+                    sep = text.skip_ws()
+                    text.pos += 1
+                    if sep == "]":
+                        break
+                    if sep != ",":
+                        raise ArtifactError(f"{what}: malformed JSON array under {key!r}")
+        else:
+            yield key, text.value(decoder, max_value_chars), False
+        sep = text.skip_ws()
+        text.pos += 1
+        if sep == "}":
+            break
+        if sep != ",":
+            raise ArtifactError(f"{what}: malformed JSON object")
+    if text.skip_ws() != "":
+        raise ArtifactError(f"{what}: unexpected data after the JSON document")

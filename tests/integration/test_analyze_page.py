@@ -1,0 +1,124 @@
+"""The web page of an analysis artifact, served by a real `dynprof serve`, and rendered by a
+real headless Chromium where one is installed: Debian's (`apt-get install chromium`) on the
+PATH as `chromium`, or the binary named by DYNPROF_TEST_CHROMIUM. The Chromium test is skipped
+without one (CI does not install it)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from dynprof.cli import main
+
+TRACES = Path(__file__).resolve().parents[1] / "unit" / "data" / "traces"
+
+
+def _chromium() -> str | None:
+    return os.environ.get("DYNPROF_TEST_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.fixture
+def analysis_page(dynprof_dirs, tmp_path, capsys) -> Iterator[str]:
+    """The URL (with its token) of the page of an analysis of a recorded 2-rank job, served
+    by `dynprof serve`."""
+    shutil.copytree(TRACES / "slow1", dynprof_dirs["artifacts"], dirs_exist_ok=True)
+    assert main(["analyze", "--job", "fixture-slow1"]) == 0
+    art_id = re.search(r"saved as (\S+)", capsys.readouterr().out).group(1)  # type: ignore[union-attr]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    token = "analysis-page-test-token-0123"
+    token_file = tmp_path / "token"
+    token_file.write_text(token)
+    token_file.chmod(0o600)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "dynprof", "serve", "--port", str(port), "--token-file", str(token_file)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    url = f"http://127.0.0.1:{port}/artifact/{art_id}?token={token}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                urllib.request.urlopen(url, timeout=2).read()
+                break
+            except OSError:
+                if time.monotonic() > deadline or server.poll() is not None:
+                    raise AssertionError("dynprof serve did not answer") from None
+                time.sleep(0.2)
+        yield url
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+
+
+def test_sidecar_serves_the_charts_inline(analysis_page):
+    # WHEN the page is fetched over HTTP
+    with urllib.request.urlopen(analysis_page, timeout=10) as resp:
+        page = resp.read().decode()
+
+    # THEN it holds both charts inline, nothing to load from elsewhere
+    assert page.count("<svg") == 2
+    assert "class='seg outside_ops'" in page and "class='lane cpu_wait'" in page
+    assert "<script" not in page and "src=" not in page
+
+
+def _headless(url: str, *extra: str, timeout: float = 90) -> subprocess.CompletedProcess[str]:
+    profile = tempfile.mkdtemp(prefix="dp-chromium-")
+    try:
+        return subprocess.run(
+            [
+                str(_chromium()),
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--no-first-run",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+                f"--user-data-dir={profile}",
+                *extra,
+                url,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+    finally:
+        shutil.rmtree(profile, ignore_errors=True)
+
+
+@pytest.mark.skipif(
+    _chromium() is None,
+    reason="no Chromium here: install Debian's (apt-get install chromium) or set DYNPROF_TEST_CHROMIUM",
+)
+def test_chromium_draws_the_analysis_page_offline(analysis_page, tmp_path):
+    # WHEN headless Chromium loads the page (no network beyond the sidecar)
+    dom = _headless(analysis_page, "--dump-dom")
+    shot = tmp_path / "page.png"
+    shot_run = _headless(analysis_page, f"--screenshot={shot}", "--window-size=1000,1400")
+
+    # THEN the rendered DOM holds both SVG charts, a bar segment per rank for the time outside
+    # operators, the timeline lanes, the verdict, and no script; and a screenshot is drawn
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    html = dom.stdout
+    assert html.count("<svg") == 2, html[:2000]
+    assert len(re.findall(r"class=\"seg outside_ops\"", html)) == 2
+    assert re.search(r"class=\"lane cpu_wait\"", html)
+    assert "Straggler: rank 1" in html
+    assert "<script" not in html
+    assert shot_run.returncode == 0, shot_run.stderr[-2000:]
+    assert shot.exists() and shot.stat().st_size > 10_000
