@@ -10,7 +10,8 @@ after the other. A job killed by a signal is counted as a crash and started agai
 every trace gets a new job. For each case the table gives: runs, crashes (the job died of a
 signal), traces complete, refused with a clear error (non-zero exit, no traceback; or, for a job
 with its own profiler, a trace given up or cut short with a reason naming that profiler), and
-failed (anything else: a failed or partial artifact, a traceback, no answer); for duration mode also the
+failed (anything else: a failed or partial artifact, a traceback, no answer, or a refusal that
+blames a profiler of the job's own on a job that runs none); for duration mode also the
 training thread's pause to stop the profiler (`training_thread_pause_ms` of the manifest) and
 the requested vs profiled seconds (`profiled_s`). Exits 1 if any job crashed.
 
@@ -52,6 +53,7 @@ class Case:
     needs: tuple[str, ...] = ()
     crash_prone: bool = True
     takes_device: bool = False  # the program has --device (run on CUDA with --device cuda)
+    own_profiler: bool = False  # the job runs its own torch.profiler: dynprof may stand back for it
 
 
 HF = ("transformers", "accelerate")
@@ -62,8 +64,8 @@ CASES = [
     # step mode with the optimizer stepped from post-accumulate-grad hooks (inside backward)
     Case("optinbwd-steps", "opt_in_backward_program.py", (), "steps"),
     # a job that runs its own torch.profiler
-    Case("ownprof-steps", "own_profiler_program.py", (), "steps", takes_device=True),
-    Case("ownprof-duration", "own_profiler_program.py", (), "duration", takes_device=True),
+    Case("ownprof-steps", "own_profiler_program.py", (), "steps", takes_device=True, own_profiler=True),
+    Case("ownprof-duration", "own_profiler_program.py", (), "duration", takes_device=True, own_profiler=True),
     # FSDP2 on gloo, two ranks
     Case("fsdp2-duration", "dist_program.py", ("--mode", "fsdp2"), "duration", ranks=2),
     # duration mode on the other framework loops: stop pause and requested vs profiled seconds
@@ -225,7 +227,11 @@ def _yielded(result: dict[str, Any]) -> bool:
         return False
     if _stopped_by(result) == "stopped by job-profiler":
         return True
-    text = str(result.get("error") or "").lower()
+    return _names_a_job_profiler(str(result.get("error") or ""))
+
+
+def _names_a_job_profiler(text: str) -> bool:
+    text = text.lower()
     return "profiler" in text and ("by the job" in text or "job started its own" in text or "job's own" in text)
 
 
@@ -262,6 +268,10 @@ def trace_once(case: Case, job: Job, env: dict[str, str], duration: float, tally
         results = json.loads(proc.stdout)["results"]
     except (ValueError, KeyError, TypeError):
         results = None
+    if not case.own_profiler and _names_a_job_profiler(proc.stdout + proc.stderr):
+        tally.failed += 1  # this job runs no profiler of its own: dynprof's refusal is wrong
+        tally.reasons["failed: claims a job profiler the job does not run: " + _short(proc.stderr or proc.stdout)] += 1
+        return
     if results is None:
         if proc.returncode != 0 and "Traceback" not in proc.stderr:
             tally.refused += 1
