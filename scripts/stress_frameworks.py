@@ -48,7 +48,7 @@ class Case:
     name: str
     program: str
     args: tuple[str, ...]
-    mode: str  # "steps" or "duration"
+    mode: str  # "steps", "duration", or "steps+duration" (a step-mode trace, then a duration-mode one)
     ranks: int = 1
     needs: tuple[str, ...] = ()
     crash_prone: bool = True
@@ -80,6 +80,8 @@ CASES = [
     ),
     Case("ddp-duration", "dist_program.py", ("--mode", "ddp"), "duration", ranks=2, crash_prone=False),
     Case("amp-duration", "amp_program.py", (), "duration", crash_prone=False),
+    # a step-mode trace, then at once a duration-mode trace, in an autocast + GradScaler loop
+    Case("amp-steps-duration", "amp_program.py", (), "steps+duration"),
 ]
 
 
@@ -237,19 +239,27 @@ def _names_a_job_profiler(text: str) -> bool:
 
 def trace_once(case: Case, job: Job, env: dict[str, str], duration: float, tally: Tally) -> None:
     sel = ",".join(map(str, job.pids))
-    bound = ["--steps", "3"] if case.mode == "steps" else ["--duration", f"{duration:g}"]
+    bounds = {
+        "steps": [["--steps", "3"]],
+        "duration": [["--duration", f"{duration:g}"]],
+        "steps+duration": [["--steps", "3"], ["--duration", f"{duration:g}"]],
+    }[case.mode]
     tally.runs += 1
-    try:
-        proc = subprocess.run(
-            [sys.executable, "-m", "dynprof", "start", "--pid", sel, *bound, "--json", "--timeout", "90"],
-            capture_output=True,
-            text=True,
-            env=env,
-            cwd=str(ROOT),
-            timeout=150,
-        )
-    except subprocess.TimeoutExpired:
-        proc = None
+    proc: subprocess.CompletedProcess[str] | None = None
+    for bound in bounds:  # one after the other; the run's outcome is the first that is not complete
+        try:
+            proc = subprocess.run(
+                [sys.executable, "-m", "dynprof", "start", "--pid", sel, *bound, "--json", "--timeout", "90"],
+                capture_output=True,
+                text=True,
+                env=env,
+                cwd=str(ROOT),
+                timeout=150,
+            )
+        except subprocess.TimeoutExpired:
+            proc = None
+        if proc is None or proc.returncode != 0 or job.proc.poll() is not None:
+            break
     time.sleep(0.5)  # a crash at the profiler's stop or export shows a moment after the reply
     sig = job.dead_signal()
     if sig:
@@ -292,7 +302,7 @@ def trace_once(case: Case, job: Job, env: dict[str, str], duration: float, tally
     tally.complete += 1
     for r in results:
         summary = json.loads((Path(r["artifact"]) / "manifest.json").read_text()).get("summary", {})
-        if case.mode == "duration":
+        if bounds[-1][0] == "--duration":
             tally.pauses_ms.append(float(summary.get("training_thread_pause_ms", float("nan"))))
             tally.profiled_s.append(float(summary.get("profiled_s", float("nan"))))
 
@@ -397,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
                     "signals": dict(tally.signals),
                     "pause_ms": tally.pauses_ms,
                     "profiled_s": tally.profiled_s,
-                    "requested_s": args.duration if case.mode == "duration" else None,
+                    "requested_s": args.duration if case.mode.endswith("duration") else None,
                     "reasons": dict(tally.reasons),
                     "wall_s": round(time.monotonic() - t0, 1),
                 }
@@ -414,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
     print(head)
     print("-" * len(head))
     for r in rows:
-        timing = r["mode"] == "duration"
+        timing = r["mode"].endswith("duration")
         prof = f"{_stat(r['profiled_s'], '{:.2f}')} ({r['requested_s']:g})" if timing else "-"
         print(
             f"{r['case']:20} {r['runs']:>4} {r['crashes']:>5} {r['complete']:>5} {r['refused']:>5} {r['failed']:>4}  "
