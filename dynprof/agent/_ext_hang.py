@@ -103,15 +103,15 @@ class HangWatchdog:
             self._file = open(self._file_path, "w")  # kept open: faulthandler writes into it
         return self._file
 
-    def _close_file(self, remove_if_empty: bool = False) -> None:
+    def _close_file(self, remove_if_empty: bool = False, remove: bool = False) -> None:
         fh, path = self._file, self._file_path
         self._file = None
         if fh is not None:
             with contextlib.suppress(OSError):
                 fh.close()
-            if remove_if_empty and path is not None:
+            if (remove_if_empty or remove) and path is not None:
                 with contextlib.suppress(OSError):
-                    if path.stat().st_size == 0:
+                    if remove or path.stat().st_size == 0:
                         path.unlink()
 
     def _arm(self, seconds: float) -> None:
@@ -155,31 +155,33 @@ class HangWatchdog:
                 log.info("steps flow again (step %d) after a stall; the watchdog re-arms", steps.step)
                 self._dumps_this_stall = 0
             self._next_dump_at = 0.0
-            if progress:
-                self._arm(self.timeout_s)  # restarts the C backstop from now
-                self.state = "armed"
-            elif self.first_step_timeout_s:
-                self._arm(self.first_step_timeout_s)
-                self.state = "armed (first step)"
-            return
+            self.state = "armed" if progress else self.state
+        limit = self.timeout_s if progress else self.first_step_timeout_s
         if self._c_timer_fired():
-            # The monitor could not run in time: a thread held the GIL in C. Use the C dump.
+            # This thread could not run in time: a thread held the GIL in C. The C timer's dump
+            # counts only if the process really made no progress for the timeout.
             time.sleep(0.05)  # let faulthandler finish writing
             self._armed_for = 0.0
-            self._dumped(now, from_c_timer=True)
+            if limit and now - self._progress_at >= limit and self._dumps_this_stall < 2:
+                self._dumped(now, from_c_timer=True)
+            else:
+                log.info("faulthandler's backstop fired while steps were flowing (or before the first); discarded")
+                self._close_file(remove=True)
+        elif limit and self._dumps_this_stall < 2 and now >= (self._next_dump_at or self._progress_at + limit):
+            # This thread holds the GIL here: the other threads' frames are stable while it reads.
+            self._disarm()
+            fh = self._open_file()
+            faulthandler.dump_traceback(file=fh, all_threads=True)
+            fh.flush()
+            self._dumped(now, from_c_timer=False)
+        if self._dumps_this_stall >= 2:
+            self._disarm()
             return
-        limit = self.timeout_s if progress else self.first_step_timeout_s
-        if not limit:
-            return
-        due = self._next_dump_at or (self._progress_at + limit)
-        if now < due or self._dumps_this_stall >= 2:
-            return
-        # This thread holds the GIL here: the other threads' frames are stable while it reads.
-        self._disarm()
-        fh = self._open_file()
-        faulthandler.dump_traceback(file=fh, all_threads=True)
-        fh.flush()
-        self._dumped(now, from_c_timer=False)
+        # Dead man's switch: faulthandler's C timer fires only if this thread cannot run again
+        # until grace seconds after the next dump is due (or after a timeout from now, before
+        # the first step is seen: steps may have come and the GIL been taken since this check).
+        due = (self._next_dump_at or self._progress_at + limit) if limit else now + self.timeout_s
+        self._arm(max(0.0, due - now))
 
     def _dumped(self, now: float, from_c_timer: bool) -> None:
         self._dumps_this_stall += 1
@@ -188,12 +190,10 @@ class HangWatchdog:
         if path is not None:
             self._register(path, self.agent.steps.step, from_c_timer)
         if self._dumps_this_stall == 1 and len(self.artifacts) < MAX_ARTIFACTS:
-            second = self.timeout_s * SECOND_DUMP_FACTOR
-            self._next_dump_at = now + second
-            self._arm(second)
+            self._next_dump_at = now + self.timeout_s * SECOND_DUMP_FACTOR
             self.state = "stalled; second dump armed"
         else:
-            self._disarm()
+            self._dumps_this_stall = 2
             self.state = "stalled; dumped"
 
     def _register(self, dump: Path, step: int, from_c_timer: bool = False) -> None:
