@@ -57,6 +57,7 @@ def main() -> int:
         if stop.item() > 0:
             break
     pacer.done()
+    dist.barrier()  # both ranks are done with their collectives before gloo is torn down
     dist.destroy_process_group()
     return 0
 
