@@ -78,6 +78,10 @@ class TraceController:
         self._export_thread: threading.Thread | None = None
         self._stop_deferred = False
         self._deferred_reason = ""  # why the pending start or stop waits (logged once per reason)
+        # True while this controller starts or stops the profiler. The lock is re-entrant, and
+        # torch runs Python inside start/stop, where CPython may run a pending call of ours on
+        # the same thread: such a nested entry must not start or stop a second time.
+        self._transitioning = False
         WATCH.on_foreign_prepare = self._on_foreign_profiler
 
     # -- protocol handlers (server thread) -------------------------------------------------
@@ -238,7 +242,18 @@ class TraceController:
 
         Returns False (and changes nothing) when this moment is not safe; the caller retries.
         """
+        if self._transitioning:
+            return False
+        self._transitioning = True
+        try:
+            return self._begin_unguarded(first_step)
+        finally:
+            self._transitioning = False
+
+    def _begin_unguarded(self, first_step: int | None) -> bool:
         reason = unsafe_reason()
+        if self.state != "armed":
+            return True  # something ran meanwhile (on this thread) and took the request on
         if reason is not None:
             if reason == "another torch.profiler is active":
                 self._reset_to_idle(_profiler_active_error().message)
@@ -266,6 +281,8 @@ class TraceController:
 
     def _on_boundary(self, step: int) -> None:
         with self._lock:
+            if self._transitioning:
+                return
             if self.state == "armed":
                 if step >= self.start_step and not self._begin(first_step=step + 1):
                     self._retry_on_main_thread(self._start_at_safe_point)
@@ -321,6 +338,9 @@ class TraceController:
         """On the main thread: start an armed trace whose start is due (duration mode, or a
         step-mode start that landed somewhere unsafe)."""
         with self._lock:
+            if self._transitioning:
+                self._retry_on_main_thread(self._start_at_safe_point)
+                return
             if self.state != "armed":
                 return
             due = self.start_step == 0 or self.steps.step >= self.start_step
@@ -335,6 +355,9 @@ class TraceController:
 
     def _stop_at_safe_point(self) -> None:
         with self._lock:
+            if self._transitioning:
+                self._retry_on_main_thread(self._stop_at_safe_point)
+                return
             if self.state != "tracing" or self.session is None or not self.stop_requested:
                 return
             if self.session.thread_id != threading.get_ident():
@@ -372,7 +395,7 @@ class TraceController:
     def _on_foreign_profiler(self) -> None:
         """The job is starting its own profiler: end dynprof's trace first (the job wins)."""
         with self._lock:
-            if self.state != "tracing" or self.session is None:
+            if self.state != "tracing" or self.session is None or self._transitioning:
                 return
             if self.session.thread_id == threading.get_ident():
                 log.warning("the job started its own torch.profiler: dynprof's trace ends here (partial)")
@@ -398,6 +421,15 @@ class TraceController:
 
     def _end(self, why: str) -> None:
         """Stop the profiler on the tracing thread and hand the export to a worker thread."""
+        if self._transitioning:
+            return
+        self._transitioning = True
+        try:
+            self._end_unguarded(why)
+        finally:
+            self._transitioning = False
+
+    def _end_unguarded(self, why: str) -> None:
         session = self.session
         assert session is not None
         self.steps.remove_listener(self._on_boundary)
