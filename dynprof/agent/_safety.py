@@ -111,13 +111,20 @@ class ProfilerWatch:
         self.on_foreign_prepare: Callable[[], None] | None = None
         self._foreign: weakref.WeakSet[Any] = weakref.WeakSet()
         self._ours: weakref.WeakSet[Any] = weakref.WeakSet()
+        # The job's torch.profiler.profile objects between start() and stop(), in any phase of
+        # their schedule: while one waits out its "wait" steps it records nothing, yet its
+        # ProfilerStep ranges would land in a dynprof trace and its next warm-up would end it.
+        self._sessions: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._own_sessions: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._sessions_watched = False
         self._starting_ours = False
         self._lock = threading.Lock()
         self.installed = False
 
     def install(self) -> bool:
-        """Wrap the two methods (once). Returns whether the watch is in place."""
+        """Wrap the methods (once each). Returns whether the watch is in place."""
         with self._lock:
+            self._watch_sessions()
             if self.installed:
                 return True
             autograd_profiler = sys.modules.get("torch.autograd.profiler")
@@ -147,6 +154,42 @@ class ProfilerWatch:
             log.info("watching torch.profiler for the job's own profilers")
             return True
 
+    def _watch_sessions(self) -> None:
+        """Wrap ``torch.profiler.profile.start``/``stop`` to know the job's profilers in use."""
+        if self._sessions_watched:
+            return
+        module = sys.modules.get("torch.profiler.profiler")
+        cls: Any = getattr(module, "profile", None)
+        start = getattr(cls, "start", None) if cls is not None else None
+        stop = getattr(cls, "stop", None) if cls is not None else None
+        if cls is None or start is None or stop is None:
+            return
+        watch = self
+
+        def start_wrapper(prof: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                (watch._own_sessions if watch._starting_ours else watch._sessions).add(prof)
+            except Exception:
+                log.exception("noting the job's own profiler failed")
+            return start(prof, *args, **kwargs)
+
+        def stop_wrapper(prof: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return stop(prof, *args, **kwargs)
+            finally:
+                try:
+                    watch._sessions.discard(prof)
+                    watch._own_sessions.discard(prof)
+                except Exception:
+                    log.exception("noting the end of a profiler failed")
+
+        for wrapper, original in ((start_wrapper, start), (stop_wrapper, stop)):
+            functools.update_wrapper(wrapper, original)
+            setattr(wrapper, "_dynprof_watch", True)  # noqa: B010
+        cls.start = start_wrapper
+        cls.stop = stop_wrapper
+        self._sessions_watched = True
+
     @contextlib.contextmanager
     def ours(self) -> Iterator[None]:
         """Profilers prepared on this thread inside this block are dynprof's own."""
@@ -157,7 +200,7 @@ class ProfilerWatch:
             self._starting_ours = False
 
     def foreign_active(self) -> bool:
-        return len(self._foreign) > 0
+        return len(self._foreign) > 0 or len(self._sessions) > 0
 
     def _prepared(self, prof: Any) -> None:
         try:
