@@ -238,9 +238,10 @@ class Agent:
     def _on_torch_imported(self) -> None:
         """torch.optim was just imported (so torch is): record torch's version, and watch for
         the job's own profilers (see ``_safety.ProfilerWatch``)."""
-        from dynprof.agent._safety import WATCH
+        from dynprof.agent._safety import WATCH, watch_when_imported
 
         WATCH.install()
+        watch_when_imported()  # torch.profiler may be imported later than torch.optim
         self._update_record()
 
     def _update_record(self) -> None:

@@ -223,3 +223,20 @@ class ProfilerWatch:
 
 
 WATCH = ProfilerWatch()
+
+
+PROFILER_MODULE = "torch.profiler.profiler"
+
+
+def watch_when_imported() -> None:
+    """Complete the watch as soon as the job imports torch.profiler (now, if it has)."""
+    if PROFILER_MODULE in sys.modules:
+        WATCH.install()
+        return
+    from dynprof.agent._steps import _PostImportFinder
+
+    def install(_module: Any) -> None:
+        WATCH.install()
+
+    if not any(isinstance(f, _PostImportFinder) and f.name == PROFILER_MODULE for f in sys.meta_path):
+        sys.meta_path.insert(0, _PostImportFinder(PROFILER_MODULE, install))

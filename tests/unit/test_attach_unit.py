@@ -75,9 +75,12 @@ def test_remote_debugging_disabled_is_detected():
 def test_payload_binds_nothing_in_main_and_reports(tmp_path):
     # GIVEN a payload whose bootstrap cannot import dynprof (no home, a bare sys.path)
     source = bootstrap_source(str(tmp_path), "", {}, "test")
+    import dynprof
+
+    checkout = os.path.dirname(os.path.dirname(os.path.abspath(dynprof.__file__)))
     code = (
-        "import sys, time\n"
-        "sys.path[:] = [p for p in sys.path if 'site-packages' not in p and 'wt-' not in p and 'work' not in p]\n"
+        "import os, sys, time\n"
+        f"sys.path[:] = [p for p in sys.path if 'site-packages' not in p and os.path.abspath(p) != {checkout!r}]\n"
         "before = set(globals())\n"
         f"exec({payload(source)!r}, globals())\n"
         "after = set(globals())\n"
