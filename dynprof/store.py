@@ -179,6 +179,14 @@ def validate_manifest(manifest: Any) -> dict[str, Any]:
     return manifest
 
 
+def _id_under(path: Path, root: Path | None) -> str:
+    """An artifact's id: its path under the store's root (the full path outside it)."""
+    if root is not None:
+        with contextlib.suppress(ValueError):
+            return str(path.relative_to(root))
+    return str(path)
+
+
 @dataclass
 class BadArtifact:
     """A directory in the store whose manifest could not be used, and why."""
@@ -189,10 +197,7 @@ class BadArtifact:
 
     @property
     def id(self) -> str:
-        if self.root is not None:
-            with contextlib.suppress(ValueError):
-                return str(self.path.relative_to(self.root))
-        return str(self.path)
+        return _id_under(self.path, self.root)
 
 
 @dataclass
@@ -208,10 +213,7 @@ class TempDir:
 
     @property
     def id(self) -> str:
-        if self.root is not None:
-            with contextlib.suppress(ValueError):
-                return str(self.path.relative_to(self.root))
-        return str(self.path)
+        return _id_under(self.path, self.root)
 
     @property
     def kind(self) -> str:
@@ -233,10 +235,7 @@ class Artifact:
 
     @property
     def id(self) -> str:
-        if self.root is not None:
-            with contextlib.suppress(ValueError):
-                return str(self.path.relative_to(self.root))
-        return str(self.path)
+        return _id_under(self.path, self.root)
 
     @property
     def kind(self) -> str:
