@@ -15,27 +15,21 @@ def _hang_artifacts() -> list:
     return ArtifactStore().list(kind="hang")
 
 
-def test_watchdog_dumps_the_stuck_function(spawn, cli):
-    # GIVEN a loop that stops stepping after 5 steps, with a 1 s watchdog
+RUN_WATCHED = ["-m", "dynprof", "run", "-q", "--hang-timeout", "1", "--", "python"]
+
+
+def _start_stuck_loop(spawn, *extra: str) -> None:
+    """A loop under a 1 s watchdog that stops stepping after 5 steps (EXTRA: how it is stuck)."""
     target = spawn(
-        [
-            "-m",
-            "dynprof",
-            "run",
-            "-q",
-            "--hang-timeout",
-            "1",
-            "--",
-            "python",
-            PROGRAM,
-            "--stop-stepping-after",
-            "5",
-            "--max-seconds",
-            "20",
-        ],
+        [*RUN_WATCHED, PROGRAM, "--stop-stepping-after", "5", *extra, "--max-seconds", "20"],
         under_run=False,
     )
     target.ready_pids()
+
+
+def test_watchdog_dumps_the_stuck_function(spawn, cli):
+    # GIVEN a loop that stops stepping after 5 steps, with a 1 s watchdog
+    _start_stuck_loop(spawn)
 
     # WHEN it has been stuck for longer than the timeout
     deadline = time.monotonic() + 20
@@ -97,27 +91,7 @@ def test_watchdog_stays_quiet_while_steps_flow_and_before_the_first_step(spawn):
 
 def test_watchdog_backstop_dumps_a_process_stuck_in_c_holding_the_gil(spawn, cli):
     # GIVEN a loop that stops stepping inside a C call that holds the GIL for 6 s
-    target = spawn(
-        [
-            "-m",
-            "dynprof",
-            "run",
-            "-q",
-            "--hang-timeout",
-            "1",
-            "--",
-            "python",
-            PROGRAM,
-            "--stop-stepping-after",
-            "5",
-            "--hold-gil-seconds",
-            "6",
-            "--max-seconds",
-            "20",
-        ],
-        under_run=False,
-    )
-    target.ready_pids()
+    _start_stuck_loop(spawn, "--hold-gil-seconds", "6")
 
     # WHEN the watchdog thread cannot run (no GIL) past the timeout
     deadline = time.monotonic() + 30
