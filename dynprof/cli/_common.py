@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextvars
 import json
 import math
 import sys
@@ -289,8 +290,11 @@ def parallel(fn: Any, items: Iterable[Any], max_workers: int = 32) -> list[Any]:
         except Exception as exc:
             return exc
 
+    # Each call runs in a copy of the caller's context, so a sidecar action's captured output
+    # (dynprof.actions) follows its worker threads.
     with ThreadPoolExecutor(max_workers=min(max_workers, len(items))) as pool:
-        return list(pool.map(wrapped, items))
+        futures = [pool.submit(contextvars.copy_context().run, wrapped, item) for item in items]
+        return [f.result() for f in futures]
 
 
 # -- output -------------------------------------------------------------------------------------

@@ -1,0 +1,317 @@
+"""The actions a node's sidecar takes on request: the CLI's own commands, run with ``--json``.
+
+An action is a CLI command (``ps``, ``start``, ``stacks``, ...) and a JSON object of options.
+Only the options listed for the action exist; each becomes one ``--flag=value`` and is checked
+by the command's own parser, so the sidecar accepts exactly what the CLI accepts and answers
+exactly what the CLI's ``--json`` prints. Nothing else can be named: no output path, no
+``--attach``, no file of the sidecar's machine.
+
+Commands run in this process, on the calling thread, with their stdout and stderr captured for
+that thread alone (and for the threads it starts through :func:`dynprof.cli._common.parallel`),
+so concurrent actions never mix their output. ``healthcheck`` runs in a child process: it drives
+the GPUs and must not leave CUDA state in the sidecar.
+
+    >>> run_action("ps", {"job": "j1"})["result"]["agents"]      # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import contextvars
+import io
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, TextIO
+
+from dynprof import __version__
+from dynprof.identity import detect
+
+API_VERSION = 1
+MAX_OUTPUT_BYTES = 64 * 1024 * 1024  # a command's JSON larger than this is refused, not buffered on
+MAX_PARAM_CHARS = 4096
+SUBPROCESS_GRACE_S = 10.0
+
+
+@dataclass(frozen=True)
+class Option:
+    flag: str
+    kind: str  # "str", "int", "float", "bool", "ints" (list of integers), "strs"
+
+
+@dataclass(frozen=True)
+class Action:
+    command: str
+    options: dict[str, Option]
+    timeout_option: str | None = None  # the option that bounds the command's own waiting
+    default_timeout_s: float = 60.0
+    max_timeout_s: float = 3600.0
+    in_subprocess: bool = False
+    changes_jobs: bool = False  # acts on a job (a trace, a snapshot): needs a POST
+
+
+def _opts(**kinds: str) -> dict[str, Option]:
+    return {name: Option("--" + name.replace("_", "-"), kind) for name, kind in kinds.items()}
+
+
+_TARGETS = {"job": "str", "pid": "ints", "all": "bool"}
+
+ACTIONS: dict[str, Action] = {
+    "ps": Action("ps", _opts(job="str", timeout="float"), "timeout", 10.0, 60.0),
+    "ls": Action("ls", _opts(job="str", kind="str", limit="int", all="bool")),
+    "stacks": Action(
+        "stacks",
+        _opts(**_TARGETS, native="bool", locals="bool", method="str", timeout="float", no_save="bool", full="bool"),
+        "timeout",
+        15.0,
+        300.0,
+    ),
+    "start": Action(
+        "start",
+        _opts(
+            **_TARGETS,
+            steps="int",
+            duration="float",
+            at_step="int",
+            record_shapes="bool",
+            with_stack="bool",
+            profile_memory="bool",
+            with_flops="bool",
+            with_modules="bool",
+            activities="strs",
+            max_duration="float",
+            no_wait="bool",
+            timeout="float",
+        ),
+        "timeout",
+        600.0,
+        3600.0,
+        changes_jobs=True,
+    ),
+    "stop": Action(
+        "stop", _opts(**_TARGETS, no_wait="bool", timeout="float"), "timeout", 120.0, 3600.0, changes_jobs=True
+    ),
+    "memory": Action(
+        "memory",
+        _opts(**_TARGETS, history_start="int", history_stop="bool", stacks="str", timeout="float"),
+        "timeout",
+        300.0,
+        3600.0,
+        changes_jobs=True,
+    ),
+    "nccl": Action(
+        "nccl",
+        _opts(**_TARGETS, only_active="bool", no_stack_traces="bool", timeout="float"),
+        "timeout",
+        15.0,
+        300.0,
+        changes_jobs=True,
+    ),
+    "healthcheck": Action(
+        "healthcheck",
+        _opts(level="str", backend="str", expect_devices="int", skip="strs", timeout_scale="float", no_save="bool"),
+        None,
+        900.0,
+        900.0,
+        in_subprocess=True,
+        changes_jobs=True,
+    ),
+}
+
+
+class ActionError(Exception):
+    """A request the sidecar refuses before running anything (HTTP 400)."""
+
+
+def argv_for(name: str, params: dict[str, Any]) -> list[str]:
+    """The CLI argument list for action ``name`` with ``params``; :class:`ActionError` on an
+    unknown action or option, or a value of the wrong type."""
+    action = ACTIONS.get(name)
+    if action is None:
+        raise ActionError(f"unknown action {name!r}; known: {', '.join(sorted(ACTIONS))}")
+    if not isinstance(params, dict):
+        raise ActionError("the options must be a JSON object")
+    argv = [action.command]
+    for key, value in params.items():
+        opt = action.options.get(key) if isinstance(key, str) else None
+        if opt is None:
+            known = ", ".join(sorted(action.options))
+            raise ActionError(f"{name}: unknown option {str(key)[:80]!r}; known: {known}")
+        argv.extend(_flag(opt, key, value))
+    argv.append("--json")
+    return argv
+
+
+def _flag(opt: Option, key: str, value: Any) -> list[str]:
+    def bad(what: str) -> ActionError:
+        return ActionError(f"option {key!r} must be {what}")
+
+    if value is None:
+        return []
+    if opt.kind == "bool":
+        if not isinstance(value, bool):
+            raise bad("true or false")
+        return [opt.flag] if value else []
+    if opt.kind == "int":
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise bad("an integer")
+        text = str(value)
+    elif opt.kind == "float":
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise bad("a number")
+        text = repr(float(value))
+    elif opt.kind == "str":
+        if not isinstance(value, str):
+            raise bad("a string")
+        text = value
+    elif opt.kind in ("ints", "strs"):
+        items = value if isinstance(value, list) else [value]
+        want = int if opt.kind == "ints" else str
+        if not items or any(isinstance(v, bool) or not isinstance(v, want) for v in items):
+            raise bad("a list of " + ("integers" if want is int else "strings"))
+        text = ",".join(str(v) for v in items)
+    else:  # pragma: no cover - a table error
+        raise bad("known")
+    if len(text) > MAX_PARAM_CHARS or "\x00" in text:
+        raise bad(f"at most {MAX_PARAM_CHARS} characters, without NUL")
+    return [f"{opt.flag}={text}"]  # one argument: a value can never be read as another flag
+
+
+def run_action(name: str, params: dict[str, Any] | None = None, timeout: float | None = None) -> dict[str, Any]:
+    """Run one action and return the sidecar's answer::
+
+        {"api": 1, "action": "ps", "host": "node-3", "exit_code": 0,
+         "result": <what `dynprof ps --json` prints, or null>, "messages": [stderr lines],
+         "elapsed_s": 0.12}
+
+    ``exit_code`` is the CLI's. ``timeout`` (seconds) bounds the whole action: commands that
+    take a ``--timeout`` get it (when the caller did not set one), and a child process is killed
+    past it."""
+    params = dict(params or {})
+    action = ACTIONS.get(name)
+    if action is None:
+        raise ActionError(f"unknown action {name!r}; known: {', '.join(sorted(ACTIONS))}")
+    if timeout is not None and action.timeout_option and action.timeout_option not in params:
+        params[action.timeout_option] = float(min(timeout, action.max_timeout_s))
+    argv = argv_for(name, params)
+    started = time.monotonic()
+    if action.in_subprocess:
+        code, out, err = _run_child(argv, min(timeout or action.default_timeout_s, action.max_timeout_s))
+    else:
+        code, out, err = run_captured(argv)
+    result: Any = None
+    if out.strip():
+        try:
+            result = json.loads(out)
+        except ValueError:
+            err += "dynprof: the command's output was not JSON\n"
+            code = code or 1
+    return {
+        "api": API_VERSION,
+        "action": name,
+        "host": detect().host,
+        "dynprof_version": __version__,
+        "exit_code": code,
+        "result": result,
+        "messages": [line for line in err.splitlines() if line.strip()][:200],
+        "elapsed_s": round(time.monotonic() - started, 3),
+    }
+
+
+# -- output capture ------------------------------------------------------------------------------
+_SINK: contextvars.ContextVar[tuple[io.StringIO, io.StringIO] | None] = contextvars.ContextVar(
+    "dynprof_output_sink", default=None
+)
+_install_lock = threading.Lock()
+
+
+class _Routed(io.TextIOBase):
+    """A stand-in for sys.stdout / sys.stderr: writes go to the current context's buffer when
+    one is set (an action running), else to the real stream."""
+
+    def __init__(self, real: TextIO, index: int) -> None:
+        self._real = real
+        self._index = index
+
+    def _target(self) -> Any:
+        sink = _SINK.get()
+        return sink[self._index] if sink is not None else self._real
+
+    def write(self, text: str) -> int:
+        target = self._target()
+        if target is not self._real and target.tell() > MAX_OUTPUT_BYTES:
+            raise OSError("dynprof: action output over the limit")
+        return int(target.write(text))
+
+    def flush(self) -> None:
+        target = self._target()
+        if target is self._real:
+            target.flush()
+
+    def writable(self) -> bool:
+        return True
+
+    def isatty(self) -> bool:
+        return False if _SINK.get() is not None else self._real.isatty()
+
+    def fileno(self) -> int:
+        if _SINK.get() is not None:
+            raise io.UnsupportedOperation("captured output has no file descriptor")
+        return self._real.fileno()
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return getattr(self._real, "encoding", "utf-8") or "utf-8"
+
+
+def install_capture() -> None:
+    """Route sys.stdout and sys.stderr through per-context buffers (idempotent)."""
+    with _install_lock:
+        if not isinstance(sys.stdout, _Routed):
+            sys.stdout = _Routed(sys.stdout, 0)  # type: ignore[assignment]
+        if not isinstance(sys.stderr, _Routed):
+            sys.stderr = _Routed(sys.stderr, 1)  # type: ignore[assignment]
+
+
+def run_captured(argv: list[str]) -> tuple[int, str, str]:
+    """Run ``dynprof ARGV`` in this process; (exit code, stdout, stderr) of this call alone."""
+    from dynprof.cli import main
+
+    install_capture()
+    out, err = io.StringIO(), io.StringIO()
+    ctx = contextvars.copy_context()
+
+    def call() -> int:
+        _SINK.set((out, err))
+        try:
+            return main(argv)
+        except SystemExit as exc:  # argparse: a bad value
+            return exc.code if isinstance(exc.code, int) else 2
+        except Exception as exc:  # a bug in a command must not take the sidecar down
+            err.write(f"dynprof: internal error: {type(exc).__name__}: {exc}\n")
+            return 1
+
+    code = ctx.run(call)
+    return code, out.getvalue(), err.getvalue()
+
+
+def _run_child(argv: list[str], timeout: float) -> tuple[int, str, str]:
+    env = dict(os.environ)
+    env.pop("DYNPROF", None)  # the child is a tool, not a job: no agent in it
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "dynprof", *argv],
+            capture_output=True,
+            text=True,
+            errors="replace",
+            timeout=timeout + SUBPROCESS_GRACE_S,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+    except subprocess.TimeoutExpired:
+        return 9, "", f"dynprof: {argv[0]} ran past {timeout + SUBPROCESS_GRACE_S:g} s and was killed\n"
+    return proc.returncode, proc.stdout[:MAX_OUTPUT_BYTES], proc.stderr[-65536:]
