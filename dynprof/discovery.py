@@ -1,6 +1,9 @@
-"""Which nodes a job-level command reaches: the sidecars named by --hosts / --hostfile.
+"""Which nodes a job-level command reaches: the sidecars of a job's nodes.
 
 A node is a sidecar address, ``HOST[:PORT]`` (port 8787 unless given; IPv6 as ``[::1]:8787``).
+Sources, which add up: ``--hosts``, ``--hostfile``, ``--slurm [JOB]`` (Slurm's node list,
+expanded as ``scontrol show hostnames`` does) and ``--discover`` (the nodes the ranks of
+``--job`` registered in the job's own rendezvous store, read through a local agent).
 :func:`resolve_nodes` returns ``None`` when the command should act on this node only (no
 option asked for other nodes).
 """
@@ -8,7 +11,14 @@ option asked for other nodes).
 from __future__ import annotations
 
 import argparse
+import os
+import re
+import shutil
+import socket
+import subprocess
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from dynprof import errors
 
@@ -80,6 +90,252 @@ def read_hostfile(path: str) -> list[Node]:
     return nodes
 
 
+# -- Slurm ------------------------------------------------------------------------------------
+MAX_NODELIST_CHARS = 1 << 20
+MAX_RANGE_WIDTH = 18  # digits of a range bound; wider numbers are not host indices
+SLURM_NODELIST_VARIABLES = ("SLURM_JOB_NODELIST", "SLURM_NODELIST")
+SLURM_JOB_ID_VARIABLES = ("SLURM_JOB_ID", "SLURM_JOBID")
+SCONTROL_TIMEOUT_S = 15.0
+
+
+def _split_top_level(text: str) -> list[str]:
+    """Split a node list at commas and blanks outside brackets."""
+    parts: list[str] = []
+    depth, start = 0, 0
+    for i, ch in enumerate(text):
+        if ch == "[":
+            depth += 1
+            if depth > 1:
+                raise errors.UsageError(f"bad Slurm node list: nested [ at character {i + 1}")
+        elif ch == "]":
+            depth -= 1
+            if depth < 0:
+                raise errors.UsageError(f"bad Slurm node list: ] without [ at character {i + 1}")
+        elif (ch == "," or ch.isspace()) and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    if depth:
+        raise errors.UsageError("bad Slurm node list: a [ is not closed")
+    parts.append(text[start:])
+    return [p for p in parts if p]
+
+
+def _bracket_values(body: str, item: str) -> list[str]:
+    """``001-004,010`` -> ``["001", "002", "003", "004", "010"]`` (zero padding kept)."""
+    values: list[str] = []
+    for part in body.split(","):
+        lo, sep, hi = part.strip().partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()) or not lo.isascii() or not hi.isascii():
+            raise errors.UsageError(f"bad range {part!r} in Slurm node list entry {item!r}")
+        if len(lo) > MAX_RANGE_WIDTH or len(hi) > MAX_RANGE_WIDTH:
+            raise errors.UsageError(f"range {part!r} in {item!r}: numbers over {MAX_RANGE_WIDTH} digits")
+        if not sep:
+            values.append(lo)
+            continue
+        low, high = int(lo), int(hi)
+        if high < low:
+            raise errors.UsageError(f"range {part!r} in Slurm node list entry {item!r} runs backwards")
+        if high - low + 1 > MAX_NODES:
+            raise errors.UsageError(f"range {part!r} in {item!r} names more than {MAX_NODES} nodes")
+        # As Slurm's hostlist: the width of the lower bound sets the zero padding.
+        width = len(lo) if lo.startswith("0") else 0
+        values.extend(str(n).zfill(width) for n in range(low, high + 1))
+        if len(values) > MAX_NODES:
+            raise errors.UsageError(f"Slurm node list entry {item!r} names more than {MAX_NODES} nodes")
+    return values
+
+
+def _expand_item(item: str) -> list[str]:
+    """One entry: literal text and bracket groups, expanded left to right (the first group
+    varies slowest), e.g. ``rack[1-2]-n[01-02]``."""
+    pieces: list[list[str]] = []
+    rest = item
+    while rest:
+        open_at = rest.find("[")
+        if open_at < 0:
+            pieces.append([rest])
+            break
+        if open_at:
+            pieces.append([rest[:open_at]])
+        close_at = rest.find("]", open_at)
+        body = rest[open_at + 1 : close_at]
+        if not body.strip():
+            raise errors.UsageError(f"empty [] in Slurm node list entry {item!r}")
+        pieces.append(_bracket_values(body, item))
+        rest = rest[close_at + 1 :]
+    total = 1
+    for values in pieces:
+        total *= len(values)
+        if total > MAX_NODES:
+            raise errors.UsageError(f"Slurm node list entry {item!r} names more than {MAX_NODES} nodes")
+    names = [""]
+    for values in pieces:
+        names = [a + b for a in names for b in values]
+    return names
+
+
+def expand_nodelist(text: str) -> list[str]:
+    """Host names of a Slurm node list, in order, as ``scontrol show hostnames`` prints them:
+    ``node[001-004,010]``, ``rack[1-2]-n[01-02]``, ``a1,b[2-3],c``. Malformed or oversized
+    lists raise :class:`~dynprof.errors.UsageError`."""
+    if len(text) > MAX_NODELIST_CHARS:
+        raise errors.UsageError(f"Slurm node list of {len(text)} characters: at most {MAX_NODELIST_CHARS}")
+    hosts: list[str] = []
+    for item in _split_top_level(text.strip()):
+        hosts += _expand_item(item)
+        if len(hosts) > MAX_NODES:
+            raise errors.UsageError(f"the Slurm node list names more than {MAX_NODES} nodes")
+    if not hosts:
+        raise errors.UsageError("the Slurm node list is empty")
+    for host in hosts:
+        if any(c.isspace() or c in "/?#@:" for c in host) or len(host) > 253:
+            raise errors.UsageError(f"bad node name {host!r} in the Slurm node list")
+    return hosts
+
+
+def sidecar_port() -> int:
+    """The port of the sidecars named by Slurm (host names only): ``DYNPROF_SIDECAR_PORT``, else 8787."""
+    text = os.environ.get("DYNPROF_SIDECAR_PORT", "")
+    if not text:
+        return DEFAULT_PORT
+    if not text.isdigit() or not 1 <= int(text) <= 65535:
+        raise errors.UsageError(f"DYNPROF_SIDECAR_PORT={text!r}: a port 1-65535")
+    return int(text)
+
+
+def _run_slurm_tool(cmd: list[str]) -> str:
+    try:
+        proc = subprocess.run(cmd, capture_output=True, timeout=SCONTROL_TIMEOUT_S, check=False)
+    except FileNotFoundError:
+        raise errors.UsageError(
+            f"{cmd[0]} is not installed here and no Slurm node list is in the environment",
+            help="Run the command inside the job's allocation (`srun --overlap --jobid J dynprof ...` sets "
+            "SLURM_JOB_NODELIST), or name the nodes with --hosts or --hostfile.",
+        ) from None
+    except subprocess.TimeoutExpired:
+        raise errors.Timeout(f"`{' '.join(cmd)}` did not answer within {SCONTROL_TIMEOUT_S:g} s") from None
+    if proc.returncode != 0:
+        why = proc.stderr.decode("utf-8", "replace").strip()[:500] or f"exit status {proc.returncode}"
+        raise errors.UsageError(f"`{' '.join(cmd)}` failed: {why}")
+    return proc.stdout[: MAX_NODELIST_CHARS * 8].decode("utf-8", "replace")
+
+
+def slurm_job_nodelist(job: str) -> str:
+    """The ``NodeList`` of a running Slurm job, from ``scontrol show job``."""
+    if not job.isdigit() and not re.fullmatch(r"\d+(_\d+|\+\d+)?", job):
+        raise errors.UsageError(f"{job!r} is not a Slurm job id")
+    text = _run_slurm_tool(["scontrol", "show", "job", "--oneliner", job])
+    match = re.search(r"(?:^|\s)NodeList=(\S+)", text)
+    if match is None or match.group(1) in ("(null)", ""):
+        raise errors.UsageError(f"Slurm job {job} has no nodes (it is not running)")
+    return match.group(1)
+
+
+def slurm_hosts(job: str | None = None, env: Mapping[str, str] | None = None) -> list[str]:
+    """Host names of a Slurm job: the environment's node list when it is that job's (or no job
+    is named), else ``scontrol show job`` for ``job``. Expanded as ``scontrol show hostnames``
+    does; ``scontrol show hostnames`` itself is asked only for a list this parser refuses."""
+    env = os.environ if env is None else env
+    here = next((env[v] for v in SLURM_JOB_ID_VARIABLES if env.get(v)), None)
+    nodelist = next((env[v] for v in SLURM_NODELIST_VARIABLES if env.get(v)), None)
+    if nodelist is None or (job and here is not None and job != here):
+        if not job:
+            raise errors.UsageError(
+                "--slurm: no Slurm job here (SLURM_JOB_NODELIST is not set) and no job id given",
+                help="Give the job: `--slurm JOBID` (asks scontrol), or run inside the allocation.",
+            )
+        nodelist = slurm_job_nodelist(job)
+    try:
+        return expand_nodelist(nodelist)
+    except errors.UsageError:
+        if shutil.which("scontrol") is None or len(nodelist) > MAX_NODELIST_CHARS:
+            raise
+    hosts = _run_slurm_tool(["scontrol", "show", "hostnames", nodelist]).split()
+    if not hosts or len(hosts) > MAX_NODES:
+        raise errors.UsageError(f"`scontrol show hostnames` gave {len(hosts)} names for the Slurm node list")
+    return hosts
+
+
+# -- the job's own store ---------------------------------------------------------------------
+DISCOVER_TIMEOUT_S = 5.0
+
+
+@dataclass
+class Discovery:
+    """What the job's rendezvous store says: every registered rank, and the nodes they name."""
+
+    job: str
+    nodes: list[Node]
+    ranks: list[dict[str, Any]]  # rank, local_rank, host, sidecar, pid (one per registered rank)
+    world_size: int
+    store: str
+    asked_pid: int
+
+    @property
+    def missing_ranks(self) -> list[int]:
+        seen = {r["rank"] for r in self.ranks}
+        return [r for r in range(self.world_size) if r not in seen]
+
+
+def discover_job(job: str, timeout: float = DISCOVER_TIMEOUT_S) -> Discovery:
+    """Ask a local agent of ``job`` for the registrations in the job's rendezvous store.
+
+    Each rank's agent registers its host and node sidecar there once the job's default
+    process group exists. Local agents are tried lowest rank first until one answers."""
+    from dynprof.client import AgentClient
+    from dynprof.proto import pb
+    from dynprof.registry import list_records
+
+    records = [r for r in list_records() if r.job_id == job]
+    if not records:
+        from dynprof.cli._common import refresh_records
+
+        records = [r for r in refresh_records(list_records()) if r.job_id == job]
+    if not records:
+        raise errors.NoAgent(
+            f"--discover: no agent of job {job!r} on this node ({socket.gethostname()}) to read the job's store from",
+            help="Run the command on a node of the job whose ranks have the dynprof agent (e.g. `srun --overlap "
+            f"--jobid J dynprof ... --job {job} --discover`), attach agents here first (`dynprof attach --job "
+            f"{job}`), or name the nodes with --hosts, --hostfile or --slurm.",
+        )
+    records.sort(key=lambda r: (r.rank if r.rank is not None else 1 << 30, r.pid))
+    last: errors.DynprofError | None = None
+    for record in records[:3]:
+        client = AgentClient.for_record(record, timeout=timeout + 2.0)
+        try:
+            reply = client.request(discover_nodes=pb.DiscoverNodesRequest(timeout_s=timeout))
+        except errors.DynprofError as exc:
+            last = exc
+            continue
+        found = reply.job_nodes
+        ranks = [
+            {
+                "rank": r.rank,
+                "local_rank": r.local_rank if r.local_rank >= 0 else None,
+                "host": r.host,
+                "sidecar": r.sidecar,
+                "pid": r.pid,
+            }
+            for r in found.ranks
+        ]
+        nodes: list[Node] = []
+        for r in found.ranks:
+            try:
+                nodes.append(parse_node(r.sidecar))
+            except errors.UsageError:
+                continue  # an unusable address registered by someone: its rank counts as missing
+        if not nodes:
+            raise errors.DynprofError(
+                f"--discover: no rank of job {job!r} is registered in its store ({found.store})",
+                help="Ranks register once torch.distributed.init_process_group has returned, and only when the "
+                "dynprof agent was in them by then (or attached later); name the nodes with --hosts/--hostfile/--slurm.",
+            )
+        return Discovery(job, list(dict.fromkeys(nodes)), ranks, found.world_size, found.store, record.pid)
+    assert last is not None
+    raise last
+
+
+# -- options -----------------------------------------------------------------------------------
 def add_node_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--hosts",
@@ -87,19 +343,47 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
         help="act through the sidecars (`dynprof serve`) of these nodes, not this node's agents",
     )
     parser.add_argument("--hostfile", metavar="FILE", help="as --hosts, one node per line")
+    parser.add_argument(
+        "--slurm",
+        nargs="?",
+        const="",
+        metavar="SLURM_JOB",
+        help="as --hosts, the nodes of a Slurm job: this allocation's (SLURM_JOB_NODELIST), or the job named "
+        "(asks scontrol); sidecar port DYNPROF_SIDECAR_PORT, else 8787",
+    )
+    parser.add_argument(
+        "--discover",
+        action="store_true",
+        help="as --hosts, the nodes that the ranks of --job registered in the job's own rendezvous store "
+        "(asks an agent of the job on this node)",
+    )
 
 
 def resolve_nodes(args: argparse.Namespace) -> list[Node] | None:
-    """The nodes asked for, deduplicated in order; None when none was."""
+    """The nodes asked for, deduplicated in order; None when none was (act on this node only)."""
     nodes: list[Node] = []
-    if getattr(args, "hosts", None):
+    asked = False
+    if getattr(args, "hosts", None) is not None:
+        asked = True
         nodes += parse_hosts(args.hosts)
     if getattr(args, "hostfile", None):
+        asked = True
         nodes += read_hostfile(args.hostfile)
-    if not nodes:
-        if getattr(args, "hosts", None) is not None or getattr(args, "hostfile", None):
-            raise errors.UsageError("no nodes given")
+    slurm = getattr(args, "slurm", None)
+    if slurm is not None:
+        asked = True
+        port = sidecar_port()
+        nodes += [Node(h, port) for h in slurm_hosts(slurm or getattr(args, "job", None) or None)]
+    if getattr(args, "discover", False):
+        asked = True
+        job = getattr(args, "job", None)
+        if not job:
+            raise errors.UsageError("--discover needs --job JOB: the job whose store names its nodes")
+        nodes += discover_job(job).nodes
+    if not asked:
         return None
+    if not nodes:
+        raise errors.UsageError("no nodes given")
     unique = list(dict.fromkeys(nodes))
     if len(unique) > MAX_NODES:
         raise errors.UsageError(f"{len(unique)} nodes: at most {MAX_NODES}")

@@ -38,6 +38,7 @@ EXTENSIONS = (
     "dynprof.agent._ext_memory",
     "dynprof.agent._ext_hang",
     "dynprof.agent._ext_flight",
+    "dynprof.agent._ext_job_store",
 )
 
 
@@ -123,6 +124,7 @@ class Agent:
         self.record = self._make_record(path)
         self.steps.on_install = self._on_torch_imported
         self.steps.install()
+        self._watch_process_group()
         self._thread = threading.Thread(target=self._run_server, name="dynprof-agent", daemon=True)
         self._thread.start()
         write_record(self.record, directory)
@@ -135,6 +137,16 @@ class Agent:
             self.identity.job_id,
             path,
         )
+
+    def _watch_process_group(self) -> None:
+        """Wrap init_process_group before the job can call it (see ``_pg_watch``); the
+        job-store extension listens. A failure only costs the job-store registration."""
+        try:
+            from dynprof.agent._pg_watch import WATCH
+
+            WATCH.install()
+        except Exception:
+            log.exception("watching for the process group failed")
 
     def _make_record(self, sock_path: str) -> AgentRecord:
         torch = sys.modules.get("torch")

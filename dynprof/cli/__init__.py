@@ -22,6 +22,7 @@ from dynprof.errors import DynprofError
 COMMANDS: list[tuple[str, str, str]] = [
     ("run", "run", "RunCommand"),
     ("ps", "ps", "PsCommand"),
+    ("nodes", "nodes", "NodesCommand"),
     ("attach", "attach", "AttachCommand"),
     ("start", "start", "StartCommand"),
     ("stop", "stop", "StopCommand"),

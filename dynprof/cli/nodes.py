@@ -1,0 +1,80 @@
+"""Print the nodes of a job that job-level commands would reach (one sidecar address a line).
+
+    dynprof nodes --slurm                      # this Slurm allocation's nodes
+    dynprof nodes --slurm 123456               # Slurm job 123456's nodes (asks scontrol)
+    dynprof nodes --job J --discover           # what the ranks of J registered in the job's store
+    dynprof nodes --job J --discover > nodes.txt && dynprof stacks --job J --hostfile nodes.txt
+
+The output is a host file (``HOST:PORT`` per line). With --discover, the ranks that registered
+and those missing are listed on stderr (with --json, in the JSON). The sources add up and the
+result is deduplicated in order, as in every job-level command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from dynprof import discovery, errors
+from dynprof.cli._common import add_json, print_json, printable
+
+
+class NodesCommand:
+    """Print the nodes of a job that job-level commands would reach (one sidecar address a line)."""
+
+    def prepare_parser(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--job", metavar="JOB", help="the job (with --discover; with --slurm, a Slurm job id)")
+        discovery.add_node_args(parser)
+        add_json(parser)
+
+    def run(self, args: argparse.Namespace) -> int:
+        if not (args.hosts is not None or args.hostfile or args.slurm is not None or args.discover):
+            raise errors.UsageError(
+                "name a source of nodes: --hosts, --hostfile, --slurm [JOB] or --job J --discover",
+                help="See `dynprof nodes --help`.",
+            )
+        found: discovery.Discovery | None = None
+        if args.discover:
+            if not args.job:
+                raise errors.UsageError("--discover needs --job JOB: the job whose store names its nodes")
+            found = discovery.discover_job(args.job)
+            args.discover = False  # resolved once, here
+        nodes = (
+            discovery.resolve_nodes(args) if (args.hosts is not None or args.hostfile or args.slurm is not None) else []
+        )
+        nodes = list(dict.fromkeys([*(nodes or []), *(found.nodes if found else [])]))
+        if args.json:
+            out: dict[str, Any] = {"nodes": [n.address for n in nodes]}
+            if found is not None:
+                out.update(
+                    job=found.job,
+                    store=found.store,
+                    asked_pid=found.asked_pid,
+                    world_size=found.world_size,
+                    ranks=found.ranks,
+                    missing_ranks=found.missing_ranks,
+                )
+            print_json(out)
+            return 0
+        for node in nodes:
+            print(printable(node.address))
+        if found is not None:
+            missing = found.missing_ranks
+            print(
+                f"dynprof: job {printable(found.job)}: {len(found.ranks)} of {found.world_size} rank(s) registered "
+                f"in {printable(found.store)} on {len(found.nodes)} node(s)"
+                + (f"; not registered: ranks {_spans(missing)}" if missing else ""),
+                file=sys.stderr,
+            )
+        return 0
+
+
+def _spans(values: list[int]) -> str:
+    spans: list[list[int]] = []
+    for v in values:
+        if spans and v == spans[-1][1] + 1:
+            spans[-1][1] = v
+        else:
+            spans.append([v, v])
+    return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans)

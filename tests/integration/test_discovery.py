@@ -1,0 +1,109 @@
+"""Finding a job's nodes from its own rendezvous store: a real 2-rank gloo job split over two
+simulated nodes (each rank with its own run directory, host name and sidecar address)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("torch")
+
+TRAIN = "tests/integration/programs/train_program.py"
+
+
+def _free_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+def _two_node_job(spawn: Any, job: str, run_dirs: list[Path], extra: list[str] = ()) -> list[Any]:  # type: ignore[assignment]
+    port = _free_port()
+    targets = []
+    for rank in (0, 1):
+        env = {
+            "RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": port,
+            "DYNPROF_JOB_ID": job,
+            "DYNPROF_RUN_DIR": str(run_dirs[rank]),
+            "DYNPROF_HOST": f"node-{rank}",
+            "DYNPROF_SIDECAR": f"127.0.0.1:{9100 + rank}",
+        }
+        args = ["-m", "dynprof", "run", "-q", "--", sys.executable, TRAIN, "--dist", "--step-sleep", "0.05", *extra]
+        targets.append(spawn(args, under_run=False, env=env))
+    for t in targets:
+        t.ready_pids(timeout=90)
+    return targets
+
+
+@pytest.fixture
+def node_dirs() -> Any:
+    dirs = [Path(tempfile.mkdtemp(prefix="dpn-", dir="/tmp")) for _ in range(3)]
+    yield dirs
+    import shutil
+
+    for d in dirs:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def test_discover_finds_both_nodes_through_one_local_agent(spawn: Any, cli: Any, node_dirs: list[Path]) -> None:
+    # GIVEN a 2-rank gloo job whose ranks run on two "nodes" (separate run directories)
+    _two_node_job(spawn, "disc1", node_dirs)
+    # WHEN a CLI on node 1 (it sees rank 1's agent only) asks for the job's nodes
+    deadline = time.monotonic() + 30
+    while True:
+        out = cli("nodes", "--job", "disc1", "--discover", "--json", env={"DYNPROF_RUN_DIR": str(node_dirs[1])})
+        data = json.loads(out.stdout) if out.returncode == 0 else {}
+        if len(data.get("ranks", [])) == 2 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    # THEN both ranks' registrations come back, each with its node's sidecar
+    assert out.returncode == 0, out.stderr
+    assert data["nodes"] == ["127.0.0.1:9100", "127.0.0.1:9101"]
+    assert [(r["rank"], r["host"], r["sidecar"]) for r in data["ranks"]] == [
+        (0, "node-0", "127.0.0.1:9100"),
+        (1, "node-1", "127.0.0.1:9101"),
+    ]
+    assert data["world_size"] == 2 and data["missing_ranks"] == []
+    assert data["store"].startswith("TCPStore 127.0.0.1:")
+    # and the plain output is a host file
+    text = cli("nodes", "--job", "disc1", "--discover", env={"DYNPROF_RUN_DIR": str(node_dirs[0])})
+    assert text.returncode == 0, text.stderr
+    assert text.stdout.split() == ["127.0.0.1:9100", "127.0.0.1:9101"]
+    assert "2 of 2 rank(s) registered" in text.stderr
+
+
+def test_discover_without_a_local_agent_says_what_to_do(cli: Any, node_dirs: list[Path]) -> None:
+    # GIVEN a node where no agent of the job runs
+    # WHEN the job's nodes are asked for from its store
+    out = cli("nodes", "--job", "nowhere", "--discover", env={"DYNPROF_RUN_DIR": str(node_dirs[2])})
+    # THEN a clear error names the cause and the alternatives (exit 5: no agent)
+    assert out.returncode == 5, out.stderr
+    assert "no agent of job 'nowhere' on this node" in out.stderr
+    assert "--hostfile" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_discover_in_a_job_without_a_process_group(spawn: Any, cli: Any, node_dirs: list[Path]) -> None:
+    # GIVEN a single-process job that never calls init_process_group
+    target = spawn(
+        ["-m", "dynprof", "run", "-q", "--", sys.executable, TRAIN, "--step-sleep", "0.05"],
+        under_run=False,
+        env={"DYNPROF_JOB_ID": "solo", "DYNPROF_RUN_DIR": str(node_dirs[0])},
+    )
+    target.ready_pids(timeout=90)
+    # WHEN its nodes are asked for from its store
+    out = cli("nodes", "--job", "solo", "--discover", env={"DYNPROF_RUN_DIR": str(node_dirs[0])})
+    # THEN the agent says why it cannot (exit 7: unsupported in the target), with what to do
+    assert out.returncode == 7, out.stderr
+    assert "no torch.distributed process group" in out.stderr
+    assert "--hosts/--hostfile/--slurm" in out.stderr
+    assert not [line for line in target.lines if line.startswith("dynprof")]

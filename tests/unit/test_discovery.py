@@ -1,0 +1,176 @@
+"""Node lists: --hosts, --hostfile, Slurm node lists (as `scontrol show hostnames` expands them)."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dynprof import discovery, errors
+from dynprof.cli import main
+from dynprof.discovery import Node, expand_nodelist
+
+
+@pytest.mark.parametrize(
+    ("nodelist", "hosts"),
+    [
+        ("node1", ["node1"]),
+        ("node[1-3]", ["node1", "node2", "node3"]),
+        ("node[001-004,010]", ["node001", "node002", "node003", "node004", "node010"]),
+        ("node[08-11]", ["node08", "node09", "node10", "node11"]),
+        ("node[9-11]", ["node9", "node10", "node11"]),
+        ("node[098-101]", ["node098", "node099", "node100", "node101"]),
+        ("node[5]", ["node5"]),
+        ("node[7,3,5]", ["node7", "node3", "node5"]),
+        ("rack[1-2]-n[01-02]", ["rack1-n01", "rack1-n02", "rack2-n01", "rack2-n02"]),
+        ("a1,b[2-3],c", ["a1", "b2", "b3", "c"]),
+        ("gpu-[1-2].cluster,cpu[3-4]", ["gpu-1.cluster", "gpu-2.cluster", "cpu3", "cpu4"]),
+        ("n1[0-2]", ["n10", "n11", "n12"]),
+        ("[1-2]x", ["1x", "2x"]),
+        ("node1 node[2-3]", ["node1", "node2", "node3"]),
+        ("  node1,,node2, ", ["node1", "node2"]),
+        ("node[1-2],node[1-2]", ["node1", "node2", "node1", "node2"]),  # as scontrol: no deduplication
+        ("x[0-0]", ["x0"]),
+    ],
+)
+def test_expand_nodelist(nodelist: str, hosts: list[str]) -> None:
+    assert expand_nodelist(nodelist) == hosts
+
+
+@pytest.mark.parametrize(
+    ("nodelist", "why"),
+    [
+        ("node[1-", "not closed"),
+        ("node1-3]", "without ["),
+        ("node[[1-2]]", "nested"),
+        ("node[]", "empty []"),
+        ("node[ ]", "empty []"),
+        ("node[3-1]", "backwards"),
+        ("node[a-c]", "bad range"),
+        ("node[1-2-3]", "bad range"),
+        ("node[-2]", "bad range"),
+        ("node[1,,2]", "bad range"),
+        ("node[1:4]", "bad range"),
+        ("node[\u0661-\u0663]", "bad range"),  # Arabic-Indic digits pass str.isdigit
+        ("node[0-99999999999999999999]", "digits"),
+        ("node[0-1000000]", "more than"),
+        ("a[0-999]b[0-999]", "more than"),
+        ("n[0-60000],m[0-60000]", "more than"),
+        ("", "empty"),
+        (" , ", "empty"),
+        ("host/x", "bad node name"),
+        ("h@[1-2]", "bad node name"),
+        ("x" * (discovery.MAX_NODELIST_CHARS + 1), "at most"),
+    ],
+)
+def test_malformed_nodelists_are_usage_errors(nodelist: str, why: str) -> None:
+    with pytest.raises(errors.UsageError) as info:
+        expand_nodelist(nodelist)
+    assert why in info.value.message
+
+
+def test_hostile_nodelists_are_refused_quickly() -> None:
+    # GIVEN lists built to explode: many bracket groups, huge ranges, deep commas
+    hostile = ["[0-9]" * 40, "a[0-65536]", "x[" + ",".join(["1"] * 200_000) + "]", "[" * 100_000]
+    for text in hostile:
+        t0 = time.monotonic()
+        # WHEN expanded THEN refused, in well under a second each
+        with pytest.raises(errors.UsageError):
+            expand_nodelist(text)
+        assert time.monotonic() - t0 < 1.0, text[:40]
+
+
+def _args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--job")
+    discovery.add_node_args(parser)
+    return parser.parse_args(argv)
+
+
+def test_resolve_nodes_adds_up_sources_in_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # GIVEN hosts, a host file and a Slurm allocation, overlapping
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("# nodes\nb:9000 slots=8\nc\n")
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "c,d[1-2]")
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.setenv("DYNPROF_SIDECAR_PORT", "8800")
+    # WHEN resolved
+    nodes = discovery.resolve_nodes(_args(["--hosts", "a,b:9000", "--hostfile", str(hostfile), "--slurm"]))
+    # THEN each node once, in the order given; Slurm's names on the sidecar port
+    assert nodes == [Node("a"), Node("b", 9000), Node("c"), Node("c", 8800), Node("d1", 8800), Node("d2", 8800)]
+    assert discovery.resolve_nodes(_args([])) is None
+
+
+def test_slurm_job_of_the_environment_or_scontrol(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[list[str]] = []
+
+    def fake_tool(cmd: list[str]) -> str:
+        calls.append(cmd)
+        return "JobId=12 JobName=train UserId=u(1) NodeList=gpu[07-08] BatchHost=gpu07\n"
+
+    monkeypatch.setattr(discovery, "_run_slurm_tool", fake_tool)
+    env = {"SLURM_JOB_ID": "11", "SLURM_JOB_NODELIST": "cpu[1-2]"}
+    # the allocation's own list, for its job or when no job is named
+    assert discovery.slurm_hosts(None, env) == ["cpu1", "cpu2"]
+    assert discovery.slurm_hosts("11", env) == ["cpu1", "cpu2"]
+    assert not calls
+    # another job: scontrol show job names its nodes
+    assert discovery.slurm_hosts("12", env) == ["gpu07", "gpu08"]
+    assert calls == [["scontrol", "show", "job", "--oneliner", "12"]]
+    with pytest.raises(errors.UsageError, match="not a Slurm job id"):
+        discovery.slurm_hosts("12; rm -rf /", {})
+    with pytest.raises(errors.UsageError, match="no Slurm job here"):
+        discovery.slurm_hosts(None, {})
+
+
+def test_slurm_job_that_is_not_running(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(discovery, "_run_slurm_tool", lambda cmd: "JobId=9 JobState=PENDING NodeList=(null)\n")
+    with pytest.raises(errors.UsageError, match="has no nodes"):
+        discovery.slurm_hosts("9", {})
+
+
+def test_without_scontrol(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PATH", "/nonexistent")
+    with pytest.raises(errors.UsageError, match="scontrol is not installed") as info:
+        discovery.slurm_hosts("5", {})
+    assert "--hostfile" in info.value.help
+
+
+def test_nodes_command(capsys: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "node[001-002]")
+    assert main(["nodes", "--slurm"]) == 0
+    assert capsys.readouterr().out.split() == ["node001:8787", "node002:8787"]
+    assert main(["nodes", "--hosts", "a:1,[::1]:2", "--json"]) == 0
+    assert '"nodes": [\n    "a:1",\n    "[::1]:2"\n  ]' in capsys.readouterr().out
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "node[001-")
+    assert main(["nodes", "--slurm"]) == 2
+    assert "a [ is not closed" in capsys.readouterr().err
+    assert main(["nodes"]) == 2
+    assert main(["nodes", "--discover"]) == 2
+    assert "--discover needs --job" in capsys.readouterr().err
+
+
+def test_parse_registrations_is_defensive() -> None:
+    from dynprof.agent._ext_job_store import parse_registrations
+
+    data = b"\n".join(
+        [
+            b'{"rank":1,"host":"n1","sidecar":"n1:8787","pid":5,"local_rank":1,"registered_at":1.0}',
+            b"not json",
+            b"[1,2]",
+            b'{"rank":-3,"host":"x","sidecar":"x:1","registered_at":1}',
+            b'{"rank":true,"host":"x","sidecar":"x:1","registered_at":1}',
+            b'{"rank":0,"host":"n0","sidecar":"n0:8787","registered_at":1}',
+            b'{"rank":1,"host":"n9","sidecar":"n9:8787","pid":6,"registered_at":2.0}',
+            b'{"rank":2,"host":"' + b"h" * 10_000 + b'","sidecar":"s:1","registered_at":1}',
+        ]
+    )
+    regs = parse_registrations(data)
+    assert [(r.rank, r.host, r.sidecar, r.local_rank) for r in regs[:2]] == [
+        (0, "n0", "n0:8787", -1),
+        (1, "n9", "n9:8787", -1),  # the latest registration of rank 1 wins
+    ]
+    assert len(regs[2].host) == 512
