@@ -10,7 +10,9 @@ key back: every node of the job, in one store round trip.
 Noticing the process group costs the training thread nothing measurable:
 ``init_process_group`` is wrapped when ``torch.distributed`` is imported (``_pg_watch``), and
 the wrapper only starts a daemon thread after the job's own call has returned. A process whose group already
-existed when the agent started (``dynprof attach``) registers at once. All store traffic goes
+existed when the agent started (``dynprof attach``) registers at once; the first step boundary
+is a backstop (a job that bound ``init_process_group`` under its own name before the agent
+started in it). All store traffic goes
 through a separate client connection with its own short timeout (never the job's store object,
 whose timeout is the job's), on the registration thread or the agent's server thread; a store
 that is gone or slow is logged in the agent's log and nothing else happens.
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import threading
 import time
@@ -151,12 +154,19 @@ class JobStoreRegistration:
         WATCH.install()  # normally done already by the agent's start-up
         WATCH.listeners.append(self.schedule)
         self.schedule()  # a group created before now (dynprof attach, or a fast job)
+        # Backstop for a job that bound init_process_group under its own name before the agent
+        # wrapped it: look once more at the first step boundary, then never again.
+        self.agent.steps.add_listener(self._first_step)
+
+    def _first_step(self, _step: int) -> None:
+        self.agent.steps.remove_listener(self._first_step)
+        self.schedule()
 
     def schedule(self) -> None:
         """Register from a daemon thread if the default group is new. Cheap; never raises."""
         try:
             c10d = sys.modules.get(C10D_MODULE)
-            if c10d is None or not c10d.is_initialized():
+            if self.agent.pid != os.getpid() or c10d is None or not c10d.is_initialized():
                 return
             group = id(c10d._get_default_group())
             with self._lock:
