@@ -468,16 +468,17 @@ class Group:
     diverges_at: Frame | None = None  # this group's frame where it departs from group 1
     reference_at: Frame | None = None  # group 1's frame at that depth
     outlier: bool = False
+    by_host: bool = False  # name each member's host (processes of several nodes)
 
     @property
     def labels(self) -> str:
-        return rank_labels(self.members)
+        return rank_labels(self.members, by_host=self.by_host)
 
     def headline(self) -> str:
         return headline(self.frames)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        d: dict[str, Any] = {
             "ranks": [m.rank for m in self.members],
             "pids": [m.pid for m in self.members],
             "label": self.labels,
@@ -488,6 +489,9 @@ class Group:
             "diverges_at": asdict(self.diverges_at) if self.diverges_at else None,
             "reference_at": asdict(self.reference_at) if self.reference_at else None,
         }
+        if self.by_host:
+            d["hosts"] = [m.host for m in self.members]
+        return d
 
 
 def stack_key(frames: Sequence[Frame]) -> tuple[tuple[str, str, int], ...]:
@@ -529,8 +533,9 @@ def _divergence(frames: Sequence[Frame], reference: Sequence[Frame]) -> tuple[Fr
     return None, None
 
 
-def group_processes(processes: Iterable[ProcessStacks]) -> list[Group]:
-    """Group processes by identical main-thread stack, largest group first (ties: lowest rank)."""
+def group_processes(processes: Iterable[ProcessStacks], by_host: bool = False) -> list[Group]:
+    """Group processes by identical main-thread stack, largest group first (ties: lowest rank).
+    With ``by_host`` (processes of several nodes), labels name each member's host."""
     buckets: dict[tuple[tuple[str, str, int], ...], list[ProcessStacks]] = {}
     frames_of: dict[tuple[tuple[str, str, int], ...], list[Frame]] = {}
     for p in processes:
@@ -546,7 +551,8 @@ def group_processes(processes: Iterable[ProcessStacks]) -> list[Group]:
         return (-len(members), first.rank if first.rank is not None else 1 << 30, first.pid)
 
     groups = [
-        Group(members=sorted(m, key=_sort_key), frames=frames_of[k]) for k, m in sorted(buckets.items(), key=order)
+        Group(members=sorted(m, key=_sort_key), frames=frames_of[k], by_host=by_host)
+        for k, m in sorted(buckets.items(), key=order)
     ]
     if len(groups) > 1:
         reference = groups[0]
@@ -560,8 +566,21 @@ def _sort_key(p: ProcessStacks) -> tuple[int, int]:
     return (p.rank if p.rank is not None else 1 << 30, p.pid)
 
 
-def rank_labels(members: Sequence[ProcessStacks]) -> str:
-    """``ranks 0-6``, ``rank 7``, ``ranks 0,2,5-7``, or pids where ranks are unknown."""
+MAX_HOSTS_NAMED = 4
+
+
+def rank_labels(members: Sequence[ProcessStacks], by_host: bool = False) -> str:
+    """``ranks 0-6``, ``rank 7``, ``ranks 0,2,5-7``, or pids where ranks are unknown. With
+    ``by_host``: ``rank 37 on node-5``, ``ranks 0-7 on node-1, ranks 8-15 on node-2``, or past
+    a few hosts ``ranks 0-511 on 64 nodes``."""
+    if by_host:
+        hosts: dict[str, list[ProcessStacks]] = {}
+        for m in members:
+            hosts.setdefault(m.host or "?", []).append(m)
+        if len(hosts) > MAX_HOSTS_NAMED:
+            return f"{rank_labels(members)} on {len(hosts)} nodes"
+        order = sorted(hosts.items(), key=lambda kv: min(_sort_key(m) for m in kv[1]))
+        return ", ".join(f"{rank_labels(ms)} on {host}" for host, ms in order)
     ranks = sorted(m.rank for m in members if m.rank is not None)
     pids = sorted(m.pid for m in members if m.rank is None)
     parts = []
@@ -654,7 +673,28 @@ def render_merged(
     return "\n".join(lines).rstrip() + "\n"
 
 
-def merged_dict(processes: Sequence[ProcessStacks], groups: Sequence[Group]) -> dict[str, Any]:
+def several_hosts(processes: Sequence[ProcessStacks]) -> bool:
+    """Processes of more than one node (merged answers): labels then name each rank's host."""
+    return len({p.host for p in processes}) > 1
+
+
+def unique_file_stems(processes: Sequence[ProcessStacks]) -> list[str]:
+    """A file name per process; the same rank or pid on two nodes gets its host added."""
+    stems: list[str] = []
+    used: set[str] = set()
+    for i, p in enumerate(processes):
+        stem = process_file_stem(p)
+        if stem in used:
+            host = re.sub(r"[^A-Za-z0-9._-]", "_", p.host or "")[:64]
+            stem = f"{stem}-{host}-{i}" if host else f"{stem}-{i}"
+        used.add(stem)
+        stems.append(stem)
+    return stems
+
+
+def merged_dict(
+    processes: Sequence[ProcessStacks], groups: Sequence[Group], stems: Sequence[str] | None = None
+) -> dict[str, Any]:
     return {
         "schema": SCHEMA + ".merged",
         "schema_version": SCHEMA_VERSION,
@@ -667,9 +707,9 @@ def merged_dict(processes: Sequence[ProcessStacks], groups: Sequence[Group]) -> 
                 "method": p.method,
                 "native": p.native,
                 "fallback_reason": p.fallback_reason,
-                "file": process_file_stem(p),
+                "file": stems[i] if stems is not None else process_file_stem(p),
             }
-            for p in processes
+            for i, p in enumerate(processes)
         ],
         "groups": [g.to_dict() for g in groups],
     }
@@ -681,12 +721,12 @@ def process_file_stem(p: ProcessStacks) -> str:
 
 def write_request_artifact(writer: Any, processes: Sequence[ProcessStacks], failures: dict[str, str]) -> dict[str, Any]:
     """Fill an artifact writer with every process's dump and the merged view; return the summary."""
-    groups = group_processes(processes)
-    for p in processes:
-        stem = process_file_stem(p)
+    groups = group_processes(processes, by_host=several_hosts(processes))
+    stems = unique_file_stems(processes)
+    for p, stem in zip(processes, stems):
         writer.write_json(f"{stem}.json", p.to_dict())
         writer.write_text(f"{stem}.txt", render_process(p) + "\n")
-    merged = merged_dict(processes, groups)
+    merged = merged_dict(processes, groups, stems)
     merged["failures"] = failures
     writer.write_json("merged.json", merged)
     writer.write_text("merged.txt", render_merged(processes, groups))
@@ -741,7 +781,7 @@ def load_processes(directory: Path) -> list[ProcessStacks]:
 def render_artifact(artifact: Any) -> tuple[dict[str, Any], str]:
     """Renderer for ``dynprof show`` (kinds ``stacks`` and ``hang``)."""
     processes = load_processes(Path(artifact.path))
-    groups = group_processes(processes)
+    groups = group_processes(processes, by_host=several_hosts(processes))
     summary: dict[str, Any] = {"processes": len(processes), "groups": [g.to_dict() for g in groups]}
     if artifact.kind == HANG_KIND:
         m = artifact.manifest.get("summary") or {}
@@ -756,3 +796,180 @@ def render_artifact(artifact: Any) -> tuple[dict[str, Any], str]:
         summary.update({k: m.get(k) for k in ("step", "stalled_for_s", "timeout_s", "dump")})
         return summary, text
     return summary, render_merged(processes, groups)
+
+
+# -- merging the answers of several nodes ------------------------------------------------------
+MAX_MERGED_FRAMES = 1024  # frames kept per main-thread stack read back
+MAX_MERGED_TEXT = 2000  # characters kept per frame field, note or name read back
+
+
+def _bounded_text(value: Any) -> str | None:
+    return str(value)[:MAX_MERGED_TEXT] if value is not None and value != "" else None
+
+
+def _bounded_int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and -(1 << 62) < value < 1 << 62 else None
+
+
+def _frames_from(items: Any) -> list[Frame]:
+    if not isinstance(items, list):
+        return []
+    frames = []
+    for d in items[:MAX_MERGED_FRAMES]:
+        if not isinstance(d, dict):
+            continue
+        frames.append(
+            Frame(
+                function=_bounded_text(d.get("function")) or "?",
+                file=_bounded_text(d.get("file")) or "",
+                line=_bounded_int(d.get("line")) or 0,
+                native=d.get("native") is True,
+                library=_bounded_text(d.get("library")),
+            )
+        )
+    return frames
+
+
+def processes_from_result(result: Any, host: str | None = None) -> tuple[list[ProcessStacks], dict[str, str]]:
+    """The processes (main thread only) and failures of one ``dynprof stacks --json`` answer:
+    one node's, a fan-out's over several nodes, or an earlier merge. Untrusted input: fields of
+    the wrong type are dropped, sizes bounded. ``host`` names the node where the answer does
+    not (answers of dynprof versions that did not list each process's host)."""
+    if not isinstance(result, dict) or not isinstance(result.get("processes"), list):
+        raise ValueError("not the JSON of `dynprof stacks --json` (no list of processes)")
+    rows = result["processes"]
+    if len(rows) > MAX_PROCESSES:
+        raise ValueError(f"{len(rows)} processes: at most {MAX_PROCESSES}")
+    # Stacks listed per group (answers whose processes do not carry their main thread).
+    by_member: dict[tuple[int, str | None], list[Frame]] = {}
+    groups = result.get("groups")
+    for g in groups[:MAX_PROCESSES] if isinstance(groups, list) else []:
+        if not isinstance(g, dict):
+            continue
+        frames = _frames_from(g.get("frames"))
+        members = g.get("members")
+        if isinstance(members, list):
+            keys = [
+                (m.get("pid"), _bounded_text(m.get("host") or m.get("node"))) for m in members if isinstance(m, dict)
+            ]
+        else:
+            pids = g.get("pids")
+            keys = [(pid, None) for pid in pids] if isinstance(pids, list) else []
+        for key_pid, node in keys[:MAX_PROCESSES]:
+            member = _bounded_int(key_pid)
+            if member is not None:
+                by_member.setdefault((member, node), frames)
+                by_member.setdefault((member, None), frames)
+    processes = []
+    for row in rows:
+        if not isinstance(row, dict) or _bounded_int(row.get("pid")) is None:
+            continue
+        pid = row["pid"]
+        where = _bounded_text(row.get("host")) or _bounded_text(row.get("node")) or host
+        main = row.get("main_thread")
+        if isinstance(main, dict):
+            frames = _frames_from(main.get("frames"))
+            tid = _bounded_int(main.get("tid")) or pid
+            holds = main.get("holds_gil") if isinstance(main.get("holds_gil"), bool) else None
+        else:
+            node = _bounded_text(row.get("node")) or _bounded_text(row.get("host"))
+            frames = by_member.get((pid, node)) or by_member.get((pid, None)) or []
+            tid, holds = pid, None
+        processes.append(
+            ProcessStacks(
+                pid=pid,
+                method=(_bounded_text(row.get("method")) or "?")[:40],
+                native=row.get("native") is True,
+                rank=_bounded_int(row.get("rank")),
+                job=_bounded_text(row.get("job")),
+                host=where,
+                threads=[ThreadStack(tid=tid, main=True, holds_gil=holds, frames=frames)],
+                fallback_reason=_bounded_text(row.get("fallback_reason")),
+            )
+        )
+    failures: dict[str, str] = {}
+    found = result.get("failures")
+    if isinstance(found, dict):
+        for who, why in list(found.items())[:MAX_PROCESSES]:
+            label = str(who)[:200]
+            if host and " on " not in label:
+                label += f" on {host}"
+            failures[label] = str(why)[:MAX_MERGED_TEXT]
+    return processes, failures
+
+
+def merge_stack_processes(
+    results: Sequence[Any], hosts: Sequence[str | None] | None = None
+) -> tuple[list[ProcessStacks], dict[str, str], list[Group]]:
+    """The processes of several ``stacks --json`` answers, each (host, pid) once, grouped over
+    all of them; a result that cannot be read is a failure named by its host (or position)."""
+    processes: list[ProcessStacks] = []
+    failures: dict[str, str] = {}
+    seen: set[tuple[str | None, int]] = set()
+    for i, result in enumerate(results):
+        host = hosts[i] if hosts is not None and i < len(hosts) else None
+        try:
+            found, failed = processes_from_result(result, host)
+        except ValueError as exc:
+            failures[f"answer {host or i + 1}"] = str(exc)
+            continue
+        failures.update(failed)
+        for p in found:
+            if (p.host, p.pid) in seen:
+                continue  # the same answer given twice
+            seen.add((p.host, p.pid))
+            processes.append(p)
+            if len(processes) > MAX_PROCESSES:
+                raise ValueError(f"over {MAX_PROCESSES} processes in all")
+    return processes, failures, group_processes(processes, by_host=several_hosts(processes))
+
+
+def merged_group_dict(group: Group) -> dict[str, Any]:
+    d = group.to_dict()
+    d["members"] = [{"rank": m.rank, "pid": m.pid, "host": m.host} for m in group.members]
+    d["odd"] = [f"{m.label} on {m.host}" if m.host else m.label for m in group.members] if group.outlier else []
+    return d
+
+
+def process_row(p: ProcessStacks) -> dict[str, Any]:
+    """A process as ``stacks --json`` lists it, with its main thread (what a merge groups by)."""
+    main = p.main_thread()
+    return {
+        "pid": p.pid,
+        "rank": p.rank,
+        "job": p.job,
+        "host": p.host,
+        "method": p.method,
+        "native": p.native,
+        "fallback_reason": p.fallback_reason,
+        "main_thread": None
+        if main is None
+        else {
+            "tid": main.tid,
+            "name": main.name,
+            "holds_gil": main.holds_gil,
+            "frames": [{**asdict(f), "locals": None} for f in main.frames[:MAX_MERGED_FRAMES]],
+        },
+    }
+
+
+def merge_stack_results(results: Sequence[Any], hosts: Sequence[str | None] | None = None) -> dict[str, Any]:
+    """Merge the ``dynprof stacks --json`` answers of several nodes into one grouped view.
+
+    ``results[i]`` is one answer (a dict, untrusted); ``hosts[i]``, if given, names its node
+    where the answer does not name each process's host. Returns the same shape as one node's
+    ``stacks --json`` (``groups``, ``processes``, ``failures``), so a merge can be merged again;
+    with processes of several hosts, group labels and ``odd`` name each rank's host
+    (``rank 37 on node-5``)."""
+    return merged_result(*merge_stack_processes(results, hosts))
+
+
+def merged_result(
+    processes: Sequence[ProcessStacks], failures: dict[str, str], groups: Sequence[Group]
+) -> dict[str, Any]:
+    return {
+        "groups": [merged_group_dict(g) for g in groups],
+        "processes": [process_row(p) for p in processes],
+        "failures": failures,
+        "hosts": sorted({p.host for p in processes if p.host}),
+    }

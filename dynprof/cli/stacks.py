@@ -3,6 +3,7 @@
     dynprof stacks --job JOB                 # every rank of a job, grouped by identical stack
     dynprof stacks --pid 4242,4243 --native  # any Python process, with or without an agent
     dynprof stacks --core core.4242 [--executable /usr/bin/python3]
+    dynprof stacks --merge stacks.*.json       # one node's `stacks --json` per file, merged
 
 Stacks are read from outside the process with py-spy (Python frames) or pystack (with
 --native), so this works on a rank stuck in C code, holding the GIL, or stopped. When reading
@@ -18,6 +19,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import stat
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -57,6 +60,14 @@ class StacksCommand:
             "--core", type=path_arg, metavar="CORE", help="read a core file (through pystack) instead of processes"
         )
         parser.add_argument(
+            "--merge",
+            nargs="+",
+            type=path_arg,
+            metavar="FILE",
+            help="merge the `dynprof stacks --json` outputs of several nodes into one grouped view "
+            "(a file that cannot be read is named and skipped)",
+        )
+        parser.add_argument(
             "--executable", type=path_arg, metavar="EXE", help="with --core: the Python executable that dumped it"
         )
         parser.add_argument("--native", action="store_true", help="include native (C/C++) frames")
@@ -82,6 +93,8 @@ class StacksCommand:
     def run(self, args: argparse.Namespace) -> int:
         from collectors import stacks as st
 
+        if args.merge:
+            return self._merge(args)
         chosen = [x for x in (args.pid, args.job, args.all, args.core) if x]
         if len(chosen) != 1:
             raise errors.UsageError(
@@ -123,6 +136,9 @@ class StacksCommand:
                             "fallback_reason": p.fallback_reason,
                             "fallback_help": p.fallback_help,
                             "threads": len(p.threads),
+                            "job": p.job,
+                            "host": p.host,
+                            "main_thread": _main_thread_json(p),
                         }
                         for p in processes
                     ],
@@ -266,6 +282,65 @@ class StacksCommand:
             "check that py-spy and pystack are installed (`pip install py-spy pystack`).",
         )
 
+    # -- several nodes' answers ---------------------------------------------------------------------
+    def _merge(self, args: argparse.Namespace) -> int:
+        """``--merge FILE...``: the no-sidecar path over many nodes (each node ran
+        ``dynprof stacks --job J --json > stacks.$(hostname).json``)."""
+        from collectors import stacks as st
+
+        if args.pid or args.job or args.all or args.core:
+            raise errors.UsageError("--merge reads files: it does not go with --pid, --job, --all or --core")
+        t0 = time.monotonic()
+        results: list[Any] = []
+        hosts: list[str | None] = []
+        failures: dict[str, str] = {}
+        for path in dict.fromkeys(args.merge):
+            try:
+                results.append(read_stacks_json(path))
+            except errors.DynprofError as exc:
+                failures[f"file {path}"] = exc.message
+                continue
+            hosts.append(host_from_file_name(path))
+        if not results:
+            raise errors.DynprofError(
+                f"no stacks to merge: none of the {len(args.merge)} file(s) could be read",
+                help="Each file must be the output of `dynprof stacks --json` (one per node).",
+            )
+        try:
+            processes, failed, groups = st.merge_stack_processes(results, hosts)
+        except ValueError as exc:
+            raise errors.DynprofError(f"cannot merge: {exc}") from None
+        failures.update(failed)
+        if not processes:
+            raise errors.DynprofError(
+                f"no process in the {len(results)} file(s) read", help="See the failures each node reported."
+            )
+        artifact = None if args.no_save else self._save_merged(args, processes, failures)
+        elapsed = time.monotonic() - t0
+        if args.json:
+            merged = st.merged_result(processes, failures, groups)
+            print_json({"artifact": str(artifact.path) if artifact else None, "elapsed_s": round(elapsed, 3), **merged})
+        else:
+            print(printable_lines(st.render_merged(processes, groups)), end="")
+            for who, why in failures.items():
+                print(printable_lines(f"FAILED {who}: {why}"))
+            hosts_seen = len({p.host for p in processes})
+            print(
+                f"\n{len(processes)} process(es) of {hosts_seen} node(s) merged from {len(results)} file(s)"
+                + (f"; artifact {artifact.path}" if artifact else "")
+            )
+        return 1 if failures else 0
+
+    def _save_merged(self, args: argparse.Namespace, processes: list[Any], failures: dict[str, str]) -> Any:
+        from collectors.stacks import KIND, write_request_artifact
+        from dynprof.store import ArtifactStore
+
+        jobs = {p.job for p in processes if p.job}
+        options = {"merged_files": [os.path.basename(f) for f in args.merge][:1000]}
+        writer = ArtifactStore().create(KIND, job=jobs.pop() if len(jobs) == 1 else None, options=options)
+        summary = write_request_artifact(writer, processes, failures)
+        return writer.finish("partial" if failures else "complete", summary=summary)
+
     # -- core files ------------------------------------------------------------------------------
     def _core(self, args: argparse.Namespace) -> Any:
         import os
@@ -311,6 +386,59 @@ class StacksCommand:
         writer = ArtifactStore().create(KIND, job=job, options=options)
         summary = write_request_artifact(writer, processes, failures)
         return writer.finish("partial" if failures else "complete", summary=summary)
+
+
+MAX_JSON_FRAMES = 512
+
+
+def _main_thread_json(p: Any) -> dict[str, Any] | None:
+    """The main thread's stack (innermost first, without locals): what a merged view over
+    many nodes groups by (``stacks --hosts``)."""
+    from dataclasses import asdict
+
+    main = p.main_thread()
+    if main is None:
+        return None
+    return {
+        "tid": main.tid,
+        "name": main.name,
+        "holds_gil": main.holds_gil,
+        "frames": [{**asdict(f), "locals": None} for f in main.frames[:MAX_JSON_FRAMES]],
+    }
+
+
+MAX_MERGE_FILE_BYTES = 64 << 20
+
+
+def read_stacks_json(path: str) -> Any:
+    """One node's ``stacks --json`` output: a regular file, bounded in size and depth."""
+    from dynprof._safe_io import loads_json
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO must not block the merge
+    except OSError as exc:
+        raise errors.DynprofError(f"cannot open it: {exc.strerror or exc}") from None
+    with os.fdopen(fd, "rb") as fh:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise errors.DynprofError("not a regular file")
+        data = fh.read(MAX_MERGE_FILE_BYTES + 1)
+    if len(data) > MAX_MERGE_FILE_BYTES:
+        raise errors.DynprofError(f"over {MAX_MERGE_FILE_BYTES >> 20} MiB")
+    try:
+        result = loads_json(data, "it")
+    except errors.DynprofError as exc:
+        raise errors.DynprofError(exc.message.removeprefix("it: ")) from None
+    if not isinstance(result, dict) or not isinstance(result.get("processes"), list):
+        raise errors.DynprofError("not the output of `dynprof stacks --json` (no list of processes)")
+    return result
+
+
+def host_from_file_name(path: str) -> str | None:
+    """``stacks.node-5.json`` -> ``node-5``: the node of an answer that does not name it."""
+    name = os.path.basename(path)
+    name = name.removesuffix(".json")
+    name = name.removeprefix("stacks.").removeprefix("stacks-")
+    return name or None
 
 
 def _comm(pid: int) -> str:
