@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
-from scripts.bench_memory_history import build  # noqa: E402
+from scripts.bench_memory_history import build
 
 kept: list[torch.Tensor] = []
 
