@@ -301,7 +301,7 @@ def discover_job(job: str, timeout: float = DISCOVER_TIMEOUT_S) -> Discovery:
     records.sort(key=lambda r: (r.rank if r.rank is not None else 1 << 30, r.pid))
     last: errors.DynprofError | None = None
     for record in records[:3]:
-        client = AgentClient.for_record(record, timeout=timeout + 2.0)
+        client = AgentClient.for_record(record, timeout=timeout + 3.0)
         try:
             reply = client.request(discover_nodes=pb.DiscoverNodesRequest(timeout_s=timeout))
         except errors.DynprofError as exc:

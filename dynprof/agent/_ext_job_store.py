@@ -20,6 +20,7 @@ that is gone or slow is logged in the agent's log and nothing else happens.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -146,6 +147,8 @@ class JobStoreRegistration:
         self._registered_group: int | None = None  # id() of the default group registered
         self._thread: threading.Thread | None = None
         self.last_error = ""
+        # One bound method, kept: the step tracker removes listeners by identity.
+        self._first_step_listener = self._first_step
 
     # -- noticing the process group ---------------------------------------------------------
     def install(self) -> None:
@@ -156,10 +159,18 @@ class JobStoreRegistration:
         self.schedule()  # a group created before now (dynprof attach, or a fast job)
         # Backstop for a job that bound init_process_group under its own name before the agent
         # wrapped it: look once more at the first step boundary, then never again.
-        self.agent.steps.add_listener(self._first_step)
+        self.agent.steps.add_listener(self._first_step_listener)
+        self.agent.exit_callbacks.append(self.uninstall)
+
+    def uninstall(self) -> None:
+        from dynprof.agent._pg_watch import WATCH
+
+        with contextlib.suppress(ValueError):
+            WATCH.listeners.remove(self.schedule)
+        self.agent.steps.remove_listener(self._first_step_listener)
 
     def _first_step(self, _step: int) -> None:
-        self.agent.steps.remove_listener(self._first_step)
+        self.agent.steps.remove_listener(self._first_step_listener)
         self.schedule()
 
     def schedule(self) -> None:
@@ -201,9 +212,11 @@ class JobStoreRegistration:
         timeout = msg.timeout_s if msg.timeout_s > 0 else DEFAULT_READ_TIMEOUT_S
         if not timeout <= MAX_READ_TIMEOUT_S:
             raise CommandError(pb.INVALID_ARGUMENT, f"timeout_s must be at most {MAX_READ_TIMEOUT_S:g}")
-        # This rank registers now if nothing noticed its group yet, and its own line is in.
+        # This rank registers now if nothing noticed its group yet. Its line is usually in within
+        # milliseconds; a registration stuck on an unreachable store is not waited for long
+        # (the read below would fail the same way, and the client's patience is timeout + 3 s).
         self.schedule()
-        self.wait(timeout)
+        self.wait(min(1.0, timeout / 4))
         try:
             store, where = open_job_store(timeout)
             world = sys.modules["torch.distributed"].get_world_size()

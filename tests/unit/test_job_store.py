@@ -1,0 +1,175 @@
+"""The agent's registration in the job's rendezvous store, on a real one-process gloo group."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import types
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from dynprof.agent import _ext_job_store as js
+from dynprof.agent._pg_watch import ProcessGroupWatch
+from dynprof.agent._server import CommandError
+from dynprof.identity import Identity
+from dynprof.proto import pb
+
+
+class _Steps:
+    def __init__(self) -> None:
+        self.listeners: list[Any] = []
+
+    def add_listener(self, fn: Any) -> None:
+        self.listeners.append(fn)
+
+    def remove_listener(self, fn: Any) -> None:
+        # As the agent's step tracker: by identity (a new bound method is another listener).
+        self.listeners = [x for x in self.listeners if x is not fn]
+
+
+def _agent() -> Any:
+    import os
+
+    ident = Identity(host="node-7", rank=0, local_rank=0, world_size=1, job_id="J")
+    return types.SimpleNamespace(pid=os.getpid(), identity=ident, steps=_Steps(), handlers={}, exit_callbacks=[])
+
+
+@pytest.fixture
+def process_group(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    dist = pytest.importorskip("torch.distributed")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        yield dist
+    finally:
+        dist.destroy_process_group()
+
+
+def test_registers_and_reads_back(process_group: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    # GIVEN an agent of rank 0 whose node's sidecar is on port 9999
+    monkeypatch.setenv("DYNPROF_SIDECAR", "10.0.0.7:9999")
+    reg = js.JobStoreRegistration(_agent())
+    # WHEN it notices the process group, and is asked for the job's nodes
+    reg.schedule()
+    reg.wait(10)
+    kind, nodes = reg.handle_discover(pb.DiscoverNodesRequest(timeout_s=3))
+    # THEN its registration comes back from the store
+    assert kind == "job_nodes" and nodes.world_size == 1
+    assert [(r.rank, r.host, r.sidecar) for r in nodes.ranks] == [(0, "node-7", "10.0.0.7:9999")]
+    assert nodes.store.startswith("TCPStore 127.0.0.1:")
+    # and the same group is registered once only
+    reg.schedule()
+    reg.wait(10)
+    store, _ = js.open_job_store(3)
+    assert store.get(js.RANKS_KEY).count(b"\n") == 1
+    # garbage written to the key by someone else is skipped
+    store.append(js.RANKS_KEY, b"\x00\xff not json\n[]\n")
+    assert len(reg.handle_discover(pb.DiscoverNodesRequest(timeout_s=3))[1].ranks) == 1
+
+
+def test_store_failures_are_structured_errors(process_group: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    reg = js.JobStoreRegistration(_agent())
+
+    def gone(timeout_s: float) -> Any:
+        raise RuntimeError("Connection refused")
+
+    monkeypatch.setattr(js, "open_job_store", gone)
+    with pytest.raises(CommandError) as info:
+        reg.handle_discover(pb.DiscoverNodesRequest(timeout_s=1))
+    assert info.value.code == pb.INTERNAL and "Connection refused" in info.value.message
+    assert "--hosts/--hostfile/--slurm" in info.value.help
+    with pytest.raises(CommandError) as info:
+        reg.handle_discover(pb.DiscoverNodesRequest(timeout_s=1000))
+    assert info.value.code == pb.INVALID_ARGUMENT
+    # a failed registration is only logged, and tried again on the next occasion
+    reg.schedule()
+    reg.wait(10)
+    assert "Connection refused" in reg.last_error and reg._registered_group is None
+
+
+def test_without_a_process_group() -> None:
+    pytest.importorskip("torch.distributed")
+    reg = js.JobStoreRegistration(_agent())
+    reg.schedule()  # nothing to do, nothing started
+    assert reg._thread is None
+    with pytest.raises(CommandError) as info:
+        reg.handle_discover(pb.DiscoverNodesRequest())
+    assert info.value.code == pb.UNSUPPORTED
+
+
+def test_the_wrapper_calls_listeners_after_the_jobs_own_call() -> None:
+    # GIVEN a module with an init_process_group, wrapped
+    calls: list[str] = []
+
+    def init_process_group(backend: str, **kwargs: Any) -> str:
+        calls.append(f"init {backend}")
+        if kwargs.get("fail"):
+            raise ValueError("bad init")
+        return "group"
+
+    module = types.SimpleNamespace(init_process_group=init_process_group)
+    watch = ProcessGroupWatch()
+    watch.listeners.append(lambda: calls.append("listener"))
+    watch.listeners.append(lambda: 1 / 0)  # a failing listener never reaches the job
+    watch.wrap(module)
+    watch.wrap(module)  # idempotent
+    # WHEN the job calls it THEN its result is the job's, and listeners run after it
+    assert module.init_process_group("gloo") == "group"
+    assert calls == ["init gloo", "listener"]
+    assert module.init_process_group.__name__ == "init_process_group"
+    # an init that fails raises as before, and no listener runs
+    with pytest.raises(ValueError, match="bad init"):
+        module.init_process_group("gloo", fail=True)
+    assert calls == ["init gloo", "listener", "init gloo"]
+
+
+def test_the_first_step_is_a_one_time_backstop(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dynprof.agent import _pg_watch
+
+    watch = ProcessGroupWatch()
+    monkeypatch.setattr(watch, "install", lambda: None)
+    monkeypatch.setattr(_pg_watch, "WATCH", watch)
+    agent = _agent()
+    reg = js.JobStoreRegistration(agent)
+    seen = threading.Event()
+    monkeypatch.setattr(reg, "schedule", seen.set)
+    reg.install()
+    assert seen.is_set()  # looked at once on install
+    seen.clear()
+    (listener,) = agent.steps.listeners
+    listener(1)
+    assert seen.is_set() and agent.steps.listeners == []
+    # and the agent's stop forgets it
+    assert watch.listeners == [seen.set]
+    (stop,) = agent.exit_callbacks
+    stop()
+    assert watch.listeners == []
+
+
+def test_a_real_agent_drops_the_backstop_after_one_step() -> None:
+    torch = pytest.importorskip("torch")
+    import dynprof.agent
+
+    # GIVEN a real agent in this process (no process group here)
+    agent = dynprof.agent.start()
+    assert agent is not None and agent.wait_ready(10)
+    reg = agent.extensions["dynprof.agent._ext_job_store"]
+    assert reg._first_step_listener in agent.steps._listeners
+    # WHEN the job steps its optimizer twice
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(2):
+        model(torch.ones(1, 2)).sum().backward()
+        opt.step()
+    # THEN no step listener is left: idle steps cost what they cost before
+    assert agent.steps.step >= 2 and agent.steps._listeners == ()
+    dynprof.agent.shutdown()
+    from dynprof.agent._pg_watch import WATCH
+
+    assert reg.schedule not in WATCH.listeners
