@@ -305,6 +305,14 @@ def discover_job(job: str, timeout: float = DISCOVER_TIMEOUT_S) -> Discovery:
         try:
             reply = client.request(discover_nodes=pb.DiscoverNodesRequest(timeout_s=timeout))
         except errors.DynprofError as exc:
+            if getattr(exc, "code", None) in (pb.BAD_REQUEST, pb.UNKNOWN_COMMAND):
+                # Structured codes: an agent of an older dynprof does not know the command.
+                exc = errors.DynprofError(
+                    f"--discover: the agent of process {record.pid} does not know how to read the job's store "
+                    f"(its dynprof is older than this one): {exc.message}",
+                    help="Use the same dynprof in the job as here, or name the nodes with --hosts, --hostfile "
+                    "or --slurm.",
+                )
             last = exc
             continue
         found = reply.job_nodes

@@ -173,3 +173,18 @@ def test_a_real_agent_drops_the_backstop_after_one_step() -> None:
     from dynprof.agent._pg_watch import WATCH
 
     assert reg.schedule not in WATCH.listeners
+
+
+def test_an_agent_without_the_command_is_named_as_older(monkeypatch: pytest.MonkeyPatch) -> None:
+    import dynprof.agent
+    from dynprof import discovery, errors
+
+    # GIVEN an agent of job "old" that does not know discover_nodes (as an older dynprof)
+    monkeypatch.setenv("DYNPROF_JOB_ID", "old")
+    agent = dynprof.agent.start()
+    assert agent is not None and agent.wait_ready(10)
+    agent.handlers.pop("discover_nodes")
+    # WHEN the job's nodes are asked for THEN the error says why and what to do
+    with pytest.raises(errors.DynprofError) as info:
+        discovery.discover_job("old", timeout=1)
+    assert "older than this one" in info.value.message and "--hostfile" in info.value.help
