@@ -381,7 +381,10 @@ def resolve_nodes(args: argparse.Namespace) -> list[Node] | None:
     if slurm is not None:
         asked = True
         port = sidecar_port()
-        nodes += [Node(h, port) for h in slurm_hosts(slurm or getattr(args, "job", None) or None)]
+        # --job names the Slurm job only when it is one (a dynprof job id may be a torchrun run id).
+        job = getattr(args, "job", None)
+        slurm_job = slurm or (job if job and re.fullmatch(r"\d+(_\d+)?", job) else None)
+        nodes += [Node(h, port) for h in slurm_hosts(slurm_job)]
     if getattr(args, "discover", False):
         asked = True
         job = getattr(args, "job", None)

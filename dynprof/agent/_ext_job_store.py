@@ -24,6 +24,7 @@ import contextlib
 import json
 import logging
 import os
+import random
 import sys
 import threading
 import time
@@ -50,6 +51,7 @@ MAX_READ_TIMEOUT_S = 30.0
 # The registrations of a job: ~200 bytes a rank; this bounds what a reader accepts.
 MAX_RANKS_BYTES = 64 * 1024 * 1024
 MAX_FIELD_CHARS = 512
+MAX_JITTER_S = 4.0
 
 
 class StoreUnavailable(Exception):
@@ -192,6 +194,9 @@ class JobStoreRegistration:
     def _register(self) -> None:
         try:
             entry = registration(self.agent)
+            # Every rank connects to the store's one server at once: spread the connections of a
+            # big job over a few seconds (none for a small one).
+            time.sleep(random.uniform(0.0, min(MAX_JITTER_S, entry["world_size"] / 2000)))
             store, where = open_job_store(REGISTER_TIMEOUT_S)
             store.append(RANKS_KEY, (json.dumps(entry, separators=(",", ":")) + "\n").encode())
             log.info("registered rank %s (sidecar %s) in the job's store (%s)", entry["rank"], entry["sidecar"], where)

@@ -174,3 +174,14 @@ def test_parse_registrations_is_defensive() -> None:
         (1, "n9", "n9:8787", -1),  # the latest registration of rank 1 wins
     ]
     assert len(regs[2].host) == 512
+
+
+def test_slurm_uses_the_allocation_when_job_is_not_a_slurm_id(monkeypatch: pytest.MonkeyPatch) -> None:
+    # GIVEN an allocation, and a dynprof job id that is a torchrun run id
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "gpu[1-2]")
+    monkeypatch.setenv("SLURM_JOB_ID", "500")
+    # THEN --slurm means the allocation's nodes
+    assert discovery.resolve_nodes(_args(["--job", "my-run", "--slurm"])) == [Node("gpu1"), Node("gpu2")]
+    # and a numeric --job of another Slurm job asks scontrol
+    monkeypatch.setattr(discovery, "_run_slurm_tool", lambda cmd: "JobId=501 NodeList=cpu7\n")
+    assert discovery.resolve_nodes(_args(["--job", "501", "--slurm"])) == [Node("cpu7")]
