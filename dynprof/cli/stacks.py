@@ -51,6 +51,40 @@ class Target:
         return self.record.rank if self.record is not None else None
 
 
+MAX_MERGE_FILE_BYTES = 64 << 20
+
+
+def read_stacks_json(path: str) -> Any:
+    """One node's ``stacks --json`` output: a regular file, bounded in size and depth."""
+    from dynprof._safe_io import loads_json
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO must not block the merge
+    except OSError as exc:
+        raise errors.DynprofError(f"cannot open it: {exc.strerror or exc}") from None
+    with os.fdopen(fd, "rb") as fh:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise errors.DynprofError("not a regular file")
+        data = fh.read(MAX_MERGE_FILE_BYTES + 1)
+    if len(data) > MAX_MERGE_FILE_BYTES:
+        raise errors.DynprofError(f"over {MAX_MERGE_FILE_BYTES >> 20} MiB")
+    try:
+        result = loads_json(data, "it")
+    except errors.DynprofError as exc:
+        raise errors.DynprofError(exc.message.removeprefix("it: ")) from None
+    if not isinstance(result, dict) or not isinstance(result.get("processes"), list):
+        raise errors.DynprofError("not the output of `dynprof stacks --json` (no list of processes)")
+    return result
+
+
+def host_from_file_name(path: str) -> str | None:
+    """``stacks.node-5.json`` -> ``node-5``: the node of an answer that does not name it."""
+    name = os.path.basename(path)
+    name = name.removesuffix(".json")
+    name = name.removeprefix("stacks.").removeprefix("stacks-")
+    return name or None
+
+
 class StacksCommand:
     """Print the stacks of running processes (or a core file), grouped by where they are."""
 
@@ -405,40 +439,6 @@ def _main_thread_json(p: Any) -> dict[str, Any] | None:
         "holds_gil": main.holds_gil,
         "frames": [{**asdict(f), "locals": None} for f in main.frames[:MAX_JSON_FRAMES]],
     }
-
-
-MAX_MERGE_FILE_BYTES = 64 << 20
-
-
-def read_stacks_json(path: str) -> Any:
-    """One node's ``stacks --json`` output: a regular file, bounded in size and depth."""
-    from dynprof._safe_io import loads_json
-
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO must not block the merge
-    except OSError as exc:
-        raise errors.DynprofError(f"cannot open it: {exc.strerror or exc}") from None
-    with os.fdopen(fd, "rb") as fh:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise errors.DynprofError("not a regular file")
-        data = fh.read(MAX_MERGE_FILE_BYTES + 1)
-    if len(data) > MAX_MERGE_FILE_BYTES:
-        raise errors.DynprofError(f"over {MAX_MERGE_FILE_BYTES >> 20} MiB")
-    try:
-        result = loads_json(data, "it")
-    except errors.DynprofError as exc:
-        raise errors.DynprofError(exc.message.removeprefix("it: ")) from None
-    if not isinstance(result, dict) or not isinstance(result.get("processes"), list):
-        raise errors.DynprofError("not the output of `dynprof stacks --json` (no list of processes)")
-    return result
-
-
-def host_from_file_name(path: str) -> str | None:
-    """``stacks.node-5.json`` -> ``node-5``: the node of an answer that does not name it."""
-    name = os.path.basename(path)
-    name = name.removesuffix(".json")
-    name = name.removeprefix("stacks.").removeprefix("stacks-")
-    return name or None
 
 
 def _comm(pid: int) -> str:
