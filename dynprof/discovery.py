@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 import socket
+import stat
 import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -76,10 +77,14 @@ def read_hostfile(path: str) -> list[Node]:
     """One node per line (``HOST[:PORT]``; MPI-style ``HOST slots=8`` is read as ``HOST``);
     blank lines and ``#`` comments are skipped."""
     try:
-        with open(path, "rb") as fh:
-            data = fh.read(MAX_HOSTFILE_BYTES + 1)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO must not block the command
     except OSError as exc:
         raise errors.UsageError(f"cannot read the host file {path}: {exc.strerror}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise errors.UsageError(f"the host file {path} is not a regular file")
+    with os.fdopen(fd, "rb") as fh:
+        data = fh.read(MAX_HOSTFILE_BYTES + 1)
     if len(data) > MAX_HOSTFILE_BYTES:
         raise errors.UsageError(f"the host file {path} is over {MAX_HOSTFILE_BYTES} bytes")
     nodes = []

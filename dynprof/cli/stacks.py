@@ -62,9 +62,10 @@ def read_stacks_json(path: str) -> Any:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO must not block the merge
     except OSError as exc:
         raise errors.DynprofError(f"cannot open it: {exc.strerror or exc}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise errors.DynprofError("not a regular file")
     with os.fdopen(fd, "rb") as fh:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise errors.DynprofError("not a regular file")
         data = fh.read(MAX_MERGE_FILE_BYTES + 1)
     if len(data) > MAX_MERGE_FILE_BYTES:
         raise errors.DynprofError(f"over {MAX_MERGE_FILE_BYTES >> 20} MiB")

@@ -185,3 +185,16 @@ def test_slurm_uses_the_allocation_when_job_is_not_a_slurm_id(monkeypatch: pytes
     # and a numeric --job of another Slurm job asks scontrol
     monkeypatch.setattr(discovery, "_run_slurm_tool", lambda cmd: "JobId=501 NodeList=cpu7\n")
     assert discovery.resolve_nodes(_args(["--job", "501", "--slurm"])) == [Node("cpu7")]
+
+
+def test_hostfile_that_is_not_a_regular_file(tmp_path: Path) -> None:
+    import os
+
+    fifo = tmp_path / "hosts"
+    os.mkfifo(fifo)
+    with pytest.raises(errors.UsageError, match="not a regular file"):
+        discovery.read_hostfile(str(fifo))  # refused at once, not waited on
+    with pytest.raises(errors.UsageError, match="not a regular file"):
+        discovery.read_hostfile(str(tmp_path))
+    with pytest.raises(errors.UsageError, match="cannot read the host file"):
+        discovery.read_hostfile(str(tmp_path / "missing"))

@@ -131,8 +131,10 @@ def test_merge_command(tmp_path: Path, capsys: Any) -> None:
     fifo = tmp_path / "stacks.node-e.json"
     os.mkfifo(fifo)
     missing = str(tmp_path / "stacks.node-f.json")
+    directory = tmp_path / "stacks.node-g.json"
+    directory.mkdir()
     # WHEN merged
-    code = main(["stacks", "--merge", a, b, str(garbage), deep, str(fifo), missing, "--no-save"])
+    code = main(["stacks", "--merge", a, b, str(garbage), deep, str(fifo), missing, str(directory), "--no-save"])
     out = capsys.readouterr().out
     # THEN the grouped view names the odd rank and its node, and each bad file and why
     assert code == 1
@@ -142,6 +144,7 @@ def test_merge_command(tmp_path: Path, capsys: Any) -> None:
     assert f"FAILED file {deep}: JSON nested deeper than 64 levels: refused" in out
     assert f"FAILED file {fifo}: not a regular file" in out
     assert f"FAILED file {missing}: cannot open it: No such file or directory" in out
+    assert f"FAILED file {directory}: not a regular file" in out
     assert "8 process(es) of 2 node(s) merged from 2 file(s)" in out
 
 
