@@ -99,3 +99,20 @@ def _descends_from(pid: int, ancestor: int) -> bool:
         except OSError:
             return False
     return False
+
+
+def test_report_states_the_model(capsys: Any) -> None:
+    bench = _bench()
+    # GIVEN runs whose wall time grows by 20 ms a node over 0.5 s, and 4 ms of CLI CPU a node
+    results = {
+        ("ps", n): [bench.Run(0.5 + 0.02 * n, 0.3 + 0.004 * n, 0.05 * n, 8 * n, 0) for _ in range(3)]
+        for n in (1, 8, 16, 32, 64)
+    }
+    bench.report(results, 8)
+    out = capsys.readouterr().out
+    # THEN the line, the per-node costs, the verdict at 512 ranks and both 1024-node estimates
+    assert "ps: wall = 0.500 s + 20.0 ms x nodes here" in out
+    assert "per node: 20.0 ms of wall time here, 4.0 ms of the CLI's own CPU, 50 ms of CPU on the node" in out
+    assert "512 ranks: 1.780 s; target <= 3 s for 512: meets" in out
+    assert "1024 nodes x 8 ranks: 21.0 s if every node shared this machine's CPUs" in out
+    assert "one node's time 0.52 s + 1024 x 4.0 ms of CLI CPU" in out
