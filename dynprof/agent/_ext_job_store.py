@@ -43,6 +43,8 @@ log = logging.getLogger("dynprof.agent")
 C10D_MODULE = "torch.distributed.distributed_c10d"
 KEY_PREFIX = "dynprof"
 RANKS_KEY = "ranks"
+RANK_KEY_PREFIX = "rank/"  # where a rank registers when its store cannot append
+MAX_PER_RANK_LOOKUPS = 65536
 SIDECAR_ENV = "DYNPROF_SIDECAR"
 DEFAULT_SIDECAR_PORT = 8787
 REGISTER_TIMEOUT_S = 10.0
@@ -198,7 +200,12 @@ class JobStoreRegistration:
             # big job over a few seconds (none for a small one).
             time.sleep(random.uniform(0.0, min(MAX_JITTER_S, entry["world_size"] / 2000)))
             store, where = open_job_store(REGISTER_TIMEOUT_S)
-            store.append(RANKS_KEY, (json.dumps(entry, separators=(",", ":")) + "\n").encode())
+            line = (json.dumps(entry, separators=(",", ":")) + "\n").encode()
+            try:
+                store.append(RANKS_KEY, line)
+            except (AttributeError, NotImplementedError, RuntimeError):
+                # A torch whose stores cannot append: one key per rank, read one by one.
+                store.set(f"{RANK_KEY_PREFIX}{entry['rank']}", line)
             log.info("registered rank %s (sidecar %s) in the job's store (%s)", entry["rank"], entry["sidecar"], where)
             self.last_error = ""
         except Exception as exc:
@@ -213,6 +220,22 @@ class JobStoreRegistration:
             thread.join(timeout)
 
     # -- the command ------------------------------------------------------------------------
+    @staticmethod
+    def _per_rank_keys(store: Any, data: bytes, world: int, deadline: float) -> bytes:
+        """The registrations of ranks whose store could not append: one key each, looked up for
+        the ranks missing from ``data`` (none, normally), until the deadline."""
+        seen = {r.rank for r in parse_registrations(data)}
+        found = b""
+        for rank in range(min(world, MAX_PER_RANK_LOOKUPS)):
+            if rank in seen:
+                continue
+            if time.monotonic() > deadline:
+                break
+            key = f"{RANK_KEY_PREFIX}{rank}"
+            if store.check([key]):
+                found += store.get(key)[: MAX_FIELD_CHARS * 8] + b"\n"
+        return found
+
     def handle_discover(self, msg: Any) -> tuple[str, Any]:
         timeout = msg.timeout_s if msg.timeout_s > 0 else DEFAULT_READ_TIMEOUT_S
         if not timeout <= MAX_READ_TIMEOUT_S:
@@ -226,6 +249,7 @@ class JobStoreRegistration:
             store, where = open_job_store(timeout)
             world = sys.modules["torch.distributed"].get_world_size()
             data = store.get(RANKS_KEY) if store.check([RANKS_KEY]) else b""
+            data += self._per_rank_keys(store, data, world, time.monotonic() + timeout)
         except StoreUnavailable as exc:
             raise CommandError(
                 pb.UNSUPPORTED,

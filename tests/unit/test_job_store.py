@@ -188,3 +188,27 @@ def test_an_agent_without_the_command_is_named_as_older(monkeypatch: pytest.Monk
     with pytest.raises(errors.DynprofError) as info:
         discovery.discover_job("old", timeout=1)
     assert "older than this one" in info.value.message and "--hostfile" in info.value.help
+
+
+def test_a_store_that_cannot_append(process_group: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    # GIVEN stores without append (an older torch)
+    real_open = js.open_job_store
+
+    class NoAppend:
+        def __init__(self, store: Any) -> None:
+            self.store = store
+
+        def append(self, key: str, value: bytes) -> None:
+            raise NotImplementedError("append")
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.store, name)
+
+    monkeypatch.setattr(js, "open_job_store", lambda t: (NoAppend(real_open(t)[0]), "old store"))
+    reg = js.JobStoreRegistration(_agent())
+    # WHEN the rank registers and the nodes are read back
+    reg.schedule()
+    reg.wait(10)
+    _, nodes = reg.handle_discover(pb.DiscoverNodesRequest(timeout_s=3))
+    # THEN its one key per rank is found
+    assert [(r.rank, r.host) for r in nodes.ranks] == [(0, "node-7")]
