@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import queue
 import re
 import shutil
 import socket
 import stat
 import subprocess
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -263,6 +265,7 @@ def slurm_hosts(job: str | None = None, env: Mapping[str, str] | None = None) ->
 
 # -- the job's own store ---------------------------------------------------------------------
 DISCOVER_TIMEOUT_S = 5.0
+DISCOVER_ASKED_AGENTS = 3
 
 
 @dataclass
@@ -286,7 +289,8 @@ def discover_job(job: str, timeout: float = DISCOVER_TIMEOUT_S) -> Discovery:
     """Ask a local agent of ``job`` for the registrations in the job's rendezvous store.
 
     Each rank's agent registers its host and node sidecar there once the job's default
-    process group exists. Local agents are tried lowest rank first until one answers."""
+    process group exists. Up to three local agents (lowest ranks) are asked at once; the first
+    answer wins."""
     from dynprof.client import AgentClient
     from dynprof.proto import pb
     from dynprof.registry import list_records
@@ -304,48 +308,64 @@ def discover_job(job: str, timeout: float = DISCOVER_TIMEOUT_S) -> Discovery:
             f"{job}`), or name the nodes with --hosts, --hostfile or --slurm.",
         )
     records.sort(key=lambda r: (r.rank if r.rank is not None else 1 << 30, r.pid))
-    last: errors.DynprofError | None = None
-    for record in records[:3]:
+    # Up to three local ranks are asked at once, and the first answer wins: in a hung job, a
+    # rank whose interpreter is stuck holding the GIL cannot answer, and must not delay the rest.
+    answers: queue.Queue[tuple[Any, Any]] = queue.Queue()
+    asked = records[:DISCOVER_ASKED_AGENTS]
+
+    def ask(record: Any) -> None:
         client = AgentClient.for_record(record, timeout=timeout + 3.0)
         try:
-            reply = client.request(discover_nodes=pb.DiscoverNodesRequest(timeout_s=timeout))
+            answers.put((record, client.request(discover_nodes=pb.DiscoverNodesRequest(timeout_s=timeout))))
         except errors.DynprofError as exc:
-            if getattr(exc, "code", None) in (pb.BAD_REQUEST, pb.UNKNOWN_COMMAND):
-                # Structured codes: an agent of an older dynprof does not know the command.
-                exc = errors.DynprofError(
-                    f"--discover: the agent of process {record.pid} does not know how to read the job's store "
-                    f"(its dynprof is older than this one): {exc.message}",
-                    help="Use the same dynprof in the job as here, or name the nodes with --hosts, --hostfile "
-                    "or --slurm.",
-                )
-            last = exc
+            answers.put((record, exc))
+        except Exception as exc:  # a bug must not leave the command waiting
+            answers.put((record, errors.AgentError(f"asking process {record.pid} failed: {exc!r}")))
+
+    for record in asked:
+        threading.Thread(target=ask, args=(record,), name="dynprof-discover", daemon=True).start()
+    failures: list[tuple[Any, errors.DynprofError]] = []
+    while len(failures) < len(asked):
+        record, answer = answers.get()
+        if isinstance(answer, errors.DynprofError):
+            failures.append((record, answer))
             continue
-        found = reply.job_nodes
-        ranks = [
-            {
-                "rank": r.rank,
-                "local_rank": r.local_rank if r.local_rank >= 0 else None,
-                "host": r.host,
-                "sidecar": r.sidecar,
-                "pid": r.pid,
-            }
-            for r in found.ranks
-        ]
-        nodes: list[Node] = []
-        for r in found.ranks:
-            try:
-                nodes.append(parse_node(r.sidecar))
-            except errors.UsageError:
-                continue  # an unusable address registered by someone: its rank counts as missing
-        if not nodes:
-            raise errors.DynprofError(
-                f"--discover: no rank of job {job!r} is registered in its store ({found.store})",
-                help="Ranks register once torch.distributed.init_process_group has returned, and only when the "
-                "dynprof agent was in them by then (or attached later); name the nodes with --hosts/--hostfile/--slurm.",
-            )
-        return Discovery(job, list(dict.fromkeys(nodes)), ranks, found.world_size, found.store, record.pid)
-    assert last is not None
-    raise last
+        return _discovery_from(job, record.pid, answer.job_nodes)
+    record, exc = failures[0]
+    if getattr(exc, "code", None) in (pb.BAD_REQUEST, pb.UNKNOWN_COMMAND):
+        # Structured codes: an agent of an older dynprof does not know the command.
+        raise errors.DynprofError(
+            f"--discover: the agent of process {record.pid} does not know how to read the job's store "
+            f"(its dynprof is older than this one): {exc.message}",
+            help="Use the same dynprof in the job as here, or name the nodes with --hosts, --hostfile or --slurm.",
+        )
+    raise exc
+
+
+def _discovery_from(job: str, pid: int, found: Any) -> Discovery:
+    ranks = [
+        {
+            "rank": r.rank,
+            "local_rank": r.local_rank if r.local_rank >= 0 else None,
+            "host": r.host,
+            "sidecar": r.sidecar,
+            "pid": r.pid,
+        }
+        for r in found.ranks
+    ]
+    nodes: list[Node] = []
+    for r in found.ranks:
+        try:
+            nodes.append(parse_node(r.sidecar))
+        except errors.UsageError:
+            continue  # an unusable address registered by someone: its rank counts as missing
+    if not nodes:
+        raise errors.DynprofError(
+            f"--discover: no rank of job {job!r} is registered in its store ({found.store})",
+            help="Ranks register once torch.distributed.init_process_group has returned, and only when the "
+            "dynprof agent was in them by then (or attached later); name the nodes with --hosts/--hostfile/--slurm.",
+        )
+    return Discovery(job, list(dict.fromkeys(nodes)), ranks, found.world_size, found.store, pid)
 
 
 # -- options -----------------------------------------------------------------------------------
