@@ -107,3 +107,50 @@ def test_discover_in_a_job_without_a_process_group(spawn: Any, cli: Any, node_di
     assert "no torch.distributed process group" in out.stderr
     assert "--hosts/--hostfile/--slurm" in out.stderr
     assert not [line for line in target.lines if line.startswith("dynprof")]
+
+
+def test_a_stopped_rank_does_not_delay_discovery(spawn: Any, cli: Any, node_dirs: list[Path]) -> None:
+    import os
+    import signal
+
+    # GIVEN a 2-rank job on one node whose store is served by a launcher process (as torchrun's
+    # agent serves it), and rank 0 stopped: its agent cannot answer
+    port = _free_port()
+    store = spawn(
+        [
+            "-c",
+            "import time, torch.distributed as d; "
+            f"s = d.TCPStore('127.0.0.1', {port}, is_master=True, wait_for_workers=False); "
+            "print('READY 0', flush=True); time.sleep(120)",
+        ],
+        under_run=False,
+    )
+    store.ready_pids(timeout=60)
+    env = {
+        "WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": port,
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "DYNPROF_JOB_ID": "stopped",
+        "DYNPROF_RUN_DIR": str(node_dirs[0]),
+    }
+    ranks = []
+    for rank in (0, 1):
+        args = ["-m", "dynprof", "run", "-q", "--", sys.executable, TRAIN, "--dist", "--step-sleep", "0.05"]
+        ranks.append(spawn(args, under_run=False, env={**env, "RANK": str(rank)}))
+    pids = [t.ready_pids(timeout=90)[0] for t in ranks]
+    time.sleep(1.0)  # both registered (they do so right after init_process_group)
+    os.kill(pids[0], signal.SIGSTOP)
+    try:
+        # WHEN the job's nodes are asked for
+        t0 = time.monotonic()
+        out = cli("nodes", "--job", "stopped", "--discover", "--json", env={"DYNPROF_RUN_DIR": str(node_dirs[0])})
+        elapsed = time.monotonic() - t0
+    finally:
+        os.kill(pids[0], signal.SIGCONT)
+    # THEN rank 1 answers at once, with both ranks' registrations
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert data["asked_pid"] == pids[1]
+    assert [r["rank"] for r in data["ranks"]] == [0, 1]
+    assert elapsed < 5.0
