@@ -393,7 +393,10 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
 
 
 def resolve_nodes(args: argparse.Namespace) -> list[Node] | None:
-    """The nodes asked for, deduplicated in order; None when none was (act on this node only)."""
+    """The nodes asked for, deduplicated in order; None when none was (act on this node only).
+
+    With --discover, ``args.discovery`` is set to the :class:`Discovery` (the ranks that
+    registered in the job's store, and ``missing_ranks``)."""
     nodes: list[Node] = []
     asked = False
     if getattr(args, "hosts", None) is not None:
@@ -415,7 +418,9 @@ def resolve_nodes(args: argparse.Namespace) -> list[Node] | None:
         job = getattr(args, "job", None)
         if not job:
             raise errors.UsageError("--discover needs --job JOB: the job whose store names its nodes")
-        nodes += discover_job(job).nodes
+        found = discover_job(job)
+        args.discovery = found  # who registered and who did not, for the command's report
+        nodes += found.nodes
     if not asked:
         return None
     if not nodes:
