@@ -34,16 +34,8 @@ class NodesCommand:
                 "name a source of nodes: --hosts, --hostfile, --slurm [JOB] or --job J --discover",
                 help="See `dynprof nodes --help`.",
             )
-        found: discovery.Discovery | None = None
-        if args.discover:
-            if not args.job:
-                raise errors.UsageError("--discover needs --job JOB: the job whose store names its nodes")
-            found = discovery.discover_job(args.job)
-            args.discover = False  # resolved once, here
-        nodes = (
-            discovery.resolve_nodes(args) if (args.hosts is not None or args.hostfile or args.slurm is not None) else []
-        )
-        nodes = list(dict.fromkeys([*(nodes or []), *(found.nodes if found else [])]))
+        nodes = discovery.resolve_nodes(args) or []
+        found: discovery.Discovery | None = getattr(args, "discovery", None)
         if args.json:
             out: dict[str, Any] = {"nodes": [n.address for n in nodes]}
             if found is not None:
