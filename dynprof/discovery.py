@@ -103,6 +103,7 @@ MAX_RANGE_WIDTH = 18  # digits of a range bound; wider numbers are not host indi
 SLURM_NODELIST_VARIABLES = ("SLURM_JOB_NODELIST", "SLURM_NODELIST")
 SLURM_JOB_ID_VARIABLES = ("SLURM_JOB_ID", "SLURM_JOBID")
 SCONTROL_TIMEOUT_S = 15.0
+SLURM_JOB_ID = re.compile(r"[0-9]+(?:_[0-9]+|\+[0-9]+)?")  # 123, array task 123_4, het job 123+1
 
 
 def _split_top_level(text: str) -> list[str]:
@@ -194,10 +195,14 @@ def expand_nodelist(text: str) -> list[str]:
             raise errors.UsageError(f"the Slurm node list names more than {MAX_NODES} nodes")
     if not hosts:
         raise errors.UsageError("the Slurm node list is empty")
-    for host in hosts:
-        if any(c.isspace() or c in "/?#@:" for c in host) or len(host) > 253:
-            raise errors.UsageError(f"bad node name {host!r} in the Slurm node list")
+    _check_host_names(hosts)
     return hosts
+
+
+def _check_host_names(hosts: list[str]) -> None:
+    for host in hosts:
+        if any(c.isspace() or c in "/?#@:[]" or not c.isprintable() for c in host) or len(host) > 253:
+            raise errors.UsageError(f"bad node name {host[:80]!r} in the Slurm node list")
 
 
 def sidecar_port() -> int:
@@ -211,6 +216,8 @@ def sidecar_port() -> int:
 
 
 def _run_slurm_tool(cmd: list[str]) -> str:
+    shown = " ".join(cmd)
+    shown = shown if len(shown) <= 200 else shown[:200] + "..."
     try:
         proc = subprocess.run(cmd, capture_output=True, timeout=SCONTROL_TIMEOUT_S, check=False)
     except FileNotFoundError:
@@ -220,16 +227,16 @@ def _run_slurm_tool(cmd: list[str]) -> str:
             "SLURM_JOB_NODELIST), or name the nodes with --hosts or --hostfile.",
         ) from None
     except subprocess.TimeoutExpired:
-        raise errors.Timeout(f"`{' '.join(cmd)}` did not answer within {SCONTROL_TIMEOUT_S:g} s") from None
+        raise errors.Timeout(f"`{shown}` did not answer within {SCONTROL_TIMEOUT_S:g} s") from None
     if proc.returncode != 0:
         why = proc.stderr.decode("utf-8", "replace").strip()[:500] or f"exit status {proc.returncode}"
-        raise errors.UsageError(f"`{' '.join(cmd)}` failed: {why}")
+        raise errors.UsageError(f"`{shown}` failed: {why}")
     return proc.stdout[: MAX_NODELIST_CHARS * 8].decode("utf-8", "replace")
 
 
 def slurm_job_nodelist(job: str) -> str:
     """The ``NodeList`` of a running Slurm job, from ``scontrol show job``."""
-    if not job.isdigit() and not re.fullmatch(r"\d+(_\d+|\+\d+)?", job):
+    if not SLURM_JOB_ID.fullmatch(job):
         raise errors.UsageError(f"{job!r} is not a Slurm job id")
     text = _run_slurm_tool(["scontrol", "show", "job", "--oneliner", job])
     match = re.search(r"(?:^|\s)NodeList=(\S+)", text)
@@ -260,6 +267,7 @@ def slurm_hosts(job: str | None = None, env: Mapping[str, str] | None = None) ->
     hosts = _run_slurm_tool(["scontrol", "show", "hostnames", nodelist]).split()
     if not hosts or len(hosts) > MAX_NODES:
         raise errors.UsageError(f"`scontrol show hostnames` gave {len(hosts)} names for the Slurm node list")
+    _check_host_names(hosts)
     return hosts
 
 
@@ -411,7 +419,7 @@ def resolve_nodes(args: argparse.Namespace) -> list[Node] | None:
         port = sidecar_port()
         # --job names the Slurm job only when it is one (a dynprof job id may be a torchrun run id).
         job = getattr(args, "job", None)
-        slurm_job = slurm or (job if job and re.fullmatch(r"\d+(_\d+)?", job) else None)
+        slurm_job = slurm or (job if job and SLURM_JOB_ID.fullmatch(job) else None)
         nodes += [Node(h, port) for h in slurm_hosts(slurm_job)]
     if getattr(args, "discover", False):
         asked = True

@@ -198,3 +198,24 @@ def test_hostfile_that_is_not_a_regular_file(tmp_path: Path) -> None:
         discovery.read_hostfile(str(tmp_path))
     with pytest.raises(errors.UsageError, match="cannot read the host file"):
         discovery.read_hostfile(str(tmp_path / "missing"))
+
+
+def test_scontrol_show_hostnames_for_lists_this_parser_refuses(monkeypatch: pytest.MonkeyPatch) -> None:
+    # GIVEN scontrol installed, and a list this parser refuses
+    monkeypatch.setattr(discovery.shutil, "which", lambda name: "/usr/bin/scontrol")
+    calls: list[list[str]] = []
+
+    def tool(cmd: list[str]) -> str:
+        calls.append(cmd)
+        return "odd1\nodd2\n"
+
+    monkeypatch.setattr(discovery, "_run_slurm_tool", tool)
+    # THEN scontrol show hostnames is asked, and what it prints is checked as names
+    assert discovery.slurm_hosts(None, {"SLURM_JOB_NODELIST": "odd[1-2:1]"}) == ["odd1", "odd2"]
+    assert calls == [["scontrol", "show", "hostnames", "odd[1-2:1]"]]
+    monkeypatch.setattr(discovery, "_run_slurm_tool", lambda cmd: "ok\nb\x1bd/x\n")
+    with pytest.raises(errors.UsageError, match="bad node name"):
+        discovery.slurm_hosts(None, {"SLURM_JOB_NODELIST": "x[1-"})
+    # and a job id that only looks numeric in Unicode is refused
+    with pytest.raises(errors.UsageError, match="not a Slurm job id"):
+        discovery.slurm_hosts("\u0661\u0662", {})
