@@ -206,7 +206,10 @@ def main(argv: list[str] | None = None) -> int:
             f"{events_per_step} allocator events per step; {torch.cuda.get_device_name(device)}, "
             f"torch {torch.__version__}"
         )
-        print(f"{'policy':<16} {'mean step ms':>13} {'ratio vs off':>13} {'paired min-max':>16}   what it recorded")
+        print(
+            f"{'policy':<16} {'mean step ms':>13} {'ratio vs off':>13} {'paired median':>14} "
+            f"{'paired IQR':>16} {'paired min-max':>16}   what it recorded"
+        )
         for name in names:
             med = statistics.median(means[name])
             paired = [m / b for m, b in zip(means[name], means["off"])]
