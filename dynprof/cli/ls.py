@@ -10,7 +10,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from dynprof.cli import _many_nodes
 from dynprof.cli._common import add_json, bounded_int, human_bytes, print_json, printable, table
+from dynprof.cli._many_nodes import add_many_node_args, nodes_requested
 from dynprof.store import ArtifactStore
 
 
@@ -25,8 +27,12 @@ class LsCommand:
         )
         parser.add_argument("--all", action="store_true", help="also list artifacts still being written")
         add_json(parser)
+        add_many_node_args(parser, fetch=True)
 
     def run(self, args: argparse.Namespace) -> int:
+        nodes = nodes_requested(args)
+        if nodes is not None:
+            return _many_nodes.ls(args, nodes)
         store = ArtifactStore()
         arts, bad = store.scan(job=args.job, kind=args.kind)
         if args.limit:

@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 from dynprof import errors
+from dynprof.cli import _many_nodes
 from dynprof.cli._common import (
     MAX_HISTORY_EVENTS,
     add_attach_flag,
@@ -20,6 +21,7 @@ from dynprof.cli._common import (
     seconds,
     table,
 )
+from dynprof.cli._many_nodes import add_many_node_args, nodes_requested
 from dynprof.client import AgentClient
 from dynprof.proto import pb
 
@@ -57,8 +59,12 @@ class MemoryCommand:
             "--timeout", type=seconds, default=300.0, help="seconds to wait for each process's snapshot (default 300)"
         )
         add_json(parser)
+        add_many_node_args(parser, fetch=True)
 
     def run(self, args: argparse.Namespace) -> int:
+        nodes = nodes_requested(args)
+        if nodes is not None:
+            return _many_nodes.plain("memory", args, nodes)
         if args.history_start is not None and args.history_start <= 0:
             raise errors.UsageError("--history-start N needs N > 0 events", help="Use --history-stop to stop.")
         records = resolve_agents(args)

@@ -19,6 +19,7 @@ import time
 from typing import Any
 
 from dynprof import errors
+from dynprof.cli import _many_nodes
 from dynprof.cli._common import (
     add_attach_flag,
     add_json,
@@ -29,6 +30,7 @@ from dynprof.cli._common import (
     resolve_agents,
     seconds,
 )
+from dynprof.cli._many_nodes import add_many_node_args, nodes_requested
 from dynprof.registry import AgentRecord, read_record
 
 
@@ -46,8 +48,12 @@ class NcclCommand:
             "--timeout", type=seconds, default=15.0, metavar="SEC", help="per-rank limit for a dump (default 15)"
         )
         add_json(parser)
+        add_many_node_args(parser, fetch=True)
 
     def run(self, args: argparse.Namespace) -> int:
+        nodes = nodes_requested(args)
+        if nodes is not None:
+            return _many_nodes.nccl(args, nodes)
         from collectors import flight_recorder as fr
         from dynprof.store import ArtifactStore
 
@@ -102,8 +108,15 @@ class NcclCommand:
             raise
         elapsed = time.monotonic() - t0
         if args.json:
+            # Each rank's dump goes along: `nccl --hosts` analyses the dumps of every node together.
             print_json(
-                {"artifact": str(art.path), "elapsed_s": round(elapsed, 3), "analysis": analysis, "notes": notes}
+                {
+                    "artifact": str(art.path),
+                    "elapsed_s": round(elapsed, 3),
+                    "analysis": analysis,
+                    "notes": notes,
+                    "dumps": {str(rank): doc for rank, doc in sorted(per_rank.items())},
+                }
             )
         else:
             print(printable_lines(fr.render_analysis(analysis)), end="")

@@ -14,7 +14,9 @@ import time
 from typing import Any
 
 from dynprof import errors
+from dynprof.cli import _many_nodes
 from dynprof.cli._common import add_json, human_age, parallel, print_json, printable, seconds, table
+from dynprof.cli._many_nodes import add_many_node_args, nodes_requested
 from dynprof.client import AgentClient
 from dynprof.registry import AgentRecord, list_records
 
@@ -68,8 +70,12 @@ class PsCommand:
         parser.add_argument("--job", help="only this job's agents")
         parser.add_argument("--timeout", type=seconds, default=1.0, help="seconds to wait for each agent (default 1)")
         add_json(parser)
+        add_many_node_args(parser)
 
     def run(self, args: argparse.Namespace) -> int:
+        nodes = nodes_requested(args)
+        if nodes is not None:
+            return _many_nodes.ps(args, nodes)
         records = list_records()
         if args.job:
             records = [r for r in records if r.job_id == args.job]

@@ -22,6 +22,7 @@ import uuid
 from typing import Any
 
 from dynprof import errors
+from dynprof.cli import _many_nodes
 from dynprof.cli._common import (
     MAX_SECONDS,
     MAX_STEP_NUMBER,
@@ -36,6 +37,7 @@ from dynprof.cli._common import (
     resolve_agents,
     seconds,
 )
+from dynprof.cli._many_nodes import add_many_node_args, nodes_requested
 from dynprof.client import AgentClient
 from dynprof.proto import pb
 from dynprof.registry import AgentRecord
@@ -143,8 +145,12 @@ class StartCommand:
             help="give up waiting after SEC seconds (the trace goes on and ends by itself)",
         )
         add_json(parser)
+        add_many_node_args(parser, fetch=True)
 
     def run(self, args: argparse.Namespace) -> int:
+        nodes = nodes_requested(args)
+        if nodes is not None:
+            return _many_nodes.start(args, nodes)
         if args.at_step is not None and args.duration is not None:
             raise errors.UsageError("--at-step applies to step mode, not to --duration")
         records = resolve_agents(args)

@@ -1,0 +1,724 @@
+"""Job-level commands over many nodes: each node's sidecar runs the command, the answers merge.
+
+``ps``, ``start``, ``stop``, ``stacks``, ``memory``, ``nccl`` and ``ls`` take ``--hosts`` /
+``--hostfile`` (and whatever :func:`dynprof.discovery.resolve_nodes` finds). When nodes are
+named, the command sends its own options to every node's sidecar as the action of the same
+name (one level only: never the node options themselves) and merges the answers:
+
+    {"nodes": [{"node": "node-5:8787", "host": "node-5", "ok": true, "error": null, "exit_code": 0, ...}],
+     "per_node": {"node-5:8787": <that node's `--json` output>, ...},
+     <a top-level list over all nodes: "agents", "groups", "results", "artifacts", ...>}
+
+A node that does not answer is named in ``nodes`` and on stderr with its reason; the others
+are still merged. Exit code: 12 when some node did not answer, else the highest exit code of
+the nodes' commands (0 when every node succeeded).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from dynprof import errors
+from dynprof.actions import ACTIONS
+from dynprof.cli._common import (
+    bounded_int,
+    human_age,
+    human_bytes,
+    path_arg,
+    print_json,
+    printable,
+    printable_lines,
+    seconds,
+    table,
+)
+from dynprof.discovery import Node, add_node_args, resolve_nodes
+from dynprof.fanout import (
+    DEFAULT_MAX_IN_FLIGHT,
+    DEFAULT_NODE_TIMEOUT_S,
+    NodeAnswer,
+    NodeFailure,
+    SidecarClient,
+    check_artifact_id,
+    check_file_name,
+    tls_context,
+)
+
+NODES_FAILED_EXIT = errors.NodesFailed.exit_code
+FETCH_TIMEOUT_S = 600.0
+
+
+def add_many_node_args(parser: argparse.ArgumentParser, fetch: bool = False) -> None:
+    group = parser.add_argument_group("many nodes (through each node's `dynprof serve`; see docs/many-nodes.md)")
+    add_node_args(group)  # type: ignore[arg-type]
+    group.add_argument(
+        "--token-file",
+        type=path_arg,
+        metavar="FILE",
+        help="the sidecars' access token (a file of mode 0600; default $DYNPROF_TOKEN_FILE)",
+    )
+    group.add_argument(
+        "--cacert",
+        type=path_arg,
+        metavar="FILE",
+        help="talk to the sidecars over https, trusting the CA certificates in FILE (PEM)",
+    )
+    group.add_argument(
+        "--node-timeout",
+        type=seconds,
+        default=DEFAULT_NODE_TIMEOUT_S,
+        metavar="SEC",
+        help=f"seconds each node has to answer, beyond the command's own wait (default {DEFAULT_NODE_TIMEOUT_S:g})",
+    )
+    group.add_argument(
+        "--max-in-flight",
+        type=bounded_int(1, 4096),
+        default=DEFAULT_MAX_IN_FLIGHT,
+        metavar="N",
+        help=f"ask at most N nodes at once (default {DEFAULT_MAX_IN_FLIGHT})",
+    )
+    if fetch:
+        group.add_argument(
+            "--fetch",
+            type=path_arg,
+            metavar="DIR",
+            help="copy the artifacts back into DIR (as the store lays them out: job/host/rank/kind/...), "
+            "checking sizes and sha256; default: list them where they are",
+        )
+
+
+def nodes_requested(args: argparse.Namespace) -> list[Node] | None:
+    nodes = resolve_nodes(args)
+    if nodes is None:
+        if getattr(args, "fetch", None):
+            raise errors.UsageError("--fetch copies artifacts from other nodes: give --hosts or --hostfile")
+        return None
+    if getattr(args, "pid", None):
+        raise errors.UsageError(
+            "--pid names processes of one node: with --hosts, select them by --job (or --all)",
+        )
+    if getattr(args, "attach", False):
+        raise errors.UsageError("--attach works on this node only; attach on each node first (`dynprof attach --job`)")
+    return nodes
+
+
+def client_for(args: argparse.Namespace) -> SidecarClient:
+    from dynprof.cli.serve import read_token_file
+
+    path = args.token_file or os.environ.get("DYNPROF_TOKEN_FILE") or None
+    if not path:
+        raise errors.UsageError(
+            "the sidecars need their access token",
+            help="Give --token-file FILE (mode 0600) or set DYNPROF_TOKEN_FILE, as for `dynprof serve`.",
+        )
+    token = read_token_file(path)
+    tls = tls_context(args.cacert) if args.cacert else None
+    return SidecarClient(token, tls=tls, timeout=args.node_timeout, max_in_flight=args.max_in_flight)
+
+
+def forward_options(name: str, args: argparse.Namespace, **override: Any) -> dict[str, Any]:
+    """The command's own options, as action ``name`` takes them (unset ones left out)."""
+    out: dict[str, Any] = {}
+    for key in ACTIONS[name].options:
+        value = override[key] if key in override else getattr(args, key, None)
+        if value is None or value is False or value == []:
+            continue
+        out[key] = value
+    return out
+
+
+def node_labels(nodes: list[Node]) -> dict[Node, str]:
+    """How output names a node: its host, or host:port where several nodes share a host."""
+    counts = Counter(n.host for n in nodes)
+    return {n: (n.host if counts[n.host] == 1 else n.address) for n in nodes}
+
+
+def exit_code(answers: list[NodeAnswer]) -> int:
+    if any(not a.answered for a in answers):
+        return NODES_FAILED_EXIT
+    return max((a.exit_code or 0 for a in answers), default=0)
+
+
+def report_nodes(answers: list[NodeAnswer]) -> None:
+    for a in answers:
+        if not a.answered:
+            print(f"dynprof: node {a.node}: {printable(a.error)}", file=sys.stderr)
+        elif a.exit_code:
+            print(f"dynprof: node {a.node}: exit {a.exit_code}: {printable(a.command_error())}", file=sys.stderr)
+
+
+def envelope(answers: list[NodeAnswer], strip: tuple[str, ...] = ()) -> dict[str, Any]:
+    per_node: dict[str, Any] = {}
+    for a in answers:
+        result = a.result
+        if strip and isinstance(result, dict):
+            result = {k: v for k, v in result.items() if k not in strip}
+        per_node[a.node.address] = result
+    return {"nodes": [a.summary(a.node.address) for a in answers], "per_node": per_node}
+
+
+def _rows(answer: NodeAnswer, key: str) -> list[dict[str, Any]]:
+    """The list ``key`` of a node's result, keeping only objects (the answer is untrusted)."""
+    if not answer.answered or not isinstance(answer.result, dict):
+        return []
+    rows = answer.result.get(key)
+    if not isinstance(rows, list):
+        return []
+    return [dict(r) for r in rows if isinstance(r, dict)]
+
+
+def _int_or_none(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _rank_key(row: dict[str, Any]) -> tuple[str, int, str, int]:
+    rank = _int_or_none(row.get("rank"))
+    pid = _int_or_none(row.get("pid"))
+    return (str(row.get("job") or ""), rank if rank is not None else 1 << 30, str(row.get("node")), pid or 0)
+
+
+def _footer(answers: list[NodeAnswer]) -> None:
+    failed = [a for a in answers if not a.answered]
+    if failed:
+        print(f"\n{len(failed)} of {len(answers)} node(s) did not answer:")
+        for a in failed:
+            print(f"  {a.node}: {printable(a.error)}")
+
+
+# -- ps ------------------------------------------------------------------------------------------
+def ps(args: argparse.Namespace, nodes: list[Node]) -> int:
+    client = client_for(args)
+    answers = client.action_all(nodes, "ps", forward_options("ps", args), timeout=args.timeout + 1.0)
+    report_nodes(answers)
+    labels = node_labels(nodes)
+    rows = []
+    for a in answers:
+        for row in _rows(a, "agents"):
+            row["node"] = labels[a.node]
+            rows.append(row)
+    rows.sort(key=_rank_key)
+    code = exit_code(answers)
+    if args.json:
+        print_json({**envelope(answers, strip=("agents",)), "agents": rows})
+        return code
+    print(
+        table(
+            [
+                (
+                    r.get("node"),
+                    r.get("rank") if r.get("rank") is not None else "-",
+                    r.get("pid"),
+                    r.get("job") or "-",
+                    r.get("step") if r.get("step") is not None else "-",
+                    r.get("state"),
+                    human_age(float(r.get("age_s") or 0)) if isinstance(r.get("age_s"), (int, float)) else "-",
+                    " ".join(str(c) for c in r.get("cmdline") or [] if isinstance(r.get("cmdline"), list))[:50],
+                )
+                for r in rows
+            ],
+            ["NODE", "RANK", "PID", "JOB", "STEP", "STATE", "AGE", "COMMAND"],
+        )
+    )
+    print(f"\n{len(rows)} agent(s) on {sum(a.answered for a in answers)} node(s)")
+    _footer(answers)
+    return code
+
+
+# -- stacks --------------------------------------------------------------------------------------
+def stacks(args: argparse.Namespace, nodes: list[Node]) -> int:
+    from collectors import stacks as st
+
+    if args.core:
+        raise errors.UsageError("--core reads a file of this node: it does not go with --hosts")
+    client = client_for(args)
+    answers = client.action_all(nodes, "stacks", forward_options("stacks", args), timeout=args.timeout + 5.0)
+    report_nodes(answers)
+    labels = node_labels(nodes)
+    processes: list[Any] = []
+    rows: list[dict[str, Any]] = []
+    failures: dict[str, str] = {}
+    for a in answers:
+        label = labels[a.node]
+        if not a.answered:
+            failures[f"node {label}"] = a.error or "no answer"
+            continue
+        if a.exit_code and not _rows(a, "processes"):
+            failures[f"node {label}"] = a.command_error() or f"exit code {a.exit_code}"
+        result = a.result if isinstance(a.result, dict) else {}
+        node_failures = result.get("failures")
+        if isinstance(node_failures, dict):
+            for who, why in list(node_failures.items())[:10_000]:
+                failures[f"{who} on {label}"] = str(why)[:2000]
+        for row in _rows(a, "processes"):
+            p = _process_from_row(row, label)
+            if p is None:
+                continue
+            processes.append(p)
+            rows.append({**{k: row.get(k) for k in ("pid", "rank", "job", "host", "method")}, "node": label})
+    groups = st.group_processes(processes, by_host=True)
+    rows.sort(key=_rank_key)
+    artifacts = _artifacts_of(answers, labels, lambda r: [r.get("artifact")])
+    fetched = _maybe_fetch(args, client, answers, artifacts)
+    code = exit_code(answers)
+    if args.json:
+        print_json(
+            {
+                **envelope(answers),
+                "groups": [_group_json(g, labels) for g in groups],
+                "processes": rows,
+                "failures": failures,
+                "artifacts": artifacts,
+                **({"fetched": fetched} if fetched is not None else {}),
+            }
+        )
+        return code
+    if processes:
+        print(printable_lines(st.render_merged(processes, groups)), end="")
+    else:
+        print("no process read on any node")
+    for who, why in failures.items():
+        print(printable_lines(f"FAILED {who}: {why}"))
+    _print_artifacts(artifacts, fetched)
+    print(f"\n{len(processes)} process(es) read on {sum(a.answered for a in answers)} of {len(nodes)} node(s)")
+    return code
+
+
+def _process_from_row(row: dict[str, Any], label: str) -> Any:
+    from collectors.stacks import Frame, ProcessStacks, ThreadStack
+
+    pid = _int_or_none(row.get("pid"))
+    main = row.get("main_thread")
+    if pid is None:
+        return None
+    threads = []
+    try:
+        if isinstance(main, dict):
+            frames = [Frame.from_dict(f) for f in (main.get("frames") or [])[:1024] if isinstance(f, dict)]
+            holds = main.get("holds_gil")
+            threads.append(
+                ThreadStack(
+                    tid=_int_or_none(main.get("tid")) or pid,
+                    main=True,
+                    holds_gil=holds if isinstance(holds, bool) else None,
+                    frames=frames,
+                )
+            )
+    except (TypeError, ValueError, AttributeError):
+        threads = []
+    method = row.get("method")
+    return ProcessStacks(
+        pid=pid,
+        method=str(method)[:40] if method else "?",
+        native=row.get("native") is True,
+        rank=_int_or_none(row.get("rank")),
+        job=str(row["job"])[:200] if row.get("job") else None,
+        host=label,
+        threads=threads,
+        fallback_reason=str(row["fallback_reason"])[:2000] if row.get("fallback_reason") else None,
+    )
+
+
+def _group_json(group: Any, labels: dict[Node, str]) -> dict[str, Any]:
+    d: dict[str, Any] = group.to_dict()
+    d["members"] = [{"rank": m.rank, "pid": m.pid, "node": m.host} for m in group.members]
+    d["odd"] = [f"{m.label} on {m.host}" for m in group.members] if group.outlier else []
+    return d
+
+
+# -- nccl ----------------------------------------------------------------------------------------
+def nccl(args: argparse.Namespace, nodes: list[Node]) -> int:
+    from collectors import flight_recorder as fr
+
+    client = client_for(args)
+    answers = client.action_all(nodes, "nccl", forward_options("nccl", args), timeout=args.timeout + 5.0)
+    report_nodes(answers)
+    labels = node_labels(nodes)
+    per_rank: dict[int, dict[str, Any]] = {}
+    where: dict[int, str] = {}
+    notes: list[str] = []
+    for a in answers:
+        label = labels[a.node]
+        result = a.result if isinstance(a.result, dict) else {}
+        for n in result.get("notes") or [] if isinstance(result.get("notes"), list) else []:
+            notes.append(f"{label}: {str(n)[:2000]}")
+        dumps = result.get("dumps")
+        if not isinstance(dumps, dict):
+            if a.answered and not a.exit_code:
+                notes.append(f"{label}: its answer holds no dumps (a sidecar older than this CLI?)")
+            continue
+        for key, doc in dumps.items():
+            if not (isinstance(key, str) and key.lstrip("-").isdigit() and isinstance(doc, dict)):
+                notes.append(f"{label}: a dump under {printable(str(key)[:40])} skipped")
+                continue
+            rank = int(key)
+            if rank in per_rank:
+                notes.append(f"rank {rank} dumped on {where[rank]} and on {label}: the one of {where[rank]} kept")
+                continue
+            per_rank[rank], where[rank] = doc, label
+    analysis: dict[str, Any] | None = None
+    if per_rank:
+        try:
+            analysis = fr.analyze(per_rank)
+        except (TypeError, ValueError, AttributeError, KeyError) as exc:
+            notes.append(f"the dumps could not be analysed together: {type(exc).__name__}: {exc}")
+    artifacts = _artifacts_of(answers, labels, lambda r: [r.get("artifact")])
+    fetched = _maybe_fetch(args, client, answers, artifacts)
+    code = exit_code(answers)
+    if analysis is None and code == 0:
+        code = 1
+    if args.json:
+        print_json(
+            {
+                **envelope(answers, strip=("dumps",)),
+                "analysis": analysis,
+                "ranks": {str(r): where[r] for r in sorted(per_rank)},
+                "notes": notes,
+                "artifacts": artifacts,
+                **({"fetched": fetched} if fetched is not None else {}),
+            }
+        )
+        return code
+    if analysis is not None:
+        print(printable_lines(fr.render_analysis(analysis)), end="")
+    for n in notes:
+        print(printable_lines(f"note: {n}"))
+    _print_artifacts(artifacts, fetched)
+    print(f"{len(per_rank)} rank(s) dumped on {sum(a.answered for a in answers)} of {len(nodes)} node(s)")
+    _footer(answers)
+    return code
+
+
+# -- stop, memory: plain fan-out ---------------------------------------------------------------
+def plain(name: str, args: argparse.Namespace, nodes: list[Node]) -> int:
+    client = client_for(args)
+    wait = getattr(args, "timeout", None) or ACTIONS[name].default_timeout_s
+    answers = client.action_all(nodes, name, forward_options(name, args), timeout=wait + 5.0)
+    report_nodes(answers)
+    labels = node_labels(nodes)
+    results = []
+    for a in answers:
+        for row in _rows(a, "results"):
+            row["node"] = labels[a.node]
+            results.append(row)
+    results.sort(key=_rank_key)
+    artifacts = _artifacts_of(answers, labels, lambda r: [x.get("artifact") for x in _rows_of(r, "results")])
+    fetched = _maybe_fetch(args, client, answers, artifacts)
+    code = exit_code(answers)
+    if args.json:
+        print_json(
+            {
+                **envelope(answers, strip=("results",)),
+                "results": results,
+                "artifacts": artifacts,
+                **({"fetched": fetched} if fetched is not None else {}),
+            }
+        )
+        return code
+    for r in results:
+        who = f"rank {r.get('rank')}" if r.get("rank") is not None else f"pid {r.get('pid')}"
+        detail = r.get("artifact") or r.get("memory_history") or r.get("error") or ""
+        print(printable(f"{who} on {r['node']}: {r.get('status')}: {detail}".rstrip(": ")))
+    _print_artifacts([], fetched)
+    _footer(answers)
+    return code
+
+
+def _rows_of(result: Any, key: str) -> list[dict[str, Any]]:
+    rows = result.get(key) if isinstance(result, dict) else None
+    return [r for r in rows if isinstance(r, dict)] if isinstance(rows, list) else []
+
+
+# -- ls ------------------------------------------------------------------------------------------
+def ls(args: argparse.Namespace, nodes: list[Node]) -> int:
+    client = client_for(args)
+    answers = client.action_all(nodes, "ls", forward_options("ls", args), timeout=30.0)
+    report_nodes(answers)
+    labels = node_labels(nodes)
+    rows = []
+    for a in answers:
+        for row in _rows(a, "artifacts"):
+            row["node"] = labels[a.node]
+            row["node_address"] = a.node.address
+            rows.append(row)
+    rows.sort(key=lambda r: str(r.get("created_at") or ""), reverse=True)
+    fetched = None
+    if args.fetch:
+        wanted = [(Node(*_split(r["node_address"])), r.get("id")) for r in rows]
+        fetched = fetch(client, Path(args.fetch), wanted)
+    for r in rows:
+        r.pop("node_address", None)
+    code = exit_code(answers)
+    if fetched is not None and any(f["error"] for f in fetched) and code == 0:
+        code = 1
+    if args.json:
+        print_json(
+            {
+                **envelope(answers, strip=("artifacts",)),
+                "artifacts": rows,
+                **({"fetched": fetched} if fetched is not None else {}),
+            }
+        )
+        return code
+    print(
+        table(
+            [
+                (
+                    r["node"],
+                    r.get("id"),
+                    r.get("kind"),
+                    r.get("status"),
+                    r.get("rank") if r.get("rank") is not None else "-",
+                    r.get("created_at"),
+                    human_bytes(r["bytes"]) if isinstance(r.get("bytes"), int) else "-",
+                )
+                for r in rows
+            ],
+            ["NODE", "ID", "KIND", "STATUS", "RANK", "CREATED", "SIZE"],
+        )
+    )
+    print(f"\n{len(rows)} artifact(s) on {sum(a.answered for a in answers)} node(s)")
+    _print_artifacts([], fetched)
+    _footer(answers)
+    return code
+
+
+def _split(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+# -- start: one step for every rank of every node ---------------------------------------------
+# How far ahead the common start step is put: the fan-out round trip (ps, then start) is
+# measured, doubled, and added to the single-node lead.
+START_LEAD_MIN_S = 1.0
+START_WAIT_DEFAULT_S = 600.0
+
+
+def start(args: argparse.Namespace, nodes: list[Node]) -> int:
+    from dynprof.cli.start import ALIGN_LEAD_S, alignment_step
+
+    if not args.job and not args.all:
+        raise errors.UsageError("with --hosts, select the ranks with --job JOB (or --all)")
+    client = client_for(args)
+    labels = node_labels(nodes)
+    at_step = args.at_step
+    plan: dict[str, Any] = {}
+    stepping: list[dict[str, Any]] = []
+    if args.steps and at_step is None:
+        # 1. every rank's current step and step time, on every node
+        t0 = time.monotonic()
+        seen = client.action_all(nodes, "ps", forward_options("ps", args, timeout=2.0), timeout=3.0)
+        round_trip = time.monotonic() - t0
+        for a in seen:
+            if not a.answered:
+                print(f"dynprof: node {a.node}: {printable(a.error)}", file=sys.stderr)
+            for row in _rows(a, "agents"):
+                if args.job and row.get("job") != args.job:
+                    continue
+                step = _int_or_none(row.get("step"))
+                if step is None or step <= 0 or row.get("state") in ("error", "unresponsive"):
+                    continue
+                ms = row.get("step_time_ms")
+                stepping.append(
+                    {
+                        "node": labels[a.node],
+                        "rank": _int_or_none(row.get("rank")),
+                        "pid": _int_or_none(row.get("pid")),
+                        "step": step,
+                        "step_time_s": ms / 1000.0 if isinstance(ms, (int, float)) and math.isfinite(ms) else 0.0,
+                    }
+                )
+        if stepping:
+            # 2. the smallest step every rank still reaches once the requests have arrived
+            lead = max(START_LEAD_MIN_S, ALIGN_LEAD_S + 2.0 * round_trip)
+            statuses = [SimpleNamespace(step=r["step"], step_time_s=max(0.0, r["step_time_s"])) for r in stepping]
+            at_step = alignment_step(statuses, lead)
+            plan = {
+                "lead_s": round(lead, 3),
+                "round_trip_s": round(round_trip, 3),
+                "steps_seen": {f"rank {r['rank']} on {r['node']}": r["step"] for r in stepping},
+            }
+        else:
+            print(
+                "dynprof: no rank reported a step: each node starts at its own next step boundary",
+                file=sys.stderr,
+            )
+    # 3. arm every node at that step, concurrently, and wait for the traces
+    wait = args.timeout or START_WAIT_DEFAULT_S
+    options = forward_options("start", args, at_step=at_step, timeout=wait)
+    if not args.json and not args.no_wait:
+        where = f"at step {at_step}" if at_step else "at each node's next step boundary"
+        print(f"dynprof: trace requested on {len(nodes)} node(s), starting {where}", file=sys.stderr)
+    answers = client.action_all(nodes, "start", options, timeout=wait + 5.0)
+    report_nodes(answers)
+    results: list[dict[str, Any]] = []
+    missed: list[dict[str, Any]] = []
+    for a in answers:
+        label = labels[a.node]
+        rows = _rows(a, "results") or _rows(a, "targets")
+        for row in rows:
+            row["node"] = label
+            got = _int_or_none(row.get("start_step"))
+            problem = None
+            if row.get("status") not in (None, "complete", "partial"):
+                problem = row.get("error") or f"status {row.get('status')}"
+            elif at_step and got != at_step:
+                problem = f"started after step {got}, not {at_step}"
+            if problem:
+                missed.append({**{k: row.get(k) for k in ("rank", "pid")}, "node": label, "reason": str(problem)})
+            results.append(row)
+        if not rows:
+            why = a.error if not a.answered else a.command_error() or "no trace started"
+            ranks = [r for r in stepping if r["node"] == label] or [{"rank": None, "pid": None}]
+            for r in ranks:
+                missed.append({"rank": r["rank"], "pid": r["pid"], "node": label, "reason": why})
+    results.sort(key=_rank_key)
+    missed.sort(key=_rank_key)
+    artifacts = _artifacts_of(answers, labels, lambda r: [x.get("artifact") for x in _rows_of(r, "results")])
+    fetched = _maybe_fetch(args, client, answers, artifacts)
+    code = exit_code(answers)
+    if missed and code == 0:
+        code = 1
+    if args.json:
+        print_json(
+            {
+                **envelope(answers, strip=("results", "targets")),
+                "at_step": at_step,
+                "plan": plan,
+                "results": results,
+                "missed": missed,
+                "artifacts": artifacts,
+                **({"fetched": fetched} if fetched is not None else {}),
+            }
+        )
+        return code
+    for r in results:
+        who = f"rank {r.get('rank')}" if r.get("rank") is not None else f"pid {r.get('pid')}"
+        detail = r.get("artifact") or r.get("error") or r.get("state") or ""
+        print(printable(f"{who} on {r['node']}: from step {r.get('start_step')}: {r.get('status', '')}: {detail}"))
+    for m in missed:
+        who = f"rank {m['rank']}" if m.get("rank") is not None else "ranks"
+        print(printable(f"MISSED {who} on {m['node']}: {m['reason']}"))
+    _print_artifacts([], fetched)
+    _footer(answers)
+    return code
+
+
+# -- artifacts -----------------------------------------------------------------------------------
+def _artifacts_of(answers: list[NodeAnswer], labels: dict[Node, str], paths_of: Any) -> list[dict[str, Any]]:
+    """Each answered node's artifact paths, as ``{"node", "path"}`` rows."""
+    out = []
+    for a in answers:
+        if not a.answered:
+            continue
+        for path in paths_of(a.result) if isinstance(a.result, dict) else []:
+            if isinstance(path, str) and path:
+                out.append({"node": labels[a.node], "node_address": a.node.address, "path": path[:4096]})
+    return out
+
+
+def _maybe_fetch(
+    args: argparse.Namespace, client: SidecarClient, answers: list[NodeAnswer], artifacts: list[dict[str, Any]]
+) -> list[dict[str, Any]] | None:
+    fetch_dir = getattr(args, "fetch", None)
+    if not fetch_dir:
+        for art in artifacts:
+            art.pop("node_address", None)
+        return None
+    # The answers name artifacts by their path on the node; the node's own listing gives the ids.
+    by_node: dict[str, list[str]] = {}
+    for art in artifacts:
+        by_node.setdefault(art.pop("node_address"), []).append(art["path"])
+    nodes = {a.node.address: a.node for a in answers}
+    wanted: list[tuple[Node, Any]] = []
+    listings = client.action_all([nodes[n] for n in by_node], "ls", {}, timeout=30.0)
+    errors_: list[dict[str, Any]] = []
+    for listing in listings:
+        ids = {r.get("path"): r.get("id") for r in _rows(listing, "artifacts")}
+        for path in by_node[listing.node.address]:
+            if path in ids:
+                wanted.append((listing.node, ids[path]))
+            else:
+                why = listing.error or "not in the node's store listing"
+                errors_.append({"node": listing.node.address, "id": None, "path": None, "files": 0, "error": why})
+    return fetch(client, Path(fetch_dir), wanted) + errors_
+
+
+def fetch(client: SidecarClient, dest: Path, wanted: list[tuple[Node, Any]]) -> list[dict[str, Any]]:
+    """Copy artifacts to ``dest/<id>/`` (the store's layout), each file checked against the
+    manifest; an artifact already there with the same manifest is not copied again."""
+    out = []
+    for node, artifact_id in wanted:
+        row: dict[str, Any] = {"node": node.address, "id": artifact_id, "path": None, "files": 0, "error": None}
+        try:
+            check_artifact_id(artifact_id)
+            target = dest / artifact_id
+            row["path"] = str(target)
+            doc = client.artifact(node, artifact_id)
+            manifest = doc["manifest"]
+            files = manifest.get("files")
+            if not isinstance(files, list) or len(files) > 10_000:
+                raise NodeFailure("its manifest has no list of files")
+            checked = []
+            for f in files:
+                if not isinstance(f, dict):
+                    raise NodeFailure("its manifest lists a file that is not an object")
+                name = check_file_name(f.get("name"))
+                size, sha = f.get("size"), f.get("sha256")
+                if not isinstance(size, int) or isinstance(size, bool) or size < 0 or not isinstance(sha, str):
+                    raise NodeFailure(f"its manifest gives no size or sha256 for {name}")
+                checked.append((name, size, sha.lower()))
+            existing = target / "manifest.json"
+            if existing.is_file() and _same_manifest(existing, manifest):
+                row["files"] = len(checked)
+                row["already_there"] = True
+                out.append(row)
+                continue
+            _make_private_dirs(dest, target)
+            for name, size, sha in checked:
+                client.download(node, artifact_id, name, target / name, size, sha, FETCH_TIMEOUT_S)
+                row["files"] += 1
+            tmp = target / ".manifest.json.part"
+            tmp.write_text(json.dumps(manifest, indent=2))
+            os.replace(tmp, existing)
+        except NodeFailure as exc:
+            row["error"] = exc.reason
+        except OSError as exc:
+            row["error"] = f"cannot write under {dest}: {exc.strerror or exc}"
+        out.append(row)
+    return out
+
+
+def _same_manifest(path: Path, manifest: dict[str, Any]) -> bool:
+    try:
+        return bool(json.loads(path.read_text()) == manifest)
+    except (OSError, ValueError):
+        return False
+
+
+def _make_private_dirs(root: Path, target: Path) -> None:
+    root.mkdir(parents=True, exist_ok=True)
+    current = root
+    for part in target.relative_to(root).parts:
+        current = current / part
+        if current.is_symlink():
+            raise NodeFailure(f"{current} is a link: not writing through it")
+        current.mkdir(mode=0o700, exist_ok=True)
+
+
+def _print_artifacts(artifacts: list[dict[str, Any]], fetched: list[dict[str, Any]] | None) -> None:
+    for art in artifacts:
+        print(printable(f"artifact on {art['node']}: {art['path']}"))
+    for f in fetched or []:
+        if f["error"]:
+            print(printable(f"NOT FETCHED {f['id']} from {f['node']}: {f['error']}"))
+        else:
+            print(printable(f"fetched {f['files']} file(s) of {f['id']} from {f['node']} into {f['path']}"))
