@@ -207,9 +207,9 @@ class SidecarClient:
             ) from None
         except ssl.SSLError as exc:
             raise NodeFailure(f"TLS failed with {node} ({exc.reason or exc}): does its sidecar serve https?") from None
-        except (http.client.BadStatusLine, http.client.RemoteDisconnected) as exc:
+        except (http.client.BadStatusLine, http.client.RemoteDisconnected, ConnectionResetError) as exc:
             hint = "" if self.tls is not None else "; if the sidecar serves https, give --cacert"
-            raise NodeFailure(f"not an HTTP answer from {node} ({type(exc).__name__}){hint}") from None
+            raise NodeFailure(f"no HTTP answer from {node} ({type(exc).__name__}){hint}") from None
         except (http.client.HTTPException, OSError) as exc:
             raise NodeFailure(f"connection to {node} failed: {exc}") from None
         finally:
@@ -397,11 +397,12 @@ def _answer(node: Node, doc: dict[str, Any], name: str, elapsed: float) -> NodeA
 
 def check_artifact_id(artifact_id: Any) -> str:
     """An artifact id as the store lays it out (``job/host/rank/kind/name``): relative, each
-    segment plain; anything else could name a path outside a fetch directory."""
+    segment plain and not hidden (no ``..``, no temporary ``.name.tmp``); anything else could
+    name a path outside a fetch directory."""
     if not isinstance(artifact_id, str) or len(artifact_id) > 1024:
         raise NodeFailure(f"bad artifact id {_short(artifact_id)}")
     parts = artifact_id.split("/")
-    if any(p in ("", ".", "..") or not _SAFE_SEGMENT.fullmatch(p) for p in parts):
+    if any(p.startswith(".") or not _SAFE_SEGMENT.fullmatch(p) for p in parts):
         raise NodeFailure(f"bad artifact id {_short(artifact_id)}")
     return artifact_id
 
