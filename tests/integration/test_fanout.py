@@ -124,8 +124,10 @@ def dynprof(*args: str, token: Path | None = None, timeout: float = 90) -> subpr
     )
 
 
-def split_job(spawn: Any, program: str, placement: list[SimNode], job: str, args: list[str]) -> list[Any]:
-    """A gloo job of len(placement) ranks, rank i started on placement[i]'s node."""
+def split_job(
+    spawn: Any, program: str, placement: list[SimNode], job: str, args: list[str], run_args: tuple[str, ...] = ()
+) -> list[Any]:
+    """A gloo job of len(placement) ranks, rank i started (under `dynprof run RUN_ARGS`) on placement[i]'s node."""
     master = str(free_port())
     targets = []
     for rank, sim in enumerate(placement):
@@ -137,7 +139,8 @@ def split_job(spawn: Any, program: str, placement: list[SimNode], job: str, args
             "MASTER_PORT": master,
             "DYNPROF_JOB_ID": job,
         }
-        targets.append(spawn([program, *args], env=env))
+        cmd = ["-m", "dynprof", "run", "-q", *run_args, "--", sys.executable, program, *args]
+        targets.append(spawn(cmd, under_run=False, env=env))
     return targets
 
 
@@ -226,6 +229,43 @@ def test_start_over_two_nodes_traces_both_ranks_from_the_same_step(nodes, spawn,
         assert len(steps) == 3
         firsts.append(steps[0])
     assert firsts[0] == firsts[1]
+
+    # WHEN stop fans out with no trace running
+    stop = dynprof("stop", "--job", "fan-start", "--hosts", nodes["hosts"], "--json", token=nodes["token"])
+
+    # THEN each node answers for its rank (nothing to stop: exit 1, the nodes' own code)
+    assert stop.returncode == 1, stop.stderr
+    doc = json.loads(stop.stdout)
+    assert [(r["rank"], r["status"]) for r in doc["results"]] == [(0, "not-running"), (1, "not-running")]
+    assert [n["answered"] for n in doc["nodes"]] == [True, True]
+
+
+def test_nccl_over_two_nodes_analyses_every_rank_s_dump_together(nodes, spawn):
+    from collectors.flight_recorder import detect_environment
+
+    if not detect_environment().names & {"TORCH_FR_BUFFER_SIZE"}:
+        pytest.skip("this torch has no flight recorder for Gloo (CPU)")
+    # GIVEN a 2-rank job with the flight recorder, rank 0 on node A waiting in an all_reduce
+    # that rank 1, on node B, never enters
+    a, b = nodes["a"], nodes["b"]
+    targets = split_job(
+        spawn, HANG, [a, b], "fan-nccl", ["--hold", "sleep", "--seconds", "90"], ("--flight-recorder", "64")
+    )
+    for t in targets:
+        t.ready_pids(timeout=90)
+    time.sleep(0.5)
+
+    # WHEN the recorders are collected through both sidecars
+    out = dynprof("nccl", "--job", "fan-nccl", "--hosts", nodes["hosts"], "--json", token=nodes["token"])
+
+    # THEN one analysis over both nodes names the rank that is missing from the collective
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert doc["ranks"] == {"0": "127.0.0.1", "1": "localhost"}
+    (pg,) = doc["analysis"]["process_groups"]
+    assert pg["hung"] and pg["waiting"] == [0] and pg["missing"] == [1]
+    assert all("dumps" not in (section or {}) for section in doc["per_node"].values())
+    assert len(doc["artifacts"]) == 2
 
 
 def test_wrong_or_missing_token_is_refused(nodes, tmp_path):
