@@ -42,7 +42,8 @@ def test_names_parse_back_to_the_same_policy(name):
 
 
 @pytest.mark.parametrize(
-    "text", ["-5", "lots", "all-stacks:x", "python:0", "999999999999", "auto:0", "auto:-1%", "auto:75%", "auto:x", "auto:nan"]
+    "text",
+    ["-5", "lots", "all-stacks:x", "python:0", "999999999999", "auto:0", "auto:-1%", "auto:75%", "auto:x", "auto:nan"],
 )
 def test_bad_policies_are_refused(text):
     with pytest.raises(PolicyError):
