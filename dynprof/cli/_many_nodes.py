@@ -30,6 +30,7 @@ from typing import Any
 from dynprof import errors
 from dynprof.actions import ACTIONS
 from dynprof.cli._common import (
+    Progress,
     bounded_int,
     human_age,
     human_bytes,
@@ -497,100 +498,89 @@ def _split(address: str) -> tuple[str, int]:
 
 # -- start: one step for every rank of every node ---------------------------------------------
 # How far ahead the common start step is put: the fan-out round trip (ps, then start) is
-# measured, doubled, and added to the single-node lead.
+# measured, doubled, and added to the single-node lead; each retry after a node found the
+# step already passed puts it four times further.
 START_LEAD_MIN_S = 1.0
 START_WAIT_DEFAULT_S = 600.0
+START_ARM_TIMEOUT_S = 30.0
+START_POLL_S = 0.5
 
 
 def start(args: argparse.Namespace, nodes: list[Node]) -> int:
-    from dynprof.cli.start import ALIGN_LEAD_S, alignment_step
+    """Steps mode: read every rank's step (ps on every node), pick the smallest step every rank
+    still reaches, arm every node at it (``start --no-wait --at-step S``), retry further ahead
+    when a node finds it passed, then follow the traces (ps) until each rank's is written.
+    Duration and open-ended traces go to every node as they are."""
+    from dynprof.cli.start import ALIGN_LEAD_S, ALIGN_RETRIES, alignment_step
 
     if not args.job and not args.all:
         raise errors.UsageError("with --hosts, select the ranks with --job JOB (or --all)")
+    if args.duration is not None and args.at_step is not None:
+        raise errors.UsageError("--at-step applies to step mode, not to --duration")
     client = client_for(args)
+    if not args.steps:
+        return _start_as_is(args, client, nodes)
     labels = node_labels(nodes)
+    progress = Progress(enabled=not args.json)
+    lead, rtt, stepping = START_LEAD_MIN_S, 0.0, []
     at_step = args.at_step
-    plan: dict[str, Any] = {}
-    stepping: list[dict[str, Any]] = []
-    if args.steps and at_step is None:
-        # 1. every rank's current step and step time, on every node
+    attempts: list[dict[str, Any]] = []
+    arm: list[NodeAnswer] = []
+    for attempt in range(ALIGN_RETRIES):
+        if args.at_step is None:
+            t0 = time.monotonic()
+            stepping = _steps_of(client, args, nodes, labels)
+            rtt = max(rtt, time.monotonic() - t0)
+            if not stepping:
+                print("dynprof: no rank of the job has stepped an optimizer yet on any node", file=sys.stderr)
+                at_step = None
+            else:
+                if attempt == 0:
+                    lead = max(START_LEAD_MIN_S, ALIGN_LEAD_S + 2.0 * rtt)
+                statuses = [SimpleNamespace(step=r["step"], step_time_s=r["step_time_s"]) for r in stepping]
+                at_step = alignment_step(statuses, lead)
+        progress.update(f"arming {len(nodes)} node(s) at step {at_step}")
         t0 = time.monotonic()
-        seen = client.action_all(nodes, "ps", forward_options("ps", args, timeout=2.0), timeout=3.0)
-        round_trip = time.monotonic() - t0
-        for a in seen:
-            if not a.answered:
-                print(f"dynprof: node {a.node}: {printable(a.error)}", file=sys.stderr)
-            for row in _rows(a, "agents"):
-                if args.job and row.get("job") != args.job:
-                    continue
-                step = _int_or_none(row.get("step"))
-                if step is None or step <= 0 or row.get("state") in ("error", "unresponsive"):
-                    continue
-                ms = row.get("step_time_ms")
-                stepping.append(
-                    {
-                        "node": labels[a.node],
-                        "rank": _int_or_none(row.get("rank")),
-                        "pid": _int_or_none(row.get("pid")),
-                        "step": step,
-                        "step_time_s": ms / 1000.0 if isinstance(ms, (int, float)) and math.isfinite(ms) else 0.0,
-                    }
-                )
-        if stepping:
-            # 2. the smallest step every rank still reaches once the requests have arrived
-            lead = max(START_LEAD_MIN_S, ALIGN_LEAD_S + 2.0 * round_trip)
-            statuses = [SimpleNamespace(step=r["step"], step_time_s=max(0.0, r["step_time_s"])) for r in stepping]
-            at_step = alignment_step(statuses, lead)
-            plan = {
-                "lead_s": round(lead, 3),
-                "round_trip_s": round(round_trip, 3),
-                "steps_seen": {f"rank {r['rank']} on {r['node']}": r["step"] for r in stepping},
-            }
-        else:
-            print(
-                "dynprof: no rank reported a step: each node starts at its own next step boundary",
-                file=sys.stderr,
-            )
-    # 3. arm every node at that step, concurrently, and wait for the traces
-    wait = args.timeout or START_WAIT_DEFAULT_S
-    options = forward_options("start", args, at_step=at_step, timeout=wait)
-    if not args.json and not args.no_wait:
-        where = f"at step {at_step}" if at_step else "at each node's next step boundary"
-        print(f"dynprof: trace requested on {len(nodes)} node(s), starting {where}", file=sys.stderr)
-    answers = client.action_all(nodes, "start", options, timeout=wait + 5.0)
-    report_nodes(answers)
-    results: list[dict[str, Any]] = []
-    missed: list[dict[str, Any]] = []
-    for a in answers:
-        label = labels[a.node]
-        rows = _rows(a, "results") or _rows(a, "targets")
-        for row in rows:
-            row["node"] = label
-            got = _int_or_none(row.get("start_step"))
-            problem = None
-            if row.get("status") not in (None, "complete", "partial"):
-                problem = row.get("error") or f"status {row.get('status')}"
-            elif at_step and got != at_step:
-                problem = f"started after step {got}, not {at_step}"
-            if problem:
-                missed.append({**{k: row.get(k) for k in ("rank", "pid")}, "node": label, "reason": str(problem)})
-            results.append(row)
-        if not rows:
-            why = a.error if not a.answered else a.command_error() or "no trace started"
-            ranks = [r for r in stepping if r["node"] == label] or [{"rank": None, "pid": None}]
-            for r in ranks:
-                missed.append({"rank": r["rank"], "pid": r["pid"], "node": label, "reason": why})
-    results.sort(key=_rank_key)
+        options = forward_options("start", args, at_step=at_step, no_wait=True, timeout=START_ARM_TIMEOUT_S)
+        arm = client.action_all(nodes, "start", options, timeout=START_ARM_TIMEOUT_S)
+        rtt = max(rtt, time.monotonic() - t0)
+        failed = [a for a in arm if not a.ok]
+        attempts.append({"at_step": at_step, "lead_s": round(lead, 3), "failed_nodes": [str(a.node) for a in failed]})
+        if not failed or args.at_step is not None or at_step is None or attempt + 1 == ALIGN_RETRIES:
+            break
+        # Did a failed node find the step already passed? Its ranks' steps say so.
+        failed_labels = {labels[a.node] for a in failed if a.answered}
+        stepping = _steps_of(client, args, nodes, labels)
+        if not any(r["node"] in failed_labels and r["step"] >= at_step for r in stepping):
+            break
+        armed = [a.node for a in arm if a.ok]
+        progress.update(f"step {at_step} passed on some node: cancelling and arming further ahead")
+        client.action_all(armed, "stop", {"job": args.job, "all": args.all, "no_wait": True}, timeout=30.0)
+        lead *= 4
+    report_nodes(arm)
+    results, missed = _follow_traces(args, client, nodes, labels, arm, at_step, progress)
+    for a in arm:
+        if a.ok:
+            continue
+        why = a.error if not a.answered else a.command_error() or "no trace started"
+        ranks = [r for r in stepping if r["node"] == labels[a.node]] or [{"rank": None, "pid": None}]
+        missed.extend({"rank": r["rank"], "pid": r["pid"], "node": labels[a.node], "reason": why} for r in ranks)
     missed.sort(key=_rank_key)
-    artifacts = _artifacts_of(answers, labels, lambda r: [x.get("artifact") for x in _rows_of(r, "results")])
-    fetched = _maybe_fetch(args, client, answers, artifacts)
-    code = exit_code(answers)
+    address = {labels[n]: n.address for n in nodes}
+    artifacts = [
+        {"node": r["node"], "node_address": address[r["node"]], "path": r["artifact"]}
+        for r in results
+        if isinstance(r.get("artifact"), str) and r["artifact"]
+    ]
+    fetched = _maybe_fetch(args, client, arm, artifacts)
+    code = exit_code(arm)
     if missed and code == 0:
         code = 1
+    plan = {"lead_s": round(lead, 3), "round_trip_s": round(rtt, 3), "attempts": attempts}
     if args.json:
         print_json(
             {
-                **envelope(answers, strip=("results", "targets")),
+                **envelope(arm, strip=("targets",)),
                 "at_step": at_step,
                 "plan": plan,
                 "results": results,
@@ -600,13 +590,169 @@ def start(args: argparse.Namespace, nodes: list[Node]) -> int:
             }
         )
         return code
+    where = f"step {at_step}" if at_step else "each node's next step boundary"
+    print(f"trace of {args.steps} steps on {len(results)} rank(s) of {len(nodes)} node(s), starting after {where}")
     for r in results:
         who = f"rank {r.get('rank')}" if r.get("rank") is not None else f"pid {r.get('pid')}"
-        detail = r.get("artifact") or r.get("error") or r.get("state") or ""
-        print(printable(f"{who} on {r['node']}: from step {r.get('start_step')}: {r.get('status', '')}: {detail}"))
+        detail = r.get("artifact") or r.get("error") or ""
+        print(printable(f"{who} on {r['node']}: from step {r.get('start_step')}: {r.get('status')}: {detail}"))
     for m in missed:
         who = f"rank {m['rank']}" if m.get("rank") is not None else "ranks"
         print(printable(f"MISSED {who} on {m['node']}: {m['reason']}"))
+    _print_artifacts([], fetched)
+    _footer(arm)
+    return code
+
+
+def _steps_of(
+    client: SidecarClient, args: argparse.Namespace, nodes: list[Node], labels: dict[Node, str]
+) -> list[dict[str, Any]]:
+    """Every rank of the job that has stepped, on every node that answers: step and step time."""
+    out = []
+    for a in client.action_all(nodes, "ps", forward_options("ps", args, timeout=2.0), timeout=3.0):
+        for row in _rows(a, "agents"):
+            if args.job and row.get("job") != args.job:
+                continue
+            step = _int_or_none(row.get("step"))
+            if step is None or step <= 0 or row.get("state") in ("error", "unresponsive"):
+                continue
+            ms = row.get("step_time_ms")
+            seconds_ = ms / 1000.0 if isinstance(ms, (int, float)) and not isinstance(ms, bool) else 0.0
+            out.append(
+                {
+                    "node": labels[a.node],
+                    "rank": _int_or_none(row.get("rank")),
+                    "pid": _int_or_none(row.get("pid")),
+                    "step": step,
+                    "step_time_s": seconds_ if math.isfinite(seconds_) and seconds_ > 0 else 0.0,
+                }
+            )
+    return out
+
+
+def _follow_traces(
+    args: argparse.Namespace,
+    client: SidecarClient,
+    nodes: list[Node],
+    labels: dict[Node, str],
+    arm: list[NodeAnswer],
+    at_step: int | None,
+    progress: Progress,
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Per armed rank, the trace it got: followed through each node's ps until written."""
+    pending: dict[tuple[str, int], dict[str, Any]] = {}
+    groups: dict[str, Any] = {}
+    for a in arm:
+        if not a.ok or not isinstance(a.result, dict):
+            continue
+        label = labels[a.node]
+        groups[label] = a.result.get("group_id")
+        for row in _rows(a, "targets"):
+            pid = _int_or_none(row.get("pid"))
+            if pid is None:
+                continue
+            pending[(label, pid)] = {
+                "rank": _int_or_none(row.get("rank")),
+                "pid": pid,
+                "job": row.get("job"),
+                "node": label,
+                "start_step": _int_or_none(row.get("start_step")),
+                "status": "armed",
+                "artifact": None,
+                "error": None,
+            }
+    done: list[dict[str, Any]] = []
+    if args.no_wait:
+        done = list(pending.values())
+        pending = {}
+    deadline = time.monotonic() + (args.timeout or START_WAIT_DEFAULT_S)
+    by_label = {labels[n]: n for n in nodes}
+    while pending:
+        asked = sorted({label for label, _ in pending})
+        answers = client.action_all(
+            [by_label[label] for label in asked], "ps", forward_options("ps", args, timeout=2.0), timeout=3.0
+        )
+        for a in answers:
+            label = labels[a.node]
+            if not a.answered:
+                continue  # a node that misses one poll is asked again
+            listed = set()
+            for row in _rows(a, "agents"):
+                key = (label, _int_or_none(row.get("pid")) or 0)
+                listed.add(key)
+                raw = row.get("trace")
+                trace: dict[str, Any] = raw if isinstance(raw, dict) else {}
+                if key not in pending or trace.get("group_id") != groups[label] or row.get("state") != "idle":
+                    continue
+                res = pending.pop(key)
+                res.update(
+                    status=str(trace.get("last_artifact_status") or "failed"),
+                    artifact=row.get("last_artifact") if isinstance(row.get("last_artifact"), str) else None,
+                    error=str(trace["last_error"])[:2000] if trace.get("last_error") else None,
+                    start_step=_int_or_none(trace.get("start_step")) or res["start_step"],
+                )
+                done.append(res)
+            for key in [k for k in pending if k[0] == label and k not in listed]:
+                res = pending.pop(key)
+                res.update(status="failed", error="the process left the node's agent list before its trace was written")
+                done.append(res)
+        if not pending:
+            break
+        if time.monotonic() > deadline:
+            for res in pending.values():
+                res.update(status="timeout", error=f"not written within {args.timeout or START_WAIT_DEFAULT_S:g} s")
+                done.append(res)
+            break
+        progress.update(f"tracing from step {at_step}: {len(done)}/{len(done) + len(pending)} rank(s) written")
+        time.sleep(START_POLL_S)
+    progress.done()
+    done.sort(key=_rank_key)
+    ok = ("complete", "partial", "armed") if args.no_wait else ("complete", "partial")
+    missed = []
+    for res in done:
+        if res["status"] not in ok:
+            missed.append({"rank": res["rank"], "pid": res["pid"], "node": res["node"], "reason": res["error"]})
+        elif at_step and res["start_step"] != at_step:
+            missed.append(
+                {
+                    "rank": res["rank"],
+                    "pid": res["pid"],
+                    "node": res["node"],
+                    "reason": f"armed at step {res['start_step']}, not {at_step}",
+                }
+            )
+    return done, missed
+
+
+def _start_as_is(args: argparse.Namespace, client: SidecarClient, nodes: list[Node]) -> int:
+    """--duration, or until `dynprof stop`: every node starts its ranks as it would alone."""
+    labels = node_labels(nodes)
+    wait = args.timeout or START_WAIT_DEFAULT_S
+    answers = client.action_all(nodes, "start", forward_options("start", args, timeout=wait), timeout=wait + 5.0)
+    report_nodes(answers)
+    results = []
+    for a in answers:
+        for row in _rows(a, "results") or _rows(a, "targets"):
+            row["node"] = labels[a.node]
+            results.append(row)
+    results.sort(key=_rank_key)
+    artifacts = _artifacts_of(answers, labels, lambda r: [x.get("artifact") for x in _rows_of(r, "results")])
+    fetched = _maybe_fetch(args, client, answers, artifacts)
+    code = exit_code(answers)
+    if args.json:
+        print_json(
+            {
+                **envelope(answers, strip=("results", "targets")),
+                "results": results,
+                "artifacts": artifacts,
+                **({"fetched": fetched} if fetched is not None else {}),
+            }
+        )
+        return code
+    for r in results:
+        who = f"rank {r.get('rank')}" if r.get("rank") is not None else f"pid {r.get('pid')}"
+        detail = r.get("artifact") or r.get("error") or r.get("state") or ""
+        print(printable(f"{who} on {r['node']}: {r.get('status', 'tracing')}: {detail}"))
     _print_artifacts([], fetched)
     _footer(answers)
     return code

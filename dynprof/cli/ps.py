@@ -59,6 +59,14 @@ def agent_rows(records: list[AgentRecord], timeout: float) -> list[dict[str, Any
                 memory_history=status.memory_history,
                 memory_history_detail=status.memory_history_detail or None,
                 last_artifact=status.trace.last_artifact or None,
+                # what `start --hosts` follows a trace by, node by node
+                trace={
+                    "group_id": status.trace.group_id or None,
+                    "start_step": status.trace.start_step,
+                    "steps_done": status.trace.steps_done,
+                    "last_artifact_status": status.trace.last_artifact_status or None,
+                    "last_error": status.trace.last_error or None,
+                },
             )
         rows.append(row)
     return rows
