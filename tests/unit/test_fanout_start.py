@@ -1,0 +1,138 @@
+"""`start --hosts` planning against simulated nodes: one step for all, retry when it passed, misses named."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from dynprof.cli import _many_nodes, main
+from dynprof.discovery import Node
+from dynprof.fanout import NodeAnswer
+
+
+class FakeNodes:
+    """Nodes whose ranks step on their own; ``start`` arms them, a later ps shows them written."""
+
+    def __init__(self, ranks: dict[Node, list[dict[str, Any]]], passed_once: set[Node] = frozenset()) -> None:
+        self.ranks = ranks
+        self.passed_once = set(passed_once)
+        self.calls: list[tuple[str, str, dict[str, Any]]] = []
+        self.armed: dict[Node, tuple[int, str]] = {}
+        self.polls = 0
+
+    def action_all(self, nodes: list[Node], name: str, options: dict[str, Any], timeout: float | None = None):
+        out = []
+        for node in nodes:
+            self.calls.append((str(node), name, dict(options)))
+            out.append(getattr(self, "_" + name)(node, options))
+        return out
+
+    def _answer(self, node: Node, result: Any, code: int = 0) -> NodeAnswer:
+        return NodeAnswer(node, True, host=node.host, exit_code=code, result=result)
+
+    def _ps(self, node: Node, options: dict[str, Any]) -> NodeAnswer:
+        self.polls += 1
+        rows = []
+        for r in self.ranks[node]:
+            row = {"pid": r["pid"], "rank": r["rank"], "job": "j", "step": r["step"], "step_time_ms": 100.0}
+            at = self.armed.get(node)
+            if at is not None:
+                r["step"] = max(r["step"], at[0] + 3)  # the trace ran and was written
+                row.update(
+                    state="idle",
+                    last_artifact=f"/store/j/{node.host}/rank{r['rank']}/trace/x-{r['pid']}",
+                    trace={"group_id": at[1], "start_step": at[0], "last_artifact_status": "complete"},
+                )
+            else:
+                row.update(state="idle", trace={})
+            rows.append(row)
+        return self._answer(node, {"agents": rows})
+
+    def _start(self, node: Node, options: dict[str, Any]) -> NodeAnswer:
+        assert options["no_wait"] is True and "hosts" not in options
+        at = options["at_step"]
+        if node in self.passed_once:
+            self.passed_once.discard(node)
+            for r in self.ranks[node]:
+                r["step"] = at + 5  # this node ran ahead of the plan
+            return self._answer(node, {"error": {"message": f"step {at} has passed"}}, code=8)
+        group = f"g-{node.port}-{at}"
+        self.armed[node] = (at, group)
+        targets = [{"pid": r["pid"], "rank": r["rank"], "job": "j", "start_step": at} for r in self.ranks[node]]
+        return self._answer(node, {"group_id": group, "at_step": at, "state": "armed", "targets": targets})
+
+    def _stop(self, node: Node, options: dict[str, Any]) -> NodeAnswer:
+        self.armed.pop(node, None)
+        return self._answer(node, {"results": []})
+
+
+A, B = Node("node-a", 8787), Node("node-b", 8787)
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    def install(nodes: FakeNodes) -> FakeNodes:
+        monkeypatch.setattr(_many_nodes, "client_for", lambda args: nodes)
+        monkeypatch.setattr(_many_nodes, "START_POLL_S", 0.0)
+        return nodes
+
+    return install
+
+
+def test_one_step_for_every_rank_of_every_node(fake, capsys):
+    # GIVEN rank 0 on node A at step 40 and rank 1 on node B at step 41, 100 ms a step
+    nodes = fake(FakeNodes({A: [{"pid": 10, "rank": 0, "step": 40}], B: [{"pid": 20, "rank": 1, "step": 41}]}))
+    # WHEN a 3-step trace is started over both
+    code = main(["start", "--job", "j", "--hosts", "node-a,node-b", "--steps", "3", "--json"])
+    # THEN both are armed at the same step, past the furthest rank by at least the lead
+    doc = json.loads(capsys.readouterr().out)
+    assert code == 0
+    at = doc["at_step"]
+    assert at >= 41 + 10  # 1 s of lead at 100 ms a step
+    starts = [c for c in nodes.calls if c[1] == "start"]
+    assert [c[2]["at_step"] for c in starts] == [at, at]
+    assert [(r["rank"], r["node"], r["start_step"], r["status"]) for r in doc["results"]] == [
+        (0, "node-a", at, "complete"),
+        (1, "node-b", at, "complete"),
+    ]
+    assert doc["missed"] == [] and len(doc["artifacts"]) == 2
+
+
+def test_a_node_past_the_step_makes_every_node_arm_again_further_ahead(fake, capsys):
+    # GIVEN node B's rank runs past the first chosen step before its request arrives
+    nodes = fake(FakeNodes({A: [{"pid": 10, "rank": 0, "step": 40}], B: [{"pid": 20, "rank": 1, "step": 40}]}, {B}))
+    # WHEN the trace is started
+    code = main(["start", "--job", "j", "--hosts", "node-a,node-b", "--steps", "3", "--json"])
+    # THEN node A's first arming is cancelled and both are armed at one later step
+    doc = json.loads(capsys.readouterr().out)
+    assert code == 0, doc
+    first, second = doc["plan"]["attempts"]
+    assert first["failed_nodes"] == ["node-b:8787"] and second["failed_nodes"] == []
+    assert second["at_step"] > first["at_step"] + 5 and second["lead_s"] == 4 * first["lead_s"]
+    assert ("node-a:8787", "stop") in [(c[0], c[1]) for c in nodes.calls]
+    assert {r["start_step"] for r in doc["results"]} == {doc["at_step"]} == {second["at_step"]}
+
+
+def test_a_node_that_does_not_answer_is_a_miss_and_exit_12(fake, capsys):
+    # GIVEN node B down
+    class Down(FakeNodes):
+        def action_all(self, nodes, name, options, timeout=None):
+            live = super().action_all([n for n in nodes if n != B], name, options, timeout)
+            by = {a.node: a for a in live}
+            return [
+                by.get(n) or NodeAnswer(n, False, error=f"connection refused: is `dynprof serve` running on {n}?")
+                for n in nodes
+            ]
+
+    fake(Down({A: [{"pid": 10, "rank": 0, "step": 40}], B: []}))
+    # WHEN the trace is started over both
+    code = main(["start", "--job", "j", "--hosts", "node-a,node-b", "--steps", "3", "--json"])
+    # THEN node A's rank is traced, node B is named with its reason, and the exit code says a node failed
+    captured = capsys.readouterr()
+    doc = json.loads(captured.out)
+    assert code == 12
+    assert [(r["rank"], r["status"]) for r in doc["results"]] == [(0, "complete")]
+    assert doc["missed"] == [{"rank": None, "pid": None, "node": "node-b", "reason": doc["nodes"][1]["error"]}]
+    assert "connection refused" in doc["nodes"][1]["error"] and "node node-b:8787: connection refused" in captured.err
