@@ -176,6 +176,10 @@ def _rows(answer: NodeAnswer, key: str) -> list[dict[str, Any]]:
     return [dict(r) for r in rows if isinstance(r, dict)]
 
 
+def _list(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else []
+
+
 def _int_or_none(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
@@ -221,7 +225,7 @@ def ps(args: argparse.Namespace, nodes: list[Node]) -> int:
                     r.get("step") if r.get("step") is not None else "-",
                     r.get("state"),
                     human_age(float(r.get("age_s") or 0)) if isinstance(r.get("age_s"), (int, float)) else "-",
-                    " ".join(str(c) for c in r.get("cmdline") or [] if isinstance(r.get("cmdline"), list))[:50],
+                    " ".join(str(c) for c in _list(r.get("cmdline")))[:50],
                 )
                 for r in rows
             ],
@@ -293,7 +297,7 @@ def stacks(args: argparse.Namespace, nodes: list[Node]) -> int:
 
 
 def _process_from_row(row: dict[str, Any], label: str) -> Any:
-    from collectors.stacks import Frame, ProcessStacks, ThreadStack
+    from collectors.stacks import ProcessStacks, ThreadStack
 
     pid = _int_or_none(row.get("pid"))
     main = row.get("main_thread")
@@ -302,7 +306,7 @@ def _process_from_row(row: dict[str, Any], label: str) -> Any:
     threads = []
     try:
         if isinstance(main, dict):
-            frames = [Frame.from_dict(f) for f in (main.get("frames") or [])[:1024] if isinstance(f, dict)]
+            frames = [_frame(f) for f in _list(main.get("frames"))[:1024] if isinstance(f, dict)]
             holds = main.get("holds_gil")
             threads.append(
                 ThreadStack(
@@ -327,6 +331,24 @@ def _process_from_row(row: dict[str, Any], label: str) -> Any:
     )
 
 
+def _frame(d: dict[str, Any]) -> Any:
+    """A frame from a node's answer, every field of the type the renderers expect."""
+    from collectors.stacks import Frame
+
+    def text(key: str, default: str = "") -> str:
+        value = d.get(key)
+        return value[:1000] if isinstance(value, str) else default
+
+    library = d.get("library")
+    return Frame(
+        function=text("function", "?"),
+        file=text("file"),
+        line=_int_or_none(d.get("line")) or 0,
+        native=d.get("native") is True,
+        library=library[:1000] if isinstance(library, str) else None,
+    )
+
+
 def _group_json(group: Any, labels: dict[Node, str]) -> dict[str, Any]:
     d: dict[str, Any] = group.to_dict()
     d["members"] = [{"rank": m.rank, "pid": m.pid, "node": m.host} for m in group.members]
@@ -348,7 +370,7 @@ def nccl(args: argparse.Namespace, nodes: list[Node]) -> int:
     for a in answers:
         label = labels[a.node]
         result = a.result if isinstance(a.result, dict) else {}
-        for n in result.get("notes") or [] if isinstance(result.get("notes"), list) else []:
+        for n in _list(result.get("notes")):
             notes.append(f"{label}: {str(n)[:2000]}")
         dumps = result.get("dumps")
         if not isinstance(dumps, dict):

@@ -136,3 +136,71 @@ def test_a_node_that_does_not_answer_is_a_miss_and_exit_12(fake, capsys):
     assert [(r["rank"], r["status"]) for r in doc["results"]] == [(0, "complete")]
     assert doc["missed"] == [{"rank": None, "pid": None, "node": "node-b", "reason": doc["nodes"][1]["error"]}]
     assert "connection refused" in doc["nodes"][1]["error"] and "node node-b:8787: connection refused" in captured.err
+
+
+GARBAGE: list[Any] = [
+    None,
+    [],
+    "text",
+    7,
+    {"agents": "x", "results": 5, "artifacts": {"a": 1}, "processes": None, "dumps": [], "targets": "t"},
+    {
+        "agents": [1, None, {"pid": "x", "rank": "y", "cmdline": 5, "age_s": "old", "step": [], "trace": "t"}],
+        "processes": [
+            {"pid": 3, "rank": True, "main_thread": {"frames": [{"line": "abc", "native": True, "library": 9}, 4]}},
+            {"pid": 4, "main_thread": {"frames": "no"}},
+            {"pid": None},
+        ],
+        "failures": {"x": ["y"]},
+        "dumps": {"0": {"dumps": {"nccl": {"entries": "bad", "pg_status": 3}}}, "x": 1, "1": "doc"},
+        "notes": "n",
+        "results": [{"rank": "0", "pid": {}, "artifact": 5, "status": None}, "row"],
+        "artifacts": [{"id": "../../etc", "created_at": 3, "bytes": "big"}, {"id": None}],
+        "group_id": ["g"],
+        "targets": [{"pid": 1, "rank": 0, "start_step": "s"}, {"pid": None}],
+    },
+]
+
+
+class GarbageNodes:
+    def __init__(self, result: Any) -> None:
+        self.result = result
+
+    def action_all(self, nodes, name, options, timeout=None):
+        return [NodeAnswer(n, True, host="h", exit_code=0, result=self.result) for n in nodes]
+
+    def artifact(self, node, artifact_id):  # fetch: never reached with garbage ids
+        from dynprof.fanout import NodeFailure
+
+        raise NodeFailure("no")
+
+
+@pytest.mark.parametrize("result", GARBAGE, ids=range(len(GARBAGE)))
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["ps"],
+        ["stacks", "--job", "j"],
+        ["nccl", "--job", "j"],
+        ["stop", "--job", "j"],
+        ["memory", "--job", "j"],
+        ["ls"],
+        ["start", "--job", "j", "--steps", "2", "--timeout", "0.2"],
+        ["start", "--job", "j", "--duration", "1"],
+    ],
+    ids=lambda a: a[0] + ("-" + a[-1] if a[0] == "start" else ""),
+)
+@pytest.mark.parametrize("as_json", [True, False], ids=["json", "text"])
+def test_garbage_from_the_nodes_never_crashes_a_command(monkeypatch, capsys, tmp_path, result, argv, as_json):
+    # GIVEN nodes whose sidecars answer with garbage of every shape
+    monkeypatch.setattr(_many_nodes, "client_for", lambda args: GarbageNodes(result))
+    monkeypatch.setattr(_many_nodes, "START_POLL_S", 0.0)
+    extra = ["--fetch", str(tmp_path / "f")] if argv[0] in ("ls", "stacks", "nccl", "memory", "start") else []
+    # WHEN a command merges them
+    code = main([*argv, "--hosts", "a,b", *(["--json"] if as_json else []), *extra])
+    # THEN it ends with an exit code, prints what it could, and nothing was written outside DIR
+    out = capsys.readouterr().out
+    assert isinstance(code, int)
+    if as_json:
+        json.loads(out)
+    assert not (tmp_path.parent / "etc").exists()
