@@ -97,17 +97,37 @@ def add_many_node_args(parser: argparse.ArgumentParser, fetch: bool = False) -> 
 
 
 def nodes_requested(args: argparse.Namespace) -> list[Node] | None:
+    """The nodes to fan out to, or None to act on this node's agents.
+
+    A command run as a sidecar's action never fans out (one level only), whatever discovery
+    would find; selectors that only make sense on one node (--pid, --attach, --core) keep the
+    command local unless nodes were named explicitly, which is a usage error."""
+    from dynprof.actions import in_action
+
+    if in_action():
+        return None
+    named = bool(getattr(args, "hosts", None) or getattr(args, "hostfile", None))
+    local_only = [
+        flag
+        for flag, value in (
+            ("--pid", getattr(args, "pid", None)),
+            ("--attach", getattr(args, "attach", False)),
+            ("--core", getattr(args, "core", None)),
+        )
+        if value
+    ]
+    if local_only:
+        if named:
+            raise errors.UsageError(
+                f"{local_only[0]} works on this node only: with --hosts, select the ranks by --job (or --all)",
+                help="To attach agents, run `dynprof attach --job JOB` on each node first.",
+            )
+        return None
     nodes = resolve_nodes(args)
     if nodes is None:
         if getattr(args, "fetch", None):
             raise errors.UsageError("--fetch copies artifacts from other nodes: give --hosts or --hostfile")
         return None
-    if getattr(args, "pid", None):
-        raise errors.UsageError(
-            "--pid names processes of one node: with --hosts, select them by --job (or --all)",
-        )
-    if getattr(args, "attach", False):
-        raise errors.UsageError("--attach works on this node only; attach on each node first (`dynprof attach --job`)")
     return nodes
 
 
@@ -241,8 +261,6 @@ def ps(args: argparse.Namespace, nodes: list[Node]) -> int:
 def stacks(args: argparse.Namespace, nodes: list[Node]) -> int:
     from collectors import stacks as st
 
-    if args.core:
-        raise errors.UsageError("--core reads a file of this node: it does not go with --hosts")
     client = client_for(args)
     answers = client.action_all(nodes, "stacks", forward_options("stacks", args), timeout=args.timeout + 5.0)
     report_nodes(answers)
@@ -807,7 +825,8 @@ def _maybe_fetch(
         by_node.setdefault(art.pop("node_address"), []).append(art["path"])
     nodes = {a.node.address: a.node for a in answers}
     wanted: list[tuple[Node, Any]] = []
-    listings = client.action_all([nodes[n] for n in by_node], "ls", {}, timeout=30.0)
+    job = getattr(args, "job", None)
+    listings = client.action_all([nodes[n] for n in by_node], "ls", {"job": job} if job else {}, timeout=30.0)
     errors_: list[dict[str, Any]] = []
     for listing in listings:
         ids = {r.get("path"): r.get("id") for r in _rows(listing, "artifacts")}

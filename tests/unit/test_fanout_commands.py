@@ -1,4 +1,5 @@
-"""`start --hosts` planning against simulated nodes: one step for all, retry when it passed, misses named."""
+"""Commands over many nodes against simulated nodes: start planning (one step for all, retry when it
+passed, misses named), one level only, and garbage answers of every shape."""
 
 from __future__ import annotations
 
@@ -204,3 +205,40 @@ def test_garbage_from_the_nodes_never_crashes_a_command(monkeypatch, capsys, tmp
     if as_json:
         json.loads(out)
     assert not (tmp_path.parent / "etc").exists()
+
+
+def test_a_sidecar_action_never_fans_out_again(monkeypatch):
+    # GIVEN discovery that would find nodes by itself (as Slurm's node list would, in a sidecar
+    # started inside the job)
+    import sys
+
+    from dynprof.actions import run_action
+
+    monkeypatch.setattr(sys, "stdout", sys.stdout)  # the action's capture wraps them: put them back after
+    monkeypatch.setattr(sys, "stderr", sys.stderr)
+    monkeypatch.setattr(_many_nodes, "resolve_nodes", lambda args: [A, B])
+
+    def no_client(args):
+        raise AssertionError("a sidecar's action fanned out")
+
+    monkeypatch.setattr(_many_nodes, "client_for", no_client)
+    # WHEN the sidecar runs ps as an action
+    answer = run_action("ps", {})
+    # THEN it lists this node's agents only
+    assert answer["exit_code"] == 0 and answer["result"] == {"agents": []}
+
+
+def test_one_node_selectors_stay_local_unless_nodes_are_named(monkeypatch):
+    from argparse import Namespace
+
+    from dynprof import errors
+
+    monkeypatch.setattr(_many_nodes, "resolve_nodes", lambda args: [A])
+    # --pid, --attach, --core with discovered nodes: this node
+    for extra in ({"pid": [1]}, {"attach": True}, {"core": "core.1"}):
+        assert _many_nodes.nodes_requested(Namespace(hosts=None, hostfile=None, **extra)) is None
+    # named nodes with them: a usage error
+    with pytest.raises(errors.UsageError, match="--pid works on this node only"):
+        _many_nodes.nodes_requested(Namespace(hosts="node-a", hostfile=None, pid=[1]))
+    # otherwise the nodes found
+    assert _many_nodes.nodes_requested(Namespace(hosts=None, hostfile=None, job="j")) == [A]
