@@ -91,7 +91,7 @@ class NodeAnswer:
         for line in reversed(self.messages):
             if line.startswith("dynprof: error: "):
                 return line[len("dynprof: error: ") :]
-        return self.messages[-1] if self.messages else f"exit code {self.exit_code}"
+        return self.messages[-1] if self.messages else None
 
     def summary(self, label: str) -> dict[str, Any]:
         return {

@@ -173,7 +173,10 @@ def report_nodes(answers: list[NodeAnswer]) -> None:
         if not a.answered:
             print(f"dynprof: node {a.node}: {printable(a.error)}", file=sys.stderr)
         elif a.exit_code:
-            print(f"dynprof: node {a.node}: exit {a.exit_code}: {printable(a.command_error())}", file=sys.stderr)
+            why = a.command_error()
+            print(
+                f"dynprof: node {a.node}: exit {a.exit_code}" + (f": {printable(why)}" if why else ""), file=sys.stderr
+            )
 
 
 def envelope(answers: list[NodeAnswer], strip: tuple[str, ...] = ()) -> dict[str, Any]:
