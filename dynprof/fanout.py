@@ -102,6 +102,7 @@ class NodeAnswer:
             "error": self.error or self.command_error(),
             "exit_code": self.exit_code,
             "elapsed_s": round(self.elapsed_s, 3),
+            "messages": self.messages,  # what the command wrote on stderr there
         }
 
 
