@@ -88,6 +88,8 @@ def parse_policy(text: str | None, default: HistoryPolicy = DEFAULT_POLICY) -> H
         return default
     if value == "auto":
         return AUTO
+    if value == "window":  # what auto records in its windows, all the time (for benchmarks)
+        return WINDOW_POLICY
     if value.startswith("auto:"):
         return HistoryPolicy("auto", "python", DEFAULT_MAX_ENTRIES, _parse_budget(text.strip()[5:]))
     if value == "state":
