@@ -39,6 +39,7 @@ from urllib.parse import quote
 
 from dynprof import __version__
 from dynprof.discovery import Node
+from dynprof.units import human_bytes
 
 API_VERSION = 1
 DEFAULT_MAX_IN_FLIGHT = 64
@@ -184,7 +185,7 @@ class SidecarClient:
                     break
                 size += len(chunk)
                 if size > max_bytes:
-                    raise NodeFailure(f"the answer is over {max_bytes // (1024 * 1024)} MiB: refused", resp.status)
+                    raise NodeFailure(f"the answer is over {human_bytes(max_bytes)}: refused", resp.status)
                 if sink is not None and resp.status == 200:
                     sink.write(chunk)
                 else:
@@ -309,9 +310,12 @@ class SidecarClient:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             with os.fdopen(fd, "wb") as fh:
-                status, _, data = self._request(
-                    node, "GET", path, None, time.monotonic() + timeout, min(size, MAX_FILE_BYTES), Sink(fh)
-                )
+                try:
+                    status, _, data = self._request(
+                        node, "GET", path, None, time.monotonic() + timeout, min(size, MAX_FILE_BYTES), Sink(fh)
+                    )
+                except NodeFailure as exc:
+                    raise NodeFailure(f"{artifact_id}/{name}: {exc.reason}", exc.status) from None
             if status != 200:
                 raise NodeFailure(_http_reason(node, status, data, path), status)
             got = tmp.stat().st_size

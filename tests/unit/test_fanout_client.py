@@ -251,3 +251,67 @@ def test_the_client_needs_a_private_token_file(tmp_path: Path):
     with pytest.raises(SystemExit):
         main(["ps", "--hosts", "127.0.0.1:1", "--pid", "1"])  # ps has no --pid at all
     assert main(["stacks", "--hosts", "127.0.0.1:1", "--pid", "1"]) == 2  # pids are one node's
+
+
+def _manifest(files: list[dict[str, Any]]) -> bytes:
+    return json.dumps({"id": "j/h/rank0/trace/a-1", "manifest": {"kind": "trace", "files": files}}).encode()
+
+
+def test_fetch_keeps_only_files_that_match_the_manifest(server, tmp_path):
+    import hashlib
+
+    from dynprof.cli._many_nodes import fetch
+
+    script, node, _ = server
+    good, bad = b"trace bytes", b"tampered!!!"
+    files = [
+        {"name": "trace.json.gz", "size": len(good), "sha256": hashlib.sha256(good).hexdigest()},
+        {"name": "other.txt", "size": len(bad), "sha256": hashlib.sha256(b"the original").hexdigest()},
+    ]
+    # GIVEN a node whose second file is not the one its manifest describes
+    script.replies = [(200, {}, _manifest(files)), (200, {}, good), (200, {}, bad)]
+    client = SidecarClient(TOKEN, timeout=5)
+    # WHEN the artifact is fetched
+    (row,) = fetch(client, tmp_path / "dest", [(node, "j/h/rank0/trace/a-1")])
+    # THEN the good file is kept, the tampered one is not, and the artifact is reported
+    target = tmp_path / "dest" / "j/h/rank0/trace/a-1"
+    assert "sha256 differs" in row["error"] and row["files"] == 1
+    assert (target / "trace.json.gz").read_bytes() == good
+    assert not (target / "other.txt").exists() and not (target / "manifest.json").exists()
+    assert [r["path"] for r in script.seen][1:] == [
+        "/api/v1/artifacts/j/h/rank0/trace/a-1/files/trace.json.gz",
+        "/api/v1/artifacts/j/h/rank0/trace/a-1/files/other.txt",
+    ]
+
+
+@pytest.mark.parametrize(
+    "files",
+    [
+        [{"name": "../../escape", "size": 1, "sha256": "0" * 64}],
+        [{"name": "x", "size": -1, "sha256": "0" * 64}],
+        [{"name": "x", "size": 1}],
+        "not a list",
+    ],
+)
+def test_fetch_refuses_manifests_that_name_files_badly(server, tmp_path, files):
+    from dynprof.cli._many_nodes import fetch
+
+    script, node, _ = server
+    script.replies = [(200, {}, _manifest(files))]  # type: ignore[arg-type]
+    (row,) = fetch(SidecarClient(TOKEN, timeout=5), tmp_path / "dest", [(node, "j/h/rank0/trace/a-1")])
+    assert row["error"] and row["files"] == 0
+    assert len(script.seen) == 1  # no file asked for
+    assert not (tmp_path / "escape").exists()
+
+
+def test_fetch_of_a_file_longer_than_its_manifest_says_stops_reading(server, tmp_path):
+    import hashlib
+
+    from dynprof.cli._many_nodes import fetch
+
+    script, node, _ = server
+    data = b"x" * 100_000
+    files = [{"name": "f", "size": 10, "sha256": hashlib.sha256(data[:10]).hexdigest()}]
+    script.replies = [(200, {}, _manifest(files)), (200, {}, data)]
+    (row,) = fetch(SidecarClient(TOKEN, timeout=5), tmp_path / "dest", [(node, "j/h/rank0/trace/a-1")])
+    assert "refused" in row["error"] and not list((tmp_path / "dest").rglob("f"))
