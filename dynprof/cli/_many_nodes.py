@@ -547,6 +547,7 @@ START_LEAD_MIN_S = 1.0
 START_WAIT_DEFAULT_S = 600.0
 START_ARM_TIMEOUT_S = 30.0
 START_POLL_S = 0.5
+START_SILENCE_MIN_S = 30.0
 
 
 def start(args: argparse.Namespace, nodes: list[Node]) -> int:
@@ -710,6 +711,9 @@ def _follow_traces(
         pending = {}
     deadline = time.monotonic() + (args.timeout or START_WAIT_DEFAULT_S)
     by_label = {labels[n]: n for n in nodes}
+    # A node that misses a poll is asked again; one silent this long is given up.
+    silence_limit = max(START_SILENCE_MIN_S, 3 * args.node_timeout)
+    last_heard = {label: time.monotonic() for label, _ in pending}
     while pending:
         asked = sorted({label for label, _ in pending})
         answers = client.action_all(
@@ -718,7 +722,16 @@ def _follow_traces(
         for a in answers:
             label = labels[a.node]
             if not a.answered:
-                continue  # a node that misses one poll is asked again
+                if time.monotonic() - last_heard[label] > silence_limit:
+                    for key in [k for k in pending if k[0] == label]:
+                        res = pending.pop(key)
+                        res.update(
+                            status="failed",
+                            error=f"the node stopped answering for {silence_limit:g} s: {a.error}",
+                        )
+                        done.append(res)
+                continue
+            last_heard[label] = time.monotonic()
             listed = set()
             for row in _rows(a, "agents"):
                 key = (label, _int_or_none(row.get("pid")) or 0)

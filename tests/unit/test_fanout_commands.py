@@ -242,3 +242,49 @@ def test_one_node_selectors_stay_local_unless_nodes_are_named(monkeypatch):
         _many_nodes.nodes_requested(Namespace(hosts="node-a", hostfile=None, pid=[1]))
     # otherwise the nodes found
     assert _many_nodes.nodes_requested(Namespace(hosts=None, hostfile=None, job="j")) == [A]
+
+
+def test_no_wait_returns_once_every_node_is_armed(fake, capsys):
+    nodes = fake(FakeNodes({A: [{"pid": 10, "rank": 0, "step": 40}], B: [{"pid": 20, "rank": 1, "step": 40}]}))
+    code = main(["start", "--job", "j", "--hosts", "node-a,node-b", "--steps", "3", "--no-wait", "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    assert code == 0 and doc["missed"] == []
+    assert [(r["rank"], r["status"], r["start_step"]) for r in doc["results"]] == [
+        (0, "armed", doc["at_step"]),
+        (1, "armed", doc["at_step"]),
+    ]
+    assert [c[1] for c in nodes.calls] == ["ps", "ps", "start", "start"]  # no polling
+
+
+def test_a_given_step_that_one_node_passed_is_not_retried_and_its_rank_is_named(fake, capsys):
+    nodes = fake(FakeNodes({A: [{"pid": 10, "rank": 0, "step": 40}], B: [{"pid": 20, "rank": 1, "step": 40}]}, {B}))
+    code = main(["start", "--job", "j", "--hosts", "node-a,node-b", "--steps", "3", "--at-step", "45", "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    assert code == 8  # node B's own exit code
+    assert doc["at_step"] == 45 and len(doc["plan"]["attempts"]) == 1
+    assert [(r["rank"], r["status"]) for r in doc["results"]] == [(0, "complete")]
+    assert doc["missed"] == [{"rank": None, "pid": None, "node": "node-b", "reason": "step 45 has passed"}]
+    assert "stop" not in [c[1] for c in nodes.calls]
+
+
+def test_a_node_that_goes_silent_while_tracing_is_given_up(fake, capsys, monkeypatch):
+    # GIVEN node B answers the arming, then never again
+    class Silent(FakeNodes):
+        def action_all(self, nodes, name, options, timeout=None):
+            out = super().action_all(nodes, name, options, timeout)
+            if name == "ps" and B in self.armed:
+                silent = NodeAnswer(B, False, error="timed out after 3 s waiting for node-b:8787")
+                return [silent if a.node == B else a for a in out]
+            return out
+
+    monkeypatch.setattr(_many_nodes, "START_SILENCE_MIN_S", 0.0)
+    fake(Silent({A: [{"pid": 10, "rank": 0, "step": 40}], B: [{"pid": 20, "rank": 1, "step": 40}]}))
+    # WHEN the trace is followed, with a short node timeout
+    code = main(["start", "--job", "j", "--hosts", "node-a,node-b", "--steps", "3", "--json", "--node-timeout", "0.01",
+                 "--timeout", "5"])  # fmt: skip
+    # THEN node B's rank is reported as lost with the node's reason, without waiting for the timeout
+    doc = json.loads(capsys.readouterr().out)
+    assert code == 1
+    lost = [m for m in doc["missed"] if m["node"] == "node-b"]
+    assert lost and "stopped answering" in lost[0]["reason"] and "timed out" in lost[0]["reason"]
+    assert [(r["rank"], r["status"]) for r in doc["results"]] == [(0, "complete"), (1, "failed")]
