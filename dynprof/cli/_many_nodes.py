@@ -168,15 +168,22 @@ def exit_code(answers: list[NodeAnswer]) -> int:
     return max((a.exit_code or 0 for a in answers), default=0)
 
 
+MAX_MESSAGES_SHOWN = 20
+
+
 def report_nodes(answers: list[NodeAnswer]) -> None:
+    """On stderr: why each node did not answer, and what each node's command said there
+    (its warnings and errors, with their `what to do`)."""
     for a in answers:
         if not a.answered:
             print(f"dynprof: node {a.node}: {printable(a.error)}", file=sys.stderr)
-        elif a.exit_code:
-            why = a.command_error()
-            print(
-                f"dynprof: node {a.node}: exit {a.exit_code}" + (f": {printable(why)}" if why else ""), file=sys.stderr
-            )
+            continue
+        for line in a.messages[:MAX_MESSAGES_SHOWN]:
+            print(f"dynprof: node {a.node}: {printable(line.removeprefix('dynprof: '))}", file=sys.stderr)
+        if len(a.messages) > MAX_MESSAGES_SHOWN:
+            print(f"dynprof: node {a.node}: ... {len(a.messages) - MAX_MESSAGES_SHOWN} more line(s)", file=sys.stderr)
+        if a.exit_code and not a.messages:
+            print(f"dynprof: node {a.node}: exit {a.exit_code}", file=sys.stderr)
 
 
 def envelope(answers: list[NodeAnswer], strip: tuple[str, ...] = ()) -> dict[str, Any]:

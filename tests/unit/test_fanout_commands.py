@@ -288,3 +288,32 @@ def test_a_node_that_goes_silent_while_tracing_is_given_up(fake, capsys, monkeyp
     lost = [m for m in doc["missed"] if m["node"] == "node-b"]
     assert lost and "stopped answering" in lost[0]["reason"] and "timed out" in lost[0]["reason"]
     assert [(r["rank"], r["status"]) for r in doc["results"]] == [(0, "complete"), (1, "failed")]
+
+
+def test_each_node_s_own_messages_reach_stderr_with_its_name(monkeypatch, capsys):
+    # GIVEN a node whose command failed with an error and its advice, and a node that warned
+    class Talking:
+        def action_all(self, nodes, name, options, timeout=None):
+            return [
+                NodeAnswer(
+                    A,
+                    True,
+                    exit_code=5,
+                    result={"error": {"message": "no agent of job 'j' on this node"}},
+                    messages=["dynprof: error: no agent of job 'j' on this node", "  what to do: attach one"],
+                ),
+                NodeAnswer(B, True, exit_code=0, result={"agents": []}, messages=["dynprof: skipping 1 process"]),
+            ]
+
+    monkeypatch.setattr(_many_nodes, "client_for", lambda args: Talking())
+    # WHEN ps fans out
+    code = main(["ps", "--job", "j", "--hosts", "node-a,node-b", "--json"])
+    # THEN stderr carries each node's lines under its name, and the summary keeps them
+    captured = capsys.readouterr()
+    assert code == 5
+    assert "dynprof: node node-a:8787: error: no agent of job 'j' on this node" in captured.err
+    assert "dynprof: node node-a:8787:   what to do: attach one" in captured.err
+    assert "dynprof: node node-b:8787: skipping 1 process" in captured.err
+    doc = json.loads(captured.out)
+    assert doc["nodes"][0]["error"] == "no agent of job 'j' on this node"
+    assert doc["nodes"][1]["messages"] == ["dynprof: skipping 1 process"]
