@@ -220,6 +220,11 @@ def _rank_key(row: dict[str, Any]) -> tuple[str, int, str, int]:
     return (str(row.get("job") or ""), rank if rank is not None else 1 << 30, str(row.get("node")), pid or 0)
 
 
+def _with_fetch(code: int, fetched: list[dict[str, Any]] | None) -> int:
+    """An artifact that could not be fetched makes a command that otherwise succeeded exit 1."""
+    return 1 if code == 0 and fetched and any(f["error"] for f in fetched) else code
+
+
 def _footer(answers: list[NodeAnswer]) -> None:
     failed = [a for a in answers if not a.answered]
     if failed:
@@ -300,7 +305,7 @@ def stacks(args: argparse.Namespace, nodes: list[Node]) -> int:
     rows.sort(key=_rank_key)
     artifacts = _artifacts_of(answers, labels, lambda r: [r.get("artifact")])
     fetched = _maybe_fetch(args, client, answers, artifacts)
-    code = exit_code(answers)
+    code = _with_fetch(exit_code(answers), fetched)
     if args.json:
         print_json(
             {
@@ -422,7 +427,7 @@ def nccl(args: argparse.Namespace, nodes: list[Node]) -> int:
             notes.append(f"the dumps could not be analysed together: {type(exc).__name__}: {exc}")
     artifacts = _artifacts_of(answers, labels, lambda r: [r.get("artifact")])
     fetched = _maybe_fetch(args, client, answers, artifacts)
-    code = exit_code(answers)
+    code = _with_fetch(exit_code(answers), fetched)
     if analysis is None and code == 0:
         code = 1
     if args.json:
@@ -462,7 +467,7 @@ def plain(name: str, args: argparse.Namespace, nodes: list[Node]) -> int:
     results.sort(key=_rank_key)
     artifacts = _artifacts_of(answers, labels, lambda r: [x.get("artifact") for x in _rows_of(r, "results")])
     fetched = _maybe_fetch(args, client, answers, artifacts)
-    code = exit_code(answers)
+    code = _with_fetch(exit_code(answers), fetched)
     if args.json:
         print_json(
             {
@@ -493,22 +498,15 @@ def ls(args: argparse.Namespace, nodes: list[Node]) -> int:
     answers = client.action_all(nodes, "ls", forward_options("ls", args), timeout=30.0)
     report_nodes(answers)
     labels = node_labels(nodes)
-    rows = []
+    found: list[tuple[Node, dict[str, Any]]] = []
     for a in answers:
         for row in _rows(a, "artifacts"):
             row["node"] = labels[a.node]
-            row["node_address"] = a.node.address
-            rows.append(row)
-    rows.sort(key=lambda r: str(r.get("created_at") or ""), reverse=True)
-    fetched = None
-    if args.fetch:
-        wanted = [(Node(*_split(r["node_address"])), r.get("id")) for r in rows]
-        fetched = fetch(client, Path(args.fetch), wanted)
-    for r in rows:
-        r.pop("node_address", None)
-    code = exit_code(answers)
-    if fetched is not None and any(f["error"] for f in fetched) and code == 0:
-        code = 1
+            found.append((a.node, row))
+    found.sort(key=lambda nr: str(nr[1].get("created_at") or ""), reverse=True)
+    rows = [row for _, row in found]
+    fetched = fetch(client, Path(args.fetch), [(n, row.get("id")) for n, row in found]) if args.fetch else None
+    code = _with_fetch(exit_code(answers), fetched)
     if args.json:
         print_json(
             {
@@ -539,11 +537,6 @@ def ls(args: argparse.Namespace, nodes: list[Node]) -> int:
     _print_artifacts([], fetched)
     _footer(answers)
     return code
-
-
-def _split(address: str) -> tuple[str, int]:
-    host, _, port = address.rpartition(":")
-    return host.strip("[]"), int(port)
 
 
 # -- start: one step for every rank of every node ---------------------------------------------
@@ -624,7 +617,7 @@ def start(args: argparse.Namespace, nodes: list[Node]) -> int:
         if isinstance(r.get("artifact"), str) and r["artifact"]
     ]
     fetched = _maybe_fetch(args, client, arm, artifacts)
-    code = exit_code(arm)
+    code = _with_fetch(exit_code(arm), fetched)
     if missed and code == 0:
         code = 1
     plan = {"lead_s": round(lead, 3), "round_trip_s": round(rtt, 3), "attempts": attempts}
@@ -801,7 +794,7 @@ def _start_as_is(args: argparse.Namespace, client: SidecarClient, nodes: list[No
     results.sort(key=_rank_key)
     artifacts = _artifacts_of(answers, labels, lambda r: [x.get("artifact") for x in _rows_of(r, "results")])
     fetched = _maybe_fetch(args, client, answers, artifacts)
-    code = exit_code(answers)
+    code = _with_fetch(exit_code(answers), fetched)
     if args.json:
         print_json(
             {
