@@ -295,8 +295,9 @@ def stacks(args: argparse.Namespace, nodes: list[Node]) -> int:
         if isinstance(node_failures, dict):
             for who, why in list(node_failures.items())[:10_000]:
                 failures[f"{who} on {label}"] = str(why)[:2000]
+        group_frames = _frames_of_groups(a)
         for row in _rows(a, "processes"):
-            p = _process_from_row(row, label)
+            p = _process_from_row(row, label, group_frames)
             if p is None:
                 continue
             processes.append(p)
@@ -329,7 +330,19 @@ def stacks(args: argparse.Namespace, nodes: list[Node]) -> int:
     return code
 
 
-def _process_from_row(row: dict[str, Any], label: str) -> Any:
+def _frames_of_groups(answer: NodeAnswer) -> dict[int, list[Any]]:
+    """pid -> main-thread stack, from a node's own groups: what an answer whose processes do
+    not carry their main thread (a dynprof before `main_thread`) still says."""
+    out: dict[int, list[Any]] = {}
+    for g in _rows(answer, "groups"):
+        frames = [_frame(f) for f in _list(g.get("frames"))[:1024] if isinstance(f, dict)]
+        for pid in _list(g.get("pids")):
+            if _int_or_none(pid) is not None:
+                out.setdefault(pid, frames)
+    return out
+
+
+def _process_from_row(row: dict[str, Any], label: str, group_frames: dict[int, list[Any]] | None = None) -> Any:
     from collectors.stacks import ProcessStacks, ThreadStack
 
     pid = _int_or_none(row.get("pid"))
@@ -337,20 +350,15 @@ def _process_from_row(row: dict[str, Any], label: str) -> Any:
     if pid is None:
         return None
     threads = []
-    try:
-        if isinstance(main, dict):
-            frames = [_frame(f) for f in _list(main.get("frames"))[:1024] if isinstance(f, dict)]
-            holds = main.get("holds_gil")
-            threads.append(
-                ThreadStack(
-                    tid=_int_or_none(main.get("tid")) or pid,
-                    main=True,
-                    holds_gil=holds if isinstance(holds, bool) else None,
-                    frames=frames,
-                )
-            )
-    except (TypeError, ValueError, AttributeError):
-        threads = []
+    if isinstance(main, dict):
+        frames = [_frame(f) for f in _list(main.get("frames"))[:1024] if isinstance(f, dict)]
+        holds = main.get("holds_gil")
+        tid = _int_or_none(main.get("tid")) or pid
+        threads.append(
+            ThreadStack(tid=tid, main=True, holds_gil=holds if isinstance(holds, bool) else None, frames=frames)
+        )
+    elif group_frames and pid in group_frames:
+        threads.append(ThreadStack(tid=pid, main=True, frames=group_frames[pid]))
     method = row.get("method")
     return ProcessStacks(
         pid=pid,
@@ -602,7 +610,8 @@ def start(args: argparse.Namespace, nodes: list[Node]) -> int:
         client.action_all(armed, "stop", {"job": args.job, "all": args.all, "no_wait": True}, timeout=30.0)
         lead *= 4
     report_nodes(arm)
-    results, missed = _follow_traces(args, client, nodes, labels, arm, at_step, progress)
+    before = {(r["node"], r["pid"]): r["last_artifact"] for r in stepping}
+    results, missed = _follow_traces(args, client, nodes, labels, arm, at_step, progress, before)
     for a in arm:
         if a.ok:
             continue
@@ -669,6 +678,7 @@ def _steps_of(
                     "pid": _int_or_none(row.get("pid")),
                     "step": step,
                     "step_time_s": seconds_ if math.isfinite(seconds_) and seconds_ > 0 else 0.0,
+                    "last_artifact": row.get("last_artifact") if isinstance(row.get("last_artifact"), str) else None,
                 }
             )
     return out
@@ -682,8 +692,16 @@ def _follow_traces(
     arm: list[NodeAnswer],
     at_step: int | None,
     progress: Progress,
+    before: dict[tuple[str, int | None], str | None] | None = None,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Per armed rank, the trace it got: followed through each node's ps until written."""
+    """Per armed rank, the trace it got: followed through each node's ps until written.
+
+    A rank's ps row names its trace group, start step and outcome (``trace``). A node whose
+    dynprof predates that is followed by state alone: the rank's trace is written once it is
+    idle with a new last artifact (``before``: each rank's last artifact before arming) or
+    after it was seen armed or tracing; its status is then ``written``, the manifest has the rest."""
+    before = before or {}
+    seen_active: set[tuple[str, int]] = set()
     pending: dict[tuple[str, int], dict[str, Any]] = {}
     groups: dict[str, Any] = {}
     for a in arm:
@@ -736,16 +754,31 @@ def _follow_traces(
             for row in _rows(a, "agents"):
                 key = (label, _int_or_none(row.get("pid")) or 0)
                 listed.add(key)
+                if key not in pending:
+                    continue
                 raw = row.get("trace")
-                trace: dict[str, Any] = raw if isinstance(raw, dict) else {}
-                if key not in pending or trace.get("group_id") != groups[label] or row.get("state") != "idle":
+                state = row.get("state")
+                artifact = row.get("last_artifact") if isinstance(row.get("last_artifact"), str) else None
+                if not isinstance(raw, dict):  # a node without trace status in its ps
+                    if state in ("armed", "tracing", "exporting"):
+                        seen_active.add(key)
+                        continue
+                    if state != "idle" or not artifact:
+                        continue
+                    if key not in seen_active and (key not in before or before[key] == artifact):
+                        continue
+                    res = pending.pop(key)
+                    res.update(status="written", artifact=artifact)
+                    done.append(res)
+                    continue
+                if raw.get("group_id") != groups[label] or state != "idle":
                     continue
                 res = pending.pop(key)
                 res.update(
-                    status=str(trace.get("last_artifact_status") or "failed"),
-                    artifact=row.get("last_artifact") if isinstance(row.get("last_artifact"), str) else None,
-                    error=str(trace["last_error"])[:2000] if trace.get("last_error") else None,
-                    start_step=_int_or_none(trace.get("start_step")) or res["start_step"],
+                    status=str(raw.get("last_artifact_status") or "failed"),
+                    artifact=artifact,
+                    error=str(raw["last_error"])[:2000] if raw.get("last_error") else None,
+                    start_step=_int_or_none(raw.get("start_step")) or res["start_step"],
                 )
                 done.append(res)
             for key in [k for k in pending if k[0] == label and k not in listed]:
@@ -763,7 +796,7 @@ def _follow_traces(
         time.sleep(START_POLL_S)
     progress.done()
     done.sort(key=_rank_key)
-    ok = ("complete", "partial", "armed") if args.no_wait else ("complete", "partial")
+    ok = ("complete", "partial", "armed") if args.no_wait else ("complete", "partial", "written")
     missed = []
     for res in done:
         if res["status"] not in ok:
