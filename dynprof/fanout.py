@@ -51,6 +51,7 @@ MAX_MESSAGES = 200
 MAX_RETRY_AFTER_S = 30.0
 _CHUNK = 1 << 16
 _SAFE_SEGMENT = re.compile(r"[A-Za-z0-9_.@+-]{1,255}")
+_NAME_MISMATCH = (62, 64)  # OpenSSL's X509_V_ERR_HOSTNAME_MISMATCH, X509_V_ERR_IP_ADDRESS_MISMATCH
 
 
 class NodeFailure(Exception):
@@ -203,6 +204,11 @@ class SidecarClient:
         except socket.gaierror as exc:
             raise NodeFailure(f"unknown host {node.host}: {exc.strerror or exc}") from None
         except ssl.SSLCertVerificationError as exc:
+            if exc.verify_code in _NAME_MISMATCH:
+                raise NodeFailure(
+                    f"the TLS certificate of {node} does not name {node.host} ({exc.verify_message}); "
+                    "name the node as its certificate does"
+                ) from None
             raise NodeFailure(
                 f"the TLS certificate of {node} is not trusted: {exc.verify_message or exc}; "
                 "give the CA that signed it with --cacert"

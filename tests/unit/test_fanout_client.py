@@ -184,6 +184,11 @@ def test_https_is_verified_against_the_given_ca(server, tmp_path):
     # and with the system's CAs it is not trusted
     answer = SidecarClient(TOKEN, tls=ssl.create_default_context(), timeout=5).action(node, "ps", {})
     assert "not trusted" in (answer.error or "") and "--cacert" in (answer.error or "")
+    # and a name the certificate does not hold is named as such
+    answer = SidecarClient(TOKEN, tls=fanout.tls_context(str(cert)), timeout=5).action(
+        Node("localhost", node.port), "ps", {}
+    )
+    assert "does not name localhost" in (answer.error or ""), answer.error
     # and plain http to it is not mistaken for an answer
     answer = SidecarClient(TOKEN, timeout=5).action(node, "ps", {})
     assert not answer.answered and "--cacert" in (answer.error or ""), answer.error
