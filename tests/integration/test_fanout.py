@@ -144,7 +144,7 @@ def split_job(
     return targets
 
 
-def test_stacks_over_two_nodes_groups_all_ranks_and_names_the_odd_rank_with_its_node(nodes, spawn):
+def test_stacks_over_two_nodes_groups_all_ranks_and_names_the_odd_rank_with_its_node(nodes, spawn, tmp_path):
     # GIVEN a 3-rank job: ranks 0 and 1 on node A, rank 2 on node B; rank 0 waits in an
     # all_reduce, ranks 1 and 2 sleep in wait_for_data
     a, b = nodes["a"], nodes["b"]
@@ -154,7 +154,11 @@ def test_stacks_over_two_nodes_groups_all_ranks_and_names_the_odd_rank_with_its_
     time.sleep(0.5)  # rank 0 enters the collective right after its READY line
 
     # WHEN the stacks of the job are asked for from here (no agents), through both sidecars
-    out = dynprof("stacks", "--job", "fan-stacks", "--hosts", nodes["hosts"], "--json", token=nodes["token"])
+    fetched = tmp_path / "fetched"
+    out = dynprof(
+        "stacks", "--job", "fan-stacks", "--hosts", nodes["hosts"], "--json", "--fetch", str(fetched),
+        token=nodes["token"],
+    )  # fmt: skip
 
     # THEN every rank of every node is read and grouped by where it waits
     assert out.returncode == 0, out.stderr
@@ -168,6 +172,9 @@ def test_stacks_over_two_nodes_groups_all_ranks_and_names_the_odd_rank_with_its_
     assert odd["outlier"] and odd["odd"] == [f"rank 0 on {label_a}"]
     assert "all_reduce" in odd["headline"] or "collective_wait" in odd["headline"]
     assert len(doc["artifacts"]) == 2
+    # each node's stacks artifact is copied back, its files checked
+    assert [f["error"] for f in doc["fetched"]] == [None, None]
+    assert all((Path(f["path"]) / "merged.json").is_file() for f in doc["fetched"])
 
     # and the human view names the odd rank with its node
     text = dynprof("stacks", "--job", "fan-stacks", "--hosts", nodes["hosts"], "--no-save", token=nodes["token"])
@@ -318,3 +325,10 @@ def test_ls_over_nodes_lists_and_fetches_artifacts_checked_against_the_manifest(
     for sim, art_id in zip((nodes["a"], nodes["b"]), ids):
         assert (dest / art_id / "notes.txt").read_text() == f"from {sim.name}\n"
         assert json.loads((dest / art_id / "manifest.json").read_text())["host"] == sim.name
+
+    # and fetching again copies nothing twice
+    again = dynprof(
+        "ls", "--job", "fan-ls", "--hosts", nodes["hosts"], "--json", "--fetch", str(dest), token=nodes["token"]
+    )
+    assert again.returncode == 0, again.stderr
+    assert [f.get("already_there") for f in json.loads(again.stdout)["fetched"]] == [True, True]
