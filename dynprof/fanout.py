@@ -38,7 +38,9 @@ from typing import Any
 from urllib.parse import quote
 
 from dynprof import __version__
+from dynprof._safe_io import loads_json
 from dynprof.discovery import Node
+from dynprof.errors import ArtifactError
 from dynprof.units import human_bytes
 
 API_VERSION = 1
@@ -238,9 +240,9 @@ class SidecarClient:
             if status != 200:
                 raise NodeFailure(_http_reason(node, status, data, path), status)
             try:
-                doc = json.loads(data)
-            except ValueError:
-                raise NodeFailure(f"not a dynprof sidecar: {node} answered {path} with something not JSON") from None
+                doc = loads_json(data, f"the answer of {node} to {path}")
+            except ArtifactError as exc:
+                raise NodeFailure(f"not a dynprof sidecar: {exc.message}") from None
             if not isinstance(doc, dict):
                 raise NodeFailure(f"not a dynprof sidecar: {node} answered {path} with JSON that is not an object")
             api = doc.get("api")
@@ -354,10 +356,10 @@ def _retry_after(value: str | None) -> float:
 def _http_reason(node: Node, status: int, data: bytes, path: str) -> str:
     detail = ""
     try:
-        doc = json.loads(data[:MAX_SMALL_ANSWER_BYTES]) if data else None
+        doc = loads_json(data[:MAX_SMALL_ANSWER_BYTES], "an error") if data else None
         if isinstance(doc, dict) and isinstance(doc.get("error"), str):
             detail = doc["error"][:300]
-    except ValueError:
+    except ArtifactError:
         pass
     if status == 401:
         return f"401: wrong token: {node} refused it (check --token-file / DYNPROF_TOKEN_FILE)"
