@@ -245,21 +245,23 @@ def test_nodes_sharing_a_host_are_named_with_their_port():
 
 
 def test_the_client_needs_a_private_token_file(tmp_path: Path):
+    from argparse import Namespace
+
     from dynprof import errors
     from dynprof.cli import main
+    from dynprof.cli._many_nodes import client_for
 
+    # GIVEN a token file other users can read
     loose = tmp_path / "tok"
     loose.write_text(TOKEN)
     loose.chmod(0o644)
+    # THEN no client is made with it
     with pytest.raises(errors.PermissionDenied):
-        from argparse import Namespace
-
-        from dynprof.cli._many_nodes import client_for
-
         client_for(Namespace(token_file=str(loose), cacert=None, node_timeout=1.0, max_in_flight=4))
+    # and pids, which are one node's, do not go with --hosts
     with pytest.raises(SystemExit):
         main(["ps", "--hosts", "127.0.0.1:1", "--pid", "1"])  # ps has no --pid at all
-    assert main(["stacks", "--hosts", "127.0.0.1:1", "--pid", "1"]) == 2  # pids are one node's
+    assert main(["stacks", "--hosts", "127.0.0.1:1", "--pid", "1"]) == 2
 
 
 def _manifest(files: list[dict[str, Any]]) -> bytes:
