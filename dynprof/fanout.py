@@ -336,6 +336,28 @@ class SidecarClient:
             if tmp.exists():
                 tmp.unlink()
 
+    def read_file(
+        self, node: Node, artifact_id: str, name: str, size: int, sha256: str, timeout: float, max_bytes: int
+    ) -> bytes:
+        """One file of an artifact, in memory, checked against the manifest's size and sha256;
+        a file over ``max_bytes`` is refused before it is read."""
+        check_artifact_id(artifact_id)
+        check_file_name(name)
+        if size > max_bytes:
+            raise NodeFailure(f"{artifact_id}/{name}: {human_bytes(size)}, over the {human_bytes(max_bytes)} read back")
+        path = f"/api/v1/artifacts/{quote(artifact_id)}/files/{quote(name, safe='')}"
+        try:
+            status, _, data = self._request(node, "GET", path, None, time.monotonic() + timeout, size)
+        except NodeFailure as exc:
+            raise NodeFailure(f"{artifact_id}/{name}: {exc.reason}", exc.status) from None
+        if status != 200:
+            raise NodeFailure(_http_reason(node, status, data, path), status)
+        if len(data) != size:
+            raise NodeFailure(f"{artifact_id}/{name}: {len(data)} bytes arrived, the manifest says {size}")
+        if hashlib.sha256(data).hexdigest() != sha256:
+            raise NodeFailure(f"{artifact_id}/{name}: sha256 differs from the manifest's")
+        return data
+
 
 # -- checking what came back -------------------------------------------------------------------
 def _short(value: Any, limit: int = 80) -> str:

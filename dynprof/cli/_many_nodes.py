@@ -20,6 +20,7 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
 import time
 from collections import Counter
@@ -28,6 +29,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from dynprof import errors
+from dynprof._safe_io import loads_json
 from dynprof.actions import ACTIONS
 from dynprof.cli._common import (
     Progress,
@@ -399,30 +401,31 @@ def _group_json(group: Any, labels: dict[Node, str]) -> dict[str, Any]:
 
 # -- nccl ----------------------------------------------------------------------------------------
 def nccl(args: argparse.Namespace, nodes: list[Node]) -> int:
+    """Each node dumps its ranks' flight recorders into one artifact; every rank's dump is read
+    back from those artifacts (through the sidecars, checked against their manifests) and all
+    are analysed together."""
     from collectors import flight_recorder as fr
 
     client = client_for(args)
     answers = client.action_all(nodes, "nccl", forward_options("nccl", args), timeout=args.timeout + 5.0)
     report_nodes(answers)
     labels = node_labels(nodes)
-    per_rank: dict[int, dict[str, Any]] = {}
-    where: dict[int, str] = {}
     notes: list[str] = []
     for a in answers:
-        label = labels[a.node]
         result = a.result if isinstance(a.result, dict) else {}
-        for n in _list(result.get("notes")):
-            notes.append(f"{label}: {str(n)[:2000]}")
-        dumps = result.get("dumps")
-        if not isinstance(dumps, dict):
-            if a.answered and not a.exit_code:
-                notes.append(f"{label}: its answer holds no dumps (a sidecar older than this CLI?)")
+        notes.extend(f"{labels[a.node]}: {str(n)[:2000]}" for n in _list(result.get("notes")))
+    ids = _artifact_ids(client, args, answers, "nccl")
+    per_rank: dict[int, dict[str, Any]] = {}
+    where: dict[int, str] = {}
+    for a in answers:
+        label = labels[a.node]
+        artifact_id = ids.get(a.node.address)
+        if artifact_id is None:
             continue
-        for key, doc in dumps.items():
-            if not (isinstance(key, str) and key.lstrip("-").isdigit() and isinstance(doc, dict)):
-                notes.append(f"{label}: a dump under {printable(str(key)[:40])} skipped")
-                continue
-            rank = int(key)
+        if isinstance(artifact_id, NodeFailure):
+            notes.append(f"{label}: its dumps cannot be read: {artifact_id.reason}")
+            continue
+        for rank, doc in _dumps_of(client, a.node, artifact_id, notes, label):
             if rank in per_rank:
                 notes.append(f"rank {rank} dumped on {where[rank]} and on {label}: the one of {where[rank]} kept")
                 continue
@@ -441,7 +444,7 @@ def nccl(args: argparse.Namespace, nodes: list[Node]) -> int:
     if args.json:
         print_json(
             {
-                **envelope(answers, strip=("dumps",)),
+                **envelope(answers),
                 "analysis": analysis,
                 "ranks": {str(r): where[r] for r in sorted(per_rank)},
                 "notes": notes,
@@ -458,6 +461,89 @@ def nccl(args: argparse.Namespace, nodes: list[Node]) -> int:
     print(f"{len(per_rank)} rank(s) dumped on {sum(a.answered for a in answers)} of {len(nodes)} node(s)")
     _footer(answers)
     return code
+
+
+_DUMP_FILE = re.compile(r"rank(\d{1,9})-pid\d{1,9}\.json")
+MAX_DUMP_BYTES = 512 * 1024 * 1024
+
+
+def _artifact_ids(
+    client: SidecarClient, args: argparse.Namespace, answers: list[NodeAnswer], action: str
+) -> dict[str, str | NodeFailure]:
+    """Per node address, the id of the artifact its answer names (``artifact_id``; else its
+    ``artifact`` path looked up in the node's store listing), or why there is none."""
+    out: dict[str, str | NodeFailure] = {}
+    by_path: dict[str, str] = {}
+    for a in answers:
+        if not a.answered or not isinstance(a.result, dict):
+            continue
+        given, path = a.result.get("artifact_id"), a.result.get("artifact")
+        if given is not None:
+            try:
+                out[a.node.address] = check_artifact_id(given)
+            except NodeFailure as exc:
+                out[a.node.address] = exc
+        elif isinstance(path, str) and path:
+            by_path[a.node.address] = path
+    if by_path:
+        job = getattr(args, "job", None)
+        nodes = [a.node for a in answers if a.node.address in by_path]
+        for listing in client.action_all(nodes, "ls", {"job": job, "kind": action} if job else {"kind": action}, 30.0):
+            found = {r.get("path"): r.get("id") for r in _rows(listing, "artifacts")}
+            path = by_path[listing.node.address]
+            if path in found:
+                try:
+                    out[listing.node.address] = check_artifact_id(found[path])
+                except NodeFailure as exc:
+                    out[listing.node.address] = exc
+            else:
+                out[listing.node.address] = NodeFailure(listing.error or f"{path} is not in the node's store listing")
+    return out
+
+
+def _dumps_of(
+    client: SidecarClient, node: Node, artifact_id: str, notes: list[str], label: str
+) -> list[tuple[int, dict[str, Any]]]:
+    """The ranks' dumps (``rank<R>-pid<P>.json``) of one node's nccl artifact."""
+    try:
+        files = _manifest_files(client.artifact(node, artifact_id)["manifest"])
+    except NodeFailure as exc:
+        notes.append(f"{label}: its dumps cannot be read: {exc.reason}")
+        return []
+    out = []
+    for name, size, sha in files:
+        match = _DUMP_FILE.fullmatch(name)
+        if match is None:
+            continue
+        try:
+            data = client.read_file(node, artifact_id, name, size, sha, FETCH_TIMEOUT_S, MAX_DUMP_BYTES)
+            doc = loads_json(data, f"{name} of {label}")
+        except NodeFailure as exc:
+            notes.append(f"{label}: {exc.reason}")
+            continue
+        except errors.ArtifactError as exc:
+            notes.append(f"{label}: {exc.message}")
+            continue
+        if isinstance(doc, dict):
+            out.append((int(match.group(1)), doc))
+    return out
+
+
+def _manifest_files(manifest: Any) -> list[tuple[str, int, str]]:
+    """(name, size, sha256) of each file a manifest lists, each checked; NodeFailure otherwise."""
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, list) or len(files) > 10_000:
+        raise NodeFailure("its manifest has no list of files")
+    checked = []
+    for f in files:
+        if not isinstance(f, dict):
+            raise NodeFailure("its manifest lists a file that is not an object")
+        name = check_file_name(f.get("name"))
+        size, sha = f.get("size"), f.get("sha256")
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0 or not isinstance(sha, str):
+            raise NodeFailure(f"its manifest gives no size or sha256 for {name}")
+        checked.append((name, size, sha.lower()))
+    return checked
 
 
 # -- stop, memory: plain fan-out ---------------------------------------------------------------
@@ -900,18 +986,7 @@ def fetch(client: SidecarClient, dest: Path, wanted: list[tuple[Node, Any]]) -> 
             row["path"] = str(target)
             doc = client.artifact(node, artifact_id)
             manifest = doc["manifest"]
-            files = manifest.get("files")
-            if not isinstance(files, list) or len(files) > 10_000:
-                raise NodeFailure("its manifest has no list of files")
-            checked = []
-            for f in files:
-                if not isinstance(f, dict):
-                    raise NodeFailure("its manifest lists a file that is not an object")
-                name = check_file_name(f.get("name"))
-                size, sha = f.get("size"), f.get("sha256")
-                if not isinstance(size, int) or isinstance(size, bool) or size < 0 or not isinstance(sha, str):
-                    raise NodeFailure(f"its manifest gives no size or sha256 for {name}")
-                checked.append((name, size, sha.lower()))
+            checked = _manifest_files(manifest)
             existing = target / "manifest.json"
             if existing.is_file() and _same_manifest(existing, manifest):
                 row["files"] = len(checked)

@@ -108,14 +108,15 @@ class NcclCommand:
             raise
         elapsed = time.monotonic() - t0
         if args.json:
-            # Each rank's dump goes along: `nccl --hosts` analyses the dumps of every node together.
+            # The artifact's id under the store: `nccl --hosts` reads every rank's dump from it
+            # through each node's sidecar and analyses the dumps of all nodes together.
             print_json(
                 {
                     "artifact": str(art.path),
+                    "artifact_id": art.id,
                     "elapsed_s": round(elapsed, 3),
                     "analysis": analysis,
                     "notes": notes,
-                    "dumps": {str(rank): doc for rank, doc in sorted(per_rank.items())},
                 }
             )
         else:

@@ -262,7 +262,8 @@ def test_nccl_over_two_nodes_analyses_every_rank_s_dump_together(nodes, spawn):
         t.ready_pids(timeout=90)
     time.sleep(0.5)
 
-    # WHEN the recorders are collected through both sidecars
+    # WHEN the recorders are collected through both sidecars (each rank's dump read back from
+    # its node's nccl artifact)
     out = dynprof("nccl", "--job", "fan-nccl", "--hosts", nodes["hosts"], "--json", token=nodes["token"])
 
     # THEN one analysis over both nodes names the rank that is missing from the collective
@@ -271,7 +272,7 @@ def test_nccl_over_two_nodes_analyses_every_rank_s_dump_together(nodes, spawn):
     assert doc["ranks"] == {"0": "127.0.0.1", "1": "localhost"}
     (pg,) = doc["analysis"]["process_groups"]
     assert pg["hung"] and pg["waiting"] == [0] and pg["missing"] == [1]
-    assert all("dumps" not in (section or {}) for section in doc["per_node"].values())
+    assert not [n for n in doc["notes"] if "cannot be read" in n]
     assert len(doc["artifacts"]) == 2
 
 

@@ -326,3 +326,27 @@ def test_fetch_of_a_file_longer_than_its_manifest_says_stops_reading(server, tmp
     script.replies = [(200, {}, _manifest(files)), (200, {}, data)]
     (row,) = fetch(SidecarClient(TOKEN, timeout=5), tmp_path / "dest", [(node, "j/h/rank0/trace/a-1")])
     assert "refused" in row["error"] and not list((tmp_path / "dest").rglob("f"))
+
+
+def test_nccl_dumps_are_read_back_from_each_node_s_artifact_checked(server):
+    import hashlib
+
+    from dynprof.cli._many_nodes import _dumps_of
+
+    # GIVEN a node's nccl artifact with one good dump, one that is not JSON, one nested too deep
+    script, node, _ = server
+    good = json.dumps({"dumps": {"nccl": {"entries": []}}}).encode()
+    junk = b"not json"
+    deep = b"[" * 1000 + b"]" * 1000
+    files = [
+        {"name": n, "size": len(d), "sha256": hashlib.sha256(d).hexdigest()}
+        for n, d in (("rank0-pid11.json", good), ("rank1-pid12.json", junk), ("rank2-pid13.json", deep))
+    ] + [{"name": "analysis.txt", "size": 1, "sha256": "0" * 64}]
+    script.replies = [(200, {}, _manifest(files)), (200, {}, good), (200, {}, junk), (200, {}, deep)]
+    notes: list[str] = []
+    # WHEN its dumps are read back
+    dumps = _dumps_of(SidecarClient(TOKEN, timeout=5), node, "j/h/node/nccl/a-1", notes, "node-1")
+    # THEN the good one is taken, the others named, and no other file is asked for
+    assert dumps == [(0, {"dumps": {"nccl": {"entries": []}}})]
+    assert len(notes) == 2 and "rank1-pid12.json" in notes[0] and "rank2-pid13.json" in notes[1]
+    assert len(script.seen) == 4
