@@ -598,6 +598,8 @@ def ls(args: argparse.Namespace, nodes: list[Node]) -> int:
             row["node"] = labels[a.node]
             found.append((a.node, row))
     found.sort(key=lambda nr: str(nr[1].get("created_at") or ""), reverse=True)
+    if args.limit:
+        found = found[: args.limit]  # each node kept its newest; the newest of all remain
     rows = [row for _, row in found]
     fetched = fetch(client, Path(args.fetch), [(n, row.get("id")) for n, row in found]) if args.fetch else None
     code = _with_fetch(exit_code(answers), fetched)
