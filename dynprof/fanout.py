@@ -193,6 +193,8 @@ class SidecarClient:
                     sink.write(chunk)
                 else:
                     got.append(chunk)
+            if resp.length:  # a Content-Length the connection's end fell short of
+                raise NodeFailure(f"the answer of {node} was cut off ({resp.length} bytes missing)", resp.status)
             return resp.status, {k.lower(): v for k, v in resp.getheaders()}, b"".join(got)
         except NodeFailure:
             raise
@@ -220,7 +222,9 @@ class SidecarClient:
         except (http.client.BadStatusLine, http.client.RemoteDisconnected, ConnectionResetError) as exc:
             hint = "" if self.tls is not None else "; if the sidecar serves https, give --cacert"
             raise NodeFailure(f"no HTTP answer from {node} ({type(exc).__name__}){hint}") from None
-        except (http.client.HTTPException, OSError) as exc:
+        except (http.client.HTTPException, ValueError) as exc:
+            raise NodeFailure(f"a malformed HTTP answer from {node}: {type(exc).__name__}: {str(exc)[:200]}") from None
+        except OSError as exc:
             raise NodeFailure(f"connection to {node} failed: {exc}") from None
         finally:
             conn.close()

@@ -59,6 +59,10 @@ def server() -> Iterator[tuple[Script, Node, ThreadingHTTPServer]]:
             if isinstance(reply, float):
                 time.sleep(reply)
                 return
+            if isinstance(reply, bytes):  # a whole answer, as the wire carries it
+                self.wfile.write(reply)
+                self.close_connection = True
+                return
             status, headers, data = reply
             self.send_response(status)
             for k, v in headers.items():
@@ -127,6 +131,10 @@ def test_busy_twice_or_past_the_deadline_is_a_failure(server):
         ((200, {}, json.dumps({**GOOD, "result": json.loads("[" * 200 + "]" * 200)}).encode()), "nested deeper"),
         ((200, {}, b"\xff\xfe not utf-8"), "not valid JSON"),
         ((401, {}, b"[" * 100_000), "401: wrong token"),
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\nxx\r\n", "a malformed HTTP answer"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{}", "was cut off (98 bytes missing)"),
+        (b"SSH-2.0-OpenSSH_9.6\r\n", "no HTTP answer"),
+        (b"HTTP/1.1 200 OK\r\n" + b"X-Long: " + b"a" * 70_000 + b"\r\n\r\n", "a malformed HTTP answer"),
     ],
 )
 def test_refusals_and_garbage_become_reasons(server, reply, reason):
