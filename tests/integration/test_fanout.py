@@ -292,6 +292,13 @@ def test_wrong_or_missing_token_is_refused(nodes, tmp_path):
     assert all(n["error"].startswith("401: wrong token") for n in doc["nodes"])
     assert "401: wrong token" in out.stderr
 
+    # and the right token, with the nodes from a host file, is taken
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("# the job's nodes\n" + "\n".join(f"{n} slots=1" for n in nodes["hosts"].split(",")) + "\n")
+    good = dynprof("ps", "--hostfile", str(hostfile), "--json", token=nodes["token"])
+    assert good.returncode == 0, good.stderr
+    assert [n["ok"] for n in json.loads(good.stdout)["nodes"]] == [True, True]
+
     # and without any token the command does not even ask
     none = dynprof("ps", "--hosts", nodes["hosts"])
     assert none.returncode == 2 and "access token" in none.stderr
