@@ -33,20 +33,15 @@ from dynprof._safe_io import loads_json
 from dynprof.actions import ACTIONS
 from dynprof.cli._common import (
     Progress,
-    bounded_int,
     human_age,
     human_bytes,
-    path_arg,
     print_json,
     printable,
     printable_lines,
-    seconds,
     table,
 )
-from dynprof.discovery import Node, add_node_args, resolve_nodes
+from dynprof.discovery import Node
 from dynprof.fanout import (
-    DEFAULT_MAX_IN_FLIGHT,
-    DEFAULT_NODE_TIMEOUT_S,
     NodeAnswer,
     NodeFailure,
     SidecarClient,
@@ -57,80 +52,6 @@ from dynprof.fanout import (
 
 NODES_FAILED_EXIT = errors.NodesFailed.exit_code
 FETCH_TIMEOUT_S = 600.0
-
-
-def add_many_node_args(parser: argparse.ArgumentParser, fetch: bool = False) -> None:
-    group = parser.add_argument_group("many nodes (through each node's `dynprof serve`; see docs/many-nodes.md)")
-    add_node_args(group)  # type: ignore[arg-type]
-    group.add_argument(
-        "--token-file",
-        type=path_arg,
-        metavar="FILE",
-        help="the sidecars' access token (a file of mode 0600; default $DYNPROF_TOKEN_FILE)",
-    )
-    group.add_argument(
-        "--cacert",
-        type=path_arg,
-        metavar="FILE",
-        help="talk to the sidecars over https, trusting the CA certificates in FILE (PEM)",
-    )
-    group.add_argument(
-        "--node-timeout",
-        type=seconds,
-        default=DEFAULT_NODE_TIMEOUT_S,
-        metavar="SEC",
-        help=f"seconds each node has to answer, beyond the command's own wait (default {DEFAULT_NODE_TIMEOUT_S:g})",
-    )
-    group.add_argument(
-        "--max-in-flight",
-        type=bounded_int(1, 4096),
-        default=DEFAULT_MAX_IN_FLIGHT,
-        metavar="N",
-        help=f"ask at most N nodes at once (default {DEFAULT_MAX_IN_FLIGHT})",
-    )
-    if fetch:
-        group.add_argument(
-            "--fetch",
-            type=path_arg,
-            metavar="DIR",
-            help="copy the artifacts back into DIR (as the store lays them out: job/host/rank/kind/...), "
-            "checking sizes and sha256; default: list them where they are",
-        )
-
-
-def nodes_requested(args: argparse.Namespace) -> list[Node] | None:
-    """The nodes to fan out to, or None to act on this node's agents.
-
-    A command run as a sidecar's action never fans out (one level only), whatever discovery
-    would find; selectors that only make sense on one node (--pid, --attach, --core) keep the
-    command local unless nodes were named explicitly, which is a usage error."""
-    from dynprof.actions import in_action
-
-    if in_action():
-        return None
-    named = bool(getattr(args, "hosts", None) or getattr(args, "hostfile", None))
-    local_only = [
-        flag
-        for flag, value in (
-            ("--pid", getattr(args, "pid", None)),
-            ("--attach", getattr(args, "attach", False)),
-            ("--core", getattr(args, "core", None)),
-        )
-        if value
-    ]
-    if local_only:
-        if named:
-            raise errors.UsageError(
-                f"{local_only[0]} works on this node only: with --hosts, select the ranks by --job (or --all)",
-                help="To attach agents, run `dynprof attach --job JOB` on each node first.",
-            )
-        return None
-    nodes = resolve_nodes(args)
-    if nodes is None:
-        if getattr(args, "fetch", None):
-            raise errors.UsageError("--fetch copies artifacts from other nodes: give --hosts or --hostfile")
-        return None
-    return nodes
 
 
 def client_for(args: argparse.Namespace) -> SidecarClient:

@@ -10,9 +10,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from dynprof.cli import _many_nodes
 from dynprof.cli._common import add_json, bounded_int, human_bytes, print_json, printable, table
-from dynprof.cli._many_nodes import add_many_node_args, nodes_requested
+from dynprof.cli._node_args import add_many_node_args, nodes_requested
 from dynprof.store import ArtifactStore
 
 
@@ -32,6 +31,8 @@ class LsCommand:
     def run(self, args: argparse.Namespace) -> int:
         nodes = nodes_requested(args)
         if nodes is not None:
+            from dynprof.cli import _many_nodes
+
             return _many_nodes.ls(args, nodes)
         store = ArtifactStore()
         arts, bad = store.scan(job=args.job, kind=args.kind)

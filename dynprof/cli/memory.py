@@ -7,7 +7,6 @@ import json
 from typing import Any
 
 from dynprof import errors
-from dynprof.cli import _many_nodes
 from dynprof.cli._common import (
     MAX_HISTORY_EVENTS,
     add_attach_flag,
@@ -21,7 +20,7 @@ from dynprof.cli._common import (
     seconds,
     table,
 )
-from dynprof.cli._many_nodes import add_many_node_args, nodes_requested
+from dynprof.cli._node_args import add_many_node_args, nodes_requested
 from dynprof.client import AgentClient
 from dynprof.proto import pb
 
@@ -64,6 +63,8 @@ class MemoryCommand:
     def run(self, args: argparse.Namespace) -> int:
         nodes = nodes_requested(args)
         if nodes is not None:
+            from dynprof.cli import _many_nodes
+
             return _many_nodes.plain("memory", args, nodes)
         if args.history_start is not None and args.history_start <= 0:
             raise errors.UsageError("--history-start N needs N > 0 events", help="Use --history-stop to stop.")

@@ -19,7 +19,6 @@ import time
 from typing import Any
 
 from dynprof import errors
-from dynprof.cli import _many_nodes
 from dynprof.cli._common import (
     add_attach_flag,
     add_json,
@@ -30,7 +29,7 @@ from dynprof.cli._common import (
     resolve_agents,
     seconds,
 )
-from dynprof.cli._many_nodes import add_many_node_args, nodes_requested
+from dynprof.cli._node_args import add_many_node_args, nodes_requested
 from dynprof.registry import AgentRecord, read_record
 
 
@@ -53,6 +52,8 @@ class NcclCommand:
     def run(self, args: argparse.Namespace) -> int:
         nodes = nodes_requested(args)
         if nodes is not None:
+            from dynprof.cli import _many_nodes
+
             return _many_nodes.nccl(args, nodes)
         from collectors import flight_recorder as fr
         from dynprof.store import ArtifactStore

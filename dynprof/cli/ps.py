@@ -14,9 +14,8 @@ import time
 from typing import Any
 
 from dynprof import errors
-from dynprof.cli import _many_nodes
 from dynprof.cli._common import add_json, human_age, parallel, print_json, printable, seconds, table
-from dynprof.cli._many_nodes import add_many_node_args, nodes_requested
+from dynprof.cli._node_args import add_many_node_args, nodes_requested
 from dynprof.client import AgentClient
 from dynprof.registry import AgentRecord, list_records
 
@@ -84,6 +83,8 @@ class PsCommand:
     def run(self, args: argparse.Namespace) -> int:
         nodes = nodes_requested(args)
         if nodes is not None:
+            from dynprof.cli import _many_nodes
+
             return _many_nodes.ps(args, nodes)
         records = list_records()
         if args.job:

@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from dynprof import errors
-from dynprof.cli import _many_nodes
 from dynprof.cli._common import (
     add_json,
     add_targets,
@@ -34,7 +33,7 @@ from dynprof.cli._common import (
     resolve_agents,
     seconds,
 )
-from dynprof.cli._many_nodes import add_many_node_args, nodes_requested
+from dynprof.cli._node_args import add_many_node_args, nodes_requested
 from dynprof.registry import AgentRecord, read_record
 
 METHODS = ("auto", "py-spy", "pystack", "agent")
@@ -85,6 +84,8 @@ class StacksCommand:
     def run(self, args: argparse.Namespace) -> int:
         nodes = nodes_requested(args)
         if nodes is not None:
+            from dynprof.cli import _many_nodes
+
             return _many_nodes.stacks(args, nodes)
         from collectors import stacks as st
 

@@ -22,7 +22,6 @@ import uuid
 from typing import Any
 
 from dynprof import errors
-from dynprof.cli import _many_nodes
 from dynprof.cli._common import (
     MAX_SECONDS,
     MAX_STEP_NUMBER,
@@ -37,7 +36,7 @@ from dynprof.cli._common import (
     resolve_agents,
     seconds,
 )
-from dynprof.cli._many_nodes import add_many_node_args, nodes_requested
+from dynprof.cli._node_args import add_many_node_args, nodes_requested
 from dynprof.client import AgentClient
 from dynprof.proto import pb
 from dynprof.registry import AgentRecord
@@ -150,6 +149,8 @@ class StartCommand:
     def run(self, args: argparse.Namespace) -> int:
         nodes = nodes_requested(args)
         if nodes is not None:
+            from dynprof.cli import _many_nodes
+
             return _many_nodes.start(args, nodes)
         if args.at_step is not None and args.duration is not None:
             raise errors.UsageError("--at-step applies to step mode, not to --duration")

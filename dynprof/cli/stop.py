@@ -11,7 +11,6 @@ import time
 from typing import Any
 
 from dynprof import errors
-from dynprof.cli import _many_nodes
 from dynprof.cli._common import (
     Progress,
     add_attach_flag,
@@ -22,7 +21,7 @@ from dynprof.cli._common import (
     resolve_agents,
     seconds,
 )
-from dynprof.cli._many_nodes import add_many_node_args, nodes_requested
+from dynprof.cli._node_args import add_many_node_args, nodes_requested
 from dynprof.client import AgentClient
 from dynprof.proto import pb
 
@@ -41,6 +40,8 @@ class StopCommand:
     def run(self, args: argparse.Namespace) -> int:
         nodes = nodes_requested(args)
         if nodes is not None:
+            from dynprof.cli import _many_nodes
+
             return _many_nodes.plain("stop", args, nodes)
         records = resolve_agents(args)
         clients = [AgentClient.for_record(r) for r in records]

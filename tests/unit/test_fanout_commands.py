@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from dynprof.cli import _many_nodes, main
+from dynprof.cli import _many_nodes, _node_args, main
 from dynprof.discovery import Node
 from dynprof.fanout import NodeAnswer
 
@@ -216,7 +216,7 @@ def test_a_sidecar_action_never_fans_out_again(monkeypatch):
 
     monkeypatch.setattr(sys, "stdout", sys.stdout)  # the action's capture wraps them: put them back after
     monkeypatch.setattr(sys, "stderr", sys.stderr)
-    monkeypatch.setattr(_many_nodes, "resolve_nodes", lambda args: [A, B])
+    monkeypatch.setattr(_node_args, "resolve_nodes", lambda args: [A, B])
 
     def no_client(args):
         raise AssertionError("a sidecar's action fanned out")
@@ -233,15 +233,15 @@ def test_one_node_selectors_stay_local_unless_nodes_are_named(monkeypatch):
 
     from dynprof import errors
 
-    monkeypatch.setattr(_many_nodes, "resolve_nodes", lambda args: [A])
+    monkeypatch.setattr(_node_args, "resolve_nodes", lambda args: [A])
     # --pid, --attach, --core with discovered nodes: this node
     for extra in ({"pid": [1]}, {"attach": True}, {"core": "core.1"}):
-        assert _many_nodes.nodes_requested(Namespace(hosts=None, hostfile=None, **extra)) is None
+        assert _node_args.nodes_requested(Namespace(hosts=None, hostfile=None, **extra)) is None
     # named nodes with them: a usage error
     with pytest.raises(errors.UsageError, match="--pid works on this node only"):
-        _many_nodes.nodes_requested(Namespace(hosts="node-a", hostfile=None, pid=[1]))
+        _node_args.nodes_requested(Namespace(hosts="node-a", hostfile=None, pid=[1]))
     # otherwise the nodes found
-    assert _many_nodes.nodes_requested(Namespace(hosts=None, hostfile=None, job="j")) == [A]
+    assert _node_args.nodes_requested(Namespace(hosts=None, hostfile=None, job="j")) == [A]
 
 
 def test_no_wait_returns_once_every_node_is_armed(fake, capsys):
@@ -365,3 +365,19 @@ def test_stacks_of_nodes_without_main_thread_rows_take_the_frames_of_their_group
         ("rank 0 on node-a", "all_reduce"),
         ("rank 1 on node-b", "wait"),
     ]
+
+
+def test_commands_on_this_node_import_no_http_client_and_defaults_agree():
+    import subprocess
+    import sys
+
+    from dynprof import fanout
+
+    assert _node_args.DEFAULT_NODE_TIMEOUT_S == fanout.DEFAULT_NODE_TIMEOUT_S
+    assert _node_args.DEFAULT_MAX_IN_FLIGHT == fanout.DEFAULT_MAX_IN_FLIGHT
+    code = (
+        "import sys; from dynprof.cli import build_parser; build_parser('ps');"
+        "print(sorted(m for m in ('http.client', 'ssl', 'dynprof.fanout', 'dynprof.actions') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
