@@ -333,6 +333,7 @@ def test_ls_over_nodes_lists_and_fetches_artifacts_checked_against_the_manifest(
     for sim, art_id in zip((nodes["a"], nodes["b"]), ids):
         assert (dest / art_id / "notes.txt").read_text() == f"from {sim.name}\n"
         assert json.loads((dest / art_id / "manifest.json").read_text())["host"] == sim.name
+        assert {oct(f.stat().st_mode & 0o777) for f in (dest / art_id).iterdir()} == {"0o600"}
 
     # and fetching again copies nothing twice
     again = dynprof(

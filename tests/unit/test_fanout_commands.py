@@ -164,6 +164,8 @@ GARBAGE: list[Any] = [
 
 
 class GarbageNodes:
+    max_in_flight = 4
+
     def __init__(self, result: Any) -> None:
         self.result = result
 
