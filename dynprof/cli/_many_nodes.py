@@ -338,15 +338,28 @@ def nccl(args: argparse.Namespace, nodes: list[Node]) -> int:
     ids = _artifact_ids(client, args, answers, "nccl")
     per_rank: dict[int, dict[str, Any]] = {}
     where: dict[int, str] = {}
+    readable: list[tuple[NodeAnswer, str]] = []
     for a in answers:
-        label = labels[a.node]
         artifact_id = ids.get(a.node.address)
-        if artifact_id is None:
-            continue
         if isinstance(artifact_id, NodeFailure):
-            notes.append(f"{label}: its dumps cannot be read: {artifact_id.reason}")
-            continue
-        for rank, doc in _dumps_of(client, a.node, artifact_id, notes, label):
+            notes.append(f"{labels[a.node]}: its dumps cannot be read: {artifact_id.reason}")
+        elif artifact_id is not None:
+            readable.append((a, artifact_id))
+    # Each node's dumps are read in turn; the nodes in parallel. Notes are kept per node, in node order.
+    node_notes: list[list[str]] = [[] for _ in readable]
+
+    def read(i: int) -> list[tuple[int, dict[str, Any]]]:
+        a, artifact_id = readable[i]
+        return _dumps_of(client, a.node, artifact_id, node_notes[i], labels[a.node])
+
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=max(1, min(client.max_in_flight, len(readable)))) as pool:
+        dumps = list(pool.map(read, range(len(readable))))
+    for (a, _), found, more in zip(readable, dumps, node_notes):
+        label = labels[a.node]
+        notes.extend(more)
+        for rank, doc in found:
             if rank in per_rank:
                 notes.append(f"rank {rank} dumped on {where[rank]} and on {label}: the one of {where[rank]} kept")
                 continue
