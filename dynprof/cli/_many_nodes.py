@@ -248,6 +248,8 @@ def stacks(args: argparse.Namespace, nodes: list[Node]) -> int:
         print("no process read on any node")
     for who, why in failures.items():
         print(printable_lines(f"FAILED {who}: {why}"))
+    if args.full:
+        print("every process's full dump (all threads) is in its node's stacks artifact: --fetch DIR copies them here")
     _print_artifacts(artifacts, fetched)
     print(f"\n{len(processes)} process(es) read on {sum(a.answered for a in answers)} of {len(nodes)} node(s)")
     return code
