@@ -14,6 +14,9 @@ Files are served only from inside the artifact's directory, never through a link
     GET /api/artifacts?job=&kind=&limit=    JSON, as `dynprof ls --json`
     GET /api/artifacts/<id>                 JSON manifest and rendered summary
     GET /api/artifacts/<id>/files/<name>    a file of the artifact (only files its manifest lists)
+    GET /api/v1/info                        {"api": 1, "dynprof_version", "host", "actions"}
+    POST /api/v1/actions/<name>             {"options": {...}, "timeout": s}: dynprof.actions.run_action
+    GET /api/v1/artifacts/<id>[/files/<n>]  as /api/artifacts/...
 """
 
 from __future__ import annotations
@@ -32,10 +35,13 @@ from urllib.parse import quote, urlsplit
 from flask import Flask, Response, abort, jsonify, request, send_file
 from werkzeug.exceptions import HTTPException
 
+from dynprof import __version__
+from dynprof.actions import ACTIONS, API_VERSION, ActionError, run_action
 from dynprof.cli._common import human_age, human_bytes
 from dynprof.cli.ps import agent_rows
 from dynprof.cli.show import render, render_html
 from dynprof.errors import ArtifactError
+from dynprof.identity import detect
 from dynprof.registry import list_records
 from dynprof.store import Artifact, ArtifactStore
 
@@ -237,6 +243,29 @@ def create_app(store: ArtifactStore | None = None, token: str | None = None, hos
         art = _get(artifact_id)
         summary, text = render(art)
         return jsonify({"id": art.id, "manifest": art.manifest, "contents": summary, "text": text})
+
+    app.add_url_rule("/api/v1/artifacts/<path:artifact_id>/files/<name>", "api_v1_file", api_file)
+    app.add_url_rule("/api/v1/artifacts/<path:artifact_id>", "api_v1_artifact", api_artifact)
+
+    @app.get("/api/v1/info")
+    def api_v1_info() -> Response:
+        return jsonify(
+            {"api": API_VERSION, "dynprof_version": __version__, "host": detect().host, "actions": sorted(ACTIONS)}
+        )
+
+    @app.post("/api/v1/actions/<name>")
+    def api_v1_action(name: str) -> tuple[Response, int]:
+        body = request.get_json(silent=True)
+        timeout = body.get("timeout") if isinstance(body, dict) else None
+        if not isinstance(body, dict) or (
+            timeout is not None
+            and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= 86400)
+        ):
+            return jsonify({"error": 'the body must be {"options": {...}, "timeout": seconds}', "code": 400}), 400
+        try:
+            return jsonify(run_action(name, body.get("options") or {}, timeout)), 200
+        except ActionError as exc:
+            return jsonify({"error": str(exc), "code": 400}), 400
 
     @app.get("/")
     def index() -> str:

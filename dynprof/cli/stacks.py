@@ -36,6 +36,7 @@ from dynprof.cli._common import (
     resolve_agents,
     seconds,
 )
+from dynprof.cli._node_args import add_many_node_args, nodes_requested
 from dynprof.registry import AgentRecord, read_record
 
 METHODS = ("auto", "py-spy", "pystack", "agent")
@@ -123,9 +124,15 @@ class StacksCommand:
         parser.add_argument("--no-save", action="store_true", help="print only; do not save an artifact")
         parser.add_argument("--full", action="store_true", help="also print every process's dump, all threads")
         add_json(parser)
+        add_many_node_args(parser, fetch=True)
 
     # -- entry ---------------------------------------------------------------------------------
     def run(self, args: argparse.Namespace) -> int:
+        nodes = nodes_requested(args)
+        if nodes is not None:
+            from dynprof.cli import _many_nodes
+
+            return _many_nodes.stacks(args, nodes)
         from collectors import stacks as st
 
         if args.merge:
