@@ -128,6 +128,8 @@ class StacksCommand:
 
     # -- entry ---------------------------------------------------------------------------------
     def run(self, args: argparse.Namespace) -> int:
+        if args.merge:
+            return self._merge(args)
         nodes = nodes_requested(args)
         if nodes is not None:
             from dynprof.cli import _many_nodes
@@ -135,8 +137,6 @@ class StacksCommand:
             return _many_nodes.stacks(args, nodes)
         from collectors import stacks as st
 
-        if args.merge:
-            return self._merge(args)
         chosen = [x for x in (args.pid, args.job, args.all, args.core) if x]
         if len(chosen) != 1:
             raise errors.UsageError(
@@ -330,8 +330,11 @@ class StacksCommand:
         ``dynprof stacks --job J --json > stacks.$(hostname).json``)."""
         from collectors import stacks as st
 
-        if args.pid or args.job or args.all or args.core:
-            raise errors.UsageError("--merge reads files: it does not go with --pid, --job, --all or --core")
+        node_options = args.hosts is not None or args.hostfile or args.slurm is not None or args.discover
+        if args.pid or args.job or args.all or args.core or node_options:
+            raise errors.UsageError(
+                "--merge reads files: it does not go with --pid, --job, --all, --core or the node options"
+            )
         t0 = time.monotonic()
         results: list[Any] = []
         hosts: list[str | None] = []

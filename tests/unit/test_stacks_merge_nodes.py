@@ -165,3 +165,5 @@ def test_merge_command_refusals(tmp_path: Path, capsys: Any) -> None:
     assert "no stacks to merge: none of the 1 file(s) could be read" in err
     assert main(["stacks", "--merge", str(bad), "--job", "J"]) == 2
     assert "--merge reads files" in capsys.readouterr().err
+    assert main(["stacks", "--merge", str(bad), "--hosts", "a,b"]) == 2
+    assert "--merge reads files" in capsys.readouterr().err
