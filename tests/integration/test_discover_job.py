@@ -16,6 +16,7 @@ import pytest
 pytest.importorskip("torch")
 
 TRAIN = "tests/integration/programs/train_program.py"
+HANG = "tests/integration/programs/hang_program.py"
 
 
 def _free_port() -> str:
@@ -154,3 +155,88 @@ def test_a_stopped_rank_does_not_delay_discovery(spawn: Any, cli: Any, node_dirs
     assert data["asked_pid"] == pids[1]
     assert [r["rank"] for r in data["ranks"]] == [0, 1]
     assert elapsed < 5.0
+
+
+def test_a_job_level_command_reaches_every_discovered_node(spawn: Any, cli: Any, tmp_path: Path) -> None:
+    import os
+    import shutil
+    import subprocess
+
+    # GIVEN two simulated nodes, each a sidecar on a loopback port with its own run directory,
+    # and a 2-rank gloo job split over them whose ranks name their node's sidecar
+    token = tmp_path / "token"
+    token.write_text("discover-test-token-0123456789\n")
+    token.chmod(0o600)
+    sidecars: list[subprocess.Popen[bytes]] = []
+    run_dirs = [Path(tempfile.mkdtemp(prefix="dpx-", dir="/tmp")) for _ in range(2)]
+    try:
+        addresses = []
+        for i, run_dir in enumerate(run_dirs):
+            port = _free_port()
+            env = {**os.environ, "DYNPROF_RUN_DIR": str(run_dir), "DYNPROF_HOST": f"node-{i}"}
+            env["DYNPROF_ARTIFACT_DIR"] = str(tmp_path / f"store-{i}")
+            sidecars.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "dynprof", "serve", "--port", port, "--token-file", str(token)],
+                    env=env,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                    start_new_session=True,
+                )
+            )
+            addresses.append(f"127.0.0.1:{port}")
+        for address in addresses:
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    socket.create_connection(("127.0.0.1", int(address.split(":")[1])), timeout=1).close()
+                    break
+                except OSError:
+                    assert time.monotonic() < deadline, f"no sidecar on {address}"
+                    time.sleep(0.1)
+        master = _free_port()
+        ranks = []
+        for rank in (0, 1):
+            env = {
+                "RANK": str(rank),
+                "WORLD_SIZE": "2",
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": master,
+                "DYNPROF_JOB_ID": "e2e",
+                "DYNPROF_RUN_DIR": str(run_dirs[rank]),
+                "DYNPROF_HOST": f"node-{rank}",
+                "DYNPROF_SIDECAR": addresses[rank],
+            }
+            args = ["-m", "dynprof", "run", "-q", "--", sys.executable, HANG, "--hold", "sleep", "--seconds", "90"]
+            ranks.append(spawn(args, under_run=False, env=env))
+        for target in ranks:
+            target.ready_pids(timeout=90)
+        time.sleep(0.5)
+        # WHEN, on node 0, the stacks of the whole job are asked for with --discover
+        out = cli(
+            "stacks",
+            "--job",
+            "e2e",
+            "--discover",
+            "--json",
+            "--no-save",
+            env={"DYNPROF_RUN_DIR": str(run_dirs[0]), "DYNPROF_TOKEN_FILE": str(token)},
+        )
+        # THEN both nodes are reached through their sidecars, and each rank is named where it waits
+        assert out.returncode == 0, out.stderr
+        data = json.loads(out.stdout)
+        assert sorted((p["rank"], p["host"]) for p in data["processes"]) == [(0, "node-0"), (1, "node-1")]
+        headlines = {tuple(g["ranks"]): g["headline"] for g in data["groups"]}
+        assert headlines[(0,)].startswith("in all_reduce")
+        assert headlines[(1,)].startswith("in wait_for_data")
+        assert sorted(n["node"] for n in data["nodes"]) == sorted(addresses)
+    finally:
+        for proc in sidecars:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+        for d in run_dirs:
+            shutil.rmtree(d, ignore_errors=True)
