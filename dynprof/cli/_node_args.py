@@ -66,7 +66,12 @@ def nodes_requested(args: argparse.Namespace) -> list[Node] | None:
     actions = sys.modules.get("dynprof.actions")  # not imported: not a sidecar's action
     if actions is not None and actions.in_action():
         return None
-    named = bool(getattr(args, "hosts", None) or getattr(args, "hostfile", None))
+    named = bool(
+        getattr(args, "hosts", None)
+        or getattr(args, "hostfile", None)
+        or getattr(args, "slurm", None) is not None
+        or getattr(args, "discover", False)
+    )
     local_only = [
         flag
         for flag, value in (

@@ -219,3 +219,10 @@ def test_scontrol_show_hostnames_for_lists_this_parser_refuses(monkeypatch: pyte
     # and a job id that only looks numeric in Unicode is refused
     with pytest.raises(errors.UsageError, match="not a Slurm job id"):
         discovery.slurm_hosts("\u0661\u0662", {})
+
+
+def test_one_node_selectors_with_discovered_nodes_are_refused(monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
+    # --pid means a process of this node: with nodes from Slurm it is a usage error, not ignored
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "n[1-2]")
+    assert main(["stacks", "--pid", "1", "--slurm"]) == 2
+    assert "--pid works on this node only" in capsys.readouterr().err
