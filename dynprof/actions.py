@@ -11,6 +11,12 @@ that thread alone (and for the threads it starts through :func:`dynprof.cli._com
 so concurrent actions never mix their output. ``healthcheck`` runs in a child process: it drives
 the GPUs and must not leave CUDA state in the sidecar.
 
+Every action has a hard time limit: the command's own ``--timeout`` (capped per action), plus a
+grace period. A child process still running past it is killed with its whole process group; a
+command running in this process cannot be killed, so its caller is answered (exit code 9, timed
+out) and the command keeps its slot of :class:`ActionSlots` until it ends, so a stuck command
+can never let more than ``max_actions`` run at once.
+
     >>> run_action("ps", {"job": "j1"})["result"]["agents"]      # doctest: +SKIP
 """
 
@@ -19,7 +25,9 @@ from __future__ import annotations
 import contextvars
 import io
 import json
+import math
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -50,7 +58,8 @@ class Action:
     default_timeout_s: float = 60.0
     max_timeout_s: float = 3600.0
     in_subprocess: bool = False
-    changes_jobs: bool = False  # acts on a job (a trace, a snapshot): needs a POST
+    changes_jobs: bool = False  # acts on a job (a trace, a snapshot): refused by a read-only sidecar
+    own_default_timeout: bool = True  # the command's --timeout has a default of its own
 
 
 def _opts(**kinds: str) -> dict[str, Option]:
@@ -90,6 +99,7 @@ ACTIONS: dict[str, Action] = {
         600.0,
         3600.0,
         changes_jobs=True,
+        own_default_timeout=False,
     ),
     "stop": Action(
         "stop", _opts(**_TARGETS, no_wait="bool", timeout="float"), "timeout", 120.0, 3600.0, changes_jobs=True
@@ -124,6 +134,39 @@ ACTIONS: dict[str, Action] = {
 
 class ActionError(Exception):
     """A request the sidecar refuses before running anything (HTTP 400)."""
+
+
+class ActionsBusy(Exception):
+    """Every action slot is taken (HTTP 429)."""
+
+
+class ActionSlots:
+    """At most ``limit`` actions at once; one more is refused at once, never queued (a queue of
+    requests behind a hung rank's stacks would only grow)."""
+
+    def __init__(self, limit: int) -> None:
+        if limit < 1:
+            raise ValueError("at least one action slot")
+        self.limit = limit
+        self._sem = threading.BoundedSemaphore(limit)
+
+    def run(self, name: str, params: dict[str, Any] | None = None, timeout: float | None = None) -> dict[str, Any]:
+        """:func:`run_action` in a free slot; :class:`ActionsBusy` when there is none. The
+        request is checked first, so a bad one is refused (ActionError) even when all are busy."""
+        argv_for(name, dict(params or {}))
+        if not self._sem.acquire(blocking=False):
+            raise ActionsBusy(f"all {self.limit} action slots are busy")
+        return run_action(name, params, timeout, release=self._sem.release)
+
+
+def effective_timeout(name: str, timeout: float | None) -> float:
+    """The seconds an action may take: ``timeout`` (default per action) capped per action."""
+    action = ACTIONS[name]
+    if timeout is None:
+        return action.default_timeout_s
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout) or timeout <= 0:
+        raise ActionError("timeout must be a positive number of seconds")
+    return float(min(timeout, action.max_timeout_s))
 
 
 def argv_for(name: str, params: dict[str, Any]) -> list[str]:
@@ -180,28 +223,52 @@ def _flag(opt: Option, key: str, value: Any) -> list[str]:
     return [f"{opt.flag}={text}"]  # one argument: a value can never be read as another flag
 
 
-def run_action(name: str, params: dict[str, Any] | None = None, timeout: float | None = None) -> dict[str, Any]:
+def run_action(
+    name: str,
+    params: dict[str, Any] | None = None,
+    timeout: float | None = None,
+    release: Any = None,
+) -> dict[str, Any]:
     """Run one action and return the sidecar's answer::
 
         {"api": 1, "action": "ps", "host": "node-3", "exit_code": 0,
          "result": <what `dynprof ps --json` prints, or null>, "messages": [stderr lines],
          "elapsed_s": 0.12}
 
-    ``exit_code`` is the CLI's. ``timeout`` (seconds) bounds the whole action: commands that
-    take a ``--timeout`` get it (when the caller did not set one), and a child process is killed
-    past it."""
-    params = dict(params or {})
-    action = ACTIONS.get(name)
-    if action is None:
-        raise ActionError(f"unknown action {name!r}; known: {', '.join(sorted(ACTIONS))}")
-    if timeout is not None and action.timeout_option and action.timeout_option not in params:
-        params[action.timeout_option] = float(min(timeout, action.max_timeout_s))
-    argv = argv_for(name, params)
+    ``exit_code`` is the CLI's (9 when the action ran past its hard limit). ``timeout``
+    (seconds) bounds the whole action: commands that take a ``--timeout`` get it (when the
+    caller did not set one; an own ``--timeout`` is capped the same way), a child process is
+    killed past it, and an in-process command's caller stops waiting past it plus a grace
+    period. ``release`` is called once the command has really ended (its slot)."""
+    try:
+        params = dict(params or {})
+        action = ACTIONS.get(name)
+        if action is None:
+            raise ActionError(f"unknown action {name!r}; known: {', '.join(sorted(ACTIONS))}")
+        limit = effective_timeout(name, timeout)
+        if action.timeout_option:
+            own = params.get(action.timeout_option)
+            if own is None:
+                # the command's own default stands, unless the caller set a limit or it has none
+                if timeout is not None or not action.own_default_timeout:
+                    params[action.timeout_option] = limit
+            elif not isinstance(own, bool) and isinstance(own, (int, float)):
+                params[action.timeout_option] = effective_timeout(name, own)
+                limit = max(limit, params[action.timeout_option])
+        argv = argv_for(name, params)
+    except BaseException:
+        if release is not None:
+            release()
+        raise
     started = time.monotonic()
     if action.in_subprocess:
-        code, out, err = _run_child(argv, min(timeout or action.default_timeout_s, action.max_timeout_s))
+        try:
+            code, out, err = _run_child(argv, limit)
+        finally:
+            if release is not None:
+                release()
     else:
-        code, out, err = run_captured(argv)
+        code, out, err = _run_bounded(argv, limit + SUBPROCESS_GRACE_S, release)
     result: Any = None
     if out.strip():
         try:
@@ -298,20 +365,66 @@ def run_captured(argv: list[str]) -> tuple[int, str, str]:
     return code, out.getvalue(), err.getvalue()
 
 
+def _run_bounded(argv: list[str], limit: float, release: Any) -> tuple[int, str, str]:
+    """:func:`run_captured` on a thread of its own, waited for at most ``limit`` seconds."""
+    box: list[tuple[int, str, str]] = []
+    ctx = contextvars.copy_context()
+
+    def body() -> None:
+        try:
+            box.append(ctx.run(run_captured, argv))
+        finally:
+            if release is not None:
+                release()
+
+    worker = threading.Thread(target=body, name=f"dynprof-action-{argv[0]}", daemon=True)
+    worker.start()
+    worker.join(limit)
+    if box:
+        return box[0]
+    return (
+        9,
+        "",
+        f"dynprof: {argv[0]} ran past {limit:g} s; its answer was abandoned (it keeps its action slot until it ends)\n",
+    )
+
+
 def _run_child(argv: list[str], timeout: float) -> tuple[int, str, str]:
+    """``python -m dynprof ARGV`` in a new session; past ``timeout`` plus the grace period, the
+    whole process group is killed (a healthcheck's own workers too), not just the child."""
     env = dict(os.environ)
     env.pop("DYNPROF", None)  # the child is a tool, not a job: no agent in it
+    limit = timeout + SUBPROCESS_GRACE_S
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dynprof", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        errors="replace",
+        env=env,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
-        proc = subprocess.run(
-            [sys.executable, "-m", "dynprof", *argv],
-            capture_output=True,
-            text=True,
-            errors="replace",
-            timeout=timeout + SUBPROCESS_GRACE_S,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
+        out, err = proc.communicate(timeout=limit)
     except subprocess.TimeoutExpired:
-        return 9, "", f"dynprof: {argv[0]} ran past {timeout + SUBPROCESS_GRACE_S:g} s and was killed\n"
-    return proc.returncode, proc.stdout[:MAX_OUTPUT_BYTES], proc.stderr[-65536:]
+        _kill_group(proc)
+        proc.communicate()
+        return 9, "", f"dynprof: {argv[0]} ran past {limit:g} s; it and its process group were killed\n"
+    except BaseException:
+        _kill_group(proc)
+        proc.wait()
+        raise
+    finally:
+        if proc.poll() is None:  # pragma: no cover - communicate() returned with the child alive
+            _kill_group(proc)
+            proc.wait()
+    _kill_group(proc)  # workers the child left behind in its group
+    return proc.returncode, out[:MAX_OUTPUT_BYTES], err[-65536:]
+
+
+def _kill_group(proc: subprocess.Popen[str]) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
