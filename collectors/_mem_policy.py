@@ -6,6 +6,9 @@ A policy says what PyTorch's caching allocator records for the memory snapshot:
 ``N``              the last N allocator events, each with its Python stack (``python:N``)
 ``all-stacks[:N]`` the same with C++ frames too (``all:N``); much slower to record and to dump
 ``state``          Python stacks of the blocks alive now, no event history (``state``)
+``auto[:B%]``      the default: recording with Python stacks only as much of the time as keeps
+                   its estimated step-time cost under B % (0.5 % unless given); see
+                   :mod:`dynprof.agent._mem_auto`
 
 The default (:data:`DEFAULT_POLICY`) is chosen from the step-time figures that
 ``scripts/bench_memory_history.py`` measures; docs/memory.md quotes them.
@@ -30,9 +33,10 @@ class PolicyError(ValueError):
 
 @dataclass(frozen=True)
 class HistoryPolicy:
-    mode: str  # "off", "all" (event history + live stacks) or "state" (live stacks only)
+    mode: str  # "off", "all" (event history + live stacks), "state" (live stacks only), "auto"
     stacks: str = "python"  # "python" or "all" (with C++ frames)
     max_entries: int = DEFAULT_MAX_ENTRIES
+    budget: float = 0.0  # auto: the step-time fraction recording may cost
 
     @property
     def enabled(self) -> bool:
@@ -42,21 +46,39 @@ class HistoryPolicy:
         """The name shown in ``Status.memory_history`` and artifact manifests."""
         if self.mode == "off":
             return "off"
+        if self.mode == "auto":
+            return "auto" if self.budget == DEFAULT_BUDGET else f"auto:{self.budget * 100:g}%"
         if self.mode == "state":
             return "state" if self.stacks == "python" else "state:all"
         return f"{self.stacks}:{self.max_entries}"
 
     def to_dict(self) -> dict[str, Any]:
-        return {"policy": self.describe(), "mode": self.mode, "stacks": self.stacks, "max_entries": self.max_entries}
+        d: dict[str, Any] = {
+            "policy": self.describe(),
+            "mode": self.mode,
+            "stacks": self.stacks,
+            "max_entries": self.max_entries,
+        }
+        if self.mode == "auto":
+            d["budget"] = self.budget
+        return d
 
 
+DEFAULT_BUDGET = 0.005
+MAX_BUDGET = 0.5
 OFF = HistoryPolicy("off")
-DEFAULT_POLICY = HistoryPolicy("all", "python", DEFAULT_MAX_ENTRIES)
+AUTO = HistoryPolicy("auto", "python", DEFAULT_MAX_ENTRIES, DEFAULT_BUDGET)
+DEFAULT_POLICY = AUTO
+# What `auto` records while it records: the allocator's events, and the Python stack of each
+# allocation (not of each free: half the cost, and the stacks of live blocks are what an OOM
+# report needs).
+WINDOW_POLICY = HistoryPolicy("window", "python", DEFAULT_MAX_ENTRIES)
 
 
 def parse_policy(text: str | None, default: HistoryPolicy = DEFAULT_POLICY) -> HistoryPolicy:
-    """Parse ``off``, ``N``, ``all-stacks``, ``all-stacks:N``, ``state`` (and the names
-    :meth:`HistoryPolicy.describe` gives: ``python:N``, ``all:N``). Empty means ``default``."""
+    """Parse ``off``, ``auto``, ``auto:B%``, ``N``, ``all-stacks``, ``all-stacks:N``, ``state``
+    (and the names :meth:`HistoryPolicy.describe` gives: ``python:N``, ``all:N``). Empty means
+    ``default``."""
     if text is None or not text.strip():
         return default
     value = text.strip().lower()
@@ -64,6 +86,12 @@ def parse_policy(text: str | None, default: HistoryPolicy = DEFAULT_POLICY) -> H
         return OFF
     if value in ("default", "on"):
         return default
+    if value == "auto":
+        return AUTO
+    if value == "window":  # what auto records in its windows, all the time (for benchmarks)
+        return WINDOW_POLICY
+    if value.startswith("auto:"):
+        return HistoryPolicy("auto", "python", DEFAULT_MAX_ENTRIES, _parse_budget(text.strip()[5:]))
     if value == "state":
         return HistoryPolicy("state", "python", 0)
     if value in ("state:all", "state-all-stacks"):
@@ -87,6 +115,17 @@ def parse_policy(text: str | None, default: HistoryPolicy = DEFAULT_POLICY) -> H
     return HistoryPolicy("all", stacks, entries)
 
 
+def _parse_budget(text: str) -> float:
+    raw = text.strip().rstrip("%").strip()
+    try:
+        percent = float(raw)
+    except ValueError:
+        raise PolicyError(f"auto:{text}: the budget is a percentage of step time, e.g. auto:0.5%") from None
+    if not 0 < percent <= MAX_BUDGET * 100 or percent != percent:
+        raise PolicyError(f"auto:{text}: the budget must be above 0 % and at most {MAX_BUDGET * 100:g} %")
+    return percent / 100
+
+
 def apply(policy: HistoryPolicy, clear: bool = False) -> None:
     """Start (or stop) recording in this process. Only call once CUDA is initialised:
     the allocator's recording functions do not initialise CUDA themselves, but their
@@ -94,8 +133,11 @@ def apply(policy: HistoryPolicy, clear: bool = False) -> None:
     import torch
 
     record = torch.cuda.memory._record_memory_history
-    if not policy.enabled:
+    if not policy.enabled or policy.mode == "auto":  # auto's recording is its controller's
         record(enabled=None)
+        return
+    if policy.mode == "window":
+        record(enabled="all", context="alloc", stacks=policy.stacks, max_entries=policy.max_entries)
         return
     kwargs: dict[str, Any] = {
         "enabled": "all" if policy.mode == "all" else "state",

@@ -506,15 +506,19 @@ def capture(
     oom: dict[str, Any] | None = None,
     stack: str = "",
     options: dict[str, Any] | None = None,
+    attribution: dict[str, Any] | None = None,
 ) -> Any:
     """Take the snapshot now and write one ``memory`` artifact; return the finished Artifact.
 
     ``oom`` carries what the allocator's out-of-memory observer passed: ``device``,
     ``requested_bytes`` (the cudaMalloc it could not make), ``device_limit_bytes`` (the
     device's memory, or the cap set with set_per_process_memory_fraction) and
-    ``device_free_bytes``.
+    ``device_free_bytes``. ``attribution`` is what :func:`collectors._mem_advice.job_attribution`
+    found in the job's objects (parameters, gradients, optimizer state, the failing frames' tensors).
     """
     import torch
+
+    from collectors import _mem_advice
 
     t0 = time.perf_counter()
     snapshot = torch.cuda.memory._snapshot()
@@ -585,7 +589,11 @@ def capture(
             torch_version=getattr(torch, "__version__", None),
             failing_allocation=failing,
             device_memory=live,
+            size_classes=_mem_advice.size_classes(snapshot),
         )
+        if attribution is not None:
+            summary["attribution"] = attribution
+        summary["advice"] = _mem_advice.advise(summary)
         t_summary = time.perf_counter() - t2
         writer.write_text(MEMORY_SUMMARY_FILE, "\n".join(texts))
         writer.write_text(STACK_FILE, stack or "(no stack)\n")
@@ -620,6 +628,7 @@ def manifest_summary(summary: dict[str, Any]) -> dict[str, Any]:
         "top_site_bytes": top["bytes"] if top else None,
         "capture_s": (summary.get("capture") or {}).get("total_s"),
         "pickle_bytes": (summary.get("capture") or {}).get("pickle_bytes"),
+        "advice": [a.get("rule") for a in summary.get("advice") or [] if isinstance(a, dict)],
     }
 
 
@@ -684,6 +693,33 @@ def format_summary(summary: dict[str, Any], top: int = 10) -> str:
         lines.append("largest live blocks:")
         for b in largest[:top]:
             lines.append(f"  {_b(b['size']):>11}  cuda:{b['device']} {b['address']}  {b.get('site') or NO_STACK}")
+    if not summary.get("stacks_recorded") and summary.get("size_classes"):
+        lines.append("")
+        lines.append("blocks by pool and size class (no stacks recorded):")
+        for r in summary["size_classes"]:
+            if r["state"] == "allocated":
+                lines.append(
+                    f"  cuda:{r['device']} {r['pool']:<5} {r['size_class']:<14} {r['blocks']:>7} blocks {_b(r['bytes']):>11}"
+                )
+    att = summary.get("attribution")
+    if isinstance(att, dict):
+        lines.append("")
+        lines.append(
+            f"held by the job's objects: parameters {_b(att.get('parameters_bytes'))}, gradients "
+            f"{_b(att.get('gradients_bytes'))}, optimizer state {_b(att.get('optimizer_state_bytes'))} "
+            f"({att.get('optimizers', 0)} optimizers); tensors in the failing frames {_b(att.get('frame_tensors_bytes'))}"
+        )
+        for t in (att.get("frame_tensors") or [])[:5]:
+            lines.append(
+                f"  {_b(t.get('bytes')):>11}  {t.get('name')} {t.get('dtype')}{t.get('shape')}  in {t.get('frame')}"
+            )
+    advice = summary.get("advice") or []
+    if advice:
+        lines.append("")
+        lines.append("advice:")
+        for a in advice:
+            lines.append(f"  [{a.get('rule')}] {a.get('reason')}")
+            lines.append(f"      -> {a.get('advice')}")
     hist = summary.get("history") or []
     lines.append("")
     if hist:

@@ -1,19 +1,22 @@
 #!/usr/bin/env python3
 """Step-time cost of each CUDA memory-history policy, against no recording, from one run.
 
-Runs one training loop on one GPU and, in interleaved rounds (off, A, B, ..., off, A, B, ...),
-switches PyTorch's allocator history with dynprof's own policy code
-(collectors._mem_policy.apply), times --steps steps after --warmup steps, and prints each
-policy's median step time as a ratio to ``off``. Then, for each policy, it fills the history
-and times what a snapshot costs (``_snapshot()`` and writing the pickle): what an OOM capture
-pays.
+Runs training loops on one GPU and, in interleaved rounds (off, A, B, ..., off, A, B, ...),
+switches PyTorch's allocator history with dynprof's own code (collectors._mem_policy.apply for
+fixed policies; for ``auto``, the agent's controller thread, dynprof.agent._mem_auto), runs
+--warmup-seconds of untimed steps, then times --seconds of steps. It prints each policy's MEAN
+step time (a windowed policy slows a few steps a lot: a median would hide it) as a ratio to
+``off``, and the per-round paired ratios (round i of a policy / round i of off) with their
+spread. Then, for each policy, it fills the history and times what a snapshot costs.
 
-    python scripts/bench_memory_history.py                      # all policies, both workloads
-    python scripts/bench_memory_history.py --policies off,100000 --workloads small
+    python scripts/bench_memory_history.py                      # all policies, all workloads
+    python scripts/bench_memory_history.py --policies off,auto --workloads launch
 
-Workloads: ``small`` is allocation-heavy (a 12-layer MLP on a small batch: a few ms a step,
-hundreds of allocator events a step, the worst case for recording); ``medium`` is a wider
-model on a bigger batch (tens of ms a step).
+``off`` is the plain loop: nothing records (the OOM observer, which runs only at an OOM, costs
+nothing until then and is not attached here). Workloads: ``launch`` is launch-bound (tiny
+layers: ~5 ms steps of kernel launches and ~1 000+ allocator events, the worst case for
+recording); ``small`` is allocation-heavy (a 12-layer MLP on a small batch); ``gpu`` is
+GPU-bound (a wider model on a bigger batch, tens of ms a step).
 """
 
 from __future__ import annotations
@@ -34,8 +37,9 @@ from collectors._mem_policy import apply, parse_policy
 
 WORKLOADS = {
     # name: (layers, width, hidden, batch tokens)
+    "launch": (24, 128, 256, 64),
     "small": (12, 1024, 4096, 2048),
-    "medium": (8, 2048, 8192, 8192),
+    "gpu": (8, 2048, 8192, 8192),
 }
 
 
@@ -55,6 +59,43 @@ def build(workload: str, device: object) -> tuple[object, object, object]:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)  # per-parameter steps: more allocations
     x = torch.randn(tokens, width, device=device, dtype=torch.bfloat16)
     return model, opt, x
+
+
+def run_for(model: object, opt: object, x: object, seconds: float) -> list[float]:
+    times: list[float] = []
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        times += run_steps(model, opt, x, 5)
+    return times
+
+
+class Recording:
+    """One policy's recording, started and stopped around a round."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.policy = parse_policy(name)
+        self.auto: object = None
+
+    def start(self) -> None:
+        if self.policy.mode == "auto":
+            from dynprof.agent._mem_auto import AutoHistory
+
+            self.auto = AutoHistory(self.policy.budget)
+            self.auto.start()  # type: ignore[attr-defined]
+        else:
+            apply(self.policy, clear=True)
+
+    def stop(self) -> None:
+        if self.auto is not None:
+            self.auto.stop()  # type: ignore[attr-defined]
+        apply(parse_policy("off"))
+
+    def describe(self) -> str:
+        if self.auto is not None and getattr(self.auto, "plan", None) is not None:
+            plan = self.auto.plan  # type: ignore[attr-defined]
+            return f"{plan.recording}, duty {plan.duty * 100:.3g} %, est. full cost {plan.estimated_cost * 100:.3g} %"
+        return self.policy.describe()
 
 
 def run_steps(model: object, opt: object, x: object, n: int) -> list[float]:
@@ -96,12 +137,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
         "--policies",
-        default="off,100000,state,all-stacks:100000",
-        help="comma-separated policies (as for --memory-history); off is always the baseline",
+        default="off,auto,window,100000,state",
+        help="comma-separated policies (as for --memory-history, plus 'window': auto's recording mode "
+        "all the time); off is always the baseline",
     )
-    parser.add_argument("--workloads", default="small,medium")
-    parser.add_argument("--steps", type=int, default=30, help="timed steps per round")
-    parser.add_argument("--warmup", type=int, default=8, help="untimed steps after each switch")
+    parser.add_argument("--workloads", default="launch,small,gpu")
+    parser.add_argument("--seconds", type=float, default=3.0, help="timed seconds per round")
+    parser.add_argument("--warmup-seconds", type=float, default=1.0, help="untimed seconds after each switch")
+    parser.add_argument("--warmup", type=int, default=8, help="untimed steps before the first round")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--no-dump", action="store_true", help="skip the snapshot-cost measurement")
     parser.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
@@ -116,11 +159,12 @@ def main(argv: list[str] | None = None) -> int:
     if "off" not in names:
         names.insert(0, "off")
     policies = {n: parse_policy(n) for n in names}
+    recordings = {n: Recording(n) for n in names}
     device = torch.device("cuda")
     report: dict[str, object] = {
         "torch": torch.__version__,
         "gpu": torch.cuda.get_device_name(device),
-        "steps": args.steps,
+        "seconds": args.seconds,
         "rounds": args.rounds,
         "workloads": {},
     }
@@ -132,37 +176,50 @@ def main(argv: list[str] | None = None) -> int:
         apply(parse_policy("1000000"), clear=True)
         run_steps(model, opt, x, 1)
         events_per_step = sum(len(t) for t in torch.cuda.memory._snapshot()["device_traces"])
-        medians: dict[str, list[float]] = {n: [] for n in names}
+        means: dict[str, list[float]] = {n: [] for n in names}
+        plans: dict[str, str] = {}
         for _ in range(args.rounds):
             for name in names:
-                apply(policies[name], clear=True)
-                run_steps(model, opt, x, args.warmup)
-                medians[name].append(statistics.median(run_steps(model, opt, x, args.steps)))
+                rec = recordings[name]
+                rec.start()
+                try:
+                    run_for(model, opt, x, args.warmup_seconds)
+                    times = run_for(model, opt, x, args.seconds)
+                    plans[name] = rec.describe()
+                finally:
+                    rec.stop()
+                means[name].append(statistics.fmean(times))
         apply(policies["off"])
-        base = statistics.median(medians["off"])
+        base = statistics.median(means["off"])
         rows: dict[str, dict[str, object]] = {}
         print(
             f"\n== workload {workload}: {WORKLOADS[workload]} (layers, width, hidden, tokens); "
             f"{events_per_step} allocator events per step; {torch.cuda.get_device_name(device)}, "
             f"torch {torch.__version__}"
         )
-        print(f"{'policy':<22} {'median step ms':>15} {'ratio vs off':>13}   round medians (ms)")
+        print(f"{'policy':<16} {'mean step ms':>13} {'ratio vs off':>13} {'paired min-max':>16}   what it recorded")
         for name in names:
-            med = statistics.median(medians[name])
+            med = statistics.median(means[name])
+            paired = [m / b for m, b in zip(means[name], means["off"])]
             rows[name] = {
                 "policy": policies[name].describe(),
-                "median_step_ms": round(med * 1000, 3),
+                "mean_step_ms": round(med * 1000, 4),
                 "ratio": round(med / base, 4),
-                "round_medians_ms": [round(m * 1000, 3) for m in medians[name]],
+                "paired_ratios": [round(p, 4) for p in paired],
+                "round_means_ms": [round(m * 1000, 4) for m in means[name]],
+                "recorded": plans.get(name),
             }
             print(
-                f"{policies[name].describe():<22} {med * 1000:>15.3f} {med / base:>13.4f}   "
-                f"{', '.join(f'{m * 1000:.3f}' for m in medians[name])}",
+                f"{name:<16} {med * 1000:>13.3f} {med / base:>13.4f} "
+                f"{min(paired):>7.4f}-{max(paired):<8.4f}   {plans.get(name)}",
                 flush=True,
             )
         if not args.no_dump:
             # What a capture pays with each policy's history full: C++ stacks last (slowest).
-            order = sorted((n for n in names if n != "off"), key=lambda n: policies[n].stacks == "all")
+            order = sorted(
+                (n for n in names if n != "off" and policies[n].mode != "auto"),
+                key=lambda n: policies[n].stacks == "all",
+            )
             for name in order:
                 apply(policies[name], clear=True)
                 per_step = max(events_per_step, 1)

@@ -35,6 +35,7 @@ def install(agent: Agent) -> None:
             dynprof_version=__version__,
             started_at=agent.started_at,
             memory_history=str(getattr(agent, "memory_history_policy", "off")),
+            memory_history_detail=str(getattr(agent, "memory_history_detail", "")),
         )
 
     agent.handlers["ping"] = ping

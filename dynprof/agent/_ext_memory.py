@@ -129,7 +129,9 @@ class MemoryController:
         # An observer cannot be detached from torch: once the agent stops, its callbacks return
         # at once (a restarted agent's new controller takes over).
         self._closed = False
+        self.auto: Any = None  # the `auto` policy's controller, while it runs
         agent.memory_history_policy = "off"  # type: ignore[attr-defined]
+        agent.memory_history_detail = ""  # type: ignore[attr-defined]
 
     # -- life cycle ------------------------------------------------------------------------------
     def install(self) -> None:
@@ -146,6 +148,7 @@ class MemoryController:
 
     def at_exit(self) -> None:
         self._closed = True
+        self._stop_auto()
         if self._host is not None:
             self._host.stop()
         if self._finder is not None:
@@ -205,7 +208,9 @@ class MemoryController:
             else:
                 attach(self._on_oom)
                 self.observer_attached = True
-            if self.options.history.enabled:
+            if self.options.history.mode == "auto":
+                self._start_auto(self.options.history)
+            elif self.options.history.enabled:
                 self._set_policy(self.options.history, clear=False)
             log.info(
                 "CUDA in use: OOM observer %s, memory history %s",
@@ -216,9 +221,31 @@ class MemoryController:
             log.exception("setting up CUDA memory capture failed; the job continues without it")
 
     def _set_policy(self, policy: HistoryPolicy, clear: bool) -> None:
+        self._stop_auto()
         _mem_policy.apply(policy, clear=clear)
         self.policy = policy
         self.agent.memory_history_policy = policy.describe()  # type: ignore[attr-defined]
+        self.agent.memory_history_detail = ""  # type: ignore[attr-defined]
+
+    def _start_auto(self, policy: HistoryPolicy) -> None:
+        from dynprof.agent._mem_auto import AutoHistory
+
+        def step_time() -> float | None:
+            return getattr(self.agent.steps, "step_time_s", None) or None
+
+        def on_plan(plan: Any) -> None:
+            self.agent.memory_history_detail = plan.reason()  # type: ignore[attr-defined]
+
+        self.auto = AutoHistory(policy.budget, step_time=step_time, on_plan=on_plan, max_entries=policy.max_entries)
+        self.policy = policy
+        self.agent.memory_history_policy = policy.describe()  # type: ignore[attr-defined]
+        self.agent.memory_history_detail = "measuring the allocator's event rate"  # type: ignore[attr-defined]
+        self.auto.start()
+
+    def _stop_auto(self) -> None:
+        auto, self.auto = self.auto, None
+        if auto is not None:
+            auto.stop()
 
     # -- OOM -------------------------------------------------------------------------------------
     def _on_oom(self, device: int, alloc: int, device_limit: int, device_free: int) -> None:
@@ -252,16 +279,24 @@ class MemoryController:
                 from collectors.memory_snapshot import thread_stack
 
                 stack = thread_stack(sys._getframe(1))
-                art = self._capture(
-                    "oom",
-                    stack,
-                    oom={
-                        "device": int(device),
-                        "requested_bytes": int(alloc),
-                        "device_limit_bytes": int(device_limit),
-                        "device_free_bytes": int(device_free),
-                    },
-                )
+                attribution = self._attribution(sys._getframe(1))
+                auto = self.auto
+                held = auto.hold.acquire(timeout=0.5) if auto is not None else False
+                try:
+                    art = self._capture(
+                        "oom",
+                        stack,
+                        oom={
+                            "device": int(device),
+                            "requested_bytes": int(alloc),
+                            "device_limit_bytes": int(device_limit),
+                            "device_free_bytes": int(device_free),
+                        },
+                        attribution=attribution,
+                    )
+                finally:
+                    if held:
+                        auto.hold.release()
                 took = (art.manifest.get("summary") or {}).get("capture_s")
                 sys.stderr.write(
                     f"dynprof: CUDA out of memory on cuda:{device}: memory snapshot written to {art.path} in {took} s\n"
@@ -275,7 +310,22 @@ class MemoryController:
             except BaseException:
                 pass
 
-    def _capture(self, trigger: str, stack: str, oom: dict[str, Any] | None = None) -> Any:
+    def _attribution(self, frame: Any) -> dict[str, Any] | None:
+        """Parameters, gradients and optimizer state of the job's optimizers, and the tensors
+        in ``frame``'s locals (and its callers'). Never raises."""
+        try:
+            from collectors._mem_advice import job_attribution
+
+            refs = list(getattr(self.agent.steps, "optimizers", {}).values())
+            optimizers = [o for o in (r() for r in refs) if o is not None]
+            return job_attribution(frame, optimizers)
+        except Exception:
+            log.exception("attributing memory to the job's objects failed")
+            return None
+
+    def _capture(
+        self, trigger: str, stack: str, oom: dict[str, Any] | None = None, attribution: dict[str, Any] | None = None
+    ) -> Any:
         from collectors import memory_snapshot
         from dynprof.store import ArtifactStore
 
@@ -289,7 +339,11 @@ class MemoryController:
             history_policy=self.policy.describe(),
             oom=oom,
             stack=stack,
-            options={"oom_captures": self.oom_captures} if trigger == "oom" else None,
+            attribution=attribution,
+            options={
+                **({"oom_captures": self.oom_captures} if trigger == "oom" else {}),
+                "memory_history_detail": getattr(self.agent, "memory_history_detail", "") or None,
+            },
         )
         self.last_artifact = str(art.path)
         log.info("memory snapshot (%s) written to %s", trigger, art.path)
@@ -326,7 +380,7 @@ class MemoryController:
                 pb.BUSY, "a memory snapshot is being written in this process", "Wait a few seconds and ask again."
             )
         try:
-            art = self._capture("on-demand", self._training_thread_stack())
+            art = self._capture("on-demand", self._training_thread_stack(), attribution=self._attribution(None))
         finally:
             self._capture_lock.release()
         return "artifact", pb.ArtifactWritten(

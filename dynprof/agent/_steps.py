@@ -17,6 +17,7 @@ import logging
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
@@ -24,6 +25,7 @@ from typing import Any
 log = logging.getLogger("dynprof.agent")
 
 OPTIMIZER_MODULE = "torch.optim.optimizer"
+MAX_OPTIMIZERS = 256
 
 BoundaryListener = Callable[[int], None]
 
@@ -54,6 +56,8 @@ class StepTracker:
         self.hook_thread_id: int | None = None
         self.on_install: Callable[[], None] | None = None
         self._iteration: set[int] = set()  # ids of the optimizers that stepped in this iteration
+        # The job's optimizers (weakly), for the OOM report's parameter/gradient/state totals.
+        self.optimizers: dict[int, Any] = {}
         self._last_mono = 0.0
         self._listeners: tuple[BoundaryListener, ...] = ()
         self._lock = threading.Lock()
@@ -98,6 +102,15 @@ class StepTracker:
             return
         self._eager_step(optimizer)
 
+    def _remember(self, optimizer: Any) -> None:
+        known = {k: r for k, r in self.optimizers.items() if r() is not None}
+        if len(known) < MAX_OPTIMIZERS:
+            try:
+                known[id(optimizer)] = weakref.ref(optimizer)
+            except TypeError:
+                pass
+        self.optimizers = known
+
     def _eager_step(self, optimizer: Any) -> None:
         try:
             self.optimizer_steps += 1
@@ -106,6 +119,8 @@ class StepTracker:
             if self.compiled_steps != self._folded_compiled:
                 self.fold_compiled()
             key = id(optimizer)
+            if key not in self.optimizers:
+                self._remember(optimizer)
             iteration = self._iteration
             if key in iteration:
                 iteration.clear()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from collectors._mem_policy import DEFAULT_POLICY, PolicyError, parse_policy
+from collectors._mem_policy import PolicyError, parse_policy
 from dynprof import errors
 from dynprof.cli._common import MAX_SECONDS, bounded_int, nonnegative_float
 from dynprof.cli.run import RUN_OPTIONS
@@ -14,10 +14,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("memory capture")
     group.add_argument(
         "--memory-history",
-        metavar="N|off|all-stacks[:N]|state",
-        help="CUDA allocator history recorded for snapshots: the last N events with Python stacks, "
-        f"off, the same with C++ frames too (slow), or the stacks of live blocks only "
-        f"(default: {DEFAULT_POLICY.max_entries} events with Python stacks)",
+        metavar="auto[:B%]|off|N|all-stacks[:N]|state",
+        help="CUDA allocator history recorded for snapshots: auto (default) records allocation stacks "
+        "only as much as keeps the estimated step-time cost under B %% (0.5 %%), all the time on light "
+        "loops, in short windows on launch-bound ones; off; the last N events with Python stacks, all "
+        "the time; the same with C++ frames too (slow); or the stacks of live blocks only",
     )
     group.add_argument(
         "--memory-oom-interval",

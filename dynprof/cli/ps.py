@@ -55,6 +55,7 @@ def agent_rows(records: list[AgentRecord], timeout: float) -> list[dict[str, Any
                 torch_imported=status.torch_imported,
                 cuda_initialized=status.cuda_initialized,
                 memory_history=status.memory_history,
+                memory_history_detail=status.memory_history_detail or None,
                 last_artifact=status.trace.last_artifact or None,
             )
         rows.append(row)

@@ -39,7 +39,10 @@ def _wait_exit(target, timeout: float = 180.0) -> int:
 def test_real_oom_under_dynprof_run_writes_the_snapshot(spawn):
     # GIVEN a training loop whose batch grows until the whole GPU is used, under `dynprof run`
     # with the default history policy (warm-up steps fill the history first)
-    target = spawn([OOM_PROGRAM, "--warmup-steps", "2000", "--grow-mb", "1024"])
+    # (a fixed policy: this test reads the full event history; `auto` has its own, test_memory_auto_gpu)
+    target = spawn(
+        [OOM_PROGRAM, "--warmup-steps", "2000", "--grow-mb", "1024"], env={"DYNPROF_MEMORY_HISTORY": "100000"}
+    )
 
     # WHEN it runs out of CUDA memory and dies of it
     rc = _wait_exit(target)
@@ -110,7 +113,8 @@ def test_oom_retry_loop_is_rate_limited(spawn):
 def test_on_demand_snapshot_and_history_control(spawn, cli):
     # GIVEN a GPU training loop under `dynprof run`
     target = spawn(
-        [TRAIN_PROGRAM, "--device", "cuda", "--width", "512", "--step-sleep", "0.002", "--max-seconds", "120"]
+        [TRAIN_PROGRAM, "--device", "cuda", "--width", "512", "--step-sleep", "0.002", "--max-seconds", "120"],
+        env={"DYNPROF_MEMORY_HISTORY": "100000"},
     )
     (pid,) = target.ready_pids()
     client = AgentClient.for_pid(pid)
@@ -177,12 +181,14 @@ def test_history_overhead_benchmark_prints_ratios():
         "scripts/bench_memory_history.py",
         "--workloads",
         "small",
-        "--steps",
-        "20",
+        "--seconds",
+        "1",
+        "--warmup-seconds",
+        "0.6",
         "--rounds",
         "2",
         "--policies",
-        "off,100000",
+        "off,auto,100000",
         "--no-dump",
     ]
 
@@ -192,6 +198,10 @@ def test_history_overhead_benchmark_prints_ratios():
     # THEN it reports a ratio for the default policy against off
     assert proc.returncode == 0, proc.stderr
     print("\n" + proc.stdout)
-    rows = {line.split()[0]: line.split() for line in proc.stdout.splitlines() if line.startswith(("off ", "python:"))}
+    rows = {
+        line.split()[0]: line.split()
+        for line in proc.stdout.splitlines()
+        if line.startswith(("off ", "auto ", "100000 "))
+    }
     assert float(rows["off"][2]) == 1.0
-    assert 0.5 < float(rows["python:100000"][2]) < 5.0
+    assert 0.5 < float(rows["100000"][2]) < 5.0 and 0.5 < float(rows["auto"][2]) < 5.0

@@ -74,21 +74,65 @@ def cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "memory_summary", lambda d=None: "summary")
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (MB, 80 * 2**30))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "Fake")
+    # The allocator's counters, as `auto` reads them: no events unless a test adds some.
+    calls["events"] = [0]
+    monkeypatch.setattr(
+        torch._C,
+        "_cuda_memoryStats",
+        lambda d: {"allocation": {"all": {"allocated": calls["events"][0], "freed": 0}}},
+        raising=False,
+    )
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     calls["queued"] = []
     monkeypatch.setattr(torch.cuda, "_lazy_call", lambda fn, **kw: calls["queued"].append(fn))
     return calls
+
+
+_controllers: list[MemoryController] = []
+
+
+@pytest.fixture(autouse=True)
+def _stop_controllers():
+    yield
+    while _controllers:  # no `auto` thread outlives its test (and its fakes)
+        _controllers.pop().at_exit()
 
 
 def controller(**options) -> MemoryController:
     opts = MemoryOptions(host_fraction=0.0, **options)
     c = MemoryController(FakeAgent(), opts)  # type: ignore[arg-type]
     c.install()
+    _controllers.append(c)
     return c
 
 
-def test_cuda_start_attaches_the_observer_and_applies_the_policy(cuda):
-    # GIVEN an agent with the default policy (torch.cuda is imported, CUDA not yet initialised)
+def test_default_policy_starts_the_auto_controller_and_says_why(cuda, monkeypatch):
+    # GIVEN the default policy and an allocator making no events
+    from dynprof.agent import _mem_auto
+
+    monkeypatch.setattr(_mem_auto, "CHECK_S", 0.02)
     c = controller()
+
+    # WHEN CUDA initialises
+    c._on_cuda_init()
+
+    # THEN the auto controller runs, records all the time (nothing to pay for) and says so
+    assert c.agent.memory_history_policy == "auto" and c.auto is not None and c.auto.running
+    deadline = __import__("time").monotonic() + 5
+    while "recording all the time" not in c.agent.memory_history_detail:
+        assert __import__("time").monotonic() < deadline, c.agent.memory_history_detail
+        __import__("time").sleep(0.01)
+    assert cuda["history"][0]["context"] == "alloc"
+
+    # AND an explicit policy from `dynprof memory --history-stop` ends it and turns recording off
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    c.handle_history(pb.MemoryHistoryRequest(enable=False))
+    assert c.auto is None and c.agent.memory_history_policy == "off" and cuda["history"][-1]["enabled"] is None
+
+
+def test_cuda_start_attaches_the_observer_and_applies_the_policy(cuda):
+    # GIVEN an agent with a fixed policy (torch.cuda is imported, CUDA not yet initialised)
+    c = controller(history=parse_policy("100000"))
     assert c.agent.memory_history_policy == "off"
 
     # WHEN CUDA initialises (torch runs the queued callback; here we run it as torch would)
@@ -119,7 +163,7 @@ def test_a_failing_start_up_never_reaches_the_job(cuda, monkeypatch):
         raise RuntimeError("allocator said no")
 
     monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", broken)
-    c = controller()
+    c = controller(history=parse_policy("100000"))
     c._on_cuda_init()  # must not raise: torch would fail the job's CUDA initialisation
     assert c.observer_attached
 

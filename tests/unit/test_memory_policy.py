@@ -24,6 +24,9 @@ from dynprof.cli import _run_memory
         ("python:77", "python:77"),
         ("all:77", "all:77"),
         ("state", "state"),
+        ("auto", "auto"),
+        ("auto:1%", "auto:1%"),
+        ("auto:0.25", "auto:0.25%"),
         ("", DEFAULT_POLICY.describe()),
         (None, DEFAULT_POLICY.describe()),
     ],
@@ -32,20 +35,23 @@ def test_policies_parse_to_their_names(text, name):
     assert parse_policy(text).describe() == name
 
 
-@pytest.mark.parametrize("name", ["off", "python:5000", "all:2000", "state"])
+@pytest.mark.parametrize("name", ["off", "python:5000", "all:2000", "state", "auto", "auto:2%"])
 def test_names_parse_back_to_the_same_policy(name):
     policy = parse_policy(name)
     assert parse_policy(policy.describe()) == policy
 
 
-@pytest.mark.parametrize("text", ["-5", "lots", "all-stacks:x", "python:0", "999999999999"])
+@pytest.mark.parametrize(
+    "text",
+    ["-5", "lots", "all-stacks:x", "python:0", "999999999999", "auto:0", "auto:-1%", "auto:75%", "auto:x", "auto:nan"],
+)
 def test_bad_policies_are_refused(text):
     with pytest.raises(PolicyError):
         parse_policy(text)
 
 
-def test_default_records_python_stacks_in_a_bounded_ring():
-    assert DEFAULT_POLICY.mode == "all" and DEFAULT_POLICY.stacks == "python"
+def test_default_is_auto_with_a_half_percent_budget_and_a_bounded_ring():
+    assert DEFAULT_POLICY.mode == "auto" and DEFAULT_POLICY.budget == 0.005 and DEFAULT_POLICY.stacks == "python"
     assert 0 < DEFAULT_POLICY.max_entries <= 1_000_000
     assert not OFF.enabled and HistoryPolicy("state").enabled
 

@@ -1,0 +1,274 @@
+"""What an OOM report says beyond the snapshot: who holds the memory, and what to do about it.
+
+Three parts, each usable alone:
+
+* :func:`job_attribution` runs in the training process at OOM, on the failing thread (the
+  allocator's observer): totals of the parameters, gradients and optimizer state of the job's
+  optimizers, and the CUDA tensors the failing frames hold in their locals. It reads tensor
+  metadata only (``untyped_storage().nbytes()``, ``data_ptr()``): no CUDA call, no allocation
+  on the device, bounded work (``MAX_TENSORS``), and it never raises.
+* :func:`size_classes` groups a snapshot's blocks by pool and size class, for reports without
+  allocation stacks.
+* :func:`advise` turns the summary's figures into advice, each with the number that triggered it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+MAX_TENSORS = 200_000  # tensors looked at, in all
+MAX_FRAMES = 40
+MAX_CONTAINER = 256  # items of a list/tuple/dict local looked into
+SIZE_CLASSES = (
+    ("< 1 MiB", 1 << 20),
+    ("1-16 MiB", 16 << 20),
+    ("16-256 MiB", 256 << 20),
+    ("256 MiB-2 GiB", 2 << 30),
+    (">= 2 GiB", 1 << 62),
+)
+
+# Advice thresholds (fractions of the failing device's memory unless said otherwise).
+FRAGMENTED_FREE = 0.10  # cached free memory at least this much of the device ...
+FRAGMENTATION = 0.5  # ... and this fragmented
+OTHERS_HOLD = 0.10  # memory held outside this process's allocator
+OPTIMIZER_DOMINATES = 0.35  # optimizer state's share of allocated memory
+GRADIENTS_DOMINATE = 0.25
+SITE_DOMINATES = 0.40  # one allocation site's share of allocated memory
+ACTIVATIONS_DOMINATE = 0.50  # what is neither parameters, gradients nor optimizer state
+
+
+def _storage_key(t: Any) -> tuple[int, int, int] | None:
+    try:
+        if not getattr(t, "is_cuda", False):
+            return None
+        storage = t.untyped_storage()
+        return (int(t.device.index or 0), int(storage.data_ptr()), int(storage.nbytes()))
+    except Exception:
+        return None
+
+
+def job_attribution(frame: Any, optimizers: list[Any]) -> dict[str, Any]:
+    """Bytes held by the optimizers' parameters, gradients and state, and by the tensors in
+    the locals of ``frame`` and its callers (each storage counted once, in the first place
+    it is found: parameters, then gradients, optimizer state, then frames)."""
+    t0 = time.perf_counter()
+    seen: set[tuple[int, int]] = set()
+    looked = 0
+    out: dict[str, Any] = {
+        "optimizers": len(optimizers),
+        "parameters_bytes": 0,
+        "gradients_bytes": 0,
+        "optimizer_state_bytes": 0,
+        "frame_tensors_bytes": 0,
+        "frame_tensors": [],
+        "complete": True,
+    }
+
+    def count(t: Any) -> int:
+        nonlocal looked
+        looked += 1
+        key = _storage_key(t)
+        if key is None or key[:2] in seen:
+            return 0
+        seen.add(key[:2])
+        return key[2]
+
+    try:
+        import torch
+
+        tensor_type = torch.Tensor
+        for opt in optimizers:
+            for group in getattr(opt, "param_groups", []) or []:
+                for p in group.get("params", []) if isinstance(group, dict) else []:
+                    if looked > MAX_TENSORS:
+                        break
+                    if isinstance(p, tensor_type):
+                        out["parameters_bytes"] += count(p)
+            for group in getattr(opt, "param_groups", []) or []:
+                for p in group.get("params", []) if isinstance(group, dict) else []:
+                    g = getattr(p, "grad", None)
+                    if isinstance(g, tensor_type):
+                        out["gradients_bytes"] += count(g)
+            state = getattr(opt, "state", {}) or {}
+            for per_param in list(state.values())[:MAX_TENSORS]:
+                if looked > MAX_TENSORS:
+                    break
+                if isinstance(per_param, dict):
+                    for v in per_param.values():
+                        if isinstance(v, tensor_type):
+                            out["optimizer_state_bytes"] += count(v)
+        found: list[dict[str, Any]] = []
+        f, depth = frame, 0
+        while f is not None and depth < MAX_FRAMES and looked <= MAX_TENSORS:
+            where = f"{f.f_code.co_name} ({f.f_code.co_filename}:{f.f_lineno})"
+            for name, value in list(f.f_locals.items()):
+                items: list[tuple[str, Any]] = []
+                if isinstance(value, tensor_type):
+                    items = [(name, value)]
+                elif isinstance(value, (list, tuple)):
+                    items = [(f"{name}[{i}]", v) for i, v in enumerate(value[:MAX_CONTAINER])]
+                elif isinstance(value, dict):
+                    items = [(f"{name}[{k!r}]"[:80], v) for k, v in list(value.items())[:MAX_CONTAINER]]
+                for label, t in items:
+                    if isinstance(t, tensor_type):
+                        size = count(t)
+                        if size:
+                            found.append(
+                                {
+                                    "name": label,
+                                    "frame": where,
+                                    "bytes": size,
+                                    "shape": list(t.shape)[:8],
+                                    "dtype": str(t.dtype).replace("torch.", ""),
+                                }
+                            )
+            f, depth = f.f_back, depth + 1
+        found.sort(key=lambda e: e["bytes"], reverse=True)
+        out["frame_tensors_bytes"] = sum(e["bytes"] for e in found)
+        out["frame_tensors"] = found[:10]
+        out["complete"] = looked <= MAX_TENSORS
+    except Exception as exc:  # at OOM: report what was found, never fail the capture
+        out["complete"] = False
+        out["error"] = f"{type(exc).__name__}: {exc}"[:200]
+    out["tensors_looked_at"] = looked
+    out["took_s"] = round(time.perf_counter() - t0, 4)
+    return out
+
+
+def size_classes(snapshot: dict[str, Any]) -> list[dict[str, Any]]:
+    """Blocks per device, pool (small/large segments), state (allocated/free) and size class:
+    a picture of who holds memory even where no stacks were recorded."""
+    table: dict[tuple[int, str, str, str], dict[str, Any]] = {}
+    for seg in snapshot.get("segments", []) or []:
+        device = int(seg.get("device", 0) or 0)
+        pool = "small" if seg.get("segment_type") == "small" else "large"
+        for block in seg.get("blocks", []) or []:
+            size = int(block.get("size", 0) or 0)
+            state = "allocated" if block.get("state") == "active_allocated" else "free"
+            label = next(name for name, limit in SIZE_CLASSES if size < limit)
+            row = table.setdefault(
+                (device, pool, state, label),
+                {"device": device, "pool": pool, "state": state, "size_class": label, "blocks": 0, "bytes": 0},
+            )
+            row["blocks"] += 1
+            row["bytes"] += size
+    order = {name: i for i, (name, _) in enumerate(SIZE_CLASSES)}
+    return sorted(table.values(), key=lambda r: (r["device"], r["pool"], r["state"], order[r["size_class"]]))
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def advise(summary: dict[str, Any]) -> list[dict[str, str]]:
+    """Advice from a memory summary: each item has ``rule``, ``reason`` (the figures that
+    triggered it) and ``advice``. Nothing is advised without its number."""
+    out: list[dict[str, str]] = []
+    oom = summary.get("failing_allocation") or summary.get("oom") or {}
+    devices = {int(d.get("device", 0)): d for d in summary.get("devices", []) or []}
+    failing = int(oom.get("device", next(iter(devices), 0)) or 0)
+    d = devices.get(failing, {})
+    limit = int(oom.get("device_limit_bytes", 0) or 0)
+    device_free = int(oom.get("device_free_bytes", 0) or 0)
+    requested = int(oom.get("requested_bytes", 0) or 0)
+    reserved = int(d.get("reserved_bytes", 0) or 0)
+    allocated = int(d.get("allocated_bytes", 0) or 0)
+    inactive = int(d.get("inactive_bytes", 0) or 0)
+    largest_free = int(d.get("largest_inactive_block", 0) or 0)
+    frag = float(d.get("fragmentation", 0.0) or 0.0)
+    scale = limit or reserved
+
+    if (
+        scale
+        and inactive >= FRAGMENTED_FREE * scale
+        and frag >= FRAGMENTATION
+        and (not requested or largest_free < requested)
+    ):
+        need = f", the request was {_gib(requested)}" if requested else ""
+        out.append(
+            {
+                "rule": "fragmentation",
+                "reason": f"{_gib(inactive)} of cached memory is free on cuda:{failing} "
+                f"({inactive / scale * 100:.0f} % of the device) but in pieces: the largest is {_gib(largest_free)}"
+                f"{need} (fragmentation {frag:.2f})",
+                "advice": "set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True so that segments grow "
+                "in place instead of leaving gaps between fixed-size ones",
+            }
+        )
+    elif scale and inactive >= FRAGMENTED_FREE * scale and requested and largest_free >= requested:
+        out.append(
+            {
+                "rule": "cache",
+                "reason": f"{_gib(inactive)} is cached but unallocated on cuda:{failing}, and its largest free "
+                f"block ({_gib(largest_free)}) could hold the {_gib(requested)} request: the cache is held "
+                "by another stream or pool",
+                "advice": "allocations on side streams keep their blocks until those streams sync; call "
+                "torch.cuda.empty_cache() between phases that use different streams or memory pools "
+                "(e.g. CUDA graphs), or give a side stream's tensors record_stream",
+            }
+        )
+    if limit and reserved and device_free >= 0:
+        elsewhere = limit - reserved - device_free
+        if elsewhere >= OTHERS_HOLD * limit:
+            out.append(
+                {
+                    "rule": "held-elsewhere",
+                    "reason": f"{_gib(elsewhere)} of cuda:{failing}'s {_gib(limit)} is held outside this process's "
+                    f"caching allocator (device {_gib(limit)} - reserved {_gib(reserved)} - free {_gib(device_free)})",
+                    "advice": "another process on this GPU, or memory this process took outside PyTorch's "
+                    "allocator (CUDA context, NCCL buffers, cuBLAS workspaces, other libraries): check "
+                    "nvidia-smi for other processes; NCCL_BUFFSIZE and TORCH_NCCL_AVOID_RECORD_STREAMS=1 "
+                    "trim NCCL's share",
+                }
+            )
+    attribution = summary.get("attribution") or {}
+    total_allocated = int((summary.get("totals") or {}).get("allocated_bytes", allocated) or 0)
+    if attribution and total_allocated:
+        state_b = int(attribution.get("optimizer_state_bytes", 0) or 0)
+        grads_b = int(attribution.get("gradients_bytes", 0) or 0)
+        params_b = int(attribution.get("parameters_bytes", 0) or 0)
+        if state_b >= OPTIMIZER_DOMINATES * total_allocated:
+            out.append(
+                {
+                    "rule": "optimizer-state",
+                    "reason": f"optimizer state holds {_gib(state_b)}, {state_b / total_allocated * 100:.0f} % "
+                    f"of the {_gib(total_allocated)} allocated",
+                    "advice": "shard optimizer state across ranks (FSDP, ZeRO-1/2), keep it in lower precision "
+                    "(8-bit or bf16 optimizers), or offload it to the CPU",
+                }
+            )
+        if grads_b >= GRADIENTS_DOMINATE * total_allocated:
+            out.append(
+                {
+                    "rule": "gradients",
+                    "reason": f"gradients hold {_gib(grads_b)}, {grads_b / total_allocated * 100:.0f} % of "
+                    f"the {_gib(total_allocated)} allocated",
+                    "advice": "shard gradients (FSDP, ZeRO-2), reduce them in bf16, and free them after each "
+                    "step (zero_grad(set_to_none=True))",
+                }
+            )
+        rest = total_allocated - params_b - grads_b - state_b
+        if attribution.get("optimizers") and rest >= ACTIVATIONS_DOMINATE * total_allocated:
+            out.append(
+                {
+                    "rule": "activations",
+                    "reason": f"{_gib(rest)} ({rest / total_allocated * 100:.0f} %) of the allocated memory is "
+                    "neither parameters, gradients nor optimizer state: activations and temporaries",
+                    "advice": "use activation checkpointing, a smaller micro-batch (with gradient "
+                    "accumulation), or a shorter sequence length",
+                }
+            )
+    sites = [s for s in summary.get("top_sites", []) or [] if s.get("site") and not str(s["site"]).startswith("(")]
+    if sites and total_allocated:
+        top = sites[0]
+        if int(top.get("bytes", 0)) >= SITE_DOMINATES * total_allocated:
+            out.append(
+                {
+                    "rule": "site",
+                    "reason": f"one allocation site holds {_gib(top['bytes'])} in {top.get('blocks')} blocks, "
+                    f"{int(top['bytes']) / total_allocated * 100:.0f} % of the allocated memory: {top['site']}",
+                    "advice": f"start at {top['site']}: what it allocates, and whether it is freed",
+                }
+            )
+    return out

@@ -1,0 +1,68 @@
+"""The default `auto` memory-history policy on a real GPU: what it chooses on a launch-bound
+and a GPU-bound loop, and the OOM report it leaves when each of them leaks until OOM.
+
+Run on the GPU machine: ``pytest -m gpu tests/gpu/test_memory_auto_gpu.py -s`` (prints each
+OOM report and its capture time).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from collectors.memory_snapshot import format_summary
+from dynprof.client import AgentClient
+from dynprof.store import ArtifactStore
+
+pytestmark = pytest.mark.gpu
+
+PROGRAM = "tests/integration/programs/oom_leak_program.py"
+CASES = {
+    # workload: (leak MiB per step, cap GiB)
+    "launch": ("2", "1.5"),
+    "gpu": ("128", "12"),
+}
+
+
+@pytest.mark.parametrize("workload", sorted(CASES))
+def test_auto_policy_chooses_within_budget_and_the_oom_report_attributes_memory(spawn, workload):
+    leak_mb, cap = CASES[workload]
+    # GIVEN a loop under `dynprof run` with the default history policy, leaking after 4 s
+    target = spawn([PROGRAM, "--workload", workload, "--warmup-seconds", "4", "--leak-mb", leak_mb, "--limit-gb", cap])
+    (pid,) = target.ready_pids()
+
+    # WHEN the agent has measured the loop
+    client = AgentClient.for_pid(pid)
+    deadline = time.monotonic() + 20
+    status = client.status()
+    while "recording" not in status.memory_history_detail and time.monotonic() < deadline:
+        time.sleep(0.2)
+        status = client.status()
+
+    # THEN it says which policy it runs and why
+    assert status.memory_history == "auto", status
+    print(f"\n[{workload}] agent: {status.memory_history_detail}")
+    assert "budget" in status.memory_history_detail
+
+    # WHEN the loop leaks until CUDA runs out of memory
+    rc = target.proc.wait(timeout=300)
+    target._reader.join(timeout=5)
+    out = "\n".join(target.lines)
+    assert rc == 0 and any(line.startswith("OOM ") for line in target.lines), out[-3000:]
+
+    # THEN one memory artifact holds the failing allocation, attribution and advice
+    (art,) = ArtifactStore().list(kind="memory")
+    summary = json.loads((art.path / "summary.json").read_text())
+    failing = summary["failing_allocation"]
+    assert failing["device"] == 0 and failing["requested_bytes"] > 0
+    assert summary["memory_history"] == "auto"
+    assert "recording" in (art.manifest["options"].get("memory_history_detail") or "")
+    att = summary["attribution"]
+    assert att["optimizers"] == 1 and att["parameters_bytes"] > 0 and att["optimizer_state_bytes"] > 0
+    assert att["took_s"] < 1.0
+    assert "remember" in (art.path / "stack.txt").read_text() or "train_step" in (art.path / "stack.txt").read_text()
+    assert summary["size_classes"] and isinstance(summary["advice"], list)
+    assert summary["capture"]["total_s"] < 2.0
+    print(f"[{workload}] OOM report ({art.path}):\n{format_summary(summary)}")

@@ -1,0 +1,125 @@
+"""The `auto` memory-history policy: the plan it makes from an event rate, and the controller
+thread driving PyTorch's recording switch (with the allocator's counters faked)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from dynprof.agent import _mem_auto
+from dynprof.agent._mem_auto import EVENT_COST_S, AutoHistory, plan
+
+torch = pytest.importorskip("torch")
+
+
+def test_a_light_loop_is_recorded_all_the_time():
+    # GIVEN 1 000 events/s: 0.25 % of wall time at 2.5 us each, under the 0.5 % budget
+    p = plan(1_000, 0.005, step_time_s=0.1)
+    assert p.recording == "continuous" and p.duty == 1.0
+    assert "within the 0.5 % budget" in p.reason()
+
+
+def test_an_idle_process_costs_nothing_to_record():
+    assert plan(0, 0.005, None).recording == "continuous"
+
+
+@pytest.mark.parametrize(("rate", "step"), [(200_000, 0.005), (40_000, 0.025), (3_000, 0.3), (10_000_000, 0.001)])
+def test_a_heavy_loop_is_recorded_in_windows_that_keep_the_cost_in_budget(rate, step):
+    # GIVEN an allocator rate whose continuous recording would cost more than the budget
+    budget = 0.005
+    p = plan(rate, budget, step_time_s=step)
+
+    # THEN it records in windows, and the estimated cost of what it records is the budget
+    assert p.recording == "windows"
+    assert p.estimated_cost == pytest.approx(rate * EVENT_COST_S)
+    assert p.duty * p.estimated_cost == pytest.approx(budget, rel=1e-6)
+    assert p.period_s <= _mem_auto.MAX_PERIOD_S + 1e-9
+    assert p.window_s <= _mem_auto.MAX_WINDOW_S
+    assert "over the 0.5 % budget" in p.reason()
+
+
+def test_windows_cover_more_than_a_step_when_the_budget_allows():
+    p = plan(200_000, 0.005, step_time_s=0.005)  # launch-bound: 5 ms steps
+    assert p.window_s == pytest.approx(0.02)  # 1.5 steps, at least 20 ms
+    assert p.period_s == pytest.approx(0.02 / (0.005 / 0.5))
+
+
+class FakeAllocator:
+    """The allocator's counter, advancing at ``rate`` events per second of wall time, and the
+    recording switch, logged with the time of each change."""
+
+    def __init__(self, monkeypatch, rate: float) -> None:
+        self.rate = rate
+        self.t0 = time.monotonic()
+        self.switches: list[tuple[float, bool]] = []
+        monkeypatch.setattr(torch._C, "_cuda_memoryStats", self.stats, raising=False)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+        monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", self.record)
+
+    def stats(self, device: int) -> dict:
+        n = int((time.monotonic() - self.t0) * self.rate)
+        return {"allocation": {"all": {"allocated": n // 2, "freed": n - n // 2}}}
+
+    def record(self, enabled=None, **kw) -> None:
+        self.switches.append((time.monotonic(), enabled is not None))
+
+    def on_fraction(self, until: float) -> float:
+        on_time, since = 0.0, None
+        for t, on in self.switches:
+            if on and since is None:
+                since = t
+            elif not on and since is not None:
+                on_time, since = on_time + (t - since), None
+        if since is not None:
+            on_time += until - since
+        return on_time / (until - self.t0)
+
+
+def test_the_controller_records_a_fraction_of_the_time_on_a_heavy_loop(monkeypatch):
+    # GIVEN an allocator making 40 000 events/s (10 % to record all the time) and a 5 % budget
+    monkeypatch.setattr(_mem_auto, "CHECK_S", 0.05)
+    alloc = FakeAllocator(monkeypatch, 40_000)
+    auto = AutoHistory(budget=0.05, step_time=lambda: 0.02)
+
+    # WHEN it runs for 2 s
+    auto.start()
+    time.sleep(2.0)
+    auto.stop()
+    end = time.monotonic()
+
+    # THEN it switched on and off in windows, on about half the time, and left recording off
+    assert auto.windows >= 5
+    assert 0.25 <= alloc.on_fraction(end) <= 0.6
+    assert alloc.switches[-1][1] is False and not auto.running
+    assert auto.plan is not None and auto.plan.recording == "windows"
+
+
+def test_the_controller_records_all_the_time_on_a_light_loop(monkeypatch):
+    monkeypatch.setattr(_mem_auto, "CHECK_S", 0.05)
+    alloc = FakeAllocator(monkeypatch, 100)
+    auto = AutoHistory(budget=0.005)
+    auto.start()
+    time.sleep(0.5)
+    assert auto.recording and [on for _, on in alloc.switches] == [True]
+    auto.stop()
+    assert alloc.switches[-1][1] is False
+
+
+def test_a_failing_allocator_read_turns_recording_off_and_ends_quietly(monkeypatch, caplog):
+    monkeypatch.setattr(_mem_auto, "CHECK_S", 0.02)
+    alloc = FakeAllocator(monkeypatch, 100)
+
+    def broken(device: int) -> dict:
+        raise RuntimeError("no allocator")
+
+    auto = AutoHistory(budget=0.005)
+    auto.start()
+    time.sleep(0.2)
+    monkeypatch.setattr(torch._C, "_cuda_memoryStats", broken, raising=False)
+    deadline = time.monotonic() + 5
+    while auto.running:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert alloc.switches[-1][1] is False
+    assert "memory history (auto) failed" in caplog.text
