@@ -1,0 +1,123 @@
+"""dynprof.actions: options checked per action, slots, hard time limits, child process groups."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import threading
+import time
+
+import pytest
+
+from dynprof import actions
+from dynprof.actions import ActionError, ActionsBusy, ActionSlots, argv_for, effective_timeout, run_action
+
+
+def test_options_become_one_flag_each_and_unknown_ones_are_refused():
+    assert argv_for("start", {"job": "j", "steps": 3, "record_shapes": True, "with_stack": False}) == [
+        "start",
+        "--job=j",
+        "--steps=3",
+        "--record-shapes",
+        "--json",
+    ]
+    assert argv_for("stacks", {"pid": [1, 2]}) == ["stacks", "--pid=1,2", "--json"]
+    for name, params in (
+        ("ps", {"output": "x"}),
+        ("start", {"steps": "3"}),
+        ("start", {"steps": True}),
+        ("stacks", {"pid": ["1"]}),
+        ("stacks", {"pid": []}),
+        ("ps", {"job": "a\x00b"}),
+        ("ps", {"job": "x" * 5000}),
+        ("nope", {}),
+    ):
+        with pytest.raises(ActionError):
+            argv_for(name, params)
+
+
+def test_timeouts_are_capped_per_action():
+    assert effective_timeout("ps", None) == actions.ACTIONS["ps"].default_timeout_s
+    assert effective_timeout("ps", 10_000) == actions.ACTIONS["ps"].max_timeout_s
+    for bad in (0, -1, float("nan"), float("inf"), True, "5"):
+        with pytest.raises(ActionError):
+            effective_timeout("ps", bad)  # type: ignore[arg-type]
+
+
+def test_a_command_that_overruns_is_answered_timed_out_and_keeps_its_slot(monkeypatch):
+    # GIVEN a command that takes longer than its hard limit, and one slot
+    monkeypatch.setattr(actions, "SUBPROCESS_GRACE_S", 0.0)
+    release = threading.Event()
+
+    def slow(argv):
+        release.wait(30)
+        return 0, '{"late": true}', ""
+
+    monkeypatch.setattr(actions, "run_captured", slow)
+    slots = ActionSlots(1)
+    # WHEN it runs with a 0.3 s limit
+    t0 = time.monotonic()
+    answer = slots.run("ls", {}, timeout=0.3)
+    # THEN its caller is answered "timed out" (9) at the limit
+    assert answer["exit_code"] == 9 and time.monotonic() - t0 < 5
+    assert "ran past" in answer["messages"][0]
+    # AND the slot stays taken while the command still runs, and is free once it ends
+    with pytest.raises(ActionsBusy):
+        slots.run("ls", {})
+    release.set()
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            assert slots.run("ls", {})["result"] == {"late": True}
+            break
+        except ActionsBusy:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+
+
+def test_a_bad_request_is_refused_before_taking_a_slot():
+    slots = ActionSlots(1)
+    with pytest.raises(ActionError):
+        slots.run("ps", {"bogus": 1})
+    with pytest.raises(ActionError):
+        run_action("ps", {}, timeout=-1)
+    assert slots._sem.acquire(blocking=False)  # the slot was never taken
+
+
+def test_an_own_timeout_option_is_capped_too(monkeypatch):
+    seen = []
+    monkeypatch.setattr(actions, "run_captured", lambda argv: (seen.append(argv), (0, "{}", ""))[1])
+    run_action("ps", {"timeout": 1e9})
+    assert f"--timeout={actions.ACTIONS['ps'].max_timeout_s!r}" in seen[0]
+    run_action("ps", {})
+    assert not any(a.startswith("--timeout") for a in seen[1])  # the command's own default stands
+    run_action("start", {"pid": [1]})
+    assert "--timeout=600.0" in seen[2]  # start waits for ever by itself: never over HTTP
+
+
+def test_killing_a_child_kills_its_whole_process_group():
+    # GIVEN a child in its own session that started a grandchild
+    proc = subprocess.Popen(
+        ["sh", "-c", "sleep 60 & echo $!; wait"], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
+    assert proc.stdout is not None
+    grandchild = int(proc.stdout.readline())
+    # WHEN the group is killed
+    actions._kill_group(proc)  # type: ignore[arg-type]
+    proc.wait(timeout=10)
+    # THEN the grandchild is gone too
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(grandchild, 0)
+        except ProcessLookupError:
+            break
+        try:  # reaped by init; a zombie still answers kill(0)
+            with open(f"/proc/{grandchild}/stat") as fh:
+                if fh.read().split(") ", 1)[1].startswith("Z"):
+                    break
+        except FileNotFoundError:
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError("the grandchild outlived its group's kill")
