@@ -146,7 +146,13 @@ def build_server(app: Any, host: str, port: int, threads: int, certfile: str | N
 
 
 class ServeCommand:
-    """Serve a web page and an HTTP API over this node's agents and artifacts (token required)."""
+    """Serve a web page and an HTTP API that act on this node's agents (token required).
+
+    The node's sidecar: it lists the agents, runs the CLI's own commands on them (start, stop,
+    stacks, memory, nccl, ps, ls, healthcheck) and answers with their --json, and serves the
+    artifacts. Every request needs the token (Authorization: Bearer, or the URL printed at
+    start); GET /healthz alone answers without it, with "ok". Reference: docs/api.md.
+    """
 
     def prepare_parser(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--host", type=host_arg, default="127.0.0.1", help="address to bind (default 127.0.0.1)")
