@@ -395,16 +395,20 @@ def _run_child(argv: list[str], timeout: float) -> tuple[int, str, str]:
     env = dict(os.environ)
     env.pop("DYNPROF", None)  # the child is a tool, not a job: no agent in it
     limit = timeout + SUBPROCESS_GRACE_S
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "dynprof", *argv],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        errors="replace",
-        env=env,
-        stdin=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    with _children_lock:
+        if _closing:
+            return 9, "", "dynprof: the sidecar is stopping\n"
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "dynprof", *argv],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            errors="replace",
+            env=env,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        _children.add(proc)
     try:
         out, err = proc.communicate(timeout=limit)
     except subprocess.TimeoutExpired:
@@ -419,8 +423,29 @@ def _run_child(argv: list[str], timeout: float) -> tuple[int, str, str]:
         if proc.poll() is None:  # pragma: no cover - communicate() returned with the child alive
             _kill_group(proc)
             proc.wait()
-    _kill_group(proc)  # workers the child left behind in its group
+        _kill_group(proc)  # workers the child left behind in its group
+        with _children_lock:
+            _children.discard(proc)
+    if _closing and proc.returncode < 0:
+        return 9, "", "dynprof: the sidecar stopped while this ran; it was killed\n"
     return proc.returncode, out[:MAX_OUTPUT_BYTES], err[-65536:]
+
+
+_children: set[subprocess.Popen[str]] = set()
+_children_lock = threading.Lock()
+_closing = False
+
+
+def kill_children() -> int:
+    """Kill the process groups of the actions' child processes still running (the sidecar is
+    stopping: a healthcheck must not outlive it); no new ones start. Returns how many."""
+    global _closing
+    with _children_lock:
+        _closing = True
+        running = list(_children)
+    for proc in running:
+        _kill_group(proc)
+    return len(running)
 
 
 def _kill_group(proc: subprocess.Popen[str]) -> None:

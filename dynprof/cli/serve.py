@@ -235,6 +235,9 @@ def _serve_until_signalled(server: Any) -> int:
         while not stop.wait(0.5):
             pass
     finally:
+        from dynprof.actions import kill_children
+
+        kill_children()  # first: a healthcheck's processes never outlive the sidecar, nor hold up its stop
         server.stop()
         worker.join(SHUTDOWN_TIMEOUT_S + 5)
         for s, handler in previous.items():

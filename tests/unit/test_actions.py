@@ -121,3 +121,30 @@ def test_killing_a_child_kills_its_whole_process_group():
         time.sleep(0.05)
     else:
         raise AssertionError("the grandchild outlived its group's kill")
+
+
+def test_stopping_kills_running_children_and_starts_no_more(monkeypatch):
+    # GIVEN an action whose child (and its own child) would run for a minute
+    real_popen = subprocess.Popen
+
+    def popen(args, **kwargs):
+        return real_popen(["sh", "-c", "sleep 60 & wait"], **kwargs)
+
+    monkeypatch.setattr(actions.subprocess, "Popen", popen)
+    monkeypatch.setattr(actions, "_closing", False)
+    answers = []
+    worker = threading.Thread(target=lambda: answers.append(actions._run_child(["healthcheck", "--json"], 60)))
+    worker.start()
+    deadline = time.monotonic() + 10
+    while not actions._children:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    # WHEN the sidecar stops
+    t0 = time.monotonic()
+    assert actions.kill_children() == 1
+    worker.join(10)
+    # THEN the action ends at once, answered "killed", and no new child starts
+    assert answers and answers[0][0] == 9 and "stopped" in answers[0][2]
+    assert time.monotonic() - t0 < 5
+    assert actions._run_child(["healthcheck"], 60)[0] == 9
+    assert not actions._children
