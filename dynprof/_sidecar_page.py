@@ -101,6 +101,26 @@ PAGE_JS = r"""
     }
   }
 
+  function humanBytes(n) {
+    var units = ["B", "KiB", "MiB", "GiB", "TiB"], i = 0;
+    while (n >= 1024 && i < units.length - 1) { n /= 1024; i += 1; }
+    return (i ? n.toFixed(1) : String(n)) + " " + units[i];
+  }
+
+  function refreshAgents() {
+    return fetch("/api/v1/agents", {credentials: "same-origin"}).then(function (r) {
+      return r.ok ? r.json() : null;
+    }).then(function (body) {
+      if (!body) { return; }
+      body.agents.forEach(function (a) {
+        var row = document.querySelector("tr[data-pid='" + Number(a.pid) + "']");
+        if (!row) { return; }
+        row.querySelector("td.step").textContent = a.step === null || a.step === undefined ? "-" : String(a.step);
+        row.querySelector("td.state").textContent = String(a.state);
+      });
+    });
+  }
+
   function refreshArtifacts() {
     return fetch("/api/v1/artifacts?limit=200", {credentials: "same-origin"}).then(function (r) {
       return r.ok ? r.json() : null;
@@ -111,7 +131,7 @@ PAGE_JS = r"""
       body.artifacts.forEach(function (a) {
         var link = el("a", {href: "/artifact/" + a.id.split("/").map(encodeURIComponent).join("/")}, [a.id]);
         tbody.appendChild(el("tr", {}, [el("td", {}, [link]), el("td", {}, [a.kind]),
-          el("td", {"class": a.status}, [a.status]), el("td", {}, [a.created_at]), el("td", {}, [String(a.bytes)])]));
+          el("td", {"class": a.status}, [a.status]), el("td", {}, [a.created_at]), el("td", {}, [humanBytes(a.bytes)])]));
       });
     });
   }
@@ -142,7 +162,7 @@ PAGE_JS = r"""
       return r.json().catch(function () { return null; });
     }).then(function (answer) {
       show(box, action, status, answer);
-      return refreshArtifacts();
+      return Promise.all([refreshArtifacts(), refreshAgents()]);
     }).catch(function (err) {
       box.textContent = "";
       box.appendChild(el("div", {"class": "head failed"}, [action + ": " + err]));

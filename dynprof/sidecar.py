@@ -534,8 +534,9 @@ def _job_section(job: str, rows: list[dict[str, Any]], read_only: bool) -> str:
     pids = ",".join(str(a["pid"]) for a in rows)
     title = f"job {html.escape(job)}" if job else "processes without a job id"
     body = "".join(
-        f"<tr><td>{a['rank'] if a['rank'] is not None else '-'}</td><td>{html.escape(str(a.get('host') or '-'))}</td>"
-        f"<td>{a['pid']}</td><td>{a.get('step') if a.get('step') is not None else '-'}</td>"
+        f"<tr data-pid='{a['pid']}'><td>{a['rank'] if a['rank'] is not None else '-'}</td>"
+        f"<td>{html.escape(str(a.get('host') or '-'))}</td>"
+        f"<td>{a['pid']}</td><td class='step'>{a.get('step') if a.get('step') is not None else '-'}</td>"
         f"<td class='state'>{html.escape(a['state'])}</td><td>{human_age(a['age_s'])}</td>"
         f"<td><code>{html.escape(' '.join(a['cmdline'])[:100])}</code></td></tr>"
         for a in rows

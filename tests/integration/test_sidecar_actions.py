@@ -539,6 +539,8 @@ def test_page_buttons_trace_and_show_merged_stacks(sidecar, train, browser, dynp
     assert browser.eval(f"{section}.querySelectorAll('tr').length") == 2  # header + the one rank
     assert browser.eval(f"{section}.querySelector('td.state').textContent") == "idle"
 
+    step_before = int(browser.eval(f"{section}.querySelector('td.step').textContent"))
+
     # WHEN "Trace" is clicked for 2 steps
     browser.eval(f"{section}.querySelector('input.steps').value = '2'")
     browser.eval(f"{section}.querySelector('button[data-action=start]').click()")
@@ -552,7 +554,8 @@ def test_page_buttons_trace_and_show_merged_stacks(sidecar, train, browser, dynp
     assert len(traces) == 1
     art = artifact_id(str(traces[0].parent), dynprof_dirs["artifacts"])
     assert href == "/artifact/" + quote(art)
-    # AND the artifacts table was refreshed with it
+    # AND the ranks' steps and the artifacts table were refreshed
+    assert int(browser.eval(f"{section}.querySelector('td.step').textContent")) >= step_before + 2
     browser.wait_for(f"document.getElementById('artifacts').textContent.includes({json.dumps(art)})")
     code, _, page = side.request("GET", href)
     assert code == 200 and b"trace.json.gz" in page
