@@ -187,6 +187,11 @@ class ServeCommand:
     def run(self, args: argparse.Namespace) -> int:
         if bool(args.certfile) != bool(args.keyfile):
             raise errors.UsageError("give --certfile and --keyfile together (TLS needs both)")
+        if args.max_actions >= args.threads:
+            raise errors.UsageError(
+                f"--max-actions {args.max_actions} needs --threads above it (now {args.threads})",
+                help="The page, the listings and /healthz need a free thread while actions run.",
+            )
         try:
             from dynprof.sidecar import create_app
         except ImportError as exc:

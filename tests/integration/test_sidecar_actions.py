@@ -415,6 +415,9 @@ def test_tls_with_a_self_signed_certificate(sidecar, tmp_path, cli):
     # AND a certificate without its key is a usage error
     half = cli("serve", "--port", str(free_port()), "--token", TOKEN, "--certfile", str(cert), timeout=60)
     assert half.returncode == 2 and "--certfile and --keyfile together" in half.stderr
+    # AND as many action slots as threads would leave no thread for /healthz: refused too
+    crowded = cli("serve", "--port", str(free_port()), "--token", TOKEN, "--threads", "4", "--max-actions", "4")
+    assert crowded.returncode == 2 and "needs --threads above it" in crowded.stderr
 
 
 # -- the page, in a real headless Chromium ----------------------------------------------------------
