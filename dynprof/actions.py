@@ -334,6 +334,12 @@ class _Routed(io.TextIOBase):
         return getattr(self._real, "encoding", "utf-8") or "utf-8"
 
 
+def in_action() -> bool:
+    """True while a command runs as a sidecar's action (on this thread or one it started): such
+    a command acts on its own node only, never fanning out again."""
+    return _SINK.get() is not None
+
+
 def install_capture() -> None:
     """Route sys.stdout and sys.stderr through per-context buffers (idempotent)."""
     with _install_lock:

@@ -148,3 +148,13 @@ def test_stopping_kills_running_children_and_starts_no_more(monkeypatch):
     assert time.monotonic() - t0 < 5
     assert actions._run_child(["healthcheck"], 60)[0] == 9
     assert not actions._children
+
+
+def test_a_command_knows_it_runs_as_an_action(monkeypatch):
+    import dynprof.cli
+
+    seen = []
+    monkeypatch.setattr(dynprof.cli, "main", lambda argv: seen.append(actions.in_action()) or 0)
+    assert not actions.in_action()
+    run_action("ps", {})
+    assert seen == [True] and not actions.in_action()
