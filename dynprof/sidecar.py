@@ -111,10 +111,11 @@ def allowed_hosts(bound: str) -> set[str]:
         unspecified = ipaddress.ip_address(_strip_port(bound)).is_unspecified
     except ValueError:
         unspecified = False
-    if unspecified:  # bound to every address: this machine's own names too
+    if unspecified:  # bound to every address: this machine's own names too, short and long
         for name in (socket.gethostname(), socket.getfqdn()):
             if name:
                 names.add(name.lower())
+                names.add(name.lower().split(".", 1)[0])
     return names
 
 
@@ -277,15 +278,17 @@ def create_app(
     read_only: bool = False,
     refusals: RefusalLog | None = None,
     run_action: Callable[..., dict[str, Any]] | None = None,
+    extra_hosts: Iterable[str] = (),
 ) -> Flask:
     """The sidecar's app. ``token`` is required on every request but ``/healthz``; ``None``
     turns the check off, which only tests of the page itself do (``dynprof serve`` always sets
     one). At most ``max_actions`` actions run at once; ``read_only`` refuses those that act on
-    jobs. ``run_action`` replaces :meth:`ActionSlots.run` (tests)."""
+    jobs. ``extra_hosts`` are more names the Host header may carry (DNS aliases of this node).
+    ``run_action`` replaces :meth:`ActionSlots.run` (tests)."""
     app = Flask("dynprof")
     app.config["MAX_CONTENT_LENGTH"] = MAX_REQUEST_BYTES
     store = store or ArtifactStore()
-    names = allowed_hosts(host)
+    names = allowed_hosts(host) | {_strip_port(h) for h in extra_hosts if h.strip()}
     slots = ActionSlots(max_actions)
     runner = run_action or slots.run
     refusals = refusals or RefusalLog()

@@ -181,6 +181,14 @@ class ServeCommand:
             action="store_true",
             help="refuse the actions that act on jobs (start, stop, memory, nccl, healthcheck): 403",
         )
+        parser.add_argument(
+            "--allow-host",
+            action="append",
+            type=host_arg,
+            default=[],
+            metavar="NAME",
+            help="another name of this node that clients may use (a DNS alias; the Host header check); repeatable",
+        )
         parser.add_argument("--certfile", type=path_arg, metavar="PEM", help="serve HTTPS with this certificate")
         parser.add_argument("--keyfile", type=path_arg, metavar="PEM", help="the certificate's private key")
 
@@ -201,7 +209,13 @@ class ServeCommand:
         except ImportError as exc:
             raise errors.Unsupported(f"the HTTP server needs cheroot: {exc}", help="pip install cheroot") from None
         token, source = resolve_token(args.token, args.token_file)
-        app = create_app(token=token, host=args.host, max_actions=args.max_actions, read_only=args.read_only)
+        app = create_app(
+            token=token,
+            host=args.host,
+            max_actions=args.max_actions,
+            read_only=args.read_only,
+            extra_hosts=args.allow_host,
+        )
         server = build_server(app, args.host, args.port, args.threads, args.certfile, args.keyfile)
         try:
             server.prepare()  # binds

@@ -253,3 +253,17 @@ def test_refusal_log_lines_carry_no_token_and_are_rate_limited(store):
     client.get("/api/v1/info")
     assert "7 more refused request(s) not logged" in out.getvalue()
     assert out.getvalue().splitlines()[-1].startswith("dynprof serve: refused 401 (missing token)")
+
+
+def test_aliases_of_this_node_pass_the_host_check(store, monkeypatch):
+    import socket
+
+    # GIVEN a node whose host name is long, while the job's node list names it short
+    monkeypatch.setattr(socket, "gethostname", lambda: "node-5.cluster.example")
+    monkeypatch.setattr(socket, "getfqdn", lambda name="": "node-5.cluster.example")
+    client = create_app(store, token="t" * 20, host="0.0.0.0", extra_hosts=["gpu-05.alias.example"]).test_client()
+    # THEN the short name, the long name and the given alias pass; other names do not
+    for host in ("node-5:8787", "node-5.cluster.example", "gpu-05.alias.example:8787"):
+        assert client.get("/api/v1/info", headers={**AUTH, "Host": host}).status_code == 200, host
+    for host in ("node-6", "evil.example", "node-5.evil.example"):
+        assert client.get("/api/v1/info", headers={**AUTH, "Host": host}).status_code == 400, host
