@@ -32,6 +32,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TextIO
 
@@ -227,7 +228,7 @@ def run_action(
     name: str,
     params: dict[str, Any] | None = None,
     timeout: float | None = None,
-    release: Any = None,
+    release: Callable[[], Any] | None = None,
 ) -> dict[str, Any]:
     """Run one action and return the sidecar's answer::
 
@@ -371,7 +372,7 @@ def run_captured(argv: list[str]) -> tuple[int, str, str]:
     return code, out.getvalue(), err.getvalue()
 
 
-def _run_bounded(argv: list[str], limit: float, release: Any) -> tuple[int, str, str]:
+def _run_bounded(argv: list[str], limit: float, release: Callable[[], Any] | None) -> tuple[int, str, str]:
     """:func:`run_captured` on a thread of its own, waited for at most ``limit`` seconds."""
     box: list[tuple[int, str, str]] = []
     ctx = contextvars.copy_context()
