@@ -57,7 +57,10 @@ PAGE_JS = r"""
     (result.groups || []).forEach(function (grp, i) {
       var who = grp.label + " (" + grp.size + " process" + (grp.size === 1 ? "" : "es") + ")";
       var head = [el("span", {"class": "who"}, [who]), " " + (grp.headline || "")];
-      if (grp.outlier) { head.push(el("strong", {"class": "failed"}, [" \u2190 odd one out"])); }
+      if (grp.outlier) {
+        var odd = (grp.odd && grp.odd.length) ? ": " + grp.odd.join(", ") : "";
+        head.push(el("strong", {"class": "failed"}, [" \u2190 odd one out" + odd]));
+      }
       if (grp.diverges_at) { head.push(" \u2014 departs at " + frameText(grp.diverges_at)); }
       var frames = el("pre", {}, [(grp.frames || []).map(frameText).join("\n")]);
       var details = el("details", {}, [el("summary", {}, ["main-thread stack"]), frames]);
@@ -67,6 +70,27 @@ PAGE_JS = r"""
     var failures = result.failures || {};
     Object.keys(failures).forEach(function (k) {
       box.appendChild(el("div", {"class": "failed"}, [k + ": " + failures[k]]));
+    });
+    return box;
+  }
+
+  function agentsView(result) {
+    var rows = [el("tr", {}, ["RANK", "NODE", "HOST", "PID", "STEP", "STATE"].map(function (h) {
+      return el("th", {}, [h]);
+    }))];
+    (result.agents || []).forEach(function (a) {
+      rows.push(el("tr", {}, [a.rank, a.node, a.host, a.pid, a.step, a.state].map(function (v) {
+        return el("td", {}, [v === null || v === undefined ? "-" : String(v)]);
+      })));
+    });
+    return el("table", {"class": "agents"}, rows);
+  }
+
+  function nodesView(result) {
+    var box = el("div", {"class": "nodes-answers"}, []);
+    (result.nodes || []).forEach(function (n) {
+      var text = "node " + n.node + ": " + (n.ok ? "ok" : (n.error || ("exit " + n.exit_code)));
+      box.appendChild(el("div", {"class": n.ok ? "ok" : "failed"}, [text]));
     });
     return box;
   }
@@ -89,7 +113,17 @@ PAGE_JS = r"""
     var ok = answer.exit_code === 0;
     box.appendChild(el("div", {"class": "head " + (ok ? "ok" : "failed")},
                        [action + ": exit " + answer.exit_code + " in " + answer.elapsed_s + " s on " + answer.host]));
-    var paths = artifactsOf(answer.result);
+    var jobWide = answer.result && Array.isArray(answer.result.nodes);
+    if (jobWide) {
+      box.appendChild(nodesView(answer.result));
+      var remote = el("ul", {"class": "artifacts"}, []);
+      (answer.result.artifacts || []).forEach(function (a) {
+        remote.appendChild(el("li", {}, [a.node + ": ", el("code", {}, [String(a.path)])]));
+      });
+      if (remote.childNodes.length) { box.appendChild(remote); }
+    }
+    if (action === "ps" && answer.result) { box.appendChild(agentsView(answer.result)); }
+    var paths = jobWide ? [] : artifactsOf(answer.result);
     if (paths.length) {
       var list = el("ul", {"class": "artifacts"}, []);
       paths.forEach(function (p) { list.appendChild(el("li", {}, [artifactLink(p)])); });
@@ -142,6 +176,10 @@ PAGE_JS = r"""
     if (job) { options.job = job; } else {
       options.pid = section.getAttribute("data-pids").split(",").map(Number);
     }
+    var hostsInput = section.querySelector("input.hosts");
+    var hosts = hostsInput ? hostsInput.value.split(",").map(function (h) { return h.trim(); })
+      .filter(function (h) { return h; }) : [];
+    if (hosts.length) { options.hosts = hosts; }
     if (action === "start") {
       var steps = parseInt(section.querySelector("input.steps").value, 10);
       if (!(steps >= 1)) { steps = 1; }

@@ -50,7 +50,7 @@ from werkzeug.exceptions import HTTPException
 
 from dynprof import __version__
 from dynprof._sidecar_page import PAGE_JS, PAGE_STYLE
-from dynprof.actions import ACTIONS, API_VERSION, ActionError, ActionsBusy, ActionSlots
+from dynprof.actions import ACTIONS, API_VERSION, ActionError, ActionsBusy, ActionSlots, FanoutConfig
 from dynprof.cli._common import human_age, human_bytes
 from dynprof.cli.ps import agent_rows
 from dynprof.cli.show import render, render_html
@@ -279,17 +279,19 @@ def create_app(
     refusals: RefusalLog | None = None,
     run_action: Callable[..., dict[str, Any]] | None = None,
     extra_hosts: Iterable[str] = (),
+    fanout: FanoutConfig | None = None,
 ) -> Flask:
     """The sidecar's app. ``token`` is required on every request but ``/healthz``; ``None``
     turns the check off, which only tests of the page itself do (``dynprof serve`` always sets
     one). At most ``max_actions`` actions run at once; ``read_only`` refuses those that act on
     jobs. ``extra_hosts`` are more names the Host header may carry (DNS aliases of this node).
+    ``fanout`` lets actions take ``hosts`` (a job-wide view through the other nodes' sidecars).
     ``run_action`` replaces :meth:`ActionSlots.run` (tests)."""
     app = Flask("dynprof")
     app.config["MAX_CONTENT_LENGTH"] = MAX_REQUEST_BYTES
     store = store or ArtifactStore()
     names = allowed_hosts(host) | {_strip_port(h) for h in extra_hosts if h.strip()}
-    slots = ActionSlots(max_actions)
+    slots = ActionSlots(max_actions, fanout)
     runner = run_action or slots.run
     refusals = refusals or RefusalLog()
     csrf = secrets.token_urlsafe(32)  # per server; the page carries it, a cross-site page cannot read it
@@ -394,6 +396,7 @@ def create_app(
                 "actions": _allowed_actions(),
                 "read_only": read_only,
                 "max_actions": max_actions,
+                "job_wide": fanout is not None,
             }
         )
 
@@ -473,7 +476,7 @@ def create_app(
         jobs: dict[str, list[dict[str, Any]]] = {}
         for a in agents:
             jobs.setdefault(str(a["job"]) if a["job"] else "", []).append(a)
-        sections = "".join(_job_section(job, rows, read_only) for job, rows in sorted(jobs.items()))
+        sections = "".join(_job_section(job, rows, read_only, fanout is not None) for job, rows in sorted(jobs.items()))
         if not sections:
             sections = "<p>no agents on this node</p>"
         rows_arts = "".join(_artifact_row(a) for a in arts) or "<tr><td colspan=5>no artifacts yet</td></tr>"
@@ -531,8 +534,9 @@ def _artifact_row(a: Artifact) -> str:
     )
 
 
-def _job_section(job: str, rows: list[dict[str, Any]], read_only: bool) -> str:
-    """One job: its ranks (host, pid, step, state) and the buttons that act on all of them."""
+def _job_section(job: str, rows: list[dict[str, Any]], read_only: bool, job_wide: bool) -> str:
+    """One job: its ranks (host, pid, step, state) and the buttons that act on all of them;
+    with ``job_wide``, a field naming the job's other nodes, which the buttons then reach too."""
     rows = sorted(rows, key=lambda a: (a["rank"] is None, a["rank"] or 0, a["pid"]))
     pids = ",".join(str(a["pid"]) for a in rows)
     title = f"job {html.escape(job)}" if job else "processes without a job id"
@@ -545,11 +549,18 @@ def _job_section(job: str, rows: list[dict[str, Any]], read_only: bool) -> str:
         for a in rows
     )
     disabled = " disabled title='read-only sidecar'" if read_only else ""
+    nodes = (
+        "<div class=nodes><label>nodes of the job <input class=hosts size=60 "
+        "placeholder='this node only; or HOST[:PORT],... (each running dynprof serve)'></label> "
+        "<button class=act data-action=ps>Ranks on these nodes</button></div>"
+        if job_wide and job
+        else ""
+    )
     return (
         f"<section class=job data-job='{html.escape(job)}' data-pids='{pids}'>"
         f"<h3>{title} <small>{len(rows)} process(es)</small></h3>"
         f"<table><tr><th>RANK</th><th>HOST</th><th>PID</th><th>STEP</th><th>STATE</th><th>AGE</th><th>COMMAND</th></tr>"
-        f"{body}</table><div class=acts>"
+        f"{body}</table>{nodes}<div class=acts>"
         f"<label>steps <input class=steps type=number min=1 max=1000000 value=3></label> "
         f"<button class=act data-action=start{disabled}>Trace</button> "
         f"<button class=act data-action=stacks>Take stacks</button> "

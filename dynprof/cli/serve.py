@@ -15,6 +15,7 @@ carries it. Actions (traces, stacks, snapshots, ...) run at most --max-actions a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ipaddress
 import os
 import secrets
@@ -189,6 +190,12 @@ class ServeCommand:
             metavar="NAME",
             help="another name of this node that clients may use (a DNS alias; the Host header check); repeatable",
         )
+        parser.add_argument(
+            "--cacert",
+            type=path_arg,
+            metavar="PEM",
+            help="for job-wide actions (their 'hosts'), reach the other nodes' sidecars over https trusting this CA",
+        )
         parser.add_argument("--certfile", type=path_arg, metavar="PEM", help="serve HTTPS with this certificate")
         parser.add_argument("--keyfile", type=path_arg, metavar="PEM", help="the certificate's private key")
 
@@ -209,12 +216,14 @@ class ServeCommand:
         except ImportError as exc:
             raise errors.Unsupported(f"the HTTP server needs cheroot: {exc}", help="pip install cheroot") from None
         token, source = resolve_token(args.token, args.token_file)
+        fanout, own_file = _fanout_config(token, source, args.cacert)
         app = create_app(
             token=token,
             host=args.host,
             max_actions=args.max_actions,
             read_only=args.read_only,
             extra_hosts=args.allow_host,
+            fanout=fanout,
         )
         server = build_server(app, args.host, args.port, args.threads, args.certfile, args.keyfile)
         try:
@@ -227,7 +236,28 @@ class ServeCommand:
         if source != "generated":
             print(f"dynprof: token from {source}", file=sys.stderr)
         sys.stderr.flush()
-        return _serve_until_signalled(server)
+        try:
+            return _serve_until_signalled(server)
+        finally:
+            if own_file:
+                with contextlib.suppress(OSError):
+                    os.unlink(own_file)
+
+
+def _fanout_config(token: str, source: str, cacert: str | None) -> tuple[Any, str | None]:
+    """How job-wide actions reach the other nodes: with this sidecar's token file (the nodes of
+    a job share one token). A token given on the command line or generated is written to a file
+    of mode 0600 in the private run directory for the life of the server (second value)."""
+    from dynprof.actions import FanoutConfig
+    from dynprof.paths import run_dir
+
+    if source not in ("--token", "generated"):
+        return FanoutConfig(os.path.abspath(source), cacert), None
+    path = os.path.join(run_dir(), f"serve-{os.getpid()}.token")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(token + "\n")
+    return FanoutConfig(path, cacert), path
 
 
 def _serve_until_signalled(server: Any) -> int:

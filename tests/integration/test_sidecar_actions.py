@@ -87,17 +87,21 @@ class Sidecar:
 
 @pytest.fixture
 def sidecar(dynprof_dirs, tmp_path) -> Iterator[Callable[..., Sidecar]]:
-    """``sidecar(*serve_args, tls=None)`` starts `dynprof serve` over this test's run dir and
-    store; it is stopped (SIGTERM) at the end."""
+    """``sidecar(*serve_args, tls=None, env=None)`` starts `dynprof serve` over this test's run
+    dir and store (or those ``env`` names); it is stopped (SIGTERM) at the end."""
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN + "\n")
     token_file.chmod(0o600)
     started: list[Sidecar] = []
 
-    def start(*args: str, tls: ssl.SSLContext | None = None) -> Sidecar:
+    def start(*args: str, tls: ssl.SSLContext | None = None, env: dict[str, str] | None = None) -> Sidecar:
         port = free_port()
         stderr = tmp_path / f"serve-{port}.stderr"
-        env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        env = {
+            **os.environ,
+            **(env or {}),
+            "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        }
         with open(stderr, "wb") as err:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "dynprof", "serve", "--port", str(port), "--token-file", str(token_file), *args],
@@ -577,3 +581,56 @@ def test_page_buttons_trace_and_show_merged_stacks(sidecar, train, browser, dynp
     assert "main (" in frames and "train_program.py" in frames, frames
     # AND no request the page made was refused (token cookie and CSRF value were enough)
     assert "refused" not in side.stderr(), side.stderr()
+
+
+# -- job-wide: the page asks its own sidecar, which asks the other nodes' -----------------------------
+def _cli_fans_out() -> bool:
+    proc = subprocess.run([sys.executable, "-m", "dynprof", "ps", "--help"], capture_output=True, text=True, cwd=ROOT)
+    return "--hosts" in proc.stdout
+
+
+@pytest.mark.skipif(not _cli_fans_out(), reason="this dynprof's CLI has no --hosts fan-out yet")
+def test_job_wide_view_through_one_sidecar(sidecar, spawn, browser, tmp_path):
+    # GIVEN two "nodes" on this machine: each a sidecar with its own run dir and store, and one
+    # rank of job JOB; and a third address where nothing answers
+    nodes = []
+    for name in ("a", "b"):
+        dirs = {"DYNPROF_RUN_DIR": tempfile.mkdtemp(prefix=f"dp-{name}-"), "DYNPROF_ARTIFACT_DIR": str(tmp_path / name)}
+        target = spawn([PROGRAM, "--step-sleep", "0.01"], env={**dirs, "DYNPROF_JOB_ID": JOB})
+        (pid,) = target.ready_pids()
+        nodes.append((sidecar(env=dirs), pid, dirs))
+    (a, pid_a, dirs_a), (b, pid_b, _) = nodes
+    down = f"127.0.0.1:{free_port()}"
+    hosts = [f"127.0.0.1:{a.port}", f"127.0.0.1:{b.port}"]
+    try:
+        # WHEN node a is asked for the job's ranks and stacks on both nodes (and one down)
+        code, ps = a.action("ps", {"job": JOB, "hosts": [*hosts, down]}, timeout=30)
+        code_stacks, stacks = a.action("stacks", {"job": JOB, "hosts": hosts}, timeout=60)
+
+        # THEN both ranks are listed, each with its node, and the node down is named
+        assert code == 200, ps
+        assert sorted(r["pid"] for r in ps["result"]["agents"]) == sorted([pid_a, pid_b])
+        by_node = {n["node"]: n for n in ps["result"]["nodes"]}
+        assert by_node[down]["ok"] is False and by_node[down]["error"]
+        assert all(by_node[h]["ok"] for h in hosts)
+        # AND the stacks of both nodes are merged into one grouped view
+        assert code_stacks == 200 and stacks["exit_code"] == 0, stacks
+        members = sorted(m["pid"] for g in stacks["result"]["groups"] for m in g["members"])
+        assert members == sorted([pid_a, pid_b])
+
+        # WHEN the page of node a is asked the same, its field naming both nodes
+        browser.goto(f"http://127.0.0.1:{a.port}/?token={TOKEN}")
+        section = f"document.querySelector('section.job[data-job=\"{JOB}\"]')"
+        browser.eval(f"{section}.querySelector('input.hosts').value = {json.dumps(','.join(hosts))}")
+        browser.eval(f"{section}.querySelector('button[data-action=ps]').click()")
+        browser.wait_for(f"{section}.getAttribute('data-state') === 'done'")
+        # THEN it shows the ranks of both nodes
+        rows = browser.eval(f"Array.from({section}.querySelectorAll('.result table.agents tr')).length")
+        assert rows == 3  # header + one rank per node
+        browser.eval(f"{section}.setAttribute('data-state', '')")
+        browser.eval(f"{section}.querySelector('button[data-action=stacks]').click()")
+        browser.wait_for(f"{section}.getAttribute('data-state') === 'done'")
+        text = browser.eval(f"{section}.querySelector('.result').innerText")
+        assert "stacks: exit 0" in text and f"node 127.0.0.1:{b.port}: ok" in text, text
+    finally:
+        shutil.rmtree(dirs_a["DYNPROF_RUN_DIR"], ignore_errors=True)

@@ -158,3 +158,61 @@ def test_a_command_knows_it_runs_as_an_action(monkeypatch):
     assert not actions.in_action()
     run_action("ps", {})
     assert seen == [True] and not actions.in_action()
+
+
+# -- job-wide actions: `hosts` ----------------------------------------------------------------------
+def test_hosts_become_the_commands_own_hosts_flag():
+    from dynprof.actions import FanoutConfig
+
+    fanout = FanoutConfig("/run/token", cacert="/etc/ca.pem")
+    assert argv_for("stacks", {"job": "j", "hosts": ["node-1", "node-2:9000", "[::1]:8787"]}, fanout) == [
+        "stacks",
+        "--hosts=node-1,node-2:9000,[::1]:8787",
+        "--cacert=/etc/ca.pem",
+        "--job=j",
+        "--json",
+    ]
+    for bad in (["a b"], ["a,b"], [], "node-1", [1], ["node:99999"], ["x/y"]):
+        with pytest.raises(ActionError, match="hosts"):
+            argv_for("ps", {"hosts": bad}, fanout)
+    with pytest.raises(ActionError, match="no token file"):
+        argv_for("ps", {"hosts": ["node-1"]}, None)
+    with pytest.raises(ActionError, match="this node only"):
+        argv_for("healthcheck", {"hosts": ["node-1"]}, fanout)
+
+
+def test_hosts_is_never_among_the_options_the_fan_out_forwards():
+    # the fan-out sends a node exactly the action's options: `hosts` must not be one of them,
+    # so a node asked by a fan-out never fans out again
+    for name, action in actions.ACTIONS.items():
+        assert "hosts" not in action.options, name
+        assert "hostfile" not in action.options and "token_file" not in action.options, name
+    assert {n for n, a in actions.ACTIONS.items() if a.fans_out} == {
+        "ps",
+        "ls",
+        "stacks",
+        "start",
+        "stop",
+        "memory",
+        "nccl",
+    }
+
+
+def test_a_job_wide_action_runs_in_a_child_with_the_sidecars_token_file(monkeypatch):
+    from dynprof.actions import FanoutConfig
+
+    calls = []
+
+    def child(argv, timeout, extra_env=None):
+        calls.append((argv, timeout, extra_env))
+        return 0, '{"nodes": [], "agents": []}', ""
+
+    monkeypatch.setattr(actions, "_run_child", child)
+    monkeypatch.setattr(actions, "run_captured", lambda argv: pytest.fail("ran in the sidecar's process"))
+    slots = ActionSlots(1, FanoutConfig("/run/dynprof/token"))
+    answer = slots.run("ps", {"job": "j", "hosts": ["node-1", "node-2"]}, timeout=20)
+    assert answer["exit_code"] == 0 and answer["result"] == {"nodes": [], "agents": []}
+    ((argv, timeout, env),) = calls
+    assert argv == ["ps", "--hosts=node-1,node-2", "--job=j", "--timeout=20.0", "--json"]
+    assert env == {"DYNPROF_TOKEN_FILE": "/run/dynprof/token"} and timeout == 20.0
+    assert slots._sem.acquire(blocking=False)  # the slot was given back

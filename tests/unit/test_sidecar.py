@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from dynprof.cli.serve import _is_loopback
@@ -267,3 +269,25 @@ def test_aliases_of_this_node_pass_the_host_check(store, monkeypatch):
         assert client.get("/api/v1/info", headers={**AUTH, "Host": host}).status_code == 200, host
     for host in ("node-6", "evil.example", "node-5.evil.example"):
         assert client.get("/api/v1/info", headers={**AUTH, "Host": host}).status_code == 400, host
+
+
+def test_job_wide_actions_need_a_token_file_to_reach_other_nodes(store, tmp_path, dynprof_dirs):
+    import stat
+
+    from dynprof.actions import FanoutConfig
+    from dynprof.cli.serve import _fanout_config
+
+    # a token from a file: that file; a generated one: a private file in the run directory
+    token_file = tmp_path / "token"
+    assert _fanout_config("t" * 20, str(token_file), None) == (FanoutConfig(str(token_file)), None)
+    config, own = _fanout_config("g" * 24, "generated", "/ca.pem")
+    assert own is not None and config.token_file == own and config.cacert == "/ca.pem"
+    assert open(own).read().strip() == "g" * 24 and stat.S_IMODE(os.stat(own).st_mode) == 0o600
+    assert os.path.dirname(own) == str(dynprof_dirs["run"])
+    # without a fan-out configuration, `hosts` is a 400; with one, info says so
+    client = create_app(store, token="t" * 20).test_client()
+    r = client.post("/api/v1/actions/ps", json={"options": {"hosts": ["node-1"]}}, headers=AUTH)
+    assert r.status_code == 400 and "no token file" in r.get_json()["error"]
+    assert client.get("/api/v1/info", headers=AUTH).get_json()["job_wide"] is False
+    wide = create_app(store, token="t" * 20, fanout=config).test_client()
+    assert wide.get("/api/v1/info", headers=AUTH).get_json()["job_wide"] is True
