@@ -245,10 +245,7 @@ def _hosts_args(name: str, action: Action, hosts: Any, fanout: FanoutConfig | No
         except errors.DynprofError as exc:
             raise ActionError(f"option 'hosts': {exc.message}") from None
     if fanout is None:
-        raise ActionError(
-            "this sidecar cannot reach other nodes: it has no token file for them "
-            "(start `dynprof serve` with --token-file, or drop 'hosts')"
-        )
+        raise ActionError("this sidecar does not reach other nodes (dynprof serve --no-job-wide): drop 'hosts'")
     argv = [f"--hosts={','.join(h.strip() for h in hosts)}"]
     if fanout.cacert:
         argv.append(f"--cacert={fanout.cacert}")

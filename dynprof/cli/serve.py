@@ -191,6 +191,11 @@ class ServeCommand:
             help="another name of this node that clients may use (a DNS alias; the Host header check); repeatable",
         )
         parser.add_argument(
+            "--no-job-wide",
+            action="store_true",
+            help="refuse 'hosts' in actions: this sidecar never connects to other nodes' sidecars",
+        )
+        parser.add_argument(
             "--cacert",
             type=path_arg,
             metavar="PEM",
@@ -216,7 +221,7 @@ class ServeCommand:
         except ImportError as exc:
             raise errors.Unsupported(f"the HTTP server needs cheroot: {exc}", help="pip install cheroot") from None
         token, source = resolve_token(args.token, args.token_file)
-        fanout, own_file = _fanout_config(token, source, args.cacert)
+        fanout, own_file = (None, None) if args.no_job_wide else _fanout_config(token, source, args.cacert)
         app = create_app(
             token=token,
             host=args.host,

@@ -195,6 +195,7 @@ def test_actions_answer_with_the_clis_json(sidecar, train, dynprof_dirs):
     assert status == 200
     assert info["api"] == 1 and info["dynprof_version"] and info["host"]
     assert {"ps", "stacks", "start", "stop", "memory", "nccl", "ls", "healthcheck"} <= set(info["actions"])
+    assert info["job_wide"] is True
     # AND each action's answer wraps exactly what the CLI's --json prints
     for (code, answer), (cli_code, cli) in ((http_ps, cli_ps), (http_stacks, cli_stacks), (http_start, cli_start)):
         assert code == 200, answer
@@ -338,8 +339,8 @@ def test_csrf_value_is_required_from_a_browser(sidecar, train):
 
 
 def test_read_only_sidecar_refuses_actions_that_change_jobs(sidecar, train):
-    # GIVEN a read-only sidecar
-    side = sidecar("--read-only")
+    # GIVEN a read-only sidecar that never reaches other nodes
+    side = sidecar("--read-only", "--no-job-wide")
     # WHEN a trace is asked, THEN 403 and nothing is started; reading actions still answer
     code, answer = side.action("start", {"job": JOB, "steps": 2})
     assert code == 403 and "read-only" in answer["error"]
@@ -349,6 +350,10 @@ def test_read_only_sidecar_refuses_actions_that_change_jobs(sidecar, train):
     assert code == 200 and answer["result"]["agents"][0]["state"] == "idle"
     info = json.loads(side.request("GET", "/api/v1/info")[2])
     assert info["read_only"] is True and "start" not in info["actions"] and "ps" in info["actions"]
+    # AND a job-wide ask is refused before anything runs
+    assert info["job_wide"] is False
+    code, answer = side.action("ps", {"job": JOB, "hosts": ["127.0.0.1:1"]})
+    assert code == 400 and "does not reach other nodes" in answer["error"]
 
 
 def test_busy_slots_answer_429_with_retry_after(sidecar, train):

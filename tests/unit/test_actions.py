@@ -175,7 +175,7 @@ def test_hosts_become_the_commands_own_hosts_flag():
     for bad in (["a b"], ["a,b"], [], "node-1", [1], ["node:99999"], ["x/y"]):
         with pytest.raises(ActionError, match="hosts"):
             argv_for("ps", {"hosts": bad}, fanout)
-    with pytest.raises(ActionError, match="no token file"):
+    with pytest.raises(ActionError, match="does not reach other nodes"):
         argv_for("ps", {"hosts": ["node-1"]}, None)
     with pytest.raises(ActionError, match="this node only"):
         argv_for("healthcheck", {"hosts": ["node-1"]}, fanout)

@@ -271,7 +271,7 @@ def test_aliases_of_this_node_pass_the_host_check(store, monkeypatch):
         assert client.get("/api/v1/info", headers={**AUTH, "Host": host}).status_code == 400, host
 
 
-def test_job_wide_actions_need_a_token_file_to_reach_other_nodes(store, tmp_path, dynprof_dirs):
+def test_job_wide_actions_reach_other_nodes_with_the_sidecars_token_file(store, tmp_path, dynprof_dirs):
     import stat
 
     from dynprof.actions import FanoutConfig
@@ -287,7 +287,7 @@ def test_job_wide_actions_need_a_token_file_to_reach_other_nodes(store, tmp_path
     # without a fan-out configuration, `hosts` is a 400; with one, info says so
     client = create_app(store, token="t" * 20).test_client()
     r = client.post("/api/v1/actions/ps", json={"options": {"hosts": ["node-1"]}}, headers=AUTH)
-    assert r.status_code == 400 and "no token file" in r.get_json()["error"]
+    assert r.status_code == 400 and "does not reach other nodes" in r.get_json()["error"]
     assert client.get("/api/v1/info", headers=AUTH).get_json()["job_wide"] is False
     wide = create_app(store, token="t" * 20, fanout=config).test_client()
     assert wide.get("/api/v1/info", headers=AUTH).get_json()["job_wide"] is True
