@@ -358,7 +358,10 @@ def create_app(
     @app.errorhandler(HTTPException)
     def _http_error(exc: HTTPException) -> tuple[Response, int]:
         code = exc.code or 500
-        return jsonify({"error": exc.name, "code": code}), code
+        response = jsonify({"error": exc.name, "code": code})
+        if code == 401:
+            response.headers["WWW-Authenticate"] = 'Bearer realm="dynprof"'
+        return response, code
 
     @app.errorhandler(Exception)
     def _bug(exc: Exception) -> tuple[Response, int]:

@@ -56,6 +56,7 @@ def test_paths_outside_the_store_are_not_served(store, tmp_path):
 def test_token_is_required_when_set(store):
     client = create_app(store, token="s3cret").test_client()
     assert client.get("/api/artifacts").status_code == 401
+    assert client.get("/api/v1/info").headers["WWW-Authenticate"] == 'Bearer realm="dynprof"'
     assert client.get("/api/artifacts?token=wrong").status_code == 401
     assert client.get("/api/artifacts?token=s3cret").status_code == 200
     assert client.get("/api/artifacts", headers={"Authorization": "Bearer s3cret"}).status_code == 200
