@@ -19,7 +19,7 @@ from typing import Any
 
 MAX_TENSORS = 200_000  # tensors looked at, in all
 MAX_FRAMES = 40
-MAX_CONTAINER = 256  # items of a list/tuple/dict local looked into
+MAX_CONTAINER = 4096  # items of a list/tuple/dict local looked into
 SIZE_CLASSES = (
     ("< 1 MiB", 1 << 20),
     ("1-16 MiB", 16 << 20),
@@ -35,7 +35,8 @@ OTHERS_HOLD = 0.10  # memory held outside this process's allocator
 OPTIMIZER_DOMINATES = 0.35  # optimizer state's share of allocated memory
 GRADIENTS_DOMINATE = 0.25
 SITE_DOMINATES = 0.40  # one allocation site's share of allocated memory
-ACTIVATIONS_DOMINATE = 0.50  # what is neither parameters, gradients nor optimizer state
+ACTIVATIONS_DOMINATE = 0.50  # what is neither parameters, gradients, optimizer state nor held by frames
+FRAME_DOMINATES = 0.25  # one local of the failing frames (a tensor, or a list of them)
 
 
 def _storage_key(t: Any) -> tuple[int, int, int] | None:
@@ -98,35 +99,42 @@ def job_attribution(frame: Any, optimizers: list[Any]) -> dict[str, Any]:
                     for v in per_param.values():
                         if isinstance(v, tensor_type):
                             out["optimizer_state_bytes"] += count(v)
-        found: list[dict[str, Any]] = []
+        found: dict[tuple[str, str], dict[str, Any]] = {}  # (frame, local name) -> its tensors
         f, depth = frame, 0
         while f is not None and depth < MAX_FRAMES and looked <= MAX_TENSORS:
             where = f"{f.f_code.co_name} ({f.f_code.co_filename}:{f.f_lineno})"
             for name, value in list(f.f_locals.items()):
-                items: list[tuple[str, Any]] = []
                 if isinstance(value, tensor_type):
-                    items = [(name, value)]
+                    items: list[Any] = [value]
                 elif isinstance(value, (list, tuple)):
-                    items = [(f"{name}[{i}]", v) for i, v in enumerate(value[:MAX_CONTAINER])]
+                    items = list(value[:MAX_CONTAINER])
                 elif isinstance(value, dict):
-                    items = [(f"{name}[{k!r}]"[:80], v) for k, v in list(value.items())[:MAX_CONTAINER]]
-                for label, t in items:
-                    if isinstance(t, tensor_type):
-                        size = count(t)
-                        if size:
-                            found.append(
-                                {
-                                    "name": label,
-                                    "frame": where,
-                                    "bytes": size,
-                                    "shape": list(t.shape)[:8],
-                                    "dtype": str(t.dtype).replace("torch.", ""),
-                                }
-                            )
+                    items = list(value.values())[:MAX_CONTAINER]
+                else:
+                    continue
+                for t in items:
+                    if not isinstance(t, tensor_type):
+                        continue
+                    size = count(t)
+                    if not size:
+                        continue
+                    entry = found.setdefault(
+                        (where, name),
+                        {
+                            "name": name if value is t else f"{name} ({type(value).__name__} of tensors)",
+                            "frame": where,
+                            "bytes": 0,
+                            "tensors": 0,
+                            "shape": list(t.shape)[:8],
+                            "dtype": str(t.dtype).replace("torch.", ""),
+                        },
+                    )
+                    entry["bytes"] += size
+                    entry["tensors"] += 1
             f, depth = f.f_back, depth + 1
-        found.sort(key=lambda e: e["bytes"], reverse=True)
-        out["frame_tensors_bytes"] = sum(e["bytes"] for e in found)
-        out["frame_tensors"] = found[:10]
+        ranked = sorted(found.values(), key=lambda e: e["bytes"], reverse=True)
+        out["frame_tensors_bytes"] = sum(e["bytes"] for e in ranked)
+        out["frame_tensors"] = ranked[:10]
         out["complete"] = looked <= MAX_TENSORS
     except Exception as exc:  # at OOM: report what was found, never fail the capture
         out["complete"] = False
@@ -248,13 +256,29 @@ def advise(summary: dict[str, Any]) -> list[dict[str, str]]:
                     "step (zero_grad(set_to_none=True))",
                 }
             )
-        rest = total_allocated - params_b - grads_b - state_b
+        held = [t for t in attribution.get("frame_tensors") or [] if isinstance(t, dict)]
+        frame_b = int(attribution.get("frame_tensors_bytes", 0) or 0)
+        if held and int(held[0].get("bytes", 0)) >= FRAME_DOMINATES * total_allocated:
+            top_held = held[0]
+            many = f" ({top_held.get('tensors')} tensors)" if int(top_held.get("tensors", 1) or 1) > 1 else ""
+            out.append(
+                {
+                    "rule": "held-by-frame",
+                    "reason": f"`{top_held.get('name')}`{many} in {top_held.get('frame')} holds "
+                    f"{_gib(int(top_held['bytes']))}, {int(top_held['bytes']) / total_allocated * 100:.0f} % of "
+                    f"the {_gib(total_allocated)} allocated",
+                    "advice": "check whether it must stay alive: a list that grows every step (losses or "
+                    "outputs kept without .item() or .detach().cpu()) is a leak",
+                }
+            )
+        rest = total_allocated - params_b - grads_b - state_b - frame_b
         if attribution.get("optimizers") and rest >= ACTIVATIONS_DOMINATE * total_allocated:
             out.append(
                 {
                     "rule": "activations",
                     "reason": f"{_gib(rest)} ({rest / total_allocated * 100:.0f} %) of the allocated memory is "
-                    "neither parameters, gradients nor optimizer state: activations and temporaries",
+                    "neither parameters, gradients, optimizer state nor held by the failing frames' locals: "
+                    "activations and temporaries",
                     "advice": "use activation checkpointing, a smaller micro-batch (with gradient "
                     "accumulation), or a shorter sequence length",
                 }

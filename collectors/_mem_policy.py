@@ -46,6 +46,8 @@ class HistoryPolicy:
         """The name shown in ``Status.memory_history`` and artifact manifests."""
         if self.mode == "off":
             return "off"
+        if self.mode == "window":
+            return "window"
         if self.mode == "auto":
             return "auto" if self.budget == DEFAULT_BUDGET else f"auto:{self.budget * 100:g}%"
         if self.mode == "state":

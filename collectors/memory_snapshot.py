@@ -682,9 +682,17 @@ def format_summary(summary: dict[str, Any], top: int = 10) -> str:
     sites = summary.get("top_sites") or []
     if sites:
         lines.append("")
-        lines.append(
-            f"top allocation sites (live blocks, by bytes){'' if summary.get('stacks_recorded') else ' — no stacks: memory history was off'}:"
-        )
+        if not summary.get("stacks_recorded"):
+            note = " — no stacks: memory history was off"
+        elif str(summary.get("memory_history", "")).startswith("auto"):
+            with_stack = sum(s["bytes"] for s in sites if s["site"] != NO_STACK)
+            note = (
+                " — sampled: `auto` records stacks in windows, so only blocks allocated during one have a site"
+                f" ({_b(with_stack)} of the top sites' bytes)"
+            )
+        else:
+            note = ""
+        lines.append(f"top allocation sites (live blocks, by bytes){note}:")
         for s in sites[:top]:
             lines.append(f"  {_b(s['bytes']):>11}  {s['blocks']:>6} blocks  {s['site']}")
     largest = summary.get("largest_blocks") or []
@@ -710,8 +718,9 @@ def format_summary(summary: dict[str, Any], top: int = 10) -> str:
             f"({att.get('optimizers', 0)} optimizers); tensors in the failing frames {_b(att.get('frame_tensors_bytes'))}"
         )
         for t in (att.get("frame_tensors") or [])[:5]:
+            many = f" {t.get('tensors')} tensors, e.g." if int(t.get("tensors", 1) or 1) > 1 else ""
             lines.append(
-                f"  {_b(t.get('bytes')):>11}  {t.get('name')} {t.get('dtype')}{t.get('shape')}  in {t.get('frame')}"
+                f"  {_b(t.get('bytes')):>11}  {t.get('name')}{many} {t.get('dtype')}{t.get('shape')}  in {t.get('frame')}"
             )
     advice = summary.get("advice") or []
     if advice:

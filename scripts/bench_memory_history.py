@@ -37,7 +37,7 @@ from collectors._mem_policy import apply, parse_policy
 
 WORKLOADS = {
     # name: (layers, width, hidden, batch tokens)
-    "launch": (24, 128, 256, 64),
+    "launch": (8, 256, 512, 128),
     "small": (12, 1024, 4096, 2048),
     "gpu": (8, 2048, 8192, 8192),
 }
@@ -142,16 +142,25 @@ def main(argv: list[str] | None = None) -> int:
         "all the time); off is always the baseline",
     )
     parser.add_argument("--workloads", default="launch,small,gpu")
-    parser.add_argument("--seconds", type=float, default=3.0, help="timed seconds per round")
-    parser.add_argument("--warmup-seconds", type=float, default=1.0, help="untimed seconds after each switch")
+    parser.add_argument("--seconds", type=float, default=1.5, help="timed seconds per round")
+    parser.add_argument("--warmup-seconds", type=float, default=0.6, help="untimed seconds after each switch")
+    parser.add_argument(
+        "--no-pin", action="store_true", help="do not pin the process to one CPU (pinning steadies launch-bound loops)"
+    )
     parser.add_argument("--warmup", type=int, default=8, help="untimed steps before the first round")
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--no-dump", action="store_true", help="skip the snapshot-cost measurement")
     parser.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
     args = parser.parse_args(argv)
 
+    import gc
+
     import torch
 
+    if not args.no_pin and hasattr(os, "sched_setaffinity"):
+        cpus = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cpus[len(cpus) // 2]})
+    gc.freeze()  # the loops' own garbage only; no collection of start-up objects mid-round
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -197,7 +206,10 @@ def main(argv: list[str] | None = None) -> int:
             f"{events_per_step} allocator events per step; {torch.cuda.get_device_name(device)}, "
             f"torch {torch.__version__}"
         )
-        print(f"{'policy':<16} {'mean step ms':>13} {'ratio vs off':>13} {'paired min-max':>16}   what it recorded")
+        print(
+            f"{'policy':<16} {'mean step ms':>13} {'ratio vs off':>13} {'paired median':>14} "
+            f"{'paired IQR':>16} {'paired min-max':>16}   what it recorded"
+        )
         for name in names:
             med = statistics.median(means[name])
             paired = [m / b for m, b in zip(means[name], means["off"])]
@@ -209,9 +221,11 @@ def main(argv: list[str] | None = None) -> int:
                 "round_means_ms": [round(m * 1000, 4) for m in means[name]],
                 "recorded": plans.get(name),
             }
+            q = statistics.quantiles(paired, n=4) if len(paired) > 1 else [paired[0]] * 3
+            rows[name]["paired_median"] = round(statistics.median(paired), 4)
             print(
-                f"{name:<16} {med * 1000:>13.3f} {med / base:>13.4f} "
-                f"{min(paired):>7.4f}-{max(paired):<8.4f}   {plans.get(name)}",
+                f"{name:<16} {med * 1000:>13.3f} {med / base:>13.4f} {statistics.median(paired):>14.4f} "
+                f"{q[0]:>7.4f}-{q[2]:<8.4f} {min(paired):>7.4f}-{max(paired):<8.4f}   {plans.get(name)}",
                 flush=True,
             )
         if not args.no_dump:

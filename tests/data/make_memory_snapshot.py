@@ -25,7 +25,17 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=str(ROOT / "tests" / "data"))
+    parser.add_argument(
+        "--leak-policy",
+        action="append",
+        default=[],
+        metavar="POLICY",
+        help="instead: the launch-bound leaking loop (oom_leak_program.py) under this history policy, "
+        "copied to OUT/memory_leak_<policy>_artifact (repeatable)",
+    )
     args = parser.parse_args()
+    if args.leak_policy:
+        return max(_leak(args.out, policy) for policy in args.leak_policy)
     with tempfile.TemporaryDirectory() as tmp:
         env = dict(
             os.environ,
@@ -66,6 +76,32 @@ def main() -> int:
         shutil.copytree(manifests[0].parent, dest)
         for f in sorted(dest.iterdir()):
             print(f"{f.name}: {f.stat().st_size} bytes")
+    return 0
+
+
+def _leak(out: str, policy: str) -> int:
+    with tempfile.TemporaryDirectory() as tmp:
+        env = dict(
+            os.environ,
+            DYNPROF_ARTIFACT_DIR=str(Path(tmp) / "art"),
+            DYNPROF_RUN_DIR=str(Path(tmp) / "run"),
+            PYTHONUNBUFFERED="1",
+        )
+        cmd = [sys.executable, "-m", "dynprof", "run", "--memory-history", policy, "--job-id", "testdata", "--"]
+        cmd += [sys.executable, str(ROOT / "tests/integration/programs/oom_leak_program.py")]
+        cmd += ["--workload", "launch", "--warmup-seconds", "3", "--leak-mb", "2", "--limit-gb", "0.5"]
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        print(proc.stdout[-1000:])
+        print(proc.stderr[-2000:], file=sys.stderr)
+        manifests = list((Path(tmp) / "art").rglob("manifest.json"))
+        if len(manifests) != 1:
+            print(f"{policy}: expected one artifact, found {len(manifests)}", file=sys.stderr)
+            return 1
+        dest = Path(out) / f"memory_leak_{policy.replace(':', '_').replace('%', '')}_artifact"
+        shutil.rmtree(dest, ignore_errors=True)
+        shutil.copytree(manifests[0].parent, dest)
+        for f in sorted(dest.iterdir()):
+            print(f"{policy} {f.name}: {f.stat().st_size} bytes")
     return 0
 
 

@@ -33,18 +33,17 @@ def test_auto_policy_chooses_within_budget_and_the_oom_report_attributes_memory(
     target = spawn([PROGRAM, "--workload", workload, "--warmup-seconds", "4", "--leak-mb", leak_mb, "--limit-gb", cap])
     (pid,) = target.ready_pids()
 
-    # WHEN the agent has measured the loop
+    # WHEN the agent has measured the loop at speed (its first look may be of a cold start)
     client = AgentClient.for_pid(pid)
-    deadline = time.monotonic() + 20
+    time.sleep(2.5)
     status = client.status()
-    while "recording" not in status.memory_history_detail and time.monotonic() < deadline:
-        time.sleep(0.2)
-        status = client.status()
 
     # THEN it says which policy it runs and why
     assert status.memory_history == "auto", status
     print(f"\n[{workload}] agent: {status.memory_history_detail}")
     assert "budget" in status.memory_history_detail
+    if workload == "launch":  # ~100 000 allocator events/s: recording all the time is over budget
+        assert "of the time" in status.memory_history_detail, status.memory_history_detail
 
     # WHEN the loop leaks until CUDA runs out of memory
     rc = target.proc.wait(timeout=300)
@@ -65,4 +64,9 @@ def test_auto_policy_chooses_within_budget_and_the_oom_report_attributes_memory(
     assert "remember" in (art.path / "stack.txt").read_text() or "train_step" in (art.path / "stack.txt").read_text()
     assert summary["size_classes"] and isinstance(summary["advice"], list)
     assert summary["capture"]["total_s"] < 2.0
+    # AND the leak is named: by the local that holds it, and (sampled) by its allocation site
+    rules = {a["rule"]: a for a in summary["advice"]}
+    if workload == "launch":
+        assert "held-by-frame" in rules and "`kept`" in rules["held-by-frame"]["reason"], summary["advice"]
+    assert any("in remember" in s["site"] for s in summary["top_sites"]), summary["top_sites"]
     print(f"[{workload}] OOM report ({art.path}):\n{format_summary(summary)}")

@@ -95,6 +95,25 @@ def test_optimizer_state_and_gradients_dominating_are_named():
     assert "activations" in {a["rule"] for a in advise(s)}
 
 
+def test_a_local_holding_much_of_the_memory_is_named_and_not_called_activations():
+    summary = json.loads((DATA / "memory_oom_artifact" / "summary.json").read_text())
+    total = summary["totals"]["allocated_bytes"]
+    s = copy.deepcopy(summary)
+    s["attribution"] = {
+        "optimizers": 1,
+        "parameters_bytes": 0,
+        "gradients_bytes": 0,
+        "optimizer_state_bytes": 0,
+        "frame_tensors_bytes": total * 9 // 10,
+        "frame_tensors": [
+            {"name": "kept (list of tensors)", "frame": "main (train.py:40)", "bytes": total * 9 // 10, "tensors": 700}
+        ],
+    }
+    rules = {a["rule"]: a for a in advise(s)}
+    assert "held-by-frame" in rules and "activations" not in rules
+    assert "700 tensors" in rules["held-by-frame"]["reason"] and "90 %" in rules["held-by-frame"]["reason"]
+
+
 def test_no_figures_no_advice():
     assert advise({}) == []
     assert advise({"devices": [], "totals": {}, "top_sites": []}) == []
