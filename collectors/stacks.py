@@ -468,16 +468,17 @@ class Group:
     diverges_at: Frame | None = None  # this group's frame where it departs from group 1
     reference_at: Frame | None = None  # group 1's frame at that depth
     outlier: bool = False
+    by_host: bool = False  # name each member's host (processes of several nodes)
 
     @property
     def labels(self) -> str:
-        return rank_labels(self.members)
+        return rank_labels(self.members, by_host=self.by_host)
 
     def headline(self) -> str:
         return headline(self.frames)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        d: dict[str, Any] = {
             "ranks": [m.rank for m in self.members],
             "pids": [m.pid for m in self.members],
             "label": self.labels,
@@ -488,6 +489,9 @@ class Group:
             "diverges_at": asdict(self.diverges_at) if self.diverges_at else None,
             "reference_at": asdict(self.reference_at) if self.reference_at else None,
         }
+        if self.by_host:
+            d["hosts"] = [m.host for m in self.members]
+        return d
 
 
 def stack_key(frames: Sequence[Frame]) -> tuple[tuple[str, str, int], ...]:
@@ -529,8 +533,9 @@ def _divergence(frames: Sequence[Frame], reference: Sequence[Frame]) -> tuple[Fr
     return None, None
 
 
-def group_processes(processes: Iterable[ProcessStacks]) -> list[Group]:
-    """Group processes by identical main-thread stack, largest group first (ties: lowest rank)."""
+def group_processes(processes: Iterable[ProcessStacks], by_host: bool = False) -> list[Group]:
+    """Group processes by identical main-thread stack, largest group first (ties: lowest rank).
+    With ``by_host`` (processes of several nodes), labels name each member's host."""
     buckets: dict[tuple[tuple[str, str, int], ...], list[ProcessStacks]] = {}
     frames_of: dict[tuple[tuple[str, str, int], ...], list[Frame]] = {}
     for p in processes:
@@ -546,7 +551,8 @@ def group_processes(processes: Iterable[ProcessStacks]) -> list[Group]:
         return (-len(members), first.rank if first.rank is not None else 1 << 30, first.pid)
 
     groups = [
-        Group(members=sorted(m, key=_sort_key), frames=frames_of[k]) for k, m in sorted(buckets.items(), key=order)
+        Group(members=sorted(m, key=_sort_key), frames=frames_of[k], by_host=by_host)
+        for k, m in sorted(buckets.items(), key=order)
     ]
     if len(groups) > 1:
         reference = groups[0]
@@ -560,8 +566,21 @@ def _sort_key(p: ProcessStacks) -> tuple[int, int]:
     return (p.rank if p.rank is not None else 1 << 30, p.pid)
 
 
-def rank_labels(members: Sequence[ProcessStacks]) -> str:
-    """``ranks 0-6``, ``rank 7``, ``ranks 0,2,5-7``, or pids where ranks are unknown."""
+MAX_HOSTS_NAMED = 4
+
+
+def rank_labels(members: Sequence[ProcessStacks], by_host: bool = False) -> str:
+    """``ranks 0-6``, ``rank 7``, ``ranks 0,2,5-7``, or pids where ranks are unknown. With
+    ``by_host``: ``rank 37 on node-5``, ``ranks 0-7 on node-1, ranks 8-15 on node-2``, or past
+    a few hosts ``ranks 0-511 on 64 nodes``."""
+    if by_host:
+        hosts: dict[str, list[ProcessStacks]] = {}
+        for m in members:
+            hosts.setdefault(m.host or "?", []).append(m)
+        if len(hosts) > MAX_HOSTS_NAMED:
+            return f"{rank_labels(members)} on {len(hosts)} nodes"
+        order = sorted(hosts.items(), key=lambda kv: min(_sort_key(m) for m in kv[1]))
+        return ", ".join(f"{rank_labels(ms)} on {host}" for host, ms in order)
     ranks = sorted(m.rank for m in members if m.rank is not None)
     pids = sorted(m.pid for m in members if m.rank is None)
     parts = []

@@ -19,6 +19,7 @@ Exit codes are stable and documented in the README:
  9    timed out waiting for the target
 10    the target is not a Python process (``dynprof stacks``)
 11    reading the target's memory from outside (ptrace) was refused and no agent could answer
+12    with --hosts: some node's sidecar did not answer (the others' results are still printed)
 ====  ======================================================
 """
 
@@ -105,6 +106,13 @@ class PtraceRefused(PermissionDenied):
     """Reading a process from outside was refused (and no in-process agent could answer)."""
 
     exit_code = 11
+
+
+class NodesFailed(DynprofError):
+    """Some node of a command over many nodes did not answer (docs/many-nodes.md)."""
+
+    exit_code = 12
+    default_help = "Start `dynprof serve` on that node, or check its address, port, token and certificate."
 
 
 class ArtifactError(DynprofError):

@@ -61,7 +61,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         description="Non-intrusive runtime profiler and diagnostics for PyTorch training jobs.",
         epilog="Exit codes: 0 ok, 1 error, 2 usage, 3 no such process, 4 permission denied, "
         "5 no agent, 6 busy, 7 unsupported in the target, 8 agent error, 9 timed out, 10 not a Python process, "
-        "11 ptrace refused and no agent to fall back on; a closed output pipe (`| head`) ends a command quietly "
+        "11 ptrace refused and no agent to fall back on, 12 with --hosts: some node did not answer; a closed output pipe (`| head`) ends a command quietly "
         "(with its own code once it has one, else 0). "
         "`dynprof healthcheck` has its own: 0 healthy, 1 warning, 2 unhealthy, 3 could not run.",
     )

@@ -11,6 +11,7 @@ import argparse
 import sys
 
 from dynprof.cli._common import add_json, bounded_int, human_bytes, print_json, printable, table
+from dynprof.cli._node_args import add_many_node_args, nodes_requested
 from dynprof.store import ArtifactStore
 
 
@@ -25,8 +26,14 @@ class LsCommand:
         )
         parser.add_argument("--all", action="store_true", help="also list artifacts still being written")
         add_json(parser)
+        add_many_node_args(parser, fetch=True)
 
     def run(self, args: argparse.Namespace) -> int:
+        nodes = nodes_requested(args)
+        if nodes is not None:
+            from dynprof.cli import _many_nodes
+
+            return _many_nodes.ls(args, nodes)
         store = ArtifactStore()
         arts, bad = store.scan(job=args.job, kind=args.kind)
         if args.limit:

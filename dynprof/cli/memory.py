@@ -20,6 +20,7 @@ from dynprof.cli._common import (
     seconds,
     table,
 )
+from dynprof.cli._node_args import add_many_node_args, nodes_requested
 from dynprof.client import AgentClient
 from dynprof.proto import pb
 
@@ -57,8 +58,14 @@ class MemoryCommand:
             "--timeout", type=seconds, default=300.0, help="seconds to wait for each process's snapshot (default 300)"
         )
         add_json(parser)
+        add_many_node_args(parser, fetch=True)
 
     def run(self, args: argparse.Namespace) -> int:
+        nodes = nodes_requested(args)
+        if nodes is not None:
+            from dynprof.cli import _many_nodes
+
+            return _many_nodes.plain("memory", args, nodes)
         if args.history_start is not None and args.history_start <= 0:
             raise errors.UsageError("--history-start N needs N > 0 events", help="Use --history-stop to stop.")
         records = resolve_agents(args)

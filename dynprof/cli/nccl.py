@@ -29,6 +29,7 @@ from dynprof.cli._common import (
     resolve_agents,
     seconds,
 )
+from dynprof.cli._node_args import add_many_node_args, nodes_requested
 from dynprof.registry import AgentRecord, read_record
 
 
@@ -46,8 +47,14 @@ class NcclCommand:
             "--timeout", type=seconds, default=15.0, metavar="SEC", help="per-rank limit for a dump (default 15)"
         )
         add_json(parser)
+        add_many_node_args(parser, fetch=True)
 
     def run(self, args: argparse.Namespace) -> int:
+        nodes = nodes_requested(args)
+        if nodes is not None:
+            from dynprof.cli import _many_nodes
+
+            return _many_nodes.nccl(args, nodes)
         from collectors import flight_recorder as fr
         from dynprof.store import ArtifactStore
 
@@ -102,8 +109,16 @@ class NcclCommand:
             raise
         elapsed = time.monotonic() - t0
         if args.json:
+            # The artifact's id under the store: `nccl --hosts` reads every rank's dump from it
+            # through each node's sidecar and analyses the dumps of all nodes together.
             print_json(
-                {"artifact": str(art.path), "elapsed_s": round(elapsed, 3), "analysis": analysis, "notes": notes}
+                {
+                    "artifact": str(art.path),
+                    "artifact_id": art.id,
+                    "elapsed_s": round(elapsed, 3),
+                    "analysis": analysis,
+                    "notes": notes,
+                }
             )
         else:
             print(printable_lines(fr.render_analysis(analysis)), end="")

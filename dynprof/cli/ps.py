@@ -15,6 +15,7 @@ from typing import Any
 
 from dynprof import errors
 from dynprof.cli._common import add_json, human_age, parallel, print_json, printable, seconds, table
+from dynprof.cli._node_args import add_many_node_args, nodes_requested
 from dynprof.client import AgentClient
 from dynprof.registry import AgentRecord, list_records
 
@@ -57,6 +58,14 @@ def agent_rows(records: list[AgentRecord], timeout: float) -> list[dict[str, Any
                 memory_history=status.memory_history,
                 memory_history_detail=status.memory_history_detail or None,
                 last_artifact=status.trace.last_artifact or None,
+                # what `start --hosts` follows a trace by, node by node
+                trace={
+                    "group_id": status.trace.group_id or None,
+                    "start_step": status.trace.start_step,
+                    "steps_done": status.trace.steps_done,
+                    "last_artifact_status": status.trace.last_artifact_status or None,
+                    "last_error": status.trace.last_error or None,
+                },
             )
         rows.append(row)
     return rows
@@ -69,8 +78,14 @@ class PsCommand:
         parser.add_argument("--job", help="only this job's agents")
         parser.add_argument("--timeout", type=seconds, default=1.0, help="seconds to wait for each agent (default 1)")
         add_json(parser)
+        add_many_node_args(parser)
 
     def run(self, args: argparse.Namespace) -> int:
+        nodes = nodes_requested(args)
+        if nodes is not None:
+            from dynprof.cli import _many_nodes
+
+            return _many_nodes.ps(args, nodes)
         records = list_records()
         if args.job:
             records = [r for r in records if r.job_id == args.job]

@@ -33,6 +33,7 @@ from dynprof.cli._common import (
     resolve_agents,
     seconds,
 )
+from dynprof.cli._node_args import add_many_node_args, nodes_requested
 from dynprof.registry import AgentRecord, read_record
 
 METHODS = ("auto", "py-spy", "pystack", "agent")
@@ -77,9 +78,15 @@ class StacksCommand:
         parser.add_argument("--no-save", action="store_true", help="print only; do not save an artifact")
         parser.add_argument("--full", action="store_true", help="also print every process's dump, all threads")
         add_json(parser)
+        add_many_node_args(parser, fetch=True)
 
     # -- entry ---------------------------------------------------------------------------------
     def run(self, args: argparse.Namespace) -> int:
+        nodes = nodes_requested(args)
+        if nodes is not None:
+            from dynprof.cli import _many_nodes
+
+            return _many_nodes.stacks(args, nodes)
         from collectors import stacks as st
 
         chosen = [x for x in (args.pid, args.job, args.all, args.core) if x]
@@ -123,6 +130,9 @@ class StacksCommand:
                             "fallback_reason": p.fallback_reason,
                             "fallback_help": p.fallback_help,
                             "threads": len(p.threads),
+                            "job": p.job,
+                            "host": p.host,
+                            "main_thread": _main_thread_json(p),
                         }
                         for p in processes
                     ],
@@ -311,6 +321,25 @@ class StacksCommand:
         writer = ArtifactStore().create(KIND, job=job, options=options)
         summary = write_request_artifact(writer, processes, failures)
         return writer.finish("partial" if failures else "complete", summary=summary)
+
+
+MAX_JSON_FRAMES = 512
+
+
+def _main_thread_json(p: Any) -> dict[str, Any] | None:
+    """The main thread's stack (innermost first, without locals): what a merged view over
+    many nodes groups by (``stacks --hosts``)."""
+    from dataclasses import asdict
+
+    main = p.main_thread()
+    if main is None:
+        return None
+    return {
+        "tid": main.tid,
+        "name": main.name,
+        "holds_gil": main.holds_gil,
+        "frames": [{**asdict(f), "locals": None} for f in main.frames[:MAX_JSON_FRAMES]],
+    }
 
 
 def _comm(pid: int) -> str:

@@ -36,6 +36,7 @@ from dynprof.cli._common import (
     resolve_agents,
     seconds,
 )
+from dynprof.cli._node_args import add_many_node_args, nodes_requested
 from dynprof.client import AgentClient
 from dynprof.proto import pb
 from dynprof.registry import AgentRecord
@@ -143,8 +144,14 @@ class StartCommand:
             help="give up waiting after SEC seconds (the trace goes on and ends by itself)",
         )
         add_json(parser)
+        add_many_node_args(parser, fetch=True)
 
     def run(self, args: argparse.Namespace) -> int:
+        nodes = nodes_requested(args)
+        if nodes is not None:
+            from dynprof.cli import _many_nodes
+
+            return _many_nodes.start(args, nodes)
         if args.at_step is not None and args.duration is not None:
             raise errors.UsageError("--at-step applies to step mode, not to --duration")
         records = resolve_agents(args)

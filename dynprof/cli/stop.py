@@ -21,6 +21,7 @@ from dynprof.cli._common import (
     resolve_agents,
     seconds,
 )
+from dynprof.cli._node_args import add_many_node_args, nodes_requested
 from dynprof.client import AgentClient
 from dynprof.proto import pb
 
@@ -34,8 +35,14 @@ class StopCommand:
         parser.add_argument("--no-wait", action="store_true", help="do not wait for the artifact")
         parser.add_argument("--timeout", type=seconds, default=120.0, help="seconds to wait for the artifacts")
         add_json(parser)
+        add_many_node_args(parser)
 
     def run(self, args: argparse.Namespace) -> int:
+        nodes = nodes_requested(args)
+        if nodes is not None:
+            from dynprof.cli import _many_nodes
+
+            return _many_nodes.plain("stop", args, nodes)
         records = resolve_agents(args)
         clients = [AgentClient.for_record(r) for r in records]
         replies = parallel(lambda c: c.request(stop_trace=pb.StopTraceRequest()), clients)

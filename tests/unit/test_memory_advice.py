@@ -144,3 +144,32 @@ def test_attribution_is_bounded(monkeypatch):
     opt = torch.optim.SGD(params, lr=0.1)
     out = job_attribution(None, [opt])
     assert not out["complete"] and out["tensors_looked_at"] <= 10
+
+
+@pytest.mark.parametrize("policy", ["auto", "off"])
+def test_leak_oom_captured_on_h200_names_the_list_holding_the_leak(policy):
+    # GIVEN the launch-bound loop that leaks 2 MiB a step until its 0.5 GiB cap, captured on an
+    # H200 under each policy (tests/data/make_memory_snapshot.py --leak-policy auto/off)
+    art = DATA / f"memory_leak_{policy}_artifact"
+    stored = json.loads((art / "summary.json").read_text())
+    snapshot = load_snapshot(art / "snapshot.pickle")
+
+    # WHEN the advice is computed again from the snapshot and the stored attribution
+    summary = summarize_snapshot(snapshot)
+    summary.update(failing_allocation=stored["failing_allocation"], attribution=stored["attribution"])
+    advice = advise(summary)
+
+    # THEN it is the advice the agent wrote at the OOM, naming the leaking list with its size
+    assert advice == stored["advice"]
+    (held,) = [a for a in advice if a["rule"] == "held-by-frame"]
+    assert "`kept (list of tensors)` (210 tensors)" in held["reason"] and "0.41 GiB" in held["reason"]
+    assert "activations" not in {a["rule"] for a in advice}
+
+
+def test_auto_samples_the_leak_site_and_off_has_no_stacks():
+    auto = json.loads((DATA / "memory_leak_auto_artifact" / "summary.json").read_text())
+    off = json.loads((DATA / "memory_leak_off_artifact" / "summary.json").read_text())
+    assert auto["stacks_recorded"] and any("in remember" in s["site"] for s in auto["top_sites"])
+    assert not off["stacks_recorded"] and [s["site"] for s in off["top_sites"]] == ["(no Python stack recorded)"]
+    manifest = json.loads((DATA / "memory_leak_auto_artifact" / "manifest.json").read_text())
+    assert "of the time" in manifest["options"]["memory_history_detail"]

@@ -1,0 +1,452 @@
+"""Call one action on the sidecars (`dynprof serve`) of many nodes at once.
+
+The HTTP API of a sidecar (version 1)::
+
+    GET  /api/v1/info                        {"api": 1, "dynprof_version", "host", "actions"}
+    POST /api/v1/actions/<name>              {"options": {...}, "timeout": s} ->
+         {"api": 1, "action", "host", "dynprof_version", "exit_code", "result", "messages", "elapsed_s"}
+    GET  /api/v1/artifacts/<id>              {"id", "manifest", ...}
+    GET  /api/v1/artifacts/<id>/files/<name> the file
+
+Requests carry ``Authorization: Bearer TOKEN``; with a CA file (``--cacert``) they go over
+https and the sidecar's certificate is verified against it. At most ``max_in_flight`` nodes
+are asked at once; each has its own deadline (connecting, then reading, both within the
+timeout). A 429 (busy) is retried once, after its Retry-After when that fits the deadline.
+
+Every answer is untrusted: its size is bounded, its shape checked, and anything else becomes a
+failure with a reason a person can act on, never an exception out of here.
+
+    >>> client = SidecarClient(token)                                  # doctest: +SKIP
+    >>> answers = client.action_all(nodes, "ps", {"job": "j1"})          # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import hashlib
+import http.client
+import json
+import os
+import re
+import socket
+import ssl
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+from dynprof import __version__
+from dynprof._safe_io import loads_json
+from dynprof.discovery import Node
+from dynprof.errors import ArtifactError
+from dynprof.units import human_bytes
+
+API_VERSION = 1
+DEFAULT_MAX_IN_FLIGHT = 64
+DEFAULT_NODE_TIMEOUT_S = 10.0
+MAX_ANSWER_BYTES = 80 * 1024 * 1024  # a sidecar's action output is capped at 64 MiB, plus the envelope
+MAX_SMALL_ANSWER_BYTES = 1024 * 1024  # info, errors, manifests
+MAX_FILE_BYTES = 64 * 1024**3
+MAX_MESSAGES = 200
+MAX_RETRY_AFTER_S = 30.0
+_CHUNK = 1 << 16
+_SAFE_SEGMENT = re.compile(r"[A-Za-z0-9_.@+-]{1,255}")
+_NAME_MISMATCH = (62, 64)  # OpenSSL's X509_V_ERR_HOSTNAME_MISMATCH, X509_V_ERR_IP_ADDRESS_MISMATCH
+
+
+class NodeFailure(Exception):
+    """A node did not answer usefully; ``reason`` says why in a person's words."""
+
+    def __init__(self, reason: str, status: int | None = None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.status = status
+
+
+@dataclass
+class NodeAnswer:
+    """One node's answer to an action, or why there is none (``error`` set, ``answered`` False)."""
+
+    node: Node
+    answered: bool
+    host: str | None = None
+    exit_code: int | None = None
+    result: Any = None
+    messages: list[str] = field(default_factory=list)
+    error: str | None = None
+    elapsed_s: float = 0.0
+    dynprof_version: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.answered and self.exit_code == 0
+
+    def command_error(self) -> str | None:
+        """The command's own error, when it ran and failed (from its ``--json`` error document,
+        else its last stderr line)."""
+        if not self.answered or self.exit_code == 0:
+            return None
+        if isinstance(self.result, dict) and isinstance(self.result.get("error"), dict):
+            message = self.result["error"].get("message")
+            if isinstance(message, str):
+                return message[:2000]
+        for line in reversed(self.messages):
+            if line.startswith("dynprof: error: "):
+                return line[len("dynprof: error: ") :]
+        return self.messages[-1] if self.messages else None
+
+    def summary(self, label: str) -> dict[str, Any]:
+        return {
+            "node": label,
+            "host": self.host,
+            "ok": self.ok,
+            "answered": self.answered,
+            "error": self.error or self.command_error(),
+            "exit_code": self.exit_code,
+            "elapsed_s": round(self.elapsed_s, 3),
+            "messages": self.messages,  # what the command wrote on stderr there
+        }
+
+
+def tls_context(cacert: str) -> ssl.SSLContext:
+    """Verify the sidecars' certificates against ``cacert`` (a PEM file of CA or self-signed certs)."""
+    from dynprof import errors
+
+    try:
+        return ssl.create_default_context(cafile=cacert)
+    except (OSError, ssl.SSLError) as exc:
+        raise errors.UsageError(
+            f"cannot use the CA file {cacert}: {exc}",
+            help="Give a PEM file holding the CA that signed the sidecars' certificates.",
+        ) from None
+
+
+class SidecarClient:
+    """Talks to sidecars over HTTP(S): one action on many nodes, artifact files back."""
+
+    def __init__(
+        self,
+        token: str,
+        *,
+        tls: ssl.SSLContext | None = None,
+        timeout: float = DEFAULT_NODE_TIMEOUT_S,
+        max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+    ) -> None:
+        self.token = token
+        self.tls = tls
+        self.timeout = timeout
+        self.max_in_flight = max(1, max_in_flight)
+
+    # -- one request ------------------------------------------------------------------------
+    def _connection(self, node: Node, timeout: float) -> http.client.HTTPConnection:
+        if self.tls is not None:
+            return http.client.HTTPSConnection(node.host, node.port, timeout=timeout, context=self.tls)
+        return http.client.HTTPConnection(node.host, node.port, timeout=timeout)
+
+    def _request(
+        self,
+        node: Node,
+        method: str,
+        path: str,
+        body: bytes | None,
+        deadline: float,
+        max_bytes: int,
+        sink: Any = None,
+    ) -> tuple[int, dict[str, str], bytes]:
+        """(status, headers, body) of one request, all of it before ``deadline``; the body goes
+        to ``sink.write`` instead when given. Raises :class:`NodeFailure`."""
+        total = max(0.05, deadline - time.monotonic())
+        conn = self._connection(node, min(total, self.timeout))
+        phase = "connecting to"
+        try:
+            conn.connect()
+            phase = "waiting for"
+            if conn.sock is not None:
+                conn.sock.settimeout(max(0.05, deadline - time.monotonic()))
+            headers = {
+                "Authorization": f"Bearer {self.token}",
+                "Accept": "application/json",
+                "User-Agent": f"dynprof/{__version__}",
+            }
+            if body is not None:
+                headers["Content-Type"] = "application/json"
+            conn.request(method, path, body=body, headers=headers)
+            resp = conn.getresponse()
+            phase = "reading the answer of"
+            got: list[bytes] = []
+            size = 0
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError()
+                if conn.sock is not None:
+                    conn.sock.settimeout(left)
+                chunk = resp.read(_CHUNK)
+                if not chunk:
+                    break
+                size += len(chunk)
+                if size > max_bytes:
+                    raise NodeFailure(f"the answer is over {human_bytes(max_bytes)}: refused", resp.status)
+                if sink is not None and resp.status == 200:
+                    sink.write(chunk)
+                else:
+                    got.append(chunk)
+            if resp.length:  # a Content-Length the connection's end fell short of
+                raise NodeFailure(f"the answer of {node} was cut off ({resp.length} bytes missing)", resp.status)
+            return resp.status, {k.lower(): v for k, v in resp.getheaders()}, b"".join(got)
+        except NodeFailure:
+            raise
+        except ConnectionRefusedError:
+            raise NodeFailure(f"connection refused: is `dynprof serve` running on {node}?") from None
+        except TimeoutError:
+            raise NodeFailure(
+                f"timed out after {total:.3g} s {phase} {node}"
+                + (" (the node is down, or a firewall drops the port)" if phase == "connecting to" else "")
+            ) from None
+        except socket.gaierror as exc:
+            raise NodeFailure(f"unknown host {node.host}: {exc.strerror or exc}") from None
+        except ssl.SSLCertVerificationError as exc:
+            if exc.verify_code in _NAME_MISMATCH:
+                raise NodeFailure(
+                    f"the TLS certificate of {node} does not name {node.host} ({exc.verify_message}); "
+                    "name the node as its certificate does"
+                ) from None
+            raise NodeFailure(
+                f"the TLS certificate of {node} is not trusted: {exc.verify_message or exc}; "
+                "give the CA that signed it with --cacert"
+            ) from None
+        except ssl.SSLError as exc:
+            raise NodeFailure(f"TLS failed with {node} ({exc.reason or exc}): does its sidecar serve https?") from None
+        except (http.client.BadStatusLine, http.client.RemoteDisconnected, ConnectionResetError) as exc:
+            hint = "" if self.tls is not None else "; if the sidecar serves https, give --cacert"
+            raise NodeFailure(f"no HTTP answer from {node} ({type(exc).__name__}){hint}") from None
+        except (http.client.HTTPException, ValueError) as exc:
+            raise NodeFailure(f"a malformed HTTP answer from {node}: {type(exc).__name__}: {str(exc)[:200]}") from None
+        except OSError as exc:
+            raise NodeFailure(f"connection to {node} failed: {exc}") from None
+        finally:
+            conn.close()
+
+    def _call_json(
+        self, node: Node, method: str, path: str, payload: Any, deadline: float, max_bytes: int
+    ) -> dict[str, Any]:
+        """A JSON request with one retry on 429; the answer's JSON object, or :class:`NodeFailure`."""
+        body = None if payload is None else json.dumps(payload).encode()
+        for attempt in (1, 2):
+            status, headers, data = self._request(node, method, path, body, deadline, max_bytes)
+            if status == 429 and attempt == 1:
+                wait = _retry_after(headers.get("retry-after"))
+                if time.monotonic() + wait < deadline - 0.5:
+                    time.sleep(wait)
+                    continue
+            if status != 200:
+                raise NodeFailure(_http_reason(node, status, data, path), status)
+            try:
+                doc = loads_json(data, f"the answer of {node} to {path}")
+            except ArtifactError as exc:
+                raise NodeFailure(f"not a dynprof sidecar: {exc.message}") from None
+            if not isinstance(doc, dict):
+                raise NodeFailure(f"not a dynprof sidecar: {node} answered {path} with JSON that is not an object")
+            api = doc.get("api")
+            if api != API_VERSION and "api" in doc:
+                raise NodeFailure(f"api version {_short(api)} on {node}, this CLI speaks {API_VERSION}")
+            return doc
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    # -- the API ----------------------------------------------------------------------------
+    def info(self, node: Node) -> dict[str, Any]:
+        deadline = time.monotonic() + self.timeout
+        doc = self._call_json(node, "GET", "/api/v1/info", None, deadline, MAX_SMALL_ANSWER_BYTES)
+        if doc.get("api") != API_VERSION:
+            raise NodeFailure(f"not a dynprof sidecar: {node} gave no api version")
+        return doc
+
+    def action(self, node: Node, name: str, options: dict[str, Any], timeout: float | None = None) -> NodeAnswer:
+        """Run action ``name`` on ``node``; ``timeout`` bounds the action on the node, and the
+        node then has this client's timeout more to answer."""
+        started = time.monotonic()
+        deadline = started + self.timeout + (timeout or 0.0)
+        payload: dict[str, Any] = {"options": options}
+        if timeout is not None:
+            payload["timeout"] = timeout
+        try:
+            doc = self._call_json(
+                node, "POST", f"/api/v1/actions/{quote(name, safe='')}", payload, deadline, MAX_ANSWER_BYTES
+            )
+            return _answer(node, doc, name, time.monotonic() - started)
+        except NodeFailure as exc:
+            return NodeAnswer(node, False, error=exc.reason, elapsed_s=time.monotonic() - started)
+
+    def action_all(
+        self,
+        nodes: Sequence[Node],
+        name: str,
+        options: dict[str, Any],
+        timeout: float | None = None,
+    ) -> list[NodeAnswer]:
+        """``action`` on every node, at most ``max_in_flight`` at once; answers in node order."""
+        if not nodes:
+            return []
+        with ThreadPoolExecutor(max_workers=min(self.max_in_flight, len(nodes))) as pool:
+            return list(pool.map(lambda n: self.action(n, name, options, timeout), nodes))
+
+    def artifact(self, node: Node, artifact_id: str) -> dict[str, Any]:
+        check_artifact_id(artifact_id)
+        deadline = time.monotonic() + self.timeout
+        doc = self._call_json(node, "GET", "/api/v1/artifacts/" + quote(artifact_id), None, deadline, MAX_ANSWER_BYTES)
+        if not isinstance(doc.get("manifest"), dict):
+            raise NodeFailure(f"not a dynprof sidecar: the artifact {artifact_id} of {node} has no manifest")
+        return doc
+
+    def download(
+        self, node: Node, artifact_id: str, name: str, dest: Path, size: int, sha256: str, timeout: float
+    ) -> None:
+        """Copy one file of an artifact to ``dest``, checking its size and sha256 against the
+        manifest's; nothing is left at ``dest`` when they differ."""
+        check_artifact_id(artifact_id)
+        check_file_name(name)
+        tmp = dest.with_name(f".{dest.name}.part")
+        digest = hashlib.sha256()
+
+        class Sink:
+            def __init__(self, fh: Any) -> None:
+                self.fh = fh
+
+            def write(self, chunk: bytes) -> None:
+                digest.update(chunk)
+                self.fh.write(chunk)
+
+        path = f"/api/v1/artifacts/{quote(artifact_id)}/files/{quote(name, safe='')}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                try:
+                    status, _, data = self._request(
+                        node, "GET", path, None, time.monotonic() + timeout, min(size, MAX_FILE_BYTES), Sink(fh)
+                    )
+                except NodeFailure as exc:
+                    raise NodeFailure(f"{artifact_id}/{name}: {exc.reason}", exc.status) from None
+            if status != 200:
+                raise NodeFailure(_http_reason(node, status, data, path), status)
+            got = tmp.stat().st_size
+            if got != size:
+                raise NodeFailure(f"{artifact_id}/{name}: {got} bytes arrived, the manifest says {size}")
+            if digest.hexdigest() != sha256:
+                raise NodeFailure(f"{artifact_id}/{name}: sha256 differs from the manifest's")
+            os.replace(tmp, dest)
+        finally:
+            if tmp.exists():
+                tmp.unlink()
+
+    def read_file(
+        self, node: Node, artifact_id: str, name: str, size: int, sha256: str, timeout: float, max_bytes: int
+    ) -> bytes:
+        """One file of an artifact, in memory, checked against the manifest's size and sha256;
+        a file over ``max_bytes`` is refused before it is read."""
+        check_artifact_id(artifact_id)
+        check_file_name(name)
+        if size > max_bytes:
+            raise NodeFailure(f"{artifact_id}/{name}: {human_bytes(size)}, over the {human_bytes(max_bytes)} read back")
+        path = f"/api/v1/artifacts/{quote(artifact_id)}/files/{quote(name, safe='')}"
+        try:
+            status, _, data = self._request(node, "GET", path, None, time.monotonic() + timeout, size)
+        except NodeFailure as exc:
+            raise NodeFailure(f"{artifact_id}/{name}: {exc.reason}", exc.status) from None
+        if status != 200:
+            raise NodeFailure(_http_reason(node, status, data, path), status)
+        if len(data) != size:
+            raise NodeFailure(f"{artifact_id}/{name}: {len(data)} bytes arrived, the manifest says {size}")
+        if hashlib.sha256(data).hexdigest() != sha256:
+            raise NodeFailure(f"{artifact_id}/{name}: sha256 differs from the manifest's")
+        return data
+
+
+# -- checking what came back -------------------------------------------------------------------
+def _short(value: Any, limit: int = 80) -> str:
+    text = repr(value) if not isinstance(value, str) else value
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _retry_after(value: str | None) -> float:
+    try:
+        seconds = float(value) if value is not None else 1.0
+    except ValueError:
+        seconds = 1.0
+    if not 0 <= seconds < float("inf"):
+        seconds = 1.0
+    return min(seconds, MAX_RETRY_AFTER_S)
+
+
+def _http_reason(node: Node, status: int, data: bytes, path: str) -> str:
+    detail = ""
+    try:
+        doc = loads_json(data[:MAX_SMALL_ANSWER_BYTES], "an error") if data else None
+        if isinstance(doc, dict) and isinstance(doc.get("error"), str):
+            detail = doc["error"][:300]
+    except ArtifactError:
+        pass
+    if status == 401:
+        return f"401: wrong token: {node} refused it (check --token-file / DYNPROF_TOKEN_FILE)"
+    if status == 403:
+        return f"403: {node} refused the request" + (f": {detail}" if detail else "")
+    if status == 404:
+        if "/artifacts/" in path:
+            return f"404: no such artifact or file on {node}"
+        return f"not a dynprof sidecar: {node} has no {path.split('?')[0]} (404); is it `dynprof serve` of API 1?"
+    if status == 413:
+        return f"413: the request is too large for {node}"
+    if status == 429:
+        return f"429: {node} is busy (it refused again after waiting); retry later"
+    if status == 400:
+        return f"400: {node} refused the request" + (f": {detail}" if detail else "")
+    if status >= 500:
+        return f"{status}: the sidecar on {node} failed" + (f": {detail}" if detail else "") + "; see its log"
+    return f"HTTP {status} from {node}" + (f": {detail}" if detail else "")
+
+
+def _answer(node: Node, doc: dict[str, Any], name: str, elapsed: float) -> NodeAnswer:
+    def bad(what: str) -> NodeFailure:
+        return NodeFailure(f"not a dynprof sidecar: the answer of {node} to {name} {what}")
+
+    if doc.get("api") != API_VERSION:
+        raise bad("has no api version")
+    code = doc.get("exit_code")
+    if isinstance(code, bool) or not isinstance(code, int) or not -255 <= code <= 255:
+        raise bad("has no exit code")
+    host = doc.get("host")
+    if host is not None and not isinstance(host, str):
+        raise bad("names no host")
+    messages = doc.get("messages") or []
+    if not isinstance(messages, list):
+        raise bad("has messages that are not a list")
+    version = doc.get("dynprof_version")
+    return NodeAnswer(
+        node,
+        True,
+        host=host[:253] if host else None,
+        exit_code=code,
+        result=doc.get("result"),
+        messages=[str(m)[:2000] for m in messages[:MAX_MESSAGES]],
+        elapsed_s=elapsed,
+        dynprof_version=version[:40] if isinstance(version, str) else None,
+    )
+
+
+def check_artifact_id(artifact_id: Any) -> str:
+    """An artifact id as the store lays it out (``job/host/rank/kind/name``): relative, each
+    segment plain and not hidden (no ``..``, no temporary ``.name.tmp``); anything else could
+    name a path outside a fetch directory."""
+    if not isinstance(artifact_id, str) or len(artifact_id) > 1024:
+        raise NodeFailure(f"bad artifact id {_short(artifact_id)}")
+    parts = artifact_id.split("/")
+    if any(p.startswith(".") or not _SAFE_SEGMENT.fullmatch(p) for p in parts):
+        raise NodeFailure(f"bad artifact id {_short(artifact_id)}")
+    return artifact_id
+
+
+def check_file_name(name: Any) -> str:
+    if not isinstance(name, str) or name in (".", "..") or name.startswith(".") or not _SAFE_SEGMENT.fullmatch(name):
+        raise NodeFailure(f"bad file name {_short(name)} in a manifest")
+    return name
