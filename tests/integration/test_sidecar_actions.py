@@ -622,6 +622,13 @@ def test_job_wide_view_through_one_sidecar(sidecar, spawn, browser, tmp_path):
         assert code_stacks == 200 and stacks["exit_code"] == 0, stacks
         members = sorted(m["pid"] for g in stacks["result"]["groups"] for m in g["members"])
         assert members == sorted([pid_a, pid_b])
+        # AND a job-wide trace asked of node a traces the rank of each node, from one step
+        code, start = a.action("start", {"job": JOB, "steps": 2, "hosts": hosts}, timeout=120)
+        assert code == 200 and start["exit_code"] == 0, start
+        assert sorted(r["pid"] for r in start["result"]["results"]) == sorted([pid_a, pid_b])
+        assert all(r["status"] == "complete" for r in start["result"]["results"]), start["result"]["results"]
+        assert not start["result"]["missed"] and len(start["result"]["artifacts"]) == 2
+        assert len({r["start_step"] for r in start["result"]["results"]}) == 1, start["result"]["results"]
 
         # WHEN the page of node a is asked the same, its field naming both nodes
         browser.goto(f"http://127.0.0.1:{a.port}/?token={TOKEN}")
