@@ -86,6 +86,18 @@ PAGE_JS = r"""
     return el("table", {"class": "agents"}, rows);
   }
 
+  function listingView(result) {
+    var rows = [el("tr", {}, ["NODE", "ID", "KIND", "STATUS", "RANK", "CREATED", "SIZE"].map(function (h) {
+      return el("th", {}, [h]);
+    }))];
+    (result.artifacts || []).forEach(function (a) {
+      var size = typeof a.bytes === "number" ? humanBytes(a.bytes) : "-";
+      rows.push(el("tr", {}, [a.node || "this node", a.id, a.kind, a.status, a.rank, a.created_at, size].map(
+        function (v) { return el("td", {}, [v === null || v === undefined ? "-" : String(v)]); })));
+    });
+    return el("table", {"class": "listing"}, rows);
+  }
+
   function nodesView(result) {
     var box = el("div", {"class": "nodes-answers"}, []);
     (result.nodes || []).forEach(function (n) {
@@ -123,7 +135,8 @@ PAGE_JS = r"""
       if (remote.childNodes.length) { box.appendChild(remote); }
     }
     if (action === "ps" && answer.result) { box.appendChild(agentsView(answer.result)); }
-    var paths = jobWide ? [] : artifactsOf(answer.result);
+    if (action === "ls" && answer.result) { box.appendChild(listingView(answer.result)); }
+    var paths = (jobWide || action === "ls") ? [] : artifactsOf(answer.result);
     if (paths.length) {
       var list = el("ul", {"class": "artifacts"}, []);
       paths.forEach(function (p) { list.appendChild(el("li", {}, [artifactLink(p)])); });

@@ -555,7 +555,8 @@ def _job_section(job: str, rows: list[dict[str, Any]], read_only: bool, job_wide
     nodes = (
         "<div class=nodes><label>nodes of the job <input class=hosts size=60 "
         "placeholder='this node only; or HOST[:PORT],... (each running dynprof serve)'></label> "
-        "<button class=act data-action=ps>Ranks on these nodes</button></div>"
+        "<button class=act data-action=ps>Ranks on these nodes</button> "
+        "<button class=act data-action=ls>Artifacts on these nodes</button></div>"
         if job_wide and job
         else ""
     )

@@ -644,5 +644,14 @@ def test_job_wide_view_through_one_sidecar(sidecar, spawn, browser, tmp_path):
         browser.wait_for(f"{section}.getAttribute('data-state') === 'done'")
         text = browser.eval(f"{section}.querySelector('.result').innerText")
         assert "stacks: exit 0" in text and f"node 127.0.0.1:{b.port}: ok" in text, text
+        # AND the artifacts of both nodes (the traces taken above) are listed with their node
+        browser.eval(f"{section}.setAttribute('data-state', '')")
+        browser.eval(f"{section}.querySelector('button[data-action=ls]').click()")
+        browser.wait_for(f"{section}.getAttribute('data-state') === 'done'")
+        cells = browser.eval(
+            f"Array.from({section}.querySelectorAll('.result table.listing tr')).slice(1)"
+            ".map(r => [r.cells[0].textContent, r.cells[2].textContent])"
+        )
+        assert sorted(c for c in cells if c[1] == "trace") == sorted([[h, "trace"] for h in hosts]), cells
     finally:
         shutil.rmtree(dirs_a["DYNPROF_RUN_DIR"], ignore_errors=True)
