@@ -1,22 +1,30 @@
-"""The sidecar web app: a page and an HTTP API over this node's agents and artifacts.
+"""The sidecar web app: a page and an HTTP API over this node's agents, tools and artifacts.
 
-Read-only. It renders artifacts with the same renderers as `dynprof show`, and lists agents
-as `dynprof ps` does. Every request, on every address (loopback included: other users of the
-machine can reach loopback too), must carry the access token: ``Authorization: Bearer TOKEN``,
-``?token=TOKEN`` (the page then sets an HttpOnly, SameSite=Strict cookie so its links work), or
-that cookie. The Host header must name the bound address, a loopback name, this machine's
-name or an IP address (DNS rebinding), and a browser's cross-site requests are refused.
-Files are served only from inside the artifact's directory, never through a link.
+It lists agents as `dynprof ps` does, renders artifacts with the same renderers as `dynprof
+show`, and runs actions (:mod:`dynprof.actions`: the CLI's own commands with ``--json``).
+Every request, on every address (loopback included: other users of the machine can reach
+loopback too), must carry the access token: ``Authorization: Bearer TOKEN``, ``?token=TOKEN``
+(the page then sets an HttpOnly, SameSite=Strict cookie so its links work), or that cookie;
+only ``GET /healthz`` answers without it, and says nothing but ``ok``. The Host header must
+name the bound address, a loopback name, this machine's name or an IP address (DNS
+rebinding), and a browser's cross-site requests are refused. An action asked with the cookie
+or ``?token=`` (a browser) must also carry the page's CSRF value in ``X-Dynprof-CSRF``.
+Files are served only from inside the artifact's directory, never through a link. Refused
+requests are logged to stderr, one line each, without the token, at most
+``REFUSAL_LOG_BURST`` lines per ``REFUSAL_LOG_WINDOW_S`` seconds. docs/api.md is the reference.
 
-    GET /                                   the page: agents, artifacts
-    GET /artifact/<id>                      one artifact, rendered
-    GET /api/agents                         JSON, as `dynprof ps --json`
-    GET /api/artifacts?job=&kind=&limit=    JSON, as `dynprof ls --json`
-    GET /api/artifacts/<id>                 JSON manifest and rendered summary
-    GET /api/artifacts/<id>/files/<name>    a file of the artifact (only files its manifest lists)
-    GET /api/v1/info                        {"api": 1, "dynprof_version", "host", "actions"}
-    POST /api/v1/actions/<name>             {"options": {...}, "timeout": s}: dynprof.actions.run_action
-    GET /api/v1/artifacts/<id>[/files/<n>]  as /api/artifacts/...
+    GET  /healthz                                   "ok" (no token: for readiness probes)
+    GET  /                                          the page: jobs and their ranks, actions, artifacts
+    GET  /artifact/<id>                             one artifact, rendered
+    GET  /api/v1/info                               {"api": 1, "dynprof_version", "host", "actions"}
+    POST /api/v1/actions/<name>                     {"options": {...}, "timeout": s} -> the action's answer
+    GET  /api/v1/agents                             JSON, as `dynprof ps --json`
+    GET  /api/v1/artifacts?job=&kind=&limit=        JSON, as `dynprof ls --json`
+    GET  /api/v1/artifacts/<id>                     JSON manifest and rendered summary
+    GET  /api/v1/artifacts/<id>/files/<name>        a file of the artifact (only files its manifest lists)
+
+The unversioned ``/api/agents`` and ``/api/artifacts...`` are the same as their ``/api/v1/``
+twins.
 """
 
 from __future__ import annotations
@@ -26,17 +34,23 @@ import html
 import ipaddress
 import json
 import logging
+import math
 import re
+import secrets
 import socket
-from collections.abc import Iterable
-from typing import Any
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any, TextIO
 from urllib.parse import quote, urlsplit
 
-from flask import Flask, Response, abort, jsonify, request, send_file
+from flask import Flask, Response, abort, g, jsonify, request, send_file
 from werkzeug.exceptions import HTTPException
 
 from dynprof import __version__
-from dynprof.actions import ACTIONS, API_VERSION, ActionError, run_action
+from dynprof._sidecar_page import PAGE_JS, PAGE_STYLE
+from dynprof.actions import ACTIONS, API_VERSION, ActionError, ActionsBusy, ActionSlots, FanoutConfig
 from dynprof.cli._common import human_age, human_bytes
 from dynprof.cli.ps import agent_rows
 from dynprof.cli.show import render, render_html
@@ -46,15 +60,16 @@ from dynprof.registry import list_records
 from dynprof.store import Artifact, ArtifactStore
 
 COOKIE = "dynprof_token"
+CSRF_HEADER = "X-Dynprof-CSRF"
 MAX_REQUEST_BYTES = 64 * 1024
+MAX_JSON_DEPTH = 16
+RETRY_AFTER_S = 2
+REFUSAL_LOG_BURST = 20
+REFUSAL_LOG_WINDOW_S = 10.0
 _TOKEN_IN_URL = re.compile(r"([?&]token=)[^&\s\"]*")
 
-_STYLE = """
-body{font:14px/1.4 system-ui,sans-serif;margin:1.5em;color:#222}
-table{border-collapse:collapse;margin-bottom:1.5em}td,th{padding:3px 10px;border-bottom:1px solid #ddd;text-align:left}
-th{background:#f3f3f3}pre{background:#f7f7f7;padding:1em;overflow:auto}.complete{color:#176f2c}
-.partial{color:#9a6700}.failed{color:#b3261e}code{font-size:13px}
-"""
+_STYLE = PAGE_STYLE
+_CSP = "default-src 'none'; style-src 'unsafe-inline'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
 
 
 def _artifact_json(a: Artifact) -> dict[str, Any]:
@@ -96,10 +111,11 @@ def allowed_hosts(bound: str) -> set[str]:
         unspecified = ipaddress.ip_address(_strip_port(bound)).is_unspecified
     except ValueError:
         unspecified = False
-    if unspecified:  # bound to every address: this machine's own names too
+    if unspecified:  # bound to every address: this machine's own names too, short and long
         for name in (socket.gethostname(), socket.getfqdn()):
             if name:
                 names.add(name.lower())
+                names.add(name.lower().split(".", 1)[0])
     return names
 
 
@@ -136,39 +152,183 @@ class _RedactTokens(logging.Filter):
         return True
 
 
-def create_app(store: ArtifactStore | None = None, token: str | None = None, host: str = "127.0.0.1") -> Flask:
-    """The sidecar's app. ``token`` is required on every request; ``None`` turns the check
-    off, which only tests of the page itself do (``dynprof serve`` always sets one)."""
+class RefusalLog:
+    """One stderr line per refused request, without the token (no query string, no headers),
+    at most ``burst`` lines per ``window_s`` seconds; what a flood has left out is counted and
+    reported in one line when the next window opens."""
+
+    def __init__(
+        self, stream: TextIO | None = None, burst: int = REFUSAL_LOG_BURST, window_s: float = REFUSAL_LOG_WINDOW_S
+    ) -> None:
+        self._stream = stream
+        self._burst = burst
+        self._window_s = window_s
+        self._lock = threading.Lock()
+        self._window_start = -math.inf
+        self._logged = 0
+        self._dropped = 0
+
+    def refused(self, status: int, why: str, method: str, path: str, remote: str | None) -> None:
+        now = time.monotonic()
+        lines = []
+        with self._lock:
+            if now - self._window_start >= self._window_s:
+                if self._dropped:
+                    lines.append(f"dynprof serve: {self._dropped} more refused request(s) not logged (rate limit)")
+                self._window_start, self._logged, self._dropped = now, 0, 0
+            if self._logged >= self._burst:
+                self._dropped += 1
+            else:
+                self._logged += 1
+                where = _printable(path.split("?", 1)[0])[:200]
+                lines.append(
+                    f"dynprof serve: refused {status} ({why}): {_printable(method)[:16]} {where} from {remote or '?'}"
+                )
+        if lines:
+            stream = self._stream or sys.__stderr__ or sys.stderr
+            try:
+                stream.write("".join(line + "\n" for line in lines))
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+
+
+def _printable(text: str) -> str:
+    return "".join(c if c.isprintable() and c not in "\r\n" else "?" for c in text)
+
+
+class _StrictJSONError(ValueError):
+    pass
+
+
+def parse_action_body(raw: bytes) -> tuple[dict[str, Any], float | None]:
+    """(options, timeout) from an action's body: a JSON object with at most ``options`` (an
+    object) and ``timeout`` (positive seconds); an empty body is ``{}``. No duplicate keys, no
+    NaN or Infinity, at most ``MAX_JSON_DEPTH`` levels. ActionError otherwise."""
+    if not raw.strip():
+        return {}, None
+
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for k, v in items:
+            if k in out:
+                raise _StrictJSONError(f"duplicate key {k[:40]!r}")
+            out[k] = v
+        return out
+
+    def constant(name: str) -> Any:
+        raise _StrictJSONError(f"{name} is not JSON")
+
+    if raw.count(b"[") + raw.count(b"{") > 4096 or _depth(raw) > MAX_JSON_DEPTH:
+        raise ActionError(f"the body nests more than {MAX_JSON_DEPTH} levels")
+    try:
+        body = json.loads(raw.decode("utf-8"), object_pairs_hook=pairs, parse_constant=constant)
+    except _StrictJSONError as exc:
+        raise ActionError(f"bad JSON body: {exc}") from None
+    except (ValueError, RecursionError):
+        raise ActionError("the body is not valid JSON (UTF-8)") from None
+    if not isinstance(body, dict):
+        raise ActionError('the body must be a JSON object: {"options": {...}, "timeout": SECONDS}')
+    extra = set(body) - {"options", "timeout"}
+    if extra:
+        raise ActionError(
+            f"unknown key(s) in the body: {', '.join(sorted(k[:40] for k in extra))}; known: options, timeout"
+        )
+    options = body.get("options", {})
+    if options is None:
+        options = {}
+    if not isinstance(options, dict):
+        raise ActionError("options must be a JSON object")
+    timeout = body.get("timeout")
+    if timeout is not None and (
+        isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout) or timeout <= 0
+    ):
+        raise ActionError("timeout must be a positive number of seconds")
+    return options, (float(timeout) if timeout is not None else None)
+
+
+def _depth(raw: bytes) -> int:
+    """Nesting depth of a JSON text, counted on brackets outside strings (before parsing)."""
+    depth = deepest = 0
+    in_str = escaped = False
+    for b in raw:
+        if in_str:
+            if escaped:
+                escaped = False
+            elif b == 0x5C:
+                escaped = True
+            elif b == 0x22:
+                in_str = False
+        elif b == 0x22:
+            in_str = True
+        elif b in (0x5B, 0x7B):
+            depth += 1
+            deepest = max(deepest, depth)
+        elif b in (0x5D, 0x7D):
+            depth -= 1
+    return deepest
+
+
+def create_app(
+    store: ArtifactStore | None = None,
+    token: str | None = None,
+    host: str = "127.0.0.1",
+    *,
+    max_actions: int = 4,
+    read_only: bool = False,
+    refusals: RefusalLog | None = None,
+    run_action: Callable[..., dict[str, Any]] | None = None,
+    extra_hosts: Iterable[str] = (),
+    fanout: FanoutConfig | None = None,
+) -> Flask:
+    """The sidecar's app. ``token`` is required on every request but ``/healthz``; ``None``
+    turns the check off, which only tests of the page itself do (``dynprof serve`` always sets
+    one). At most ``max_actions`` actions run at once; ``read_only`` refuses those that act on
+    jobs. ``extra_hosts`` are more names the Host header may carry (DNS aliases of this node).
+    ``fanout`` lets actions take ``hosts`` (a job-wide view through the other nodes' sidecars).
+    ``run_action`` replaces :meth:`ActionSlots.run` (tests)."""
     app = Flask("dynprof")
     app.config["MAX_CONTENT_LENGTH"] = MAX_REQUEST_BYTES
     store = store or ArtifactStore()
-    names = allowed_hosts(host)
+    names = allowed_hosts(host) | {_strip_port(h) for h in extra_hosts if h.strip()}
+    slots = ActionSlots(max_actions, fanout)
+    runner = run_action or slots.run
+    refusals = refusals or RefusalLog()
+    csrf = secrets.token_urlsafe(32)  # per server; the page carries it, a cross-site page cannot read it
+    app.config["DYNPROF_CSRF"] = csrf
     werkzeug_log = logging.getLogger("werkzeug")
     if not any(isinstance(f, _RedactTokens) for f in werkzeug_log.filters):
         werkzeug_log.addFilter(_RedactTokens())
 
-    def _given_token() -> tuple[str, bool]:
+    def _given_token() -> tuple[str, str]:
+        """(token, where): where is "header", "query" or "cookie"."""
         auth = request.headers.get("Authorization", "")
         if auth.startswith("Bearer "):
-            return auth[len("Bearer ") :], False
+            return auth[len("Bearer ") :], "header"
         if "token" in request.args:
-            return request.args.get("token", ""), True
-        return request.cookies.get(COOKIE, ""), False
+            return request.args.get("token", ""), "query"
+        return request.cookies.get(COOKIE, ""), "cookie"
+
+    def _refuse(status: int, why: str, message: str | None = None) -> None:
+        refusals.refused(status, why, request.method, request.path, request.remote_addr)
+        abort(status, message)
 
     @app.before_request
     def _check_request() -> None:
+        if request.path == "/healthz":
+            return  # says "ok" and nothing else: a readiness probe has no token
         # DNS rebinding: a page from evil.example whose name now points at 127.0.0.1 sends
         # "Host: evil.example".
         if not host_is_allowed(request.host, host, names):
-            abort(400, "unexpected Host header")
+            _refuse(400, "unexpected Host header", "unexpected Host header")
         if token is None:
             return
         given, _ = _given_token()
         if not hmac.compare_digest(given.encode("utf-8", "surrogateescape"), token.encode()):
-            abort(401)
+            _refuse(401, "wrong token" if given else "missing token")
         # A browser's request from another site: never, whatever it carries.
         if request.headers.get("Sec-Fetch-Site", "") == "cross-site":
-            abort(403)
+            _refuse(403, "cross-site request")
         origin = request.headers.get("Origin")
         if origin is not None:
             parsed = urlsplit(origin)
@@ -177,7 +337,7 @@ def create_app(store: ArtifactStore | None = None, token: str | None = None, hos
                 or not host_is_allowed(parsed.netloc, host, names)
                 or (_strip_port(parsed.netloc) != _strip_port(request.host))
             ):
-                abort(403)
+                _refuse(403, "cross-site request")
 
     @app.after_request
     def _headers(response: Response) -> Response:
@@ -185,22 +345,35 @@ def create_app(store: ArtifactStore | None = None, token: str | None = None, hos
         response.headers["X-Content-Type-Options"] = "nosniff"
         response.headers["X-Frame-Options"] = "DENY"
         response.headers["Cache-Control"] = "no-store"
-        response.headers["Content-Security-Policy"] = "default-src 'none'; style-src 'unsafe-inline'"
+        nonce = g.get("script_nonce")
+        response.headers["Content-Security-Policy"] = (
+            f"{_CSP}; script-src 'nonce-{nonce}'; connect-src 'self'" if nonce else _CSP
+        )
         if token is not None and response.status_code < 400:
-            given, in_query = _given_token()
-            if in_query and hmac.compare_digest(given.encode("utf-8", "surrogateescape"), token.encode()):
+            given, where = _given_token()
+            if where == "query" and hmac.compare_digest(given.encode("utf-8", "surrogateescape"), token.encode()):
                 response.set_cookie(COOKIE, token, httponly=True, samesite="Strict", path="/")
         return response
 
     @app.errorhandler(HTTPException)
     def _http_error(exc: HTTPException) -> tuple[Response, int]:
         code = exc.code or 500
-        return jsonify({"error": exc.name, "code": code}), code
+        response = jsonify({"error": exc.name, "code": code})
+        if code == 401:
+            response.headers["WWW-Authenticate"] = 'Bearer realm="dynprof"'
+        return response, code
 
     @app.errorhandler(Exception)
     def _bug(exc: Exception) -> tuple[Response, int]:
         app.logger.error("dynprof serve: %s on %s: %s", type(exc).__name__, request.path[:200], exc)
         return jsonify({"error": "internal error", "code": 500}), 500
+
+    def _error(status: int, message: str, **headers: str) -> Response:
+        response = jsonify({"error": message, "code": status})
+        response.status_code = status
+        for k, v in headers.items():
+            response.headers[k.replace("_", "-")] = v
+        return response
 
     def _get(artifact_id: str) -> Artifact:
         # Only ids under the store's root: never a path from elsewhere on the machine.
@@ -209,11 +382,56 @@ def create_app(store: ArtifactStore | None = None, token: str | None = None, hos
         except ArtifactError:
             abort(404)
 
-    @app.get("/api/agents")
+    def _allowed_actions() -> list[str]:
+        return sorted(n for n, a in ACTIONS.items() if not (read_only and a.changes_jobs))
+
+    @app.get("/healthz")
+    def healthz() -> Response:
+        return Response("ok\n", mimetype="text/plain")
+
+    @app.get("/api/v1/info")
+    def api_info() -> Response:
+        return jsonify(
+            {
+                "api": API_VERSION,
+                "dynprof_version": __version__,
+                "host": detect().host,
+                "actions": _allowed_actions(),
+                "read_only": read_only,
+                "max_actions": max_actions,
+                "job_wide": fanout is not None,
+            }
+        )
+
+    @app.post("/api/v1/actions/<name>")
+    def api_action(name: str) -> Response:
+        _, where = _given_token()
+        if token is not None and where != "header":
+            # a browser (cookie or ?token=): the page's CSRF value, never the cookie alone
+            given = request.headers.get(CSRF_HEADER, "")
+            if not hmac.compare_digest(given.encode("utf-8", "surrogateescape"), csrf.encode()):
+                refusals.refused(403, "missing or wrong CSRF value", request.method, request.path, request.remote_addr)
+                return _error(403, f"an action from a browser needs the page's {CSRF_HEADER} header")
+        action = ACTIONS.get(name)
+        if action is None:
+            return _error(400, f"unknown action {name[:40]!r}; known: {', '.join(sorted(ACTIONS))}")
+        try:
+            options, timeout = parse_action_body(request.get_data(cache=False))
+        except ActionError as exc:
+            return _error(400, str(exc))
+        if read_only and action.changes_jobs:
+            return _error(403, f"this sidecar is read-only (--read-only): {name} is refused")
+        try:
+            answer = runner(name, options, timeout)
+        except ActionError as exc:
+            return _error(400, str(exc))
+        except ActionsBusy as exc:
+            return _error(429, f"{exc}; retry later", Retry_After=str(RETRY_AFTER_S))
+        return jsonify(answer)
+
     def api_agents() -> Response:
         return jsonify({"agents": agent_rows(list_records(), timeout=1.0)})
 
-    @app.get("/api/artifacts")
     def api_artifacts() -> Response:
         arts, bad = store.scan(job=request.args.get("job") or None, kind=request.args.get("kind") or None)
         limit = request.args.get("limit", type=int)
@@ -227,7 +445,6 @@ def create_app(store: ArtifactStore | None = None, token: str | None = None, hos
             }
         )
 
-    @app.get("/api/artifacts/<path:artifact_id>/files/<name>")
     def api_file(artifact_id: str, name: str) -> Response:
         art = _get(artifact_id)
         if name not in {f["name"] for f in art.files}:
@@ -236,74 +453,54 @@ def create_app(store: ArtifactStore | None = None, token: str | None = None, hos
             fh = art.open(name)  # inside the artifact's directory, never through a link
         except ArtifactError:
             abort(404)
+        # streamed in blocks by the WSGI server's file wrapper, never read whole
         return send_file(fh, as_attachment=True, download_name=name, mimetype="application/octet-stream")
 
-    @app.get("/api/artifacts/<path:artifact_id>")
     def api_artifact(artifact_id: str) -> Response:
         art = _get(artifact_id)
         summary, text = render(art)
         return jsonify({"id": art.id, "manifest": art.manifest, "contents": summary, "text": text})
 
-    app.add_url_rule("/api/v1/artifacts/<path:artifact_id>/files/<name>", "api_v1_file", api_file)
-    app.add_url_rule("/api/v1/artifacts/<path:artifact_id>", "api_v1_artifact", api_artifact)
-
-    @app.get("/api/v1/info")
-    def api_v1_info() -> Response:
-        return jsonify(
-            {"api": API_VERSION, "dynprof_version": __version__, "host": detect().host, "actions": sorted(ACTIONS)}
+    for prefix in ("/api", "/api/v1"):
+        app.add_url_rule(f"{prefix}/agents", f"agents{prefix}", api_agents, methods=["GET"])
+        app.add_url_rule(f"{prefix}/artifacts", f"artifacts{prefix}", api_artifacts, methods=["GET"])
+        app.add_url_rule(
+            f"{prefix}/artifacts/<path:artifact_id>/files/<name>", f"file{prefix}", api_file, methods=["GET"]
         )
-
-    @app.post("/api/v1/actions/<name>")
-    def api_v1_action(name: str) -> tuple[Response, int]:
-        body = request.get_json(silent=True)
-        timeout = body.get("timeout") if isinstance(body, dict) else None
-        if not isinstance(body, dict) or (
-            timeout is not None
-            and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= 86400)
-        ):
-            return jsonify({"error": 'the body must be {"options": {...}, "timeout": seconds}', "code": 400}), 400
-        try:
-            return jsonify(run_action(name, body.get("options") or {}, timeout)), 200
-        except ActionError as exc:
-            return jsonify({"error": str(exc), "code": 400}), 400
+        app.add_url_rule(f"{prefix}/artifacts/<path:artifact_id>", f"artifact{prefix}", api_artifact, methods=["GET"])
 
     @app.get("/")
     def index() -> str:
+        nonce = secrets.token_urlsafe(16)
+        g.script_nonce = nonce
         agents = agent_rows(list_records(), timeout=0.5)
         arts, bad = store.scan()
         arts = arts[:200]
-        rows_agents = (
-            "".join(
-                f"<tr><td>{a['pid']}</td><td>{a['rank'] if a['rank'] is not None else '-'}</td>"
-                f"<td>{html.escape(str(a['job'] or '-'))}</td><td>{a.get('step') if a.get('step') is not None else '-'}</td>"
-                f"<td>{html.escape(a['state'])}</td><td>{human_age(a['age_s'])}</td>"
-                f"<td><code>{html.escape(' '.join(a['cmdline'])[:100])}</code></td></tr>"
-                for a in agents
-            )
-            or "<tr><td colspan=7>no agents on this node</td></tr>"
-        )
-        rows_arts = (
-            "".join(
-                f"<tr><td><a href='/artifact/{html.escape(quote(a.id))}'>{html.escape(a.id)}</a></td>"
-                f"<td>{html.escape(a.kind)}</td><td class='{html.escape(a.status)}'>{html.escape(a.status)}</td>"
-                f"<td>{html.escape(a.created_at)}</td><td>{human_bytes(a.size)}</td></tr>"
-                for a in arts
-            )
-            or "<tr><td colspan=5>no artifacts yet</td></tr>"
-        )
+        jobs: dict[str, list[dict[str, Any]]] = {}
+        for a in agents:
+            jobs.setdefault(str(a["job"]) if a["job"] else "", []).append(a)
+        sections = "".join(_job_section(job, rows, read_only, fanout is not None) for job, rows in sorted(jobs.items()))
+        if not sections:
+            sections = "<p>no agents on this node</p>"
+        rows_arts = "".join(_artifact_row(a) for a in arts) or "<tr><td colspan=5>no artifacts yet</td></tr>"
         rows_bad = "".join(
             f"<tr><td>{html.escape(b.id)}</td><td class='failed'>bad</td><td>{html.escape(b.reason)}</td></tr>"
             for b in bad[:200]
         )
         if rows_bad:
             rows_bad = f"<h2>Damaged (skipped)</h2><table><tr><th>ID</th><th></th><th>WHY</th></tr>{rows_bad}</table>"
+        mode = " <span class='ro'>read-only</span>" if read_only else ""
         return (
-            f"<!doctype html><html><head><meta charset=utf-8><title>dynprof</title><style>{_STYLE}</style></head>"
-            f"<body><h1>dynprof</h1><h2>Agents</h2><table><tr><th>PID</th><th>RANK</th><th>JOB</th><th>STEP</th>"
-            f"<th>STATE</th><th>AGE</th><th>COMMAND</th></tr>{rows_agents}</table>"
+            f"<!doctype html><html><head><meta charset=utf-8><title>dynprof</title>"
+            f"<meta name=dynprof-csrf content='{html.escape(csrf)}'>"
+            f"<meta name=dynprof-store content='{html.escape(str(store.root))}'>"
+            f"<style>{_STYLE}</style></head>"
+            f"<body><h1>dynprof <small>{html.escape(detect().host)}</small>{mode}</h1>"
+            f"<h2>Jobs</h2><div id=jobs>{sections}</div>"
             f"<h2>Artifacts</h2><p>store: <code>{html.escape(str(store.root))}</code></p>"
-            f"<table><tr><th>ID</th><th>KIND</th><th>STATUS</th><th>CREATED</th><th>SIZE</th></tr>{rows_arts}</table>"
-            f"{rows_bad}</body></html>"
+            f"<table><thead><tr><th>ID</th><th>KIND</th><th>STATUS</th><th>CREATED</th><th>SIZE</th></tr></thead>"
+            f"<tbody id=artifacts>{rows_arts}</tbody></table>"
+            f"{rows_bad}<script nonce='{nonce}'>{PAGE_JS}</script></body></html>"
         )
 
     @app.get("/artifact/<path:artifact_id>")
@@ -312,7 +509,7 @@ def create_app(store: ArtifactStore | None = None, token: str | None = None, hos
         _, text = render(art)
         m = art.manifest
         files = "".join(
-            f"<tr><td><a href='/api/artifacts/{html.escape(quote(art.id))}/files/{html.escape(quote(f['name']))}'>"
+            f"<tr><td><a href='/api/v1/artifacts/{html.escape(quote(art.id))}/files/{html.escape(quote(f['name']))}'>"
             f"{html.escape(f['name'])}</a></td><td>{human_bytes(f['size'])}</td><td><code>{html.escape(f['sha256'])}</code></td></tr>"
             for f in art.files
         )
@@ -330,3 +527,47 @@ def create_app(store: ArtifactStore | None = None, token: str | None = None, hos
         )
 
     return app
+
+
+def _artifact_row(a: Artifact) -> str:
+    return (
+        f"<tr><td><a href='/artifact/{html.escape(quote(a.id))}'>{html.escape(a.id)}</a></td>"
+        f"<td>{html.escape(a.kind)}</td><td class='{html.escape(a.status)}'>{html.escape(a.status)}</td>"
+        f"<td>{html.escape(a.created_at)}</td><td>{human_bytes(a.size)}</td></tr>"
+    )
+
+
+def _job_section(job: str, rows: list[dict[str, Any]], read_only: bool, job_wide: bool) -> str:
+    """One job: its ranks (host, pid, step, state) and the buttons that act on all of them;
+    with ``job_wide``, a field naming the job's other nodes, which the buttons then reach too."""
+    rows = sorted(rows, key=lambda a: (a["rank"] is None, a["rank"] or 0, a["pid"]))
+    pids = ",".join(str(a["pid"]) for a in rows)
+    title = f"job {html.escape(job)}" if job else "processes without a job id"
+    body = "".join(
+        f"<tr data-pid='{a['pid']}'><td>{a['rank'] if a['rank'] is not None else '-'}</td>"
+        f"<td>{html.escape(str(a.get('host') or '-'))}</td>"
+        f"<td>{a['pid']}</td><td class='step'>{a.get('step') if a.get('step') is not None else '-'}</td>"
+        f"<td class='state'>{html.escape(a['state'])}</td><td>{human_age(a['age_s'])}</td>"
+        f"<td><code>{html.escape(' '.join(a['cmdline'])[:100])}</code></td></tr>"
+        for a in rows
+    )
+    disabled = " disabled title='read-only sidecar'" if read_only else ""
+    nodes = (
+        "<div class=nodes><label>nodes of the job <input class=hosts size=60 "
+        "placeholder='this node only; or HOST[:PORT],... (each running dynprof serve)'></label> "
+        "<button class=act data-action=ps>Ranks on these nodes</button> "
+        "<button class=act data-action=ls>Artifacts on these nodes</button></div>"
+        if job_wide and job
+        else ""
+    )
+    return (
+        f"<section class=job data-job='{html.escape(job)}' data-pids='{pids}'>"
+        f"<h3>{title} <small>{len(rows)} process(es)</small></h3>"
+        f"<table><tr><th>RANK</th><th>HOST</th><th>PID</th><th>STEP</th><th>STATE</th><th>AGE</th><th>COMMAND</th></tr>"
+        f"{body}</table>{nodes}<div class=acts>"
+        f"<label>steps <input class=steps type=number min=1 max=1000000 value=3></label> "
+        f"<button class=act data-action=start{disabled}>Trace</button> "
+        f"<button class=act data-action=stacks>Take stacks</button> "
+        f"<button class=act data-action=memory{disabled}>Memory snapshot</button>"
+        f"</div><div class=result></div></section>"
+    )

@@ -1,21 +1,29 @@
-"""Serve a web page and an HTTP API over this node's agents and artifacts.
+"""Serve a web page and an HTTP API over this node's agents, tools and artifacts (the sidecar).
 
-Binds to 127.0.0.1 by default. Every request, on every address (loopback too: any local user
-can reach loopback), must carry the access token: `Authorization: Bearer TOKEN`, `?token=TOKEN`,
-or the cookie the page sets after a `?token=` visit. The token comes from --token-file FILE
-(or DYNPROF_TOKEN_FILE; the file must not be readable by group or others), from --token
-(visible to other users in the process list: prefer a file), or is generated; the URL printed
-at start carries it. Read-only: nothing on the page changes a job.
+Binds to 127.0.0.1 by default, on cheroot's threaded WSGI server: --threads workers, request
+bodies and headers bounded, idle sockets closed after a timeout, TLS with --certfile/--keyfile,
+a clean stop on SIGINT or SIGTERM. Every request, on every address (loopback too: any local
+user can reach loopback), must carry the access token: `Authorization: Bearer TOKEN`,
+`?token=TOKEN`, or the cookie the page sets after a `?token=` visit; only `GET /healthz`
+answers without it (with "ok" and nothing else). The token comes from --token-file FILE (or
+DYNPROF_TOKEN_FILE; the file must not be readable by group or others), from --token (visible
+to other users in the process list: prefer a file), or is generated; the URL printed at start
+carries it. Actions (traces, stacks, snapshots, ...) run at most --max-actions at once;
+--read-only refuses those that act on jobs. docs/api.md is the reference of the HTTP API.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ipaddress
 import os
 import secrets
+import signal
 import stat
 import sys
+import threading
+from typing import Any
 
 from dynprof import errors
 from dynprof.cli._common import host_arg, path_arg, port
@@ -82,27 +90,70 @@ def resolve_token(token: str | None, token_file: str | None) -> tuple[str, str]:
     return secrets.token_urlsafe(24), "generated"
 
 
-def _url(host: str, port: int, token: str) -> str:
+def _url(host: str, port: int, token: str, tls: bool = False) -> str:
     shown = f"[{host}]" if ":" in host and not host.startswith("[") else host
-    return f"http://{shown}:{port}/?token={token}"
+    return f"{'https' if tls else 'http'}://{shown}:{port}/?token={token}"
 
 
-REQUEST_TIMEOUT_S = 30.0
+REQUEST_TIMEOUT_S = 30.0  # an idle or dripping client is disconnected after this
+MAX_HEADER_BYTES = 64 * 1024
+SHUTDOWN_TIMEOUT_S = 5.0
+MAX_THREADS = 256
+MAX_ACTIONS = 64
 
 
-def _request_handler() -> type:
-    """Werkzeug's handler with a socket timeout, so an idle or dripping client cannot hold a
-    server thread forever."""
-    from werkzeug.serving import WSGIRequestHandler
+def _count(lo: int, hi: int) -> Any:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"{value} is not in {lo}-{hi}")
+        return value
 
-    class Handler(WSGIRequestHandler):
-        timeout = REQUEST_TIMEOUT_S
+    return parse
 
-    return Handler
+
+def build_server(app: Any, host: str, port: int, threads: int, certfile: str | None, keyfile: str | None) -> Any:
+    """cheroot's WSGI server for ``app``, bound but not yet serving; TLS when given a cert."""
+    from cheroot import wsgi
+
+    from dynprof.sidecar import MAX_REQUEST_BYTES
+
+    server = wsgi.Server(
+        (host, port),
+        app,
+        numthreads=threads,
+        max=threads,
+        request_queue_size=64,
+        timeout=int(REQUEST_TIMEOUT_S),
+        shutdown_timeout=int(SHUTDOWN_TIMEOUT_S),
+        server_name="dynprof",
+    )
+    server.max_request_body_size = MAX_REQUEST_BYTES
+    server.max_request_header_size = MAX_HEADER_BYTES
+    if certfile:
+        from cheroot.ssl.builtin import BuiltinSSLAdapter
+
+        try:
+            server.ssl_adapter = BuiltinSSLAdapter(certfile, keyfile)
+        except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
+            raise errors.UsageError(
+                f"cannot use the certificate {certfile} with the key {keyfile}: {exc}",
+                help="Give a PEM certificate and its private key (readable by this user).",
+            ) from None
+    return server
 
 
 class ServeCommand:
-    """Serve a web page and an HTTP API over this node's agents and artifacts (token required)."""
+    """Serve a web page and an HTTP API that act on this node's agents (token required).
+
+    The node's sidecar: it lists the agents, runs the CLI's own commands on them (start, stop,
+    stacks, memory, nccl, ps, ls, healthcheck) and answers with their --json, and serves the
+    artifacts. Every request needs the token (Authorization: Bearer, or the URL printed at
+    start); GET /healthz alone answers without it, with "ok". Reference: docs/api.md.
+    """
 
     def prepare_parser(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--host", type=host_arg, default="127.0.0.1", help="address to bind (default 127.0.0.1)")
@@ -117,22 +168,135 @@ class ServeCommand:
             metavar="FILE",
             help="read the access token from FILE (mode 0600); default $DYNPROF_TOKEN_FILE, else one is generated",
         )
+        parser.add_argument(
+            "--threads", type=_count(1, MAX_THREADS), default=8, help="worker threads of the HTTP server (default 8)"
+        )
+        parser.add_argument(
+            "--max-actions",
+            type=_count(1, MAX_ACTIONS),
+            default=4,
+            help="actions running at once; more are refused with 429 (default 4)",
+        )
+        parser.add_argument(
+            "--read-only",
+            action="store_true",
+            help="refuse the actions that act on jobs (start, stop, memory, nccl, healthcheck): 403",
+        )
+        parser.add_argument(
+            "--allow-host",
+            action="append",
+            type=host_arg,
+            default=[],
+            metavar="NAME",
+            help="another name of this node that clients may use (a DNS alias; the Host header check); repeatable",
+        )
+        parser.add_argument(
+            "--no-job-wide",
+            action="store_true",
+            help="refuse 'hosts' in actions: this sidecar never connects to other nodes' sidecars",
+        )
+        parser.add_argument(
+            "--cacert",
+            type=path_arg,
+            metavar="PEM",
+            help="for job-wide actions (their 'hosts'), reach the other nodes' sidecars over https trusting this CA",
+        )
+        parser.add_argument("--certfile", type=path_arg, metavar="PEM", help="serve HTTPS with this certificate")
+        parser.add_argument("--keyfile", type=path_arg, metavar="PEM", help="the certificate's private key")
 
     def run(self, args: argparse.Namespace) -> int:
+        if bool(args.certfile) != bool(args.keyfile):
+            raise errors.UsageError("give --certfile and --keyfile together (TLS needs both)")
+        if args.max_actions >= args.threads:
+            raise errors.UsageError(
+                f"--max-actions {args.max_actions} needs --threads above it (now {args.threads})",
+                help="The page, the listings and /healthz need a free thread while actions run.",
+            )
         try:
             from dynprof.sidecar import create_app
         except ImportError as exc:
             raise errors.Unsupported(f"the web app needs flask: {exc}", help="pip install flask") from None
-        token, source = resolve_token(args.token, args.token_file)
-        app = create_app(token=token, host=args.host)
-        print(f"dynprof: serving on {_url(args.host, args.port, token)}", file=sys.stderr)
-        if source != "generated":
-            print(f"dynprof: token from {source}", file=sys.stderr)
-        sys.stderr.flush()
         try:
-            app.run(host=args.host, port=args.port, debug=False, use_reloader=False, request_handler=_request_handler())
+            import cheroot  # noqa: F401
+        except ImportError as exc:
+            raise errors.Unsupported(f"the HTTP server needs cheroot: {exc}", help="pip install cheroot") from None
+        token, source = resolve_token(args.token, args.token_file)
+        fanout, own_file = (None, None) if args.no_job_wide else _fanout_config(token, source, args.cacert)
+        app = create_app(
+            token=token,
+            host=args.host,
+            max_actions=args.max_actions,
+            read_only=args.read_only,
+            extra_hosts=args.allow_host,
+            fanout=fanout,
+        )
+        server = build_server(app, args.host, args.port, args.threads, args.certfile, args.keyfile)
+        try:
+            server.prepare()  # binds
         except OSError as exc:
             raise errors.DynprofError(
                 f"cannot listen on {args.host}:{args.port}: {exc}", help="Choose another --port."
             ) from None
-        return 0
+        print(f"dynprof: serving on {_url(args.host, args.port, token, tls=bool(args.certfile))}", file=sys.stderr)
+        if source != "generated":
+            print(f"dynprof: token from {source}", file=sys.stderr)
+        sys.stderr.flush()
+        try:
+            return _serve_until_signalled(server)
+        finally:
+            if own_file:
+                with contextlib.suppress(OSError):
+                    os.unlink(own_file)
+
+
+def _fanout_config(token: str, source: str, cacert: str | None) -> tuple[Any, str | None]:
+    """How job-wide actions reach the other nodes: with this sidecar's token file (the nodes of
+    a job share one token). A token given on the command line or generated is written to a file
+    of mode 0600 in the private run directory for the life of the server (second value)."""
+    from dynprof.actions import FanoutConfig
+    from dynprof.paths import run_dir
+
+    if source not in ("--token", "generated"):
+        return FanoutConfig(os.path.abspath(source), cacert), None
+    path = os.path.join(run_dir(), f"serve-{os.getpid()}.token")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(token + "\n")
+    return FanoutConfig(path, cacert), path
+
+
+def _serve_until_signalled(server: Any) -> int:
+    """Serve on a thread; SIGINT or SIGTERM only sets a flag, and this thread then stops the
+    server (in-flight requests get SHUTDOWN_TIMEOUT_S to finish)."""
+    stop = threading.Event()
+    failure: list[BaseException] = []
+
+    def serve() -> None:
+        try:
+            server.serve()
+        except BaseException as exc:  # reported below, from the main thread
+            failure.append(exc)
+        finally:
+            stop.set()
+
+    def on_signal(signum: int, frame: Any) -> None:
+        stop.set()
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    worker = threading.Thread(target=serve, name="dynprof-serve", daemon=True)
+    worker.start()
+    try:
+        while not stop.wait(0.5):
+            pass
+    finally:
+        from dynprof.actions import kill_children
+
+        kill_children()  # first: a healthcheck's processes never outlive the sidecar, nor hold up its stop
+        server.stop()
+        worker.join(SHUTDOWN_TIMEOUT_S + 5)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    print("dynprof: stopped serving", file=sys.stderr)
+    if failure and not isinstance(failure[0], (KeyboardInterrupt, SystemExit)):
+        raise errors.DynprofError(f"the HTTP server failed: {type(failure[0]).__name__}: {failure[0]}")
+    return 0

@@ -269,7 +269,7 @@ def test_http_probes(server, hostile):
         if SECRET.encode() in data:
             escapes += 1
             failures.append(f"ESCAPE {method} {path[:80]} -> {status}")
-        if status >= 500 or b"Traceback" in data:
+        if (status >= 500 and status not in expect) or b"Traceback" in data:  # 505 for HTTP/9.9 is an answer
             tracebacks += 1
         if status not in expect:
             failures.append(f"{method} {path[:80]} {headers or ''} -> {status}, expected {sorted(expect)}")
@@ -281,7 +281,8 @@ def test_http_probes(server, hostile):
         probe(path, {401})
         for wrong in ("x", token[:-1] + "x", token + "x", "", "é" * 10, token.upper()):
             probe(path, {401}, {"Authorization": f"Bearer {wrong}"})
-            probe(path + ("&" if "?" in path else "?") + f"token={wrong}", {401})
+            # raw non-ASCII bytes in the request target: the HTTP server refuses the line itself
+            probe(path + ("&" if "?" in path else "?") + f"token={wrong}", {401} if wrong.isascii() else {400, 401})
             probe(path, {401}, {"Cookie": f"dynprof_token={wrong}"})
         probe(path, {401}, {"Authorization": f"Basic {token}"})
         probe(path, {200}, auth)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from dynprof.cli.serve import _is_loopback
@@ -54,6 +56,7 @@ def test_paths_outside_the_store_are_not_served(store, tmp_path):
 def test_token_is_required_when_set(store):
     client = create_app(store, token="s3cret").test_client()
     assert client.get("/api/artifacts").status_code == 401
+    assert client.get("/api/v1/info").headers["WWW-Authenticate"] == 'Bearer realm="dynprof"'
     assert client.get("/api/artifacts?token=wrong").status_code == 401
     assert client.get("/api/artifacts?token=s3cret").status_code == 200
     assert client.get("/api/artifacts", headers={"Authorization": "Bearer s3cret"}).status_code == 200
@@ -133,3 +136,159 @@ def test_token_file_must_be_private(tmp_path, monkeypatch):
     monkeypatch.delenv("DYNPROF_TOKEN_FILE")
     generated, source = resolve_token(None, None)
     assert source == "generated" and len(generated) >= 32
+
+
+# -- actions over HTTP (a stub runner: the real ones are tested in tests/integration) ------------
+def _stub_app(store, **kwargs):
+    calls = []
+
+    def runner(name, options, timeout):
+        from dynprof.actions import argv_for
+
+        argv_for(name, options)  # the same checks as the real runner
+        calls.append((name, options, timeout))
+        return {"api": 1, "action": name, "exit_code": 0, "result": {"ok": True}, "messages": []}
+
+    app = create_app(store, token="t" * 20, run_action=runner, **kwargs)
+    return app, calls
+
+
+AUTH = {"Authorization": "Bearer " + "t" * 20}
+
+
+def test_action_bodies_are_strict(store):
+    app, calls = _stub_app(store)
+    client = app.test_client()
+    ok = client.post("/api/v1/actions/ps", json={"options": {"job": "j"}, "timeout": 5}, headers=AUTH)
+    assert ok.status_code == 200 and ok.get_json()["result"] == {"ok": True}
+    assert calls == [("ps", {"job": "j"}, 5.0)]
+    assert client.post("/api/v1/actions/ps", data=b"", headers=AUTH).status_code == 200  # no body: no options
+    for body in (
+        b"[]",
+        b"null",
+        b"{",
+        b'{"options": []}',
+        b'{"options": {}, "extra": 1}',
+        b'{"timeout": 0}',
+        b'{"timeout": "5"}',
+        b'{"timeout": Infinity}',
+        b'{"options": {"job": "a", "job": "b"}}',
+        b'{"options": {"a": ' * 20 + b"1" + b"}" * 21,
+        b'{"options": {"bogus": 1}}',
+    ):
+        r = client.post("/api/v1/actions/ps", data=body, headers=AUTH)
+        assert r.status_code == 400 and r.get_json()["code"] == 400, body
+    assert client.post("/api/v1/actions/nope", json={}, headers=AUTH).status_code == 400
+    assert client.post("/api/v1/actions/ps", data=b" " * (65 * 1024), headers=AUTH).status_code == 413
+
+
+def test_browser_actions_need_the_csrf_value_of_the_page(store):
+    app, _ = _stub_app(store)
+    client = app.test_client()
+    page = client.get("/?token=" + "t" * 20)  # sets the cookie
+    csrf = app.config["DYNPROF_CSRF"]
+    assert f"content='{csrf}'" in page.get_data(as_text=True)
+    assert client.post("/api/v1/actions/ps", json={}).status_code == 403  # the cookie alone
+    assert client.post("/api/v1/actions/ps", json={}, headers={"X-Dynprof-CSRF": "x" * len(csrf)}).status_code == 403
+    assert client.post("/api/v1/actions/ps", json={}, headers={"X-Dynprof-CSRF": csrf}).status_code == 200
+    assert create_app(store, token="t" * 20).config["DYNPROF_CSRF"] != csrf  # per server
+
+
+def test_page_script_runs_only_under_its_nonce(store):
+    client = create_app(store, token="t" * 20).test_client()
+    r = client.get("/", headers=AUTH)
+    csp = r.headers["Content-Security-Policy"]
+    import re
+
+    nonce = re.search(r"'nonce-([^']+)'", csp).group(1)
+    assert "default-src 'none'" in csp and "connect-src 'self'" in csp
+    assert f"<script nonce='{nonce}'>" in r.get_data(as_text=True)
+    assert "src=" not in r.get_data(as_text=True)  # nothing loaded from elsewhere
+    again = client.get("/", headers=AUTH).headers["Content-Security-Policy"]
+    assert nonce not in again  # a fresh nonce per page
+    art = client.get("/api/v1/artifacts", headers=AUTH).headers["Content-Security-Policy"]
+    assert "script-src" not in art
+
+
+def test_read_only_refuses_acting_actions(store):
+    app, calls = _stub_app(store, read_only=True)
+    client = app.test_client()
+    assert client.post("/api/v1/actions/start", json={"options": {"job": "j"}}, headers=AUTH).status_code == 403
+    assert client.post("/api/v1/actions/ps", json={}, headers=AUTH).status_code == 200
+    info = client.get("/api/v1/info", headers=AUTH).get_json()
+    assert info["read_only"] and "start" not in info["actions"] and "stacks" in info["actions"]
+    assert [c[0] for c in calls] == ["ps"]
+
+
+def test_busy_slots_are_429(store):
+    from dynprof.actions import ActionsBusy
+
+    def busy(name, options, timeout):
+        raise ActionsBusy("all 4 action slots are busy")
+
+    client = create_app(store, token="t" * 20, run_action=busy).test_client()
+    r = client.post("/api/v1/actions/ps", json={}, headers=AUTH)
+    assert r.status_code == 429 and r.headers["Retry-After"] == "2" and r.get_json()["code"] == 429
+
+
+def test_healthz_needs_no_token_and_says_nothing_else(store):
+    client = create_app(store, token="t" * 20).test_client()
+    r = client.get("/healthz", headers={"Host": "evil.example"})
+    assert r.status_code == 200 and r.data == b"ok\n"
+    assert client.get("/api/v1/info").status_code == 401
+
+
+def test_refusal_log_lines_carry_no_token_and_are_rate_limited(store):
+    import io
+
+    from dynprof.sidecar import RefusalLog
+
+    out = io.StringIO()
+    log = RefusalLog(out, burst=3, window_s=3600)
+    client = create_app(store, token="t" * 20, refusals=log).test_client()
+    for _ in range(10):
+        client.get("/api/v1/info?token=" + "w" * 20)
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 3 and all("refused 401 (wrong token): GET /api/v1/info from" in x for x in lines)
+    assert "w" * 20 not in out.getvalue()
+    # the next window opens with the count of what was left out
+    log._window_start -= 7200
+    client.get("/api/v1/info")
+    assert "7 more refused request(s) not logged" in out.getvalue()
+    assert out.getvalue().splitlines()[-1].startswith("dynprof serve: refused 401 (missing token)")
+
+
+def test_aliases_of_this_node_pass_the_host_check(store, monkeypatch):
+    import socket
+
+    # GIVEN a node whose host name is long, while the job's node list names it short
+    monkeypatch.setattr(socket, "gethostname", lambda: "node-5.cluster.example")
+    monkeypatch.setattr(socket, "getfqdn", lambda name="": "node-5.cluster.example")
+    client = create_app(store, token="t" * 20, host="0.0.0.0", extra_hosts=["gpu-05.alias.example"]).test_client()
+    # THEN the short name, the long name and the given alias pass; other names do not
+    for host in ("node-5:8787", "node-5.cluster.example", "gpu-05.alias.example:8787"):
+        assert client.get("/api/v1/info", headers={**AUTH, "Host": host}).status_code == 200, host
+    for host in ("node-6", "evil.example", "node-5.evil.example"):
+        assert client.get("/api/v1/info", headers={**AUTH, "Host": host}).status_code == 400, host
+
+
+def test_job_wide_actions_reach_other_nodes_with_the_sidecars_token_file(store, tmp_path, dynprof_dirs):
+    import stat
+
+    from dynprof.actions import FanoutConfig
+    from dynprof.cli.serve import _fanout_config
+
+    # a token from a file: that file; a generated one: a private file in the run directory
+    token_file = tmp_path / "token"
+    assert _fanout_config("t" * 20, str(token_file), None) == (FanoutConfig(str(token_file)), None)
+    config, own = _fanout_config("g" * 24, "generated", "/ca.pem")
+    assert own is not None and config.token_file == own and config.cacert == "/ca.pem"
+    assert open(own).read().strip() == "g" * 24 and stat.S_IMODE(os.stat(own).st_mode) == 0o600
+    assert os.path.dirname(own) == str(dynprof_dirs["run"])
+    # without a fan-out configuration, `hosts` is a 400; with one, info says so
+    client = create_app(store, token="t" * 20).test_client()
+    r = client.post("/api/v1/actions/ps", json={"options": {"hosts": ["node-1"]}}, headers=AUTH)
+    assert r.status_code == 400 and "does not reach other nodes" in r.get_json()["error"]
+    assert client.get("/api/v1/info", headers=AUTH).get_json()["job_wide"] is False
+    wide = create_app(store, token="t" * 20, fanout=config).test_client()
+    assert wide.get("/api/v1/info", headers=AUTH).get_json()["job_wide"] is True
