@@ -48,6 +48,8 @@ def _two_node_job(spawn: Any, job: str, run_dirs: list[Path], extra: list[str] =
 
 @pytest.fixture
 def node_dirs() -> Any:
+    """Run directories of simulated nodes. Name it before ``spawn`` in a test's arguments: it is
+    then removed after the processes that write into it have stopped."""
     dirs = [Path(tempfile.mkdtemp(prefix="dpn-", dir="/tmp")) for _ in range(3)]
     yield dirs
     import shutil
@@ -56,7 +58,7 @@ def node_dirs() -> Any:
         shutil.rmtree(d, ignore_errors=True)
 
 
-def test_discover_finds_both_nodes_through_one_local_agent(spawn: Any, cli: Any, node_dirs: list[Path]) -> None:
+def test_discover_finds_both_nodes_through_one_local_agent(node_dirs: list[Path], spawn: Any, cli: Any) -> None:
     # GIVEN a 2-rank gloo job whose ranks run on two "nodes" (separate run directories)
     _two_node_job(spawn, "disc1", node_dirs)
     # WHEN a CLI on node 1 (it sees rank 1's agent only) asks for the job's nodes
@@ -83,7 +85,7 @@ def test_discover_finds_both_nodes_through_one_local_agent(spawn: Any, cli: Any,
     assert "2 of 2 rank(s) registered" in text.stderr
 
 
-def test_discover_without_a_local_agent_says_what_to_do(cli: Any, node_dirs: list[Path]) -> None:
+def test_discover_without_a_local_agent_says_what_to_do(node_dirs: list[Path], cli: Any) -> None:
     # GIVEN a node where no agent of the job runs
     # WHEN the job's nodes are asked for from its store
     out = cli("nodes", "--job", "nowhere", "--discover", env={"DYNPROF_RUN_DIR": str(node_dirs[2])})
@@ -93,7 +95,7 @@ def test_discover_without_a_local_agent_says_what_to_do(cli: Any, node_dirs: lis
     assert "--hostfile" in out.stderr and "Traceback" not in out.stderr
 
 
-def test_discover_in_a_job_without_a_process_group(spawn: Any, cli: Any, node_dirs: list[Path]) -> None:
+def test_discover_in_a_job_without_a_process_group(node_dirs: list[Path], spawn: Any, cli: Any) -> None:
     # GIVEN a single-process job that never calls init_process_group
     target = spawn(
         ["-m", "dynprof", "run", "-q", "--", sys.executable, TRAIN, "--step-sleep", "0.05"],
@@ -110,7 +112,7 @@ def test_discover_in_a_job_without_a_process_group(spawn: Any, cli: Any, node_di
     assert not [line for line in target.lines if line.startswith("dynprof")]
 
 
-def test_a_stopped_rank_does_not_delay_discovery(spawn: Any, cli: Any, node_dirs: list[Path]) -> None:
+def test_a_stopped_rank_does_not_delay_discovery(node_dirs: list[Path], spawn: Any, cli: Any) -> None:
     import os
     import signal
 
@@ -168,6 +170,7 @@ def test_a_job_level_command_reaches_every_discovered_node(spawn: Any, cli: Any,
     token.write_text("discover-test-token-0123456789\n")
     token.chmod(0o600)
     sidecars: list[subprocess.Popen[bytes]] = []
+    ranks: list[Any] = []
     run_dirs = [Path(tempfile.mkdtemp(prefix="dpx-", dir="/tmp")) for _ in range(2)]
     try:
         addresses = []
@@ -195,7 +198,6 @@ def test_a_job_level_command_reaches_every_discovered_node(spawn: Any, cli: Any,
                     assert time.monotonic() < deadline, f"no sidecar on {address}"
                     time.sleep(0.1)
         master = _free_port()
-        ranks = []
         for rank in (0, 1):
             env = {
                 "RANK": str(rank),
@@ -231,6 +233,8 @@ def test_a_job_level_command_reaches_every_discovered_node(spawn: Any, cli: Any,
         assert headlines[(1,)].startswith("in wait_for_data")
         assert sorted(n["node"] for n in data["nodes"]) == sorted(addresses)
     finally:
+        for target in ranks:
+            target.stop()  # before their run directories go
         for proc in sidecars:
             proc.terminate()
             try:

@@ -21,11 +21,11 @@ HANG = "tests/integration/programs/hang_program.py"
 def test_stacks_of_each_node_merged(spawn: Any, cli: Any, tmp_path: Path) -> None:
     # GIVEN a 2-rank gloo job, one rank per "node": rank 0 waits in all_reduce, rank 1 sleeps elsewhere
     run_dirs = [Path(tempfile.mkdtemp(prefix="dpm-", dir="/tmp")) for _ in range(2)]
+    targets: list[Any] = []
     try:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = str(s.getsockname()[1])
-        targets = []
         for rank in (0, 1):
             env = {
                 "RANK": str(rank),
@@ -59,5 +59,7 @@ def test_stacks_of_each_node_merged(spawn: Any, cli: Any, tmp_path: Path) -> Non
         assert sorted((p["rank"], p["host"]) for p in merged["processes"]) == [(0, "node-0"), (1, "node-1")]
         assert merged["hosts"] == ["node-0", "node-1"]
     finally:
+        for t in targets:
+            t.stop()  # before their run directories go
         for d in run_dirs:
             shutil.rmtree(d, ignore_errors=True)
