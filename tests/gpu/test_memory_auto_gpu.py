@@ -67,6 +67,8 @@ def test_auto_policy_chooses_within_budget_and_the_oom_report_attributes_memory(
     # AND the leak is named: by the local that holds it, and (sampled) by its allocation site
     rules = {a["rule"]: a for a in summary["advice"]}
     if workload == "launch":
-        assert "held-by-frame" in rules and "`kept`" in rules["held-by-frame"]["reason"], summary["advice"]
+        assert "held-by-frame" in rules and "`kept (list of tensors)`" in rules["held-by-frame"]["reason"], summary[
+            "advice"
+        ]
     assert any("in remember" in s["site"] for s in summary["top_sites"]), summary["top_sites"]
     print(f"[{workload}] OOM report ({art.path}):\n{format_summary(summary)}")
