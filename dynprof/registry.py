@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import socket
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -135,6 +136,18 @@ def read_record(pid: int, directory: Path | None = None) -> AgentRecord | None:
         return None
 
 
+def _socket_answers(path: Path, timeout: float = 0.2) -> bool:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(timeout)
+        sock.connect(str(path))
+        return True
+    except OSError:
+        return False
+    finally:
+        sock.close()
+
+
 def list_records(directory: Path | None = None, clean: bool = True) -> list[AgentRecord]:
     """Records of live agents, newest first; records of dead processes are removed."""
     directory = directory or agents_dir()
@@ -145,7 +158,10 @@ def list_records(directory: Path | None = None, clean: bool = True) -> list[Agen
         except (OSError, ValueError, TypeError, RecursionError):
             continue
         if not record.is_alive():
-            if clean:
+            # A record is removed only when nothing listens on its socket: an agent in another
+            # pid namespace (a pod seen from a node's sidecar) has a pid that means nothing
+            # here, yet it lives, and its record is not ours to delete.
+            if clean and not _socket_answers(socket_path(record.pid, directory)):
                 remove_record(record.pid, directory)
             continue
         records.append(record)

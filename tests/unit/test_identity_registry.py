@@ -71,6 +71,31 @@ def test_records_of_dead_processes_are_cleaned_up(dynprof_dirs):
     assert not (dynprof_dirs["run"] / "agents" / f"{dead.pid}.json").exists()
 
 
+def test_a_record_whose_socket_still_answers_is_not_deleted(dynprof_dirs):
+    # GIVEN a record whose pid means nothing here (an agent in another pid namespace, as a
+    # pod's agent looks from a node's sidecar) but whose socket is listened on
+    import socket
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    write_record(_record(dead.pid))
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(dynprof_dirs["run"] / "agents" / f"{dead.pid}.sock"))
+    listener.listen(1)
+    try:
+        # WHEN the records are listed
+        listed = list_records()
+
+        # THEN it is not listed (its pid cannot be used here), and not deleted either
+        assert dead.pid not in [r.pid for r in listed]
+        assert (dynprof_dirs["run"] / "agents" / f"{dead.pid}.json").exists()
+    finally:
+        listener.close()
+    # AND once nothing listens, it is cleaned up as any dead record
+    list_records()
+    assert not (dynprof_dirs["run"] / "agents" / f"{dead.pid}.json").exists()
+
+
 def test_reused_pid_is_not_taken_for_the_old_agent():
     rec = _record(os.getpid())
     rec.start_ticks = (process_start_ticks(os.getpid()) or 0) + 12345
