@@ -645,8 +645,13 @@ def render_merged(
             text += "   <- outlier"
         lines.append(text)
     lines.append("")
+    several = any(g.by_host for g in groups)
+
+    def who(p: ProcessStacks) -> str:  # "rank 3 on node-5" where the processes are of several nodes
+        return f"{p.label} on {p.host}" if several and p.host else p.label
+
     for i, g in enumerate(groups, 1):
-        gil = [m.label for m in g.members if (m.main_thread() or ThreadStack(0)).holds_gil]
+        gil = [who(m) for m in g.members if (m.main_thread() or ThreadStack(0)).holds_gil]
         size = f"{len(g.members)} process{'es' if len(g.members) != 1 else ''}"
         title = f"== group {i}: {g.labels} ({size}){' -- outlier' if g.outlier else ''}"
         lines.append(title)
@@ -666,7 +671,7 @@ def render_merged(
         if not g.frames:
             lines.append("    (no frames: the main thread was not found or runs no code)")
         lines.append("")
-    notes = [f"{p.label}: read with {p.method} because {p.fallback_reason}" for p in processes if p.fallback_reason]
+    notes = [f"{who(p)}: read with {p.method} because {p.fallback_reason}" for p in processes if p.fallback_reason]
     if notes:
         lines.append("Notes:")
         lines.extend(f"  {n}" for n in notes)

@@ -167,3 +167,18 @@ def test_merge_command_refusals(tmp_path: Path, capsys: Any) -> None:
     assert "--merge reads files" in capsys.readouterr().err
     assert main(["stacks", "--merge", str(bad), "--hosts", "a,b"]) == 2
     assert "--merge reads files" in capsys.readouterr().err
+
+
+def test_gil_and_fallback_lines_name_the_node_when_ranks_are_of_several_nodes() -> None:
+    # GIVEN rank 6 of node-b holding the GIL, read through its agent after py-spy failed
+    from collectors.stacks import render_merged
+
+    procs = _node("node-a", range(4)) + _node("node-b", range(4, 8), odd=6)
+    odd = procs[6]
+    odd.threads[0].holds_gil = True
+    odd.fallback_reason = "ptrace refused"
+    # WHEN rendered as one view
+    text = render_merged(procs, group_processes(procs, by_host=True))
+    # THEN both lines say which node the rank is on
+    assert "main thread holds the GIL in: rank 6 on node-b" in text
+    assert "rank 6 on node-b: read with py-spy because ptrace refused" in text
