@@ -52,7 +52,7 @@ def _storage_key(t: Any) -> tuple[int, int, int] | None:
 def job_attribution(frame: Any, optimizers: list[Any]) -> dict[str, Any]:
     """Bytes held by the optimizers' parameters, gradients and state, and by the tensors in
     the locals of ``frame`` and its callers (each storage counted once, in the first place
-    it is found: parameters, then gradients, optimizer state, then frames)."""
+    it is found: parameters and their gradients, optimizer state, then frames)."""
     t0 = time.perf_counter()
     seen: set[tuple[int, int]] = set()
     looked = 0
@@ -86,11 +86,9 @@ def job_attribution(frame: Any, optimizers: list[Any]) -> dict[str, Any]:
                         break
                     if isinstance(p, tensor_type):
                         out["parameters_bytes"] += count(p)
-            for group in getattr(opt, "param_groups", []) or []:
-                for p in group.get("params", []) if isinstance(group, dict) else []:
-                    g = getattr(p, "grad", None)
-                    if isinstance(g, tensor_type):
-                        out["gradients_bytes"] += count(g)
+                        g = getattr(p, "grad", None)
+                        if isinstance(g, tensor_type):
+                            out["gradients_bytes"] += count(g)
             state = getattr(opt, "state", {}) or {}
             for per_param in list(state.values())[:MAX_TENSORS]:
                 if looked > MAX_TENSORS:

@@ -49,7 +49,7 @@ MAX_PERIOD_S = 60.0
 class Plan:
     """What the controller does next, and why (shown by ``dynprof ps --json``)."""
 
-    recording: str  # "continuous", "windows" or "idle"
+    recording: str  # "continuous" or "windows"
     window_s: float
     period_s: float
     events_per_s: float
@@ -120,7 +120,6 @@ class AutoHistory:
         self.plan: Plan | None = None
         self.recording = False
         self.windows = 0
-        self.recorded_s = 0.0
         self._stop = threading.Event()
         # Held while an OOM capture reads the allocator: no switch (which would clear the
         # event list) until it is written.
@@ -183,11 +182,9 @@ class AutoHistory:
                     continue
                 # One window, then off for the rest of the period (checked again at its end).
                 self._set(True)
-                started = time.monotonic()
                 stopped = self._stop.wait(p.window_s)
                 self._set(False)
                 self.windows += 1
-                self.recorded_s += time.monotonic() - started
                 if stopped:
                     return
                 wait = max(p.period_s - p.window_s, 0.0)

@@ -487,11 +487,29 @@ def plain(name: str, args: argparse.Namespace, nodes: list[Node]) -> int:
     client = client_for(args)
     wait = getattr(args, "timeout", None) or ACTIONS[name].default_timeout_s
     answers = client.action_all(nodes, name, forward_options(name, args), timeout=wait + 5.0)
+
+    def line(r: dict[str, Any]) -> str:
+        detail = r.get("artifact") or r.get("memory_history") or r.get("error") or ""
+        return f"{r.get('status')}: {detail}".rstrip(": ")
+
+    return _report_per_rank(args, client, nodes, answers, ("results",), line)
+
+
+def _report_per_rank(
+    args: argparse.Namespace,
+    client: SidecarClient,
+    nodes: list[Node],
+    answers: list[NodeAnswer],
+    keys: tuple[str, ...],
+    line: Any,
+) -> int:
+    """The nodes' per-rank rows (under the first of ``keys`` a node's answer has), merged in
+    rank order with their node: JSON, or one ``rank R on NODE: line(row)`` each."""
     report_nodes(answers)
     labels = node_labels(nodes)
     results = []
     for a in answers:
-        for row in _rows(a, "results"):
+        for row in next((rows for rows in (_rows(a, k) for k in keys) if rows), []):
             row["node"] = labels[a.node]
             results.append(row)
     results.sort(key=_rank_key)
@@ -501,7 +519,7 @@ def plain(name: str, args: argparse.Namespace, nodes: list[Node]) -> int:
     if args.json:
         print_json(
             {
-                **envelope(answers, strip=("results",)),
+                **envelope(answers, strip=keys),
                 "results": results,
                 "artifacts": artifacts,
                 **({"fetched": fetched} if fetched is not None else {}),
@@ -510,8 +528,7 @@ def plain(name: str, args: argparse.Namespace, nodes: list[Node]) -> int:
         return code
     for r in results:
         who = f"rank {r.get('rank')}" if r.get("rank") is not None else f"pid {r.get('pid')}"
-        detail = r.get("artifact") or r.get("memory_history") or r.get("error") or ""
-        print(printable(f"{who} on {r['node']}: {r.get('status')}: {detail}".rstrip(": ")))
+        print(printable(f"{who} on {r['node']}: {line(r)}"))
     _print_artifacts([], fetched)
     _footer(answers)
     return code
@@ -839,36 +856,13 @@ def _follow_traces(
 
 def _start_as_is(args: argparse.Namespace, client: SidecarClient, nodes: list[Node]) -> int:
     """--duration, or until `dynprof stop`: every node starts its ranks as it would alone."""
-    labels = node_labels(nodes)
     wait = args.timeout or START_WAIT_DEFAULT_S
     answers = client.action_all(nodes, "start", forward_options("start", args, timeout=wait), timeout=wait + 5.0)
-    report_nodes(answers)
-    results = []
-    for a in answers:
-        for row in _rows(a, "results") or _rows(a, "targets"):
-            row["node"] = labels[a.node]
-            results.append(row)
-    results.sort(key=_rank_key)
-    artifacts = _artifacts_of(answers, labels, lambda r: [x.get("artifact") for x in _rows_of(r, "results")])
-    fetched = _maybe_fetch(args, client, answers, artifacts)
-    code = _with_fetch(exit_code(answers), fetched)
-    if args.json:
-        print_json(
-            {
-                **envelope(answers, strip=("results", "targets")),
-                "results": results,
-                "artifacts": artifacts,
-                **({"fetched": fetched} if fetched is not None else {}),
-            }
-        )
-        return code
-    for r in results:
-        who = f"rank {r.get('rank')}" if r.get("rank") is not None else f"pid {r.get('pid')}"
-        detail = r.get("artifact") or r.get("error") or r.get("state") or ""
-        print(printable(f"{who} on {r['node']}: {r.get('status', 'tracing')}: {detail}"))
-    _print_artifacts([], fetched)
-    _footer(answers)
-    return code
+
+    def line(r: dict[str, Any]) -> str:
+        return f"{r.get('status', 'tracing')}: {r.get('artifact') or r.get('error') or r.get('state') or ''}"
+
+    return _report_per_rank(args, client, nodes, answers, ("results", "targets"), line)
 
 
 # -- artifacts -----------------------------------------------------------------------------------
