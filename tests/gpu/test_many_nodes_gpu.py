@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
 
 import test_fanout as sim
 
-HANG, STRAGGLER, dynprof, free_port = sim.HANG, sim.STRAGGLER, sim.dynprof, sim.free_port
+HANG, STRAGGLER, dynprof = sim.HANG, sim.STRAGGLER, sim.dynprof
 nodes = sim.nodes  # the fixture: two sidecars, each its own node
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multi_gpu, pytest.mark.ptrace]
@@ -28,21 +28,15 @@ pytestmark = [pytest.mark.gpu, pytest.mark.multi_gpu, pytest.mark.ptrace]
 
 def nccl_job(spawn, program: str, placement: list, job: str, args: list[str], run_args: tuple[str, ...] = ()):
     """Rank i on placement[i]'s node and on GPU i (LOCAL_RANK), NCCL between them."""
-    master = str(free_port())
-    targets = []
-    for rank, node in enumerate(placement):
-        env = {
-            **node.env,
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(len(placement)),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": master,
-            "DYNPROF_JOB_ID": job,
-            "NCCL_NVLS_ENABLE": "0",
-        }
-        cmd = ["-m", "dynprof", "run", "-q", *run_args, "--", sys.executable, program, *args]
-        targets.append(spawn(cmd, under_run=False, env=env))
+    targets = sim.split_job(
+        spawn,
+        program,
+        placement,
+        job,
+        args,
+        run_args,
+        rank_env=lambda r: {"LOCAL_RANK": str(r), "NCCL_NVLS_ENABLE": "0"},
+    )
     for t in targets:
         t.ready_pids(timeout=180)
     return targets

@@ -125,9 +125,16 @@ def dynprof(*args: str, token: Path | None = None, timeout: float = 90) -> subpr
 
 
 def split_job(
-    spawn: Any, program: str, placement: list[SimNode], job: str, args: list[str], run_args: tuple[str, ...] = ()
+    spawn: Any,
+    program: str,
+    placement: list[SimNode],
+    job: str,
+    args: list[str],
+    run_args: tuple[str, ...] = (),
+    rank_env: Any = None,
 ) -> list[Any]:
-    """A gloo job of len(placement) ranks, rank i started (under `dynprof run RUN_ARGS`) on placement[i]'s node."""
+    """A gloo job of len(placement) ranks, rank i started (under `dynprof run RUN_ARGS`) on placement[i]'s node;
+    ``rank_env(i)`` adds to rank i's environment."""
     master = str(free_port())
     targets = []
     for rank, sim in enumerate(placement):
@@ -138,6 +145,7 @@ def split_job(
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": master,
             "DYNPROF_JOB_ID": job,
+            **(rank_env(rank) if rank_env else {}),
         }
         cmd = ["-m", "dynprof", "run", "-q", *run_args, "--", sys.executable, program, *args]
         targets.append(spawn(cmd, under_run=False, env=env))
