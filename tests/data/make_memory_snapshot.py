@@ -36,50 +36,19 @@ def main() -> int:
     args = parser.parse_args()
     if args.leak_policy:
         return max(_leak(args.out, policy) for policy in args.leak_policy)
-    with tempfile.TemporaryDirectory() as tmp:
-        env = dict(
-            os.environ,
-            DYNPROF_ARTIFACT_DIR=str(Path(tmp) / "art"),
-            DYNPROF_RUN_DIR=str(Path(tmp) / "run"),
-            PYTHONUNBUFFERED="1",
-        )
-        cmd = [
-            sys.executable,
-            "-m",
-            "dynprof",
-            "run",
-            "--memory-history",
-            "1000",
-            "--job-id",
-            "testdata",
-            "--",
-            sys.executable,
-            str(ROOT / "tests/integration/programs/oom_program.py"),
-            "--limit-gb",
-            "1",
-            "--width",
-            "1024",
-            "--grow-mb",
-            "32",
-            "--warmup-steps",
-            "50",
-        ]
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-        print(proc.stdout[-2000:])
-        print(proc.stderr[-3000:], file=sys.stderr)
-        manifests = list((Path(tmp) / "art").rglob("manifest.json"))
-        if len(manifests) != 1:
-            print(f"expected one artifact, found {len(manifests)}", file=sys.stderr)
-            return 1
-        dest = Path(args.out) / "memory_oom_artifact"
-        shutil.rmtree(dest, ignore_errors=True)
-        shutil.copytree(manifests[0].parent, dest)
-        for f in sorted(dest.iterdir()):
-            print(f"{f.name}: {f.stat().st_size} bytes")
-    return 0
+    program = [str(ROOT / "tests/integration/programs/oom_program.py")]
+    program += ["--limit-gb", "1", "--width", "1024", "--grow-mb", "32", "--warmup-steps", "50"]
+    return _capture("1000", program, Path(args.out) / "memory_oom_artifact")
 
 
 def _leak(out: str, policy: str) -> int:
+    program = [str(ROOT / "tests/integration/programs/oom_leak_program.py")]
+    program += ["--workload", "launch", "--warmup-seconds", "3", "--leak-mb", "2", "--limit-gb", "0.5"]
+    return _capture(policy, program, Path(out) / f"memory_leak_{policy.replace(':', '_').replace('%', '')}_artifact")
+
+
+def _capture(policy: str, program: list[str], dest: Path) -> int:
+    """Run PROGRAM under `dynprof run --memory-history POLICY` and copy its one memory artifact to DEST."""
     with tempfile.TemporaryDirectory() as tmp:
         env = dict(
             os.environ,
@@ -88,16 +57,14 @@ def _leak(out: str, policy: str) -> int:
             PYTHONUNBUFFERED="1",
         )
         cmd = [sys.executable, "-m", "dynprof", "run", "--memory-history", policy, "--job-id", "testdata", "--"]
-        cmd += [sys.executable, str(ROOT / "tests/integration/programs/oom_leak_program.py")]
-        cmd += ["--workload", "launch", "--warmup-seconds", "3", "--leak-mb", "2", "--limit-gb", "0.5"]
+        cmd += [sys.executable, *program]
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-        print(proc.stdout[-1000:])
-        print(proc.stderr[-2000:], file=sys.stderr)
+        print(proc.stdout[-2000:])
+        print(proc.stderr[-3000:], file=sys.stderr)
         manifests = list((Path(tmp) / "art").rglob("manifest.json"))
         if len(manifests) != 1:
             print(f"{policy}: expected one artifact, found {len(manifests)}", file=sys.stderr)
             return 1
-        dest = Path(out) / f"memory_leak_{policy.replace(':', '_').replace('%', '')}_artifact"
         shutil.rmtree(dest, ignore_errors=True)
         shutil.copytree(manifests[0].parent, dest)
         for f in sorted(dest.iterdir()):
