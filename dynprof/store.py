@@ -1159,6 +1159,35 @@ class ArtifactStore:
         return removed
 
 
+def open_temporary_dir(directory: Path | str) -> int | None:
+    """A descriptor of ``directory`` if it is the temporary directory of an artifact being
+    written in a dynprof store of ours (``ROOT/job/host/rank/kind/.NAME.tmp``, the root marked,
+    every directory on the way ours and no link, dynprof's marker inside); None otherwise.
+
+    Where an agent may write a file that a client names (``dynprof nccl`` has the agent write
+    into the artifact it is writing)."""
+    directory = Path(os.path.abspath(directory))
+    if len(directory.parts) < 7 or not _TEMP_NAME.fullmatch(directory.name):
+        return None
+    root = directory.parents[4]
+    if not os.path.lexists(root / STORE_MARKER):
+        return None  # only a store that is already dynprof's: none is made or adopted here
+    parents = directory.parts[-5:-1]
+    uid = os.geteuid()
+    try:
+        with ArtifactStore(root)._kind_dir(tuple(parents)) as kind_fd:
+            fd = _child_dir(kind_fd, directory.name, uid)
+            if fd is None:
+                return None
+            mark = _lstat_at(fd, TEMP_MARKER)
+            if mark is None or not stat.S_ISREG(mark.st_mode) or mark.st_uid != uid:
+                os.close(fd)
+                return None
+            return fd
+    except (OSError, ArtifactError):
+        return None
+
+
 def _pid_namespace() -> int:
     try:
         return os.stat("/proc/self/ns/pid").st_ino
