@@ -674,7 +674,7 @@ class ArtifactStore:
         self.max_bytes = max_bytes
 
     # -- the root ----------------------------------------------------------------------------
-    def _open_root(self, write: bool = False) -> int | None:
+    def _open_root(self, write: bool = False, create: bool = False) -> int | None:
         """A descriptor of the store's root, checked: dynprof's (its marker, or adopted now), not
         open to writes by others, and for writing ours. ``None`` when reading a store that does
         not exist yet. The root's own path may be a link (an operator's choice); nothing under it
@@ -688,7 +688,7 @@ class ArtifactStore:
                     help="Point DYNPROF_ARTIFACT_DIR at a directory under one that only you (or root) may change.",
                 )
             try:
-                if not os.path.lexists(root):
+                if create and not os.path.lexists(root):
                     # The store itself (and, for the default path, ~/.local/share/dynprof) is private.
                     _make_dirs(root, artifact_modes()[0])
             except OSError as exc:
@@ -697,7 +697,7 @@ class ArtifactStore:
             fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except FileNotFoundError:
             if write:
-                raise StoreError(f"cannot create the artifact store {root}: it vanished") from None
+                raise StoreError(f"the artifact store {root} does not exist (any more)") from None
             return None
         except NotADirectoryError:
             raise StoreRefused(f"the artifact store {root} is not a directory") from None
@@ -788,8 +788,8 @@ class ArtifactStore:
             os.unlink(tmp, dir_fd=fd)
 
     @contextlib.contextmanager
-    def _root_fd(self, write: bool = False) -> Iterator[int | None]:
-        fd = self._open_root(write)
+    def _root_fd(self, write: bool = False, create: bool = False) -> Iterator[int | None]:
+        fd = self._open_root(write, create)
         try:
             yield fd
         finally:
@@ -808,7 +808,7 @@ class ArtifactStore:
         (ours, not a link, not writable by others); with ``create``, made when missing."""
         if not parents or any(p in ("", ".", "..") or "/" in p for p in parents):
             raise StoreError(f"not a directory of the store: {'/'.join(parents)!r}")
-        with self._root_fd(write=True) as root_fd:
+        with self._root_fd(write=True, create=create) as root_fd:
             assert root_fd is not None
             dir_mode, _ = artifact_modes()
             uid = os.geteuid()
@@ -987,6 +987,8 @@ class ArtifactStore:
         """Remove the temporary directories of writers that died (or that are older than a bound).
 
         Only dynprof's own: in a store of ours, at the artifact level, with dynprof's marker inside."""
+        if not os.path.lexists(self.root):
+            return []
         with self._root_fd(write=True) as root_fd:
             assert root_fd is not None
             return self._sweep_at(root_fd)[0]
@@ -1128,7 +1130,7 @@ class ArtifactStore:
         Sizes are what is on disk (not what manifests claim); stale temporary directories are
         removed first and live ones count against the cap. Deletions are relative to the
         artifact's directory, each directory on the way checked: never through a link."""
-        if self.max_bytes <= 0:
+        if self.max_bytes <= 0 or not os.path.lexists(self.root):
             return []
         removed: builtins.list[Path] = []
         with self._root_fd(write=True) as root_fd:
