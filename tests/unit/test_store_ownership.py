@@ -336,3 +336,19 @@ def test_the_sidecar_says_why_it_lists_nothing_from_a_directory_that_is_not_a_st
     # THEN the API answers with the reason (no 500, nothing listed), and the page still shows
     assert api.status_code == 503 and "not a dynprof store" in api.get_json()["error"]
     assert page.status_code == 200 and "not a dynprof store" in page.get_data(as_text=True)
+
+
+def test_the_flight_recorders_directory_is_made_through_the_store(tmp_path):
+    # GIVEN a new store path, and a directory of other data
+    new, other = ArtifactStore(tmp_path / "new"), ArtifactStore(tmp_path / "other")
+    other.root.mkdir()
+    (other.root / "data.txt").write_text("x\n")
+
+    # WHEN the flight recorder's dump directory is asked of each
+    made = new.private_dir("j", host(), ".flight-recorder")
+
+    # THEN the new store is marked and the directory private; the other is refused
+    assert made.is_dir() and made.stat().st_mode & 0o777 == 0o700 and (new.root / STORE_MARKER).is_file()
+    with pytest.raises(ArtifactError, match="not a dynprof store"):
+        other.private_dir("j", host(), ".flight-recorder")
+    assert sorted(p.name for p in other.root.iterdir()) == ["data.txt"]
