@@ -62,6 +62,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from dynprof.errors import ArtifactError
+
 KIND = "analysis"
 ANALYSIS_FILE = "analysis.json"
 SCHEMA = "dynprof.analysis"
@@ -121,7 +123,7 @@ class _Text:
             raise TraceError(f"{self.name}: a JSON value longer than {MAX_VALUE_CHARS} characters")
         try:
             data = self.fh.read(max(need, _CHUNK))
-        except (OSError, EOFError, gzip.BadGzipFile) as exc:
+        except (OSError, EOFError, gzip.BadGzipFile, ArtifactError) as exc:
             raise TraceError(f"{self.name}: cannot read: {exc}") from None
         if not data:
             self.eof = True
@@ -172,8 +174,7 @@ def iter_trace(
     """Yield the events of a Chrome trace one by one; top-level keys other than
     ``traceEvents`` go into ``header`` (those after the event array only once it is exhausted)."""
     header = {} if header is None else header
-    from dynprof._safe_io import open_in
-    from dynprof.errors import ArtifactError
+    from dynprof._safe_io import DecompressedReader, open_in
 
     scan = json.scanner.make_scanner(json.JSONDecoder())  # type: ignore[arg-type]
     path = Path(path)
@@ -181,7 +182,9 @@ def iter_trace(
         raw = open_in(path.parent, path.name)  # a regular file, never through a link
     except ArtifactError as exc:
         raise TraceError(str(exc)) from None
-    with raw, gzip.GzipFile(fileobj=raw, mode="rb") if path.name.endswith(".gz") else raw as fh:
+    # Gunzipped with the size cap a chunk above ours (ours says it first) and the ratio cap.
+    gunzip = DecompressedReader(raw, max_bytes + _CHUNK, str(path)) if path.name.endswith(".gz") else None
+    with raw, gunzip or raw as fh:
         text = _Text(fh, max_bytes, str(path))  # type: ignore[arg-type]
         if text.skip_ws() != "{":
             raise TraceError(f"{path}: not a Chrome trace (no JSON object)")

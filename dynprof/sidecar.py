@@ -433,7 +433,10 @@ def create_app(
         return jsonify({"agents": agent_rows(list_records(), timeout=1.0)})
 
     def api_artifacts() -> Response:
-        arts, bad = store.scan(job=request.args.get("job") or None, kind=request.args.get("kind") or None)
+        try:
+            arts, bad = store.scan(job=request.args.get("job") or None, kind=request.args.get("kind") or None)
+        except ArtifactError as exc:  # a store dynprof refuses (not its, another user's): say why
+            return _error(503, f"{exc.message}. {exc.help}".strip())
         limit = request.args.get("limit", type=int)
         if limit and limit > 0:
             arts = arts[:limit]
@@ -474,7 +477,12 @@ def create_app(
         nonce = secrets.token_urlsafe(16)
         g.script_nonce = nonce
         agents = agent_rows(list_records(), timeout=0.5)
-        arts, bad = store.scan()
+        try:
+            arts, bad = store.scan()
+            refused = ""
+        except ArtifactError as exc:  # the page still shows the jobs, and why there is no listing
+            arts, bad = [], []
+            refused = f"<p class='failed'>{html.escape(exc.message)}. {html.escape(exc.help)}</p>"
         arts = arts[:200]
         jobs: dict[str, list[dict[str, Any]]] = {}
         for a in agents:
@@ -497,7 +505,7 @@ def create_app(
             f"<style>{_STYLE}</style></head>"
             f"<body><h1>dynprof <small>{html.escape(detect().host)}</small>{mode}</h1>"
             f"<h2>Jobs</h2><div id=jobs>{sections}</div>"
-            f"<h2>Artifacts</h2><p>store: <code>{html.escape(str(store.root))}</code></p>"
+            f"<h2>Artifacts</h2><p>store: <code>{html.escape(str(store.root))}</code></p>{refused}"
             f"<table><thead><tr><th>ID</th><th>KIND</th><th>STATUS</th><th>CREATED</th><th>SIZE</th></tr></thead>"
             f"<tbody id=artifacts>{rows_arts}</tbody></table>"
             f"{rows_bad}<script nonce='{nonce}'>{PAGE_JS}</script></body></html>"

@@ -7,10 +7,19 @@ Layout under the store root (``DYNPROF_ARTIFACT_DIR``)::
                            files (size, sha256), status, summary
         <files...>
 
-An artifact is written under a hidden temporary name (``.<name>.tmp``) in the same directory
-and renamed into place once its manifest is written, so a reader never sees a half-written
-artifact as finished. The store keeps its total size under a cap by deleting the oldest
-finished artifacts first.
+An artifact is written under a hidden temporary name (``.<name>.<pid>@<pidns>.tmp``, holding
+dynprof's own ``.dynprof-writing`` marker) in the same directory and renamed into place once its
+manifest is written, so a reader never sees a half-written artifact as finished. The store keeps
+its total size under a cap by deleting the oldest finished artifacts first.
+
+The store only ever deletes what it provably created. Its root holds a ``.dynprof-store``
+marker, written when dynprof creates the root or adopts an empty directory (or one laid out as
+an earlier dynprof's store, every entry ``job/host/rank/kind/ID``); any other non-empty
+directory is refused. A root owned by another user, or open to writes by others, is refused
+for writing (and, open to writes, for reading too); so is every directory below it that is not
+the root owner's. Nothing inside the store is reached through a link: the walks open each
+directory relative to its parent with ``O_NOFOLLOW``, and deletions and renames are relative
+to directory descriptors.
 
 Every file in a store is untrusted input (docs/security.md): manifests are read with size and
 depth limits and checked field by field; a bad one is reported and skipped, never fatal to a
@@ -28,7 +37,6 @@ import hashlib
 import json
 import os
 import re
-import shutil
 import socket
 import stat
 import time
@@ -52,7 +60,29 @@ STALE_TMP_AFTER_S = 3600.0
 """A temporary directory this old is stale even when its writer's pid still runs."""
 DEAD_OWNER_GRACE_S = 5.0
 MAX_MANIFEST_FILES = 10_000
+STORE_MARKER = ".dynprof-store"
+"""The file at a store's root that says dynprof made (or adopted) it."""
+STORE_SCHEMA = "dynprof.store"
+STORE_FORMAT_VERSION = 1
+TEMP_MARKER = ".dynprof-writing"
+"""The file inside an artifact's temporary directory that says dynprof's writer made it."""
+LOCK = ".lock"
+MAX_LEGACY_ENTRIES = 100_000
+"""Entries looked at, at most, to tell whether an unmarked directory is an earlier dynprof's store."""
 _SAFE = re.compile(r"[^A-Za-z0-9_.@+-]")
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_RANK_SEGMENT = re.compile(r"rank-?\d+|node")
+_ARTIFACT_NAME = re.compile(r"\d{8}T\d{6}\.\d{6}Z-\d+(?:-\d+)?")
+_TEMP_NAME = re.compile(r"\..+\.tmp")
+NOT_A_STORE_HELP = (
+    "Point DYNPROF_ARTIFACT_DIR at a directory of dynprof's own: a new path (dynprof creates it) or an empty directory."
+)
+
+
+class StoreRefused(ArtifactError):
+    """A store root, or a directory in it, that dynprof will not use (not its, another user's)."""
+
+    default_help = NOT_A_STORE_HELP
 
 
 def _safe(segment: str) -> str:
@@ -100,6 +130,11 @@ def artifact_modes() -> tuple[int, int]:
         ) from None
     if not 0 <= mode <= 0o777:
         raise ArtifactError(f"DYNPROF_ARTIFACT_MODE={env!r} is out of range", help="Write it like 0700, 0750 or 0755.")
+    if mode & 0o022:
+        raise ArtifactError(
+            f"DYNPROF_ARTIFACT_MODE={env!r} lets others write into the store",
+            help="A store is shared for reading only: write it like 0750 or 0755.",
+        )
     mode |= 0o700
     return mode, mode & 0o666
 
@@ -132,6 +167,170 @@ def _disk_usage(path: Path) -> int:
                 if entry.name != MANIFEST and entry.is_file(follow_symlinks=False):
                     total += entry.stat(follow_symlinks=False).st_size
     return total
+
+
+# -- walking the store without following links ---------------------------------------------------
+def _dir_problem(st: os.stat_result, owner: int) -> str | None:
+    """Why a directory may not be part of a store owned by ``owner`` (None: it may)."""
+    if not stat.S_ISDIR(st.st_mode):
+        return "not a directory"
+    if st.st_uid != owner:
+        return f"owned by uid {st.st_uid}, not by the store's owner (uid {owner})"
+    if st.st_mode & 0o022:
+        return f"writable by others (mode {stat.S_IMODE(st.st_mode):04o})"
+    return None
+
+
+def _child_dir(dir_fd: int, name: str, owner: int) -> int | None:
+    """A descriptor of the subdirectory ``name`` if it belongs to the store: a directory (never
+    reached through a link), the owner's, not writable by others. None otherwise, or if it vanished."""
+    try:
+        fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+    except OSError:
+        return None
+    try:
+        ok = _dir_problem(os.fstat(fd), owner) is None
+    except OSError:
+        ok = False
+    if not ok:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _entries(dir_fd: int) -> builtins.list[tuple[str, bool, bool]]:
+    """``(name, is a directory, is a link)`` of each entry, links not followed, sorted by name;
+    entries that vanish while they are looked at are left out."""
+    found = []
+    try:
+        with os.scandir(dir_fd) as it:
+            for entry in it:
+                try:
+                    found.append((entry.name, entry.is_dir(follow_symlinks=False), entry.is_symlink()))
+                except OSError:
+                    continue
+    except OSError:
+        return []
+    return sorted(found)
+
+
+def _walk(
+    dir_fd: int, owner: int, prefix: tuple[str, ...] = ()
+) -> Iterator[tuple[tuple[str, ...], str, bool, bool, int]]:
+    """Each entry at the artifact level (``job/host/rank/kind/NAME``) as ``(parents, name, is a
+    directory, is a link, descriptor of its kind directory)``. Only directories that belong to the
+    store are entered (:func:`_child_dir`); hidden ones above the artifact level are not."""
+    for name, is_dir, is_link in _entries(dir_fd):
+        if len(prefix) == 4:
+            yield prefix, name, is_dir, is_link, dir_fd
+            continue
+        if not is_dir or is_link or name.startswith("."):
+            continue
+        fd = _child_dir(dir_fd, name, owner)
+        if fd is None:
+            continue
+        try:
+            yield from _walk(fd, owner, (*prefix, name))
+        finally:
+            os.close(fd)
+
+
+def _rmtree_at(dir_fd: int, name: str) -> None:
+    """Remove the directory ``name`` of ``dir_fd`` and everything in it, relative to directory
+    descriptors: a link met on the way is removed, never followed; a ``name`` that is a link is
+    left alone. Errors are ignored (what cannot be removed stays)."""
+    try:
+        fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+    except OSError:
+        return
+    try:
+        for entry, is_dir, is_link in _entries(fd):
+            if is_dir and not is_link:
+                _rmtree_at(fd, entry)
+            else:
+                with contextlib.suppress(OSError):
+                    os.unlink(entry, dir_fd=fd)
+    except RecursionError:
+        return
+    finally:
+        os.close(fd)
+    with contextlib.suppress(OSError):
+        os.rmdir(name, dir_fd=dir_fd)
+
+
+def _lstat_at(dir_fd: int, name: str) -> os.stat_result | None:
+    try:
+        return os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except OSError:
+        return None
+
+
+def _write_new_file(dir_fd: int, name: str, data: bytes, mode: int) -> None:
+    """Create ``name`` in ``dir_fd``: new (``O_EXCL``), never through a link, exactly ``mode``."""
+    fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=dir_fd)
+    with os.fdopen(fd, "wb") as fh:
+        os.fchmod(fh.fileno(), mode)
+        fh.write(data)
+
+
+def _looks_like_store(dir_fd: int, owner: int) -> bool:
+    """Whether an unmarked directory is laid out as an earlier dynprof's store: every entry is
+    ``job/host/rank/kind/ID`` (rank ``rankN`` or ``node``, ID a capture's name or a temporary),
+    besides its ``.lock`` and the flight recorder's ``job/host/.flight-recorder``; directories
+    only, no link, all the owner's; at least one rank level. Looks at a bounded number of entries."""
+    budget = MAX_LEGACY_ENTRIES
+    ranks = 0
+
+    def walk(fd: int, depth: int) -> bool:
+        nonlocal budget, ranks
+        for name, is_dir, is_link in _entries(fd):
+            budget -= 1
+            if budget < 0:
+                return False
+            if depth == 0 and (name == LOCK or name.startswith(STORE_MARKER)):
+                continue
+            if is_link or not is_dir:
+                return False
+            if depth == 4:
+                if not (_ARTIFACT_NAME.fullmatch(name) or _TEMP_NAME.fullmatch(name)):
+                    return False
+                continue
+            if depth == 2:
+                if not (_RANK_SEGMENT.fullmatch(name) or name == ".flight-recorder"):
+                    return False
+                ranks += 1
+                if name == ".flight-recorder":
+                    continue
+            elif name.startswith("."):
+                return False
+            child = _child_dir(fd, name, owner)
+            if child is None:
+                return False
+            try:
+                if not walk(child, depth + 1):
+                    return False
+            finally:
+                os.close(child)
+        return True
+
+    return walk(dir_fd, 0) and ranks > 0
+
+
+def _unsafe_ancestor(path: Path) -> str | None:
+    """Why a directory above the store lets another user replace it (None: none does). An
+    ancestor must be ours or root's, and one that others may write must be sticky (``/tmp``)
+    or ours."""
+    uid = os.geteuid()
+    for parent in Path(os.path.realpath(path)).parents:
+        try:
+            st = os.lstat(parent)
+        except OSError:
+            continue
+        if st.st_uid not in (uid, 0):
+            return f"{parent} belongs to uid {st.st_uid}"
+        if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX and st.st_uid != uid:
+            return f"{parent} is writable by others"
+    return None
 
 
 def _check_type(manifest: dict[str, Any], key: str, types: tuple[type, ...], required: bool = False) -> None:
@@ -348,6 +547,8 @@ class ArtifactWriter:
     _files: builtins.list[str] = field(default_factory=list)
     finished: Artifact | None = None
     aborted: str | None = None
+    parents: tuple[str, ...] = ()
+    """``(job, host, rank, kind)`` segments of its directory under the store's root."""
 
     def file_path(self, name: str) -> Path:
         """Path for a file the caller writes itself; it is listed in the manifest at finish."""
@@ -377,7 +578,8 @@ class ArtifactWriter:
         """Remove the temporary directory and everything in it."""
         if self.finished is None and self.aborted is None:
             self.aborted = reason
-            shutil.rmtree(self.path, ignore_errors=True)
+            with contextlib.suppress(OSError, ArtifactError), self.store._kind_dir(self.parents) as kind_fd:
+                _rmtree_at(kind_fd, self.path.name)
 
     def _publish(self, status: str, summary: dict[str, Any] | None, error: str | None) -> None:
         dir_mode, file_mode = artifact_modes()
@@ -395,14 +597,21 @@ class ArtifactWriter:
             summary=summary or self.manifest.get("summary") or {},
             error=error,
         )
-        tmp_manifest = self.path / (MANIFEST + ".tmp")
-        fd = os.open(tmp_manifest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, file_mode)
-        with os.fdopen(fd, "w") as fh:
-            fh.write(json.dumps(self.manifest, indent=2, default=str) + "\n")
-        os.chmod(tmp_manifest, file_mode)
-        os.replace(tmp_manifest, self.path / MANIFEST)
-        os.chmod(self.path, dir_mode)
-        os.rename(self.path, self.final_path)
+        text = json.dumps(self.manifest, indent=2, default=str) + "\n"
+        with self.store._kind_dir(self.parents) as kind_fd:
+            tmp_fd = os.open(self.path.name, _DIR_FLAGS, dir_fd=kind_fd)
+            try:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(MANIFEST + ".tmp", dir_fd=tmp_fd)
+                _write_new_file(tmp_fd, MANIFEST + ".tmp", text.encode(), file_mode)
+                os.replace(MANIFEST + ".tmp", MANIFEST, src_dir_fd=tmp_fd, dst_dir_fd=tmp_fd)
+                os.fchmod(tmp_fd, dir_mode)
+            finally:
+                os.close(tmp_fd)
+            os.rename(self.path.name, self.final_path.name, src_dir_fd=kind_fd, dst_dir_fd=kind_fd)
+            # Finished: its temporary marker goes (a sweep never looks at a finished artifact).
+            with contextlib.suppress(OSError):
+                os.unlink(f"{self.final_path.name}/{TEMP_MARKER}", dir_fd=kind_fd)
 
     def finish(
         self,
@@ -464,6 +673,190 @@ class ArtifactStore:
             max_bytes = parse_size(env) if env else DEFAULT_MAX_BYTES
         self.max_bytes = max_bytes
 
+    # -- the root ----------------------------------------------------------------------------
+    def _open_root(self, write: bool = False, create: bool = False) -> int | None:
+        """A descriptor of the store's root, checked: dynprof's (its marker, or adopted now), not
+        open to writes by others, and for writing ours. ``None`` when reading a store that does
+        not exist yet. The root's own path may be a link (an operator's choice); nothing under it
+        is followed."""
+        root = self.root
+        if write:
+            unsafe = _unsafe_ancestor(root)
+            if unsafe is not None:
+                raise StoreRefused(
+                    f"refused to write the artifact store {root}: {unsafe}, so another user could replace the store",
+                    help="Point DYNPROF_ARTIFACT_DIR at a directory under one that only you (or root) may change.",
+                )
+            try:
+                if create and not os.path.lexists(root):
+                    # The store itself (and, for the default path, ~/.local/share/dynprof) is private.
+                    _make_dirs(root, artifact_modes()[0])
+            except OSError as exc:
+                raise StoreError(f"cannot create the artifact store {root}: {exc.strerror}") from None
+        try:
+            fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            if write:
+                raise StoreError(f"the artifact store {root} does not exist (any more)") from None
+            return None
+        except NotADirectoryError:
+            raise StoreRefused(f"the artifact store {root} is not a directory") from None
+        except OSError as exc:
+            raise StoreRefused(f"cannot open the artifact store {root}: {exc.strerror}") from None
+        try:
+            self._check_root(fd, write)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def _check_root(self, fd: int, write: bool) -> None:
+        root = self.root
+        st = os.fstat(fd)
+        uid = os.geteuid()
+        if write and st.st_uid != uid:
+            raise StoreRefused(
+                f"the artifact store {root} belongs to uid {st.st_uid}, not to you (uid {uid}): refused",
+                help="Point DYNPROF_ARTIFACT_DIR at a store of your own (a new path, or an empty directory).",
+            )
+        if self._read_marker(fd, st.st_uid) is None:
+            names = [n for n, _, _ in _entries(fd) if n != LOCK and not n.startswith(STORE_MARKER)]
+            if names and not _looks_like_store(fd, st.st_uid):
+                shown = ", ".join(repr(n)[1:-1] for n in names[:5]) + (", ..." if len(names) > 5 else "")
+                raise StoreRefused(
+                    f"{root} is not a dynprof store: it holds other entries ({shown}) and no {STORE_MARKER} "
+                    "marker, so dynprof will neither write nor delete anything in it"
+                )
+            if write:
+                if not names and st.st_mode & 0o077 != artifact_modes()[0] & 0o077:
+                    os.fchmod(fd, artifact_modes()[0])  # an empty directory adopted is private, as a new store is
+                self._write_marker(fd)
+                st = os.fstat(fd)
+        if st.st_mode & 0o022:
+            raise StoreRefused(
+                f"the artifact store {root} is writable by others (mode {stat.S_IMODE(st.st_mode):04o}): refused",
+                help=f"Make it private (chmod go-w {root}), or point DYNPROF_ARTIFACT_DIR at a store of your own.",
+            )
+
+    def _read_marker(self, fd: int, owner: int) -> dict[str, Any] | None:
+        try:
+            mfd = os.open(STORE_MARKER, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=fd)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise StoreRefused(f"the store marker {self.root / STORE_MARKER} cannot be read: {exc.strerror}") from None
+        with os.fdopen(mfd, "rb") as fh:
+            st = os.fstat(fh.fileno())
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != owner:
+                raise StoreRefused(
+                    f"the store marker {self.root / STORE_MARKER} is not a file of the store's owner: refused"
+                )
+            data = fh.read(4097)
+        try:
+            marker = _safe_io.loads_json(data, str(self.root / STORE_MARKER)) if len(data) <= 4096 else None
+        except ArtifactError:
+            marker = None
+        if not isinstance(marker, dict) or marker.get("schema") != STORE_SCHEMA:
+            raise StoreRefused(
+                f"the store marker {self.root / STORE_MARKER} is not dynprof's: refused",
+                help="Remove it if this directory is a dynprof store, or "
+                + NOT_A_STORE_HELP[0].lower()
+                + NOT_A_STORE_HELP[1:],
+            )
+        return marker
+
+    def _write_marker(self, fd: int) -> None:
+        """Write the marker whole under a temporary name and link it into place, so a reader
+        never sees half of it; a marker already there (another writer) is kept."""
+        data = json.dumps(
+            {
+                "schema": STORE_SCHEMA,
+                "version": STORE_FORMAT_VERSION,
+                "created_at": utcnow_iso(),
+                "dynprof_version": __version__,
+            }
+        ).encode()
+        tmp = f"{STORE_MARKER}.{owner_tag()}.tmp"
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp, dir_fd=fd)
+        _write_new_file(fd, tmp, data + b"\n", artifact_modes()[1])
+        try:
+            os.link(tmp, STORE_MARKER, src_dir_fd=fd, dst_dir_fd=fd, follow_symlinks=False)
+        except FileExistsError:
+            pass
+        finally:
+            os.unlink(tmp, dir_fd=fd)
+
+    @contextlib.contextmanager
+    def _root_fd(self, write: bool = False, create: bool = False) -> Iterator[int | None]:
+        fd = self._open_root(write, create)
+        try:
+            yield fd
+        finally:
+            if fd is not None:
+                os.close(fd)
+
+    def _kind_dir(self, parents: tuple[str, ...], *, create: bool = False) -> contextlib.AbstractContextManager[int]:
+        """A descriptor of ``root/job/host/rank/kind`` for writing (see :meth:`_store_dir`)."""
+        if len(parents) != 4:
+            raise StoreError(f"not an artifact directory of the store: {'/'.join(parents)!r}")
+        return self._store_dir(parents, create=create)
+
+    @contextlib.contextmanager
+    def _store_dir(self, parents: tuple[str, ...], *, create: bool = False) -> Iterator[int]:
+        """A descriptor of ``root/PARENTS...`` for writing, each directory on the way checked
+        (ours, not a link, not writable by others); with ``create``, made when missing."""
+        if not parents or any(p in ("", ".", "..") or "/" in p for p in parents):
+            raise StoreError(f"not a directory of the store: {'/'.join(parents)!r}")
+        with self._root_fd(write=True, create=create) as root_fd:
+            assert root_fd is not None
+            dir_mode, _ = artifact_modes()
+            uid = os.geteuid()
+            fd = os.dup(root_fd)
+            try:
+                where = self.root
+                for seg in parents:
+                    where = where / seg
+                    made = False
+                    if create:
+                        try:
+                            os.mkdir(seg, dir_mode, dir_fd=fd)
+                            made = True
+                        except FileExistsError:
+                            pass
+                    try:
+                        child = os.open(seg, _DIR_FLAGS, dir_fd=fd)
+                    except FileNotFoundError:
+                        raise StoreError(f"{where} vanished") from None
+                    except OSError:
+                        raise StoreRefused(
+                            f"{where} is a link or not a directory: refused (nothing in the store is reached through a link)",
+                            help=f"Remove {where}; dynprof makes it again.",
+                        ) from None
+                    os.close(fd)
+                    fd = child
+                    if made:
+                        os.fchmod(fd, dir_mode)
+                    problem = _dir_problem(os.fstat(fd), uid)
+                    if problem is not None:
+                        raise StoreRefused(
+                            f"{where} is {problem}: refused",
+                            help=f"Remove {where}, or point DYNPROF_ARTIFACT_DIR at a store of your own.",
+                        )
+                yield fd
+            finally:
+                os.close(fd)
+
+    def private_dir(self, *parents: str) -> Path:
+        """Make ``root/job/host/NAME`` (private, checked as the store's own directories are) and
+        return its path: a place in the store for files that are not artifacts (the flight
+        recorder's dumps). ``parents`` are the job, host and name segments."""
+        if len(parents) != 3:
+            raise StoreError(f"not a directory of the store: {'/'.join(parents)!r}")
+        with self._store_dir(parents, create=True):
+            pass
+        return self.root.joinpath(*parents)
+
     # -- writing ---------------------------------------------------------------------------
     def create(
         self,
@@ -481,25 +874,39 @@ class ArtifactStore:
         now = time.time()
         stamp = datetime.fromtimestamp(now, timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
         rank_seg = f"rank{rank}" if rank is not None else "node"
-        parent = self.root / _safe(job or "nojob") / _safe(host) / rank_seg / _safe(kind)
-        dir_mode, _ = artifact_modes()
+        parents = (_safe(job or "nojob"), _safe(host), rank_seg, _safe(kind))
+        parent = self.root.joinpath(*parents)
         with contextlib.suppress(OSError, ArtifactError):
             self.sweep_stale()
         try:
-            if not os.path.lexists(self.root):
-                # The store itself (and, for the default path, ~/.local/share/dynprof) is private.
-                _make_dirs(self.root, dir_mode)
-            _make_dirs(parent, dir_mode)
-            name = f"{stamp}-{pid}"
-            final = parent / name
-            n = 1
-            while final.exists():
-                n += 1
-                final = parent / f"{name}-{n}"
-            # The writer's pid (and pid namespace) is in the name, so a directory left by a
-            # writer that died can be swept.
-            tmp = parent / f".{final.name}.{owner_tag()}.tmp"
-            os.mkdir(tmp, 0o700)
+            with self._kind_dir(parents, create=True) as kind_fd:
+                name = f"{stamp}-{pid}"
+                final = name
+                n = 1
+                while _lstat_at(kind_fd, final) is not None:
+                    n += 1
+                    final = f"{name}-{n}"
+                # The writer's pid (and pid namespace) is in the name, so a directory left by a
+                # writer that died can be swept; the marker inside says dynprof's writer made it.
+                tmp = f".{final}.{owner_tag()}.tmp"
+                os.mkdir(tmp, 0o700, dir_fd=kind_fd)
+                try:
+                    tmp_fd = os.open(tmp, _DIR_FLAGS, dir_fd=kind_fd)
+                except OSError:
+                    _rmtree_at(kind_fd, tmp)
+                    raise
+                try:
+                    os.fchmod(tmp_fd, 0o700)
+                    marker = json.dumps(
+                        {"schema": "dynprof.temporary", "owner": owner_tag(), "created_at": utcnow_iso()}
+                    )
+                    _write_new_file(tmp_fd, TEMP_MARKER, marker.encode() + b"\n", 0o600)
+                except OSError:
+                    os.close(tmp_fd)
+                    _rmtree_at(kind_fd, tmp)
+                    raise
+                else:
+                    os.close(tmp_fd)
         except OSError as exc:
             raise StoreError(f"cannot create an artifact directory in {parent}: {exc.strerror}") from None
         manifest: dict[str, Any] = {
@@ -521,105 +928,187 @@ class ArtifactStore:
         }
         if extra:
             manifest.update(extra)
-        return ArtifactWriter(store=self, path=tmp, final_path=final, manifest=manifest)
+        return ArtifactWriter(
+            store=self, path=parent / tmp, final_path=parent / final, manifest=manifest, parents=parents
+        )
 
     # -- reading ---------------------------------------------------------------------------
-    def _artifact_dirs(self) -> Iterator[Path]:
-        if not self.root.is_dir():
-            return
-        # job/host/rank/kind/artifact/; hidden (in-progress) dirs are skipped.
-        for manifest in self.root.glob(f"*/*/*/*/*/{MANIFEST}"):
-            if not manifest.parent.name.startswith("."):
-                yield manifest.parent
+    def _temporaries_at(self, root_fd: int) -> Iterator[tuple[TempDir, int]]:
+        """Each temporary directory that dynprof's writer made (its marker inside, the store
+        owner's, a directory at the artifact level, no link), with its kind directory's descriptor."""
+        owner = os.fstat(root_fd).st_uid
+        now = time.time()
+        here = _safe(socket.gethostname())
+        ns_here = str(_pid_namespace())
+        for parents, name, is_dir, is_link, kind_fd in _walk(root_fd, owner):
+            if not (is_dir and not is_link and _TEMP_NAME.fullmatch(name)):
+                continue
+            st = _lstat_at(kind_fd, name)
+            if st is None or _dir_problem(st, owner) is not None:
+                continue
+            mark = _lstat_at(kind_fd, f"{name}/{TEMP_MARKER}")
+            if mark is None or not stat.S_ISREG(mark.st_mode) or mark.st_uid != owner:
+                continue
+            path = self.root.joinpath(*parents, name)
+            age = max(0.0, now - st.st_mtime)
+            parts = name[1:].rsplit(".", 2)
+            pid_text, _, ns = parts[1].partition("@") if len(parts) == 3 else ("", "", "")
+            owner_pid = int(pid_text) if pid_text.isdigit() else None
+            stale = age > STALE_TMP_AFTER_S
+            # A dead owner is known only for a writer on this host, in this pid namespace.
+            ours = parents[1] == here and ns == ns_here
+            if not stale and owner_pid is not None and ours and age > DEAD_OWNER_GRACE_S:
+                stale = not _pid_alive(owner_pid)
+            yield TempDir(path, owner_pid, age, _disk_usage(path), stale, self.root), kind_fd
 
     def temporaries(self) -> builtins.list[TempDir]:
         """Temporary directories of artifacts being written, and stale ones left by dead writers."""
-        if not self.root.is_dir():
-            return []
-        found = []
-        now = time.time()
-        here = _safe(socket.gethostname())
-        for p in sorted(self.root.glob("*/*/*/*/.*.tmp")):
-            try:
-                st = p.lstat()
-            except OSError:
-                continue
-            if not stat.S_ISDIR(st.st_mode):
-                continue
-            age = max(0.0, now - st.st_mtime)
-            parts = p.name[1:].rsplit(".", 2)
-            pid_text, _, ns = parts[1].partition("@") if len(parts) == 3 else ("", "", "")
-            owner = int(pid_text) if pid_text.isdigit() else None
-            stale = age > STALE_TMP_AFTER_S
-            # A dead owner is known only for a writer on this host, in this pid namespace.
-            ours = p.parent.parent.parent.name == here and ns == str(_pid_namespace())
-            if not stale and owner is not None and ours and age > DEAD_OWNER_GRACE_S:
-                stale = not _pid_alive(owner)
-            found.append(TempDir(p, owner, age, _disk_usage(p), stale, self.root))
-        return found
+        with self._root_fd() as root_fd:
+            if root_fd is None:
+                return []
+            return sorted((t for t, _ in self._temporaries_at(root_fd)), key=lambda t: t.path)
 
     def in_progress(self) -> builtins.list[Path]:
         return [t.path for t in self.temporaries()]
 
-    def sweep_stale(self) -> builtins.list[Path]:
-        """Remove the temporary directories of writers that died (or that are older than a bound)."""
-        removed = []
-        for t in self.temporaries():
+    def _sweep_at(self, root_fd: int) -> tuple[builtins.list[Path], builtins.list[TempDir]]:
+        """Remove the stale temporaries (relative to their directory: never through a link);
+        return what was removed and the live ones."""
+        removed, live = [], []
+        for t, kind_fd in self._temporaries_at(root_fd):
             if t.stale:
-                shutil.rmtree(t.path, ignore_errors=True)
+                _rmtree_at(kind_fd, t.path.name)
                 removed.append(t.path)
-        return removed
+            else:
+                live.append(t)
+        return removed, live
+
+    def sweep_stale(self) -> builtins.list[Path]:
+        """Remove the temporary directories of writers that died (or that are older than a bound).
+
+        Only dynprof's own: in a store of ours, at the artifact level, with dynprof's marker inside."""
+        if not os.path.lexists(self.root):
+            return []
+        with self._root_fd(write=True) as root_fd:
+            assert root_fd is not None
+            return self._sweep_at(root_fd)[0]
+
+    def _scan_at(self, root_fd: int) -> tuple[builtins.list[Artifact], builtins.list[BadArtifact]]:
+        owner = os.fstat(root_fd).st_uid
+        found, bad = [], []
+        for parents, name, is_dir, is_link, kind_fd in _walk(root_fd, owner):
+            if name.startswith("."):  # temporaries (in-progress) and other hidden entries
+                continue
+            path = self.root.joinpath(*parents, name)
+            if is_link:
+                bad.append(BadArtifact(path, "a symbolic link: not followed", self.root))
+                continue
+            st = _lstat_at(kind_fd, name) if is_dir else None
+            if st is None:
+                continue
+            problem = _dir_problem(st, owner)
+            if problem is not None:
+                bad.append(BadArtifact(path, f"{problem}: refused", self.root))
+                continue
+            if _lstat_at(kind_fd, f"{name}/{MANIFEST}") is None:
+                continue  # not an artifact (or it vanished)
+            try:
+                found.append(Artifact.load(path, root=self.root))
+            except ArtifactError as exc:
+                if _lstat_at(kind_fd, name) is not None:  # still there: damaged, not removed meanwhile
+                    bad.append(BadArtifact(path, exc.message, self.root))
+        return found, bad
 
     def scan(
         self, job: str | None = None, kind: str | None = None
     ) -> tuple[builtins.list[Artifact], builtins.list[BadArtifact]]:
         """The finished artifacts, newest first, and the directories whose manifest is bad."""
-        found = []
-        bad = []
-        for path in self._artifact_dirs():
-            try:
-                art = Artifact.load(path, root=self.root)
-            except ArtifactError as exc:
-                bad.append(BadArtifact(path, exc.message, self.root))
-                continue
-            if job is not None and str(art.manifest.get("job")) != job:
-                continue
-            if kind is not None and art.kind != kind:
-                continue
-            found.append(art)
+        with self._root_fd() as root_fd:
+            if root_fd is None:
+                return [], []
+            arts, bad = self._scan_at(root_fd)
+        found = [
+            a for a in arts if (job is None or str(a.manifest.get("job")) == job) and (kind is None or a.kind == kind)
+        ]
         found.sort(key=lambda a: a.created_at, reverse=True)
         return found, bad
 
     def list(self, job: str | None = None, kind: str | None = None) -> builtins.list[Artifact]:
         return self.scan(job=job, kind=kind)[0]
 
+    def _relative(self, path: Path) -> tuple[str, ...] | None:
+        """``path``'s segments under the root (by its path, or the root's resolved path), or None
+        when it lies elsewhere."""
+        full = os.path.abspath(path)
+        for base in (os.path.abspath(self.root), os.path.realpath(self.root)):
+            if full == base or full.startswith(base.rstrip("/") + "/"):
+                return Path(full[len(base) :].lstrip("/")).parts
+        return None
+
+    def _load_inside(self, parts: tuple[str, ...], ref: str) -> Artifact | None:
+        """The artifact at ``root/job/host/rank/kind/ID``, every step taken without following a
+        link; None when there is none; a refusal when a step is a link or not the owner's."""
+        if len(parts) == 6 and parts[-1] == MANIFEST:
+            parts = parts[:-1]
+        if len(parts) != 5 or any(p in ("", ".", "..") for p in parts):
+            return None
+        with self._root_fd() as root_fd:
+            if root_fd is None:
+                return None
+            owner = os.fstat(root_fd).st_uid
+            fd = os.dup(root_fd)
+            try:
+                for seg in parts:
+                    st = _lstat_at(fd, seg)
+                    if st is None:
+                        return None
+                    if stat.S_ISLNK(st.st_mode):
+                        raise ArtifactError(
+                            f"{ref[:200]!r} in {self.root} is reached through a symbolic link: refused",
+                            help="Nothing in the store is read through a link; list artifacts with `dynprof ls`.",
+                        )
+                    child = _child_dir(fd, seg, owner)
+                    if child is None:
+                        problem = _dir_problem(st, owner) or "not usable"
+                        raise ArtifactError(f"{ref[:200]!r} in {self.root}: {seg} is {problem}: refused")
+                    os.close(fd)
+                    fd = child
+                if _lstat_at(fd, MANIFEST) is None:
+                    return None
+            finally:
+                os.close(fd)
+        return Artifact.load(self.root.joinpath(*parts), root=self.root)
+
     def get(self, ref: str, *, inside_only: bool = False) -> Artifact:
         """Find an artifact by path, by id (path under the root) or by a unique id suffix.
 
-        With ``inside_only`` (the sidecar), ``ref`` must be an id under the root: no absolute
-        path, no ``..``, nothing that resolves outside the store."""
+        Inside the store nothing is reached through a link. A path elsewhere is the directory
+        given (``dynprof show DIR``). With ``inside_only`` (the sidecar), ``ref`` must be an id
+        under the root: no absolute path, no ``..``."""
         if not isinstance(ref, str) or not ref or "\x00" in ref or len(ref) > 4096:
             raise ArtifactError(f"no artifact {str(ref)[:80]!r} in {self.root}")
-        candidates: builtins.list[Path] = []
         if inside_only:
             parts = Path(ref).parts
             if Path(ref).is_absolute() or ".." in parts:
                 raise ArtifactError(f"no artifact {ref[:200]!r} in {self.root}")
-            candidates = [self.root / ref]
         else:
-            candidates = [Path(ref).expanduser(), self.root / ref]
-        for p in candidates:
+            given = Path(ref).expanduser()
             try:
-                if p.name == MANIFEST:
-                    p = p.parent
+                p = given.parent if given.name == MANIFEST else given
                 found = os.path.lexists(p / MANIFEST)
             except (OSError, ValueError):
-                continue
+                found = False
             if found:
-                inside = _safe_io.is_inside(self.root, p)
-                if inside_only and not inside:
-                    raise ArtifactError(f"no artifact {ref[:200]!r} in {self.root}")
-                return Artifact.load(p, root=self.root if inside else None)
+                rel = self._relative(p)
+                if rel is None:
+                    return Artifact.load(p, root=None)  # a directory handed over, outside the store
+                art = self._load_inside(rel, ref)
+                if art is not None:
+                    return art
+                raise ArtifactError(f"{ref[:200]!r} is not an artifact of the store {self.root}")
+        art = self._load_inside(Path(ref).parts, ref)
+        if art is not None:
+            return art
         suffix = ref.strip("/")
         matches = [a for a in self.list() if a.id == ref or a.id.endswith("/" + suffix)]
         if len(matches) == 1:
@@ -639,32 +1128,66 @@ class ArtifactStore:
         """Delete the oldest finished artifacts until the store fits under ``max_bytes``.
 
         Sizes are what is on disk (not what manifests claim); stale temporary directories are
-        removed first and live ones count against the cap."""
-        if self.max_bytes <= 0 or not self.root.is_dir():
+        removed first and live ones count against the cap. Deletions are relative to the
+        artifact's directory, each directory on the way checked: never through a link."""
+        if self.max_bytes <= 0 or not os.path.lexists(self.root):
             return []
-        removed = []
-        lock_path = self.root / ".lock"
-        # Read-only is enough for flock, so users of a store shared on purpose can all take it.
-        fd = os.open(lock_path, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, artifact_modes()[1])
-        with os.fdopen(fd, "rb") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            temps = self.temporaries()
-            for t in temps:
-                if t.stale:
-                    shutil.rmtree(t.path, ignore_errors=True)
-                    removed.append(t.path)
-            total = sum(t.size for t in temps if not t.stale)
-            arts = [(a, _disk_usage(a.path)) for a in self.list()]
-            total += sum(size for _, size in arts)
-            for art, size in sorted(arts, key=lambda item: item[0].created_at):
-                if total <= self.max_bytes:
-                    break
-                if keep is not None and art.path == keep:
-                    continue
-                shutil.rmtree(art.path, ignore_errors=True)
-                total -= size
-                removed.append(art.path)
+        removed: builtins.list[Path] = []
+        with self._root_fd(write=True) as root_fd:
+            assert root_fd is not None
+            # Read-only is enough for flock, so users of a store shared on purpose can all take it.
+            fd = os.open(
+                LOCK, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, artifact_modes()[1], dir_fd=root_fd
+            )
+            with os.fdopen(fd, "rb") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                swept, live = self._sweep_at(root_fd)
+                removed += swept
+                total = sum(t.size for t in live)
+                arts = [(a, _disk_usage(a.path)) for a in self._scan_at(root_fd)[0]]
+                total += sum(size for _, size in arts)
+                for art, size in sorted(arts, key=lambda item: item[0].created_at):
+                    if total <= self.max_bytes:
+                        break
+                    if keep is not None and art.path == keep:
+                        continue
+                    parts = self._relative(art.path)
+                    if parts is None or len(parts) != 5:
+                        continue
+                    with contextlib.suppress(OSError, ArtifactError), self._kind_dir(parts[:4]) as kind_fd:
+                        _rmtree_at(kind_fd, parts[4])
+                    total -= size
+                    removed.append(art.path)
         return removed
+
+
+def open_temporary_dir(directory: Path | str) -> int | None:
+    """A descriptor of ``directory`` if it is the temporary directory of an artifact being
+    written in a dynprof store of ours (``ROOT/job/host/rank/kind/.NAME.tmp``, the root marked,
+    every directory on the way ours and no link, dynprof's marker inside); None otherwise.
+
+    Where an agent may write a file that a client names (``dynprof nccl`` has the agent write
+    into the artifact it is writing)."""
+    directory = Path(os.path.abspath(directory))
+    if len(directory.parts) < 7 or not _TEMP_NAME.fullmatch(directory.name):
+        return None
+    root = directory.parents[4]
+    if not os.path.lexists(root / STORE_MARKER):
+        return None  # only a store that is already dynprof's: none is made or adopted here
+    parents = directory.parts[-5:-1]
+    uid = os.geteuid()
+    try:
+        with ArtifactStore(root)._kind_dir(tuple(parents)) as kind_fd:
+            fd = _child_dir(kind_fd, directory.name, uid)
+            if fd is None:
+                return None
+            mark = _lstat_at(fd, TEMP_MARKER)
+            if mark is None or not stat.S_ISREG(mark.st_mode) or mark.st_uid != uid:
+                os.close(fd)
+                return None
+            return fd
+    except (OSError, ArtifactError):
+        return None
 
 
 def _pid_namespace() -> int:

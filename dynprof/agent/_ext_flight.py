@@ -27,7 +27,7 @@ NOT_ENABLED_HELP = (
 def install(agent: Agent) -> None:
     def flight_recorder_dump(msg: Any) -> tuple[str, Any]:
         from collectors import flight_recorder as fr
-        from dynprof.agent._ext_stacks import checked_output_path
+        from dynprof.agent._ext_stacks import open_output
 
         try:
             doc = fr.dump_in_process(
@@ -42,8 +42,7 @@ def install(agent: Agent) -> None:
         entries = {k: len(v.get("entries") or []) for k, v in doc["dumps"].items()}
         summary = json.dumps({"entries": entries, "functions": [v.get("_function") for v in doc["dumps"].values()]})
         if msg.output_path:
-            path = checked_output_path(msg.output_path)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            fd, path = open_output(msg.output_path)
             with os.fdopen(fd, "w") as fh:
                 json.dump(doc, fh, default=str)
             return "artifact", pb.ArtifactWritten(path=str(path), status="complete", summary_json=summary)

@@ -46,10 +46,9 @@ def apply(args: argparse.Namespace, env: dict[str, str]) -> None:
 
     job = env.get("DYNPROF_JOB_ID") or "nojob"
     host = socket.gethostname()
-    dump_dir = ArtifactStore().root / _safe(job) / _safe(host) / ".flight-recorder"
     pipe_dir = run_dir() / "flight" / _safe(job)
+    dump_dir = ArtifactStore().private_dir(_safe(job), _safe(host), ".flight-recorder")
     try:
-        dump_dir.mkdir(parents=True, exist_ok=True)
         ensure_private_dir(pipe_dir.parent)
         ensure_private_dir(pipe_dir)
     except OSError as exc:

@@ -2,7 +2,9 @@
 
 Artifacts still being written are not listed as finished; `--all` shows them as `writing`,
 and temporary directories left by a writer that died as `stale` (the next capture removes
-them). A directory whose manifest is damaged is skipped and reported on stderr.
+them). A directory whose manifest is damaged, or an entry that is a link, is skipped and
+reported on stderr. A store root that is not dynprof's (no `.dynprof-store` marker and other
+entries in it) is refused with the reason; nothing outside the store is walked.
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ ARTIFACT is a path, an id from `dynprof ls`, or the last part of an id.
 
 Artifacts are untrusted input: only files inside the artifact's directory are read (never
 through a link), with size and depth limits, and control characters from its manifest are
-not sent to the terminal.
+not sent to the terminal. Inside the store an entry reached through a link is refused, by id
+or by path; a directory outside the store, named by its path, is read as given.
 """
 
 from __future__ import annotations

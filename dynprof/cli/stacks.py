@@ -286,7 +286,10 @@ class StacksCommand:
 
         assert target.record is not None
         client = AgentClient.for_record(target.record, timeout=min(args.timeout, 10.0))
-        with tempfile.TemporaryDirectory(prefix="dynprof-stacks-") as tmp:
+        from dynprof.paths import run_dir
+
+        # In the run directory: the agent writes only into dynprof's own places.
+        with tempfile.TemporaryDirectory(prefix="stacks-", dir=run_dir()) as tmp:
             out = os.path.join(tmp, f"{target.pid}.json")
             client.request(dump_stacks=pb.DumpStacksRequest(all_threads=True, locals=args.locals, output_path=out))
             with open(out) as fh:

@@ -96,11 +96,13 @@ def test_an_exception_while_writing_leaves_no_tmp_dir_when_the_writer_is_dropped
 
 
 def inject_enospc(monkeypatch: pytest.MonkeyPatch, name: str, count: int = 1) -> list[int]:
-    """Make the store's os.NAME raise ENOSPC ``count`` times."""
+    """Make the store's os.NAME raise ENOSPC ``count`` times (``open``: of a file it creates)."""
     real = getattr(os, name)
     calls = [0]
 
     def failing(*args: object, **kwargs: object) -> object:
+        if name == "open" and not int(args[1]) & os.O_CREAT:  # type: ignore[call-overload]
+            return real(*args, **kwargs)  # opening what exists (a directory) takes no space
         calls[0] += 1
         if calls[0] <= count:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
@@ -170,7 +172,14 @@ def test_stale_tmp_dirs_are_swept_counted_and_shown(tmp_path, capsys, dynprof_di
     (live / "trace.json.gz").write_bytes(b"y" * 3000)
     ancient = parent / ".20250101T000000.000000Z-1.tmp"  # no owner pid in the name, a day old
     ancient.mkdir()
+    for d in (stale, live, other_ns, ancient):  # dynprof's writer leaves its marker in each
+        (d / store_mod.TEMP_MARKER).write_text("{}\n")
+    for d in (stale, other_ns):
+        os.utime(d, (old, old))
     os.utime(ancient, (time.time() - 86400, time.time() - 86400))
+    foreign = parent / ".20250101T000000.000000Z-2.tmp"  # the same shape, but not dynprof's
+    foreign.mkdir()
+    os.utime(foreign, (time.time() - 86400, time.time() - 86400))
 
     # THEN ls --all tells them apart
     assert main(["ls", "--all", "--json"]) == 0
@@ -193,6 +202,7 @@ def test_stale_tmp_dirs_are_swept_counted_and_shown(tmp_path, capsys, dynprof_di
 
     # THEN the stale ones are gone, the live one kept, and the cap evicted the older artifact
     assert not stale.exists() and not ancient.exists() and live.exists() and other_ns.exists()
+    assert foreign.is_dir()  # only what dynprof provably made is ever removed
     assert not first.path.exists() and len(store.list()) == 1
     shutil.rmtree(live)
     shutil.rmtree(other_ns)
