@@ -22,6 +22,7 @@ from dynprof.cli._common import (
     seconds,
 )
 from dynprof.cli._node_args import add_many_node_args, nodes_requested
+from dynprof.cli.start import _result_from_store
 from dynprof.client import AgentClient
 from dynprof.proto import pb
 
@@ -79,13 +80,25 @@ class StopCommand:
                 for item, st in zip(pending, states):
                     record, _, group = item
                     if isinstance(st, Exception):
+                        # The process went away (it exited once its loop ended, say) after the
+                        # stop was accepted: the agent finishes the export on the way out, so
+                        # the artifact of this request's group may well be in the store.
+                        found = _result_from_store(record, group, 0)
                         results.append(
                             {
                                 "pid": record.pid,
                                 "rank": record.rank,
+                                "status": found["status"],
+                                "artifact": found["artifact"],
+                                "error": found["error"],
+                            }
+                            if found is not None
+                            else {
+                                "pid": record.pid,
+                                "rank": record.rank,
                                 "status": "failed",
                                 "artifact": None,
-                                "error": str(st),
+                                "error": f"lost contact with the process before it wrote a trace: {st}",
                             }
                         )
                     elif st.state == "idle" and st.group_id == group:
