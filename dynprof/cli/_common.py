@@ -138,19 +138,28 @@ def add_json(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print machine-readable JSON on stdout")
 
 
+def parse_pid(text: str) -> int:
+    """An argparse ``type``: one process id, a base-10 integer in ``1..MAX_PID``."""
+    part = text.strip()
+    try:
+        pid = int(part, 10)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{_number_text(part)!r} is not a pid") from None
+    if not 0 < pid <= MAX_PID:
+        raise argparse.ArgumentTypeError(f"{pid if len(part) <= 40 else _number_text(part)} is not a valid pid")
+    return pid
+
+
+parse_pid.__name__ = "pid"
+
+
 def parse_pids(text: str) -> list[int]:
     pids = []
     for part in text.split(","):
         part = part.strip()
         if not part:
             continue
-        try:
-            pid = int(part, 10)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{_number_text(part)!r} is not a pid") from None
-        if not 0 < pid <= MAX_PID:
-            raise argparse.ArgumentTypeError(f"{pid if len(part) <= 40 else _number_text(part)} is not a valid pid")
-        pids.append(pid)
+        pids.append(parse_pid(part))
     if not pids:
         raise argparse.ArgumentTypeError("no pid given")
     return pids

@@ -9,7 +9,7 @@ import time
 from typing import Any
 
 from dynprof import errors
-from dynprof.cli._common import add_json, print_json
+from dynprof.cli._common import add_json, bounded_int, print_json
 from dynprof.store import Artifact, ArtifactStore, parse_size
 
 
@@ -37,8 +37,12 @@ class AnalyzeCommand:
         parser.add_argument(
             "--compare", nargs=2, metavar=("A", "B"), help="compare two trace groups or artifacts (B minus A)"
         )
-        parser.add_argument("--top", type=int, default=10, help="rows in the kernel and operator tables (default 10)")
-        parser.add_argument("--workers", type=int, default=0, help="parallel processes (default: one per CPU)")
+        parser.add_argument(
+            "--top", type=bounded_int(1, 10_000), default=10, help="rows in the kernel and operator tables (default 10)"
+        )
+        parser.add_argument(
+            "--workers", type=bounded_int(0, 1024), default=0, help="parallel processes (default: one per CPU)"
+        )
         parser.add_argument(
             "--max-trace-bytes",
             metavar="SIZE",

@@ -9,7 +9,7 @@ from typing import Any
 from dynprof import errors
 from dynprof.attach import METHODS, AttachOptions, AttachResult, attach
 from dynprof.attach._discover import find_job_processes
-from dynprof.cli._common import add_json, print_json
+from dynprof.cli._common import MAX_SECONDS, add_json, parse_pid, positive_float, print_json
 from dynprof.cli.run import RUN_OPTIONS, RunOption, _load_run_options
 
 # `dynprof run` options that also apply to a running process (the flight recorder does not:
@@ -35,7 +35,7 @@ def add_attach_options(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--wait",
-        type=float,
+        type=positive_float(MAX_SECONDS),
         default=2.0,
         metavar="SEC",
         help="seconds to wait for the target's main thread to reach the interpreter before running the "
@@ -43,7 +43,7 @@ def add_attach_options(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--ready-timeout",
-        type=float,
+        type=positive_float(MAX_SECONDS),
         default=30.0,
         metavar="SEC",
         help="seconds to wait for the agent to be ready once it runs (default 30)",
@@ -128,7 +128,7 @@ class AttachCommand:
     """
 
     def prepare_parser(self, parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("pids", nargs="*", type=int, metavar="PID", help="process ids to attach to")
+        parser.add_argument("pids", nargs="*", type=parse_pid, metavar="PID", help="process ids to attach to")
         parser.add_argument(
             "--job",
             metavar="JOB",
