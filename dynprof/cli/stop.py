@@ -18,6 +18,7 @@ from dynprof.cli._common import (
     add_targets,
     parallel,
     print_json,
+    printable,
     resolve_agents,
     seconds,
 )
@@ -68,7 +69,7 @@ class StopCommand:
                 print_json({"results": results})
             else:
                 for res in results:
-                    print(f"pid {res['pid']}: {res['error']}")
+                    print(printable(f"pid {res['pid']}: {res['error']}"))
             return 1
         if not args.no_wait:
             progress = Progress(enabled=not args.json)
@@ -134,5 +135,5 @@ class StopCommand:
         else:
             for res in results:
                 who = f"rank {res['rank']} (pid {res['pid']})" if res["rank"] is not None else f"pid {res['pid']}"
-                print(f"{who}: {res['status']}: {res['artifact'] or res['error'] or ''}".rstrip(": "))
+                print(printable(f"{who}: {res['status']}: {res['artifact'] or res['error'] or ''}".rstrip(": ")))
         return 0 if all(r["status"] in ("complete", "partial", "stopping") for r in results) else 1

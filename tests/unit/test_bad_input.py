@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -40,11 +41,12 @@ def test_analyze_refuses_absurd_counts(capsys, args):
 
 
 # -- an agent that answers with the wrong reply type ---------------------------------------------
-class WrongReplyAgent:
+class FakeAgent:
     """A registered 'agent' for a real sleeping process whose socket answers every request
-    with ``reply`` (a Reply field name) instead of the reply the command calls for."""
+    with ``reply`` (a Reply field name, whatever the command calls for), or with what
+    ``answer(request, reply)`` fills in."""
 
-    def __init__(self, run_dir, reply: str = "pong") -> None:
+    def __init__(self, run_dir, reply: str = "pong", answer=None) -> None:
         import socket
         import subprocess
         import sys
@@ -60,6 +62,7 @@ class WrongReplyAgent:
         self.listener.bind(path)
         self.listener.listen(8)
         self.reply = reply
+        self.answer = answer
         self.stopped = False
         write_record(
             AgentRecord(
@@ -98,7 +101,10 @@ class WrongReplyAgent:
                     req = pb.Request()
                     req.ParseFromString(recv_frame(conn))
                     reply = pb.Reply(protocol_version=req.protocol_version, request_id=req.request_id)
-                    getattr(reply, self.reply).SetInParent()
+                    if self.answer is not None:
+                        self.answer(req, reply)
+                    else:
+                        getattr(reply, self.reply).SetInParent()
                     send_frame(conn, reply.SerializeToString())
                 except Exception:
                     pass
@@ -114,8 +120,8 @@ class WrongReplyAgent:
 def wrong_reply_agent(dynprof_dirs):
     agents = []
 
-    def make(reply: str = "pong") -> WrongReplyAgent:
-        agent = WrongReplyAgent(dynprof_dirs["run"], reply)
+    def make(reply: str = "pong", answer=None) -> FakeAgent:
+        agent = FakeAgent(dynprof_dirs["run"], reply, answer)
         agents.append(agent)
         return agent
 
@@ -189,3 +195,159 @@ def test_stacks_from_an_agent_that_writes_no_file_is_a_clean_error(capsys, wrong
     err = capsys.readouterr().err
     assert code == 8, err
     assert "unreadable stack dump" in err and "Traceback" not in err
+
+
+# -- untrusted text on the terminal ------------------------------------------------------------
+EVIL = "\x1b[2J\x1b]0;owned\x07\u202eevil\x9b\x7f"
+
+
+def _assert_escaped(text: str) -> None:
+    for raw in ("\x1b", "\x07", "\u202e", "\x9b", "\x7f"):
+        assert raw not in text, repr(text)
+
+
+def test_start_progress_escapes_the_agent_s_state(capsys, wrong_reply_agent):
+    # GIVEN an agent whose trace state is a terminal escape sequence
+    def answer(req, reply):
+        which = req.WhichOneof("command")
+        if which == "status":
+            reply.status.step = 5
+            reply.status.trace.state = EVIL
+        elif which == "start_trace":
+            reply.trace_started.trace.state = "armed"
+        elif which == "stop_trace":
+            reply.trace_stopped.SetInParent()
+
+    agent = wrong_reply_agent(answer=answer)
+
+    # WHEN a trace is started and its progress shown
+    code = main(["start", "--pid", str(agent.pid), "--steps", "2", "--timeout", "0.3"])
+
+    # THEN the state is shown escaped, never raw
+    err = capsys.readouterr().err
+    assert code == 9, err
+    assert "\\x1b[2J" in err
+    _assert_escaped(err)
+
+
+def test_stop_escapes_the_agent_s_error_text(capsys, wrong_reply_agent):
+    # GIVEN an agent whose finished trace reports an error full of escapes
+    def answer(req, reply):
+        which = req.WhichOneof("command")
+        if which == "stop_trace":
+            reply.trace_stopped.trace.group_id = "g"
+        elif which == "status":
+            reply.status.trace.state = "idle"
+            reply.status.trace.group_id = "g"
+            reply.status.trace.last_artifact_status = "failed"
+            reply.status.trace.last_error = EVIL
+
+    agent = wrong_reply_agent(answer=answer)
+
+    # WHEN the trace is stopped
+    code = main(["stop", "--pid", str(agent.pid)])
+
+    # THEN the error is printed escaped
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "evil" in out
+    _assert_escaped(out)
+
+
+def test_memory_report_escapes_frame_names_of_the_snapshot(tmp_path, capsys):
+    # GIVEN a snapshot whose allocation frames carry terminal escapes in their names
+    import pickle
+
+    frame = {"filename": f"/home/u/{EVIL}.py", "line": 3, "name": f"fwd{EVIL}"}
+    snapshot = {
+        "segments": [
+            {
+                "device": 0,
+                "address": 0x7F0000000000,
+                "total_size": 4 << 20,
+                "stream": 0,
+                "segment_type": "large",
+                "blocks": [
+                    {
+                        "address": 0x7F0000000000,
+                        "size": 2 << 20,
+                        "requested_size": 2 << 20,
+                        "state": "active_allocated",
+                        "frames": [frame],
+                    },
+                    {
+                        "address": 0x7F0000200000,
+                        "size": 2 << 20,
+                        "requested_size": 0,
+                        "state": "inactive",
+                        "frames": [],
+                    },
+                ],
+            }
+        ],
+        "device_traces": [[{"action": "alloc", "addr": 0x7F0000000000, "size": 2 << 20, "frames": [frame]}]],
+    }
+    path = tmp_path / "evil.pickle"
+    path.write_bytes(pickle.dumps(snapshot, protocol=4))
+
+    # WHEN its report is printed
+    code = main(["memory-report", str(path), "--no-html"])
+
+    # THEN the names are shown, escaped
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "fwd\\x1b[2J" in out
+    _assert_escaped(out)
+
+
+# -- "cannot summarise": what is wrong with the file, not Python's exception text ----------------
+@pytest.mark.parametrize(
+    "kind,name,data,raw",
+    [
+        ("memory", "snapshot.pickle", {"segments": [1, 2], "device_traces": []}, "'int' object"),
+        (
+            "memory",
+            "snapshot.pickle",
+            {"segments": [{"blocks": [], "total_size": "big"}], "device_traces": []},
+            "base 10",
+        ),
+        ("memory", "summary.json", b'{"devices": 5}', "not iterable"),
+    ],
+)
+def test_show_names_what_is_wrong_with_a_damaged_artifact(capsys, kind, name, data, raw):
+    import pickle
+
+    from dynprof.store import ArtifactStore
+
+    # GIVEN an artifact whose file holds values of the wrong types
+    writer = ArtifactStore().create(kind, job="j")
+    writer.write_bytes(name, data if isinstance(data, bytes) else pickle.dumps(data, protocol=4))
+    art = writer.finish("complete")
+
+    # WHEN it is shown, as text and as JSON
+    assert main(["show", str(art.path)]) == 0
+    out = capsys.readouterr().out
+    assert main(["show", str(art.path), "--json"]) == 0
+    contents = json.loads(capsys.readouterr().out)["contents"]
+
+    # THEN the manifest still shows and the message names the file and what to do, not Python's text
+    assert "cannot summarise" in out and name in out and "--verify" in out
+    assert raw not in out and "Error" not in out
+    assert raw not in contents["error"] and name in contents["error"]
+
+
+def test_memory_report_names_what_is_wrong_with_a_damaged_snapshot(tmp_path, capsys):
+    import pickle
+
+    # GIVEN a snapshot pickle whose segments are numbers
+    path = tmp_path / "odd.pickle"
+    path.write_bytes(pickle.dumps({"segments": [1, 2], "device_traces": []}, protocol=4))
+
+    # WHEN its report is asked for
+    code = main(["memory-report", str(path), "--no-html"])
+
+    # THEN a clean error names the file and what is wrong, without Python's exception text
+    err = capsys.readouterr().err
+    assert code == 1
+    assert "odd.pickle" in err and "segments" in err
+    assert "'int' object" not in err and "AttributeError" not in err
