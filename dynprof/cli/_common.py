@@ -308,7 +308,23 @@ def parallel(fn: Any, items: Iterable[Any], max_workers: int = 32) -> list[Any]:
 
 # -- output -------------------------------------------------------------------------------------
 def print_json(obj: Any) -> None:
-    print(json.dumps(obj, indent=2, default=str))
+    """``obj`` as strict JSON (RFC 8259) on stdout: NaN and infinities, which some readers
+    refuse (``jq``, browsers' JSON.parse), are written as null."""
+    try:
+        text = json.dumps(obj, indent=2, default=str, allow_nan=False)
+    except ValueError:
+        text = json.dumps(_finite(obj), indent=2, default=str, allow_nan=False)
+    print(text)
+
+
+def _finite(obj: Any) -> Any:
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
 
 
 # Characters that must not reach a terminal raw: C0/C1 controls (escape sequences, carriage

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 
@@ -351,3 +352,108 @@ def test_memory_report_names_what_is_wrong_with_a_damaged_snapshot(tmp_path, cap
     assert code == 1
     assert "odd.pickle" in err and "segments" in err
     assert "'int' object" not in err and "AttributeError" not in err
+
+
+# -- crafted traces: non-finite and absurd numbers ---------------------------------------------
+def _crafted_trace(store_root, bad_ts: float, bad_dur: float, name: str = "aten::evil"):
+    import gzip
+
+    from dynprof.store import ArtifactStore
+
+    events = []
+    for k in range(3):
+        t = 1_000_000.0 + k * 10_000
+        events.append(
+            {
+                "ph": "X",
+                "cat": "user_annotation",
+                "name": f"ProfilerStep#{k}",
+                "pid": 1,
+                "tid": 1,
+                "ts": t,
+                "dur": 10_000,
+            }
+        )
+        events.append({"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": 1, "tid": 1, "ts": t + 100, "dur": 800})
+    events.append({"ph": "X", "cat": "cpu_op", "name": name, "pid": 1, "tid": 1, "ts": bad_ts, "dur": bad_dur})
+    events.append(
+        {
+            "ph": "X",
+            "cat": "user_annotation",
+            "name": "ProfilerStep#9",
+            "pid": 1,
+            "tid": 1,
+            "ts": bad_ts,
+            "dur": bad_dur,
+        }
+    )
+    doc = {"schemaVersion": 1, "distributedInfo": {"rank": 0, "world_size": 1}, "traceEvents": events}
+    writer = ArtifactStore().create("trace", job="crafted", rank=0, options={"group_id": "g1"})
+    writer.write_bytes("trace.json.gz", gzip.compress(json.dumps(doc).encode()))  # json writes NaN/Infinity
+    return writer.finish("complete")
+
+
+@pytest.mark.parametrize(
+    "ts,dur",
+    [
+        (float("inf"), 1.0),
+        (float("nan"), 1.0),
+        (1_000_050.0, float("inf")),
+        (1_000_050.0, float("nan")),
+        (1e300, 1e300),
+        (-1e300, 5.0),
+        (1_000_050.0, 1e200),
+    ],
+)
+def test_analyze_skips_non_finite_and_absurd_timestamps(capsys, ts, dur):
+    # GIVEN a trace whose last events carry NaN, infinite or absurd times
+    art = _crafted_trace(None, ts, dur)
+
+    # WHEN it is analysed, as JSON and as a table
+    assert main(["analyze", str(art.path), "--no-save", "--json"]) == 0
+    text = capsys.readouterr().out
+    assert main(["analyze", str(art.path), "--no-save"]) == 0
+    table = capsys.readouterr().out
+
+    # THEN the JSON is strict (no NaN/Infinity), the bad events are left out, numbers stay short
+    data = json.loads(text, parse_constant=lambda c: pytest.fail(f"non-standard JSON constant {c}"))
+    assert data["common_steps"] == [0, 1, 2]
+    assert all(row["name"] != "aten::evil" for row in data["top_ops"])
+    assert re.search(r"\d{16}", table) is None, table
+
+
+def test_print_json_is_strict_json(capsys):
+    from dynprof.cli._common import print_json
+
+    # GIVEN values JSON cannot carry
+    print_json({"a": float("nan"), "b": [float("inf"), -float("inf")], "c": 1.5})
+
+    # THEN they come out as null: valid JSON for any reader
+    out = capsys.readouterr().out
+    assert json.loads(out, parse_constant=lambda c: pytest.fail(c)) == {"a": None, "b": [None, None], "c": 1.5}
+
+
+def test_analyze_escapes_operator_names_from_the_trace(capsys):
+    # GIVEN a trace whose operator name holds terminal escapes
+    art = _crafted_trace(None, 1_000_050.0, 30.0, name=f"aten::{EVIL}")
+
+    # WHEN its analysis is printed
+    assert main(["analyze", str(art.path), "--no-save"]) == 0
+
+    # THEN the name is shown escaped
+    out = capsys.readouterr().out
+    assert "aten::\\x1b[2J" in out
+    _assert_escaped(out)
+
+
+def test_show_of_a_trace_with_absurd_times_prints_short_numbers(capsys):
+    # GIVEN a trace whose last step lasts 1e300 microseconds
+    art = _crafted_trace(None, 1e300, 1e300)
+
+    # WHEN it is shown
+    assert main(["show", str(art.path)]) == 0
+
+    # THEN no number runs to hundreds of digits
+    out = capsys.readouterr().out
+    assert "profiler steps" in out
+    assert re.search(r"\d{16}", out) is None, out
