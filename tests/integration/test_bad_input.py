@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 EXIT_ON_STOP = "tests/integration/programs/exit_on_stop_program.py"
 
@@ -69,3 +72,21 @@ def test_nothing_is_logged_after_the_agent_stopped(dynprof_dirs):
     text = (dynprof_dirs["run"] / "logs" / f"{pid}.log").read_text()
     assert text.rstrip().splitlines()[-1].endswith("agent stopped"), text
     assert "late" not in text and "late" not in done.stderr
+
+
+@pytest.mark.ptrace
+@pytest.mark.skipif(shutil.which("gdb") is None, reason="attach to Python < 3.14 needs gdb on PATH")
+def test_attach_does_not_report_ready_when_the_agent_s_server_died(spawn, cli):
+    # GIVEN a process launched without dynprof in which the agent's server thread cannot start
+    target = spawn(["tests/integration/programs/broken_server_program.py"], under_run=False)
+    (pid,) = target.ready_pids()
+
+    # WHEN dynprof attaches to it
+    result = cli("attach", str(pid), "--wait", "1", "--ready-timeout", "10")
+
+    # THEN attach says the agent does not answer, with the reason from the agent's log
+    assert result.returncode == 8, result.stderr
+    assert "agent ready" not in result.stderr
+    assert "does not answer" in result.stderr
+    assert "dynprof.agent._server" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr

@@ -457,3 +457,37 @@ def test_show_of_a_trace_with_absurd_times_prints_short_numbers(capsys):
     out = capsys.readouterr().out
     assert "profiler steps" in out
     assert re.search(r"\d{16}", out) is None, out
+
+
+# -- attach: ready means answering ---------------------------------------------------------------
+def test_attach_readiness_is_a_status_round_trip_with_the_reason_from_the_log(tmp_path):
+    import socket
+
+    from dynprof import errors
+    from dynprof.attach import confirm_ready
+
+    # GIVEN an agent that bound and reported its socket, but whose server died (nobody answers)
+    path = str(tmp_path / "a.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(4)
+    log = tmp_path / "a.log"
+    log.write_text(
+        "2026-01-01 00:00:00,000 7 MainThread INFO agent started (attach)\n"
+        "2026-01-01 00:00:00,100 7 dynprof-agent ERROR the agent's server thread failed; the job continues\n"
+        "Traceback (most recent call last):\n"
+        '  File "x.py", line 1, in f\n'
+        "ModuleNotFoundError: No module named 'google'\n"
+    )
+    try:
+        # WHEN attach confirms that it is ready
+        with pytest.raises(errors.AgentError) as info:
+            confirm_ready(7, {"socket": path, "log": str(log)}, timeout=0.5)
+    finally:
+        listener.close()
+
+    # THEN it is not: the error says so and gives the reason the agent logged
+    message = info.value.message
+    assert "does not answer" in message
+    assert "server thread failed" in message and "No module named 'google'" in message
+    assert str(log) in (info.value.help or "")
