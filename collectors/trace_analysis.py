@@ -432,20 +432,20 @@ def analyze_rank(item: RankInput) -> dict[str, Any]:
         try:
             ts = float(e["ts"])
             dur = float(e["dur"])
-        except (KeyError, TypeError, ValueError):
+        except (KeyError, TypeError, ValueError, OverflowError):  # OverflowError: a 400-digit integer
             continue
         if not (0 <= dur <= MAX_DURATION_US and -MAX_TIMESTAMP_US <= ts <= MAX_TIMESTAMP_US):  # False for NaN
             continue
         if what == _W_GPU:
             gpu.add(ts, ts + dur, ident, flag)
         elif what == _W_THREAD:
-            key = (e.get("pid"), e.get("tid"))
+            key = (_lane_id(e.get("pid")), _lane_id(e.get("tid")))
             spans = threads.get(key)
             if spans is None:
                 spans = threads[key] = _Spans()
             spans.add(ts, ts + dur, ident, flag)
         else:
-            steps.append((ident, ts, ts + dur, (e.get("pid"), e.get("tid"))))
+            steps.append((ident, ts, ts + dur, (_lane_id(e.get("pid")), _lane_id(e.get("tid")))))
     if not steps:
         raise TraceError(f"{path}: no ProfilerStep spans (trace with `dynprof start --steps N`)")
     steps.sort(key=lambda s: s[1])
@@ -551,6 +551,14 @@ def analyze_rank(item: RankInput) -> dict[str, Any]:
         "collectives": collectives,
         "timeline": timeline,
     }
+
+
+def _lane_id(value: Any) -> Any:
+    """A pid or tid as a dictionary key: numbers and strings as they are (Kineto writes both),
+    anything else (a list or object in a crafted trace) as its bounded text."""
+    if value is None or isinstance(value, (int, float, str)):
+        return value
+    return repr(value)[:100]
 
 
 def _cover_of(spans: list[_Spans], keep: Callable[[int], bool]) -> Cover:

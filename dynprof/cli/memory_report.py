@@ -128,7 +128,11 @@ class MemoryReportCommand:
             )
             return 0
         # Frame names, file names and devices come from the pickle: shown escaped.
-        print(printable_lines(ms.format_summary(summary, top=args.top)))
+        try:
+            text = ms.format_summary(summary, top=args.top)
+        except (TypeError, AttributeError, ValueError, KeyError, IndexError, OverflowError, RecursionError) as exc:
+            raise _malformed(pickle_path, exc) from None
+        print(printable_lines(text))
         if not summary.get("history_recorded"):
             print("\nnote: no allocation history or stacks in this snapshot (memory history was off in the process)")
         if html_path:

@@ -491,3 +491,79 @@ def test_attach_readiness_is_a_status_round_trip_with_the_reason_from_the_log(tm
     assert "does not answer" in message
     assert "server thread failed" in message and "No module named 'google'" in message
     assert str(log) in (info.value.help or "")
+
+
+# -- found by crafting files: values of the wrong type deep inside ---------------------------------
+def _trace_artifact(events):
+    import gzip
+
+    from dynprof.store import ArtifactStore
+
+    writer = ArtifactStore().create("trace", job="crafted", rank=0, options={"group_id": "g2"})
+    writer.write_bytes("trace.json.gz", gzip.compress(json.dumps({"traceEvents": events}).encode()))
+    return writer.finish("complete")
+
+
+@pytest.mark.parametrize(
+    "odd",
+    [
+        {"ts": 10**400, "dur": 10**400},  # json reads a 400-digit integer; float() overflows
+        {"pid": [1], "tid": {"a": 1}},  # unhashable ids
+    ],
+)
+def test_analyze_skips_events_with_odd_values(capsys, odd):
+    # GIVEN a trace with good steps and one event whose values are of the wrong kind
+    steps = [
+        {
+            "ph": "X",
+            "cat": "user_annotation",
+            "name": f"ProfilerStep#{k}",
+            "pid": 1,
+            "tid": 1,
+            "ts": 1000.0 + 100 * k,
+            "dur": 100.0,
+        }
+        for k in range(2)
+    ]
+    odd_event = {"ph": "X", "cat": "cpu_op", "name": "aten::odd", "pid": 1, "tid": 1, "ts": 1010.0, "dur": 5.0, **odd}
+    art = _trace_artifact([*steps, odd_event])
+
+    # WHEN it is analysed
+    code = main(["analyze", str(art.path), "--no-save", "--json"])
+
+    # THEN the analysis holds the good steps; no traceback
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert json.loads(captured.out)["common_steps"] == [0, 1]
+
+
+@pytest.mark.parametrize(
+    "snapshot",
+    [
+        {
+            "segments": [
+                {
+                    "device": 0,
+                    "address": 0,
+                    "total_size": 10**400,
+                    "blocks": [{"size": 10**400, "state": "active_allocated", "address": 0, "frames": []}],
+                }
+            ],
+            "device_traces": [],
+        },
+        {"segments": [], "device_traces": [[{"action": 5, "size": "x", "addr": None, "frames": 3}]]},
+    ],
+)
+def test_memory_report_of_a_snapshot_with_odd_values_is_a_clean_error(tmp_path, capsys, snapshot):
+    import pickle
+
+    path = tmp_path / "odd.pickle"
+    path.write_bytes(pickle.dumps(snapshot, protocol=4))
+
+    code = main(["memory-report", str(path), "--no-html"])
+
+    err = capsys.readouterr().err
+    assert code in (0, 1)
+    assert "Traceback" not in err
+    if code:
+        assert "odd.pickle is not a well-formed PyTorch memory snapshot" in err
