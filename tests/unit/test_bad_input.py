@@ -567,3 +567,22 @@ def test_memory_report_of_a_snapshot_with_odd_values_is_a_clean_error(tmp_path, 
     assert "Traceback" not in err
     if code:
         assert "odd.pickle is not a well-formed PyTorch memory snapshot" in err
+
+
+def test_attach_escapes_what_the_target_reported(capsys, monkeypatch):
+    from dynprof.attach import AttachResult
+    from dynprof.cli import attach as attach_cli
+
+    # GIVEN a target whose bootstrap reported a log path full of terminal escapes
+    def fake_attach(pid, options):
+        return AttachResult(pid=pid, status="attached", method="gdb-pending-call", log=f"/tmp/{EVIL}.log")
+
+    monkeypatch.setattr(attach_cli, "attach", fake_attach)
+
+    # WHEN attach reports it
+    assert main(["attach", str(os.getpid())]) == 0
+
+    # THEN the path is shown escaped
+    err = capsys.readouterr().err
+    assert "agent ready" in err and "\\x1b[2J" in err
+    _assert_escaped(err)
