@@ -85,6 +85,9 @@ class StopCommand:
                         # stop was accepted: the agent finishes the export on the way out, so
                         # the artifact of this request's group may well be in the store.
                         found = _result_from_store(record, group, 0)
+                        if found is None and isinstance(st, (errors.Timeout, errors.Busy)) and record.is_alive():
+                            still.append(item)  # a busy agent, not a lost one: ask again
+                            continue
                         results.append(
                             {
                                 "pid": record.pid,
