@@ -239,7 +239,9 @@ def _number(value: Any) -> float:
             number = float(value)
         except OverflowError:
             return 0.0
-        return number if math.isfinite(number) else 0.0
+        # Finite and within what a trace can hold (microseconds: about 3000 years): a crafted
+        # 1e300 would otherwise print as a 300-digit number.
+        return number if math.isfinite(number) and abs(number) <= 1e17 else 0.0
     return 0.0
 
 

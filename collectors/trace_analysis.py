@@ -75,6 +75,12 @@ NOISE_FRACTION = 0.10
 TIMELINE_SEGMENTS = 400  # per lane and step, after merging segments shorter than a pixel
 TIMELINE_STEPS = 64
 _CHUNK = 1 << 20
+# Event times a real trace can hold, in microseconds: Kineto's timestamps are since the Unix
+# epoch (about 1.8e15 now) or since the process started; no span lasts longer than dynprof's
+# one-day cap on a trace. Events outside these (NaN, infinities, 1e300 from a crafted file) are
+# skipped at read, so that no total, table or JSON number is absurd or non-finite.
+MAX_TIMESTAMP_US = 1e17  # about 3000 years
+MAX_DURATION_US = 1e11  # about 28 hours
 
 CPU_CATEGORIES = ("ops", "collective", "collective_wait", "outside_ops")
 GPU_CATEGORIES = ("compute", "comm_overlap", "comm", "memcpy", "idle")
@@ -429,20 +435,20 @@ def analyze_rank(item: RankInput) -> dict[str, Any]:
         try:
             ts = float(e["ts"])
             dur = float(e["dur"])
-        except (KeyError, TypeError, ValueError):
+        except (KeyError, TypeError, ValueError, OverflowError):  # OverflowError: a 400-digit integer
             continue
-        if not (dur >= 0 and ts == ts):  # NaN-safe
+        if not (0 <= dur <= MAX_DURATION_US and -MAX_TIMESTAMP_US <= ts <= MAX_TIMESTAMP_US):  # False for NaN
             continue
         if what == _W_GPU:
             gpu.add(ts, ts + dur, ident, flag)
         elif what == _W_THREAD:
-            key = (e.get("pid"), e.get("tid"))
+            key = (_lane_id(e.get("pid")), _lane_id(e.get("tid")))
             spans = threads.get(key)
             if spans is None:
                 spans = threads[key] = _Spans()
             spans.add(ts, ts + dur, ident, flag)
         else:
-            steps.append((ident, ts, ts + dur, (e.get("pid"), e.get("tid"))))
+            steps.append((ident, ts, ts + dur, (_lane_id(e.get("pid")), _lane_id(e.get("tid")))))
     if not steps:
         raise TraceError(f"{path}: no ProfilerStep spans (trace with `dynprof start --steps N`)")
     steps.sort(key=lambda s: s[1])
@@ -548,6 +554,14 @@ def analyze_rank(item: RankInput) -> dict[str, Any]:
         "collectives": collectives,
         "timeline": timeline,
     }
+
+
+def _lane_id(value: Any) -> Any:
+    """A pid or tid as a dictionary key: numbers and strings as they are (Kineto writes both),
+    anything else (a list or object in a crafted trace) as its bounded text."""
+    if value is None or isinstance(value, (int, float, str)):
+        return value
+    return repr(value)[:100]
 
 
 def _cover_of(spans: list[_Spans], keep: Callable[[int], bool]) -> Cover:
@@ -1131,10 +1145,19 @@ def compare(a: dict[str, Any], b: dict[str, Any], top: int = 10) -> dict[str, An
 
 
 # -- text ---------------------------------------------------------------------------------------
-def _fmt(v: Any, width: int = 8, nd: int = 1) -> str:
-    if v is None:
+def _fmt(v: Any, width: int = 8, nd: int = 1, sign: str = "") -> str:
+    """``v`` right-aligned in ``width`` characters with ``nd`` decimals; a value too large for
+    that in 3 significant digits (1.23e+15), never a 150-digit number; ``-`` for none or NaN."""
+    try:
+        x = float(v)
+    except (TypeError, ValueError, OverflowError):
         return f"{'-':>{width}}"
-    return f"{float(v):>{width}.{nd}f}"
+    if not math.isfinite(x):
+        return f"{'-':>{width}}"
+    text = f"{x:{sign}.{nd}f}"
+    if len(text) > width:
+        text = f"{x:{sign}.3g}"
+    return f"{text:>{width}}"
 
 
 def render_text(analysis: dict[str, Any], top: int = 10) -> str:
@@ -1181,8 +1204,8 @@ def render_text(analysis: dict[str, Any], top: int = 10) -> str:
         lines.append(f"{title:<60} {'calls':>7} {'total ms':>10} {'ms/step/rank':>12} {'max on':>7}")
         for row in rows:
             lines.append(
-                f"{row['name'][:60]:<60} {row['count']:>7} {row['self_ms']:>10.3f} "
-                f"{row['ms_per_step_per_rank']:>12.3f} {'rank ' + str(row['max_rank']):>7}"
+                f"{str(row['name'])[:60]:<60} {row['count']:>7} {_fmt(row['self_ms'], 10, 3)} "
+                f"{_fmt(row['ms_per_step_per_rank'], 12, 3)} {'rank ' + str(row['max_rank']):>7}"
             )
     for e in analysis.get("errors") or []:
         lines.append(f"not analysed: rank {e.get('rank')}: {e['error']}")
@@ -1203,7 +1226,10 @@ def render_compare_text(result: dict[str, Any], label_a: str, label_b: str) -> s
         lines.append("")
         lines.append(f"{title + ' (ms/step/rank)':<60} {'A':>9} {'B':>9} {'B-A':>9}")
         for row in result[key]:
-            lines.append(f"{row['name'][:60]:<60} {row['a_ms']:>9.3f} {row['b_ms']:>9.3f} {row['delta_ms']:>+9.3f}")
+            lines.append(
+                f"{str(row['name'])[:60]:<60} {_fmt(row['a_ms'], 9, 3)} {_fmt(row['b_ms'], 9, 3)} "
+                f"{_fmt(row['delta_ms'], 9, 3, sign='+')}"
+            )
     for side in ("a", "b"):
         s = result["straggler"][side]
         lines.append(f"straggler in {side.upper()}: " + (s["reason"] if s else "none"))

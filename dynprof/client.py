@@ -30,6 +30,29 @@ _ERROR_CLASSES: dict[int, type[errors.DynprofError]] = {
 }
 
 
+# The reply each command calls for. A reply of any other type (an agent of another version, or
+# something else listening on the socket) is a protocol error, never taken for an answer.
+_EXPECTED_REPLY: dict[str, str] = {
+    "ping": "pong",
+    "status": "status",
+    "start_trace": "trace_started",
+    "stop_trace": "trace_stopped",
+    "dump_stacks": "artifact",
+    "memory_snapshot": "artifact",
+    "memory_history": "ack",
+    "flight_recorder_dump": "artifact",
+    "discover_nodes": "job_nodes",
+}
+
+
+def expected_reply(command: str) -> str:
+    """The Reply field that answers ``command`` (a Request field name)."""
+    try:
+        return _EXPECTED_REPLY[command]
+    except KeyError:
+        raise TypeError(f"unknown command {command!r}") from None
+
+
 class AgentReplyError(errors.AgentError):
     """The agent answered with a structured error; ``code`` is the wire's ErrorCode."""
 
@@ -80,6 +103,7 @@ class AgentClient:
         if len(command) != 1:
             raise TypeError("exactly one command")
         ((name, message),) = command.items()
+        wanted = expected_reply(name)
         req = pb.Request(protocol_version=PROTOCOL_VERSION, request_id=next(_ids) + os.getpid() * 1_000_000)
         getattr(req, name).CopyFrom(message)
         payload = req.SerializeToString()
@@ -112,8 +136,18 @@ class AgentClient:
             pause = min(pause * 2, _MAX_RETRY_PAUSE_S)
         if reply.request_id != req.request_id:
             raise errors.AgentError(f"reply from process {self.pid} answers another request")
-        if raise_on_error and reply.HasField("error"):
-            raise error_from_reply(self.pid, reply.error)
+        if reply.HasField("error"):
+            if raise_on_error:
+                raise error_from_reply(self.pid, reply.error)
+            return reply
+        got = reply.WhichOneof("result")
+        if got != wanted:
+            raise errors.AgentError(
+                f"the agent of process {self.pid} answered {got or 'nothing'} to {name} (expected {wanted}): "
+                "a protocol error",
+                help="The process may run another dynprof version, or something else listens on its socket: "
+                "compare `dynprof ps` with this CLI's version (`dynprof --version`).",
+            )
         return reply
 
     def _exchange(self, payload: bytes) -> bytes | None:

@@ -62,27 +62,116 @@ class _OneLineFormatter(logging.Formatter):
         return "dynprof: " + " ".join(text.split("\n"))
 
 
+class _AgentFileHandler(logging.FileHandler):
+    """The agent's log file. A write that fails (a full filesystem, a removed run directory)
+    never prints Python's "--- Logging error ---" block into the job's stderr: the first
+    failure says so on one dynprof-prefixed line, and the file is given up (later lines are
+    counted in ``failures``, not written). Once detached (the agent stopped), nothing is written."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path, delay=True)
+        self.failures = 0
+        self.detached = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.failures:
+            self.failures += 1
+            return
+        if not self.detached:
+            super().emit(record)
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        self.failures += 1
+        if self.failures > 1:
+            return
+        exc = sys.exc_info()[1]
+        why = getattr(exc, "strerror", None) or (f"{type(exc).__name__}: {exc}" if exc is not None else "unknown error")
+        with contextlib.suppress(Exception):
+            sys.stderr.write(
+                f"dynprof: warning: the agent cannot write its log {self.baseFilename} ({why}); "
+                "its log lines are dropped from now on\n"
+            )
+        self._drop_stream()
+
+    def _drop_stream(self) -> None:
+        stream, self.stream = self.stream, None  # type: ignore[assignment]
+        if stream is not None:
+            with contextlib.suppress(Exception):
+                stream.close()
+
+    def flush(self) -> None:
+        if not self.failures:
+            super().flush()  # an error here reaches emit's handleError
+
+    def detach(self) -> None:
+        """Write nothing more and close the file (it opens again on the next ``attach``)."""
+        self.detached = True
+        self.acquire()
+        try:
+            self._drop_stream()
+        finally:
+            self.release()
+
+    def attach(self) -> None:
+        self.detached = False
+
+
+class _AgentStderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """dynprof's one-line warnings on the job's stderr. If stderr itself cannot be written,
+    there is nowhere to say so: the line is dropped, never a "--- Logging error ---" block."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+        self.failures = 0
+        self.detached = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not self.detached:
+            super().emit(record)
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        self.failures += 1
+
+    def detach(self) -> None:
+        self.detached = True
+
+    def attach(self) -> None:
+        self.detached = False
+
+
 def _setup_logging(pid: int) -> str:
     path = ""
     if getattr(log, "_dynprof_configured", False):
+        for handler in log.handlers:
+            if isinstance(handler, (_AgentFileHandler, _AgentStderrHandler)):
+                handler.attach()
         return getattr(log, "_dynprof_log_path", "")
     log.setLevel(logging.INFO)
     log.propagate = False
     fmt = logging.Formatter("%(asctime)s %(process)d %(threadName)s %(levelname)s %(message)s")
     try:
         path = str(logs_dir() / f"{pid}.log")
-        fh = logging.FileHandler(path, delay=True)
+        fh = _AgentFileHandler(path)
         fh.setFormatter(fmt)
         log.addHandler(fh)
     except Exception:
         path = ""
-    err = logging.StreamHandler(sys.stderr)
+    err = _AgentStderrHandler()
     err.setLevel(logging.WARNING)
     err.setFormatter(_OneLineFormatter(path))
     log.addHandler(err)
     log._dynprof_configured = True  # type: ignore[attr-defined]
     log._dynprof_log_path = path  # type: ignore[attr-defined]
     return path
+
+
+def _detach_logging() -> None:
+    """After the agent stopped, its threads (a server thread finishing, a watch that wakes up)
+    log nowhere: not into the job's stderr, not after "agent stopped" in its log."""
+    for handler in log.handlers:
+        if isinstance(handler, (_AgentFileHandler, _AgentStderrHandler)):
+            with contextlib.suppress(Exception):
+                handler.detach()
 
 
 class Agent:
@@ -225,6 +314,7 @@ class Agent:
         self.steps.uninstall()
         remove_record(self.pid)
         log.info("agent stopped")
+        _detach_logging()
 
     # -- identity ------------------------------------------------------------------------------
     @property

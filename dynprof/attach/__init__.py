@@ -212,6 +212,7 @@ def _attach(
         )
     if not result.get("ok"):
         raise _failure(pid, result)
+    confirm_ready(pid, result, options.ready_timeout_s)
     record = read_record(pid)
     out = AttachResult(
         pid=pid,
@@ -234,6 +235,62 @@ def _attach(
             "set DYNPROF_RUN_DIR to reach it"
         )
     return out
+
+
+# How long the agent has to answer its first status request once it said it was ready, and
+# how much of its log is read for the reason when it does not.
+CONFIRM_TIMEOUT_S = 5.0
+LOG_TAIL_BYTES = 64 * 1024
+
+
+def confirm_ready(pid: int, result: Mapping[str, Any], timeout: float = CONFIRM_TIMEOUT_S) -> None:
+    """Ready means answering: one status round trip over the socket the agent reported.
+
+    The bootstrap's word is not enough: an agent whose server thread died (a module it needs
+    missing from the job's environment) has bound its socket and registered, but nobody
+    serves it. Raises AgentError with the reason from the agent's log when it does not answer."""
+    from dynprof.client import AgentClient
+
+    sock = result.get("socket")
+    log = result.get("log") or f"{run_dir() / 'logs'}/{pid}.log"
+    if not isinstance(sock, str) or not sock:
+        raise errors.AgentError(f"process {pid}: the agent started but reported no socket", help=f"See its log: {log}.")
+    try:
+        AgentClient(pid=pid, sock_path=sock, timeout=min(timeout, CONFIRM_TIMEOUT_S)).status()
+    except errors.DynprofError as exc:
+        reason = last_error_in_log(str(log))
+        raise errors.AgentError(
+            f"process {pid}: the agent started but does not answer on its socket ({exc.message})"
+            + (f": {reason}" if reason else ""),
+            help=f"See its log: {log}. The job goes on without a working agent; `dynprof attach` "
+            "again once the cause is fixed finds the registered agent and checks it the same way.",
+        ) from None
+
+
+def last_error_in_log(path: str, max_bytes: int = LOG_TAIL_BYTES) -> str | None:
+    """The last ERROR line of an agent log, with the exception that ended its traceback
+    (``the agent's server thread failed...: ImportError: ...``); None if there is none."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            size = fh.tell()
+            fh.seek(max(0, size - max_bytes))
+            lines = fh.read(max_bytes).decode("utf-8", "replace").splitlines()
+    except OSError:
+        return None
+    for i in range(len(lines) - 1, -1, -1):
+        head, sep, message = lines[i].partition(" ERROR ")
+        if not sep or not head[:4].isdigit():
+            continue
+        exc_line = None
+        for line in lines[i + 1 :]:
+            if line[:4].isdigit():  # the next record
+                break
+            if line and not line.startswith((" ", "Traceback", "During handling", "The above exception")):
+                exc_line = line
+        text = message.strip() + (f": {exc_line.strip()}" if exc_line else "")
+        return text[:500]
+    return None
 
 
 def _already(pid: int, record: AgentRecord, t0: float) -> AttachResult:

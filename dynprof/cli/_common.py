@@ -138,19 +138,28 @@ def add_json(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print machine-readable JSON on stdout")
 
 
+def parse_pid(text: str) -> int:
+    """An argparse ``type``: one process id, a base-10 integer in ``1..MAX_PID``."""
+    part = text.strip()
+    try:
+        pid = int(part, 10)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{_number_text(part)!r} is not a pid") from None
+    if not 0 < pid <= MAX_PID:
+        raise argparse.ArgumentTypeError(f"{pid if len(part) <= 40 else _number_text(part)} is not a valid pid")
+    return pid
+
+
+parse_pid.__name__ = "pid"
+
+
 def parse_pids(text: str) -> list[int]:
     pids = []
     for part in text.split(","):
         part = part.strip()
         if not part:
             continue
-        try:
-            pid = int(part, 10)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{_number_text(part)!r} is not a pid") from None
-        if not 0 < pid <= MAX_PID:
-            raise argparse.ArgumentTypeError(f"{pid if len(part) <= 40 else _number_text(part)} is not a valid pid")
-        pids.append(pid)
+        pids.append(parse_pid(part))
     if not pids:
         raise argparse.ArgumentTypeError("no pid given")
     return pids
@@ -299,7 +308,23 @@ def parallel(fn: Any, items: Iterable[Any], max_workers: int = 32) -> list[Any]:
 
 # -- output -------------------------------------------------------------------------------------
 def print_json(obj: Any) -> None:
-    print(json.dumps(obj, indent=2, default=str))
+    """``obj`` as strict JSON (RFC 8259) on stdout: NaN and infinities, which some readers
+    refuse (``jq``, browsers' JSON.parse), are written as null."""
+    try:
+        text = json.dumps(obj, indent=2, default=str, allow_nan=False)
+    except ValueError:
+        text = json.dumps(_finite(obj), indent=2, default=str, allow_nan=False)
+    print(text)
+
+
+def _finite(obj: Any) -> Any:
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
 
 
 # Characters that must not reach a terminal raw: C0/C1 controls (escape sequences, carriage

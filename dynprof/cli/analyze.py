@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from typing import Any
 
 from dynprof import errors
-from dynprof.cli._common import add_json, print_json
+from dynprof.cli._common import add_json, bounded_int, print_json, printable, printable_lines
 from dynprof.store import Artifact, ArtifactStore, parse_size
 
 
@@ -37,8 +36,12 @@ class AnalyzeCommand:
         parser.add_argument(
             "--compare", nargs=2, metavar=("A", "B"), help="compare two trace groups or artifacts (B minus A)"
         )
-        parser.add_argument("--top", type=int, default=10, help="rows in the kernel and operator tables (default 10)")
-        parser.add_argument("--workers", type=int, default=0, help="parallel processes (default: one per CPU)")
+        parser.add_argument(
+            "--top", type=bounded_int(1, 10_000), default=10, help="rows in the kernel and operator tables (default 10)"
+        )
+        parser.add_argument(
+            "--workers", type=bounded_int(0, 1024), default=0, help="parallel processes (default: one per CPU)"
+        )
         parser.add_argument(
             "--max-trace-bytes",
             metavar="SIZE",
@@ -65,7 +68,7 @@ class AnalyzeCommand:
             if args.json:
                 print_json({**result, "a": {"label": a_label}, "b": {"label": b_label}})
             else:
-                print(ta.render_compare_text(result, a_label, b_label))
+                print(printable_lines(ta.render_compare_text(result, a_label, b_label)))
             return 0
         if args.artifacts and (args.job or args.group):
             raise errors.UsageError("give either ARTIFACT... or --job/--group, not both")
@@ -240,12 +243,12 @@ def _output(
         out["top_kernels"] = out.get("top_kernels", [])[: args.top]
         out["top_ops"] = out.get("top_ops", [])[: args.top]
         out["artifact"] = saved.id if saved else None
-        print(json.dumps(out, indent=2, default=str))
+        print_json(out)
         return
-    print(f"analysis of {label}")
-    print(ta.render_text(data, top=args.top))
+    print(printable(f"analysis of {label}"))
+    print(printable_lines(ta.render_text(data, top=args.top)))
     if data.get("elapsed_s") is not None and not loaded:
         print(f"\nanalysed in {data['elapsed_s']:.2f} s", end="")
         print(f"; saved as {saved.id}" if saved else "")
     for e in data.get("errors") or []:
-        print(f"dynprof: warning: rank {e.get('rank')} not analysed: {e['error']}", file=sys.stderr)
+        print(printable(f"dynprof: warning: rank {e.get('rank')} not analysed: {e['error']}"), file=sys.stderr)

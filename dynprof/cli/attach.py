@@ -9,7 +9,7 @@ from typing import Any
 from dynprof import errors
 from dynprof.attach import METHODS, AttachOptions, AttachResult, attach
 from dynprof.attach._discover import find_job_processes
-from dynprof.cli._common import add_json, print_json
+from dynprof.cli._common import MAX_SECONDS, add_json, parse_pid, positive_float, print_json, printable, printable_lines
 from dynprof.cli.run import RUN_OPTIONS, RunOption, _load_run_options
 
 # `dynprof run` options that also apply to a running process (the flight recorder does not:
@@ -35,7 +35,7 @@ def add_attach_options(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--wait",
-        type=float,
+        type=positive_float(MAX_SECONDS),
         default=2.0,
         metavar="SEC",
         help="seconds to wait for the target's main thread to reach the interpreter before running the "
@@ -43,7 +43,7 @@ def add_attach_options(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--ready-timeout",
-        type=float,
+        type=positive_float(MAX_SECONDS),
         default=30.0,
         metavar="SEC",
         help="seconds to wait for the agent to be ready once it runs (default 30)",
@@ -99,11 +99,11 @@ def attach_many(
         out.append(result)
         if not quiet:
             if isinstance(result, AttachResult):
-                print(describe(result), file=sys.stderr)
+                print(printable_lines(describe(result)), file=sys.stderr)
             elif len(pids) > 1:
-                print(f"pid {pid}: error: {result.message}", file=sys.stderr)
+                print(printable_lines(f"pid {pid}: error: {result.message}"), file=sys.stderr)
                 if result.help:
-                    print(f"  what to do: {result.help}", file=sys.stderr)
+                    print(printable_lines(f"  what to do: {result.help}"), file=sys.stderr)
     return out
 
 
@@ -128,7 +128,7 @@ class AttachCommand:
     """
 
     def prepare_parser(self, parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("pids", nargs="*", type=int, metavar="PID", help="process ids to attach to")
+        parser.add_argument("pids", nargs="*", type=parse_pid, metavar="PID", help="process ids to attach to")
         parser.add_argument(
             "--job",
             metavar="JOB",
@@ -159,13 +159,16 @@ class AttachCommand:
                     help="The job's processes are found by TORCHELASTIC_RUN_ID, SLURM_JOB_ID or DYNPROF_JOB_ID "
                     "in their environment; give the pids instead: dynprof attach PID...",
                 )
+            # Command lines and environments are the processes' own: shown escaped.
             print(
-                f"dynprof: job {args.job}: found {len(search.found)} process(es): "
-                + "; ".join(p.describe() for p in search.found),
+                printable(
+                    f"dynprof: job {args.job}: found {len(search.found)} process(es): "
+                    + "; ".join(p.describe() for p in search.found)
+                ),
                 file=sys.stderr,
             )
             for p, why in search.skipped:
-                print(f"dynprof: job {args.job}: skipped pid {p.pid}: {why}", file=sys.stderr)
+                print(printable(f"dynprof: job {args.job}: skipped pid {p.pid}: {why}"), file=sys.stderr)
             settings.setdefault("DYNPROF_JOB_ID", args.job)
             pids = [p.pid for p in search.found]
         else:
@@ -174,7 +177,8 @@ class AttachCommand:
         if len(pids) == 1 and not args.job:
             results: list[AttachResult | errors.DynprofError] = [attach(pids[0], options)]
             if not args.json:
-                print(describe(results[0]), file=sys.stderr)  # type: ignore[arg-type]
+                # The log and socket paths come from the target's bootstrap: shown escaped.
+                print(printable_lines(describe(results[0])), file=sys.stderr)  # type: ignore[arg-type]
         else:
             results = attach_many(pids, options, quiet=args.json)
         failures = [r for r in results if isinstance(r, errors.DynprofError)]

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 from pathlib import Path
 from typing import Any
 
 from dynprof import errors
-from dynprof.cli._common import add_json, bounded_int, path_arg, print_json
+from dynprof.cli._common import add_json, bounded_int, path_arg, print_json, printable_lines
 from dynprof.store import MANIFEST, Artifact, ArtifactStore
 
 EMBED_PICKLE_MAX = 20 * 1024 * 1024
+log = logging.getLogger("dynprof.cli")
 
 
 class MemoryReportCommand:
@@ -59,10 +61,8 @@ class MemoryReportCommand:
         snapshot = ms.parse_snapshot(data, str(pickle_path))
         try:
             summary = ms.summarize_snapshot(snapshot, top=args.top)
-        except (TypeError, AttributeError, ValueError, KeyError, IndexError, OverflowError) as exc:
-            raise errors.ArtifactError(
-                f"{pickle_path} is not a well-formed PyTorch memory snapshot: {type(exc).__name__}: {exc}"
-            ) from None
+        except (TypeError, AttributeError, ValueError, KeyError, IndexError, OverflowError, RecursionError) as exc:
+            raise _malformed(pickle_path, exc) from None
         if artifact is not None:  # what the capture knew beyond the snapshot: trigger, OOM, free/total
             if artifact.has_file(ms.SUMMARY_FILE):
                 try:
@@ -95,10 +95,8 @@ class MemoryReportCommand:
                     source=str(pickle_path),
                     pickle_bytes=data if len(data) <= EMBED_PICKLE_MAX else None,
                 )
-            except (TypeError, AttributeError, ValueError, KeyError, IndexError, OverflowError) as exc:
-                raise errors.ArtifactError(
-                    f"{pickle_path} is not a well-formed PyTorch memory snapshot: {type(exc).__name__}: {exc}"
-                ) from None
+            except (TypeError, AttributeError, ValueError, KeyError, IndexError, OverflowError, RecursionError) as exc:
+                raise _malformed(pickle_path, exc) from None
             try:
                 html_path.write_text(page)
             except OSError as exc:
@@ -129,7 +127,12 @@ class MemoryReportCommand:
                 }
             )
             return 0
-        print(ms.format_summary(summary, top=args.top))
+        # Frame names, file names and devices come from the pickle: shown escaped.
+        try:
+            text = ms.format_summary(summary, top=args.top)
+        except (TypeError, AttributeError, ValueError, KeyError, IndexError, OverflowError, RecursionError) as exc:
+            raise _malformed(pickle_path, exc) from None
+        print(printable_lines(text))
         if not summary.get("history_recorded"):
             print("\nnote: no allocation history or stacks in this snapshot (memory history was off in the process)")
         if html_path:
@@ -137,6 +140,18 @@ class MemoryReportCommand:
         if viz_path:
             print(f"PyTorch's interactive viewer: {viz_path} (loads its scripts from cdn.jsdelivr.net when opened)")
         return 0
+
+
+def _malformed(path: Path, exc: BaseException) -> errors.ArtifactError:
+    """A snapshot whose segments, blocks or traces are not what PyTorch writes; Python's text of
+    the failure goes to the debug log, the person gets what is wrong and what to do."""
+    log.debug("summarising %s failed", path, exc_info=exc)
+    return errors.ArtifactError(
+        f"{path} is not a well-formed PyTorch memory snapshot: its segments, blocks or device traces "
+        "hold values of the wrong type or shape (a damaged file, or a pickle of something else)",
+        help="Give a snapshot written by `dynprof memory` or torch.cuda.memory._dump_snapshot(); "
+        "`dynprof show --verify` checks an artifact's files against its manifest.",
+    )
 
 
 def _read(path: Path) -> bytes:

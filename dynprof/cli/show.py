@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import re
+import logging
 from typing import Any
 
-from dynprof.cli._common import add_json, human_bytes, print_json
+from dynprof import errors
+from dynprof.cli._common import add_json, human_bytes, print_json, printable_lines
 from dynprof.store import Artifact, ArtifactStore
+
+log = logging.getLogger("dynprof.cli")
 
 # kind -> "module:function" rendering an artifact's contents. The function takes the Artifact
 # and returns (summary dict for --json, text for people).
@@ -37,12 +40,10 @@ HTML_RENDERERS: dict[str, str] = {
 }
 
 
-_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
-
-
 def _clean(value: object) -> str:
-    """Text from a manifest, safe for a terminal (no escape sequences)."""
-    return _CONTROL.sub("?", str(value))
+    """Text from a manifest, safe for a terminal (no escape sequences): newlines kept, other
+    control characters and bidirectional overrides escaped, as everywhere in the CLI."""
+    return printable_lines(str(value))
 
 
 def render(artifact: Artifact) -> tuple[dict[str, Any] | None, str]:
@@ -57,8 +58,24 @@ def render(artifact: Artifact) -> tuple[dict[str, Any] | None, str]:
     try:
         summary, text = fn(artifact)
     except Exception as exc:  # a damaged artifact must not hide its manifest
-        return {"error": f"{type(exc).__name__}: {exc}"}, f"(cannot summarise the contents: {exc})"
+        message = _why_unreadable(artifact, exc)
+        return {"error": message}, f"(cannot summarise the contents: {message})"
     return summary, text
+
+
+def _why_unreadable(artifact: Artifact, exc: Exception) -> str:
+    """What is wrong with the artifact's files, for a person: the readers' own errors say it;
+    anything else (a value of the wrong type deep in a file) is named by the files, and
+    Python's text of it goes to the debug log only."""
+    if isinstance(exc, errors.DynprofError):
+        return exc.message
+    log.debug("rendering %s failed", artifact.path, exc_info=exc)
+    names = ", ".join(str(f.get("name")) for f in artifact.files if isinstance(f, dict)) or "its files"
+    return (
+        f"{names} of this {artifact.kind} artifact hold(s) values of the wrong type or shape "
+        f"(damaged, or not written by a dynprof {artifact.kind} capture); "
+        "`dynprof show --verify` checks them against the manifest's checksums"
+    )
 
 
 def render_html(artifact: Artifact) -> str:

@@ -292,8 +292,15 @@ class StacksCommand:
         with tempfile.TemporaryDirectory(prefix="stacks-", dir=run_dir()) as tmp:
             out = os.path.join(tmp, f"{target.pid}.json")
             client.request(dump_stacks=pb.DumpStacksRequest(all_threads=True, locals=args.locals, output_path=out))
-            with open(out) as fh:
-                return ProcessStacks.from_dict(json.load(fh))
+            try:
+                with open(out) as fh:
+                    return ProcessStacks.from_dict(json.load(fh))
+            except (OSError, ValueError, TypeError, KeyError, RecursionError) as exc:
+                raise errors.AgentError(
+                    f"the agent of process {target.pid} left an unreadable stack dump: {type(exc).__name__}",
+                    help=f"See the agent's log ({target.record.log or 'dynprof ps'}); "
+                    "`--method py-spy` reads the stacks from outside.",
+                ) from None
 
     def _classify(
         self, pid: int, refusal: str | None, attempts: list[str], has_agent: bool, args: argparse.Namespace

@@ -33,6 +33,7 @@ from dynprof.cli._common import (
     bounded_int,
     parallel,
     print_json,
+    printable,
     resolve_agents,
     seconds,
 )
@@ -345,7 +346,10 @@ class StartCommand:
                     else:
                         parts.append(f"{label}: {t.state}")
                 if parts:
-                    progress.update("; ".join(parts[:4]) + (f"; +{len(parts) - 4} more" if len(parts) > 4 else ""))
+                    # The states come from the processes: shown escaped, like all text from them.
+                    progress.update(
+                        printable("; ".join(parts[:4]) + (f"; +{len(parts) - 4} more" if len(parts) > 4 else ""))
+                    )
                 if len(results) == len(records):
                     break
                 if deadline is not None and time.monotonic() > deadline:
@@ -370,9 +374,9 @@ class StartCommand:
             for res in ordered:
                 who = f"rank {res['rank']} (pid {res['pid']})" if res["rank"] is not None else f"pid {res['pid']}"
                 if res["artifact"]:
-                    print(f"{who}: {res['status']}: {res['artifact']}")
+                    print(printable(f"{who}: {res['status']}: {res['artifact']}"))
                 else:
-                    print(f"{who}: failed: {res['error']}")
+                    print(printable(f"{who}: failed: {res['error']}"))
         return 0 if all(r["status"] == "complete" for r in ordered) else 1
 
 

@@ -18,10 +18,12 @@ from dynprof.cli._common import (
     add_targets,
     parallel,
     print_json,
+    printable,
     resolve_agents,
     seconds,
 )
 from dynprof.cli._node_args import add_many_node_args, nodes_requested
+from dynprof.cli.start import _result_from_store
 from dynprof.client import AgentClient
 from dynprof.proto import pb
 
@@ -67,7 +69,7 @@ class StopCommand:
                 print_json({"results": results})
             else:
                 for res in results:
-                    print(f"pid {res['pid']}: {res['error']}")
+                    print(printable(f"pid {res['pid']}: {res['error']}"))
             return 1
         if not args.no_wait:
             progress = Progress(enabled=not args.json)
@@ -79,13 +81,28 @@ class StopCommand:
                 for item, st in zip(pending, states):
                     record, _, group = item
                     if isinstance(st, Exception):
+                        # The process went away (it exited once its loop ended, say) after the
+                        # stop was accepted: the agent finishes the export on the way out, so
+                        # the artifact of this request's group may well be in the store.
+                        found = _result_from_store(record, group, 0)
+                        if found is None and isinstance(st, (errors.Timeout, errors.Busy)) and record.is_alive():
+                            still.append(item)  # a busy agent, not a lost one: ask again
+                            continue
                         results.append(
                             {
                                 "pid": record.pid,
                                 "rank": record.rank,
+                                "status": found["status"],
+                                "artifact": found["artifact"],
+                                "error": found["error"],
+                            }
+                            if found is not None
+                            else {
+                                "pid": record.pid,
+                                "rank": record.rank,
                                 "status": "failed",
                                 "artifact": None,
-                                "error": str(st),
+                                "error": f"lost contact with the process before it wrote a trace: {st}",
                             }
                         )
                     elif st.state == "idle" and st.group_id == group:
@@ -121,5 +138,5 @@ class StopCommand:
         else:
             for res in results:
                 who = f"rank {res['rank']} (pid {res['pid']})" if res["rank"] is not None else f"pid {res['pid']}"
-                print(f"{who}: {res['status']}: {res['artifact'] or res['error'] or ''}".rstrip(": "))
+                print(printable(f"{who}: {res['status']}: {res['artifact'] or res['error'] or ''}".rstrip(": ")))
         return 0 if all(r["status"] in ("complete", "partial", "stopping") for r in results) else 1
