@@ -119,7 +119,13 @@ def find_job_processes(job: str, proc: Path = Path("/proc")) -> JobSearch:
         )
     # A process of the job whose child (not a worker) is of the job too runs the script as a
     # child: a launcher (a Python wrapper, accelerate's simple launcher).
-    parents = {p.ppid for p in candidates if p.role != roles.WORKER and not _same_rank_child(p, by_pid)}
+    parents = {
+        p.ppid
+        for p in candidates
+        if p.role != roles.WORKER
+        and not _same_rank_child(p, by_pid)
+        and not _startup.is_multiprocessing_service(p.cmdline)
+    }
     found: list[JobProcess] = []
     skipped: list[tuple[JobProcess, str]] = []
     ranked = any(p.has_rank_variable for p in candidates)

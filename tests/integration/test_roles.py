@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -198,3 +199,21 @@ def test_a_phase_marked_evaluation_is_not_a_hang_but_an_unmarked_stall_is(spawn_
     dumps = _hang_artifacts()
     assert {a.manifest["summary"]["main_thread"][0].split(" (")[0] for a in dumps} == {"stall_unmarked"}
     assert [a.get("phase") for a in in_eval] == ["eval"]
+
+
+@pytest.mark.skipif(shutil.which("gdb") is None, reason="attach to Python < 3.14 needs gdb on PATH")
+def test_attach_job_attaches_the_trainer_and_skips_its_dataloader_workers(spawn_group, cli):
+    # GIVEN a trainer started without dynprof, with 2 persistent DataLoader workers ("spawn")
+    target = spawn_group([LOADER, "--persistent", "--seconds", "90"], under_run=False, env={"DYNPROF_JOB_ID": "atjob"})
+    (trainer,) = target.ready_pids(timeout=120)
+    workers = sorted(int(p) for p in target.wait_for_line("WORKERS")[0].split()[1:])
+
+    # WHEN the job is attached to
+    result = cli("attach", "--job", "atjob", "--json")
+
+    # THEN only the trainer got an agent, the workers are named as skipped, and it exits 0
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(result.stdout)
+    assert [(p["pid"], p["status"]) for p in report["processes"]] == [(trainer, "attached")]
+    assert sorted(s["pid"] for s in report["skipped"] if "DataLoader worker" in s["why"]) == workers
+    assert _roles(cli, "atjob") == {trainer: "trainer"}

@@ -176,3 +176,36 @@ def test_phase_in_threads_keeps_each_threads_phase():
     for t in threads:
         t.join(timeout=10)
     assert _phase.current() is None
+
+
+def test_attach_job_counts_a_process_that_exited_meanwhile_as_gone(monkeypatch, capsys):
+    # GIVEN a job whose search found a trainer (attached) and a short-lived process that exited
+    # before its turn came (its attach fails: no such process)
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from dynprof import errors
+    from dynprof.attach import AttachResult
+    from dynprof.attach._discover import JobProcess, JobSearch
+    from dynprof.cli import attach as attach_cli
+    from dynprof.cli import main
+
+    exited = subprocess.Popen([sys.executable, "-c", "pass"])
+    exited.wait()
+    found = [JobProcess(os.getpid(), 1, "DYNPROF_JOB_ID", None), JobProcess(exited.pid, 1, "DYNPROF_JOB_ID", None)]
+    monkeypatch.setattr(attach_cli, "find_job_processes", lambda job: JobSearch(job, found, []))
+
+    def attach_many(pids, options, quiet=False):
+        return [AttachResult(pid=pids[0], status="attached", method="test"), errors.ProcessNotFound("gone")]
+
+    monkeypatch.setattr(attach_cli, "attach_many", attach_many)
+
+    # WHEN the job is attached
+    code = main(["attach", "--job", "J", "--json"])
+
+    # THEN it succeeds, and the exited process is reported gone, not failed
+    assert code == 0
+    processes = json.loads(capsys.readouterr().out)["processes"]
+    assert [(p["pid"], p["status"]) for p in processes] == [(os.getpid(), "attached"), (exited.pid, "gone")]
