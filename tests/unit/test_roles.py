@@ -209,3 +209,27 @@ def test_attach_job_counts_a_process_that_exited_meanwhile_as_gone(monkeypatch, 
     assert code == 0
     processes = json.loads(capsys.readouterr().out)["processes"]
     assert [(p["pid"], p["status"]) for p in processes] == [(os.getpid(), "attached"), (exited.pid, "gone")]
+
+
+def test_sidecar_job_section_shows_roles_and_acts_on_the_trainers_only():
+    # GIVEN ps rows of a job: a launcher and its two trainers
+    from dynprof.sidecar import _job_section
+
+    def row(pid: int, role: str, rank: int | None) -> dict:
+        return {
+            "pid": pid,
+            "role": role,
+            "rank": rank,
+            "host": "h",
+            "step": 3,
+            "state": "idle",
+            "age_s": 1,
+            "cmdline": ["python"],
+        }
+
+    rows = [row(100, "launcher", None), row(101, "trainer", 0), row(102, "trainer", 1)]
+    # WHEN the page's section of the job is rendered
+    page = _job_section("j", rows, read_only=False, job_wide=False)
+    # THEN every process is listed with its role, and the buttons act on the trainers
+    assert "data-pids='101,102'" in page
+    assert page.count("<td class='role'>") == 3 and "<td class='role'>launcher</td>" in page
