@@ -122,6 +122,8 @@ class Agent:
             os.umask(old_umask)
         sock.listen(64)
         self._sock = sock
+        ident = self.identity
+        self._role = roles.own_role(False, ident.rank, ident.job_id)  # a launcher knows at once
         self.record = self._make_record(path)
         self.steps.on_install = self._on_torch_imported
         self.steps.install()
@@ -153,6 +155,9 @@ class Agent:
             return
         try:
             from multiprocessing import process
+
+            if process.parent_process() is not None:
+                return  # the target already runs (an agent attached later): nothing to wrap
 
             base: Any = process.BaseProcess
             original = base._bootstrap
