@@ -159,7 +159,11 @@ def parse_pids(text: str) -> list[int]:
 def add_targets(parser: argparse.ArgumentParser, required: bool = True) -> None:
     group = parser.add_mutually_exclusive_group(required=required)
     group.add_argument("--pid", type=parse_pids, metavar="PID[,PID...]", help="target process ids")
-    group.add_argument("--job", metavar="JOB", help="every rank of this job on this node (see `dynprof ps`)")
+    group.add_argument(
+        "--job",
+        metavar="JOB",
+        help="the trainers of this job on this node: every rank, no launcher (ROLE in `dynprof ps`)",
+    )
     group.add_argument("--all", action="store_true", help="every agent on this node")
 
 
