@@ -3,13 +3,15 @@
 The one place that decides. Inside a process (the agent), from what the process itself knows:
 
 - ``trainer``: it stepped an optimizer (whatever else it is), or it knows its rank (RANK,
-  SLURM_PROCID..., or torch.distributed) and is neither of the next two;
+  SLURM_PROCID..., or torch.distributed; a ``torch.multiprocessing.spawn`` rank by its target)
+  and is neither of the next two;
 - ``worker``: a DataLoader worker (``torch.utils.data.get_worker_info()`` is set, the process
   was started by multiprocessing with torch's ``_worker_loop`` as its target, or its main
   thread runs ``_worker_loop``);
 - ``launcher``: it never stepped, and it is a known launcher (torchrun, ``torch.distributed.launch``,
   ``accelerate launch``, ``deepspeed``) or it has children of the same job with agents (a Python
-  wrapper running the training script as a child, ``torch.multiprocessing.spawn``'s parent);
+  wrapper running the training script as a child, ``torch.multiprocessing.spawn``'s parent; a
+  helper that multiprocessing started and that knows no rank does not count);
 - ``other``: none of these yet (a trainer before its first step, or a helper process).
 
 Outside a process (``dynprof attach --job`` of processes without an agent) the same roles are
@@ -80,15 +82,25 @@ def is_dataloader_target(target: Any) -> bool:
     )
 
 
+def is_mp_spawn_rank_target(target: Any) -> bool:
+    """``target`` is the wrapper ``torch.multiprocessing.spawn`` runs each rank in."""
+    return getattr(target, "__module__", None) == "torch.multiprocessing.spawn" and (
+        getattr(target, "__name__", None) == "_wrap"
+    )
+
+
+def _current_target() -> Any:
+    process = sys.modules.get("multiprocessing.process")
+    return getattr(getattr(process, "_current_process", None), "_target", None)
+
+
 def in_dataloader_worker() -> bool:
     """This process is a DataLoader worker (read from torch's and multiprocessing's own state)."""
     try:
         worker = sys.modules.get(_WORKER_MODULE)
         if worker is not None and getattr(worker, "_worker_info", None) is not None:
             return True  # what torch.utils.data.get_worker_info() returns
-        process = sys.modules.get("multiprocessing.process")
-        current = getattr(process, "_current_process", None)
-        if is_dataloader_target(getattr(current, "_target", None)):
+        if is_dataloader_target(_current_target()):
             return True
         import threading
 
@@ -110,6 +122,7 @@ class _Record(Protocol):
     rank: int | None
     job_id: str | None
     role: str | None
+    cmdline: list[str]
 
 
 def decide(
@@ -145,13 +158,16 @@ def own_role(stepped: bool, rank: int | None, job_id: str | None, argv: Sequence
     """This process's role (called by its agent; never raises)."""
     try:
         argv = list(getattr(sys, "orig_argv", sys.argv) if argv is None else argv)
+        mp_child = _started_by_multiprocessing(argv)
+        # A rank of torch.multiprocessing.spawn is one before it sets RANK, if it ever does.
+        spawn_rank = mp_child and is_mp_spawn_rank_target(_current_target())
         return decide(
             stepped=stepped,
             worker=in_dataloader_worker,
             launcher_cmdline=is_launcher_cmdline(argv),
             has_agent_children=lambda: has_agent_children(os.getpid(), job_id, rank),
-            rank=rank,
-            mp_child=_started_by_multiprocessing(argv),
+            rank=-1 if rank is None and spawn_rank else rank,
+            mp_child=mp_child and not spawn_rank,
         )
     except Exception:
         return OTHER
@@ -159,8 +175,12 @@ def own_role(stepped: bool, rank: int | None, job_id: str | None, argv: Sequence
 
 def _makes_launcher(child: _Record, parent_rank: int | None) -> bool:
     """``child``, a process of its parent's job with an agent, makes its parent a launcher: it
-    is no DataLoader worker, nor a helper of the parent's rank (which inherits that RANK)."""
-    return child.role != WORKER and not (child.rank is not None and child.rank == parent_rank)
+    is no DataLoader worker, nor a helper of the parent's rank (which inherits that RANK), nor
+    a helper that multiprocessing started and that knows no rank (a trainer's side process)."""
+    if child.role == WORKER or (child.rank is not None and child.rank == parent_rank):
+        return False
+    helper = child.role in (None, OTHER) and child.rank is None and is_mp_child_cmdline(child.cmdline)
+    return not helper
 
 
 def has_agent_children(pid: int, job_id: str | None, rank: int | None = None) -> bool:

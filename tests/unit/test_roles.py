@@ -233,3 +233,19 @@ def test_sidecar_job_section_shows_roles_and_acts_on_the_trainers_only():
     # THEN every process is listed with its role, and the buttons act on the trainers
     assert "data-pids='101,102'" in page
     assert page.count("<td class='role'>") == 3 and "<td class='role'>launcher</td>" in page
+
+
+def test_a_helper_started_by_multiprocessing_does_not_make_its_parent_a_launcher():
+    # GIVEN a trainer before its first step with a spawned helper process (an agent, no rank),
+    # and a wrapper whose child runs the script
+    trainer = _record(100, role=roles.OTHER)
+    helper = _record(101, ppid=100, role=roles.OTHER)
+    helper.cmdline = ["python", "-c", "from multiprocessing.spawn import spawn_main", "--multiprocessing-fork"]
+    wrapper, script = _record(200, role=roles.OTHER), _record(201, ppid=200, role=roles.OTHER)
+    # WHEN their roles are read, THEN only the wrapper is a launcher
+    assert roles.job_roles([trainer, helper, wrapper, script]) == {
+        100: roles.OTHER,
+        101: roles.OTHER,
+        200: roles.LAUNCHER,
+        201: roles.OTHER,
+    }
