@@ -2,4 +2,6 @@
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+from dynprof._phase import phase
+
+__all__ = ["__version__", "phase"]

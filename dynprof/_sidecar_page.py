@@ -75,11 +75,12 @@ PAGE_JS = r"""
   }
 
   function agentsView(result) {
-    var rows = [el("tr", {}, ["RANK", "NODE", "HOST", "PID", "STEP", "STATE"].map(function (h) {
+    var rows = [el("tr", {}, ["RANK", "ROLE", "NODE", "HOST", "PID", "STEP", "STATE"].map(function (h) {
       return el("th", {}, [h]);
     }))];
     (result.agents || []).forEach(function (a) {
-      rows.push(el("tr", {}, [a.rank, a.node, a.host, a.pid, a.step, a.state].map(function (v) {
+      var state = a.phase ? a.state + " (in phase " + a.phase + ")" : a.state;
+      rows.push(el("tr", {}, [a.rank, a.role, a.node, a.host, a.pid, a.step, state].map(function (v) {
         return el("td", {}, [v === null || v === undefined ? "-" : String(v)]);
       })));
     });
@@ -163,7 +164,9 @@ PAGE_JS = r"""
         var row = document.querySelector("tr[data-pid='" + Number(a.pid) + "']");
         if (!row) { return; }
         row.querySelector("td.step").textContent = a.step === null || a.step === undefined ? "-" : String(a.step);
-        row.querySelector("td.state").textContent = String(a.state);
+        row.querySelector("td.state").textContent = String(a.state) + (a.phase ? " (in phase " + a.phase + ")" : "");
+        var role = row.querySelector("td.role");
+        if (role) { role.textContent = a.role ? String(a.role) : "-"; }
       });
     });
   }

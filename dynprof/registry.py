@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from dynprof.paths import agents_dir
+from dynprof.roles import ROLES
 
 RECORD_SCHEMA_VERSION = 1
 
@@ -53,6 +54,8 @@ class AgentRecord:
     socket: str
     log: str
     activation: str
+    # what the process is in its job (see dynprof.roles); None from an agent that did not say
+    role: str | None = None
     schema_version: int = RECORD_SCHEMA_VERSION
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -82,6 +85,8 @@ class AgentRecord:
         for name in ("host", "python_version", "dynprof_version", "socket", "log", "activation"):
             if not isinstance(getattr(self, name), str):
                 raise ValueError(f"bad {name}")
+        if self.role is not None and self.role not in ROLES:
+            raise ValueError("bad role")
         for name in ("job_id", "torch_version"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
                 raise ValueError(f"bad {name}")

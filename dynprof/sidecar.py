@@ -48,7 +48,7 @@ from urllib.parse import quote, urlsplit
 from flask import Flask, Response, abort, g, jsonify, request, send_file
 from werkzeug.exceptions import HTTPException
 
-from dynprof import __version__
+from dynprof import __version__, roles
 from dynprof._sidecar_page import PAGE_JS, PAGE_STYLE
 from dynprof.actions import ACTIONS, API_VERSION, ActionError, ActionsBusy, ActionSlots, FanoutConfig
 from dynprof.cli._common import human_age, human_bytes
@@ -549,10 +549,14 @@ def _job_section(job: str, rows: list[dict[str, Any]], read_only: bool, job_wide
     """One job: its ranks (host, pid, step, state) and the buttons that act on all of them;
     with ``job_wide``, a field naming the job's other nodes, which the buttons then reach too."""
     rows = sorted(rows, key=lambda a: (a["rank"] is None, a["rank"] or 0, a["pid"]))
-    pids = ",".join(str(a["pid"]) for a in rows)
+    # The buttons act on the job's trainers (dynprof.roles), as `--job` does: never a launcher.
+    trainers = [a for a in rows if a.get("role") == roles.TRAINER]
+    targets = trainers or [a for a in rows if a.get("role") in (None, roles.OTHER)]
+    pids = ",".join(str(a["pid"]) for a in targets)
     title = f"job {html.escape(job)}" if job else "processes without a job id"
     body = "".join(
         f"<tr data-pid='{a['pid']}'><td>{a['rank'] if a['rank'] is not None else '-'}</td>"
+        f"<td class='role'>{html.escape(str(a.get('role') or '-'))}</td>"
         f"<td>{html.escape(str(a.get('host') or '-'))}</td>"
         f"<td>{a['pid']}</td><td class='step'>{a.get('step') if a.get('step') is not None else '-'}</td>"
         f"<td class='state'>{html.escape(a['state'])}</td><td>{human_age(a['age_s'])}</td>"
@@ -571,7 +575,7 @@ def _job_section(job: str, rows: list[dict[str, Any]], read_only: bool, job_wide
     return (
         f"<section class=job data-job='{html.escape(job)}' data-pids='{pids}'>"
         f"<h3>{title} <small>{len(rows)} process(es)</small></h3>"
-        f"<table><tr><th>RANK</th><th>HOST</th><th>PID</th><th>STEP</th><th>STATE</th><th>AGE</th><th>COMMAND</th></tr>"
+        f"<table><tr><th>RANK</th><th>ROLE</th><th>HOST</th><th>PID</th><th>STEP</th><th>STATE</th><th>AGE</th><th>COMMAND</th></tr>"
         f"{body}</table>{nodes}<div class=acts>"
         f"<label>steps <input class=steps type=number min=1 max=1000000 value=3></label> "
         f"<button class=act data-action=start{disabled}>Trace</button> "

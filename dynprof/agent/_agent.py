@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from dynprof import __version__
+from dynprof import __version__, roles
 from dynprof.agent._steps import StepTracker
 from dynprof.identity import Identity, detect
 from dynprof.paths import MAX_SOCKET_PATH, agents_dir, logs_dir
@@ -192,6 +192,7 @@ class Agent:
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
         self._stopped = False
+        self._role = roles.OTHER
 
     # -- life cycle --------------------------------------------------------------------------
     def start(self) -> None:
@@ -210,6 +211,8 @@ class Agent:
             os.umask(old_umask)
         sock.listen(64)
         self._sock = sock
+        ident = self.identity
+        self._role = roles.own_role(False, ident.rank, ident.job_id)  # a launcher knows at once
         self.record = self._make_record(path)
         self.steps.on_install = self._on_torch_imported
         self.steps.install()
@@ -218,6 +221,7 @@ class Agent:
         self._thread.start()
         write_record(self.record, directory)
         atexit.register(self.stop)
+        self._withdraw_from_dataloader_workers()
         log.info(
             "agent started (%s) pid=%d rank=%s job=%s socket=%s",
             self.activation,
@@ -226,6 +230,36 @@ class Agent:
             self.identity.job_id,
             path,
         )
+
+    def _withdraw_from_dataloader_workers(self) -> None:
+        """A process started by multiprocessing's spawn method is, by the time its target runs,
+        a DataLoader worker, a rank (``torch.multiprocessing.spawn``) or a helper: which, only the
+        target tells. So, in such a process only, the agent looks at the target once, as the
+        child starts it (multiprocessing runs no after-fork callbacks in spawned children):
+        ``BaseProcess._bootstrap`` is wrapped until its first call, which puts the original back
+        before anything else. A DataLoader worker's agent then stops and unregisters, before
+        the worker loop runs, so no command ever finds it. Forked workers drop the agent at
+        fork (below)."""
+        if not roles.is_mp_child_cmdline(getattr(sys, "orig_argv", sys.argv)):
+            return
+        try:
+            from multiprocessing import process
+
+            if process.parent_process() is not None:
+                return  # the target already runs (an agent attached later): nothing to wrap
+
+            base: Any = process.BaseProcess
+            original = base._bootstrap
+            agent = self
+
+            def _bootstrap(proc: Any, *args: Any, **kwargs: Any) -> Any:
+                base._bootstrap = original
+                _withdraw_if_dataloader_worker(agent, proc)
+                return original(proc, *args, **kwargs)
+
+            base._bootstrap = _bootstrap
+        except Exception:
+            log.exception("watching for a DataLoader worker's start failed")
 
     def _watch_process_group(self) -> None:
         """Wrap init_process_group before the job can call it (see ``_pg_watch``); the
@@ -257,6 +291,7 @@ class Agent:
             log=self.log_path,
             activation=self.activation,
             extra={k: v for k, v in self.options.items() if isinstance(v, (int, float, str, bool))},
+            role=self._role,
         )
 
     def _run_server(self) -> None:
@@ -337,6 +372,19 @@ class Agent:
             self._update_record()
         return ident
 
+    @property
+    def role(self) -> str:
+        """What this process is in its job (see ``dynprof.roles``), decided again on each use
+        (never on the training hot path); the record follows a change."""
+        steps = self.steps
+        ident = self.identity
+        role = roles.own_role(steps.step > 0 or steps.optimizer_steps > 0, ident.rank, ident.job_id)
+        if role != self._role:
+            log.info("role: %s (was %s)", role, self._role)
+            self._role = role
+            self._update_record()
+        return role
+
     def _on_torch_imported(self) -> None:
         """torch.optim was just imported (so torch is): record torch's version, and watch for
         the job's own profilers (see ``_safety.ProfilerWatch``)."""
@@ -348,11 +396,12 @@ class Agent:
 
     def _update_record(self) -> None:
         record = self.record
-        if record is None:
+        if record is None or self._stopped:  # a stopped agent's record is gone and stays gone
             return
         ident = self._identity
         record.rank, record.local_rank, record.world_size = ident.rank, ident.local_rank, ident.world_size
         record.job_id, record.host = ident.job_id, ident.host
+        record.role = self._role
         torch = sys.modules.get("torch")
         record.torch_version = getattr(torch, "__version__", None) if torch else None
         try:
@@ -390,6 +439,20 @@ def _after_fork_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _withdraw_if_dataloader_worker(agent: Agent, proc: Any) -> None:
+    # Called in a spawned child right before multiprocessing runs its target.
+    try:
+        if not roles.is_dataloader_target(getattr(proc, "_target", None)):
+            return
+        log.info("a DataLoader worker: the agent stops and unregisters (no command targets a worker)")
+        if get() is agent:
+            shutdown()
+        else:
+            agent.stop()
+    except Exception:
+        log.exception("stopping the agent of a DataLoader worker failed")
 
 
 def start(activation: str = "api", **options: Any) -> Agent | None:

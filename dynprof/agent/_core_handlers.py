@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from dynprof import __version__
+from dynprof import __version__, _phase
 from dynprof.proto import pb
 
 if TYPE_CHECKING:
@@ -20,6 +20,7 @@ def install(agent: Agent) -> None:
         steps = agent.steps
         steps.fold_compiled()
         trace = getattr(agent, "trace", None)
+        in_phase = _phase.current()
         return "status", pb.Status(
             pid=agent.pid,
             step=steps.step,
@@ -36,6 +37,9 @@ def install(agent: Agent) -> None:
             started_at=agent.started_at,
             memory_history=str(getattr(agent, "memory_history_policy", "off")),
             memory_history_detail=str(getattr(agent, "memory_history_detail", "")),
+            role=agent.role,
+            phase=in_phase[0] if in_phase else "",
+            phase_since=in_phase[1] if in_phase else 0.0,
         )
 
     agent.handlers["ping"] = ping

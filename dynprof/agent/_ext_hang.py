@@ -12,9 +12,13 @@ is only the backstop for a thread stuck in C *holding* the GIL: it is set ``grac
 later than the monitor's deadline, so on a live process it never fires. The dump comes between
 1 and 1.25 timeouts after the last step; never before the timeout.
 
+Progress is an optimizer step of any optimizer, or a ``dynprof.phase(NAME)`` in progress (an
+evaluation, a checkpoint: "busy, not hung"); after a phase the timeout counts from its end.
+
 Cost per optimizer step: nothing. No step listener is installed: the monitor reads the step
 tracker's last-progress time. Before the first step (compilation, data loading) the watchdog
-is quiet unless ``DYNPROF_HANG_FIRST_STEP_TIMEOUT`` is set.
+is quiet unless ``DYNPROF_HANG_FIRST_STEP_TIMEOUT`` is set, and even then in processes that
+never step by design: launchers and DataLoader workers (``dynprof.roles``).
 
 faulthandler has one such timer per process: a job that calls
 ``faulthandler.dump_traceback_later`` itself should not also use the watchdog.
@@ -31,7 +35,7 @@ import time
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
-from dynprof import _settings
+from dynprof import _phase, _settings, roles
 
 if TYPE_CHECKING:
     from dynprof.agent._agent import Agent
@@ -75,6 +79,7 @@ class HangWatchdog:
         self._progress_at = time.time()
         self._next_dump_at = 0.0
         self._dumps_this_stall = 0
+        self._exempt = ""  # the role that exempts this process from the first-step timeout
 
     # -- life cycle -------------------------------------------------------------------------
     def start(self) -> None:
@@ -158,7 +163,16 @@ class HangWatchdog:
                 self._dumps_this_stall = 0
             self._next_dump_at = 0.0
             self.state = "armed" if progress else self.state
-        limit = self.timeout_s if progress else self.first_step_timeout_s
+        busy = _phase.busy_until(now)  # a dynprof.phase in progress (or just ended) is progress too
+        if busy > self._progress_at:
+            self._progress_at = busy
+            self._next_dump_at = 0.0
+            if self._dumps_this_stall:
+                log.info("a dynprof.phase runs after a stall; the watchdog re-arms")
+                self._dumps_this_stall = 0
+            in_phase = _phase.current()
+            self.state = f"busy: in phase {in_phase[0]}" if in_phase else ("armed" if progress else self.state)
+        limit = self.timeout_s if progress else self._first_step_limit(now)
         if self._c_timer_fired():
             # This thread could not run in time: a thread held the GIL in C. The C timer's dump
             # counts only if the process really made no progress for the timeout.
@@ -184,6 +198,22 @@ class HangWatchdog:
         # the first step is seen: steps may have come and the GIL been taken since this check).
         due = (self._next_dump_at or self._progress_at + limit) if limit else now + self.timeout_s
         self._arm(max(0.0, due - now))
+
+    def _first_step_limit(self, now: float) -> float:
+        """The first-step timeout, or 0 for a process that never steps by design: a launcher
+        (torchrun, a wrapper of the script) or a DataLoader worker (see ``dynprof.roles``).
+        The role is asked only once the timeout is due."""
+        if not self.first_step_timeout_s or self._exempt:
+            return 0.0
+        if now < self._progress_at + self.first_step_timeout_s:
+            return self.first_step_timeout_s
+        role = self.agent.role
+        if role in (roles.LAUNCHER, roles.WORKER):
+            self._exempt = role
+            self.state = f"a {role}: the first step is not watched"
+            log.info("this process is a %s: the hang watchdog does not wait for its first step", role)
+            return 0.0
+        return self.first_step_timeout_s
 
     def _dumped(self, now: float, from_c_timer: bool) -> None:
         self._dumps_this_stall += 1

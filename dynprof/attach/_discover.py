@@ -3,8 +3,10 @@
 torchrun sets ``TORCHELASTIC_RUN_ID`` in its workers, Slurm sets ``SLURM_JOB_ID`` in every
 task, and ``dynprof run`` (or the user) may set ``DYNPROF_JOB_ID``. Only this user's Python
 processes are read (``/proc/PID/environ`` needs the same permission as ptrace); the CLI itself
-and its ancestors (a shell inside the allocation) are left out, and so are launchers and
-helpers when the job has processes that know their rank.
+and its ancestors (a shell inside the allocation) are left out, and so are what
+``dynprof.roles`` takes for launchers (torchrun, accelerate launch, a wrapper running the script
+as a child) and DataLoader workers (children that multiprocessing started), and helpers when
+the job has processes that know their rank.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dynprof import _startup
+from dynprof import _startup, roles
 from dynprof.attach import _elf
 from dynprof.identity import detect
 
@@ -29,6 +31,7 @@ class JobProcess:
     rank: int | None
     cmdline: list[str] = field(default_factory=list)
     has_rank_variable: bool = False
+    role: str = roles.OTHER  # a guess from /proc (dynprof.roles.role_from_proc)
 
     def describe(self) -> str:
         who = f"rank {self.rank}" if self.rank is not None else "no rank"
@@ -75,6 +78,7 @@ def find_job_processes(job: str, proc: Path = Path("/proc")) -> JobSearch:
     uid = os.getuid()
     mine = _ancestors(os.getpid())
     candidates: list[JobProcess] = []
+    environs: dict[int, dict[str, str]] = {}
     for entry in proc.iterdir():
         if not entry.name.isdigit():
             continue
@@ -96,6 +100,7 @@ def find_job_processes(job: str, proc: Path = Path("/proc")) -> JobSearch:
             cmdline = [a.decode(errors="replace") for a in (entry / "cmdline").read_bytes().split(b"\0") if a]
         except OSError:
             continue
+        environs[pid] = env
         candidates.append(
             JobProcess(
                 pid=pid,
@@ -106,17 +111,43 @@ def find_job_processes(job: str, proc: Path = Path("/proc")) -> JobSearch:
                 has_rank_variable=any(name in env for name in RANK_VARIABLES),
             )
         )
+    by_pid = {p.pid: p for p in candidates}
+    for p in candidates:
+        parent = by_pid.get(p.ppid)
+        p.role = roles.role_from_proc(
+            p.cmdline, environs[p.pid], (parent.cmdline, environs[parent.pid]) if parent is not None else None
+        )
+    # A process of the job whose child (not a worker) is of the job too runs the script as a
+    # child: a launcher (a Python wrapper, accelerate's simple launcher).
+    parents = {
+        p.ppid
+        for p in candidates
+        if p.role != roles.WORKER
+        and not _same_rank_child(p, by_pid)
+        and not _startup.is_multiprocessing_service(p.cmdline)
+    }
     found: list[JobProcess] = []
     skipped: list[tuple[JobProcess, str]] = []
     ranked = any(p.has_rank_variable for p in candidates)
-    by_pid = {p.pid: p for p in candidates}
     for p in sorted(candidates, key=lambda p: (p.rank if p.rank is not None else -1, p.pid)):
         if _startup.is_multiprocessing_service(p.cmdline):
             skipped.append((p, "a multiprocessing helper"))
+        elif p.role == roles.WORKER:
+            skipped.append((p, f"started by multiprocessing in process {p.ppid} of the job (a DataLoader worker)"))
+        elif p.role == roles.LAUNCHER:
+            skipped.append((p, "a launcher"))
         elif ranked and not p.has_rank_variable:
             skipped.append((p, "no RANK: a launcher"))
-        elif p.ppid in by_pid and by_pid[p.ppid].rank == p.rank and by_pid[p.ppid].has_rank_variable:
+        elif _same_rank_child(p, by_pid):
             skipped.append((p, f"a child of rank {p.rank}'s process {p.ppid} (a data-loader worker?)"))
+        elif p.pid in parents:
+            p.role = roles.LAUNCHER
+            skipped.append((p, "a launcher: it runs a process of the job as its child"))
         else:
             found.append(p)
     return JobSearch(job, found, skipped)
+
+
+def _same_rank_child(p: JobProcess, by_pid: dict[int, JobProcess]) -> bool:
+    parent = by_pid.get(p.ppid)
+    return parent is not None and parent.rank == p.rank and parent.has_rank_variable

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from dynprof import errors
+from dynprof import errors, roles
 from dynprof.registry import AgentRecord, list_records, read_record
 from dynprof.units import human_bytes as human_bytes  # re-exported for the subcommands
 
@@ -168,7 +168,11 @@ def parse_pids(text: str) -> list[int]:
 def add_targets(parser: argparse.ArgumentParser, required: bool = True) -> None:
     group = parser.add_mutually_exclusive_group(required=required)
     group.add_argument("--pid", type=parse_pids, metavar="PID[,PID...]", help="target process ids")
-    group.add_argument("--job", metavar="JOB", help="every rank of this job on this node (see `dynprof ps`)")
+    group.add_argument(
+        "--job",
+        metavar="JOB",
+        help="the trainers of this job on this node: every rank, no launcher (ROLE in `dynprof ps`)",
+    )
     group.add_argument("--all", action="store_true", help="every agent on this node")
 
 
@@ -182,29 +186,23 @@ def add_attach_flag(parser: argparse.ArgumentParser) -> None:
 
 # -- target selection ------------------------------------------------------------------------
 def select_workers(records: Sequence[AgentRecord]) -> list[AgentRecord]:
-    """The training processes among ``records``.
-
-    Within one job, when some processes know their rank, only those are kept (a launcher
-    such as torchrun's parent has none); a process whose parent is a kept process of the
-    same rank (a DataLoader worker, say) is dropped.
-    """
+    """The training processes among ``records``, job by job (see ``dynprof.roles``): the
+    trainers, or where none is known to train yet, the processes that are neither launchers
+    (torchrun, accelerate launch, a Python wrapper of the script) nor DataLoader workers."""
     by_job: dict[str | None, list[AgentRecord]] = {}
     for r in records:
         by_job.setdefault(r.job_id, []).append(r)
     kept: list[AgentRecord] = []
     for group in by_job.values():
-        if any(r.rank is not None for r in group):
-            group = [r for r in group if r.rank is not None]
-        pids = {r.pid: r for r in group}
-        kept.extend(r for r in group if not (r.ppid in pids and pids[r.ppid].rank == r.rank))
+        kept.extend(roles.targets(group))
     kept.sort(key=lambda r: (r.job_id or "", r.rank if r.rank is not None else -1, r.pid))
     return kept
 
 
 def refresh_records(records: list[AgentRecord], timeout: float = 1.0) -> list[AgentRecord]:
-    """Update rank, world size and job from each agent's live status (a launcher such as
-    torch.multiprocessing.spawn sets RANK after the process started); unreachable agents keep
-    what their record says."""
+    """Update rank, world size, job and role from each agent's live status (a launcher such as
+    torch.multiprocessing.spawn sets RANK after the process started; a process becomes a
+    trainer at its first step); unreachable agents keep what their record says."""
     from dynprof.client import AgentClient
 
     statuses = parallel(lambda r: AgentClient.for_record(r, timeout=timeout).status(), records)
@@ -214,6 +212,7 @@ def refresh_records(records: list[AgentRecord], timeout: float = 1.0) -> list[Ag
         record.rank = st.rank if st.rank >= 0 else None
         record.world_size = st.world_size if st.world_size >= 0 else None
         record.job_id = st.job_id or None
+        record.role = st.role if st.role in roles.ROLES else record.role
     return records
 
 
@@ -249,10 +248,34 @@ def resolve_agents(args: argparse.Namespace) -> list[AgentRecord]:
                     "command. " + (("Jobs with agents here: " + ", ".join(jobs)) if jobs else "")
                 ).strip(),
             )
-        return select_workers(matching)
+        chosen = select_workers(matching)
+        _note_left_out(args.job, matching, chosen)
+        return chosen
     if not records:
         raise errors.NoAgent("no dynprof agent is running on this node (for this user)")
     return select_workers(records)
+
+
+_ROLE_NOTES = {
+    roles.LAUNCHER: "a launcher",
+    roles.WORKER: "a DataLoader worker",
+    roles.OTHER: "no optimizer step yet",
+    roles.TRAINER: "a trainer",
+}
+
+
+def _note_left_out(job: str, matching: Sequence[AgentRecord], chosen: Sequence[AgentRecord]) -> None:
+    """Say which processes of the job --job does not target, and why (their role)."""
+    kept = {r.pid for r in chosen}
+    left = [r for r in matching if r.pid not in kept]
+    if not left:
+        return
+    role_of = roles.job_roles(matching)
+    print(
+        f"dynprof: job {printable(job)}: not targeting {len(left)} process(es) that are not trainers: "
+        + ", ".join(f"pid {r.pid} ({_ROLE_NOTES[role_of[r.pid]]})" for r in left),
+        file=sys.stderr,
+    )
 
 
 def attach_first(args: argparse.Namespace) -> None:

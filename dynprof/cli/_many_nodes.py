@@ -28,7 +28,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from dynprof import errors
+from dynprof import errors, roles
 from dynprof._safe_io import loads_json
 from dynprof.actions import ACTIONS
 from dynprof.cli._common import (
@@ -179,6 +179,7 @@ def ps(args: argparse.Namespace, nodes: list[Node]) -> int:
                     r.get("node"),
                     r.get("rank") if r.get("rank") is not None else "-",
                     r.get("pid"),
+                    r.get("role") or "-",
                     r.get("job") or "-",
                     r.get("step") if r.get("step") is not None else "-",
                     r.get("state"),
@@ -187,7 +188,7 @@ def ps(args: argparse.Namespace, nodes: list[Node]) -> int:
                 )
                 for r in rows
             ],
-            ["NODE", "RANK", "PID", "JOB", "STEP", "STATE", "AGE", "COMMAND"],
+            ["NODE", "RANK", "PID", "ROLE", "JOB", "STEP", "STATE", "AGE", "COMMAND"],
         )
     )
     print(f"\n{len(rows)} agent(s) on {sum(a.answered for a in answers)} node(s)")
@@ -709,6 +710,8 @@ def _steps_of(
                 continue
             step = _int_or_none(row.get("step"))
             if step is None or step <= 0 or row.get("state") in ("error", "unresponsive"):
+                continue
+            if row.get("role") not in (None, roles.TRAINER):  # a launcher's or worker's agent never leads
                 continue
             ms = row.get("step_time_ms")
             seconds_ = ms / 1000.0 if isinstance(ms, (int, float)) and not isinstance(ms, bool) else 0.0

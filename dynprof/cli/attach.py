@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any
 
@@ -181,11 +182,17 @@ class AttachCommand:
                 print(printable_lines(describe(results[0])), file=sys.stderr)  # type: ignore[arg-type]
         else:
             results = attach_many(pids, options, quiet=args.json)
-        failures = [r for r in results if isinstance(r, errors.DynprofError)]
+        gone = {pid for pid, r in zip(pids, results) if args.job and _exited(pid, r)}
+        for pid in sorted(gone):
+            if not args.json:
+                print(f"dynprof: job {args.job}: pid {pid} exited meanwhile (gone, not a failure)", file=sys.stderr)
+        failures = [r for pid, r in zip(pids, results) if isinstance(r, errors.DynprofError) and pid not in gone]
         if args.json:
             report["processes"] = [
                 r.to_dict()
                 if isinstance(r, AttachResult)
+                else {"pid": pid, "status": "gone"}
+                if pid in gone
                 else {
                     "pid": pid,
                     "status": "failed",
@@ -195,3 +202,22 @@ class AttachCommand:
             ]
             print_json(report)
         return failures[0].exit_code if failures else 0
+
+
+def _exited(pid: int, result: object) -> bool:
+    """With --job, a process that exited while it was attached to (a short-lived process of
+    the job) is gone, not a failure."""
+    if not isinstance(result, errors.DynprofError):
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    try:  # a zombie, not yet reaped by its parent, has exited too
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            stat = fh.read()
+        return stat[stat.rfind(b")") + 2 :].startswith(b"Z")
+    except OSError:
+        return True

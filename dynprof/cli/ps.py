@@ -4,6 +4,10 @@ Each agent is asked for its live state (step, trace state); one that does not an
 the timeout is shown as `unresponsive` (its process may hold the GIL in C code: try
 `dynprof stacks`). One that answers with an error, or not in the protocol, is shown as `error`,
 the error is printed on stderr, and the command exits 8 (after listing every agent).
+
+ROLE says what each process is in its job (``dynprof.roles``): ``trainer``, ``launcher``
+(torchrun, accelerate launch, a wrapper of the script), ``other`` (not known to train yet);
+DataLoader workers have no agent. Commands given ``--job`` target the trainers.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import sys
 import time
 from typing import Any
 
-from dynprof import errors
+from dynprof import errors, roles
 from dynprof.cli._common import add_json, human_age, parallel, print_json, printable, seconds, table
 from dynprof.cli._node_args import add_many_node_args, nodes_requested
 from dynprof.client import AgentClient
@@ -26,6 +30,12 @@ def agent_rows(records: list[AgentRecord], timeout: float) -> list[dict[str, Any
 
     statuses = parallel(query, records)
     now = time.time()
+    for record, status in zip(records, statuses):
+        if not isinstance(status, Exception):
+            record.rank = status.rank if status.rank >= 0 else None
+            record.job_id = status.job_id or None
+            record.role = status.role if status.role in roles.ROLES else record.role
+    role_of = roles.job_roles(records)
     rows = []
     for record, status in zip(records, statuses):
         row: dict[str, Any] = {
@@ -40,6 +50,9 @@ def agent_rows(records: list[AgentRecord], timeout: float) -> list[dict[str, Any
             "cmdline": record.cmdline,
             "torch": record.torch_version,
             "activation": record.activation,
+            "role": role_of[record.pid],
+            "phase": None,
+            "phase_since": None,
         }
         if isinstance(status, Exception):
             row.update(
@@ -55,6 +68,8 @@ def agent_rows(records: list[AgentRecord], timeout: float) -> list[dict[str, Any
                 step_time_ms=round(status.step_time_s * 1000, 3) if status.step_time_s else None,
                 torch_imported=status.torch_imported,
                 cuda_initialized=status.cuda_initialized,
+                phase=status.phase or None,
+                phase_since=status.phase_since or None,
                 memory_history=status.memory_history,
                 memory_history_detail=status.memory_history_detail or None,
                 last_artifact=status.trace.last_artifact or None,
@@ -106,16 +121,17 @@ class PsCommand:
                 [
                     (
                         r["pid"],
+                        r["role"],
                         r["rank"] if r["rank"] is not None else "-",
                         r["job"] or "-",
                         r["step"] if r.get("step") is not None else "-",
-                        r["state"],
+                        r["state"] + (f" (in phase {r['phase']})" if r.get("phase") else ""),
                         human_age(r["age_s"]),
                         " ".join(r["cmdline"])[:60],
                     )
                     for r in rows
                 ],
-                ["PID", "RANK", "JOB", "STEP", "STATE", "AGE", "COMMAND"],
+                ["PID", "ROLE", "RANK", "JOB", "STEP", "STATE", "AGE", "COMMAND"],
             )
         )
         return code

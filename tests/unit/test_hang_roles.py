@@ -1,0 +1,83 @@
+"""The hang watchdog's checks, driven by hand: roles exempt from the first-step timeout, and
+dynprof.phase as progress."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+import dynprof
+from dynprof import _phase, roles
+from dynprof.agent._ext_hang import HangWatchdog
+
+
+class _Steps:
+    def __init__(self, last_progress_at: float) -> None:
+        self.step = 1 if last_progress_at else 0
+        self.last_progress_at = last_progress_at
+
+    def fold_compiled(self) -> bool:
+        return False
+
+
+def _watchdog(tmp_path: Path, role: str, last_progress_at: float) -> HangWatchdog:
+    ident = SimpleNamespace(rank=None, job_id="j", host="h")
+    agent = SimpleNamespace(steps=_Steps(last_progress_at), role=role, identity=ident)
+    wd = HangWatchdog(agent, timeout_s=0.5, first_step_timeout_s=0.5)  # type: ignore[arg-type]
+    wd._dir = tmp_path
+    return wd
+
+
+@pytest.fixture
+def checked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(_phase, "_last_end", 0.0)  # no phase ended before the test
+    made: list[HangWatchdog] = []
+
+    def make(role: str, last_progress_at: float = 0.0) -> HangWatchdog:
+        wd = _watchdog(tmp_path, role, last_progress_at)
+        made.append(wd)
+        return wd
+
+    yield make
+    for wd in made:
+        wd._disarm()
+        wd._close_file(remove_if_empty=True)
+
+
+@pytest.mark.parametrize("role", [roles.LAUNCHER, roles.WORKER])
+def test_no_first_step_dump_for_a_launcher_or_a_worker(checked, role):
+    # GIVEN a process that never stepped, whose first-step timeout passed long ago
+    wd = checked(role)
+    wd._check()  # the first check notes the start
+    wd._progress_at = time.time() - 60
+    # WHEN the watchdog checks, THEN it dumps nothing and says why
+    wd._check()
+    assert wd.artifacts == [] and wd._dumps_this_stall == 0
+    assert wd.state == f"a {role}: the first step is not watched"
+
+
+def test_a_phase_in_progress_is_progress(checked):
+    # GIVEN a process that stepped 60 s ago, under a 0.5 s timeout
+    wd = checked(roles.TRAINER, last_progress_at=time.time() - 60)
+    # WHEN the watchdog checks during a dynprof.phase, and right after it ended
+    with dynprof.phase("eval"):
+        wd._check()
+        during = wd.state
+    wd._check()
+    # THEN it dumped nothing: busy, not hung, and the timeout counts from the phase's end
+    assert wd.artifacts == [] and wd._dumps_this_stall == 0
+    assert during == "busy: in phase eval"
+    assert time.time() - wd._progress_at < 60
+
+
+def test_a_process_that_never_stepped_and_is_no_launcher_is_dumped(checked):
+    # GIVEN a process of no exempt role whose first-step timeout passed
+    wd = checked(roles.OTHER)
+    wd._check()
+    wd._progress_at = time.time() - 60
+    # WHEN the watchdog checks, THEN it dumps its stacks
+    wd._check()
+    assert len(wd.artifacts) == 1 and wd._dumps_this_stall == 1
