@@ -77,8 +77,15 @@ class _AgentFileHandler(logging.FileHandler):
         if self.failures:
             self.failures += 1
             return
-        if not self.detached:
+        if self.detached:
+            return
+        try:
+            # FileHandler.emit opens the file (delay=True, or again after a detach) outside the
+            # try that sends write errors to handleError: a run directory removed meanwhile
+            # would raise into whatever thread logged, the training thread included.
             super().emit(record)
+        except Exception:
+            self.handleError(record)
 
     def handleError(self, record: logging.LogRecord) -> None:
         self.failures += 1
