@@ -219,26 +219,79 @@ def test_no_gdb_on_path_says_how_to_install_it(spawn, cli, tmp_path):
     assert "3.14" in result.stderr
 
 
-def test_dynprof_not_importable_in_the_target_names_its_python(cli, tmp_path):
-    # GIVEN a system Python whose environment lacks dynprof's dependencies (protobuf)
-    system = Path("/usr/bin/python3")
-    if not system.exists() or subprocess.run([str(system), "-c", "import google.protobuf"]).returncode == 0:
-        pytest.skip("needs a /usr/bin/python3 without protobuf")
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+# What the attach bootstrap does to import dynprof in the target (see dynprof.attach._bootstrap):
+# its own sys.path first, then the CLI's copy appended. Run in the target's own conditions, it
+# prints what that import finds, so the test checks its precondition instead of assuming it.
+_IMPORT_PROBE = """
+import json, sys
+home = sys.argv[1]
+try:
+    try:
+        import dynprof.agent
+    except ImportError:
+        sys.path.append(home)
+        import dynprof.agent
+    import dynprof.proto
+    missing = None
+except ImportError as exc:
+    missing = exc.name
+print(json.dumps({"executable": sys.executable, "missing": missing, "sys_path": sys.path}))
+"""
+
+
+def test_dynprof_not_importable_in_the_target_names_its_python(tmp_path):
+    # GIVEN a CLI that runs its own copy of dynprof from a directory holding nothing else (the
+    # bootstrap appends that directory to the target's sys.path), and a target Python started
+    # isolated (-I: no PYTHON* variables, no user site, no current directory; -S: no
+    # site-packages and no .pth, so no editable install), so that protobuf is importable in the
+    # target from nowhere, whatever this machine has installed
+    home = tmp_path / "home"
+    shutil.copytree(ROOT / "dynprof", home / "dynprof", ignore=shutil.ignore_patterns("__pycache__"))
+    work = tmp_path / "target-cwd"
+    work.mkdir()
+    isolated = [sys.executable, "-I", "-S"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+    probe = subprocess.run(
+        [*isolated, "-c", _IMPORT_PROBE, str(home.resolve())],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=str(work),
+        timeout=120,
+    )
+    assert probe.returncode == 0, probe.stderr
+    found = json.loads(probe.stdout)
+    assert found["missing"] == "google", f"precondition: the target must lack protobuf, it found: {found}"
+    target_python = found["executable"]
     proc = subprocess.Popen(
-        [str(system), "-c", "import os, time\nprint('READY', os.getpid(), flush=True)\ntime.sleep(60)"],
+        [*isolated, "-c", "import os, time\nprint('READY', os.getpid(), flush=True)\ntime.sleep(120)"],
         stdout=subprocess.PIPE,
         text=True,
         env=env,
-        cwd=str(tmp_path),
+        cwd=str(work),
     )
     try:
         assert proc.stdout is not None and proc.stdout.readline().startswith("READY")
-        result = cli("attach", str(proc.pid))
-        assert result.returncode == 7, result.stderr
+
+        # WHEN that CLI attaches to it
+        cli_env = dict(os.environ)
+        cli_env["PYTHONPATH"] = os.pathsep.join(p for p in (str(home), os.environ.get("PYTHONPATH", "")) if p)
+        result = subprocess.run(
+            [sys.executable, "-m", "dynprof", "attach", str(proc.pid)],
+            capture_output=True,
+            text=True,
+            env=cli_env,
+            cwd=str(home),
+            timeout=120,
+        )
+
+        # THEN it fails with exit code 7, naming the target's Python, what it lacks and the
+        # install command for that Python; and it says it tried the CLI's own copy
+        assert result.returncode == 7, result.stdout + result.stderr
         assert "cannot import dynprof" in result.stderr
-        assert f"its Python: {system}" in result.stderr
-        assert f"{system} -m pip install protobuf" in result.stderr
+        assert f"its Python: {target_python}" in result.stderr
+        assert f"{target_python} -m pip install protobuf" in result.stderr
+        assert f"this CLI's copy, {home.resolve()}," in result.stderr
     finally:
         proc.kill()
         proc.wait()
