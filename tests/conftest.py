@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -61,6 +62,85 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                     reason="py-spy cannot read other processes here (no CAP_SYS_PTRACE or ptrace_scope > 1)"
                 )
             )
+
+
+# -- a test that times out: its children's stacks first ----------------------------------------
+# pytest-timeout (300 s a test, pyproject.toml) fails a test that runs too long; every deadline a
+# test waits on is shorter. Before it fails the test (and the test's fixtures kill the processes
+# it started), the stacks of every process the test started are dumped with `dynprof stacks`,
+# so a hang shows where each child was stuck.
+CHILD_STACKS_BUDGET_S = 60.0
+CHILD_STACKS_MAX = 16
+
+
+def _descendants(root: int) -> list[int]:
+    """Live descendants of ``root``, parents before their children, read from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as fh:
+                fields = fh.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != b"Z":
+            children.setdefault(int(fields[1]), []).append(int(entry))
+    found: list[int] = []
+    todo = list(children.get(root, []))
+    while todo:
+        pid = todo.pop(0)
+        found.append(pid)
+        todo.extend(children.get(pid, []))
+    return found
+
+
+def dump_children_stacks(item: pytest.Item) -> None:
+    """Write the stacks of the test's child processes to the terminal (each with `dynprof stacks`)."""
+    terminal = item.config.get_terminal_writer()
+    pids = _descendants(os.getpid())
+    terminal.sep("+", title=f"Timeout: stacks of the {len(pids)} processes this test started")
+    deadline = time.monotonic() + CHILD_STACKS_BUDGET_S
+    for pid in pids[:CHILD_STACKS_MAX]:
+        left = deadline - time.monotonic()
+        if left <= 1:
+            terminal.line(f"pid {pid}: not read (out of time)")
+            continue
+        command = "?"
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                command = " ".join(fh.read().decode(errors="replace").split())[:200]
+            found = run_cli("stacks", "--pid", str(pid), "--no-save", timeout=min(30.0, left))
+            text = (found.stdout + found.stderr).rstrip()
+        except Exception as exc:
+            text = f"(dynprof stacks failed: {exc})"
+        terminal.sep("-", title=f"pid {pid}: {command}")
+        terminal.line(text)
+    if len(pids) > CHILD_STACKS_MAX:
+        terminal.line(f"({len(pids) - CHILD_STACKS_MAX} more processes not read)")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_timeout_set_timer(item: pytest.Item, settings: object) -> bool | None:
+    """pytest-timeout's signal method, with the children's stacks dumped before the failure."""
+    if getattr(settings, "method", None) != "signal" or threading.current_thread() is not threading.main_thread():
+        return None  # pytest-timeout's own timer
+    import pytest_timeout
+
+    def handler(signum: int, frame: object) -> None:
+        __tracebackhide__ = True
+        if settings.disable_debugger_detection or not pytest_timeout.is_debugging():  # type: ignore[attr-defined]
+            dump_children_stacks(item)
+        pytest_timeout.timeout_sigalrm(item, settings)
+
+    def cancel() -> None:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+
+    item.cancel_timeout = cancel  # type: ignore[attr-defined]
+    signal.signal(signal.SIGALRM, handler)
+    signal.setitimer(signal.ITIMER_REAL, settings.timeout)  # type: ignore[attr-defined]
+    return True
 
 
 # -- isolation and hygiene ----------------------------------------------------------------------
