@@ -109,7 +109,7 @@ def dump_children_stacks(item: pytest.Item) -> None:
         command = "?"
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as fh:
-                command = " ".join(fh.read().decode(errors="replace").split())[:200]
+                command = " ".join(fh.read().decode(errors="replace").replace("\0", " ").split())[:200]
             found = run_cli("stacks", "--pid", str(pid), "--no-save", timeout=min(30.0, left))
             text = (found.stdout + found.stderr).rstrip()
         except Exception as exc:
@@ -182,6 +182,32 @@ def hygiene() -> Iterator[None]:
         time.sleep(0.05)
     else:
         raise AssertionError(f"agent threads left running: {stray}")
+
+
+def wait_parked(pid: int, timeout: float = 60.0, reads: int = 3) -> None:
+    """Wait until the main thread of ``pid`` sleeps in the kernel (state S) on ``reads``
+    consecutive looks 0.1 s apart: parked where the test sent it (a sleep, a blocking collective,
+    a C call), not still on its way there after its READY line, however slow the machine."""
+    deadline = time.monotonic() + timeout
+    seen = 0
+    state = b"?"
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/task/{pid}/stat", "rb") as fh:
+                state = fh.read().rsplit(b")", 1)[1].split()[0]
+        except OSError as exc:
+            raise AssertionError(f"pid {pid} is gone while waiting for it to park: {exc}") from None
+        seen = seen + 1 if state == b"S" else 0
+        if seen >= reads:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"the main thread of pid {pid} did not park within {timeout} s (state {state.decode()})")
+
+
+@pytest.fixture
+def parked() -> object:
+    """``parked(pid)``: :func:`wait_parked` for tests (the main thread of pid is parked)."""
+    return wait_parked
 
 
 # -- real target processes ------------------------------------------------------------------
@@ -334,7 +360,8 @@ def hang_job(spawn: object) -> object:
             ]
             targets.append(spawn(args, under_run=False, env=env))  # type: ignore[operator]
         pids = [pid for t in targets for pid in t.ready_pids(timeout=90)]
-        time.sleep(0.5)  # rank 0 enters the collective right after its READY line
+        for pid in pids:  # rank 0 enters the collective right after its READY line
+            wait_parked(pid)
         return pids
 
     return _start
