@@ -84,11 +84,12 @@ def test_plain_python_loop_attached_then_traced(spawn, cli, dynprof_dirs):
     assert target.proc.poll() is None
 
 
-def test_main_thread_in_sleep_uses_the_gil_state_fallback(spawn, cli, dynprof_dirs):
-    # GIVEN a process whose main thread sleeps in time.sleep (GIL released, no Python running)
-    target = spawn([PROGRAM, "--hold", "sleep", "--hold-seconds", "25"], under_run=False)
+def test_main_thread_in_sleep_uses_the_gil_state_fallback(spawn, cli, dynprof_dirs, parked):
+    # GIVEN a process whose main thread sleeps in time.sleep (GIL released, no Python running),
+    # for longer than any attach takes
+    target = spawn([PROGRAM, "--hold", "sleep", "--hold-seconds", "240"], under_run=False)
     (pid,) = target.ready_pids()
-    time.sleep(0.3)
+    parked(pid)
 
     # WHEN dynprof attaches
     result, out = _attach(cli, str(pid), "--wait", "1")
@@ -104,11 +105,15 @@ def test_main_thread_in_sleep_uses_the_gil_state_fallback(spawn, cli, dynprof_di
     assert "RETURNED" not in target.lines and target.proc.poll() is None
 
 
-def test_gil_held_in_c_is_refused_with_the_stack_then_attaches_when_it_returns(spawn, cli, dynprof_dirs):
-    # GIVEN a process whose main thread holds the GIL inside a C call for a while
-    target = spawn([PROGRAM, "--hold", "gil", "--hold-seconds", "12"], under_run=False)
+def test_gil_held_in_c_is_refused_with_the_stack_then_attaches_when_it_returns(
+    spawn, cli, dynprof_dirs, parked, tmp_path
+):
+    # GIVEN a process whose main thread holds the GIL inside a C call until the test ends it
+    release = tmp_path / "release"
+    os.mkfifo(release)
+    target = spawn([PROGRAM, "--hold", "gil", "--release-fifo", str(release)], under_run=False)
     (pid,) = target.ready_pids()
-    time.sleep(0.3)
+    parked(pid)
 
     # WHEN dynprof attaches
     result = cli("attach", str(pid), "--wait", "1")
@@ -121,8 +126,10 @@ def test_gil_held_in_c_is_refused_with_the_stack_then_attaches_when_it_returns(s
     assert target.proc.poll() is None
 
     # WHEN the C call returns
-    target.wait_for_line("RETURNED", timeout=30)
-    deadline = time.monotonic() + 15
+    with open(release, "wb") as fifo:  # the target holds it open: this does not wait
+        fifo.write(b"x")
+    target.wait_for_line("RETURNED", timeout=60)
+    deadline = time.monotonic() + 60
     while _record(dynprof_dirs["run"], pid) is None and time.monotonic() < deadline:
         time.sleep(0.1)
 
