@@ -9,13 +9,22 @@
 2. Request -> trace active. A training process is started under `dynprof run`; the time from
    sending `start` to the profiler running is measured in step mode (next step boundary) and
    in duration mode (main thread's pending-call queue), over several trials.
+3. Training thread paused to stop a trace (``--pause-pairs``). In the same process, pairs of a
+   step-mode trace (``--steps 3``) and a duration-mode trace (``--duration 1``) are taken one
+   after the other; from their manifests: the stop pause per recorded step in each mode and its
+   ratio (duration / step mode, target about 1: duration mode costs what step mode costs), and
+   how far past its duration a duration-mode trace ran, in steps of the job (target: at most
+   the one step in progress). The test suite checks the load-proof side of this (events per
+   step, the stop's wait within its step); these are the figures.
 
-    python scripts/bench_agent.py [--rounds 40] [--block 200] [--trials 10]
+    python scripts/bench_agent.py [--rounds 40] [--block 200] [--trials 10] [--pause-pairs 5]
+    python scripts/bench_agent.py --only-pause [--pause-pairs 5]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import subprocess
@@ -133,37 +142,9 @@ def latency(trials: int) -> dict[str, list[float]]:
     from dynprof.client import AgentClient
     from dynprof.proto import pb
 
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    run_dir = tempfile.mkdtemp(prefix="dpb-", dir="/tmp")
-    env["DYNPROF_RUN_DIR"] = run_dir
-    env["DYNPROF_ARTIFACT_DIR"] = tempfile.mkdtemp(prefix="dpb-art-")
-    os.environ.update(DYNPROF_RUN_DIR=run_dir, DYNPROF_ARTIFACT_DIR=env["DYNPROF_ARTIFACT_DIR"])
-    program = ROOT / "tests" / "integration" / "programs" / "train_program.py"
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "dynprof",
-            "run",
-            "-q",
-            "--",
-            sys.executable,
-            str(program),
-            "--step-sleep",
-            "0.02",
-            "--max-seconds",
-            "600",
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-        env=env,
-        cwd=str(ROOT),
-    )
+    proc, pid = _start_job(step_sleep=0.02)
     out: dict[str, list[float]] = {"step_mode_s": [], "step_time_s": [], "duration_mode_s": []}
     try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        pid = int(line.split()[1])
         client = AgentClient.for_pid(pid)
         time.sleep(1.0)
         for mode in ("steps", "duration"):
@@ -192,12 +173,96 @@ def latency(trials: int) -> dict[str, list[float]]:
     return out
 
 
+def _start_job(step_sleep: float) -> tuple[subprocess.Popen[str], int]:
+    """train_program.py under `dynprof run` in private directories; returns it and its pid."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    run_dir = tempfile.mkdtemp(prefix="dpb-", dir="/tmp")
+    env["DYNPROF_RUN_DIR"] = run_dir
+    env["DYNPROF_ARTIFACT_DIR"] = tempfile.mkdtemp(prefix="dpb-art-")
+    os.environ.update(DYNPROF_RUN_DIR=run_dir, DYNPROF_ARTIFACT_DIR=env["DYNPROF_ARTIFACT_DIR"])
+    program = ROOT / "tests" / "integration" / "programs" / "train_program.py"
+    job = [sys.executable, str(program), "--step-sleep", str(step_sleep), "--max-seconds", "600"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dynprof", "run", "-q", "--", *job],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=str(ROOT),
+    )
+    assert proc.stdout is not None
+    return proc, int(proc.stdout.readline().split()[1])
+
+
+def trace_pause(pairs: int, duration_s: float = 1.0, steps: int = 3) -> dict[str, list[float]]:
+    """Per pair: stop pause per recorded step in step and duration mode, and the duration
+    trace's overshoot past its request in steps of the job (from the manifests)."""
+    from dynprof.client import AgentClient
+    from dynprof.proto import pb
+
+    proc, pid = _start_job(step_sleep=0.005)
+    out: dict[str, list[float]] = {"step_ms": [], "duration_ms": [], "ratio": [], "pause_ms": [], "overshoot": []}
+    try:
+        client = AgentClient.for_pid(pid)
+        time.sleep(1.0)
+
+        def summary_of(req: object) -> dict[str, float]:
+            client.request(start_trace=req)
+            while True:
+                st = client.status()
+                if st.trace.state == "idle" and st.trace.last_artifact:
+                    break
+                time.sleep(0.01)
+            manifest = json.loads((Path(st.trace.last_artifact) / "manifest.json").read_text())
+            summary: dict[str, float] = manifest["summary"]
+            return summary
+
+        for _ in range(pairs):
+            s = summary_of(pb.StartTraceRequest(steps=steps))
+            d = summary_of(pb.StartTraceRequest(duration_s=duration_s))
+            per_step = s["training_thread_pause_ms"] / max(1, s["steps_captured"])
+            per_step_d = d["training_thread_pause_ms"] / max(1, d["steps_captured"])
+            step_s = d["profiled_s"] / max(1, d["steps_captured"])
+            out["step_ms"].append(per_step)
+            out["duration_ms"].append(per_step_d)
+            out["ratio"].append(per_step_d / per_step if per_step else float("nan"))
+            out["pause_ms"].append(d["training_thread_pause_ms"])
+            out["overshoot"].append((d["profiled_s"] - duration_s) / step_s if step_s else float("nan"))
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    return out
+
+
+def print_trace_pause(pairs: int) -> None:
+    p = trace_pause(pairs)
+    med = statistics.median
+    print("== training thread paused to stop a trace (same job, step mode then duration mode) ==")
+    print(f"pairs: {pairs}; step-mode traces of 3 steps, duration-mode traces of 1 s")
+    print(f"stop pause per recorded step, step mode:     median {med(p['step_ms']):.3f} ms")
+    print(f"stop pause per recorded step, duration mode: median {med(p['duration_ms']):.3f} ms")
+    print(
+        f"ratio duration / step mode (target ~1):      median {med(p['ratio']):.2f}, "
+        f"min {min(p['ratio']):.2f}, max {max(p['ratio']):.2f}"
+    )
+    print(f"duration-mode stop pause: median {med(p['pause_ms']):.1f} ms, max {max(p['pause_ms']):.1f} ms")
+    print(
+        f"duration-mode overshoot past 1 s, in steps (target <= 1): median {med(p['overshoot']):.2f}, "
+        f"max {max(p['overshoot']):.2f}"
+    )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=200)
     parser.add_argument("--block", type=int, default=50)
     parser.add_argument("--trials", type=int, default=10)
+    parser.add_argument("--pause-pairs", type=int, default=5, help="step/duration trace pairs for the stop pause")
+    parser.add_argument("--only-pause", action="store_true", help="measure only the stop pause (section 3)")
     args = parser.parse_args()
+    if args.only_pause:
+        os.environ.setdefault("DYNPROF_RUN_DIR", tempfile.mkdtemp(prefix="dpb-", dir="/tmp"))
+        print_trace_pause(args.pause_pairs)
+        return 0
 
     os.environ.setdefault("DYNPROF_RUN_DIR", tempfile.mkdtemp(prefix="dpb-", dir="/tmp"))
     o = idle_overhead(args.rounds, args.block)
@@ -230,6 +295,9 @@ def main() -> int:
         f"duration mode (target <= 100 ms): median {statistics.median(lat['duration_mode_s']) * 1e3:.1f} ms, "
         f"max {max(lat['duration_mode_s']) * 1e3:.1f} ms"
     )
+    if args.pause_pairs:
+        print()
+        print_trace_pause(args.pause_pairs)
     return 0
 
 

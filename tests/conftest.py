@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -63,6 +64,85 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             )
 
 
+# -- a test that times out: its children's stacks first ----------------------------------------
+# pytest-timeout (300 s a test, pyproject.toml) fails a test that runs too long; every deadline a
+# test waits on is shorter. Before it fails the test (and the test's fixtures kill the processes
+# it started), the stacks of every process the test started are dumped with `dynprof stacks`,
+# so a hang shows where each child was stuck.
+CHILD_STACKS_BUDGET_S = 60.0
+CHILD_STACKS_MAX = 16
+
+
+def _descendants(root: int) -> list[int]:
+    """Live descendants of ``root``, parents before their children, read from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as fh:
+                fields = fh.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != b"Z":
+            children.setdefault(int(fields[1]), []).append(int(entry))
+    found: list[int] = []
+    todo = list(children.get(root, []))
+    while todo:
+        pid = todo.pop(0)
+        found.append(pid)
+        todo.extend(children.get(pid, []))
+    return found
+
+
+def dump_children_stacks(item: pytest.Item) -> None:
+    """Write the stacks of the test's child processes to the terminal (each with `dynprof stacks`)."""
+    terminal = item.config.get_terminal_writer()
+    pids = _descendants(os.getpid())
+    terminal.sep("+", title=f"Timeout: stacks of the {len(pids)} processes this test started")
+    deadline = time.monotonic() + CHILD_STACKS_BUDGET_S
+    for pid in pids[:CHILD_STACKS_MAX]:
+        left = deadline - time.monotonic()
+        if left <= 1:
+            terminal.line(f"pid {pid}: not read (out of time)")
+            continue
+        command = "?"
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                command = " ".join(fh.read().decode(errors="replace").replace("\0", " ").split())[:200]
+            found = run_cli("stacks", "--pid", str(pid), "--no-save", timeout=min(30.0, left))
+            text = (found.stdout + found.stderr).rstrip()
+        except Exception as exc:
+            text = f"(dynprof stacks failed: {exc})"
+        terminal.sep("-", title=f"pid {pid}: {command}")
+        terminal.line(text)
+    if len(pids) > CHILD_STACKS_MAX:
+        terminal.line(f"({len(pids) - CHILD_STACKS_MAX} more processes not read)")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_timeout_set_timer(item: pytest.Item, settings: object) -> bool | None:
+    """pytest-timeout's signal method, with the children's stacks dumped before the failure."""
+    if getattr(settings, "method", None) != "signal" or threading.current_thread() is not threading.main_thread():
+        return None  # pytest-timeout's own timer
+    import pytest_timeout
+
+    def handler(signum: int, frame: object) -> None:
+        __tracebackhide__ = True
+        if settings.disable_debugger_detection or not pytest_timeout.is_debugging():  # type: ignore[attr-defined]
+            dump_children_stacks(item)
+        pytest_timeout.timeout_sigalrm(item, settings)
+
+    def cancel() -> None:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+
+    item.cancel_timeout = cancel  # type: ignore[attr-defined]
+    signal.signal(signal.SIGALRM, handler)
+    signal.setitimer(signal.ITIMER_REAL, settings.timeout)  # type: ignore[attr-defined]
+    return True
+
+
 # -- isolation and hygiene ----------------------------------------------------------------------
 @pytest.fixture(autouse=True)
 def dynprof_dirs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Path]]:
@@ -102,6 +182,32 @@ def hygiene() -> Iterator[None]:
         time.sleep(0.05)
     else:
         raise AssertionError(f"agent threads left running: {stray}")
+
+
+def wait_parked(pid: int, timeout: float = 60.0, reads: int = 3) -> None:
+    """Wait until the main thread of ``pid`` sleeps in the kernel (state S) on ``reads``
+    consecutive looks 0.1 s apart: parked where the test sent it (a sleep, a blocking collective,
+    a C call), not still on its way there after its READY line, however slow the machine."""
+    deadline = time.monotonic() + timeout
+    seen = 0
+    state = b"?"
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/task/{pid}/stat", "rb") as fh:
+                state = fh.read().rsplit(b")", 1)[1].split()[0]
+        except OSError as exc:
+            raise AssertionError(f"pid {pid} is gone while waiting for it to park: {exc}") from None
+        seen = seen + 1 if state == b"S" else 0
+        if seen >= reads:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"the main thread of pid {pid} did not park within {timeout} s (state {state.decode()})")
+
+
+@pytest.fixture
+def parked() -> object:
+    """``parked(pid)``: :func:`wait_parked` for tests (the main thread of pid is parked)."""
+    return wait_parked
 
 
 # -- real target processes ------------------------------------------------------------------
@@ -254,7 +360,8 @@ def hang_job(spawn: object) -> object:
             ]
             targets.append(spawn(args, under_run=False, env=env))  # type: ignore[operator]
         pids = [pid for t in targets for pid in t.ready_pids(timeout=90)]
-        time.sleep(0.5)  # rank 0 enters the collective right after its READY line
+        for pid in pids:  # rank 0 enters the collective right after its READY line
+            wait_parked(pid)
         return pids
 
     return _start

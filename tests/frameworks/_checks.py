@@ -4,19 +4,23 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from _scenario import DURATION_S, HANG_TIMEOUT_S, STEP_TRACE_STEPS, Case, Outcome, Scenario, normalize, read_trace
 
-# The duration a trace may overshoot its request by (one step boundary of a slow step at most).
-# Stopping a profiler pauses the training thread while torch collects the recorded events: the
-# pause grows with what was recorded, in both modes. A duration trace's pause may be at most
-# PAUSE_FACTOR times what the step-mode trace of the same job paid per recorded step (plus
-# MIN_STOP_PAUSE_MS of slack for tiny traces): duration mode must cost what step mode costs.
-DURATION_SLACK_S = 0.5
-PAUSE_FACTOR = 3.0
-MIN_STOP_PAUSE_MS = 100.0
+# Stopping a profiler pauses the training thread while torch collects what was recorded: the
+# pause grows with the events recorded, in both modes. How long it is on a given machine is a
+# figure for scripts/bench_agent.py (`--trace-pause`), not a bound here: a loaded machine
+# stretches any pause. What the tests check instead cannot move with the load: a duration-mode
+# trace records no more events per step than the step-mode trace of the same job (at most
+# EVENTS_PER_STEP_FACTOR times as many), so its stop costs what step mode's costs.
+EVENTS_PER_STEP_FACTOR = 2.0
+# Two clocks measure one interval (time.time() in the agent, the profiler's clock in the trace),
+# and created_at is written to the millisecond: the tolerance of comparing them.
+CLOCK_TOLERANCE_S = 0.005
 CRASH_MARKERS = ("Segmentation fault", "Fatal Python error", "core dumped", "Aborted")
 
 
@@ -29,6 +33,17 @@ def _steps(trace: dict[str, Any]) -> list[dict[str, Any]]:
         and e.get("cat") != "gpu_user_annotation"  # the GPU-timeline copy of each step
     ]
     return sorted(steps, key=lambda e: e.get("ts", 0))
+
+
+def _events(trace: dict[str, Any]) -> int:
+    """How many complete events (operators, annotations, kernels) a trace holds."""
+    return sum(1 for e in trace.get("traceEvents", []) if e.get("ph") == "X")
+
+
+def _reported_pause(summary: dict[str, Any]) -> bool:
+    """The manifest reports the training thread's stop pause, as a real number of milliseconds."""
+    pause = summary.get("training_thread_pause_ms")
+    return isinstance(pause, int | float) and math.isfinite(pause) and pause >= 0
 
 
 def _clear_refusal(outcome: Outcome) -> bool:
@@ -147,19 +162,38 @@ class FrameworkChecks:
         assert outcome is not None, "not attempted: " + scenario.traced.error
         if scenario.case.own_profiler and yielded_to_the_jobs_profiler(outcome):
             return
-        per_step_ms = []
+        per_step_events = []
         if scenario.step_trace is not None and not yielded_to_the_jobs_profiler(scenario.step_trace):
-            for _, manifest in scenario.artifacts(scenario.step_trace):
+            for res, manifest in scenario.artifacts(scenario.step_trace):
                 s = manifest.get("summary", {})
-                per_step_ms.append(s["training_thread_pause_ms"] / max(1, s["steps_captured"]))
-        for _, manifest in scenario.artifacts(outcome):
+                assert _reported_pause(s), s
+                trace = read_trace(Path(res["artifact"]) / "trace.json.gz")
+                per_step_events.append(_events(trace) / max(1, s["steps_captured"]))
+        for res, manifest in scenario.artifacts(outcome):
             summary = manifest.get("summary", {})
-            # THEN about the requested second was profiled (the stop pause is not counted in it), and
-            # the stop paused training no more per recorded step than a step-mode trace does
-            assert DURATION_S * 0.9 <= summary["profiled_s"] <= DURATION_S + DURATION_SLACK_S, summary
-            steps = max(1, summary.get("steps_captured") or 0)
-            allowed = max(MIN_STOP_PAUSE_MS, PAUSE_FACTOR * max(per_step_ms, default=0.0) * steps)
-            assert summary["training_thread_pause_ms"] <= allowed, (summary, per_step_ms)
+            # THEN at least about the requested second was profiled (never less)
+            assert summary["profiled_s"] >= DURATION_S * 0.9, summary
+            # and it stopped at the first safe point after that: the wait for it lies within the
+            # step it fell in, the last ProfilerStep of the trace (however long a loaded machine
+            # made that step)
+            trace = read_trace(Path(res["artifact"]) / "trace.json.gz")
+            steps = _steps(trace)
+            if summary.get("steps_captured"):
+                assert steps, "no ProfilerStep in a trace that captured steps"
+                last_step_s = steps[-1].get("dur", 0) / 1e6
+                assert summary["stop_waited_s"] <= last_step_s + CLOCK_TOLERANCE_S, (summary, steps[-1])
+            # and the stop pause is not counted in profiled_s: the profiled window ended before
+            # the pause, which ended before the export created the artifact
+            assert _reported_pause(summary), summary
+            created = datetime.fromisoformat(manifest["created_at"].replace("Z", "+00:00")).timestamp()
+            paused_until = summary["profiled_until"] + summary["training_thread_pause_ms"] / 1000
+            assert paused_until <= created + 0.001 + CLOCK_TOLERANCE_S, (summary, manifest["created_at"])
+            # and it recorded no more per step than the step-mode trace did (what the stop pause
+            # grows with): it paused training as step mode does
+            steps_captured = max(1, summary.get("steps_captured") or 0)
+            if per_step_events:
+                allowed = EVENTS_PER_STEP_FACTOR * max(per_step_events)
+                assert _events(trace) / steps_captured <= allowed, (summary, per_step_events)
 
     def test_stacks_name_a_frame_of_the_program(self, scenario: Scenario) -> None:
         # WHEN `dynprof stacks --pid P --full` read the training job

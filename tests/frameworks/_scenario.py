@@ -278,8 +278,14 @@ def run_traced(case: Case, env: dict[str, str], stop_file: Path, need: list[int]
             sc.stage_lines_seen = job.wait_until(lambda: bool(job.lines_starting(case.wait_for)), 180)
         sel = ",".join(map(str, pids))
         sc.steps_before = cli(run_env, "ps", "--json")
+        # asked again a second later, and then until every rank has stepped since (a loaded
+        # machine may take longer than a second for one step)
+        deadline = time.monotonic() + 120
         time.sleep(1.0)
         sc.steps_soon_after = cli(run_env, "ps", "--json")
+        while time.monotonic() < deadline and not _stepped(sc.steps_before, sc.steps_soon_after, pids):
+            time.sleep(0.5)
+            sc.steps_soon_after = cli(run_env, "ps", "--json")
         sc.stacks = cli(run_env, "stacks", "--pid", sel, "--no-save", "--full")
         sc.step_trace = cli(run_env, "start", "--pid", sel, "--steps", str(STEP_TRACE_STEPS), "--json")
         sc.duration_trace = cli(run_env, "start", "--pid", sel, "--duration", str(DURATION_S), "--json")
@@ -298,6 +304,15 @@ def run_traced(case: Case, env: dict[str, str], stop_file: Path, need: list[int]
     finally:
         job.kill()
     return sc
+
+
+def _stepped(before: Outcome, after: Outcome, pids: list[int]) -> bool:
+    """Every pid's step count in ``after`` is past the one in ``before`` (False if unreadable)."""
+    try:
+        steps = [{a["pid"]: a["step"] for a in o.json()["agents"]} for o in (before, after)]
+        return all((steps[1].get(p) or 0) > (steps[0].get(p) or 0) for p in pids)
+    except Exception:
+        return False
 
 
 def _losses_by_rank(lines: list[str], ranks: int) -> list[int]:

@@ -84,11 +84,12 @@ def test_plain_python_loop_attached_then_traced(spawn, cli, dynprof_dirs):
     assert target.proc.poll() is None
 
 
-def test_main_thread_in_sleep_uses_the_gil_state_fallback(spawn, cli, dynprof_dirs):
-    # GIVEN a process whose main thread sleeps in time.sleep (GIL released, no Python running)
-    target = spawn([PROGRAM, "--hold", "sleep", "--hold-seconds", "25"], under_run=False)
+def test_main_thread_in_sleep_uses_the_gil_state_fallback(spawn, cli, dynprof_dirs, parked):
+    # GIVEN a process whose main thread sleeps in time.sleep (GIL released, no Python running),
+    # for longer than any attach takes
+    target = spawn([PROGRAM, "--hold", "sleep", "--hold-seconds", "240"], under_run=False)
     (pid,) = target.ready_pids()
-    time.sleep(0.3)
+    parked(pid)
 
     # WHEN dynprof attaches
     result, out = _attach(cli, str(pid), "--wait", "1")
@@ -104,11 +105,15 @@ def test_main_thread_in_sleep_uses_the_gil_state_fallback(spawn, cli, dynprof_di
     assert "RETURNED" not in target.lines and target.proc.poll() is None
 
 
-def test_gil_held_in_c_is_refused_with_the_stack_then_attaches_when_it_returns(spawn, cli, dynprof_dirs):
-    # GIVEN a process whose main thread holds the GIL inside a C call for a while
-    target = spawn([PROGRAM, "--hold", "gil", "--hold-seconds", "12"], under_run=False)
+def test_gil_held_in_c_is_refused_with_the_stack_then_attaches_when_it_returns(
+    spawn, cli, dynprof_dirs, parked, tmp_path
+):
+    # GIVEN a process whose main thread holds the GIL inside a C call until the test ends it
+    release = tmp_path / "release"
+    os.mkfifo(release)
+    target = spawn([PROGRAM, "--hold", "gil", "--release-fifo", str(release)], under_run=False)
     (pid,) = target.ready_pids()
-    time.sleep(0.3)
+    parked(pid)
 
     # WHEN dynprof attaches
     result = cli("attach", str(pid), "--wait", "1")
@@ -121,8 +126,10 @@ def test_gil_held_in_c_is_refused_with_the_stack_then_attaches_when_it_returns(s
     assert target.proc.poll() is None
 
     # WHEN the C call returns
-    target.wait_for_line("RETURNED", timeout=30)
-    deadline = time.monotonic() + 15
+    with open(release, "wb") as fifo:  # the target holds it open: this does not wait
+        fifo.write(b"x")
+    target.wait_for_line("RETURNED", timeout=60)
+    deadline = time.monotonic() + 60
     while _record(dynprof_dirs["run"], pid) is None and time.monotonic() < deadline:
         time.sleep(0.1)
 
@@ -219,26 +226,79 @@ def test_no_gdb_on_path_says_how_to_install_it(spawn, cli, tmp_path):
     assert "3.14" in result.stderr
 
 
-def test_dynprof_not_importable_in_the_target_names_its_python(cli, tmp_path):
-    # GIVEN a system Python whose environment lacks dynprof's dependencies (protobuf)
-    system = Path("/usr/bin/python3")
-    if not system.exists() or subprocess.run([str(system), "-c", "import google.protobuf"]).returncode == 0:
-        pytest.skip("needs a /usr/bin/python3 without protobuf")
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+# What the attach bootstrap does to import dynprof in the target (see dynprof.attach._bootstrap):
+# its own sys.path first, then the CLI's copy appended. Run in the target's own conditions, it
+# prints what that import finds, so the test checks its precondition instead of assuming it.
+_IMPORT_PROBE = """
+import json, sys
+home = sys.argv[1]
+try:
+    try:
+        import dynprof.agent
+    except ImportError:
+        sys.path.append(home)
+        import dynprof.agent
+    import dynprof.proto
+    missing = None
+except ImportError as exc:
+    missing = exc.name
+print(json.dumps({"executable": sys.executable, "missing": missing, "sys_path": sys.path}))
+"""
+
+
+def test_dynprof_not_importable_in_the_target_names_its_python(tmp_path):
+    # GIVEN a CLI that runs its own copy of dynprof from a directory holding nothing else (the
+    # bootstrap appends that directory to the target's sys.path), and a target Python started
+    # isolated (-I: no PYTHON* variables, no user site, no current directory; -S: no
+    # site-packages and no .pth, so no editable install), so that protobuf is importable in the
+    # target from nowhere, whatever this machine has installed
+    home = tmp_path / "home"
+    shutil.copytree(ROOT / "dynprof", home / "dynprof", ignore=shutil.ignore_patterns("__pycache__"))
+    work = tmp_path / "target-cwd"
+    work.mkdir()
+    isolated = [sys.executable, "-I", "-S"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+    probe = subprocess.run(
+        [*isolated, "-c", _IMPORT_PROBE, str(home.resolve())],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=str(work),
+        timeout=120,
+    )
+    assert probe.returncode == 0, probe.stderr
+    found = json.loads(probe.stdout)
+    assert found["missing"] == "google", f"precondition: the target must lack protobuf, it found: {found}"
+    target_python = found["executable"]
     proc = subprocess.Popen(
-        [str(system), "-c", "import os, time\nprint('READY', os.getpid(), flush=True)\ntime.sleep(60)"],
+        [*isolated, "-c", "import os, time\nprint('READY', os.getpid(), flush=True)\ntime.sleep(120)"],
         stdout=subprocess.PIPE,
         text=True,
         env=env,
-        cwd=str(tmp_path),
+        cwd=str(work),
     )
     try:
         assert proc.stdout is not None and proc.stdout.readline().startswith("READY")
-        result = cli("attach", str(proc.pid))
-        assert result.returncode == 7, result.stderr
+
+        # WHEN that CLI attaches to it
+        cli_env = dict(os.environ)
+        cli_env["PYTHONPATH"] = os.pathsep.join(p for p in (str(home), os.environ.get("PYTHONPATH", "")) if p)
+        result = subprocess.run(
+            [sys.executable, "-m", "dynprof", "attach", str(proc.pid)],
+            capture_output=True,
+            text=True,
+            env=cli_env,
+            cwd=str(home),
+            timeout=120,
+        )
+
+        # THEN it fails with exit code 7, naming the target's Python, what it lacks and the
+        # install command for that Python; and it says it tried the CLI's own copy
+        assert result.returncode == 7, result.stdout + result.stderr
         assert "cannot import dynprof" in result.stderr
-        assert f"its Python: {system}" in result.stderr
-        assert f"{system} -m pip install protobuf" in result.stderr
+        assert f"its Python: {target_python}" in result.stderr
+        assert f"{target_python} -m pip install protobuf" in result.stderr
+        assert f"this CLI's copy, {home.resolve()}," in result.stderr
     finally:
         proc.kill()
         proc.wait()

@@ -85,8 +85,18 @@ def test_interrupted_bench_leaves_nothing(tmp_path: Path) -> None:
             proc.wait()
     # THEN it stops every node and says so
     assert "all nodes and ranks stopped" in rest, rest
-    time.sleep(0.2)
-    assert not [p for p in ours if os.path.exists(f"/proc/{p}")]
+    deadline = time.monotonic() + 60  # (gone: reaped, or a zombie that init is about to reap)
+    while [p for p in ours if _running(p)] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in ours if _running(p)]
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            return fh.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except OSError:
+        return False
 
 
 def _descends_from(pid: int, ancestor: int) -> bool:

@@ -152,14 +152,13 @@ def split_job(
     return targets
 
 
-def test_stacks_over_two_nodes_groups_all_ranks_and_names_the_odd_rank_with_its_node(nodes, spawn, tmp_path):
+def test_stacks_over_two_nodes_groups_all_ranks_and_names_the_odd_rank_with_its_node(nodes, spawn, tmp_path, parked):
     # GIVEN a 3-rank job: ranks 0 and 1 on node A, rank 2 on node B; rank 0 waits in an
     # all_reduce, ranks 1 and 2 sleep in wait_for_data
     a, b = nodes["a"], nodes["b"]
     targets = split_job(spawn, HANG, [a, a, b], "fan-stacks", ["--hold", "sleep", "--seconds", "90"])
     for t in targets:
-        t.ready_pids(timeout=90)
-    time.sleep(0.5)  # rank 0 enters the collective right after its READY line
+        parked(t.ready_pids(timeout=90)[0])  # rank 0 enters the collective right after its READY line
 
     # WHEN the stacks of the job are asked for from here (no agents), through both sidecars
     fetched = tmp_path / "fetched"
@@ -255,7 +254,7 @@ def test_start_over_two_nodes_traces_both_ranks_from_the_same_step(nodes, spawn,
     assert [n["answered"] for n in doc["nodes"]] == [True, True]
 
 
-def test_nccl_over_two_nodes_analyses_every_rank_s_dump_together(nodes, spawn):
+def test_nccl_over_two_nodes_analyses_every_rank_s_dump_together(nodes, spawn, parked):
     from collectors.flight_recorder import detect_environment
 
     if not detect_environment().names & {"TORCH_FR_BUFFER_SIZE"}:
@@ -267,8 +266,7 @@ def test_nccl_over_two_nodes_analyses_every_rank_s_dump_together(nodes, spawn):
         spawn, HANG, [a, b], "fan-nccl", ["--hold", "sleep", "--seconds", "90"], ("--flight-recorder", "64")
     )
     for t in targets:
-        t.ready_pids(timeout=90)
-    time.sleep(0.5)
+        parked(t.ready_pids(timeout=90)[0])
 
     # WHEN the recorders are collected through both sidecars (each rank's dump read back from
     # its node's nccl artifact)

@@ -21,7 +21,7 @@ RUN_WATCHED = ["-m", "dynprof", "run", "-q", "--hang-timeout", "1", "--", "pytho
 def _start_stuck_loop(spawn, *extra: str) -> None:
     """A loop under a 1 s watchdog that stops stepping after 5 steps (EXTRA: how it is stuck)."""
     target = spawn(
-        [*RUN_WATCHED, PROGRAM, "--stop-stepping-after", "5", *extra, "--max-seconds", "20"],
+        [*RUN_WATCHED, PROGRAM, "--stop-stepping-after", "5", *extra, "--max-seconds", "240"],
         under_run=False,
     )
     target.ready_pids()
@@ -32,7 +32,7 @@ def test_watchdog_dumps_the_stuck_function(spawn, cli):
     _start_stuck_loop(spawn)
 
     # WHEN it has been stuck for longer than the timeout
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + 120
     while not _hang_artifacts() and time.monotonic() < deadline:
         time.sleep(0.1)
 
@@ -41,7 +41,7 @@ def test_watchdog_dumps_the_stuck_function(spawn, cli):
     assert art.status == "complete"
     summary = art.manifest["summary"]
     assert summary["step"] == 5 and summary["dump"] == 1
-    assert 1.0 <= summary["stalled_for_s"] <= 1.25 + 0.5
+    assert summary["stalled_for_s"] >= 1.0  # never before its timeout (later on a loaded machine)
     assert summary["main_thread"][0].startswith("stuck_forever (")
     stacks = json.loads((Path(art.path) / "stacks.json").read_text())
     (main,) = [t for t in stacks["threads"] if t["main"]]
@@ -55,7 +55,7 @@ def test_watchdog_dumps_the_stuck_function(spawn, cli):
     assert "main thread in stuck_forever (" in shown.stdout
 
     # AND a second dump follows after the longer interval (3 timeouts)
-    deadline = time.monotonic() + 8
+    deadline = time.monotonic() + 120
     while len(_hang_artifacts()) < 2 and time.monotonic() < deadline:
         time.sleep(0.1)
     second = _hang_artifacts()[0]
@@ -64,7 +64,8 @@ def test_watchdog_dumps_the_stuck_function(spawn, cli):
 
 
 def test_watchdog_stays_quiet_while_steps_flow_and_before_the_first_step(spawn):
-    # GIVEN a loop stepping every 20 ms for 4 s with a 0.5 s watchdog, whose first step is slow
+    # GIVEN a loop stepping every 20 ms for 4 s with a 3 s watchdog (150 steps' worth: no pause
+    # of a loaded machine comes near), whose first step comes after 4 s
     target = spawn(
         [
             "-m",
@@ -72,11 +73,11 @@ def test_watchdog_stays_quiet_while_steps_flow_and_before_the_first_step(spawn):
             "run",
             "-q",
             "--hang-timeout",
-            "0.5",
+            "3",
             "--",
             "python",
             "-c",
-            "import time; time.sleep(1.5); import runpy, sys; sys.argv = ['p', '--step-sleep', '0.02', "
+            "import time; time.sleep(4); import runpy, sys; sys.argv = ['p', '--step-sleep', '0.02', "
             "'--max-seconds', '4']; runpy.run_path('" + PROGRAM + "', run_name='__main__')",
         ],
         under_run=False,
@@ -94,7 +95,7 @@ def test_watchdog_backstop_dumps_a_process_stuck_in_c_holding_the_gil(spawn, cli
     _start_stuck_loop(spawn, "--hold-gil-seconds", "6")
 
     # WHEN the watchdog thread cannot run (no GIL) past the timeout
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 120
     while not _hang_artifacts() and time.monotonic() < deadline:
         time.sleep(0.1)
 

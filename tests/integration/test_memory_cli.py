@@ -57,9 +57,13 @@ def test_bad_arguments(cli):
 def test_the_agent_hooks_cuda_start_without_starting_cuda(spawn):
     # GIVEN a process under `dynprof run` that imports torch (CPU build or not)
     code = (
-        "import time, torch; time.sleep(0.5); "
-        "print('QUEUED', any(getattr(c, '__name__', '') == '_on_cuda_init' for c, _ in torch.cuda._queued_calls), "
-        "'INIT', torch.cuda.is_initialized(), flush=True)"
+        "import time, torch\n"
+        "def queued():\n"
+        "    return any(getattr(c, '__name__', '') == '_on_cuda_init' for c, _ in torch.cuda._queued_calls)\n"
+        "deadline = time.monotonic() + 60\n"
+        "while not queued() and time.monotonic() < deadline:\n"
+        "    time.sleep(0.05)\n"  # the agent starts beside the program: give it the time it takes
+        "print('QUEUED', queued(), 'INIT', torch.cuda.is_initialized(), flush=True)"
     )
     target = spawn(["-c", code])
 

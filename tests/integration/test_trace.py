@@ -110,7 +110,9 @@ def test_duration_mode_for_a_loop_without_optimizer(spawn, cli):
     trace, manifest = _trace_of(json.loads(result.stdout))
     names = {e.get("name") for e in trace["traceEvents"]}
     assert "aten::linear" in names
-    assert 0.4 <= manifest["summary"]["profiled_s"] < 5
+    # (no upper bound in seconds: a loaded machine delays the stop; that its duration, not the
+    # cap, ended it is what shows the request was honoured)
+    assert manifest["summary"]["profiled_s"] >= 0.4
     assert manifest["summary"]["stopped_by"] == "duration"
 
 
@@ -130,14 +132,16 @@ def test_second_start_is_refused_as_busy(spawn, cli):
     assert res["status"] == "partial"  # fewer steps than the 100000 requested
 
 
-def test_trace_is_flushed_as_partial_when_the_process_exits(spawn, cli, dynprof_dirs):
-    # GIVEN a loop that ends by itself in a few seconds, traced without a bound
-    target = spawn([PROGRAM, "--step-sleep", "0.005", "--max-seconds", "4"])
+def test_trace_is_flushed_as_partial_when_the_process_exits(spawn, cli, dynprof_dirs, tmp_path):
+    # GIVEN a loop that ends by itself once told to, traced without a bound
+    stop = tmp_path / "stop"
+    target = spawn([PROGRAM, "--step-sleep", "0.005", "--stop-file", str(stop)])
     (pid,) = target.ready_pids()
     assert cli("start", "--pid", str(pid)).returncode == 0
 
     # WHEN the process exits mid-trace
-    target.wait_for_line("DONE", timeout=30)
+    stop.write_text("stop\n")
+    target.wait_for_line("DONE", timeout=60)
     target.proc.wait(timeout=30)
 
     # THEN the trace was written and marked partial
@@ -154,8 +158,8 @@ def test_trace_ends_by_itself_at_the_hard_cap_without_the_cli(spawn, cli):
     (pid,) = target.ready_pids()
     assert cli("start", "--pid", str(pid), "--max-duration", "1", "--no-wait").returncode == 0
 
-    # THEN within a few seconds the agent ended it and wrote the artifact
-    deadline = time.monotonic() + 20
+    # THEN the agent ended it by itself and wrote the artifact
+    deadline = time.monotonic() + 120
     listing = []
     while time.monotonic() < deadline and not listing:
         listing = json.loads(cli("ls", "--kind", "trace", "--json").stdout)["artifacts"]
@@ -163,18 +167,21 @@ def test_trace_ends_by_itself_at_the_hard_cap_without_the_cli(spawn, cli):
     assert listing, "no artifact after the cap"
     manifest = json.loads((Path(listing[0]["path"]) / "manifest.json").read_text())
     assert manifest["summary"]["stopped_by"] == "cap"
-    assert 0.9 <= manifest["summary"]["profiled_s"] < 10
+    assert manifest["summary"]["profiled_s"] >= 0.9
 
 
 def test_at_step_starts_after_that_step(spawn, cli):
     # GIVEN a loop and a step K comfortably in its future
     target = spawn([PROGRAM, "--step-sleep", "0.01"])
     (pid,) = target.ready_pids()
-    now = json.loads(cli("ps", "--json").stdout)["agents"][0]["step"]
-    k = now + 300
 
-    # WHEN a trace is requested at step K
-    result = cli("start", "--pid", str(pid), "--steps", "2", "--at-step", str(k), "--json")
+    # WHEN a trace is requested at step K (asked again with a later K if a slow machine let K
+    # pass before the request arrived: that refusal is the next test's)
+    for _ in range(5):
+        k = json.loads(cli("ps", "--json").stdout)["agents"][0]["step"] + 300
+        result = cli("start", "--pid", str(pid), "--steps", "2", "--at-step", str(k), "--json")
+        if not (result.returncode == 8 and "has passed" in result.stderr):
+            break
 
     # THEN the first traced step is K+1
     assert result.returncode == 0, result.stderr

@@ -50,7 +50,7 @@ def test_a_command_that_overruns_is_answered_timed_out_and_keeps_its_slot(monkey
     release = threading.Event()
 
     def slow(argv):
-        release.wait(30)
+        release.wait(300)
         return 0, '{"late": true}', ""
 
     monkeypatch.setattr(actions, "run_captured", slow)
@@ -58,14 +58,14 @@ def test_a_command_that_overruns_is_answered_timed_out_and_keeps_its_slot(monkey
     # WHEN it runs with a 0.3 s limit
     t0 = time.monotonic()
     answer = slots.run("ls", {}, timeout=0.3)
-    # THEN its caller is answered "timed out" (9) at the limit
-    assert answer["exit_code"] == 9 and time.monotonic() - t0 < 5
+    # THEN its caller is answered "timed out" (9) at the limit, not when the command ended
+    assert answer["exit_code"] == 9 and time.monotonic() - t0 < 60
     assert "ran past" in answer["messages"][0]
     # AND the slot stays taken while the command still runs, and is free once it ends
     with pytest.raises(ActionsBusy):
         slots.run("ls", {})
     release.set()
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60
     while True:
         try:
             assert slots.run("ls", {})["result"] == {"late": True}
@@ -106,7 +106,7 @@ def test_killing_a_child_kills_its_whole_process_group():
     actions._kill_group(proc)  # type: ignore[arg-type]
     proc.wait(timeout=10)
     # THEN the grandchild is gone too
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         try:
             os.kill(grandchild, 0)
@@ -124,28 +124,29 @@ def test_killing_a_child_kills_its_whole_process_group():
 
 
 def test_stopping_kills_running_children_and_starts_no_more(monkeypatch):
-    # GIVEN an action whose child (and its own child) would run for a minute
+    # GIVEN an action whose child (and its own child) would run for ten minutes
     real_popen = subprocess.Popen
 
     def popen(args, **kwargs):
-        return real_popen(["sh", "-c", "sleep 60 & wait"], **kwargs)
+        return real_popen(["sh", "-c", "sleep 600 & wait"], **kwargs)
 
     monkeypatch.setattr(actions.subprocess, "Popen", popen)
     monkeypatch.setattr(actions, "_closing", False)
     answers = []
     worker = threading.Thread(target=lambda: answers.append(actions._run_child(["healthcheck", "--json"], 60)))
     worker.start()
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60
     while not actions._children:
         assert time.monotonic() < deadline
         time.sleep(0.02)
     # WHEN the sidecar stops
     t0 = time.monotonic()
     assert actions.kill_children() == 1
-    worker.join(10)
-    # THEN the action ends at once, answered "killed", and no new child starts
+    worker.join(120)
+    # THEN the action ends at once (not when its child would have), answered "killed", and no
+    # new child starts
     assert answers and answers[0][0] == 9 and "stopped" in answers[0][2]
-    assert time.monotonic() - t0 < 5
+    assert time.monotonic() - t0 < 300
     assert actions._run_child(["healthcheck"], 60)[0] == 9
     assert not actions._children
 

@@ -77,10 +77,11 @@ def test_hostile_nodelists_are_refused_quickly() -> None:
     hostile = ["[0-9]" * 40, "a[0-65536]", "x[" + ",".join(["1"] * 200_000) + "]", "[" * 100_000]
     for text in hostile:
         t0 = time.monotonic()
-        # WHEN expanded THEN refused, in well under a second each
+        # WHEN expanded THEN refused, without building the explosion first (10**40 names would
+        # never end: half a minute is a hang, not a slow machine; the longest takes 0.2 s here)
         with pytest.raises(errors.UsageError):
             expand_nodelist(text)
-        assert time.monotonic() - t0 < 1.0, text[:40]
+        assert time.monotonic() - t0 < 30, text[:40]
 
 
 def _args(argv: list[str]) -> argparse.Namespace:

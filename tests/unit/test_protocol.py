@@ -123,8 +123,9 @@ def test_client_retries_a_full_backlog_then_says_busy(tmp_path):
         t0 = time.monotonic()
         with pytest.raises(errors.Busy) as info:
             AgentClient(pid=123, sock_path=path, timeout=0.5).request(ping=pb.Ping())
-        # THEN it retried for its timeout, then said why, with the "busy" exit code
-        assert 0.3 < time.monotonic() - t0 < 2
+        # THEN it retried for its timeout (at least; then gave up: not the 60-fold), then said
+        # why, with the "busy" exit code
+        assert 0.3 < time.monotonic() - t0 < 30
         assert "queue stayed full" in info.value.message and info.value.exit_code == 6
     finally:
         for s in fillers:

@@ -7,6 +7,8 @@ check that ranks traced "at the same step" really traced the same iterations).
 --hold sleep|gil  after READY, park the main thread for --hold-seconds: in time.sleep (GIL
                   released), or in a C call that keeps the GIL (libc sleep through
                   ctypes.PyDLL); print ``RETURNED`` after it, then keep training
+--release-fifo P  with --hold gil: hold in a C read of FIFO P instead (GIL kept) until the
+                  test writes a byte to it, for as long as the test needs
 --churn           a second thread that allocates all the time
 --gap-ms MS       print ``GAP <ms>`` for every step that took longer than MS (pause measurement)
 --dist            join a gloo process group from RANK/WORLD_SIZE and all-reduce the gradients
@@ -30,9 +32,13 @@ def churn() -> None:
         del data
 
 
-def hold(kind: str, seconds: float) -> None:
+def hold(kind: str, seconds: float, release_fifo: str = "") -> None:
     if kind == "sleep":
         time.sleep(seconds)
+    elif kind == "gil" and release_fifo:
+        fd = os.open(release_fifo, os.O_RDWR)  # RDWR: opening does not wait for a writer
+        ctypes.PyDLL("libc.so.6").read(fd, ctypes.create_string_buffer(1), 1)  # the GIL stays held
+        os.close(fd)
     elif kind == "gil":
         ctypes.PyDLL("libc.so.6").sleep(int(seconds))  # PyDLL: the GIL stays held
     os.write(1, b"RETURNED\n")
@@ -42,6 +48,7 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--hold", choices=("none", "sleep", "gil"), default="none")
     parser.add_argument("--hold-seconds", type=float, default=10.0)
+    parser.add_argument("--release-fifo", default="")
     parser.add_argument("--step-sleep", type=float, default=0.0)
     parser.add_argument("--max-seconds", type=float, default=180.0)
     parser.add_argument("--churn", action="store_true")
@@ -84,7 +91,7 @@ def main() -> int:
         if i == 1:
             os.write(1, f"READY {os.getpid()}\n".encode())
             if args.hold != "none":
-                hold(args.hold, args.hold_seconds)
+                hold(args.hold, args.hold_seconds, args.release_fifo)
                 last = time.perf_counter()
         if args.step_sleep:
             time.sleep(args.step_sleep)

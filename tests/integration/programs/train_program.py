@@ -1,8 +1,8 @@
 """A small real training loop for dynprof's integration tests and demo.
 
 Prints ``READY <pid>`` once the first optimizer step has completed (or, with
---no-optimizer, once the loop is running), then keeps training until --max-steps or
---max-seconds. With --rank-env it reads RANK/WORLD_SIZE and joins a gloo process group.
+--no-optimizer, once the loop is running), then keeps training until --max-steps,
+--max-seconds or --stop-file. With --rank-env it reads RANK/WORLD_SIZE and joins a gloo process group.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ def main() -> int:
     parser.add_argument("--max-steps", type=int, default=0, help="stop after this many steps (0: no limit)")
     parser.add_argument("--max-seconds", type=float, default=120.0)
     parser.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds per step")
+    parser.add_argument("--stop-file", default="", help="end normally once this file exists")
     parser.add_argument("--no-optimizer", action="store_true", help="forward passes only, no optimizer")
     parser.add_argument("--dist", action="store_true", help="join a gloo process group from RANK/WORLD_SIZE")
     parser.add_argument("--device", default="cpu")
@@ -80,6 +81,8 @@ def main() -> int:
             ready = True
         if args.step_sleep:
             time.sleep(args.step_sleep)
+        if args.stop_file and os.path.exists(args.stop_file):
+            break
     print(f"DONE {step}", flush=True)
     return 0
 
