@@ -41,7 +41,8 @@ class StepTracker:
     created mid-run (a second training stage, a k-fold loop, a second HF ``Trainer``) goes on
     counting from where the previous one left off (its very first step joins the iteration
     in progress). Optimizer steps that run inside a ``torch.compile``d region are counted as
-    one step each (Dynamo traces only the counter increment; no listener runs there).
+    one step each (Dynamo traces the hook into the compiled frame, where it only stores a
+    constant into :data:`COMPILED_STEPS`; no listener runs there, and nothing breaks the graph).
     """
 
     def __init__(self) -> None:
@@ -63,7 +64,6 @@ class StepTracker:
         self._lock = threading.Lock()
         self._handle: Any = None
         self._finder: _PostImportFinder | None = None
-        self._is_compiling: Callable[[], bool] = self._resolve_is_compiling
 
     # -- listeners (armed only while a capture needs step boundaries) ----------------------
     def add_listener(self, listener: BoundaryListener) -> None:
@@ -77,7 +77,8 @@ class StepTracker:
 
     def fold_compiled(self) -> bool:
         """Count optimizer steps made inside compiled regions. True if the step advanced."""
-        compiled = self.compiled_steps
+        compiled = COMPILED_STEPS.count
+        self.compiled_steps = compiled
         if compiled == self._folded_compiled:
             return False
         self.step += compiled - self._folded_compiled
@@ -86,19 +87,10 @@ class StepTracker:
         return True
 
     # -- the hook ----------------------------------------------------------------------------
-    def _resolve_is_compiling(self) -> bool:
-        """First hook call (torch is fully imported by then): find torch.compiler.is_compiling,
-        which Dynamo reads as True while it traces."""
-        compiler = getattr(sys.modules.get("torch"), "compiler", None)
-        is_compiling = getattr(compiler, "is_compiling", None)
-        self._is_compiling = is_compiling if callable(is_compiling) else _never
-        return bool(self._is_compiling())
-
     def _hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if self._is_compiling():
-            # Inside a region Dynamo traces: only a plain attribute update, which Dynamo
-            # replays after the compiled graph; no clock, no listener, no graph break.
-            self.compiled_steps += 1
+        """What the registered hook does (also called directly by the benchmarks)."""
+        if _compiling():
+            COMPILED_STEPS.step = True
             return
         self._eager_step(optimizer)
 
@@ -116,7 +108,7 @@ class StepTracker:
             self.optimizer_steps += 1
             now = time.time()
             self.last_progress_at = now
-            if self.compiled_steps != self._folded_compiled:
+            if COMPILED_STEPS.count != self._folded_compiled:
                 self.fold_compiled()
             key = id(optimizer)
             if key not in self.optimizers:
@@ -172,7 +164,8 @@ class StepTracker:
                 getattr(sys.modules.get("torch"), "__version__", "?"),
             )
             return
-        self._handle = register(_dynamo_skipped(self._hook))
+        _TORCH[0] = getattr(module, "torch", None) or sys.modules.get("torch")
+        self._handle = register(_traceable_hook(self._eager_step))
         self.hook_installed = True
         log.info("optimizer step hook installed")
         callback = self.on_install
@@ -198,24 +191,54 @@ class StepTracker:
         self.hook_installed = False
 
 
-def _never() -> bool:
-    return False
+class _CompiledStepCounter(ModuleType):
+    """Counts the optimizer steps that run inside compiled regions.
+
+    Inside a frame that Dynamo compiles, the step hook stores the constant ``True`` into
+    ``COMPILED_STEPS.step``. Dynamo records that store as a side effect of the frame and
+    replays it, after the compiled graph has run, as a plain ``STORE_ATTR`` on this module,
+    which runs this ``__setattr__`` eagerly: one count per compiled optimizer step. The hook
+    never reads a value there, so the compiled frame holds no guard on the count (no recompile)
+    and no graph break; the compiled graph itself is unchanged.
+    """
+
+    count = 0
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        cls = type(self)
+        cls.count += 1
 
 
-def _dynamo_skipped(method: Callable[[Any, Any, Any], None]) -> Callable[[Any, Any, Any], None]:
-    """The hook as a plain function that Dynamo calls instead of tracing.
+COMPILED_STEPS = _CompiledStepCounter("dynprof_compiled_steps")
+# torch, as torch.optim.optimizer imported it: found through that module when the hook is
+# registered (torch is still initialising then), read when the hook runs.
+_TORCH: list[Any] = [None]
 
-    ``_torchdynamo_disable`` is the mark ``torch._dynamo.skip`` sets: Dynamo then runs the
-    function eagerly at that point of a compiled optimizer step (where torch.optim already
-    breaks the graph) rather than tracing into it, and it costs nothing in eager mode: no
-    wrapper, no import of torch._dynamo.
+
+def _compiling() -> bool:
+    """torch.compiler.is_compiling(): a constant True that Dynamo folds while it traces."""
+    torch = _TORCH[0]
+    if torch is None:
+        return False
+    compiler = getattr(torch, "compiler", None)
+    return bool(compiler is not None and compiler.is_compiling())
+
+
+def _traceable_hook(eager_step: Callable[[Any], None]) -> Callable[[Any, Any, Any], None]:
+    """The registered hook: eager steps go to ``eager_step``; Dynamo traces the rest.
+
+    Dynamo inlines this function into a compiled optimizer step (``torch.compile`` of a
+    function that calls ``opt.step()``): ``_compiling()`` folds to True, and the store into
+    :data:`COMPILED_STEPS` is its only effect. Nothing there makes Dynamo break the graph,
+    skip the frame or guard on a changing value. In eager mode it costs one extra call.
     """
 
     def dynprof_step_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
-        method(optimizer, args, kwargs)
+        if _compiling():
+            COMPILED_STEPS.step = True
+            return
+        eager_step(optimizer)
 
-    dynprof_step_hook._torchdynamo_disable = True  # type: ignore[attr-defined]
-    dynprof_step_hook._torchdynamo_disable_msg = "dynprof's step counter runs eagerly"  # type: ignore[attr-defined]
     return dynprof_step_hook
 
 
