@@ -231,7 +231,7 @@ def _after_prepare(prof: Any, callback: Any) -> None:
     try:
         from torch.profiler import ProfilerAction
 
-        table = getattr(prof, "action_map", None)
+        table: Any = getattr(prof, "action_map", None)
         key = (ProfilerAction.NONE, ProfilerAction.RECORD)
         actions = table.get(key) if isinstance(table, dict) else None
         if not actions or actions[0] != prof.prepare_trace:
