@@ -36,10 +36,6 @@ KIND = "trace"
 KINETO_QUIET_LEVEL = 6
 _KINETO_SEVERITY_SYMBOL = "_ZN9libkineto6Logger14severityLevel_E"  # libkineto::Logger::severityLevel_
 MAX_WARNINGS_KEPT = 20
-# What torch warns on the training thread *while* dynprof's profiler records, about what the
-# profiler met rather than about the job (e.g. FSDP2's DTensor: "PythonSubclass", raised from
-# the profiler's collection at an optimizer op). Ignored while dynprof's trace records only.
-RECORDING_WARNINGS = (r"PythonSubclass\b",)
 
 
 @dataclass
@@ -88,7 +84,6 @@ class TraceSession:
         self.stop_pause_s = 0.0
         self.thread_id: int | None = None
         self.warnings: list[str] = []  # what torch warned about while dynprof drove the profiler
-        self._filters: list[Any] = []  # the warning filters added while recording
 
     @contextlib.contextmanager
     def _quiet(self) -> Any:
@@ -127,7 +122,6 @@ class TraceSession:
         with self._quiet(), _KinetoQuiet() as kineto:
             _after_prepare(prof, kineto.again)
             prof.start()
-        self._hush_recording()
         self.prof = prof
         self.thread_id = threading.get_ident()
         self.started_at = time.time()
@@ -148,27 +142,9 @@ class TraceSession:
         collecting the events on this thread is ``stop_pause_s``."""
         self.stopped_at = time.time()
         t0 = time.perf_counter()
-        try:
-            with self._quiet(), _KinetoQuiet():
-                self.prof.stop()
-        finally:
-            self._unhush_recording()
+        with self._quiet(), _KinetoQuiet():
+            self.prof.stop()
         self.stop_pause_s = time.perf_counter() - t0
-
-    def _hush_recording(self) -> None:
-        for pattern in RECORDING_WARNINGS:
-            warnings.filterwarnings("ignore", message=pattern, category=UserWarning)
-            self._filters.append(warnings.filters[0])
-
-    def _unhush_recording(self) -> None:
-        for f in self._filters:
-            with contextlib.suppress(ValueError):
-                warnings.filters.remove(f)  # type: ignore[attr-defined]
-        if self._filters:
-            mutated = getattr(warnings, "_filters_mutated", None)
-            if mutated is not None:
-                mutated()
-        self._filters = []
 
     def export(self, path: Path) -> dict[str, Any]:
         """Write the gzipped Chrome trace to ``path``; return manifest summary fields."""
