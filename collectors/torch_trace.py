@@ -397,6 +397,60 @@ def profiler_steps(trace: dict[str, Any]) -> list[dict[str, Any]]:
     return steps
 
 
+def _optimizer_steps(trace: dict[str, Any]) -> list[dict[str, Any]]:
+    """The ``Optimizer.step#...`` ranges torch.optim records around each optimizer step."""
+    steps = [
+        e
+        for e in trace.get("traceEvents", [])
+        if isinstance(e, dict)
+        and e.get("ph") == "X"
+        and str(e.get("name", "")).startswith("Optimizer.step#")
+        and e.get("cat") != "gpu_user_annotation"
+    ]
+    steps.sort(key=lambda e: _number(e.get("ts", 0)))
+    return steps
+
+
+def check_step_spans(trace: dict[str, Any]) -> dict[str, Any]:
+    """How exactly a trace's ``ProfilerStep#N`` spans hold training iterations.
+
+    Returns the number of spans, the optimizer steps (``Optimizer.step#...`` ranges) that
+    start in each span, and the optimizer steps that straddle a span boundary (start in one
+    span, or before the first, and end after its end). A trace whose spans are each exactly one
+    iteration has ``straddling == 0`` and the same number of optimizer steps in every span
+    (``per_span``: one for a plain loop, N for N optimizers per iteration).
+    """
+    spans = profiler_steps(trace)
+    tids = {e.get("tid") for e in spans}
+    edges = [(_number(e.get("ts", 0)), _number(e.get("ts", 0)) + _number(e.get("dur", 0))) for e in spans]
+    per_span = [0] * len(spans)
+    straddling = 0
+    outside = 0
+    for e in _optimizer_steps(trace):
+        if tids and e.get("tid") not in tids:
+            continue
+        start = _number(e.get("ts", 0))
+        end = start + _number(e.get("dur", 0))
+        inside = [i for i, (a, b) in enumerate(edges) if a <= start < b]
+        if inside:
+            i = inside[0]
+            per_span[i] += 1
+            if end > edges[i][1]:
+                straddling += 1
+        elif edges and start < edges[0][0] < end:
+            straddling += 1  # began before the first span and ends inside the trace
+        else:
+            outside += 1
+    return {
+        "spans": len(spans),
+        "names": [str(e.get("name", "")) for e in spans],
+        "per_span": per_span,
+        "straddling": straddling,
+        "outside": outside,
+        "one_each": bool(spans) and straddling == 0 and len(set(per_span)) == 1 and per_span[0] > 0,
+    }
+
+
 def summarize(trace: dict[str, Any], top: int = 10) -> dict[str, Any]:
     acc = TraceSummary()
     events = trace.get("traceEvents", [])

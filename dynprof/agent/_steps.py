@@ -243,21 +243,35 @@ def _traceable_hook(eager_step: Callable[[Any], None]) -> Callable[[Any, Any, An
 
 
 _OPTIMIZER_FILE = "torch/optim/optimizer.py"
+# The Python entry points of a backward pass (``loss.backward()``, ``torch.autograd.backward``,
+# ``torch.autograd.grad`` and the engine call they share).
+_BACKWARD_FILES = ("torch/_tensor.py", "torch/autograd/__init__.py", "torch/autograd/graph.py")
+_MAX_FRAMES = 512
+
+
+def _in_backward() -> bool:
+    torch = sys.modules.get("torch")
+    try:
+        return torch is not None and int(torch._C._current_graph_task_id()) != -1
+    except Exception:
+        return False
 
 
 def _after_optimizer_range(callback: Callable[[], None]) -> bool:
-    """Run ``callback`` right after the optimizer's ``step()`` wrapper returns.
+    """Run ``callback`` right after the optimizer step that called the hook is over.
 
     The global post hooks run inside the optimizer's own profiler range
     (``Optimizer.step#...``); a ProfilerStep boundary taken there would cut that range in two.
-    Only while a capture listens (never on the idle path): find the outermost frame of the
-    optimizer's step wrapper and run the callback from a one-shot profile function when that
-    frame returns, after its range has closed. Returns False (the caller runs the callback now)
-    when that is not possible: the thread already has a profile function (cProfile, a
-    debugger), or the hook was not called from the optimizer's wrapper.
+    An optimizer stepped inside backward (from a post-accumulate-grad hook: "optimizer step in
+    backward", one optimizer per parameter) is over for the iteration only when backward
+    returns, and a profiler may start or stop only there. Only while a capture listens (never
+    on the idle path): find the frame to wait for (the outermost frame of the optimizer's step
+    wrapper, or of the backward call on this thread) and run the callback when that frame
+    returns, from a one-shot profile function, or, when the thread already has one (torch's
+    profiler recording Python stacks, cProfile), a one-shot trace function on that frame alone.
+    Returns False (the caller runs the callback now) when neither is free, or the frame is not
+    on this thread's stack (a backward that runs the hook on an autograd worker thread).
     """
-    if sys.getprofile() is not None:
-        return False
     frame: Any = sys._getframe(1)
     while frame is not None and frame.f_code.co_filename == __file__:
         frame = frame.f_back  # dynprof's own hook frames
@@ -271,17 +285,50 @@ def _after_optimizer_range(callback: Callable[[], None]) -> bool:
         depth += 1
     if target is None:
         return False
+    if _in_backward():
+        target = None
+        depth = 0
+        while frame is not None and depth < _MAX_FRAMES:
+            if frame.f_code.co_filename.replace("\\", "/").endswith(_BACKWARD_FILES):
+                target = frame  # the outermost one wins
+            frame = frame.f_back
+            depth += 1
+        if target is None:
+            return False
 
-    def _on_event(frame: Any, event: str, arg: Any) -> None:
-        if event != "return" or frame is not target:
-            return
-        sys.setprofile(None)
+    def _run() -> None:
         try:
             callback()
         except Exception:
             log.exception("step boundary callback failed")
 
-    sys.setprofile(_on_event)
+    if sys.getprofile() is None:
+
+        def _on_event(frame: Any, event: str, arg: Any) -> None:
+            if event != "return" or frame is not target:
+                return
+            sys.setprofile(None)
+            _run()
+
+        sys.setprofile(_on_event)
+        return True
+    if sys.gettrace() is not None:
+        return False
+
+    def _on_call(frame: Any, event: str, arg: Any) -> None:
+        return None  # no other frame is traced
+
+    def _on_target(frame: Any, event: str, arg: Any) -> Any:
+        if event != "return" or frame is not target:
+            return _on_target
+        sys.settrace(None)
+        frame.f_trace = None
+        _run()
+        return None
+
+    target.f_trace_lines = False
+    target.f_trace = _on_target
+    sys.settrace(_on_call)
     return True
 
 
