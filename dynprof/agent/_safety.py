@@ -90,6 +90,27 @@ def in_operator_dispatch(skip: int = 1) -> bool:
     return False
 
 
+def in_optimizer_step(skip: int = 1) -> bool:
+    """True when an optimizer step (torch.optim) is on the calling thread's Python stack.
+
+    A start or stop there cuts the step's ``Optimizer.step#`` range (and runs among its
+    operators: FSDP2's DTensor operators warn about a profiler stopped there). Step boundaries
+    are taken after the range has closed; a start or stop that runs wherever the main thread
+    is (a pending call) waits until the step is over.
+    """
+    try:
+        frame: Any = sys._getframe(skip)
+    except ValueError:
+        return False
+    depth = 0
+    while frame is not None and depth < _MAX_FRAMES:
+        if "/torch/optim/" in frame.f_code.co_filename.replace("\\", "/"):
+            return True
+        frame = frame.f_back
+        depth += 1
+    return False
+
+
 def other_profiler_active() -> bool:
     """True when a torch.profiler (or autograd profiler) other than dynprof's is recording.
 

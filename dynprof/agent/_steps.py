@@ -26,6 +26,7 @@ log = logging.getLogger("dynprof.agent")
 
 OPTIMIZER_MODULE = "torch.optim.optimizer"
 MAX_OPTIMIZERS = 256
+RECENT_STEPS = 9
 
 BoundaryListener = Callable[[int], None]
 
@@ -50,6 +51,7 @@ class StepTracker:
         self.last_step_at = 0.0  # time.time() of the latest boundary
         self.last_progress_at = 0.0  # time.time() of the latest optimizer step of any kind
         self.step_time_s = 0.0  # exponential mean of step durations
+        self._recent = [0.0] * RECENT_STEPS  # the latest step durations, for typical_step_s
         self.optimizer_steps = 0  # every optimizer step seen, eager ones
         self.compiled_steps = 0  # optimizer steps seen inside a compiled region (Dynamo replays +1)
         self._folded_compiled = 0
@@ -74,6 +76,12 @@ class StepTracker:
     def remove_listener(self, listener: BoundaryListener) -> None:
         with self._lock:
             self._listeners = tuple(x for x in self._listeners if x is not listener)
+
+    def typical_step_s(self) -> float:
+        """The median of the latest step durations (one slow step, such as the one a trace's
+        start or stop made, does not move it); 0.0 before any."""
+        recent = sorted(d for d in self._recent if d > 0.0)
+        return recent[len(recent) // 2] if recent else 0.0
 
     def fold_compiled(self) -> bool:
         """Count optimizer steps made inside compiled regions. True if the step advanced."""
@@ -126,6 +134,7 @@ class StepTracker:
             if self._last_mono:
                 dt = mono - self._last_mono
                 self.step_time_s = dt if not self.step_time_s else 0.9 * self.step_time_s + 0.1 * dt
+                self._recent[self.step % RECENT_STEPS] = dt
             self._last_mono = mono
             self.last_step_at = now
             if self._listeners:

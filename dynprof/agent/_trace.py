@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from collectors.torch_trace import KIND, TRACE_FILE, TraceOptions, TraceSession
 from dynprof.agent._mainthread import call_soon_in_main_thread
-from dynprof.agent._safety import WATCH, other_profiler_active, unsafe_reason
+from dynprof.agent._safety import WATCH, in_optimizer_step, other_profiler_active, unsafe_reason
 from dynprof.agent._server import CommandError
 from dynprof.proto import pb
 from dynprof.store import ArtifactStore
@@ -51,6 +51,7 @@ ALIGN_DURATION_MAX_STEP_S = 0.1
 STOP_GRACE_STEPS = 3.0
 STOP_GRACE_MIN_S = 0.5
 MAX_SPANS_DESCRIBED = 10_000
+MAX_OPTIMIZER_WAITS = 200
 
 
 def _default_max_duration() -> float:
@@ -97,6 +98,7 @@ class TraceController:
         self._first_partial = False
         self._last_partial = False
         self._span_marks: list[int] = []  # StepTracker.optimizer_steps at each span boundary
+        self._optimizer_waits = 0
         WATCH.on_foreign_prepare = self._on_foreign_profiler
 
     # -- protocol handlers (server thread) -------------------------------------------------
@@ -139,7 +141,7 @@ class TraceController:
             step_aligned = (
                 msg.steps > 0
                 or (msg.duration_s == 0 and flowing)
-                or (flowing and self.steps.step_time_s <= ALIGN_DURATION_MAX_STEP_S)
+                or (flowing and self.steps.typical_step_s() <= ALIGN_DURATION_MAX_STEP_S)
             )
             if msg.steps > 0 and not self.steps.hook_installed:
                 raise CommandError(
@@ -375,11 +377,21 @@ class TraceController:
                 return
             first = self.steps.step + 1 if self.steps.hook_installed else None
             self._first_partial = self.steps.hook_installed  # not at a step boundary
-            if not self._begin(first_step=first):
+            if self._inside_optimizer_step() or not self._begin(first_step=first):
                 self._retry_on_main_thread(self._start_at_safe_point)
                 return
             if self.state == "tracing" and self.steps.hook_installed:
                 self.steps.add_listener(self._on_boundary)
+
+    def _inside_optimizer_step(self) -> bool:
+        """A pending-call start or stop waits out the optimizer step it landed in, for up to
+        MAX_OPTIMIZER_WAITS retries (a loop that runs whole iterations inside the optimizer's
+        step, with a closure, is then started or stopped where it is)."""
+        if self._optimizer_waits >= MAX_OPTIMIZER_WAITS or not in_optimizer_step(skip=3):
+            self._optimizer_waits = 0
+            return False
+        self._optimizer_waits += 1
+        return True
 
     def _stop_at_safe_point(self) -> None:
         with self._lock:
@@ -391,7 +403,7 @@ class TraceController:
             if self.session.thread_id != threading.get_ident():
                 return
             self._last_partial = True  # not at a step boundary
-            if not self._end_at_safe_point(self.stop_requested):
+            if self._inside_optimizer_step() or not self._end_at_safe_point(self.stop_requested):
                 self._stop_deferred = True
                 self._retry_on_main_thread(self._stop_at_safe_point)
 
@@ -420,7 +432,7 @@ class TraceController:
         if self._aligned and self._steps_flowing():
             # The next step boundary ends it (the last span one whole iteration); if none
             # comes soon, the main thread does.
-            grace = max(STOP_GRACE_MIN_S, STOP_GRACE_STEPS * self.steps.step_time_s)
+            grace = max(STOP_GRACE_MIN_S, STOP_GRACE_STEPS * self.steps.typical_step_s())
             self._timer(grace, self._stop_without_boundary)
             return
         if self.session.thread_id == threading.main_thread().ident:
