@@ -415,20 +415,18 @@ def check_step_spans(trace: dict[str, Any]) -> dict[str, Any]:
     """How exactly a trace's ``ProfilerStep#N`` spans hold training iterations.
 
     Returns the number of spans, the optimizer steps (``Optimizer.step#...`` ranges) that
-    start in each span, and the optimizer steps that straddle a span boundary (start in one
-    span, or before the first, and end after its end). A trace whose spans are each exactly one
+    start in each span (on any thread: autograd's device threads run the optimizers stepped in
+    a CUDA backward), and the optimizer steps that straddle a span boundary (start in one span,
+    or before the first, and end after its end). A trace whose spans are each exactly one
     iteration has ``straddling == 0`` and the same number of optimizer steps in every span
     (``per_span``: one for a plain loop, N for N optimizers per iteration).
     """
     spans = profiler_steps(trace)
-    tids = {e.get("tid") for e in spans}
     edges = [(_number(e.get("ts", 0)), _number(e.get("ts", 0)) + _number(e.get("dur", 0))) for e in spans]
     per_span = [0] * len(spans)
     straddling = 0
     outside = 0
     for e in _optimizer_steps(trace):
-        if tids and e.get("tid") not in tids:
-            continue
         start = _number(e.get("ts", 0))
         end = start + _number(e.get("dur", 0))
         inside = [i for i, (a, b) in enumerate(edges) if a <= start < b]
