@@ -63,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     def step() -> None:
         opt.step()
 
-    # Without the agent: compile and count.
+    # Without the agent: compile from scratch and count.
+    torch._dynamo.reset()
     counters.clear()
     for _ in range(3):
         step()
@@ -73,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     assert agent is not None and agent.wait_ready()
     assert agent.steps.hook_installed, "the optimizer hook should be installed (torch.optim is imported)"
     hook = optmod._global_optimizer_post_hooks[agent.steps._handle.id]
+    torch._dynamo.reset()  # with the agent: compile from scratch too
     counters.clear()
     for _ in range(3):
         step()
