@@ -27,14 +27,15 @@ TRACE_FILE = "trace.json.gz"
 KIND = "trace"
 
 # Kineto prints "USDT: ... profiler_start/stop" lines and, with a CUDA build on a machine
-# without a GPU, device-probe errors into the process's stderr. Severity 6 is above all of
-# them. Set only when the job has not chosen a level itself, before Kineto first initialises.
-KINETO_QUIET_LEVEL = "6"
+# without a GPU, device-probe errors into the process's stderr. Its one logger is process-wide:
+# KINETO_LOG_LEVEL is read once, when Kineto first initialises (after that, changing the
+# variable changes nothing), and USDT is its highest severity, so only level 6 hides those lines
+# and it hides everything else too. dynprof never sets the variable (that would silence the
+# job's own later profilers for good); it raises libkineto's severity threshold to this level
+# only while its own profiler starts and stops, on the training thread, and restores it.
+KINETO_QUIET_LEVEL = 6
+_KINETO_SEVERITY_SYMBOL = "_ZN9libkineto6Logger14severityLevel_E"  # libkineto::Logger::severityLevel_
 MAX_WARNINGS_KEPT = 20
-# What torch warns on the training thread *while* dynprof's profiler records, about what the
-# profiler met rather than about the job (e.g. FSDP2's DTensor: "PythonSubclass", raised from
-# the profiler's collection at an optimizer op). Ignored while dynprof's trace records only.
-RECORDING_WARNINGS = (r"PythonSubclass\b",)
 
 
 @dataclass
@@ -83,7 +84,6 @@ class TraceSession:
         self.stop_pause_s = 0.0
         self.thread_id: int | None = None
         self.warnings: list[str] = []  # what torch warned about while dynprof drove the profiler
-        self._filters: list[Any] = []  # the warning filters added while recording
 
     @contextlib.contextmanager
     def _quiet(self) -> Any:
@@ -119,10 +119,9 @@ class TraceSession:
         if first_step is not None:
             prof.step_num = first_step
         self.first_step = first_step
-        os.environ.setdefault("KINETO_LOG_LEVEL", KINETO_QUIET_LEVEL)
-        with self._quiet():
+        with self._quiet(), _KinetoQuiet() as kineto:
+            _after_prepare(prof, kineto.again)
             prof.start()
-        self._hush_recording()
         self.prof = prof
         self.thread_id = threading.get_ident()
         self.started_at = time.time()
@@ -143,27 +142,9 @@ class TraceSession:
         collecting the events on this thread is ``stop_pause_s``."""
         self.stopped_at = time.time()
         t0 = time.perf_counter()
-        try:
-            with self._quiet():
-                self.prof.stop()
-        finally:
-            self._unhush_recording()
+        with self._quiet(), _KinetoQuiet():
+            self.prof.stop()
         self.stop_pause_s = time.perf_counter() - t0
-
-    def _hush_recording(self) -> None:
-        for pattern in RECORDING_WARNINGS:
-            warnings.filterwarnings("ignore", message=pattern, category=UserWarning)
-            self._filters.append(warnings.filters[0])
-
-    def _unhush_recording(self) -> None:
-        for f in self._filters:
-            with contextlib.suppress(ValueError):
-                warnings.filters.remove(f)  # type: ignore[attr-defined]
-        if self._filters:
-            mutated = getattr(warnings, "_filters_mutated", None)
-            if mutated is not None:
-                mutated()
-        self._filters = []
 
     def export(self, path: Path) -> dict[str, Any]:
         """Write the gzipped Chrome trace to ``path``; return manifest summary fields."""
@@ -185,6 +166,100 @@ class TraceSession:
             "trace_bytes": path.stat().st_size,
             "torch_warnings": list(self.warnings),
         }
+
+
+class _KinetoQuiet:
+    """Kineto's own lines hidden while dynprof's profiler starts or stops (see above)."""
+
+    def __init__(self) -> None:
+        self.level = _kineto_severity()
+        self.before = 0
+        self.quiet = KINETO_QUIET_LEVEL
+
+    def __enter__(self) -> _KinetoQuiet:
+        if self.level is not None:
+            self.before = self.level.value
+            self.quiet = max(self.before, KINETO_QUIET_LEVEL)
+            self.level.value = self.quiet
+        return self
+
+    def again(self) -> None:
+        """After Kineto's first initialisation (in the profiler's prepare step), which sets
+        the level of its own (from the job's KINETO_LOG_LEVEL, or its default): that level is
+        the one to restore, and dynprof's start stays quiet."""
+        if self.level is not None and self.level.value != self.quiet:
+            self.before = self.level.value
+            self.level.value = self.quiet
+
+    def __exit__(self, *exc: object) -> None:
+        if self.level is None:
+            return
+        # A level that differs from the quiet one was set meanwhile by Kineto's own
+        # initialisation, and stays; so does a quiet level the job itself asked for.
+        if self.level.value == self.quiet and _env_kineto_level() != self.quiet:
+            self.level.value = self.before
+
+
+def _after_prepare(prof: Any, callback: Any) -> None:
+    """Call ``callback`` right after ``prof``'s prepare step in its start (dynprof's own
+    profiler object; its schedule always records). Nothing happens where torch lays this out
+    differently."""
+    try:
+        from torch.profiler import ProfilerAction
+
+        table: Any = getattr(prof, "action_map", None)
+        key = (ProfilerAction.NONE, ProfilerAction.RECORD)
+        actions = table.get(key) if isinstance(table, dict) else None
+        if not actions or actions[0] != prof.prepare_trace:
+            return
+        prepare = actions[0]
+
+        def prepare_then() -> None:
+            prepare()
+            callback()
+
+        table[key] = [prepare_then, *actions[1:]]
+    except Exception:
+        pass
+
+
+_KINETO_LEVEL: list[Any] = []  # [ctypes.c_int or None], found once
+
+
+def _env_kineto_level() -> int | None:
+    """KINETO_LOG_LEVEL as Kineto reads it (atoi), or None when unset."""
+    text = os.environ.get("KINETO_LOG_LEVEL")
+    if text is None:
+        return None
+    digits = text.strip()
+    sign = -1 if digits.startswith("-") else 1
+    digits = digits.lstrip("+-")
+    n = 0
+    for ch in digits:
+        if not ch.isdigit():
+            break
+        n = n * 10 + int(ch)
+    return sign * n
+
+
+def _kineto_severity() -> Any:
+    """libkineto's severity threshold (a ``ctypes.c_int`` over the process's own variable),
+    or None when this torch build does not export it (then Kineto's lines are left as they are)."""
+    if not _KINETO_LEVEL:
+        found = None
+        try:
+            import ctypes
+
+            import torch
+
+            lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
+            found = ctypes.c_int.in_dll(lib, _KINETO_SEVERITY_SYMBOL)
+            if not 0 <= found.value <= 16:  # not what a severity looks like: leave it alone
+                found = None
+        except Exception:
+            found = None
+        _KINETO_LEVEL.append(found)
+    return _KINETO_LEVEL[0]
 
 
 def _dist_initialized() -> bool:
@@ -322,6 +397,58 @@ def profiler_steps(trace: dict[str, Any]) -> list[dict[str, Any]]:
     ]
     steps.sort(key=lambda e: _number(e.get("ts", 0)))
     return steps
+
+
+def _optimizer_steps(trace: dict[str, Any]) -> list[dict[str, Any]]:
+    """The ``Optimizer.step#...`` ranges torch.optim records around each optimizer step."""
+    steps = [
+        e
+        for e in trace.get("traceEvents", [])
+        if isinstance(e, dict)
+        and e.get("ph") == "X"
+        and str(e.get("name", "")).startswith("Optimizer.step#")
+        and e.get("cat") != "gpu_user_annotation"
+    ]
+    steps.sort(key=lambda e: _number(e.get("ts", 0)))
+    return steps
+
+
+def check_step_spans(trace: dict[str, Any]) -> dict[str, Any]:
+    """How exactly a trace's ``ProfilerStep#N`` spans hold training iterations.
+
+    Returns the number of spans, the optimizer steps (``Optimizer.step#...`` ranges) that
+    start in each span (on any thread: autograd's device threads run the optimizers stepped in
+    a CUDA backward), and the optimizer steps that straddle a span boundary (start in one span,
+    or before the first, and end after its end). A trace whose spans are each exactly one
+    iteration has ``straddling == 0`` and the same number of optimizer steps in every span
+    (``per_span``: one for a plain loop, N for N optimizers per iteration).
+    """
+    spans = profiler_steps(trace)
+    edges = [(_number(e.get("ts", 0)), _number(e.get("ts", 0)) + _number(e.get("dur", 0))) for e in spans]
+    per_span = [0] * len(spans)
+    straddling = 0
+    outside = 0
+    for e in _optimizer_steps(trace):
+        start = _number(e.get("ts", 0))
+        end = start + _number(e.get("dur", 0))
+        inside = [i for i, (a, b) in enumerate(edges) if a <= start < b]
+        if inside:
+            i = inside[0]
+            per_span[i] += 1
+            if end > edges[i][1]:
+                straddling += 1
+        elif edges and start < edges[0][0] < end:
+            straddling += 1  # began before the first span and ends inside the trace
+        else:
+            outside += 1
+    return {
+        "spans": len(spans),
+        "names": [str(e.get("name", "")) for e in spans],
+        "per_span": per_span,
+        "straddling": straddling,
+        "outside": outside,
+        "one_each": bool(spans) and straddling == 0 and len(set(per_span)) == 1 and per_span[0] > 0,
+    }
 
 
 def summarize(trace: dict[str, Any], top: int = 10) -> dict[str, Any]:

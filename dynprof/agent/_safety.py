@@ -7,8 +7,9 @@ optimizer stepped from a post-accumulate-grad hook, or a pending call that fired
 silently dropped when backward returns, and stopping it later crashes in libtorch. Kineto is
 also one per process: a second profiler started while the job runs its own silently ends the
 first one. So dynprof starts and stops its profiler only at a *safe point*: on the training
-thread, outside any autograd graph task, outside torch.compile's machinery, and only while no
-other profiler is active. :func:`unsafe_reason` says why a moment is not safe; the trace
+thread, outside any autograd graph task, outside torch.compile's machinery, outside a tensor
+operator's Python dispatch (a tensor subclass such as DTensor), and only while no other
+profiler is active. :func:`unsafe_reason` says why a moment is not safe; the trace
 controller then retries a few milliseconds later (or at the next step boundary).
 
 :class:`ProfilerWatch` knows when the job's own profiler is prepared or recording, and tells
@@ -33,6 +34,14 @@ log = logging.getLogger("dynprof.agent")
 # running a compiled region through its wrappers.
 _COMPILE_PATHS = ("/torch/_dynamo/", "/torch/_inductor/", "/torch/_functorch/", "/torch/_higher_order_ops/")
 _MAX_FRAMES = 512
+# Python frames that run in the middle of one tensor operator: a tensor subclass's dispatch
+# (DTensor's, under FSDP2 and tensor parallel, runs in torch/distributed/tensor/), a dispatch
+# or function mode. libtorch has opened that operator's profiler range ("PythonSubclass") in
+# C++ before calling them and closes it when they return: a profiler stopped in between makes
+# torch warn about the range at the operator's return, into the job's output, after dynprof's
+# trace has ended; one started in between misses the range's start.
+_DISPATCH_PATHS = ("/torch/distributed/tensor/", "/torch/_subclasses/", "/torch/utils/_python_dispatch.py")
+_DISPATCH_NAMES = ("__torch_dispatch__", "__torch_function__")
 
 
 def in_backward() -> bool:
@@ -56,6 +65,46 @@ def in_compiled_region(skip: int = 1) -> bool:
     while frame is not None and depth < _MAX_FRAMES:
         name = frame.f_code.co_filename.replace("\\", "/")
         if any(p in name for p in _COMPILE_PATHS):
+            return True
+        frame = frame.f_back
+        depth += 1
+    return False
+
+
+def in_operator_dispatch(skip: int = 1) -> bool:
+    """True when the calling thread runs Python inside a tensor operator's dispatch."""
+    try:
+        frame: Any = sys._getframe(skip)
+    except ValueError:
+        return False
+    depth = 0
+    while frame is not None and depth < _MAX_FRAMES:
+        code = frame.f_code
+        if code.co_name in _DISPATCH_NAMES:
+            return True
+        name = code.co_filename.replace("\\", "/")
+        if any(p in name for p in _DISPATCH_PATHS):
+            return True
+        frame = frame.f_back
+        depth += 1
+    return False
+
+
+def in_optimizer_step(skip: int = 1) -> bool:
+    """True when an optimizer step (torch.optim) is on the calling thread's Python stack.
+
+    A start or stop there cuts the step's ``Optimizer.step#`` range (and runs among its
+    operators: FSDP2's DTensor operators warn about a profiler stopped there). Step boundaries
+    are taken after the range has closed; a start or stop that runs wherever the main thread
+    is (a pending call) waits until the step is over.
+    """
+    try:
+        frame: Any = sys._getframe(skip)
+    except ValueError:
+        return False
+    depth = 0
+    while frame is not None and depth < _MAX_FRAMES:
+        if "/torch/optim/" in frame.f_code.co_filename.replace("\\", "/"):
             return True
         frame = frame.f_back
         depth += 1
@@ -88,6 +137,8 @@ def unsafe_reason(check_other_profiler: bool = True) -> str | None:
         return "inside autograd's backward"
     if in_compiled_region(skip=2):
         return "inside a torch.compile region"
+    if in_operator_dispatch(skip=2):
+        return "inside a tensor operator's Python dispatch"
     if check_other_profiler and other_profiler_active():
         return "another torch.profiler is active"
     return None

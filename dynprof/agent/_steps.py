@@ -26,6 +26,7 @@ log = logging.getLogger("dynprof.agent")
 
 OPTIMIZER_MODULE = "torch.optim.optimizer"
 MAX_OPTIMIZERS = 256
+RECENT_STEPS = 9
 
 BoundaryListener = Callable[[int], None]
 
@@ -41,7 +42,8 @@ class StepTracker:
     created mid-run (a second training stage, a k-fold loop, a second HF ``Trainer``) goes on
     counting from where the previous one left off (its very first step joins the iteration
     in progress). Optimizer steps that run inside a ``torch.compile``d region are counted as
-    one step each (Dynamo traces only the counter increment; no listener runs there).
+    one step each (Dynamo traces the hook into the compiled frame, where it only stores a
+    constant into :data:`COMPILED_STEPS`; no listener runs there, and nothing breaks the graph).
     """
 
     def __init__(self) -> None:
@@ -49,6 +51,7 @@ class StepTracker:
         self.last_step_at = 0.0  # time.time() of the latest boundary
         self.last_progress_at = 0.0  # time.time() of the latest optimizer step of any kind
         self.step_time_s = 0.0  # exponential mean of step durations
+        self._recent = [0.0] * RECENT_STEPS  # the latest step durations, for typical_step_s
         self.optimizer_steps = 0  # every optimizer step seen, eager ones
         self.compiled_steps = 0  # optimizer steps seen inside a compiled region (Dynamo replays +1)
         self._folded_compiled = 0
@@ -63,7 +66,6 @@ class StepTracker:
         self._lock = threading.Lock()
         self._handle: Any = None
         self._finder: _PostImportFinder | None = None
-        self._is_compiling: Callable[[], bool] = self._resolve_is_compiling
 
     # -- listeners (armed only while a capture needs step boundaries) ----------------------
     def add_listener(self, listener: BoundaryListener) -> None:
@@ -75,9 +77,16 @@ class StepTracker:
         with self._lock:
             self._listeners = tuple(x for x in self._listeners if x is not listener)
 
+    def typical_step_s(self) -> float:
+        """The median of the latest step durations (one slow step, such as the one a trace's
+        start or stop made, does not move it); 0.0 before any."""
+        recent = sorted(d for d in self._recent if d > 0.0)
+        return recent[len(recent) // 2] if recent else 0.0
+
     def fold_compiled(self) -> bool:
         """Count optimizer steps made inside compiled regions. True if the step advanced."""
-        compiled = self.compiled_steps
+        compiled = COMPILED_STEPS.count
+        self.compiled_steps = compiled
         if compiled == self._folded_compiled:
             return False
         self.step += compiled - self._folded_compiled
@@ -86,19 +95,10 @@ class StepTracker:
         return True
 
     # -- the hook ----------------------------------------------------------------------------
-    def _resolve_is_compiling(self) -> bool:
-        """First hook call (torch is fully imported by then): find torch.compiler.is_compiling,
-        which Dynamo reads as True while it traces."""
-        compiler = getattr(sys.modules.get("torch"), "compiler", None)
-        is_compiling = getattr(compiler, "is_compiling", None)
-        self._is_compiling = is_compiling if callable(is_compiling) else _never
-        return bool(self._is_compiling())
-
     def _hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if self._is_compiling():
-            # Inside a region Dynamo traces: only a plain attribute update, which Dynamo
-            # replays after the compiled graph; no clock, no listener, no graph break.
-            self.compiled_steps += 1
+        """What the registered hook does (also called directly by the benchmarks)."""
+        if _compiling():
+            COMPILED_STEPS.step = True
             return
         self._eager_step(optimizer)
 
@@ -116,7 +116,7 @@ class StepTracker:
             self.optimizer_steps += 1
             now = time.time()
             self.last_progress_at = now
-            if self.compiled_steps != self._folded_compiled:
+            if COMPILED_STEPS.count != self._folded_compiled:
                 self.fold_compiled()
             key = id(optimizer)
             if key not in self.optimizers:
@@ -134,6 +134,7 @@ class StepTracker:
             if self._last_mono:
                 dt = mono - self._last_mono
                 self.step_time_s = dt if not self.step_time_s else 0.9 * self.step_time_s + 0.1 * dt
+                self._recent[self.step % RECENT_STEPS] = dt
             self._last_mono = mono
             self.last_step_at = now
             if self._listeners:
@@ -172,7 +173,8 @@ class StepTracker:
                 getattr(sys.modules.get("torch"), "__version__", "?"),
             )
             return
-        self._handle = register(_dynamo_skipped(self._hook))
+        _TORCH[0] = getattr(module, "torch", None) or sys.modules.get("torch")
+        self._handle = register(_traceable_hook(self._eager_step))
         self.hook_installed = True
         log.info("optimizer step hook installed")
         callback = self.on_install
@@ -198,43 +200,87 @@ class StepTracker:
         self.hook_installed = False
 
 
-def _never() -> bool:
-    return False
+class _CompiledStepCounter(ModuleType):
+    """Counts the optimizer steps that run inside compiled regions.
+
+    Inside a frame that Dynamo compiles, the step hook stores the constant ``True`` into
+    ``COMPILED_STEPS.step``. Dynamo records that store as a side effect of the frame and
+    replays it, after the compiled graph has run, as a plain ``STORE_ATTR`` on this module,
+    which runs this ``__setattr__`` eagerly: one count per compiled optimizer step. The hook
+    never reads a value there, so the compiled frame holds no guard on the count (no recompile)
+    and no graph break; the compiled graph itself is unchanged.
+    """
+
+    count = 0
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        cls = type(self)
+        cls.count += 1
 
 
-def _dynamo_skipped(method: Callable[[Any, Any, Any], None]) -> Callable[[Any, Any, Any], None]:
-    """The hook as a plain function that Dynamo calls instead of tracing.
+COMPILED_STEPS = _CompiledStepCounter("dynprof_compiled_steps")
+# torch, as torch.optim.optimizer imported it: found through that module when the hook is
+# registered (torch is still initialising then), read when the hook runs.
+_TORCH: list[Any] = [None]
 
-    ``_torchdynamo_disable`` is the mark ``torch._dynamo.skip`` sets: Dynamo then runs the
-    function eagerly at that point of a compiled optimizer step (where torch.optim already
-    breaks the graph) rather than tracing into it, and it costs nothing in eager mode: no
-    wrapper, no import of torch._dynamo.
+
+def _compiling() -> bool:
+    """torch.compiler.is_compiling(): a constant True that Dynamo folds while it traces."""
+    torch = _TORCH[0]
+    if torch is None:
+        return False
+    compiler = getattr(torch, "compiler", None)
+    return bool(compiler is not None and compiler.is_compiling())
+
+
+def _traceable_hook(eager_step: Callable[[Any], None]) -> Callable[[Any, Any, Any], None]:
+    """The registered hook: eager steps go to ``eager_step``; Dynamo traces the rest.
+
+    Dynamo inlines this function into a compiled optimizer step (``torch.compile`` of a
+    function that calls ``opt.step()``): ``_compiling()`` folds to True, and the store into
+    :data:`COMPILED_STEPS` is its only effect. Nothing there makes Dynamo break the graph,
+    skip the frame or guard on a changing value. In eager mode it costs one extra call.
     """
 
     def dynprof_step_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
-        method(optimizer, args, kwargs)
+        if _compiling():
+            COMPILED_STEPS.step = True
+            return
+        eager_step(optimizer)
 
-    dynprof_step_hook._torchdynamo_disable = True  # type: ignore[attr-defined]
-    dynprof_step_hook._torchdynamo_disable_msg = "dynprof's step counter runs eagerly"  # type: ignore[attr-defined]
     return dynprof_step_hook
 
 
 _OPTIMIZER_FILE = "torch/optim/optimizer.py"
+# The Python entry points of a backward pass (``loss.backward()``, ``torch.autograd.backward``,
+# ``torch.autograd.grad`` and the engine call they share).
+_BACKWARD_FILES = ("torch/_tensor.py", "torch/autograd/__init__.py", "torch/autograd/graph.py")
+_MAX_FRAMES = 512
+
+
+def _in_backward() -> bool:
+    torch = sys.modules.get("torch")
+    try:
+        return torch is not None and int(torch._C._current_graph_task_id()) != -1
+    except Exception:
+        return False
 
 
 def _after_optimizer_range(callback: Callable[[], None]) -> bool:
-    """Run ``callback`` right after the optimizer's ``step()`` wrapper returns.
+    """Run ``callback`` right after the optimizer step that called the hook is over.
 
     The global post hooks run inside the optimizer's own profiler range
     (``Optimizer.step#...``); a ProfilerStep boundary taken there would cut that range in two.
-    Only while a capture listens (never on the idle path): find the outermost frame of the
-    optimizer's step wrapper and run the callback from a one-shot profile function when that
-    frame returns, after its range has closed. Returns False (the caller runs the callback now)
-    when that is not possible: the thread already has a profile function (cProfile, a
-    debugger), or the hook was not called from the optimizer's wrapper.
+    An optimizer stepped inside backward (from a post-accumulate-grad hook: "optimizer step in
+    backward", one optimizer per parameter) is over for the iteration only when backward
+    returns, and a profiler may start or stop only there. Only while a capture listens (never
+    on the idle path): find the frame to wait for (the outermost frame of the optimizer's step
+    wrapper, or of the backward call on this thread) and run the callback when that frame
+    returns, from a one-shot profile function, or, when the thread already has one (torch's
+    profiler recording Python stacks, cProfile), a one-shot trace function on that frame alone.
+    Returns False (the caller runs the callback now) when neither is free, or the frame is not
+    on this thread's stack (a backward that runs the hook on an autograd worker thread).
     """
-    if sys.getprofile() is not None:
-        return False
     frame: Any = sys._getframe(1)
     while frame is not None and frame.f_code.co_filename == __file__:
         frame = frame.f_back  # dynprof's own hook frames
@@ -248,17 +294,50 @@ def _after_optimizer_range(callback: Callable[[], None]) -> bool:
         depth += 1
     if target is None:
         return False
+    if _in_backward():
+        target = None
+        depth = 0
+        while frame is not None and depth < _MAX_FRAMES:
+            if frame.f_code.co_filename.replace("\\", "/").endswith(_BACKWARD_FILES):
+                target = frame  # the outermost one wins
+            frame = frame.f_back
+            depth += 1
+        if target is None:
+            return False
 
-    def _on_event(frame: Any, event: str, arg: Any) -> None:
-        if event != "return" or frame is not target:
-            return
-        sys.setprofile(None)
+    def _run() -> None:
         try:
             callback()
         except Exception:
             log.exception("step boundary callback failed")
 
-    sys.setprofile(_on_event)
+    if sys.getprofile() is None:
+
+        def _on_event(frame: Any, event: str, arg: Any) -> None:
+            if event != "return" or frame is not target:
+                return
+            sys.setprofile(None)
+            _run()
+
+        sys.setprofile(_on_event)
+        return True
+    if sys.gettrace() is not None:
+        return False
+
+    def _on_call(frame: Any, event: str, arg: Any) -> None:
+        return None  # no other frame is traced
+
+    def _on_target(frame: Any, event: str, arg: Any) -> Any:
+        if event != "return" or frame is not target:
+            return _on_target
+        sys.settrace(None)
+        frame.f_trace = None
+        _run()
+        return None
+
+    target.f_trace_lines = False
+    target.f_trace = _on_target
+    sys.settrace(_on_call)
     return True
 
 

@@ -16,6 +16,7 @@ stopped by ``job-profiler``).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import os
@@ -25,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from collectors.torch_trace import KIND, TRACE_FILE, TraceOptions, TraceSession
 from dynprof.agent._mainthread import call_soon_in_main_thread
-from dynprof.agent._safety import WATCH, other_profiler_active, unsafe_reason
+from dynprof.agent._safety import WATCH, in_optimizer_step, other_profiler_active, unsafe_reason
 from dynprof.agent._server import CommandError
 from dynprof.proto import pb
 from dynprof.store import ArtifactStore
@@ -41,6 +42,16 @@ MAX_AT_STEP = 2**62
 # A start or stop that lands somewhere unsafe is retried this often (main thread only).
 SAFE_POINT_RETRY_S = 0.005
 COMPILED_STEP_POLL_S = 0.005
+# A duration-mode trace of a loop whose steps take at most this long starts and ends at step
+# boundaries (each span then one iteration); with longer steps it starts at once (the request
+# is served within ~100 ms) and the manifest marks its first span partial.
+ALIGN_DURATION_MAX_STEP_S = 0.1
+# A stop due while steps flow waits for the next step boundary, at most this many step times
+# (and at least STOP_GRACE_MIN_S); then it ends where the main thread is (last span partial).
+STOP_GRACE_STEPS = 3.0
+STOP_GRACE_MIN_S = 0.5
+MAX_SPANS_DESCRIBED = 10_000
+MAX_OPTIMIZER_WAITS = 200
 
 
 def _default_max_duration() -> float:
@@ -82,6 +93,12 @@ class TraceController:
         # torch runs Python inside start/stop, where CPython may run a pending call of ours on
         # the same thread: such a nested entry must not start or stop a second time.
         self._transitioning = False
+        # What the spans of the trace in progress are (see _span_fields).
+        self._aligned = False  # started at a step boundary, listening to boundaries
+        self._first_partial = False
+        self._last_partial = False
+        self._span_marks: list[int] = []  # StepTracker.optimizer_steps at each span boundary
+        self._optimizer_waits = 0
         WATCH.on_foreign_prepare = self._on_foreign_profiler
 
     # -- protocol handlers (server thread) -------------------------------------------------
@@ -120,7 +137,12 @@ class TraceController:
                 raise _profiler_active_error()
             self.steps.fold_compiled()
             now_step = self.steps.step
-            step_aligned = msg.steps > 0 or (msg.duration_s == 0 and self._steps_flowing())
+            flowing = self._steps_flowing()
+            step_aligned = (
+                msg.steps > 0
+                or (msg.duration_s == 0 and flowing)
+                or (flowing and self.steps.typical_step_s() <= ALIGN_DURATION_MAX_STEP_S)
+            )
             if msg.steps > 0 and not self.steps.hook_installed:
                 raise CommandError(
                     pb.UNSUPPORTED,
@@ -138,6 +160,9 @@ class TraceController:
             self.last_artifact = ""  # the state reports this request's artifact, never an older one
             self.last_status = ""
             self.armed_at = time.time()
+            self._aligned = step_aligned
+            self._first_partial = self._last_partial = False
+            self._span_marks = []
             self.state = "armed"
             max_s = msg.max_duration_s or DEFAULT_MAX_DURATION_S
             if msg.duration_s:
@@ -273,6 +298,7 @@ class TraceController:
             return True
         self.session = session
         self.state = "tracing"
+        self._span_marks = [self.steps.optimizer_steps]
         req = self.req
         if req.duration_s:
             self._timer(req.duration_s, lambda: self._request_stop_locked("duration"))
@@ -285,24 +311,27 @@ class TraceController:
                 return
             if self.state == "armed":
                 if step >= self.start_step and not self._begin(first_step=step + 1):
+                    self._first_partial = True  # it starts later, where the main thread is
                     self._retry_on_main_thread(self._start_at_safe_point)
                 return
             if self.state != "tracing" or self.session is None:
                 return
             if threading.get_ident() != self.session.thread_id:
                 return
-            if self._stop_deferred:
-                return  # the stop is already waiting for a safe point
             self.steps_done += 1
+            self._mark_span()
             req = self.req
             if self.stop_requested or (req.steps and self.steps_done >= req.steps):
                 why = self.stop_requested or "steps"
-                if not self._end_at_safe_point(why):
-                    self.stop_requested = why
+                self._last_partial = False
+                if self._end_at_safe_point(why):
+                    return  # the last span ends at this boundary
+                self.stop_requested = why
+                if not self._stop_deferred:
                     self._stop_deferred = True
                     self._retry_on_main_thread(self._stop_at_safe_point)
-            else:
-                self.session.step()
+            # A new span (also while a stop waits for a safe point: spans stay one iteration).
+            self.session.step()
 
     def _start_compiled_step_poller(self) -> None:
         """Optimizer steps inside a torch.compile region call no listener (Dynamo replays only
@@ -347,11 +376,22 @@ class TraceController:
             if not due:
                 return
             first = self.steps.step + 1 if self.steps.hook_installed else None
-            if not self._begin(first_step=first):
+            self._first_partial = self.steps.hook_installed  # not at a step boundary
+            if self._inside_optimizer_step() or not self._begin(first_step=first):
                 self._retry_on_main_thread(self._start_at_safe_point)
                 return
             if self.state == "tracing" and self.steps.hook_installed:
                 self.steps.add_listener(self._on_boundary)
+
+    def _inside_optimizer_step(self) -> bool:
+        """A pending-call start or stop waits out the optimizer step it landed in, for up to
+        MAX_OPTIMIZER_WAITS retries (a loop that runs whole iterations inside the optimizer's
+        step, with a closure, is then started or stopped where it is)."""
+        if self._optimizer_waits >= MAX_OPTIMIZER_WAITS or not in_optimizer_step(skip=3):
+            self._optimizer_waits = 0
+            return False
+        self._optimizer_waits += 1
+        return True
 
     def _stop_at_safe_point(self) -> None:
         with self._lock:
@@ -362,7 +402,8 @@ class TraceController:
                 return
             if self.session.thread_id != threading.get_ident():
                 return
-            if not self._end_at_safe_point(self.stop_requested):
+            self._last_partial = True  # not at a step boundary
+            if self._inside_optimizer_step() or not self._end_at_safe_point(self.stop_requested):
                 self._stop_deferred = True
                 self._retry_on_main_thread(self._stop_at_safe_point)
 
@@ -388,9 +429,39 @@ class TraceController:
             self.stop_requested = why
             if self.session.stop_requested_at == 0.0:
                 self.session.stop_requested_at = time.time()
+        if self._aligned and self._steps_flowing():
+            # The next step boundary ends it (the last span one whole iteration); if none
+            # comes soon, the main thread does.
+            grace = max(STOP_GRACE_MIN_S, STOP_GRACE_STEPS * self.steps.typical_step_s())
+            self._timer(grace, self._stop_without_boundary)
+            return
         if self.session.thread_id == threading.main_thread().ident:
             call_soon_in_main_thread(self._stop_at_safe_point)
         # Otherwise the next step boundary on the tracing thread ends it.
+
+    def _stop_without_boundary(self) -> None:
+        with self._lock:
+            if self.state != "tracing" or self.session is None or not self.stop_requested:
+                return
+            if self.session.thread_id == threading.main_thread().ident:
+                call_soon_in_main_thread(self._stop_at_safe_point)
+
+    def _mark_span(self) -> None:
+        if len(self._span_marks) <= MAX_SPANS_DESCRIBED:
+            self._span_marks.append(self.steps.optimizer_steps)
+
+    def _span_fields(self, at_boundary: bool) -> dict[str, Any]:
+        """What the trace's ProfilerStep# spans are, for the manifest."""
+        marks = self._span_marks
+        if not at_boundary and marks:
+            marks = [*marks, self.steps.optimizer_steps]  # the last span, up to the stop
+        per_span = [b - a for a, b in itertools.pairwise(marks)]
+        return {
+            "span": "iteration",  # ProfilerStep#N: training iteration N, boundary to boundary
+            "first_span_partial": self._first_partial,
+            "last_span_partial": not at_boundary,
+            "optimizer_steps_per_span": per_span,
+        }
 
     def _on_foreign_profiler(self) -> None:
         """The job is starting its own profiler: end dynprof's trace first (the job wins)."""
@@ -400,6 +471,7 @@ class TraceController:
             if self.session.thread_id == threading.get_ident():
                 log.warning("the job started its own torch.profiler: dynprof's trace ends here (partial)")
                 self.stop_requested = "job-profiler"
+                self._last_partial = True
                 self._end("job-profiler")
                 return
             # Another thread: Kineto is about to be taken over, and dynprof's profiler can only
@@ -446,15 +518,24 @@ class TraceController:
         self.state = "exporting"
         req = self.req
         partial = (bool(req.steps) and self.steps_done < req.steps) or why == "job-profiler"
+        spans = self._span_fields(at_boundary=not self._last_partial)
         self._export_thread = threading.Thread(
             target=self._export,
-            args=(session, req, self.steps_done, why, partial),
+            args=(session, req, self.steps_done, why, partial, spans),
             name="dynprof-trace-export",
             daemon=True,
         )
         self._export_thread.start()
 
-    def _export(self, session: TraceSession, req: Any, steps_done: int, why: str, partial: bool) -> None:
+    def _export(
+        self,
+        session: TraceSession,
+        req: Any,
+        steps_done: int,
+        why: str,
+        partial: bool,
+        spans: dict[str, Any] | None = None,
+    ) -> None:
         ident = self.agent.identity
         status = "partial" if partial else "complete"
         error = ""
@@ -481,6 +562,7 @@ class TraceController:
                 summary.update(
                     steps_requested=req.steps, steps_captured=steps_done, stopped_by=why, start_step=self.start_step
                 )
+                summary.update(spans or {})
                 art = writer.finish(status, summary=summary)
             except BaseException as exc:
                 writer.finish("failed", error=f"{type(exc).__name__}: {exc}")
@@ -504,6 +586,7 @@ class TraceController:
             if self.state == "tracing" and self.session is not None:
                 self.stop_requested = "exit"
                 session, req, done = self.session, self.req, self.steps_done
+                spans = self._span_fields(at_boundary=False)
                 self.steps.remove_listener(self._on_boundary)
                 self._cancel_timers()
                 try:
@@ -517,8 +600,9 @@ class TraceController:
                 return
             else:
                 session = None
+                spans = None
         if session is not None:
-            self._export(session, req, done, "exit", partial=True)
+            self._export(session, req, done, "exit", partial=True, spans=spans)
         thread = self._export_thread
         if thread is not None and thread.is_alive():
             thread.join(timeout=60)

@@ -1,40 +1,125 @@
-"""Torch's warnings about what dynprof's own profiler met while it records stay out of the job's
-output, and only while dynprof's trace records."""
+"""Torch's ``PythonSubclass`` warning (FSDP2's DTensor) never reaches the job's output.
+
+libkineto opens the profiler range "PythonSubclass" in C++ before it runs a tensor subclass's
+Python dispatch and closes it when that returns. dynprof's profiler stopped in between (a
+duration-mode stop, or a deferred stop, runs as a pending call wherever the main thread is)
+makes torch warn about the range at the operator's return: after dynprof's trace has ended, at
+the job's own line (``adam.py:544`` under FSDP2). So dynprof never starts or stops its profiler
+inside a tensor operator's Python dispatch: ``unsafe_reason`` names it, and the controller
+retries a few milliseconds later. The job's warnings are never filtered.
+"""
 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 
 import pytest
 
 from collectors.torch_trace import TraceOptions, TraceSession
+from dynprof.agent._safety import unsafe_reason
 
 torch = pytest.importorskip("torch")
-
-# As torch raises it from the profiler's collection on FSDP2's DTensor, on the training thread.
-SUBCLASS = "PythonSubclass (Triggered internally at /pytorch/torch/csrc/profiler/collection.cpp:664.)"
+from torch.utils._pytree import tree_map  # noqa: E402
 
 
-def _warned(message: str) -> list[str]:
+class _Subclass(torch.Tensor):
+    """A wrapper tensor subclass whose Python dispatch runs ``during`` (as DTensor's runs
+    sharding propagation), where a pending call of the agent may fire."""
+
+    during: Callable[[], None] = staticmethod(lambda: None)
+
+    @staticmethod
+    def __new__(cls, elem):  # type: ignore[no-untyped-def]
+        return torch.Tensor._make_wrapper_subclass(cls, elem.shape, dtype=elem.dtype)
+
+    def __init__(self, elem):  # type: ignore[no-untyped-def]
+        self.elem = elem
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        cls.during()
+        unwrapped = tree_map(lambda x: x.elem if isinstance(x, _Subclass) else x, args)
+        out = func(*unwrapped, **(kwargs or {}))
+        return tree_map(lambda x: _Subclass(x) if isinstance(x, torch.Tensor) else x, out)
+
+
+def _job_warnings(fn: Callable[[], None]) -> list[str]:
+    """What the job would see: every warning raised while ``fn`` runs, with the job's filters."""
     with warnings.catch_warnings(record=True) as caught:
-        warnings.warn(message, UserWarning, stacklevel=1)
+        warnings.simplefilter("always")
+        fn()
     return [str(w.message) for w in caught]
 
 
-def test_profiler_warnings_are_ignored_while_recording_and_only_then():
-    filters_before = list(warnings.filters)
+def test_a_stop_inside_a_subclass_dispatch_makes_torch_warn_at_the_jobs_line():
+    # GIVEN dynprof's trace recording a job whose tensors are a Python subclass
     session = TraceSession(TraceOptions(activities=["cpu"]), {"rank": 0})
-    # GIVEN dynprof's trace recording
+    x = _Subclass(torch.ones(3))
     session.start(first_step=1)
+    reasons: list[str | None] = []
+
+    def stop_here() -> None:
+        reasons.append(unsafe_reason(check_other_profiler=False))  # as a stop checks
+        if session.stopped_at == 0.0:
+            session.stop()
+
+    _Subclass.during = staticmethod(stop_here)
     try:
-        # THEN torch's warning about the profiler is not shown; the job's own warnings are
-        assert _warned(SUBCLASS) == []
-        assert _warned("the job's own warning") == ["the job's own warning"]
+        # WHEN the profiler is stopped inside the operator's Python dispatch
+        seen = _job_warnings(lambda: x.sqrt())
     finally:
-        session.stop()
-    # AND once it stopped, the filters are as the job left them
+        _Subclass.during = staticmethod(lambda: None)
+        if session.stopped_at == 0.0:
+            session.stop()
+    # THEN torch warns at the operator's return, into the job's output: that is why
+    assert any(m.startswith("PythonSubclass") for m in seen), seen
+    # AND dynprof's safety check names that moment unsafe
+    assert reasons[0] == "inside a tensor operator's Python dispatch"
+
+
+def test_trace_of_subclass_ops_stopped_at_a_safe_point_warns_nothing():
+    # GIVEN dynprof's trace recording subclass operators, whose dispatch asks for the stop
+    # (as a pending call of a duration-mode trace lands there)
+    session = TraceSession(TraceOptions(activities=["cpu"]), {"rank": 0})
+    x = _Subclass(torch.ones(3))
+    session.start(first_step=1)
+    deferred: list[str] = []
+
+    def stop_where_safe() -> None:
+        reason = unsafe_reason(check_other_profiler=False)  # as a stop checks
+        if reason is not None:
+            deferred.append(reason)  # the controller retries later
+        elif session.stopped_at == 0.0:
+            session.stop()
+
+    _Subclass.during = staticmethod(stop_where_safe)
+    filters_before = list(warnings.filters)
+
+    def job() -> None:
+        for _ in range(3):
+            x.sqrt()
+        stop_where_safe()  # the retry, between operators
+
+    try:
+        # WHEN the job runs its operators and the stop waits for a safe point
+        seen = _job_warnings(job)
+    finally:
+        _Subclass.during = staticmethod(lambda: None)
+        stopped = session.stopped_at
+        if stopped == 0.0:
+            session.stop()
+    # THEN the trace stopped, and the job saw no warning at all
+    assert stopped > 0
+    assert deferred, "the stop should have been asked for inside the dispatch"
+    assert seen == [], seen
+    # AND dynprof filtered none of the job's warnings
     assert list(warnings.filters) == filters_before
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        warnings.warn(SUBCLASS, UserWarning, stacklevel=1)
-    assert [str(w.message) for w in caught] == [SUBCLASS]
+    assert _job_warnings(lambda: warnings.warn("PythonSubclass of the job", UserWarning, stacklevel=1)) == [
+        "PythonSubclass of the job"
+    ]
+
+
+def test_outside_any_dispatch_is_a_safe_point():
+    # GIVEN plain training-thread code  THEN nothing makes it unsafe
+    assert unsafe_reason(check_other_profiler=False) is None
