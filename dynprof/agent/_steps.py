@@ -22,6 +22,8 @@ from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
+from dynprof.agent._mainthread import call_soon_in_main_thread
+
 log = logging.getLogger("dynprof.agent")
 
 OPTIMIZER_MODULE = "torch.optim.optimizer"
@@ -138,11 +140,25 @@ class StepTracker:
             self._last_mono = mono
             self.last_step_at = now
             if self._listeners:
+                if _on_autograd_worker_thread() and self._notify_from_main_thread(count):
+                    return
                 self.hook_thread_id = threading.get_ident()
                 if not _after_optimizer_range(lambda: self._notify(count)):
                     self._notify(count)
         except Exception:  # the training step must never see our failure
             log.exception("step hook failed")
+
+    def _notify_from_main_thread(self, count: int) -> bool:
+        """An optimizer stepped from a hook that autograd runs on one of its device threads
+        (optimizer step in backward, on CUDA): the iteration is over only when the backward
+        call returns on the training thread, and a profiler is started, stepped and stopped
+        there, not on autograd's thread. The boundary is handed to the main thread's pending-call
+        queue, which runs it at the first bytecode after backward's C++ call returns."""
+        main = threading.main_thread().ident
+        if not call_soon_in_main_thread(lambda: self._notify(count)):
+            return False
+        self.hook_thread_id = main
+        return True
 
     def _notify(self, count: int) -> None:
         for listener in self._listeners:
@@ -264,6 +280,28 @@ def _in_backward() -> bool:
         return torch is not None and int(torch._C._current_graph_task_id()) != -1
     except Exception:
         return False
+
+
+def _has_backward_frame(frame: Any) -> bool:
+    depth = 0
+    while frame is not None and depth < _MAX_FRAMES:
+        if frame.f_code.co_filename.replace("\\", "/").endswith(_BACKWARD_FILES):
+            return True
+        frame = frame.f_back
+        depth += 1
+    return False
+
+
+def _on_autograd_worker_thread() -> bool:
+    """True on a thread that runs a backward pass the main thread called: a graph task is in
+    progress, no backward entry point is on this thread's stack (one of autograd's device
+    threads), and the main thread waits in a backward call. Only while a capture listens
+    (never on the idle path)."""
+    main = threading.main_thread()
+    if threading.current_thread() is main or not _in_backward() or _has_backward_frame(sys._getframe(1)):
+        return False
+    main_frame = sys._current_frames().get(main.ident or -1)
+    return main_frame is not None and _has_backward_frame(main_frame)
 
 
 def _after_optimizer_range(callback: Callable[[], None]) -> bool:
