@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """How exactly dynprof's traces hold the steps asked for: each ProfilerStep# span one
-training iteration, no optimizer step straddling a span boundary (CPU).
+training iteration, no optimizer step straddling a span boundary (CPU, or CUDA with --device cuda).
 
 Three modes, each one training process under ``dynprof run`` traced --traces times in a row:
 
@@ -14,7 +14,7 @@ optimizer steps straddling a boundary; and the manifest's own word on partial sp
 mode: how many traces had every span exactly one iteration, how many had a span flagged partial
 in the manifest, and the straddles in all.
 
-    python scripts/check_step_spans.py [--traces 20] [--modes with-stack,opt-in-backward,duration]
+    python scripts/check_step_spans.py [--traces 20] [--modes with-stack,opt-in-backward,duration] [--device cuda]
 """
 
 from __future__ import annotations
@@ -50,8 +50,11 @@ def _dynprof(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str
     )
 
 
-def run_mode(name: str, traces: int, env: dict[str, str]) -> dict[str, int]:
+def run_mode(name: str, traces: int, env: dict[str, str], device: str = "cpu") -> dict[str, int]:
     program, start_args = MODES[name]
+    if device != "cpu":
+        program = [*program, "--device", device]
+        start_args = [*start_args, "--activities", "cpu,cuda"]
     proc = subprocess.Popen(
         [sys.executable, "-m", "dynprof", "run", "-q", "--", sys.executable, *program, "--max-seconds", "300"],
         stdout=subprocess.PIPE,
@@ -100,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--traces", type=int, default=20)
     parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--device", default="cpu", help="the training loop's device (cuda: CUDA traces too)")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="dynprof-spans-") as tmp:
         env = dict(os.environ)
@@ -110,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         env.setdefault("PYTHONPATH", str(ROOT))
         t0 = time.monotonic()
-        results = {name: run_mode(name, args.traces, env) for name in args.modes.split(",")}
+        results = {name: run_mode(name, args.traces, env, args.device) for name in args.modes.split(",")}
     print(f"\n{'mode':<16} {'traces':>6} {'exact':>6} {'flagged':>8} {'straddling':>10} {'failed':>6}")
     for name, c in results.items():
         print(f"{name:<16} {c['traces']:>6} {c['exact']:>6} {c['flagged']:>8} {c['straddling']:>10} {c['failed']:>6}")
