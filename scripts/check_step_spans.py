@@ -44,9 +44,29 @@ MODES = {
 }
 
 
-def _dynprof(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "dynprof", *args], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120
+def _dynprof(env: dict[str, str], *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    try:
+        return subprocess.run(
+            [sys.executable, "-m", "dynprof", *args], capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout
+        )
+    except subprocess.TimeoutExpired as exc:  # counted as a failed trace, with what the agent says
+        return subprocess.CompletedProcess(exc.cmd, 124, "", f"timed out after {timeout:.0f} s")
+
+
+def _agent_state(env: dict[str, str], pid: int) -> str:
+    ps = _dynprof(env, "ps", "--json", timeout=30)
+    log = Path(env["DYNPROF_RUN_DIR"]) / "logs" / f"{pid}.log"
+    try:
+        tail = log.read_text(errors="replace").splitlines()[-15:]
+    except OSError as exc:
+        tail = [f"(no agent log: {exc})"]
+    stacks = _dynprof(env, "stacks", "--pid", str(pid), "--native", "--full", "--no-save", timeout=60)
+    return (
+        ps.stdout.strip()[:1500]
+        + "\n    "
+        + "\n    ".join(tail)
+        + "\n  stacks of every thread:\n"
+        + (stacks.stdout + stacks.stderr)[-12000:]
     )
 
 
@@ -73,7 +93,7 @@ def run_mode(name: str, traces: int, env: dict[str, str], device: str = "cpu") -
                 pid = int(line.split()[1])
                 break
         for _ in range(traces):
-            out = _dynprof(env, "start", "--pid", str(pid), *start_args, "--json")
+            out = _dynprof(env, "start", "--pid", str(pid), *start_args, "--json", timeout=60)
             try:
                 (res,) = json.loads(out.stdout)["results"]
                 art = Path(res["artifact"])
@@ -81,7 +101,7 @@ def run_mode(name: str, traces: int, env: dict[str, str], device: str = "cpu") -
                 summary = json.loads((art / "manifest.json").read_text()).get("summary", {})
             except Exception as exc:  # a failed trace is counted, not fatal
                 counts["failed"] += 1
-                print(f"  {name}: trace failed: {exc}: {out.stderr.strip()[:200]}")
+                print(f"  {name}: trace failed: {exc}: {out.stderr.strip()[:200]}\n  {_agent_state(env, pid)}")
                 continue
             counts["traces"] += 1
             counts["exact"] += int(check["one_each"])
