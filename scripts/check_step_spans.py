@@ -25,6 +25,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -92,6 +93,8 @@ def run_mode(name: str, traces: int, env: dict[str, str], device: str = "cpu") -
             if line.startswith("READY"):
                 pid = int(line.split()[1])
                 break
+        # The loop writes a line per step: keep reading, or it blocks on a full pipe.
+        threading.Thread(target=proc.stdout.read, daemon=True).start()
         for _ in range(traces):
             out = _dynprof(env, "start", "--pid", str(pid), *start_args, "--json", timeout=60)
             try:
