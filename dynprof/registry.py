@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dynprof import jsontext
 from dynprof.paths import agents_dir
 from dynprof.roles import ROLES
 
@@ -119,8 +120,13 @@ def socket_path(pid: int, directory: Path | None = None) -> Path:
 def write_record(record: AgentRecord, directory: Path | None = None) -> Path:
     path = record_path(record.pid, directory)
     tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(record.to_dict(), indent=2) + "\n")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(jsontext.dumps(record.to_dict(), indent=2) + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()  # a full run directory keeps no half-written record behind
+        raise
     return path
 
 

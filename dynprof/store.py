@@ -46,7 +46,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import IO, Any
 
-from dynprof import __version__, _safe_io
+from dynprof import __version__, _safe_io, jsontext
 from dynprof.errors import ArtifactError, StoreError
 from dynprof.paths import artifact_dir
 
@@ -572,7 +572,7 @@ class ArtifactWriter:
         return self.write_bytes(name, text.encode())
 
     def write_json(self, name: str, obj: Any) -> Path:
-        return self.write_text(name, json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
+        return self.write_text(name, jsontext.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
 
     def abort(self, reason: str = "aborted") -> None:
         """Remove the temporary directory and everything in it."""
@@ -597,7 +597,7 @@ class ArtifactWriter:
             summary=summary or self.manifest.get("summary") or {},
             error=error,
         )
-        text = json.dumps(self.manifest, indent=2, default=str) + "\n"
+        text = jsontext.dumps(self.manifest, indent=2, default=str) + "\n"
         with self.store._kind_dir(self.parents) as kind_fd:
             tmp_fd = os.open(self.path.name, _DIR_FLAGS, dir_fd=kind_fd)
             try:

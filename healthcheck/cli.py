@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
+from dynprof import jsontext
 from dynprof.cli._common import bounded_int, nonnegative_float, parse_float, path_arg, positive_float
 from dynprof.errors import ArtifactError, DynprofError
 from healthcheck.baseline import learn, read_results
@@ -229,7 +230,7 @@ def run_command(args: argparse.Namespace) -> int:
     if args.json:
         data: dict[str, Any] = report.to_json()
         data["artifact"] = artifact
-        print(json.dumps(data, indent=2, default=str))
+        print(jsontext.dumps(data, indent=2, default=str))
     else:
         print(render_table(report, show_passed=not args.failures_only))
         if artifact:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import contextvars
-import json
 import math
 import sys
 import time
@@ -12,7 +11,7 @@ from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from dynprof import errors, roles
+from dynprof import errors, jsontext, roles
 from dynprof.registry import AgentRecord, list_records, read_record
 from dynprof.units import human_bytes as human_bytes  # re-exported for the subcommands
 
@@ -333,21 +332,7 @@ def parallel(fn: Any, items: Iterable[Any], max_workers: int = 32) -> list[Any]:
 def print_json(obj: Any) -> None:
     """``obj`` as strict JSON (RFC 8259) on stdout: NaN and infinities, which some readers
     refuse (``jq``, browsers' JSON.parse), are written as null."""
-    try:
-        text = json.dumps(obj, indent=2, default=str, allow_nan=False)
-    except ValueError:
-        text = json.dumps(_finite(obj), indent=2, default=str, allow_nan=False)
-    print(text)
-
-
-def _finite(obj: Any) -> Any:
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_finite(v) for v in obj]
-    return obj
+    print(jsontext.dumps(obj, indent=2, default=str))
 
 
 # Characters that must not reach a terminal raw: C0/C1 controls (escape sequences, carriage

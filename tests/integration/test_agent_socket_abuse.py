@@ -173,32 +173,44 @@ def test_fuzzed_frames_leave_the_job_stepping_and_silent(spawn, dynprof_dirs):
 
 
 def test_the_agent_answers_busy_beyond_its_connection_limit(spawn):
-    # GIVEN an agent whose connection slots are all held by silent clients
-    target = spawn([PROGRAM, "--step-sleep", "0.01", "--max-seconds", "90"])
+    # GIVEN an agent whose connection slots are all held by silent clients (each slot is held
+    # for the request deadline, 2 s: on a loaded machine the agent may not have accepted all of
+    # them when the extra client comes, and then serves it; the scenario is tried again, up to 5
+    # times. tests/unit/test_protocol.py holds the slots without a time limit.)
+    target = spawn([PROGRAM, "--step-sleep", "0.01", "--max-seconds", "240"])
     (pid,) = target.ready_pids()
     client = AgentClient.for_pid(pid)
-    holders = [_connect(client.sock_path) for _ in range(MAX_CONNECTIONS)]
-    try:
-        time.sleep(0.3)
-        # WHEN one more client sends a request
-        extra = _connect(client.sock_path)
-        send_frame(
-            extra, pb.Request(protocol_version=PROTOCOL_VERSION, request_id=9, ping=pb.Ping()).SerializeToString()
-        )
-        data = extra.recv(4096)
-        extra.close()
-        # AND the CLI's client asks too (patient: a loaded machine frees the slots late)
-        t0 = time.monotonic()
-        status = AgentClient.for_pid(pid, timeout=120).status()
-        waited = time.monotonic() - t0
-    finally:
-        for s in holders:
-            s.close()
+    replies = []
+    for _attempt in range(5):
+        holders = [_connect(client.sock_path) for _ in range(MAX_CONNECTIONS)]
+        try:
+            time.sleep(0.3)
+            # WHEN one more client sends a request
+            extra = _connect(client.sock_path)
+            extra.settimeout(60)
+            send_frame(
+                extra, pb.Request(protocol_version=PROTOCOL_VERSION, request_id=9, ping=pb.Ping()).SerializeToString()
+            )
+            data = extra.recv(4096)
+            extra.close()
+            reply = pb.Reply()
+            reply.ParseFromString(data[4:])
+            replies.append(reply)
+            # AND the CLI's client asks too (patient: a loaded machine frees the slots late)
+            t0 = time.monotonic()
+            status = AgentClient.for_pid(pid, timeout=120).status()
+            waited = time.monotonic() - t0
+        finally:
+            for s in holders:
+                s.close()
+        if reply.HasField("error"):
+            break
+        time.sleep(REQUEST_DEADLINE_S + 1)  # every slot of this attempt is free again
 
-    # THEN the extra connection was answered BUSY for request 0 (its request was never read)
-    reply = pb.Reply()
-    reply.ParseFromString(data[4:])
-    assert reply.error.code == pb.BUSY and reply.request_id == 0
+    # THEN the extra connection was answered BUSY for request 0 (its request was never read),
+    # and every other attempt was served normally (never another error)
+    assert replies[-1].error.code == pb.BUSY and replies[-1].request_id == 0
+    assert all(r.request_id == 9 and r.HasField("pong") for r in replies[:-1])
     # AND the client retried until a slot freed up (when the agent cut the silent clients at
     # their deadline), not until its own timeout
     assert status.pid == pid

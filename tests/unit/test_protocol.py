@@ -6,6 +6,8 @@ import socket
 import struct
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -196,3 +198,42 @@ def test_client_noise_logs_the_first_note_then_counts():
     assert lines[1] == "bad frame from a client: 499 more since the last note"
     assert all(r.levelno == logging.INFO for r in records)
     assert noise.counts["bad frame from a client"] == 500
+
+
+def test_a_connection_beyond_the_limit_is_answered_busy_while_the_slots_are_held(tmp_path):
+    # GIVEN an agent server with 2 slots, both held by silent clients, and a request deadline far
+    # longer than any machine needs to accept them (the slots stay held however slow it is)
+    path = str(tmp_path / "agent.sock")
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(path)
+    sock.listen(8)
+    server = ControlServer(sock, path, {"ping": lambda m: ("pong", pb.Pong())}, max_connections=2, request_deadline=600)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    holders = []
+    try:
+        for _ in range(2):
+            s = socket.socket(socket.AF_UNIX)
+            s.connect(path)
+            holders.append(s)
+        deadline = time.monotonic() + 120
+        while server._slots._value > 0 and time.monotonic() < deadline:  # both accepted
+            time.sleep(0.01)
+        assert server._slots._value == 0
+
+        # WHEN one more client sends a request
+        with socket.socket(socket.AF_UNIX) as extra:
+            extra.settimeout(120)
+            extra.connect(path)
+            send_frame(extra, _request(ping=pb.Ping()))
+            data = recv_frame(extra, max_bytes=1 << 20)
+
+        # THEN it is answered BUSY for request 0 (its request was never read)
+        reply = pb.Reply()
+        reply.ParseFromString(data)
+        assert reply.error.code == pb.BUSY and reply.request_id == 0
+    finally:
+        for s in holders:
+            s.close()
+        server.close()
+        thread.join(30)
