@@ -387,30 +387,27 @@ def profiler_steps(trace: dict[str, Any]) -> list[dict[str, Any]]:
     With CUDA activities the profiler also projects each span onto the GPU timeline
     (category ``gpu_user_annotation``); those copies are not steps of their own.
     """
-    steps = [
-        e
-        for e in trace.get("traceEvents", [])
-        if isinstance(e, dict)
-        and e.get("ph") == "X"
-        and str(e.get("name", "")).startswith("ProfilerStep#")
-        and e.get("cat") != "gpu_user_annotation"
-    ]
-    steps.sort(key=lambda e: _number(e.get("ts", 0)))
-    return steps
+    return _spans_named(trace, "ProfilerStep#")
 
 
 def _optimizer_steps(trace: dict[str, Any]) -> list[dict[str, Any]]:
     """The ``Optimizer.step#...`` ranges torch.optim records around each optimizer step."""
-    steps = [
+    return _spans_named(trace, "Optimizer.step#")
+
+
+def _spans_named(trace: dict[str, Any], prefix: str) -> list[dict[str, Any]]:
+    """The complete events (ph X) whose name starts with ``prefix``, by start time; without the
+    GPU-timeline copies that CUDA activities add (category ``gpu_user_annotation``)."""
+    spans = [
         e
         for e in trace.get("traceEvents", [])
         if isinstance(e, dict)
         and e.get("ph") == "X"
-        and str(e.get("name", "")).startswith("Optimizer.step#")
+        and str(e.get("name", "")).startswith(prefix)
         and e.get("cat") != "gpu_user_annotation"
     ]
-    steps.sort(key=lambda e: _number(e.get("ts", 0)))
-    return steps
+    spans.sort(key=lambda e: _number(e.get("ts", 0)))
+    return spans
 
 
 def check_step_spans(trace: dict[str, Any]) -> dict[str, Any]:

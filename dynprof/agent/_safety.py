@@ -55,39 +55,37 @@ def in_backward() -> bool:
         return False
 
 
-def in_compiled_region(skip: int = 1) -> bool:
-    """True when a torch.compile frame is on the calling thread's Python stack."""
+def _on_stack(skip: int, matches: Callable[[Any], bool]) -> bool:
+    """True when a frame of the calling thread's Python stack (from ``skip`` frames up, at most
+    _MAX_FRAMES of them) ``matches``."""
     try:
-        frame: Any = sys._getframe(skip)
+        frame: Any = sys._getframe(skip + 1)
     except ValueError:
         return False
     depth = 0
     while frame is not None and depth < _MAX_FRAMES:
-        name = frame.f_code.co_filename.replace("\\", "/")
-        if any(p in name for p in _COMPILE_PATHS):
+        if matches(frame.f_code):
             return True
         frame = frame.f_back
         depth += 1
     return False
+
+
+def _filename(code: Any) -> str:
+    return str(code.co_filename).replace("\\", "/")
+
+
+def in_compiled_region(skip: int = 1) -> bool:
+    """True when a torch.compile frame is on the calling thread's Python stack."""
+    return _on_stack(skip, lambda code: any(p in _filename(code) for p in _COMPILE_PATHS))
 
 
 def in_operator_dispatch(skip: int = 1) -> bool:
     """True when the calling thread runs Python inside a tensor operator's dispatch."""
-    try:
-        frame: Any = sys._getframe(skip)
-    except ValueError:
-        return False
-    depth = 0
-    while frame is not None and depth < _MAX_FRAMES:
-        code = frame.f_code
-        if code.co_name in _DISPATCH_NAMES:
-            return True
-        name = code.co_filename.replace("\\", "/")
-        if any(p in name for p in _DISPATCH_PATHS):
-            return True
-        frame = frame.f_back
-        depth += 1
-    return False
+    return _on_stack(
+        skip,
+        lambda code: code.co_name in _DISPATCH_NAMES or any(p in _filename(code) for p in _DISPATCH_PATHS),
+    )
 
 
 def in_optimizer_step(skip: int = 1) -> bool:
@@ -98,17 +96,7 @@ def in_optimizer_step(skip: int = 1) -> bool:
     are taken after the range has closed; a start or stop that runs wherever the main thread
     is (a pending call) waits until the step is over.
     """
-    try:
-        frame: Any = sys._getframe(skip)
-    except ValueError:
-        return False
-    depth = 0
-    while frame is not None and depth < _MAX_FRAMES:
-        if "/torch/optim/" in frame.f_code.co_filename.replace("\\", "/"):
-            return True
-        frame = frame.f_back
-        depth += 1
-    return False
+    return _on_stack(skip, lambda code: "/torch/optim/" in _filename(code))
 
 
 def other_profiler_active() -> bool:
