@@ -67,7 +67,7 @@ def max_snapshot_bytes() -> int:
     env = os.environ.get("DYNPROF_MAX_SNAPSHOT_BYTES")
     if not env:
         return MAX_SNAPSHOT_BYTES
-    from dynprof.store import parse_size
+    from dynprof.units import parse_size
 
     return max(1, parse_size(env))
 

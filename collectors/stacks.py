@@ -748,7 +748,7 @@ MAX_PROCESSES = 100_000
 
 
 def _process_from(directory: Path, name: str) -> ProcessStacks:
-    from dynprof._safe_io import read_json_in
+    from dynprof.untrusted import read_json_in
 
     data = read_json_in(directory, name)
     if not isinstance(data, dict):
@@ -763,7 +763,7 @@ def load_processes(directory: Path) -> list[ProcessStacks]:
     """The processes of a stacks artifact. Its files are untrusted: only plain names inside
     ``directory`` are read (an entry naming ``../x`` or ``/etc/x`` is refused), never
     through a link, with size and depth limits."""
-    from dynprof._safe_io import check_name, read_json_in
+    from dynprof.untrusted import check_name, read_json_in
 
     directory = Path(directory)
     if os.path.lexists(directory / "merged.json"):

@@ -273,7 +273,7 @@ def _dist_initialized() -> bool:
 
 # -- readers ---------------------------------------------------------------------------------
 # Trace files are untrusted input: they are inflated as a stream with a cap on the uncompressed
-# size (DYNPROF_MAX_TRACE_BYTES) and parsed one event at a time (dynprof._safe_io), so a small
+# size (DYNPROF_MAX_TRACE_BYTES) and parsed one event at a time (dynprof.untrusted), so a small
 # gzip bomb costs bounded memory and time.
 _MAX_NAMES = 100_000  # distinct operator/kernel names tallied; the rest count as "(other names)"
 _MAX_STEPS = 100_000
@@ -282,7 +282,7 @@ _MAX_STEPS = 100_000
 def iter_trace(fh: IO[bytes], what: str = "trace") -> Iterator[tuple[str, Any, bool]]:
     """``(key, value, False)`` for each top-level field of a Chrome trace, and
     ``("traceEvents", event, True)`` for each event, from a gzipped or plain file object."""
-    from dynprof._safe_io import iter_decompressed, iter_json_document, max_trace_bytes
+    from dynprof.untrusted import iter_decompressed, iter_json_document, max_trace_bytes
 
     chunks = iter_decompressed(fh, max_trace_bytes(), what)
     return iter_json_document(chunks, ("traceEvents",), what)
@@ -290,7 +290,7 @@ def iter_trace(fh: IO[bytes], what: str = "trace") -> Iterator[tuple[str, Any, b
 
 def read_trace(path: Path) -> dict[str, Any]:
     """A whole trace as a dict (memory grows with the trace; the size and shape limits apply)."""
-    from dynprof._safe_io import open_in
+    from dynprof.untrusted import open_in
 
     path = Path(path)
     data: dict[str, Any] = {}

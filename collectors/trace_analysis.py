@@ -180,7 +180,7 @@ def iter_trace(
     """Yield the events of a Chrome trace one by one; top-level keys other than
     ``traceEvents`` go into ``header`` (those after the event array only once it is exhausted)."""
     header = {} if header is None else header
-    from dynprof._safe_io import DecompressedReader, open_in
+    from dynprof.untrusted import DecompressedReader, open_in
 
     scan = json.scanner.make_scanner(json.JSONDecoder())  # type: ignore[arg-type]
     path = Path(path)
@@ -1242,8 +1242,8 @@ MAX_ANALYSIS_FILE_BYTES = 64 * 1024**2
 
 def load_analysis(artifact: Any) -> dict[str, Any]:
     """The analysis saved in an ``analysis`` artifact (bounded read, schema checked)."""
-    from dynprof._safe_io import loads_json
     from dynprof.errors import ArtifactError
+    from dynprof.untrusted import loads_json
 
     what = f"{ANALYSIS_FILE} in {artifact.path}"
     try:

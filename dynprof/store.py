@@ -46,9 +46,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import IO, Any
 
-from dynprof import __version__, _safe_io, jsontext
+from dynprof import __version__, jsontext, untrusted
 from dynprof.errors import ArtifactError, StoreError
 from dynprof.paths import artifact_dir
+from dynprof.units import parse_size
 
 MANIFEST = "manifest.json"
 SCHEMA = "dynprof.artifact"
@@ -88,16 +89,6 @@ class StoreRefused(ArtifactError):
 def _safe(segment: str) -> str:
     segment = _SAFE.sub("_", segment).strip(".") or "_"
     return segment[:100]
-
-
-def parse_size(text: str) -> int:
-    """Parse ``"512M"``, ``"20G"``, ``"1073741824"`` into bytes."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)i?[bB]?\s*", text)
-    if not match:
-        raise ArtifactError(f"cannot read size {text!r}", help="Write it as bytes or with K, M, G, T.")
-    number, unit = match.groups()
-    scale = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}[unit.lower()]
-    return int(float(number) * scale)
 
 
 def utcnow_iso() -> str:
@@ -369,7 +360,7 @@ def validate_manifest(manifest: Any) -> dict[str, Any]:
     for entry in files:
         if not isinstance(entry, dict):
             raise ArtifactError("a 'files' entry is not an object")
-        _safe_io.check_name(entry.get("name"))
+        untrusted.check_name(entry.get("name"))
         size = entry.get("size")
         if not isinstance(size, int) or isinstance(size, bool) or size < 0:
             raise ArtifactError(f"file {entry['name']!r} has no valid size")
@@ -462,20 +453,20 @@ class Artifact:
 
     # Readers of the artifact's files: a plain name, no link followed, with size limits.
     def open(self, name: str) -> IO[bytes]:
-        return _safe_io.open_in(self.path, name)
+        return untrusted.open_in(self.path, name)
 
-    def read_bytes(self, name: str, max_bytes: int = _safe_io.JSON_MAX_BYTES) -> bytes:
-        return _safe_io.read_bytes_in(self.path, name, max_bytes)
+    def read_bytes(self, name: str, max_bytes: int = untrusted.JSON_MAX_BYTES) -> bytes:
+        return untrusted.read_bytes_in(self.path, name, max_bytes)
 
-    def read_text(self, name: str, max_bytes: int = _safe_io.TEXT_MAX_BYTES) -> str:
-        return _safe_io.read_text_in(self.path, name, max_bytes)
+    def read_text(self, name: str, max_bytes: int = untrusted.TEXT_MAX_BYTES) -> str:
+        return untrusted.read_text_in(self.path, name, max_bytes)
 
-    def read_json(self, name: str, max_bytes: int = _safe_io.JSON_MAX_BYTES) -> Any:
-        return _safe_io.read_json_in(self.path, name, max_bytes)
+    def read_json(self, name: str, max_bytes: int = untrusted.JSON_MAX_BYTES) -> Any:
+        return untrusted.read_json_in(self.path, name, max_bytes)
 
     def has_file(self, name: str) -> bool:
         try:
-            _safe_io.stat_in(self.path, name)
+            untrusted.stat_in(self.path, name)
         except ArtifactError:
             return False
         return True
@@ -494,11 +485,11 @@ class Artifact:
                 )
         except (OSError, ValueError) as exc:  # a name too long, a NUL byte
             raise ArtifactError(f"{str(path)[:200]} is not a dynprof artifact: {exc}") from None
-        if root is not None and not _safe_io.is_inside(root, path):
+        if root is not None and not untrusted.is_inside(root, path):
             raise ArtifactError(f"{path} resolves outside the store {root}: refused")
-        data = _safe_io.read_bytes_in(path, MANIFEST, _safe_io.MANIFEST_MAX_BYTES)
+        data = untrusted.read_bytes_in(path, MANIFEST, untrusted.MANIFEST_MAX_BYTES)
         try:
-            manifest = validate_manifest(_safe_io.loads_json(data, str(manifest_path)))
+            manifest = validate_manifest(untrusted.loads_json(data, str(manifest_path)))
         except ArtifactError as exc:
             raise ArtifactError(
                 f"bad manifest {manifest_path}: {exc.message}", help="The artifact is damaged; remove it."
@@ -753,7 +744,7 @@ class ArtifactStore:
                 )
             data = fh.read(4097)
         try:
-            marker = _safe_io.loads_json(data, str(self.root / STORE_MARKER)) if len(data) <= 4096 else None
+            marker = untrusted.loads_json(data, str(self.root / STORE_MARKER)) if len(data) <= 4096 else None
         except ArtifactError:
             marker = None
         if not isinstance(marker, dict) or marker.get("schema") != STORE_SCHEMA:

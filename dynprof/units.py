@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import math
+import re
 from typing import Any
+
+from dynprof.errors import ArtifactError
 
 
 def human_bytes(n: Any, digits: int = 1) -> str:
@@ -15,3 +19,31 @@ def human_bytes(n: Any, digits: int = 1) -> str:
             return f"{value:.0f} {unit}" if unit == "B" else f"{value:.{digits}f} {unit}"
         value /= 1024
     return f"{value:.{digits}f} TiB"  # pragma: no cover - the loop returns at TiB
+
+
+def human_age(seconds: Any) -> str:
+    """``3725`` -> ``"1h02m"``; a value that is not a finite number (a node's answer) -> ``"?"``."""
+    try:
+        value = float(seconds)
+    except (TypeError, ValueError, OverflowError):
+        return "?"
+    if not math.isfinite(value):
+        return "?"
+    whole = max(0, int(value))
+    if whole < 60:
+        return f"{whole}s"
+    if whole < 3600:
+        return f"{whole // 60}m{whole % 60:02d}s"
+    if whole < 86400:
+        return f"{whole // 3600}h{whole % 3600 // 60:02d}m"
+    return f"{whole // 86400}d{whole % 86400 // 3600:02d}h"
+
+
+def parse_size(text: str) -> int:
+    """Parse ``"512M"``, ``"20G"``, ``"1073741824"`` into bytes."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)i?[bB]?\s*", text)
+    if not match:
+        raise ArtifactError(f"cannot read size {text!r}", help="Write it as bytes or with K, M, G, T.")
+    number, unit = match.groups()
+    scale = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}[unit.lower()]
+    return int(float(number) * scale)

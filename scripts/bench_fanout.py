@@ -389,7 +389,7 @@ def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
 
 def fanout_in_flight() -> int:
     try:
-        from dynprof.fanout import DEFAULT_MAX_IN_FLIGHT  # type: ignore[import-not-found,unused-ignore]
+        from dynprof.job.client import DEFAULT_MAX_IN_FLIGHT  # type: ignore[import-not-found,unused-ignore]
 
         return int(DEFAULT_MAX_IN_FLIGHT)
     except Exception:

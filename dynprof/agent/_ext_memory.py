@@ -60,7 +60,7 @@ class MemoryOptions:
 
     @classmethod
     def from_env(cls, env: Any = None) -> MemoryOptions:
-        from dynprof.store import parse_size
+        from dynprof.units import parse_size
 
         env = _settings.environ() if env is None else env
         opts = cls()

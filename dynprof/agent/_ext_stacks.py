@@ -70,7 +70,7 @@ def open_output(text: str) -> tuple[int, Path]:
     """Create the output file a client named: a new file (``O_EXCL``), mode 0600, never through
     a link, and only in dynprof's own places (the run directory, an artifact being written in
     a dynprof store). Returns its descriptor and path; anything else is ``INVALID_ARGUMENT``."""
-    from dynprof import _safe_io
+    from dynprof import untrusted
     from dynprof.errors import ArtifactError
     from dynprof.store import open_temporary_dir
 
@@ -78,7 +78,7 @@ def open_output(text: str) -> tuple[int, Path]:
     if not path.is_absolute() or ".." in path.parts:
         raise _refuse(f"output path {text[:200]!r} must be an absolute file path")
     try:
-        _safe_io.check_name(path.name)
+        untrusted.check_name(path.name)
     except ArtifactError:
         raise _refuse(f"output path {text[:200]!r} does not name a file") from None
     directory = Path(os.path.abspath(path.parent))

@@ -13,7 +13,8 @@ from typing import Any
 
 from dynprof import errors, jsontext, roles
 from dynprof.registry import AgentRecord, list_records, read_record
-from dynprof.units import human_bytes as human_bytes  # re-exported for the subcommands
+from dynprof.units import human_age as human_age  # re-exported for the subcommands
+from dynprof.units import human_bytes as human_bytes
 
 # -- argument validators ------------------------------------------------------------------------
 # Every number a person types is checked at the edge: finite, in range, or a usage error (exit 2)
@@ -322,7 +323,7 @@ def parallel(fn: Any, items: Iterable[Any], max_workers: int = 32) -> list[Any]:
             return exc
 
     # Each call runs in a copy of the caller's context, so a sidecar action's captured output
-    # (dynprof.actions) follows its worker threads.
+    # (dynprof.sidecar.actions) follows its worker threads.
     with ThreadPoolExecutor(max_workers=min(max_workers, len(items))) as pool:
         futures = [pool.submit(contextvars.copy_context().run, wrapped, item) for item in items]
         return [f.result() for f in futures]
@@ -380,17 +381,6 @@ def table(rows: Sequence[Sequence[Any]], headers: Sequence[str]) -> str:
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells]
     return "\n".join(lines)
-
-
-def human_age(seconds: float) -> str:
-    seconds = max(0, int(seconds))
-    if seconds < 60:
-        return f"{seconds}s"
-    if seconds < 3600:
-        return f"{seconds // 60}m{seconds % 60:02d}s"
-    if seconds < 86400:
-        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
-    return f"{seconds // 86400}d{seconds % 86400 // 3600:02d}h"
 
 
 class Progress:

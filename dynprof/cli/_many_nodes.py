@@ -1,7 +1,7 @@
 """Job-level commands over many nodes: each node's sidecar runs the command, the answers merge.
 
 ``ps``, ``start``, ``stop``, ``stacks``, ``memory``, ``nccl`` and ``ls`` take ``--hosts`` /
-``--hostfile`` (and whatever :func:`dynprof.discovery.resolve_nodes` finds). When nodes are
+``--hostfile`` (and whatever :func:`dynprof.job.discovery.resolve_nodes` finds). When nodes are
 named, the command sends its own options to every node's sidecar as the action of the same
 name (one level only: never the node options themselves) and merges the answers:
 
@@ -29,8 +29,6 @@ from types import SimpleNamespace
 from typing import Any
 
 from dynprof import errors, roles
-from dynprof._safe_io import loads_json
-from dynprof.actions import ACTIONS
 from dynprof.cli._common import (
     Progress,
     human_age,
@@ -40,8 +38,7 @@ from dynprof.cli._common import (
     printable_lines,
     table,
 )
-from dynprof.discovery import Node
-from dynprof.fanout import (
+from dynprof.job.client import (
     NodeAnswer,
     NodeFailure,
     SidecarClient,
@@ -49,6 +46,9 @@ from dynprof.fanout import (
     check_file_name,
     tls_context,
 )
+from dynprof.job.discovery import Node
+from dynprof.sidecar.actions import ACTIONS
+from dynprof.untrusted import loads_json
 
 NODES_FAILED_EXIT = errors.NodesFailed.exit_code
 FETCH_TIMEOUT_S = 600.0

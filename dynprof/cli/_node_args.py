@@ -11,9 +11,9 @@ import sys
 
 from dynprof import errors
 from dynprof.cli._common import bounded_int, path_arg, seconds
-from dynprof.discovery import Node, add_node_args, resolve_nodes
+from dynprof.job.discovery import Node, add_node_args, resolve_nodes
 
-# The same as dynprof.fanout's (a unit test holds them equal).
+# The same as dynprof.job.client's (a unit test holds them equal).
 DEFAULT_NODE_TIMEOUT_S = 10.0
 DEFAULT_MAX_IN_FLIGHT = 64
 
@@ -63,7 +63,7 @@ def nodes_requested(args: argparse.Namespace) -> list[Node] | None:
     A command run as a sidecar's action never fans out (one level only), whatever discovery
     would find; selectors that only make sense on one node (--pid, --attach, --core) keep the
     command local unless nodes were named explicitly, which is a usage error."""
-    actions = sys.modules.get("dynprof.actions")  # not imported: not a sidecar's action
+    actions = sys.modules.get("dynprof.sidecar.actions")  # not imported: not a sidecar's action
     if actions is not None and actions.in_action():
         return None
     named = bool(

@@ -77,7 +77,7 @@ def apply(args: argparse.Namespace, env: dict[str, str]) -> None:
             env["DYNPROF_HOST_MEMORY_FRACTION"] = repr(value)
     limit = getattr(args, "host_memory_limit", None)
     if limit is not None:
-        from dynprof.store import parse_size
+        from dynprof.units import parse_size
 
         try:
             env["DYNPROF_HOST_MEMORY_LIMIT"] = str(parse_size(limit))

@@ -9,7 +9,8 @@ from typing import Any
 
 from dynprof import errors
 from dynprof.cli._common import add_json, bounded_int, print_json, printable, printable_lines
-from dynprof.store import Artifact, ArtifactStore, parse_size
+from dynprof.store import Artifact, ArtifactStore
+from dynprof.units import parse_size
 
 
 class AnalyzeCommand:
@@ -55,7 +56,7 @@ class AnalyzeCommand:
 
         if args.top < 1:
             raise errors.UsageError("--top must be 1 or more")
-        from dynprof._safe_io import max_trace_bytes
+        from dynprof.untrusted import max_trace_bytes
 
         max_bytes = parse_size(args.max_trace_bytes) if args.max_trace_bytes else max_trace_bytes()
         store = ArtifactStore()

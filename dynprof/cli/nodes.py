@@ -16,8 +16,9 @@ import argparse
 import sys
 from typing import Any
 
-from dynprof import discovery, errors
+from dynprof import errors
 from dynprof.cli._common import add_json, print_json, printable
+from dynprof.job import discovery
 
 
 class NodesCommand:

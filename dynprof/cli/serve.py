@@ -119,7 +119,7 @@ def build_server(app: Any, host: str, port: int, threads: int, certfile: str | N
     """cheroot's WSGI server for ``app``, bound but not yet serving; TLS when given a cert."""
     from cheroot import wsgi
 
-    from dynprof.sidecar import MAX_REQUEST_BYTES
+    from dynprof.sidecar.app import MAX_REQUEST_BYTES
 
     server = wsgi.Server(
         (host, port),
@@ -213,7 +213,7 @@ class ServeCommand:
                 help="The page, the listings and /healthz need a free thread while actions run.",
             )
         try:
-            from dynprof.sidecar import create_app
+            from dynprof.sidecar.app import create_app
         except ImportError as exc:
             raise errors.Unsupported(f"the web app needs flask: {exc}", help="pip install flask") from None
         try:
@@ -253,8 +253,8 @@ def _fanout_config(token: str, source: str, cacert: str | None) -> tuple[Any, st
     """How job-wide actions reach the other nodes: with this sidecar's token file (the nodes of
     a job share one token). A token given on the command line or generated is written to a file
     of mode 0600 in the private run directory for the life of the server (second value)."""
-    from dynprof.actions import FanoutConfig
     from dynprof.paths import run_dir
+    from dynprof.sidecar.actions import FanoutConfig
 
     if source not in ("--token", "generated"):
         return FanoutConfig(os.path.abspath(source), cacert), None
@@ -289,7 +289,7 @@ def _serve_until_signalled(server: Any) -> int:
         while not stop.wait(0.5):
             pass
     finally:
-        from dynprof.actions import kill_children
+        from dynprof.sidecar.actions import kill_children
 
         kill_children()  # first: a healthcheck's processes never outlive the sidecar, nor hold up its stop
         server.stop()

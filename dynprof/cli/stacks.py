@@ -57,7 +57,7 @@ MAX_MERGE_FILE_BYTES = 64 << 20
 
 def read_stacks_json(path: str) -> Any:
     """One node's ``stacks --json`` output: a regular file, bounded in size and depth."""
-    from dynprof._safe_io import loads_json
+    from dynprof.untrusted import loads_json
 
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO must not block the merge

@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from dynprof import discovery
+from dynprof.job import discovery
 
 TRAIN = "tests/integration/programs/train_program.py"
 # How long discovery may wait for each agent's answer in the timed call: far longer than the

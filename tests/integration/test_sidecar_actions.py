@@ -31,7 +31,7 @@ from urllib.parse import quote
 
 import pytest
 
-from dynprof.sidecar import REFUSAL_LOG_BURST, REFUSAL_LOG_WINDOW_S
+from dynprof.sidecar.app import REFUSAL_LOG_BURST, REFUSAL_LOG_WINDOW_S
 
 ROOT = Path(__file__).resolve().parents[2]
 PROGRAM = "tests/integration/programs/train_program.py"

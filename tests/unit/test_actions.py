@@ -1,4 +1,4 @@
-"""dynprof.actions: options checked per action, slots, hard time limits, child process groups."""
+"""dynprof.sidecar.actions: options checked per action, slots, hard time limits, child process groups."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from dynprof import actions
-from dynprof.actions import ActionError, ActionsBusy, ActionSlots, argv_for, effective_timeout, run_action
+from dynprof.sidecar.actions import ActionError, ActionsBusy, ActionSlots, argv_for, effective_timeout, run_action
+from dynprof.sidecar import actions
 
 
 def test_options_become_one_flag_each_and_unknown_ones_are_refused():
@@ -163,7 +163,7 @@ def test_a_command_knows_it_runs_as_an_action(monkeypatch):
 
 # -- job-wide actions: `hosts` ----------------------------------------------------------------------
 def test_hosts_become_the_commands_own_hosts_flag():
-    from dynprof.actions import FanoutConfig
+    from dynprof.sidecar.actions import FanoutConfig
 
     fanout = FanoutConfig("/run/token", cacert="/etc/ca.pem")
     assert argv_for("stacks", {"job": "j", "hosts": ["node-1", "node-2:9000", "[::1]:8787"]}, fanout) == [
@@ -200,7 +200,7 @@ def test_hosts_is_never_among_the_options_the_fan_out_forwards():
 
 
 def test_a_job_wide_action_runs_in_a_child_with_the_sidecars_token_file(monkeypatch):
-    from dynprof.actions import FanoutConfig
+    from dynprof.sidecar.actions import FanoutConfig
 
     calls = []
 

@@ -17,10 +17,10 @@ from typing import Any
 import pytest
 
 from collectors.stacks import Frame, ProcessStacks, ThreadStack, group_processes
-from dynprof import fanout
 from dynprof.cli._many_nodes import NODES_FAILED_EXIT, exit_code, node_labels
-from dynprof.discovery import Node
-from dynprof.fanout import NodeAnswer, NodeFailure, SidecarClient, check_artifact_id, check_file_name
+from dynprof.job import client as fanout
+from dynprof.job.client import NodeAnswer, NodeFailure, SidecarClient, check_artifact_id, check_file_name
+from dynprof.job.discovery import Node
 
 TOKEN = "unit-test-token-0123456789"
 GOOD = {

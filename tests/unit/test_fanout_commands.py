@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from dynprof.cli import _many_nodes, _node_args, main
-from dynprof.discovery import Node
-from dynprof.fanout import NodeAnswer
+from dynprof.job.client import NodeAnswer
+from dynprof.job.discovery import Node
 
 
 class FakeNodes:
@@ -173,7 +173,7 @@ class GarbageNodes:
         return [NodeAnswer(n, True, host="h", exit_code=0, result=self.result) for n in nodes]
 
     def artifact(self, node, artifact_id):  # fetch: never reached with garbage ids
-        from dynprof.fanout import NodeFailure
+        from dynprof.job.client import NodeFailure
 
         raise NodeFailure("no")
 
@@ -214,7 +214,7 @@ def test_a_sidecar_action_never_fans_out_again(monkeypatch):
     # started inside the job)
     import sys
 
-    from dynprof.actions import run_action
+    from dynprof.sidecar.actions import run_action
 
     monkeypatch.setattr(sys, "stdout", sys.stdout)  # the action's capture wraps them: put them back after
     monkeypatch.setattr(sys, "stderr", sys.stderr)
@@ -373,13 +373,13 @@ def test_commands_on_this_node_import_no_http_client_and_defaults_agree():
     import subprocess
     import sys
 
-    from dynprof import fanout
+    from dynprof.job import client as fanout
 
     assert _node_args.DEFAULT_NODE_TIMEOUT_S == fanout.DEFAULT_NODE_TIMEOUT_S
     assert _node_args.DEFAULT_MAX_IN_FLIGHT == fanout.DEFAULT_MAX_IN_FLIGHT
     code = (
         "import sys; from dynprof.cli import build_parser; build_parser('ps');"
-        "print(sorted(m for m in ('http.client', 'ssl', 'dynprof.fanout', 'dynprof.actions') if m in sys.modules))"
+        "print(sorted(m for m in ('http.client', 'ssl', 'dynprof.job.client', 'dynprof.sidecar.actions') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

@@ -177,7 +177,8 @@ def test_a_real_agent_drops_the_backstop_after_one_step() -> None:
 
 def test_an_agent_without_the_command_is_named_as_older(monkeypatch: pytest.MonkeyPatch) -> None:
     import dynprof.agent
-    from dynprof import discovery, errors
+    from dynprof import errors
+    from dynprof.job import discovery
 
     # GIVEN an agent of job "old" that does not know discover_nodes (as an older dynprof)
     monkeypatch.setenv("DYNPROF_JOB_ID", "old")

@@ -9,9 +9,10 @@ from typing import Any
 
 import pytest
 
-from dynprof import discovery, errors
+from dynprof import errors
 from dynprof.cli import main
-from dynprof.discovery import Node, expand_nodelist
+from dynprof.job import discovery
+from dynprof.job.discovery import Node, expand_nodelist
 
 
 @pytest.mark.parametrize(

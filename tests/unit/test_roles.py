@@ -213,7 +213,7 @@ def test_attach_job_counts_a_process_that_exited_meanwhile_as_gone(monkeypatch, 
 
 def test_sidecar_job_section_shows_roles_and_acts_on_the_trainers_only():
     # GIVEN ps rows of a job: a launcher and its two trainers
-    from dynprof.sidecar import _job_section
+    from dynprof.sidecar.app import _job_section
 
     def row(pid: int, role: str, rank: int | None) -> dict:
         return {

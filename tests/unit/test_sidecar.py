@@ -7,7 +7,7 @@ import os
 import pytest
 
 from dynprof.cli.serve import _is_loopback
-from dynprof.sidecar import create_app
+from dynprof.sidecar.app import create_app
 from dynprof.store import ArtifactStore
 
 
@@ -143,7 +143,7 @@ def _stub_app(store, **kwargs):
     calls = []
 
     def runner(name, options, timeout):
-        from dynprof.actions import argv_for
+        from dynprof.sidecar.actions import argv_for
 
         argv_for(name, options)  # the same checks as the real runner
         calls.append((name, options, timeout))
@@ -221,7 +221,7 @@ def test_read_only_refuses_acting_actions(store):
 
 
 def test_busy_slots_are_429(store):
-    from dynprof.actions import ActionsBusy
+    from dynprof.sidecar.actions import ActionsBusy
 
     def busy(name, options, timeout):
         raise ActionsBusy("all 4 action slots are busy")
@@ -241,7 +241,7 @@ def test_healthz_needs_no_token_and_says_nothing_else(store):
 def test_refusal_log_lines_carry_no_token_and_are_rate_limited(store):
     import io
 
-    from dynprof.sidecar import RefusalLog
+    from dynprof.sidecar.app import RefusalLog
 
     out = io.StringIO()
     log = RefusalLog(out, burst=3, window_s=3600)
@@ -275,8 +275,8 @@ def test_aliases_of_this_node_pass_the_host_check(store, monkeypatch):
 def test_job_wide_actions_reach_other_nodes_with_the_sidecars_token_file(store, tmp_path, dynprof_dirs):
     import stat
 
-    from dynprof.actions import FanoutConfig
     from dynprof.cli.serve import _fanout_config
+    from dynprof.sidecar.actions import FanoutConfig
 
     # a token from a file: that file; a generated one: a private file in the run directory
     token_file = tmp_path / "token"

@@ -9,7 +9,8 @@ import time
 import pytest
 
 from dynprof.errors import ArtifactError
-from dynprof.store import Artifact, ArtifactStore, parse_size
+from dynprof.store import Artifact, ArtifactStore
+from dynprof.units import parse_size
 
 
 def test_artifact_is_hidden_until_finished_then_complete_with_checksums(tmp_path):

@@ -21,7 +21,7 @@ import pytest
 from dynprof import store as store_mod
 from dynprof.cli import main
 from dynprof.errors import ArtifactError
-from dynprof.sidecar import create_app
+from dynprof.sidecar.app import create_app
 from dynprof.store import MANIFEST, ArtifactStore
 
 STORE_MARKER = ".dynprof-store"  # the name is part of the store's format

@@ -357,7 +357,7 @@ def test_a_damaged_trace_is_reported_not_a_traceback(store_with, capsys):
 
 # -- the web page -------------------------------------------------------------------------------
 def test_artifact_page_draws_svg_charts(store_with):
-    from dynprof.sidecar import create_app
+    from dynprof.sidecar.app import create_app
 
     store = store_with("slow1")
     assert main(["analyze", "--job", "fixture-slow1"]) == 0

@@ -22,10 +22,10 @@ import pytest
 from collectors import memory_snapshot as ms
 from collectors.stacks import load_processes
 from collectors.torch_trace import summarize_file
-from dynprof import _safe_io
+from dynprof import untrusted
 from dynprof.cli import main
 from dynprof.errors import ArtifactError
-from dynprof.sidecar import create_app
+from dynprof.sidecar.app import create_app
 from dynprof.store import MANIFEST, ArtifactStore
 
 SECRET = "dynprof-secret-" + hashlib.sha256(b"outside the store").hexdigest()[:16]
@@ -426,7 +426,7 @@ def test_amplifying_pickles_are_refused_at_the_memory_budget(in_thread):
 def test_json_with_too_many_values_is_refused(tmp_path):
     (tmp_path / "many.json").write_bytes(b"[" + b"{}," * 1_000_001 + b"{}]")
     with pytest.raises(ArtifactError, match="over 1000000 JSON values"):
-        _safe_io.read_json_in(tmp_path, "many.json")
+        untrusted.read_json_in(tmp_path, "many.json")
 
 
 def test_ill_typed_snapshot_contents_are_clean_errors(tmp_path, capsys):
@@ -446,7 +446,7 @@ def test_safe_open_refuses_names_links_and_special_files(tmp_path):
     (tmp_path / "f").write_text("x")
     (tmp_path / "l").symlink_to(tmp_path / "f")
     os.mkfifo(tmp_path / "p")
-    assert _safe_io.read_bytes_in(tmp_path, "f", 10) == b"x"
+    assert untrusted.read_bytes_in(tmp_path, "f", 10) == b"x"
     for name, message in (
         ("l", "symbolic link"),
         ("p", "not a regular file"),
@@ -456,9 +456,9 @@ def test_safe_open_refuses_names_links_and_special_files(tmp_path):
         ("nope", "no such file"),
     ):
         with pytest.raises(ArtifactError, match=message):
-            _safe_io.read_bytes_in(tmp_path, name, 10)
+            untrusted.read_bytes_in(tmp_path, name, 10)
     with pytest.raises(ArtifactError, match="over the 0-byte limit"):
-        _safe_io.read_bytes_in(tmp_path, "f", 0)
+        untrusted.read_bytes_in(tmp_path, "f", 0)
 
 
 def test_a_gzip_bomb_is_refused_by_its_compression_ratio_long_before_the_cap():

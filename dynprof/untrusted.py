@@ -62,7 +62,7 @@ def max_trace_bytes() -> int:
     env = os.environ.get("DYNPROF_MAX_TRACE_BYTES")
     if not env:
         return DEFAULT_MAX_TRACE_BYTES
-    from dynprof.store import parse_size
+    from dynprof.units import parse_size
 
     return max(1, parse_size(env))
 

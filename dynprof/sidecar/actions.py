@@ -229,7 +229,7 @@ def _hosts_args(name: str, action: Action, hosts: Any, fanout: FanoutConfig | No
     """``--hosts=A,B`` (and ``--cacert``) for a job-wide action; every node checked as the CLI's
     own --hosts would check it."""
     from dynprof import errors
-    from dynprof.discovery import parse_node
+    from dynprof.job.discovery import parse_node
 
     if not action.fans_out:
         raise ActionError(f"{name}: unknown option 'hosts' ({name} runs on this node only)")

@@ -1,7 +1,7 @@
 """The sidecar web app: a page and an HTTP API over this node's agents, tools and artifacts.
 
 It lists agents as `dynprof ps` does, renders artifacts with the same renderers as `dynprof
-show`, and runs actions (:mod:`dynprof.actions`: the CLI's own commands with ``--json``).
+show`, and runs actions (:mod:`dynprof.sidecar.actions`: the CLI's own commands with ``--json``).
 Every request, on every address (loopback included: other users of the machine can reach
 loopback too), must carry the access token: ``Authorization: Bearer TOKEN``, ``?token=TOKEN``
 (the page then sets an HttpOnly, SameSite=Strict cookie so its links work), or that cookie;
@@ -49,15 +49,15 @@ from flask import Flask, Response, abort, g, jsonify, request, send_file
 from werkzeug.exceptions import HTTPException
 
 from dynprof import __version__, roles
-from dynprof._sidecar_page import PAGE_JS, PAGE_STYLE
-from dynprof.actions import ACTIONS, API_VERSION, ActionError, ActionsBusy, ActionSlots, FanoutConfig
-from dynprof.cli._common import human_age, human_bytes
 from dynprof.cli.ps import agent_rows
 from dynprof.cli.show import render, render_html
 from dynprof.errors import ArtifactError
 from dynprof.identity import detect
 from dynprof.registry import list_records
+from dynprof.sidecar.actions import ACTIONS, API_VERSION, ActionError, ActionsBusy, ActionSlots, FanoutConfig
+from dynprof.sidecar.page import PAGE_JS, PAGE_STYLE
 from dynprof.store import Artifact, ArtifactStore
+from dynprof.units import human_age, human_bytes
 
 COOKIE = "dynprof_token"
 CSRF_HEADER = "X-Dynprof-CSRF"

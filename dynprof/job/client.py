@@ -38,10 +38,10 @@ from typing import Any
 from urllib.parse import quote
 
 from dynprof import __version__
-from dynprof._safe_io import loads_json
-from dynprof.discovery import Node
 from dynprof.errors import ArtifactError
+from dynprof.job.discovery import Node
 from dynprof.units import human_bytes
+from dynprof.untrusted import loads_json
 
 API_VERSION = 1
 DEFAULT_MAX_IN_FLIGHT = 64

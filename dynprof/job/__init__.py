@@ -1,0 +1,1 @@
+"""The job-wide layer: many nodes reached through their sidecars (client, discovery, node lists)."""

@@ -1,0 +1,1 @@
+"""The sidecar: one HTTP server per node (`dynprof serve`), its page and its actions."""
