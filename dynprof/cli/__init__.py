@@ -1,7 +1,10 @@
 """The ``dynprof`` command line.
 
 One module per subcommand, each with a class following :class:`Command`: its docstring is the
-help text, ``prepare_parser`` adds its arguments and ``run`` returns the exit code. Only
+help text and ``prepare_parser`` adds its arguments. A command that answers a question has
+``collect(args) -> Result`` (the answer, as ``--json`` prints it) and ``render(result) -> str``
+(the text a person reads); the sidecar's actions and the job-wide layer call ``collect`` too.
+A command that runs something until it ends (``run``, ``serve``) has ``run(args) -> int``. Only
 :class:`~dynprof.errors.DynprofError` is caught here; anything else is a bug and shows its
 traceback.
 """
@@ -17,6 +20,7 @@ from typing import Protocol
 
 from dynprof import __version__
 from dynprof.errors import DynprofError
+from dynprof.result import Result
 
 # (subcommand name, module under dynprof.cli, class name), in the order `--help` lists them.
 COMMANDS: list[tuple[str, str, str]] = [
@@ -41,7 +45,32 @@ COMMANDS: list[tuple[str, str, str]] = [
 class Command(Protocol):
     def prepare_parser(self, parser: argparse.ArgumentParser) -> None: ...
 
-    def run(self, args: argparse.Namespace) -> int: ...
+
+class CollectingCommand(Command, Protocol):
+    def collect(self, args: argparse.Namespace) -> Result: ...
+
+    def render(self, result: Result) -> str: ...
+
+
+def emit(command: CollectingCommand, result: Result, as_json: bool) -> int:
+    """Show a command's result: its messages on stderr, then its JSON or its text on stdout."""
+    from dynprof.cli._common import print_json, printable_lines
+
+    for line in result.messages:
+        print(f"dynprof: {printable_lines(line)}", file=sys.stderr)
+    if as_json:
+        print_json(result.to_json())
+    else:
+        text = command.render(result)
+        if text:
+            print(text)
+    return result.exit_code
+
+
+def run_command(command: Command, args: argparse.Namespace) -> int:
+    if hasattr(command, "collect"):
+        return emit(command, command.collect(args), bool(getattr(args, "json", False)))  # type: ignore[arg-type]
+    return int(command.run(args))  # type: ignore[attr-defined]
 
 
 def _load_command(module_name: str, class_name: str) -> Command | None:
@@ -104,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         raise
     code: int | None = None
     try:
-        code = int(args._command.run(args))
+        code = run_command(args._command, args)
         sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit
         return code
     except DynprofError as exc:

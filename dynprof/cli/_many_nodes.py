@@ -48,6 +48,7 @@ from dynprof.job.client import (
 )
 from dynprof.job.discovery import Node
 from dynprof.sidecar.actions import ACTIONS
+from dynprof.tokens import read_token_file
 from dynprof.untrusted import loads_json
 
 NODES_FAILED_EXIT = errors.NodesFailed.exit_code
@@ -55,8 +56,6 @@ FETCH_TIMEOUT_S = 600.0
 
 
 def client_for(args: argparse.Namespace) -> SidecarClient:
-    from dynprof.cli.serve import read_token_file
-
     path = args.token_file or os.environ.get("DYNPROF_TOKEN_FILE") or None
     if not path:
         raise errors.UsageError(

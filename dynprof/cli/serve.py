@@ -20,16 +20,13 @@ import ipaddress
 import os
 import secrets
 import signal
-import stat
 import sys
 import threading
 from typing import Any
 
 from dynprof import errors
 from dynprof.cli._common import host_arg, path_arg, port
-
-MIN_TOKEN_CHARS = 16
-MAX_TOKEN_FILE_BYTES = 4096
+from dynprof.tokens import check_token, read_token_file
 
 
 def _is_loopback(host: str) -> bool:
@@ -41,49 +38,12 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def read_token_file(path: str) -> str:
-    """The token in ``path``: the file must be a regular file owned by us (or root), not
-    readable or writable by group or others, and hold one token of 16+ characters."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
-    except OSError as exc:
-        raise errors.UsageError(f"cannot open the token file {path}: {exc.strerror}") from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):  # before fdopen, which refuses a directory itself
-        os.close(fd)
-        raise errors.UsageError(f"the token file {path} is not a regular file")
-    with os.fdopen(fd, "rb") as fh:
-        st = os.fstat(fh.fileno())
-        if st.st_uid not in (os.getuid(), 0):
-            raise errors.PermissionDenied(
-                f"the token file {path} belongs to uid {st.st_uid}, not to you ({os.getuid()})",
-                help="Use a token file you own, with mode 0600.",
-            )
-        if st.st_mode & 0o077:
-            raise errors.PermissionDenied(
-                f"the token file {path} is open to other users (mode {stat.S_IMODE(st.st_mode):04o})",
-                help=f"chmod 600 {path}",
-            )
-        data = fh.read(MAX_TOKEN_FILE_BYTES + 1)
-    if len(data) > MAX_TOKEN_FILE_BYTES:
-        raise errors.UsageError(f"the token file {path} is over {MAX_TOKEN_FILE_BYTES} bytes: not a token")
-    return _check_token(data.decode("utf-8", "replace").strip(), f"the token in {path}")
-
-
-def _check_token(token: str, what: str) -> str:
-    if len(token) < MIN_TOKEN_CHARS or any(c.isspace() or not c.isprintable() for c in token):
-        raise errors.UsageError(
-            f"{what} must be at least {MIN_TOKEN_CHARS} printable characters without spaces",
-            help="Generate one: python -c 'import secrets; print(secrets.token_urlsafe(24))'",
-        )
-    return token
-
-
 def resolve_token(token: str | None, token_file: str | None) -> tuple[str, str]:
     """(token, where it came from): --token, --token-file, DYNPROF_TOKEN_FILE, or generated."""
     if token is not None and token_file is not None:
         raise errors.UsageError("give --token or --token-file, not both")
     if token is not None:
-        return _check_token(token, "--token"), "--token"
+        return check_token(token, "--token"), "--token"
     path = token_file or os.environ.get("DYNPROF_TOKEN_FILE") or None
     if path:
         return read_token_file(path), path

@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from dynprof.sidecar.actions import ActionError, ActionsBusy, ActionSlots, argv_for, effective_timeout, run_action
 from dynprof.sidecar import actions
+from dynprof.sidecar.actions import ActionError, ActionsBusy, ActionSlots, argv_for, effective_timeout, run_action
 
 
 def test_options_become_one_flag_each_and_unknown_ones_are_refused():

@@ -1,0 +1,51 @@
+"""The sidecars' access token: read from a private file, checked for shape.
+
+Used by `dynprof serve` (the token it asks for) and by every client of the sidecars (the token
+it sends)."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+from dynprof import errors
+
+MIN_TOKEN_CHARS = 16
+MAX_TOKEN_FILE_BYTES = 4096
+
+
+def read_token_file(path: str) -> str:
+    """The token in ``path``: the file must be a regular file owned by us (or root), not
+    readable or writable by group or others, and hold one token of 16+ characters."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError as exc:
+        raise errors.UsageError(f"cannot open the token file {path}: {exc.strerror}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):  # before fdopen, which refuses a directory itself
+        os.close(fd)
+        raise errors.UsageError(f"the token file {path} is not a regular file")
+    with os.fdopen(fd, "rb") as fh:
+        st = os.fstat(fh.fileno())
+        if st.st_uid not in (os.getuid(), 0):
+            raise errors.PermissionDenied(
+                f"the token file {path} belongs to uid {st.st_uid}, not to you ({os.getuid()})",
+                help="Use a token file you own, with mode 0600.",
+            )
+        if st.st_mode & 0o077:
+            raise errors.PermissionDenied(
+                f"the token file {path} is open to other users (mode {stat.S_IMODE(st.st_mode):04o})",
+                help=f"chmod 600 {path}",
+            )
+        data = fh.read(MAX_TOKEN_FILE_BYTES + 1)
+    if len(data) > MAX_TOKEN_FILE_BYTES:
+        raise errors.UsageError(f"the token file {path} is over {MAX_TOKEN_FILE_BYTES} bytes: not a token")
+    return check_token(data.decode("utf-8", "replace").strip(), f"the token in {path}")
+
+
+def check_token(token: str, what: str) -> str:
+    if len(token) < MIN_TOKEN_CHARS or any(c.isspace() or not c.isprintable() for c in token):
+        raise errors.UsageError(
+            f"{what} must be at least {MIN_TOKEN_CHARS} printable characters without spaces",
+            help="Generate one: python -c 'import secrets; print(secrets.token_urlsafe(24))'",
+        )
+    return token
