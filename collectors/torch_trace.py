@@ -483,4 +483,3 @@ def render_artifact(artifact: Any) -> tuple[dict[str, Any], str]:
         for row in summary["gpu_kernels"]:
             lines.append(f"{row['name'][:48]:<48} {row['count']:>7} {row['total_us'] / 1000:>10.3f}")
     return summary, "\n".join(lines)
-from dynprof.agent import _steps  # deliberate violation of "Collectors import no face"
