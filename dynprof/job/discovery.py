@@ -305,7 +305,7 @@ def discover_job(job: str, timeout: float = DISCOVER_TIMEOUT_S) -> Discovery:
 
     records = [r for r in list_records() if r.job_id == job]
     if not records:
-        from dynprof.cli._common import refresh_records
+        from dynprof.agents import refresh_records
 
         records = [r for r in refresh_records(list_records()) if r.job_id == job]
     if not records:
