@@ -142,9 +142,7 @@ def _note_left_out(job: str, matching: Sequence[AgentRecord], chosen: Sequence[A
 
 def attach_first(args: argparse.Namespace) -> None:
     """``--attach``: start the agent in the targets that have none (a no-op for the others)."""
-    from dynprof.attach import AttachOptions, attach, existing_agent
-    from dynprof.attach._discover import find_job_processes
-    from dynprof.cli.attach import describe
+    from dynprof.attach import AttachOptions, attach, existing_agent, find_job_processes
 
     if getattr(args, "all", False):
         raise errors.UsageError("--attach needs --pid or --job", help="--all selects processes that have agents.")
@@ -160,7 +158,7 @@ def attach_first(args: argparse.Namespace) -> None:
         if existing_agent(pid) is not None:
             continue
         result = attach(pid, AttachOptions(settings=dict(settings)))
-        print(f"dynprof: {describe(result)}", file=sys.stderr)
+        print(f"dynprof: {result.describe()}", file=sys.stderr)
 
 
 def _describe_pid(pid: int) -> str:

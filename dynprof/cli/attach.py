@@ -8,8 +8,7 @@ import sys
 from typing import Any
 
 from dynprof import errors
-from dynprof.attach import METHODS, AttachOptions, AttachResult, attach
-from dynprof.attach._discover import find_job_processes
+from dynprof.attach import METHODS, AttachOptions, AttachResult, attach, find_job_processes
 from dynprof.cli._common import MAX_SECONDS, add_json, parse_pid, positive_float, print_json, printable, printable_lines
 from dynprof.cli.run import RUN_OPTIONS, RunOption, _load_run_options
 
@@ -70,23 +69,6 @@ def attach_options(args: argparse.Namespace, settings: dict[str, str]) -> Attach
     )
 
 
-def describe(result: AttachResult) -> str:
-    if result.status == "already":
-        how = f" (started by {result.activation})" if result.activation else ""
-        return f"pid {result.pid}: already has a dynprof agent{how}; nothing done"
-    via = {
-        "remote-exec": "sys.remote_exec",
-        "gdb-pending-call": "gdb, pending call",
-        "gdb-gil-state": "gdb, PyGILState fallback",
-    }.get(result.method, result.method)
-    text = f"pid {result.pid}: attached ({via}, {result.seconds:.2f} s): agent ready, log {result.log}"
-    if result.hook_installed is False:
-        text += "\n  no optimizer step hook yet (torch.optim not imported): step mode starts once it is"
-    for note in result.notes:
-        text += f"\n  note: {note}"
-    return text
-
-
 def attach_many(
     pids: list[int], options: AttachOptions, quiet: bool = False
 ) -> list[AttachResult | errors.DynprofError]:
@@ -100,7 +82,7 @@ def attach_many(
         out.append(result)
         if not quiet:
             if isinstance(result, AttachResult):
-                print(printable_lines(describe(result)), file=sys.stderr)
+                print(printable_lines(result.describe()), file=sys.stderr)
             elif len(pids) > 1:
                 print(printable_lines(f"pid {pid}: error: {result.message}"), file=sys.stderr)
                 if result.help:
@@ -176,10 +158,11 @@ class AttachCommand:
             pids = list(dict.fromkeys(args.pids))
         options = attach_options(args, settings)
         if len(pids) == 1 and not args.job:
-            results: list[AttachResult | errors.DynprofError] = [attach(pids[0], options)]
+            only = attach(pids[0], options)
+            results: list[AttachResult | errors.DynprofError] = [only]
             if not args.json:
                 # The log and socket paths come from the target's bootstrap: shown escaped.
-                print(printable_lines(describe(results[0])), file=sys.stderr)  # type: ignore[arg-type]
+                print(printable_lines(only.describe()), file=sys.stderr)
         else:
             results = attach_many(pids, options, quiet=args.json)
         gone = {pid for pid, r in zip(pids, results) if args.job and _exited(pid, r)}

@@ -196,6 +196,6 @@ def _environ_rank(pid: int) -> int | None:
 
 
 def _not_enabled_help() -> str:
-    from dynprof.agent._ext_flight import NOT_ENABLED_HELP
+    from dynprof.errors import FLIGHT_RECORDER_HELP
 
-    return NOT_ENABLED_HELP
+    return FLIGHT_RECORDER_HELP

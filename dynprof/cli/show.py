@@ -11,83 +11,16 @@ or by path; a directory outside the store, named by its path, is read as given.
 from __future__ import annotations
 
 import argparse
-import importlib
-import logging
-from typing import Any
 
-from dynprof import errors
 from dynprof.cli._common import add_json, human_bytes, print_json, printable_lines
-from dynprof.store import Artifact, ArtifactStore
-
-log = logging.getLogger("dynprof.cli")
-
-# kind -> "module:function" rendering an artifact's contents. The function takes the Artifact
-# and returns (summary dict for --json, text for people).
-RENDERERS: dict[str, str] = {
-    "trace": "collectors.torch_trace:render_artifact",
-    "stacks": "collectors.stacks:render_artifact",
-    "hang": "collectors.stacks:render_artifact",
-    "memory": "collectors.memory_snapshot:render_artifact",
-    "host-memory": "collectors.host_memory:render_artifact",
-    "nccl": "collectors.flight_recorder:render_artifact",
-    "healthcheck": "healthcheck.report:render_artifact",
-    "analysis": "collectors.trace_analysis:render_artifact",
-}
-# kind -> "module:function" returning an HTML fragment (self-contained, no script) that the web
-# page shows above the text summary.
-HTML_RENDERERS: dict[str, str] = {
-    "analysis": "collectors.trace_analysis:render_html",
-}
+from dynprof.renderers import render
+from dynprof.store import ArtifactStore
 
 
 def _clean(value: object) -> str:
     """Text from a manifest, safe for a terminal (no escape sequences): newlines kept, other
     control characters and bidirectional overrides escaped, as everywhere in the CLI."""
     return printable_lines(str(value))
-
-
-def render(artifact: Artifact) -> tuple[dict[str, Any] | None, str]:
-    target = RENDERERS.get(artifact.kind)
-    if target is None or artifact.status == "failed":
-        return None, ""
-    module_name, func = target.split(":")
-    try:
-        fn = getattr(importlib.import_module(module_name), func)
-    except (ImportError, AttributeError):
-        return None, ""
-    try:
-        summary, text = fn(artifact)
-    except Exception as exc:  # a damaged artifact must not hide its manifest
-        message = _why_unreadable(artifact, exc)
-        return {"error": message}, f"(cannot summarise the contents: {message})"
-    return summary, text
-
-
-def _why_unreadable(artifact: Artifact, exc: Exception) -> str:
-    """What is wrong with the artifact's files, for a person: the readers' own errors say it;
-    anything else (a value of the wrong type deep in a file) is named by the files, and
-    Python's text of it goes to the debug log only."""
-    if isinstance(exc, errors.DynprofError):
-        return exc.message
-    log.debug("rendering %s failed", artifact.path, exc_info=exc)
-    names = ", ".join(str(f.get("name")) for f in artifact.files if isinstance(f, dict)) or "its files"
-    return (
-        f"{names} of this {artifact.kind} artifact hold(s) values of the wrong type or shape "
-        f"(damaged, or not written by a dynprof {artifact.kind} capture); "
-        "`dynprof show --verify` checks them against the manifest's checksums"
-    )
-
-
-def render_html(artifact: Artifact) -> str:
-    """The kind's HTML fragment for the web page, or "" (no renderer, or it failed)."""
-    target = HTML_RENDERERS.get(artifact.kind)
-    if target is None or artifact.status == "failed":
-        return ""
-    module_name, func = target.split(":")
-    try:
-        return str(getattr(importlib.import_module(module_name), func)(artifact))
-    except Exception:  # the text summary says what is wrong with the artifact
-        return ""
 
 
 class ShowCommand:

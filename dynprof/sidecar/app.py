@@ -50,10 +50,10 @@ from werkzeug.exceptions import HTTPException
 
 from dynprof import __version__, roles
 from dynprof.cli.ps import agent_rows
-from dynprof.cli.show import render, render_html
 from dynprof.errors import ArtifactError
 from dynprof.identity import detect
 from dynprof.registry import list_records
+from dynprof.renderers import render, render_html
 from dynprof.sidecar.actions import ACTIONS, API_VERSION, ActionError, ActionsBusy, ActionSlots, FanoutConfig
 from dynprof.sidecar.page import PAGE_JS, PAGE_STYLE
 from dynprof.store import Artifact, ArtifactStore
