@@ -433,9 +433,7 @@ class HostMemoryWatcher:
         self.controller = controller
         self.options = controller.options
         self.captures = 0
-        self.last_capture = 0.0
         self.armed = True
-        self.last_usage: Any = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -468,7 +466,6 @@ class HostMemoryWatcher:
                 if os.getpid() != agent.pid or agent._stopped:
                     return
                 usage = host_memory.read_usage(limit, cgroup)
-                self.last_usage = usage
                 if usage.fraction < fraction:
                     if usage.fraction < fraction * 0.9:
                         self.armed = True  # re-arm once usage has come well down
