@@ -127,6 +127,10 @@ class ArtifactError(DynprofError):
     exit_code = 1
 
 
+class MissingFile(ArtifactError):
+    """A file named inside an artifact's directory is not there."""
+
+
 class StoreError(ArtifactError):
     """Writing an artifact failed (no space left, permission, ...); nothing half-written is left."""
 

@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from dynprof import __version__, jsontext, untrusted
-from dynprof.errors import ArtifactError, StoreError
+from dynprof.errors import ArtifactError, MissingFile, StoreError
 from dynprof.paths import artifact_dir
 from dynprof.units import parse_size
 
@@ -512,8 +512,11 @@ class Artifact:
                     digest = hashlib.sha256()
                     for block in iter(lambda: fh.read(1 << 20), b""):
                         digest.update(block)
+            except MissingFile:
+                problems.append(f"{name}: missing")
+                continue
             except ArtifactError as exc:
-                problems.append(f"{name}: {exc.message}" if "no such file" not in exc.message else f"{name}: missing")
+                problems.append(f"{name}: {exc.message}")
                 continue
             except OSError as exc:
                 problems.append(f"{name}: {exc.strerror}")

@@ -30,7 +30,7 @@ from collections.abc import Generator, Iterable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
-from dynprof.errors import ArtifactError
+from dynprof.errors import ArtifactError, MissingFile
 
 MANIFEST_MAX_BYTES = 1 << 20
 """A manifest larger than this is refused (real ones are a few KiB)."""
@@ -112,7 +112,7 @@ def open_in(directory: Path | str, name: str) -> IO[bytes]:
         # O_NONBLOCK: a FIFO put in place of a file must not block the reader forever.
         fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dfd)
     except FileNotFoundError:
-        raise ArtifactError(f"{name}: no such file in {directory}") from None
+        raise MissingFile(f"{name}: no such file in {directory}") from None
     except OSError as exc:
         if os.path.islink(os.path.join(directory, name)):
             raise ArtifactError(f"{name} in {directory} is a symbolic link: refused") from None
