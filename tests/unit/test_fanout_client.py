@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 
 from collectors.stacks import Frame, ProcessStacks, ThreadStack, group_processes
-from dynprof.cli._many_nodes import NODES_FAILED_EXIT, exit_code, node_labels
+from dynprof.cli.job import NODES_FAILED_EXIT, exit_code
+from dynprof.job.answers import node_labels
 from dynprof.job import client as fanout
 from dynprof.job.client import NodeAnswer, NodeFailure, SidecarClient, check_artifact_id, check_file_name
 from dynprof.job.discovery import Node
@@ -258,7 +259,7 @@ def test_the_client_needs_a_private_token_file(tmp_path: Path):
 
     from dynprof import errors
     from dynprof.cli import main
-    from dynprof.cli._many_nodes import client_for
+    from dynprof.cli.job import client_for
 
     # GIVEN a token file other users can read
     loose = tmp_path / "tok"
@@ -280,7 +281,7 @@ def _manifest(files: list[dict[str, Any]]) -> bytes:
 def test_fetch_keeps_only_files_that_match_the_manifest(server, tmp_path):
     import hashlib
 
-    from dynprof.cli._many_nodes import fetch
+    from dynprof.job.fetch import fetch
 
     script, node, _ = server
     good, bad = b"trace bytes", b"tampered!!!"
@@ -314,7 +315,7 @@ def test_fetch_keeps_only_files_that_match_the_manifest(server, tmp_path):
     ],
 )
 def test_fetch_refuses_manifests_that_name_files_badly(server, tmp_path, files):
-    from dynprof.cli._many_nodes import fetch
+    from dynprof.job.fetch import fetch
 
     script, node, _ = server
     script.replies = [(200, {}, _manifest(files))]  # type: ignore[arg-type]
@@ -327,7 +328,7 @@ def test_fetch_refuses_manifests_that_name_files_badly(server, tmp_path, files):
 def test_fetch_of_a_file_longer_than_its_manifest_says_stops_reading(server, tmp_path):
     import hashlib
 
-    from dynprof.cli._many_nodes import fetch
+    from dynprof.job.fetch import fetch
 
     script, node, _ = server
     data = b"x" * 100_000
@@ -340,7 +341,7 @@ def test_fetch_of_a_file_longer_than_its_manifest_says_stops_reading(server, tmp
 def test_nccl_dumps_are_read_back_from_each_node_s_artifact_checked(server):
     import hashlib
 
-    from dynprof.cli._many_nodes import _dumps_of
+    from dynprof.cli.nccl import read_rank_dumps
 
     # GIVEN a node's nccl artifact with one good dump, one that is not JSON, one nested too deep
     script, node, _ = server
@@ -354,7 +355,7 @@ def test_nccl_dumps_are_read_back_from_each_node_s_artifact_checked(server):
     script.replies = [(200, {}, _manifest(files)), (200, {}, good), (200, {}, junk), (200, {}, deep)]
     notes: list[str] = []
     # WHEN its dumps are read back
-    dumps = _dumps_of(SidecarClient(TOKEN, timeout=5), node, "j/h/node/nccl/a-1", notes, "node-1")
+    dumps = read_rank_dumps(SidecarClient(TOKEN, timeout=5), node, "j/h/node/nccl/a-1", notes, "node-1")
     # THEN the good one is taken, the others named, and no other file is asked for
     assert dumps == [(0, {"dumps": {"nccl": {"entries": []}}})]
     assert len(notes) == 2 and "rank1-pid12.json" in notes[0] and "rank2-pid13.json" in notes[1]

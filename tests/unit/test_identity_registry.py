@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 from dynprof.cli._common import select_workers
-from dynprof.cli.start import alignment_step
+from dynprof.job.align import alignment_step
 from dynprof.identity import detect
 from dynprof.proto import pb
 from dynprof.registry import AgentRecord, list_records, process_start_ticks, write_record
