@@ -7,8 +7,8 @@ import subprocess
 import sys
 
 from dynprof.cli._common import select_workers
-from dynprof.job.align import alignment_step
 from dynprof.identity import detect
+from dynprof.job.align import alignment_step
 from dynprof.proto import pb
 from dynprof.registry import AgentRecord, list_records, process_start_ticks, write_record
 
