@@ -47,7 +47,10 @@ def step_time_of_ms(value: Any) -> float | None:
     """A node's ``step_time_ms`` as seconds, or None when it is not a step time."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
-    return step_time(value / 1000.0)
+    try:
+        return step_time(value / 1000.0)
+    except OverflowError:  # an int too large for a float
+        return None
 
 
 def margin_steps(lead_s: float, times: list[float]) -> int:

@@ -364,3 +364,51 @@ def test_commands_on_this_node_import_no_http_client_and_defaults_agree():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+CRAFTED_STEP_TIMES: list[Any] = [1e-320, 5e-324, 0, 0.0, -100.0, float("nan"), float("inf"), -float("inf"), 1e308,
+                                 10**400, True, "100", None]  # fmt: skip
+
+
+@pytest.mark.parametrize("step_time_ms", CRAFTED_STEP_TIMES, ids=lambda v: repr(v)[:12])
+def test_a_crafted_step_time_from_a_node_gives_a_clean_start_step(fake, capsys, step_time_ms):
+    # GIVEN node B reports a step time that is no measurement (a denormal, 0, negative, NaN,
+    # infinite, huge, not a number), node A a real one
+    class Crafted(FakeNodes):
+        def _ps(self, node, options):
+            answer = super()._ps(node, options)
+            if node == B:
+                for row in answer.result["agents"]:
+                    row["step_time_ms"] = step_time_ms
+            return answer
+
+    fake(Crafted({A: [{"pid": 10, "rank": 0, "step": 40}], B: [{"pid": 20, "rank": 1, "step": 41}]}))
+    # WHEN a 3-step trace is started over both
+    code = main(["start", "--job", "j", "--hosts", "node-a,node-b", "--steps", "3", "--json"])
+    # THEN both ranks are traced from one step, planned from node A's pace (1 s at 100 ms a step)
+    doc = json.loads(capsys.readouterr().out)
+    assert code == 0, doc
+    assert doc["at_step"] == 41 + 11
+    assert [(r["rank"], r["start_step"], r["status"]) for r in doc["results"]] == [
+        (0, doc["at_step"], "complete"),
+        (1, doc["at_step"], "complete"),
+    ]
+
+
+@pytest.mark.parametrize("step_time_ms", CRAFTED_STEP_TIMES, ids=lambda v: repr(v)[:12])
+def test_a_crafted_step_time_alone_puts_the_start_two_steps_ahead(fake, capsys, step_time_ms):
+    # GIVEN the only rank reports a step time that is no measurement
+    class Crafted(FakeNodes):
+        def _ps(self, node, options):
+            answer = super()._ps(node, options)
+            for row in answer.result["agents"]:
+                row["step_time_ms"] = step_time_ms
+            return answer
+
+    fake(Crafted({A: [{"pid": 10, "rank": 0, "step": 40}]}))
+    # WHEN a trace is started
+    code = main(["start", "--job", "j", "--hosts", "node-a", "--steps", "3", "--json"])
+    # THEN the pace counts as unknown: the start is two steps past the rank's, as for a missing one
+    doc = json.loads(capsys.readouterr().out)
+    assert code == 0, doc
+    assert doc["at_step"] == 42
