@@ -10,8 +10,8 @@ One artifact holds every rank's dump and the analysis: per process group, the la
 sequence number each rank enqueued, started and completed; the collective the furthest ranks
 wait in; and the ranks that never enqueued it.
 
-A rank's dump is read only up to MAX_DUMP_BYTES (64 MiB); a larger one is that rank's failure,
-named with its size. Over many nodes, the dumps read back are at most MAX_DUMPS_TOTAL_BYTES in all.
+A rank's dump is read up to 64 MiB; a larger one is that rank's failure, named with its size.
+Over many nodes (--hosts), at most 2 GiB of dumps are read back in all.
 """
 
 from __future__ import annotations
