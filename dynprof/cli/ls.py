@@ -75,7 +75,9 @@ class LsCommand(JobCommand):
             "bad": [{"path": str(b.path), "reason": b.reason} for b in bad],
         }
         # The JSON document lists the bad entries; the text names them on stderr.
-        messages = [] if args.json else [f"skipped {printable(b.id)}: {printable(b.reason)}" for b in bad]
+        messages = (
+            [] if getattr(args, "json", False) else [f"skipped {printable(b.id)}: {printable(b.reason)}" for b in bad]
+        )
         rows = [
             (t.id, t.kind, "stale" if t.stale else "writing", t.rank, f"{t.age_s:.0f} s ago", human_bytes(t.size))
             for t in temps

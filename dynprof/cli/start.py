@@ -243,7 +243,7 @@ class StartCommand(JobCommand):
             result.context["as_is"] = True
             return result
         labels = node_labels(nodes)
-        progress = Progress(enabled=not args.json)
+        progress = Progress(enabled=not getattr(args, "json", False))
         ps_options = forward_options("ps", args, timeout=job_start.PS_TIMEOUT_S)
         armed = job_start.arm_at_one_step(
             client,
@@ -313,7 +313,7 @@ class StartCommand(JobCommand):
         self, args: argparse.Namespace, clients: list[AgentClient], records: list[AgentRecord], group_id: str
     ) -> dict[str, Any]:
         deadline = time.monotonic() + (args.timeout or 120.0)
-        progress = Progress(enabled=not args.json)
+        progress = Progress(enabled=not getattr(args, "json", False))
         while True:
             states = parallel(lambda c: c.status().trace, clients)
             active = [s for s in states if not isinstance(s, Exception) and s.state == "tracing"]
@@ -359,7 +359,7 @@ class StartCommand(JobCommand):
         at_step: int,
     ) -> dict[str, Any]:
         deadline = time.monotonic() + args.timeout if args.timeout else None
-        progress = Progress(enabled=not args.json)
+        progress = Progress(enabled=not getattr(args, "json", False))
         results: dict[int, dict[str, Any]] = {}
         try:
             while len(results) < len(records):

@@ -61,7 +61,7 @@ class StopCommand(JobCommand):
         if not stopping:
             return JobResult({"results": results}, 1, context={"none_stopping": True})
         if not args.no_wait:
-            progress = Progress(enabled=not args.json)
+            progress = Progress(enabled=not getattr(args, "json", False))
             deadline = time.monotonic() + args.timeout
             pending = list(stopping)
             while pending:

@@ -217,7 +217,7 @@ def read_json_file(
 ) -> Any:
     """One JSON file of an artifact, refused before it is asked for when its manifest claims
     more than ``max_bytes``; it streams to a private temporary file (read up to its claimed
-    size, checked against its sha256) and is parsed from there with the untrusted-JSON limits.
+    size, checked against its sha256), and its text is parsed with the untrusted-JSON limits.
     NodeFailure or ArtifactError otherwise."""
     check_artifact_id(artifact_id)
     check_file_name(name)
@@ -225,5 +225,13 @@ def read_json_file(
         raise NodeFailure(f"{artifact_id}/{name}: {human_bytes(size)}, over the {human_bytes(max_bytes)} read back")
     with tempfile.TemporaryDirectory(prefix="dynprof-read-") as tmp:
         client.download(node, artifact_id, name, Path(tmp) / "file", size, sha256, FETCH_TIMEOUT_S)
-        data = untrusted.read_bytes_in(tmp, "file", max_bytes)
-    return untrusted.loads_json(data, what)
+        text = _utf8_text(untrusted.read_bytes_in(tmp, "file", max_bytes), what)
+    # Only the text is held while it is parsed (the bytes are gone): the parse is the peak.
+    return untrusted.loads_json(text, what)
+
+
+def _utf8_text(data: bytes, what: str) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ArtifactError(f"{what}: not valid JSON (not UTF-8 at byte {exc.start})") from None
