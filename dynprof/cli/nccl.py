@@ -311,8 +311,8 @@ def _read_dump(directory: Any, name: str, pid: int) -> Any:
     except errors.ArtifactError as exc:
         raise errors.DynprofError(
             f"pid {pid}: its dump cannot be read: {exc.message}",
-            help=f"A dump is read up to {human_bytes(MAX_DUMP_BYTES)}: dump the flight recorder with fewer "
-            "entries (TORCH_NCCL_TRACE_BUFFER_SIZE) or without stacks (--no-stack-traces).",
+            help=f"A dump is read up to {human_bytes(MAX_DUMP_BYTES)}: leave out the stacks (--no-stack-traces) "
+            "or the completed collectives (--only-active), or record fewer (`dynprof run --flight-recorder N`).",
         ) from None
 
 

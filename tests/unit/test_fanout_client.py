@@ -447,3 +447,20 @@ def test_nccl_dumps_past_the_total_are_named_and_not_read(server):
     assert [rank for rank, _ in dumps] == [0]
     assert len(notes) == 1 and "rank 1" in notes[0] and "in all" in notes[0]
     assert len(script.seen) == 2
+
+
+def test_a_local_dump_over_the_limit_is_that_rank_s_failure(tmp_path, monkeypatch):
+    from dynprof import errors
+    from dynprof.cli import nccl
+
+    # GIVEN a rank's dump, as its agent wrote it, one byte over the limit
+    monkeypatch.setattr(nccl, "MAX_DUMP_BYTES", 100)
+    (tmp_path / "rank0-pid7.json").write_text(json.dumps({"entries": ["x" * 100]}))
+    (tmp_path / "rank1-pid8.json").write_text("not json")
+    # WHEN it is read
+    # THEN it is refused with its size and what to do, as is one that is not JSON
+    with pytest.raises(errors.DynprofError, match="pid 7: its dump cannot be read: .*over the 100-byte limit") as exc:
+        nccl._read_dump(tmp_path, "rank0-pid7.json", 7)
+    assert "--no-stack-traces" in (exc.value.help or "")
+    with pytest.raises(errors.DynprofError, match="pid 8: its dump cannot be read: .*not valid JSON"):
+        nccl._read_dump(tmp_path, "rank1-pid8.json", 8)
