@@ -459,8 +459,8 @@ def test_a_local_dump_over_the_limit_is_that_rank_s_failure(tmp_path, monkeypatc
     (tmp_path / "rank1-pid8.json").write_text("not json")
     # WHEN it is read
     # THEN it is refused with its size and what to do, as is one that is not JSON
-    with pytest.raises(errors.DynprofError, match="pid 7: its dump cannot be read: .*over the 100-byte limit") as exc:
+    with pytest.raises(errors.DynprofError, match=r"pid 7: its dump cannot be read: .*over the 100-byte limit") as exc:
         nccl._read_dump(tmp_path, "rank0-pid7.json", 7)
     assert "--no-stack-traces" in (exc.value.help or "")
-    with pytest.raises(errors.DynprofError, match="pid 8: its dump cannot be read: .*not valid JSON"):
+    with pytest.raises(errors.DynprofError, match=r"pid 8: its dump cannot be read: .*not valid JSON"):
         nccl._read_dump(tmp_path, "rank1-pid8.json", 8)
