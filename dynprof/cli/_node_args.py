@@ -1,6 +1,6 @@
 """The options that send a job-level command to many nodes, and whether a command was asked to.
 
-Kept apart from :mod:`dynprof.cli._many_nodes` (the HTTP client, the merges) so that a command
+Kept apart from :mod:`dynprof.job.client` (the HTTP client) and the merges so that a command
 run on this node only imports none of that.
 """
 

@@ -63,9 +63,9 @@ class MemoryCommand:
     def run(self, args: argparse.Namespace) -> int:
         nodes = nodes_requested(args)
         if nodes is not None:
-            from dynprof.cli import _many_nodes
+            from dynprof.cli import job
 
-            return _many_nodes.plain("memory", args, nodes)
+            return job.run_per_rank("memory", args, nodes)
         if args.history_start is not None and args.history_start <= 0:
             raise errors.UsageError("--history-start N needs N > 0 events", help="Use --history-stop to stop.")
         records = resolve_agents(args)

@@ -49,7 +49,7 @@ from flask import Flask, Response, abort, g, jsonify, request, send_file
 from werkzeug.exceptions import HTTPException
 
 from dynprof import __version__, roles
-from dynprof.cli.ps import agent_rows
+from dynprof.agents import agent_rows
 from dynprof.cli.show import render, render_html
 from dynprof.errors import ArtifactError
 from dynprof.identity import detect
