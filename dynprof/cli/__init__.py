@@ -52,10 +52,17 @@ class CollectingCommand(Command, Protocol):
     def render(self, result: Result) -> str: ...
 
 
+class Shown(Result):
+    """The answer of a part of a command that still writes it itself (a job-wide answer merged
+    by ``_many_nodes``): :func:`emit` shows nothing more, and the exit code is the result's."""
+
+
 def emit(command: CollectingCommand, result: Result, as_json: bool) -> int:
     """Show a command's result: its messages on stderr, then its JSON or its text on stdout."""
     from dynprof.cli._common import print_json, printable_lines
 
+    if isinstance(result, Shown):
+        return result.exit_code
     for line in result.messages:
         print(f"dynprof: {printable_lines(line)}", file=sys.stderr)
     if as_json:
