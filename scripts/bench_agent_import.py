@@ -18,10 +18,16 @@ extensions. It reports, beyond torch:
 * the dynprof modules (``dynprof.*``, ``collectors.*``, ``healthcheck.*``) it loaded, and how
   many other modules came with them.
 
-Several runs per checkout, interleaved (A, B, A, B, ...) so both see the same machine noise,
-after one run each that is not counted (it compiles the checkout's bytecode); the figures are
-medians. Give ``--repo DIR`` once per checkout to compare them side by side
-(DIR goes first on the child's ``sys.path``)::
+With several checkouts, the modules that not all of them load are then imported alone, on one
+thread, after torch and the modules all of them load: their time, CPU time, RSS and Python heap
+(tracemalloc), without the agent's threads around them.
+
+Each checkout's packages are copied to a temporary directory and compiled to bytecode there
+first, so that every checkout is read from .pyc files (as an installed dynprof is) and none is
+written to. Several runs per checkout, interleaved (A, B, A, B, ...) so both see the same
+machine noise, after one run each that is not counted; the figures are medians. Give
+``--repo DIR`` once per checkout to compare them side by side (its copy goes first on the
+child's ``sys.path``)::
 
     python scripts/bench_agent_import.py --repo /path/to/before --repo . [--runs 7]
 
@@ -32,8 +38,10 @@ run; a run whose ``dynprof`` module is not the named checkout's is reported as a
 from __future__ import annotations
 
 import argparse
+import compileall
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -42,6 +50,8 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("dynprof", "collectors", "healthcheck")
+STAGED: dict[Path, Path] = {}  # checkout -> its packages copied and compiled (see stage)
 
 MARK = "-- dynprof bench: torch imported --"
 
@@ -130,11 +140,10 @@ print(json.dumps({"import_s": t, "cpu_s": c, "rss_bytes": rss() - rss0, "heap_by
 def alone_run(repo: Path, common: list[str], extra: list[str], scratch: Path, trace: bool) -> dict[str, Any]:
     """In a fresh interpreter with torch and ``common`` imported, on one thread: what importing
     ``extra`` costs (with ``trace``, the Python heap it adds, by tracemalloc, which slows it)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("DYNPROF", "PYTHONPATH") and not k.startswith("DYNPROF_")}
-    env["DYNPROF_RUN_DIR"] = str(scratch / "run")
-    env["DYNPROF_ARTIFACT_DIR"] = str(scratch / "artifacts")
+    env = _env(scratch)
+    src = STAGED.get(repo, repo)
     proc = subprocess.run(
-        [sys.executable, "-c", ALONE, str(repo), json.dumps(common), json.dumps(extra), "trace" if trace else "-"],
+        [sys.executable, "-c", ALONE, str(src), json.dumps(common), json.dumps(extra), "trace" if trace else "-"],
         env=env,
         cwd=str(scratch),
         capture_output=True,
@@ -145,17 +154,37 @@ def alone_run(repo: Path, common: list[str], extra: list[str], scratch: Path, tr
     if proc.returncode != 0 or not lines:
         return {"error": f"exit {proc.returncode}: {proc.stderr.strip()[-2000:]}"}
     doc: dict[str, Any] = json.loads(lines[-1])
-    if not str(doc["dynprof_file"]).startswith(str(repo) + os.sep):
-        return {"error": f"dynprof came from {doc['dynprof_file']}, not from {repo}"}
+    if not str(doc["dynprof_file"]).startswith(str(src) + os.sep):
+        return {"error": f"dynprof came from {doc['dynprof_file']}, not from {src} (a copy of {repo})"}
     return doc
 
 
-def one_run(repo: Path, settle: float, scratch: Path) -> dict[str, Any]:
+def stage(repos: list[Path], root: Path) -> None:
+    """Copy each checkout's packages under ``root`` and compile their bytecode there, as an
+    installation has it: every checkout is then read from .pyc files, whatever
+    PYTHONDONTWRITEBYTECODE or stale caches say, and no checkout is written to."""
+    for i, repo in enumerate(repos):
+        target = root / f"src-{i}"
+        for name in PACKAGES:
+            if (repo / name).is_dir():
+                shutil.copytree(repo / name, target / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        compileall.compile_dir(str(target), quiet=1)
+        STAGED[repo] = target
+
+
+def _env(scratch: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("DYNPROF", "PYTHONPATH") and not k.startswith("DYNPROF_")}
     env["DYNPROF_RUN_DIR"] = str(scratch / "run")
     env["DYNPROF_ARTIFACT_DIR"] = str(scratch / "artifacts")
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    return env
+
+
+def one_run(repo: Path, settle: float, scratch: Path) -> dict[str, Any]:
+    env = _env(scratch)
+    src = STAGED.get(repo, repo)
     proc = subprocess.run(
-        [sys.executable, "-X", "importtime", "-c", CHILD, str(repo), str(settle), MARK],
+        [sys.executable, "-X", "importtime", "-c", CHILD, str(src), str(settle), MARK],
         env=env,
         cwd=str(scratch),
         capture_output=True,
@@ -166,8 +195,8 @@ def one_run(repo: Path, settle: float, scratch: Path) -> dict[str, Any]:
     if proc.returncode != 0 or not lines:
         return {"error": f"exit {proc.returncode}: {proc.stderr.strip()[-2000:]}"}
     doc: dict[str, Any] = json.loads(lines[-1])
-    if not str(doc["dynprof_file"]).startswith(str(repo) + os.sep):
-        return {"error": f"dynprof came from {doc['dynprof_file']}, not from {repo}"}
+    if not str(doc["dynprof_file"]).startswith(str(src) + os.sep):
+        return {"error": f"dynprof came from {doc['dynprof_file']}, not from {src} (a copy of {repo})"}
     if not doc["ready"]:
         return {"error": "the agent did not become ready"}
     doc["import_self_us"] = import_times(proc.stderr)
@@ -204,9 +233,15 @@ def main() -> int:
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     args = parser.parse_args()
     repos = [p.resolve() for p in (args.repo or [ROOT])]
+    with tempfile.TemporaryDirectory(prefix="dynprof-bench-import-") as staging:
+        stage(repos, Path(staging))
+        return measure(args, repos)
+
+
+def measure(args: argparse.Namespace, repos: list[Path]) -> int:
     runs: dict[Path, list[dict[str, Any]]] = {r: [] for r in repos}
     with tempfile.TemporaryDirectory(prefix="dynprof-bench-import-") as tmp:
-        for repo in repos:  # bytecode compiled, files cached: not counted
+        for repo in repos:  # files cached: not counted
             warm = Path(tmp) / f"warm-{repos.index(repo)}"
             warm.mkdir()
             one_run(repo, args.settle, warm)
