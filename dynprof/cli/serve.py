@@ -110,7 +110,8 @@ class ServeCommand:
     """Serve a web page and an HTTP API that act on this node's agents (token required).
 
     The node's sidecar: it lists the agents, runs the CLI's own commands on them (start, stop,
-    stacks, memory, nccl, ps, ls, healthcheck) and answers with their --json, and serves the
+    stacks, memory, nccl, ps, ls, healthcheck) and answers with their results (the --json
+    documents), and serves the
     artifacts. Every request needs the token (Authorization: Bearer, or the URL printed at
     start); GET /healthz alone answers without it, with "ok". Reference: docs/api.md.
     """
@@ -180,9 +181,12 @@ class ServeCommand:
             import cheroot  # noqa: F401
         except ImportError as exc:
             raise errors.Unsupported(f"the HTTP server needs cheroot: {exc}", help="pip install cheroot") from None
+        from dynprof.cli.sidecar_actions import action_commands
+
         token, source = resolve_token(args.token, args.token_file)
         fanout, own_file = (None, None) if args.no_job_wide else _fanout_config(token, source, args.cacert)
         app = create_app(
+            commands=action_commands(),
             token=token,
             host=args.host,
             max_actions=args.max_actions,

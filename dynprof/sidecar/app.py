@@ -1,7 +1,8 @@
 """The sidecar web app: a page and an HTTP API over this node's agents, tools and artifacts.
 
 It lists agents as `dynprof ps` does, renders artifacts with the same renderers as `dynprof
-show`, and runs actions (:mod:`dynprof.sidecar.actions`: the CLI's own commands with ``--json``).
+show`, and runs actions (:mod:`dynprof.sidecar.actions`: the CLI's own commands, handed in by
+``dynprof serve`` as ``commands``, answering with their results).
 Every request, on every address (loopback included: other users of the machine can reach
 loopback too), must carry the access token: ``Authorization: Bearer TOKEN``, ``?token=TOKEN``
 (the page then sets an HttpOnly, SameSite=Strict cookie so its links work), or that cookie;
@@ -41,7 +42,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TextIO
 from urllib.parse import quote, urlsplit
 
@@ -54,7 +55,15 @@ from dynprof.cli.show import render, render_html
 from dynprof.errors import ArtifactError
 from dynprof.identity import detect
 from dynprof.registry import list_records
-from dynprof.sidecar.actions import ACTIONS, API_VERSION, ActionError, ActionsBusy, ActionSlots, FanoutConfig
+from dynprof.sidecar.actions import (
+    ACTIONS,
+    API_VERSION,
+    ActionCommand,
+    ActionError,
+    ActionsBusy,
+    ActionSlots,
+    FanoutConfig,
+)
 from dynprof.sidecar.page import PAGE_JS, PAGE_STYLE
 from dynprof.store import Artifact, ArtifactStore
 from dynprof.units import human_age, human_bytes
@@ -280,18 +289,21 @@ def create_app(
     run_action: Callable[..., dict[str, Any]] | None = None,
     extra_hosts: Iterable[str] = (),
     fanout: FanoutConfig | None = None,
+    commands: Mapping[str, ActionCommand] | None = None,
 ) -> Flask:
     """The sidecar's app. ``token`` is required on every request but ``/healthz``; ``None``
     turns the check off, which only tests of the page itself do (``dynprof serve`` always sets
     one). At most ``max_actions`` actions run at once; ``read_only`` refuses those that act on
     jobs. ``extra_hosts`` are more names the Host header may carry (DNS aliases of this node).
     ``fanout`` lets actions take ``hosts`` (a job-wide view through the other nodes' sidecars).
-    ``run_action`` replaces :meth:`ActionSlots.run` (tests)."""
+    ``commands`` are what the actions run (``dynprof serve`` builds them from the CLI's commands;
+    without them, an action answers that it has no command). ``run_action`` replaces
+    :meth:`ActionSlots.run` (tests)."""
     app = Flask("dynprof")
     app.config["MAX_CONTENT_LENGTH"] = MAX_REQUEST_BYTES
     store = store or ArtifactStore()
     names = allowed_hosts(host) | {_strip_port(h) for h in extra_hosts if h.strip()}
-    slots = ActionSlots(max_actions, fanout)
+    slots = ActionSlots(max_actions, fanout, commands)
     runner = run_action or slots.run
     refusals = refusals or RefusalLog()
     csrf = secrets.token_urlsafe(32)  # per server; the page carries it, a cross-site page cannot read it

@@ -1,7 +1,7 @@
 """The sidecar acting over HTTP: a real `dynprof serve` on a loopback port, with its own run
 directory and artifact store, in front of a real training loop under `dynprof run`.
 
-Checked: the actions answer with the CLI's own `--json`; a trace started over HTTP is fetched
+Checked: the actions answer with the CLI's own `--json` (and a structured error); a trace started over HTTP is fetched
 back over /api/v1; tokens, CSRF, read-only, body limits, strict JSON, traversal, the action
 slots (429) and TLS; the refusals are logged without the token. The page's buttons are driven
 in a real headless Chromium (over the DevTools protocol on a pipe: no extra package).
@@ -209,9 +209,10 @@ def test_actions_answer_with_the_clis_json(sidecar, train, dynprof_dirs):
             "exit_code",
             "result",
             "messages",
+            "error",
             "elapsed_s",
         }
-        assert answer["api"] == 1 and answer["host"] == info["host"]
+        assert answer["api"] == 1 and answer["host"] == info["host"] and answer["error"] is None
         assert answer["exit_code"] == cli_code == 0, (answer, cli)
         assert same_keys(answer["result"], cli), (shape(answer["result"]), shape(cli))
     assert [a["pid"] for a in http_ps[1]["result"]["agents"]] == [train]
