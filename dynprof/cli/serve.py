@@ -110,8 +110,7 @@ class ServeCommand:
     """Serve a web page and an HTTP API that act on this node's agents (token required).
 
     The node's sidecar: it lists the agents, runs the CLI's own commands on them (start, stop,
-    stacks, memory, nccl, ps, ls, healthcheck) and answers with their results (the --json
-    documents), and serves the
+    stacks, memory, nccl, ps, ls, healthcheck) and answers with their --json, and serves the
     artifacts. Every request needs the token (Authorization: Bearer, or the URL printed at
     start); GET /healthz alone answers without it, with "ok". Reference: docs/api.md.
     """
