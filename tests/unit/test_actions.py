@@ -497,3 +497,14 @@ def test_a_healthcheck_killed_by_a_signal_says_so_with_a_documented_code(monkeyp
     assert answer["exit_code"] == 3, answer
     assert "killed by SIGKILL" in answer["error"]["message"], answer
     assert answer["messages"][0].startswith("dynprof: error: healthcheck could not finish")
+
+
+def test_the_sidecar_imports_no_cli():
+    # GIVEN a fresh interpreter WHEN the sidecar's app and actions are imported
+    code = (
+        "import sys, dynprof.sidecar.app, dynprof.sidecar.actions, dynprof.sidecar.page; "
+        "print(sorted(m for m in sys.modules if m == 'dynprof.cli' or m.startswith('dynprof.cli.')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    # THEN no CLI module came with them (dynprof serve hands the sidecar its commands and views)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
