@@ -89,7 +89,14 @@ def printing_collect(command: Any) -> Callable[[argparse.Namespace], Result]:
             return int(command.run(args))
 
         code = contextvars.copy_context().run(call)  # a DynprofError goes up as it is
-        messages = [line.removeprefix("dynprof: ") for line in err.getvalue().splitlines() if line.strip()]
+        messages: list[str] = []
+        for line in err.getvalue().splitlines():
+            if not line.strip():
+                continue
+            if line.startswith("dynprof: ") or not messages:
+                messages.append(line.removeprefix("dynprof: "))
+            else:  # a continuation line ("  what to do: ..."): printed again as it was
+                messages[-1] += "\n" + line
         text = out.getvalue()
         try:
             doc = json.loads(text) if text.strip() else {}

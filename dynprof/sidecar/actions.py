@@ -405,7 +405,7 @@ def _outcome(
     in_child = action.in_subprocess or job_wide
     released = False
     try:
-        command = commands.get(action.command)
+        command = commands.get(name)
         if command is None:
             return failed(
                 errors.Unsupported(
@@ -417,11 +417,12 @@ def _outcome(
             args = command.parse(argv[1:])
         except errors.DynprofError as exc:
             return answered_error(exc)
+        except Exception as exc:  # a bug in a command's parser must not take the sidecar down
+            log.error("dynprof serve: parsing the options of %s failed", name, exc_info=exc)
+            return failed(errors.DynprofError(f"internal error: {type(exc).__name__}: {exc}"))
         if in_child:
             env = {"DYNPROF_TOKEN_FILE": fanout.token_file} if job_wide and fanout else None
             return _run_child(name, argv, job_wide, limit, env, action.failed_exit)
-        if command.collect_local is None:  # pragma: no cover - a table error
-            return failed(errors.Unsupported(f"{name} does not run on one node"))
         released = True  # from here on, the command's thread gives the slot back when it ends
         collect_local = command.collect_local
         return _run_bounded(name, lambda: collect_local(args), limit + SUBPROCESS_GRACE_S, release)
