@@ -510,7 +510,7 @@ def test_the_sidecar_imports_no_cli():
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
-def test_a_command_not_yet_answering_with_a_result_is_read_from_its_json():
+def test_a_command_not_yet_answering_with_a_result_is_read_from_its_json(monkeypatch):
     # GIVEN a command that only prints (TEMPORARY fallback, until every action's command has
     # collect_local): its --json on stdout, an error of one target and its advice on stderr
     from dynprof.cli._action_fallback import printing_collect
@@ -522,6 +522,8 @@ def test_a_command_not_yet_answering_with_a_result_is_read_from_its_json():
             return 3
 
     table = stub_table(printing_collect(Printing()))
+    monkeypatch.setattr(sys, "stdout", sys.stdout)  # the capture wraps them: put them back after
+    monkeypatch.setattr(sys, "stderr", sys.stderr)
     # WHEN it runs as an action
     answer = run_action("ps", {}, commands=table)
     # THEN the answer holds its JSON, code and stderr lines as it printed them
