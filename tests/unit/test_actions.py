@@ -451,7 +451,7 @@ def test_a_child_writes_the_result_as_json(dynprof_dirs):
     writer.finish("complete")
     outcome = actions._run_child("ls", ["ls", "--job=j", "--json"], False, 120)
     # THEN the child's answer is the listing
-    assert outcome.exit_code == 0, outcome
+    assert outcome.exit_code == 0 and outcome.messages == [] and outcome.error is None, outcome
     assert [a["kind"] for a in outcome.result["artifacts"]] == ["trace"]
 
 
