@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from dynprof.cli import _node_args, job, main
-from dynprof.job.client import NodeAnswer
+from dynprof.job.client import CommandError, NodeAnswer
 from dynprof.job.discovery import Node
 
 
@@ -30,8 +30,8 @@ class FakeNodes:
             out.append(getattr(self, "_" + name)(node, options))
         return out
 
-    def _answer(self, node: Node, result: Any, code: int = 0) -> NodeAnswer:
-        return NodeAnswer(node, True, host=node.host, exit_code=code, result=result)
+    def _answer(self, node: Node, result: Any, code: int = 0, failure: CommandError | None = None) -> NodeAnswer:
+        return NodeAnswer(node, True, host=node.host, exit_code=code, result=result, failure=failure)
 
     def _ps(self, node: Node, options: dict[str, Any]) -> NodeAnswer:
         self.polls += 1
@@ -58,7 +58,8 @@ class FakeNodes:
             self.passed_once.discard(node)
             for r in self.ranks[node]:
                 r["step"] = at + 5  # this node ran ahead of the plan
-            return self._answer(node, {"error": {"message": f"step {at} has passed"}}, code=8)
+            error = CommandError("AgentError", f"step {at} has passed", "", 8)
+            return self._answer(node, {"error": {"message": error.message}}, code=8, failure=error)
         group = f"g-{node.port}-{at}"
         self.armed[node] = (at, group)
         targets = [{"pid": r["pid"], "rank": r["rank"], "job": "j", "start_step": at} for r in self.ranks[node]]
@@ -209,24 +210,20 @@ def test_garbage_from_the_nodes_never_crashes_a_command(monkeypatch, capsys, tmp
     assert not (tmp_path.parent / "etc").exists()
 
 
-def test_a_sidecar_action_never_fans_out_again(monkeypatch):
-    # GIVEN discovery that would find nodes by itself (as Slurm's node list would, in a sidecar
-    # started inside the job)
-    import sys
+def test_a_sidecar_action_never_fans_out_again():
+    # GIVEN a job-level command whose job-wide answer must never be reached from a node
+    import argparse
 
-    from dynprof.sidecar.actions import run_action
+    from dynprof.result import Result
+    from dynprof.sidecar.actions import ActionCommand, run_action
 
-    monkeypatch.setattr(sys, "stdout", sys.stdout)  # the action's capture wraps them: put them back after
-    monkeypatch.setattr(sys, "stderr", sys.stderr)
-    monkeypatch.setattr(_node_args, "resolve_nodes", lambda args: [A, B])
-
-    def no_client(args):
+    def collect_nodes(args, nodes):
         raise AssertionError("a sidecar's action fanned out")
 
-    monkeypatch.setattr(job, "client_for", no_client)
-    # WHEN the sidecar runs ps as an action
-    answer = run_action("ps", {})
-    # THEN it lists this node's agents only
+    table = {"ps": ActionCommand(lambda argv: argparse.Namespace(), lambda args: Result({"agents": []}), collect_nodes)}
+    # WHEN the sidecar runs ps as an action (as the fan-out asks a node: without hosts)
+    answer = run_action("ps", {}, commands=table)
+    # THEN it answers with this node's agents only: the node-side call is collect_local
     assert answer["exit_code"] == 0 and answer["result"] == {"agents": []}
 
 
@@ -303,6 +300,7 @@ def test_each_node_s_own_messages_reach_stderr_with_its_name(monkeypatch, capsys
                     exit_code=5,
                     result={"error": {"message": "no agent of job 'j' on this node"}},
                     messages=["dynprof: error: no agent of job 'j' on this node", "  what to do: attach one"],
+                    failure=CommandError("NoAgent", "no agent of job 'j' on this node", "attach one", 5),
                 ),
                 NodeAnswer(B, True, exit_code=0, result={"agents": []}, messages=["dynprof: skipping 1 process"]),
             ]
