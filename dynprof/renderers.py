@@ -23,7 +23,7 @@ RENDERERS: dict[str, str] = {
     "trace": "collectors.torch_trace:render_artifact",
     "stacks": "collectors.stacks:render_artifact",
     "hang": "collectors.stacks:render_artifact",
-    "memory": "collectors.memory_snapshot:render_artifact",
+    "memory": "collectors.memory.render:render_artifact",
     "host-memory": "collectors.host_memory:render_artifact",
     "nccl": "collectors.flight_recorder:render_artifact",
     "analysis": "collectors.trace_analysis:render_artifact",

@@ -16,7 +16,7 @@ import pytest
 from dynprof import errors
 from dynprof.attach import _elf, _preflight, choose_method, find_job_processes
 from dynprof.attach._bootstrap import bootstrap_source, payload
-from dynprof.cli.start import aligned_steps, boundary_offsets
+from dynprof.job.align import aligned_steps, boundary_offsets
 from dynprof.proto import pb
 
 ROOT = Path(__file__).resolve().parent.parent.parent
