@@ -3,9 +3,9 @@
 import-linter (the layer contracts in pyproject.toml) sees modules, not names, so this check
 reads the source with :mod:`ast`. A private name is one whose last part starts with a single
 underscore (``_read_pickle``, ``_common``; not ``__version__``). It belongs to the package that
-defines it: the package of the module it is defined in (``collectors.memory_snapshot._read_pickle``
-belongs to ``collectors``; ``dynprof.cli._common`` and ``dynprof.cli._silence_stdout`` belong to
-``dynprof.cli``). Only that package and the packages inside it may use it, through
+defines it: the package of the module it is defined in (a ``_function`` of
+``collectors/memory/reader.py`` belongs to ``collectors.memory``; ``dynprof.cli._common`` and a
+``_function`` of ``dynprof/cli/__init__.py`` belong to ``dynprof.cli``). Only that package and the packages inside it may use it, through
 
 - ``from a.b import _x`` and ``from a._b import x``,
 - ``import a._b`` (the first private part decides), and
