@@ -158,6 +158,7 @@ def test_nodes_command(capsys: Any, monkeypatch: pytest.MonkeyPatch) -> None:
 def test_parse_registrations_is_defensive() -> None:
     from dynprof.agent._ext_job_store import parse_registrations
 
+    # GIVEN the ranks key with good lines and garbage (anyone who reaches the store can write it)
     data = b"\n".join(
         [
             b'{"rank":1,"host":"n1","sidecar":"n1:8787","pid":5,"local_rank":1,"registered_at":1.0}',
@@ -167,15 +168,22 @@ def test_parse_registrations_is_defensive() -> None:
             b'{"rank":true,"host":"x","sidecar":"x:1","registered_at":1}',
             b'{"rank":0,"host":"n0","sidecar":"n0:8787","registered_at":1}',
             b'{"rank":1,"host":"n9","sidecar":"n9:8787","pid":6,"registered_at":2.0}',
+            b'{"rank":1,"host":"n1","sidecar":"n1:8787","pid":7,"local_rank":1,"registered_at":3.0}',
             b'{"rank":2,"host":"' + b"h" * 10_000 + b'","sidecar":"s:1","registered_at":1}',
+            b'{"rank":3,"host":"' + b"h" * 1_000 + b'","sidecar":"s:1","registered_at":1}',
         ]
     )
+    # WHEN it is parsed
     regs = parse_registrations(data)
-    assert [(r.rank, r.host, r.sidecar, r.local_rank) for r in regs[:2]] == [
-        (0, "n0", "n0:8787", -1),
-        (1, "n9", "n9:8787", -1),  # the latest registration of rank 1 wins
+    # THEN each rank keeps every sidecar it was registered with, in the key's order (a line
+    # added later cannot replace a rank's own), the latest registration of each
+    assert [(r.rank, r.host, r.sidecar, r.local_rank, r.pid) for r in regs[:3]] == [
+        (0, "n0", "n0:8787", -1, 0),
+        (1, "n1", "n1:8787", 1, 7),
+        (1, "n9", "n9:8787", -1, 6),
     ]
-    assert len(regs[2].host) == 512
+    # and a line over 4 KiB is skipped, a long field cut
+    assert [r.rank for r in regs] == [0, 1, 1, 3] and len(regs[3].host) == 512
 
 
 def test_slurm_uses_the_allocation_when_job_is_not_a_slurm_id(monkeypatch: pytest.MonkeyPatch) -> None:
