@@ -263,9 +263,28 @@ class _TCPStoreReader(StoreReader):
         self.sock.sendall(struct.pack("=B", self.GET) + self._key(key))
         (size,) = struct.unpack("=Q", self._recv(8))
         if size > max_bytes:
-            self.close()  # the rest is never read
+            self._discard(size)
             raise ValueTooLarge(f"the job's dynprof/{key} key holds {size} bytes, over {max_bytes}; refused unread")
         return self._recv(size)
+
+    def _discard(self, size: int) -> None:
+        """Read the rest of a refused value into one small buffer, until the deadline, and close:
+        the store's server (in rank 0) logs a warning into the job's output when a client leaves
+        in the middle of an answer."""
+        scratch = memoryview(bytearray(1 << 16))
+        try:
+            while size > 0:
+                left = self.deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self.sock.settimeout(left)
+                k = self.sock.recv_into(scratch[: min(size, len(scratch))])
+                if not k:
+                    break
+                size -= k
+        except OSError:
+            pass
+        self.close()
 
     def close(self) -> None:
         with contextlib.suppress(OSError):

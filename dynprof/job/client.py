@@ -46,7 +46,7 @@ from dynprof import __version__
 from dynprof.errors import ArtifactError
 from dynprof.job.discovery import Node
 from dynprof.units import human_bytes
-from dynprof.untrusted import loads_json
+from dynprof.untrusted import count_json_values, loads_json
 
 API_VERSION = 1
 DEFAULT_MAX_IN_FLIGHT = 64
@@ -315,8 +315,10 @@ class SidecarClient:
                     continue
             if status != 200:
                 raise NodeFailure(_http_reason(node, status, data, path), status)
+            if count_json_values(data) > max_values:
+                raise NodeFailure(f"the answer of {node} to {path} holds over {max_values} JSON values: refused")
             try:
-                doc = loads_json(data, f"the answer of {node} to {path}", max_values=max_values)
+                doc = loads_json(data, f"the answer of {node} to {path}")
             except ArtifactError as exc:
                 raise NodeFailure(f"not a dynprof sidecar: {exc.message}") from None
             if not isinstance(doc, dict):
