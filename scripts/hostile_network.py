@@ -374,7 +374,15 @@ def case_redirect(h: Harness) -> Case:
 def case_names(h: Harness) -> Case:
     """Node names and ports that crashed or misled the CLI: --hosts, --hostfile."""
     s = h.fake(_json_reply(envelope({"agents": []})))
-    bad = ["127.0.0.1\x01:80", "a\x7fb", "127.0.0.1:²", "127.0.0.1:８０", "127.0.0.1:٨٠", "[evil.example]:80", "a:b:c"]
+    bad = [
+        "127.0.0.1\x01:80",
+        "a\x7fb",
+        "127.0.0.1:²",
+        "127.0.0.1:\uff18\uff10",
+        "127.0.0.1:\u0668\u0660",
+        "[evil.example]:80",
+        "a:b:c",
+    ]
     case = Case("node names: control chars, non-ASCII ports", inputs=len(bad) * 2, allowed=_allowed(s))
     for text in bad:
         case.runs.append(h.cli(["ps", "--job", JOB, "--hosts", text, "--json", "--node-timeout", "2"]))
@@ -431,8 +439,9 @@ class OneRankJob:
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-        import torch.distributed as dist
         from datetime import timedelta
+
+        import torch.distributed as dist
 
         deadline = time.monotonic() + 120
         while True:

@@ -351,13 +351,18 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+def _own_host() -> str:
+    """This machine's own name (no DNS): a sidecar here is as much this node's as loopback's."""
+    return _host_key(socket.gethostname())
+
+
 @dataclass
 class AllowedNodes:
     """The sidecars that registrations read from the job's store may send a command (and the
     token) to, decided without DNS: the nodes named by the operator in the same command
     (``--hosts``, ``--hostfile``, ``--slurm``), ``--allow-hosts``, the nodes of the Slurm
-    allocation the command runs in, and loopback; a host named without a port is allowed at
-    the sidecar port (``DYNPROF_SIDECAR_PORT``, else 8787)."""
+    allocation the command runs in, and this machine (loopback, its own host name); a host
+    named without a port is allowed at the sidecar port (``DYNPROF_SIDECAR_PORT``, else 8787)."""
 
     addresses: set[tuple[str, int]] = field(default_factory=set)
     port: int = DEFAULT_PORT
@@ -371,7 +376,7 @@ class AllowedNodes:
     def allows(self, node: Node) -> bool:
         if (_host_key(node.host), node.port) in self.addresses:
             return True
-        return node.port == self.port and _is_loopback(node.host)
+        return node.port == self.port and (_is_loopback(node.host) or _host_key(node.host) == _own_host())
 
 
 def allowed_nodes(named: list[Node], allow_hosts: str | None, env: Mapping[str, str] | None = None) -> AllowedNodes:
@@ -484,7 +489,7 @@ def _discovery_from(job: str, pid: int, found: Any, allowed: AllowedNodes, tls: 
             refuse(r, f"an unusable address: {exc.message}")
             continue
         if not tls and not allowed.allows(node):
-            refuse(r, "not an allowed node (--allow-hosts, --hosts, --hostfile, --slurm, loopback)")
+            refuse(r, "not an allowed node (--allow-hosts, --hosts, --hostfile, --slurm, this machine)")
             continue
         mine = claims.setdefault(r.rank, set())
         if node in mine:
@@ -509,7 +514,7 @@ def _discovery_from(job: str, pid: int, found: Any, allowed: AllowedNodes, tls: 
             f"--discover: no rank of job {job!r} is registered in its store ({found.store}){why}",
             help="Ranks register once torch.distributed.init_process_group has returned, and only when the "
             "dynprof agent was in them by then (or attached later); a registration is used only when it names "
-            "an allowed node (--allow-hosts HOST[:PORT], --hosts, --slurm's nodes, loopback at the sidecar port) "
+            "an allowed node (--allow-hosts HOST[:PORT], --hosts, --slurm's nodes, this machine at the sidecar port) "
             "or --cacert verifies it; name the nodes with --hosts/--hostfile/--slurm.",
         )
     ranks.sort(key=lambda r: r["rank"])
@@ -542,7 +547,7 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
         "--allow-hosts",
         metavar="HOST[:PORT],...",
         help="with --discover: sidecars that registrations in the job's store may name, besides the nodes of "
-        "--hosts/--hostfile/--slurm, this Slurm allocation's and loopback (no port: the sidecar port); the store "
+        "--hosts/--hostfile/--slurm, this Slurm allocation's and this machine's (no port: the sidecar port); the store "
         "is not authenticated, so no other address gets the token unless --cacert verifies it",
     )
 

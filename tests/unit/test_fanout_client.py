@@ -363,7 +363,7 @@ def test_nccl_dumps_are_read_back_from_each_node_s_artifact_checked(server):
 
 # -- a hostile node ----------------------------------------------------------------------------
 def test_a_dripping_node_is_cut_off_at_the_whole_answer_deadline(server):
-    script, node, _ = server
+    _, node, _ = server
     # GIVEN a node that sends its headers, then its body one byte every 0.2 s for up to 30 s
     head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 100000\r\n\r\n"
 
@@ -375,7 +375,7 @@ def test_a_dripping_node_is_cut_off_at_the_whole_answer_deadline(server):
             handler.wfile.flush()
             time.sleep(0.2)
 
-    _, _, httpd = server
+    httpd = server[2]
     httpd.RequestHandlerClass.do_POST = lambda self: dripping(self)  # type: ignore[method-assign]
     # WHEN an action with a 1 s deadline is asked for, in a thread (a far bound: the hang detector)
     box: list[Any] = []
@@ -390,7 +390,7 @@ def test_a_dripping_node_is_cut_off_at_the_whole_answer_deadline(server):
 
 
 def test_headers_dripped_forever_are_cut_off_too(server):
-    script, node, httpd = server
+    _, node, httpd = server
 
     # GIVEN a node that never finishes its status line's headers
     def dripping(handler: Any) -> None:

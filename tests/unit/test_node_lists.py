@@ -246,8 +246,8 @@ def test_one_node_selectors_with_discovered_nodes_are_refused(monkeypatch: pytes
         "node\x7f",
         "no\x1b[2Jde",
         "127.0.0.1:²",  # str.isdigit() is true for these, int() is not
-        "127.0.0.1:８０",  # fullwidth digits: int() reads 80
-        "127.0.0.1:٨٠",  # Arabic-Indic digits: int() reads 80
+        "127.0.0.1:\uff18\uff10",  # fullwidth digits: int() reads 80
+        "127.0.0.1:\u0668\u0660",  # Arabic-Indic digits: int() reads 80
         "127.0.0.1:",
         "[evil.example]:80",  # brackets hold an IPv6 address only
         "a:b:c",
