@@ -408,13 +408,26 @@ def _note(run: Run) -> str:
 
 # -- forged registrations in a real TCPStore ------------------------------------------------------
 class OneRankJob:
-    """A 1-rank gloo job with the dynprof agent, whose TCPStore this harness writes into."""
+    """A 1-rank gloo job with the dynprof agent, whose TCPStore this harness writes into. The
+    store is served by a process of its own, as torchrun's agent serves it, so that the rank's
+    memory shows what reading the store costs its agent (the store's server copies a value
+    into its answer)."""
 
     def __init__(self, h: Harness, sidecar: str) -> None:
         self.h = h
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.master_port = s.getsockname()[1]
+        code = (
+            "import time, torch.distributed as d; "
+            f"s = d.TCPStore('127.0.0.1', {self.master_port}, is_master=True, wait_for_workers=False); "
+            "print('READY', flush=True); time.sleep(3600)"
+        )
+        self.server = subprocess.Popen(
+            [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True
+        )
+        assert self.server.stdout is not None
+        self.server.stdout.readline()
         env = dict(os.environ)
         env.update(h.env)
         env.update(
@@ -422,6 +435,7 @@ class OneRankJob:
             WORLD_SIZE="1",
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(self.master_port),
+            TORCHELASTIC_USE_AGENT_STORE="True",
             DYNPROF_JOB_ID=JOB,
             DYNPROF_SIDECAR=sidecar,
             PYTHONPATH=str(h.root),
@@ -476,33 +490,34 @@ class OneRankJob:
             self.prefix.append("ranks", data[at : at + (4 << 20)])
 
     def stop(self) -> None:
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(timeout=20)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
+        for proc in (self.proc, self.server):
             try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.proc.wait(timeout=20)
+                os.killpg(proc.pid, signal.SIGTERM)
+                proc.wait(timeout=20)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                proc.wait(timeout=20)
+
+
+def _line(rank: int, sidecar: str, at: float = 4e9, host: str = "forged") -> bytes:
+    return json.dumps({"rank": rank, "host": host, "sidecar": sidecar, "pid": 1, "registered_at": at}).encode()
 
 
 def forged_lines(fake_port: int) -> list[bytes]:
-    def line(rank: int, sidecar: str, at: float = 4e9, host: str = "forged") -> bytes:
-        return json.dumps({"rank": rank, "host": host, "sidecar": sidecar, "pid": 1, "registered_at": at}).encode()
-
+    """Lines anyone who reaches the store's port can append: other addresses for rank 0 (the
+    last, latest one a fake sidecar on loopback), and 10 000 ranks past the world size."""
     out = [
-        line(0, "10.255.255.1:8787"),
-        line(0, "169.254.169.254:80"),
-        line(0, "8.8.8.8:8787"),
-        line(0, "[2001:db8::1]:8787"),
-        line(0, "evil.example:8787"),
-        line(0, f"127.0.0.1:{fake_port}", at=5e9),  # the latest: replaced the real rank 0 before
-        line(7, f"127.0.0.1:{fake_port}"),  # a rank past the world size
-        line(0, "x\x01y:8787"),  # a control character
-        b'{"rank": 0, "host": "\\udc80", "sidecar": "\\udc80:1", "registered_at": 1}',  # a lone surrogate
+        _line(0, "10.255.255.1:8787"),
+        _line(0, "169.254.169.254:80"),
+        _line(0, "8.8.8.8:8787"),
+        _line(0, "[2001:db8::1]:8787"),
+        _line(0, "evil.example:8787"),
+        _line(0, f"127.0.0.1:{fake_port}", at=5e9),  # the latest: it replaced the real rank 0
     ]
-    out += [line(0, f"10.{i // 65536 % 256}.{i // 256 % 256}.{i % 256}:8787") for i in range(10_000)]
+    out += [_line(1 + i, f"10.{i // 65536 % 256}.{i // 256 % 256}.{i % 256}:8787") for i in range(10_000)]
     return out
 
 
@@ -514,12 +529,12 @@ def case_forged(h: Harness) -> list[Case]:
     try:
         base = dict(allowed=_allowed(real))
         # 1: forged lines added to the key
-        job.forge(forged_lines(fake.port))
+        job.forge([_line(0, real.address, at=1.0), *forged_lines(fake.port)], replace=True)
         c = Case("store: forged registrations (10 009 lines)", inputs=10_009, **base)  # type: ignore[arg-type]
         run, note = h.discover(["ps", "--job", JOB, "--discover", "--json", "--node-timeout", "2"], real)
         c.runs.append(run)
         c.tokens_unverified = len(fake.auth)
-        c.note = note + _note(run) + f"; real sidecar asked {len(real.auth)}x"
+        c.note = note + _note(run) + f"; real sidecar asked {len(real.auth)}x, fake {len(fake.auth)}x"
         cases.append(c)
         # 2: the nodes command itself (no token; a host file for the next command)
         c = Case("store: `nodes --discover` with forged lines", **base)  # type: ignore[arg-type]
@@ -528,10 +543,21 @@ def case_forged(h: Harness) -> list[Case]:
         listed = [ln for ln in run.stdout.splitlines() if ln.strip()]
         c.note = note + f"exit {run.exit_code}: {len(listed)} node(s) listed: {', '.join(listed[:3])[:80]}"
         cases.append(c)
+        # 2b: one line with a lone surrogate, one with a control character
+        for what, line in (
+            ("a lone surrogate", b'{"rank": 0, "host": "\\udc80", "sidecar": "\\udc80:1", "registered_at": 1}'),
+            ("a control character", _line(0, "x\x01y:8787", at=6e9)),
+        ):
+            job.forge([_line(0, real.address, at=1.0), line], replace=True)
+            auth = len(real.auth)
+            c = Case(f"store: one line with {what}", **base)  # type: ignore[arg-type]
+            run, note = h.discover(["ps", "--job", JOB, "--discover", "--json", "--node-timeout", "2"], real)
+            c.runs.append(run)
+            c.note = note + _note(run) + f"; real sidecar asked {len(real.auth) - auth}x"
+            cases.append(c)
         # 3: one huge key: the agent's cost
         job.forge([b"x" * (1 << 20)] * 60, replace=True)
-        time.sleep(1.0)
-        before = job.hwm_kb()  # the store's server in the rank holds the key: not what reading it costs
+        before = job.hwm_kb()
         c = Case("store: a 60 MB ranks key", **base)  # type: ignore[arg-type]
         run, note = h.discover(["nodes", "--job", JOB, "--discover"], real)
         c.runs.append(run)

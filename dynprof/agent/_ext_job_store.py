@@ -116,14 +116,14 @@ def _text(value: Any) -> str | None:
     terminal can show (no control character), cut to ``MAX_FIELD_CHARS``."""
     if not isinstance(value, str):
         return None
-    value = value[:MAX_FIELD_CHARS]
-    if not value.isprintable():
+    text: str = value[:MAX_FIELD_CHARS]
+    if not text.isprintable():
         return None
     try:
-        value.encode("utf-8")
+        text.encode("utf-8")
     except UnicodeEncodeError:
         return None
-    return value
+    return text
 
 
 def _int(value: Any, low: int = -1, high: int = 1 << 31) -> int | None:
@@ -438,7 +438,7 @@ class JobStoreRegistration:
         except ValueTooLarge as exc:
             raise CommandError(
                 pb.INTERNAL,
-                f"process {self.agent.pid}: {exc}",
+                str(exc),
                 "Someone wrote more into the job's store than its ranks register (the store is not "
                 "authenticated); name the nodes with --hosts/--hostfile/--slurm.",
             ) from None

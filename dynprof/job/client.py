@@ -442,7 +442,7 @@ class SidecarClient:
             raise NodeFailure(f"{artifact_id}/{name}: {len(data)} bytes arrived, the manifest says {size}")
         if hashlib.sha256(data).hexdigest() != sha256:
             raise NodeFailure(f"{artifact_id}/{name}: sha256 differs from the manifest's")
-        return data
+        return bytes(data)
 
 
 # -- checking what came back -------------------------------------------------------------------
