@@ -283,6 +283,7 @@ class Case:
     allowed: set[tuple[str, str]] = field(default_factory=set)
     allowed_names: set[str] = field(default_factory=set)
     tokens_unverified: int = 0
+    agent_growth_mb: float = 0.0  # what reading the store cost the rank's agent (peak RSS)
     note: str = ""
 
     @property
@@ -562,6 +563,7 @@ def case_forged(h: Harness) -> list[Case]:
         run, note = h.discover(["nodes", "--job", JOB, "--discover"], real)
         c.runs.append(run)
         grown = (job.hwm_kb() - before) / 1024
+        c.agent_growth_mb = grown
         c.note = note + f"reading it: rank's peak RSS +{grown:.0f} MB; " + _note(run)
         cases.append(c)
         # 4: a 26 MB reply (many ranks with long fields)
