@@ -143,6 +143,13 @@ def item_bomb(key: str, size: int) -> bytes:
     return head + b"{}," * (n - 1) + b"{}]}}"
 
 
+def wide_rows(key: str, size: int) -> bytes:
+    """Rows of a plausible shape, each with one long text field: few values, many bytes."""
+    row = {"pid": 1, "rank": 0, "job_id": "j", "cmdline": "x" * 1500}
+    n = size // (len(json.dumps(row)) + 2)
+    return envelope({key: [row] * n})
+
+
 def drip_body(h: BaseHTTPRequestHandler) -> None:
     h.send_response(200)
     h.send_header("Content-Type", "application/json")
@@ -600,6 +607,9 @@ CASES: dict[str, Callable[[Harness], list[Case]]] = {
     ],
     "item-bomb-ps-78": lambda h: [
         case_fake(h, "item bomb: 78 MB of {} rows (ps)", _json_reply(item_bomb("agents", 78 << 20)), timeout=60)
+    ],
+    "wide-rows-ps-78": lambda h: [
+        case_fake(h, "78 MB of rows with long text (ps)", _json_reply(wide_rows("agents", 78 << 20)), timeout=60)
     ],
     "item-bomb-ls-78": lambda h: [
         case_fake(h, "item bomb: 78 MB of {} rows (ls)", _json_reply(item_bomb("artifacts", 78 << 20)), "ls", 60)

@@ -318,7 +318,15 @@ class SidecarClient:
             if count_json_values(data) > max_values:
                 raise NodeFailure(f"the answer of {node} to {path} holds over {max_values} JSON values: refused")
             try:
-                doc = loads_json(data, f"the answer of {node} to {path}")
+                # The text alone while it is parsed: the bytes go first (an answer may be 80 MiB).
+                text = data.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise NodeFailure(
+                    f"not a dynprof sidecar: the answer of {node} to {path} is not UTF-8 ({exc.reason})"
+                ) from None
+            del data
+            try:
+                doc = loads_json(text, f"the answer of {node} to {path}")
             except ArtifactError as exc:
                 raise NodeFailure(f"not a dynprof sidecar: {exc.message}") from None
             if not isinstance(doc, dict):
