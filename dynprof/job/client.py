@@ -254,10 +254,13 @@ class SidecarClient:
             conn.request(method, path, body=body, headers=headers)
             resp = conn.getresponse()
             phase = "reading the answer of"
-            if resp.length is not None and resp.length > max_bytes:
+            if resp.status == 200 and resp.length is not None and resp.length > max_bytes:
                 raise NodeFailure(f"the answer is over {human_bytes(max_bytes)}: refused", resp.status)
+            # A refusal (401, 404, 5xx) is read for its reason only: its first MiB.
+            keep = max_bytes if resp.status == 200 else min(max_bytes, MAX_SMALL_ANSWER_BYTES)
             got = bytearray()
             size = 0
+            truncated = False
             while True:
                 if deadline - time.monotonic() <= 0:
                     raise TimeoutError()
@@ -266,13 +269,16 @@ class SidecarClient:
                 if not chunk:
                     break
                 size += len(chunk)
-                if size > max_bytes:
+                if size > keep:
+                    if resp.status != 200:
+                        truncated = True
+                        break
                     raise NodeFailure(f"the answer is over {human_bytes(max_bytes)}: refused", resp.status)
                 if sink is not None and resp.status == 200:
                     sink.write(chunk)
                 else:
                     got += chunk
-            if resp.length:  # a Content-Length the connection's end fell short of
+            if resp.length and not truncated:  # a Content-Length the connection's end fell short of
                 raise NodeFailure(f"the answer of {node} was cut off ({resp.length} bytes missing)", resp.status)
             if watch is not None and _DEADLINES.done(watch):
                 watch = None
@@ -322,7 +328,7 @@ class SidecarClient:
                 text = data.decode("utf-8")
             except UnicodeDecodeError as exc:
                 raise NodeFailure(
-                    f"not a dynprof sidecar: the answer of {node} to {path} is not UTF-8 ({exc.reason})"
+                    f"not a dynprof sidecar: the answer of {node} to {path}: not valid JSON ({str(exc)[:120]})"
                 ) from None
             del data
             try:

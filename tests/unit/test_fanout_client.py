@@ -443,3 +443,24 @@ def test_messages_that_are_not_text_are_not_expanded(server):
     answer = SidecarClient(TOKEN, timeout=5).action(node, "ps", {})
     # THEN the text is kept, the rest named by its type only
     assert answer.answered and answer.messages == ["(list)", "plain"]
+
+
+def test_a_refusal_with_a_huge_body_is_read_for_its_reason_only(server, tmp_path):
+    script, node, _ = server
+    # GIVEN a node that refuses a file with a 20 MiB body
+    script.replies = [(404, {}, b"x" * (20 << 20))]
+    import tracemalloc
+
+    # WHEN the file is downloaded (its manifest says 30 MiB)
+    tracemalloc.start()
+    try:
+        with pytest.raises(NodeFailure) as info:
+            SidecarClient(TOKEN, timeout=10).download(
+                node, "j/h/rank0/stacks/a", "f.json", tmp_path / "f.json", 30 << 20, "0" * 64, 10
+            )
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    # THEN the refusal is the reason, its body was not kept, and nothing is left behind
+    assert "404" in info.value.reason and not list(tmp_path.iterdir())
+    assert peak < 8 << 20, peak
