@@ -264,6 +264,30 @@ def _write_new_file(dir_fd: int, name: str, data: bytes, mode: int) -> None:
         fh.write(data)
 
 
+def write_file_atomically(directory: Path, name: str, data: bytes) -> Path:
+    """Write ``directory/name`` whole, as the store writes a manifest: under a temporary name
+    (new, never through a link, the store's file mode), then renamed over ``name``, so that a
+    reader sees the old file or the new one, never half of one. ``directory`` itself is not
+    reached through a link."""
+    untrusted.check_name(name)
+    _, file_mode = artifact_modes()
+    tmp = f".{name}.{owner_tag()}.tmp"
+    dir_fd = os.open(directory, _DIR_FLAGS)
+    try:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp, dir_fd=dir_fd)
+        try:
+            _write_new_file(dir_fd, tmp, data, file_mode)
+            os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=dir_fd)
+            raise
+    finally:
+        os.close(dir_fd)
+    return directory / name
+
+
 def _looks_like_store(dir_fd: int, owner: int) -> bool:
     """Whether an unmarked directory is laid out as an earlier dynprof's store: every entry is
     ``job/host/rank/kind/ID`` (rank ``rankN`` or ``node``, ID a capture's name or a temporary),

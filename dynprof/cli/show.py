@@ -16,7 +16,8 @@ import logging
 from typing import Any
 
 from dynprof import errors
-from dynprof.cli._common import add_json, human_bytes, print_json, printable_lines
+from dynprof.cli._common import add_json, human_bytes, printable_lines
+from dynprof.result import Result
 from dynprof.store import Artifact, ArtifactStore
 
 log = logging.getLogger("dynprof.cli")
@@ -27,7 +28,7 @@ RENDERERS: dict[str, str] = {
     "trace": "collectors.torch_trace:render_artifact",
     "stacks": "collectors.stacks:render_artifact",
     "hang": "collectors.stacks:render_artifact",
-    "memory": "collectors.memory_snapshot:render_artifact",
+    "memory": "collectors.memory.render:render_artifact",
     "host-memory": "collectors.host_memory:render_artifact",
     "nccl": "collectors.flight_recorder:render_artifact",
     "healthcheck": "healthcheck.report:render_artifact",
@@ -98,20 +99,15 @@ class ShowCommand:
         parser.add_argument("--verify", action="store_true", help="check every file's size and sha256")
         add_json(parser)
 
-    def run(self, args: argparse.Namespace) -> int:
+    def collect(self, args: argparse.Namespace) -> Result:
         art = ArtifactStore().get(args.artifact)
         problems = art.verify() if args.verify else []
         summary, text = render(art)
-        if args.json:
-            print_json(
-                {
-                    "path": str(art.path),
-                    "manifest": art.manifest,
-                    "contents": summary,
-                    **({"verify": problems or "ok"} if args.verify else {}),
-                }
-            )
-            return 1 if problems else 0
+        return ShownArtifact(art, summary, text, problems if args.verify else None)
+
+    def render(self, result: Result) -> str:
+        assert isinstance(result, ShownArtifact)
+        art, problems = result.artifact, result.problems
         m = art.manifest
         lines = [f"{art.kind} artifact  {art.path}"]
         lines.append(f"  status   {art.status}" + (f"  ({m.get('error')})" if m.get("error") else ""))
@@ -125,10 +121,30 @@ class ShowCommand:
             lines.append("  options  " + ", ".join(f"{k}={v}" for k, v in opts.items()))
         for f in art.files:
             lines.append(f"  file     {f['name']}  {human_bytes(f['size'])}  sha256 {f['sha256'][:16]}…")
-        if args.verify:
+        if problems is not None:
             lines.append("  verify   " + ("ok" if not problems else "; ".join(problems)))
-        print("\n".join(_clean(line) for line in lines))
-        if text:
-            print()
-            print(_clean(text))
-        return 1 if problems else 0
+        out = "\n".join(_clean(line) for line in lines)
+        if result.text:
+            out += "\n\n" + _clean(result.text)
+        return out
+
+
+class ShownArtifact(Result):
+    """One artifact: ``--json`` prints its path, manifest, contents (and verification)."""
+
+    def __init__(
+        self, artifact: Artifact, summary: dict[str, Any] | None, text: str, problems: list[str] | None
+    ) -> None:
+        super().__init__({}, 1 if problems else 0, [])
+        self.artifact = artifact
+        self.summary = summary
+        self.text = text
+        self.problems = problems  # None: not verified
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "path": str(self.artifact.path),
+            "manifest": self.artifact.manifest,
+            "contents": self.summary,
+            **({"verify": self.problems or "ok"} if self.problems is not None else {}),
+        }

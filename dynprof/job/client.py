@@ -4,7 +4,7 @@ The HTTP API of a sidecar (version 1)::
 
     GET  /api/v1/info                        {"api": 1, "dynprof_version", "host", "actions"}
     POST /api/v1/actions/<name>              {"options": {...}, "timeout": s} ->
-         {"api": 1, "action", "host", "dynprof_version", "exit_code", "result", "messages", "elapsed_s"}
+         {"api": 1, "action", "host", "dynprof_version", "exit_code", "result", "messages", "error", "elapsed_s"}
     GET  /api/v1/artifacts/<id>              {"id", "manifest", ...}
     GET  /api/v1/artifacts/<id>/files/<name> the file
 
@@ -74,6 +74,16 @@ class NodeFailure(Exception):
         self.status = status
 
 
+@dataclass(frozen=True)
+class CommandError:
+    """The error a node's command stopped on, as its sidecar's answer carries it (``error``)."""
+
+    type: str
+    message: str
+    help: str
+    exit_code: int
+
+
 @dataclass
 class NodeAnswer:
     """One node's answer to an action, or why there is none (``error`` set, ``answered`` False)."""
@@ -87,23 +97,19 @@ class NodeAnswer:
     error: str | None = None
     elapsed_s: float = 0.0
     dynprof_version: str | None = None
+    failure: CommandError | None = None  # the command ran and stopped on this error
 
     @property
     def ok(self) -> bool:
         return self.answered and self.exit_code == 0
 
     def command_error(self) -> str | None:
-        """The command's own error, when it ran and failed (from its ``--json`` error document,
-        else its last stderr line)."""
+        """The command's own error, when it ran and failed: the answer's structured ``error``,
+        else (a command that ended with an exit code of its own) its last stderr line."""
         if not self.answered or self.exit_code == 0:
             return None
-        if isinstance(self.result, dict) and isinstance(self.result.get("error"), dict):
-            message = self.result["error"].get("message")
-            if isinstance(message, str):
-                return message[:2000]
-        for line in reversed(self.messages):
-            if line.startswith("dynprof: error: "):
-                return line[len("dynprof: error: ") :]
+        if self.failure is not None:
+            return self.failure.message
         return self.messages[-1] if self.messages else None
 
     def summary(self, label: str) -> dict[str, Any]:
@@ -555,6 +561,10 @@ def _answer(node: Node, doc: dict[str, Any], name: str, elapsed: float) -> NodeA
     if not isinstance(messages, list):
         raise bad("has messages that are not a list")
     version = doc.get("dynprof_version")
+    try:
+        failure = _command_error(doc.get("error"))
+    except ValueError:
+        raise bad("has an error that is not {type, message, help, exit_code}") from None
     return NodeAnswer(
         node,
         True,
@@ -564,7 +574,22 @@ def _answer(node: Node, doc: dict[str, Any], name: str, elapsed: float) -> NodeA
         messages=[m[:2000] if isinstance(m, str) else f"({type(m).__name__})" for m in messages[:MAX_MESSAGES]],
         elapsed_s=elapsed,
         dynprof_version=version[:40] if isinstance(version, str) else None,
+        failure=failure,
     )
+
+
+def _command_error(value: Any) -> CommandError | None:
+    """The answer's ``error`` (None when there is none); ValueError when it is malformed."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ValueError("not an object")
+    kind, message, help_text, code = (value.get(k) for k in ("type", "message", "help", "exit_code"))
+    if not isinstance(kind, str) or not isinstance(message, str) or not isinstance(help_text, (str, type(None))):
+        raise ValueError("a field is not text")
+    if isinstance(code, bool) or not isinstance(code, int) or not -255 <= code <= 255:
+        raise ValueError("no exit code")
+    return CommandError(kind[:100], message[:2000], (help_text or "")[:2000], code)
 
 
 def check_artifact_id(artifact_id: Any) -> str:

@@ -17,7 +17,7 @@ from dynprof import errors
 from dynprof.attach import _elf, _preflight, choose_method
 from dynprof.attach._bootstrap import bootstrap_source, payload
 from dynprof.attach._discover import find_job_processes
-from dynprof.cli.start import aligned_steps, boundary_offsets
+from dynprof.job.align import aligned_steps, boundary_offsets
 from dynprof.proto import pb
 
 ROOT = Path(__file__).resolve().parent.parent.parent
