@@ -464,3 +464,108 @@ def test_a_local_dump_over_the_limit_is_that_rank_s_failure(tmp_path, monkeypatc
     assert "--no-stack-traces" in (exc.value.help or "")
     with pytest.raises(errors.DynprofError, match=r"pid 8: its dump cannot be read: .*not valid JSON"):
         nccl._read_dump(tmp_path, "rank1-pid8.json", 8)
+
+
+# -- a hostile node ----------------------------------------------------------------------------
+def test_a_dripping_node_is_cut_off_at_the_whole_answer_deadline(server):
+    _, node, _ = server
+    # GIVEN a node that sends its headers, then its body one byte every 0.2 s for up to 30 s
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 100000\r\n\r\n"
+
+    def dripping(handler: Any) -> None:
+        handler.wfile.write(head)
+        end = time.monotonic() + 30
+        while time.monotonic() < end:
+            handler.wfile.write(b" ")
+            handler.wfile.flush()
+            time.sleep(0.2)
+
+    httpd = server[2]
+    httpd.RequestHandlerClass.do_POST = lambda self: dripping(self)  # type: ignore[method-assign]
+    # WHEN an action with a 1 s deadline is asked for, in a thread (a far bound: the hang detector)
+    box: list[Any] = []
+    thread = threading.Thread(target=lambda: box.append(SidecarClient(TOKEN, timeout=1.0).action(node, "ps", {})))
+    thread.start()
+    thread.join(25)
+    # THEN it gave up at its deadline, long before the node stopped dripping, and says so
+    assert not thread.is_alive() and box, "the client waited for the dripping node"
+    answer = box[0]
+    assert not answer.answered and (answer.error or "").startswith("timed out after")
+    assert "reading the answer of" in (answer.error or "")
+
+
+def test_headers_dripped_forever_are_cut_off_too(server):
+    _, node, httpd = server
+
+    # GIVEN a node that never finishes its status line's headers
+    def dripping(handler: Any) -> None:
+        handler.wfile.write(b"HTTP/1.1 200 OK\r\n")
+        end = time.monotonic() + 30
+        while time.monotonic() < end:
+            handler.wfile.write(b"X")
+            handler.wfile.flush()
+            time.sleep(0.2)
+
+    httpd.RequestHandlerClass.do_POST = lambda self: dripping(self)  # type: ignore[method-assign]
+    # WHEN it is asked, with a 1 s deadline
+    box: list[Any] = []
+    thread = threading.Thread(target=lambda: box.append(SidecarClient(TOKEN, timeout=1.0).action(node, "ps", {})))
+    thread.start()
+    thread.join(25)
+    # THEN the deadline holds
+    assert not thread.is_alive() and box and (box[0].error or "").startswith("timed out after")
+
+
+def test_an_answer_of_too_many_json_values_is_refused_before_it_is_decoded(server, monkeypatch):
+    script, node, _ = server
+    # GIVEN an answer whose result is a long list of empty objects (3 bytes each, ~70 decoded)
+    monkeypatch.setattr(fanout, "MAX_ANSWER_VALUES", 10_000)
+    rows = b"[" + b",".join([b"{}"] * 20_000) + b"]"
+    body = json.dumps({**GOOD, "result": {"agents": "ROWS"}}).encode().replace(b'"ROWS"', rows)
+    script.replies = [(200, {}, body)]
+    # WHEN it is read
+    answer = SidecarClient(TOKEN, timeout=5).action(node, "ps", {})
+    # THEN that node failed, with the reason; nothing was decoded into the answer
+    assert not answer.answered and answer.result is None
+    assert "holds over 10000 JSON values: refused" in (answer.error or "")
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1\x01", "a\x7fb", "a b"])
+def test_a_node_name_http_refuses_is_a_failure_of_that_node(host):
+    # GIVEN a node whose name no HTTP request can carry (made without parse_node)
+    node = Node(host, 8787)
+    # WHEN it is asked
+    answer = SidecarClient(TOKEN, timeout=2).action(node, "ps", {})
+    # THEN that node failed cleanly: no exception out of the client
+    assert not answer.answered and answer.error
+
+
+def test_messages_that_are_not_text_are_not_expanded(server):
+    script, node, _ = server
+    # GIVEN an answer whose messages are big nested values, not lines of text
+    script.replies = [(200, {}, json.dumps({**GOOD, "messages": [[list(range(10_000))], "plain"]}).encode())]
+    # WHEN it is read
+    answer = SidecarClient(TOKEN, timeout=5).action(node, "ps", {})
+    # THEN the text is kept, the rest named by its type only
+    assert answer.answered and answer.messages == ["(list)", "plain"]
+
+
+def test_a_refusal_with_a_huge_body_is_read_for_its_reason_only(server, tmp_path):
+    script, node, _ = server
+    # GIVEN a node that refuses a file with a 20 MiB body
+    script.replies = [(404, {}, b"x" * (20 << 20))]
+    import tracemalloc
+
+    # WHEN the file is downloaded (its manifest says 30 MiB)
+    tracemalloc.start()
+    try:
+        with pytest.raises(NodeFailure) as info:
+            SidecarClient(TOKEN, timeout=10).download(
+                node, "j/h/rank0/stacks/a", "f.json", tmp_path / "f.json", 30 << 20, "0" * 64, 10
+            )
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    # THEN the refusal is the reason, its body was not kept, and nothing is left behind
+    assert "404" in info.value.reason and not list(tmp_path.iterdir())
+    assert peak < 8 << 20, peak
