@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
+import dynprof.cli.stacks
 from collectors.stacks import Frame, ProcessStacks, ThreadStack, readers
 from dynprof.cli import _many_nodes, main
-from dynprof.cli import stacks as stacks_cli
 from dynprof.job.client import NodeAnswer
 
 C10D = "/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py"
@@ -75,14 +75,14 @@ def test_local_node_answers_and_files_are_grouped_by_one_merge(
 ) -> None:
     # GIVEN the merge spied on, and four processes, the last elsewhere
     calls: list[int] = []
-    real = stacks_cli.merge
+    real = dynprof.cli.stacks.merge
 
     def spy(sources: Any, by_host: bool | None = None) -> Any:
         sources = list(sources)
         calls.append(len(sources))
         return real(sources, by_host)
 
-    monkeypatch.setattr(stacks_cli, "merge", spy)
+    monkeypatch.setattr(dynprof.cli.stacks, "merge", spy)
     pid_list = ",".join(map(str, four_processes))
 
     # WHEN they are read here, answered by a node, and merged from a file
