@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from collectors.stacks import Source, Stacks, merge, render_merged, render_process
+from collectors.stacks import Budget, Source, Stacks, merge, render_merged, render_process
 from dynprof import errors
 from dynprof.cli._common import (
     add_targets,
@@ -54,9 +54,10 @@ class Target:
         return self.record.rank if self.record is not None else None
 
 
-def read_stacks_file(path: str) -> Stacks:
+def read_stacks_file(path: str, budget: Budget) -> Stacks:
     """One node's ``stacks --json`` output (a stacks document): a regular file, read with the
-    bounds of :func:`collectors.stacks.read_document`."""
+    bounds of :func:`collectors.stacks.read_document` (``budget``: what all files of one merge
+    may keep)."""
     from collectors.stacks import read_document
 
     try:
@@ -67,7 +68,7 @@ def read_stacks_file(path: str) -> Stacks:
         os.close(fd)
         raise errors.DynprofError("not a regular file")
     with os.fdopen(fd, "rb") as fh:
-        return read_document(fh)
+        return read_document(fh, budget)
 
 
 def host_from_file_name(path: str) -> str | None:
@@ -191,9 +192,10 @@ class StacksCommand(JobCommand):
         t0 = time.monotonic()
         sources: list[Source] = []
         failures: dict[str, str] = {}
+        budget = Budget()
         for path in dict.fromkeys(args.merge):
             try:
-                sources.append(Source(read_stacks_file(path), host=host_from_file_name(path)))
+                sources.append(Source(read_stacks_file(path, budget), host=host_from_file_name(path)))
             except errors.DynprofError as exc:
                 failures[f"file {path}"] = exc.message
         if not sources:
@@ -226,7 +228,7 @@ class StacksCommand(JobCommand):
     def collect_nodes(self, args: argparse.Namespace, nodes: list[Node]) -> Result:
         """Every node's sidecar reads its own ranks (``stacks`` there, :meth:`collect_local`);
         their answers are merged as files are, each process named with its node."""
-        from collectors.stacks import Budget, from_json
+        from collectors.stacks import from_json
         from dynprof.cli import _many_nodes
 
         client = _many_nodes.client_for(args)
