@@ -434,14 +434,12 @@ def _decode(events: Iterable[tuple[str, Any, bool]], budget: Budget) -> Stacks:
     failures: dict[str, str] = {}
     schema: Any = None
     version: Any = None
-    listed = False
     truncated = 0
     for key, value, streamed in events:
         budget.count()
         if key == "processes":
             if not streamed and not isinstance(value, list):
                 raise ArtifactError(f"not a {_DOCUMENT}: no list of processes")
-            listed = True
             for row in [value] if streamed else value:
                 p = budget.row(row)
                 if p is not None:
@@ -457,9 +455,8 @@ def _decode(events: Iterable[tuple[str, Any, bool]], budget: Budget) -> Stacks:
         elif key == "truncated":
             truncated = max(0, _int(value) or 0)
         # The groups, and anything else, are not read: a merge groups the processes again.
+    # Without "processes" (or with an empty list, which a file streams as nothing), no process.
     _check_schema(schema, version, SCHEMA, "stacks document")
-    if not listed:
-        raise ArtifactError(f"not a {_DOCUMENT}: no list of processes")
     return Stacks(processes=processes, failures=failures, truncated=truncated + budget.truncated)
 
 

@@ -119,7 +119,6 @@ def test_fields_of_the_wrong_type_are_dropped(bad: Any) -> None:
             "this dynprof reads dynprof.stacks version 2",
         ),
         ({"schema": ["x"] * 1000, "schema_version": 2, "processes": []}, "not a dynprof stacks document"),
-        ({**V2}, "no list of processes"),
         ({**V2, "processes": {"pid": 1}}, "no list of processes"),
     ],
 )
@@ -146,6 +145,16 @@ def test_process_dumps_are_bounded_and_checked() -> None:
     # and what a dump writes, it reads back
     again = ProcessStacks.from_json(p.to_json())
     assert again.to_json() == p.to_json()
+
+
+@pytest.mark.parametrize(
+    "doc", [{**V2}, {**V2, "processes": []}, {**V2, "processes": [], "pad": "x" * ((1 << 20) - 100)}]
+)
+def test_a_document_without_processes_has_none(doc: dict[str, Any]) -> None:
+    # GIVEN a document listing no process (every node failed), parsed, or as a small or large file
+    for stacks in (from_json(doc), read_document(_file(doc))):
+        # THEN it is read, with no process
+        assert stacks.processes == []
 
 
 def test_a_large_file_is_read_piece_by_piece_with_the_same_result() -> None:
