@@ -42,6 +42,7 @@ MAX_NOTES = 100  # notes of one process
 MAX_FAILURES = 10_000  # failures of one document
 MAX_ITEMS = 5_000_000  # values one read looks at (rows, frames, keys)
 MAX_DISTINCT_FRAMES = 200_000  # different frames one read keeps (identical frames are shared)
+MAX_THREADS_TOTAL = 200_000  # threads one read keeps
 MAX_TEXT_TOTAL = 8_000_000  # characters of different strings one read keeps
 MAX_FILE_BYTES = 64 << 20  # one document file
 MAX_VALUE_CHARS = 1 << 20  # one process row, group or other top-level value of a document file
@@ -305,6 +306,8 @@ class Budget:
         self.looked_at = 0
         self.chars = 0
         self.truncated = 0
+        self.threads_kept = 0
+        self.frames_kept = 0
         self._strings: dict[str, str] = {}
         self._frames: dict[tuple[str, str, int, bool, str | None], Frame] = {}
 
@@ -335,7 +338,12 @@ class Budget:
             self._strings[value] = kept = value
         return kept
 
-    def frame(self, d: Any) -> Frame | None:
+    def _keep_frame(self) -> None:
+        self.frames_kept += 1
+        if self.frames_kept > MAX_DISTINCT_FRAMES:
+            raise ArtifactError(f"over {MAX_DISTINCT_FRAMES} different frames: refused")
+
+    def frame(self, d: Any, with_locals: bool = True) -> Frame | None:
         if not isinstance(d, dict):
             return None
         function = self.text(d.get("function")) or "?"
@@ -343,34 +351,38 @@ class Budget:
         line = _int(d.get("line")) or 0
         native = d.get("native") is True
         library = self.text(d.get("library"))
-        found = d.get("locals")
+        found = d.get("locals") if with_locals else None
         if isinstance(found, dict) and found:
+            self._keep_frame()  # a frame with locals is its own
             pairs = self.items(list(found.items()), MAX_LOCALS)
             local = {k: self.text(v) or "" for k, v in ((self.text(k), v) for k, v in pairs) if k}
             return Frame(function, file, line, native, library, local or None)
         key = (function, file, line, native, library)
         kept = self._frames.get(key)
         if kept is None:
-            if len(self._frames) >= MAX_DISTINCT_FRAMES:
-                raise ArtifactError(f"over {MAX_DISTINCT_FRAMES} different frames: refused")
+            self._keep_frame()
             self._frames[key] = kept = Frame(function, file, line, native, library)
         return kept
 
-    def frames(self, items: Any) -> list[Frame]:
+    def frames(self, items: Any, with_locals: bool = True) -> list[Frame]:
         if not isinstance(items, list):
             return []
-        return [f for f in (self.frame(d) for d in self.items(items, MAX_FRAMES)) if f is not None]
+        found = (self.frame(d, with_locals) for d in self.items(items, MAX_FRAMES))
+        return [f for f in found if f is not None]
 
-    def thread(self, d: Any) -> ThreadStack | None:
+    def thread(self, d: Any, with_locals: bool = True) -> ThreadStack | None:
         if not isinstance(d, dict):
             return None
+        self.threads_kept += 1
+        if self.threads_kept > MAX_THREADS_TOTAL:
+            raise ArtifactError(f"over {MAX_THREADS_TOTAL} threads: refused")
         return ThreadStack(
             tid=_int(d.get("tid")) or 0,
             name=self.text(d.get("name")),
             main=d.get("main") is True,
             holds_gil=_bool(d.get("holds_gil")),
             active=_bool(d.get("active")),
-            frames=self.frames(d.get("frames")),
+            frames=self.frames(d.get("frames"), with_locals),
         )
 
     def row(self, d: Any) -> ProcessStacks | None:
@@ -382,7 +394,7 @@ class Budget:
         main = d.get("main_thread")
         threads = []
         if isinstance(main, dict):
-            thread = self.thread({**main, "main": True})
+            thread = self.thread({**main, "main": True}, with_locals=False)  # a document's frames have none
             if thread is not None:
                 thread.tid = thread.tid or pid
                 threads.append(thread)

@@ -201,3 +201,32 @@ def test_merge_of_a_crafted_file_names_it_and_goes_on(tmp_path: Any, capsys: Any
     assert code == 1 and "Traceback" not in captured.err
     assert f"FAILED file {crafted}: over {model.MAX_DISTINCT_FRAMES} different frames: refused" in captured.out
     assert "1 process(es) of 1 node(s) merged from 1 file(s)" in captured.out
+
+
+def test_frames_with_locals_count_against_the_budget(monkeypatch: Any) -> None:
+    # GIVEN a bound of 10 frames kept, a document whose 50 identical frames each carry locals,
+    # and a process dump with as many
+    monkeypatch.setattr(model, "MAX_DISTINCT_FRAMES", 10)
+    frame = {"function": "f", "file": "/a.py", "line": 1, "locals": {"x": "1"}}
+    doc = {**V2, "processes": [_row(1, [frame] * 50)]}
+    thread = {"tid": 1, "main": True, "frames": [frame] * 50}
+    dump = {"schema": "dynprof.stacks.process", "schema_version": 2, "pid": 1, "threads": [thread]}
+    # WHEN decoded
+    (p,) = from_json(doc).processes
+    # THEN a document's frames carry no locals (identical frames are kept once) ...
+    assert p.threads[0].frames[0].locals is None and len(p.threads[0].frames) == 50
+    # ... and a dump's, which do, count each frame against the bound
+    with pytest.raises(ArtifactError, match="over 10 different frames: refused"):
+        ProcessStacks.from_json(dump)
+
+
+def test_threads_count_against_the_budget(monkeypatch: Any) -> None:
+    # GIVEN a bound of 10 threads kept, and dumps of 4 threads each read with one budget
+    monkeypatch.setattr(model, "MAX_THREADS_TOTAL", 10)
+    dump = {"schema": "dynprof.stacks.process", "schema_version": 2, "pid": 1, "threads": [{"tid": 1}] * 4}
+    budget = Budget()
+    ProcessStacks.from_json(dump, budget)
+    ProcessStacks.from_json(dump, budget)
+    # WHEN a third is read, THEN it is refused
+    with pytest.raises(ArtifactError, match="over 10 threads: refused"):
+        ProcessStacks.from_json(dump, budget)
