@@ -9,7 +9,6 @@ the error in the row.
 
 from __future__ import annotations
 
-import contextvars
 import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -34,10 +33,8 @@ def parallel(fn: Any, items: Iterable[Any], max_workers: int = MAX_ASKED_AT_ONCE
         except Exception as exc:
             return exc
 
-    # Each call runs in a copy of the caller's context, so a sidecar action's captured output
-    # (dynprof.sidecar.actions) follows its worker threads.
     with ThreadPoolExecutor(max_workers=min(max_workers, len(items))) as pool:
-        futures = [pool.submit(contextvars.copy_context().run, wrapped, item) for item in items]
+        futures = [pool.submit(wrapped, item) for item in items]
         return [f.result() for f in futures]
 
 

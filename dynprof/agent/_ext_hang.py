@@ -265,7 +265,7 @@ class HangWatchdog:
             HANG_KIND, job=ident.job_id, host=ident.host, rank=ident.rank, options={"timeout_s": self.timeout_s}
         )
         writer.write_text("hang.txt", text)
-        writer.write_json("stacks.json", stacks.to_dict())
+        writer.write_json("stacks.json", stacks.to_json())
         writer.write_text("stacks.txt", render_process(stacks) + "\n")
         art = writer.finish("complete", summary=summary)
         self.artifacts.append(str(art.path))

@@ -112,7 +112,7 @@ def install(agent: Agent) -> None:
         if msg.output_path:
             fd, path = open_output(msg.output_path)
             with os.fdopen(fd, "w") as fh:
-                json.dump(stacks.to_dict(), fh)
+                json.dump(stacks.to_json(), fh)
             return "artifact", pb.ArtifactWritten(path=str(path), status="complete", summary_json=json.dumps(summary))
         from collectors.stacks import write_request_artifact
         from dynprof.store import ArtifactStore

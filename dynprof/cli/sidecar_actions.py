@@ -84,21 +84,9 @@ def action_commands(names: Iterable[str] = ACTIONS) -> dict[str, ActionCommand]:
         parse = functools.partial(parse_options, command_name, command)
         if hasattr(command, "collect_local"):
             table[name] = ActionCommand(parse, command.collect_local, command.collect_nodes)
-        elif hasattr(command, "collect"):
-            table[name] = ActionCommand(parse, command.collect)
         else:
-            # TEMPORARY (dynprof.cli._action_fallback): a command not converted to collect yet.
-            from dynprof.cli._action_fallback import printing_collect
-
-            collect = printing_collect(command)
-            table[name] = ActionCommand(parse, collect, functools.partial(_ignoring_nodes, collect))
+            table[name] = ActionCommand(parse, command.collect)
     return table
-
-
-def _ignoring_nodes(collect: Any, args: argparse.Namespace, nodes: list[Node]) -> Result:
-    # TEMPORARY, with dynprof.cli._action_fallback: the command fans out by itself (args.hosts).
-    result: Result = collect(args)
-    return result
 
 
 def answer(name: str, argv: list[str], job_wide: bool) -> dict[str, Any]:

@@ -22,22 +22,24 @@ import json
 import os
 import stat
 import time
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
+from collectors.stacks import Budget, Source, Stacks, merge, render_merged, render_process
 from dynprof import errors
 from dynprof.cli._common import (
-    add_json,
     add_targets,
     parallel,
     path_arg,
-    print_json,
+    printable,
     printable_lines,
     resolve_agents,
     seconds,
 )
-from dynprof.cli._node_args import add_many_node_args, nodes_requested
+from dynprof.cli.job import JobCommand
+from dynprof.job.discovery import Node
 from dynprof.registry import AgentRecord, read_record
+from dynprof.result import Result
 
 METHODS = ("auto", "py-spy", "pystack", "agent")
 
@@ -52,12 +54,11 @@ class Target:
         return self.record.rank if self.record is not None else None
 
 
-MAX_MERGE_FILE_BYTES = 64 << 20
-
-
-def read_stacks_json(path: str) -> Any:
-    """One node's ``stacks --json`` output: a regular file, bounded in size and depth."""
-    from dynprof.untrusted import loads_json
+def read_stacks_file(path: str, budget: Budget) -> Stacks:
+    """One node's ``stacks --json`` output (a stacks document): a regular file, read with the
+    bounds of :func:`collectors.stacks.read_document` (``budget``: what all files of one merge
+    may keep)."""
+    from collectors.stacks import read_document
 
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO must not block the merge
@@ -67,16 +68,7 @@ def read_stacks_json(path: str) -> Any:
         os.close(fd)
         raise errors.DynprofError("not a regular file")
     with os.fdopen(fd, "rb") as fh:
-        data = fh.read(MAX_MERGE_FILE_BYTES + 1)
-    if len(data) > MAX_MERGE_FILE_BYTES:
-        raise errors.DynprofError(f"over {MAX_MERGE_FILE_BYTES >> 20} MiB")
-    try:
-        result = loads_json(data, "it")
-    except errors.DynprofError as exc:
-        raise errors.DynprofError(exc.message.removeprefix("it: ")) from None
-    if not isinstance(result, dict) or not isinstance(result.get("processes"), list):
-        raise errors.DynprofError("not the output of `dynprof stacks --json` (no list of processes)")
-    return result
+        return read_document(fh, budget)
 
 
 def host_from_file_name(path: str) -> str | None:
@@ -87,10 +79,30 @@ def host_from_file_name(path: str) -> str | None:
     return name or None
 
 
-class StacksCommand:
+@dataclass
+class StacksResult(Result):
+    """The stacks document (``doc``), and what the text view says besides: ``view`` is
+    ``local`` (read here), ``merge`` (files) or ``nodes`` (the nodes' answers)."""
+
+    stacks: Stacks = field(default_factory=lambda: Stacks([]))
+    view: str = "local"
+    full: bool = False
+    elapsed_s: float = 0.0
+    artifact: str | None = None
+    files_read: int = 0
+    nodes: int = 0
+    nodes_answered: int = 0
+    artifacts: list[dict[str, Any]] = field(default_factory=list)
+    fetched: list[dict[str, Any]] | None = None
+
+
+class StacksCommand(JobCommand):
     """Print the stacks of running processes (or a core file), grouped by where they are."""
 
-    def prepare_parser(self, parser: argparse.ArgumentParser) -> None:
+    name: ClassVar[str] = "stacks"
+    takes_fetch: ClassVar[bool] = True
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         add_targets(parser, required=False)
         parser.add_argument(
             "--core", type=path_arg, metavar="CORE", help="read a core file (through pystack) instead of processes"
@@ -123,20 +135,14 @@ class StacksCommand:
         )
         parser.add_argument("--no-save", action="store_true", help="print only; do not save an artifact")
         parser.add_argument("--full", action="store_true", help="also print every process's dump, all threads")
-        add_json(parser)
-        add_many_node_args(parser, fetch=True)
 
     # -- entry ---------------------------------------------------------------------------------
-    def run(self, args: argparse.Namespace) -> int:
+    def collect(self, args: argparse.Namespace) -> Result:
         if args.merge:
-            return self._merge(args)
-        nodes = nodes_requested(args)
-        if nodes is not None:
-            from dynprof.cli import _stacks_nodes
+            return self.collect_merge(args)
+        return super().collect(args)
 
-            return _stacks_nodes.stacks(args, nodes)
-        from collectors import stacks as st
-
+    def collect_local(self, args: argparse.Namespace) -> Result:
         chosen = [x for x in (args.pid, args.job, args.all, args.core) if x]
         if len(chosen) != 1:
             raise errors.UsageError(
@@ -144,6 +150,8 @@ class StacksCommand:
             )
         if args.executable and not args.core:
             raise errors.UsageError("--executable goes with --core")
+        from collectors.stacks import ProcessStacks
+
         t0 = time.monotonic()
         failures: dict[str, str] = {}
         if args.core:
@@ -151,8 +159,8 @@ class StacksCommand:
         else:
             targets = self._targets(args)
             results = parallel(lambda t: self._capture(t, args), targets)
-            processes = [r for r in results if isinstance(r, st.ProcessStacks)]
-            failed = [(t, r) for t, r in zip(targets, results) if not isinstance(r, st.ProcessStacks)]
+            processes = [r for r in results if isinstance(r, ProcessStacks)]
+            failed = [(t, r) for t, r in zip(targets, results) if not isinstance(r, ProcessStacks)]
             for t, exc in failed:
                 if not isinstance(exc, errors.DynprofError):
                     raise exc
@@ -161,51 +169,164 @@ class StacksCommand:
                 # Nothing read: the error of the first target says what to do.
                 raise failed[0][1]
         elapsed = time.monotonic() - t0
-        groups = st.group_processes(processes)
+        stacks = merge([Source(Stacks(processes, failures=failures))])
         artifact = None if args.no_save else self._save(args, processes, failures)
-        if args.json:
-            print_json(
-                {
-                    "artifact": str(artifact.path) if artifact else None,
-                    "elapsed_s": round(elapsed, 3),
-                    "groups": [g.to_dict() for g in groups],
-                    "processes": [
-                        {
-                            "pid": p.pid,
-                            "rank": p.rank,
-                            "method": p.method,
-                            "native": p.native,
-                            "fallback_reason": p.fallback_reason,
-                            "fallback_help": p.fallback_help,
-                            "threads": len(p.threads),
-                            "job": p.job,
-                            "host": p.host,
-                            "main_thread": _main_thread_json(p),
-                        }
-                        for p in processes
-                    ],
-                    "failures": failures,
-                }
+        path = str(artifact.path) if artifact else None
+        return StacksResult(
+            doc={**stacks.to_json(), "artifact": path, "elapsed_s": round(elapsed, 3)},
+            exit_code=1 if failures else 0,
+            stacks=stacks,
+            full=args.full,
+            elapsed_s=elapsed,
+            artifact=path,
+        )
+
+    def collect_merge(self, args: argparse.Namespace) -> Result:
+        """``--merge FILE...``: the no-sidecar path over many nodes (each node ran
+        ``dynprof stacks --job J --json > stacks.$(hostname).json``)."""
+        node_options = args.hosts is not None or args.hostfile or args.slurm is not None or args.discover
+        if args.pid or args.job or args.all or args.core or node_options:
+            raise errors.UsageError(
+                "--merge reads files: it does not go with --pid, --job, --all, --core or the node options"
+            )
+        t0 = time.monotonic()
+        sources: list[Source] = []
+        failures: dict[str, str] = {}
+        budget = Budget()
+        for path in dict.fromkeys(args.merge):
+            try:
+                sources.append(Source(read_stacks_file(path, budget), host=host_from_file_name(path)))
+            except errors.DynprofError as exc:
+                failures[f"file {path}"] = exc.message
+        if not sources:
+            raise errors.DynprofError(
+                f"no stacks to merge: none of the {len(args.merge)} file(s) could be read",
+                help="Each file must be the output of `dynprof stacks --json` (one per node).",
+            )
+        try:
+            stacks = merge(sources)
+        except errors.ArtifactError as exc:
+            raise errors.DynprofError(f"cannot merge: {exc.message}") from None
+        stacks.failures = {**failures, **stacks.failures}
+        if not stacks.processes:
+            raise errors.DynprofError(
+                f"no process in the {len(sources)} file(s) read", help="See the failures each node reported."
+            )
+        artifact = None if args.no_save else self._save_merged(args, stacks)
+        elapsed = time.monotonic() - t0
+        path = str(artifact.path) if artifact else None
+        return StacksResult(
+            doc={**stacks.to_json(), "artifact": path, "elapsed_s": round(elapsed, 3)},
+            exit_code=1 if stacks.failures else 0,
+            stacks=stacks,
+            view="merge",
+            elapsed_s=elapsed,
+            artifact=path,
+            files_read=len(sources),
+        )
+
+    def collect_nodes(self, args: argparse.Namespace, nodes: list[Node]) -> Result:
+        """Every node's sidecar reads its own ranks (``stacks`` there, :meth:`collect_local`);
+        their answers are merged as files are, each process named with its node."""
+        from collectors.stacks import from_json
+        from dynprof.cli import job
+        from dynprof.job.answers import node_labels
+
+        client = self.client(args)
+        options = job.forward_options("stacks", args)
+        answers = client.action_all(nodes, "stacks", options, timeout=args.timeout + 5.0)
+        labels = node_labels(nodes)
+        sources: list[Source] = []
+        failures: dict[str, str] = {}
+        budget = Budget()
+        for a in answers:
+            label = labels[a.node]
+            if not a.answered:
+                failures[f"node {label}"] = a.error or "no answer"
+                continue
+            try:
+                found = from_json(a.result, budget)
+            except errors.ArtifactError as exc:
+                why = (a.command_error() or f"exit code {a.exit_code}") if a.exit_code else exc.message
+                failures[f"node {label}"] = why
+                continue
+            if a.exit_code and not found.processes:
+                failures[f"node {label}"] = a.command_error() or f"exit code {a.exit_code}"
+            sources.append(Source(found, node=label))
+        try:
+            stacks = merge(sources, by_host=True)
+        except errors.ArtifactError as exc:
+            raise errors.DynprofError(f"cannot merge: {exc.message}") from None
+        stacks.failures = {**failures, **stacks.failures}
+        stacks.processes.sort(
+            key=lambda p: (p.job or "", p.rank if p.rank is not None else 1 << 30, p.host or "", p.pid)
+        )
+        artifacts = job.artifacts_of(answers, labels, lambda r: [r.get("artifact")])
+        fetched = job.maybe_fetch(args, client, answers, artifacts)
+        doc = {
+            # Each node's processes and groups are in the merged lists (named by node): per_node keeps the rest.
+            **job.envelope(answers, strip=("processes", "groups")),
+            **stacks.to_json(),
+            "artifacts": artifacts,
+            **({"fetched": fetched} if fetched is not None else {}),
+        }
+        return StacksResult(
+            doc=doc,
+            exit_code=job.with_fetch(job.exit_code(answers), fetched),
+            messages=job.node_messages(answers),
+            stacks=stacks,
+            view="nodes",
+            full=args.full,
+            nodes=len(nodes),
+            nodes_answered=sum(a.answered for a in answers),
+            artifacts=artifacts,
+            fetched=fetched,
+        )
+
+    # -- text ----------------------------------------------------------------------------------
+    def render(self, result: Result) -> str:
+        assert isinstance(result, StacksResult)
+        s = result.stacks
+        # Frames, file and thread names come from the targets: nothing in them reaches the terminal raw.
+        lines: list[str] = []
+        if s.processes:
+            lines.append(printable_lines(render_merged(s.processes, s.groups)).removesuffix("\n"))
+        elif result.view == "nodes":
+            lines.append("no process read on any node")
+        if result.full and result.view == "local":
+            for p in s.processes:
+                lines.append("")
+                lines.append(printable_lines(render_process(p)))
+        lines.extend(printable_lines(f"FAILED {who}: {why}") for who, why in s.failures.items())
+        if result.view == "local":
+            for p in s.processes:
+                if p.fallback_help:
+                    lines.append(f"  to read {p.label} from outside next time: {p.fallback_help}")
+            saved = f"; artifact {result.artifact}" if result.artifact else ""
+            lines.append(f"\n{len(s.processes)} process(es) read in {result.elapsed_s:.2f} s{saved}")
+        elif result.view == "merge":
+            saved = f"; artifact {result.artifact}" if result.artifact else ""
+            hosts = len({p.host for p in s.processes})
+            lines.append(
+                f"\n{len(s.processes)} process(es) of {hosts} node(s) merged from {result.files_read} file(s){saved}"
             )
         else:
-            # Frames, file and thread names come from the target: nothing in them reaches the terminal raw.
-            print(printable_lines(st.render_merged(processes, groups)), end="")
-            if args.full:
-                for p in processes:
-                    print()
-                    print(printable_lines(st.render_process(p)))
-            for who, why in failures.items():
-                print(printable_lines(f"FAILED {who}: {why}"))
-            for p in processes:
-                if p.fallback_help:
-                    print(f"  to read {p.label} from outside next time: {p.fallback_help}")
-            print(
-                f"\n{len(processes)} process(es) read in {elapsed:.2f} s"
-                + (f"; artifact {artifact.path}" if artifact else "")
-            )
-        if failures:
-            return 1
-        return 0
+            if result.full:
+                lines.append(
+                    "every process's full dump (all threads) is in its node's stacks artifact: "
+                    "--fetch DIR copies them here"
+                )
+            for art in result.artifacts:
+                lines.append(printable(f"artifact on {art['node']}: {art['path']}"))
+            for f in result.fetched or []:
+                if f["error"]:
+                    lines.append(printable(f"NOT FETCHED {f['id']} from {f['node']}: {f['error']}"))
+                else:
+                    lines.append(
+                        printable(f"fetched {f['files']} file(s) of {f['id']} from {f['node']} into {f['path']}")
+                    )
+            lines.append(f"\n{len(s.processes)} process(es) read on {result.nodes_answered} of {result.nodes} node(s)")
+        return "\n".join(lines)
 
     # -- targets -------------------------------------------------------------------------------
     def _targets(self, args: argparse.Namespace) -> list[Target]:
@@ -222,15 +343,15 @@ class StacksCommand:
 
     # -- one process -------------------------------------------------------------------------
     def _capture(self, target: Target, args: argparse.Namespace) -> Any:
-        from collectors import stacks as st
+        from collectors.stacks import readers
 
         pid = target.pid
         attempts: list[str] = []
         refusal: str | None = None
         if args.method != "agent":
-            refusal = st.ptrace_refusal(pid)
+            refusal = readers.ptrace_refusal(pid)
             if refusal is None:
-                readers = {"py-spy": st.capture_py_spy, "pystack": st.capture_pystack}
+                capture = {"py-spy": readers.capture_py_spy, "pystack": readers.capture_pystack}
                 order = (
                     [args.method]
                     if args.method != "auto"
@@ -238,8 +359,8 @@ class StacksCommand:
                 )
                 for name in order:
                     try:
-                        result = readers[name](pid, native=args.native, locals=args.locals, timeout=args.timeout)
-                    except st.CaptureError as exc:
+                        result = capture[name](pid, native=args.native, locals=args.locals, timeout=args.timeout)
+                    except readers.CaptureError as exc:
                         attempts.append(f"{exc.method} failed: {exc.reason}")
                         continue
                     return self._finish(result, target, attempts)
@@ -294,8 +415,8 @@ class StacksCommand:
             client.request(dump_stacks=pb.DumpStacksRequest(all_threads=True, locals=args.locals, output_path=out))
             try:
                 with open(out) as fh:
-                    return ProcessStacks.from_dict(json.load(fh))
-            except (OSError, ValueError, TypeError, KeyError, RecursionError) as exc:
+                    return ProcessStacks.from_json(json.load(fh))
+            except (OSError, ValueError, RecursionError, errors.ArtifactError) as exc:
                 raise errors.AgentError(
                     f"the agent of process {target.pid} left an unreadable stack dump: {type(exc).__name__}",
                     help=f"See the agent's log ({target.record.log or 'dynprof ps'}); "
@@ -305,7 +426,7 @@ class StacksCommand:
     def _classify(
         self, pid: int, refusal: str | None, attempts: list[str], has_agent: bool, args: argparse.Namespace
     ) -> errors.DynprofError:
-        from collectors import stacks as st
+        from collectors.stacks import readers
 
         detail = "; ".join(attempts)
         gone = errors.process_gone(pid)
@@ -326,7 +447,7 @@ class StacksCommand:
             )
         if args.method == "agent" and not has_agent:
             return errors.NoAgent(f"process {pid} has no dynprof agent to ask (--method agent)")
-        if st.looks_like_python(pid) is False:
+        if readers.looks_like_python(pid) is False:
             return errors.NotPython(f"process {pid} ({_comm(pid)}) is not a Python process: {detail}")
         return errors.DynprofError(
             f"cannot read the stacks of pid {pid}: {detail}",
@@ -334,74 +455,22 @@ class StacksCommand:
             "check that py-spy and pystack are installed (`pip install py-spy pystack`).",
         )
 
-    # -- several nodes' answers ---------------------------------------------------------------------
-    def _merge(self, args: argparse.Namespace) -> int:
-        """``--merge FILE...``: the no-sidecar path over many nodes (each node ran
-        ``dynprof stacks --job J --json > stacks.$(hostname).json``)."""
-        from collectors import stacks as st
-
-        node_options = args.hosts is not None or args.hostfile or args.slurm is not None or args.discover
-        if args.pid or args.job or args.all or args.core or node_options:
-            raise errors.UsageError(
-                "--merge reads files: it does not go with --pid, --job, --all, --core or the node options"
-            )
-        t0 = time.monotonic()
-        results: list[Any] = []
-        hosts: list[str | None] = []
-        failures: dict[str, str] = {}
-        for path in dict.fromkeys(args.merge):
-            try:
-                results.append(read_stacks_json(path))
-            except errors.DynprofError as exc:
-                failures[f"file {path}"] = exc.message
-                continue
-            hosts.append(host_from_file_name(path))
-        if not results:
-            raise errors.DynprofError(
-                f"no stacks to merge: none of the {len(args.merge)} file(s) could be read",
-                help="Each file must be the output of `dynprof stacks --json` (one per node).",
-            )
-        try:
-            processes, failed, groups = st.merge_stack_processes(results, hosts)
-        except ValueError as exc:
-            raise errors.DynprofError(f"cannot merge: {exc}") from None
-        failures.update(failed)
-        if not processes:
-            raise errors.DynprofError(
-                f"no process in the {len(results)} file(s) read", help="See the failures each node reported."
-            )
-        artifact = None if args.no_save else self._save_merged(args, processes, failures)
-        elapsed = time.monotonic() - t0
-        if args.json:
-            merged = st.merged_result(processes, failures, groups)
-            print_json({"artifact": str(artifact.path) if artifact else None, "elapsed_s": round(elapsed, 3), **merged})
-        else:
-            print(printable_lines(st.render_merged(processes, groups)), end="")
-            for who, why in failures.items():
-                print(printable_lines(f"FAILED {who}: {why}"))
-            hosts_seen = len({p.host for p in processes})
-            print(
-                f"\n{len(processes)} process(es) of {hosts_seen} node(s) merged from {len(results)} file(s)"
-                + (f"; artifact {artifact.path}" if artifact else "")
-            )
-        return 1 if failures else 0
-
-    def _save_merged(self, args: argparse.Namespace, processes: list[Any], failures: dict[str, str]) -> Any:
+    def _save_merged(self, args: argparse.Namespace, stacks: Stacks) -> Any:
         from collectors.stacks import KIND, write_request_artifact
         from dynprof.store import ArtifactStore
 
-        jobs = {p.job for p in processes if p.job}
+        jobs = {p.job for p in stacks.processes if p.job}
         options = {"merged_files": [os.path.basename(f) for f in args.merge][:1000]}
         writer = ArtifactStore().create(KIND, job=jobs.pop() if len(jobs) == 1 else None, options=options)
-        summary = write_request_artifact(writer, processes, failures)
-        return writer.finish("partial" if failures else "complete", summary=summary)
+        summary = write_request_artifact(writer, stacks.processes, stacks.failures)
+        return writer.finish("partial" if stacks.failures else "complete", summary=summary)
 
     # -- core files ------------------------------------------------------------------------------
     def _core(self, args: argparse.Namespace) -> Any:
         import os
         import stat
 
-        from collectors import stacks as st
+        from collectors.stacks import readers
 
         for what, path in (("core file", args.core), ("executable", args.executable)):
             if not path:
@@ -414,10 +483,10 @@ class StacksCommand:
                 # pystack would block on a FIFO, or read a device for ever.
                 raise errors.DynprofError(f"{what} {path} is not a regular file")
         try:
-            return st.capture_core(
+            return readers.capture_core(
                 args.core, args.executable, native=args.native, locals=args.locals, timeout=max(args.timeout, 120.0)
             )
-        except st.CaptureError as exc:
+        except readers.CaptureError as exc:
             raise errors.DynprofError(
                 f"cannot read core file {args.core}: {exc.reason}",
                 help="Give the Python executable that produced it with --executable; the core must come from "
@@ -441,25 +510,6 @@ class StacksCommand:
         writer = ArtifactStore().create(KIND, job=job, options=options)
         summary = write_request_artifact(writer, processes, failures)
         return writer.finish("partial" if failures else "complete", summary=summary)
-
-
-MAX_JSON_FRAMES = 512
-
-
-def _main_thread_json(p: Any) -> dict[str, Any] | None:
-    """The main thread's stack (innermost first, without locals): what a merged view over
-    many nodes groups by (``stacks --hosts``)."""
-    from dataclasses import asdict
-
-    main = p.main_thread()
-    if main is None:
-        return None
-    return {
-        "tid": main.tid,
-        "name": main.name,
-        "holds_gil": main.holds_gil,
-        "frames": [{**asdict(f), "locals": None} for f in main.frames[:MAX_JSON_FRAMES]],
-    }
 
 
 def _comm(pid: int) -> str:

@@ -95,7 +95,7 @@ def test_hang_merged_across_nodes_names_where_each_rank_waits(nodes, spawn):
     doc = json.loads(out.stdout)
     print(f"\nmerged stacks of 2 NCCL ranks on 2 nodes: {took:.2f} s")
     print(dynprof("stacks", "--job", "gpu-hang", "--hosts", nodes["hosts"], "--no-save", token=nodes["token"]).stdout)
-    assert [(p["rank"], p["node"]) for p in doc["processes"]] == [(0, "127.0.0.1"), (1, "localhost")]
+    assert [(p["rank"], p["host"]) for p in doc["processes"]] == [(0, "127.0.0.1"), (1, "localhost")]
     groups = {tuple(g["ranks"]): g for g in doc["groups"]}
     assert set(groups) == {(0,), (1,)}
     assert "collective_wait" in groups[(0,)]["headline"] or "synchronize" in groups[(0,)]["headline"]

@@ -171,7 +171,7 @@ def test_stacks_over_two_nodes_groups_all_ranks_and_names_the_odd_rank_with_its_
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
     label_a, label_b = "127.0.0.1", "localhost"
-    assert [(p["rank"], p["node"]) for p in doc["processes"]] == [(0, label_a), (1, label_a), (2, label_b)]
+    assert [(p["rank"], p["host"]) for p in doc["processes"]] == [(0, label_a), (1, label_a), (2, label_b)]
     assert [n["ok"] for n in doc["nodes"]] == [True, True]
     big, odd = doc["groups"]
     assert big["ranks"] == [1, 2] and big["label"] == f"rank 1 on {label_a}, rank 2 on {label_b}"

@@ -354,7 +354,7 @@ def test_stacks_of_a_zombie_says_it_has_exited(capsys):
 
 
 def test_a_target_exiting_while_its_stacks_are_read_is_exit_3(monkeypatch, capsys):
-    from collectors import stacks as st
+    from collectors.stacks import readers
 
     # GIVEN a process that exits while the reader works on it
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
@@ -362,11 +362,13 @@ def test_a_target_exiting_while_its_stacks_are_read_is_exit_3(monkeypatch, capsy
     def reader_sees_it_exit(pid, **_):
         child.kill()
         child.wait()
-        raise st.CaptureError("py-spy", "Failed to get process executable name. Check that the process is running.")
+        raise readers.CaptureError(
+            "py-spy", "Failed to get process executable name. Check that the process is running."
+        )
 
-    monkeypatch.setattr(st, "capture_py_spy", reader_sees_it_exit)
-    monkeypatch.setattr(st, "capture_pystack", reader_sees_it_exit)
-    monkeypatch.setattr(st, "ptrace_refusal", lambda pid: None)
+    monkeypatch.setattr(readers, "capture_py_spy", reader_sees_it_exit)
+    monkeypatch.setattr(readers, "capture_pystack", reader_sees_it_exit)
+    monkeypatch.setattr(readers, "ptrace_refusal", lambda pid: None)
     try:
         # WHEN its stacks are read
         code = main(["stacks", "--pid", str(child.pid), "--no-save"])
@@ -531,18 +533,18 @@ def test_a_healthcheck_cut_short_by_a_closed_pipe_never_reads_healthy(monkeypatc
 
 
 def test_stacks_output_escapes_what_the_target_names(monkeypatch, capsys):
-    from collectors import stacks as st
+    from collectors.stacks import Frame, ProcessStacks, ThreadStack, readers
 
     # GIVEN a target whose thread and file names carry terminal escapes
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
 
     def read(pid, **_):
-        frame = st.Frame(function="run\x1b[2J", file="/tmp/\x1b]0;owned\x07evil.py", line=3)
-        thread = st.ThreadStack(tid=pid, name="\x1b[31mworker", main=True, frames=[frame])
-        return st.ProcessStacks(pid=pid, method="py-spy", threads=[thread])
+        frame = Frame(function="run\x1b[2J", file="/tmp/\x1b]0;owned\x07evil.py", line=3)
+        thread = ThreadStack(tid=pid, name="\x1b[31mworker", main=True, frames=[frame])
+        return ProcessStacks(pid=pid, method="py-spy", threads=[thread])
 
-    monkeypatch.setattr(st, "capture_py_spy", read)
-    monkeypatch.setattr(st, "ptrace_refusal", lambda pid: None)
+    monkeypatch.setattr(readers, "capture_py_spy", read)
+    monkeypatch.setattr(readers, "ptrace_refusal", lambda pid: None)
     try:
         # WHEN its stacks are printed, every thread in full
         code = main(["stacks", "--pid", str(child.pid), "--no-save", "--full"])

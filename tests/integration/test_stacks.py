@@ -213,7 +213,7 @@ def test_ptrace_refused_falls_back_to_the_agent(nobody):
         assert p["method"] == "agent"
         assert "refused" in p["fallback_reason"] and "CAP_SYS_PTRACE" in p["fallback_help"]
         assert out["groups"][0]["headline"].startswith("in guarded_loop (")
-        saved = ProcessStacks.from_dict(json.loads((Path(out["artifact"]) / f"pid{pid}.json").read_text()))
+        saved = ProcessStacks.from_json(json.loads((Path(out["artifact"]) / f"pid{pid}.json").read_text()))
         assert saved.method == "agent"
     finally:
         proc.kill()

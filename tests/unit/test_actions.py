@@ -508,24 +508,3 @@ def test_the_sidecar_imports_no_cli():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     # THEN no CLI module came with them (dynprof serve hands the sidecar its commands and views)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
-
-
-def test_a_command_not_yet_answering_with_a_result_is_read_from_its_json(monkeypatch):
-    # GIVEN a command that only prints (TEMPORARY fallback, until every action's command has
-    # collect_local): its --json on stdout, an error of one target and its advice on stderr
-    from dynprof.cli._action_fallback import printing_collect
-
-    class Printing:
-        def run(self, args):
-            print('{"agents": [{"pid": 7}]}')
-            print("dynprof: pid 8: error: gone\n  what to do: look again", file=sys.stderr)
-            return 3
-
-    table = stub_table(printing_collect(Printing()))
-    monkeypatch.setattr(sys, "stdout", sys.stdout)  # the capture wraps them: put them back after
-    monkeypatch.setattr(sys, "stderr", sys.stderr)
-    # WHEN it runs as an action
-    answer = run_action("ps", {}, commands=table)
-    # THEN the answer holds its JSON, code and stderr lines as it printed them
-    assert answer["result"] == {"agents": [{"pid": 7}]} and answer["exit_code"] == 3
-    assert answer["messages"] == ["dynprof: pid 8: error: gone", "  what to do: look again"]

@@ -242,7 +242,7 @@ def test_groups_over_nodes_name_each_rank_with_its_node():
     # THEN the labels name the nodes
     assert big.labels == "ranks 0-3 on node-1, ranks 4-6 on node-2"
     assert odd.outlier and odd.labels == "rank 7 on node-2"
-    assert odd.to_dict()["hosts"] == ["node-2"]
+    assert [m["host"] for m in odd.to_json()["members"]] == ["node-2"]
     # and past a few nodes they are counted
     many = [proc(r, f"node-{r}", wait) for r in range(8)]
     (g,) = group_processes(many, by_host=True)

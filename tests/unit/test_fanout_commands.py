@@ -319,35 +319,6 @@ def test_each_node_s_own_messages_reach_stderr_with_its_name(monkeypatch, capsys
     assert doc["nodes"][1]["messages"] == ["dynprof: skipping 1 process"]
 
 
-def test_stacks_of_nodes_without_main_thread_rows_take_the_frames_of_their_groups(monkeypatch, capsys):
-    # GIVEN stacks answers in the shape of a dynprof before `main_thread` (frames only per group)
-    def legacy(rank: int, where: str) -> dict[str, Any]:
-        frame = {"function": where, "file": "/job/train.py", "line": 10 + rank, "native": False}
-        return {
-            "processes": [{"pid": 100 + rank, "rank": rank, "method": "py-spy"}],
-            "groups": [{"ranks": [rank], "pids": [100 + rank], "frames": [frame]}],
-            "failures": {},
-        }
-
-    class Old:
-        def action_all(self, nodes, name, options, timeout=None):
-            return [
-                NodeAnswer(n, True, exit_code=0, result=legacy(i, "wait" if i else "all_reduce"))
-                for i, n in enumerate(nodes)
-            ]
-
-    monkeypatch.setattr(job, "client_for", lambda args: Old())
-    # WHEN the job's stacks are merged
-    code = main(["stacks", "--job", "j", "--hosts", "node-a,node-b", "--json"])
-    # THEN each rank is grouped by the stack its node reported
-    doc = json.loads(capsys.readouterr().out)
-    assert code == 0
-    assert sorted((g["label"], g["frames"][0]["function"]) for g in doc["groups"]) == [
-        ("rank 0 on node-a", "all_reduce"),
-        ("rank 1 on node-b", "wait"),
-    ]
-
-
 def test_commands_on_this_node_import_no_http_client_and_defaults_agree():
     import subprocess
     import sys

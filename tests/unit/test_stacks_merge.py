@@ -6,18 +6,10 @@ import faulthandler
 import os
 import threading
 
-from collectors.stacks import (
-    Frame,
-    ProcessStacks,
-    ThreadStack,
-    group_processes,
-    headline,
-    parse_faulthandler,
-    parse_py_spy,
-    rank_labels,
-    render_merged,
-    short_symbol,
-)
+from collectors.stacks.merge import group_processes
+from collectors.stacks.model import Frame, ProcessStacks, ThreadStack, headline, rank_labels, short_symbol
+from collectors.stacks.readers import parse_faulthandler, parse_py_spy
+from collectors.stacks.render import render_merged
 
 C10D = "/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py"
 

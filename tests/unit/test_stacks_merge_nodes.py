@@ -9,8 +9,9 @@ from typing import Any
 
 import pytest
 
-from collectors.stacks import Frame, ProcessStacks, ThreadStack, group_processes, merge_stack_results
+from collectors.stacks import Frame, ProcessStacks, Source, Stacks, ThreadStack, from_json, group_processes, merge
 from dynprof.cli import main
+from dynprof.errors import ArtifactError
 
 C10D = "/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py"
 WAITING = [
@@ -25,36 +26,32 @@ ELSEWHERE = [
 ]
 
 
-def _proc(rank: int, frames: list[Frame], host: str) -> ProcessStacks:
+def _proc(rank: int, frames: list[Frame], host: str | None) -> ProcessStacks:
     pid = 1000 + rank % 8  # pids repeat across nodes
     return ProcessStacks(
         pid=pid, method="py-spy", rank=rank, job="J", host=host, threads=[ThreadStack(pid, main=True, frames=frames)]
     )
 
 
-def _plain_answer(processes: list[ProcessStacks]) -> dict[str, Any]:
-    """What one node's `dynprof stacks --job J --json` printed before rows named host and main thread."""
-    return {
-        "artifact": None,
-        "elapsed_s": 0.2,
-        "groups": [g.to_dict() for g in group_processes(processes)],
-        "processes": [
-            {"pid": p.pid, "rank": p.rank, "method": p.method, "native": False, "fallback_reason": None, "threads": 1}
-            for p in processes
-        ],
-        "failures": {},
-    }
+def _answer(processes: list[ProcessStacks]) -> dict[str, Any]:
+    """What one node's `dynprof stacks --job J --json` prints (its stacks document)."""
+    return {**merge([Source(Stacks(processes))]).to_json(), "artifact": None, "elapsed_s": 0.2}
 
 
-def _node(host: str, ranks: range, odd: int | None = None) -> list[ProcessStacks]:
+def _merged(answers: list[Any], hosts: list[str | None]) -> dict[str, Any]:
+    """The merge of the answers, each named by its host where its processes do not say."""
+    return merge([Source(from_json(a), host=h) for a, h in zip(answers, hosts)]).to_json()
+
+
+def _node(host: str | None, ranks: range, odd: int | None = None) -> list[ProcessStacks]:
     return [_proc(r, ELSEWHERE if r == odd else WAITING, host) for r in ranks]
 
 
 def test_merge_names_the_odd_rank_with_its_host() -> None:
     # GIVEN two nodes' answers, 4 ranks each, rank 6 (on node-b) somewhere else
-    answers = [_plain_answer(_node("node-a", range(4))), _plain_answer(_node("node-b", range(4, 8), odd=6))]
+    answers = [_answer(_node(None, range(4))), _answer(_node(None, range(4, 8), odd=6))]
     # WHEN merged (the answers do not name their host: the caller does)
-    merged = merge_stack_results(answers, ["node-a", "node-b"])
+    merged = _merged(answers, ["node-a", "node-b"])
     # THEN one group of 7 over both nodes, and the outlier named with host and rank
     big, odd = merged["groups"]
     assert big["ranks"] == [0, 1, 2, 3, 4, 5, 7]
@@ -63,13 +60,13 @@ def test_merge_names_the_odd_rank_with_its_host() -> None:
     assert (odd["diverges_at"]["function"], odd["diverges_at"]["line"]) == ("train_step", 35)
     assert merged["hosts"] == ["node-a", "node-b"] and merged["failures"] == {}
     # and the merge can be merged again with the same result
-    again = merge_stack_results([merged])
+    again = _merged([merged], [None])
     assert [g["label"] for g in again["groups"]] == [g["label"] for g in merged["groups"]]
 
 
 def test_many_nodes_are_counted_not_listed() -> None:
-    answers = [_plain_answer(_node(f"n{i}", range(8 * i, 8 * i + 8), odd=37)) for i in range(8)]
-    merged = merge_stack_results(answers, [f"n{i}" for i in range(8)])
+    answers = [_answer(_node(None, range(8 * i, 8 * i + 8), odd=37)) for i in range(8)]
+    merged = _merged(answers, [f"n{i}" for i in range(8)])
     assert merged["groups"][0]["label"] == "ranks 0-36,38-63 on 8 nodes"
     assert merged["groups"][1]["odd"] == ["rank 37 on n4"]
 
@@ -82,18 +79,24 @@ def test_answers_with_hosts_and_main_threads_and_duplicates() -> None:
             "rank": 0,
             "host": "x",
             "method": "agent",
-            "main_thread": {"tid": 7, "frames": [f.__dict__ for f in WAITING]},
+            "main_thread": {"tid": 7, "frames": [f.to_json() for f in WAITING]},
         },
         {
             "pid": 7,
             "rank": 1,
             "host": "y",
             "method": "py-spy",
-            "main_thread": {"tid": 7, "frames": [f.__dict__ for f in ELSEWHERE]},
+            "main_thread": {"tid": 7, "frames": [f.to_json() for f in ELSEWHERE]},
         },
     ]
-    answer = {"processes": rows, "groups": [], "failures": {"rank 2 (pid 9)": "timed out"}}
-    merged = merge_stack_results([answer, answer], ["x", "x"])
+    answer = {
+        "schema": "dynprof.stacks",
+        "schema_version": 2,
+        "processes": rows,
+        "groups": [],
+        "failures": {"rank 2 (pid 9)": "timed out"},
+    }
+    merged = _merged([answer, answer], ["x", "x"])
     # THEN each (host, pid) once; the failures of each node kept with the node named
     assert [(p["host"], p["rank"]) for p in merged["processes"]] == [("x", 0), ("y", 1)]
     assert merged["failures"] == {"rank 2 (pid 9) on x": "timed out"}
@@ -108,8 +111,13 @@ def test_answers_with_hosts_and_main_threads_and_duplicates() -> None:
         {"processes": [{"pid": 3, "main_thread": {"frames": [{"function": "f" * 100_000, "line": "x"}, 5]}}]},
     ],
 )
-def test_hostile_answers_do_not_crash(answer: Any) -> None:
-    merged = merge_stack_results([answer], ["h"])
+@pytest.mark.parametrize("schema", [{}, {"schema": "dynprof.stacks", "schema_version": 2}], ids=["bare", "v2"])
+def test_hostile_answers_do_not_crash(answer: Any, schema: dict[str, Any]) -> None:
+    try:
+        merged = _merged([{**schema, **answer} if isinstance(answer, dict) else answer], ["h"])
+    except ArtifactError as exc:
+        assert "not a dynprof stacks document" in exc.message
+        return
     for p in merged["processes"]:
         for f in p["main_thread"]["frames"]:
             assert len(f["function"]) <= 2000 and isinstance(f["line"], int)
@@ -123,11 +131,11 @@ def _write(path: Path, answer: Any) -> str:
 
 def test_merge_command(tmp_path: Path, capsys: Any) -> None:
     # GIVEN the files of the Slurm recipe: stacks.$(hostname).json on each node, plus bad ones
-    a = _write(tmp_path / "stacks.node-a.json", _plain_answer(_node("node-a", range(4))))
-    b = _write(tmp_path / "stacks.node-b.json", _plain_answer(_node("node-b", range(4, 8), odd=6)))
+    a = _write(tmp_path / "stacks.node-a.json", _answer(_node(None, range(4))))
+    b = _write(tmp_path / "stacks.node-b.json", _answer(_node(None, range(4, 8), odd=6)))
     garbage = tmp_path / "stacks.node-c.json"
     garbage.write_text("{not json")
-    deep = _write(tmp_path / "stacks.node-d.json", {"processes": [], "x": json.loads("[" * 100 + "]" * 100)})
+    deep = _write(tmp_path / "stacks.node-d.json", {**_answer([]), "x": json.loads("[" * 100 + "]" * 100)})
     fifo = tmp_path / "stacks.node-e.json"
     os.mkfifo(fifo)
     missing = str(tmp_path / "stacks.node-f.json")
@@ -149,8 +157,8 @@ def test_merge_command(tmp_path: Path, capsys: Any) -> None:
 
 
 def test_merge_command_json_and_artifact(tmp_path: Path, capsys: Any) -> None:
-    a = _write(tmp_path / "stacks.node-a.json", _plain_answer(_node("node-a", range(2))))
-    b = _write(tmp_path / "stacks.node-b.json", _plain_answer(_node("node-b", range(2, 4), odd=3)))
+    a = _write(tmp_path / "stacks.node-a.json", _answer(_node(None, range(2))))
+    b = _write(tmp_path / "stacks.node-b.json", _answer(_node(None, range(2, 4), odd=3)))
     assert main(["stacks", "--merge", a, b, "--json"]) == 0
     merged = json.loads(capsys.readouterr().out)
     assert [g["odd"] for g in merged["groups"]] == [[], ["rank 3 on node-b"]]

@@ -230,7 +230,13 @@ def test_generated_manifests_never_break_a_listing(capsys, dynprof_dirs):
 
 
 def test_stacks_entries_naming_files_outside_are_refused(capsys, dynprof_dirs, outside):
-    proc = {"pid": 1, "method": "agent", "threads": [{"tid": 1, "frames": [{"function": "f", "file": "x.py"}]}]}
+    proc = {
+        "schema": "dynprof.stacks.process",
+        "schema_version": 2,
+        "pid": 1,
+        "method": "agent",
+        "threads": [{"tid": 1, "frames": [{"function": "f", "file": "x.py"}]}],
+    }
     (outside / "secret.json").write_text(json.dumps({**proc, "notes": [SECRET]}))
     store = ArtifactStore()
     for absolute in (False, True):
@@ -238,7 +244,9 @@ def test_stacks_entries_naming_files_outside_are_refused(capsys, dynprof_dirs, o
         w = store.create("stacks", job="j")
         w.write_json("rank0-pid1.json", proc)
         stem = str(outside / "secret") if absolute else os.path.relpath(outside / "secret", w.final_path)
-        w.write_json("merged.json", {"processes": [{"file": stem}]})
+        w.write_json(
+            "merged.json", {"schema": "dynprof.stacks", "schema_version": 2, "processes": [{"pid": 1, "file": stem}]}
+        )
         art = w.finish("complete")
         assert (art.path / f"{stem}.json").exists()  # the entry does lead to the secret
 

@@ -1,6 +1,7 @@
-"""Read a process's (or a core file's) stacks with pystack and print them as collectors.stacks JSON.
+"""Read a process's (or a core file's) stacks with pystack and print them as a process dump
+(``dynprof.stacks.process``, :meth:`collectors.stacks.model.ProcessStacks.to_json`).
 
-Runs as a subprocess of the CLI (``python -m collectors._pystack_dump --pid PID [--native]``) so a
+Runs as a subprocess of the CLI (``python -m collectors.stacks._pystack_dump --pid PID [--native]``) so a
 failure inside pystack's native reader can never take the CLI down, and so several targets are
 read in parallel. Exit 0 with JSON on stdout, or exit 1 with one line on stderr.
 """
@@ -133,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
         out[0]["main"] = True
     json.dump(
         {
+            "schema": "dynprof.stacks.process",  # what collectors.stacks.model reads (kept free of its imports)
+            "schema_version": 2,
             "pid": pid,
             "method": method,
             "native": args.native,
