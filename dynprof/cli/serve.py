@@ -50,12 +50,37 @@ def resolve_token(token: str | None, token_file: str | None) -> tuple[str, str]:
     return secrets.token_urlsafe(24), "generated"
 
 
+def risk_warnings(host: str, tls: bool, token_in_argv: bool) -> list[str]:
+    """What `serve` says about a risky command line (it serves all the same)."""
+    out = []
+    if token_in_argv:
+        out.append(
+            "--token is visible to every user of this machine in the process list (ps); "
+            "use --token-file FILE (mode 0600) instead"
+        )
+    if not tls and _is_unspecified(host):
+        out.append(
+            f"serving plain HTTP on every address ({host}): the token crosses the network in clear; "
+            "use --certfile/--keyfile, or bind to loopback or a private management network"
+        )
+    return out
+
+
+def _is_unspecified(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_unspecified
+    except ValueError:
+        return False
+
+
 def _url(host: str, port: int, token: str, tls: bool = False) -> str:
     shown = f"[{host}]" if ":" in host and not host.startswith("[") else host
     return f"{'https' if tls else 'http'}://{shown}:{port}/?token={token}"
 
 
-REQUEST_TIMEOUT_S = 30.0  # an idle or dripping client is disconnected after this
+REQUEST_TIMEOUT_S = 30.0  # an idle connection is closed after this (and a send that makes no progress)
+HEAD_TIMEOUT_S = 10.0  # a request's line and headers must all arrive within this
+BODY_TIMEOUT_S = 10.0  # then its body (at most 64 KiB)
 MAX_HEADER_BYTES = 64 * 1024
 SHUTDOWN_TIMEOUT_S = 5.0
 MAX_THREADS = 256
@@ -77,11 +102,10 @@ def _count(lo: int, hi: int) -> Any:
 
 def build_server(app: Any, host: str, port: int, threads: int, certfile: str | None, keyfile: str | None) -> Any:
     """cheroot's WSGI server for ``app``, bound but not yet serving; TLS when given a cert."""
-    from cheroot import wsgi
-
     from dynprof.sidecar.app import MAX_REQUEST_BYTES
+    from dynprof.sidecar.server import SidecarServer, healthz_answer
 
-    server = wsgi.Server(
+    server = SidecarServer(
         (host, port),
         app,
         numthreads=threads,
@@ -90,6 +114,9 @@ def build_server(app: Any, host: str, port: int, threads: int, certfile: str | N
         timeout=int(REQUEST_TIMEOUT_S),
         shutdown_timeout=int(SHUTDOWN_TIMEOUT_S),
         server_name="dynprof",
+        head_timeout=HEAD_TIMEOUT_S,
+        body_timeout=BODY_TIMEOUT_S,
+        healthz=healthz_answer(app),
     )
     server.max_request_body_size = MAX_REQUEST_BYTES
     server.max_request_header_size = MAX_HEADER_BYTES
@@ -197,6 +224,8 @@ class ServeCommand:
             raise errors.DynprofError(
                 f"cannot listen on {args.host}:{args.port}: {exc}", help="Choose another --port."
             ) from None
+        for warning in risk_warnings(args.host, tls=bool(args.certfile), token_in_argv=source == "--token"):
+            print(f"dynprof: warning: {warning}", file=sys.stderr)
         print(f"dynprof: serving on {_url(args.host, args.port, token, tls=bool(args.certfile))}", file=sys.stderr)
         if source != "generated":
             print(f"dynprof: token from {source}", file=sys.stderr)

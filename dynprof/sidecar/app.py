@@ -192,6 +192,11 @@ class RefusalLog:
         self._dropped = 0
 
     def refused(self, status: int, why: str, method: str, path: str, remote: str | None) -> None:
+        where = _printable(path.split("?", 1)[0])[:200]
+        self.say(f"dynprof serve: refused {status} ({why}): {_printable(method)[:16]} {where} from {remote or '?'}")
+
+    def say(self, line: str) -> None:
+        """One line (made printable), under the same rate limit as the refusals."""
         now = time.monotonic()
         lines = []
         with self._lock:
@@ -203,10 +208,7 @@ class RefusalLog:
                 self._dropped += 1
             else:
                 self._logged += 1
-                where = _printable(path.split("?", 1)[0])[:200]
-                lines.append(
-                    f"dynprof serve: refused {status} ({why}): {_printable(method)[:16]} {where} from {remote or '?'}"
-                )
+                lines.append(_printable(line))
         if lines:
             stream = self._stream or sys.__stderr__ or sys.stderr
             try:

@@ -1,0 +1,192 @@
+"""The sidecar's HTTP server: cheroot's threaded WSGI server, held against hostile clients.
+
+cheroot gives each connection to one of a fixed number of worker threads, which then blocks
+reading it; its timeout bounds each read, not a request, so a client dripping a byte every few
+seconds holds a worker for ever, and as many such clients as workers (no token needed) stop
+the server. Here:
+
+- A new connection waits in cheroot's selector, holding no worker, until its first bytes
+  arrive; one that sends nothing is closed after the idle timeout.
+- Whole-request deadlines, before any check of the app: a worker that takes a connection
+  gets its request line and headers within ``head_timeout`` seconds, then the body within
+  ``body_timeout``, or answers 408 and closes, however slowly the bytes drip.
+- A Content-Length that is not digits (``-1``, ``+5``, ``0x10``) is 400 and the connection
+  closed: cheroot would take ``-1`` as "read until the client closes".
+- ``GET /healthz`` arriving whole on a new plain-HTTP connection is answered by the selector
+  thread itself, with the app's own answer (computed once at start), before the worker pool:
+  no state of the workers (slow clients, token holders' slow renders or downloads, actions)
+  can delay a readiness probe. Under TLS the request cannot be read there; it goes to the
+  workers (the deadlines above still bound what a client without the token can hold).
+- cheroot's error log is one line per event, no traceback, rate-limited (``RefusalLog``).
+"""
+
+from __future__ import annotations
+
+import email.utils
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+from cheroot import server as cheroot_server
+from cheroot import wsgi
+from cheroot.makefile import MakeFile, StreamReader
+
+from dynprof.sidecar.app import RefusalLog
+
+HEALTHZ_REQUEST = b"GET /healthz HTTP/1."
+_PEEK_BYTES = 8192
+
+
+class _DeadlineSocketIO(socket.SocketIO):
+    """A socket's reader that gives up at ``deadline`` (time.monotonic()), not just after an
+    idle read: each read waits at most what is left."""
+
+    deadline: float | None = None
+
+    def readinto(self, b: Any) -> int | None:
+        if self.deadline is None:
+            return super().readinto(b)
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("timed out")  # cheroot answers 408 to this message
+        sock = self._sock  # type: ignore[attr-defined]
+        idle = sock.gettimeout()
+        sock.settimeout(left if idle is None else min(idle, left))
+        try:
+            return super().readinto(b)
+        finally:
+            sock.settimeout(idle)
+
+
+class _DeadlineReader(StreamReader):  # type: ignore[misc]
+    def __init__(self, sock: Any, bufsize: int = 8192) -> None:
+        self._deadline_io = _DeadlineSocketIO(sock, "rb")
+        super(StreamReader, self).__init__(self._deadline_io, bufsize)  # StreamReader's, with this raw reader
+        self.bytes_read = 0
+
+    def set_deadline(self, seconds: float | None) -> None:
+        self._deadline_io.deadline = None if seconds is None else time.monotonic() + seconds
+
+
+class _Request(cheroot_server.HTTPRequest):  # type: ignore[misc]
+    def read_request_headers(self) -> bool:
+        if not super().read_request_headers():  # type: ignore[no-untyped-call]
+            return False
+        length = self.inheaders.get(b"Content-Length")
+        if length is not None and not (length.isdigit() and length.isascii()):
+            self.simple_response("400 Bad Request", "Malformed Content-Length Header.")
+            self.close_connection = True
+            return False
+        self.conn.rfile.set_deadline(self.server.body_timeout)
+        return True
+
+    def send_headers(self) -> None:
+        # a body left unread (a 401 answered before it, a 408 while it dripped) would be
+        # parsed as the next request: close instead
+        body = self.rfile
+        unread = getattr(body, "remaining", 0) > 0 or (self.chunked_read and not getattr(body, "closed", True))
+        if unread or int(self.status[:3]) == 408:
+            self.close_connection = True
+        super().send_headers()
+
+
+class _Connection(cheroot_server.HTTPConnection):  # type: ignore[misc]
+    RequestHandlerClass = _Request
+    waited = False  # has waited in the selector for its first bytes
+    served = False  # a worker has read a request of it
+
+    def __init__(self, server: Any, sock: Any, makefile: Callable[..., Any] = MakeFile) -> None:
+        def files(s: Any, mode: str = "r", bufsize: int = 8192) -> Any:
+            return _DeadlineReader(s, bufsize) if "r" in mode else makefile(s, mode, bufsize)
+
+        super().__init__(server, sock, files)
+
+    def communicate(self) -> bool:
+        self.served = True
+        self.rfile.set_deadline(self.server.head_timeout)
+        try:
+            return bool(super().communicate())  # type: ignore[no-untyped-call]
+        finally:
+            self.rfile.set_deadline(None)  # a kept-alive connection idles under the idle timeout
+
+
+class SidecarServer(wsgi.Server):  # type: ignore[misc]
+    """cheroot's WSGI server with the deadlines, the early /healthz and the quiet error log
+    described above. ``healthz`` is the whole HTTP answer to ``GET /healthz`` (None: the
+    workers answer it)."""
+
+    ConnectionClass = _Connection
+
+    def __init__(
+        self,
+        *args: Any,
+        head_timeout: float,
+        body_timeout: float,
+        healthz: bytes | None = None,
+        log: RefusalLog | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.head_timeout = head_timeout
+        self.body_timeout = body_timeout
+        self.healthz = healthz
+        self.log = log or RefusalLog()
+
+    def process_conn(self, conn: Any) -> None:
+        if self.ssl_adapter is None and not conn.served:
+            if not conn.waited:
+                conn.waited = True
+                self.put_conn(conn)  # into the selector: a worker only once it has sent something
+                return
+            if self.healthz is not None and self._answer_healthz(conn):
+                return
+        super().process_conn(conn)
+
+    def _answer_healthz(self, conn: Any) -> bool:
+        """Answer a whole ``GET /healthz`` already received, without a worker (never blocks)."""
+        sock = conn.socket
+        try:
+            data = sock.recv(_PEEK_BYTES, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except OSError:
+            return False
+        end = data.find(b"\r\n\r\n")
+        if not data.startswith(HEALTHZ_REQUEST) or end < 0:
+            return False
+        head = data[: end + 4].lower()
+        if b"\ncontent-length:" in head or b"\ntransfer-encoding:" in head:
+            return False  # a body: the workers' full parser decides
+        assert self.healthz is not None
+        date = email.utils.formatdate(usegmt=True).encode()
+        try:
+            sock.recv(end + 4, socket.MSG_DONTWAIT)
+            sock.send(self.healthz.replace(b"\r\n\r\n", b"\r\nDate: " + date + b"\r\n\r\n", 1), socket.MSG_DONTWAIT)
+        except OSError:
+            pass
+        conn.close()
+        return True
+
+    def error_log(self, msg: str = "", level: int = 20, traceback: bool = False) -> None:
+        # cheroot's own errors (a client's socket error, a bad TLS handshake): one line, no
+        # traceback, rate-limited; a flood of them cannot fill a disk
+        import sys
+
+        exc = sys.exc_info()[1]
+        detail = f": {type(exc).__name__}: {exc}" if traceback and exc is not None else ""
+        self.log.say(f"dynprof serve: HTTP server: {msg}{detail}"[:500])
+
+
+def healthz_answer(app: Any) -> bytes | None:
+    """The app's whole HTTP answer to ``GET /healthz`` (it does not depend on the request),
+    with ``Connection: close``; None when the app does not answer it 200."""
+    from werkzeug.test import EnvironBuilder, run_wsgi_app
+
+    environ = EnvironBuilder(path="/healthz", method="GET").get_environ()
+    app_iter, status, headers = run_wsgi_app(app, environ, buffered=True)
+    body = b"".join(app_iter)
+    if not status.startswith("200"):
+        return None
+    lines = [f"HTTP/1.1 {status}"]
+    lines += [f"{k}: {v}" for k, v in headers.items() if k.lower() not in ("content-length", "connection", "date")]
+    lines += [f"Content-Length: {len(body)}", "Server: dynprof", "Connection: close"]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
