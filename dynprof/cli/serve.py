@@ -1,8 +1,10 @@
 """Serve a web page and an HTTP API over this node's agents, tools and artifacts (the sidecar).
 
-Binds to 127.0.0.1 by default, on cheroot's threaded WSGI server: --threads workers, request
-bodies and headers bounded, idle sockets closed after a timeout, TLS with --certfile/--keyfile,
-a clean stop on SIGINT or SIGTERM. Every request, on every address (loopback too: any local
+Binds to 127.0.0.1 by default, on cheroot's threaded WSGI server (dynprof.sidecar.server):
+--threads workers, request bodies and headers bounded, whole-request deadlines that cut off
+slow clients as surely as idle ones, /healthz answered before the worker pool, TLS with
+--certfile/--keyfile, a clean stop on SIGINT or SIGTERM. It warns about --token (other users
+see it in the process list) and about plain HTTP on every address (the token in clear). Every request, on every address (loopback too: any local
 user can reach loopback), must carry the access token: `Authorization: Bearer TOKEN`,
 `?token=TOKEN`, or the cookie the page sets after a `?token=` visit; only `GET /healthz`
 answers without it (with "ok" and nothing else). The token comes from --token-file FILE (or

@@ -5,8 +5,11 @@ reading it; its timeout bounds each read, not a request, so a client dripping a 
 seconds holds a worker for ever, and as many such clients as workers (no token needed) stop
 the server. Here:
 
-- A new connection waits in cheroot's selector, holding no worker, until its first bytes
-  arrive; one that sends nothing is closed after the idle timeout.
+- A new plain-HTTP connection waits in cheroot's selector, holding no worker, until its whole
+  request head has arrived (looked at every ``PARK_S`` seconds while it drips in); one that
+  sends nothing is closed after the idle timeout, one whose head is not in after
+  ``head_timeout`` is closed. Under TLS the head cannot be looked at before decryption: the
+  connection goes to a worker at once, under the deadlines below.
 - Whole-request deadlines, before any check of the app: a worker that takes a connection
   gets its request line and headers within ``head_timeout`` seconds, then the body within
   ``body_timeout``, or answers 408 and closes, however slowly the bytes drip.
@@ -22,8 +25,12 @@ the server. Here:
 
 from __future__ import annotations
 
+import contextlib
 import email.utils
+import heapq
+import itertools
 import socket
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -35,7 +42,44 @@ from cheroot.makefile import MakeFile, StreamReader
 from dynprof.sidecar.app import RefusalLog
 
 HEALTHZ_REQUEST = b"GET /healthz HTTP/1."
-_PEEK_BYTES = 8192
+PARK_S = 0.5  # a connection whose head is not all in is looked at again after this
+MAX_PARKED = 4096
+_PEEK_BYTES = 16384
+
+
+class _Parking:
+    """Connections whose request head has not all come, each handed back to ``wake`` (the
+    server's selector) at its time: a slow head holds a file descriptor, never a worker."""
+
+    def __init__(self, wake: Callable[[Any], None]) -> None:
+        self._wake = wake
+        self._heap: list[tuple[float, int, Any]] = []
+        self._cv = threading.Condition()
+        self._seq = itertools.count()
+        self._thread: threading.Thread | None = None
+
+    def park(self, conn: Any, at: float) -> bool:
+        with self._cv:
+            if len(self._heap) >= MAX_PARKED:
+                return False
+            heapq.heappush(self._heap, (at, next(self._seq), conn))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="dynprof-serve-parking", daemon=True)
+                self._thread.start()
+            self._cv.notify()
+        return True
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._heap or self._heap[0][0] > time.monotonic():
+                    self._cv.wait(self._heap[0][0] - time.monotonic() if self._heap else None)
+                _, _, conn = heapq.heappop(self._heap)
+            try:
+                self._wake(conn)
+            except Exception:  # a connection closed meanwhile: it is dropped
+                with contextlib.suppress(Exception):
+                    conn.close()
 
 
 class _DeadlineSocketIO(socket.SocketIO):
@@ -93,7 +137,7 @@ class _Request(cheroot_server.HTTPRequest):  # type: ignore[misc]
 
 class _Connection(cheroot_server.HTTPConnection):  # type: ignore[misc]
     RequestHandlerClass = _Request
-    waited = False  # has waited in the selector for its first bytes
+    accepted_at: float | None = None  # when it was accepted (time.monotonic()); None: not yet seen
     served = False  # a worker has read a request of it
 
     def __init__(self, server: Any, sock: Any, makefile: Callable[..., Any] = MakeFile) -> None:
@@ -132,34 +176,51 @@ class SidecarServer(wsgi.Server):  # type: ignore[misc]
         self.body_timeout = body_timeout
         self.healthz = healthz
         self.log = log or RefusalLog()
+        self._parking = _Parking(self.put_conn)
 
     def process_conn(self, conn: Any) -> None:
-        if self.ssl_adapter is None and not conn.served:
-            if not conn.waited:
-                conn.waited = True
-                self.put_conn(conn)  # into the selector: a worker only once it has sent something
-                return
-            if self.healthz is not None and self._answer_healthz(conn):
-                return
+        if self.ssl_adapter is not None or conn.served:
+            super().process_conn(conn)
+            return
+        now = time.monotonic()
+        if conn.accepted_at is None:  # new: into the selector, a worker only once its head is in
+            conn.accepted_at = now
+            self.put_conn(conn)
+            return
+        head = self._peek_head(conn)
+        if head is None:  # not all there yet: look again later, holding no worker
+            if now - conn.accepted_at > self.head_timeout or not self._parking.park(conn, now + PARK_S):
+                conn.close()
+            return
+        if head and self.healthz is not None and self._answer_healthz(conn, head):
+            return
         super().process_conn(conn)
 
-    def _answer_healthz(self, conn: Any) -> bool:
-        """Answer a whole ``GET /healthz`` already received, without a worker (never blocks)."""
-        sock = conn.socket
+    def _peek_head(self, conn: Any) -> bytes | None:
+        """What a new connection has sent, when its request head is all there (or it has sent
+        a lot, or closed, or failed: the worker's parser then decides, b""); None when only
+        part of the head has come."""
         try:
-            data = sock.recv(_PEEK_BYTES, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+            data: bytes = conn.socket.recv(_PEEK_BYTES, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return None
         except OSError:
-            return False
+            return b""
         end = data.find(b"\r\n\r\n")
-        if not data.startswith(HEALTHZ_REQUEST) or end < 0:
-            return False
-        head = data[: end + 4].lower()
-        if b"\ncontent-length:" in head or b"\ntransfer-encoding:" in head:
-            return False  # a body: the workers' full parser decides
+        if end >= 0:
+            return data[: end + 4]
+        return b"" if not data or len(data) >= _PEEK_BYTES else None
+
+    def _answer_healthz(self, conn: Any, head: bytes) -> bool:
+        """Answer a whole ``GET /healthz`` already received, without a worker (never blocks)."""
+        lower = head.lower()
+        if not head.startswith(HEALTHZ_REQUEST) or b"\ncontent-length:" in lower or b"\ntransfer-encoding:" in lower:
+            return False  # another request, or one with a body: the workers' full parser decides
         assert self.healthz is not None
         date = email.utils.formatdate(usegmt=True).encode()
+        sock = conn.socket
         try:
-            sock.recv(end + 4, socket.MSG_DONTWAIT)
+            sock.recv(len(head), socket.MSG_DONTWAIT)
             sock.send(self.healthz.replace(b"\r\n\r\n", b"\r\nDate: " + date + b"\r\n\r\n", 1), socket.MSG_DONTWAIT)
         except OSError:
             pass

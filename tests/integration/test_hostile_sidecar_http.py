@@ -60,8 +60,11 @@ def test_dripping_heads_do_not_starve_healthz_or_the_api(server):
         time.sleep(1)
         # WHEN a probe and a token holder ask THEN both are answered while the attack goes on
         _answers(server)
-    # AND the server cut the dripping connections off (a whole-request deadline, not an idle one)
-    assert counts["connections"] >= THREADS
+        # AND the server cuts the dripping connections off (a whole-request deadline, not an idle one)
+        deadline = time.monotonic() + 2 * FAR_S
+        while counts["closed_by_server"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.5)
+    assert counts["closed_by_server"] > 0
     assert server.tracebacks() == 0, server.stderr()
 
 
