@@ -123,10 +123,10 @@ def build_server(app: Any, host: str, port: int, threads: int, certfile: str | N
     server.max_request_body_size = MAX_REQUEST_BYTES
     server.max_request_header_size = MAX_HEADER_BYTES
     if certfile:
-        from cheroot.ssl.builtin import BuiltinSSLAdapter
+        from dynprof.sidecar.server import LazyHandshakeSSLAdapter
 
         try:
-            server.ssl_adapter = BuiltinSSLAdapter(certfile, keyfile)
+            server.ssl_adapter = LazyHandshakeSSLAdapter(certfile, keyfile)
         except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
             raise errors.UsageError(
                 f"cannot use the certificate {certfile} with the key {keyfile}: {exc}",

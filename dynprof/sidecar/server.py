@@ -9,7 +9,8 @@ the server. Here:
   request head has arrived (looked at every ``PARK_S`` seconds while it drips in); one that
   sends nothing is closed after the idle timeout, one whose head is not in after
   ``head_timeout`` is closed. Under TLS the head cannot be looked at before decryption: the
-  connection goes to a worker at once, under the deadlines below.
+  connection goes to a worker once its first bytes (the TLS hello) came, and the worker, not
+  cheroot's one accepting thread, does the handshake, under the head deadline.
 - Whole-request deadlines, before any check of the app: a worker that takes a connection
   gets its request line and headers within ``head_timeout`` seconds, then the body within
   ``body_timeout``, or answers 408 and closes, however slowly the bytes drip.
@@ -30,14 +31,17 @@ import email.utils
 import heapq
 import itertools
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
+from cheroot import errors as cheroot_errors
 from cheroot import server as cheroot_server
 from cheroot import wsgi
 from cheroot.makefile import MakeFile, StreamReader
+from cheroot.ssl.builtin import BuiltinSSLAdapter
 
 from dynprof.sidecar.app import RefusalLog
 
@@ -148,11 +152,44 @@ class _Connection(cheroot_server.HTTPConnection):  # type: ignore[misc]
 
     def communicate(self) -> bool:
         self.served = True
+        if isinstance(self.socket, ssl.SSLSocket) and not self.tls_ready and not self._handshake():
+            return False
         self.rfile.set_deadline(self.server.head_timeout)
         try:
             return bool(super().communicate())  # type: ignore[no-untyped-call]
         finally:
             self.rfile.set_deadline(None)  # a kept-alive connection idles under the idle timeout
+
+    tls_ready = False
+
+    def _handshake(self) -> bool:
+        """The TLS handshake, here in a worker under the head deadline (cheroot does it in its
+        one accepting thread, which a client that never says hello then holds)."""
+        sock = self.socket
+        idle = sock.gettimeout()
+        sock.settimeout(self.server.head_timeout)
+        try:
+            sock.do_handshake()
+        except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
+            self.server.log.say(f"dynprof serve: TLS handshake with {self.remote_addr} failed: {exc}"[:300])
+            return False
+        finally:
+            with contextlib.suppress(OSError):
+                sock.settimeout(idle)
+        self.tls_ready = True
+        self.ssl_env = self.server.ssl_adapter.get_environ(sock)
+        return True
+
+
+class LazyHandshakeSSLAdapter(BuiltinSSLAdapter):  # type: ignore[misc]
+    """cheroot's TLS adapter, but the handshake is left to the connection's worker."""
+
+    def wrap(self, sock: Any) -> tuple[Any, dict[str, Any]]:
+        try:
+            wrapped = self.context.wrap_socket(sock, do_handshake_on_connect=False, server_side=True)
+        except OSError as exc:
+            raise cheroot_errors.FatalSSLAlert(*exc.args) from exc
+        return wrapped, {}
 
 
 class SidecarServer(wsgi.Server):  # type: ignore[misc]
@@ -179,13 +216,16 @@ class SidecarServer(wsgi.Server):  # type: ignore[misc]
         self._parking = _Parking(self.put_conn)
 
     def process_conn(self, conn: Any) -> None:
-        if self.ssl_adapter is not None or conn.served:
+        if conn.served:
             super().process_conn(conn)
             return
         now = time.monotonic()
         if conn.accepted_at is None:  # new: into the selector, a worker only once its head is in
             conn.accepted_at = now
             self.put_conn(conn)
+            return
+        if self.ssl_adapter is not None:  # its first bytes (a TLS hello) came: the worker shakes hands
+            super().process_conn(conn)
             return
         head = self._peek_head(conn)
         if head is None:  # not all there yet: look again later, holding no worker

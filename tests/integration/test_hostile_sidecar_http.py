@@ -195,3 +195,58 @@ def test_a_token_file_that_is_not_utf8_is_refused(tmp_path):
     code, err = _serve(["--port", str(hs.free_port()), "--token-file", str(token)], tmp_path)
     assert code is not None and code != 0
     assert "not UTF-8" in err and "serving on" not in err and "Traceback" not in err, err
+
+
+def _https_healthz(port: int, ctx: Any, timeout: float) -> bool:
+    import http.client
+
+    conn = http.client.HTTPSConnection("127.0.0.1", port, timeout=timeout, context=ctx)
+    try:
+        conn.request("GET", "/healthz")
+        resp = conn.getresponse()
+        return resp.status == 200 and resp.read() == b"ok\n"
+    except OSError:
+        return False
+    finally:
+        conn.close()
+
+
+def test_tls_connections_that_never_say_hello_do_not_stop_the_server(tmp_path):
+    import shutil
+    import ssl
+
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        pytest.skip("needs the openssl command to make a self-signed certificate")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    made = subprocess.run(
+        [openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+         "-keyout", str(key), "-out", str(cert)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    if made.returncode != 0:
+        pytest.skip(f"openssl could not make a certificate: {made.stderr[-300:]!r}")
+    ctx = ssl.create_default_context(cafile=str(cert))
+    ctx.check_hostname = False
+    env = {"PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    server = hs.Server(THREADS, ("--max-actions", "2", "--certfile", str(cert), "--keyfile", str(key)), env=env)
+    server.base.joinpath("run").mkdir(mode=0o700)
+    with open(server.stderr_path, "wb") as err:
+        server.proc = subprocess.Popen(
+            [sys.executable, "-m", "dynprof", "serve", "--port", str(server.port), "--token-file",
+             str(server.token_file), "--threads", str(THREADS), *server.args],
+            stdout=subprocess.DEVNULL, stderr=err, env=server.env,
+        )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not _https_healthz(server.port, ctx, 2):
+            assert server.proc.poll() is None and time.monotonic() < deadline, server.stderr()
+            time.sleep(0.2)
+        # GIVEN TCP connections to the TLS port that never start the handshake, more than threads
+        with hs.idle(server.port, 2 * THREADS):
+            time.sleep(1)
+            # WHEN a probe asks over TLS THEN it is answered (the handshake holds no shared thread)
+            assert _https_healthz(server.port, ctx, FAR_S), server.stderr()
+        assert server.tracebacks() == 0, server.stderr()
+    finally:
+        server.stop()
