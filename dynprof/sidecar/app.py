@@ -46,7 +46,7 @@ from typing import Any, TextIO
 from urllib.parse import quote, urlsplit
 
 from flask import Flask, Response, abort, g, jsonify, request, send_file
-from werkzeug.exceptions import HTTPException, MethodNotAllowed
+from werkzeug.exceptions import ClientDisconnected, HTTPException, MethodNotAllowed
 
 from dynprof import __version__, roles
 from dynprof.cli.ps import agent_rows
@@ -377,8 +377,10 @@ def create_app(
             _refuse(415, "Content-Type is not JSON", "an action's body needs Content-Type: application/json")
         try:
             request.get_data()  # kept for the action (within MAX_CONTENT_LENGTH, else 413)
-        except OSError:  # the server's body deadline (TimeoutError), a reset
-            _refuse(408, "body not received in time", "the request's body did not arrive in time")
+        except (OSError, ClientDisconnected) as exc:  # werkzeug's, raised while handling the OSError
+            if isinstance(exc, TimeoutError) or isinstance(exc.__context__, TimeoutError):  # the server's deadline
+                _refuse(408, "body not received in time", "the request's body did not arrive in time")
+            _refuse(400, "body cut off", "the request's body was cut off")
 
     @app.after_request
     def _headers(response: Response) -> Response:

@@ -362,3 +362,36 @@ def test_a_token_file_that_is_not_utf8_is_refused(tmp_path):
     with pytest.raises(UsageError, match="not UTF-8") as exc:
         read_token_file(str(f))
     assert exc.value.help
+
+
+def test_an_action_body_that_does_not_arrive_in_time_is_408(store):
+    app, calls = _stub_app(store)
+
+    class Dripping:  # what the server's reader does past its body deadline
+        def read(self, size=-1):
+            raise TimeoutError("timed out")
+
+    # WHEN the body of an action does not come by the server's deadline
+    from werkzeug.test import EnvironBuilder, run_wsgi_app
+
+    environ = EnvironBuilder(path="/api/v1/actions/ps", method="POST", headers=JSON_AUTH).get_environ()
+    environ.update({"wsgi.input": Dripping(), "CONTENT_LENGTH": "100"})
+    body, status, _ = run_wsgi_app(app, environ, buffered=True)
+    r = app.response_class(b"".join(body), status=status, mimetype="application/json")
+    # THEN 408, and nothing runs
+    assert r.status_code == 408 and r.get_json()["code"] == 408 and calls == []
+
+
+def test_risky_command_lines_are_warned():
+    from dynprof.cli.serve import risk_warnings
+
+    # plain HTTP on every address, IPv4 or IPv6: the token in clear
+    for host in ("0.0.0.0", "::"):
+        (warning,) = risk_warnings(host, tls=False, token_in_argv=False)
+        assert host in warning and "in clear" in warning and "--certfile" in warning
+    # with TLS, or on one address (loopback, a management network): nothing to say
+    for host, tls in (("0.0.0.0", True), ("::", True), ("127.0.0.1", False), ("10.1.2.3", False), ("node-1", False)):
+        assert risk_warnings(host, tls=tls, token_in_argv=False) == [], host
+    # the token in argv: every user sees it in ps
+    (warning,) = risk_warnings("127.0.0.1", tls=False, token_in_argv=True)
+    assert "process list" in warning and "--token-file" in warning
