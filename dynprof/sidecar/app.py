@@ -359,10 +359,9 @@ def create_app(
         ):
             _refuse(403, "cross-site request")
         rule = request.url_rule
-        if request.method == "OPTIONS" and rule is not None:
-            # no CORS, no method listing: the paths take their own methods only
-            raise MethodNotAllowed(valid_methods=sorted(m for m in rule.methods or () if m != "OPTIONS"))
-        if request.method == "POST" and rule is not None and rule.endpoint == "api_action":
+        if rule is not None and rule.endpoint == "api_action":
+            if request.method == "OPTIONS":  # no CORS preflight is ever granted: actions are POST only
+                raise MethodNotAllowed(valid_methods=["POST"])
             _check_action_body()
 
     def _check_action_body() -> None:
