@@ -220,13 +220,14 @@ class ServeCommand:
             fanout=fanout,
         )
         server = build_server(app, args.host, args.port, args.threads, args.certfile, args.keyfile)
+        warnings = risk_warnings(args.host, tls=bool(args.certfile), token_in_argv=source == "--token")
         try:
             server.prepare()  # binds
         except OSError as exc:
             raise errors.DynprofError(
                 f"cannot listen on {args.host}:{args.port}: {exc}", help="Choose another --port."
             ) from None
-        for warning in risk_warnings(args.host, tls=bool(args.certfile), token_in_argv=source == "--token"):
+        for warning in warnings:
             print(f"dynprof: warning: {warning}", file=sys.stderr)
         print(f"dynprof: serving on {_url(args.host, args.port, token, tls=bool(args.certfile))}", file=sys.stderr)
         if source != "generated":
