@@ -16,7 +16,7 @@ Attacks (none carries the token unless said):
   idle              4 x --threads connections that send nothing
   drip body         --threads POSTs with a whole head, then a body one byte every --drip s
   bad length        Content-Length values that are not a length (each on its own connection)
-  slow reader       (token) --threads downloads of a 16 MiB artifact file, never read
+  slow reader       (token) --threads downloads of a 16 MiB artifact file, read 1 KiB every 2 s
 """
 
 from __future__ import annotations
@@ -240,36 +240,71 @@ def idle(port: int, n: int) -> Iterator[dict[str, int]]:
 
 
 @contextmanager
-def slow_readers(port: int, n: int, path: str) -> Iterator[dict[str, int]]:
-    """``n`` token holders asking for a large file and never reading the answer."""
-    socks = []
+def slow_readers(port: int, n: int, path: str, every: float = 2.0) -> Iterator[dict[str, int]]:
+    """``n`` token holders asking for a large file and reading 1 KiB of it every ``every`` s:
+    never idle long enough for a send timeout, so each holds its server thread for as long as
+    it likes."""
+    socks: list[socket.socket] = []
+    stop = threading.Event()
+
+    def read_a_little() -> None:
+        while not stop.wait(every):
+            for s in socks:
+                try:
+                    s.recv(1024, socket.MSG_DONTWAIT)
+                except OSError:
+                    pass
+
+    reader = threading.Thread(target=read_a_little, daemon=True)
     try:
         for _ in range(n):
-            s = socket.create_connection(("127.0.0.1", port), timeout=5)
+            s = socket.socket()
             s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            s.settimeout(5)
+            s.connect(("127.0.0.1", port))
             s.sendall(
                 f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nAuthorization: Bearer {TOKEN}\r\n\r\n".encode()
             )
             socks.append(s)
+        reader.start()
         yield {"connections": len(socks)}
     finally:
+        stop.set()
+        if reader.is_alive():
+            reader.join(every + 5)
         for s in socks:
             s.close()
 
 
-def probe(port: int, timeout: float) -> dict[str, float | None]:
-    """/healthz and /api/v1/info asked at the same time, each given up to ``timeout`` s."""
-    out: dict[str, float | None] = {}
+def probe(port: int, timeout: float) -> dict[str, tuple[int | None, float]]:
+    """/healthz and /api/v1/info (with the token) asked at the same time, each given up to
+    ``timeout`` s: name -> (HTTP status, None when no answer came; seconds)."""
+    out: dict[str, tuple[int | None, float]] = {}
 
-    def run(name: str, fn: Callable[[int, float], float | None]) -> None:
-        out[name] = fn(port, timeout)
+    def ask(name: str, path: str, token: bool) -> None:
+        t0 = time.monotonic()
+        try:
+            status: int | None = request(port, "GET", path, token=token, timeout=timeout)[0]
+        except OSError:
+            status = None
+        out[name] = (status, time.monotonic() - t0)
 
-    ts = [threading.Thread(target=run, args=(k, f)) for k, f in (("healthz", healthz), ("info", info))]
+    ts = [
+        threading.Thread(target=ask, args=("healthz", "/healthz", False)),
+        threading.Thread(target=ask, args=("info", "/api/v1/info", True)),
+    ]
     for t in ts:
         t.start()
     for t in ts:
         t.join()
     return out
+
+
+def answered(got: tuple[int | None, float]) -> str:
+    status, seconds = got
+    if status is None:
+        return "no"
+    return f"yes {seconds * 1000:.0f} ms" if status == 200 else f"yes ({status}) {seconds * 1000:.0f} ms"
 
 
 def bad_lengths(port: int) -> dict[str, str]:
@@ -308,9 +343,6 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     rows: list[tuple[str, str, str, str]] = []
 
-    def fmt(latency: float | None) -> str:
-        return "no" if latency is None else f"yes {latency * 1000:.0f} ms"
-
     with Server(args.threads) as server:
         head = f"GET / HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\n".encode()
         body_head = (
@@ -330,12 +362,12 @@ def main(argv: list[str] | None = None) -> int:
             with attack():
                 time.sleep(args.settle)
                 got = probe(server.port, args.probe_timeout)
-            rows.append((name, fmt(got["healthz"]), fmt(got["info"]), str(server.tracebacks() - before)))
+            rows.append((name, answered(got["healthz"]), answered(got["info"]), str(server.tracebacks() - before)))
             healthz(server.port, 60)  # let the server drain before the next attack
         before = server.tracebacks()
         answers = bad_lengths(server.port)
         got = probe(server.port, args.probe_timeout)
-        rows.append((f"bad Content-Length ({len(answers)} values)", fmt(got["healthz"]), fmt(got["info"]),
+        rows.append((f"bad Content-Length ({len(answers)} values)", answered(got["healthz"]), answered(got["info"]),
                      str(server.tracebacks() - before)))  # fmt: skip
         time.sleep(0.2)
         tracebacks = server.tracebacks()

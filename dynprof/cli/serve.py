@@ -105,11 +105,11 @@ def _count(lo: int, hi: int) -> Any:
 def build_server(app: Any, host: str, port: int, threads: int, certfile: str | None, keyfile: str | None) -> Any:
     """cheroot's WSGI server for ``app``, bound but not yet serving; TLS when given a cert."""
     from dynprof.sidecar.app import MAX_REQUEST_BYTES
-    from dynprof.sidecar.server import SidecarServer, healthz_answer
+    from dynprof.sidecar.server import Reserve, SidecarServer, healthz_answer
 
     server = SidecarServer(
         (host, port),
-        app,
+        Reserve(app, max(1, threads - 1)),  # one thread always free of long requests
         numthreads=threads,
         max=threads,
         request_queue_size=64,

@@ -21,6 +21,7 @@ the server. Here:
   no state of the workers (slow clients, token holders' slow renders or downloads, actions)
   can delay a readiness probe. Under TLS the request cannot be read there; it goes to the
   workers (the deadlines above still bound what a client without the token can hold).
+- ``Reserve`` keeps a thread free of long requests: at most threads - 1 requests in the app.
 - cheroot's error log is one line per event, no traceback, rate-limited (``RefusalLog``).
 """
 
@@ -37,11 +38,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from cheroot import errors as cheroot_errors
-from cheroot import server as cheroot_server
-from cheroot import wsgi
+from cheroot.errors import FatalSSLAlert
 from cheroot.makefile import MakeFile, StreamReader
+from cheroot.server import HTTPConnection, HTTPRequest
 from cheroot.ssl.builtin import BuiltinSSLAdapter
+from cheroot.wsgi import Server
+from werkzeug.wsgi import ClosingIterator
 
 from dynprof.sidecar.app import RefusalLog
 
@@ -117,7 +119,7 @@ class _DeadlineReader(StreamReader):  # type: ignore[misc]
         self._deadline_io.deadline = None if seconds is None else time.monotonic() + seconds
 
 
-class _Request(cheroot_server.HTTPRequest):  # type: ignore[misc]
+class _Request(HTTPRequest):  # type: ignore[misc]
     def read_request_headers(self) -> bool:
         if not super().read_request_headers():  # type: ignore[no-untyped-call]
             return False
@@ -139,7 +141,7 @@ class _Request(cheroot_server.HTTPRequest):  # type: ignore[misc]
         super().send_headers()
 
 
-class _Connection(cheroot_server.HTTPConnection):  # type: ignore[misc]
+class _Connection(HTTPConnection):  # type: ignore[misc]
     RequestHandlerClass = _Request
     accepted_at: float | None = None  # when it was accepted (time.monotonic()); None: not yet seen
     served = False  # a worker has read a request of it
@@ -188,11 +190,11 @@ class LazyHandshakeSSLAdapter(BuiltinSSLAdapter):  # type: ignore[misc]
         try:
             wrapped = self.context.wrap_socket(sock, do_handshake_on_connect=False, server_side=True)
         except OSError as exc:
-            raise cheroot_errors.FatalSSLAlert(*exc.args) from exc
+            raise FatalSSLAlert(*exc.args) from exc
         return wrapped, {}
 
 
-class SidecarServer(wsgi.Server):  # type: ignore[misc]
+class SidecarServer(Server):  # type: ignore[misc]
     """cheroot's WSGI server with the deadlines, the early /healthz and the quiet error log
     described above. ``healthz`` is the whole HTTP answer to ``GET /healthz`` (None: the
     workers answer it)."""
@@ -275,6 +277,45 @@ class SidecarServer(wsgi.Server):  # type: ignore[misc]
         exc = sys.exc_info()[1]
         detail = f": {type(exc).__name__}: {exc}" if traceback and exc is not None else ""
         self.log.say(f"dynprof serve: HTTP server: {msg}{detail}"[:500])
+
+
+class Reserve:
+    """WSGI middleware: at most ``limit`` requests inside the app at once (the answer's
+    writing included), ``/healthz`` excepted; one more is 503 with Retry-After at once. With
+    ``limit`` below the server's threads, token holders' slow renders and downloads (a client
+    that reads its answer a byte at a time holds its thread) always leave a thread to the
+    others: the API, and ``/healthz`` where the workers answer it (TLS)."""
+
+    BODY = b'{"error": "every thread of this sidecar is busy; retry later", "code": 429}'
+
+    def __init__(self, app: Any, limit: int, log: RefusalLog | None = None, retry_after_s: int = 2) -> None:
+        self.app = app
+        self.limit = limit
+        self._slots = threading.BoundedSemaphore(limit)
+        self._log = log or RefusalLog()
+        self._retry_after = str(retry_after_s)
+
+    def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
+        if environ.get("PATH_INFO") == "/healthz":
+            return self.app(environ, start_response)
+        if not self._slots.acquire(blocking=False):
+            self._log.refused(
+                429, "every thread busy", environ.get("REQUEST_METHOD", "?"), environ.get("PATH_INFO", "?"),
+                environ.get("REMOTE_ADDR"),
+            )  # fmt: skip
+            start_response(
+                "429 Too Many Requests",
+                [("Content-Type", "application/json"), ("Content-Length", str(len(self.BODY))),
+                 ("Retry-After", self._retry_after), ("Cache-Control", "no-store"),
+                 ("X-Content-Type-Options", "nosniff")],
+            )  # fmt: skip
+            return [self.BODY]
+        try:
+            answer = self.app(environ, start_response)
+        except BaseException:
+            self._slots.release()
+            raise
+        return ClosingIterator(answer, [self._slots.release])
 
 
 def healthz_answer(app: Any) -> bytes | None:

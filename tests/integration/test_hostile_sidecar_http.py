@@ -49,8 +49,16 @@ def server() -> Iterator[Any]:
 def _answers(server: Any) -> None:
     """/healthz and the API (with the token) both answer within the far bound."""
     got = hs.probe(server.port, FAR_S)
-    assert got["healthz"] is not None, f"/healthz did not answer within {FAR_S} s"
-    assert got["info"] is not None, f"/api/v1/info did not answer within {FAR_S} s"
+    assert got["healthz"][0] == 200, f"/healthz did not answer within {FAR_S} s: {got}"
+    assert got["info"][0] == 200, f"/api/v1/info did not answer 200 within {FAR_S} s: {got}"
+
+
+def _answers_busy(server: Any) -> None:
+    """/healthz answers, and the API answers a token holder 200 or 429 with a Retry-After
+    (busy with other token holders), within the far bound."""
+    assert hs.healthz(server.port, FAR_S) is not None, f"/healthz did not answer within {FAR_S} s"
+    status, headers, _ = hs.request(server.port, "GET", "/api/v1/info", timeout=FAR_S)
+    assert status == 200 or (status == 429 and headers["retry-after"].isdigit()), status
 
 
 def test_dripping_heads_do_not_starve_healthz_or_the_api(server):
@@ -93,11 +101,25 @@ def test_a_dripping_body_does_not_starve_the_server(server):
     with hs.dripping(server.port, THREADS, head, DRIP_S) as counts:
         time.sleep(1)
         # THEN the others are answered, and the dripping bodies are cut off (408)
-        _answers(server)
+        _answers_busy(server)
         deadline = time.monotonic() + 2 * FAR_S
         while counts["closed_by_server"] == 0 and time.monotonic() < deadline:
             time.sleep(0.5)
     assert counts["closed_by_server"] > 0
+    assert server.tracebacks() == 0, server.stderr()
+
+
+def test_token_holders_reading_slowly_leave_a_thread_to_the_others(server):
+    # GIVEN as many token holders as threads downloading a 16 MiB file and never reading it
+    path = hs.plant_big_file(server)
+    with hs.slow_readers(server.port, THREADS, path):
+        time.sleep(1)
+        # WHEN a probe and another token holder ask
+        # THEN the probe is answered, and so is the token holder: 200, or 429 with a Retry-After
+        # at once (every thread but one is taken), never left waiting
+        _answers_busy(server)
+    # AND once they are gone, the API answers 200 again
+    assert hs.info(server.port, FAR_S) is not None
     assert server.tracebacks() == 0, server.stderr()
 
 

@@ -394,3 +394,33 @@ def test_risky_command_lines_are_warned():
     # the token in argv: every user sees it in ps
     (warning,) = risk_warnings("127.0.0.1", tls=False, token_in_argv=True)
     assert "process list" in warning and "--token-file" in warning
+
+
+def test_the_reserve_keeps_a_thread_free_of_long_requests():
+    from dynprof.sidecar.server import Reserve
+
+    def app(environ, start_response):
+        start_response("200 OK", [("Content-Type", "text/plain")])
+        return iter([b"a", b"b"])
+
+    def call(reserve, path):
+        got = {}
+
+        def start_response(status, headers):
+            got["status"], got["headers"] = status, dict(headers)
+
+        answer = reserve({"PATH_INFO": path, "REQUEST_METHOD": "GET"}, start_response)
+        return got, answer
+
+    reserve = Reserve(app, 1)
+    # GIVEN one request whose answer is still being written (a slow reader)
+    first, answer = call(reserve, "/")
+    assert first["status"] == "200 OK"
+    # WHEN another comes THEN it is 429 at once, with a Retry-After; /healthz is never refused
+    busy, _ = call(reserve, "/api/v1/info")
+    assert busy["status"].startswith("429") and busy["headers"]["Retry-After"] == "2"
+    assert call(reserve, "/healthz")[0]["status"] == "200 OK"
+    # AND once the first answer is written and closed, the next one is served
+    assert b"".join(answer) == b"ab"
+    answer.close()
+    assert call(reserve, "/api/v1/info")[0]["status"] == "200 OK"
