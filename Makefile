@@ -19,6 +19,8 @@ lint:
 	$(PYTHON) -m ruff check .
 	$(PYTHON) -m ruff format --check .
 	$(PYTHON) -m mypy
+	lint-imports
+	$(PYTHON) scripts/check_private_imports.py
 
 proto:
 	$(PYTHON) scripts/gen_proto.py

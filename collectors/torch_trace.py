@@ -80,7 +80,6 @@ class TraceSession:
         self.stopped_at = 0.0
         self.stop_requested_at = 0.0  # when the stop was due (it may wait for a safe point)
         self.first_step: int | None = None
-        self.steps_recorded = 0
         self.stop_pause_s = 0.0
         self.thread_id: int | None = None
         self.warnings: list[str] = []  # what torch warned about while dynprof drove the profiler
@@ -135,7 +134,6 @@ class TraceSession:
 
     def step(self) -> None:
         self.prof.step()
-        self.steps_recorded += 1
 
     def stop(self) -> None:
         """Stop recording. ``stopped_at`` is when recording ended; the time torch then spends

@@ -65,6 +65,14 @@ class PermissionDenied(DynprofError):
     )
 
 
+# What to do when the process has no NCCL flight recorder to dump (the agent's answer, and the
+# CLI's when it reads the recorder itself).
+FLIGHT_RECORDER_HELP = (
+    "Start the job with the recorder on: `dynprof run --flight-recorder -- torchrun ...` "
+    "(or set TORCH_FR_BUFFER_SIZE / TORCH_NCCL_TRACE_BUFFER_SIZE=2000 in its environment). "
+    "The recorder must be on before the process group is created."
+)
+
 LAUNCH_WITH_AGENT_HELP = (
     "start the job under the agent: `dynprof run -- python train.py ...` (or torchrun), "
     "or set DYNPROF=1 in the job's environment (the dynprof package must be installed in "
@@ -117,6 +125,10 @@ class NodesFailed(DynprofError):
 
 class ArtifactError(DynprofError):
     exit_code = 1
+
+
+class MissingFile(ArtifactError):
+    """A file named inside an artifact's directory is not there."""
 
 
 class StoreError(ArtifactError):

@@ -17,7 +17,7 @@ from typing import Any
 
 from dynprof import jsontext
 from dynprof.paths import agents_dir
-from dynprof.roles import ROLES
+from dynprof.roles import ROLES, makes_launcher
 
 RECORD_SCHEMA_VERSION = 1
 
@@ -178,3 +178,9 @@ def list_records(directory: Path | None = None, clean: bool = True) -> list[Agen
         records.append(record)
     records.sort(key=lambda r: r.started_at, reverse=True)
     return records
+
+
+def has_agent_children(pid: int, job_id: str | None, rank: int | None = None) -> bool:
+    """A live agent of the same job is a child of ``pid`` that makes it a launcher (see
+    :func:`dynprof.roles.makes_launcher`)."""
+    return any(r.ppid == pid and r.job_id == job_id and makes_launcher(r, rank) for r in list_records(clean=False))

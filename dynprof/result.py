@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from dynprof.errors import DynprofError
+
 
 @dataclass
 class Result:
@@ -24,3 +26,8 @@ class Result:
 
     def to_json(self) -> dict[str, Any]:
         return self.doc
+
+
+def error_json(exc: DynprofError) -> dict[str, Any]:
+    """An error as ``--json`` and the sidecar's answers carry it: what a program acts on."""
+    return {"type": type(exc).__name__, "message": exc.message, "help": exc.help, "exit_code": exc.exit_code}

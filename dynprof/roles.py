@@ -154,8 +154,16 @@ def _started_by_multiprocessing(argv: Sequence[str]) -> bool:
     return getattr(process, "_parent_process", None) is not None
 
 
-def own_role(stepped: bool, rank: int | None, job_id: str | None, argv: Sequence[str] | None = None) -> str:
-    """This process's role (called by its agent; never raises)."""
+def own_role(
+    stepped: bool,
+    rank: int | None,
+    job_id: str | None,
+    has_agent_children: Callable[[], bool],
+    argv: Sequence[str] | None = None,
+) -> str:
+    """This process's role (called by its agent; never raises). ``has_agent_children`` tells
+    whether a live agent of the job is a child that makes this process a launcher (see
+    :func:`dynprof.registry.has_agent_children`); it is asked last, only when needed."""
     try:
         argv = list(getattr(sys, "orig_argv", sys.argv) if argv is None else argv)
         mp_child = _started_by_multiprocessing(argv)
@@ -165,7 +173,7 @@ def own_role(stepped: bool, rank: int | None, job_id: str | None, argv: Sequence
             stepped=stepped,
             worker=in_dataloader_worker,
             launcher_cmdline=is_launcher_cmdline(argv),
-            has_agent_children=lambda: has_agent_children(os.getpid(), job_id, rank),
+            has_agent_children=has_agent_children,
             rank=-1 if rank is None and spawn_rank else rank,
             mp_child=mp_child and not spawn_rank,
         )
@@ -173,7 +181,7 @@ def own_role(stepped: bool, rank: int | None, job_id: str | None, argv: Sequence
         return OTHER
 
 
-def _makes_launcher(child: _Record, parent_rank: int | None) -> bool:
+def makes_launcher(child: _Record, parent_rank: int | None) -> bool:
     """``child``, a process of its parent's job with an agent, makes its parent a launcher: it
     is no DataLoader worker, nor a helper of the parent's rank (which inherits that RANK), nor
     a helper that multiprocessing started and that knows no rank (a trainer's side process)."""
@@ -183,19 +191,12 @@ def _makes_launcher(child: _Record, parent_rank: int | None) -> bool:
     return not helper
 
 
-def has_agent_children(pid: int, job_id: str | None, rank: int | None = None) -> bool:
-    """A live agent of the same job is a child of ``pid`` that makes it a launcher."""
-    from dynprof.registry import list_records
-
-    return any(r.ppid == pid and r.job_id == job_id and _makes_launcher(r, rank) for r in list_records(clean=False))
-
-
 def job_roles(records: Sequence[_Record]) -> dict[int, str]:
     """The role of each record's process (pid -> role) as its agent reported it. One that said
     ``other``, or nothing (an older agent), and has children of its job with agents is a
     launcher; one that said nothing is a trainer if it knows a rank its parent does not share."""
     by_pid = {r.pid: r for r in records}
-    parents = {(r.ppid, r.job_id) for r in records if r.ppid in by_pid and _makes_launcher(r, by_pid[r.ppid].rank)}
+    parents = {(r.ppid, r.job_id) for r in records if r.ppid in by_pid and makes_launcher(r, by_pid[r.ppid].rank)}
     out: dict[int, str] = {}
     for r in records:
         role = r.role if r.role in ROLES else None

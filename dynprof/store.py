@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from dynprof import __version__, jsontext, untrusted
-from dynprof.errors import ArtifactError, StoreError
+from dynprof.errors import ArtifactError, MissingFile, StoreError
 from dynprof.paths import artifact_dir
 from dynprof.units import parse_size
 
@@ -262,6 +262,30 @@ def _write_new_file(dir_fd: int, name: str, data: bytes, mode: int) -> None:
     with os.fdopen(fd, "wb") as fh:
         os.fchmod(fh.fileno(), mode)
         fh.write(data)
+
+
+def write_file_atomically(directory: Path, name: str, data: bytes) -> Path:
+    """Write ``directory/name`` whole, as the store writes a manifest: under a temporary name
+    (new, never through a link, the store's file mode), then renamed over ``name``, so that a
+    reader sees the old file or the new one, never half of one. ``directory`` itself is not
+    reached through a link."""
+    untrusted.check_name(name)
+    _, file_mode = artifact_modes()
+    tmp = f".{name}.{owner_tag()}.tmp"
+    dir_fd = os.open(directory, _DIR_FLAGS)
+    try:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp, dir_fd=dir_fd)
+        try:
+            _write_new_file(dir_fd, tmp, data, file_mode)
+            os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=dir_fd)
+            raise
+    finally:
+        os.close(dir_fd)
+    return directory / name
 
 
 def _looks_like_store(dir_fd: int, owner: int) -> bool:
@@ -512,8 +536,11 @@ class Artifact:
                     digest = hashlib.sha256()
                     for block in iter(lambda: fh.read(1 << 20), b""):
                         digest.update(block)
+            except MissingFile:
+                problems.append(f"{name}: missing")
+                continue
             except ArtifactError as exc:
-                problems.append(f"{name}: {exc.message}" if "no such file" not in exc.message else f"{name}: missing")
+                problems.append(f"{name}: {exc.message}")
                 continue
             except OSError as exc:
                 problems.append(f"{name}: {exc.strerror}")

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from dynprof import jsontext
-from dynprof.cli._common import bounded_int, nonnegative_float, parse_float, path_arg, positive_float
+from dynprof.arguments import bounded_int, nonnegative_float, parse_float, path_arg, positive_float
 from dynprof.errors import ArtifactError, DynprofError
 from healthcheck.baseline import learn, read_results
 from healthcheck.compare import Thresholds
@@ -278,9 +278,9 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         # The reader went away (`| head`): the verdict, if there was one, stands as the exit code;
         # never "healthy" by default.
-        from dynprof.cli import _silence_stdout
+        from dynprof.output import silence_stdout
 
-        _silence_stdout()
+        silence_stdout()
         return EXIT_COULD_NOT_RUN if code is None else code
     except DynprofError as exc:
         print(f"healthcheck: error: {exc.message}", file=sys.stderr)

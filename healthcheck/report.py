@@ -101,7 +101,7 @@ def _fmt(value: Any) -> str:
 
 
 def render_table(report: Report, show_passed: bool = True) -> str:
-    from dynprof.cli._common import table
+    from dynprof.output import table
 
     rows = []
     for c in report.checks:

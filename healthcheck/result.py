@@ -62,20 +62,6 @@ class CheckResult:
         data["status"] = self.status.value
         return data
 
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> CheckResult:
-        known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
-        known["status"] = Status(known["status"])
-        return cls(**known)
-
-
-def worst_status(results: list[CheckResult]) -> Status:
-    statuses = {r.status for r in results}
-    for status in (Status.FAIL, Status.UNKNOWN, Status.WARN, Status.PASS):
-        if status in statuses:
-            return status
-    return Status.SKIPPED
-
 
 def exit_code(results: list[CheckResult]) -> int:
     """The exit code of a run whose checks returned ``results`` (see the module docstring)."""

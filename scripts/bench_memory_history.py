@@ -2,7 +2,7 @@
 """Step-time cost of each CUDA memory-history policy, against no recording, from one run.
 
 Runs training loops on one GPU and, in interleaved rounds (off, A, B, ..., off, A, B, ...),
-switches PyTorch's allocator history with dynprof's own code (collectors._mem_policy.apply for
+switches PyTorch's allocator history with dynprof's own code (collectors.memory.policy.apply for
 fixed policies; for ``auto``, the agent's controller thread, dynprof.agent._mem_auto), runs
 --warmup-seconds of untimed steps, then times --seconds of steps. It prints each policy's MEAN
 step time (a windowed policy slows a few steps a lot: a median would hide it) as a ratio to
@@ -33,7 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from collectors._mem_policy import apply, parse_policy
+from collectors.memory.policy import apply, parse_policy
 
 WORKLOADS = {
     # name: (layers, width, hidden, batch tokens)

@@ -25,7 +25,14 @@ from dynprof import __version__, roles
 from dynprof.agent._steps import StepTracker
 from dynprof.identity import Identity, detect
 from dynprof.paths import MAX_SOCKET_PATH, agents_dir, logs_dir
-from dynprof.registry import AgentRecord, process_start_ticks, remove_record, socket_path, write_record
+from dynprof.registry import (
+    AgentRecord,
+    has_agent_children,
+    process_start_ticks,
+    remove_record,
+    socket_path,
+    write_record,
+)
 
 log = logging.getLogger("dynprof.agent")
 
@@ -218,8 +225,7 @@ class Agent:
             os.umask(old_umask)
         sock.listen(64)
         self._sock = sock
-        ident = self.identity
-        self._role = roles.own_role(False, ident.rank, ident.job_id)  # a launcher knows at once
+        self._role = self._own_role(stepped=False)  # a launcher knows at once
         self.record = self._make_record(path)
         self.steps.on_install = self._on_torch_imported
         self.steps.install()
@@ -384,13 +390,21 @@ class Agent:
         """What this process is in its job (see ``dynprof.roles``), decided again on each use
         (never on the training hot path); the record follows a change."""
         steps = self.steps
-        ident = self.identity
-        role = roles.own_role(steps.step > 0 or steps.optimizer_steps > 0, ident.rank, ident.job_id)
+        role = self._own_role(stepped=steps.step > 0 or steps.optimizer_steps > 0)
         if role != self._role:
             log.info("role: %s (was %s)", role, self._role)
             self._role = role
             self._update_record()
         return role
+
+    def _own_role(self, stepped: bool) -> str:
+        ident = self.identity
+        return roles.own_role(
+            stepped,
+            ident.rank,
+            ident.job_id,
+            has_agent_children=lambda: has_agent_children(os.getpid(), ident.job_id, ident.rank),
+        )
 
     def _on_torch_imported(self) -> None:
         """torch.optim was just imported (so torch is): record torch's version, and watch for

@@ -12,16 +12,11 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from dynprof.agent._server import CommandError
+from dynprof.errors import FLIGHT_RECORDER_HELP
 from dynprof.proto import pb
 
 if TYPE_CHECKING:
     from dynprof.agent._agent import Agent
-
-NOT_ENABLED_HELP = (
-    "Start the job with the recorder on: `dynprof run --flight-recorder -- torchrun ...` "
-    "(or set TORCH_FR_BUFFER_SIZE / TORCH_NCCL_TRACE_BUFFER_SIZE=2000 in its environment). "
-    "The recorder must be on before the process group is created."
-)
 
 
 def install(agent: Agent) -> None:
@@ -34,7 +29,7 @@ def install(agent: Agent) -> None:
                 include_stack_traces=bool(msg.include_stack_traces), only_active=bool(msg.only_active)
             )
         except fr.NotEnabled as exc:
-            raise CommandError(pb.UNSUPPORTED, str(exc), NOT_ENABLED_HELP) from None
+            raise CommandError(pb.UNSUPPORTED, str(exc), FLIGHT_RECORDER_HELP) from None
         except fr.DumpError as exc:
             raise CommandError(pb.UNSUPPORTED, str(exc)) from None
         ident = agent.identity

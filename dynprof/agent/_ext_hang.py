@@ -280,6 +280,5 @@ def install(agent: Agent) -> HangWatchdog | None:
         return None
     watchdog = HangWatchdog(agent, timeout, _seconds(ENV_FIRST_STEP))
     watchdog.start()
-    agent.hang_watchdog = watchdog  # type: ignore[attr-defined]
     agent.exit_callbacks.append(watchdog.stop)
     return watchdog

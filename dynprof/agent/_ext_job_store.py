@@ -25,6 +25,8 @@ import json
 import logging
 import os
 import random
+import socket
+import struct
 import sys
 import threading
 import time
@@ -50,9 +52,14 @@ DEFAULT_SIDECAR_PORT = 8787
 REGISTER_TIMEOUT_S = 10.0
 DEFAULT_READ_TIMEOUT_S = 3.0
 MAX_READ_TIMEOUT_S = 30.0
-# The registrations of a job: ~200 bytes a rank; this bounds what a reader accepts.
-MAX_RANKS_BYTES = 64 * 1024 * 1024
+# The registrations of a job: ~200 bytes a rank. The key is untrusted (the store has no
+# authentication): its size is read first, and a larger value is refused unread.
+MAX_RANKS_BYTES = 32 * 1024 * 1024
 MAX_FIELD_CHARS = 512
+MAX_LINE_BYTES = 4096
+MAX_CLAIMS_PER_RANK = 4  # distinct sidecars kept for one rank (restarts); the first ones in the key
+# What one reply carries at most: well under the protocol's 16 MiB frame.
+MAX_REPLY_BYTES = 12 * 1024 * 1024
 MAX_JITTER_S = 4.0
 
 
@@ -105,31 +112,71 @@ def registration(agent: Agent) -> dict[str, Any]:
 
 
 def _text(value: Any) -> str | None:
-    return value[:MAX_FIELD_CHARS] if isinstance(value, str) else None
+    """A field of a registration: text that protobuf can carry (no lone surrogate) and a
+    terminal can show (no control character), cut to ``MAX_FIELD_CHARS``."""
+    if not isinstance(value, str):
+        return None
+    text: str = value[:MAX_FIELD_CHARS]
+    if not text.isprintable():
+        return None
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return None
+    return text
 
 
 def _int(value: Any, low: int = -1, high: int = 1 << 31) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and low <= value < high else None
 
 
-def parse_registrations(data: bytes) -> list[pb.RankRegistration]:
-    """The ``dynprof/ranks`` value: JSON lines, untrusted. Malformed lines are skipped; the
-    latest registration of each rank wins. Ordered by rank."""
-    latest: dict[int, pb.RankRegistration] = {}
-    for line in data.splitlines():
+def _lines(data: bytes, max_lines: int) -> Any:
+    """The lines of ``data`` one at a time (no list of them all), at most ``max_lines``."""
+    start, count = 0, 0
+    while start < len(data) and count < max_lines:
+        end = data.find(b"\n", start)
+        if end < 0:
+            end = len(data)
+        if end - start <= MAX_LINE_BYTES:
+            count += 1
+            yield data[start:end]
+        start = end + 1
+
+
+def parse_registrations(data: bytes, world_size: int | None = None) -> list[pb.RankRegistration]:
+    """The ``dynprof/ranks`` value: JSON lines, untrusted (anyone who reaches the store can
+    write it). Malformed lines, lines over 4 KiB and ranks not below ``world_size`` are
+    skipped. A rank keeps up to ``MAX_CLAIMS_PER_RANK`` distinct sidecars, the first ones in
+    the key (a line added later cannot push out the rank's own), each with its latest
+    registration; the reader (the CLI) decides which it believes. Ordered by rank, and at most
+    ``MAX_REPLY_BYTES`` of them: every rank's first sidecar before any second one."""
+    high = world_size if world_size is not None and world_size > 0 else 1 << 31
+    max_lines = min(1 << 20, max(4096, 4 * min(high, 1 << 20)))
+    claims: dict[int, dict[str, pb.RankRegistration]] = {}
+    for line in _lines(data, max_lines):
+        if not line.startswith(b"{"):
+            continue
         try:
             entry = json.loads(line)
         except ValueError:
             continue
         if not isinstance(entry, dict):
             continue
-        rank = _int(entry.get("rank"), 0)
+        rank = _int(entry.get("rank"), 0, high)
         host, sidecar = _text(entry.get("host")), _text(entry.get("sidecar"))
         at = entry.get("registered_at")
-        if rank is None or not host or not sidecar or not isinstance(at, (int, float)):
+        if rank is None or not host or not sidecar or isinstance(at, bool) or not isinstance(at, (int, float)):
+            continue
+        if not -1e12 < at < 1e12:
+            continue
+        mine = claims.setdefault(rank, {})
+        old = mine.get(sidecar)
+        if old is None and len(mine) >= MAX_CLAIMS_PER_RANK:
+            continue
+        if old is not None and float(at) < old.registered_at:
             continue
         local_rank = _int(entry.get("local_rank"))
-        reg = pb.RankRegistration(
+        mine[sidecar] = pb.RankRegistration(
             rank=rank,
             local_rank=local_rank if local_rank is not None else -1,
             host=host,
@@ -138,10 +185,136 @@ def parse_registrations(data: bytes) -> list[pb.RankRegistration]:
             job_id=_text(entry.get("job_id")) or "",
             registered_at=float(at),
         )
-        old = latest.get(rank)
-        if old is None or reg.registered_at >= old.registered_at:
-            latest[rank] = reg
-    return [latest[r] for r in sorted(latest)]
+    out: list[tuple[int, int, pb.RankRegistration]] = []
+    for rank, mine in claims.items():
+        out.extend((nth, rank, reg) for nth, reg in enumerate(mine.values()))
+    out.sort(key=lambda x: (x[0], x[1]))
+    kept: list[tuple[int, int, pb.RankRegistration]] = []
+    size = 0
+    for item in out:
+        size += item[2].ByteSize() + 8
+        if size > MAX_REPLY_BYTES:
+            log.info(
+                "the job's store holds more registrations than one reply carries; %d left out", len(out) - len(kept)
+            )
+            break
+        kept.append(item)
+    kept.sort(key=lambda x: (x[1], x[0]))
+    return [reg for _, _, reg in kept]
+
+
+class ValueTooLarge(Exception):
+    pass
+
+
+class StoreReader:
+    """Reads ``dynprof/`` keys with their size known before their bytes: a value over the
+    limit is refused unread, so that whatever someone wrote into the job's store costs the
+    training process at most the limit."""
+
+    def check(self, key: str) -> bool:
+        raise NotImplementedError
+
+    def get(self, key: str, max_bytes: int) -> bytes:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class _TCPStoreReader(StoreReader):
+    """The c10d TCPStore's own wire protocol (TCPStoreBackend.hpp: a query byte, then values
+    in native byte order, strings and vectors prefixed by their uint64 length), on a socket of
+    our own, with a deadline. VALIDATE, CHECK and GET only."""
+
+    VALIDATE, GET, CHECK = 0, 3, 5
+    MAGIC = 0x3C85F7CE
+    KEY_PREFIX = "/"  # what TCPStore puts in front of every key
+
+    def __init__(self, host: str, port: int, timeout: float) -> None:
+        self.deadline = time.monotonic() + timeout
+        self.sock = socket.create_connection((host, port), timeout=timeout)
+        self.sock.sendall(struct.pack("=BI", self.VALIDATE, self.MAGIC))
+
+    def _key(self, key: str) -> bytes:
+        raw = f"{self.KEY_PREFIX}{KEY_PREFIX}/{key}".encode()
+        return struct.pack("=Q", len(raw)) + raw
+
+    def _recv(self, n: int) -> bytes:
+        buf = bytearray(n)
+        view = memoryview(buf)
+        got = 0
+        while got < n:
+            left = self.deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("the job's store did not answer in time")
+            self.sock.settimeout(left)
+            k = self.sock.recv_into(view[got:])
+            if not k:
+                raise ConnectionError("the job's store closed the connection")
+            got += k
+        return bytes(buf)
+
+    def check(self, key: str) -> bool:
+        self.sock.sendall(struct.pack("=BQ", self.CHECK, 1) + self._key(key))
+        return self._recv(1) == b"\x00"  # READY
+
+    def get(self, key: str, max_bytes: int) -> bytes:
+        self.sock.sendall(struct.pack("=B", self.GET) + self._key(key))
+        (size,) = struct.unpack("=Q", self._recv(8))
+        if size > max_bytes:
+            self._discard(size)
+            raise ValueTooLarge(f"the job's dynprof/{key} key holds {size} bytes, over {max_bytes}; refused unread")
+        return self._recv(size)
+
+    def _discard(self, size: int) -> None:
+        """Read the rest of a refused value into one small buffer, until the deadline, and close:
+        the store's server (in rank 0) logs a warning into the job's output when a client leaves
+        in the middle of an answer."""
+        scratch = memoryview(bytearray(1 << 16))
+        try:
+            while size > 0:
+                left = self.deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self.sock.settimeout(left)
+                k = self.sock.recv_into(scratch[: min(size, len(scratch))])
+                if not k:
+                    break
+                size -= k
+        except OSError:
+            pass
+        self.close()
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+
+class _ApiStoreReader(StoreReader):
+    """Another store (FileStore, HashStore: local to the node) through its own API."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+
+    def check(self, key: str) -> bool:
+        return bool(self.store.check([key]))
+
+    def get(self, key: str, max_bytes: int) -> bytes:
+        data = bytes(self.store.get(key))
+        if len(data) > max_bytes:
+            raise ValueTooLarge(f"the job's dynprof/{key} key holds {len(data)} bytes, over {max_bytes}; refused")
+        return data
+
+
+def store_reader(store: Any, timeout: float) -> StoreReader:
+    dist = sys.modules["torch.distributed"]
+    base = store
+    if isinstance(base, dist.PrefixStore):
+        base = base.underlying_store
+        if isinstance(base, dist.TCPStore):
+            return _TCPStoreReader(base.host, base.port, timeout)
+    return _ApiStoreReader(store)
 
 
 class JobStoreRegistration:
@@ -221,20 +394,23 @@ class JobStoreRegistration:
 
     # -- the command ------------------------------------------------------------------------
     @staticmethod
-    def _per_rank_keys(store: Any, data: bytes, world: int, deadline: float) -> bytes:
+    def _per_rank_keys(reader: StoreReader, data: bytes, world: int, deadline: float) -> bytes:
         """The registrations of ranks whose store could not append: one key each, looked up for
         the ranks missing from ``data`` (none, normally), until the deadline."""
-        seen = {r.rank for r in parse_registrations(data)}
-        found = b""
+        seen = {r.rank for r in parse_registrations(data, world)}
+        found = bytearray()
         for rank in range(min(world, MAX_PER_RANK_LOOKUPS)):
             if rank in seen:
                 continue
             if time.monotonic() > deadline:
                 break
             key = f"{RANK_KEY_PREFIX}{rank}"
-            if store.check([key]):
-                found += store.get(key)[: MAX_FIELD_CHARS * 8] + b"\n"
-        return found
+            if reader.check(key):
+                try:
+                    found += reader.get(key, MAX_LINE_BYTES) + b"\n"
+                except ValueTooLarge:
+                    return bytes(found)  # the reader's connection is closed: what was found so far
+        return bytes(found)
 
     def handle_discover(self, msg: Any) -> tuple[str, Any]:
         timeout = msg.timeout_s if msg.timeout_s > 0 else DEFAULT_READ_TIMEOUT_S
@@ -245,17 +421,26 @@ class JobStoreRegistration:
         # (the read below would fail the same way, and the client's patience is timeout + 3 s).
         self.schedule()
         self.wait(min(1.0, timeout / 4))
+        reader: StoreReader | None = None
         try:
             store, where = open_job_store(timeout)
             world = sys.modules["torch.distributed"].get_world_size()
-            data = store.get(RANKS_KEY) if store.check([RANKS_KEY]) else b""
-            data += self._per_rank_keys(store, data, world, time.monotonic() + timeout)
+            reader = store_reader(store, timeout)
+            data = reader.get(RANKS_KEY, MAX_RANKS_BYTES) if reader.check(RANKS_KEY) else b""
+            data += self._per_rank_keys(reader, data, world, time.monotonic() + timeout)
         except StoreUnavailable as exc:
             raise CommandError(
                 pb.UNSUPPORTED,
                 f"process {self.agent.pid}: {exc}",
                 "The job's ranks register in its rendezvous store once torch.distributed.init_process_group "
                 "has returned; ask again then, or name the nodes with --hosts/--hostfile/--slurm.",
+            ) from None
+        except ValueTooLarge as exc:
+            raise CommandError(
+                pb.INTERNAL,
+                str(exc),
+                "Someone wrote more into the job's store than its ranks register (the store is not "
+                "authenticated); name the nodes with --hosts/--hostfile/--slurm.",
             ) from None
         except Exception as exc:
             raise CommandError(
@@ -264,9 +449,10 @@ class JobStoreRegistration:
                 "The store lives in the job's rank 0 process (MASTER_ADDR:MASTER_PORT); if that process "
                 "is gone or stuck, name the nodes with --hosts/--hostfile/--slurm.",
             ) from None
-        if len(data) > MAX_RANKS_BYTES:
-            raise CommandError(pb.INTERNAL, f"the job's dynprof/{RANKS_KEY} key holds {len(data)} bytes; refused")
-        return "job_nodes", pb.JobNodes(ranks=parse_registrations(data), world_size=world, store=where)
+        finally:
+            if reader is not None:
+                reader.close()
+        return "job_nodes", pb.JobNodes(ranks=parse_registrations(data, world), world_size=world, store=where)
 
 
 def install(agent: Agent) -> JobStoreRegistration:

@@ -15,6 +15,11 @@ releasing its lock and before raising ``OutOfMemoryError``. The observer takes t
 capture per ``DYNPROF_MEMORY_OOM_INTERVAL_S`` and ``DYNPROF_MEMORY_OOM_MAX`` per process
 happen, since OOMs repeat in retry loops.
 
+**What it loads.** Of the ``memory`` kind's package, only :mod:`collectors.memory.capture` and
+:mod:`collectors.memory.policy`, with this module; the summary and advice modules that the
+artifact's ``summary.json`` needs are imported by the first capture, and the snapshot
+unpickler and the renderers never enter the job.
+
 **Host memory.** A daemon thread wakes every ``DYNPROF_HOST_MEMORY_INTERVAL_S`` seconds,
 reads /proc/self/statm (and the cgroup's memory.stat), and captures once usage passes
 ``DYNPROF_HOST_MEMORY_FRACTION`` of the limit. Nothing runs on the training thread.
@@ -36,8 +41,17 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from collectors import _mem_policy
-from collectors._mem_policy import HistoryPolicy, PolicyError
+from collectors.memory import capture
+from collectors.memory.policy import (
+    DEFAULT_MAX_ENTRIES,
+    DEFAULT_POLICY,
+    OFF,
+    STACKS,
+    HistoryPolicy,
+    PolicyError,
+    apply,
+    parse_policy,
+)
 from dynprof import _settings
 
 if TYPE_CHECKING:
@@ -50,7 +64,7 @@ CUDA_MODULE = "torch.cuda"
 
 @dataclass
 class MemoryOptions:
-    history: HistoryPolicy = _mem_policy.DEFAULT_POLICY
+    history: HistoryPolicy = DEFAULT_POLICY
     oom_interval_s: float = 60.0
     oom_max: int = 3
     host_fraction: float = 0.9  # 0: the watcher is off
@@ -80,7 +94,7 @@ class MemoryOptions:
                 return current
 
         try:
-            opts.history = _mem_policy.parse_policy(env.get("DYNPROF_MEMORY_HISTORY"))
+            opts.history = parse_policy(env.get("DYNPROF_MEMORY_HISTORY"))
         except PolicyError as exc:
             problems.append(f"DYNPROF_MEMORY_HISTORY: {exc}; using {opts.history.describe()}")
         opts.oom_interval_s = num("DYNPROF_MEMORY_OOM_INTERVAL_S", float, opts.oom_interval_s, 0)
@@ -115,7 +129,7 @@ class MemoryController:
     def __init__(self, agent: Agent, options: MemoryOptions | None = None) -> None:
         self.agent = agent
         self.options = options or MemoryOptions.from_env()
-        self.policy: HistoryPolicy = _mem_policy.OFF  # what is recording now
+        self.policy: HistoryPolicy = OFF  # what is recording now
         self.cuda_ready = False
         self.observer_attached = False
         self.oom_captures = 0
@@ -135,9 +149,6 @@ class MemoryController:
 
     # -- life cycle ------------------------------------------------------------------------------
     def install(self) -> None:
-        # Imported here, on the agent's thread, so that an OOM does not pay for the import.
-        import collectors.memory_snapshot  # noqa: F401
-
         self.agent.handlers["memory_snapshot"] = self.handle_snapshot
         self.agent.handlers["memory_history"] = self.handle_history
         self.agent.exit_callbacks.append(self.at_exit)
@@ -222,7 +233,7 @@ class MemoryController:
 
     def _set_policy(self, policy: HistoryPolicy, clear: bool) -> None:
         self._stop_auto()
-        _mem_policy.apply(policy, clear=clear)
+        apply(policy, clear=clear)
         self.policy = policy
         self.agent.memory_history_policy = policy.describe()  # type: ignore[attr-defined]
         self.agent.memory_history_detail = ""  # type: ignore[attr-defined]
@@ -276,9 +287,7 @@ class MemoryController:
             try:
                 self.oom_captures += 1
                 self.last_oom_capture = now
-                from collectors.memory_snapshot import thread_stack
-
-                stack = thread_stack(sys._getframe(1))
+                stack = capture.thread_stack(sys._getframe(1))
                 attribution = self._attribution(sys._getframe(1))
                 auto = self.auto
                 held = auto.hold.acquire(timeout=0.5) if auto is not None else False
@@ -314,11 +323,9 @@ class MemoryController:
         """Parameters, gradients and optimizer state of the job's optimizers, and the tensors
         in ``frame``'s locals (and its callers'). Never raises."""
         try:
-            from collectors._mem_advice import job_attribution
-
             refs = list(getattr(self.agent.steps, "optimizers", {}).values())
             optimizers = [o for o in (r() for r in refs) if o is not None]
-            return job_attribution(frame, optimizers)
+            return capture.job_attribution(frame, optimizers)
         except Exception:
             log.exception("attributing memory to the job's objects failed")
             return None
@@ -326,11 +333,10 @@ class MemoryController:
     def _capture(
         self, trigger: str, stack: str, oom: dict[str, Any] | None = None, attribution: dict[str, Any] | None = None
     ) -> Any:
-        from collectors import memory_snapshot
         from dynprof.store import ArtifactStore
 
         ident = self.agent.identity
-        art = memory_snapshot.capture(
+        art = capture.capture(
             ArtifactStore(),
             trigger=trigger,
             job=ident.job_id,
@@ -392,15 +398,13 @@ class MemoryController:
     def _training_thread_stack(self) -> str:
         """The stack of the training thread (the one that steps the optimizer, else the main
         thread): the server thread's own stack would say nothing."""
-        from collectors.memory_snapshot import thread_stack
-
         frames = sys._current_frames()
         ident = self.agent.steps.hook_thread_id or threading.main_thread().ident
         frame = frames.get(ident) if ident is not None else None
         if frame is None:
             return "(the training thread's stack is not available)\n"
         name = next((t.name for t in threading.enumerate() if t.ident == ident), "?")
-        return thread_stack(frame, ident=ident, name=name)
+        return capture.thread_stack(frame, ident=ident, name=name)
 
     def handle_history(self, request: Any) -> tuple[str, Any]:
         from dynprof.agent._server import CommandError
@@ -408,15 +412,13 @@ class MemoryController:
 
         self._require_cuda()
         if not request.enable:
-            self._set_policy(_mem_policy.OFF, clear=False)
+            self._set_policy(OFF, clear=False)
             return "ack", pb.Ack(detail="off")
         stacks = request.stacks or "python"
-        if stacks not in _mem_policy.STACKS:
-            raise CommandError(
-                pb.INVALID_ARGUMENT, f"stacks must be one of {', '.join(_mem_policy.STACKS)}, not {stacks!r}"
-            )
+        if stacks not in STACKS:
+            raise CommandError(pb.INVALID_ARGUMENT, f"stacks must be one of {', '.join(STACKS)}, not {stacks!r}")
         entries = int(request.max_entries) or (
-            self.options.history.max_entries if self.options.history.mode == "all" else _mem_policy.DEFAULT_MAX_ENTRIES
+            self.options.history.max_entries if self.options.history.mode == "all" else DEFAULT_MAX_ENTRIES
         )
         if entries > 100_000_000:
             raise CommandError(pb.INVALID_ARGUMENT, f"{entries} history entries would take tens of GB of host memory")
@@ -433,9 +435,7 @@ class HostMemoryWatcher:
         self.controller = controller
         self.options = controller.options
         self.captures = 0
-        self.last_capture = 0.0
         self.armed = True
-        self.last_usage: Any = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -468,7 +468,6 @@ class HostMemoryWatcher:
                 if os.getpid() != agent.pid or agent._stopped:
                     return
                 usage = host_memory.read_usage(limit, cgroup)
-                self.last_usage = usage
                 if usage.fraction < fraction:
                     if usage.fraction < fraction * 0.9:
                         self.armed = True  # re-arm once usage has come well down

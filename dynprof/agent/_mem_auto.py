@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from collectors import _mem_policy
+from collectors.memory.policy import DEFAULT_BUDGET, DEFAULT_MAX_ENTRIES, OFF, HistoryPolicy, apply
 
 log = logging.getLogger("dynprof.agent")
 
@@ -106,17 +106,17 @@ class AutoHistory:
 
     def __init__(
         self,
-        budget: float = _mem_policy.DEFAULT_BUDGET,
+        budget: float = DEFAULT_BUDGET,
         step_time: Callable[[], float | None] = lambda: None,
         on_plan: Callable[[Plan], None] | None = None,
-        max_entries: int = _mem_policy.DEFAULT_MAX_ENTRIES,
+        max_entries: int = DEFAULT_MAX_ENTRIES,
         cost_per_event_s: float = EVENT_COST_S,
     ) -> None:
         self.budget = budget
         self.step_time = step_time
         self.on_plan = on_plan
         self.cost_per_event_s = cost_per_event_s
-        self.window_policy = _mem_policy.HistoryPolicy("window", "python", max_entries)
+        self.window_policy = HistoryPolicy("window", "python", max_entries)
         self.plan: Plan | None = None
         self.recording = False
         self.windows = 0
@@ -158,7 +158,7 @@ class AutoHistory:
         if on == self.recording:
             return
         with self.hold:
-            _mem_policy.apply(self.window_policy if on else _mem_policy.OFF)
+            apply(self.window_policy if on else OFF)
             self.recording = on
 
     def _run(self) -> None:

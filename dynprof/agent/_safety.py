@@ -20,6 +20,7 @@ first (the job's profiler always wins).
 from __future__ import annotations
 
 import contextlib
+import enum
 import functools
 import logging
 import sys
@@ -119,16 +120,30 @@ def other_profiler_active() -> bool:
         return False
 
 
-def unsafe_reason(check_other_profiler: bool = True) -> str | None:
+class UnsafeReason(enum.Enum):
+    """Why a profiler must not be started or stopped on this thread now. Callers decide on the
+    member; its text is for the log."""
+
+    BACKWARD = "inside autograd's backward"
+    COMPILED = "inside a torch.compile region"
+    DISPATCH = "inside a tensor operator's Python dispatch"
+    OTHER_PROFILER = "another torch.profiler is active"
+
+    @property
+    def text(self) -> str:
+        return str(self.value)
+
+
+def unsafe_reason(check_other_profiler: bool = True) -> UnsafeReason | None:
     """Why a profiler must not be started or stopped on this thread now, or None if it may."""
     if in_backward():
-        return "inside autograd's backward"
+        return UnsafeReason.BACKWARD
     if in_compiled_region(skip=2):
-        return "inside a torch.compile region"
+        return UnsafeReason.COMPILED
     if in_operator_dispatch(skip=2):
-        return "inside a tensor operator's Python dispatch"
+        return UnsafeReason.DISPATCH
     if check_other_profiler and other_profiler_active():
-        return "another torch.profiler is active"
+        return UnsafeReason.OTHER_PROFILER
     return None
 
 

@@ -109,7 +109,6 @@ class ControlServer:
     ) -> None:
         self.path = path
         self.handlers = handlers
-        self.requests_served = 0
         self.max_connections = max_connections
         self.request_deadline = request_deadline
         self.noise = ClientNoise()
@@ -208,7 +207,6 @@ class ControlServer:
             return
         with self._dispatch_lock:
             reply = self.dispatch(data)
-            self.requests_served += 1
         conn.settimeout(REPLY_DEADLINE_S)  # sendall: a bound on the whole reply
         try:
             send_frame(conn, reply.SerializeToString())

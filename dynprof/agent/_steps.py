@@ -55,7 +55,6 @@ class StepTracker:
         self.step_time_s = 0.0  # exponential mean of step durations
         self._recent = [0.0] * RECENT_STEPS  # the latest step durations, for typical_step_s
         self.optimizer_steps = 0  # every optimizer step seen, eager ones
-        self.compiled_steps = 0  # optimizer steps seen inside a compiled region (Dynamo replays +1)
         self._folded_compiled = 0
         self.hook_installed = False
         self.hook_thread_id: int | None = None
@@ -88,7 +87,6 @@ class StepTracker:
     def fold_compiled(self) -> bool:
         """Count optimizer steps made inside compiled regions. True if the step advanced."""
         compiled = COMPILED_STEPS.count
-        self.compiled_steps = compiled
         if compiled == self._folded_compiled:
             return False
         self.step += compiled - self._folded_compiled

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from collectors.torch_trace import KIND, TRACE_FILE, TraceOptions, TraceSession
 from dynprof.agent._mainthread import call_soon_in_main_thread
-from dynprof.agent._safety import WATCH, in_optimizer_step, other_profiler_active, unsafe_reason
+from dynprof.agent._safety import WATCH, UnsafeReason, in_optimizer_step, other_profiler_active, unsafe_reason
 from dynprof.agent._server import CommandError
 from dynprof.proto import pb
 from dynprof.store import ArtifactStore
@@ -80,7 +80,6 @@ class TraceController:
         self.steps_done = 0
         self.session: TraceSession | None = None
         self.stop_requested: str | None = None  # why: "request", "duration", "cap"
-        self.armed_at = 0.0
         self.last_artifact = ""
         self.last_status = ""
         self.last_error = ""
@@ -88,7 +87,7 @@ class TraceController:
         self._timers: list[threading.Timer] = []
         self._export_thread: threading.Thread | None = None
         self._stop_deferred = False
-        self._deferred_reason = ""  # why the pending start or stop waits (logged once per reason)
+        self._deferred_reason: UnsafeReason | None = None  # why the pending start or stop waits (logged once)
         # True while this controller starts or stops the profiler. The lock is re-entrant, and
         # torch runs Python inside start/stop, where CPython may run a pending call of ours on
         # the same thread: such a nested entry must not start or stop a second time.
@@ -159,7 +158,6 @@ class TraceController:
             self.last_error = ""
             self.last_artifact = ""  # the state reports this request's artifact, never an older one
             self.last_status = ""
-            self.armed_at = time.time()
             self._aligned = step_aligned
             self._first_partial = self._last_partial = False
             self._span_marks = []
@@ -280,14 +278,14 @@ class TraceController:
         if self.state != "armed":
             return True  # something ran meanwhile (on this thread) and took the request on
         if reason is not None:
-            if reason == "another torch.profiler is active":
+            if reason is UnsafeReason.OTHER_PROFILER:
                 self._reset_to_idle(_profiler_active_error().message)
                 return True
-            if reason != self._deferred_reason:
-                log.info("trace start waits for a safe point: %s", reason)
+            if reason is not self._deferred_reason:
+                log.info("trace start waits for a safe point: %s", reason.text)
                 self._deferred_reason = reason
             return False
-        self._deferred_reason = ""
+        self._deferred_reason = None
         session = TraceSession(self._options(), self._distributed_info())
         try:
             with WATCH.ours():
@@ -410,11 +408,11 @@ class TraceController:
     def _end_at_safe_point(self, why: str) -> bool:
         reason = unsafe_reason(check_other_profiler=False)
         if reason is not None:
-            if reason != self._deferred_reason:
-                log.info("trace stop waits for a safe point: %s", reason)
+            if reason is not self._deferred_reason:
+                log.info("trace stop waits for a safe point: %s", reason.text)
                 self._deferred_reason = reason
             return False
-        self._deferred_reason = ""
+        self._deferred_reason = None
         self._end(why)
         return True
 

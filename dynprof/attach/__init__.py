@@ -34,6 +34,9 @@ from typing import Any
 import dynprof
 from dynprof import errors
 from dynprof.attach import _bootstrap, _preflight, _remote
+from dynprof.attach._discover import JobProcess as JobProcess
+from dynprof.attach._discover import JobSearch as JobSearch
+from dynprof.attach._discover import find_job_processes as find_job_processes
 from dynprof.attach._gdb import GdbSession
 from dynprof.paths import artifact_dir, ensure_private_dir, run_dir
 from dynprof.registry import AgentRecord, read_record
@@ -75,6 +78,23 @@ class AttachResult:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def describe(self) -> str:
+        """What happened, for a person: one line, then any notes."""
+        if self.status == "already":
+            how = f" (started by {self.activation})" if self.activation else ""
+            return f"pid {self.pid}: already has a dynprof agent{how}; nothing done"
+        via = {
+            "remote-exec": "sys.remote_exec",
+            "gdb-pending-call": "gdb, pending call",
+            "gdb-gil-state": "gdb, PyGILState fallback",
+        }.get(self.method, self.method)
+        text = f"pid {self.pid}: attached ({via}, {self.seconds:.2f} s): agent ready, log {self.log}"
+        if self.hook_installed is False:
+            text += "\n  no optimizer step hook yet (torch.optim not imported): step mode starts once it is"
+        for note in self.notes:
+            text += f"\n  note: {note}"
+        return text
 
 
 def existing_agent(pid: int) -> AgentRecord | None:

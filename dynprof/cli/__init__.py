@@ -14,12 +14,12 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import os
 import sys
 from typing import Protocol
 
 from dynprof import __version__
 from dynprof.errors import DynprofError
+from dynprof.output import silence_stdout
 from dynprof.result import Result
 
 # (subcommand name, module under dynprof.cli, class name), in the order `--help` lists them.
@@ -145,23 +145,10 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         # The reader went away (`dynprof ls | head -1`): it has what it wanted. End quietly, with
         # the command's own code when it had one. A healthcheck cut short never reads "healthy".
-        _silence_stdout()
+        silence_stdout()
         if code is not None:
             return code
         return 3 if only == "healthcheck" else 0
-
-
-def _silence_stdout() -> None:
-    """Point stdout at /dev/null, so that flushing it at exit cannot raise again."""
-    try:
-        fd = sys.stdout.fileno()
-    except (AttributeError, OSError, ValueError):
-        return  # not a real file (captured by a test, say)
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    try:
-        os.dup2(devnull, fd)
-    finally:
-        os.close(devnull)
 
 
 def report_error(exc: DynprofError, as_json: bool = False) -> None:

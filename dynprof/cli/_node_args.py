@@ -1,13 +1,12 @@
 """The options that send a job-level command to many nodes, and whether a command was asked to.
 
-Kept apart from :mod:`dynprof.cli._many_nodes` (the HTTP client, the merges) so that a command
+Kept apart from :mod:`dynprof.job.client` (the HTTP client) and the merges so that a command
 run on this node only imports none of that.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 
 from dynprof import errors
 from dynprof.cli._common import bounded_int, path_arg, seconds
@@ -60,12 +59,10 @@ def add_many_node_args(parser: argparse.ArgumentParser, fetch: bool = False) -> 
 def nodes_requested(args: argparse.Namespace) -> list[Node] | None:
     """The nodes to fan out to, or None to act on this node's agents.
 
-    A command run as a sidecar's action never fans out (one level only), whatever discovery
-    would find; selectors that only make sense on one node (--pid, --attach, --core) keep the
-    command local unless nodes were named explicitly, which is a usage error."""
-    actions = sys.modules.get("dynprof.sidecar.actions")  # not imported: not a sidecar's action
-    if actions is not None and actions.in_action():
-        return None
+    Only options name nodes (nothing is found implicitly), so a sidecar's action, whose options
+    never carry them, runs on its own node (its ``collect_local``); selectors that only make
+    sense on one node (--pid, --attach, --core) keep the command local unless nodes were named
+    explicitly, which is a usage error."""
     named = bool(
         getattr(args, "hosts", None)
         or getattr(args, "hostfile", None)

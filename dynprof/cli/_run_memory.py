@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from collectors._mem_policy import PolicyError, parse_policy
+from collectors.memory.policy import PolicyError, parse_policy
 from dynprof import errors
 from dynprof.cli._common import MAX_SECONDS, bounded_int, nonnegative_float
 from dynprof.cli.run import RUN_OPTIONS

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from typing import Any
 
 from dynprof import errors
-from dynprof.cli._common import add_json, bounded_int, print_json, printable, printable_lines
+from dynprof.cli._common import add_json, bounded_int, printable, printable_lines
+from dynprof.result import Result
 from dynprof.store import Artifact, ArtifactStore
 from dynprof.units import parse_size
 
@@ -51,7 +51,7 @@ class AnalyzeCommand:
         parser.add_argument("--no-save", action="store_true", help="do not save the analysis as an artifact")
         add_json(parser)
 
-    def run(self, args: argparse.Namespace) -> int:
+    def collect(self, args: argparse.Namespace) -> Result:
         from collectors import trace_analysis as ta
 
         if args.top < 1:
@@ -65,12 +65,7 @@ class AnalyzeCommand:
                 raise errors.UsageError("give either ARTIFACT... or --compare A B, not both")
             a_label, a = self._analysis_of(store, args, args.compare[0], max_bytes)
             b_label, b = self._analysis_of(store, args, args.compare[1], max_bytes)
-            result = ta.compare(a, b, top=args.top)
-            if args.json:
-                print_json({**result, "a": {"label": a_label}, "b": {"label": b_label}})
-            else:
-                print(printable_lines(ta.render_compare_text(result, a_label, b_label)))
-            return 0
+            return Comparison(ta.compare(a, b, top=args.top), a_label, b_label)
         if args.artifacts and (args.job or args.group):
             raise errors.UsageError("give either ARTIFACT... or --job/--group, not both")
         if not args.artifacts and not args.job and not args.group:
@@ -80,9 +75,7 @@ class AnalyzeCommand:
         if args.artifacts:
             arts = [store.get(ref) for ref in args.artifacts]
             if len(arts) == 1 and arts[0].kind == ta.KIND:
-                data = _load(arts[0])
-                _output(args, data, f"saved analysis {arts[0].id}", arts[0], loaded=True)
-                return 0
+                return Analysis(args, _load(arts[0]), f"saved analysis {arts[0].id}", arts[0], loaded=True)
             label = ", ".join(a.id for a in arts)
         else:
             arts = find_group(store, args.job, args.group)
@@ -97,8 +90,20 @@ class AnalyzeCommand:
                 help="Check the traces with `dynprof show ARTIFACT --verify`.",
             )
         saved = None if args.no_save else save(store, traces, data)
-        _output(args, data, label, saved)
-        return 0
+        return Analysis(args, data, label, saved)
+
+    def render(self, result: Result) -> str:
+        from collectors import trace_analysis as ta
+
+        if isinstance(result, Comparison):
+            return printable_lines(ta.render_compare_text(result.comparison, result.a_label, result.b_label))
+        assert isinstance(result, Analysis)
+        data = result.data
+        text = printable(f"analysis of {result.label}") + "\n" + printable_lines(ta.render_text(data, top=result.top))
+        if data.get("elapsed_s") is not None and not result.loaded:
+            text += f"\n\nanalysed in {data['elapsed_s']:.2f} s"
+            text += f"; saved as {result.saved.id}" if result.saved else ""
+        return text
 
     def _analysis_of(
         self, store: ArtifactStore, args: argparse.Namespace, ref: str, max_bytes: int
@@ -234,22 +239,44 @@ def _load(art: Artifact) -> dict[str, Any]:
         raise errors.ArtifactError(str(exc)) from None
 
 
-def _output(
-    args: argparse.Namespace, data: dict[str, Any], label: str, saved: Artifact | None, loaded: bool = False
-) -> None:
-    from collectors import trace_analysis as ta
+class Analysis(Result):
+    """One analysis: ``--json`` prints it with its tables cut to ``--top`` rows and the
+    artifact it was saved as."""
 
-    if args.json:
-        out = dict(data)
-        out["top_kernels"] = out.get("top_kernels", [])[: args.top]
-        out["top_ops"] = out.get("top_ops", [])[: args.top]
-        out["artifact"] = saved.id if saved else None
-        print_json(out)
-        return
-    print(printable(f"analysis of {label}"))
-    print(printable_lines(ta.render_text(data, top=args.top)))
-    if data.get("elapsed_s") is not None and not loaded:
-        print(f"\nanalysed in {data['elapsed_s']:.2f} s", end="")
-        print(f"; saved as {saved.id}" if saved else "")
-    for e in data.get("errors") or []:
-        print(printable(f"dynprof: warning: rank {e.get('rank')} not analysed: {e['error']}"), file=sys.stderr)
+    def __init__(
+        self, args: argparse.Namespace, data: dict[str, Any], label: str, saved: Artifact | None, loaded: bool = False
+    ) -> None:
+        # with --json, the ranks not analysed are in the JSON; else they are said on stderr
+        messages = (
+            []
+            if args.json
+            else [
+                printable(f"warning: rank {e.get('rank')} not analysed: {e['error']}") for e in data.get("errors") or []
+            ]
+        )
+        super().__init__({}, 0, messages)
+        self.data = data
+        self.label = label
+        self.saved = saved
+        self.loaded = loaded
+        self.top = args.top
+
+    def to_json(self) -> dict[str, Any]:
+        out = dict(self.data)
+        out["top_kernels"] = out.get("top_kernels", [])[: self.top]
+        out["top_ops"] = out.get("top_ops", [])[: self.top]
+        out["artifact"] = self.saved.id if self.saved else None
+        return out
+
+
+class Comparison(Result):
+    """``--compare A B``: B minus A, with what each side was."""
+
+    def __init__(self, comparison: dict[str, Any], a_label: str, b_label: str) -> None:
+        super().__init__({}, 0, [])
+        self.comparison = comparison
+        self.a_label = a_label
+        self.b_label = b_label
+
+    def to_json(self) -> dict[str, Any]:
+        return {**self.comparison, "a": {"label": self.a_label}, "b": {"label": self.b_label}}

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from typing import Any
 
 from dynprof import errors
-from dynprof.attach import METHODS, AttachOptions, AttachResult, attach
-from dynprof.attach._discover import find_job_processes
-from dynprof.cli._common import MAX_SECONDS, add_json, parse_pid, positive_float, print_json, printable, printable_lines
+from dynprof.attach import METHODS, AttachOptions, AttachResult, attach, find_job_processes
+from dynprof.cli._common import MAX_SECONDS, add_json, parse_pid, positive_float, printable
 from dynprof.cli.run import RUN_OPTIONS, RunOption, _load_run_options
+from dynprof.result import Result, error_json
 
 # `dynprof run` options that also apply to a running process (the flight recorder does not:
 # NCCL reads its settings when the process group is created).
@@ -70,26 +69,7 @@ def attach_options(args: argparse.Namespace, settings: dict[str, str]) -> Attach
     )
 
 
-def describe(result: AttachResult) -> str:
-    if result.status == "already":
-        how = f" (started by {result.activation})" if result.activation else ""
-        return f"pid {result.pid}: already has a dynprof agent{how}; nothing done"
-    via = {
-        "remote-exec": "sys.remote_exec",
-        "gdb-pending-call": "gdb, pending call",
-        "gdb-gil-state": "gdb, PyGILState fallback",
-    }.get(result.method, result.method)
-    text = f"pid {result.pid}: attached ({via}, {result.seconds:.2f} s): agent ready, log {result.log}"
-    if result.hook_installed is False:
-        text += "\n  no optimizer step hook yet (torch.optim not imported): step mode starts once it is"
-    for note in result.notes:
-        text += f"\n  note: {note}"
-    return text
-
-
-def attach_many(
-    pids: list[int], options: AttachOptions, quiet: bool = False
-) -> list[AttachResult | errors.DynprofError]:
+def attach_many(pids: list[int], options: AttachOptions) -> list[AttachResult | errors.DynprofError]:
     """Attach to each pid in turn; each answer is a result or the error it met."""
     out: list[AttachResult | errors.DynprofError] = []
     for pid in pids:
@@ -98,14 +78,16 @@ def attach_many(
         except errors.DynprofError as exc:
             result = exc
         out.append(result)
-        if not quiet:
-            if isinstance(result, AttachResult):
-                print(printable_lines(describe(result)), file=sys.stderr)
-            elif len(pids) > 1:
-                print(printable_lines(f"pid {pid}: error: {result.message}"), file=sys.stderr)
-                if result.help:
-                    print(printable_lines(f"  what to do: {result.help}"), file=sys.stderr)
     return out
+
+
+def said(pid: int, result: AttachResult | errors.DynprofError, many: bool) -> str | None:
+    """What a person is told of one pid (with several, an error too: it does not end the command)."""
+    if isinstance(result, AttachResult):
+        return result.describe()
+    if not many:
+        return None
+    return f"pid {pid}: error: {result.message}" + (f"\n  what to do: {result.help}" if result.help else "")
 
 
 class AttachCommand:
@@ -141,7 +123,7 @@ class AttachCommand:
             add(parser)
         add_json(parser)
 
-    def run(self, args: argparse.Namespace) -> int:
+    def collect(self, args: argparse.Namespace) -> Result:
         if bool(args.pids) == bool(args.job):
             raise errors.UsageError("give either PIDs or --job JOB", help="dynprof attach 4242, dynprof attach --job J")
         for pid in args.pids:
@@ -149,6 +131,7 @@ class AttachCommand:
                 raise errors.UsageError(f"invalid pid {pid}: a pid is a positive integer")
         settings = attach_settings(args)
         report: dict[str, Any] = {}
+        messages: list[str] = []
         if args.job:
             search = find_job_processes(args.job)
             report["job"] = args.job
@@ -161,15 +144,13 @@ class AttachCommand:
                     "in their environment; give the pids instead: dynprof attach PID...",
                 )
             # Command lines and environments are the processes' own: shown escaped.
-            print(
+            messages.append(
                 printable(
-                    f"dynprof: job {args.job}: found {len(search.found)} process(es): "
+                    f"job {args.job}: found {len(search.found)} process(es): "
                     + "; ".join(p.describe() for p in search.found)
-                ),
-                file=sys.stderr,
+                )
             )
-            for p, why in search.skipped:
-                print(printable(f"dynprof: job {args.job}: skipped pid {p.pid}: {why}"), file=sys.stderr)
+            messages += [printable(f"job {args.job}: skipped pid {p.pid}: {why}") for p, why in search.skipped]
             settings.setdefault("DYNPROF_JOB_ID", args.job)
             pids = [p.pid for p in search.found]
         else:
@@ -177,31 +158,26 @@ class AttachCommand:
         options = attach_options(args, settings)
         if len(pids) == 1 and not args.job:
             results: list[AttachResult | errors.DynprofError] = [attach(pids[0], options)]
-            if not args.json:
-                # The log and socket paths come from the target's bootstrap: shown escaped.
-                print(printable_lines(describe(results[0])), file=sys.stderr)  # type: ignore[arg-type]
         else:
-            results = attach_many(pids, options, quiet=args.json)
+            results = attach_many(pids, options)
         gone = {pid for pid, r in zip(pids, results) if args.job and _exited(pid, r)}
-        for pid in sorted(gone):
-            if not args.json:
-                print(f"dynprof: job {args.job}: pid {pid} exited meanwhile (gone, not a failure)", file=sys.stderr)
+        if not args.json:
+            # The log and socket paths come from the target's bootstrap: shown escaped (by emit).
+            messages += [m for pid, r in zip(pids, results) if (m := said(pid, r, len(pids) > 1)) is not None]
+            messages += [f"job {args.job}: pid {pid} exited meanwhile (gone, not a failure)" for pid in sorted(gone)]
         failures = [r for pid, r in zip(pids, results) if isinstance(r, errors.DynprofError) and pid not in gone]
-        if args.json:
-            report["processes"] = [
-                r.to_dict()
-                if isinstance(r, AttachResult)
-                else {"pid": pid, "status": "gone"}
-                if pid in gone
-                else {
-                    "pid": pid,
-                    "status": "failed",
-                    "error": {"type": type(r).__name__, "message": r.message, "help": r.help, "exit_code": r.exit_code},
-                }
-                for pid, r in zip(pids, results)
-            ]
-            print_json(report)
-        return failures[0].exit_code if failures else 0
+        report["processes"] = [
+            r.to_dict()
+            if isinstance(r, AttachResult)
+            else {"pid": pid, "status": "gone"}
+            if pid in gone
+            else {"pid": pid, "status": "failed", "error": error_json(r)}
+            for pid, r in zip(pids, results)
+        ]
+        return Result(report, failures[0].exit_code if failures else 0, messages)
+
+    def render(self, result: Result) -> str:
+        return ""  # what happened is said on stderr; --json prints the report
 
 
 def _exited(pid: int, result: object) -> bool:

@@ -10,83 +10,149 @@ entries in it) is refused with the reason; nothing outside the store is walked.
 from __future__ import annotations
 
 import argparse
-import sys
+from pathlib import Path
+from typing import Any
 
-from dynprof.cli._common import add_json, bounded_int, human_bytes, print_json, printable, table
-from dynprof.cli._node_args import add_many_node_args, nodes_requested
+from dynprof.cli._common import bounded_int, human_bytes, printable, table
+from dynprof.cli.job import (
+    JobCommand,
+    JobResult,
+    Text,
+    answered_count,
+    envelope,
+    exit_code,
+    fetched_doc,
+    forward_options,
+    node_messages,
+    with_fetch,
+)
+from dynprof.job.discovery import Node
+from dynprof.result import Result
 from dynprof.store import ArtifactStore
 
+LS_TIMEOUT_S = 30.0
 
-class LsCommand:
+
+class LsCommand(JobCommand):
     """List the artifacts in the store, newest first."""
 
-    def prepare_parser(self, parser: argparse.ArgumentParser) -> None:
+    name = "ls"
+    takes_fetch = True
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--job", help="only this job's artifacts")
         parser.add_argument("--kind", help="only this kind (trace, stacks, memory, healthcheck, ...)")
         parser.add_argument(
             "--limit", type=bounded_int(0, 10**9), default=0, help="show at most this many (default: all)"
         )
         parser.add_argument("--all", action="store_true", help="also list artifacts still being written")
-        add_json(parser)
-        add_many_node_args(parser, fetch=True)
 
-    def run(self, args: argparse.Namespace) -> int:
-        nodes = nodes_requested(args)
-        if nodes is not None:
-            from dynprof.cli import _many_nodes
-
-            return _many_nodes.ls(args, nodes)
+    def collect_local(self, args: argparse.Namespace) -> Result:
         store = ArtifactStore()
         arts, bad = store.scan(job=args.job, kind=args.kind)
         if args.limit:
             arts = arts[: args.limit]
         temps = store.temporaries() if args.all else []
-        writing = [str(t.path) for t in temps if not t.stale]
-        if args.json:
-            print_json(
+        doc = {
+            "root": str(store.root),
+            "artifacts": [
                 {
-                    "root": str(store.root),
-                    "artifacts": [
-                        {
-                            "id": a.id,
-                            "path": str(a.path),
-                            "kind": a.kind,
-                            "status": a.status,
-                            "job": a.manifest.get("job"),
-                            "host": a.manifest.get("host"),
-                            "rank": a.manifest.get("rank"),
-                            "pid": a.manifest.get("pid"),
-                            "created_at": a.created_at,
-                            "bytes": a.size,
-                        }
-                        for a in arts
-                    ],
-                    "writing": writing,
-                    "stale": [str(t.path) for t in temps if t.stale],
-                    "bad": [{"path": str(b.path), "reason": b.reason} for b in bad],
+                    "id": a.id,
+                    "path": str(a.path),
+                    "kind": a.kind,
+                    "status": a.status,
+                    "job": a.manifest.get("job"),
+                    "host": a.manifest.get("host"),
+                    "rank": a.manifest.get("rank"),
+                    "pid": a.manifest.get("pid"),
+                    "created_at": a.created_at,
+                    "bytes": a.size,
                 }
-            )
-            return 0
-        for b in bad:
-            print(f"dynprof: skipped {printable(b.id)}: {printable(b.reason)}", file=sys.stderr)
-        if not arts and not temps:
-            print(f"no artifacts in {printable(store.root)}")
-            return 0
+                for a in arts
+            ],
+            "writing": [str(t.path) for t in temps if not t.stale],
+            "stale": [str(t.path) for t in temps if t.stale],
+            "bad": [{"path": str(b.path), "reason": b.reason} for b in bad],
+        }
+        # The JSON document lists the bad entries; the text names them on stderr.
+        messages = (
+            [] if getattr(args, "json", False) else [f"skipped {printable(b.id)}: {printable(b.reason)}" for b in bad]
+        )
         rows = [
-            (
-                a.id,
-                a.kind,
-                a.status,
-                a.manifest.get("rank") if a.manifest.get("rank") is not None else "-",
-                a.created_at,
-                human_bytes(a.size),
-            )
-            for a in arts
-        ]
-        rows += [
             (t.id, t.kind, "stale" if t.stale else "writing", t.rank, f"{t.age_s:.0f} s ago", human_bytes(t.size))
             for t in temps
         ]
-        print(table(rows, ["ID", "KIND", "STATUS", "RANK", "CREATED", "SIZE"]))
-        print(f"\n{len(arts)} artifact(s) in {printable(store.root)}")
-        return 0
+        return JobResult(doc, 0, messages, context={"temporaries": rows})
+
+    def collect_nodes(self, args: argparse.Namespace, nodes: list[Node]) -> Result:
+        from dynprof.job.answers import node_labels, rows
+        from dynprof.job.fetch import fetch
+
+        client = self.client(args)
+        answers = client.action_all(nodes, "ls", forward_options("ls", args), timeout=LS_TIMEOUT_S)
+        labels = node_labels(nodes)
+        found: list[tuple[Node, dict[str, Any]]] = []
+        for a in answers:
+            for row in rows(a, "artifacts"):
+                row["node"] = labels[a.node]
+                found.append((a.node, row))
+        found.sort(key=lambda nr: str(nr[1].get("created_at") or ""), reverse=True)
+        if args.limit:
+            found = found[: args.limit]  # each node kept its newest; the newest of all remain
+        fetched = fetch(client, Path(args.fetch), [(n, row.get("id")) for n, row in found]) if args.fetch else None
+        doc = {
+            **envelope(answers, strip=("artifacts",)),
+            "artifacts": [row for _, row in found],
+            **fetched_doc(fetched),
+        }
+        return JobResult(doc, with_fetch(exit_code(answers), fetched), node_messages(answers))
+
+    def render(self, result: Result) -> str:
+        doc = result.to_json()
+        if "nodes" in doc:
+            return _render_nodes(doc)
+        temps = result.context.get("temporaries", []) if isinstance(result, JobResult) else []
+        arts = doc["artifacts"]
+        if not arts and not temps:
+            return f"no artifacts in {printable(doc['root'])}"
+        rows = [
+            (
+                a["id"],
+                a["kind"],
+                a["status"],
+                a["rank"] if a["rank"] is not None else "-",
+                a["created_at"],
+                human_bytes(a["bytes"]),
+            )
+            for a in arts
+        ]
+        return (
+            table(rows + temps, ["ID", "KIND", "STATUS", "RANK", "CREATED", "SIZE"])
+            + f"\n\n{len(arts)} artifact(s) in {printable(doc['root'])}"
+        )
+
+
+def _render_nodes(doc: dict[str, Any]) -> str:
+    rows = doc["artifacts"]
+    text = Text()
+    text.print(
+        table(
+            [
+                (
+                    r["node"],
+                    r.get("id"),
+                    r.get("kind"),
+                    r.get("status"),
+                    r.get("rank") if r.get("rank") is not None else "-",
+                    r.get("created_at"),
+                    human_bytes(r["bytes"]) if isinstance(r.get("bytes"), int) else "-",
+                )
+                for r in rows
+            ],
+            ["NODE", "ID", "KIND", "STATUS", "RANK", "CREATED", "SIZE"],
+        )
+    )
+    text.print(f"\n{len(rows)} artifact(s) on {answered_count(doc)} node(s)")
+    text.artifacts([], doc.get("fetched"))
+    text.footer(doc)
+    return text.value()

@@ -4,28 +4,36 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import dataclass
 from typing import Any
 
 from dynprof import errors
 from dynprof.cli._common import (
     MAX_HISTORY_EVENTS,
     add_attach_flag,
-    add_json,
     add_targets,
     bounded_int,
     human_bytes,
     parallel,
-    print_json,
     resolve_agents,
     seconds,
     table,
 )
-from dynprof.cli._node_args import add_many_node_args, nodes_requested
+from dynprof.cli.job import JobCommand
 from dynprof.client import AgentClient
 from dynprof.proto import pb
+from dynprof.result import Result
 
 
-class MemoryCommand:
+@dataclass
+class MemoryResults(Result):
+    """This node's answer: ``{"results": [one row per process]}``; ``history`` says whether it
+    answers a history request (``--history-start``/``--history-stop``) or a snapshot."""
+
+    history: bool = False
+
+
+class MemoryCommand(JobCommand):
     """Take a CUDA memory snapshot of running processes now, or turn allocator history on or off.
 
     dynprof memory --pid 1234                          snapshot now (same artifact as at an OOM)
@@ -37,7 +45,10 @@ class MemoryCommand:
     since; --stacks all adds C++ frames, which makes recording and dumping much slower.
     """
 
-    def prepare_parser(self, parser: argparse.ArgumentParser) -> None:
+    name = "memory"
+    takes_fetch = True
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         add_targets(parser)
         add_attach_flag(parser)
         action = parser.add_mutually_exclusive_group()
@@ -57,15 +68,8 @@ class MemoryCommand:
         parser.add_argument(
             "--timeout", type=seconds, default=300.0, help="seconds to wait for each process's snapshot (default 300)"
         )
-        add_json(parser)
-        add_many_node_args(parser, fetch=True)
 
-    def run(self, args: argparse.Namespace) -> int:
-        nodes = nodes_requested(args)
-        if nodes is not None:
-            from dynprof.cli import _many_nodes
-
-            return _many_nodes.plain("memory", args, nodes)
+    def collect_local(self, args: argparse.Namespace) -> Result:
         if args.history_start is not None and args.history_start <= 0:
             raise errors.UsageError("--history-start N needs N > 0 events", help="Use --history-stop to stop.")
         records = resolve_agents(args)
@@ -105,25 +109,20 @@ class MemoryCommand:
         if failed:
             codes = {r.get("exit_code", 1) for r in failed}
             code = codes.pop() if len(codes) == 1 else 1
-        if len(results) == 1 and failures and not args.json:
+        if len(results) == 1 and failures and not getattr(args, "json", False):
             raise failures[0]
-        if args.json:
-            print_json({"results": results})
-            return code
-        self._print(results, history)
-        for r in failed:
-            if r.get("help"):
-                print(f"  what to do: {r['help']}")
-        return code
+        return MemoryResults(doc={"results": results}, exit_code=code, history=bool(history))
 
-    @staticmethod
-    def _print(results: list[dict[str, Any]], history: bool) -> None:
+    def render(self, result: Result) -> str:
+        if not isinstance(result, MemoryResults):
+            return super().render(result)  # the job-wide answer, rank by rank
+        results = result.doc["results"]
         rows = []
         for r in results:
             who = f"rank {r['rank']}" if r["rank"] is not None else "-"
             if r["status"] == "failed":
                 rows.append([who, r["pid"], "failed", r["error"]])
-            elif history:
+            elif result.history:
                 rows.append([who, r["pid"], "ok", f"memory history: {r['memory_history']}"])
             else:
                 s = r.get("summary") or {}
@@ -135,4 +134,8 @@ class MemoryCommand:
                     detail += f"; top site {s['top_site']} ({human_bytes(s.get('top_site_bytes') or 0)})"
                 rows.append([who, r["pid"], r["status"], detail])
                 rows.append(["", "", "", r["artifact"]])
-        print(table(rows, ["rank", "pid", "status", "result"]))
+        lines = [table(rows, ["rank", "pid", "status", "result"])]
+        for r in results:
+            if r["status"] not in ("ok", "complete") and r.get("help"):
+                lines.append(f"  what to do: {r['help']}")
+        return "\n".join(lines)

@@ -5,15 +5,30 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from collectors.memory import KIND, SNAPSHOT_FILE, SUMMARY_FILE
+from collectors.memory.reader import max_snapshot_bytes, parse_snapshot, read_snapshot_file
+from collectors.memory.render import format_summary, render_html
+from collectors.memory.summary import summarize_snapshot
 from dynprof import errors
-from dynprof.cli._common import add_json, bounded_int, path_arg, print_json, printable_lines
+from dynprof.cli._common import add_json, bounded_int, path_arg, printable_lines
+from dynprof.result import Result
 from dynprof.store import MANIFEST, Artifact, ArtifactStore
 
 EMBED_PICKLE_MAX = 20 * 1024 * 1024
 log = logging.getLogger("dynprof.cli")
+
+
+@dataclass
+class MemoryReport(Result):
+    """The report's ``--json`` document (``source``, ``html``, ``torch_viz``, ``summary``), with
+    what its text needs besides: the snapshot's path (named in an error) and ``--top``."""
+
+    source: Path = field(default_factory=Path)
+    top: int = 10
 
 
 class MemoryReportCommand:
@@ -50,23 +65,21 @@ class MemoryReportCommand:
         )
         add_json(parser)
 
-    def run(self, args: argparse.Namespace) -> int:
-        from collectors import memory_snapshot as ms
-
+    def collect(self, args: argparse.Namespace) -> Result:
         pickle_path, artifact = _locate(args.source)
         if artifact is not None:  # only the artifact's own file, never through a link
-            data = artifact.read_bytes(ms.SNAPSHOT_FILE, ms.max_snapshot_bytes())
+            data = artifact.read_bytes(SNAPSHOT_FILE, max_snapshot_bytes())
         else:
-            data = _read(pickle_path)
-        snapshot = ms.parse_snapshot(data, str(pickle_path))
+            data = read_snapshot_file(pickle_path)
+        snapshot = parse_snapshot(data, str(pickle_path))
         try:
-            summary = ms.summarize_snapshot(snapshot, top=args.top)
+            summary = summarize_snapshot(snapshot, top=args.top)
         except (TypeError, AttributeError, ValueError, KeyError, IndexError, OverflowError, RecursionError) as exc:
             raise _malformed(pickle_path, exc) from None
         if artifact is not None:  # what the capture knew beyond the snapshot: trigger, OOM, free/total
-            if artifact.has_file(ms.SUMMARY_FILE):
+            if artifact.has_file(SUMMARY_FILE):
                 try:
-                    captured = artifact.read_json(ms.SUMMARY_FILE)
+                    captured = artifact.read_json(SUMMARY_FILE)
                     if not isinstance(captured, dict):
                         captured = {}
                     for key in (
@@ -83,8 +96,6 @@ class MemoryReportCommand:
                     pass
         html_path = None
         if not args.no_html:
-            from collectors._mem_html import render_html
-
             name = artifact.path.name if artifact is not None else pickle_path.stem
             html_path = Path(args.output) if args.output else Path.cwd() / f"memory-report-{name}.html"
             try:
@@ -117,29 +128,37 @@ class MemoryReportCommand:
                 raise errors.DynprofError(
                     f"cannot write {viz_path}: {exc.strerror or exc}", help="Give a writable path to --torch-viz."
                 ) from None
-        if args.json:
-            print_json(
-                {
-                    "source": str(pickle_path),
-                    "html": str(html_path) if html_path else None,
-                    "torch_viz": str(viz_path) if viz_path else None,
-                    "summary": summary,
-                }
-            )
-            return 0
+        return MemoryReport(
+            doc={
+                "source": str(pickle_path),
+                "html": str(html_path) if html_path else None,
+                "torch_viz": str(viz_path) if viz_path else None,
+                "summary": summary,
+            },
+            source=pickle_path,
+            top=args.top,
+        )
+
+    def render(self, result: Result) -> str:
+        assert isinstance(result, MemoryReport)
+        summary = result.doc["summary"]
         # Frame names, file names and devices come from the pickle: shown escaped.
         try:
-            text = ms.format_summary(summary, top=args.top)
+            text = format_summary(summary, top=result.top)
         except (TypeError, AttributeError, ValueError, KeyError, IndexError, OverflowError, RecursionError) as exc:
-            raise _malformed(pickle_path, exc) from None
-        print(printable_lines(text))
+            raise _malformed(result.source, exc) from None
+        lines = [printable_lines(text)]
         if not summary.get("history_recorded"):
-            print("\nnote: no allocation history or stacks in this snapshot (memory history was off in the process)")
-        if html_path:
-            print(f"\nHTML report: {html_path}")
-        if viz_path:
-            print(f"PyTorch's interactive viewer: {viz_path} (loads its scripts from cdn.jsdelivr.net when opened)")
-        return 0
+            lines.append(
+                "\nnote: no allocation history or stacks in this snapshot (memory history was off in the process)"
+            )
+        if result.doc["html"]:
+            lines.append(f"\nHTML report: {result.doc['html']}")
+        if result.doc["torch_viz"]:
+            lines.append(
+                f"PyTorch's interactive viewer: {result.doc['torch_viz']} (loads its scripts from cdn.jsdelivr.net when opened)"
+            )
+        return "\n".join(lines)
 
 
 def _malformed(path: Path, exc: BaseException) -> errors.ArtifactError:
@@ -154,15 +173,7 @@ def _malformed(path: Path, exc: BaseException) -> errors.ArtifactError:
     )
 
 
-def _read(path: Path) -> bytes:
-    from collectors.memory_snapshot import _read_pickle
-
-    return _read_pickle(path)
-
-
 def _locate(source: str) -> tuple[Path, Artifact | None]:
-    from collectors.memory_snapshot import KIND, SNAPSHOT_FILE
-
     path = Path(source).expanduser()
     try:
         is_file, is_dir = path.is_file(), path.is_dir()

@@ -13,12 +13,12 @@ result is deduplicated in order, as in every job-level command.
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import Any
 
 from dynprof import errors
-from dynprof.cli._common import add_json, print_json, printable
+from dynprof.cli._common import add_json, printable
 from dynprof.job import discovery
+from dynprof.result import Result
 
 
 class NodesCommand:
@@ -29,7 +29,7 @@ class NodesCommand:
         discovery.add_node_args(parser)
         add_json(parser)
 
-    def run(self, args: argparse.Namespace) -> int:
+    def collect(self, args: argparse.Namespace) -> Result:
         if not (args.hosts is not None or args.hostfile or args.slurm is not None or args.discover):
             raise errors.UsageError(
                 "name a source of nodes: --hosts, --hostfile, --slurm [JOB] or --job J --discover",
@@ -37,30 +37,31 @@ class NodesCommand:
             )
         nodes = discovery.resolve_nodes(args) or []
         found: discovery.Discovery | None = getattr(args, "discovery", None)
-        if args.json:
-            out: dict[str, Any] = {"nodes": [n.address for n in nodes]}
-            if found is not None:
-                out.update(
-                    job=found.job,
-                    store=found.store,
-                    asked_pid=found.asked_pid,
-                    world_size=found.world_size,
-                    ranks=found.ranks,
-                    missing_ranks=found.missing_ranks,
-                )
-            print_json(out)
-            return 0
-        for node in nodes:
-            print(printable(node.address))
+        doc: dict[str, Any] = {"nodes": [n.address for n in nodes]}
+        messages: list[str] = []
         if found is not None:
-            missing = found.missing_ranks
-            print(
-                f"dynprof: job {printable(found.job)}: {len(found.ranks)} of {found.world_size} rank(s) registered "
-                f"in {printable(found.store)} on {len(found.nodes)} node(s)"
-                + (f"; not registered: ranks {_spans(missing)}" if missing else ""),
-                file=sys.stderr,
+            doc.update(
+                job=found.job,
+                store=found.store,
+                asked_pid=found.asked_pid,
+                world_size=found.world_size,
+                ranks=found.ranks,
+                missing_ranks=found.missing_ranks,
             )
-        return 0
+            if not args.json:  # with --json, the JSON says it
+                missing = found.missing_ranks
+                messages.append(
+                    printable(
+                        f"job {found.job}: {len(found.ranks)} of {found.world_size} rank(s) registered "
+                        f"in {found.store} on {len(found.nodes)} node(s)"
+                    )
+                    + (f"; not registered: ranks {_spans(missing)}" if missing else "")
+                )
+        return Result(doc, 0, messages)
+
+    def render(self, result: Result) -> str:
+        """A host file: one ``HOST:PORT`` a line."""
+        return "\n".join(printable(address) for address in result.doc["nodes"])
 
 
 def _spans(values: list[int]) -> str:

@@ -209,9 +209,13 @@ class ServeCommand:
             import cheroot  # noqa: F401
         except ImportError as exc:
             raise errors.Unsupported(f"the HTTP server needs cheroot: {exc}", help="pip install cheroot") from None
+        from dynprof.cli.sidecar_actions import action_commands
+
         token, source = resolve_token(args.token, args.token_file)
         fanout, own_file = (None, None) if args.no_job_wide else _fanout_config(token, source, args.cacert)
         app = create_app(
+            commands=action_commands(),
+            views=page_views(),
             token=token,
             host=args.host,
             max_actions=args.max_actions,
@@ -239,6 +243,16 @@ class ServeCommand:
             if own_file:
                 with contextlib.suppress(OSError):
                     os.unlink(own_file)
+
+
+def page_views() -> Any:
+    """How the sidecar's page and listings show agents and artifacts: as ``ps`` and ``show`` do
+    (a :class:`dynprof.sidecar.app.PageViews`; the sidecar imports no CLI)."""
+    from dynprof.agents import agent_rows
+    from dynprof.renderers import render, render_html
+    from dynprof.sidecar.app import PageViews
+
+    return PageViews(agent_rows, render, render_html)
 
 
 def _fanout_config(token: str, source: str, cacert: str | None) -> tuple[Any, str | None]:

@@ -132,9 +132,9 @@ class StacksCommand:
             return self._merge(args)
         nodes = nodes_requested(args)
         if nodes is not None:
-            from dynprof.cli import _many_nodes
+            from dynprof.cli import _stacks_nodes
 
-            return _many_nodes.stacks(args, nodes)
+            return _stacks_nodes.stacks(args, nodes)
         from collectors import stacks as st
 
         chosen = [x for x in (args.pid, args.job, args.all, args.core) if x]

@@ -15,8 +15,6 @@ returns once the trace is active.
 from __future__ import annotations
 
 import argparse
-import math
-import sys
 import time
 import uuid
 from typing import Any
@@ -28,23 +26,35 @@ from dynprof.cli._common import (
     MAX_TRACE_STEPS,
     Progress,
     add_attach_flag,
-    add_json,
     add_targets,
     bounded_int,
     parallel,
-    print_json,
     printable,
     resolve_agents,
     seconds,
 )
-from dynprof.cli._node_args import add_many_node_args, nodes_requested
+from dynprof.cli.job import (
+    JobCommand,
+    JobResult,
+    Text,
+    envelope,
+    exit_code,
+    fetched_doc,
+    forward_options,
+    maybe_fetch,
+    node_messages,
+    per_rank_result,
+    render_per_rank,
+    who,
+    with_fetch,
+)
 from dynprof.client import AgentClient
+from dynprof.job.align import ALIGN_LEAD_S, ALIGN_RETRIES, aligned_steps, alignment_step, boundary_offsets
+from dynprof.job.discovery import Node
 from dynprof.proto import pb
 from dynprof.registry import AgentRecord
+from dynprof.result import Result
 
-# Multi-process step alignment: start this far in the future, in seconds of training.
-ALIGN_LEAD_S = 0.3
-ALIGN_RETRIES = 3
 POLL_S = 0.1
 
 
@@ -56,48 +66,13 @@ def _activities(text: str) -> list[str]:
     return names
 
 
-def alignment_step(statuses: list[Any], lead_s: float = ALIGN_LEAD_S) -> int:
-    """A step every process reaches after the request arrives: the furthest one's step,
-    plus enough steps to cover ``lead_s`` of training at the fastest process's pace."""
-    current = max(s.step for s in statuses)
-    times = [s.step_time_s for s in statuses if s.step_time_s > 0]
-    margin = 2 if not times else max(2, min(10_000, math.ceil(lead_s / min(times)) + 1))
-    return int(current + margin)
-
-
-def boundary_offsets(statuses: list[Any]) -> list[int] | None:
-    """Per process, its step counter minus the first process's, at the same step boundary.
-
-    Ranks of a synchronous job cross each step boundary at nearly the same moment, but an
-    attached process counts steps from the attach, so counters of ranks attached at different
-    moments disagree. The time of each one's latest boundary says how many boundaries apart
-    their counters were read. None when step times are unknown.
-    """
-    times = [s.step_time_s for s in statuses if s.step_time_s > 0]
-    if not times or any(s.last_step_at <= 0 for s in statuses):
-        return None
-    period = sorted(times)[len(times) // 2]
-    ref = statuses[0]
-    return [int(s.step - round((s.last_step_at - ref.last_step_at) / period) - ref.step) for s in statuses]
-
-
-def aligned_steps(statuses: list[Any], offsets: list[int], lead_s: float = ALIGN_LEAD_S) -> list[int]:
-    """``at_step`` for each process so that all start after the same boundary."""
-    common = alignment_step([replace_step(s, s.step - o) for s, o in zip(statuses, offsets)], lead_s)
-    return [common + o for o in offsets]
-
-
-def replace_step(status: Any, step: int) -> Any:
-    copy = type(status)()
-    copy.CopyFrom(status)
-    copy.step = max(0, step)
-    return copy
-
-
-class StartCommand:
+class StartCommand(JobCommand):
     """Start a torch.profiler trace in running processes."""
 
-    def prepare_parser(self, parser: argparse.ArgumentParser) -> None:
+    name = "start"
+    takes_fetch = True
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         add_targets(parser)
         add_attach_flag(parser)
         bound = parser.add_mutually_exclusive_group()
@@ -144,15 +119,8 @@ class StartCommand:
             metavar="SEC",
             help="give up waiting after SEC seconds (the trace goes on and ends by itself)",
         )
-        add_json(parser)
-        add_many_node_args(parser, fetch=True)
 
-    def run(self, args: argparse.Namespace) -> int:
-        nodes = nodes_requested(args)
-        if nodes is not None:
-            from dynprof.cli import _many_nodes
-
-            return _many_nodes.start(args, nodes)
+    def collect_local(self, args: argparse.Namespace) -> Result:
         if args.at_step is not None and args.duration is not None:
             raise errors.UsageError("--at-step applies to step mode, not to --duration")
         records = resolve_agents(args)
@@ -160,16 +128,16 @@ class StartCommand:
         statuses = _check(parallel(lambda c: c.status(), clients), records)
         steps = args.steps or 0
         duration = args.duration or 0.0
+        messages: list[str] = []
         if not args.pid and not duration and len(records) > 1:
             # Among the processes of a job, those that never stepped an optimizer (a launcher,
             # data-loader workers started with spawn) would wait for a step that never comes.
             stepping = [s.step > 0 for s in statuses]
             if any(stepping) and not all(stepping):
                 skipped = [r.pid for r, ok in zip(records, stepping) if not ok]
-                print(
-                    f"dynprof: skipping {len(skipped)} process(es) that have not stepped an optimizer "
-                    f"(a launcher or data-loader worker?): pid {', '.join(map(str, skipped))}",
-                    file=sys.stderr,
+                messages.append(
+                    f"skipping {len(skipped)} process(es) that have not stepped an optimizer "
+                    f"(a launcher or data-loader worker?): pid {', '.join(map(str, skipped))}"
                 )
                 keep = [i for i, ok in enumerate(stepping) if ok]
                 records = [records[i] for i in keep]
@@ -230,31 +198,122 @@ class StartCommand:
                 + ")"
             )
         what = f"{steps} steps" if steps else (f"{duration:g} s" if duration else "until `dynprof stop`")
-        if not args.json:
-            print(
-                f"dynprof: trace of {what} requested from {len(records)} process(es), starting {where}"
-                f" (group {group_id})"
-            )
+        requested = (
+            f"dynprof: trace of {what} requested from {len(records)} process(es), starting {where} (group {group_id})"
+        )
         if args.no_wait:
-            if args.json:
-                print_json(
-                    {
-                        "group_id": group_id,
-                        "at_step": at_step,
-                        "state": "armed",
-                        "targets": [_target(r, started[r.pid].start_step) for r in records],
-                    }
-                )
-            return 0
+            doc = {
+                "group_id": group_id,
+                "at_step": at_step,
+                "state": "armed",
+                "targets": [_target(r, started[r.pid].start_step) for r in records],
+            }
+            return JobResult(doc, 0, messages, context={"requested": requested})
         if not steps and not duration:
-            return self._wait_active(args, clients, records, group_id)
-        return self._wait_done(args, clients, records, group_id, steps, at_step)
+            doc = self._wait_active(args, clients, records, group_id)
+            sel = (
+                f"--job {args.job}"
+                if args.job
+                else ("--all" if args.all else "--pid " + ",".join(str(r.pid) for r in records))
+            )
+            active = f"dynprof: tracing in {len(records)} process(es); end it with `dynprof stop {sel}`"
+            return JobResult(doc, 0, messages, context={"requested": requested, "active": active})
+        doc = self._wait_done(args, clients, records, group_id, steps, at_step)
+        code = 0 if all(r["status"] == "complete" for r in doc["results"]) else 1
+        return JobResult(doc, code, messages, context={"requested": requested})
+
+    def collect_nodes(self, args: argparse.Namespace, nodes: list[Node]) -> Result:
+        """Steps mode: one start step for every rank of every node (:mod:`dynprof.job.start`),
+        then each rank's trace followed until written. Duration and open-ended traces go to
+        every node as they are."""
+        from dynprof.job import start as job_start
+        from dynprof.job.answers import node_labels
+
+        if not args.job and not args.all:
+            raise errors.UsageError("with --hosts, select the ranks with --job JOB (or --all)")
+        if args.duration is not None and args.at_step is not None:
+            raise errors.UsageError("--at-step applies to step mode, not to --duration")
+        client = self.client(args)
+        if not args.steps:
+            # --duration, or until `dynprof stop`: every node starts its ranks as it would alone.
+            wait = args.timeout or job_start.START_WAIT_DEFAULT_S
+            options = forward_options("start", args, timeout=wait)
+            answers = client.action_all(nodes, "start", options, timeout=wait + 5.0)
+            result = per_rank_result(args, client, nodes, answers, ("results", "targets"))
+            result.context["as_is"] = True
+            return result
+        labels = node_labels(nodes)
+        progress = Progress(enabled=not getattr(args, "json", False))
+        ps_options = forward_options("ps", args, timeout=job_start.PS_TIMEOUT_S)
+        armed = job_start.arm_at_one_step(
+            client,
+            nodes,
+            labels,
+            at_step=args.at_step,
+            job=args.job,
+            select_all=args.all,
+            start_options=forward_options(
+                "start", args, at_step=None, no_wait=True, timeout=job_start.START_ARM_TIMEOUT_S
+            ),
+            ps_options=ps_options,
+            progress=progress,
+        )
+        results, missed = job_start.follow_traces(
+            client,
+            nodes,
+            labels,
+            armed,
+            ps_options=ps_options,
+            no_wait=args.no_wait,
+            timeout=args.timeout,
+            node_timeout=args.node_timeout,
+            progress=progress,
+        )
+        address = {labels[n]: n.address for n in nodes}
+        artifacts = [
+            {"node": r["node"], "node_address": address[r["node"]], "path": r["artifact"]}
+            for r in results
+            if isinstance(r.get("artifact"), str) and r["artifact"]
+        ]
+        fetched = maybe_fetch(args, client, armed.answers, artifacts)
+        code = with_fetch(exit_code(armed.answers), fetched)
+        if missed and code == 0:
+            code = 1
+        doc = {
+            **envelope(armed.answers, strip=("targets",)),
+            "at_step": armed.at_step,
+            "plan": armed.plan(),
+            "results": results,
+            "missed": missed,
+            "artifacts": artifacts,
+            **fetched_doc(fetched),
+        }
+        messages = armed.messages + node_messages(armed.answers)
+        return JobResult(doc, code, messages, context={"steps": args.steps})
+
+    def render(self, result: Result) -> str:
+        doc = result.to_json()
+        context = result.context if isinstance(result, JobResult) else {}
+        if context.get("as_is"):
+            return render_per_rank(result, _as_is_line)
+        if "nodes" in doc:
+            return _render_nodes(doc, context["steps"])
+        lines = [context["requested"]] if "requested" in context else []
+        if "active" in context:
+            lines.append(context["active"])
+        for res in doc.get("results", []):
+            who = f"rank {res['rank']} (pid {res['pid']})" if res["rank"] is not None else f"pid {res['pid']}"
+            if res["artifact"]:
+                lines.append(printable(f"{who}: {res['status']}: {res['artifact']}"))
+            else:
+                lines.append(printable(f"{who}: failed: {res['error']}"))
+        return "\n".join(lines)
 
     def _wait_active(
         self, args: argparse.Namespace, clients: list[AgentClient], records: list[AgentRecord], group_id: str
-    ) -> int:
+    ) -> dict[str, Any]:
         deadline = time.monotonic() + (args.timeout or 120.0)
-        progress = Progress(enabled=not args.json)
+        progress = Progress(enabled=not getattr(args, "json", False))
         while True:
             states = parallel(lambda c: c.status().trace, clients)
             active = [s for s in states if not isinstance(s, Exception) and s.state == "tracing"]
@@ -275,22 +334,11 @@ class StartCommand:
                 )
             if len(active) == len(records):
                 progress.done()
-                if args.json:
-                    print_json(
-                        {
-                            "group_id": group_id,
-                            "state": "tracing",
-                            "targets": [_target(r, s.start_step) for r, s in zip(records, states)],
-                        }
-                    )
-                else:
-                    sel = (
-                        f"--job {args.job}"
-                        if args.job
-                        else ("--all" if args.all else "--pid " + ",".join(str(r.pid) for r in records))
-                    )
-                    print(f"dynprof: tracing in {len(records)} process(es); end it with `dynprof stop {sel}`")
-                return 0
+                return {
+                    "group_id": group_id,
+                    "state": "tracing",
+                    "targets": [_target(r, s.start_step) for r, s in zip(records, states)],
+                }
             if time.monotonic() > deadline:
                 progress.done()
                 raise errors.Timeout(
@@ -309,9 +357,9 @@ class StartCommand:
         group_id: str,
         steps: int,
         at_step: int,
-    ) -> int:
+    ) -> dict[str, Any]:
         deadline = time.monotonic() + args.timeout if args.timeout else None
-        progress = Progress(enabled=not args.json)
+        progress = Progress(enabled=not getattr(args, "json", False))
         results: dict[int, dict[str, Any]] = {}
         try:
             while len(results) < len(records):
@@ -322,7 +370,7 @@ class StartCommand:
                     if isinstance(st, Exception):
                         # The process is gone (it exited, or was killed): a trace it flushed on
                         # the way out is in the store under this request's group.
-                        results[record.pid] = _result_from_store(record, group_id, at_step) or {
+                        results[record.pid] = result_from_store(record, group_id, at_step) or {
                             **_target(record, at_step),
                             "status": "failed",
                             "artifact": None,
@@ -367,20 +415,10 @@ class StartCommand:
                 help="The partial traces are listed by `dynprof ls --kind trace`.",
             ) from None
         progress.done()
-        ordered = [results[r.pid] for r in records]
-        if args.json:
-            print_json({"group_id": group_id, "results": ordered})
-        else:
-            for res in ordered:
-                who = f"rank {res['rank']} (pid {res['pid']})" if res["rank"] is not None else f"pid {res['pid']}"
-                if res["artifact"]:
-                    print(printable(f"{who}: {res['status']}: {res['artifact']}"))
-                else:
-                    print(printable(f"{who}: failed: {res['error']}"))
-        return 0 if all(r["status"] == "complete" for r in ordered) else 1
+        return {"group_id": group_id, "results": [results[r.pid] for r in records]}
 
 
-def _result_from_store(record: AgentRecord, group_id: str, at_step: int) -> dict[str, Any] | None:
+def result_from_store(record: AgentRecord, group_id: str, at_step: int) -> dict[str, Any] | None:
     """The trace artifact this request's group left for ``record``'s process, if any."""
     try:
         from dynprof.store import ArtifactStore
@@ -419,3 +457,26 @@ def _check(statuses: list[Any], records: list[AgentRecord]) -> list[Any]:
 def _cancel(clients: list[AgentClient], replies: list[Any]) -> None:
     accepted = [c for c, r in zip(clients, replies) if not isinstance(r, Exception)]
     parallel(lambda c: c.request(stop_trace=pb.StopTraceRequest()), accepted)
+
+
+def _as_is_line(r: dict[str, Any]) -> str:
+    return f"{r.get('status', 'tracing')}: {r.get('artifact') or r.get('error') or r.get('state') or ''}"
+
+
+def _render_nodes(doc: dict[str, Any], steps: int) -> str:
+    text = Text()
+    at_step = doc["at_step"]
+    where = f"step {at_step}" if at_step else "each node's next step boundary"
+    results = doc["results"]
+    text.print(
+        f"trace of {steps} steps on {len(results)} rank(s) of {len(doc['nodes'])} node(s), starting after {where}"
+    )
+    for r in results:
+        detail = r.get("artifact") or r.get("error") or ""
+        text.print(printable(f"{who(r)} on {r['node']}: from step {r.get('start_step')}: {r.get('status')}: {detail}"))
+    for m in doc["missed"]:
+        rank = f"rank {m['rank']}" if m.get("rank") is not None else "ranks"
+        text.print(printable(f"MISSED {rank} on {m['node']}: {m['reason']}"))
+    text.artifacts([], doc.get("fetched"))
+    text.footer(doc)
+    return text.value()

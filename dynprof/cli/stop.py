@@ -14,37 +14,31 @@ from dynprof import errors
 from dynprof.cli._common import (
     Progress,
     add_attach_flag,
-    add_json,
     add_targets,
     parallel,
-    print_json,
     printable,
     resolve_agents,
     seconds,
 )
-from dynprof.cli._node_args import add_many_node_args, nodes_requested
-from dynprof.cli.start import _result_from_store
+from dynprof.cli.job import JobCommand, JobResult
+from dynprof.cli.start import result_from_store
 from dynprof.client import AgentClient
 from dynprof.proto import pb
+from dynprof.result import Result
 
 
-class StopCommand:
+class StopCommand(JobCommand):
     """End a running trace; the artifact is written and its path printed."""
 
-    def prepare_parser(self, parser: argparse.ArgumentParser) -> None:
+    name = "stop"
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         add_targets(parser)
         add_attach_flag(parser)
         parser.add_argument("--no-wait", action="store_true", help="do not wait for the artifact")
         parser.add_argument("--timeout", type=seconds, default=120.0, help="seconds to wait for the artifacts")
-        add_json(parser)
-        add_many_node_args(parser)
 
-    def run(self, args: argparse.Namespace) -> int:
-        nodes = nodes_requested(args)
-        if nodes is not None:
-            from dynprof.cli import _many_nodes
-
-            return _many_nodes.plain("stop", args, nodes)
+    def collect_local(self, args: argparse.Namespace) -> Result:
         records = resolve_agents(args)
         clients = [AgentClient.for_record(r) for r in records]
         replies = parallel(lambda c: c.request(stop_trace=pb.StopTraceRequest()), clients)
@@ -65,14 +59,9 @@ class StopCommand:
             else:
                 stopping.append((record, client, reply.trace_stopped.trace.group_id))
         if not stopping:
-            if args.json:
-                print_json({"results": results})
-            else:
-                for res in results:
-                    print(printable(f"pid {res['pid']}: {res['error']}"))
-            return 1
+            return JobResult({"results": results}, 1, context={"none_stopping": True})
         if not args.no_wait:
-            progress = Progress(enabled=not args.json)
+            progress = Progress(enabled=not getattr(args, "json", False))
             deadline = time.monotonic() + args.timeout
             pending = list(stopping)
             while pending:
@@ -84,7 +73,7 @@ class StopCommand:
                         # The process went away (it exited once its loop ended, say) after the
                         # stop was accepted: the agent finishes the export on the way out, so
                         # the artifact of this request's group may well be in the store.
-                        found = _result_from_store(record, group, 0)
+                        found = result_from_store(record, group, 0)
                         if found is None and isinstance(st, (errors.Timeout, errors.Busy)) and record.is_alive():
                             still.append(item)  # a busy agent, not a lost one: ask again
                             continue
@@ -133,10 +122,17 @@ class StopCommand:
                 {"pid": r.pid, "rank": r.rank, "status": "stopping", "artifact": None, "error": None}
                 for r, _, _ in stopping
             )
-        if args.json:
-            print_json({"results": results})
-        else:
-            for res in results:
-                who = f"rank {res['rank']} (pid {res['pid']})" if res["rank"] is not None else f"pid {res['pid']}"
-                print(printable(f"{who}: {res['status']}: {res['artifact'] or res['error'] or ''}".rstrip(": ")))
-        return 0 if all(r["status"] in ("complete", "partial", "stopping") for r in results) else 1
+        ok = all(r["status"] in ("complete", "partial", "stopping") for r in results)
+        return Result({"results": results}, 0 if ok else 1)
+
+    def render(self, result: Result) -> str:
+        doc = result.to_json()
+        if "nodes" in doc:
+            return super().render(result)
+        if isinstance(result, JobResult) and result.context.get("none_stopping"):
+            return "\n".join(printable(f"pid {res['pid']}: {res['error']}") for res in doc["results"])
+        lines = []
+        for res in doc["results"]:
+            who = f"rank {res['rank']} (pid {res['pid']})" if res["rank"] is not None else f"pid {res['pid']}"
+            lines.append(printable(f"{who}: {res['status']}: {res['artifact'] or res['error'] or ''}".rstrip(": ")))
+        return "\n".join(lines)

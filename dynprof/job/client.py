@@ -4,17 +4,19 @@ The HTTP API of a sidecar (version 1)::
 
     GET  /api/v1/info                        {"api": 1, "dynprof_version", "host", "actions"}
     POST /api/v1/actions/<name>              {"options": {...}, "timeout": s} ->
-         {"api": 1, "action", "host", "dynprof_version", "exit_code", "result", "messages", "elapsed_s"}
+         {"api": 1, "action", "host", "dynprof_version", "exit_code", "result", "messages", "error", "elapsed_s"}
     GET  /api/v1/artifacts/<id>              {"id", "manifest", ...}
     GET  /api/v1/artifacts/<id>/files/<name> the file
 
 Requests carry ``Authorization: Bearer TOKEN``; with a CA file (``--cacert``) they go over
 https and the sidecar's certificate is verified against it. At most ``max_in_flight`` nodes
-are asked at once; each has its own deadline (connecting, then reading, both within the
-timeout). A 429 (busy) is retried once, after its Retry-After when that fits the deadline.
+are asked at once; each has its own deadline for the whole answer (connecting, sending, the
+headers and the body: a node that drips its answer is cut off at the deadline, whatever it
+sends). A 429 (busy) is retried once, after its Retry-After when that fits the deadline.
 
-Every answer is untrusted: its size is bounded, its shape checked, and anything else becomes a
-failure with a reason a person can act on, never an exception out of here.
+Every answer is untrusted: its bytes and the JSON values it holds are bounded before it is
+decoded, its shape checked, and anything else becomes a failure of that node with a reason a
+person can act on, never an exception out of here. Files are streamed to disk.
 
     >>> client = SidecarClient(token)                                  # doctest: +SKIP
     >>> answers = client.action_all(nodes, "ps", {"job": "j1"})          # doctest: +SKIP
@@ -23,12 +25,15 @@ failure with a reason a person can act on, never an exception out of here.
 from __future__ import annotations
 
 import hashlib
+import heapq
 import http.client
+import itertools
 import json
 import os
 import re
 import socket
 import ssl
+import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -41,13 +46,17 @@ from dynprof import __version__
 from dynprof.errors import ArtifactError
 from dynprof.job.discovery import Node
 from dynprof.units import human_bytes
-from dynprof.untrusted import loads_json
+from dynprof.untrusted import count_json_values, loads_json
 
 API_VERSION = 1
 DEFAULT_MAX_IN_FLIGHT = 64
 DEFAULT_NODE_TIMEOUT_S = 10.0
 MAX_ANSWER_BYTES = 80 * 1024 * 1024  # a sidecar's action output is capped at 64 MiB, plus the envelope
-MAX_SMALL_ANSWER_BYTES = 1024 * 1024  # info, errors, manifests
+MAX_SMALL_ANSWER_BYTES = 1024 * 1024  # info, errors
+# JSON values one answer may hold (counted before it is decoded): the answers of real nodes
+# hold thousands (ps, ls) to a few hundred thousand (stacks of many threads, NCCL entries).
+MAX_ANSWER_VALUES = 500_000
+MAX_SMALL_ANSWER_VALUES = 20_000
 MAX_FILE_BYTES = 64 * 1024**3
 MAX_MESSAGES = 200
 MAX_RETRY_AFTER_S = 30.0
@@ -65,6 +74,16 @@ class NodeFailure(Exception):
         self.status = status
 
 
+@dataclass(frozen=True)
+class CommandError:
+    """The error a node's command stopped on, as its sidecar's answer carries it (``error``)."""
+
+    type: str
+    message: str
+    help: str
+    exit_code: int
+
+
 @dataclass
 class NodeAnswer:
     """One node's answer to an action, or why there is none (``error`` set, ``answered`` False)."""
@@ -78,23 +97,19 @@ class NodeAnswer:
     error: str | None = None
     elapsed_s: float = 0.0
     dynprof_version: str | None = None
+    failure: CommandError | None = None  # the command ran and stopped on this error
 
     @property
     def ok(self) -> bool:
         return self.answered and self.exit_code == 0
 
     def command_error(self) -> str | None:
-        """The command's own error, when it ran and failed (from its ``--json`` error document,
-        else its last stderr line)."""
+        """The command's own error, when it ran and failed: the answer's structured ``error``,
+        else (a command that ended with an exit code of its own) its last stderr line."""
         if not self.answered or self.exit_code == 0:
             return None
-        if isinstance(self.result, dict) and isinstance(self.result.get("error"), dict):
-            message = self.result["error"].get("message")
-            if isinstance(message, str):
-                return message[:2000]
-        for line in reversed(self.messages):
-            if line.startswith("dynprof: error: "):
-                return line[len("dynprof: error: ") :]
+        if self.failure is not None:
+            return self.failure.message
         return self.messages[-1] if self.messages else None
 
     def summary(self, label: str) -> dict[str, Any]:
@@ -121,6 +136,71 @@ def tls_context(cacert: str) -> ssl.SSLContext:
             f"cannot use the CA file {cacert}: {exc}",
             help="Give a PEM file holding the CA that signed the sidecars' certificates.",
         ) from None
+
+
+class _Deadlines:
+    """One daemon thread that shuts down the socket of every request whose deadline has
+    passed: a blocked connect, send or read then returns at once, however the node drips.
+    (A socket timeout alone bounds each ``recv``, not the answer: one byte a second never
+    trips it.)"""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._heap: list[tuple[float, int]] = []
+        self._live: dict[int, Any] = {}  # id -> the connection, while its request runs
+        self._fired: set[int] = set()
+        self._ids = itertools.count()
+        self._thread: threading.Thread | None = None
+
+    def watch(self, conn: http.client.HTTPConnection, deadline: float) -> int:
+        with self._lock:
+            key = next(self._ids)
+            self._live[key] = conn
+            heapq.heappush(self._heap, (deadline, key))
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="dynprof-deadlines", daemon=True)
+                self._thread.start()
+            self._wake.notify()
+            return key
+
+    def done(self, key: int) -> bool:
+        """Stop watching; True when the deadline fired."""
+        with self._lock:
+            self._live.pop(key, None)
+            if key in self._fired:
+                self._fired.discard(key)
+                return True
+            return False
+
+    def _run(self) -> None:
+        with self._lock:
+            while True:
+                while self._heap and self._heap[0][1] not in self._live:
+                    heapq.heappop(self._heap)
+                if not self._heap:
+                    self._wake.wait(30.0)
+                    if not self._heap:
+                        self._thread = None
+                        return
+                    continue
+                deadline, key = self._heap[0]
+                left = deadline - time.monotonic()
+                if left > 0:
+                    self._wake.wait(left)
+                    continue
+                heapq.heappop(self._heap)
+                conn = self._live.get(key)
+                self._fired.add(key)
+                sock = getattr(conn, "sock", None)
+                if sock is not None:
+                    try:
+                        sock.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass
+
+
+_DEADLINES = _Deadlines()
 
 
 class SidecarClient:
@@ -154,17 +234,21 @@ class SidecarClient:
         deadline: float,
         max_bytes: int,
         sink: Any = None,
-    ) -> tuple[int, dict[str, str], bytes]:
+    ) -> tuple[int, dict[str, str], bytearray]:
         """(status, headers, body) of one request, all of it before ``deadline``; the body goes
         to ``sink.write`` instead when given. Raises :class:`NodeFailure`."""
-        total = max(0.05, deadline - time.monotonic())
-        conn = self._connection(node, min(total, self.timeout))
+        started = time.monotonic()
+        total = max(0.05, deadline - started)
         phase = "connecting to"
+        watch: int | None = None
         try:
+            conn = self._connection(node, min(total, self.timeout))
+        except (http.client.HTTPException, ValueError) as exc:
+            raise NodeFailure(f"bad node address {node.address!r}: {type(exc).__name__}") from None
+        try:
+            watch = _DEADLINES.watch(conn, started + total)
             conn.connect()
             phase = "waiting for"
-            if conn.sock is not None:
-                conn.sock.settimeout(max(0.05, deadline - time.monotonic()))
             headers = {
                 "Authorization": f"Bearer {self.token}",
                 "Accept": "application/json",
@@ -172,67 +256,67 @@ class SidecarClient:
             }
             if body is not None:
                 headers["Content-Type"] = "application/json"
+            _set_timeout(conn, deadline)
             conn.request(method, path, body=body, headers=headers)
             resp = conn.getresponse()
             phase = "reading the answer of"
-            got: list[bytes] = []
+            if resp.status == 200 and resp.length is not None and resp.length > max_bytes:
+                raise NodeFailure(f"the answer is over {human_bytes(max_bytes)}: refused", resp.status)
+            # A refusal (401, 404, 5xx) is read for its reason only: its first MiB.
+            keep = max_bytes if resp.status == 200 else min(max_bytes, MAX_SMALL_ANSWER_BYTES)
+            got = bytearray()
             size = 0
+            truncated = False
             while True:
-                left = deadline - time.monotonic()
-                if left <= 0:
+                if deadline - time.monotonic() <= 0:
                     raise TimeoutError()
-                if conn.sock is not None:
-                    conn.sock.settimeout(left)
-                chunk = resp.read(_CHUNK)
+                _set_timeout(conn, deadline)
+                chunk = resp.read1(_CHUNK)
                 if not chunk:
                     break
                 size += len(chunk)
-                if size > max_bytes:
+                if size > keep:
+                    if resp.status != 200:
+                        truncated = True
+                        break
                     raise NodeFailure(f"the answer is over {human_bytes(max_bytes)}: refused", resp.status)
                 if sink is not None and resp.status == 200:
                     sink.write(chunk)
                 else:
-                    got.append(chunk)
-            if resp.length:  # a Content-Length the connection's end fell short of
+                    got += chunk
+            if resp.length and not truncated:  # a Content-Length the connection's end fell short of
                 raise NodeFailure(f"the answer of {node} was cut off ({resp.length} bytes missing)", resp.status)
-            return resp.status, {k.lower(): v for k, v in resp.getheaders()}, b"".join(got)
-        except NodeFailure:
-            raise
-        except ConnectionRefusedError:
-            raise NodeFailure(f"connection refused: is `dynprof serve` running on {node}?") from None
-        except TimeoutError:
-            raise NodeFailure(
-                f"timed out after {total:.3g} s {phase} {node}"
-                + (" (the node is down, or a firewall drops the port)" if phase == "connecting to" else "")
-            ) from None
-        except socket.gaierror as exc:
-            raise NodeFailure(f"unknown host {node.host}: {exc.strerror or exc}") from None
-        except ssl.SSLCertVerificationError as exc:
-            if exc.verify_code in _NAME_MISMATCH:
+            if watch is not None and _DEADLINES.done(watch):
+                watch = None
+                raise TimeoutError()
+            return resp.status, {k.lower(): v for k, v in resp.getheaders()}, got
+        except Exception as exc:
+            fired = watch is not None and _DEADLINES.done(watch)
+            watch = None
+            if fired or isinstance(exc, TimeoutError):
+                elapsed = time.monotonic() - started
                 raise NodeFailure(
-                    f"the TLS certificate of {node} does not name {node.host} ({exc.verify_message}); "
-                    "name the node as its certificate does"
+                    f"timed out after {elapsed:.3g} s {phase} {node}"
+                    + (" (the node is down, or a firewall drops the port)" if phase == "connecting to" else "")
                 ) from None
-            raise NodeFailure(
-                f"the TLS certificate of {node} is not trusted: {exc.verify_message or exc}; "
-                "give the CA that signed it with --cacert"
-            ) from None
-        except ssl.SSLError as exc:
-            raise NodeFailure(f"TLS failed with {node} ({exc.reason or exc}): does its sidecar serve https?") from None
-        except (http.client.BadStatusLine, http.client.RemoteDisconnected, ConnectionResetError) as exc:
-            hint = "" if self.tls is not None else "; if the sidecar serves https, give --cacert"
-            raise NodeFailure(f"no HTTP answer from {node} ({type(exc).__name__}){hint}") from None
-        except (http.client.HTTPException, ValueError) as exc:
-            raise NodeFailure(f"a malformed HTTP answer from {node}: {type(exc).__name__}: {str(exc)[:200]}") from None
-        except OSError as exc:
-            raise NodeFailure(f"connection to {node} failed: {exc}") from None
+            raise _failure(node, exc, self.tls is not None) from None
         finally:
+            if watch is not None:
+                _DEADLINES.done(watch)
             conn.close()
 
     def _call_json(
-        self, node: Node, method: str, path: str, payload: Any, deadline: float, max_bytes: int
+        self,
+        node: Node,
+        method: str,
+        path: str,
+        payload: Any,
+        deadline: float,
+        max_bytes: int,
+        max_values: int = MAX_SMALL_ANSWER_VALUES,
     ) -> dict[str, Any]:
-        """A JSON request with one retry on 429; the answer's JSON object, or :class:`NodeFailure`."""
+        """A JSON request with one retry on 429; the answer's JSON object, or :class:`NodeFailure`.
+        The answer is decoded only when it holds at most ``max_values`` JSON values."""
         body = None if payload is None else json.dumps(payload).encode()
         for attempt in (1, 2):
             status, headers, data = self._request(node, method, path, body, deadline, max_bytes)
@@ -243,8 +327,18 @@ class SidecarClient:
                     continue
             if status != 200:
                 raise NodeFailure(_http_reason(node, status, data, path), status)
+            if count_json_values(data) > max_values:
+                raise NodeFailure(f"the answer of {node} to {path} holds over {max_values} JSON values: refused")
             try:
-                doc = loads_json(data, f"the answer of {node} to {path}")
+                # The text alone while it is parsed: the bytes go first (an answer may be 80 MiB).
+                text = data.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise NodeFailure(
+                    f"not a dynprof sidecar: the answer of {node} to {path}: not valid JSON ({str(exc)[:120]})"
+                ) from None
+            del data
+            try:
+                doc = loads_json(text, f"the answer of {node} to {path}")
             except ArtifactError as exc:
                 raise NodeFailure(f"not a dynprof sidecar: {exc.message}") from None
             if not isinstance(doc, dict):
@@ -273,7 +367,13 @@ class SidecarClient:
             payload["timeout"] = timeout
         try:
             doc = self._call_json(
-                node, "POST", f"/api/v1/actions/{quote(name, safe='')}", payload, deadline, MAX_ANSWER_BYTES
+                node,
+                "POST",
+                f"/api/v1/actions/{quote(name, safe='')}",
+                payload,
+                deadline,
+                MAX_ANSWER_BYTES,
+                MAX_ANSWER_VALUES,
             )
             return _answer(node, doc, name, time.monotonic() - started)
         except NodeFailure as exc:
@@ -295,7 +395,9 @@ class SidecarClient:
     def artifact(self, node: Node, artifact_id: str) -> dict[str, Any]:
         check_artifact_id(artifact_id)
         deadline = time.monotonic() + self.timeout
-        doc = self._call_json(node, "GET", "/api/v1/artifacts/" + quote(artifact_id), None, deadline, MAX_ANSWER_BYTES)
+        doc = self._call_json(
+            node, "GET", "/api/v1/artifacts/" + quote(artifact_id), None, deadline, MAX_ANSWER_BYTES, MAX_ANSWER_VALUES
+        )
         if not isinstance(doc.get("manifest"), dict):
             raise NodeFailure(f"not a dynprof sidecar: the artifact {artifact_id} of {node} has no manifest")
         return doc
@@ -360,13 +462,48 @@ class SidecarClient:
             raise NodeFailure(f"{artifact_id}/{name}: {len(data)} bytes arrived, the manifest says {size}")
         if hashlib.sha256(data).hexdigest() != sha256:
             raise NodeFailure(f"{artifact_id}/{name}: sha256 differs from the manifest's")
-        return data
+        return bytes(data)
 
 
 # -- checking what came back -------------------------------------------------------------------
 def _short(value: Any, limit: int = 80) -> str:
     text = repr(value) if not isinstance(value, str) else value
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _set_timeout(conn: http.client.HTTPConnection, deadline: float) -> None:
+    if conn.sock is not None:
+        conn.sock.settimeout(max(0.05, deadline - time.monotonic()))
+
+
+def _failure(node: Node, exc: Exception, tls: bool) -> NodeFailure:
+    """What went wrong with one request, in a person's words."""
+    if isinstance(exc, NodeFailure):
+        return exc
+    if isinstance(exc, ConnectionRefusedError):
+        return NodeFailure(f"connection refused: is `dynprof serve` running on {node}?")
+    if isinstance(exc, socket.gaierror):
+        return NodeFailure(f"unknown host {node.host}: {exc.strerror or exc}")
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        if exc.verify_code in _NAME_MISMATCH:
+            return NodeFailure(
+                f"the TLS certificate of {node} does not name {node.host} ({exc.verify_message}); "
+                "name the node as its certificate does"
+            )
+        return NodeFailure(
+            f"the TLS certificate of {node} is not trusted: {exc.verify_message or exc}; "
+            "give the CA that signed it with --cacert"
+        )
+    if isinstance(exc, ssl.SSLError):
+        return NodeFailure(f"TLS failed with {node} ({exc.reason or exc}): does its sidecar serve https?")
+    if isinstance(exc, (http.client.BadStatusLine, http.client.RemoteDisconnected, ConnectionResetError)):
+        hint = "" if tls else "; if the sidecar serves https, give --cacert"
+        return NodeFailure(f"no HTTP answer from {node} ({type(exc).__name__}){hint}")
+    if isinstance(exc, (http.client.HTTPException, ValueError)):
+        return NodeFailure(f"a malformed HTTP answer from {node}: {type(exc).__name__}: {str(exc)[:200]}")
+    if isinstance(exc, OSError):
+        return NodeFailure(f"connection to {node} failed: {exc}")
+    return NodeFailure(f"the exchange with {node} failed: {type(exc).__name__}: {str(exc)[:200]}")
 
 
 def _retry_after(value: str | None) -> float:
@@ -379,10 +516,12 @@ def _retry_after(value: str | None) -> float:
     return min(seconds, MAX_RETRY_AFTER_S)
 
 
-def _http_reason(node: Node, status: int, data: bytes, path: str) -> str:
+def _http_reason(node: Node, status: int, data: bytes | bytearray, path: str) -> str:
     detail = ""
     try:
-        doc = loads_json(data[:MAX_SMALL_ANSWER_BYTES], "an error") if data else None
+        doc = (
+            loads_json(data[:MAX_SMALL_ANSWER_BYTES], "an error", max_values=MAX_SMALL_ANSWER_VALUES) if data else None
+        )
         if isinstance(doc, dict) and isinstance(doc.get("error"), str):
             detail = doc["error"][:300]
     except ArtifactError:
@@ -422,16 +561,35 @@ def _answer(node: Node, doc: dict[str, Any], name: str, elapsed: float) -> NodeA
     if not isinstance(messages, list):
         raise bad("has messages that are not a list")
     version = doc.get("dynprof_version")
+    try:
+        failure = _command_error(doc.get("error"))
+    except ValueError:
+        raise bad("has an error that is not {type, message, help, exit_code}") from None
     return NodeAnswer(
         node,
         True,
         host=host[:253] if host else None,
         exit_code=code,
         result=doc.get("result"),
-        messages=[str(m)[:2000] for m in messages[:MAX_MESSAGES]],
+        messages=[m[:2000] if isinstance(m, str) else f"({type(m).__name__})" for m in messages[:MAX_MESSAGES]],
         elapsed_s=elapsed,
         dynprof_version=version[:40] if isinstance(version, str) else None,
+        failure=failure,
     )
+
+
+def _command_error(value: Any) -> CommandError | None:
+    """The answer's ``error`` (None when there is none); ValueError when it is malformed."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ValueError("not an object")
+    kind, message, help_text, code = (value.get(k) for k in ("type", "message", "help", "exit_code"))
+    if not isinstance(kind, str) or not isinstance(message, str) or not isinstance(help_text, (str, type(None))):
+        raise ValueError("a field is not text")
+    if isinstance(code, bool) or not isinstance(code, int) or not -255 <= code <= 255:
+        raise ValueError("no exit code")
+    return CommandError(kind[:100], message[:2000], (help_text or "")[:2000], code)
 
 
 def check_artifact_id(artifact_id: Any) -> str:

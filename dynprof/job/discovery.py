@@ -11,6 +11,7 @@ option asked for other nodes).
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 import queue
 import re
@@ -18,9 +19,10 @@ import shutil
 import socket
 import stat
 import subprocess
+import sys
 import threading
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from dynprof import errors
@@ -44,31 +46,57 @@ class Node:
         return self.address
 
 
+_PORT = re.compile(r"[0-9]{1,5}")
+_NOT_IN_A_NAME = frozenset("/?#@[]\\%")
+
+
 def parse_node(text: str) -> Node:
-    """``HOST``, ``HOST:PORT``, ``[V6]`` or ``[V6]:PORT``."""
+    """``HOST``, ``HOST:PORT``, ``[V6]`` or ``[V6]:PORT``.
+
+    Whatever names the node (an option, a host file, an action's ``hosts``, a line of the job's
+    store) is checked here: a port of ASCII digits 1-65535, a host of printable characters
+    without blanks or URL syntax, an IPv6 address in brackets that is one. Anything else is a
+    :class:`~dynprof.errors.UsageError`, never a failure further down."""
+    if not isinstance(text, str):
+        raise errors.UsageError("a node name must be text")
     text = text.strip()
     if not text:
         raise errors.UsageError("an empty node name")
+    shown = ascii(text[:80])
     host, port_text = text, ""
     if text.startswith("["):
         end = text.find("]")
         if end < 0:
-            raise errors.UsageError(f"bad node address {text!r}: no closing ]")
+            raise errors.UsageError(f"bad node address {shown}: no closing ]")
         host, rest = text[1:end], text[end + 1 :]
         if rest:
             if not rest.startswith(":"):
-                raise errors.UsageError(f"bad node address {text!r}")
+                raise errors.UsageError(f"bad node address {shown}")
             port_text = rest[1:]
+        if not _is_ipv6(host):
+            raise errors.UsageError(f"bad node address {shown}: not an IPv6 address in []")
     elif text.count(":") == 1:
         host, port_text = text.split(":", 1)
+    elif ":" in text and not _is_ipv6(text):
+        raise errors.UsageError(f"bad node address {shown}: write an IPv6 address as [ADDRESS]:PORT")
     port = DEFAULT_PORT
-    if port_text:
-        if not port_text.isdigit() or not 1 <= int(port_text) <= 65535:
-            raise errors.UsageError(f"bad port in {text!r}: 1-65535")
+    if text.endswith(":") or port_text:
+        if not _PORT.fullmatch(port_text) or not 1 <= int(port_text) <= 65535:
+            raise errors.UsageError(f"bad port in {shown}: 1-65535")
         port = int(port_text)
-    if not host or any(c.isspace() or c in "/?#@" for c in host) or len(host) > 253:
-        raise errors.UsageError(f"bad node name {host!r}")
+    if ":" in host:
+        return Node(host, port)  # an IPv6 address, checked above
+    if not host or len(host) > 253 or any(c.isspace() or not c.isprintable() or c in _NOT_IN_A_NAME for c in host):
+        raise errors.UsageError(f"bad node name {host[:80]!a}")
     return Node(host, port)
+
+
+def _is_ipv6(text: str) -> bool:
+    try:
+        ipaddress.IPv6Address(text)
+    except ValueError:
+        return False
+    return text.isascii() and text.isprintable()
 
 
 def parse_hosts(text: str) -> list[Node]:
@@ -210,8 +238,8 @@ def sidecar_port() -> int:
     text = os.environ.get("DYNPROF_SIDECAR_PORT", "")
     if not text:
         return DEFAULT_PORT
-    if not text.isdigit() or not 1 <= int(text) <= 65535:
-        raise errors.UsageError(f"DYNPROF_SIDECAR_PORT={text!r}: a port 1-65535")
+    if not _PORT.fullmatch(text) or not 1 <= int(text) <= 65535:
+        raise errors.UsageError(f"DYNPROF_SIDECAR_PORT={text[:40]!a}: a port 1-65535")
     return int(text)
 
 
@@ -276,16 +304,28 @@ DISCOVER_TIMEOUT_S = 5.0
 DISCOVER_ASKED_AGENTS = 3
 
 
+MAX_CLAIMS_PER_RANK = 4  # distinct sidecars one rank may be registered with (restarts, moves)
+MAX_REFUSED_SHOWN = 20
+
+
 @dataclass
 class Discovery:
-    """What the job's rendezvous store says: every registered rank, and the nodes they name."""
+    """What the job's rendezvous store says: every registered rank, and the nodes they name.
+
+    The store has no authentication: whoever reaches its port can write ``dynprof/`` keys. So
+    a registration is a hint. Only those whose sidecar is an allowed node (see
+    :class:`AllowedNodes`), or is verified by TLS, are used; the others are in ``refused``
+    with the reason. Every allowed claim of a rank is kept (a forged line cannot replace a
+    real one), and each node's sidecar then says which ranks it really has."""
 
     job: str
     nodes: list[Node]
-    ranks: list[dict[str, Any]]  # rank, local_rank, host, sidecar, pid (one per registered rank)
+    ranks: list[dict[str, Any]]  # rank, local_rank, host, sidecar, pid (one per claim used)
     world_size: int
     store: str
     asked_pid: int
+    refused: list[dict[str, Any]] = field(default_factory=list)  # rank, sidecar, reason (at most 20)
+    refused_count: int = 0
 
     @property
     def missing_ranks(self) -> list[int]:
@@ -293,19 +333,94 @@ class Discovery:
         return [r for r in range(self.world_size) if r not in seen]
 
 
-def discover_job(job: str, timeout: float = DISCOVER_TIMEOUT_S) -> Discovery:
+def _host_key(host: str) -> str:
+    """How two spellings of one host compare, without asking DNS: IP literals by value, names
+    case-insensitively, without a trailing dot."""
+    try:
+        return ipaddress.ip_address(host.split("%", 1)[0]).compressed
+    except ValueError:
+        return host.lower().rstrip(".")
+
+
+def _is_loopback(host: str) -> bool:
+    if host.lower().rstrip(".") == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.split("%", 1)[0]).is_loopback
+    except ValueError:
+        return False
+
+
+def _own_host() -> str:
+    """This machine's own name (no DNS): a sidecar here is as much this node's as loopback's."""
+    return _host_key(socket.gethostname())
+
+
+@dataclass
+class AllowedNodes:
+    """The sidecars that registrations read from the job's store may send a command (and the
+    token) to, decided without DNS: the nodes named by the operator in the same command
+    (``--hosts``, ``--hostfile``, ``--slurm``), ``--allow-hosts``, the nodes of the Slurm
+    allocation the command runs in, and this machine (loopback, its own host name); a host
+    named without a port is allowed at the sidecar port (``DYNPROF_SIDECAR_PORT``, else 8787)."""
+
+    addresses: set[tuple[str, int]] = field(default_factory=set)
+    port: int = DEFAULT_PORT
+
+    def add(self, node: Node) -> None:
+        self.addresses.add((_host_key(node.host), node.port))
+
+    def add_host(self, host: str) -> None:
+        self.addresses.add((_host_key(host), self.port))
+
+    def allows(self, node: Node) -> bool:
+        if (_host_key(node.host), node.port) in self.addresses:
+            return True
+        return node.port == self.port and (_is_loopback(node.host) or _host_key(node.host) == _own_host())
+
+
+def allowed_nodes(named: list[Node], allow_hosts: str | None, env: Mapping[str, str] | None = None) -> AllowedNodes:
+    env = os.environ if env is None else env
+    allowed = AllowedNodes(port=sidecar_port())
+    for node in named:
+        allowed.add(node)
+    for part in (allow_hosts or "").split(","):
+        part = part.strip()
+        if not part:
+            continue
+        node = parse_node(part)
+        has_port = part.count(":") == 1 if not part.startswith("[") else "]:" in part
+        if has_port:
+            allowed.add(node)
+        else:
+            allowed.add_host(node.host)  # no port given: the sidecar port
+    nodelist = next((env[v] for v in SLURM_NODELIST_VARIABLES if env.get(v)), None)
+    if nodelist:
+        try:
+            for host in expand_nodelist(nodelist):
+                allowed.add_host(host)
+        except errors.UsageError:
+            pass  # a list this parser refuses allows nothing
+    return allowed
+
+
+def discover_job(
+    job: str, timeout: float = DISCOVER_TIMEOUT_S, allowed: AllowedNodes | None = None, tls: bool = False
+) -> Discovery:
     """Ask a local agent of ``job`` for the registrations in the job's rendezvous store.
 
     Each rank's agent registers its host and node sidecar there once the job's default
     process group exists. Up to three local agents (lowest ranks) are asked at once; the first
-    answer wins."""
+    answer wins. Registrations are used as :class:`Discovery` says: ``allowed`` nodes only
+    (default: loopback and this Slurm allocation's nodes), or any node when ``tls`` verifies
+    every sidecar before the token is sent."""
     from dynprof.client import AgentClient
     from dynprof.proto import pb
     from dynprof.registry import list_records
 
     records = [r for r in list_records() if r.job_id == job]
     if not records:
-        from dynprof.cli._common import refresh_records
+        from dynprof.agents import refresh_records
 
         records = [r for r in refresh_records(list_records()) if r.job_id == job]
     if not records:
@@ -338,7 +453,7 @@ def discover_job(job: str, timeout: float = DISCOVER_TIMEOUT_S) -> Discovery:
         if isinstance(answer, errors.DynprofError):
             failures.append((record, answer))
             continue
-        return _discovery_from(job, record.pid, answer.job_nodes)
+        return _discovery_from(job, record.pid, answer.job_nodes, allowed or allowed_nodes([], None), tls)
     record, exc = failures[0]
     if getattr(exc, "code", None) in (pb.BAD_REQUEST, pb.UNKNOWN_COMMAND):
         # Structured codes: an agent of an older dynprof does not know the command.
@@ -350,30 +465,60 @@ def discover_job(job: str, timeout: float = DISCOVER_TIMEOUT_S) -> Discovery:
     raise exc
 
 
-def _discovery_from(job: str, pid: int, found: Any) -> Discovery:
-    ranks = [
-        {
-            "rank": r.rank,
-            "local_rank": r.local_rank if r.local_rank >= 0 else None,
-            "host": r.host,
-            "sidecar": r.sidecar,
-            "pid": r.pid,
-        }
-        for r in found.ranks
-    ]
+def _discovery_from(job: str, pid: int, found: Any, allowed: AllowedNodes, tls: bool = False) -> Discovery:
+    world = found.world_size if 0 < found.world_size <= 1 << 24 else 0
+    ranks: list[dict[str, Any]] = []
+    refused: list[dict[str, Any]] = []
+    refused_count = 0
+    claims: dict[int, set[Node]] = {}
     nodes: list[Node] = []
+
+    def refuse(r: Any, reason: str) -> None:
+        nonlocal refused_count
+        refused_count += 1
+        if len(refused) < MAX_REFUSED_SHOWN:
+            refused.append({"rank": r.rank, "sidecar": ascii(r.sidecar[:300])[1:-1], "reason": reason})
+
     for r in found.ranks:
+        if not 0 <= r.rank < world:
+            refuse(r, f"rank {r.rank} is not below the world size {world}")
+            continue
         try:
-            nodes.append(parse_node(r.sidecar))
-        except errors.UsageError:
-            continue  # an unusable address registered by someone: its rank counts as missing
-    if not nodes:
-        raise errors.DynprofError(
-            f"--discover: no rank of job {job!r} is registered in its store ({found.store})",
-            help="Ranks register once torch.distributed.init_process_group has returned, and only when the "
-            "dynprof agent was in them by then (or attached later); name the nodes with --hosts/--hostfile/--slurm.",
+            node = parse_node(r.sidecar)
+        except errors.UsageError as exc:
+            refuse(r, f"an unusable address: {exc.message}")
+            continue
+        if not tls and not allowed.allows(node):
+            refuse(r, "not an allowed node (--allow-hosts, --hosts, --hostfile, --slurm, this machine)")
+            continue
+        mine = claims.setdefault(r.rank, set())
+        if node in mine:
+            continue
+        if len(mine) >= MAX_CLAIMS_PER_RANK:
+            refuse(r, f"rank {r.rank} is registered with more than {MAX_CLAIMS_PER_RANK} sidecars")
+            continue
+        mine.add(node)
+        nodes.append(node)
+        ranks.append(
+            {
+                "rank": r.rank,
+                "local_rank": r.local_rank if r.local_rank >= 0 else None,
+                "host": r.host,
+                "sidecar": r.sidecar,
+                "pid": r.pid,
+            }
         )
-    return Discovery(job, list(dict.fromkeys(nodes)), ranks, found.world_size, found.store, pid)
+    if not nodes:
+        why = f"; {refused_count} registration(s) refused: {refused[0]['reason']}" if refused else ""
+        raise errors.DynprofError(
+            f"--discover: no rank of job {job!r} is registered in its store ({found.store}){why}",
+            help="Ranks register once torch.distributed.init_process_group has returned, and only when the "
+            "dynprof agent was in them by then (or attached later); a registration is used only when it names "
+            "an allowed node (--allow-hosts HOST[:PORT], --hosts, --slurm's nodes, this machine at the sidecar port) "
+            "or --cacert verifies it; name the nodes with --hosts/--hostfile/--slurm.",
+        )
+    ranks.sort(key=lambda r: r["rank"])
+    return Discovery(job, list(dict.fromkeys(nodes)), ranks, found.world_size, found.store, pid, refused, refused_count)
 
 
 # -- options -----------------------------------------------------------------------------------
@@ -396,7 +541,26 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
         "--discover",
         action="store_true",
         help="as --hosts, the nodes that the ranks of --job registered in the job's own rendezvous store "
-        "(asks an agent of the job on this node)",
+        "(asks an agent of the job on this node); only allowed nodes are used (see --allow-hosts)",
+    )
+    parser.add_argument(
+        "--allow-hosts",
+        metavar="HOST[:PORT],...",
+        help="with --discover: sidecars that registrations in the job's store may name, besides the nodes of "
+        "--hosts/--hostfile/--slurm, this Slurm allocation's and this machine's (no port: the sidecar port); the store "
+        "is not authenticated, so no other address gets the token unless --cacert verifies it",
+    )
+
+
+def _warn_refused(found: Discovery) -> None:
+    if not found.refused_count:
+        return
+    first = found.refused[0]
+    print(
+        f"dynprof: warning: --discover: {found.refused_count} registration(s) in the job's store not used "
+        f"(rank {first['rank']}: {first['sidecar'][:120]}: {first['reason']}); the store is not authenticated: "
+        "allow a node with --allow-hosts HOST[:PORT], or verify the sidecars with --cacert",
+        file=sys.stderr,
     )
 
 
@@ -426,9 +590,13 @@ def resolve_nodes(args: argparse.Namespace) -> list[Node] | None:
         job = getattr(args, "job", None)
         if not job:
             raise errors.UsageError("--discover needs --job JOB: the job whose store names its nodes")
-        found = discover_job(job)
+        allowed = allowed_nodes(nodes, getattr(args, "allow_hosts", None))
+        found = discover_job(job, allowed=allowed, tls=bool(getattr(args, "cacert", None)))
         args.discovery = found  # who registered and who did not, for the command's report
         nodes += found.nodes
+        _warn_refused(found)
+    elif getattr(args, "allow_hosts", None):
+        raise errors.UsageError("--allow-hosts says which nodes --discover may use: give --discover too")
     if not asked:
         return None
     if not nodes:

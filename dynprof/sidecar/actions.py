@@ -1,22 +1,30 @@
-"""The actions a node's sidecar takes on request: the CLI's own commands, run with ``--json``.
+"""The actions a node's sidecar takes on request: the CLI's own commands, called for their result.
 
 An action is a CLI command (``ps``, ``start``, ``stacks``, ...) and a JSON object of options.
-Only the options listed for the action exist; each becomes one ``--flag=value`` and is checked
-by the command's own parser, so the sidecar accepts exactly what the CLI accepts and answers
-exactly what the CLI's ``--json`` prints. Nothing else can be named: no output path, no
-``--attach``, no file of the sidecar's machine.
+Only the options listed for the action exist (:data:`ACTIONS`; a unit test holds every row to
+the command's parser); each becomes one ``--flag=value`` and is parsed by the command's own
+parser, so the sidecar accepts exactly what the CLI accepts. Nothing else can be named: no
+output path, no ``--attach``, no file of the sidecar's machine. The command then answers with
+a :class:`~dynprof.result.Result`: the answer carries its ``to_json()`` (what the CLI's
+``--json`` prints), its exit code and its messages; a :class:`~dynprof.errors.DynprofError`
+travels as a structured ``error`` (type, message, help, exit code). Nothing printed is parsed.
 
-Commands run in this process, on the calling thread, with their stdout and stderr captured for
-that thread alone (and for the threads it starts through :func:`dynprof.cli._common.parallel`),
-so concurrent actions never mix their output. ``healthcheck`` runs in a child process: it drives
-the GPUs and must not leave CUDA state in the sidecar.
+The sidecar imports no CLI module: ``dynprof serve`` hands it the commands
+(:class:`ActionCommand`: the command's parser and its ``collect`` functions), and a child
+process runs :data:`CHILD_MODULE`, named here as a string only.
+
+Commands run in this process, on a thread of their own, and return their result: nothing they
+do touches ``sys.stdout``. ``healthcheck`` runs in a child process: it drives the GPUs and must
+not leave CUDA state in the sidecar.
 
 The job-level actions (``ps``, ``ls``, ``stacks``, ``start``, ``stop``, ``memory``, ``nccl``)
-also take ``hosts``, a list of ``HOST[:PORT]``: the command then runs in a child process with
-``--hosts`` and reaches those nodes' sidecars itself (so the page can ask its own sidecar for a
-job-wide view). ``hosts`` is not among the action's ``options``: the fan-out forwards exactly
-those, so the requests it sends to the nodes never carry ``hosts`` again (one level only), and
-a command running in this process never fans out (:func:`in_action`).
+also take ``hosts``, a list of ``HOST[:PORT]``: the command's ``collect_nodes`` then reaches
+those nodes' sidecars (so the page can ask its own sidecar for a job-wide view). It runs in a
+child process too: a job-wide answer merges up to 4096 nodes' answers of up to 64 MiB each,
+which must not stay in the sidecar's heap, and the child (with its connections) can be killed
+past the action's limit, which a thread cannot. ``hosts`` is not among the action's
+``options``: the fan-out forwards exactly those, so the requests it sends to the nodes never
+carry ``hosts`` again, and a node runs ``collect_local`` (one level only, by construction).
 
 Every action has a hard time limit: the command's own ``--timeout`` (capped per action), plus a
 grace period. A child process still running past it is killed with its whole process group; a
@@ -24,14 +32,14 @@ command running in this process cannot be killed, so its caller is answered (exi
 out) and the command keeps its slot of :class:`ActionSlots` until it ends, so a stuck command
 can never let more than ``max_actions`` run at once.
 
-    >>> run_action("ps", {"job": "j1"})["result"]["agents"]      # doctest: +SKIP
+    >>> run_action("ps", {"job": "j1"}, commands=table)["result"]["agents"]      # doctest: +SKIP
 """
 
 from __future__ import annotations
 
-import contextvars
-import io
+import argparse
 import json
+import logging
 import math
 import os
 import signal
@@ -39,17 +47,24 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, TextIO
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
-from dynprof import __version__
+from dynprof import __version__, errors, jsontext
 from dynprof.identity import detect
+from dynprof.job.discovery import Node
+from dynprof.result import Result, error_json
+
+log = logging.getLogger("dynprof.sidecar")
 
 API_VERSION = 1
 MAX_OUTPUT_BYTES = 64 * 1024 * 1024  # a command's JSON larger than this is refused, not buffered on
 MAX_PARAM_CHARS = 4096
+MAX_MESSAGES = 200
 SUBPROCESS_GRACE_S = 10.0
+# The entry point of an action's child process (the CLI's; named, never imported, here).
+CHILD_MODULE = "dynprof.cli.sidecar_actions"
 
 
 @dataclass(frozen=True)
@@ -69,6 +84,21 @@ class Action:
     changes_jobs: bool = False  # acts on a job (a trace, a snapshot): refused by a read-only sidecar
     own_default_timeout: bool = True  # the command's --timeout has a default of its own
     fans_out: bool = False  # takes ``hosts`` (the command's --hosts): a job-wide view through the sidecars
+    failed_exit: int = 1  # the exit code of "could not run" (healthcheck: 3; 1 and 2 are verdicts there)
+
+
+@dataclass(frozen=True)
+class ActionCommand:
+    """A CLI command as an action runs it, handed to the sidecar by ``dynprof serve``.
+
+    ``parse`` is the command's own parser (the arguments without the command's name); it raises
+    a :class:`~dynprof.errors.DynprofError` (a usage error, with the command's usage exit code)
+    for a value it refuses, and never exits. ``collect_local`` answers on this node's agents;
+    ``collect_nodes`` (job-level commands) on the given nodes, through their sidecars."""
+
+    parse: Callable[[list[str]], argparse.Namespace]
+    collect_local: Callable[[argparse.Namespace], Result]
+    collect_nodes: Callable[[argparse.Namespace, list[Node]], Result] | None = None
 
 
 HOSTS = "hosts"  # the one option outside Action.options (see the module docstring)
@@ -160,6 +190,7 @@ ACTIONS: dict[str, Action] = {
         900.0,
         in_subprocess=True,
         changes_jobs=True,
+        failed_exit=3,
     ),
 }
 
@@ -176,11 +207,17 @@ class ActionSlots:
     """At most ``limit`` actions at once; one more is refused at once, never queued (a queue of
     requests behind a hung rank's stacks would only grow)."""
 
-    def __init__(self, limit: int, fanout: FanoutConfig | None = None) -> None:
+    def __init__(
+        self,
+        limit: int,
+        fanout: FanoutConfig | None = None,
+        commands: Mapping[str, ActionCommand] | None = None,
+    ) -> None:
         if limit < 1:
             raise ValueError("at least one action slot")
         self.limit = limit
         self.fanout = fanout
+        self.commands = commands or {}
         self._sem = threading.BoundedSemaphore(limit)
 
     def run(self, name: str, params: dict[str, Any] | None = None, timeout: float | None = None) -> dict[str, Any]:
@@ -189,7 +226,7 @@ class ActionSlots:
         argv_for(name, dict(params or {}), self.fanout)
         if not self._sem.acquire(blocking=False):
             raise ActionsBusy(f"all {self.limit} action slots are busy")
-        return run_action(name, params, timeout, release=self._sem.release, fanout=self.fanout)
+        return run_action(name, params, timeout, release=self._sem.release, fanout=self.fanout, commands=self.commands)
 
 
 def effective_timeout(name: str, timeout: float | None) -> float:
@@ -287,25 +324,37 @@ def _flag(opt: Option, key: str, value: Any) -> list[str]:
     return [f"{opt.flag}={text}"]  # one argument: a value can never be read as another flag
 
 
+@dataclass
+class Outcome:
+    """What an action came to: the fields of its answer."""
+
+    exit_code: int
+    result: Any = None  # what the CLI's --json prints (None: the command gave no answer)
+    messages: list[str] = field(default_factory=list)  # its stderr lines, as the CLI prints them
+    error: dict[str, Any] | None = None  # the DynprofError it stopped on (type, message, help, exit_code)
+
+
 def run_action(
     name: str,
     params: dict[str, Any] | None = None,
     timeout: float | None = None,
     release: Callable[[], Any] | None = None,
     fanout: FanoutConfig | None = None,
+    commands: Mapping[str, ActionCommand] | None = None,
 ) -> dict[str, Any]:
     """Run one action and return the sidecar's answer::
 
-        {"api": 1, "action": "ps", "host": "node-3", "exit_code": 0,
+        {"api": 1, "action": "ps", "host": "node-3", "dynprof_version": "0.1.0", "exit_code": 0,
          "result": <what `dynprof ps --json` prints, or null>, "messages": [stderr lines],
-         "elapsed_s": 0.12}
+         "error": null or {"type", "message", "help", "exit_code"}, "elapsed_s": 0.12}
 
     ``exit_code`` is the CLI's (9 when the action ran past its hard limit). ``timeout``
     (seconds) bounds the whole action: commands that take a ``--timeout`` get it (when the
     caller did not set one; an own ``--timeout`` is capped the same way), a child process is
     killed past it, and an in-process command's caller stops waiting past it plus a grace
     period. ``release`` is called once the command has really ended (its slot). With
-    ``hosts``, the command runs in a child process that reaches the nodes with ``fanout``."""
+    ``hosts``, the command runs in a child process that reaches the nodes with ``fanout``.
+    ``commands`` are the CLI's commands (:class:`ActionCommand`), by action name."""
     try:
         params = dict(params or {})
         action = ACTIONS.get(name)
@@ -328,168 +377,186 @@ def run_action(
             release()
         raise
     started = time.monotonic()
-    if action.in_subprocess or job_wide:
-        env = {"DYNPROF_TOKEN_FILE": fanout.token_file} if job_wide and fanout else None
-        try:
-            code, out, err = _run_child(argv, limit, env)
-        finally:
-            if release is not None:
-                release()
-    else:
-        code, out, err = _run_bounded(argv, limit + SUBPROCESS_GRACE_S, release)
-    result: Any = None
-    if out.strip():
-        try:
-            result = json.loads(out)
-        except ValueError:
-            err += "dynprof: the command's output was not JSON\n"
-            code = code or 1
+    outcome = _outcome(name, action, argv, job_wide, limit, release, fanout, commands or {})
     return {
         "api": API_VERSION,
         "action": name,
         "host": detect().host,
         "dynprof_version": __version__,
-        "exit_code": code,
-        "result": result,
-        "messages": [line for line in err.splitlines() if line.strip()][:200],
+        "exit_code": outcome.exit_code,
+        "result": outcome.result,
+        "messages": outcome.messages[:MAX_MESSAGES],
+        "error": outcome.error,
         "elapsed_s": round(time.monotonic() - started, 3),
     }
 
 
-# -- output capture ------------------------------------------------------------------------------
-_SINK: contextvars.ContextVar[tuple[io.StringIO, io.StringIO] | None] = contextvars.ContextVar(
-    "dynprof_output_sink", default=None
-)
-_install_lock = threading.Lock()
-
-
-class _Routed(io.TextIOBase):
-    """A stand-in for sys.stdout / sys.stderr: writes go to the current context's buffer when
-    one is set (an action running), else to the real stream."""
-
-    def __init__(self, real: TextIO, index: int) -> None:
-        self._real = real
-        self._index = index
-
-    def _target(self) -> Any:
-        sink = _SINK.get()
-        return sink[self._index] if sink is not None else self._real
-
-    def write(self, text: str) -> int:
-        target = self._target()
-        if target is not self._real and target.tell() > MAX_OUTPUT_BYTES:
-            raise OSError("dynprof: action output over the limit")
-        return int(target.write(text))
-
-    def flush(self) -> None:
-        target = self._target()
-        if target is self._real:
-            target.flush()
-
-    def writable(self) -> bool:
-        return True
-
-    def isatty(self) -> bool:
-        return False if _SINK.get() is not None else self._real.isatty()
-
-    def fileno(self) -> int:
-        if _SINK.get() is not None:
-            raise io.UnsupportedOperation("captured output has no file descriptor")
-        return self._real.fileno()
-
-    @property
-    def encoding(self) -> str:  # type: ignore[override]
-        return getattr(self._real, "encoding", "utf-8") or "utf-8"
-
-
-def in_action() -> bool:
-    """True while a command runs as a sidecar's action (on this thread or one it started): such
-    a command acts on its own node only, never fanning out again."""
-    return _SINK.get() is not None
-
-
-def install_capture() -> None:
-    """Route sys.stdout and sys.stderr through per-context buffers (idempotent)."""
-    with _install_lock:
-        if not isinstance(sys.stdout, _Routed):
-            sys.stdout = _Routed(sys.stdout, 0)  # type: ignore[assignment]
-        if not isinstance(sys.stderr, _Routed):
-            sys.stderr = _Routed(sys.stderr, 1)  # type: ignore[assignment]
-
-
-def run_captured(argv: list[str]) -> tuple[int, str, str]:
-    """Run ``dynprof ARGV`` in this process; (exit code, stdout, stderr) of this call alone."""
-    from dynprof.cli import main
-
-    install_capture()
-    out, err = io.StringIO(), io.StringIO()
-    ctx = contextvars.copy_context()
-
-    def call() -> int:
-        _SINK.set((out, err))
+def _outcome(
+    name: str,
+    action: Action,
+    argv: list[str],
+    job_wide: bool,
+    limit: float,
+    release: Callable[[], Any] | None,
+    fanout: FanoutConfig | None,
+    commands: Mapping[str, ActionCommand],
+) -> Outcome:
+    """Parse ``argv`` with the command's parser, then run it where the action runs."""
+    in_child = action.in_subprocess or job_wide
+    released = False
+    try:
+        command = commands.get(name)
+        if command is None:
+            return failed(
+                errors.Unsupported(
+                    f"this sidecar has no command for the action {name!r}",
+                    help="Start the sidecar with `dynprof serve`, which hands it the CLI's commands.",
+                )
+            )
         try:
-            return main(argv)
-        except SystemExit as exc:  # argparse: a bad value
-            return exc.code if isinstance(exc.code, int) else 2
-        except Exception as exc:  # a bug in a command must not take the sidecar down
-            err.write(f"dynprof: internal error: {type(exc).__name__}: {exc}\n")
-            return 1
+            args = command.parse(argv[1:])
+        except errors.DynprofError as exc:
+            return answered_error(exc)
+        except Exception as exc:  # a bug in a command's parser must not take the sidecar down
+            log.error("dynprof serve: parsing the options of %s failed", name, exc_info=exc)
+            return failed(errors.DynprofError(f"internal error: {type(exc).__name__}: {exc}"))
+        if in_child:
+            env = {"DYNPROF_TOKEN_FILE": fanout.token_file} if job_wide and fanout else None
+            return _run_child(name, argv, job_wide, limit, env, action.failed_exit)
+        released = True  # from here on, the command's thread gives the slot back when it ends
+        collect_local = command.collect_local
+        return _run_bounded(name, lambda: collect_local(args), limit + SUBPROCESS_GRACE_S, release)
+    finally:
+        if not released and release is not None:
+            release()
 
-    code = ctx.run(call)
-    return code, out.getvalue(), err.getvalue()
+
+# -- answers -------------------------------------------------------------------------------------
+def error_lines(exc: errors.DynprofError) -> list[str]:
+    """The stderr lines of an error, as the CLI prints them."""
+    lines = [f"dynprof: error: {exc.message}"]
+    if exc.help:
+        lines.append(f"  what to do: {exc.help}")
+    return [part for line in lines for part in line.splitlines() if part.strip()]
 
 
-def _run_bounded(argv: list[str], limit: float, release: Callable[[], Any] | None) -> tuple[int, str, str]:
-    """:func:`run_captured` on a thread of its own, waited for at most ``limit`` seconds."""
-    box: list[tuple[int, str, str]] = []
-    ctx = contextvars.copy_context()
+def failed(exc: errors.DynprofError) -> Outcome:
+    """An action that gave no answer of its own (ran past its limit, killed, no such command)."""
+    return Outcome(exc.exit_code, None, error_lines(exc), error_json(exc))
+
+
+def answered_error(exc: errors.DynprofError) -> Outcome:
+    """The command stopped on ``exc``: its answer is the CLI's --json error document."""
+    doc = error_json(exc)
+    return Outcome(exc.exit_code, {"error": doc}, error_lines(exc), doc)
+
+
+def outcome_of(name: str, result: Any) -> Outcome:
+    """The answer of a command's :class:`Result`: its JSON as strict JSON (no NaN, no
+    Infinity: every reader takes it), bounded, and its messages as the CLI prints them."""
+    if not isinstance(result, Result):
+        return failed(errors.DynprofError(f"internal error: {name} answered a {type(result).__name__}, not a Result"))
+    try:
+        text = jsontext.dumps(result.to_json(), default=str)
+    except (TypeError, ValueError, RecursionError) as exc:
+        return failed(errors.DynprofError(f"internal error: the answer of {name} is not JSON: {exc}"))
+    if len(text) > MAX_OUTPUT_BYTES:
+        return failed(
+            errors.DynprofError(
+                f"the answer of {name} is over {MAX_OUTPUT_BYTES >> 20} MiB: refused",
+                help="Narrow the request (--job, --pid), or run the command on the node itself.",
+            )
+        )
+    code = result.exit_code
+    if isinstance(code, bool) or not isinstance(code, int):
+        code = 1
+    return Outcome(code, json.loads(text), _message_lines(result.messages))
+
+
+def _message_lines(messages: Any) -> list[str]:
+    lines: list[str] = []
+    for message in messages if isinstance(messages, list) else []:
+        first, *more = str(message).splitlines() or [""]
+        lines.append(f"dynprof: {first}")
+        lines.extend(more)  # continuation lines, as the CLI prints them (not prefixed)
+    return [line for line in lines if line.strip()]
+
+
+def _collected(name: str, call: Callable[[], Result]) -> Outcome:
+    """``call()`` (a command's collect) as an answer; nothing escapes."""
+    try:
+        return outcome_of(name, call())
+    except errors.DynprofError as exc:
+        return answered_error(exc)
+    except SystemExit as exc:  # a command must not exit the sidecar
+        code = exc.code if isinstance(exc.code, int) and not isinstance(exc.code, bool) else 1
+        return failed(errors.DynprofError(f"internal error: {name} tried to exit ({code})"))
+    except Exception as exc:  # a bug in a command must not take the sidecar down
+        log.error("dynprof serve: action %s failed", name, exc_info=exc)
+        return failed(errors.DynprofError(f"internal error: {type(exc).__name__}: {exc}"))
+
+
+def _run_bounded(name: str, call: Callable[[], Result], limit: float, release: Callable[[], Any] | None) -> Outcome:
+    """``call`` on a thread of its own, waited for at most ``limit`` seconds."""
+    box: list[Outcome] = []
 
     def body() -> None:
         try:
-            box.append(ctx.run(run_captured, argv))
+            box.append(_collected(name, call))
         finally:
             if release is not None:
                 release()
 
-    worker = threading.Thread(target=body, name=f"dynprof-action-{argv[0]}", daemon=True)
+    worker = threading.Thread(target=body, name=f"dynprof-action-{name}", daemon=True)
     worker.start()
     worker.join(limit)
     if box:
         return box[0]
-    return (
-        9,
-        "",
-        f"dynprof: {argv[0]} ran past {limit:g} s; its answer was abandoned (it keeps its action slot until it ends)\n",
+    return failed(
+        errors.Timeout(
+            f"{name} ran past {limit:g} s; its answer was abandoned (it keeps its action slot until it ends)",
+            help="Give the action a larger timeout, or look at the target: `dynprof stacks` shows where it waits.",
+        )
     )
 
 
-def _run_child(argv: list[str], timeout: float, extra_env: dict[str, str] | None = None) -> tuple[int, str, str]:
-    """``python -m dynprof ARGV`` in a new session; past ``timeout`` plus the grace period, the
-    whole process group is killed (a healthcheck's own workers too), not just the child."""
+# -- child processes -----------------------------------------------------------------------------
+def _run_child(
+    name: str,
+    argv: list[str],
+    job_wide: bool,
+    timeout: float,
+    extra_env: dict[str, str] | None = None,
+    failed_exit: int = 1,
+) -> Outcome:
+    """``python -m CHILD_MODULE`` in a new session, asked (on its stdin) to run the action with
+    ``argv``; it answers the command's Result as JSON on its stdout. Past ``timeout`` plus the
+    grace period, the whole process group is killed (a healthcheck's own workers too)."""
     env = dict(os.environ)
     env.pop("DYNPROF", None)  # the child is a tool, not a job: no agent in it
     env.update(extra_env or {})
     limit = timeout + SUBPROCESS_GRACE_S
+    request = json.dumps({"action": name, "argv": argv, "job_wide": job_wide})
     with _children_lock:
         if _closing:
-            return 9, "", "dynprof: the sidecar is stopping\n"
+            return failed(errors.Timeout("the sidecar is stopping"))
         proc = subprocess.Popen(
-            [sys.executable, "-m", "dynprof", *argv],
+            [sys.executable, "-m", CHILD_MODULE],
+            stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
             errors="replace",
             env=env,
-            stdin=subprocess.DEVNULL,
             start_new_session=True,
         )
         _children.add(proc)
     try:
-        out, err = proc.communicate(timeout=limit)
+        out, err = proc.communicate(request, timeout=limit)
     except subprocess.TimeoutExpired:
         _kill_group(proc)
         proc.communicate()
-        return 9, "", f"dynprof: {argv[0]} ran past {limit:g} s; it and its process group were killed\n"
+        return failed(errors.Timeout(f"{name} ran past {limit:g} s; it and its process group were killed"))
     except BaseException:
         _kill_group(proc)
         proc.wait()
@@ -502,8 +569,64 @@ def _run_child(argv: list[str], timeout: float, extra_env: dict[str, str] | None
         with _children_lock:
             _children.discard(proc)
     if _closing and proc.returncode < 0:
-        return 9, "", "dynprof: the sidecar stopped while this ran; it was killed\n"
-    return proc.returncode, out[:MAX_OUTPUT_BYTES], err[-65536:]
+        return failed(errors.Timeout("the sidecar stopped while this ran; it was killed"))
+    extra = [line for line in err[-65536:].splitlines() if line.strip()]
+    if proc.returncode < 0:
+        return _killed(name, -proc.returncode, failed_exit, extra)
+    outcome = _child_answer(name, out, proc.returncode, failed_exit)
+    outcome.messages.extend(extra)
+    return outcome
+
+
+def _killed(name: str, signum: int, exit_code: int, extra: list[str]) -> Outcome:
+    try:
+        what = signal.Signals(signum).name
+    except ValueError:
+        what = f"signal {signum}"
+    exc = errors.DynprofError(
+        f"{name} could not finish: its process was killed by {what} before it answered",
+        help="SIGKILL usually means the kernel's out-of-memory killer (see `dmesg`) or an operator; "
+        "run it again, or run `dynprof " + name + "` on the node to see it end.",
+    )
+    exc.exit_code = exit_code
+    outcome = failed(exc)
+    outcome.messages.extend(extra)
+    return outcome
+
+
+def _child_answer(name: str, out: str, returncode: int, failed_exit: int) -> Outcome:
+    """The child's answer (its stdout): ``{"result", "exit_code", "messages", "error"}``."""
+
+    def broken(why: str) -> Outcome:
+        exc = errors.DynprofError(f"{name} ended without an answer (exit {returncode}): {why}")
+        exc.exit_code = failed_exit
+        return failed(exc)
+
+    if len(out) > MAX_OUTPUT_BYTES + 65536:
+        return broken(f"its answer is over {MAX_OUTPUT_BYTES >> 20} MiB")
+    if not out.strip():
+        return broken("it wrote nothing")
+    try:
+        doc = json.loads(out)
+    except (ValueError, RecursionError):
+        return broken("its output is not JSON")
+    if not isinstance(doc, dict):
+        return broken("its output is not a JSON object")
+    code = doc.get("exit_code")
+    if isinstance(code, bool) or not isinstance(code, int):
+        return broken("its answer has no exit code")
+    error = doc.get("error")
+    if isinstance(error, dict):
+        message = str(error.get("message") or "")[:4000]
+        help_text = str(error.get("help") or "")[:4000]
+        doc_error = {
+            "type": str(error.get("type") or "DynprofError")[:100],
+            "message": message,
+            "help": help_text,
+            "exit_code": code,
+        }
+        return Outcome(code, {"error": doc_error}, error_lines(errors.DynprofError(message, help_text)), doc_error)
+    return Outcome(code, doc.get("result"), _message_lines(doc.get("messages")))
 
 
 _children: set[subprocess.Popen[str]] = set()

@@ -1,7 +1,8 @@
 """The sidecar web app: a page and an HTTP API over this node's agents, tools and artifacts.
 
 It lists agents as `dynprof ps` does, renders artifacts with the same renderers as `dynprof
-show`, and runs actions (:mod:`dynprof.sidecar.actions`: the CLI's own commands with ``--json``).
+show`, and runs actions (:mod:`dynprof.sidecar.actions`: the CLI's own commands, handed in by
+``dynprof serve`` as ``commands``, answering with their results).
 Every request, on every address (loopback included: other users of the machine can reach
 loopback too), must carry the access token: ``Authorization: Bearer TOKEN``, ``?token=TOKEN``
 (the page then sets an HttpOnly, SameSite=Strict cookie so its links work), or that cookie;
@@ -41,22 +42,32 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable
-from typing import Any, TextIO
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TextIO
 from urllib.parse import quote, urlsplit
 
 from flask import Flask, Response, abort, g, jsonify, request, send_file
 from werkzeug.exceptions import ClientDisconnected, HTTPException, MethodNotAllowed
 
 from dynprof import __version__, roles
-from dynprof.cli.ps import agent_rows
-from dynprof.cli.show import render, render_html
 from dynprof.errors import ArtifactError
 from dynprof.identity import detect
 from dynprof.registry import list_records
-from dynprof.sidecar.actions import ACTIONS, API_VERSION, ActionError, ActionsBusy, ActionSlots, FanoutConfig
+from dynprof.sidecar.actions import (
+    ACTIONS,
+    API_VERSION,
+    ActionCommand,
+    ActionError,
+    ActionsBusy,
+    ActionSlots,
+    FanoutConfig,
+)
 from dynprof.sidecar.page import PAGE_JS, PAGE_STYLE
 from dynprof.store import Artifact, ArtifactStore
+
+if TYPE_CHECKING:
+    from dynprof.registry import AgentRecord
 from dynprof.units import human_age, human_bytes
 
 COOKIE = "dynprof_token"
@@ -70,6 +81,21 @@ _TOKEN_IN_URL = re.compile(r"([?&]token=)[^&\s\"]*")
 
 _STYLE = PAGE_STYLE
 _CSP = "default-src 'none'; style-src 'unsafe-inline'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+
+
+@dataclass(frozen=True)
+class PageViews:
+    """How the page and the listings show agents and artifacts, handed in by ``dynprof serve``
+    (the sidecar imports no CLI): ``agent_rows(records, timeout)`` as ``dynprof ps --json``
+    lists them, ``render(artifact)`` (summary, text) and ``render_html(artifact)`` as
+    ``dynprof show`` renders them."""
+
+    agent_rows: Callable[[list[AgentRecord], float], list[dict[str, Any]]]
+    render: Callable[[Artifact], tuple[dict[str, Any] | None, str]]
+    render_html: Callable[[Artifact], str]
+
+
+NO_VIEWS = PageViews(lambda records, timeout: [], lambda artifact: (None, ""), lambda artifact: "")
 
 
 def _artifact_json(a: Artifact) -> dict[str, Any]:
@@ -305,18 +331,23 @@ def create_app(
     run_action: Callable[..., dict[str, Any]] | None = None,
     extra_hosts: Iterable[str] = (),
     fanout: FanoutConfig | None = None,
+    commands: Mapping[str, ActionCommand] | None = None,
+    views: PageViews = NO_VIEWS,
 ) -> Flask:
     """The sidecar's app. ``token`` is required on every request but ``/healthz``; ``None``
     turns the check off, which only tests of the page itself do (``dynprof serve`` always sets
     one). At most ``max_actions`` actions run at once; ``read_only`` refuses those that act on
     jobs. ``extra_hosts`` are more names the Host header may carry (DNS aliases of this node).
     ``fanout`` lets actions take ``hosts`` (a job-wide view through the other nodes' sidecars).
-    ``run_action`` replaces :meth:`ActionSlots.run` (tests)."""
+    ``commands`` are what the actions run (``dynprof serve`` builds them from the CLI's commands;
+    without them, an action answers that it has no command); ``views`` how agents and
+    artifacts are shown (without them, none are listed nor summarised). ``run_action`` replaces
+    :meth:`ActionSlots.run` (tests)."""
     app = Flask("dynprof")
     app.config["MAX_CONTENT_LENGTH"] = MAX_REQUEST_BYTES
     store = store or ArtifactStore()
     names = allowed_hosts(host) | {_strip_port(h) for h in extra_hosts if h.strip()}
-    slots = ActionSlots(max_actions, fanout)
+    slots = ActionSlots(max_actions, fanout, commands)
     runner = run_action or slots.run
     refusals = refusals or RefusalLog()
     csrf = secrets.token_urlsafe(32)  # per server; the page carries it, a cross-site page cannot read it
@@ -474,7 +505,7 @@ def create_app(
         return jsonify(answer)
 
     def api_agents() -> Response:
-        return jsonify({"agents": agent_rows(list_records(), timeout=1.0)})
+        return jsonify({"agents": views.agent_rows(list_records(), 1.0)})
 
     def api_artifacts() -> Response:
         try:
@@ -505,7 +536,7 @@ def create_app(
 
     def api_artifact(artifact_id: str) -> Response:
         art = _get(artifact_id)
-        summary, text = render(art)
+        summary, text = views.render(art)
         return jsonify({"id": art.id, "manifest": art.manifest, "contents": summary, "text": text})
 
     for prefix in ("/api", "/api/v1"):
@@ -520,7 +551,7 @@ def create_app(
     def index() -> str:
         nonce = secrets.token_urlsafe(16)
         g.script_nonce = nonce
-        agents = agent_rows(list_records(), timeout=0.5)
+        agents = views.agent_rows(list_records(), 0.5)
         try:
             arts, bad = store.scan()
             refused = ""
@@ -558,7 +589,7 @@ def create_app(
     @app.get("/artifact/<path:artifact_id>")
     def artifact_page(artifact_id: str) -> str:
         art = _get(artifact_id)
-        _, text = render(art)
+        _, text = views.render(art)
         m = art.manifest
         files = "".join(
             f"<tr><td><a href='/api/v1/artifacts/{html.escape(quote(art.id))}/files/{html.escape(quote(f['name']))}'>"
@@ -574,7 +605,7 @@ def create_app(
             f"<style>{_STYLE}</style></head><body><p><a href='/'>&larr; dynprof</a></p>"
             f"<h1>{html.escape(art.kind)} <small>{html.escape(art.id)}</small></h1><table>{fields}</table>"
             f"<h2>Files</h2><table><tr><th>name</th><th>size</th><th>sha256</th></tr>{files}</table>"
-            f"{render_html(art)}"
+            f"{views.render_html(art)}"
             f"<h2>Contents</h2><pre>{html.escape(text or '(no summary for this kind)')}</pre></body></html>"
         )
 

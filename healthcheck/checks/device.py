@@ -1,8 +1,14 @@
-"""Passive checks of one accelerator, judged from its :class:`DeviceReadings`."""
+"""Passive checks of one accelerator, judged from its :class:`DeviceReadings`.
+
+Each check reads what it needs, then says its verdict as a decision table (:func:`verdict`):
+rows of condition, status and message, the first that holds decides; the fields every row
+shares (value, expected, unit, details) are given once."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 from healthcheck.readings import (
     CLOCK_HW_POWER_BRAKE,
@@ -21,16 +27,49 @@ TEMPERATURE_MARGIN_C = 5
 RETIRED_PAGES_LIMIT = 60
 
 
+@dataclass(frozen=True)
+class Row:
+    """One row of a check's decision table: when ``when`` holds, the check says ``status`` and
+    ``message``, with ``fields`` (value, expected, unit, action, details) over the shared ones."""
+
+    when: bool
+    status: Status
+    message: str
+    fields: Mapping[str, Any]
+
+
+def row(when: bool, status: Status, message: str, **fields: Any) -> Row:
+    return Row(when, status, message, fields)
+
+
+OTHERWISE = True
+
+
+def result(r: DeviceReadings, name: str, status: Status, message: str, **fields: Any) -> CheckResult:
+    """A result of check ``name`` on device ``r``."""
+    return CheckResult(name, status, message, device=r.index, **fields)
+
+
+def verdict(r: DeviceReadings, name: str, rows: Sequence[Row], **shared: Any) -> CheckResult:
+    """The result of the first row that holds (the last row's condition is ``OTHERWISE``). The
+    ``shared`` fields go with every row; a row's own fields replace them (``expected=None``
+    drops the shared one)."""
+    for candidate in rows:
+        if candidate.when:
+            return result(r, name, candidate.status, candidate.message, **{**shared, **candidate.fields})
+    raise AssertionError(f"{name}: no row of the decision table holds")
+
+
 def not_read(r: DeviceReadings, name: str, fields: Iterable[str], source: str) -> CheckResult | None:
     """The result for a check whose readings are missing, or None if they are all there."""
     missing = [f for f in fields if getattr(r, f) is None]
     if not missing:
         return None
     if all(f in r.not_supported for f in missing):
-        return CheckResult(name, Status.SKIPPED, "not supported by this device", device=r.index)
+        return result(r, name, Status.SKIPPED, "not supported by this device")
     errors = sorted({r.errors[f] for f in missing if f in r.errors})
     reason = "; ".join(errors) if errors else f"not available through {source}"
-    return CheckResult(name, Status.UNKNOWN, f"could not read {', '.join(missing)}: {reason}", device=r.index)
+    return result(r, name, Status.UNKNOWN, f"could not read {', '.join(missing)}: {reason}")
 
 
 def check_persistence_mode(r: DeviceReadings, source: str) -> CheckResult:
@@ -38,14 +77,18 @@ def check_persistence_mode(r: DeviceReadings, source: str) -> CheckResult:
     missing = not_read(r, name, ["persistence_mode"], source)
     if missing:
         return missing
-    if r.persistence_mode:
-        return CheckResult(name, Status.PASS, "enabled", device=r.index, value="enabled", expected="enabled")
-    return CheckResult(
+    return verdict(
+        r,
         name,
-        Status.WARN,
-        "disabled: the driver is torn down between jobs (slow start, lost state); run nvidia-persistenced",
-        device=r.index,
-        value="disabled",
+        [
+            row(bool(r.persistence_mode), Status.PASS, "enabled", value="enabled"),
+            row(
+                OTHERWISE,
+                Status.WARN,
+                "disabled: the driver is torn down between jobs (slow start, lost state); run nvidia-persistenced",
+                value="disabled",
+            ),
+        ],
         expected="enabled",
     )
 
@@ -55,58 +98,65 @@ def check_ecc_mode(r: DeviceReadings, source: str) -> CheckResult:
     missing = not_read(r, name, ["ecc_enabled"], source)
     if missing:
         return missing
-    if not r.ecc_enabled:
-        return CheckResult(
-            name,
-            Status.FAIL,
-            "ECC is off: memory corruption would go unnoticed; enable it (nvidia-smi -e 1) and reset",
-            device=r.index,
-            value="disabled",
-            expected="enabled",
-            action="drain",
-        )
-    if r.ecc_pending_enabled is False:
-        return CheckResult(
-            name, Status.WARN, "ECC is on but will be off after the next reset", device=r.index, value="enabled"
-        )
-    return CheckResult(name, Status.PASS, "enabled", device=r.index, value="enabled", expected="enabled")
+    return verdict(
+        r,
+        name,
+        [
+            row(
+                not r.ecc_enabled,
+                Status.FAIL,
+                "ECC is off: memory corruption would go unnoticed; enable it (nvidia-smi -e 1) and reset",
+                value="disabled",
+                action="drain",
+            ),
+            row(
+                r.ecc_pending_enabled is False,
+                Status.WARN,
+                "ECC is on but will be off after the next reset",
+                expected=None,
+            ),
+            row(OTHERWISE, Status.PASS, "enabled"),
+        ],
+        value="enabled",
+        expected="enabled",
+    )
 
 
 def check_ecc_errors(r: DeviceReadings, source: str) -> CheckResult:
     name = "ecc_errors"
     if r.ecc_enabled is False:
-        return CheckResult(name, Status.SKIPPED, "ECC is off (see ecc_mode)", device=r.index)
+        return result(r, name, Status.SKIPPED, "ECC is off (see ecc_mode)")
     missing = not_read(r, name, ["ecc_uncorrected_volatile", "ecc_uncorrected_aggregate"], source)
     if missing:
         return missing
     assert r.ecc_uncorrected_volatile is not None and r.ecc_uncorrected_aggregate is not None
-    details = {
-        "uncorrected_volatile": r.ecc_uncorrected_volatile,
-        "uncorrected_aggregate": r.ecc_uncorrected_aggregate,
-        "corrected_volatile": r.ecc_corrected_volatile,
-    }
-    if r.ecc_uncorrected_volatile > 0:
-        return CheckResult(
-            name,
-            Status.FAIL,
-            f"{r.ecc_uncorrected_volatile} uncorrectable ECC errors since the last reset: reset the GPU",
-            device=r.index,
-            value=r.ecc_uncorrected_volatile,
-            expected="0",
-            action="reset",
-            details=details,
-        )
-    if r.ecc_uncorrected_aggregate > 0:
-        return CheckResult(
-            name,
-            Status.WARN,
-            f"{r.ecc_uncorrected_aggregate} uncorrectable ECC errors in the device's lifetime, none since reset",
-            device=r.index,
-            value=r.ecc_uncorrected_aggregate,
-            expected="0",
-            details=details,
-        )
-    return CheckResult(name, Status.PASS, "no uncorrectable ECC errors", device=r.index, value=0, details=details)
+    volatile, aggregate = r.ecc_uncorrected_volatile, r.ecc_uncorrected_aggregate
+    return verdict(
+        r,
+        name,
+        [
+            row(
+                volatile > 0,
+                Status.FAIL,
+                f"{volatile} uncorrectable ECC errors since the last reset: reset the GPU",
+                value=volatile,
+                action="reset",
+            ),
+            row(
+                aggregate > 0,
+                Status.WARN,
+                f"{aggregate} uncorrectable ECC errors in the device's lifetime, none since reset",
+                value=aggregate,
+            ),
+            row(OTHERWISE, Status.PASS, "no uncorrectable ECC errors", value=0, expected=None),
+        ],
+        expected="0",
+        details={
+            "uncorrected_volatile": volatile,
+            "uncorrected_aggregate": aggregate,
+            "corrected_volatile": r.ecc_corrected_volatile,
+        },
+    )
 
 
 def check_row_remap(r: DeviceReadings, source: str) -> CheckResult:
@@ -114,80 +164,76 @@ def check_row_remap(r: DeviceReadings, source: str) -> CheckResult:
     missing = not_read(r, name, ["remap_pending", "remap_failure"], source)
     if missing:
         return missing
-    details = {
-        "correctable_rows": r.remapped_rows_correctable,
-        "uncorrectable_rows": r.remapped_rows_uncorrectable,
-        "pending": r.remap_pending,
-        "failure": r.remap_failure,
-        "banks_without_spare_rows": r.remap_banks_exhausted,
-    }
-    if r.remap_failure:
-        return CheckResult(
-            name,
-            Status.FAIL,
-            "a row remapping failed: memory cannot be repaired; replace the GPU",
-            device=r.index,
-            value="failure",
-            action="drain",
-            details=details,
-        )
-    if r.remap_pending:
-        return CheckResult(
-            name,
-            Status.FAIL,
-            "a row remap is pending: reset the GPU to apply it",
-            device=r.index,
-            value="pending",
-            action="reset",
-            details=details,
-        )
-    if r.remap_banks_exhausted:
-        return CheckResult(
-            name,
-            Status.WARN,
-            f"{r.remap_banks_exhausted} memory banks have no spare row left",
-            device=r.index,
-            value=r.remap_banks_exhausted,
-            details=details,
-        )
     rows = (r.remapped_rows_correctable or 0) + (r.remapped_rows_uncorrectable or 0)
-    return CheckResult(
-        name, Status.PASS, f"{rows} rows remapped, none pending", device=r.index, value=rows, details=details
+    return verdict(
+        r,
+        name,
+        [
+            row(
+                bool(r.remap_failure),
+                Status.FAIL,
+                "a row remapping failed: memory cannot be repaired; replace the GPU",
+                value="failure",
+                action="drain",
+            ),
+            row(
+                bool(r.remap_pending),
+                Status.FAIL,
+                "a row remap is pending: reset the GPU to apply it",
+                value="pending",
+                action="reset",
+            ),
+            row(
+                bool(r.remap_banks_exhausted),
+                Status.WARN,
+                f"{r.remap_banks_exhausted} memory banks have no spare row left",
+                value=r.remap_banks_exhausted,
+            ),
+            row(OTHERWISE, Status.PASS, f"{rows} rows remapped, none pending", value=rows),
+        ],
+        details={
+            "correctable_rows": r.remapped_rows_correctable,
+            "uncorrectable_rows": r.remapped_rows_uncorrectable,
+            "pending": r.remap_pending,
+            "failure": r.remap_failure,
+            "banks_without_spare_rows": r.remap_banks_exhausted,
+        },
     )
 
 
 def check_retired_pages(r: DeviceReadings, source: str) -> CheckResult:
     name = "retired_pages"
     if r.remap_pending is not None or r.remap_failure is not None:
-        return CheckResult(name, Status.SKIPPED, "the device repairs memory by row remapping", device=r.index)
+        return result(r, name, Status.SKIPPED, "the device repairs memory by row remapping")
     missing = not_read(r, name, ["retired_pages_pending", "retired_pages_sbe", "retired_pages_dbe"], source)
     if missing:
         return missing
     total = (r.retired_pages_sbe or 0) + (r.retired_pages_dbe or 0)
-    details = {"single_bit": r.retired_pages_sbe, "double_bit": r.retired_pages_dbe, "pending": r.retired_pages_pending}
-    if r.retired_pages_pending:
-        return CheckResult(
-            name,
-            Status.FAIL,
-            "a page retirement is pending: reset the GPU",
-            device=r.index,
-            value=total,
-            action="reset",
-            details=details,
-        )
-    if total >= RETIRED_PAGES_LIMIT:
-        return CheckResult(
-            name,
-            Status.FAIL,
-            f"{total} pages retired (limit {RETIRED_PAGES_LIMIT}): replace the GPU",
-            device=r.index,
-            value=total,
-            expected=f"< {RETIRED_PAGES_LIMIT}",
-            action="drain",
-            details=details,
-        )
-    return CheckResult(
-        name, Status.PASS, f"{total} pages retired, none pending", device=r.index, value=total, details=details
+    return verdict(
+        r,
+        name,
+        [
+            row(
+                bool(r.retired_pages_pending),
+                Status.FAIL,
+                "a page retirement is pending: reset the GPU",
+                action="reset",
+            ),
+            row(
+                total >= RETIRED_PAGES_LIMIT,
+                Status.FAIL,
+                f"{total} pages retired (limit {RETIRED_PAGES_LIMIT}): replace the GPU",
+                expected=f"< {RETIRED_PAGES_LIMIT}",
+                action="drain",
+            ),
+            row(OTHERWISE, Status.PASS, f"{total} pages retired, none pending"),
+        ],
+        value=total,
+        details={
+            "single_bit": r.retired_pages_sbe,
+            "double_bit": r.retired_pages_dbe,
+            "pending": r.retired_pages_pending,
+        },
     )
 
 
@@ -213,41 +259,33 @@ def check_pcie_link(
     gen = loaded_gen if loaded else r.pcie_gen_current
     width = loaded_width if loaded else r.pcie_width_current
     if gen is None or width is None:
-        return CheckResult(name, Status.UNKNOWN, "current link not readable", device=r.index, expected=expected)
-    value = f"Gen{gen} x{width}"
-    details = {"idle": f"Gen{r.pcie_gen_current} x{r.pcie_width_current}", "under_load": loaded}
-    if gen >= r.pcie_gen_max and width >= r.pcie_width_max:
-        how = "under load" if loaded else "idle"
-        return CheckResult(
-            name,
-            Status.PASS,
-            f"at its maximum ({how})",
-            device=r.index,
-            value=value,
-            expected=expected,
-            details=details,
-        )
-    if not loaded:
-        why = f": {load_error}" if load_error else ""
-        return CheckResult(
-            name,
-            Status.UNKNOWN,
-            f"below the maximum while idle (links downshift when idle); not read under load{why}",
-            device=r.index,
-            value=value,
-            expected=expected,
-            details=details,
-        )
+        return result(r, name, Status.UNKNOWN, "current link not readable", expected=expected)
+    why = f": {load_error}" if load_error else ""
     what = "lanes" if width < r.pcie_width_max else "generation"
-    return CheckResult(
+    return verdict(
+        r,
         name,
-        Status.FAIL,
-        f"link trained below its maximum {what} under load (riser, retimer or slot fault)",
-        device=r.index,
-        value=value,
+        [
+            row(
+                gen >= r.pcie_gen_max and width >= r.pcie_width_max,
+                Status.PASS,
+                f"at its maximum ({'under load' if loaded else 'idle'})",
+            ),
+            row(
+                not loaded,
+                Status.UNKNOWN,
+                f"below the maximum while idle (links downshift when idle); not read under load{why}",
+            ),
+            row(
+                OTHERWISE,
+                Status.FAIL,
+                f"link trained below its maximum {what} under load (riser, retimer or slot fault)",
+                action="drain",
+            ),
+        ],
+        value=f"Gen{gen} x{width}",
         expected=expected,
-        action="drain",
-        details=details,
+        details={"idle": f"Gen{r.pcie_gen_current} x{r.pcie_width_current}", "under_load": loaded},
     )
 
 
@@ -261,37 +299,33 @@ def check_clocks(r: DeviceReadings, source: str, name: str = "clock_events") -> 
         return missing
     mask = r.clock_event_reasons or 0
     active = clock_reason_names(mask)
-    details = {
-        "reasons": active,
-        "mask": hex(mask),
-        "sm_clock_mhz": r.sm_clock_mhz,
-        "sm_clock_max_mhz": r.sm_clock_max_mhz,
-    }
-    value = ",".join(active) or "none"
     hw = mask & (CLOCK_HW_SLOWDOWN | CLOCK_HW_THERMAL | CLOCK_HW_POWER_BRAKE)
-    if hw:
-        return CheckResult(
-            name,
-            Status.FAIL,
-            f"hardware slowdown active ({', '.join(clock_reason_names(hw))}): cooling or power fault",
-            device=r.index,
-            value=value,
-            expected="no hw slowdown",
-            action="drain",
-            details=details,
-        )
-    if mask & CLOCK_SW_THERMAL:
-        return CheckResult(
-            name,
-            Status.WARN,
-            "software thermal slowdown active: the GPU runs hot",
-            device=r.index,
-            value=value,
-            expected="no thermal slowdown",
-            details=details,
-        )
-    return CheckResult(
-        name, Status.PASS, "no hardware or thermal slowdown", device=r.index, value=value, details=details
+    return verdict(
+        r,
+        name,
+        [
+            row(
+                bool(hw),
+                Status.FAIL,
+                f"hardware slowdown active ({', '.join(clock_reason_names(hw))}): cooling or power fault",
+                expected="no hw slowdown",
+                action="drain",
+            ),
+            row(
+                bool(mask & CLOCK_SW_THERMAL),
+                Status.WARN,
+                "software thermal slowdown active: the GPU runs hot",
+                expected="no thermal slowdown",
+            ),
+            row(OTHERWISE, Status.PASS, "no hardware or thermal slowdown"),
+        ],
+        value=",".join(active) or "none",
+        details={
+            "reasons": active,
+            "mask": hex(mask),
+            "sm_clock_mhz": r.sm_clock_mhz,
+            "sm_clock_max_mhz": r.sm_clock_max_mhz,
+        },
     )
 
 
@@ -303,40 +337,22 @@ def check_temperature(r: DeviceReadings, source: str) -> CheckResult:
     assert r.temperature_c is not None
     limit = r.temperature_slowdown_c or DEFAULT_SLOWDOWN_C
     basis = "slowdown threshold" if r.temperature_slowdown_c else "default limit (device threshold not readable)"
-    details = {"slowdown_c": r.temperature_slowdown_c, "shutdown_c": r.temperature_shutdown_c}
-    expected = f"< {limit - TEMPERATURE_MARGIN_C} C"
-    if r.temperature_c >= limit:
-        return CheckResult(
-            name,
-            Status.FAIL,
-            f"at or above the {basis} ({limit} C)",
-            device=r.index,
-            value=r.temperature_c,
-            unit="C",
-            expected=expected,
-            action="drain",
-            details=details,
-        )
-    if r.temperature_c >= limit - TEMPERATURE_MARGIN_C:
-        return CheckResult(
-            name,
-            Status.WARN,
-            f"within {TEMPERATURE_MARGIN_C} C of the {basis} ({limit} C)",
-            device=r.index,
-            value=r.temperature_c,
-            unit="C",
-            expected=expected,
-            details=details,
-        )
-    return CheckResult(
+    return verdict(
+        r,
         name,
-        Status.PASS,
-        f"below the {basis} ({limit} C)",
-        device=r.index,
+        [
+            row(r.temperature_c >= limit, Status.FAIL, f"at or above the {basis} ({limit} C)", action="drain"),
+            row(
+                r.temperature_c >= limit - TEMPERATURE_MARGIN_C,
+                Status.WARN,
+                f"within {TEMPERATURE_MARGIN_C} C of the {basis} ({limit} C)",
+            ),
+            row(OTHERWISE, Status.PASS, f"below the {basis} ({limit} C)"),
+        ],
         value=r.temperature_c,
         unit="C",
-        expected=expected,
-        details=details,
+        expected=f"< {limit - TEMPERATURE_MARGIN_C} C",
+        details={"slowdown_c": r.temperature_slowdown_c, "shutdown_c": r.temperature_shutdown_c},
     )
 
 
@@ -344,7 +360,7 @@ def check_nvlink(r: DeviceReadings, source: str, peer_active: int | None = None)
     """NVLink state: fewer active links than the device's same-SKU peers fails; recovery errors warn."""
     name = "nvlink"
     if "nvlinks" in r.not_supported:
-        return CheckResult(name, Status.SKIPPED, "no NVLink on this device", device=r.index)
+        return result(r, name, Status.SKIPPED, "no NVLink on this device")
     missing = not_read(r, name, ["nvlinks"], source)
     if missing:
         return missing
@@ -352,41 +368,36 @@ def check_nvlink(r: DeviceReadings, source: str, peer_active: int | None = None)
     active = sum(1 for link in r.nvlinks if link.active)
     inactive = [link.link for link in r.nvlinks if not link.active]
     recovery = sum(link.recovery_errors or 0 for link in r.nvlinks)
-    details = {
-        "links": len(r.nvlinks),
-        "active": active,
-        "inactive_links": inactive,
-        "replay_errors": sum(link.replay_errors or 0 for link in r.nvlinks),
-        "recovery_errors": recovery,
-        "crc_flit_errors": sum(link.crc_flit_errors or 0 for link in r.nvlinks),
-        "crc_data_errors": sum(link.crc_data_errors or 0 for link in r.nvlinks),
-    }
-    value = f"{active}/{len(r.nvlinks)} active"
-    if active == 0:
-        return CheckResult(
-            name,
-            Status.WARN,
-            "no NVLink is active (bridge missing, or fabric manager not running)",
-            device=r.index,
-            value=value,
-            details=details,
-        )
-    if peer_active is not None and active < peer_active:
-        return CheckResult(
-            name,
-            Status.FAIL,
-            f"{active} links active where its peers have {peer_active} (links {inactive} down)",
-            device=r.index,
-            value=value,
-            expected=f"{peer_active} active",
-            action="reset",
-            details=details,
-        )
-    if recovery:
-        return CheckResult(
-            name, Status.WARN, f"{recovery} link recovery errors", device=r.index, value=value, details=details
-        )
-    return CheckResult(name, Status.PASS, "links up, no recovery errors", device=r.index, value=value, details=details)
+    return verdict(
+        r,
+        name,
+        [
+            row(
+                active == 0,
+                Status.WARN,
+                "no NVLink is active (bridge missing, or fabric manager not running)",
+            ),
+            row(
+                peer_active is not None and active < peer_active,
+                Status.FAIL,
+                f"{active} links active where its peers have {peer_active} (links {inactive} down)",
+                expected=f"{peer_active} active",
+                action="reset",
+            ),
+            row(bool(recovery), Status.WARN, f"{recovery} link recovery errors"),
+            row(OTHERWISE, Status.PASS, "links up, no recovery errors"),
+        ],
+        value=f"{active}/{len(r.nvlinks)} active",
+        details={
+            "links": len(r.nvlinks),
+            "active": active,
+            "inactive_links": inactive,
+            "replay_errors": sum(link.replay_errors or 0 for link in r.nvlinks),
+            "recovery_errors": recovery,
+            "crc_flit_errors": sum(link.crc_flit_errors or 0 for link in r.nvlinks),
+            "crc_data_errors": sum(link.crc_data_errors or 0 for link in r.nvlinks),
+        },
+    )
 
 
 def check_processes(r: DeviceReadings, source: str, own_pids: frozenset[int] = frozenset()) -> CheckResult:
@@ -396,18 +407,22 @@ def check_processes(r: DeviceReadings, source: str, own_pids: frozenset[int] = f
         return missing
     assert r.processes is not None
     others = [p for p in r.processes if p.pid not in own_pids]
-    if not others:
-        return CheckResult(name, Status.PASS, "no other process holds the device", device=r.index, value=0)
     used = sum(p.used_memory_bytes or 0 for p in others)
     pids = ", ".join(str(p.pid) for p in others[:8])
-    return CheckResult(
+    return verdict(
+        r,
         name,
-        Status.WARN,
-        f"{len(others)} other processes hold the device (pids {pids}; {used / 1024**3:.1f} GiB)",
-        device=r.index,
-        value=len(others),
-        expected="0",
-        details={"processes": [{"pid": p.pid, "used_memory_bytes": p.used_memory_bytes} for p in others]},
+        [
+            row(not others, Status.PASS, "no other process holds the device", value=0),
+            row(
+                OTHERWISE,
+                Status.WARN,
+                f"{len(others)} other processes hold the device (pids {pids}; {used / 1024**3:.1f} GiB)",
+                value=len(others),
+                expected="0",
+                details={"processes": [{"pid": p.pid, "used_memory_bytes": p.used_memory_bytes} for p in others]},
+            ),
+        ],
     )
 
 

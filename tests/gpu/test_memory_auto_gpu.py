@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from collectors.memory_snapshot import format_summary
+from collectors.memory.render import format_summary
 from dynprof.client import AgentClient
 from dynprof.store import ArtifactStore
 
@@ -87,7 +87,7 @@ def test_attribution_makes_no_cuda_allocation():
 
     import torch
 
-    from collectors._mem_advice import job_attribution
+    from collectors.memory.capture import job_attribution
 
     model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(8)]).cuda()
     opt = torch.optim.AdamW(model.parameters())

@@ -22,6 +22,8 @@ TRAIN = "tests/integration/programs/train_program.py"
 # call takes when it does not wait for a stopped rank, however loaded the machine.
 STOPPED_RANK_WAIT_S = 30.0  # the most an agent accepts
 HANG = "tests/integration/programs/hang_program.py"
+# The simulated nodes' sidecars are on loopback ports other than the sidecar port: allowed by name.
+ALLOW = ("--allow-hosts", "127.0.0.1:9100,127.0.0.1:9101")
 
 
 def _free_port() -> str:
@@ -69,7 +71,7 @@ def test_discover_finds_both_nodes_through_one_local_agent(node_dirs: list[Path]
     # WHEN a CLI on node 1 (it sees rank 1's agent only) asks for the job's nodes
     deadline = time.monotonic() + 30
     while True:
-        out = cli("nodes", "--job", "disc1", "--discover", "--json", env={"DYNPROF_RUN_DIR": str(node_dirs[1])})
+        out = cli("nodes", "--job", "disc1", "--discover", "--json", *ALLOW, env={"DYNPROF_RUN_DIR": str(node_dirs[1])})
         data = json.loads(out.stdout) if out.returncode == 0 else {}
         if len(data.get("ranks", [])) == 2 or time.monotonic() > deadline:
             break
@@ -84,10 +86,14 @@ def test_discover_finds_both_nodes_through_one_local_agent(node_dirs: list[Path]
     assert data["world_size"] == 2 and data["missing_ranks"] == []
     assert data["store"].startswith("TCPStore 127.0.0.1:")
     # and the plain output is a host file
-    text = cli("nodes", "--job", "disc1", "--discover", env={"DYNPROF_RUN_DIR": str(node_dirs[0])})
+    text = cli("nodes", "--job", "disc1", "--discover", *ALLOW, env={"DYNPROF_RUN_DIR": str(node_dirs[0])})
     assert text.returncode == 0, text.stderr
     assert text.stdout.split() == ["127.0.0.1:9100", "127.0.0.1:9101"]
     assert "2 of 2 rank(s) registered" in text.stderr
+    # and without allowing those ports (loopback is allowed at the sidecar port only) none is used
+    refused = cli("nodes", "--job", "disc1", "--discover", env={"DYNPROF_RUN_DIR": str(node_dirs[0])})
+    assert refused.returncode == 1 and "2 registration(s) refused" in refused.stderr, refused.stderr
+    assert "--allow-hosts" in refused.stderr and "Traceback" not in refused.stderr
 
 
 def test_discover_without_a_local_agent_says_what_to_do(node_dirs: list[Path], cli: Any) -> None:
@@ -238,6 +244,8 @@ def test_a_job_level_command_reaches_every_discovered_node(spawn: Any, cli: Any,
             "--job",
             "e2e",
             "--discover",
+            "--allow-hosts",
+            ",".join(addresses),
             "--json",
             "--no-save",
             env={"DYNPROF_RUN_DIR": str(run_dirs[0]), "DYNPROF_TOKEN_FILE": str(token)},

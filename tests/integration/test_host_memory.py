@@ -67,7 +67,7 @@ def test_capture_fires_above_the_limit_and_not_below(spawn, dynprof_dirs):
     assert summary["cpu_tensor_bytes_found"] >= needed * chunk
 
     # AND `dynprof show` renders it
-    from dynprof.cli.show import render
+    from dynprof.renderers import render
 
     _, text = render(art)
     assert "% of the limit" in text and "activation_cache" in text

@@ -137,11 +137,13 @@ def test_spawned_dataloader_workers_are_not_processes_of_the_job(spawn_group, cl
     _wait_for(lambda: any(a.manifest.get("pid") == never_pid for a in _hang_artifacts()), what="the control's dump")
 
     # THEN --job means the trainer, the watchdog dumped the process that never steps but no
-    # worker, and the workers have no agent: ps shows the trainer alone
+    # worker, and the workers have no agent: ps shows the trainer alone. (The trainer itself
+    # may be dumped too: on a loaded machine its first step, behind two spawned workers, can
+    # come later than the 1 s first-step timeout, which is the watchdog doing its job.)
     assert _traced_pids(cli, "dljob") == [trainer]
     assert _stacks_pids(cli, "dljob") == [trainer]
     dumped = {a.manifest.get("pid") for a in _hang_artifacts()}
-    assert never_pid in dumped and not dumped & {trainer, *workers}
+    assert never_pid in dumped and not dumped & set(workers)
     assert _roles(cli, "dljob") == {trainer: "trainer"}
 
 

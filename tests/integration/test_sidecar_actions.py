@@ -1,7 +1,7 @@
 """The sidecar acting over HTTP: a real `dynprof serve` on a loopback port, with its own run
 directory and artifact store, in front of a real training loop under `dynprof run`.
 
-Checked: the actions answer with the CLI's own `--json`; a trace started over HTTP is fetched
+Checked: the actions answer with the CLI's own `--json` (and a structured error); a trace started over HTTP is fetched
 back over /api/v1; tokens, CSRF, read-only, body limits, strict JSON, traversal, the action
 slots (429) and TLS; the refusals are logged without the token. The page's buttons are driven
 in a real headless Chromium (over the DevTools protocol on a pipe: no extra package).
@@ -209,9 +209,10 @@ def test_actions_answer_with_the_clis_json(sidecar, train, dynprof_dirs):
             "exit_code",
             "result",
             "messages",
+            "error",
             "elapsed_s",
         }
-        assert answer["api"] == 1 and answer["host"] == info["host"]
+        assert answer["api"] == 1 and answer["host"] == info["host"] and answer["error"] is None
         assert answer["exit_code"] == cli_code == 0, (answer, cli)
         assert same_keys(answer["result"], cli), (shape(answer["result"]), shape(cli))
     assert [a["pid"] for a in http_ps[1]["result"]["agents"]] == [train]
@@ -663,3 +664,35 @@ def test_job_wide_view_through_one_sidecar(sidecar, spawn, browser, tmp_path):
         assert sorted(c for c in cells if c[1] == "trace") == sorted([[h, "trace"] for h in hosts]), cells
     finally:
         shutil.rmtree(dirs_a["DYNPROF_RUN_DIR"], ignore_errors=True)
+
+
+def test_job_wide_action_answers_each_nodes_error_structured(sidecar, spawn, tmp_path):
+    # GIVEN two "nodes" (each a sidecar with its own run dir and store), a rank of job JOB on
+    # the first only
+    nodes = []
+    for name in ("a", "b"):
+        dirs = {"DYNPROF_RUN_DIR": tempfile.mkdtemp(prefix=f"dp-{name}-"), "DYNPROF_ARTIFACT_DIR": str(tmp_path / name)}
+        nodes.append((sidecar(env=dirs), dirs))
+    (a, dirs_a), (b, dirs_b) = nodes
+    target = spawn([PROGRAM, "--step-sleep", "0.01"], env={**dirs_a, "DYNPROF_JOB_ID": JOB})
+    (pid,) = target.ready_pids()
+    hosts = [f"127.0.0.1:{a.port}", f"127.0.0.1:{b.port}"]
+    try:
+        # WHEN node b alone is asked for the job's stacks, and then node a for both nodes'
+        code, alone = b.action("stacks", {"job": JOB, "no_save": True}, timeout=60)
+        code_wide, wide = a.action("stacks", {"job": JOB, "no_save": True, "hosts": hosts}, timeout=60)
+        # THEN node b answers its error structured, as the CLI's --json has it
+        assert code == 200 and alone["exit_code"] != 0, alone
+        assert isinstance(alone["error"]["type"], str) and alone["error"]["type"]  # the DynprofError's class
+        assert alone["result"] == {"error": alone["error"]} and "job" in alone["error"]["message"]
+        assert alone["error"]["exit_code"] == alone["exit_code"] and alone["error"]["message"]
+        # AND the job-wide answer merges node a's rank, and names node b's error from that field
+        assert code_wide == 200, wide
+        members = [m["pid"] for g in wide["result"]["groups"] for m in g["members"]]
+        assert members == [pid], wide["result"]
+        by_node = {n["node"]: n for n in wide["result"]["nodes"]}
+        assert by_node[hosts[0]]["ok"] is True
+        assert by_node[hosts[1]]["ok"] is False and by_node[hosts[1]]["error"] == alone["error"]["message"]
+    finally:
+        for dirs in (dirs_a, dirs_b):
+            shutil.rmtree(dirs["DYNPROF_RUN_DIR"], ignore_errors=True)

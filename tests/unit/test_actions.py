@@ -1,16 +1,45 @@
-"""dynprof.sidecar.actions: options checked per action, slots, hard time limits, child process groups."""
+"""dynprof.sidecar.actions: options checked per action (against the commands' parsers), results
+answered as they are, structured errors, slots, hard time limits, child process groups."""
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
+from typing import Any
 
 import pytest
 
+from dynprof import errors
+from dynprof.result import Result
 from dynprof.sidecar import actions
-from dynprof.sidecar.actions import ActionError, ActionsBusy, ActionSlots, argv_for, effective_timeout, run_action
+from dynprof.sidecar.actions import (
+    ActionCommand,
+    ActionError,
+    ActionsBusy,
+    ActionSlots,
+    argv_for,
+    effective_timeout,
+    run_action,
+)
+
+
+def stub_table(collect_local: Any = None, seen: list[list[str]] | None = None, collect_nodes: Any = None):
+    """A command table whose every action parses by recording its arguments, and answers with
+    ``collect_local`` (default: an empty result)."""
+
+    def parse(argv: list[str]) -> argparse.Namespace:
+        if seen is not None:
+            seen.append(argv)
+        return argparse.Namespace(argv=argv)
+
+    local = collect_local or (lambda args: Result({}))
+    return {name: ActionCommand(parse, local, collect_nodes) for name in actions.ACTIONS}
 
 
 def test_options_become_one_flag_each_and_unknown_ones_are_refused():
@@ -49,12 +78,11 @@ def test_a_command_that_overruns_is_answered_timed_out_and_keeps_its_slot(monkey
     monkeypatch.setattr(actions, "SUBPROCESS_GRACE_S", 0.0)
     release = threading.Event()
 
-    def slow(argv):
+    def slow(args):
         release.wait(300)
-        return 0, '{"late": true}', ""
+        return Result({"late": True})
 
-    monkeypatch.setattr(actions, "run_captured", slow)
-    slots = ActionSlots(1)
+    slots = ActionSlots(1, commands=stub_table(slow))
     # WHEN it runs with a 0.3 s limit
     t0 = time.monotonic()
     answer = slots.run("ls", {}, timeout=0.3)
@@ -84,14 +112,14 @@ def test_a_bad_request_is_refused_before_taking_a_slot():
     assert slots._sem.acquire(blocking=False)  # the slot was never taken
 
 
-def test_an_own_timeout_option_is_capped_too(monkeypatch):
-    seen = []
-    monkeypatch.setattr(actions, "run_captured", lambda argv: (seen.append(argv), (0, "{}", ""))[1])
-    run_action("ps", {"timeout": 1e9})
+def test_an_own_timeout_option_is_capped_too():
+    seen: list[list[str]] = []
+    table = stub_table(seen=seen)
+    run_action("ps", {"timeout": 1e9}, commands=table)
     assert f"--timeout={actions.ACTIONS['ps'].max_timeout_s!r}" in seen[0]
-    run_action("ps", {})
+    run_action("ps", {}, commands=table)
     assert not any(a.startswith("--timeout") for a in seen[1])  # the command's own default stands
-    run_action("start", {"pid": [1]})
+    run_action("start", {"pid": [1]}, commands=table)
     assert "--timeout=600.0" in seen[2]  # start waits for ever by itself: never over HTTP
 
 
@@ -133,7 +161,9 @@ def test_stopping_kills_running_children_and_starts_no_more(monkeypatch):
     monkeypatch.setattr(actions.subprocess, "Popen", popen)
     monkeypatch.setattr(actions, "_closing", False)
     answers = []
-    worker = threading.Thread(target=lambda: answers.append(actions._run_child(["healthcheck", "--json"], 60)))
+    worker = threading.Thread(
+        target=lambda: answers.append(actions._run_child("healthcheck", ["healthcheck", "--json"], False, 60))
+    )
     worker.start()
     deadline = time.monotonic() + 60
     while not actions._children:
@@ -145,20 +175,10 @@ def test_stopping_kills_running_children_and_starts_no_more(monkeypatch):
     worker.join(120)
     # THEN the action ends at once (not when its child would have), answered "killed", and no
     # new child starts
-    assert answers and answers[0][0] == 9 and "stopped" in answers[0][2]
+    assert answers and answers[0].exit_code == 9 and "stopped" in answers[0].messages[0]
     assert time.monotonic() - t0 < 300
-    assert actions._run_child(["healthcheck"], 60)[0] == 9
+    assert actions._run_child("healthcheck", ["healthcheck"], False, 60).exit_code == 9
     assert not actions._children
-
-
-def test_a_command_knows_it_runs_as_an_action(monkeypatch):
-    import dynprof.cli
-
-    seen = []
-    monkeypatch.setattr(dynprof.cli, "main", lambda argv: seen.append(actions.in_action()) or 0)
-    assert not actions.in_action()
-    run_action("ps", {})
-    assert seen == [True] and not actions.in_action()
 
 
 # -- job-wide actions: `hosts` ----------------------------------------------------------------------
@@ -204,16 +224,308 @@ def test_a_job_wide_action_runs_in_a_child_with_the_sidecars_token_file(monkeypa
 
     calls = []
 
-    def child(argv, timeout, extra_env=None):
-        calls.append((argv, timeout, extra_env))
-        return 0, '{"nodes": [], "agents": []}', ""
+    def child(name, argv, job_wide, timeout, extra_env=None, failed_exit=1):
+        calls.append((argv, job_wide, timeout, extra_env))
+        return actions.Outcome(0, {"nodes": [], "agents": []})
 
     monkeypatch.setattr(actions, "_run_child", child)
-    monkeypatch.setattr(actions, "run_captured", lambda argv: pytest.fail("ran in the sidecar's process"))
-    slots = ActionSlots(1, FanoutConfig("/run/dynprof/token"))
+    in_process = stub_table(lambda args: pytest.fail("ran in the sidecar's process"))
+    slots = ActionSlots(1, FanoutConfig("/run/dynprof/token"), commands=in_process)
     answer = slots.run("ps", {"job": "j", "hosts": ["node-1", "node-2"]}, timeout=20)
     assert answer["exit_code"] == 0 and answer["result"] == {"nodes": [], "agents": []}
-    ((argv, timeout, env),) = calls
-    assert argv == ["ps", "--hosts=node-1,node-2", "--job=j", "--timeout=20.0", "--json"]
+    ((argv, job_wide, timeout, env),) = calls
+    assert argv == ["ps", "--hosts=node-1,node-2", "--job=j", "--timeout=20.0", "--json"] and job_wide
     assert env == {"DYNPROF_TOKEN_FILE": "/run/dynprof/token"} and timeout == 20.0
     assert slots._sem.acquire(blocking=False)  # the slot was given back
+
+
+# -- the rows hold to the commands' parsers ----------------------------------------------------------
+SAMPLES: dict[str, Any] = {"int": 1, "float": 1.5, "str": "x", "bool": True, "ints": [1, 2], "strs": ["x"]}
+# options whose parser accepts names only: a name it knows
+NAMED_SAMPLES: dict[str, Any] = {"activities": ["cpu"], "skip": ["disk_free"]}
+KIND_TYPES: dict[str, tuple[type, ...]] = {"int": (int,), "float": (int, float), "str": (str,)}
+
+
+def row_problems(name: str, action: actions.Action) -> list[str]:
+    """What is wrong with ``action``'s options against the parser of its command: a flag it
+    does not have, or a kind that does not fit (bool is store_true; int, float and str parse
+    to their type; a list kind parses, from the comma-joined value the sidecar sends, to a list)."""
+    from dynprof.cli.sidecar_actions import command_parser, load_command, parse_options
+
+    command = load_command(action.command)
+    parser = command_parser(action.command, command)
+    by_flag = {flag: a for a in parser._actions for flag in a.option_strings}
+    problems = []
+    for key, opt in action.options.items():
+        arg = by_flag.get(opt.flag)
+        if arg is None:
+            problems.append(f"{name}.{key}: dynprof {action.command} has no {opt.flag}")
+            continue
+        is_switch = arg.nargs == 0 and arg.const is True
+        if (opt.kind == "bool") != is_switch:
+            problems.append(f"{name}.{key}: {opt.kind} for {opt.flag}, which is {'' if is_switch else 'not '}a switch")
+            continue
+        if opt.kind == "bool":
+            continue
+        choices = list(arg.choices or [])
+        sample = NAMED_SAMPLES.get(key, SAMPLES[opt.kind])
+        if choices:
+            sample = choices[:1] if opt.kind == "strs" else choices[0]
+        # a command that must be told its targets (one of --job, --pid, --all) gets --all
+        base = [] if key in ("job", "pid", "all") or "all" not in action.options else ["--all"]
+        try:
+            parsed = parse_options(action.command, command, [*base, *actions._flag(opt, key, sample)])
+            value = getattr(parsed, arg.dest)
+        except errors.DynprofError as exc:
+            problems.append(f"{name}.{key}: {opt.flag} refuses a {opt.kind} ({sample!r}): {exc.message}")
+            continue
+        if opt.kind in ("ints", "strs"):
+            if isinstance(arg, argparse._AppendAction) or arg.nargs in ("+", "*"):
+                value = [v for item in value for v in (item if isinstance(item, (list, tuple, set)) else [item])]
+            want = int if opt.kind == "ints" else str
+            if not isinstance(value, (list, tuple, set, frozenset)) or not all(isinstance(v, want) for v in value):
+                problems.append(f"{name}.{key}: {opt.flag} does not parse to a list of {want.__name__}: {value!r}")
+        elif isinstance(value, bool) or not isinstance(value, KIND_TYPES[opt.kind]):
+            problems.append(f"{name}.{key}: {opt.flag} parses to {type(value).__name__}, not {opt.kind}")
+    return problems
+
+
+def test_every_action_option_exists_in_its_commands_parser_with_its_kind():
+    # GIVEN the rows of every action WHEN each option is held to its command's parser
+    problems = [p for name, action in actions.ACTIONS.items() for p in row_problems(name, action)]
+    # THEN every flag exists there, with a kind that fits
+    assert problems == []
+
+
+def test_a_wrong_row_is_caught():
+    # GIVEN rows that drifted from the parser: a flag it lacks, a switch read as a number, a
+    # number read as a switch, a single value read as a list
+    wrong = actions.Action(
+        "ls",
+        {
+            "kinds": actions.Option("--kinds", "str"),
+            "all": actions.Option("--all", "int"),
+            "limit": actions.Option("--limit", "bool"),
+            "job": actions.Option("--job", "ints"),
+        },
+    )
+    # WHEN they are held to `dynprof ls`'s parser
+    problems = row_problems("ls", wrong)
+    # THEN each is named
+    assert len(problems) == 4, problems
+    assert "has no --kinds" in problems[0] and "--all, which is a switch" in problems[1]
+    assert "--limit, which is not a switch" in problems[2] and "list of int" in problems[3]
+
+
+# -- results, not printed output -------------------------------------------------------------------
+def test_an_action_answers_the_result_and_takes_no_stdout(capsys):
+    # GIVEN a command whose collect returns while another thread of the sidecar prints
+    started, printed = threading.Event(), threading.Event()
+
+    def collect(args):
+        started.set()
+        assert printed.wait(60)
+        return Result({"agents": [{"pid": 1}]}, 0, ["skipping 1 process\n  (it is gone)"])
+
+    table = stub_table(collect)
+    stdout = sys.stdout
+
+    def chatter():
+        assert started.wait(60)
+        print("the sidecar's own line")
+        printed.set()
+
+    other = threading.Thread(target=chatter)
+    other.start()
+    # WHEN the action runs
+    answer = run_action("ps", {}, commands=table)
+    other.join(60)
+    # THEN its answer is exactly the Result, with its messages as the CLI's stderr lines, and
+    # the line printed meanwhile went where it was printed, not into the answer
+    assert answer["result"] == {"agents": [{"pid": 1}]} and answer["exit_code"] == 0 and answer["error"] is None
+    assert answer["messages"] == ["dynprof: skipping 1 process", "  (it is gone)"]
+    assert capsys.readouterr().out == "the sidecar's own line\n"
+    assert sys.stdout is stdout  # nothing stands in for it
+    assert not hasattr(actions, "_Routed") and not hasattr(actions, "install_capture")
+
+
+def test_a_result_is_answered_as_strict_json_and_bounded(monkeypatch):
+    # GIVEN results with a non-finite number, a value JSON lacks, and one over the limit
+    table = stub_table(lambda args: Result({"ratio": float("nan"), "path": Path("/x")}))
+    answer = run_action("ls", {}, commands=table)
+    assert answer["result"] == {"ratio": None, "path": "/x"}
+    monkeypatch.setattr(actions, "MAX_OUTPUT_BYTES", 100)
+    big = run_action("ls", {}, commands=stub_table(lambda args: Result({"x": "y" * 200})))
+    assert big["exit_code"] == 1 and big["result"] is None and "over" in big["error"]["message"]
+
+
+def test_a_dynprof_error_is_answered_structured_and_the_client_reads_it():
+    # GIVEN a command that stops on a DynprofError
+    from dynprof.job.client import _answer
+    from dynprof.job.discovery import Node
+
+    def collect(args):
+        raise errors.NoAgent("no agent of job 'j' on this node")
+
+    # WHEN it runs as an action
+    answer = run_action("ps", {"job": "j"}, commands=stub_table(collect))
+    # THEN the answer carries the error, structured, and the CLI's --json error document
+    expected = {
+        "type": "NoAgent",
+        "message": "no agent of job 'j' on this node",
+        "help": errors.NoAgent.default_help,
+        "exit_code": 5,
+    }
+    assert answer["exit_code"] == 5 and answer["error"] == expected and answer["result"] == {"error": expected}
+    assert answer["messages"][0] == "dynprof: error: no agent of job 'j' on this node"
+    # AND the fan-out's client reads that field, whatever the messages say
+    node = Node("node-a", 8787)
+    got = _answer(node, json.loads(json.dumps({**answer, "messages": ["something else"]})), "ps", 0.1)
+    assert got.failure is not None and got.failure.type == "NoAgent" and got.failure.exit_code == 5
+    assert got.command_error() == "no agent of job 'j' on this node"
+    assert got.summary("node-a")["error"] == "no agent of job 'j' on this node"
+    # AND a malformed error field is refused as not a sidecar's answer
+    from dynprof.job.client import NodeFailure
+
+    for bad in ("no agent", {"message": 5}, {"type": "X", "message": "m", "help": "", "exit_code": "5"}):
+        with pytest.raises(NodeFailure, match="error that is not"):
+            _answer(node, {**answer, "error": bad}, "ps", 0.1)
+
+
+def test_a_bug_in_a_command_is_an_internal_error_not_a_crash():
+    def collect(args):
+        raise KeyError("oops")
+
+    answer = run_action("ps", {}, commands=stub_table(collect))
+    assert answer["exit_code"] == 1 and answer["error"]["message"] == "internal error: KeyError: 'oops'"
+
+
+def test_the_node_side_of_a_job_level_action_is_collect_local():
+    # GIVEN a job-level command WHEN a node runs its action (as the fan-out asks: no hosts)
+    def collect_nodes(args, nodes):
+        raise AssertionError("fanned out")
+
+    answer = run_action("stacks", {"job": "j"}, commands=stub_table(collect_nodes=collect_nodes))
+    # THEN the node answers from collect_local
+    assert answer["exit_code"] == 0 and answer["result"] == {}
+
+
+# -- the real command table --------------------------------------------------------------------------
+def test_the_command_table_parses_with_each_commands_own_parser():
+    from dynprof.cli.sidecar_actions import action_commands
+
+    # GIVEN the table `dynprof serve` hands the sidecar
+    table = action_commands()
+    assert set(table) == set(actions.ACTIONS)
+    # WHEN healthcheck gets a level its parser refuses
+    answer = run_action("healthcheck", {"level": "thorough"}, commands=table)
+    # THEN it is a usage error with healthcheck's own code (3: 2 means "unhealthy"), nothing run
+    assert answer["exit_code"] == 3 and answer["error"]["type"] == "UsageError", answer
+    assert "--level" in answer["error"]["message"] and "thorough" in answer["error"]["message"]
+    # AND a job-level command's refused value is a usage error (2)
+    answer = run_action("ls", {"limit": -3}, commands=table)
+    assert answer["exit_code"] == 2 and answer["error"]["type"] == "UsageError", answer
+
+
+def test_an_action_answers_what_the_cli_prints_with_json(dynprof_dirs, capsys):
+    # GIVEN an artifact in the store
+    from dynprof.cli import main
+    from dynprof.cli.sidecar_actions import action_commands
+    from dynprof.store import ArtifactStore
+
+    writer = ArtifactStore().create("trace", job="j", rank=0)
+    writer.write_text("x.txt", "data")
+    writer.finish("complete")
+    # WHEN ls runs as an action, and as the CLI with --json
+    answer = run_action("ls", {"job": "j"}, commands=action_commands(["ls"]))
+    assert main(["ls", "--job", "j", "--json"]) == 0
+    # THEN the answer's result is what the CLI printed
+    assert answer["exit_code"] == 0 and answer["result"] == json.loads(capsys.readouterr().out)
+
+
+def test_a_child_writes_the_result_as_json(dynprof_dirs):
+    # GIVEN an artifact in the store WHEN ls runs in an action's child process
+    from dynprof.store import ArtifactStore
+
+    writer = ArtifactStore().create("trace", job="j", rank=0)
+    writer.finish("complete")
+    outcome = actions._run_child("ls", ["ls", "--job=j", "--json"], False, 120)
+    # THEN the child's answer is the listing
+    assert outcome.exit_code == 0 and outcome.messages == [] and outcome.error is None, outcome
+    assert [a["kind"] for a in outcome.result["artifacts"]] == ["trace"]
+
+
+def test_a_childs_error_is_structured():
+    outcome = actions._child_answer(
+        "healthcheck",
+        json.dumps(
+            {
+                "result": None,
+                "exit_code": 3,
+                "messages": [],
+                "error": {"type": "Unsupported", "message": "no NVML", "help": "install it", "exit_code": 3},
+            }
+        ),
+        0,
+        3,
+    )
+    assert outcome.exit_code == 3 and outcome.error == {
+        "type": "Unsupported",
+        "message": "no NVML",
+        "help": "install it",
+        "exit_code": 3,
+    }
+    assert outcome.messages == ["dynprof: error: no NVML", "  what to do: install it"]
+    broken = actions._child_answer("healthcheck", "Traceback ...", 1, 3)
+    assert broken.exit_code == 3 and "ended without an answer" in broken.error["message"]
+
+
+def test_a_healthcheck_killed_by_a_signal_says_so_with_a_documented_code(monkeypatch):
+    from dynprof.cli.sidecar_actions import action_commands
+
+    # GIVEN a healthcheck whose process is killed by SIGKILL (the OOM killer, say)
+    real_popen = subprocess.Popen
+
+    def popen(args, **kwargs):
+        return real_popen(["sh", "-c", "kill -9 $$"], **kwargs)
+
+    monkeypatch.setattr(actions.subprocess, "Popen", popen)
+    monkeypatch.setattr(actions, "_closing", False)
+    # WHEN the action runs
+    answer = run_action("healthcheck", {}, commands=action_commands(["healthcheck"]))
+    # THEN it answers "could not run" (3, in healthcheck's documented set) and says why
+    assert answer["exit_code"] == 3, answer
+    assert "killed by SIGKILL" in answer["error"]["message"], answer
+    assert answer["messages"][0].startswith("dynprof: error: healthcheck could not finish")
+
+
+def test_the_sidecar_imports_no_cli():
+    # GIVEN a fresh interpreter WHEN the sidecar's app and actions are imported
+    code = (
+        "import sys, dynprof.sidecar.app, dynprof.sidecar.actions, dynprof.sidecar.page; "
+        "print(sorted(m for m in sys.modules if m == 'dynprof.cli' or m.startswith('dynprof.cli.')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    # THEN no CLI module came with them (dynprof serve hands the sidecar its commands and views)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_a_command_not_yet_answering_with_a_result_is_read_from_its_json(monkeypatch):
+    # GIVEN a command that only prints (TEMPORARY fallback, until every action's command has
+    # collect_local): its --json on stdout, an error of one target and its advice on stderr
+    from dynprof.cli._action_fallback import printing_collect
+
+    class Printing:
+        def run(self, args):
+            print('{"agents": [{"pid": 7}]}')
+            print("dynprof: pid 8: error: gone\n  what to do: look again", file=sys.stderr)
+            return 3
+
+    table = stub_table(printing_collect(Printing()))
+    monkeypatch.setattr(sys, "stdout", sys.stdout)  # the capture wraps them: put them back after
+    monkeypatch.setattr(sys, "stderr", sys.stderr)
+    # WHEN it runs as an action
+    answer = run_action("ps", {}, commands=table)
+    # THEN the answer holds its JSON, code and stderr lines as it printed them
+    assert answer["result"] == {"agents": [{"pid": 7}]} and answer["exit_code"] == 3
+    assert answer["messages"] == ["dynprof: pid 8: error: gone", "  what to do: look again"]

@@ -14,10 +14,9 @@ from pathlib import Path
 import pytest
 
 from dynprof import errors
-from dynprof.attach import _elf, _preflight, choose_method
+from dynprof.attach import _elf, _preflight, choose_method, find_job_processes
 from dynprof.attach._bootstrap import bootstrap_source, payload
-from dynprof.attach._discover import find_job_processes
-from dynprof.cli.start import aligned_steps, boundary_offsets
+from dynprof.job.align import aligned_steps, boundary_offsets
 from dynprof.proto import pb
 
 ROOT = Path(__file__).resolve().parent.parent.parent
@@ -156,3 +155,27 @@ def test_attach_usage_errors(capsys):
     assert "give either PIDs or --job JOB" in capsys.readouterr().err
     assert main(["attach", "1", "--memory-history", "lots"]) == 2
     assert "--memory-history" in capsys.readouterr().err
+
+
+def test_an_attach_result_describes_itself_for_a_person():
+    from dynprof.attach import AttachResult
+
+    # GIVEN a process attached through gdb without a step hook yet, and one that had an agent
+    attached = AttachResult(
+        pid=12,
+        status="attached",
+        method="gdb-pending-call",
+        seconds=1.5,
+        log="/run/a.log",
+        hook_installed=False,
+        notes=["slow"],
+    )
+    already = AttachResult(pid=13, status="already", method="none", activation="attach")
+    # WHEN each is described
+    # THEN one line says what happened, with the hook's and the notes' lines below
+    assert attached.describe() == (
+        "pid 12: attached (gdb, pending call, 1.50 s): agent ready, log /run/a.log\n"
+        "  no optimizer step hook yet (torch.optim not imported): step mode starts once it is\n"
+        "  note: slow"
+    )
+    assert already.describe() == "pid 13: already has a dynprof agent (started by attach); nothing done"

@@ -17,8 +17,9 @@ from typing import Any
 import pytest
 
 from collectors.stacks import Frame, ProcessStacks, ThreadStack, group_processes
-from dynprof.cli._many_nodes import NODES_FAILED_EXIT, exit_code, node_labels
+from dynprof.cli.job import NODES_FAILED_EXIT, exit_code
 from dynprof.job import client as fanout
+from dynprof.job.answers import node_labels
 from dynprof.job.client import NodeAnswer, NodeFailure, SidecarClient, check_artifact_id, check_file_name
 from dynprof.job.discovery import Node
 
@@ -258,7 +259,7 @@ def test_the_client_needs_a_private_token_file(tmp_path: Path):
 
     from dynprof import errors
     from dynprof.cli import main
-    from dynprof.cli._many_nodes import client_for
+    from dynprof.cli.job import client_for
 
     # GIVEN a token file other users can read
     loose = tmp_path / "tok"
@@ -280,7 +281,7 @@ def _manifest(files: list[dict[str, Any]]) -> bytes:
 def test_fetch_keeps_only_files_that_match_the_manifest(server, tmp_path):
     import hashlib
 
-    from dynprof.cli._many_nodes import fetch
+    from dynprof.job.fetch import fetch
 
     script, node, _ = server
     good, bad = b"trace bytes", b"tampered!!!"
@@ -314,7 +315,7 @@ def test_fetch_keeps_only_files_that_match_the_manifest(server, tmp_path):
     ],
 )
 def test_fetch_refuses_manifests_that_name_files_badly(server, tmp_path, files):
-    from dynprof.cli._many_nodes import fetch
+    from dynprof.job.fetch import fetch
 
     script, node, _ = server
     script.replies = [(200, {}, _manifest(files))]  # type: ignore[arg-type]
@@ -327,7 +328,7 @@ def test_fetch_refuses_manifests_that_name_files_badly(server, tmp_path, files):
 def test_fetch_of_a_file_longer_than_its_manifest_says_stops_reading(server, tmp_path):
     import hashlib
 
-    from dynprof.cli._many_nodes import fetch
+    from dynprof.job.fetch import fetch
 
     script, node, _ = server
     data = b"x" * 100_000
@@ -340,7 +341,7 @@ def test_fetch_of_a_file_longer_than_its_manifest_says_stops_reading(server, tmp
 def test_nccl_dumps_are_read_back_from_each_node_s_artifact_checked(server):
     import hashlib
 
-    from dynprof.cli._many_nodes import _dumps_of
+    from dynprof.cli.nccl import read_rank_dumps
 
     # GIVEN a node's nccl artifact with one good dump, one that is not JSON, one nested too deep
     script, node, _ = server
@@ -354,8 +355,217 @@ def test_nccl_dumps_are_read_back_from_each_node_s_artifact_checked(server):
     script.replies = [(200, {}, _manifest(files)), (200, {}, good), (200, {}, junk), (200, {}, deep)]
     notes: list[str] = []
     # WHEN its dumps are read back
-    dumps = _dumps_of(SidecarClient(TOKEN, timeout=5), node, "j/h/node/nccl/a-1", notes, "node-1")
+    dumps = read_rank_dumps(SidecarClient(TOKEN, timeout=5), node, "j/h/node/nccl/a-1", notes, "node-1")
     # THEN the good one is taken, the others named, and no other file is asked for
     assert dumps == [(0, {"dumps": {"nccl": {"entries": []}}})]
     assert len(notes) == 2 and "rank1-pid12.json" in notes[0] and "rank2-pid13.json" in notes[1]
     assert len(script.seen) == 4
+
+
+def test_fetch_refuses_a_manifest_that_claims_more_than_the_store_holds(server, tmp_path, monkeypatch):
+    from dynprof.job.fetch import fetch
+
+    # GIVEN a store limit of 1000 bytes, and a node whose manifest claims 2000 (in two files)
+    monkeypatch.setenv("DYNPROF_ARTIFACT_MAX_BYTES", "1000")
+    script, node, _ = server
+    files = [{"name": n, "size": 1000, "sha256": "0" * 64} for n in ("a.bin", "b.bin")]
+    script.replies = [(200, {}, _manifest(files))]
+    # WHEN the artifact is fetched
+    (row,) = fetch(SidecarClient(TOKEN, timeout=5), tmp_path / "dest", [(node, "j/h/rank0/trace/a-1")])
+    # THEN it is refused with the limit named, before any file is asked for, and nothing is written
+    assert "over the store's limit" in row["error"] and "DYNPROF_ARTIFACT_MAX_BYTES" in row["error"]
+    assert row["files"] == 0 and len(script.seen) == 1
+    assert not list((tmp_path / "dest").rglob("*.bin"))
+
+
+def test_a_fetch_stops_at_the_store_limit_in_all(server, tmp_path, monkeypatch):
+    import hashlib
+
+    from dynprof.job.fetch import fetch
+
+    # GIVEN a store limit of 1000 bytes, and two artifacts of 600 bytes each
+    monkeypatch.setenv("DYNPROF_ARTIFACT_MAX_BYTES", "1000")
+    script, node, _ = server
+    data = b"x" * 600
+    files = [{"name": "f.bin", "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}]
+    script.replies = [(200, {}, _manifest(files)), (200, {}, data), (200, {}, _manifest(files))]
+    # WHEN both are fetched
+    first, second = fetch(
+        SidecarClient(TOKEN, timeout=5),
+        tmp_path / "dest",
+        [(node, "j/h/rank0/trace/a-1"), (node, "j/h/rank1/trace/a-2")],
+    )
+    # THEN the first is copied whole, the second refused before its file is asked for
+    assert first["error"] is None and first["files"] == 1
+    assert (tmp_path / "dest/j/h/rank0/trace/a-1/f.bin").read_bytes() == data
+    assert (tmp_path / "dest/j/h/rank0/trace/a-1/manifest.json").is_file()
+    assert "past the store's limit" in second["error"] and second["files"] == 0
+    assert len(script.seen) == 3
+
+
+def test_nccl_dumps_over_the_limit_are_refused_per_rank_before_they_are_read(server):
+    import hashlib
+
+    from dynprof.cli.nccl import MAX_DUMP_BYTES, read_rank_dumps
+
+    # GIVEN a node's nccl artifact whose manifest claims a dump over the limit for rank 0
+    script, node, _ = server
+    good = json.dumps({"dumps": {"nccl": {"entries": []}}}).encode()
+    files = [
+        {"name": "rank0-pid11.json", "size": MAX_DUMP_BYTES + 1, "sha256": "0" * 64},
+        {"name": "rank1-pid12.json", "size": len(good), "sha256": hashlib.sha256(good).hexdigest()},
+    ]
+    script.replies = [(200, {}, _manifest(files)), (200, {}, good)]
+    notes: list[str] = []
+    # WHEN its dumps are read back
+    dumps = read_rank_dumps(SidecarClient(TOKEN, timeout=5), node, "j/h/node/nccl/a-1", notes, "node-1")
+    # THEN rank 0's is a note naming its size and the limit, never asked for; rank 1's is read
+    assert dumps == [(1, {"dumps": {"nccl": {"entries": []}}})]
+    assert len(notes) == 1 and "rank0-pid11.json" in notes[0] and "over the 64.0 MiB" in notes[0], notes
+    assert [r["path"] for r in script.seen][1:] == ["/api/v1/artifacts/j/h/node/nccl/a-1/files/rank1-pid12.json"]
+
+
+def test_nccl_dumps_past_the_total_are_named_and_not_read(server):
+    import hashlib
+
+    from dynprof.cli.nccl import read_rank_dumps
+    from dynprof.job.fetch import Budget
+
+    # GIVEN two ranks' dumps, and room for one of them in all
+    script, node, _ = server
+    good = json.dumps({"dumps": {"nccl": {"entries": []}}}).encode()
+    files = [
+        {"name": f"rank{r}-pid1{r}.json", "size": len(good), "sha256": hashlib.sha256(good).hexdigest()} for r in (0, 1)
+    ]
+    script.replies = [(200, {}, _manifest(files)), (200, {}, good)]
+    notes: list[str] = []
+    # WHEN they are read back
+    dumps = read_rank_dumps(
+        SidecarClient(TOKEN, timeout=5), node, "j/h/node/nccl/a-1", notes, "node-1", Budget(len(good))
+    )
+    # THEN the first is read, the second named as past the total
+    assert [rank for rank, _ in dumps] == [0]
+    assert len(notes) == 1 and "rank 1" in notes[0] and "in all" in notes[0]
+    assert len(script.seen) == 2
+
+
+def test_a_local_dump_over_the_limit_is_that_rank_s_failure(tmp_path, monkeypatch):
+    from dynprof import errors
+    from dynprof.cli import nccl
+
+    # GIVEN a rank's dump, as its agent wrote it, one byte over the limit
+    monkeypatch.setattr(nccl, "MAX_DUMP_BYTES", 100)
+    (tmp_path / "rank0-pid7.json").write_text(json.dumps({"entries": ["x" * 100]}))
+    (tmp_path / "rank1-pid8.json").write_text("not json")
+    # WHEN it is read
+    # THEN it is refused with its size and what to do, as is one that is not JSON
+    with pytest.raises(errors.DynprofError, match=r"pid 7: its dump cannot be read: .*over the 100-byte limit") as exc:
+        nccl._read_dump(tmp_path, "rank0-pid7.json", 7)
+    assert "--no-stack-traces" in (exc.value.help or "")
+    with pytest.raises(errors.DynprofError, match=r"pid 8: its dump cannot be read: .*not valid JSON"):
+        nccl._read_dump(tmp_path, "rank1-pid8.json", 8)
+
+
+# -- a hostile node ----------------------------------------------------------------------------
+def test_a_dripping_node_is_cut_off_at_the_whole_answer_deadline(server):
+    _, node, _ = server
+    # GIVEN a node that sends its headers, then its body one byte every 0.2 s for up to 30 s
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 100000\r\n\r\n"
+
+    def dripping(handler: Any) -> None:
+        handler.wfile.write(head)
+        end = time.monotonic() + 30
+        while time.monotonic() < end:
+            handler.wfile.write(b" ")
+            handler.wfile.flush()
+            time.sleep(0.2)
+
+    httpd = server[2]
+    httpd.RequestHandlerClass.do_POST = lambda self: dripping(self)  # type: ignore[method-assign]
+    # WHEN an action with a 1 s deadline is asked for, in a thread (a far bound: the hang detector)
+    box: list[Any] = []
+    thread = threading.Thread(target=lambda: box.append(SidecarClient(TOKEN, timeout=1.0).action(node, "ps", {})))
+    thread.start()
+    thread.join(25)
+    # THEN it gave up at its deadline, long before the node stopped dripping, and says so
+    assert not thread.is_alive() and box, "the client waited for the dripping node"
+    answer = box[0]
+    assert not answer.answered and (answer.error or "").startswith("timed out after")
+    assert "reading the answer of" in (answer.error or "")
+
+
+def test_headers_dripped_forever_are_cut_off_too(server):
+    _, node, httpd = server
+
+    # GIVEN a node that never finishes its status line's headers
+    def dripping(handler: Any) -> None:
+        handler.wfile.write(b"HTTP/1.1 200 OK\r\n")
+        end = time.monotonic() + 30
+        while time.monotonic() < end:
+            handler.wfile.write(b"X")
+            handler.wfile.flush()
+            time.sleep(0.2)
+
+    httpd.RequestHandlerClass.do_POST = lambda self: dripping(self)  # type: ignore[method-assign]
+    # WHEN it is asked, with a 1 s deadline
+    box: list[Any] = []
+    thread = threading.Thread(target=lambda: box.append(SidecarClient(TOKEN, timeout=1.0).action(node, "ps", {})))
+    thread.start()
+    thread.join(25)
+    # THEN the deadline holds
+    assert not thread.is_alive() and box and (box[0].error or "").startswith("timed out after")
+
+
+def test_an_answer_of_too_many_json_values_is_refused_before_it_is_decoded(server, monkeypatch):
+    script, node, _ = server
+    # GIVEN an answer whose result is a long list of empty objects (3 bytes each, ~70 decoded)
+    monkeypatch.setattr(fanout, "MAX_ANSWER_VALUES", 10_000)
+    rows = b"[" + b",".join([b"{}"] * 20_000) + b"]"
+    body = json.dumps({**GOOD, "result": {"agents": "ROWS"}}).encode().replace(b'"ROWS"', rows)
+    script.replies = [(200, {}, body)]
+    # WHEN it is read
+    answer = SidecarClient(TOKEN, timeout=5).action(node, "ps", {})
+    # THEN that node failed, with the reason; nothing was decoded into the answer
+    assert not answer.answered and answer.result is None
+    assert "holds over 10000 JSON values: refused" in (answer.error or "")
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1\x01", "a\x7fb", "a b"])
+def test_a_node_name_http_refuses_is_a_failure_of_that_node(host):
+    # GIVEN a node whose name no HTTP request can carry (made without parse_node)
+    node = Node(host, 8787)
+    # WHEN it is asked
+    answer = SidecarClient(TOKEN, timeout=2).action(node, "ps", {})
+    # THEN that node failed cleanly: no exception out of the client
+    assert not answer.answered and answer.error
+
+
+def test_messages_that_are_not_text_are_not_expanded(server):
+    script, node, _ = server
+    # GIVEN an answer whose messages are big nested values, not lines of text
+    script.replies = [(200, {}, json.dumps({**GOOD, "messages": [[list(range(10_000))], "plain"]}).encode())]
+    # WHEN it is read
+    answer = SidecarClient(TOKEN, timeout=5).action(node, "ps", {})
+    # THEN the text is kept, the rest named by its type only
+    assert answer.answered and answer.messages == ["(list)", "plain"]
+
+
+def test_a_refusal_with_a_huge_body_is_read_for_its_reason_only(server, tmp_path):
+    script, node, _ = server
+    # GIVEN a node that refuses a file with a 20 MiB body
+    script.replies = [(404, {}, b"x" * (20 << 20))]
+    import tracemalloc
+
+    # WHEN the file is downloaded (its manifest says 30 MiB)
+    tracemalloc.start()
+    try:
+        with pytest.raises(NodeFailure) as info:
+            SidecarClient(TOKEN, timeout=10).download(
+                node, "j/h/rank0/stacks/a", "f.json", tmp_path / "f.json", 30 << 20, "0" * 64, 10
+            )
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    # THEN the refusal is the reason, its body was not kept, and nothing is left behind
+    assert "404" in info.value.reason and not list(tmp_path.iterdir())
+    assert peak < 8 << 20, peak

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from dynprof.cli import _many_nodes, _node_args, main
-from dynprof.job.client import NodeAnswer
+from dynprof.cli import _node_args, job, main
+from dynprof.job.client import CommandError, NodeAnswer
 from dynprof.job.discovery import Node
 
 
@@ -30,8 +30,8 @@ class FakeNodes:
             out.append(getattr(self, "_" + name)(node, options))
         return out
 
-    def _answer(self, node: Node, result: Any, code: int = 0) -> NodeAnswer:
-        return NodeAnswer(node, True, host=node.host, exit_code=code, result=result)
+    def _answer(self, node: Node, result: Any, code: int = 0, failure: CommandError | None = None) -> NodeAnswer:
+        return NodeAnswer(node, True, host=node.host, exit_code=code, result=result, failure=failure)
 
     def _ps(self, node: Node, options: dict[str, Any]) -> NodeAnswer:
         self.polls += 1
@@ -58,7 +58,8 @@ class FakeNodes:
             self.passed_once.discard(node)
             for r in self.ranks[node]:
                 r["step"] = at + 5  # this node ran ahead of the plan
-            return self._answer(node, {"error": {"message": f"step {at} has passed"}}, code=8)
+            error = CommandError("AgentError", f"step {at} has passed", "", 8)
+            return self._answer(node, {"error": {"message": error.message}}, code=8, failure=error)
         group = f"g-{node.port}-{at}"
         self.armed[node] = (at, group)
         targets = [{"pid": r["pid"], "rank": r["rank"], "job": "j", "start_step": at} for r in self.ranks[node]]
@@ -75,8 +76,8 @@ A, B = Node("node-a", 8787), Node("node-b", 8787)
 @pytest.fixture
 def fake(monkeypatch):
     def install(nodes: FakeNodes) -> FakeNodes:
-        monkeypatch.setattr(_many_nodes, "client_for", lambda args: nodes)
-        monkeypatch.setattr(_many_nodes, "START_POLL_S", 0.0)
+        monkeypatch.setattr(job, "client_for", lambda args: nodes)
+        monkeypatch.setattr("dynprof.job.start.START_POLL_S", 0.0)
         return nodes
 
     return install
@@ -196,8 +197,8 @@ class GarbageNodes:
 @pytest.mark.parametrize("as_json", [True, False], ids=["json", "text"])
 def test_garbage_from_the_nodes_never_crashes_a_command(monkeypatch, capsys, tmp_path, result, argv, as_json):
     # GIVEN nodes whose sidecars answer with garbage of every shape
-    monkeypatch.setattr(_many_nodes, "client_for", lambda args: GarbageNodes(result))
-    monkeypatch.setattr(_many_nodes, "START_POLL_S", 0.0)
+    monkeypatch.setattr(job, "client_for", lambda args: GarbageNodes(result))
+    monkeypatch.setattr("dynprof.job.start.START_POLL_S", 0.0)
     extra = ["--fetch", str(tmp_path / "f")] if argv[0] in ("ls", "stacks", "nccl", "memory", "start") else []
     # WHEN a command merges them
     code = main([*argv, "--hosts", "a,b", *(["--json"] if as_json else []), *extra])
@@ -209,24 +210,20 @@ def test_garbage_from_the_nodes_never_crashes_a_command(monkeypatch, capsys, tmp
     assert not (tmp_path.parent / "etc").exists()
 
 
-def test_a_sidecar_action_never_fans_out_again(monkeypatch):
-    # GIVEN discovery that would find nodes by itself (as Slurm's node list would, in a sidecar
-    # started inside the job)
-    import sys
+def test_a_sidecar_action_never_fans_out_again():
+    # GIVEN a job-level command whose job-wide answer must never be reached from a node
+    import argparse
 
-    from dynprof.sidecar.actions import run_action
+    from dynprof.result import Result
+    from dynprof.sidecar.actions import ActionCommand, run_action
 
-    monkeypatch.setattr(sys, "stdout", sys.stdout)  # the action's capture wraps them: put them back after
-    monkeypatch.setattr(sys, "stderr", sys.stderr)
-    monkeypatch.setattr(_node_args, "resolve_nodes", lambda args: [A, B])
-
-    def no_client(args):
+    def collect_nodes(args, nodes):
         raise AssertionError("a sidecar's action fanned out")
 
-    monkeypatch.setattr(_many_nodes, "client_for", no_client)
-    # WHEN the sidecar runs ps as an action
-    answer = run_action("ps", {})
-    # THEN it lists this node's agents only
+    table = {"ps": ActionCommand(lambda argv: argparse.Namespace(), lambda args: Result({"agents": []}), collect_nodes)}
+    # WHEN the sidecar runs ps as an action (as the fan-out asks a node: without hosts)
+    answer = run_action("ps", {}, commands=table)
+    # THEN it answers with this node's agents only: the node-side call is collect_local
     assert answer["exit_code"] == 0 and answer["result"] == {"agents": []}
 
 
@@ -279,7 +276,7 @@ def test_a_node_that_goes_silent_while_tracing_is_given_up(fake, capsys, monkeyp
                 return [silent if a.node == B else a for a in out]
             return out
 
-    monkeypatch.setattr(_many_nodes, "START_SILENCE_MIN_S", 0.0)
+    monkeypatch.setattr("dynprof.job.start.START_SILENCE_MIN_S", 0.0)
     fake(Silent({A: [{"pid": 10, "rank": 0, "step": 40}], B: [{"pid": 20, "rank": 1, "step": 40}]}))
     # WHEN the trace is followed, with a short node timeout
     code = main(["start", "--job", "j", "--hosts", "node-a,node-b", "--steps", "3", "--json", "--node-timeout", "0.01",
@@ -303,11 +300,12 @@ def test_each_node_s_own_messages_reach_stderr_with_its_name(monkeypatch, capsys
                     exit_code=5,
                     result={"error": {"message": "no agent of job 'j' on this node"}},
                     messages=["dynprof: error: no agent of job 'j' on this node", "  what to do: attach one"],
+                    failure=CommandError("NoAgent", "no agent of job 'j' on this node", "attach one", 5),
                 ),
                 NodeAnswer(B, True, exit_code=0, result={"agents": []}, messages=["dynprof: skipping 1 process"]),
             ]
 
-    monkeypatch.setattr(_many_nodes, "client_for", lambda args: Talking())
+    monkeypatch.setattr(job, "client_for", lambda args: Talking())
     # WHEN ps fans out
     code = main(["ps", "--job", "j", "--hosts", "node-a,node-b", "--json"])
     # THEN stderr carries each node's lines under its name, and the summary keeps them
@@ -319,25 +317,6 @@ def test_each_node_s_own_messages_reach_stderr_with_its_name(monkeypatch, capsys
     doc = json.loads(captured.out)
     assert doc["nodes"][0]["error"] == "no agent of job 'j' on this node"
     assert doc["nodes"][1]["messages"] == ["dynprof: skipping 1 process"]
-
-
-def test_nodes_whose_ps_gives_no_trace_status_are_followed_by_state(fake, capsys):
-    # GIVEN nodes running a dynprof whose ps rows have no `trace` (before this release)
-    class Legacy(FakeNodes):
-        def _ps(self, node, options):
-            answer = super()._ps(node, options)
-            for row in answer.result["agents"]:
-                row.pop("trace", None)
-            return answer
-
-    fake(Legacy({A: [{"pid": 10, "rank": 0, "step": 40}], B: [{"pid": 20, "rank": 1, "step": 41}]}))
-    # WHEN a trace is started over them
-    code = main(["start", "--job", "j", "--hosts", "node-a,node-b", "--steps", "3", "--json"])
-    # THEN each rank's new artifact ends the wait, its status left to the manifest
-    doc = json.loads(capsys.readouterr().out)
-    assert code == 0 and doc["missed"] == []
-    assert [(r["rank"], r["status"]) for r in doc["results"]] == [(0, "written"), (1, "written")]
-    assert all(r["artifact"] for r in doc["results"])
 
 
 def test_stacks_of_nodes_without_main_thread_rows_take_the_frames_of_their_groups(monkeypatch, capsys):
@@ -357,7 +336,7 @@ def test_stacks_of_nodes_without_main_thread_rows_take_the_frames_of_their_group
                 for i, n in enumerate(nodes)
             ]
 
-    monkeypatch.setattr(_many_nodes, "client_for", lambda args: Old())
+    monkeypatch.setattr(job, "client_for", lambda args: Old())
     # WHEN the job's stacks are merged
     code = main(["stacks", "--job", "j", "--hosts", "node-a,node-b", "--json"])
     # THEN each rank is grouped by the stack its node reported
@@ -383,3 +362,51 @@ def test_commands_on_this_node_import_no_http_client_and_defaults_agree():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+CRAFTED_STEP_TIMES: list[Any] = [1e-320, 5e-324, 0, 0.0, -100.0, float("nan"), float("inf"), -float("inf"), 1e308,
+                                 10**400, True, "100", None]  # fmt: skip
+
+
+@pytest.mark.parametrize("step_time_ms", CRAFTED_STEP_TIMES, ids=lambda v: repr(v)[:12])
+def test_a_crafted_step_time_from_a_node_gives_a_clean_start_step(fake, capsys, step_time_ms):
+    # GIVEN node B reports a step time that is no measurement (a denormal, 0, negative, NaN,
+    # infinite, huge, not a number), node A a real one
+    class Crafted(FakeNodes):
+        def _ps(self, node, options):
+            answer = super()._ps(node, options)
+            if node == B:
+                for row in answer.result["agents"]:
+                    row["step_time_ms"] = step_time_ms
+            return answer
+
+    fake(Crafted({A: [{"pid": 10, "rank": 0, "step": 40}], B: [{"pid": 20, "rank": 1, "step": 41}]}))
+    # WHEN a 3-step trace is started over both
+    code = main(["start", "--job", "j", "--hosts", "node-a,node-b", "--steps", "3", "--json"])
+    # THEN both ranks are traced from one step, planned from node A's pace (1 s at 100 ms a step)
+    doc = json.loads(capsys.readouterr().out)
+    assert code == 0, doc
+    assert doc["at_step"] == 41 + 11
+    assert [(r["rank"], r["start_step"], r["status"]) for r in doc["results"]] == [
+        (0, doc["at_step"], "complete"),
+        (1, doc["at_step"], "complete"),
+    ]
+
+
+@pytest.mark.parametrize("step_time_ms", CRAFTED_STEP_TIMES, ids=lambda v: repr(v)[:12])
+def test_a_crafted_step_time_alone_puts_the_start_two_steps_ahead(fake, capsys, step_time_ms):
+    # GIVEN the only rank reports a step time that is no measurement
+    class Crafted(FakeNodes):
+        def _ps(self, node, options):
+            answer = super()._ps(node, options)
+            for row in answer.result["agents"]:
+                row["step_time_ms"] = step_time_ms
+            return answer
+
+    fake(Crafted({A: [{"pid": 10, "rank": 0, "step": 40}]}))
+    # WHEN a trace is started
+    code = main(["start", "--job", "j", "--hosts", "node-a", "--steps", "3", "--json"])
+    # THEN the pace counts as unknown: the start is two steps past the rank's, as for a missing one
+    doc = json.loads(capsys.readouterr().out)
+    assert code == 0, doc
+    assert doc["at_step"] == 42

@@ -7,8 +7,8 @@ import subprocess
 import sys
 
 from dynprof.cli._common import select_workers
-from dynprof.cli.start import alignment_step
 from dynprof.identity import detect
+from dynprof.job.align import alignment_step
 from dynprof.proto import pb
 from dynprof.registry import AgentRecord, list_records, process_start_ticks, write_record
 
@@ -117,3 +117,26 @@ def test_multiprocessing_service_interpreters_get_no_agent():
     assert is_multiprocessing_service(tracker)
     assert not is_multiprocessing_service(spawned)
     assert not is_multiprocessing_service(["python", "train.py"])
+
+
+def test_alignment_takes_no_crafted_step_time_for_a_pace():
+    from types import SimpleNamespace
+
+    from dynprof.job.align import boundary_offsets
+
+    for crafted in (5e-324, 1e-320, float("nan"), float("inf"), -1.0, 0.0):
+        # GIVEN a process whose step time is no measurement, beside one at 100 ms a step
+        statuses = [
+            SimpleNamespace(step=40, step_time_s=crafted, last_step_at=1000.0),
+            SimpleNamespace(step=41, step_time_s=0.1, last_step_at=1000.05),
+        ]
+        # WHEN the common step is planned (0.3 s ahead)
+        at = alignment_step(statuses, 0.3)
+        # THEN it comes from the real pace: 0.3 s at 100 ms a step, past the furthest process
+        assert at == 41 + 4, crafted
+        # and the boundary offsets come from the real step time only
+        assert boundary_offsets(statuses) == [0, 1], crafted
+    # and with no real pace at all, two steps ahead; no offsets
+    alone = [SimpleNamespace(step=40, step_time_s=5e-324, last_step_at=float("nan"))]
+    assert alignment_step(alone, 0.3) == 42
+    assert boundary_offsets(alone) is None

@@ -213,3 +213,80 @@ def test_a_store_that_cannot_append(process_group: Any, monkeypatch: pytest.Monk
     _, nodes = reg.handle_discover(pb.DiscoverNodesRequest(timeout_s=3))
     # THEN its one key per rank is found
     assert [(r.rank, r.host) for r in nodes.ranks] == [(0, "node-7")]
+
+
+# -- the store is untrusted: anyone who reaches its port can write dynprof/ keys ----------------
+def _append_big(store: Any, key: str, size: int) -> None:
+    """``size`` bytes appended in pieces (the store's libuv server takes at most 8 MiB a message)."""
+    piece = b"x" * (4 << 20)
+    while size > 0:
+        store.append(key, piece[:size])
+        size -= len(piece)
+
+
+def test_a_huge_ranks_key_is_refused_before_it_is_read(process_group: Any) -> None:
+    import tracemalloc
+
+    # GIVEN a ranks key of 40 MB written by someone (over the 32 MiB a job's registrations may take)
+    reg = js.JobStoreRegistration(_agent())
+    store, _ = js.open_job_store(3)
+    _append_big(store, js.RANKS_KEY, 40 << 20)
+    # WHEN the job's nodes are asked for
+    tracemalloc.start()
+    try:
+        with pytest.raises(CommandError) as info:
+            reg.handle_discover(pb.DiscoverNodesRequest(timeout_s=5))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    # THEN a structured error says why, and the key's bytes never came into this process
+    assert info.value.code == pb.INTERNAL and "refused unread" in info.value.message
+    assert "--hosts/--hostfile/--slurm" in info.value.help
+    assert peak < 8 << 20, f"reading the key allocated {peak} bytes"
+    # and the store still answers the next reader
+    assert store.check([js.RANKS_KEY])
+
+
+def test_lines_that_protobuf_or_a_terminal_cannot_take_are_skipped(process_group: Any) -> None:
+    # GIVEN this rank's registration, and lines with a lone surrogate and a control character
+    reg = js.JobStoreRegistration(_agent())
+    reg.schedule()
+    reg.wait(10)
+    store, _ = js.open_job_store(3)
+    store.append(js.RANKS_KEY, b'{"rank":0,"host":"\\udc80","sidecar":"\\udc80:1","registered_at":1e10}\n')
+    store.append(js.RANKS_KEY, b'{"rank":0,"host":"a\\u0007","sidecar":"b\\u001b:1","registered_at":1e10}\n')
+    # WHEN the job's nodes are asked for
+    _, nodes = reg.handle_discover(pb.DiscoverNodesRequest(timeout_s=3))
+    # THEN the bad lines are skipped, as the docs say, and the real registration comes back
+    assert [(r.rank, r.host) for r in nodes.ranks] == [(0, "node-7")]
+
+
+def test_ranks_past_the_world_size_and_extra_claims_are_dropped() -> None:
+    # GIVEN lines for ranks 0-9 of a world of 2, and rank 0 claimed by ten sidecars
+    lines = [b'{"rank":%d,"host":"h","sidecar":"s%d:1","registered_at":1}' % (r, r) for r in range(10)]
+    lines += [b'{"rank":0,"host":"h","sidecar":"x%d:1","registered_at":2}' % i for i in range(10)]
+    # WHEN they are parsed for a world of 2
+    regs = js.parse_registrations(b"\n".join(lines), world_size=2)
+    # THEN ranks 0 and 1 only, rank 0 with its first four sidecars (its own line first)
+    assert [(r.rank, r.sidecar) for r in regs] == [
+        (0, "s0:1"),
+        (0, "x0:1"),
+        (0, "x1:1"),
+        (0, "x2:1"),
+        (1, "s1:1"),
+    ]
+
+
+def test_a_reply_always_fits_one_frame() -> None:
+    from dynprof.proto import MAX_FRAME_BYTES
+
+    # GIVEN 60 000 ranks registered with 512-character fields (about 90 MB of lines)
+    field = "h" * 600
+    line = '{"rank":%d,"host":"' + field + '","sidecar":"' + field + '","job_id":"' + field + '","registered_at":1}'
+    data = "\n".join(line % r for r in range(60_000)).encode()
+    # WHEN they are parsed (the key itself is refused over 32 MiB; this bounds the reply)
+    regs = js.parse_registrations(data, world_size=60_000)
+    reply = pb.Reply(job_nodes=pb.JobNodes(ranks=regs, world_size=60_000, store="s"))
+    # THEN the reply fits the protocol's frame, every rank's first sidecar before anything else
+    assert len(reply.SerializeToString()) < MAX_FRAME_BYTES
+    assert [r.rank for r in regs] == list(range(len(regs)))

@@ -9,9 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from collectors import _mem_advice
-from collectors._mem_advice import advise, job_attribution, size_classes
-from collectors.memory_snapshot import load_snapshot, summarize_snapshot
+from collectors.memory import capture
+from collectors.memory.advice import advise, size_classes
+from collectors.memory.capture import job_attribution
+from collectors.memory.reader import load_snapshot
+from collectors.memory.summary import summarize_snapshot
 
 DATA = Path(__file__).resolve().parent.parent / "data"
 ARTIFACTS = sorted(p for p in DATA.glob("memory_*artifact*") if (p / "snapshot.pickle").exists())
@@ -137,7 +139,7 @@ def test_attribution_counts_parameters_gradients_state_and_frame_tensors_once():
 
 def test_attribution_is_bounded(monkeypatch):
     pytest.importorskip("torch")
-    monkeypatch.setattr(_mem_advice, "MAX_TENSORS", 3)
+    monkeypatch.setattr(capture, "MAX_TENSORS", 3)
     import torch
 
     params = [torch.nn.Parameter(torch.zeros(1)) for _ in range(10)]

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from collectors._mem_policy import parse_policy
+from collectors.memory.policy import parse_policy
 from dynprof.agent._ext_memory import MemoryController, MemoryOptions
 from dynprof.agent._server import CommandError
 from dynprof.identity import Identity

@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from collectors._mem_policy import DEFAULT_POLICY, OFF, HistoryPolicy, PolicyError, parse_policy
+from collectors.memory.policy import DEFAULT_POLICY, OFF, HistoryPolicy, PolicyError, parse_policy
 from dynprof import errors
 from dynprof.agent._ext_memory import MemoryOptions
 from dynprof.cli import _run_memory

@@ -14,7 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from collectors import memory_snapshot as ms
+from collectors.memory import MEMORY_SUMMARY_FILE, SNAPSHOT_FILE, STACK_FILE, SUMMARY_FILE
+from collectors.memory.capture import capture, thread_stack
+from collectors.memory.reader import load_snapshot
+from collectors.memory.render import format_summary
+from collectors.memory.summary import NO_STACK, summarize_snapshot
 from dynprof.cli import main
 from dynprof.errors import ArtifactError
 from dynprof.store import Artifact, ArtifactStore
@@ -97,7 +101,7 @@ def synthetic(with_history: bool = True) -> dict:
 
 # -- summary arithmetic ------------------------------------------------------------------------
 def test_summary_totals_and_fragmentation():
-    s = ms.summarize_snapshot(synthetic())
+    s = summarize_snapshot(synthetic())
     d0, d1 = s["devices"]
     assert d0["reserved_bytes"] == 22 * MB and d0["segments"] == 2 and d0["blocks"] == 6
     assert d0["allocated_bytes"] == 12 * MB
@@ -110,7 +114,7 @@ def test_summary_totals_and_fragmentation():
 
 
 def test_sites_skip_torch_and_stdlib_frames_and_rank_by_bytes():
-    s = ms.summarize_snapshot(synthetic())
+    s = summarize_snapshot(synthetic())
     sites = [(x["site"], x["bytes"], x["blocks"], x["devices"]) for x in s["top_sites"]]
     assert sites[0] == ("/home/u/train.py:40 in step", 8 * MB + 512, 2, [0])
     assert sites[1] == ("/home/u/model.py:10 in forward", 8 * MB, 2, [0, 1])
@@ -119,7 +123,7 @@ def test_sites_skip_torch_and_stdlib_frames_and_rank_by_bytes():
 
 
 def test_history_and_recorded_oom():
-    s = ms.summarize_snapshot(synthetic())
+    s = summarize_snapshot(synthetic())
     (h,) = s["history"]
     assert h["entries"] == 4 and h["actions"]["alloc"] == 2 and h["span_s"] == 0.002
     (oom,) = s["oom_events"]
@@ -129,17 +133,17 @@ def test_history_and_recorded_oom():
 
 
 def test_snapshot_without_history_says_so():
-    s = ms.summarize_snapshot(synthetic(with_history=False))
+    s = summarize_snapshot(synthetic(with_history=False))
     assert not s["history_recorded"] and not s["stacks_recorded"]
-    assert s["top_sites"][0]["site"] == ms.NO_STACK
-    assert "memory history was off" in ms.format_summary(s)
+    assert s["top_sites"][0]["site"] == NO_STACK
+    assert "memory history was off" in format_summary(s)
 
 
 # -- reading files ---------------------------------------------------------------------------------
 def test_a_pickle_round_trips(tmp_path):
     path = tmp_path / "s.pickle"
     path.write_bytes(pickle.dumps(synthetic(), protocol=4))
-    assert ms.load_snapshot(path) == synthetic()
+    assert load_snapshot(path) == synthetic()
 
 
 @pytest.mark.parametrize(
@@ -157,7 +161,7 @@ def test_files_that_are_not_snapshots_get_a_clear_error(tmp_path, content, messa
     path = tmp_path / "x.pickle"
     path.write_bytes(content)
     with pytest.raises(ArtifactError, match=message):
-        ms.load_snapshot(path)
+        load_snapshot(path)
 
 
 def test_a_pickle_that_would_run_code_is_refused_unrun(tmp_path):
@@ -170,7 +174,7 @@ def test_a_pickle_that_would_run_code_is_refused_unrun(tmp_path):
     path = tmp_path / "evil.pickle"
     path.write_bytes(pickle.dumps({"segments": [Evil()], "device_traces": []}))
     with pytest.raises(ArtifactError, match="refers to pathlib"):
-        ms.load_snapshot(path)
+        load_snapshot(path)
     assert not marker.exists()
 
 
@@ -196,7 +200,7 @@ def test_capture_writes_a_complete_self_describing_artifact(fake_cuda, tmp_path)
     oom = {"device": 0, "requested_bytes": 66 * MB, "device_limit_bytes": 80 * 2**30, "device_free_bytes": MB}
 
     # WHEN it is captured
-    art = ms.capture(
+    art = capture(
         ArtifactStore(tmp_path),
         trigger="oom",
         job="j",
@@ -204,35 +208,35 @@ def test_capture_writes_a_complete_self_describing_artifact(fake_cuda, tmp_path)
         rank=3,
         history_policy="python:100000",
         oom=oom,
-        stack=ms.thread_stack(),
+        stack=thread_stack(),
     )
 
     # THEN the artifact holds the pickle, the summary, memory_summary per device and the stack
     assert art.status == "complete" and not art.verify()
     assert {f["name"] for f in art.manifest["files"]} == {
-        ms.SNAPSHOT_FILE,
-        ms.SUMMARY_FILE,
-        ms.MEMORY_SUMMARY_FILE,
-        ms.STACK_FILE,
+        SNAPSHOT_FILE,
+        SUMMARY_FILE,
+        MEMORY_SUMMARY_FILE,
+        STACK_FILE,
     }
-    assert pickle.loads(art.file(ms.SNAPSHOT_FILE).read_bytes()) == fake_cuda
-    summary = json.loads(art.file(ms.SUMMARY_FILE).read_text())
+    assert pickle.loads(art.file(SNAPSHOT_FILE).read_bytes()) == fake_cuda
+    summary = json.loads(art.file(SUMMARY_FILE).read_text())
     failing = summary["failing_allocation"]
     # the allocator's own record of the OOM gives the caller's size and site
     assert failing["requested_bytes"] == 64 * MB and failing["segment_request_bytes"] == 66 * MB
     assert failing["site"] == "/home/u/train.py:40 in step"
     assert summary["device_memory"]["0"]["free_bytes"] == MB  # from the observer, not queried
     assert summary["device_memory"]["1"]["free_bytes"] == 5 * MB
-    assert "summary of device 0" in art.file(ms.MEMORY_SUMMARY_FILE).read_text()
-    assert "test_capture_writes_a_complete_self_describing_artifact" in art.file(ms.STACK_FILE).read_text()
+    assert "summary of device 0" in art.file(MEMORY_SUMMARY_FILE).read_text()
+    assert "test_capture_writes_a_complete_self_describing_artifact" in art.file(STACK_FILE).read_text()
     assert art.manifest["summary"]["failing_bytes"] == 64 * MB
     assert art.manifest["rank"] == 3 and art.manifest["options"]["trigger"] == "oom"
-    assert summary["capture"]["pickle_bytes"] == art.file(ms.SNAPSHOT_FILE).stat().st_size
+    assert summary["capture"]["pickle_bytes"] == art.file(SNAPSHOT_FILE).stat().st_size
 
 
 def test_show_renders_a_memory_artifact(fake_cuda, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("DYNPROF_ARTIFACT_DIR", str(tmp_path))
-    art = ms.capture(
+    art = capture(
         ArtifactStore(),
         trigger="oom",
         job="j",
@@ -240,7 +244,7 @@ def test_show_renders_a_memory_artifact(fake_cuda, tmp_path, capsys, monkeypatch
         rank=0,
         history_policy="python:100000",
         oom={"device": 0, "requested_bytes": 66 * MB, "device_limit_bytes": 80 * 2**30, "device_free_bytes": MB},
-        stack=ms.thread_stack(),
+        stack=thread_stack(),
     )
     assert main(["show", str(art.path)]) == 0
     out = capsys.readouterr().out
@@ -308,13 +312,13 @@ def test_report_on_a_snapshot_without_history_warns(tmp_path, capsys):
 
 
 # -- real PyTorch output (recorded on an H200) --------------------------------------------------------
-real = pytest.mark.skipif(not (REAL_ARTIFACT / ms.SNAPSHOT_FILE).exists(), reason="no recorded snapshot in tests/data")
+real = pytest.mark.skipif(not (REAL_ARTIFACT / SNAPSHOT_FILE).exists(), reason="no recorded snapshot in tests/data")
 
 
 @real
 def test_real_snapshot_is_readable_and_consistent():
-    snapshot = ms.load_snapshot(REAL_ARTIFACT / ms.SNAPSHOT_FILE)
-    s = ms.summarize_snapshot(snapshot)
+    snapshot = load_snapshot(REAL_ARTIFACT / SNAPSHOT_FILE)
+    s = summarize_snapshot(snapshot)
     # the summary agrees with the allocator's own per-segment counters
     for d in s["devices"]:
         segs = [x for x in snapshot["segments"] if x["device"] == d["device"]]
@@ -332,8 +336,8 @@ def test_real_snapshot_is_readable_and_consistent():
 def test_real_artifact_matches_its_saved_summary():
     art = Artifact.load(REAL_ARTIFACT)
     assert art.kind == "memory" and not art.verify()
-    saved = json.loads((REAL_ARTIFACT / ms.SUMMARY_FILE).read_text())
-    fresh = ms.summarize_snapshot(ms.load_snapshot(REAL_ARTIFACT / ms.SNAPSHOT_FILE))
+    saved = json.loads((REAL_ARTIFACT / SUMMARY_FILE).read_text())
+    fresh = summarize_snapshot(load_snapshot(REAL_ARTIFACT / SNAPSHOT_FILE))
     for key in ("devices", "totals", "top_sites", "largest_blocks", "history", "oom_events"):
         assert json.loads(json.dumps(fresh[key])) == saved[key], key
     assert saved["failing_allocation"]["requested_bytes"] == saved["oom_events"][0]["requested_bytes"]

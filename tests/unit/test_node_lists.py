@@ -158,6 +158,7 @@ def test_nodes_command(capsys: Any, monkeypatch: pytest.MonkeyPatch) -> None:
 def test_parse_registrations_is_defensive() -> None:
     from dynprof.agent._ext_job_store import parse_registrations
 
+    # GIVEN the ranks key with good lines and garbage (anyone who reaches the store can write it)
     data = b"\n".join(
         [
             b'{"rank":1,"host":"n1","sidecar":"n1:8787","pid":5,"local_rank":1,"registered_at":1.0}',
@@ -167,15 +168,22 @@ def test_parse_registrations_is_defensive() -> None:
             b'{"rank":true,"host":"x","sidecar":"x:1","registered_at":1}',
             b'{"rank":0,"host":"n0","sidecar":"n0:8787","registered_at":1}',
             b'{"rank":1,"host":"n9","sidecar":"n9:8787","pid":6,"registered_at":2.0}',
+            b'{"rank":1,"host":"n1","sidecar":"n1:8787","pid":7,"local_rank":1,"registered_at":3.0}',
             b'{"rank":2,"host":"' + b"h" * 10_000 + b'","sidecar":"s:1","registered_at":1}',
+            b'{"rank":3,"host":"' + b"h" * 1_000 + b'","sidecar":"s:1","registered_at":1}',
         ]
     )
+    # WHEN it is parsed
     regs = parse_registrations(data)
-    assert [(r.rank, r.host, r.sidecar, r.local_rank) for r in regs[:2]] == [
-        (0, "n0", "n0:8787", -1),
-        (1, "n9", "n9:8787", -1),  # the latest registration of rank 1 wins
+    # THEN each rank keeps every sidecar it was registered with, in the key's order (a line
+    # added later cannot replace a rank's own), the latest registration of each
+    assert [(r.rank, r.host, r.sidecar, r.local_rank, r.pid) for r in regs[:3]] == [
+        (0, "n0", "n0:8787", -1, 0),
+        (1, "n1", "n1:8787", 1, 7),
+        (1, "n9", "n9:8787", -1, 6),
     ]
-    assert len(regs[2].host) == 512
+    # and a line over 4 KiB is skipped, a long field cut
+    assert [r.rank for r in regs] == [0, 1, 1, 3] and len(regs[3].host) == 512
 
 
 def test_slurm_uses_the_allocation_when_job_is_not_a_slurm_id(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -228,3 +236,111 @@ def test_one_node_selectors_with_discovered_nodes_are_refused(monkeypatch: pytes
     monkeypatch.setenv("SLURM_JOB_NODELIST", "n[1-2]")
     assert main(["stacks", "--pid", "1", "--slurm"]) == 2
     assert "--pid works on this node only" in capsys.readouterr().err
+
+
+# -- node names and the store's registrations are untrusted -------------------------------------
+@pytest.mark.parametrize(
+    "text",
+    [
+        "127.0.0.1\x01:80",  # a control character: http.client refuses it later, with a traceback
+        "node\x7f",
+        "no\x1b[2Jde",
+        "127.0.0.1:²",  # str.isdigit() is true for these, int() is not
+        "127.0.0.1:\uff18\uff10",  # fullwidth digits: int() reads 80
+        "127.0.0.1:\u0668\u0660",  # Arabic-Indic digits: int() reads 80
+        "127.0.0.1:",
+        "[evil.example]:80",  # brackets hold an IPv6 address only
+        "a:b:c",
+    ],
+)
+def test_odd_node_names_and_ports_are_usage_errors(text: str, tmp_path: Path) -> None:
+    # WHEN such a name is given in --hosts, a host file, or an action's hosts (all parse_node)
+    with pytest.raises(errors.UsageError):
+        discovery.parse_node(text)
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text(text + "\n")
+    # THEN it is a usage error wherever it comes from, never a traceback
+    with pytest.raises(errors.UsageError):
+        discovery.read_hostfile(str(hostfile))
+
+
+def test_ipv6_and_plain_names_still_parse() -> None:
+    assert discovery.parse_node("[::1]:9000") == Node("::1", 9000)
+    assert discovery.parse_node("::1") == Node("::1", 8787)
+    assert discovery.parse_node("node-1.cluster:81") == Node("node-1.cluster", 81)
+
+
+def _job_nodes(world: int, regs: list[tuple[int, str]]) -> Any:
+    from dynprof.proto import pb
+
+    ranks = [pb.RankRegistration(rank=r, local_rank=-1, host="h", sidecar=s, pid=1) for r, s in regs]
+    return pb.JobNodes(ranks=ranks, world_size=world, store="TCPStore 127.0.0.1:1")
+
+
+def test_registrations_are_used_only_for_allowed_nodes(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("SLURM_JOB_NODELIST", raising=False)
+    monkeypatch.delenv("SLURM_NODELIST", raising=False)
+    monkeypatch.delenv("DYNPROF_SIDECAR_PORT", raising=False)
+    # GIVEN a store where rank 0 registered its node, and someone added lines naming other places
+    found = _job_nodes(
+        2,
+        [
+            (0, "node-0:8787"),
+            (0, "169.254.169.254:80"),
+            (0, "evil.example:8787"),
+            (1, "127.0.0.1:8787"),
+            (1, "127.0.0.1:9999"),  # loopback, but not the sidecar port: another user may listen there
+            (5, "node-0:8787"),  # a rank past the world size
+            (1, "[2001:db8::1]:8787"),
+        ],
+    )
+    # WHEN the operator allows node-0 (as --hosts, --allow-hosts or Slurm would)
+    allowed = discovery.allowed_nodes([], "node-0")
+    got = discovery._discovery_from("j", 1, found, allowed)
+    # THEN only node-0 and loopback at the sidecar port are used; the rest are refused, with why
+    assert got.nodes == [Node("node-0"), Node("127.0.0.1")]
+    assert [(r["rank"], r["sidecar"]) for r in got.ranks] == [(0, "node-0:8787"), (1, "127.0.0.1:8787")]
+    assert got.refused_count == 5 and got.missing_ranks == []
+    assert {r["sidecar"] for r in got.refused} == {
+        "169.254.169.254:80",
+        "evil.example:8787",
+        "127.0.0.1:9999",
+        "node-0:8787",
+        "[2001:db8::1]:8787",
+    }
+    # and with --cacert (every sidecar verified by TLS before the token goes) all in-range ones are used
+    got = discovery._discovery_from("j", 1, found, allowed, tls=True)
+    assert len(got.nodes) == 6 and got.refused_count == 1
+
+
+def test_a_forged_line_cannot_replace_or_hide_a_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("SLURM_JOB_NODELIST", raising=False)
+    monkeypatch.delenv("SLURM_NODELIST", raising=False)
+    from dynprof.agent._ext_job_store import parse_registrations
+
+    # GIVEN rank 0's own line, then a later one naming another sidecar for rank 0
+    data = (
+        b'{"rank":0,"host":"n0","sidecar":"node-0:8787","registered_at":1}\n'
+        b'{"rank":0,"host":"n0","sidecar":"127.0.0.1:9999","registered_at":9e9}\n'
+    )
+    # WHEN the agent reads the key and the CLI decides
+    found = _job_nodes(1, [(r.rank, r.sidecar) for r in parse_registrations(data, 1)])
+    got = discovery._discovery_from("j", 1, found, discovery.allowed_nodes([Node("node-0")], None))
+    # THEN rank 0 is still on its own node, and the forged address is not used
+    assert got.nodes == [Node("node-0")] and got.missing_ranks == []
+
+
+def test_allowed_names_compare_without_dns(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "gpu[1-2]")
+    monkeypatch.setenv("DYNPROF_SIDECAR_PORT", "9000")
+    allowed = discovery.allowed_nodes([Node("a", 81)], "B.example.,c:82,[::1]:83")
+    assert allowed.allows(Node("a", 81)) and not allowed.allows(Node("a", 9000))
+    assert allowed.allows(Node("b.example", 9000)) and allowed.allows(Node("c", 82))
+    assert allowed.allows(Node("0:0:0:0:0:0:0:1", 83))
+    assert allowed.allows(Node("gpu2", 9000)) and not allowed.allows(Node("gpu3", 9000))
+    assert allowed.allows(Node("localhost", 9000)) and not allowed.allows(Node("localhost", 8787))
+
+
+def test_allow_hosts_needs_discover() -> None:
+    with pytest.raises(errors.UsageError, match="--allow-hosts"):
+        discovery.resolve_nodes(_args(["--hosts", "a", "--allow-hosts", "b"]))

@@ -126,3 +126,21 @@ def test_artifact_dir_env_is_honoured(tmp_path, monkeypatch):
     monkeypatch.setenv("DYNPROF_ARTIFACT_DIR", str(tmp_path / "x"))
     assert ArtifactStore().root == tmp_path / "x"
     assert os.environ["DYNPROF_ARTIFACT_DIR"].endswith("x")
+
+
+def test_verify_says_missing_for_a_missing_file_only(tmp_path):
+    # GIVEN an artifact in a store whose path holds the words "no such file", one file of it
+    # deleted and another replaced by a directory
+    store = ArtifactStore(tmp_path / "no such file")
+    w = store.create("trace", job="j")
+    w.write_text("a.txt", "abc")
+    w.write_text("b.txt", "def")
+    art = w.finish("complete")
+    assert "no such file" in str(art.path)
+    (art.path / "a.txt").unlink()
+    (art.path / "a.txt").mkdir()
+    (art.path / "b.txt").unlink()
+    # WHEN it is verified
+    problems = art.verify()
+    # THEN the deleted file is missing, and the directory is refused for what it is
+    assert problems == [f"a.txt: a.txt in {art.path} is not a regular file: refused", "b.txt: missing"]

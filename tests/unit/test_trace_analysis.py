@@ -357,12 +357,13 @@ def test_a_damaged_trace_is_reported_not_a_traceback(store_with, capsys):
 
 # -- the web page -------------------------------------------------------------------------------
 def test_artifact_page_draws_svg_charts(store_with):
+    from dynprof.cli.serve import page_views
     from dynprof.sidecar.app import create_app
 
     store = store_with("slow1")
     assert main(["analyze", "--job", "fixture-slow1"]) == 0
     (art,) = store.list(kind="analysis")
-    page = create_app(store).test_client().get(f"/artifact/{art.id}").get_data(as_text=True)
+    page = create_app(store, views=page_views()).test_client().get(f"/artifact/{art.id}").get_data(as_text=True)
     assert page.count("<svg") == 2
     assert "class='seg outside_ops'" in page and "class='lane cpu_wait'" in page
     assert "Straggler: rank 1" in page

@@ -17,7 +17,7 @@ from collections.abc import Callable
 import pytest
 
 from collectors.torch_trace import TraceOptions, TraceSession
-from dynprof.agent._safety import unsafe_reason
+from dynprof.agent._safety import UnsafeReason, unsafe_reason
 
 torch = pytest.importorskip("torch")
 from torch.utils._pytree import tree_map  # noqa: E402
@@ -57,7 +57,7 @@ def test_a_stop_inside_a_subclass_dispatch_makes_torch_warn_at_the_jobs_line():
     session = TraceSession(TraceOptions(activities=["cpu"]), {"rank": 0})
     x = _Subclass(torch.ones(3))
     session.start(first_step=1)
-    reasons: list[str | None] = []
+    reasons: list[UnsafeReason | None] = []
 
     def stop_here() -> None:
         reasons.append(unsafe_reason(check_other_profiler=False))  # as a stop checks
@@ -75,7 +75,7 @@ def test_a_stop_inside_a_subclass_dispatch_makes_torch_warn_at_the_jobs_line():
     # THEN torch warns at the operator's return, into the job's output: that is why
     assert any(m.startswith("PythonSubclass") for m in seen), seen
     # AND dynprof's safety check names that moment unsafe
-    assert reasons[0] == "inside a tensor operator's Python dispatch"
+    assert reasons[0] is UnsafeReason.DISPATCH
 
 
 def test_trace_of_subclass_ops_stopped_at_a_safe_point_warns_nothing():
@@ -84,7 +84,7 @@ def test_trace_of_subclass_ops_stopped_at_a_safe_point_warns_nothing():
     session = TraceSession(TraceOptions(activities=["cpu"]), {"rank": 0})
     x = _Subclass(torch.ones(3))
     session.start(first_step=1)
-    deferred: list[str] = []
+    deferred: list[UnsafeReason] = []
 
     def stop_where_safe() -> None:
         reason = unsafe_reason(check_other_profiler=False)  # as a stop checks

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from collectors import memory_snapshot as ms
+from collectors.memory.reader import _SnapshotUnpickler, parse_snapshot
 from collectors.stacks import load_processes
 from collectors.torch_trace import summarize_file
 from dynprof import untrusted
@@ -371,16 +371,16 @@ def memo_bomb() -> bytes:
 def test_pickle_bombs_are_refused_cleanly(tmp_path, capsys):
     # The bytearray bomb is refused before allocating
     with pytest.raises(ArtifactError, match="bytearray"):
-        ms.parse_snapshot(bytearray_bomb(), "bomb")
+        parse_snapshot(bytearray_bomb(), "bomb")
     path = tmp_path / "bomb.pickle"
     path.write_bytes(bytearray_bomb())
     assert main(["memory-report", str(path), "--no-html"]) == 1
     assert "bytearray" in capsys.readouterr().err
     # The memo bomb costs a dict entry, not a gigabyte (and is not a snapshot)
     with pytest.raises(ArtifactError, match="not a PyTorch memory snapshot"):
-        ms.parse_snapshot(memo_bomb(), "memo")
+        parse_snapshot(memo_bomb(), "memo")
     # bytearray from bytes (what pickle writes for a real bytearray) still loads
-    assert ms._SnapshotUnpickler(io.BytesIO(pickle.dumps(bytearray(b"abc"), protocol=4))).load() == b"abc"
+    assert _SnapshotUnpickler(io.BytesIO(pickle.dumps(bytearray(b"abc"), protocol=4))).load() == b"abc"
 
 
 def dict_bomb(n: int = 4 << 20) -> bytes:
@@ -405,7 +405,7 @@ def test_amplifying_pickles_are_refused_at_the_memory_budget(in_thread):
         )
         for name, bomb in cases:
             try:
-                ms.parse_snapshot(bomb, name)
+                parse_snapshot(bomb, name)
                 results[name] = "loaded"
             except ArtifactError as exc:
                 results[name] = exc.message

@@ -1,15 +1,20 @@
-"""A self-contained HTML view of a CUDA memory snapshot: opens with no network.
+"""Memory snapshots rendered: text for ``dynprof show`` and ``dynprof memory-report``, and a
+self-contained HTML page for ``dynprof memory-report``.
 
-PyTorch's interactive viewer (``torch.cuda._memory_viz.trace_plot`` / ``segment_plot``) is a
-page that imports MemoryViz.js from cdn.jsdelivr.net, which imports d3 from cdn.skypack.dev;
-neither script ships in the torch wheel, so that page is blank on a machine without internet
-(the usual place for a training cluster). This report therefore draws its own static views
-(timeline of active and reserved memory over the recorded events, the allocator's segments
-with their blocks, the top allocation sites and the largest blocks) in inline SVG and HTML,
-and embeds the text views that the installed torch's own ``_memory_viz`` renders offline
-(``segsum``: the segment map; ``trace``: the event history as code). It has no scripts
-and no external references; the snapshot itself can be embedded as a download link for
-pytorch.org/memory_viz.
+:func:`render_artifact` is the ``memory`` kind's renderer (``dynprof show``): the summary of an
+artifact and its text. :func:`format_summary` is the text of a summary; :func:`render_html` the
+page of a snapshot and its summary.
+
+The HTML page opens with no network. PyTorch's interactive viewer
+(``torch.cuda._memory_viz.trace_plot`` / ``segment_plot``) is a page that imports MemoryViz.js
+from cdn.jsdelivr.net, which imports d3 from cdn.skypack.dev; neither script ships in the torch
+wheel, so that page is blank on a machine without internet (the usual place for a training
+cluster). This report therefore draws its own static views (timeline of active and reserved
+memory over the recorded events, the allocator's segments with their blocks, the top allocation
+sites and the largest blocks) in inline SVG and HTML, and embeds the text views that the
+installed torch's own ``_memory_viz`` renders offline (``segsum``: the segment map; ``trace``:
+the event history as code). It has no scripts and no external references; the snapshot itself
+can be embedded as a download link for pytorch.org/memory_viz.
 """
 
 from __future__ import annotations
@@ -19,8 +24,144 @@ import html
 import zlib
 from typing import Any
 
-from collectors.memory_snapshot import ACTIVE_STATES, NO_STACK, _b, allocation_site, format_frame, oom_sentence
+from collectors.memory import STACK_FILE
+from collectors.memory.reader import read_summary
+from collectors.memory.summary import ACTIVE_STATES, NO_STACK, allocation_site, format_frame
+from dynprof.units import human_bytes
 
+
+# -- text ---------------------------------------------------------------------------------------------
+def _b(n: Any) -> str:
+    return human_bytes(n, digits=2)
+
+
+def oom_sentence(failing: dict[str, Any]) -> str:
+    """One line on the failed allocation: size, site, and what limited it."""
+    where = f" at {failing['site']}" if failing.get("site") else ""
+    free, limit = failing.get("device_free_bytes"), failing.get("device_limit_bytes")
+    head = f"CUDA out of memory on cuda:{failing.get('device')}: tried to allocate {_b(failing.get('requested_bytes'))}{where}"
+    if isinstance(free, int) and isinstance(limit, int) and free > limit:
+        # The allocator refused because of the process's cap, not because the device was full.
+        return f"{head}; the process is capped at {_b(limit)} (set_per_process_memory_fraction), {_b(free)} free on the device"
+    return f"{head}; {_b(free)} free of {_b(limit)}"
+
+
+def format_summary(summary: dict[str, Any], top: int = 10) -> str:
+    lines: list[str] = []
+    failing = summary.get("failing_allocation")
+    if summary.get("trigger"):
+        lines.append(
+            f"trigger: {summary['trigger']}   memory history: {summary.get('memory_history', '?')}"
+            + (f"   torch {summary['torch_version']}" if summary.get("torch_version") else "")
+        )
+    if failing:
+        lines.append(oom_sentence(failing))
+    if not failing:
+        for o in (summary.get("oom_events") or [])[-3:]:
+            where = f" at {o['site']}" if o.get("site") else ""
+            lines.append(
+                f"recorded OOM on cuda:{o['device']}: tried to allocate {_b(o['requested_bytes'])}{where}; "
+                f"{_b(o['device_free_bytes'])} free"
+            )
+    live = summary.get("device_memory") or {}
+    lines.append("")
+    lines.append(
+        f"{'device':<8} {'allocated':>11} {'active':>11} {'reserved':>11} {'cached free':>11} "
+        f"{'frag':>5} {'free (CUDA)':>12} {'total':>11} {'segments':>8}"
+    )
+    for d in summary.get("devices", []):
+        extra = live.get(str(d["device"]), {})
+        lines.append(
+            f"cuda:{d['device']:<3} {_b(d['allocated_bytes']):>11} {_b(d['active_bytes']):>11} "
+            f"{_b(d['reserved_bytes']):>11} {_b(d['inactive_bytes']):>11} {d['fragmentation']:>5.2f} "
+            f"{_b(extra.get('free_bytes')) if extra else '-':>12} "
+            f"{_b(extra.get('total_bytes')) if extra else '-':>11} {d['segments']:>8}"
+        )
+    sites = summary.get("top_sites") or []
+    if sites:
+        lines.append("")
+        if not summary.get("stacks_recorded"):
+            note = " — no stacks: memory history was off"
+        elif str(summary.get("memory_history", "")).startswith("auto"):
+            with_stack = sum(s["bytes"] for s in sites if s["site"] != NO_STACK)
+            note = (
+                " — sampled: `auto` records stacks in windows, so only blocks allocated during one have a site"
+                f" ({_b(with_stack)} of the top sites' bytes)"
+            )
+        else:
+            note = ""
+        lines.append(f"top allocation sites (live blocks, by bytes){note}:")
+        for s in sites[:top]:
+            lines.append(f"  {_b(s['bytes']):>11}  {s['blocks']:>6} blocks  {s['site']}")
+    largest = summary.get("largest_blocks") or []
+    if largest:
+        lines.append("")
+        lines.append("largest live blocks:")
+        for b in largest[:top]:
+            lines.append(f"  {_b(b['size']):>11}  cuda:{b['device']} {b['address']}  {b.get('site') or NO_STACK}")
+    if not summary.get("stacks_recorded") and summary.get("size_classes"):
+        lines.append("")
+        lines.append("blocks by pool and size class (no stacks recorded):")
+        for r in summary["size_classes"]:
+            if r["state"] == "allocated":
+                lines.append(
+                    f"  cuda:{r['device']} {r['pool']:<5} {r['size_class']:<14} {r['blocks']:>7} blocks {_b(r['bytes']):>11}"
+                )
+    att = summary.get("attribution")
+    if isinstance(att, dict):
+        lines.append("")
+        lines.append(
+            f"held by the job's objects: parameters {_b(att.get('parameters_bytes'))}, gradients "
+            f"{_b(att.get('gradients_bytes'))}, optimizer state {_b(att.get('optimizer_state_bytes'))} "
+            f"({att.get('optimizers', 0)} optimizers); tensors in the failing frames {_b(att.get('frame_tensors_bytes'))}"
+        )
+        for t in (att.get("frame_tensors") or [])[:5]:
+            many = f" {t.get('tensors')} tensors, e.g." if int(t.get("tensors", 1) or 1) > 1 else ""
+            lines.append(
+                f"  {_b(t.get('bytes')):>11}  {t.get('name')}{many} {t.get('dtype')}{t.get('shape')}  in {t.get('frame')}"
+            )
+    advice = summary.get("advice") or []
+    if advice:
+        lines.append("")
+        lines.append("advice:")
+        for a in advice:
+            lines.append(f"  [{a.get('rule')}] {a.get('reason')}")
+            lines.append(f"      -> {a.get('advice')}")
+    hist = summary.get("history") or []
+    lines.append("")
+    if hist:
+        for h in hist:
+            acts = ", ".join(f"{k} {v}" for k, v in sorted(h["actions"].items()))
+            span = f" over {h['span_s']} s" if h.get("span_s") is not None else ""
+            lines.append(f"history cuda:{h['device']}: {h['entries']} events{span} ({acts})")
+    else:
+        lines.append("history: none recorded (recording was off, or nothing was allocated since it started)")
+    cap = summary.get("capture")
+    if cap:
+        lines.append(
+            f"capture: {cap['total_s']} s (snapshot {cap['snapshot_s']} s, pickle {cap['pickle_s']} s, "
+            f"{_b(cap['pickle_bytes'])}, {cap['history_entries']} history events)"
+        )
+    return "\n".join(lines)
+
+
+def render_artifact(artifact: Any) -> tuple[dict[str, Any], str]:
+    """Summary of a memory artifact, for ``dynprof show``."""
+    summary = read_summary(artifact)
+    text = format_summary(summary)
+    if artifact.has_file(STACK_FILE):
+        stack = artifact.read_text(STACK_FILE).rstrip()
+        tail = stack.splitlines()[-12:]
+        text += (
+            "\n\nstack of the thread that "
+            + ("hit the OOM" if summary.get("trigger") == "oom" else "took it")
+            + " (innermost last):\n"
+            + "\n".join(tail)
+        )
+    return summary, text
+
+
+# -- HTML ---------------------------------------------------------------------------------------------
 PALETTE = ["#4e79a7", "#f28e2c", "#e15759", "#76b7b2", "#59a14f", "#edc949", "#af7aa1", "#ff9da7", "#9c755f", "#bab0ab"]
 MAX_SEGMENTS_DRAWN = 200
 MAX_TIMELINE_POINTS = 1500

@@ -1,25 +1,17 @@
-"""What an OOM report says beyond the snapshot: who holds the memory, and what to do about it.
+"""What a memory report says beyond the snapshot's figures: what to do about them.
 
-Three parts, each usable alone:
-
-* :func:`job_attribution` runs in the training process at OOM, on the failing thread (the
-  allocator's observer): totals of the parameters, gradients and optimizer state of the job's
-  optimizers, and the CUDA tensors the failing frames hold in their locals. It reads tensor
-  metadata only (``untyped_storage().nbytes()``, ``data_ptr()``): no CUDA call, no allocation
-  on the device, bounded work (``MAX_TENSORS``), and it never raises.
 * :func:`size_classes` groups a snapshot's blocks by pool and size class, for reports without
   allocation stacks.
 * :func:`advise` turns the summary's figures into advice, each with the number that triggered it.
+
+Who holds the memory (parameters, gradients, optimizer state, the failing frames' tensors) is
+found in the training process at OOM: :func:`collectors.memory.capture.job_attribution`.
 """
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
-MAX_TENSORS = 200_000  # tensors looked at, in all
-MAX_FRAMES = 40
-MAX_CONTAINER = 4096  # items of a list/tuple/dict local looked into
 SIZE_CLASSES = (
     ("< 1 MiB", 1 << 20),
     ("1-16 MiB", 16 << 20),
@@ -37,109 +29,6 @@ GRADIENTS_DOMINATE = 0.25
 SITE_DOMINATES = 0.40  # one allocation site's share of allocated memory
 ACTIVATIONS_DOMINATE = 0.50  # what is neither parameters, gradients, optimizer state nor held by frames
 FRAME_DOMINATES = 0.25  # one local of the failing frames (a tensor, or a list of them)
-
-
-def _storage_key(t: Any) -> tuple[int, int, int] | None:
-    try:
-        if not getattr(t, "is_cuda", False):
-            return None
-        storage = t.untyped_storage()
-        return (int(t.device.index or 0), int(storage.data_ptr()), int(storage.nbytes()))
-    except Exception:
-        return None
-
-
-def job_attribution(frame: Any, optimizers: list[Any]) -> dict[str, Any]:
-    """Bytes held by the optimizers' parameters, gradients and state, and by the tensors in
-    the locals of ``frame`` and its callers (each storage counted once, in the first place
-    it is found: parameters and their gradients, optimizer state, then frames)."""
-    t0 = time.perf_counter()
-    seen: set[tuple[int, int]] = set()
-    looked = 0
-    out: dict[str, Any] = {
-        "optimizers": len(optimizers),
-        "parameters_bytes": 0,
-        "gradients_bytes": 0,
-        "optimizer_state_bytes": 0,
-        "frame_tensors_bytes": 0,
-        "frame_tensors": [],
-        "complete": True,
-    }
-
-    def count(t: Any) -> int:
-        nonlocal looked
-        looked += 1
-        key = _storage_key(t)
-        if key is None or key[:2] in seen:
-            return 0
-        seen.add(key[:2])
-        return key[2]
-
-    try:
-        import torch
-
-        tensor_type = torch.Tensor
-        for opt in optimizers:
-            for group in getattr(opt, "param_groups", []) or []:
-                for p in group.get("params", []) if isinstance(group, dict) else []:
-                    if looked > MAX_TENSORS:
-                        break
-                    if isinstance(p, tensor_type):
-                        out["parameters_bytes"] += count(p)
-                        g = getattr(p, "grad", None)
-                        if isinstance(g, tensor_type):
-                            out["gradients_bytes"] += count(g)
-            state = getattr(opt, "state", {}) or {}
-            for per_param in list(state.values())[:MAX_TENSORS]:
-                if looked > MAX_TENSORS:
-                    break
-                if isinstance(per_param, dict):
-                    for v in per_param.values():
-                        if isinstance(v, tensor_type):
-                            out["optimizer_state_bytes"] += count(v)
-        found: dict[tuple[str, str], dict[str, Any]] = {}  # (frame, local name) -> its tensors
-        f, depth = frame, 0
-        while f is not None and depth < MAX_FRAMES and looked <= MAX_TENSORS:
-            where = f"{f.f_code.co_name} ({f.f_code.co_filename}:{f.f_lineno})"
-            for name, value in list(f.f_locals.items()):
-                if isinstance(value, tensor_type):
-                    items: list[Any] = [value]
-                elif isinstance(value, (list, tuple)):
-                    items = list(value[:MAX_CONTAINER])
-                elif isinstance(value, dict):
-                    items = list(value.values())[:MAX_CONTAINER]
-                else:
-                    continue
-                for t in items:
-                    if not isinstance(t, tensor_type):
-                        continue
-                    size = count(t)
-                    if not size:
-                        continue
-                    entry = found.setdefault(
-                        (where, name),
-                        {
-                            "name": name if value is t else f"{name} ({type(value).__name__} of tensors)",
-                            "frame": where,
-                            "bytes": 0,
-                            "tensors": 0,
-                            "shape": list(t.shape)[:8],
-                            "dtype": str(t.dtype).replace("torch.", ""),
-                        },
-                    )
-                    entry["bytes"] += size
-                    entry["tensors"] += 1
-            f, depth = f.f_back, depth + 1
-        ranked = sorted(found.values(), key=lambda e: e["bytes"], reverse=True)
-        out["frame_tensors_bytes"] = sum(e["bytes"] for e in ranked)
-        out["frame_tensors"] = ranked[:10]
-        out["complete"] = looked <= MAX_TENSORS
-    except Exception as exc:  # at OOM: report what was found, never fail the capture
-        out["complete"] = False
-        out["error"] = f"{type(exc).__name__}: {exc}"[:200]
-    out["tensors_looked_at"] = looked
-    out["took_s"] = round(time.perf_counter() - t0, 4)
-    return out
 
 
 def size_classes(snapshot: dict[str, Any]) -> list[dict[str, Any]]:

@@ -1,0 +1,47 @@
+"""Reading the nodes' answers: every value in them is untrusted, so each is taken only when it
+has the type the merges expect (a list of objects, an int that is not a bool), and nodes are
+named as output names them.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the HTTP client is imported only where nodes are asked
+    from dynprof.job.client import NodeAnswer
+    from dynprof.job.discovery import Node
+
+
+def rows(answer: NodeAnswer, key: str) -> list[dict[str, Any]]:
+    """The list ``key`` of a node's result, keeping only objects (copies: callers add to them)."""
+    if not answer.answered or not isinstance(answer.result, dict):
+        return []
+    return [dict(r) for r in rows_of(answer.result, key)]
+
+
+def rows_of(result: Any, key: str) -> list[dict[str, Any]]:
+    """The objects of the list ``key`` of a result that may be anything."""
+    found = result.get(key) if isinstance(result, dict) else None
+    return [r for r in found if isinstance(r, dict)] if isinstance(found, list) else []
+
+
+def as_list(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else []
+
+
+def int_or_none(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def rank_key(row: dict[str, Any]) -> tuple[str, int, str, int]:
+    """Rows of many nodes in job, rank, node, pid order (rows without a rank last)."""
+    rank = int_or_none(row.get("rank"))
+    pid = int_or_none(row.get("pid"))
+    return (str(row.get("job") or ""), rank if rank is not None else 1 << 30, str(row.get("node")), pid or 0)
+
+
+def node_labels(nodes: list[Node]) -> dict[Node, str]:
+    """How output names a node: its host, or host:port where several nodes share a host."""
+    counts = Counter(n.host for n in nodes)
+    return {n: (n.host if counts[n.host] == 1 else n.address) for n in nodes}
