@@ -16,7 +16,8 @@ MAX_TOKEN_FILE_BYTES = 4096
 
 def read_token_file(path: str) -> str:
     """The token in ``path``: the file must be a regular file owned by us (or root), not
-    readable or writable by group or others, and hold one token of 16+ characters."""
+    readable or writable by group or others, and hold one token of 16+ characters (UTF-8 text:
+    other bytes are refused, never replaced)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError as exc:
@@ -39,7 +40,14 @@ def read_token_file(path: str) -> str:
         data = fh.read(MAX_TOKEN_FILE_BYTES + 1)
     if len(data) > MAX_TOKEN_FILE_BYTES:
         raise errors.UsageError(f"the token file {path} is over {MAX_TOKEN_FILE_BYTES} bytes: not a token")
-    return check_token(data.decode("utf-8", "replace").strip(), f"the token in {path}")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise errors.UsageError(
+            f"the token file {path} is not UTF-8 text (byte {exc.start}): not a token",
+            help=f"Write a token into it: python -c 'import secrets; print(secrets.token_urlsafe(24))' > {path}",
+        ) from None
+    return check_token(text.strip(), f"the token in {path}")
 
 
 def check_token(token: str, what: str) -> str:

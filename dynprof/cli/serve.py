@@ -1,8 +1,10 @@
 """Serve a web page and an HTTP API over this node's agents, tools and artifacts (the sidecar).
 
-Binds to 127.0.0.1 by default, on cheroot's threaded WSGI server: --threads workers, request
-bodies and headers bounded, idle sockets closed after a timeout, TLS with --certfile/--keyfile,
-a clean stop on SIGINT or SIGTERM. Every request, on every address (loopback too: any local
+Binds to 127.0.0.1 by default, on cheroot's threaded WSGI server (dynprof.sidecar.server):
+--threads workers, request bodies and headers bounded, whole-request deadlines that cut off
+slow clients as surely as idle ones, /healthz answered before the worker pool, TLS with
+--certfile/--keyfile, a clean stop on SIGINT or SIGTERM. It warns about --token (other users
+see it in the process list) and about plain HTTP on every address (the token in clear). Every request, on every address (loopback too: any local
 user can reach loopback), must carry the access token: `Authorization: Bearer TOKEN`,
 `?token=TOKEN`, or the cookie the page sets after a `?token=` visit; only `GET /healthz`
 answers without it (with "ok" and nothing else). The token comes from --token-file FILE (or
@@ -50,12 +52,37 @@ def resolve_token(token: str | None, token_file: str | None) -> tuple[str, str]:
     return secrets.token_urlsafe(24), "generated"
 
 
+def risk_warnings(host: str, tls: bool, token_in_argv: bool) -> list[str]:
+    """What `serve` says about a risky command line (it serves all the same)."""
+    out = []
+    if token_in_argv:
+        out.append(
+            "--token is visible to every user of this machine in the process list (ps); "
+            "use --token-file FILE (mode 0600) instead"
+        )
+    if not tls and _is_unspecified(host):
+        out.append(
+            f"serving plain HTTP on every address ({host}): the token crosses the network in clear; "
+            "use --certfile/--keyfile, or bind to loopback or a private management network"
+        )
+    return out
+
+
+def _is_unspecified(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_unspecified
+    except ValueError:
+        return False
+
+
 def _url(host: str, port: int, token: str, tls: bool = False) -> str:
     shown = f"[{host}]" if ":" in host and not host.startswith("[") else host
     return f"{'https' if tls else 'http'}://{shown}:{port}/?token={token}"
 
 
-REQUEST_TIMEOUT_S = 30.0  # an idle or dripping client is disconnected after this
+REQUEST_TIMEOUT_S = 30.0  # an idle connection is closed after this (and a send that makes no progress)
+HEAD_TIMEOUT_S = 10.0  # a request's line and headers must all arrive within this
+BODY_TIMEOUT_S = 10.0  # then its body (at most 64 KiB)
 MAX_HEADER_BYTES = 64 * 1024
 SHUTDOWN_TIMEOUT_S = 5.0
 MAX_THREADS = 256
@@ -77,27 +104,29 @@ def _count(lo: int, hi: int) -> Any:
 
 def build_server(app: Any, host: str, port: int, threads: int, certfile: str | None, keyfile: str | None) -> Any:
     """cheroot's WSGI server for ``app``, bound but not yet serving; TLS when given a cert."""
-    from cheroot import wsgi
-
     from dynprof.sidecar.app import MAX_REQUEST_BYTES
+    from dynprof.sidecar.server import Reserve, SidecarServer, healthz_answer
 
-    server = wsgi.Server(
+    server = SidecarServer(
         (host, port),
-        app,
+        Reserve(app, max(1, threads - 1)),  # one thread always free of long requests
         numthreads=threads,
         max=threads,
         request_queue_size=64,
         timeout=int(REQUEST_TIMEOUT_S),
         shutdown_timeout=int(SHUTDOWN_TIMEOUT_S),
         server_name="dynprof",
+        head_timeout=HEAD_TIMEOUT_S,
+        body_timeout=BODY_TIMEOUT_S,
+        healthz=healthz_answer(app),
     )
     server.max_request_body_size = MAX_REQUEST_BYTES
     server.max_request_header_size = MAX_HEADER_BYTES
     if certfile:
-        from cheroot.ssl.builtin import BuiltinSSLAdapter
+        from dynprof.sidecar.server import LazyHandshakeSSLAdapter
 
         try:
-            server.ssl_adapter = BuiltinSSLAdapter(certfile, keyfile)
+            server.ssl_adapter = LazyHandshakeSSLAdapter(certfile, keyfile)
         except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
             raise errors.UsageError(
                 f"cannot use the certificate {certfile} with the key {keyfile}: {exc}",
@@ -195,12 +224,15 @@ class ServeCommand:
             fanout=fanout,
         )
         server = build_server(app, args.host, args.port, args.threads, args.certfile, args.keyfile)
+        warnings = risk_warnings(args.host, tls=bool(args.certfile), token_in_argv=source == "--token")
         try:
             server.prepare()  # binds
         except OSError as exc:
             raise errors.DynprofError(
                 f"cannot listen on {args.host}:{args.port}: {exc}", help="Choose another --port."
             ) from None
+        for warning in warnings:
+            print(f"dynprof: warning: {warning}", file=sys.stderr)
         print(f"dynprof: serving on {_url(args.host, args.port, token, tls=bool(args.certfile))}", file=sys.stderr)
         if source != "generated":
             print(f"dynprof: token from {source}", file=sys.stderr)

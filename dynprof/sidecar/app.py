@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 from urllib.parse import quote, urlsplit
 
 from flask import Flask, Response, abort, g, jsonify, request, send_file
-from werkzeug.exceptions import HTTPException
+from werkzeug.exceptions import ClientDisconnected, HTTPException, MethodNotAllowed
 
 from dynprof import __version__, roles
 from dynprof.errors import ArtifactError
@@ -167,6 +167,29 @@ def host_is_allowed(host_header: str, bound: str, names: Iterable[str]) -> bool:
     return bound_ip.is_unspecified or ip == bound_ip
 
 
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+def same_origin(origin: str, host_header: str, scheme: str) -> bool:
+    """Whether an ``Origin`` header names this server as the client reached it: the same
+    scheme, host and port as ``scheme``://``host_header`` (a default port written or not).
+    A page of another server on this machine (another port) is another origin."""
+    o = urlsplit(origin)
+    h = urlsplit(f"//{host_header}")
+    try:
+        o_port, h_port = o.port, h.port
+    except ValueError:  # a port that is not one
+        return False
+    default = _DEFAULT_PORTS.get(scheme)
+    return (
+        o.scheme == scheme
+        and bool(o.hostname)
+        and o.hostname == h.hostname
+        and (o_port or default) == (h_port or default)
+        and not (o.path or o.query or o.fragment or o.username or o.password)
+    )
+
+
 class _RedactTokens(logging.Filter):
     """Keep the token out of the request log (``GET /?token=...``)."""
 
@@ -195,6 +218,11 @@ class RefusalLog:
         self._dropped = 0
 
     def refused(self, status: int, why: str, method: str, path: str, remote: str | None) -> None:
+        where = _printable(path.split("?", 1)[0])[:200]
+        self.say(f"dynprof serve: refused {status} ({why}): {_printable(method)[:16]} {where} from {remote or '?'}")
+
+    def say(self, line: str) -> None:
+        """One line (made printable), under the same rate limit as the refusals."""
         now = time.monotonic()
         lines = []
         with self._lock:
@@ -206,10 +234,7 @@ class RefusalLog:
                 self._dropped += 1
             else:
                 self._logged += 1
-                where = _printable(path.split("?", 1)[0])[:200]
-                lines.append(
-                    f"dynprof serve: refused {status} ({why}): {_printable(method)[:16]} {where} from {remote or '?'}"
-                )
+                lines.append(_printable(line))
         if lines:
             stream = self._stream or sys.__stderr__ or sys.stderr
             try:
@@ -352,23 +377,40 @@ def create_app(
         # "Host: evil.example".
         if not host_is_allowed(request.host, host, names):
             _refuse(400, "unexpected Host header", "unexpected Host header")
-        if token is None:
-            return
-        given, _ = _given_token()
-        if not hmac.compare_digest(given.encode("utf-8", "surrogateescape"), token.encode()):
-            _refuse(401, "wrong token" if given else "missing token")
+        if token is not None:
+            given, _ = _given_token()
+            if not hmac.compare_digest(given.encode("utf-8", "surrogateescape"), token.encode()):
+                _refuse(401, "wrong token" if given else "missing token")
         # A browser's request from another site: never, whatever it carries.
         if request.headers.get("Sec-Fetch-Site", "") == "cross-site":
             _refuse(403, "cross-site request")
         origin = request.headers.get("Origin")
-        if origin is not None:
-            parsed = urlsplit(origin)
-            if (
-                origin == "null"
-                or not host_is_allowed(parsed.netloc, host, names)
-                or (_strip_port(parsed.netloc) != _strip_port(request.host))
-            ):
-                _refuse(403, "cross-site request")
+        if origin is not None and not (
+            host_is_allowed(urlsplit(origin).netloc, host, names) and same_origin(origin, request.host, request.scheme)
+        ):
+            _refuse(403, "cross-site request")
+        rule = request.url_rule
+        if rule is not None and rule.endpoint == "api_action":
+            if request.method == "OPTIONS":  # no CORS preflight is ever granted: actions are POST only
+                raise MethodNotAllowed(valid_methods=["POST"])
+            _check_action_body()
+
+    def _check_action_body() -> None:
+        """An action's body is JSON by its Content-Type (a cross-site form can only send
+        text/plain or a form without asking first), or empty without one; it is read here,
+        and a body that does not arrive by the server's deadline is 408."""
+        ctype = request.headers.get("Content-Type")
+        if ctype is None:
+            if request.content_length or "Transfer-Encoding" in request.headers:
+                _refuse(415, "body without a Content-Type", "an action's body needs Content-Type: application/json")
+        elif request.mimetype != "application/json":
+            _refuse(415, "Content-Type is not JSON", "an action's body needs Content-Type: application/json")
+        try:
+            request.get_data()  # kept for the action (within MAX_CONTENT_LENGTH, else 413)
+        except (OSError, ClientDisconnected) as exc:  # werkzeug's, raised while handling the OSError
+            if isinstance(exc, TimeoutError) or isinstance(exc.__context__, TimeoutError):  # the server's deadline
+                _refuse(408, "body not received in time", "the request's body did not arrive in time")
+            _refuse(400, "body cut off", "the request's body was cut off")
 
     @app.after_request
     def _headers(response: Response) -> Response:
@@ -392,6 +434,8 @@ def create_app(
         response = jsonify({"error": exc.name, "code": code})
         if code == 401:
             response.headers["WWW-Authenticate"] = 'Bearer realm="dynprof"'
+        if isinstance(exc, MethodNotAllowed) and exc.valid_methods:
+            response.headers["Allow"] = ", ".join(exc.valid_methods)
         return response, code
 
     @app.errorhandler(Exception)

@@ -154,6 +154,7 @@ def _stub_app(store, **kwargs):
 
 
 AUTH = {"Authorization": "Bearer " + "t" * 20}
+JSON_AUTH = {**AUTH, "Content-Type": "application/json"}
 
 
 def test_action_bodies_are_strict(store):
@@ -176,10 +177,10 @@ def test_action_bodies_are_strict(store):
         b'{"options": {"a": ' * 20 + b"1" + b"}" * 21,
         b'{"options": {"bogus": 1}}',
     ):
-        r = client.post("/api/v1/actions/ps", data=body, headers=AUTH)
+        r = client.post("/api/v1/actions/ps", data=body, headers=JSON_AUTH)
         assert r.status_code == 400 and r.get_json()["code"] == 400, body
     assert client.post("/api/v1/actions/nope", json={}, headers=AUTH).status_code == 400
-    assert client.post("/api/v1/actions/ps", data=b" " * (65 * 1024), headers=AUTH).status_code == 413
+    assert client.post("/api/v1/actions/ps", data=b" " * (65 * 1024), headers=JSON_AUTH).status_code == 413
 
 
 def test_browser_actions_need_the_csrf_value_of_the_page(store):
@@ -292,3 +293,134 @@ def test_job_wide_actions_reach_other_nodes_with_the_sidecars_token_file(store, 
     assert client.get("/api/v1/info", headers=AUTH).get_json()["job_wide"] is False
     wide = create_app(store, token="t" * 20, fanout=config).test_client()
     assert wide.get("/api/v1/info", headers=AUTH).get_json()["job_wide"] is True
+
+
+# -- HTTP checks: Origin with its port, OPTIONS, Content-Type of actions ---------------------------
+def test_an_origin_on_another_port_of_this_host_is_cross_site(store):
+    # GIVEN a sidecar on 127.0.0.1:8787 and a page of another server on the same machine
+    client = create_app(store, token="t" * 20).test_client()
+    here = {**AUTH, "Host": "127.0.0.1:8787"}
+    # WHEN that page's requests arrive THEN they are refused; the sidecar's own page passes
+    assert client.get("/api/v1/info", headers={**here, "Origin": "http://127.0.0.1:8080"}).status_code == 403
+    assert client.get("/api/v1/info", headers={**here, "Origin": "http://127.0.0.1"}).status_code == 403
+    assert client.get("/api/v1/info", headers={**here, "Origin": "https://127.0.0.1:8787"}).status_code == 403
+    assert client.get("/api/v1/info", headers={**here, "Origin": "http://127.0.0.1:8787"}).status_code == 200
+    # AND default ports are the same whether written or not
+    assert (
+        client.get("/api/v1/info", headers={**AUTH, "Host": "localhost", "Origin": "http://localhost:80"}).status_code
+        == 200
+    )
+    assert (
+        client.get("/api/v1/info", headers={**AUTH, "Host": "localhost:80", "Origin": "http://localhost"}).status_code
+        == 200
+    )
+
+
+def test_options_is_405_on_actions(store):
+    app, calls = _stub_app(store)
+    client = app.test_client()
+    # WHEN a client asks OPTIONS (a CORS preflight, or a probe of the methods)
+    r = client.open("/api/v1/actions/ps", method="OPTIONS", headers=AUTH)
+    # THEN 405 with the one method the path takes, and nothing runs
+    assert r.status_code == 405 and r.get_json()["code"] == 405
+    assert r.headers["Allow"] == "POST" and calls == []
+    # AND without the token it is 401 first
+    assert client.open("/api/v1/actions/ps", method="OPTIONS").status_code == 401
+
+
+def test_action_bodies_must_be_json_by_their_content_type(store):
+    app, calls = _stub_app(store)
+    client = app.test_client()
+    # WHEN an action's body comes as a form, as text, or with no type (what a cross-site form sends)
+    for headers in ({"Content-Type": "text/plain"}, {"Content-Type": "application/x-www-form-urlencoded"}, {}):
+        r = client.post("/api/v1/actions/ps", data=b'{"options": {}}', headers={**AUTH, **headers})
+        # THEN 415, and nothing runs
+        assert r.status_code == 415 and r.get_json()["code"] == 415, headers
+    assert (
+        client.post("/api/v1/actions/ps", data=b"", headers={**AUTH, "Content-Type": "text/plain"}).status_code == 415
+    )
+    assert calls == []
+    # AND what the page and dynprof's client send is served: application/json (with a charset
+    # or not), and an empty body without a type
+    for ctype in ("application/json", "application/json; charset=utf-8", "Application/JSON"):
+        r = client.post("/api/v1/actions/ps", data=b'{"options": {}}', headers={**AUTH, "Content-Type": ctype})
+        assert r.status_code == 200, ctype
+    assert client.post("/api/v1/actions/ps", data=b"", headers=AUTH).status_code == 200
+    assert len(calls) == 4
+
+
+def test_a_token_file_that_is_not_utf8_is_refused(tmp_path):
+    from dynprof.errors import UsageError
+    from dynprof.tokens import read_token_file
+
+    # GIVEN a private token file of 30 bytes that are not UTF-8
+    f = tmp_path / "token"
+    f.write_bytes(b"\xff" * 30 + b"\n")
+    f.chmod(0o600)
+    # WHEN it is read THEN it is refused with the reason, never turned into U+FFFD
+    with pytest.raises(UsageError, match="not UTF-8") as exc:
+        read_token_file(str(f))
+    assert exc.value.help
+
+
+def test_an_action_body_that_does_not_arrive_in_time_is_408(store):
+    app, calls = _stub_app(store)
+
+    class Dripping:  # what the server's reader does past its body deadline
+        def read(self, size=-1):
+            raise TimeoutError("timed out")
+
+    # WHEN the body of an action does not come by the server's deadline
+    from werkzeug.test import EnvironBuilder, run_wsgi_app
+
+    environ = EnvironBuilder(path="/api/v1/actions/ps", method="POST", headers=JSON_AUTH).get_environ()
+    environ.update({"wsgi.input": Dripping(), "CONTENT_LENGTH": "100"})
+    body, status, _ = run_wsgi_app(app, environ, buffered=True)
+    r = app.response_class(b"".join(body), status=status, mimetype="application/json")
+    # THEN 408, and nothing runs
+    assert r.status_code == 408 and r.get_json()["code"] == 408 and calls == []
+
+
+def test_risky_command_lines_are_warned():
+    from dynprof.cli.serve import risk_warnings
+
+    # plain HTTP on every address, IPv4 or IPv6: the token in clear
+    for host in ("0.0.0.0", "::"):
+        (warning,) = risk_warnings(host, tls=False, token_in_argv=False)
+        assert host in warning and "in clear" in warning and "--certfile" in warning
+    # with TLS, or on one address (loopback, a management network): nothing to say
+    for host, tls in (("0.0.0.0", True), ("::", True), ("127.0.0.1", False), ("10.1.2.3", False), ("node-1", False)):
+        assert risk_warnings(host, tls=tls, token_in_argv=False) == [], host
+    # the token in argv: every user sees it in ps
+    (warning,) = risk_warnings("127.0.0.1", tls=False, token_in_argv=True)
+    assert "process list" in warning and "--token-file" in warning
+
+
+def test_the_reserve_keeps_a_thread_free_of_long_requests():
+    from dynprof.sidecar.server import Reserve
+
+    def app(environ, start_response):
+        start_response("200 OK", [("Content-Type", "text/plain")])
+        return iter([b"a", b"b"])
+
+    def call(reserve, path):
+        got = {}
+
+        def start_response(status, headers):
+            got["status"], got["headers"] = status, dict(headers)
+
+        answer = reserve({"PATH_INFO": path, "REQUEST_METHOD": "GET"}, start_response)
+        return got, answer
+
+    reserve = Reserve(app, 1)
+    # GIVEN one request whose answer is still being written (a slow reader)
+    first, answer = call(reserve, "/")
+    assert first["status"] == "200 OK"
+    # WHEN another comes THEN it is 429 at once, with a Retry-After; /healthz is never refused
+    busy, _ = call(reserve, "/api/v1/info")
+    assert busy["status"].startswith("429") and busy["headers"]["Retry-After"] == "2"
+    assert call(reserve, "/healthz")[0]["status"] == "200 OK"
+    # AND once the first answer is written and closed, the next one is served
+    assert b"".join(answer) == b"ab"
+    answer.close()
+    assert call(reserve, "/api/v1/info")[0]["status"] == "200 OK"
