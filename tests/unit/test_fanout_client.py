@@ -569,3 +569,16 @@ def test_a_refusal_with_a_huge_body_is_read_for_its_reason_only(server, tmp_path
     # THEN the refusal is the reason, its body was not kept, and nothing is left behind
     assert "404" in info.value.reason and not list(tmp_path.iterdir())
     assert peak < 8 << 20, peak
+
+
+def test_a_listing_answer_is_bounded_below_the_largest_answer(server):
+    # GIVEN a node whose `ps` answer is 20 MiB of plausible rows: far more than a node's
+    # agents ever say, though under the 80 MiB any action's answer may take
+    script, node, _ = server
+    row = {"pid": 1, "rank": 0, "cmdline": ["x" * 2000]}
+    rows = [row] * (20 * 1024 * 1024 // len(json.dumps(row)))
+    script.replies = [(200, {}, json.dumps({**GOOD, "result": {"agents": rows}}).encode())]
+    # WHEN the client asks it
+    answer = SidecarClient(TOKEN, timeout=30).action(node, "ps", {})
+    # THEN the answer is refused for its size, as the node's failure
+    assert not answer.answered and "over 16.0 MiB: refused" in (answer.error or ""), answer.error
