@@ -6,7 +6,7 @@ of many processes, nodes and files), ``render`` (text), ``artifact`` (the stacks
 The names other packages use are here.
 """
 
-from collectors.stacks.artifact import load_processes, write_request_artifact
+from collectors.stacks.artifact import load_processes, render_artifact, write_request_artifact
 from collectors.stacks.merge import Source, group_processes, merge
 from collectors.stacks.model import (
     HANG_KIND,
@@ -33,7 +33,7 @@ from collectors.stacks.readers import (
     parse_faulthandler,
     ptrace_refusal,
 )
-from collectors.stacks.render import render_artifact, render_merged, render_process
+from collectors.stacks.render import render_merged, render_process
 
 __all__ = [
     "HANG_KIND",

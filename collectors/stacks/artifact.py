@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from collectors.stacks.merge import Source, merge
-from collectors.stacks.model import Budget, ProcessStacks, Stacks, read_document
+from collectors.stacks.model import HANG_KIND, Budget, ProcessStacks, Stacks, headline, read_document
+from collectors.stacks.render import render_merged, render_process
 from dynprof.errors import ArtifactError
 
 
@@ -35,7 +36,6 @@ def unique_file_stems(processes: Sequence[ProcessStacks]) -> list[str]:
 
 def write_request_artifact(writer: Any, processes: Sequence[ProcessStacks], failures: dict[str, str]) -> dict[str, Any]:
     """Fill an artifact writer with every process's dump and the merged view; return the summary."""
-    from collectors.stacks.render import render_merged, render_process
 
     merged = merge([Source(Stacks(list(processes), failures=dict(failures)))])
     doc = merged.to_json()
@@ -87,3 +87,23 @@ def load_processes(directory: Path) -> list[ProcessStacks]:
     if os.path.lexists(directory / "stacks.json"):
         return [_process_from(directory, "stacks.json", budget)]
     return []
+
+
+def render_artifact(artifact: Any) -> tuple[dict[str, Any], str]:
+    """Renderer for ``dynprof show`` (kinds ``stacks`` and ``hang``): the artifact's files, read back and rendered."""
+    processes = load_processes(Path(artifact.path))
+    groups = merge([Source(Stacks(processes))]).groups
+    summary: dict[str, Any] = {"processes": len(processes), "groups": [g.to_json() for g in groups]}
+    if artifact.kind == HANG_KIND:
+        m = artifact.manifest.get("summary") or {}
+        text = (
+            f"no optimizer step for {m.get('stalled_for_s', '?')} s after step {m.get('step', '?')}"
+            f" (timeout {m.get('timeout_s', '?')} s)\n\n"
+        )
+        text += "".join(
+            f"main thread {headline(main.frames)}\n\n" for p in processes if (main := p.main_thread()) is not None
+        )
+        text += "\n\n".join(render_process(p) for p in processes)
+        summary.update({k: m.get(k) for k in ("step", "stalled_for_s", "timeout_s", "dump")})
+        return summary, text
+    return summary, render_merged(processes, groups)

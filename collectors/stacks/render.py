@@ -4,12 +4,9 @@ artifact for ``dynprof show``."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
-from typing import Any
 
-from collectors.stacks.artifact import load_processes
-from collectors.stacks.merge import Source, group_processes, merge
-from collectors.stacks.model import HANG_KIND, Group, ProcessStacks, Stacks, ThreadStack, headline
+from collectors.stacks.merge import group_processes
+from collectors.stacks.model import Group, ProcessStacks, ThreadStack
 
 
 def render_process(p: ProcessStacks) -> str:
@@ -89,23 +86,3 @@ def render_merged(
         lines.append("Notes:")
         lines.extend(f"  {n}" for n in notes)
     return "\n".join(lines).rstrip() + "\n"
-
-
-def render_artifact(artifact: Any) -> tuple[dict[str, Any], str]:
-    """Renderer for ``dynprof show`` (kinds ``stacks`` and ``hang``)."""
-    processes = load_processes(Path(artifact.path))
-    groups = merge([Source(Stacks(processes))]).groups
-    summary: dict[str, Any] = {"processes": len(processes), "groups": [g.to_json() for g in groups]}
-    if artifact.kind == HANG_KIND:
-        m = artifact.manifest.get("summary") or {}
-        text = (
-            f"no optimizer step for {m.get('stalled_for_s', '?')} s after step {m.get('step', '?')}"
-            f" (timeout {m.get('timeout_s', '?')} s)\n\n"
-        )
-        text += "".join(
-            f"main thread {headline(main.frames)}\n\n" for p in processes if (main := p.main_thread()) is not None
-        )
-        text += "\n\n".join(render_process(p) for p in processes)
-        summary.update({k: m.get(k) for k in ("step", "stalled_for_s", "timeout_s", "dump")})
-        return summary, text
-    return summary, render_merged(processes, groups)
