@@ -199,9 +199,12 @@ def save_artifact(report: Report, table_text: str) -> str:
     return str(writer.finish("complete", summary=summary).path)
 
 
-def run_command(args: argparse.Namespace) -> int:
-    if getattr(args, "hc_command", None) == "baseline":
-        return learn_command(args)
+def check(args: argparse.Namespace) -> tuple[Report, str | None, list[str]]:
+    """Run the checks ``args`` ask for; save the artifact and the Prometheus file they name.
+
+    Returns the report, the artifact's path (None when not saved) and what to say on stderr
+    (one line each, without the ``dynprof `` prefix). Progress goes only to a person watching
+    (a terminal): never into a log, a pipe or an answer."""
     show_progress = not args.quiet and sys.stderr.isatty()
 
     def progress(text: str) -> None:
@@ -212,13 +215,13 @@ def run_command(args: argparse.Namespace) -> int:
     report = run(options_from_args(args), progress=progress)
     if show_progress:
         sys.stderr.write("\r\033[K")
-    table_text = render_table(report)
+    messages: list[str] = []
     artifact: str | None = None
     if not args.no_save:
         try:
-            artifact = save_artifact(report, table_text)
+            artifact = save_artifact(report, render_table(report))
         except (ArtifactError, OSError) as exc:
-            print(f"dynprof healthcheck: results not saved: {exc}", file=sys.stderr)
+            messages.append(f"healthcheck: results not saved: {exc}")
     if args.prometheus:
         try:
             write_atomically(args.prometheus, render_prometheus(report))
@@ -227,6 +230,15 @@ def run_command(args: argparse.Namespace) -> int:
                 f"cannot write the Prometheus file {args.prometheus}: {exc.strerror or exc}",
                 help="Point --prometheus at a writable file (the node exporter's textfile directory).",
             ) from None
+    return report, artifact, messages
+
+
+def run_command(args: argparse.Namespace) -> int:
+    if getattr(args, "hc_command", None) == "baseline":
+        return learn_command(args)
+    report, artifact, messages = check(args)
+    for line in messages:
+        print(f"dynprof {line}", file=sys.stderr)
     if args.json:
         data: dict[str, Any] = report.to_json()
         data["artifact"] = artifact

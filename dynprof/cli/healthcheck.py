@@ -4,17 +4,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
-from dynprof.errors import ArtifactError, DynprofError
+from dynprof.errors import DynprofError
 from dynprof.result import Result
 from healthcheck import cli
 from healthcheck.baseline import learn, read_results
-from healthcheck.report import Report, render_prometheus, render_table, write_atomically
+from healthcheck.report import Report, render_table
 from healthcheck.result import EXIT_COULD_NOT_RUN
-from healthcheck.runner import run
 
 
 class HealthReport(Result):
@@ -67,32 +65,7 @@ class HealthcheckCommand:
 
 
 def _check(args: argparse.Namespace) -> HealthReport:
-    # Progress only to a person watching (a terminal): never into a log, a pipe or an answer.
-    show_progress = not args.quiet and sys.stderr.isatty()
-
-    def progress(text: str) -> None:
-        if show_progress:
-            sys.stderr.write("\r\033[K" + text)
-            sys.stderr.flush()
-
-    report = run(cli.options_from_args(args), progress=progress)
-    if show_progress:
-        sys.stderr.write("\r\033[K")
-    messages: list[str] = []
-    artifact: str | None = None
-    if not args.no_save:
-        try:
-            artifact = cli.save_artifact(report, render_table(report))
-        except (ArtifactError, OSError) as exc:
-            messages.append(f"healthcheck: results not saved: {exc}")
-    if args.prometheus:
-        try:
-            write_atomically(args.prometheus, render_prometheus(report))
-        except OSError as exc:
-            raise DynprofError(
-                f"cannot write the Prometheus file {args.prometheus}: {exc.strerror or exc}",
-                help="Point --prometheus at a writable file (the node exporter's textfile directory).",
-            ) from None
+    report, artifact, messages = cli.check(args)
     return HealthReport(report, artifact, args.failures_only, messages)
 
 
