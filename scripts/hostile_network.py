@@ -611,11 +611,11 @@ CASES: dict[str, Callable[[Harness], list[Case]]] = {
     "wide-rows-ps-78": lambda h: [
         case_fake(h, "78 MB of rows with long text (ps)", _json_reply(wide_rows("agents", 78 << 20)), timeout=60)
     ],
-    "wide-rows-ls-31": lambda h: [
+    "wide-rows-ls-15": lambda h: [
         case_fake(
             h,
-            "31 MB of rows with long text (ls, under its cap)",
-            _json_reply(wide_rows("artifacts", 31 << 20)),
+            "15 MB of rows with long text (ls, under its cap)",
+            _json_reply(wide_rows("artifacts", 15 << 20)),
             "ls",
             60,
         )

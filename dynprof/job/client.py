@@ -54,10 +54,10 @@ DEFAULT_NODE_TIMEOUT_S = 10.0
 MAX_ANSWER_BYTES = 80 * 1024 * 1024  # a sidecar's action output is capped at 64 MiB, plus the envelope
 MAX_SMALL_ANSWER_BYTES = 1024 * 1024  # info, errors
 # The listing actions answer a few hundred bytes to a few kilobytes per process or artifact:
-# these bounds hold thousands per node, and keep a job-wide listing of many hostile nodes'
-# answers from growing the CLI by hundreds of MB; other actions may answer up to the sidecar's
+# 16 MiB holds thousands per node, and keeps a job-wide listing (in the CLI, or in the sidecar
+# that answers it for the page) from growing by hundreds of MB on a hostile node's answer; other actions may answer up to the sidecar's
 # 64 MiB (stacks of many threads, NCCL entries).
-LISTING_ANSWER_BYTES = {"ps": 16 * 1024 * 1024, "stop": 16 * 1024 * 1024, "ls": 32 * 1024 * 1024}
+LISTING_ANSWER_BYTES = dict.fromkeys(("ps", "stop", "ls"), 16 * 1024 * 1024)
 # JSON values one answer may hold (counted before it is decoded): the answers of real nodes
 # hold thousands (ps, ls) to a few hundred thousand (stacks of many threads, NCCL entries).
 MAX_ANSWER_VALUES = 500_000
