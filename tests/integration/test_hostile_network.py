@@ -92,8 +92,8 @@ def test_a_hostile_node_is_one_failed_node(harness: Any, behaviour: Any, reason:
 
 
 def test_an_item_bomb_under_the_byte_cap_is_refused_for_ls_too(harness: Any) -> None:
-    # GIVEN 78 MB of empty rows, under the 80 MiB an answer may take
-    case = hn.case_fake(harness, "ls", hn._json_reply(hn.item_bomb("artifacts", 78 << 20)), "ls", 60.0)
+    # GIVEN 12 MB of empty rows, under the 16 MiB a node's ls answer may take
+    case = hn.case_fake(harness, "ls", hn._json_reply(hn.item_bomb("artifacts", 12 << 20)), "ls", 60.0)
     # THEN it is refused before it is decoded, memory far from the gigabytes decoding takes
     _clean(case)
     assert case.runs[0].exit_code == 12 and "JSON values: refused" in case.runs[0].stderr
