@@ -69,6 +69,7 @@ from dynprof.store import Artifact, ArtifactStore
 if TYPE_CHECKING:
     from dynprof.registry import AgentRecord
 from dynprof.units import human_age, human_bytes
+from dynprof.watch.progress import read_progress
 
 COOKIE = "dynprof_token"
 CSRF_HEADER = "X-Dynprof-CSRF"
@@ -534,6 +535,12 @@ def create_app(
         # streamed in blocks by the WSGI server's file wrapper, never read whole
         return send_file(fh, as_attachment=True, download_name=name, mimetype="application/octet-stream")
 
+    def api_progress() -> Response:
+        job = request.args.get("job") or None
+        if job is not None and len(job) > 200:
+            return _error(400, "job: at most 200 characters")
+        return jsonify(read_progress(list_records(), detect().host, job).to_json())
+
     def api_artifact(artifact_id: str) -> Response:
         art = _get(artifact_id)
         summary, text = views.render(art)
@@ -541,6 +548,7 @@ def create_app(
 
     for prefix in ("/api", "/api/v1"):
         app.add_url_rule(f"{prefix}/agents", f"agents{prefix}", api_agents, methods=["GET"])
+        app.add_url_rule(f"{prefix}/progress", f"progress{prefix}", api_progress, methods=["GET"])
         app.add_url_rule(f"{prefix}/artifacts", f"artifacts{prefix}", api_artifacts, methods=["GET"])
         app.add_url_rule(
             f"{prefix}/artifacts/<path:artifact_id>/files/<name>", f"file{prefix}", api_file, methods=["GET"]

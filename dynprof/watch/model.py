@@ -289,3 +289,13 @@ class Verdict:
             if isinstance(unanswered, list)
             else [],
         )
+
+
+@dataclass(slots=True)
+class WatchGauges:
+    """What a watch hosted by a sidecar (``serve --watch``) exports on its ``/metrics``, per job."""
+
+    job: str
+    stalled: bool = False  # no rank advanced for the stall time (whatever the verdict said of it)
+    straggler_scores: dict[tuple[str, int], float] = field(default_factory=dict)  # (host, rank) -> score
+    verdicts: dict[str, int] = field(default_factory=dict)  # verdict kind -> verdicts written so far

@@ -1,0 +1,117 @@
+"""One read of a node's live per-rank progress: what each agent says of its steps (the agent's
+status request, every agent asked at once) and what the node sees of each process (its state
+and CPU time, its children's included: a rank whose DataLoader workers compute is moving).
+
+Nothing here runs in the training process: the agent answers a status request from its own
+thread with counters it keeps anyway, so a read costs the ranks one small request each
+(``scripts/bench_progress_poll.py`` measures it).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+import psutil
+
+from dynprof import errors, roles
+from dynprof.agents import parallel
+from dynprof.client import AgentClient
+from dynprof.registry import AgentRecord
+from dynprof.watch.model import NodeProgress, RankProgress
+
+
+def _children_of(pids: Iterable[int]) -> dict[int, list[psutil.Process]]:
+    """Every live descendant of each pid, from one pass over the process table."""
+    wanted = set(pids)
+    by_parent: dict[int, list[psutil.Process]] = {}
+    for p in psutil.process_iter(["ppid"]):
+        ppid = p.info.get("ppid")
+        if isinstance(ppid, int):
+            by_parent.setdefault(ppid, []).append(p)
+    out: dict[int, list[psutil.Process]] = {}
+    for pid in wanted:
+        found: list[psutil.Process] = []
+        todo = list(by_parent.get(pid, []))
+        while todo and len(found) < 4096:
+            child = todo.pop()
+            found.append(child)
+            todo.extend(by_parent.get(child.pid, []))
+        out[pid] = found
+    return out
+
+
+def _cpu_seconds(process: psutil.Process) -> float | None:
+    try:
+        t = process.cpu_times()
+    except (psutil.Error, OSError):
+        return None
+    return float(t.user + t.system)
+
+
+def _process_facts(pid: int, children: list[psutil.Process]) -> tuple[str, float | None, float | None]:
+    """(state, CPU seconds with live children, start time) of a process; ("gone", None, None)."""
+    try:
+        p = psutil.Process(pid)
+        state = str(p.status())
+        started = float(p.create_time())
+    except psutil.NoSuchProcess:
+        return "gone", None, None
+    except (psutil.Error, OSError):
+        return "?", None, None
+    cpu = _cpu_seconds(p)
+    if cpu is not None:
+        for child in children:
+            more = _cpu_seconds(child)
+            if more is not None:
+                cpu += more
+    return state, cpu, started
+
+
+def read_progress(
+    records: list[AgentRecord], host: str, job: str | None = None, timeout: float = 1.0, poll_every_s: float = 0.0
+) -> NodeProgress:
+    """The ranks of ``job`` (every job when None) among ``records``, read now. A rank is a
+    process the job's role rules call a trainer (launchers and DataLoader workers are not
+    ranks); an agent that does not answer within ``timeout`` is ``unresponsive`` (its process
+    may hold the GIL in C code, or be stopped) and keeps its last known identity."""
+    statuses = parallel(lambda r: AgentClient.for_record(r, timeout=timeout).status(), records)
+    now = time.time()
+    for record, status in zip(records, statuses):
+        if not isinstance(status, Exception):
+            record.rank = status.rank if status.rank >= 0 else record.rank
+            record.world_size = status.world_size if status.world_size >= 0 else record.world_size
+            record.job_id = status.job_id or record.job_id
+            record.role = status.role if status.role in roles.ROLES else record.role
+    by_pid = dict(zip((r.pid for r in records), statuses))
+    jobs: dict[str | None, list[AgentRecord]] = {}
+    for record in records:
+        jobs.setdefault(record.job_id, []).append(record)
+    chosen = [r for j, members in jobs.items() if job is None or j == job for r in roles.targets(members)]
+    kids = _children_of(r.pid for r in chosen)
+    rows: list[RankProgress] = []
+    for record in chosen:
+        status = by_pid[record.pid]
+        state, cpu, started = _process_facts(record.pid, kids.get(record.pid, []))
+        row = RankProgress(
+            job=record.job_id or "",
+            rank=record.rank,
+            world_size=record.world_size,
+            pid=record.pid,
+            host=host,
+            process_state=state,
+            cpu_s=cpu,
+            started_at=started if started is not None else record.started_at,
+            polled_at=now,
+        )
+        if isinstance(status, Exception):
+            row.agent = "gone" if state == "gone" else "unresponsive" if isinstance(status, errors.Timeout) else "error"
+        else:
+            row.step = int(status.step)
+            row.step_time_s = float(status.step_time_s)
+            if status.last_step_at > 0:
+                row.last_step_at = float(status.last_step_at)
+                row.last_step_age_s = max(0.0, now - row.last_step_at)
+        rows.append(row)
+    rows.sort(key=lambda r: (r.job, r.rank if r.rank is not None else 1 << 40, r.pid))
+    return NodeProgress(host=host, time=now, poll_every_s=poll_every_s, ranks=rows)

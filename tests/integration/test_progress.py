@@ -1,0 +1,64 @@
+"""A node's live per-rank progress (``GET /api/progress``) read from real training processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+from dynprof.registry import list_records
+from dynprof.sidecar.app import create_app
+from dynprof.store import ArtifactStore
+from dynprof.watch.model import NodeProgress
+from dynprof.watch.progress import read_progress
+
+
+def _wait(pred, timeout: float = 60.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError("condition not met before the far deadline")
+
+
+def test_progress_of_a_stepping_rank_and_a_stopped_one(spawn, tmp_path):
+    # GIVEN two ranks of one job: one stepping, one stopped with SIGSTOP after its first steps
+    env = {"DYNPROF_JOB_ID": "pj", "RANK": "0", "WORLD_SIZE": "2"}
+    stepping = spawn(["tests/integration/programs/train_program.py", "--step-sleep", "0.05"], env=env)
+    stopped = spawn(["tests/integration/programs/train_program.py", "--step-sleep", "0.05"], env={**env, "RANK": "1"})
+    (pid0,) = stepping.ready_pids()
+    (pid1,) = stopped.ready_pids()
+    _wait(lambda: {r.pid for r in list_records()} >= {pid0, pid1})
+    os.kill(pid1, signal.SIGSTOP)
+    try:
+        # WHEN the sidecar is asked for the job's progress twice
+        client = create_app(ArtifactStore(tmp_path / "s")).test_client()
+        first = NodeProgress.from_json(client.get("/api/progress?job=pj").get_json())
+        second = _wait(
+            lambda: (
+                p
+                if (p := NodeProgress.from_json(client.get("/api/progress?job=pj").get_json()))
+                and next(r for r in p.ranks if r.pid == pid0).step > next(r for r in first.ranks if r.pid == pid0).step
+                else None
+            )
+        )
+        # THEN both ranks are there, by rank; the stepping one advanced with a recent step and
+        # a step time; the stopped one is unresponsive, in state "stopped", its step unchanged
+        by_rank = {r.rank: r for r in second.ranks}
+        assert set(by_rank) == {0, 1}
+        assert by_rank[0].agent == "up" and by_rank[0].step_time_s > 0
+        assert by_rank[0].last_step_age_s is not None and by_rank[0].cpu_s is not None
+        assert by_rank[1].pid == pid1 and by_rank[1].process_state == "stopped"
+        assert by_rank[1].agent == "unresponsive"
+        assert read_progress(list_records(), "h", "another-job").ranks == []
+    finally:
+        os.kill(pid1, signal.SIGCONT)
+
+
+def test_progress_refuses_an_overlong_job_name(tmp_path):
+    client = create_app(ArtifactStore(tmp_path / "s")).test_client()
+    answer = client.get("/api/progress?job=" + "j" * 300)
+    assert answer.status_code == 400
+    assert "200 characters" in answer.get_json()["error"]
