@@ -299,3 +299,15 @@ class WatchGauges:
     stalled: bool = False  # no rank advanced for the stall time (whatever the verdict said of it)
     straggler_scores: dict[tuple[str, int], float] = field(default_factory=dict)  # (host, rank) -> score
     verdicts: dict[str, int] = field(default_factory=dict)  # verdict kind -> verdicts written so far
+
+
+@dataclass(slots=True)
+class StragglerReport:
+    """What one sampled job-wide trace said of stragglers (the watch's live straggler check)."""
+
+    sampled_at: float
+    steps: int  # steps traced
+    scores: dict[tuple[str, int], float] = field(default_factory=dict)  # (host, rank) -> score, 0: none
+    verdict: Verdict | None = None  # kind "straggler" naming rank, host and cause class; None: none found
+    note: str = ""  # why nothing was decided (one rank only, the trace failed, ...)
+    cost_s: float = 0.0  # wall seconds the sample took (tracing, fetching, analysis)
