@@ -102,8 +102,20 @@ def test_prometheus_scrapes_the_sidecar_and_the_stall_alert_fires(spawn, tmp_pat
     env = {**os.environ, "DYNPROF_HOST": "node-p"}
     env.pop("DYNPROF_TOKEN_FILE", None)
     sidecar = start(
-        [sys.executable, "-m", "dynprof", "serve", "--port", str(sidecar_port), "--token-file", str(token)]
-        + ["--progress-every", "0.5", "--stall-after", "3"],
+        [
+            sys.executable,
+            "-m",
+            "dynprof",
+            "serve",
+            "--port",
+            str(sidecar_port),
+            "--token-file",
+            str(token),
+            "--progress-every",
+            "0.5",
+            "--stall-after",
+            "3",
+        ],
         tmp_path / "serve.log",
         env,
     )
