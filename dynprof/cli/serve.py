@@ -142,8 +142,10 @@ class ServeCommand:
 
     The node's sidecar: it lists the agents, runs the CLI's own commands on them (start, stop,
     stacks, memory, nccl, ps, ls, healthcheck) and answers with their --json, and serves the
-    artifacts. Every request needs the token (Authorization: Bearer, or the URL printed at
-    start); GET /healthz alone answers without it, with "ok". Reference: docs/api.md.
+    artifacts. It reads every rank's progress every --progress-every seconds, for GET
+    /api/progress and for Prometheus at GET /metrics (docs/metrics.md). Every request needs the
+    token (Authorization: Bearer, or the URL printed at start); GET /healthz alone answers
+    without it, with "ok". Reference: docs/api.md.
     """
 
     def prepare_parser(self, parser: argparse.ArgumentParser) -> None:

@@ -145,9 +145,11 @@ class ProgressBook:
             return self._view
 
     def fresh(self, view: BookView | None = None) -> bool:
-        """Whether the book was polled within two intervals (a running poller's book)."""
+        """Whether the book was polled within two intervals (a running poller's book; a poll
+        may take the read's timeout on top of its interval)."""
         view = view or self.view()
-        return self.every_s > 0 and view.polls > 0 and time.monotonic() - view.polled_mono <= 2 * self.every_s + 0.5
+        age = time.monotonic() - view.polled_mono
+        return self.every_s > 0 and view.polls > 0 and age <= 2 * self.every_s + self._timeout
 
     def progress(self, job: str | None = None, view: BookView | None = None) -> NodeProgress:
         """The progress document of ``job`` (every job when None) from the book: each rank's
@@ -192,10 +194,10 @@ class ProgressBook:
     def _poll_locked(self) -> BookView:
         try:
             node = self._read(self._records(), self.host, None, self._timeout, self.every_s)
+            view = self._fold(self.view(), node)
         except Exception as exc:  # the poller must outlive any one read
             log.error("dynprof serve: reading the node's progress failed: %s: %s", type(exc).__name__, exc)
             return self.view()
-        view = self._fold(self.view(), node)
         with self._lock:
             self._view = view
         return view

@@ -354,3 +354,26 @@ def test_the_poller_thread_polls_and_stops():
     finally:
         book.stop()
     assert node.reads >= 2 and book.view().entries
+
+
+@pytest.mark.parametrize(
+    "argv,says",
+    [
+        (["--progress-every", "0.1"], "--progress-every 0.1 is below 0.2 s"),
+        (["--progress-every", "-1"], "argument --progress-every:"),
+        (["--stall-after", "0"], "argument --stall-after:"),
+        (["--stall-after", "nan"], "argument --stall-after:"),
+    ],
+)
+def test_serve_refuses_bad_progress_options_before_listening(argv, says, capsys):
+    from dynprof.cli import main
+
+    # WHEN serve is given a poll interval or a stall time it cannot use
+    try:
+        code = main(["serve", "--port", "1", *argv])
+    except SystemExit as exc:  # argparse's own refusal
+        code = exc.code
+    # THEN it is a usage error naming the option, and nothing listens
+    assert code == 2
+    err = capsys.readouterr().err
+    assert says in err and "serving on" not in err
