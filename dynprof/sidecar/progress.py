@@ -219,8 +219,10 @@ class ProgressBook:
                 continue
             seen.add(key)
             entries[key] = self._advance(before, row)
+        pids = {e.row.pid for e in entries.values()}
         for key, before in old.entries.items():
-            if key in seen:
+            # a process seen under another key (it learned its rank) moved: nothing is gone
+            if key in seen or before.row.pid in pids or len(entries) >= self._max_ranks:
                 continue
             gone = before.gone_polls + 1
             if gone > self._forget_after:

@@ -377,3 +377,16 @@ def test_serve_refuses_bad_progress_options_before_listening(argv, says, capsys)
     assert code == 2
     err = capsys.readouterr().err
     assert says in err and "serving on" not in err
+
+
+def test_a_process_that_learns_its_rank_moves_rather_than_leaving_a_gone_row():
+    # GIVEN a process of job j without a rank yet, then the same process with rank 3
+    node = FakeNode()
+    row = node.rank(None, 100, step=0)
+    book = _book(node)
+    book.poll()
+    row.rank, row.step, row.last_step_at = 3, 1, 1000.0
+    # WHEN the book polls
+    view = book.poll()
+    # THEN it is rank 3 only: no "none" row of it left behind as gone
+    assert list(view.entries) == [("j", 3)]
