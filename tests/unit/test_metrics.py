@@ -390,3 +390,41 @@ def test_a_process_that_learns_its_rank_moves_rather_than_leaving_a_gone_row():
     view = book.poll()
     # THEN it is rank 3 only: no "none" row of it left behind as gone
     assert list(view.entries) == [("j", 3)]
+
+
+def test_the_progress_read_finds_every_descendant_of_a_rank():
+    # GIVEN a process with a child that has a child of its own (DataLoader workers and theirs)
+    import subprocess
+    import sys
+
+    import psutil
+
+    from dynprof.watch.progress import _children_of
+
+    code = (
+        "import subprocess, sys, time; "
+        "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
+        "print(p.pid, flush=True); time.sleep(600)"
+    )
+    top = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"import subprocess, sys; p = subprocess.Popen([sys.executable, '-c', {code!r}]); "
+            "print(p.pid, flush=True); import time; time.sleep(600)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert top.stdout is not None
+        child, grandchild = int(top.stdout.readline()), int(top.stdout.readline())
+        # WHEN the read looks for its descendants
+        found = {p.pid for p in _children_of([top.pid])[top.pid]}
+        # THEN it finds both, as psutil's own walk does
+        assert found == {child, grandchild} == {p.pid for p in psutil.Process(top.pid).children(recursive=True)}
+    finally:
+        for p in psutil.Process(top.pid).children(recursive=True):
+            p.kill()
+        top.kill()
+        top.wait(timeout=30)
