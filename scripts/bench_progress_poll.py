@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -57,10 +58,10 @@ def calibrate_width(target_s: float) -> int:
         step = make_loop(width)
         for _ in range(10):
             step()
-        t0 = time.perf_counter()
+        t0 = time.thread_time()  # CPU time: a loaded machine does not fool the calibration
         for _ in range(30):
             step()
-        if (time.perf_counter() - t0) / 30 >= target_s:
+        if (time.thread_time() - t0) / 30 >= target_s:
             return width
         width = int(width * 1.25)
     return width
@@ -129,6 +130,7 @@ def main() -> int:
         [*me, "--child-flag", flag, "--every", str(args.every)], stdout=subprocess.PIPE, text=True
     )
     windows: dict[bool, list[list[float]]] = {True: [], False: []}
+    cpu_per_step: dict[bool, list[float]] = {True: [], False: []}  # the training thread's CPU time
     try:
         time.sleep(1.0)  # the child imports dynprof
         for r in range(args.rounds):
@@ -140,11 +142,13 @@ def main() -> int:
                 times: list[float] = []
                 end = time.perf_counter() + args.window
                 t = time.perf_counter()
+                cpu0 = time.thread_time()
                 while t < end:
                     step()
                     now = time.perf_counter()
                     times.append(now - t)
                     t = now
+                cpu_per_step[on].append((time.thread_time() - cpu0) / len(times))
                 windows[on].append(times)
     finally:
         if os.path.exists(flag):
@@ -162,11 +166,14 @@ def main() -> int:
         cpu = (time.clock_gettime(time.CLOCK_PROCESS_CPUTIME_ID) - cpu0) - (time.thread_time() - main0)
         return cpu, time.perf_counter() - t0, value
 
+    children0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     idle_cpu, idle_wall, _ = others_cpu(lambda: time.sleep(5.0))  # the agent's threads, unasked
     busy_cpu, wall, burst = others_cpu(
         lambda: subprocess.run([*me, "--child-burst", str(args.burst)], capture_output=True, text=True, timeout=600)
     )
     agent_cpu = max(0.0, busy_cpu - idle_cpu / idle_wall * wall)
+    children1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    sidecar_cpu = (children1.ru_utime + children1.ru_stime) - (children0.ru_utime + children0.ru_stime)
     print(burst.stdout.strip() or burst.stderr.strip()[-2000:])  # type: ignore[attr-defined]
     dynprof.agent.shutdown()
 
@@ -193,6 +200,11 @@ def main() -> int:
         f"median {statistics.median(on_all) / statistics.median(off_all):.4f}, "
         f"median of window medians {statistics.median(on_w) / statistics.median(off_w):.4f}"
     )
+    cpu_on, cpu_off = statistics.fmean(cpu_per_step[True]), statistics.fmean(cpu_per_step[False])
+    print(
+        f"training thread CPU per step: on {cpu_on * 1e3:.3f} ms, off {cpu_off * 1e3:.3f} ms, "
+        f"ratio {cpu_on / cpu_off:.4f} (no GIL waits in it: the bound below covers those)"
+    )
     print(
         f"paired ratio (window medians, same round): mean {statistics.fmean(paired):.4f} "
         f"± {sem:.4f} (standard error: the resolution of this measurement, {sem * 100:.2f} %)"
@@ -200,6 +212,10 @@ def main() -> int:
     print(
         f"direct bound: {args.burst} polls back to back in {wall:.2f} s; this process spent "
         f"{agent_cpu * 1e3:.1f} ms CPU answering them (idle threads' {idle_cpu / idle_wall * 1e3:.2f} ms/s taken off): {per_poll_cpu * 1e6:.1f} us per poll"
+    )
+    print(
+        f"the poller's own side (another process: the sidecar): {sidecar_cpu / args.burst * 1e3:.2f} ms CPU per poll "
+        "(its imports included)"
     )
     print(
         f"  = {per_poll_cpu / step_s * 100:.3f} % of one {step_s * 1e3:.2f} ms step per poll; one poll every "
