@@ -36,6 +36,7 @@ CAPTURE_TTL_S = 15.0  # the store is scanned at most once in this time
 # The kinds counted by dynprof_captures_total; an artifact of any other kind counts as "other".
 CAPTURE_KINDS = tuple(sorted({*RENDERERS, "healthcheck", VERDICT_KIND}))
 MAX_WATCH_JOBS = 256
+MAX_LABEL = 200  # characters of a label value (a job id, a host name)
 MAX_SCORES_PER_JOB = 4096
 SERIES_PER_RANK = 1 + (len(STEP_BUCKETS) + 1 + 2) + 1 + 1  # steps, histogram, since step, agent up
 SERIES_PER_RANK_WITH_WATCH = SERIES_PER_RANK + 1  # the straggler score
@@ -99,7 +100,7 @@ class SidecarCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         view = self._view()
-        host = view.host
+        host = view.host[:MAX_LABEL]
         now = time.time()
         labels = ["job_id", "host", "rank"]
         steps = CounterMetricFamily("dynprof_rank_steps", "Optimizer steps the rank completed.", labels=labels)
@@ -114,10 +115,14 @@ class SidecarCollector(Collector):
         up = GaugeMetricFamily(
             "dynprof_rank_agent_up", "1 when the rank's agent answered the last poll, 0 when not.", labels=labels
         )
-        jobs: set[str] = set()
+        jobs: dict[str, str] = {}  # job_id label -> the job's id (cut to MAX_LABEL characters)
+        seen: set[tuple[str, str]] = set()
         for (job, rank), entry in sorted(view.entries.items(), key=lambda kv: (kv[0][0], rank_label(kv[0][1]))):
-            values = [job, host, rank_label(rank)]
-            jobs.add(job)
+            label = job[:MAX_LABEL]
+            if jobs.setdefault(label, job) != job or (label, rank_label(rank)) in seen:
+                continue  # two ids alike in their first MAX_LABEL characters: one series, the first
+            seen.add((label, rank_label(rank)))
+            values = [label, host, rank_label(rank)]
             row = entry.row
             steps.add_metric(values, row.step)
             h = entry.histogram
@@ -141,18 +146,18 @@ class SidecarCollector(Collector):
             "Seconds without a step of any rank after which the job counts as stalled.",
             labels=["job_id", "host"],
         )
-        for job in sorted(jobs):
-            stall.add_metric([job, host], self._book.stall_after_of(job, view))
+        for label, job in sorted(jobs.items()):
+            stall.add_metric([label, host], self._book.stall_after_of(job, view))
         yield stall
         captures = CounterMetricFamily(
             "dynprof_captures", "Artifacts of the job in the node's store, by kind.", labels=["job_id", "host", "kind"]
         )
         counts = self._captures.counts()
-        for job in sorted(jobs):
+        for label, job in sorted(jobs.items()):
             for kind in (*CAPTURE_KINDS, "other"):
                 n = counts.get((job, kind), 0)
                 if n:
-                    captures.add_metric([job, host, kind], n)
+                    captures.add_metric([label, host, kind], n)
         yield captures
         if self._watch_gauges is not None:
             yield from self._watch_families()
@@ -179,15 +184,20 @@ class SidecarCollector(Collector):
             gauges = []
         seen: set[str] = set()
         for g in gauges:
-            if not isinstance(g, WatchGauges) or g.job in seen:
+            if not isinstance(g, WatchGauges) or g.job[:MAX_LABEL] in seen:
                 continue
-            seen.add(g.job)
-            stalled.add_metric([g.job], 1.0 if g.stalled else 0.0)
+            job = g.job[:MAX_LABEL]
+            seen.add(job)
+            stalled.add_metric([job], 1.0 if g.stalled else 0.0)
+            scored: set[tuple[str, str]] = set()
             for (host, rank), value in sorted(g.straggler_scores.items())[:MAX_SCORES_PER_JOB]:
-                score.add_metric([g.job, str(host), str(rank)], float(value))
+                key = (str(host)[:MAX_LABEL], str(rank)[:MAX_LABEL])
+                if key not in scored:
+                    scored.add(key)
+                    score.add_metric([job, *key], float(value))
             for kind in VERDICT_KINDS:
                 if kind in g.verdicts:
-                    verdicts.add_metric([g.job, kind], float(g.verdicts[kind]))
+                    verdicts.add_metric([job, kind], float(g.verdicts[kind]))
         yield stalled
         yield score
         yield verdicts

@@ -428,3 +428,26 @@ def test_the_progress_read_finds_every_descendant_of_a_rank():
             p.kill()
         top.kill()
         top.wait(timeout=30)
+
+
+def test_hostile_job_ids_give_a_scrape_prometheus_reads(tmp_path):
+    # GIVEN ranks whose job ids hold quotes, a newline, a backslash, and two 5000-character ids
+    # alike in their first 200 characters
+    node = FakeNode()
+    long_a, long_b = "a" * 4999 + "1", "a" * 4999 + "2"
+    for pid, job in enumerate(['q"u\\ote\nnl', long_a, long_b, "ünï"]):
+        node.rank(0, 100 + pid, job=job, step=1, last_step_at=time.time())
+    book = _book(node)
+    book.poll()
+    gauges = [WatchGauges(long_a, True, {("h" * 999, 0): 1.0})]
+    client = create_app(
+        ArtifactStore(tmp_path / "s"), token=TOKEN, progress=book, watch_gauges=lambda: gauges
+    ).test_client()
+    # WHEN scraped
+    samples = _samples(_scrape(client)["text"])
+    # THEN Prometheus's parser reads it, each label at most 200 characters, no series twice
+    jobs = {s[1]["job_id"] for s in samples if s[0] == "dynprof_rank_steps_total"}
+    assert jobs == {'q"u\\ote\nnl', "a" * 200, "ünï"}
+    assert all(len(v) <= 200 for _, labels, _ in samples for v in labels.values())
+    keys = [(s[0], tuple(sorted(s[1].items()))) for s in samples]
+    assert len(keys) == len(set(keys))
