@@ -18,7 +18,8 @@ from typing import Any
 from healthcheck.backends.base import NoAccelerator, XidEvent
 from healthcheck.readings import DeviceProcess, DeviceReadings
 
-TOOL_TIMEOUT_S = 20.0
+# Every probe runs under this limit (see healthcheck.timeouts.PROBE_TIMEOUT_S).
+TOOL_TIMEOUT_S = 10.0
 
 
 def _int(text: str) -> int:
@@ -70,7 +71,14 @@ FIELDS: list[tuple[str, list[str], Callable[[str], Any]]] = [
     ("remapped_rows_uncorrectable", ["remapped_rows.uncorrectable"], _int),
     ("remap_pending", ["remapped_rows.pending"], _enabled),
     ("remap_failure", ["remapped_rows.failure"], _enabled),
+    ("reset_required", ["reset_status.reset_required"], _enabled),
+    ("drain_and_reset_recommended", ["reset_status.drain_and_reset_recommended"], _enabled),
 ]
+
+# Readings of the deeper checks that no query field is known for: skipped as "not exposed".
+NOT_EXPOSED = ("pcie_replay_count", "recovery_action", "nvlink_counters")
+# Readings taken again at the end of the check (for what may change during it).
+COUNTER_FIELDS = ("reset_required", "drain_and_reset_recommended")
 
 REMAP_FIELDS: list[tuple[str, str, Callable[[str], Any]]] = [
     ("remapped_rows_correctable", "remapped_rows.correctable", _int),
@@ -154,6 +162,10 @@ class SmiBackend:
             readings[r.index] = r
         if not readings:
             raise NoAccelerator(f"{self.tool} lists no devices")
+        unqueried = {attr for attr, q, _ in chosen if q is None}
+        for r in readings.values():
+            r.not_exposed.update(NOT_EXPOSED)
+            r.not_exposed.update(unqueried & set(COUNTER_FIELDS))
         self._rows = readings
         if not any(q and q.startswith("remapped_rows.") for _, q, _ in queried):
             self._load_remapped_rows()
@@ -244,6 +256,28 @@ class SmiBackend:
             return int(gen), int(width)
         except (NoAccelerator, ValueError, IndexError):
             return None, None
+
+    def read_counters(self, index: int) -> DeviceReadings:
+        """The readings that may change during the check, read again (only those the tool has)."""
+        r = DeviceReadings(index=index, not_exposed=set(NOT_EXPOSED))
+        wanted = [
+            (attr, q, parse) for attr, names, parse in FIELDS if attr in COUNTER_FIELDS for q in [self._choose(names)]
+        ]
+        queried = [(attr, q, parse) for attr, q, parse in wanted if q is not None]
+        r.not_exposed.update(attr for attr, q, _ in wanted if q is None)
+        if not queried:
+            return r
+        try:
+            out = self._run(
+                f"--id={index}", "--query-gpu=" + ",".join(q for _, q, _ in queried), "--format=csv,noheader,nounits"
+            )
+            row = parse_csv(out)[0]
+        except (NoAccelerator, IndexError) as exc:
+            r.errors.update({attr: str(exc) or "no output" for attr, _, _ in queried})
+            return r
+        for (attr, query, parse), cell in zip(queried, row, strict=False):
+            self._set(r, attr, query, cell, parse)
+        return r
 
     def watch_xid(self) -> bool:
         return False
