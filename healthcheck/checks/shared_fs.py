@@ -137,11 +137,12 @@ class SharedFsProbe:
         os.set_blocking(fd, False)
         deadline = self.started + self.limit_s
         while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return False
+            # Past the deadline, what the child already wrote is still read (the step it is in).
+            remaining = max(0.0, deadline - time.monotonic())
             ready, _, _ = select.select([fd], [], [], remaining)
             if not ready:
+                if remaining <= 0:
+                    return False
                 continue
             try:
                 chunk = os.read(fd, 65536)
