@@ -247,7 +247,8 @@ class NvmlBackend:
                     r.errors[attr] = f"NVML: field value of unknown type {int(value.valueType)}"
                     continue
                 out[attr] = getattr(value.value, member)
-            elif ret == nv.NVML_ERROR_NOT_SUPPORTED:
+            elif ret in (nv.NVML_ERROR_NOT_SUPPORTED, nv.NVML_ERROR_INVALID_ARGUMENT):
+                # INVALID_ARGUMENT: a field id this driver does not know (older than this pynvml).
                 r.not_supported.add(attr)
             else:
                 r.errors[attr] = f"NVML: field {value.fieldId} returned error {ret}"
@@ -264,6 +265,7 @@ class NvmlBackend:
     def _read_nvlinks(self, r: DeviceReadings, h: Any) -> list[NvLinkReading] | None:
         nv = self._nvml
         links: list[NvLinkReading] = []
+        counter_error: str | None = None
         counters = (
             ("replay_errors", nv.NVML_NVLINK_ERROR_DL_REPLAY),
             ("recovery_errors", nv.NVML_NVLINK_ERROR_DL_RECOVERY),
@@ -285,7 +287,7 @@ class NvmlBackend:
                         setattr(reading, attr, int(nv.nvmlDeviceGetNvLinkErrorCounter(h, link, counter)))
                     except nv.NVMLError as exc:
                         if getattr(exc, "value", None) != nv.NVML_ERROR_NOT_SUPPORTED:
-                            r.errors["nvlink_counters"] = f"NVML: link {link}: {exc}"
+                            counter_error = f"NVML: link {link}: {exc}"
             links.append(reading)
         if not links:
             r.not_supported.add("nvlinks")
@@ -303,10 +305,10 @@ class NvmlBackend:
                 setattr(links[[x.link for x in links].index(int(link_no))], attr, int(value))
             still = [link.link for link in unread if not link.counters()]
             if still:
-                errors = sorted({probe.errors[k] for k in probe.errors})
+                errors = sorted({probe.errors[k] for k in probe.errors} | ({counter_error} if counter_error else set()))
                 if errors:
-                    r.errors.setdefault("nvlink_counters", f"links {still}: " + "; ".join(errors[:3]))
-                elif "nvlink_counters" not in r.errors:
+                    r.errors["nvlink_counters"] = f"links {still}: " + "; ".join(errors[:3])
+                else:
                     r.not_supported.add("nvlink_counters")
         return links
 
