@@ -142,6 +142,7 @@ class _Run:
         self.readings: list[DeviceReadings] = []
         self.count = 0
         self.counted = False
+        self.driver_version: str | None = None
         # Devices whose read did not return, with the reason (no further call is made to them).
         self.hung: dict[int, str] = {}
         self.counters_read_at = 0.0
@@ -268,6 +269,7 @@ class _Run:
         if why is not None:
             self.add(CheckResult("driver", Status.UNKNOWN, why))
         elif driver:
+            self.driver_version = str(driver)
             self.add(CheckResult("driver", Status.PASS, f"driver {driver} reachable through {name}", value=driver))
         else:
             self.add(CheckResult("driver", Status.UNKNOWN, f"driver version not readable through {name}"))
@@ -626,14 +628,21 @@ def run(options: Options, progress: Callable[[str], None] | None = None) -> Repo
             state.pcie_quick()
         state.counters_at_end()
         indices = [r.index for r in state.readings]
-        events, why = state.probe(backend.xid_events, f"{backend.name}: reading XID events") if watching else ([], None)
-        if why is not None:
-            state.add(CheckResult("xid_live", Status.UNKNOWN, why))
+        if state.hung and watching:
+            # A driver that hung once is not asked again for what can wait (each call would
+            # cost its whole limit): the events are not read, NVML is not shut down.
+            state.add(CheckResult("xid_live", Status.UNKNOWN, "not read: an earlier driver call did not return"))
         else:
-            state.add(check_live_xids(events, watching, indices))
-        driver_version, _ = state.probe(backend.driver_version, "reading the driver version")
-    if backend is not None:
-        # A driver that hung may not let go either: closing is bounded like every other call.
+            events, why = (
+                state.probe(backend.xid_events, f"{backend.name}: reading XID events") if watching else ([], None)
+            )
+            if why is not None:
+                state.add(CheckResult("xid_live", Status.UNKNOWN, why))
+            else:
+                state.add(check_live_xids(events, watching, indices))
+        driver_version = state.driver_version
+    if backend is not None and not state.hung:
+        # Closing is bounded like every other call.
         _, why = state.probe(backend.close, f"{backend.name}: closing")
         if why is not None:
             state.timings["close_did_not_return"] = options.probe_timeout_s

@@ -12,6 +12,7 @@ import csv
 import io
 import re
 import subprocess
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -108,6 +109,8 @@ class SmiBackend:
         self.name = f"smi:{tool}"
         self._known = known_fields
         self._rows: dict[int, DeviceReadings] | None = None
+        self._end_rows: dict[int, DeviceReadings] | None = None
+        self._lock = threading.Lock()
 
     @classmethod
     def open(cls, tool: str) -> SmiBackend:
@@ -258,26 +261,44 @@ class SmiBackend:
             return None, None
 
     def read_counters(self, index: int) -> DeviceReadings:
-        """The readings that may change during the check, read again (only those the tool has)."""
+        """The readings that may change during the check, read again (only those the tool has;
+        one query for every device, taken by the first call)."""
+        with self._lock:
+            if self._end_rows is None:
+                self._end_rows = self._query_counters()
+            template = self._end_rows.get(index)
         r = DeviceReadings(index=index, not_exposed=set(NOT_EXPOSED))
-        wanted = [
-            (attr, q, parse) for attr, names, parse in FIELDS if attr in COUNTER_FIELDS for q in [self._choose(names)]
-        ]
-        queried = [(attr, q, parse) for attr, q, parse in wanted if q is not None]
-        r.not_exposed.update(attr for attr, q, _ in wanted if q is None)
-        if not queried:
+        if template is None:
+            r.errors.update({attr: f"{self.tool} did not list device {index} again" for attr in COUNTER_FIELDS})
             return r
-        try:
-            out = self._run(
-                f"--id={index}", "--query-gpu=" + ",".join(q for _, q, _ in queried), "--format=csv,noheader,nounits"
-            )
-            row = parse_csv(out)[0]
-        except (NoAccelerator, IndexError) as exc:
-            r.errors.update({attr: str(exc) or "no output" for attr, _, _ in queried})
-            return r
-        for (attr, query, parse), cell in zip(queried, row, strict=False):
-            self._set(r, attr, query, cell, parse)
+        for attr in COUNTER_FIELDS:
+            setattr(r, attr, getattr(template, attr))
+        r.not_exposed |= template.not_exposed
+        r.not_supported |= template.not_supported
+        r.errors.update(template.errors)
         return r
+
+    def _query_counters(self) -> dict[int, DeviceReadings]:
+        wanted = [(attr, self._choose(names), parse) for attr, names, parse in FIELDS if attr in COUNTER_FIELDS]
+        queried = [(attr, q, parse) for attr, q, parse in wanted if q is not None]
+        rows: dict[int, DeviceReadings] = {}
+        for i in self._rows or {}:
+            rows[i] = DeviceReadings(index=i, not_exposed={attr for attr, q, _ in wanted if q is None})
+        if not queried:
+            return rows
+        try:
+            out = self._query(["index", *[q for _, q, _ in queried]])
+        except NoAccelerator as exc:
+            for r in rows.values():
+                r.errors.update({attr: exc.message for attr, _, _ in queried})
+            return rows
+        for row in out:
+            if not row or not row[0].strip().isdigit() or int(row[0]) not in rows:
+                continue
+            r = rows[int(row[0])]
+            for (attr, query, parse), cell in zip(queried, row[1:], strict=False):
+                self._set(r, attr, query, cell, parse)
+        return rows
 
     def watch_xid(self) -> bool:
         return False

@@ -343,8 +343,10 @@ class FakeBackend:
     def xid_events(self) -> list[XidEvent]:
         return []
 
+    closed = False
+
     def close(self) -> None:
-        pass
+        self.closed = True
 
 
 @pytest.fixture
@@ -375,7 +377,7 @@ def by_name(report: Any, name: str) -> list[Any]:
 
 def test_a_device_read_that_never_returns_is_unknown_naming_the_call_and_the_run_finishes(install, tmp_path):
     # GIVEN two devices; reading device 1 blocks forever
-    install(FakeBackend([healthy(0), healthy(1)], hang_read={1}))
+    backend = install(FakeBackend([healthy(0), healthy(1)], hang_read={1}))
 
     # WHEN the quick level runs with a 0.5 s probe limit
     report = quick(tmp_path, probe_timeout_s=0.5)
@@ -386,6 +388,10 @@ def test_a_device_read_that_never_returns_is_unknown_naming_the_call_and_the_run
     assert "fake call fakeDeviceRead did not return in 0.5 s" in read.reason
     assert {c.device for c in by_name(report, "pcie_replay")} == {0}
     assert report.exit_code == 3
+    # AND the hung driver is not asked for what can wait: XID events unread, no shutdown
+    (live,) = by_name(report, "xid_live")
+    assert live.status is Status.UNKNOWN and "earlier driver call did not return" in live.reason
+    assert backend.closed is False
 
 
 def test_an_nvml_call_that_never_returns_is_named(install, tmp_path):
