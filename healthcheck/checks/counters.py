@@ -60,6 +60,10 @@ def check_recovery_action(
     missing = _missing(r, name, fields, source)
     if missing:
         return missing
+    if end is not None and all(getattr(end, f) is None for f in fields):
+        # Taken, but without these fields: as good as not taken.
+        end_error = "; ".join(sorted({end.errors[f] for f in fields if f in end.errors})) or "fields not read"
+        end = None
     readings = [r] if end is None else [r, end]
     if r.recovery_action is not None:
         actions = [x.recovery_action for x in readings if x.recovery_action is not None]

@@ -194,6 +194,10 @@ def test_recovery_action_none_at_the_start_and_no_end_reading_is_unknown():
     start, _ = read_twice(FakeNvml(fields={(RECOVERY, 0): (OK, 0)}))
     result = check_recovery_action(start, "nvml", None, "NVML call x did not return in 10 s")
     assert result.status is Status.UNKNOWN and "did not return" in result.reason
+    # AND an end reading without the field is no better
+    end = DeviceReadings(0, errors={"recovery_action": "NVML: Unknown Error"})
+    result = check_recovery_action(start, "nvml", end)
+    assert result.status is Status.UNKNOWN and "Unknown Error" in result.reason
 
 
 # -- PCIe replays ----------------------------------------------------------------------------
@@ -734,3 +738,38 @@ def test_smi_tool_with_reset_status_fields_fails_a_device_that_needs_a_reset(tmp
     healthy_tool = smi_tool(tmp_path, "ok-smi", {**fields, "reset_status.reset_required": "No"})
     ok = SmiBackend.open(healthy_tool)
     assert check_recovery_action(ok.read(0), ok.name, ok.read_counters(0)).status is Status.PASS
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--probe-timeout", "0"],
+        ["--probe-timeout", "nan"],
+        ["--probe-timeout", "-1"],
+        ["--probe-timeout", "1e9"],
+        ["--counter-window", "-1"],
+        ["--counter-window", "inf"],
+        ["--shared-fs", "a\x00b"],
+    ],
+)
+def test_bad_probe_options_are_usage_errors_exit_3(argv, capsys):
+    from healthcheck.cli import main
+
+    # WHEN python -m healthcheck gets a value its parser refuses
+    with pytest.raises(SystemExit) as exc:
+        main([*argv, "--no-save"])
+    # THEN it exits 3 ("could not run"), never 2 ("unhealthy"), and says which option
+    assert exc.value.code == 3
+    assert argv[0] in capsys.readouterr().err
+
+
+def test_a_shared_fs_path_that_is_not_a_directory_fails_naming_the_step(tmp_path):
+    from healthcheck.checks.shared_fs import SharedFsProbe
+
+    # GIVEN a regular file given as a shared filesystem
+    plain = tmp_path / "file"
+    plain.write_text("x")
+    # WHEN probed
+    result = SharedFsProbe(str(plain), 60.0).start().result()
+    # THEN it fails at the step that could not be taken
+    assert result.status is Status.FAIL and "create failed" in result.reason and "ENOTDIR" in result.reason
