@@ -28,7 +28,7 @@ from healthcheck.backends import Backend, NoAccelerator, open_backend
 from healthcheck.baseline import Baseline, find_baseline, load_baselines
 from healthcheck.checks.counters import counter_checks
 from healthcheck.checks.device import check_clocks, check_pcie_link, passive_device_checks
-from healthcheck.checks.host import host_checks
+from healthcheck.checks.host import host_probes
 from healthcheck.checks.ib_counters import IB_ROOT, IbPortCounters, check_ib_counters, read_ib_counters
 from healthcheck.checks.shared_fs import SharedFsProbe, start_probes
 from healthcheck.checks.xid import check_kernel_log_xids, check_live_xids
@@ -602,7 +602,10 @@ def run(options: Options, progress: Callable[[str], None] | None = None) -> Repo
     started_at = utcnow_iso()
     t_start = time.monotonic()
     state = _Run(options, progress)
-    host_call = Call(lambda: host_checks(options.disk_paths, options.min_disk_gib), name="healthcheck-host")
+    host_calls = [
+        (name, what, Call(probe, name="healthcheck-host"), time.monotonic())
+        for name, what, probe in host_probes(options.disk_paths, options.min_disk_gib, options.ib_root)
+    ]
     shared_fs = (
         start_probes(options.shared_fs_paths(), options.probe_timeout_s) if "shared_fs" not in options.skip else []
     )
@@ -646,10 +649,14 @@ def run(options: Options, progress: Callable[[str], None] | None = None) -> Repo
         _, why = state.probe(backend.close, f"{backend.name}: closing")
         if why is not None:
             state.timings["close_did_not_return"] = options.probe_timeout_s
-    try:
-        state.add(host_call.result(timeout=30))
-    except TimedOut as exc:
-        state.add(CheckResult("host", Status.UNKNOWN, f"host checks {exc}"))
+    for name, what, call, started in host_calls:
+        limit = options.probe_timeout_s
+        try:
+            state.add(call.result(max(0.0, started + limit - time.monotonic())))
+        except TimedOut:
+            state.add(CheckResult(name, Status.UNKNOWN, did_not_return(what, limit)))
+        except Exception as exc:
+            state.add(CheckResult(name, Status.UNKNOWN, f"{what} failed: {type(exc).__name__}: {exc}"))
     state.add(_ib_counters(ib_start, ib_at, options.ib_root, options.probe_timeout_s))
     state.add(_shared_fs(shared_fs))
     results = [

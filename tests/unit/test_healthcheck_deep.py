@@ -773,3 +773,23 @@ def test_a_shared_fs_path_that_is_not_a_directory_fails_naming_the_step(tmp_path
     result = SharedFsProbe(str(plain), 60.0).start().result()
     # THEN it fails at the step that could not be taken
     assert result.status is Status.FAIL and "create failed" in result.reason and "ENOTDIR" in result.reason
+
+
+def test_a_host_probe_that_never_returns_is_unknown_alone(install, tmp_path, monkeypatch):
+    from healthcheck.checks import host
+
+    # GIVEN a disk whose statvfs never returns (a hung mount given as --disk)
+    release = threading.Event()
+    monkeypatch.setattr(host, "read_disk", lambda path, min_free: release.wait())
+    install(FakeBackend([healthy(0)]))
+    try:
+        # WHEN the quick level runs with a 0.5 s probe limit
+        report = quick(tmp_path, probe_timeout_s=0.5)
+    finally:
+        release.set()
+
+    # THEN that disk is unknown, naming what did not return, and the other host checks were judged
+    (disk,) = by_name(report, "disk_free")
+    assert disk.status is Status.UNKNOWN and disk.reason == "statvfs of / did not return in 0.5 s"
+    for name in ("shm_size", "host_memory", "host_processes", "ib_ports"):
+        assert by_name(report, name) and all(c.status is not Status.UNKNOWN for c in by_name(report, name)), name
