@@ -18,6 +18,7 @@ from typing import Any
 
 from healthcheck.backends.base import NoAccelerator, XidEvent
 from healthcheck.readings import DeviceProcess, DeviceReadings
+from healthcheck.timeouts import InFlight
 
 # Every probe runs under this limit (see healthcheck.timeouts.PROBE_TIMEOUT_S).
 TOOL_TIMEOUT_S = 10.0
@@ -111,6 +112,7 @@ class SmiBackend:
         self._rows: dict[int, DeviceReadings] | None = None
         self._end_rows: dict[int, DeviceReadings] | None = None
         self._lock = threading.Lock()
+        self.in_flight = InFlight()
 
     @classmethod
     def open(cls, tool: str) -> SmiBackend:
@@ -125,13 +127,20 @@ class SmiBackend:
         backend._load()
         return backend
 
+    def call_in_flight(self, thread_id: int | None) -> str | None:
+        """The tool run thread ``thread_id`` waits for now (to name one that did not return)."""
+        return self.in_flight.of(thread_id)
+
     def _run(self, *args: str) -> str:
+        self.in_flight.enter(f"{self.tool} {' '.join(args)[:200]}")
         try:
             proc = subprocess.run([self.tool, *args], capture_output=True, text=True, timeout=TOOL_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             raise NoAccelerator(f"{self.tool} did not answer within {TOOL_TIMEOUT_S:.0f} s") from None
         except OSError as exc:
             raise NoAccelerator(f"cannot run {self.tool}: {exc}") from None
+        finally:
+            self.in_flight.leave()
         if proc.returncode != 0:
             message = (proc.stderr or proc.stdout).strip().splitlines()
             raise NoAccelerator(f"{self.tool} {' '.join(args)} failed: {message[-1] if message else proc.returncode}")

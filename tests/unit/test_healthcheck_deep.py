@@ -793,3 +793,29 @@ def test_a_host_probe_that_never_returns_is_unknown_alone(install, tmp_path, mon
     assert disk.status is Status.UNKNOWN and disk.reason == "statvfs of / did not return in 0.5 s"
     for name in ("shm_size", "host_memory", "host_processes", "ib_ports"):
         assert by_name(report, name) and all(c.status is not Status.UNKNOWN for c in by_name(report, name)), name
+
+
+def test_an_smi_tool_run_that_does_not_return_is_named(install, tmp_path):
+    from healthcheck.backends.smi import SmiBackend
+
+    # GIVEN an smi tool that answers at the start and hangs (3 s) on the counters' query at the end
+    fields = {"reset_status.reset_required": "No", "reset_status.drain_and_reset_recommended": "No"}
+    tool = Path(smi_tool(tmp_path, "slow-smi", fields))
+    tool.write_text(
+        tool.read_text().replace(
+            'elif args[0].startswith("--query-gpu="):',
+            'elif args[0].startswith("--query-gpu=index,reset_status"):\n    import time; time.sleep(3)\n'
+            'elif args[0].startswith("--query-gpu="):',
+        )
+    )
+    backend = SmiBackend.open(str(tool))
+    backend.release = threading.Event()  # type: ignore[attr-defined]
+    install(backend)
+
+    # WHEN the quick level runs with a 0.5 s probe limit
+    report = quick(tmp_path, probe_timeout_s=0.5)
+
+    # THEN the recovery check is unknown and names the tool run that did not return
+    (c,) = by_name(report, "recovery_action")
+    assert c.status is Status.UNKNOWN, c
+    assert f"{tool} --query-gpu=index,reset_status.reset_required" in c.reason and "did not return in 0.5 s" in c.reason
