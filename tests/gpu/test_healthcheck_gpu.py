@@ -300,7 +300,9 @@ def test_quick_runs_the_deeper_checks_and_none_is_unknown_on_a_healthy_node(tmp_
             assert c["status"] in ("pass", "skipped"), c
             if c["status"] == "skipped":
                 assert "not supported" in c["reason"] or "no NVLink" in c["reason"], c
-    assert all(c["status"] in ("pass", "skipped") for c in checks(report, "ib_counters"))
+    # InfiniBand is not NVML: a port whose narrow counter is saturated cannot be judged (unknown)
+    for c in checks(report, "ib_counters"):
+        assert c["status"] in ("pass", "skipped") or (c["status"] == "unknown" and "saturated" in c["reason"]), c
     (fs,) = checks(report, "shared_fs")
     assert fs["status"] == "pass", fs
     assert not [c for c in report["checks"] if c["name"] == "device_read"]
@@ -325,9 +327,11 @@ def test_an_nvml_call_that_never_returns_is_unknown_and_named_on_real_nvml(monke
     finally:
         release.set()
 
-    # THEN every device is unknown naming the call, and the run returned with exit 3
+    # THEN every device is unknown naming the call, none passed anything, and the run returned, exit 3
     reads = [c for c in report.checks if c.name == "device_read"]
-    assert len(reads) == gpu_count()
+    print(f"\n  {[(c.device, c.reason) for c in reads]}")
+    assert reads and len({c.device for c in reads}) == len(reads)
+    assert not [c for c in report.checks if c.device is not None and c.status.value == "pass"]
     assert all(
         c.reason == "NVML call nvmlDeviceGetPcieReplayCounter did not return in 2 s (driver hung?)" for c in reads
     )
