@@ -145,6 +145,8 @@ class _Run:
         self.driver_version: str | None = None
         # Devices whose read did not return, with the reason (no further call is made to them).
         self.hung: dict[int, str] = {}
+        # Set when any call to the backend did not return: what can wait is not asked again.
+        self.driver_hung = False
         self.counters_read_at = 0.0
 
     def probe(self, fn: Callable[[], Any], what: str) -> tuple[Any, str | None]:
@@ -155,6 +157,7 @@ class _Run:
         try:
             return call.result(limit), None
         except TimedOut:
+            self.driver_hung = True
             return None, did_not_return(self._in_flight(call) or what, limit)
         except Exception as exc:
             return None, f"{what} failed: {type(exc).__name__}: {exc}"
@@ -288,6 +291,7 @@ class _Run:
             except TimedOut:
                 what = self._in_flight(call) or f"reading device {index} through {backend.name}"
                 self.hung[index] = did_not_return(what, limit)
+                self.driver_hung = True
                 self.add(
                     CheckResult(
                         "device_read",
@@ -371,6 +375,7 @@ class _Run:
                 except TimedOut:
                     why = did_not_return(self._in_flight(call) or f"reading device {r.index}'s counters", limit)
                     self.hung[r.index] = why
+                    self.driver_hung = True
                 except Exception as exc:
                     why = f"reading the counters again failed: {type(exc).__name__}: {exc}"
             window = (t0 if end is None else time.monotonic()) - self.counters_read_at
@@ -620,7 +625,7 @@ def run(options: Options, progress: Callable[[str], None] | None = None) -> Repo
     watching = False
     driver_version = None
     if backend is not None and state.counted:
-        watched, why = state.probe(backend.watch_xid, f"{backend.name}: registering for XID events")
+        watched, watch_why = state.probe(backend.watch_xid, f"{backend.name}: registering for XID events")
         watching = bool(watched)
         state.progress("reading devices")
         state.read_devices()
@@ -631,7 +636,9 @@ def run(options: Options, progress: Callable[[str], None] | None = None) -> Repo
             state.pcie_quick()
         state.counters_at_end()
         indices = [r.index for r in state.readings]
-        if state.hung and watching:
+        if watch_why is not None:
+            state.add(CheckResult("xid_live", Status.UNKNOWN, watch_why))
+        elif state.driver_hung and watching:
             # A driver that hung once is not asked again for what can wait (each call would
             # cost its whole limit): the events are not read, NVML is not shut down.
             state.add(CheckResult("xid_live", Status.UNKNOWN, "not read: an earlier driver call did not return"))
@@ -644,7 +651,7 @@ def run(options: Options, progress: Callable[[str], None] | None = None) -> Repo
             else:
                 state.add(check_live_xids(events, watching, indices))
         driver_version = state.driver_version
-    if backend is not None and not state.hung:
+    if backend is not None and not state.driver_hung:
         # Closing is bounded like every other call.
         _, why = state.probe(backend.close, f"{backend.name}: closing")
         if why is not None:

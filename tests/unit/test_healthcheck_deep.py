@@ -819,3 +819,25 @@ def test_an_smi_tool_run_that_does_not_return_is_named(install, tmp_path):
     (c,) = by_name(report, "recovery_action")
     assert c.status is Status.UNKNOWN, c
     assert f"{tool} --query-gpu=index,reset_status.reset_required" in c.reason and "did not return in 0.5 s" in c.reason
+
+
+def test_a_device_count_that_never_returns_is_unknown_and_the_driver_is_not_asked_again(install, tmp_path):
+    # GIVEN a backend whose device count blocks forever
+    backend = FakeBackend([healthy(0)])
+
+    def count() -> int:
+        backend.in_flight.enter("fakeDeviceGetCount")
+        backend.release.wait()
+        return 1
+
+    backend.device_count = count  # type: ignore[method-assign]
+    install(backend)
+
+    # WHEN the quick level runs
+    report = quick(tmp_path, probe_timeout_s=0.5)
+
+    # THEN the device count is unknown (critical: exit 3), naming the call; NVML is not shut down
+    (devices,) = by_name(report, "devices")
+    assert devices.status is Status.UNKNOWN and devices.critical
+    assert devices.reason == "fake call fakeDeviceGetCount did not return in 0.5 s"
+    assert report.exit_code == 3 and backend.closed is False
