@@ -64,6 +64,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 RANKS_PROGRAM = ROOT / "scripts" / "_fanout_ranks.py"
 TARGET_S = 3.0
+# The watch's look is part of the hang verdict's budget (<= 30 s at 512 ranks); the poll cycle
+# has no target of its own but the poll interval.
+TARGETS_S = {"ps": TARGET_S, "stacks": TARGET_S, "look": 30.0}
+TARGET_WHAT = {"look": " (the whole verdict's budget)"}
 TARGET_RANKS = 512
 PAPER_NODES = 1024
 ASSUMED_RTT_S = 0.0005  # one request/answer between two nodes of one cluster network
@@ -653,11 +657,13 @@ def report(results: dict[tuple[str, int], list[Run]], ranks_per_node: int) -> No
             f"{node_cost * 1000:.0f} ms of CPU on the node (sidecar, its readers and the {ranks_per_node} ranks)"
         )
         biggest = max(n for n, _ in rows)
-        if biggest * ranks_per_node >= TARGET_RANKS:
+        target = TARGETS_S.get(command)
+        if target is not None and biggest * ranks_per_node >= TARGET_RANKS:
             t = statistics.median(r.wall_s for r in results[(command, biggest)])
-            verdict = "meets" if t <= TARGET_S else "MISSES"
+            verdict = "meets" if t <= target else "MISSES"
             print(
-                f"  {biggest * ranks_per_node} ranks: {t:.3f} s; target <= {TARGET_S:g} s for {TARGET_RANKS}: {verdict}"
+                f"  {biggest * ranks_per_node} ranks: {t:.3f} s; target <= {target:g} s for {TARGET_RANKS}"
+                f"{TARGET_WHAT.get(command, '')}: {verdict}"
             )
         print(
             f"  paper estimate, {PAPER_NODES} nodes x {ranks_per_node} ranks: {here:.1f} s if every node shared this "
