@@ -15,7 +15,7 @@ requests are logged to stderr, one line each, without the token, at most
 ``REFUSAL_LOG_BURST`` lines per ``REFUSAL_LOG_WINDOW_S`` seconds. docs/api.md is the reference.
 
     GET  /healthz                                   "ok" (no token: for readiness probes)
-    GET  /                                          the page: jobs and their ranks, actions, artifacts
+    GET  /                                          the page: live ranks, verdicts, jobs, actions, artifacts
     GET  /artifact/<id>                             one artifact, rendered
     GET  /api/v1/info                               {"api": 1, "dynprof_version", "host", "actions"}
     POST /api/v1/actions/<name>                     {"options": {...}, "timeout": s} -> the action's answer
