@@ -32,6 +32,7 @@ RENDERERS: dict[str, str] = {
 # page shows above the text summary.
 HTML_RENDERERS: dict[str, str] = {
     "analysis": "collectors.trace_analysis:render_html",
+    "verdict": "dynprof.watch.html:render_html",
 }
 
 

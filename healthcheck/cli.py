@@ -16,7 +16,8 @@ from healthcheck.baseline import learn, read_results
 from healthcheck.compare import Thresholds
 from healthcheck.report import Report, render_prometheus, render_table, write_atomically
 from healthcheck.result import EXIT_COULD_NOT_RUN
-from healthcheck.runner import ALL_CHECKS, LEVELS, Options, run
+from healthcheck.runner import ALL_CHECKS, LEVELS, SHARED_FS_ENV, Options, run
+from healthcheck.timeouts import PROBE_TIMEOUT_S
 
 DESCRIPTION = """\
 Check this node's accelerators and host before a job runs on it.
@@ -47,6 +48,8 @@ MAX_TIMEOUT_SCALE = 100.0
 MAX_DISK_GIB = 1_000_000.0
 MAX_XID_WINDOW_MIN = 525_600.0  # a year
 MAX_DEVICES = 4096
+MAX_PROBE_TIMEOUT_S = 600.0
+MAX_COUNTER_WINDOW_S = 600.0
 
 
 def _output_file(text: str) -> str:
@@ -151,6 +154,28 @@ def prepare_parser(parser: argparse.ArgumentParser) -> None:
         metavar="X",
         help=f"multiply every check's timeout by X (0 < X <= {MAX_TIMEOUT_SCALE:g})",
     )
+    parser.add_argument(
+        "--shared-fs",
+        action="append",
+        type=path_arg,
+        metavar="PATH",
+        help="probe this shared filesystem (statvfs and a 4 KiB file write/read) under the probe time limit; "
+        f"repeatable (default: ${SHARED_FS_ENV}, ':'-separated)",
+    )
+    parser.add_argument(
+        "--probe-timeout",
+        type=positive_float(MAX_PROBE_TIMEOUT_S),
+        default=PROBE_TIMEOUT_S,
+        metavar="S",
+        help=f"time limit of each passive probe; one that does not return is unknown (default {PROBE_TIMEOUT_S:g})",
+    )
+    parser.add_argument(
+        "--counter-window",
+        type=nonnegative_float(MAX_COUNTER_WINDOW_S),
+        default=0.0,
+        metavar="S",
+        help="read the error counters at least S seconds apart (default 0: at the start and the end of the run)",
+    )
     parser.add_argument("--failures-only", action="store_true", help="table: leave out passed and skipped checks")
     parser.add_argument("--no-save", action="store_true", help="do not save the results as an artifact")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
@@ -184,6 +209,9 @@ def options_from_args(args: argparse.Namespace) -> Options:
         baseline_paths=args.baseline,
         skip=set(args.skip),
         timeout_scale=args.timeout_scale,
+        probe_timeout_s=getattr(args, "probe_timeout", PROBE_TIMEOUT_S),
+        shared_fs=getattr(args, "shared_fs", None),
+        counter_window_s=getattr(args, "counter_window", 0.0),
     )
 
 

@@ -7,9 +7,13 @@ can tell the three cases apart:
   feature (retired pages on a GPU that remaps rows, ECC on a card without it): the check is
   skipped;
 * the field's name is in :attr:`DeviceReadings.errors`: reading it failed (with the error);
-* neither: the backend has no way to read it (an smi tool without that query field).
+* the field's name is in :attr:`DeviceReadings.not_exposed`: the backend has no way to read it
+  at all (an smi tool without such a query field): the deeper checks are skipped with
+  "not exposed by <tool>";
+* none of these: the backend could not say (an smi tool without that query field, for the
+  older checks).
 
-In the last two cases the check is "unknown", never "pass".
+In the error and "could not say" cases the check is "unknown", never "pass".
 """
 
 from __future__ import annotations
@@ -52,6 +56,14 @@ class NvLinkReading:
     recovery_errors: int | None = None
     crc_flit_errors: int | None = None
     crc_data_errors: int | None = None
+
+    def counters(self) -> dict[str, int]:
+        """The error counters that were read, by name."""
+        return {name: value for name in NVLINK_COUNTERS if (value := getattr(self, name)) is not None}
+
+
+# The NVLink error counters, in report order.
+NVLINK_COUNTERS = ("replay_errors", "recovery_errors", "crc_flit_errors", "crc_data_errors")
 
 
 @dataclass
@@ -96,8 +108,17 @@ class DeviceReadings:
     temperature_shutdown_c: int | None = None
     nvlinks: list[NvLinkReading] | None = None
     processes: list[DeviceProcess] | None = None
+    # PCIe replays (link-level retransmissions) since the driver loaded.
+    pcie_replay_count: int | None = None
+    # The driver's GPU recovery action (NVML_GPU_RECOVERY_ACTION_*: 0 none, 1 GPU reset, 2 node
+    # reboot, 3 drain peer-to-peer, 4 drain and reset, 5 recover the IMEX domain, 6 bus reset,
+    # 7 system reboot), and the older reset status fields it replaces.
+    recovery_action: int | None = None
+    reset_required: bool | None = None
+    drain_and_reset_recommended: bool | None = None
     not_supported: set[str] = field(default_factory=set)
     errors: dict[str, str] = field(default_factory=dict)
+    not_exposed: set[str] = field(default_factory=set)
 
     @property
     def memory_gib(self) -> int | None:

@@ -6,6 +6,11 @@ Levels:
 * ``standard``: ``quick`` plus the functional micro-benchmarks, judged against the SKU's
   baseline and the device's peers;
 * ``full``: ``standard`` with longer runs and a larger memory test.
+
+Every probe (a driver call, an smi tool run, a sysfs or kernel-log read, a shared filesystem)
+runs under a time limit (``Options.probe_timeout_s``, 10 s): one that does not return makes
+its check ``unknown`` with the call named, and the run goes on. Error counters are read at the
+start and again at the end of the run, and judged on what moved in between.
 """
 
 from __future__ import annotations
@@ -21,15 +26,18 @@ from dynprof.store import utcnow_iso
 from healthcheck import xid as xidlog
 from healthcheck.backends import Backend, NoAccelerator, open_backend
 from healthcheck.baseline import Baseline, find_baseline, load_baselines
+from healthcheck.checks.counters import counter_checks
 from healthcheck.checks.device import check_clocks, check_pcie_link, passive_device_checks
-from healthcheck.checks.host import host_checks
+from healthcheck.checks.host import host_probes
+from healthcheck.checks.ib_counters import IB_ROOT, IbPortCounters, check_ib_counters, read_ib_counters
+from healthcheck.checks.shared_fs import SharedFsProbe, start_probes
 from healthcheck.checks.xid import check_kernel_log_xids, check_live_xids
 from healthcheck.compare import DeviceMeasurement, Thresholds, judge, needs_retry
 from healthcheck.pci import normalize_bus_id
 from healthcheck.readings import DeviceReadings
 from healthcheck.report import DeviceSummary, Report
 from healthcheck.result import CheckResult, Status
-from healthcheck.timeouts import Call, TimedOut, call_with_timeout
+from healthcheck.timeouts import PROBE_TIMEOUT_S, Call, TimedOut, call_with_timeout, did_not_return
 
 LEVELS = ("quick", "standard", "full")
 EXPECT_ENV = ("DYNPROF_EXPECT_DEVICES", "SLURM_GPUS_ON_NODE")
@@ -48,6 +56,9 @@ PASSIVE_CHECKS = (
     "clock_events",
     "temperature",
     "nvlink",
+    "nvlink_errors",
+    "recovery_action",
+    "pcie_replay",
     "device_processes",
     "xid_kernel_log",
     "xid_live",
@@ -61,7 +72,8 @@ FUNCTIONAL_CHECKS = (
     "memory_pattern",
     "allreduce",
 )
-HOST_CHECKS = ("disk_free", "shm_size", "host_memory", "host_processes", "ib_ports")
+HOST_CHECKS = ("disk_free", "shm_size", "host_memory", "host_processes", "ib_ports", "ib_counters", "shared_fs")
+SHARED_FS_ENV = "DYNPROF_HEALTHCHECK_SHARED_FS"
 ALL_CHECKS = PASSIVE_CHECKS + FUNCTIONAL_CHECKS + HOST_CHECKS
 
 
@@ -77,13 +89,27 @@ class Options:
     thresholds: Thresholds = field(default_factory=Thresholds)
     baseline_paths: list[str] = field(default_factory=list)
     skip: set[str] = field(default_factory=set)
-    read_timeout_s: float = 15.0
     timeout_scale: float = 1.0
+    # The time limit of every passive probe (a driver call, a tool run, a filesystem probe).
+    probe_timeout_s: float = PROBE_TIMEOUT_S
+    # Shared filesystems to probe (--shared-fs; default: $DYNPROF_HEALTHCHECK_SHARED_FS, ':'-separated).
+    shared_fs: list[str] | None = None
+    ib_root: str = IB_ROOT
+    # The least time between the two readings of the error counters (0: the start and the end
+    # of the run, whatever it took).
+    counter_window_s: float = 0.0
+
+    def shared_fs_paths(self) -> list[str]:
+        if self.shared_fs is not None:
+            return list(self.shared_fs)
+        return [p for p in os.environ.get(SHARED_FS_ENV, "").split(os.pathsep) if p.strip()]
 
     def to_json(self) -> dict[str, Any]:
         data = dict(self.__dict__)
         data["thresholds"] = self.thresholds.__dict__
         data["skip"] = sorted(self.skip)
+        data["shared_fs"] = self.shared_fs_paths()
+        data["read_timeout_s"] = self.probe_timeout_s  # the name before every probe had a limit
         return data
 
 
@@ -114,6 +140,31 @@ class _Run:
         self.timings: dict[str, float] = {}
         self.backend: Backend | None = None
         self.readings: list[DeviceReadings] = []
+        self.count = 0
+        self.counted = False
+        self.driver_version: str | None = None
+        # Devices whose read did not return, with the reason (no further call is made to them).
+        self.hung: dict[int, str] = {}
+        # Set when any call to the backend did not return: what can wait is not asked again.
+        self.driver_hung = False
+        self.counters_read_at = 0.0
+
+    def probe(self, fn: Callable[[], Any], what: str) -> tuple[Any, str | None]:
+        """``(fn(), None)``, or ``(None, why)`` if it raised or did not return within the limit;
+        a backend that knows which call its thread is in names it."""
+        call: Call[Any] = Call(fn, name="healthcheck-probe")
+        limit = self.o.probe_timeout_s
+        try:
+            return call.result(limit), None
+        except TimedOut:
+            self.driver_hung = True
+            return None, did_not_return(self._in_flight(call) or what, limit)
+        except Exception as exc:
+            return None, f"{what} failed: {type(exc).__name__}: {exc}"
+
+    def _in_flight(self, call: Call[Any]) -> str | None:
+        named = getattr(self.backend, "call_in_flight", None)
+        return named(call.thread_id) if callable(named) else None
 
     def add(self, results: list[CheckResult] | CheckResult) -> None:
         self.results.extend(results if isinstance(results, list) else [results])
@@ -127,7 +178,7 @@ class _Run:
         t0 = time.monotonic()
         try:
             self.backend = call_with_timeout(
-                lambda: open_backend(self.o.backend, self.o.smi_tool), self.o.read_timeout_s
+                lambda: open_backend(self.o.backend, self.o.smi_tool), self.o.probe_timeout_s
             )
         except (NoAccelerator, TimedOut) as exc:
             message = exc.message if isinstance(exc, NoAccelerator) else f"opening the backend {exc}"
@@ -152,8 +203,13 @@ class _Run:
             return
         finally:
             self.timed("open_backend", t0)
-        count = self.backend.device_count()
         name = self.backend.name
+        got, why = self.probe(self.backend.device_count, f"{name}: counting the devices")
+        if why is not None:
+            self.add(CheckResult("devices", Status.UNKNOWN, why, value=0, critical=True))
+            return
+        count = self.count = int(got)
+        self.counted = True
         if expected is None:
             if count:
                 self.add(
@@ -212,8 +268,11 @@ class _Run:
                     critical=True,
                 )
             )
-        driver = self.backend.driver_version()
-        if driver:
+        driver, why = self.probe(self.backend.driver_version, f"{name}: reading the driver version")
+        if why is not None:
+            self.add(CheckResult("driver", Status.UNKNOWN, why))
+        elif driver:
+            self.driver_version = str(driver)
             self.add(CheckResult("driver", Status.PASS, f"driver {driver} reachable through {name}", value=driver))
         else:
             self.add(CheckResult("driver", Status.UNKNOWN, f"driver version not readable through {name}"))
@@ -222,17 +281,22 @@ class _Run:
         assert self.backend is not None
         backend = self.backend
         t0 = time.monotonic()
-        calls = [(i, Call(functools.partial(backend.read, i))) for i in range(backend.device_count())]
-        deadline = time.monotonic() + self.o.read_timeout_s
+        self.counters_read_at = time.monotonic()
+        calls = [(i, Call(functools.partial(backend.read, i))) for i in range(self.count)]
+        limit = self.o.probe_timeout_s
+        deadline = time.monotonic() + limit
         for index, call in calls:
             try:
                 self.readings.append(call.result(max(0.0, deadline - time.monotonic())))
             except TimedOut:
+                what = self._in_flight(call) or f"reading device {index} through {backend.name}"
+                self.hung[index] = did_not_return(what, limit)
+                self.driver_hung = True
                 self.add(
                     CheckResult(
                         "device_read",
                         Status.UNKNOWN,
-                        f"reading the device timed out after {self.o.read_timeout_s:g} s (driver hung?)",
+                        f"{self.hung[index]} (driver hung?)",
                         device=index,
                         critical=True,
                     )
@@ -266,7 +330,7 @@ class _Run:
         }
         try:
             records, source = call_with_timeout(
-                lambda: xidlog.read_kernel_log_xids(self.o.xid_window_s), self.o.read_timeout_s
+                lambda: xidlog.read_kernel_log_xids(self.o.xid_window_s), self.o.probe_timeout_s
             )
         except xidlog.KernelLogUnreadable as exc:
             self.add(
@@ -281,6 +345,42 @@ class _Run:
         else:
             self.add(check_kernel_log_xids(records, devices, self.o.xid_window_s, source))
         self.timed("kernel_log", t0)
+
+    def counters_at_end(self) -> None:
+        """Read the error counters again and judge what moved since the devices were read."""
+        assert self.backend is not None
+        backend = self.backend
+        source = backend.name
+        wanted = [r for r in self.readings if r.index not in self.hung]
+        if not wanted or {"recovery_action", "pcie_replay", "nvlink_errors"} <= self.o.skip:
+            return
+        wait = self.counters_read_at + self.o.counter_window_s - time.monotonic()
+        if wait > 0:
+            self.progress(f"waiting {wait:.1f} s for the error counters' window")
+            time.sleep(wait)
+        t0 = time.monotonic()
+        reader = getattr(backend, "read_counters", None)
+        calls = {r.index: Call(functools.partial(reader, r.index)) for r in wanted} if callable(reader) else {}
+        limit = self.o.probe_timeout_s
+        deadline = time.monotonic() + limit
+        for r in wanted:
+            end: DeviceReadings | None = None
+            why: str | None = None
+            call = calls.get(r.index)
+            if call is None:
+                why = f"{source} cannot read the counters again"
+            else:
+                try:
+                    end = call.result(max(0.0, deadline - time.monotonic()))
+                except TimedOut:
+                    why = did_not_return(self._in_flight(call) or f"reading device {r.index}'s counters", limit)
+                    self.hung[r.index] = why
+                    self.driver_hung = True
+                except Exception as exc:
+                    why = f"reading the counters again failed: {type(exc).__name__}: {exc}"
+            window = (t0 if end is None else time.monotonic()) - self.counters_read_at
+            self.add(counter_checks(r, source, end, window, why))
+        self.timed("counters_at_end", t0)
 
     def pcie_quick(self) -> None:
         """PCIe at the quick level: links below their maximum while idle are re-read under load."""
@@ -475,21 +575,58 @@ class _Run:
         return out
 
 
+def _ib_counters(
+    start_call: Call[dict[str, IbPortCounters]] | None, started: float, root: str, limit: float
+) -> list[CheckResult]:
+    if start_call is None:
+        return [CheckResult("ib_counters", Status.SKIPPED, "skipped (--skip)")]
+    try:
+        start = start_call.result(max(0.0, started + limit - time.monotonic()))
+    except TimedOut:
+        return check_ib_counters(None, None, 0.0, did_not_return(f"reading {root}/*/ports/*/counters", limit))
+    except Exception as exc:
+        return check_ib_counters(None, None, 0.0, f"{type(exc).__name__}: {exc}")
+    if not start:
+        return check_ib_counters(start, None, 0.0)
+    try:
+        end = call_with_timeout(lambda: read_ib_counters(root), limit)
+    except TimedOut:
+        return check_ib_counters(start, None, 0.0, did_not_return(f"reading {root}/*/ports/*/counters", limit))
+    except Exception as exc:
+        return check_ib_counters(start, None, 0.0, f"{type(exc).__name__}: {exc}")
+    return check_ib_counters(start, end, time.monotonic() - started)
+
+
+def _shared_fs(probes: list[SharedFsProbe]) -> list[CheckResult]:
+    return [probe.result() for probe in probes]
+
+
 def run(options: Options, progress: Callable[[str], None] | None = None) -> Report:
     if options.level not in LEVELS:
         raise ValueError(f"level must be one of {LEVELS}")
     started_at = utcnow_iso()
     t_start = time.monotonic()
     state = _Run(options, progress)
-    host_call = Call(lambda: host_checks(options.disk_paths, options.min_disk_gib), name="healthcheck-host")
+    host_calls = [
+        (name, what, Call(probe, name="healthcheck-host"), time.monotonic())
+        for name, what, probe in host_probes(options.disk_paths, options.min_disk_gib, options.ib_root)
+    ]
+    shared_fs = (
+        start_probes(options.shared_fs_paths(), options.probe_timeout_s) if "shared_fs" not in options.skip else []
+    )
+    ib_at = time.monotonic()
+    ib_start: Call[dict[str, IbPortCounters]] | None = None
+    if "ib_counters" not in options.skip:
+        ib_start = Call(lambda: read_ib_counters(options.ib_root), name="healthcheck-ib")
     baselines = load_baselines(options.baseline_paths) if options.level != "quick" else []
     state.progress("opening the accelerator backend")
     state.open_backend()
     backend = state.backend
     watching = False
     driver_version = None
-    if backend is not None:
-        watching = backend.watch_xid()
+    if backend is not None and state.counted:
+        watched, watch_why = state.probe(backend.watch_xid, f"{backend.name}: registering for XID events")
+        watching = bool(watched)
         state.progress("reading devices")
         state.read_devices()
         state.passive()
@@ -497,14 +634,38 @@ def run(options: Options, progress: Callable[[str], None] | None = None) -> Repo
         pcie_judged = options.level != "quick" and state.functional(baselines)
         if not pcie_judged and not state._skipped("pcie_link"):
             state.pcie_quick()
+        state.counters_at_end()
         indices = [r.index for r in state.readings]
-        state.add(check_live_xids(backend.xid_events(), watching, indices))
-        driver_version = backend.driver_version()
-        backend.close()
-    try:
-        state.add(host_call.result(timeout=30))
-    except TimedOut as exc:
-        state.add(CheckResult("host", Status.UNKNOWN, f"host checks {exc}"))
+        if watch_why is not None:
+            state.add(CheckResult("xid_live", Status.UNKNOWN, watch_why))
+        elif state.driver_hung and watching:
+            # A driver that hung once is not asked again for what can wait (each call would
+            # cost its whole limit): the events are not read, NVML is not shut down.
+            state.add(CheckResult("xid_live", Status.UNKNOWN, "not read: an earlier driver call did not return"))
+        else:
+            events, why = (
+                state.probe(backend.xid_events, f"{backend.name}: reading XID events") if watching else ([], None)
+            )
+            if why is not None:
+                state.add(CheckResult("xid_live", Status.UNKNOWN, why))
+            else:
+                state.add(check_live_xids(events, watching, indices))
+        driver_version = state.driver_version
+    if backend is not None and not state.driver_hung:
+        # Closing is bounded like every other call.
+        _, why = state.probe(backend.close, f"{backend.name}: closing")
+        if why is not None:
+            state.timings["close_did_not_return"] = options.probe_timeout_s
+    for name, what, call, started in host_calls:
+        limit = options.probe_timeout_s
+        try:
+            state.add(call.result(max(0.0, started + limit - time.monotonic())))
+        except TimedOut:
+            state.add(CheckResult(name, Status.UNKNOWN, did_not_return(what, limit)))
+        except Exception as exc:
+            state.add(CheckResult(name, Status.UNKNOWN, f"{what} failed: {type(exc).__name__}: {exc}"))
+    state.add(_ib_counters(ib_start, ib_at, options.ib_root, options.probe_timeout_s))
+    state.add(_shared_fs(shared_fs))
     results = [
         CheckResult(r.name, Status.SKIPPED, "skipped (--skip)", device=r.device) if r.name in options.skip else r
         for r in state.results

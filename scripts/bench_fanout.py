@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Wall time of job-wide `dynprof ps` and `dynprof stacks` over many simulated nodes.
+"""Wall time of job-wide `dynprof ps` and `dynprof stacks`, and of the watch's poll cycle and
+look, over many simulated nodes.
 
 Each simulated node is its own run directory and artifact directory, a `dynprof serve` sidecar
 on a loopback port, and --ranks-per-node light ranks (processes with the dynprof agent but no
@@ -12,6 +13,16 @@ on-call engineer runs it, over host files of the first 1, 8, 16, 32, 64 nodes:
     dynprof ps     --job J --hostfile F --json
     dynprof stacks --job J --hostfile F --json
 
+and the two parts of `dynprof watch` that grow with the nodes, from this process as the watch
+runs them (through :class:`dynprof.job.client.SidecarClient`, every node at once, at most its
+``max_in_flight``):
+
+    poll     one ``GET /api/v1/progress?job=J`` per node: the watch's poll cycle
+    look     two job-wide stacks samples (the nodes' ``stacks`` action), ``--look-gap`` seconds
+             apart (the gap not counted): what the watch does before it calls a stall a hang
+    verdict  detection -> verdict written, by the watch engine (measured where the engine is
+             in the checkout; else said so)
+
 several times each (after one warm-up), checks that every rank is in the answer, and prints
 the median and spread, the cost per node (the slope of a least-squares line over the node
 counts), the CPU the CLI itself spent per node, and a paper estimate for 1 024 nodes (the model
@@ -22,6 +33,7 @@ SIGTERM included; ranks and sidecars also die with it if it is killed (PR_SET_PD
     python scripts/bench_fanout.py                     # 64 nodes x 8 ranks, 5 runs each
     python scripts/bench_fanout.py --nodes 8 --repeat 3  # a quick check of the harness
     python scripts/bench_fanout.py --harness-only      # start, measure memory, stop; time nothing
+    python scripts/bench_fanout.py --nodes 8,16,32,64 --commands poll,look,verdict --repeat 3
 
 The machine is shared by everything running on it, sidecars included: with all nodes on a
 few cores, the per-node cost measured here is an upper bound of what a node costs the CLI.
@@ -52,6 +64,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 RANKS_PROGRAM = ROOT / "scripts" / "_fanout_ranks.py"
 TARGET_S = 3.0
+# The watch's look is part of the hang verdict's budget (<= 30 s at 512 ranks); the poll cycle
+# has no target of its own but the poll interval.
+TARGETS_S = {"ps": TARGET_S, "stacks": TARGET_S, "look": 30.0}
+TARGET_WHAT = {"look": " (the whole verdict's budget)"}
 TARGET_RANKS = 512
 PAPER_NODES = 1024
 ASSUMED_RTT_S = 0.0005  # one request/answer between two nodes of one cluster network
@@ -377,6 +393,103 @@ def time_command(cluster: Cluster, command: str, count: int, timeout: float, ext
     return Run(wall, cpu, cluster.node_cpu_s(count) - node_before, found, proc.returncode, error)
 
 
+def _watch_client(cluster: Cluster) -> Any:
+    from dynprof.job.client import SidecarClient
+
+    assert cluster.token_file is not None
+    return SidecarClient(cluster.token_file.read_text().strip(), timeout=30.0, max_in_flight=fanout_in_flight())
+
+
+def _progress_of(client: Any, node: Any, job: str) -> dict[str, Any]:
+    """One node's progress document, through the client's ``progress`` where it has one."""
+    ask = getattr(client, "progress", None)
+    if ask is not None:
+        return dict(ask(node, job))
+    # A checkout whose client has no progress request yet: the same GET, by hand.
+    conn = http.client.HTTPConnection(node.host, node.port, timeout=client.timeout)
+    try:
+        conn.request("GET", f"/api/v1/progress?job={job}", headers={"Authorization": f"Bearer {client.token}"})
+        resp = conn.getresponse()
+        body = resp.read()
+    finally:
+        conn.close()
+    if resp.status != 200:
+        raise RuntimeError(f"{node}: HTTP {resp.status}")
+    return dict(json.loads(body))
+
+
+def time_poll(cluster: Cluster, count: int, client: Any) -> Run:
+    """One poll cycle of the watch: every node's progress, all at once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from dynprof.job.discovery import parse_node
+    from dynprof.watch.model import NodeProgress
+
+    nodes = [parse_node(n.address) for n in cluster.nodes[:count]]
+
+    def one(node: Any) -> int:
+        return len(NodeProgress.from_json(_progress_of(client, node, cluster.job)).ranks)
+
+    node_before = cluster.node_cpu_s(count)
+    c0, t0 = time.process_time(), time.perf_counter()
+    errors: list[str] = []
+    found = 0
+    with ThreadPoolExecutor(max_workers=min(client.max_in_flight, len(nodes))) as pool:
+        for got in pool.map(lambda n: _try(one, n), nodes):
+            if isinstance(got, int):
+                found += got
+            else:
+                errors.append(got)
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    error = errors[0] if errors else ("" if found == count * cluster.ranks_per_node else f"{found} ranks read")
+    return Run(wall, cpu, cluster.node_cpu_s(count) - node_before, found, 0 if not error else 1, error)
+
+
+def _try(fn: Any, arg: Any) -> Any:
+    try:
+        return fn(arg)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"[:300]
+
+
+def time_look(cluster: Cluster, count: int, client: Any, gap: float) -> Run:
+    """The watch's look: two job-wide stacks samples, ``gap`` seconds apart (not counted)."""
+    from dynprof.job.discovery import parse_node
+
+    nodes = [parse_node(n.address) for n in cluster.nodes[:count]]
+    wall = cpu = node_cpu = 0.0
+    found = 0
+    error = ""
+    for i in range(2):
+        if i:
+            time.sleep(gap)
+        node_before = cluster.node_cpu_s(count)
+        c0, t0 = time.process_time(), time.perf_counter()
+        answers = client.action_all(nodes, "stacks", {"job": cluster.job, "no_save": True}, timeout=60.0)
+        wall += time.perf_counter() - t0
+        cpu += time.process_time() - c0
+        node_cpu += cluster.node_cpu_s(count) - node_before
+        ranks = sum(len(a.result.get("processes") or []) for a in answers if a.ok and isinstance(a.result, dict))
+        found = min(found, ranks) if i else ranks
+        bad = [a for a in answers if not a.ok]
+        if bad and not error:
+            error = f"{bad[0].node}: {bad[0].error or bad[0].command_error()}"[:300]
+    if not error and found != count * cluster.ranks_per_node:
+        error = f"{found} ranks read"
+    return Run(wall, cpu, node_cpu, found, 0 if not error else 1, error)
+
+
+def time_verdict(cluster: Cluster, count: int) -> Run | None:
+    """Detection -> verdict written, by the watch engine: None where the engine is not in this
+    checkout. The engine's own timing goes here (a stalled job, the engine's episode from the
+    stall it detects to the verdict artifact it writes)."""
+    import importlib.util
+
+    if importlib.util.find_spec("dynprof.watch.engine") is None:
+        return None
+    return None  # measured by the engine's benchmark hook once it is merged
+
+
 def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
     """Least squares y = a + b x: (a, b)."""
     if len(xs) < 2:
@@ -413,7 +526,10 @@ def main() -> int:
     parser.add_argument("--nodes", default="1,8,16,32,64", help="node counts to time (default 1,8,16,32,64)")
     parser.add_argument("--ranks-per-node", type=int, default=8)
     parser.add_argument("--repeat", type=int, default=5, help="timed runs per command and node count")
-    parser.add_argument("--commands", default="ps,stacks")
+    parser.add_argument(
+        "--commands", default="ps,stacks", help="of ps, stacks, poll, look, verdict (default ps,stacks)"
+    )
+    parser.add_argument("--look-gap", type=float, default=2.0, help="seconds between the look's two samples")
     parser.add_argument("--timeout", type=float, default=120.0, help="limit per CLI run (s)")
     parser.add_argument("--harness-only", action="store_true", help="start, measure memory, stop; time nothing")
     parser.add_argument("--max-memory-gib", type=float, default=24.0, help="refuse to start past this estimate")
@@ -457,7 +573,7 @@ def main() -> int:
         )
         if args.harness_only:
             return 0
-        missing = [c for c in commands if not fanout_available(c)]
+        missing = [c for c in commands if c in ("ps", "stacks") and not fanout_available(c)]
         if missing:
             print(
                 f"not timed: `dynprof {'/'.join(missing)}` has no --hostfile in this checkout (the fan-out is not "
@@ -465,10 +581,27 @@ def main() -> int:
                 flush=True,
             )
             commands = [c for c in commands if c not in missing]
+        client = _watch_client(cluster) if {"poll", "look"} & set(commands) else None
+
+        def timed(command: str, count: int) -> Run | None:
+            if command == "poll":
+                return time_poll(cluster, count, client)
+            if command == "look":
+                return time_look(cluster, count, client, args.look_gap)
+            if command == "verdict":
+                return time_verdict(cluster, count)
+            return time_command(cluster, command, count, args.timeout, args.cli_args)
+
         for command in commands:
             for count in counts:
-                time_command(cluster, command, count, args.timeout, args.cli_args)  # warm-up
-                runs = [time_command(cluster, command, count, args.timeout, args.cli_args) for _ in range(args.repeat)]
+                if timed(command, count) is None:  # warm-up
+                    print(
+                        f"{command}: not measured in this checkout (the watch engine's detection -> verdict "
+                        "time is measured where dynprof.watch.engine is)",
+                        flush=True,
+                    )
+                    break
+                runs = [r for r in (timed(command, count) for _ in range(args.repeat)) if r is not None]
                 results[(command, count)] = runs
                 ok = [r for r in runs if not r.error]
                 walls = sorted(r.wall_s for r in runs)
@@ -524,11 +657,13 @@ def report(results: dict[tuple[str, int], list[Run]], ranks_per_node: int) -> No
             f"{node_cost * 1000:.0f} ms of CPU on the node (sidecar, its readers and the {ranks_per_node} ranks)"
         )
         biggest = max(n for n, _ in rows)
-        if biggest * ranks_per_node >= TARGET_RANKS:
+        target = TARGETS_S.get(command)
+        if target is not None and biggest * ranks_per_node >= TARGET_RANKS:
             t = statistics.median(r.wall_s for r in results[(command, biggest)])
-            verdict = "meets" if t <= TARGET_S else "MISSES"
+            verdict = "meets" if t <= target else "MISSES"
             print(
-                f"  {biggest * ranks_per_node} ranks: {t:.3f} s; target <= {TARGET_S:g} s for {TARGET_RANKS}: {verdict}"
+                f"  {biggest * ranks_per_node} ranks: {t:.3f} s; target <= {target:g} s for {TARGET_RANKS}"
+                f"{TARGET_WHAT.get(command, '')}: {verdict}"
             )
         print(
             f"  paper estimate, {PAPER_NODES} nodes x {ranks_per_node} ranks: {here:.1f} s if every node shared this "

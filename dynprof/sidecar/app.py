@@ -15,7 +15,7 @@ requests are logged to stderr, one line each, without the token, at most
 ``REFUSAL_LOG_BURST`` lines per ``REFUSAL_LOG_WINDOW_S`` seconds. docs/api.md is the reference.
 
     GET  /healthz                                   "ok" (no token: for readiness probes)
-    GET  /                                          the page: jobs and their ranks, actions, artifacts
+    GET  /                                          the page: live ranks, verdicts, jobs, actions, artifacts
     GET  /artifact/<id>                             one artifact, rendered
     GET  /api/v1/info                               {"api": 1, "dynprof_version", "host", "actions"}
     POST /api/v1/actions/<name>                     {"options": {...}, "timeout": s} -> the action's answer
@@ -66,7 +66,7 @@ from dynprof.sidecar.actions import (
     FanoutConfig,
 )
 from dynprof.sidecar.metrics import CONTENT_TYPE, CaptureCounts, SidecarCollector, exposition, registry_of
-from dynprof.sidecar.page import PAGE_JS, PAGE_STYLE
+from dynprof.sidecar.page import PAGE_JS, PAGE_STYLE, VerdictItem, live_html, verdict_item, verdicts_html
 from dynprof.sidecar.progress import ProgressBook
 from dynprof.store import Artifact, ArtifactStore
 
@@ -74,6 +74,7 @@ if TYPE_CHECKING:
     from dynprof.registry import AgentRecord
     from dynprof.watch.model import WatchGauges
 from dynprof.units import human_age, human_bytes
+from dynprof.watch.model import VERDICT_KIND, NodeProgress
 from dynprof.watch.progress import read_progress
 
 COOKIE = "dynprof_token"
@@ -362,6 +363,15 @@ def create_app(
     refusals = refusals or RefusalLog()
     book = progress or ProgressBook(detect().host, every_s=0.0)
     metrics_registry = registry_of(SidecarCollector(book, CaptureCounts(store), watch_gauges))
+    if progress is not None and progress.every_s > 0:  # the page's live state from the poller's book too
+
+        def page_progress() -> NodeProgress:
+            view = book.view()
+            if book.fresh(view):
+                return book.progress(None, view)
+            return read_progress(list_records(), detect().host, None, timeout=0.5)
+
+        app.config.setdefault("DYNPROF_PAGE_PROGRESS", page_progress)
     csrf = secrets.token_urlsafe(32)  # per server; the page carries it, a cross-site page cannot read it
     app.config["DYNPROF_CSRF"] = csrf
     werkzeug_log = logging.getLogger("werkzeug")
@@ -590,6 +600,8 @@ def create_app(
         jobs: dict[str, list[dict[str, Any]]] = {}
         for a in agents:
             jobs.setdefault(str(a["job"]) if a["job"] else "", []).append(a)
+        live = live_html(_page_progress(app.config.get("DYNPROF_PAGE_PROGRESS")))
+        verdicts = verdicts_html(_page_verdicts(arts))
         sections = "".join(_job_section(job, rows, read_only, fanout is not None) for job, rows in sorted(jobs.items()))
         if not sections:
             sections = "<p>no agents on this node</p>"
@@ -607,6 +619,7 @@ def create_app(
             f"<meta name=dynprof-store content='{html.escape(str(store.root))}'>"
             f"<style>{_STYLE}</style></head>"
             f"<body><h1>dynprof <small>{html.escape(detect().host)}</small>{mode}</h1>"
+            f"<h2>Live</h2>{live}<h2>Verdicts</h2>{verdicts}"
             f"<h2>Jobs</h2><div id=jobs>{sections}</div>"
             f"<h2>Artifacts</h2><p>store: <code>{html.escape(str(store.root))}</code></p>{refused}"
             f"<table><thead><tr><th>ID</th><th>KIND</th><th>STATUS</th><th>CREATED</th><th>SIZE</th></tr></thead>"
@@ -638,6 +651,37 @@ def create_app(
         )
 
     return app
+
+
+def _page_progress(source: Callable[[], NodeProgress] | None) -> NodeProgress:
+    """The live state the page shows: from ``source`` (``app.config["DYNPROF_PAGE_PROGRESS"]``:
+    the sidecar's cached book of its last poll, where it keeps one), else one read now. A
+    source that fails shows no ranks rather than no page."""
+    try:
+        if source is not None:
+            return source()
+        return read_progress(list_records(), detect().host, None, timeout=0.5)
+    except Exception:
+        logging.getLogger("dynprof.sidecar").debug("the page's progress read failed", exc_info=True)
+        return NodeProgress(host=detect().host, time=time.time(), poll_every_s=0.0)
+
+
+def _page_verdicts(arts: list[Artifact]) -> list[VerdictItem]:
+    """The newest verdict artifacts of the listing, each with its conclusion (the manifest's
+    summary; else the verdict's own file)."""
+    items = []
+    for a in [a for a in arts if a.kind == VERDICT_KIND][:10]:
+        conclusion = None
+        summary = a.manifest.get("summary")
+        if not (isinstance(summary, dict) and isinstance(summary.get("conclusion"), str)):
+            try:
+                from dynprof.watch.html import load_verdict
+
+                conclusion = load_verdict(a).conclusion
+            except Exception:
+                conclusion = "(the verdict cannot be read)"
+        items.append(verdict_item(a.id, a.manifest, a.created_at, conclusion))
+    return items
 
 
 def _artifact_row(a: Artifact) -> str:

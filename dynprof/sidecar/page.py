@@ -10,6 +10,24 @@ that came from a job (frames, messages, names) is set as text, never as HTML.
 
 from __future__ import annotations
 
+import html
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import quote
+
+from dynprof.units import human_age
+from dynprof.watch.model import NodeProgress, RankProgress
+
+STALL_MIN_S = 60.0
+STALL_STEPS = 20.0
+"""A rank is *stalled* on the page when its last step is older than the larger of
+``STALL_MIN_S`` and ``STALL_STEPS`` times the median step time of its job's ranks here (the
+watch's default ``--stall-after``)."""
+MAX_VERDICTS_SHOWN = 10
+MAX_LIVE_ROWS = 4096
+
 PAGE_STYLE = """
 body{font:14px/1.4 system-ui,sans-serif;margin:1.5em;color:#222}
 table{border-collapse:collapse;margin-bottom:1em}td,th{padding:3px 10px;border-bottom:1px solid #ddd;text-align:left}
@@ -18,7 +36,101 @@ th{background:#f3f3f3}pre{background:#f7f7f7;padding:1em;overflow:auto}.complete
 section.job{border:1px solid #ddd;padding:.5em 1em;margin-bottom:1.5em}.acts{margin:.5em 0}
 .acts input{width:5em}.result .head{font-weight:600}.result .ok{color:#176f2c}.group{margin:.5em 0}
 .group .who{font-weight:600}.group.outlier .who{color:#b3261e}.busy{color:#666}
+.stepping{color:#176f2c}.stalled{color:#b3261e;font-weight:600}.agent-down{color:#b3261e}.starting{color:#666}
+.verdicts li{margin:.4em 0}.verdicts .conclusion,.verdict .conclusion{font-weight:600}
 """
+
+
+@dataclass(frozen=True)
+class VerdictItem:
+    """One verdict artifact as the page lists it: its id, kind, job, creation time, conclusion."""
+
+    artifact_id: str
+    kind: str
+    job: str
+    created_at: str
+    conclusion: str
+
+
+def stall_after_s(ranks: Sequence[RankProgress]) -> float:
+    """The age past which a rank of these (one job's ranks) is stalled."""
+    times = [r.step_time_s for r in ranks if r.step_time_s > 0]
+    return max(STALL_MIN_S, STALL_STEPS * statistics.median(times)) if times else STALL_MIN_S
+
+
+def live_state(rank: RankProgress, stall_after: float) -> str:
+    """``stepping``, ``stalled``, ``agent down`` or ``starting`` (no step yet)."""
+    if rank.agent != "up" or rank.process_state in ("zombie", "dead", "gone"):
+        return "agent down"
+    if rank.last_step_age_s is None:
+        return "starting"
+    return "stalled" if rank.last_step_age_s > stall_after else "stepping"
+
+
+def live_html(progress: NodeProgress) -> str:
+    """The node's ranks, job by job: rank, pid, step, last step's age, step time, state."""
+    jobs: dict[str, list[RankProgress]] = {}
+    for r in progress.ranks[:MAX_LIVE_ROWS]:
+        jobs.setdefault(r.job, []).append(r)
+    if not jobs:
+        return "<p id=live>no ranks on this node</p>"
+    out = [
+        "<table id=live><tr><th>JOB</th><th>RANK</th><th>PID</th><th>STEP</th><th>LAST STEP</th>"
+        "<th>STEP TIME</th><th>AGENT</th><th>PROCESS</th><th>STATE</th></tr>"
+    ]
+    for job, ranks in sorted(jobs.items()):
+        limit = stall_after_s(ranks)
+        for r in ranks:
+            state = live_state(r, limit)
+            age = f"{human_age(r.last_step_age_s)} ago" if r.last_step_age_s is not None else "-"
+            step_time = f"{r.step_time_s * 1000:.1f} ms" if r.step_time_s > 0 else "-"
+            out.append(
+                f"<tr data-live-pid='{int(r.pid)}' data-stall-after='{limit:.3f}'>"
+                f"<td>{html.escape(job or '-')}</td><td>{r.rank if r.rank is not None else '-'}</td>"
+                f"<td>{int(r.pid)}</td><td class=live-step>{int(r.step)}</td><td class=live-age>{age}</td>"
+                f"<td class=live-time>{step_time}</td><td class=live-agent>{html.escape(r.agent)}</td>"
+                f"<td>{html.escape(r.process_state)}</td>"
+                f"<td class='live-state {state.replace(' ', '-')}'>{state}</td></tr>"
+            )
+    out.append("</table>")
+    return "".join(out)
+
+
+def verdicts_html(items: Sequence[VerdictItem]) -> str:
+    """The latest verdicts, newest first, each its conclusion first, linked to its artifact."""
+    if not items:
+        return "<p id=verdicts>no verdicts in this node's store</p>"
+    rows = []
+    for v in items[:MAX_VERDICTS_SHOWN]:
+        href = "/artifact/" + "/".join(_quote(part) for part in v.artifact_id.split("/"))
+        rows.append(
+            f"<li class='verdict-item {html.escape(v.kind)}'><div class=conclusion>{html.escape(v.conclusion)}</div>"
+            f"<div>{html.escape(v.kind)} &middot; job {html.escape(v.job or '-')} &middot; "
+            f"{html.escape(v.created_at)} &middot; <a href='{html.escape(href)}'>{html.escape(v.artifact_id)}</a>"
+            "</div></li>"
+        )
+    return f"<ul id=verdicts class=verdicts>{''.join(rows)}</ul>"
+
+
+def _quote(part: str) -> str:
+    return quote(part, safe="")
+
+
+def verdict_item(artifact_id: str, manifest: dict[str, Any], created_at: str, conclusion: str | None) -> VerdictItem:
+    """A verdict artifact's list item: its conclusion from its manifest's summary (or given)."""
+    found = manifest.get("summary")
+    summary: dict[str, Any] = found if isinstance(found, dict) else {}
+    given_kind = summary.get("kind")
+    kind = given_kind if isinstance(given_kind, str) else "verdict"
+    text = conclusion if conclusion is not None else summary.get("conclusion")
+    return VerdictItem(
+        artifact_id=artifact_id,
+        kind=kind[:40],
+        job=str(manifest.get("job") or "")[:200],
+        created_at=created_at,
+        conclusion=(text if isinstance(text, str) and text else "(no conclusion)")[:4000],
+    )
+
 
 PAGE_JS = r"""
 (function () {
@@ -186,6 +298,38 @@ PAGE_JS = r"""
     });
   }
 
+  function ageText(seconds) {
+    var w = Math.max(0, Math.floor(Number(seconds)));
+    function two(n) { return (n < 10 ? "0" : "") + n; }
+    if (!isFinite(w)) { return "?"; }
+    if (w < 60) { return w + "s"; }
+    if (w < 3600) { return Math.floor(w / 60) + "m" + two(w % 60) + "s"; }
+    if (w < 86400) { return Math.floor(w / 3600) + "h" + two(Math.floor(w % 3600 / 60)) + "m"; }
+    return Math.floor(w / 86400) + "d" + two(Math.floor(w % 86400 / 3600)) + "h";
+  }
+
+  function refreshLive() {
+    if (!document.getElementById("live")) { return Promise.resolve(); }
+    return fetch("/api/v1/progress", {credentials: "same-origin"}).then(function (r) {
+      return r.ok ? r.json() : null;
+    }).then(function (body) {
+      if (!body || !Array.isArray(body.ranks)) { return; }
+      body.ranks.forEach(function (r) {
+        var row = document.querySelector("tr[data-live-pid='" + Number(r.pid) + "']");
+        if (!row) { return; }
+        var limit = Number(row.getAttribute("data-stall-after")) || 60;
+        var age = (typeof r.last_step_age_s === "number") ? r.last_step_age_s : null;
+        var state = r.agent !== "up" ? "agent down" : (age === null ? "starting" : (age > limit ? "stalled" : "stepping"));
+        row.querySelector("td.live-step").textContent = String(Number(r.step) || 0);
+        row.querySelector("td.live-age").textContent = age === null ? "-" : ageText(age) + " ago";
+        row.querySelector("td.live-agent").textContent = String(r.agent);
+        var cell = row.querySelector("td.live-state");
+        cell.textContent = state;
+        cell.className = "live-state " + state.replace(" ", "-");
+      });
+    }).catch(function () { return null; });
+  }
+
   function act(section, action) {
     var job = section.getAttribute("data-job");
     var options = {};
@@ -222,6 +366,8 @@ PAGE_JS = r"""
       box.appendChild(el("div", {"class": "head failed"}, [action + ": " + err]));
     }).then(function () { section.setAttribute("data-state", "done"); });
   }
+
+  window.setInterval(refreshLive, 5000);
 
   document.querySelectorAll("section.job button.act").forEach(function (button) {
     button.addEventListener("click", function () {

@@ -40,6 +40,12 @@ class Backend(Protocol):
         """Every reading of device ``index``; one that fails is recorded, never raised."""
         ...
 
+    def read_counters(self, index: int) -> DeviceReadings:
+        """What may change during the check (PCIe replays, the recovery action, NVLink error
+        counters), read again at its end; a backend may also have ``call_in_flight(thread_id)``,
+        naming the driver call a thread is in (for a call that did not return)."""
+        ...
+
     def read_pcie(self, index: int) -> tuple[int | None, int | None]:
         """The current PCIe link generation and width of device ``index``."""
         ...

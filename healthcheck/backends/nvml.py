@@ -8,19 +8,62 @@ from typing import Any, TypeVar
 
 from healthcheck.backends.base import NoAccelerator, XidEvent
 from healthcheck.readings import DeviceProcess, DeviceReadings, NvLinkReading
+from healthcheck.timeouts import InFlight
 
 T = TypeVar("T")
+
+# NVML field value types (nvmlValueType_t) -> the member of the value union that holds it.
+_VALUE_MEMBER = {0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5: "siVal", 6: "usVal"}
+
+# Field ids read through nvmlDeviceGetFieldValues, by the pynvml constant that names them (a
+# pynvml without the constant cannot read the field: it is never given as a bare number).
+RECOVERY_FIELDS = (
+    ("recovery_action", "NVML_FI_DEV_GET_GPU_RECOVERY_ACTION"),
+    ("reset_required", "NVML_FI_DEV_RESET_STATUS"),
+    ("drain_and_reset_recommended", "NVML_FI_DEV_DRAIN_AND_RESET_STATUS"),
+)
+# NVLink error counters as field values (scope: the link), for GPUs whose
+# nvmlDeviceGetNvLinkErrorCounter answers NOT_SUPPORTED.
+NVLINK_FIELDS = (
+    ("replay_errors", "NVML_FI_DEV_NVLINK_ERROR_DL_REPLAY"),
+    ("recovery_errors", "NVML_FI_DEV_NVLINK_ERROR_DL_RECOVERY"),
+    ("crc_flit_errors", "NVML_FI_DEV_NVLINK_ERROR_DL_CRC"),
+)
 
 
 def _text(value: Any) -> str:
     return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
 
 
+class _TracedNvml:
+    """The pynvml module, with each ``nvml*`` function call recorded in :class:`InFlight`."""
+
+    def __init__(self, module: Any, in_flight: InFlight) -> None:
+        self._module = module
+        self._in_flight = in_flight
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._module, name)
+        if not name.startswith("nvml") or isinstance(value, type) or not callable(value):
+            return value
+        in_flight = self._in_flight
+
+        def traced(*args: Any, **kwargs: Any) -> Any:
+            in_flight.enter(name)
+            try:
+                return value(*args, **kwargs)
+            finally:
+                in_flight.leave()
+
+        return traced
+
+
 class NvmlBackend:
     name = "nvml"
 
     def __init__(self, nvml: Any) -> None:
-        self._nvml = nvml
+        self.in_flight = InFlight()
+        self._nvml = _TracedNvml(nvml, self.in_flight)
         self._lock = threading.Lock()
         self._event_set: Any = None
         self._handle_index: dict[int, int] = {}
@@ -52,6 +95,11 @@ class NvmlBackend:
 
     def device_count(self) -> int:
         return int(self._nvml.nvmlDeviceGetCount())
+
+    def call_in_flight(self, thread_id: int | None) -> str | None:
+        """The NVML call thread ``thread_id`` is in now (to name a call that did not return)."""
+        name = self.in_flight.of(thread_id)
+        return f"NVML call {name}" if name else None
 
     def driver_version(self) -> str | None:
         try:
@@ -151,7 +199,60 @@ class NvmlBackend:
         )
         r.nvlinks = self._read_nvlinks(r, h)
         r.processes = self._get(r, ("processes",), lambda: self._processes(h))
+        self._read_counters(r, h)
         return r
+
+    def read_counters(self, index: int) -> DeviceReadings:
+        """What may change during the check: the PCIe replay counter, the recovery action and
+        the NVLink error counters (read again at the end, for their deltas)."""
+        nv = self._nvml
+        r = DeviceReadings(index=index)
+        h = nv.nvmlDeviceGetHandleByIndex(index)
+        r.nvlinks = self._read_nvlinks(r, h)
+        self._read_counters(r, h)
+        return r
+
+    def _read_counters(self, r: DeviceReadings, h: Any) -> None:
+        nv = self._nvml
+        r.pcie_replay_count = self._get(r, ("pcie_replay_count",), lambda: int(nv.nvmlDeviceGetPcieReplayCounter(h)))
+        values = self._field_values(r, h, [(attr, constant, 0) for attr, constant in RECOVERY_FIELDS])
+        action = values.get("recovery_action")
+        r.recovery_action = None if action is None else int(action)
+        for attr in ("reset_required", "drain_and_reset_recommended"):
+            value = values.get(attr)
+            setattr(r, attr, None if value is None else bool(value))
+
+    def _field_values(self, r: DeviceReadings, h: Any, wanted: list[tuple[str, str, int]]) -> dict[str, int | float]:
+        """``{field: value}`` of ``(field, pynvml constant, scope id)`` through one
+        nvmlDeviceGetFieldValues call; a field that is not read is recorded in ``r``."""
+        nv = self._nvml
+        ids: list[tuple[int, int]] = []
+        names: list[str] = []
+        for attr, constant, scope in wanted:
+            field_id = getattr(nv, constant, None)
+            if field_id is None:
+                r.errors[attr] = f"this pynvml has no {constant} (pip install -U nvidia-ml-py)"
+                continue
+            ids.append((int(field_id), scope))
+            names.append(attr)
+        if not ids:
+            return {}
+        got = self._get(r, tuple(names), lambda: list(nv.nvmlDeviceGetFieldValues(h, ids)))
+        out: dict[str, int | float] = {}
+        for attr, value in zip(names, got or [], strict=False):
+            ret = int(getattr(value, "nvmlReturn", -1))
+            if ret == nv.NVML_SUCCESS:
+                member = _VALUE_MEMBER.get(int(value.valueType))
+                if member is None:
+                    r.errors[attr] = f"NVML: field value of unknown type {int(value.valueType)}"
+                    continue
+                out[attr] = getattr(value.value, member)
+            elif ret in (nv.NVML_ERROR_NOT_SUPPORTED, nv.NVML_ERROR_INVALID_ARGUMENT):
+                # INVALID_ARGUMENT: a field id this driver does not know (older than this pynvml).
+                r.not_supported.add(attr)
+            else:
+                r.errors[attr] = f"NVML: field {value.fieldId} returned error {ret}"
+        return out
 
     def read_pcie(self, index: int) -> tuple[int | None, int | None]:
         nv = self._nvml
@@ -164,6 +265,7 @@ class NvmlBackend:
     def _read_nvlinks(self, r: DeviceReadings, h: Any) -> list[NvLinkReading] | None:
         nv = self._nvml
         links: list[NvLinkReading] = []
+        counter_error: str | None = None
         counters = (
             ("replay_errors", nv.NVML_NVLINK_ERROR_DL_REPLAY),
             ("recovery_errors", nv.NVML_NVLINK_ERROR_DL_RECOVERY),
@@ -183,11 +285,31 @@ class NvmlBackend:
                 for attr, counter in counters:
                     try:
                         setattr(reading, attr, int(nv.nvmlDeviceGetNvLinkErrorCounter(h, link, counter)))
-                    except nv.NVMLError:
-                        pass  # counters moved to field values on newer GPUs; the state is what we judge
+                    except nv.NVMLError as exc:
+                        if getattr(exc, "value", None) != nv.NVML_ERROR_NOT_SUPPORTED:
+                            counter_error = f"NVML: link {link}: {exc}"
             links.append(reading)
         if not links:
             r.not_supported.add("nvlinks")
+            return links
+        unread = [link for link in links if link.active and not link.counters()]
+        if unread:
+            # Newer GPUs give the counters as field values, one scope per link.
+            probe = DeviceReadings(index=r.index)
+            wanted = [
+                (f"{attr}:{link.link}", constant, link.link) for link in unread for attr, constant in NVLINK_FIELDS
+            ]
+            values = self._field_values(probe, h, wanted)
+            for key, value in values.items():
+                attr, link_no = key.split(":")
+                setattr(links[[x.link for x in links].index(int(link_no))], attr, int(value))
+            still = [link.link for link in unread if not link.counters()]
+            if still:
+                errors = sorted({probe.errors[k] for k in probe.errors} | ({counter_error} if counter_error else set()))
+                if errors:
+                    r.errors["nvlink_counters"] = f"links {still}: " + "; ".join(errors[:3])
+                else:
+                    r.not_supported.add("nvlink_counters")
         return links
 
     def _processes(self, h: Any) -> list[DeviceProcess]:

@@ -12,13 +12,16 @@ import csv
 import io
 import re
 import subprocess
+import threading
 from collections.abc import Callable
 from typing import Any
 
 from healthcheck.backends.base import NoAccelerator, XidEvent
 from healthcheck.readings import DeviceProcess, DeviceReadings
+from healthcheck.timeouts import InFlight
 
-TOOL_TIMEOUT_S = 20.0
+# Every probe runs under this limit (see healthcheck.timeouts.PROBE_TIMEOUT_S).
+TOOL_TIMEOUT_S = 10.0
 
 
 def _int(text: str) -> int:
@@ -70,7 +73,14 @@ FIELDS: list[tuple[str, list[str], Callable[[str], Any]]] = [
     ("remapped_rows_uncorrectable", ["remapped_rows.uncorrectable"], _int),
     ("remap_pending", ["remapped_rows.pending"], _enabled),
     ("remap_failure", ["remapped_rows.failure"], _enabled),
+    ("reset_required", ["reset_status.reset_required"], _enabled),
+    ("drain_and_reset_recommended", ["reset_status.drain_and_reset_recommended"], _enabled),
 ]
+
+# Readings of the deeper checks that no query field is known for: skipped as "not exposed".
+NOT_EXPOSED = ("pcie_replay_count", "recovery_action", "nvlink_counters")
+# Readings taken again at the end of the check (for what may change during it).
+COUNTER_FIELDS = ("reset_required", "drain_and_reset_recommended")
 
 REMAP_FIELDS: list[tuple[str, str, Callable[[str], Any]]] = [
     ("remapped_rows_correctable", "remapped_rows.correctable", _int),
@@ -100,6 +110,9 @@ class SmiBackend:
         self.name = f"smi:{tool}"
         self._known = known_fields
         self._rows: dict[int, DeviceReadings] | None = None
+        self._end_rows: dict[int, DeviceReadings] | None = None
+        self._lock = threading.Lock()
+        self.in_flight = InFlight()
 
     @classmethod
     def open(cls, tool: str) -> SmiBackend:
@@ -114,13 +127,20 @@ class SmiBackend:
         backend._load()
         return backend
 
+    def call_in_flight(self, thread_id: int | None) -> str | None:
+        """The tool run thread ``thread_id`` waits for now (to name one that did not return)."""
+        return self.in_flight.of(thread_id)
+
     def _run(self, *args: str) -> str:
+        self.in_flight.enter(f"{self.tool} {' '.join(args)[:200]}")
         try:
             proc = subprocess.run([self.tool, *args], capture_output=True, text=True, timeout=TOOL_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             raise NoAccelerator(f"{self.tool} did not answer within {TOOL_TIMEOUT_S:.0f} s") from None
         except OSError as exc:
             raise NoAccelerator(f"cannot run {self.tool}: {exc}") from None
+        finally:
+            self.in_flight.leave()
         if proc.returncode != 0:
             message = (proc.stderr or proc.stdout).strip().splitlines()
             raise NoAccelerator(f"{self.tool} {' '.join(args)} failed: {message[-1] if message else proc.returncode}")
@@ -154,6 +174,10 @@ class SmiBackend:
             readings[r.index] = r
         if not readings:
             raise NoAccelerator(f"{self.tool} lists no devices")
+        unqueried = {attr for attr, q, _ in chosen if q is None}
+        for r in readings.values():
+            r.not_exposed.update(NOT_EXPOSED)
+            r.not_exposed.update(unqueried & set(COUNTER_FIELDS))
         self._rows = readings
         if not any(q and q.startswith("remapped_rows.") for _, q, _ in queried):
             self._load_remapped_rows()
@@ -244,6 +268,46 @@ class SmiBackend:
             return int(gen), int(width)
         except (NoAccelerator, ValueError, IndexError):
             return None, None
+
+    def read_counters(self, index: int) -> DeviceReadings:
+        """The readings that may change during the check, read again (only those the tool has;
+        one query for every device, taken by the first call)."""
+        with self._lock:
+            if self._end_rows is None:
+                self._end_rows = self._query_counters()
+            template = self._end_rows.get(index)
+        r = DeviceReadings(index=index, not_exposed=set(NOT_EXPOSED))
+        if template is None:
+            r.errors.update({attr: f"{self.tool} did not list device {index} again" for attr in COUNTER_FIELDS})
+            return r
+        for attr in COUNTER_FIELDS:
+            setattr(r, attr, getattr(template, attr))
+        r.not_exposed |= template.not_exposed
+        r.not_supported |= template.not_supported
+        r.errors.update(template.errors)
+        return r
+
+    def _query_counters(self) -> dict[int, DeviceReadings]:
+        wanted = [(attr, self._choose(names), parse) for attr, names, parse in FIELDS if attr in COUNTER_FIELDS]
+        queried = [(attr, q, parse) for attr, q, parse in wanted if q is not None]
+        rows: dict[int, DeviceReadings] = {}
+        for i in self._rows or {}:
+            rows[i] = DeviceReadings(index=i, not_exposed={attr for attr, q, _ in wanted if q is None})
+        if not queried:
+            return rows
+        try:
+            out = self._query(["index", *[q for _, q, _ in queried]])
+        except NoAccelerator as exc:
+            for r in rows.values():
+                r.errors.update({attr: exc.message for attr, _, _ in queried})
+            return rows
+        for row in out:
+            if not row or not row[0].strip().isdigit() or int(row[0]) not in rows:
+                continue
+            r = rows[int(row[0])]
+            for (attr, query, parse), cell in zip(queried, row[1:], strict=False):
+                self._set(r, attr, query, cell, parse)
+        return rows
 
     def watch_xid(self) -> bool:
         return False

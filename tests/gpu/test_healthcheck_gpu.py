@@ -104,6 +104,12 @@ def test_standard_measures_every_device_and_the_allreduce():
         assert allreduce["status"] != "unknown", allreduce
         assert allreduce["value"] > 0 and allreduce["details"]["world_size"] == n
     assert len(checks(report, "clocks_under_load")) == n
+    # The error counters' window spans the functional checks (the devices under load)
+    for c in checks(report, "pcie_replay") + checks(report, "nvlink_errors"):
+        print(f"  {c['name']:<18} dev {c['device']}  {c['status']:<7} {c['value']}  {c['reason']}")
+        assert c["status"] in ("pass", "skipped"), c
+        if c["status"] == "pass":
+            assert c["details"]["window_s"] >= report["timings"]["functional"]
     assert code in (0, 1), [c for c in report["checks"] if c["status"] in ("fail", "unknown")]
 
 
@@ -225,3 +231,108 @@ def test_pcie_links_read_under_load_reach_their_maximum():
     assert set(found) == {r.index for r in readings}
     for r in readings:
         assert found[r.index] == (r.pcie_gen_max, r.pcie_width_max)
+
+
+# -- the deeper probes on real NVML ------------------------------------------------------------
+def test_deeper_probes_read_real_nvml_fields_or_say_not_supported():
+    from healthcheck.backends.nvml import NvmlBackend
+    from healthcheck.checks.counters import RECOVERY_ACTIONS
+
+    # GIVEN NVML on this node
+    backend = NvmlBackend.open()
+    try:
+        # WHEN every device is read, then its counters again
+        pairs = [(backend.read(i), backend.read_counters(i)) for i in range(backend.device_count())]
+    finally:
+        backend.close()
+
+    # THEN each new field was read or NVML said it is not supported, never an error; counters
+    # read twice did not go backwards
+    for start, end in pairs:
+        print(
+            f"\n  dev {start.index}: recovery_action {start.recovery_action} reset_required {start.reset_required} "
+            f"drain_and_reset {start.drain_and_reset_recommended} pcie_replay {start.pcie_replay_count}->"
+            f"{end.pcie_replay_count} not_supported {sorted(start.not_supported)} errors {start.errors}"
+        )
+        new_fields = ("recovery_action", "reset_required", "drain_and_reset_recommended", "pcie_replay_count")
+        assert not [f for f in new_fields if f in start.errors or f in end.errors], (start.errors, end.errors)
+        assert "nvlink_counters" not in start.errors, start.errors
+        if start.recovery_action is not None:
+            assert start.recovery_action in RECOVERY_ACTIONS
+        else:
+            assert "recovery_action" in start.not_supported
+        if start.pcie_replay_count is not None:
+            assert end.pcie_replay_count is not None and end.pcie_replay_count >= start.pcie_replay_count >= 0
+        else:
+            assert "pcie_replay_count" in start.not_supported
+        end_links = {link.link: link for link in end.nvlinks or []}
+        for link in start.nvlinks or []:
+            if not link.active:
+                continue
+            before, after = link.counters(), end_links[link.link].counters()
+            print(f"    link {link.link}: {before} -> {after}")
+            if not before:
+                assert "nvlink_counters" in start.not_supported
+                continue
+            assert set(after) == set(before)
+            assert all(after[k] - before[k] >= 0 for k in before)
+
+
+def test_quick_runs_the_deeper_checks_and_none_is_unknown_on_a_healthy_node(tmp_path):
+    # GIVEN a healthy node and a directory to probe as a shared filesystem
+    n = gpu_count()
+
+    # WHEN the quick level runs with every deeper check
+    code, report, wall = healthcheck(
+        "--level", "quick", "--expect-devices", str(n), "--shared-fs", str(tmp_path), name="quick_deep"
+    )
+
+    # THEN every device has the deeper checks, each passed or was skipped as not supported (never
+    # unknown), the filesystem answered, and the whole quick check finished
+    print(f"\nquick (deep): exit {code}, wall {wall:.2f} s, timings {report['timings']}")
+    for name in ("recovery_action", "pcie_replay", "nvlink_errors", "ib_counters", "shared_fs"):
+        for c in checks(report, name):
+            print(f"  {name:<16} dev {c['device']}  {c['status']:<7} {c['value']}  {c['reason']}")
+    for name in ("recovery_action", "pcie_replay", "nvlink_errors"):
+        found = checks(report, name)
+        assert len(found) == n, (name, found)
+        for c in found:
+            assert c["status"] in ("pass", "skipped"), c
+            if c["status"] == "skipped":
+                assert "not supported" in c["reason"] or "no NVLink" in c["reason"], c
+    # InfiniBand is not NVML: a port whose narrow counter is saturated cannot be judged (unknown)
+    for c in checks(report, "ib_counters"):
+        assert c["status"] in ("pass", "skipped") or (c["status"] == "unknown" and "saturated" in c["reason"]), c
+    (fs,) = checks(report, "shared_fs")
+    assert fs["status"] == "pass", fs
+    assert not [c for c in report["checks"] if c["name"] == "device_read"]
+    assert code in (0, 1), [c for c in report["checks"] if c["status"] in ("fail", "unknown")]
+
+
+def test_an_nvml_call_that_never_returns_is_unknown_and_named_on_real_nvml(monkeypatch, tmp_path):
+    import threading
+
+    import pynvml
+
+    from healthcheck import runner
+
+    # GIVEN real NVML whose PCIe replay counter call blocks (as a hung driver call would)
+    release = threading.Event()
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetPcieReplayCounter", lambda handle: release.wait() and 0)
+    try:
+        # WHEN the quick level runs with a 2 s probe limit
+        report = runner.run(
+            runner.Options(level="quick", disk_paths=["/"], min_disk_gib=0.001, probe_timeout_s=2.0, skip={"pcie_link"})
+        )
+    finally:
+        release.set()
+
+    # THEN every device is unknown naming the call, none passed anything, and the run returned, exit 3
+    reads = [c for c in report.checks if c.name == "device_read"]
+    print(f"\n  {[(c.device, c.reason) for c in reads]}")
+    assert reads and len({c.device for c in reads}) == len(reads)
+    assert not [c for c in report.checks if c.device is not None and c.status.value == "pass"]
+    assert all(
+        c.reason == "NVML call nvmlDeviceGetPcieReplayCounter did not return in 2 s (driver hung?)" for c in reads
+    )
+    assert report.exit_code == 3

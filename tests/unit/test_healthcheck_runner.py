@@ -62,6 +62,8 @@ def healthy(index: int) -> DeviceReadings:
         temperature_slowdown_c=87,
         nvlinks=[NvLinkReading(link, True, 0, 0, 0, 0) for link in range(4)],
         processes=[],
+        pcie_replay_count=0,
+        recovery_action=0,
     )
 
 
@@ -83,6 +85,9 @@ class FakeBackend:
 
     def read_pcie(self, index: int) -> tuple[int | None, int | None]:
         return self.readings[index].pcie_gen_max, self.readings[index].pcie_width_max
+
+    def read_counters(self, index: int) -> DeviceReadings:
+        return self.readings[index]
 
     def watch_xid(self) -> bool:
         return True

@@ -451,3 +451,20 @@ def test_hostile_job_ids_give_a_scrape_prometheus_reads(tmp_path):
     assert all(len(v) <= 200 for _, labels, _ in samples for v in labels.values())
     keys = [(s[0], tuple(sorted(s[1].items()))) for s in samples]
     assert len(keys) == len(set(keys))
+
+
+def test_the_page_shows_the_live_state_from_the_pollers_book(tmp_path):
+    # GIVEN a poller's book with a rank at step 4242 (its agent since stopped answering)
+    node = FakeNode()
+    row = node.rank(7, 100, job="pagejob", step=4242, last_step_at=time.time() - 3, step_time_s=0.1)
+    book = _book(node, every_s=600.0)  # fresh for 20 minutes: however slow the machine
+    book.poll()
+    row.agent, row.step = "unresponsive", 0
+    book.poll()
+    client = create_app(ArtifactStore(tmp_path / "s"), token=TOKEN, progress=book).test_client()
+    reads = node.reads
+    # WHEN the page is asked
+    page = client.get("/", headers={"Authorization": f"Bearer {TOKEN}"}).get_data(as_text=True)
+    # THEN its live state is the book's (the last known step), without a read
+    assert "pagejob" in page and "4242" in page
+    assert node.reads == reads

@@ -1,0 +1,410 @@
+"""The watch's live straggler check: one aligned job-wide trace of a couple of steps, analysed
+with the straggler rule of ``dynprof analyze``.
+
+:func:`sample_stragglers` goes the way ``dynprof start --job J --hosts ... --steps N --fetch
+DIR`` and then ``dynprof analyze`` go, through the same public functions: every node armed at
+one common step (:func:`dynprof.job.start.arm_at_one_step`), each rank's trace followed until
+written (:func:`dynprof.job.start.follow_traces`), the traces copied back and checked against
+their manifests (:func:`dynprof.job.fetch.fetch_by_path`), then each rank's trace reduced and
+the job's analysis combined (:mod:`collectors.trace_analysis`: ``analyze_ranks``, ``combine``,
+whose ``detect_straggler`` decides). It returns a
+:class:`~dynprof.watch.model.StragglerReport`: a score per (node, rank) and, when the rule
+names a straggler, a ``straggler`` :class:`~dynprof.watch.model.Verdict` naming its rank, its
+node and the cause class.
+
+The score of a rank is its work outside collectives per step in excess of the median of the
+other ranks' work, as a fraction of the job's median step time (``excess_ms /
+median step_ms``): 0.3 says the rank makes every step 30 % longer than it would be. It is given
+to the straggler the rule names; every other rank scores 0 (so does every rank when the rule
+names none: what is under the noise threshold is not a score).
+
+The cause class comes from the work category the straggler spends its excess in (the
+categories the analysis computes per step):
+
+- ``compute``: CPU operators (``cpu.ops``), or GPU compute kernels (``gpu.compute`` with its
+  part overlapped with communication);
+- ``input pipeline``: outside operators on the CPU (``cpu.outside_ops``: Python, data
+  loading) when the function holding the time looks like data loading (or none is named),
+  host-to-device copies (``gpu.memcpy``);
+- ``host/launch``: the GPU idle (``gpu.idle``: the CPU side late to launch), or CPU time
+  outside operators in a function that is not data loading;
+- ``communication``: the straggler's own communication kernels (``gpu.comm``) longer than the
+  others'.
+
+A sample is bounded (``limit_s``) and never raises: a trace that fails, a node that does not
+answer, an analysis that finds nothing, each is a note in the report.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from dynprof import store, untrusted
+from dynprof.errors import DynprofError
+from dynprof.job.answers import node_labels
+from dynprof.job.client import SidecarClient
+from dynprof.job.discovery import Node, parse_node
+from dynprof.job.fetch import fetch_by_path
+from dynprof.job.start import PS_TIMEOUT_S, START_ARM_TIMEOUT_S, arm_at_one_step, follow_traces
+from dynprof.watch.model import Culprit, StragglerReport, Verdict
+
+log = logging.getLogger("dynprof.watch.straggler")
+
+SAMPLE_STEPS = 2
+SAMPLE_LIMIT_S = 120.0
+"""How long one sample may take in all (arming, tracing, fetching, analysis)."""
+SAMPLE_EVERY_S = 600.0
+"""The default interval between samples (``--sample-every``): one sample costs the ranks about
+half a second to a second of training (scripts/bench_watch_sampling.py measures it), so one
+every ten minutes is under 0.2 % of the job's time, inside the 0.5 % budget."""
+MAX_TRACE_DURATION_S = 300.0
+"""The hard cap each agent puts on a sampled trace: it ends by itself past it."""
+CAUSES = ("compute", "communication", "input pipeline", "host/launch")
+_INPUT_NAMES = re.compile(r"load|batch|data|loader|fetch|next|read|collate|sampler|prefetch|shard|decode", re.I)
+
+HookType = Callable[[list[str], str], StragglerReport | None]
+
+
+class _Quiet:
+    """Progress that says nothing: the watch prints its own lines."""
+
+    def update(self, text: str) -> None:
+        pass
+
+    def done(self) -> None:
+        pass
+
+
+def _mean(values: list[float]) -> float:
+    return float(sum(values) / len(values)) if values else 0.0
+
+
+def _number(value: Any) -> float:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
+
+
+def category_excess(straggler_row: dict[str, Any], others: list[dict[str, Any]]) -> dict[str, float]:
+    """Per work category, the straggler's ms/step over the others' mean (rows of the analysis's
+    ``ranks``): ``cpu.ops``, ``cpu.outside_ops``, and with GPU activities ``gpu.compute`` (with
+    its overlapped part), ``gpu.memcpy``, ``gpu.idle``, ``gpu.comm``."""
+
+    def cat(row: dict[str, Any], side: str, key: str) -> float:
+        part = row.get(side)
+        return _number(part.get(key)) if isinstance(part, dict) else 0.0
+
+    out: dict[str, float] = {}
+    keys: dict[str, Callable[[dict[str, Any]], float]]
+    if isinstance(straggler_row.get("gpu"), dict):
+        keys = {
+            "gpu.compute": lambda r: cat(r, "gpu", "compute") + cat(r, "gpu", "comm_overlap"),
+            "gpu.memcpy": lambda r: cat(r, "gpu", "memcpy"),
+            "gpu.idle": lambda r: cat(r, "gpu", "idle"),
+            "gpu.comm": lambda r: cat(r, "gpu", "comm"),
+        }
+    else:
+        keys = {
+            "cpu.ops": lambda r: cat(r, "cpu", "ops"),
+            "cpu.outside_ops": lambda r: cat(r, "cpu", "outside_ops"),
+        }
+    for name, of in keys.items():
+        out[name] = round(of(straggler_row) - _mean([of(o) for o in others]), 3)
+    return out
+
+
+def top_python_excess(mine: dict[str, Any], rest: list[dict[str, Any]], steps: int) -> tuple[str, float] | None:
+    """The Python function (``with_stack`` traces) whose time outside operators per step grew
+    most over the other ranks' mean, innermost of those within 5 % of the most."""
+    from collectors.trace_analysis import short_function
+
+    table = mine.get("python_outside")
+    if not isinstance(table, dict) or not table:
+        return None
+    excess: dict[str, float] = {}
+    for name, v in table.items():
+        theirs = _mean([_number((r.get("python_outside") or {}).get(name, [0.0])[0]) for r in rest])
+        excess[name] = (_number(v[0]) - theirs) / max(1, steps)
+    best = max(excess.values())
+    if best <= 0:
+        return None
+    near = [n for n, v in excess.items() if v >= 0.95 * best]
+    name = min(near, key=lambda n: _number(table[n][1]) / max(1.0, _number(table[n][2])))
+    return short_function(name), excess[name]
+
+
+def cause_class(excess: dict[str, float], function: str | None) -> str:
+    """One of :data:`CAUSES`, from the category the straggler's excess is in (the largest),
+    and the function named there, if any."""
+    if not excess:
+        return "compute"
+    top = max(excess, key=lambda k: excess[k])
+    if top in ("cpu.ops", "gpu.compute"):
+        return "compute"
+    if top == "gpu.comm":
+        return "communication"
+    if top == "gpu.memcpy":
+        return "input pipeline"
+    if top == "gpu.idle":
+        return "input pipeline" if function and _INPUT_NAMES.search(function) else "host/launch"
+    # cpu.outside_ops: Python and data loading; data loading unless a function says otherwise
+    return "host/launch" if function and not _INPUT_NAMES.search(function) else "input pipeline"
+
+
+def _read_manifest(path: Path) -> dict[str, Any] | None:
+    try:
+        doc = untrusted.loads_json(
+            untrusted.read_bytes_in(str(path), store.MANIFEST, untrusted.MANIFEST_MAX_BYTES).decode("utf-8"),
+            str(path / store.MANIFEST),
+        )
+    except (DynprofError, OSError, UnicodeDecodeError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def analyse_fetched(
+    fetched: list[dict[str, Any]], label_of: dict[str, str]
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The job's analysis (``collectors.trace_analysis.combine``) of fetched trace artifacts
+    (rows of :func:`dynprof.job.fetch.fetch`), each rank named by its node as the watch names
+    it (``label_of``: node address -> name); and the per-rank reductions behind it."""
+    from collectors import trace_analysis as ta
+    from collectors.torch_trace import TRACE_FILE
+
+    items = []
+    node_host: dict[tuple[str, Any], Any] = {}
+    for row in fetched:
+        if row.get("error") or not row.get("path"):
+            continue
+        path = Path(row["path"])
+        manifest = _read_manifest(path)
+        if manifest is None or not (path / TRACE_FILE).is_file():
+            continue
+        rank = manifest.get("rank") if isinstance(manifest.get("rank"), int) else None
+        host = label_of.get(str(row.get("node")), str(row.get("node")))
+        node_host[(host, rank)] = manifest.get("host")
+        items.append(ta.RankInput(path=str(path / TRACE_FILE), rank=rank, host=host, artifact=str(row.get("id"))))
+    ranks = ta.analyze_ranks(items, workers=1)
+    analysis = ta.combine(ranks, top=10)
+    for r in analysis["ranks"]:
+        r["node_host"] = node_host.get((r["host"], r["rank"]))
+    return analysis, [r for r in ranks if "error" not in r]
+
+
+def straggler_verdict(
+    job: str, analysis: dict[str, Any], ranks: list[dict[str, Any]], sampled_at: float
+) -> tuple[dict[tuple[str, int], float], Verdict | None, str]:
+    """Scores per (node, rank), the ``straggler`` verdict when the rule of ``analyze`` names
+    one (else None), and the rule's own line (its noise threshold)."""
+    rows = [r for r in analysis.get("ranks") or [] if isinstance(r.get("rank"), int)]
+    scores: dict[tuple[str, int], float] = {(str(r["host"]), int(r["rank"])): 0.0 for r in rows}
+    check = str(analysis.get("straggler_check") or "")
+    s = analysis.get("straggler")
+    if not isinstance(s, dict) or not rows:
+        return scores, None, check
+    median_step = statistics.median([_number(r.get("step_ms_median")) for r in rows]) or 0.0
+    excess_ms = _number(s.get("excess_ms"))
+    score = round(excess_ms / median_step, 4) if median_step > 0 else 0.0
+    host, rank = str(s.get("host")), s.get("rank")
+    if isinstance(rank, int):
+        scores[(host, rank)] = score
+    mine = next((r for r in rows if r["rank"] == rank and str(r["host"]) == host), None)
+    others = [r for r in rows if r is not mine]
+    excess = category_excess(mine, others) if mine else {}
+    reduced = next((r for r in ranks if r.get("rank") == rank and str(r.get("host")) == host), None)
+    rest = [r for r in ranks if r is not reduced]
+    steps = len(analysis.get("common_steps") or []) or 1
+    named = top_python_excess(reduced, rest, steps) if reduced else None
+    function = named[0] if named else None
+    cause = cause_class(excess, function)
+    top_cat = max(excess, key=lambda k: excess[k]) if excess else "work"
+    where = function or {
+        "cpu.ops": "CPU operators",
+        "cpu.outside_ops": "outside operators (Python, data loading)",
+        "gpu.compute": "GPU compute kernels",
+        "gpu.memcpy": "memory copies",
+        "gpu.idle": "GPU idle (the CPU side late)",
+        "gpu.comm": "communication kernels",
+    }.get(top_cat, top_cat)
+    node_host = mine.get("node_host") if mine else None
+    on = f"{host}" + (f" ({node_host})" if node_host and node_host != host else "")
+    conclusion = (
+        f"rank {rank} on {on} is a straggler ({cause}): it works {excess_ms:.1f} ms/step more than the "
+        f"others' median, {score * 100:.0f} % of the {median_step:.1f} ms step (score {score:.2f}); "
+        f"{s.get('reason')}"
+    )
+    culprit = Culprit(
+        rank=rank if isinstance(rank, int) else None,
+        host=host,
+        where=where,
+        why=f"{cause}: {excess_ms:.1f} ms/step of work over the others ({top_cat})",
+        since_step=(analysis.get("common_steps") or [None])[0],
+    )
+    verdict = Verdict(
+        kind="straggler",
+        job=job,
+        conclusion=conclusion,
+        detected_at=sampled_at,
+        decided_at=time.time(),
+        culprits=[culprit],
+        ranks=[
+            {
+                "rank": r["rank"],
+                "host": str(r["host"]),
+                "node_host": r.get("node_host"),
+                "step_ms": r.get("step_ms"),
+                "work_ms": r.get("work_ms"),
+                "collective_ms": r.get("collective_ms"),
+                "score": scores.get((str(r["host"]), int(r["rank"])), 0.0),
+                "state": "straggler" if r is mine else "waits in collectives",
+            }
+            for r in rows
+        ],
+        evidence={
+            "straggler": {
+                **s,
+                "cause": cause,
+                "score": score,
+                "score_rule": "excess work over the others' median, as a fraction of the median step time",
+                "category_excess_ms": excess,
+                "function": function,
+                "check": check,
+            },
+            "samples": {"steps": analysis.get("common_steps") or [], "ranks": len(rows)},
+        },
+    )
+    return scores, verdict, check
+
+
+def sample_stragglers(
+    nodes: list[str],
+    job: str,
+    client: SidecarClient,
+    *,
+    steps: int = SAMPLE_STEPS,
+    limit_s: float = SAMPLE_LIMIT_S,
+    with_stack: bool = True,
+    keep: Path | None = None,
+) -> StragglerReport:
+    """One sampled trace of ``steps`` steps of every rank of ``job`` on ``nodes`` (sidecar
+    addresses, ``HOST[:PORT]``), analysed for a straggler. Never raises: what went wrong is the
+    report's ``note``. ``keep``: copy the traces there and leave them (default: a temporary
+    directory, removed). Ranks and culprits are named by their node as given in ``nodes``."""
+    started = time.monotonic()
+    sampled_at = time.time()
+    report = StragglerReport(sampled_at=sampled_at, steps=steps)
+    tmp: str | None = None
+    try:
+        parsed: list[Node] = []
+        given: dict[str, str] = {}
+        for text in nodes:
+            node = parse_node(text)
+            if node not in parsed:
+                parsed.append(node)
+                given[node.address] = text
+        if not parsed:
+            report.note = "no node to sample"
+            return report
+        labels = node_labels(parsed)
+        ps_options = {"job": job, "timeout": PS_TIMEOUT_S}
+        start_options: dict[str, Any] = {
+            "job": job,
+            "steps": steps,
+            "no_wait": True,
+            "timeout": START_ARM_TIMEOUT_S,
+            "max_duration": min(MAX_TRACE_DURATION_S, max(10.0, limit_s)),
+        }
+        if with_stack:
+            start_options["with_stack"] = True
+        armed = arm_at_one_step(
+            client,
+            parsed,
+            labels,
+            at_step=None,
+            job=job,
+            select_all=False,
+            start_options=start_options,
+            ps_options=ps_options,
+            progress=_Quiet(),
+        )
+        if armed.at_step is None:
+            report.note = "; ".join(armed.messages) or "no rank of the job has stepped"
+            return report
+        left = max(5.0, limit_s - (time.monotonic() - started))
+        results, missed = follow_traces(
+            client,
+            parsed,
+            labels,
+            armed,
+            ps_options=ps_options,
+            no_wait=False,
+            timeout=left,
+            node_timeout=client.timeout,
+            progress=_Quiet(),
+        )
+        address = {labels[n]: n.address for n in parsed}
+        by_node: dict[str, list[str]] = {}
+        for r in results:
+            if r.get("status") in ("complete", "partial") and isinstance(r.get("artifact"), str) and r["artifact"]:
+                by_node.setdefault(address[r["node"]], []).append(r["artifact"])
+        if not by_node:
+            why = "; ".join(f"rank {m['rank']} on {m['node']}: {m['reason']}" for m in missed[:5])
+            report.note = f"no trace was written{': ' + why if why else ''}"
+            return report
+        dest = keep or Path(tmp := tempfile.mkdtemp(prefix="dynprof-straggler-"))
+        fetched = fetch_by_path(client, dest, armed.answers, by_node, job)
+        label_of = {n.address: given[n.address] for n in parsed}
+        analysis, reduced = analyse_fetched(fetched, label_of)
+        notes = [
+            f"rank {m['rank']} on {given.get(address.get(m['node'], ''), m['node'])}: {m['reason']}" for m in missed
+        ]
+        notes += [f"not fetched from {f['node']}: {f['error']}" for f in fetched if f.get("error")]
+        notes += [f"rank {e.get('rank')} not analysed: {e.get('error')}" for e in analysis.get("errors") or []]
+        if len(analysis["ranks"]) < 2:
+            report.note = "; ".join(["fewer than 2 ranks analysed: no straggler check", *notes])[:2000]
+            return report
+        report.steps = len(analysis.get("common_steps") or []) or steps
+        report.scores, report.verdict, check = straggler_verdict(job, analysis, reduced, sampled_at)
+        if report.verdict is not None:
+            report.verdict.evidence["samples"]["at_step"] = armed.at_step
+            report.verdict.evidence["samples"]["missed"] = missed[:64]
+        report.note = "; ".join([check, *notes])[:2000]
+        return report
+    except Exception as exc:  # a sample that fails is a note, never the watch's end
+        log.debug("straggler sample of %s failed", job, exc_info=exc)
+        message = exc.message if isinstance(exc, DynprofError) else f"{type(exc).__name__}: {exc}"
+        report.note = f"the sampled trace failed: {message}"[:2000]
+        return report
+    finally:
+        report.cost_s = round(time.monotonic() - started, 3)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def straggler_hook(
+    client: SidecarClient, *, steps: int = SAMPLE_STEPS, limit_s: float = SAMPLE_LIMIT_S, with_stack: bool = True
+) -> HookType:
+    """The watch engine's straggler hook: ``hook(nodes, job)`` takes one sample."""
+
+    def hook(nodes: list[str], job: str) -> StragglerReport | None:
+        return sample_stragglers(nodes, job, client, steps=steps, limit_s=limit_s, with_stack=with_stack)
+
+    return hook
+
+
+def report_json(report: StragglerReport) -> dict[str, Any]:
+    """A report as JSON (for ``--json`` and the benchmarks): scores as rows."""
+    return {
+        "sampled_at": report.sampled_at,
+        "steps": report.steps,
+        "scores": [{"host": h, "rank": r, "score": s} for (h, r), s in sorted(report.scores.items())],
+        "verdict": report.verdict.to_json() if report.verdict else None,
+        "note": report.note,
+        "cost_s": report.cost_s,
+    }

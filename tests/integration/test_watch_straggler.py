@@ -1,0 +1,83 @@
+"""The watch's live straggler check on real gloo jobs whose ranks are spread over simulated
+nodes, each with its own `dynprof serve` (the fixture of test_fanout.py): one sampled trace
+through the job-wide start, fetch and the straggler rule of `analyze`."""
+
+from __future__ import annotations
+
+import json
+
+import test_fanout
+
+from dynprof.job.client import SidecarClient
+from dynprof.watch.model import Verdict
+from dynprof.watch.straggler import report_json, sample_stragglers, straggler_hook
+
+nodes = test_fanout.nodes  # two sidecars, node A on 127.0.0.1, node B on localhost
+
+
+def _client(nodes_fixture: dict) -> SidecarClient:
+    return SidecarClient(nodes_fixture["token"].read_text().strip(), timeout=20.0)
+
+
+def test_rank_30_percent_slower_is_named_with_its_node_and_cause(nodes, spawn):
+    # GIVEN a 3-rank gloo job, rank 0 on node A and ranks 1 and 2 on node B; rank 2 loads each
+    # batch in 130 ms where the others take 100 ms (its work 30 % longer; the times are long
+    # enough that two cores shared by three ranks and two sidecars do not drown the difference)
+    a, b = nodes["a"], nodes["b"]
+    args = ["--slow-ranks", "2", "--load-ms", "130", "--base-load-ms", "100", "--max-seconds", "120"]
+    targets = test_fanout.split_job(spawn, test_fanout.STRAGGLER, [a, b, b], "watch-slow", args)
+    for t in targets:
+        t.ready_pids(timeout=120)
+
+    # WHEN the watch's straggler hook samples the job through both sidecars
+    hook = straggler_hook(_client(nodes))
+    report = hook([a.address, b.address], "watch-slow")
+
+    # THEN the verdict names rank 2 on node B, its cause the input pipeline (load_batch)
+    assert report is not None
+    assert report.verdict is not None, report.note
+    v = report.verdict
+    assert v.kind == "straggler" and v.job == "watch-slow"
+    (culprit,) = v.culprits
+    assert (culprit.rank, culprit.host) == (2, b.address), v.conclusion
+    assert "load_batch" in culprit.where, culprit
+    assert v.evidence["straggler"]["cause"] == "input pipeline"
+    assert f"rank 2 on {b.address}" in v.conclusion and "(input pipeline)" in v.conclusion
+    # every rank is scored; the straggler above 0, the others 0
+    assert set(report.scores) == {(a.address, 0), (b.address, 1), (b.address, 2)}
+    assert report.scores[(b.address, 2)] > 0.1, report.scores
+    assert report.scores[(a.address, 0)] == 0 and report.scores[(b.address, 1)] == 0
+    assert report.steps >= 2 and report.cost_s > 0
+    # the verdict is a verdict document (what the watch writes as its artifact)
+    again = Verdict.from_json(json.loads(json.dumps(v.to_json())))
+    assert again.culprits[0].rank == 2 and again.kind == "straggler"
+    assert report_json(report)["verdict"]["culprits"][0]["host"] == b.address
+
+
+def test_even_job_gets_no_verdict_and_zero_scores(nodes, spawn):
+    # GIVEN a 2-rank gloo job over both nodes whose ranks take the same 100 ms per batch
+    a, b = nodes["a"], nodes["b"]
+    args = ["--load-ms", "100", "--base-load-ms", "100", "--max-seconds", "120"]
+    targets = test_fanout.split_job(spawn, test_fanout.STRAGGLER, [a, b], "watch-even", args)
+    for t in targets:
+        t.ready_pids(timeout=120)
+
+    # WHEN it is sampled for 3 steps
+    report = sample_stragglers([a.address, b.address], "watch-even", _client(nodes), steps=3)
+
+    # THEN no verdict, every rank scores 0, and the rule's noise threshold is the note
+    assert report.verdict is None, report.verdict and report.verdict.conclusion
+    assert report.scores == {(a.address, 0): 0.0, (b.address, 1): 0.0}
+    assert "no straggler" in report.note and "noise threshold" in report.note
+
+
+def test_a_job_that_is_not_there_is_a_note_not_an_exception(nodes):
+    # GIVEN two sidecars and no job named "watch-none" on them
+    a, b = nodes["a"], nodes["b"]
+
+    # WHEN it is sampled
+    report = sample_stragglers([a.address, b.address], "watch-none", _client(nodes), limit_s=30)
+
+    # THEN nothing is decided, and the note says why
+    assert report.verdict is None and report.scores == {}
+    assert "stepped" in report.note, report.note

@@ -1,0 +1,77 @@
+"""The straggler check's pure parts: the cause class from the analysis's work categories, and
+the score and verdict from an analysis document."""
+
+from __future__ import annotations
+
+from dynprof.watch.straggler import category_excess, cause_class, straggler_verdict
+
+
+def _row(rank, host, ops, outside, coll, step=100.0):
+    return {
+        "rank": rank,
+        "host": host,
+        "step_ms": step,
+        "step_ms_median": step,
+        "cpu": {"ops": ops, "outside_ops": outside, "collective": coll, "collective_wait": 0.0},
+        "gpu": None,
+        "work_ms": ops + outside,
+        "collective_ms": coll,
+    }
+
+
+def test_cause_class_follows_the_category_of_the_excess():
+    # GIVEN excesses in each category
+    # WHEN classed / THEN each category names its cause
+    assert cause_class({"cpu.ops": 20.0, "cpu.outside_ops": 1.0}, None) == "compute"
+    assert cause_class({"cpu.ops": 1.0, "cpu.outside_ops": 20.0}, None) == "input pipeline"
+    assert cause_class({"cpu.ops": 1.0, "cpu.outside_ops": 20.0}, "load_batch (data.py:3)") == "input pipeline"
+    assert cause_class({"cpu.ops": 1.0, "cpu.outside_ops": 20.0}, "log_metrics (train.py:9)") == "host/launch"
+    gpu = {"gpu.compute": 1.0, "gpu.memcpy": 0.0, "gpu.idle": 9.0, "gpu.comm": 0.0}
+    assert cause_class(gpu, None) == "host/launch"
+    assert cause_class({**gpu, "gpu.comm": 30.0}, None) == "communication"
+    assert cause_class({**gpu, "gpu.memcpy": 30.0}, None) == "input pipeline"
+    assert cause_class({**gpu, "gpu.compute": 30.0}, None) == "compute"
+
+
+def test_category_excess_is_over_the_others_mean():
+    # GIVEN a rank with 30 ms more outside operators than the two others
+    me = _row(2, "n2", 5.0, 40.0, 5.0)
+    others = [_row(0, "n1", 5.0, 10.0, 35.0), _row(1, "n1", 5.0, 10.0, 35.0)]
+
+    # WHEN its excess is measured
+    excess = category_excess(me, others)
+
+    # THEN it is in outside_ops
+    assert excess == {"cpu.ops": 0.0, "cpu.outside_ops": 30.0}
+
+
+def test_verdict_scores_the_straggler_and_zero_for_the_others():
+    # GIVEN an analysis whose rule named rank 2 on n2, 30 ms/step over a 100 ms step
+    rows = [_row(0, "n1", 5.0, 10.0, 35.0), _row(1, "n1", 5.0, 10.0, 35.0), _row(2, "n2<b>", 5.0, 40.0, 5.0)]
+    analysis = {
+        "ranks": rows,
+        "common_steps": [7, 8],
+        "straggler": {"rank": 2, "host": "n2<b>", "reason": "rank 2: ...", "excess_ms": 30.0, "work_ms": 45.0},
+        "straggler_check": "straggler: rank 2 (30.0 ms/step over the others); noise threshold 10.0 ms",
+    }
+
+    # WHEN the verdict is drawn
+    scores, verdict, check = straggler_verdict("j", analysis, [], 1000.0)
+
+    # THEN rank 2 scores 0.3 (excess / median step), the others 0, and the verdict names it
+    assert scores == {("n1", 0): 0.0, ("n1", 1): 0.0, ("n2<b>", 2): 0.3}
+    assert verdict is not None and verdict.kind == "straggler"
+    assert (verdict.culprits[0].rank, verdict.culprits[0].host) == (2, "n2<b>")
+    assert verdict.evidence["straggler"]["cause"] == "input pipeline"
+    assert verdict.culprits[0].since_step == 7
+    assert "noise threshold" in check
+
+
+def test_no_straggler_no_verdict():
+    # GIVEN an analysis whose rule named none
+    rows = [_row(0, "n1", 5.0, 10.0, 35.0), _row(1, "n2", 5.0, 11.0, 34.0)]
+    analysis = {"ranks": rows, "common_steps": [1, 2], "straggler": None, "straggler_check": "no straggler: ..."}
+
+    # WHEN the verdict is drawn / THEN there is none, every score 0
+    scores, verdict, _ = straggler_verdict("j", analysis, [], 1000.0)
+    assert verdict is None and scores == {("n1", 0): 0.0, ("n2", 1): 0.0}
