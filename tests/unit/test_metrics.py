@@ -468,3 +468,16 @@ def test_the_page_shows_the_live_state_from_the_pollers_book(tmp_path):
     # THEN its live state is the book's (the last known step), without a read
     assert "pagejob" in page and "4242" in page
     assert node.reads == reads
+
+
+def test_every_progress_and_metrics_route_needs_the_token(tmp_path):
+    # GIVEN a sidecar with a token, and its routes
+    app = create_app(ArtifactStore(tmp_path / "s"), token=TOKEN)
+    routes = sorted(r.rule for r in app.url_map.iter_rules() if "progress" in r.rule or "metrics" in r.rule)
+    assert routes == ["/api/progress", "/api/v1/progress", "/metrics"]
+    client = app.test_client()
+    # WHEN each is asked without the token, THEN 401 and no data
+    for rule in routes:
+        answer = client.get(rule)
+        assert answer.status_code == 401, rule
+        assert b"dynprof_rank" not in answer.get_data() and b"ranks" not in answer.get_data()
