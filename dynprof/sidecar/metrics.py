@@ -30,7 +30,8 @@ from dynprof.store import ArtifactStore
 from dynprof.watch.model import VERDICT_KIND, VERDICT_KINDS, WatchGauges
 
 # generate_latest writes the classic text format (legacy names, no UTF-8 names): version 0.0.4,
-# which every Prometheus reads (the library's "latest", 1.0.0, is not known to Prometheus 2.x).
+# which every Prometheus reads (the library's "latest", 1.0.0, labels the same text with a version
+# that servers before 3.x do not know).
 CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
 CAPTURE_TTL_S = 15.0  # the store is scanned at most once in this time
 # The kinds counted by dynprof_captures_total; an artifact of any other kind counts as "other".
