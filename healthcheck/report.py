@@ -140,58 +140,85 @@ def render_table(report: Report, show_passed: bool = True) -> str:
     return "\n".join([head, "", table(rows, ["CHECK", "DEVICE", "STATUS", "VALUE", "EXPECTED", "REASON"]), "", tail])
 
 
-def _label(value: Any) -> str:
-    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", " ")
-
-
 def render_prometheus(report: Report) -> str:
-    """Prometheus text exposition format, for node_exporter's textfile collector."""
-    host = _label(report.host)
-    level = _label(report.level)
-    lines = [
-        "# HELP dynprof_healthcheck_exit_code Exit code of the last healthcheck: 0 healthy, 1 warning, "
-        "2 unhealthy, 3 could not run.",
-        "# TYPE dynprof_healthcheck_exit_code gauge",
-        f'dynprof_healthcheck_exit_code{{host="{host}",level="{level}"}} {report.exit_code}',
-        "# HELP dynprof_healthcheck_duration_seconds Wall time of the last healthcheck.",
-        "# TYPE dynprof_healthcheck_duration_seconds gauge",
-        f'dynprof_healthcheck_duration_seconds{{host="{host}",level="{level}"}} {report.duration_s:.3f}',
-        "# HELP dynprof_healthcheck_check_status Status of each check: 0 pass, 1 warn, 2 fail, 3 unknown, -1 skipped.",
-        "# TYPE dynprof_healthcheck_check_status gauge",
-    ]
-    # One series per check and device (and path or port); where a check has several results
-    # for the same labels, the worst status is exported.
-    worst: dict[tuple[str, str, str], int] = {}
-    rank = {Status.SKIPPED: 0, Status.PASS: 1, Status.WARN: 2, Status.UNKNOWN: 3, Status.FAIL: 4}
-    chosen: dict[tuple[str, str, str], Status] = {}
-    for c in report.checks:
-        device = "node" if c.device is None else str(c.device)
-        extra = ""
-        if c.name == "disk_free" and "path" in c.details:
-            extra = f',path="{_label(c.details["path"])}"'
-        elif c.name == "ib_ports" and "device" in c.details:
-            extra = f',port="{_label(c.details["device"])}/{_label(c.details["port"])}"'
-        key = (c.name, device, extra)
-        if key not in chosen or rank[c.status] > rank[chosen[key]]:
-            chosen[key] = c.status
-            worst[key] = STATUS_CODES[c.status]
-    for (name, device, extra), code in worst.items():
-        lines.append(
-            f'dynprof_healthcheck_check_status{{host="{host}",check="{_label(name)}",device="{device}"{extra}}} {code}'
+    """Prometheus text exposition format, for node_exporter's textfile collector, written by
+    ``prometheus_client`` from a private registry. (It is written to its file by
+    :func:`write_atomically`, not the library's ``write_to_textfile``: that one renames a
+    temporary file over the target, which would replace ``/dev/stdout`` or a FIFO when run as
+    root.) The library writes label pairs sorted by name and values as floats (``2.0``)."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_HealthcheckCollector(report))
+    return generate_latest(registry).decode("utf-8")
+
+
+class _HealthcheckCollector:
+    """The metric families of one report (a ``prometheus_client`` collector)."""
+
+    def __init__(self, report: Report) -> None:
+        self.report = report
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> Any:
+        from prometheus_client.core import GaugeMetricFamily, Metric
+
+        report = self.report
+        host, level = str(report.host), str(report.level)
+        exit_family = GaugeMetricFamily(
+            "dynprof_healthcheck_exit_code",
+            "Exit code of the last healthcheck: 0 healthy, 1 warning, 2 unhealthy, 3 could not run.",
+            labels=["host", "level"],
         )
-    measured = [c for c in report.checks if c.metric and isinstance(c.value, (int, float))]
-    if measured:
-        lines += [
-            "# HELP dynprof_healthcheck_measurement Functional measurement (unit in the metric name).",
-            "# TYPE dynprof_healthcheck_measurement gauge",
-        ]
-        for c in measured:
+        exit_family.add_metric([host, level], report.exit_code)
+        yield exit_family
+        duration = GaugeMetricFamily(
+            "dynprof_healthcheck_duration_seconds", "Wall time of the last healthcheck.", labels=["host", "level"]
+        )
+        duration.add_metric([host, level], round(report.duration_s, 3))
+        yield duration
+        # One series per check and device (and path or port); where a check has several results
+        # for the same labels, the worst status is exported. Label sets differ by check (path,
+        # port), so the samples are added one by one.
+        status = Metric(
+            "dynprof_healthcheck_check_status",
+            "Status of each check: 0 pass, 1 warn, 2 fail, 3 unknown, -1 skipped.",
+            "gauge",
+        )
+        order = {Status.SKIPPED: 0, Status.PASS: 1, Status.WARN: 2, Status.UNKNOWN: 3, Status.FAIL: 4}
+        chosen: dict[tuple[str, str, tuple[tuple[str, str], ...]], Status] = {}
+        for c in report.checks:
             device = "node" if c.device is None else str(c.device)
-            lines.append(
-                f'dynprof_healthcheck_measurement{{host="{host}",metric="{_label(c.metric)}",'
-                f'device="{device}"}} {float(c.value or 0):.6g}'
+            extra: tuple[tuple[str, str], ...] = ()
+            if c.name == "disk_free" and "path" in c.details:
+                extra = (("path", str(c.details["path"])),)
+            elif c.name == "ib_ports" and "device" in c.details:
+                extra = (("port", f"{c.details['device']}/{c.details['port']}"),)
+            key = (c.name, device, extra)
+            if key not in chosen or order[c.status] > order[chosen[key]]:
+                chosen[key] = c.status
+        for (name, device, extra), st in chosen.items():
+            status.add_sample(
+                "dynprof_healthcheck_check_status",
+                {"host": host, "check": name, "device": device, **dict(extra)},
+                STATUS_CODES[st],
             )
-    return "\n".join(lines) + "\n"
+        yield status
+        measured = [c for c in report.checks if c.metric and isinstance(c.value, (int, float))]
+        if measured:
+            family = Metric(
+                "dynprof_healthcheck_measurement", "Functional measurement (unit in the metric name).", "gauge"
+            )
+            for c in measured:
+                device = "node" if c.device is None else str(c.device)
+                family.add_sample(
+                    "dynprof_healthcheck_measurement",
+                    {"host": host, "metric": str(c.metric), "device": device},
+                    float(f"{float(c.value or 0):.6g}"),
+                )
+            yield family
 
 
 def write_atomically(path: str | Path, text: str) -> None:

@@ -27,6 +27,7 @@ import threading
 from typing import Any
 
 from dynprof import errors
+from dynprof.arguments import nonnegative_float, seconds
 from dynprof.cli._common import host_arg, path_arg, port
 from dynprof.tokens import check_token, read_token_file
 
@@ -87,6 +88,7 @@ MAX_HEADER_BYTES = 64 * 1024
 SHUTDOWN_TIMEOUT_S = 5.0
 MAX_THREADS = 256
 MAX_ACTIONS = 64
+MIN_PROGRESS_EVERY_S = 0.2
 
 
 def _count(lo: int, hi: int) -> Any:
@@ -140,8 +142,10 @@ class ServeCommand:
 
     The node's sidecar: it lists the agents, runs the CLI's own commands on them (start, stop,
     stacks, memory, nccl, ps, ls, healthcheck) and answers with their --json, and serves the
-    artifacts. Every request needs the token (Authorization: Bearer, or the URL printed at
-    start); GET /healthz alone answers without it, with "ok". Reference: docs/api.md.
+    artifacts. It reads every rank's progress every --progress-every seconds, for GET
+    /api/progress and for Prometheus at GET /metrics (docs/metrics.md). Every request needs the
+    token (Authorization: Bearer, or the URL printed at start); GET /healthz alone answers
+    without it, with "ok". Reference: docs/api.md.
     """
 
     def prepare_parser(self, parser: argparse.ArgumentParser) -> None:
@@ -192,10 +196,30 @@ class ServeCommand:
         )
         parser.add_argument("--certfile", type=path_arg, metavar="PEM", help="serve HTTPS with this certificate")
         parser.add_argument("--keyfile", type=path_arg, metavar="PEM", help="the certificate's private key")
+        parser.add_argument(
+            "--progress-every",
+            type=nonnegative_float(3600.0),
+            default=2.0,
+            metavar="S",
+            help="read every rank's progress from its agent every S seconds, for /api/progress and /metrics "
+            f"(default 2; at least {MIN_PROGRESS_EVERY_S:g}; 0: read only when asked)",
+        )
+        parser.add_argument(
+            "--stall-after",
+            type=seconds,
+            metavar="S",
+            help="the stall time /metrics exports for every job (dynprof_stall_after_seconds); "
+            "default: the larger of 60 s and 20x the median step time of the job's ranks",
+        )
 
     def run(self, args: argparse.Namespace) -> int:
         if bool(args.certfile) != bool(args.keyfile):
             raise errors.UsageError("give --certfile and --keyfile together (TLS needs both)")
+        if 0 < args.progress_every < MIN_PROGRESS_EVERY_S:
+            raise errors.UsageError(
+                f"--progress-every {args.progress_every:g} is below {MIN_PROGRESS_EVERY_S:g} s",
+                help="Poll every few seconds (default 2), or give 0 to read only when asked.",
+            )
         if args.max_actions >= args.threads:
             raise errors.UsageError(
                 f"--max-actions {args.max_actions} needs --threads above it (now {args.threads})",
@@ -213,7 +237,12 @@ class ServeCommand:
 
         token, source = resolve_token(args.token, args.token_file)
         fanout, own_file = (None, None) if args.no_job_wide else _fanout_config(token, source, args.cacert)
+        from dynprof.identity import detect
+        from dynprof.sidecar.progress import ProgressBook
+
+        book = ProgressBook(detect().host, args.progress_every, stall_after=args.stall_after)
         app = create_app(
+            progress=book,
             commands=action_commands(),
             views=page_views(),
             token=token,
@@ -237,9 +266,11 @@ class ServeCommand:
         if source != "generated":
             print(f"dynprof: token from {source}", file=sys.stderr)
         sys.stderr.flush()
+        book.start()
         try:
             return _serve_until_signalled(server)
         finally:
+            book.stop()
             if own_file:
                 with contextlib.suppress(OSError):
                     os.unlink(own_file)

@@ -23,6 +23,8 @@ requests are logged to stderr, one line each, without the token, at most
     GET  /api/v1/artifacts?job=&kind=&limit=        JSON, as `dynprof ls --json`
     GET  /api/v1/artifacts/<id>                     JSON manifest and rendered summary
     GET  /api/v1/artifacts/<id>/files/<name>        a file of the artifact (only files its manifest lists)
+    GET  /api/v1/progress?job=                      each rank's progress (dynprof.progress document)
+    GET  /metrics                                   Prometheus exposition (docs/metrics.md)
 
 The unversioned ``/api/agents`` and ``/api/artifacts...`` are the same as their ``/api/v1/``
 twins.
@@ -63,11 +65,14 @@ from dynprof.sidecar.actions import (
     ActionSlots,
     FanoutConfig,
 )
+from dynprof.sidecar.metrics import CONTENT_TYPE, CaptureCounts, SidecarCollector, exposition, registry_of
 from dynprof.sidecar.page import PAGE_JS, PAGE_STYLE, VerdictItem, live_html, verdict_item, verdicts_html
+from dynprof.sidecar.progress import ProgressBook
 from dynprof.store import Artifact, ArtifactStore
 
 if TYPE_CHECKING:
     from dynprof.registry import AgentRecord
+    from dynprof.watch.model import WatchGauges
 from dynprof.units import human_age, human_bytes
 from dynprof.watch.model import VERDICT_KIND, NodeProgress
 from dynprof.watch.progress import read_progress
@@ -335,6 +340,8 @@ def create_app(
     fanout: FanoutConfig | None = None,
     commands: Mapping[str, ActionCommand] | None = None,
     views: PageViews = NO_VIEWS,
+    progress: ProgressBook | None = None,
+    watch_gauges: Callable[[], list[WatchGauges]] | None = None,
 ) -> Flask:
     """The sidecar's app. ``token`` is required on every request but ``/healthz``; ``None``
     turns the check off, which only tests of the page itself do (``dynprof serve`` always sets
@@ -343,8 +350,10 @@ def create_app(
     ``fanout`` lets actions take ``hosts`` (a job-wide view through the other nodes' sidecars).
     ``commands`` are what the actions run (``dynprof serve`` builds them from the CLI's commands;
     without them, an action answers that it has no command); ``views`` how agents and
-    artifacts are shown (without them, none are listed nor summarised). ``run_action`` replaces
-    :meth:`ActionSlots.run` (tests)."""
+    artifacts are shown (without them, none are listed nor summarised). ``progress`` is the
+    node's progress book (``dynprof serve`` starts its poller; without one, ``/api/progress``
+    reads on demand and ``/metrics`` reads at most once a second); ``watch_gauges`` what a
+    hosted watch exports on ``/metrics``. ``run_action`` replaces :meth:`ActionSlots.run` (tests)."""
     app = Flask("dynprof")
     app.config["MAX_CONTENT_LENGTH"] = MAX_REQUEST_BYTES
     store = store or ArtifactStore()
@@ -352,6 +361,17 @@ def create_app(
     slots = ActionSlots(max_actions, fanout, commands)
     runner = run_action or slots.run
     refusals = refusals or RefusalLog()
+    book = progress or ProgressBook(detect().host, every_s=0.0)
+    metrics_registry = registry_of(SidecarCollector(book, CaptureCounts(store), watch_gauges))
+    if progress is not None and progress.every_s > 0:  # the page's live state from the poller's book too
+
+        def page_progress() -> NodeProgress:
+            view = book.view()
+            if book.fresh(view):
+                return book.progress(None, view)
+            return read_progress(list_records(), detect().host, None, timeout=0.5)
+
+        app.config.setdefault("DYNPROF_PAGE_PROGRESS", page_progress)
     csrf = secrets.token_urlsafe(32)  # per server; the page carries it, a cross-site page cannot read it
     app.config["DYNPROF_CSRF"] = csrf
     werkzeug_log = logging.getLogger("werkzeug")
@@ -540,7 +560,16 @@ def create_app(
         job = request.args.get("job") or None
         if job is not None and len(job) > 200:
             return _error(400, "job: at most 200 characters")
+        view = book.view()
+        if book.fresh(view):  # the poller's book: no agent is asked for this request
+            return jsonify(book.progress(job, view).to_json())
         return jsonify(read_progress(list_records(), detect().host, job).to_json())
+
+    @app.get("/metrics")
+    def metrics() -> Response:
+        if book.every_s <= 0:  # no poller: read now, at most once a second whatever the scrapers
+            book.poll_if_stale(book.on_demand_max_age_s)
+        return Response(exposition(metrics_registry), content_type=CONTENT_TYPE)
 
     def api_artifact(artifact_id: str) -> Response:
         art = _get(artifact_id)

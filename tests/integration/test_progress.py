@@ -62,3 +62,84 @@ def test_progress_refuses_an_overlong_job_name(tmp_path):
     answer = client.get("/api/progress?job=" + "j" * 300)
     assert answer.status_code == 400
     assert "200 characters" in answer.get_json()["error"]
+
+
+def test_the_sidecars_poller_keeps_a_stopped_ranks_last_step(spawn, tmp_path):
+    # GIVEN a real sidecar polling every 0.5 s, and a rank of a job that then stops (SIGSTOP)
+    import json
+    import socket
+    import subprocess
+    import sys
+    import urllib.request
+
+    rank = spawn(
+        ["tests/integration/programs/train_program.py", "--step-sleep", "0.05"],
+        env={"DYNPROF_JOB_ID": "pp", "RANK": "0", "WORLD_SIZE": "1"},
+    )
+    (pid,) = rank.ready_pids()
+    token = tmp_path / "token"
+    token.write_text("progress-poller-token-0123456789\n")
+    token.chmod(0o600)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k != "DYNPROF_TOKEN_FILE"}
+    with open(tmp_path / "serve.log", "wb") as log:
+        serve = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "dynprof",
+                "serve",
+                "--port",
+                str(port),
+                "--token-file",
+                str(token),
+                "--progress-every",
+                "0.5",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=log,
+            env=env,
+            start_new_session=True,
+        )
+
+    def progress() -> NodeProgress | None:
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/api/progress?job=pp",
+            headers={"Authorization": "Bearer progress-poller-token-0123456789"},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=10) as answer:
+                return NodeProgress.from_json(json.loads(answer.read()))
+        except OSError:
+            assert serve.poll() is None, (tmp_path / "serve.log").read_text()
+            return None
+
+    stopped = False
+    try:
+        stepped = _wait(lambda: (p := progress()) and p.ranks and p.ranks[0].step > 0 and p)
+        assert stepped.poll_every_s == 0.5
+        os.kill(pid, signal.SIGSTOP)
+        stopped = True
+        # WHEN the poller has seen its agent not answer
+        seen = _wait(lambda: (p := progress()) and p.ranks and p.ranks[0].agent == "unresponsive" and p)
+        # THEN the rank keeps the step it reached and the time of it, its age growing
+        (row,) = seen.ranks
+        assert row.pid == pid and row.process_state == "stopped"
+        assert row.step >= stepped.ranks[0].step > 0 and row.last_step_at > 0
+        later = _wait(
+            lambda: (
+                (p := progress()) and p.ranks and (p.ranks[0].last_step_age_s or 0) > (row.last_step_age_s or 0) and p
+            )
+        )
+        assert later.ranks[0].step == row.step
+    finally:
+        if stopped:
+            os.kill(pid, signal.SIGCONT)
+        serve.terminate()
+        try:
+            serve.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            serve.kill()
+            serve.wait(timeout=15)

@@ -110,14 +110,34 @@ def test_table_has_a_row_per_check_and_the_verdict():
     assert "gemm_bf16" not in brief and "disk_free" in brief
 
 
+def _prometheus_samples(text: str) -> list[tuple[str, dict[str, str], float]]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return [(x.name, x.labels, x.value) for f in text_string_to_metric_families(text) for x in f.samples]
+
+
 def test_prometheus_text_format():
+    # GIVEN a report; WHEN it is written in the Prometheus text format (by prometheus_client)
     text = render_prometheus(sample_report())
+    # THEN Prometheus's own parser reads the same names, labels and values as before
+    samples = _prometheus_samples(text)
+    host = 'node"7'
+    assert ("dynprof_healthcheck_exit_code", {"host": host, "level": "standard"}, 2.0) in samples
+    assert ("dynprof_healthcheck_check_status", {"host": host, "check": "ecc_errors", "device": "1"}, 2.0) in samples
+    assert ("dynprof_healthcheck_check_status", {"host": host, "check": "nvlink", "device": "0"}, -1.0) in samples
+    assert (
+        "dynprof_healthcheck_check_status",
+        {"host": host, "check": "disk_free", "device": "node", "path": "/"},
+        1.0,
+    ) in samples
+    assert (
+        "dynprof_healthcheck_measurement",
+        {"host": host, "metric": "gemm_bf16_tflops", "device": "0"},
+        712.34,
+    ) in samples
     lines = text.splitlines()
-    assert 'dynprof_healthcheck_exit_code{host="node\\"7",level="standard"} 2' in lines
-    assert 'dynprof_healthcheck_check_status{host="node\\"7",check="ecc_errors",device="1"} 2' in lines
-    assert 'dynprof_healthcheck_check_status{host="node\\"7",check="nvlink",device="0"} -1' in lines
-    assert 'dynprof_healthcheck_check_status{host="node\\"7",check="disk_free",device="node",path="/"} 1' in lines
-    assert 'dynprof_healthcheck_measurement{host="node\\"7",metric="gemm_bf16_tflops",device="0"} 712.34' in lines
+    assert 'dynprof_healthcheck_exit_code{host="node\\"7",level="standard"} 2.0' in lines  # escaped, as before
+    assert "# TYPE dynprof_healthcheck_check_status gauge" in lines
     assert all(line.startswith(("# HELP", "# TYPE", "dynprof_healthcheck_")) for line in lines)
 
 
@@ -390,7 +410,7 @@ def test_prometheus_exports_the_worst_status_of_a_check_with_several_results():
         CheckResult("xid_kernel_log", Status.PASS, "none"),
         CheckResult("xid_kernel_log", Status.WARN, "XID 13 on a device not checked here"),
     ]
-    lines = render_prometheus(report).splitlines()
-    assert [line for line in lines if 'check="xid_kernel_log"' in line] == [
-        'dynprof_healthcheck_check_status{host="node\\"7",check="xid_kernel_log",device="node"} 1'
+    samples = _prometheus_samples(render_prometheus(report))
+    assert [x for x in samples if x[1].get("check") == "xid_kernel_log"] == [
+        ("dynprof_healthcheck_check_status", {"host": 'node"7', "check": "xid_kernel_log", "device": "node"}, 1.0)
     ]
