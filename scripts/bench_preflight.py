@@ -15,7 +15,7 @@ estimate therefore takes the fan-out's own cost per node from the runs, not the 
     python scripts/bench_preflight.py --nodes 8,16,32,64 --level quick
 
 :class:`SimFleet` is also what tests/integration/test_healthcheck_fleet.py starts its nodes with
-(``slow`` nodes run pinned to one CPU that a spinner process shares with them).
+(``slow`` nodes run in a cgroup limited to a small share of one CPU).
 """
 
 from __future__ import annotations
@@ -58,23 +58,62 @@ class SimNode:
     port: int
     run_dir: Path
     proc: subprocess.Popen[bytes]
-    spinner: subprocess.Popen[bytes] | None = None
 
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
 
+def cpu_cgroup_root() -> Path | None:
+    """Where a CPU-limited cgroup can be made here (v2: the unified root with the cpu
+    controller; v1: the cpu hierarchy), or None."""
+    v2 = Path("/sys/fs/cgroup")
+    if (v2 / "cgroup.controllers").is_file() and "cpu" in (v2 / "cgroup.controllers").read_text().split():
+        candidates = [v2]
+    else:
+        candidates = [v2 / "cpu", v2 / "cpu,cpuacct"]
+    for root in candidates:
+        probe = root / f"dynprof-probe-{os.getpid()}"
+        try:
+            probe.mkdir()
+        except OSError:
+            continue
+        probe.rmdir()
+        return root
+    return None
+
+
+def limit_cpu(pid: int, name: str, fraction: float) -> Path:
+    """Put process ``pid`` (and so every child it starts from now on) in a new cgroup that may
+    use ``fraction`` of one CPU."""
+    root = cpu_cgroup_root()
+    if root is None:
+        raise RuntimeError("no writable cgroup with the cpu controller here")
+    group = root / name
+    group.mkdir(exist_ok=True)
+    period = 100_000
+    if (group / "cpu.max").exists():
+        (group / "cpu.max").write_text(f"{int(period * fraction)} {period}\n")
+    else:
+        (group / "cpu.cfs_period_us").write_text(f"{period}\n")
+        (group / "cpu.cfs_quota_us").write_text(f"{int(period * fraction)}\n")
+    (group / "cgroup.procs").write_text(f"{pid}\n")
+    return group
+
+
 @dataclass
 class SimFleet:
-    """``count`` sidecars on 127.0.0.2, 127.0.0.3, ...; the nodes in ``slow`` run with their
-    sidecar (and so their healthcheck's children) pinned to CPU 0, which a busy-looping process
-    pinned there shares with them: honestly slower, not scaled."""
+    """``count`` sidecars on 127.0.0.2, 127.0.0.3, ...; the nodes in ``slow`` are honestly
+    slower, not scaled: once its sidecar listens, it is moved into a cgroup that may use
+    ``slow_cpu`` (default 5 %) of one CPU, so the healthcheck it starts, and the measurements
+    that healthcheck makes, get that much."""
 
     count: int
     workdir: Path
     slow: frozenset[int] = frozenset()
+    slow_cpu: float = 0.05
     nodes: list[SimNode] = field(default_factory=list)
+    cgroups: list[Path] = field(default_factory=list)
 
     @property
     def token_file(self) -> Path:
@@ -84,7 +123,6 @@ class SimFleet:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.token_file.write_text(TOKEN + "\n")
         self.token_file.chmod(0o600)
-        taskset = shutil.which("taskset")
         for i in range(self.count):
             host = f"127.0.0.{i + 2}"
             port = free_port(host)
@@ -97,22 +135,13 @@ class SimFleet:
                 "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
             }
             env.pop("DYNPROF_TOKEN_FILE", None)
-            pin: list[str] = []
-            spinner = None
-            if i in self.slow:
-                if taskset is None:
-                    raise RuntimeError("taskset is needed for a slow node")
-                pin = [taskset, "-c", "0"]
-                spinner = subprocess.Popen(
-                    [*pin, sys.executable, "-c", "while True: pass"], start_new_session=True, env=env
-                )
-            cmd = [*pin, sys.executable, "-m", "dynprof", "serve", "--host", host, "--port", str(port)]
+            cmd = [sys.executable, "-m", "dynprof", "serve", "--host", host, "--port", str(port)]
             cmd += ["--token-file", str(self.token_file)]
             with open(self.workdir / f"serve-{i}.log", "wb") as log:
                 proc = subprocess.Popen(
                     cmd, env=env, cwd=str(ROOT), stdout=subprocess.DEVNULL, stderr=log, start_new_session=True
                 )
-            self.nodes.append(SimNode(host, port, run_dir, proc, spinner))
+            self.nodes.append(SimNode(host, port, run_dir, proc))
         deadline = time.monotonic() + timeout
         for node in self.nodes:
             while True:
@@ -125,6 +154,9 @@ class SimFleet:
                     if time.monotonic() > deadline:
                         raise RuntimeError(f"dynprof serve on {node.address} is not listening") from None
                     time.sleep(0.1)
+        for i in sorted(self.slow):
+            name = f"dynprof-slow-node-{os.getpid()}-{i}"
+            self.cgroups.append(limit_cpu(self.nodes[i].proc.pid, name, self.slow_cpu))
 
     def hosts(self, indices: list[int] | None = None) -> str:
         chosen = self.nodes if indices is None else [self.nodes[i] for i in indices]
@@ -132,23 +164,25 @@ class SimFleet:
 
     def stop(self) -> None:
         for node in self.nodes:
-            for proc in (node.proc, node.spinner):
-                if proc is None or proc.poll() is not None:
-                    continue
+            if node.proc.poll() is None:
                 try:
-                    os.killpg(proc.pid, signal.SIGTERM)
+                    os.killpg(node.proc.pid, signal.SIGTERM)
                 except ProcessLookupError:
-                    continue
+                    pass
         for node in self.nodes:
-            for proc in (node.proc, node.spinner):
-                if proc is None:
-                    continue
-                try:
-                    proc.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait(timeout=15)
+            try:
+                node.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(node.proc.pid, signal.SIGKILL)
+                node.proc.wait(timeout=15)
             shutil.rmtree(node.run_dir, ignore_errors=True)
+        for group in self.cgroups:
+            for _ in range(50):  # its processes are gone once the kernel has reaped them
+                try:
+                    group.rmdir()
+                    break
+                except OSError:
+                    time.sleep(0.1)
 
     def __enter__(self) -> SimFleet:
         try:

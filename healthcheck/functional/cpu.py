@@ -5,8 +5,11 @@ Run in a functional-check worker on the CPU device (``healthcheck.functional.wor
 CPU is throttled, shared or pinned to fewer cores than its peers shows here, and a CPU-only
 node has figures the job-wide peer comparison can use. Each takes well under a second.
 
-Both carry ``peer_group`` (the CPU model) in their details: nodes are compared with nodes of
-the same CPU only.
+Both run on one thread by default: one core's throughput, which is stable from run to run and
+from node to node (a multi-threaded BLAS on a busy machine mostly measures its threads waiting
+for each other); a node whose cores are throttled, slower or oversubscribed shows. Both carry
+``peer_group`` (the CPU model) in their details: nodes are compared with nodes of the same CPU
+only.
 """
 
 from __future__ import annotations
@@ -52,10 +55,13 @@ def _details(**extra: object) -> dict[str, object]:
     }
 
 
-def host_gemm(n: int = 1024, measure_s: float = 0.4, repeats: int = 3, warmup_s: float = 0.1) -> Measurement:
-    """float32 ``n`` x ``n`` x ``n`` matrix products on the CPU (torch's own BLAS, its default
+def host_gemm(
+    n: int = 1024, measure_s: float = 0.4, repeats: int = 3, warmup_s: float = 0.1, threads: int = 1
+) -> Measurement:
+    """float32 ``n`` x ``n`` x ``n`` matrix products on the CPU (torch's own BLAS on ``threads``
     threads), GFLOP/s as the median of ``repeats`` timed runs; a few rows are recomputed in
     float64 (relative error <= 1e-4)."""
+    torch.set_num_threads(max(1, threads))
     gen = torch.Generator(device="cpu").manual_seed(4321)
     a = torch.randn(n, n, generator=gen, dtype=torch.float32)
     b = torch.randn(n, n, generator=gen, dtype=torch.float32)
@@ -94,9 +100,13 @@ def host_gemm(n: int = 1024, measure_s: float = 0.4, repeats: int = 3, warmup_s:
     )
 
 
-def host_memory_bandwidth(size_bytes: int = 128 * 1024**2, iters: int = 4, repeats: int = 3) -> Measurement:
-    """Host memory copy bandwidth (bytes read plus bytes written per second) of a buffer well
-    beyond the caches, the median of ``repeats`` timed runs of ``iters`` copies."""
+def host_memory_bandwidth(
+    size_bytes: int = 128 * 1024**2, iters: int = 4, repeats: int = 3, threads: int = 1
+) -> Measurement:
+    """Host memory copy bandwidth (bytes read plus bytes written per second, on ``threads``
+    threads) of a buffer well beyond the caches, the median of ``repeats`` timed runs of
+    ``iters`` copies."""
+    torch.set_num_threads(max(1, threads))
     n = max(1, size_bytes // 4)
     src = torch.empty(n, dtype=torch.float32).fill_(1.0)
     dst = torch.empty_like(src)
