@@ -7,7 +7,9 @@ node has figures the job-wide peer comparison can use. Each takes well under a s
 
 Both run on one thread by default: one core's throughput, which is stable from run to run and
 from node to node (a multi-threaded BLAS on a busy machine mostly measures its threads waiting
-for each other); a node whose cores are throttled, slower or oversubscribed shows. Both carry
+for each other); a node whose cores are throttled, slower or oversubscribed shows. The figure is
+the best of a few short runs (the least disturbed one): a node slow in every run is slow, a
+node that another process interrupted once is not. Both carry
 ``peer_group`` (the CPU model) in their details: nodes are compared with nodes of the same CPU
 only.
 """
@@ -56,10 +58,10 @@ def _details(**extra: object) -> dict[str, object]:
 
 
 def host_gemm(
-    n: int = 1024, measure_s: float = 0.4, repeats: int = 3, warmup_s: float = 0.1, threads: int = 1
+    n: int = 1024, measure_s: float = 0.4, repeats: int = 5, warmup_s: float = 0.1, threads: int = 1
 ) -> Measurement:
     """float32 ``n`` x ``n`` x ``n`` matrix products on the CPU (torch's own BLAS on ``threads``
-    threads), GFLOP/s as the median of ``repeats`` timed runs; a few rows are recomputed in
+    threads), GFLOP/s of the best of ``repeats`` timed runs; a few rows are recomputed in
     float64 (relative error <= 1e-4)."""
     torch.set_num_threads(max(1, threads))
     gen = torch.Generator(device="cpu").manual_seed(4321)
@@ -90,7 +92,7 @@ def host_gemm(
     return Measurement(
         "host_gemm_fp32",
         "host_gemm_fp32_gflops",
-        rates[len(rates) // 2],
+        rates[-1],
         "GFLOP/s",
         ok,
         "" if ok else f"wrong results: relative error {rel_err:.2e} > 1e-04",
@@ -101,11 +103,11 @@ def host_gemm(
 
 
 def host_memory_bandwidth(
-    size_bytes: int = 128 * 1024**2, iters: int = 4, repeats: int = 3, threads: int = 1
+    size_bytes: int = 128 * 1024**2, iters: int = 2, repeats: int = 5, threads: int = 1
 ) -> Measurement:
     """Host memory copy bandwidth (bytes read plus bytes written per second, on ``threads``
-    threads) of a buffer well beyond the caches, the median of ``repeats`` timed runs of
-    ``iters`` copies."""
+    threads) of a buffer well beyond the caches, the best of ``repeats`` timed runs of ``iters``
+    copies."""
     torch.set_num_threads(max(1, threads))
     n = max(1, size_bytes // 4)
     src = torch.empty(n, dtype=torch.float32).fill_(1.0)
@@ -122,7 +124,7 @@ def host_memory_bandwidth(
     return Measurement(
         "host_memory_bandwidth",
         "host_memory_bandwidth_gbps",
-        rates[len(rates) // 2],
+        rates[-1],
         "GB/s",
         ok,
         "" if ok else "copied data does not match",
