@@ -112,6 +112,7 @@ class SimFleet:
     workdir: Path
     slow: frozenset[int] = frozenset()
     slow_cpu: float = 0.05
+    serve_args: dict[int, list[str]] = field(default_factory=dict)  # more `dynprof serve` options, by node
     nodes: list[SimNode] = field(default_factory=list)
     cgroups: list[Path] = field(default_factory=list)
 
@@ -136,7 +137,7 @@ class SimFleet:
             }
             env.pop("DYNPROF_TOKEN_FILE", None)
             cmd = [sys.executable, "-m", "dynprof", "serve", "--host", host, "--port", str(port)]
-            cmd += ["--token-file", str(self.token_file)]
+            cmd += ["--token-file", str(self.token_file), *self.serve_args.get(i, [])]
             with open(self.workdir / f"serve-{i}.log", "wb") as log:
                 proc = subprocess.Popen(
                     cmd, env=env, cwd=str(ROOT), stdout=subprocess.DEVNULL, stderr=log, start_new_session=True

@@ -93,3 +93,77 @@ def test_a_healthy_set_flags_nothing(sims):
     assert doc["counts"]["healthy"] + doc["counts"]["warning"] == 3
     assert doc["exit_code"] == out.returncode and out.returncode in (0, 1)
     assert all(f["compared"] and f["slow"] == 0 for f in doc["peer"]["figures"])
+
+
+class _HostileNode:
+    """A loopback HTTP server that answers every request as ``answer(path)`` says:
+    (status, body bytes)."""
+
+    def __init__(self, answer: Any) -> None:
+        import http.server
+        import threading
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                self.rfile.read(length)
+                status, body = answer(self.path)
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.address = f"127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _envelope(result_text: str, exit_code: int = 0) -> bytes:
+    head = '{"api": 1, "action": "healthcheck", "host": "evil", "dynprof_version": "9", '
+    return (head + f'"exit_code": {exit_code}, "result": {result_text}, "messages": [], "error": null}}').encode()
+
+
+def test_nodes_that_refuse_or_send_hostile_reports_are_named_never_healthy(tmp_path):
+    # GIVEN two real sidecars (one read-only: it refuses the healthcheck), a server that refuses the
+    # token, and three that answer the healthcheck action with hostile reports
+    report = {
+        "schema": "dynprof.healthcheck", "schema_version": 1, "host": "gpu01; reboot", "level": "quick",
+        "exit_code": 0, "devices": [], "checks": [{"name": "driver", "status": "pass"}],
+    }  # fmt: skip
+    nan = json.dumps(report).replace('"exit_code": 0', '"exit_code": 0, "duration_s": NaN')
+    wrong_type = json.dumps({**report, "checks": [{"name": "driver", "status": "pass", "value": [1, 2]}]})
+    shell_name = json.dumps({**report, "checks": [{"name": "$(reboot)", "status": "pass"}]})
+    hostile = [
+        _HostileNode(lambda path: (401, b'{"error": "unauthorized"}')),
+        _HostileNode(lambda path: (200, _envelope(nan))),
+        _HostileNode(lambda path: (200, _envelope(wrong_type))),
+        _HostileNode(lambda path: (200, _envelope(shell_name))),
+    ]
+    try:
+        with BENCH.SimFleet(2, tmp_path / "sims", serve_args={1: ["--read-only"]}) as sims:
+            hosts = ",".join([sims.hosts(), *(h.address for h in hostile)])
+
+            # WHEN the preflight asks all six
+            out = BENCH.preflight(sims, ["--level", "quick", "--expect-devices", "0", "--no-save", "--hosts", hosts])
+    finally:
+        for h in hostile:
+            h.close()
+
+    # THEN the healthy sidecar's node is checked, every other one is to drain with its code
+    doc = json.loads(out.stdout)
+    codes = [[r["code"] for r in n["reasons"]] for n in doc["nodes"]]
+    assert codes == [[], ["refused"], ["refused"], ["bad-report"], ["bad-report"], ["bad-report"]], doc["nodes"]
+    assert doc["nodes"][0]["status"] in ("healthy", "warning")
+    assert "403" in doc["nodes"][1]["error"] and "401" in doc["nodes"][2]["error"]
+    details = [n["reasons"][0]["detail"] for n in doc["nodes"][3:]]
+    assert "duration_s" in details[0] and "value" in details[1] and "name" in details[2]
+    assert doc["exit_code"] == 3 and out.returncode == 3
