@@ -254,6 +254,18 @@ def _summary_messages(report: fleet.FleetReport, drain_kind: str | None) -> list
     return out[:200]
 
 
+# Options the healthcheck action takes since the job-wide healthcheck: sent only when they are
+# not at their defaults, so that the sidecars of older releases still answer.
+NEWER_ACTION_OPTIONS = ("fail_below", "warn_below", "peer_fail", "peer_warn", "min_disk_gib", "xid_window")
+
+
+def _at_default(args: argparse.Namespace) -> dict[str, None]:
+    parser = argparse.ArgumentParser(add_help=False)
+    cli.prepare_parser(parser)
+    defaults = parser.parse_args([])
+    return {k: None for k in NEWER_ACTION_OPTIONS if getattr(args, k) == getattr(defaults, k)}
+
+
 def collect_nodes(args: argparse.Namespace, nodes: list[Any]) -> FleetResult:
     """Every node's sidecar runs its healthcheck at once; their reports are judged together."""
     from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -281,7 +293,7 @@ def collect_nodes(args: argparse.Namespace, nodes: list[Any]) -> FleetResult:
     wait = node_wait(args)
     client = client_for(args)
     client.timeout = args.node_timeout + SIDECAR_GRACE_S
-    options = forward_options("healthcheck", args, skip=sorted(args.skip) or None)
+    options = forward_options("healthcheck", args, skip=sorted(args.skip) or None, **_at_default(args))
     labels = node_labels(nodes)
     progress = Progress(enabled=not args.quiet)
     answers: dict[Any, Any] = {}

@@ -67,3 +67,18 @@ def test_labelled_output_is_split_per_task_and_bounded():
     assert out.outcome(0, "n0", False).report == {"a": 1}
     assert not out.outcome(1, "n1", False).answered
     assert "over 4 MiB" in (out.outcome(2, "n2", False).error or "")
+
+
+def test_options_at_their_defaults_are_not_sent_to_the_sidecars():
+    # GIVEN the job-wide options, one threshold changed
+    from dynprof.cli.healthcheck import _at_default
+    from dynprof.cli.job import forward_options
+
+    args = parse("--hosts", "a:1", "--fail-below", "0.8", "--skip", "disk_free")
+
+    # WHEN the healthcheck action's options are made
+    options = forward_options("healthcheck", args, skip=sorted(args.skip), **_at_default(args))
+
+    # THEN the changed one travels, the others at their defaults stay home (older sidecars know none of them)
+    assert options["fail_below"] == 0.8 and options["skip"] == ["disk_free"] and options["level"] == "quick"
+    assert not {"warn_below", "peer_fail", "peer_warn", "min_disk_gib", "xid_window"} & set(options)
