@@ -65,7 +65,7 @@ def level_plan(level: str) -> LevelPlan:
             "host_transfer": {"size_bytes": 512 * 1024**2, "iters": 20},
             "memory_pattern": {"fraction": 0.5},
             "allreduce": {"size_bytes": 256 * 1024**2, "warmup": 5, "iters": 20},
-            "host_gemm_fp32": {"n": 1024, "measure_s": 0.4, "repeats": 5},
+            "host_gemm_fp32": {"n": 1024, "measure_s": 1.0, "repeats": 5},
             "host_memory_bandwidth": {"size_bytes": 128 * 1024**2, "iters": 2, "repeats": 5},
         },
         timeouts={
