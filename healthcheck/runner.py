@@ -74,7 +74,9 @@ FUNCTIONAL_CHECKS = (
 )
 HOST_CHECKS = ("disk_free", "shm_size", "host_memory", "host_processes", "ib_ports", "ib_counters", "shared_fs")
 SHARED_FS_ENV = "DYNPROF_HEALTHCHECK_SHARED_FS"
-ALL_CHECKS = PASSIVE_CHECKS + FUNCTIONAL_CHECKS + HOST_CHECKS
+# The host's own figures at standard and full (healthcheck.functional.cpu), on every node.
+HOST_FUNCTIONAL_CHECKS = ("host_gemm_fp32", "host_memory_bandwidth")
+ALL_CHECKS = PASSIVE_CHECKS + FUNCTIONAL_CHECKS + HOST_CHECKS + HOST_FUNCTIONAL_CHECKS
 
 
 @dataclass
@@ -551,6 +553,30 @@ class _Run:
                     if m.value > item.measurement.value and m.ok:
                         item.measurement = m
 
+    def host_functional(self) -> None:
+        """The host's CPU and memory figures, in one worker on the CPU device; judged like the
+        other functional figures (no shipped baseline: the job-wide peer comparison uses them)."""
+        from healthcheck.functional.launcher import level_plan, run_workers
+
+        checks = [c for c in HOST_FUNCTIONAL_CHECKS if c not in self.o.skip]
+        if not checks:
+            return
+        t0 = time.monotonic()
+        self.progress("host CPU and memory figures")
+        outcomes, _ = run_workers(
+            [0], checks, level_plan(self.o.level), device_type="cpu", timeout_scale=self.o.timeout_scale
+        )
+        self.timed("host_functional", t0)
+        items: list[DeviceMeasurement] = []
+        for outcome in outcomes:
+            if outcome.error is not None:
+                self.add(CheckResult(outcome.check, Status.UNKNOWN, outcome.error, duration_s=outcome.duration_s))
+                continue
+            items.extend(
+                DeviceMeasurement(None, "host", m, [m.value], outcome.duration_s) for m in outcome.measurements
+            )
+        self.add(judge(items, {}, self.o.thresholds))
+
     def _skipped(self, check: str) -> bool:
         aliases = {"host_transfer": {"h2d_bandwidth", "d2h_bandwidth"}}
         names = aliases.get(check, {check})
@@ -656,6 +682,8 @@ def run(options: Options, progress: Callable[[str], None] | None = None) -> Repo
         _, why = state.probe(backend.close, f"{backend.name}: closing")
         if why is not None:
             state.timings["close_did_not_return"] = options.probe_timeout_s
+    if options.level != "quick":
+        state.host_functional()
     for name, what, call, started in host_calls:
         limit = options.probe_timeout_s
         try:

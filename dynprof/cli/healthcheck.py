@@ -1,15 +1,33 @@
-"""``dynprof healthcheck``: is this node fit to run a job?"""
+"""``dynprof healthcheck``: is this node fit to run a job? And, job-wide, every node of it?
+
+On this node: the checks of :mod:`healthcheck.cli`. Given nodes (``--hosts``, ``--hostfile``,
+``--slurm``), every node's sidecar runs its own healthcheck (the ``healthcheck`` action), all at
+once; with ``--srun``, ``srun`` starts one healthcheck per node of this allocation instead, no
+sidecar needed. Either way the nodes' reports are judged together by :mod:`healthcheck.fleet`
+(one table, peers across nodes, the nodes to drain; docs/preflight.md).
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
+from dynprof import errors
+from dynprof.cli._common import Progress
+from dynprof.cli._node_args import add_many_node_args, nodes_requested
 from dynprof.errors import DynprofError
 from dynprof.result import Result
-from healthcheck import cli
+from healthcheck import cli, fleet
 from healthcheck.baseline import learn, read_results
 from healthcheck.report import Report, render_table
 from healthcheck.result import EXIT_COULD_NOT_RUN
@@ -38,17 +56,126 @@ class LearnedBaseline(Result):
         self.output = output
 
 
+class FleetResult(Result):
+    """The job-wide report: ``--json`` prints the fleet document (schema ``dynprof.healthcheck.fleet``)."""
+
+    def __init__(self, report: fleet.FleetReport, drain_kind: str | None, failures_only: bool, messages: list[str]):
+        super().__init__({}, report.exit_code, messages)
+        self.report = report
+        self.drain_kind = drain_kind
+        self.failures_only = failures_only
+
+    def to_json(self) -> dict[str, Any]:
+        return self.report.to_json(self.drain_kind)
+
+
+DESCRIPTION = (
+    cli.DESCRIPTION
+    + """
+Job-wide (--hosts, --hostfile, --slurm: through each node's `dynprof serve`; --srun: one
+healthcheck per node of this Slurm allocation, no sidecar): every node is checked at once and
+the reports are judged together: a node whose functional figures are more than --peer-threshold
+below the fleet's median fails (peer-slow), and nodes that did not answer or did not finish are
+named, never counted healthy. --drain-command prints the scheduler's drain lines. The same exit
+codes, job-wide: 2 some node unhealthy, 3 some node could not be checked. See docs/preflight.md.
+"""
+)
+
+# How long each node's healthcheck may take job-wide, by level (times --timeout-scale), unless
+# --timeout says; the sidecar's healthcheck action allows at most 900 s.
+NODE_WAIT_S = {"quick": 120.0, "standard": 600.0, "full": 900.0}
+MAX_NODE_WAIT_S = 900.0
+SIDECAR_GRACE_S = 15.0  # a sidecar answers "timed out" up to 10 s after the action's limit
+DRAIN_KINDS = fleet.DRAIN_KINDS
+REFUSED_STATUSES = frozenset({400, 401, 403, 413, 429})
+# What srun's tasks may print: a node's report is tens of kilobytes.
+MAX_TASK_OUTPUT_BYTES = 4 * 1024 * 1024
+MAX_SRUN_OUTPUT_BYTES = 512 * 1024 * 1024
+MAX_TASK_VALUES = 200_000
+SRUN_START_S = 60.0  # srun's own start on top of each node's wait
+
+
+def _fraction(text: str) -> float:
+    from dynprof.arguments import parse_float
+
+    return parse_float(text, 0.0, 1.0, low_open=True, what="a fraction between 0 and 1")
+
+
+def add_fleet_arguments(parser: argparse.ArgumentParser) -> None:
+    add_many_node_args(parser)
+    group = parser.add_argument_group("job-wide preflight (see docs/preflight.md)")
+    group.add_argument(
+        "--srun",
+        action="store_true",
+        help="run one healthcheck per node of this Slurm allocation through srun (no sidecars), and judge "
+        "them together",
+    )
+    group.add_argument(
+        "--srun-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="with --srun: one more argument for srun (repeat it: --srun-arg=--overlap --srun-arg=--jobid=123)",
+    )
+    group.add_argument(
+        "--srun-python",
+        metavar="PATH",
+        help="with --srun: the Python that runs `-m healthcheck` on every node (default: this one, at the same path)",
+    )
+    group.add_argument(
+        "--timeout",
+        type=_seconds,
+        metavar="SEC",
+        help="job-wide: seconds each node's healthcheck may take (default by level: quick 120, standard 600, "
+        "full 900, times --timeout-scale; at most 900 through the sidecars)",
+    )
+    group.add_argument(
+        "--peer-threshold",
+        type=_fraction,
+        default=fleet.DEFAULT_PEER_THRESHOLD,
+        metavar="F",
+        help=f"job-wide: a functional figure more than F below the fleet's median fails its node (peer-slow; "
+        f"default {fleet.DEFAULT_PEER_THRESHOLD:g}; compared only over {fleet.MIN_PEER_NODES} nodes or more)",
+    )
+    group.add_argument(
+        "--drain-command",
+        choices=DRAIN_KINDS,
+        help="job-wide: print (never run) the lines that drain the nodes to drain: `scontrol update ... "
+        "State=DRAIN` (slurm) or `kubectl cordon` and `kubectl taint` (k8s), instead of the table",
+    )
+
+
+def _seconds(text: str) -> float:
+    from dynprof.arguments import parse_float
+
+    return parse_float(text, 0.0, 86400.0, low_open=True, what="seconds (0 < SEC <= 86400)")
+
+
 class HealthcheckCommand:
-    __doc__ = cli.DESCRIPTION
+    __doc__ = DESCRIPTION
 
     def prepare_parser(self, parser: argparse.ArgumentParser) -> None:
         cli.usage_errors_exit_3(parser)
         cli.prepare_parser(parser)
+        add_fleet_arguments(parser)
 
     def collect(self, args: argparse.Namespace) -> Result:
         try:
+            nodes = nodes_requested(args)
             if getattr(args, "hc_command", None) == "baseline":
+                if nodes is not None or args.srun:
+                    raise errors.UsageError("`healthcheck baseline learn` reads result files: it takes no nodes")
                 return _learn(args)
+            if args.srun:
+                if nodes is not None:
+                    raise errors.UsageError(
+                        "--srun starts the healthchecks itself: give it without --hosts/--hostfile/--slurm",
+                        help="--srun checks every node of this allocation; --slurm asks their sidecars.",
+                    )
+                return collect_srun(args)
+            if nodes is not None:
+                return collect_nodes(args, nodes)
+            _refuse_fleet_only(args)
             return _check(args)
         except DynprofError as exc:
             # Every healthcheck failure to run is exit 3, whatever the error's own code:
@@ -57,6 +184,10 @@ class HealthcheckCommand:
             raise
 
     def render(self, result: Result) -> str:
+        if isinstance(result, FleetResult):
+            if result.drain_kind:
+                return "\n".join(fleet.drain_commands(result.report, result.drain_kind))
+            return fleet.render_table(result.report, failures_only=result.failures_only)
         if isinstance(result, LearnedBaseline):
             return "" if result.output else json.dumps(result.doc, indent=2)
         assert isinstance(result, HealthReport)
@@ -82,3 +213,304 @@ def _learn(args: argparse.Namespace) -> LearnedBaseline:
     return LearnedBaseline(
         baseline, args.output, [f"baseline for {skus} from {len(results)} results written to {args.output}"]
     )
+
+
+# -- job-wide -------------------------------------------------------------------------------------
+def _refuse_fleet_only(args: argparse.Namespace) -> None:
+    given = [
+        flag
+        for flag, value in (
+            ("--drain-command", args.drain_command),
+            ("--timeout", args.timeout),
+            ("--srun-arg", args.srun_arg),
+            ("--srun-python", args.srun_python),
+            ("--peer-threshold", args.peer_threshold != fleet.DEFAULT_PEER_THRESHOLD),
+        )
+        if value
+    ]
+    if given:
+        raise errors.UsageError(
+            f"{given[0]} is for a job-wide healthcheck: give the nodes (--hosts, --hostfile, --slurm) or --srun",
+            help="See docs/preflight.md.",
+        )
+
+
+def node_wait(args: argparse.Namespace, cap: float | None = MAX_NODE_WAIT_S) -> float:
+    wait = args.timeout if args.timeout else NODE_WAIT_S.get(args.level, MAX_NODE_WAIT_S) * args.timeout_scale
+    return float(min(wait, cap) if cap is not None else wait)
+
+
+def _summary_messages(report: fleet.FleetReport, drain_kind: str | None) -> list[str]:
+    out = []
+    for v in report.verdicts:
+        if v.status == "unknown" and v.reasons:
+            out.append(f"healthcheck: node {v.outcome.label}: {v.reasons[0].describe()}")
+    if drain_kind:
+        counts = report.counts()
+        out.append(
+            f"healthcheck: verdict {report.verdict} (exit {report.exit_code}): {counts['drain']} of "
+            f"{counts['nodes']} node(s) to drain; the lines on stdout are printed, not run"
+        )
+    return out[:200]
+
+
+# Options the healthcheck action takes since the job-wide healthcheck: sent only when they are
+# not at their defaults, so that the sidecars of older releases still answer.
+NEWER_ACTION_OPTIONS = ("fail_below", "warn_below", "peer_fail", "peer_warn", "min_disk_gib", "xid_window")
+
+
+def _at_default(args: argparse.Namespace) -> dict[str, None]:
+    parser = argparse.ArgumentParser(add_help=False)
+    cli.prepare_parser(parser)
+    defaults = parser.parse_args([])
+    return {k: None for k in NEWER_ACTION_OPTIONS if getattr(args, k) == getattr(defaults, k)}
+
+
+def collect_nodes(args: argparse.Namespace, nodes: list[Any]) -> FleetResult:
+    """Every node's sidecar runs its healthcheck at once; their reports are judged together."""
+    from concurrent.futures import ThreadPoolExecutor, as_completed
+
+    from dynprof.cli.job import client_for, forward_options
+    from dynprof.job.answers import node_labels
+
+    local_only = [
+        flag
+        for flag, value in (
+            ("--smi-tool", args.smi_tool),
+            ("--baseline", args.baseline),
+            ("--disk", args.disk),
+            ("--prometheus", args.prometheus),
+        )
+        if value
+    ]
+    if local_only:
+        raise errors.UsageError(
+            f"{local_only[0]} names a file or tool of the node: it does not travel to the sidecars",
+            help="Each node's sidecar uses its own; with --srun every node's healthcheck takes it "
+            "(the same path on every node).",
+        )
+    started = time.monotonic()
+    wait = node_wait(args)
+    client = client_for(args)
+    client.timeout = args.node_timeout + SIDECAR_GRACE_S
+    options = forward_options("healthcheck", args, skip=sorted(args.skip) or None, **_at_default(args))
+    labels = node_labels(nodes)
+    progress = Progress(enabled=not args.quiet)
+    answers: dict[Any, Any] = {}
+    progress.update(f"healthcheck: 0/{len(nodes)} nodes answered")
+    with ThreadPoolExecutor(max_workers=min(client.max_in_flight, len(nodes))) as pool:
+        futures = {pool.submit(client.action, n, "healthcheck", options, wait): n for n in nodes}
+        for future in as_completed(futures):
+            answers[futures[future]] = future.result()
+            progress.update(f"healthcheck: {len(answers)}/{len(nodes)} nodes answered")
+    progress.done()
+    outcomes = []
+    for n in nodes:
+        a = answers[n]
+        failure = a.failure
+        outcomes.append(
+            fleet.NodeOutcome(
+                label=labels[n],
+                name=n.host,
+                answered=a.answered,
+                report=a.result if failure is None else None,
+                exit_code=a.exit_code,
+                error=a.error or (failure.message if failure else None),
+                error_type=failure.type if failure else None,
+                elapsed_s=a.elapsed_s,
+                refused=not a.answered and a.status in REFUSED_STATUSES,
+            )
+        )
+    report = fleet.judge(outcomes, args.peer_threshold, args.level, time.monotonic() - started, how="sidecars")
+    return FleetResult(report, args.drain_command, args.failures_only, _summary_messages(report, args.drain_command))
+
+
+# -- srun ---------------------------------------------------------------------------------------------
+_LABEL = re.compile(r"\s*([0-9]{1,7}): ?(.*)", re.DOTALL)
+
+
+def srun_command(args: argparse.Namespace, count: int) -> list[str]:
+    """``srun`` with one task per node of the allocation, each running ``python -m healthcheck --json``
+    with this command's node options."""
+    python = args.srun_python or sys.executable
+    argv = [
+        "srun",
+        f"--nodes={count}",
+        f"--ntasks={count}",
+        "--ntasks-per-node=1",
+        "--label",
+        "--kill-on-bad-exit=0",
+        *args.srun_arg,
+        python,
+        "-m",
+        "healthcheck",
+        "--json",
+        "--quiet",
+        f"--level={args.level}",
+        f"--backend={args.backend}",
+        f"--fail-below={args.fail_below!r}",
+        f"--warn-below={args.warn_below!r}",
+        f"--peer-fail={args.peer_fail!r}",
+        f"--peer-warn={args.peer_warn!r}",
+        f"--min-disk-gib={args.min_disk_gib!r}",
+        f"--xid-window={args.xid_window!r}",
+        f"--timeout-scale={args.timeout_scale!r}",
+    ]
+    if args.smi_tool:
+        argv.append(f"--smi-tool={args.smi_tool}")
+    if args.expect_devices is not None:
+        argv.append(f"--expect-devices={args.expect_devices}")
+    argv += [f"--baseline={b}" for b in args.baseline]
+    argv += [f"--disk={d}" for d in args.disk or []]
+    if args.skip:
+        argv.append(f"--skip={','.join(sorted(args.skip))}")
+    if args.prometheus:
+        argv.append(f"--prometheus={args.prometheus}")
+    if args.no_save:
+        argv.append("--no-save")
+    return argv
+
+
+class TaskOutput:
+    """Each srun task's lines (``--label``: ``T: text``), bounded per task and in all."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self.lines: dict[int, list[str]] = {}
+        self.sizes: dict[int, int] = {}
+        self.over: set[int] = set()
+        self.finished: set[int] = set()
+        self.total = 0
+        self.unlabelled = 0
+        self.lock = threading.Lock()
+
+    def add(self, line: str) -> None:
+        match = _LABEL.fullmatch(line.rstrip("\n"))
+        task = int(match.group(1)) if match else -1
+        if match is None or not 0 <= task < self.count:
+            self.unlabelled += 1
+            return
+        text = match.group(2)
+        with self.lock:
+            size = self.sizes.get(task, 0) + len(text) + 1
+            self.sizes[task] = size
+            if task in self.over:
+                return
+            if size > MAX_TASK_OUTPUT_BYTES or self.total + len(text) > MAX_SRUN_OUTPUT_BYTES:
+                self.over.add(task)
+                self.lines.pop(task, None)
+                return
+            self.total += len(text) + 1
+            self.lines.setdefault(task, []).append(text)
+            if text == "}":
+                self.finished.add(task)
+
+    def outcome(self, task: int, name: str, timed_out: bool) -> fleet.NodeOutcome:
+        from dynprof.untrusted import loads_json
+
+        label = name
+        if task in self.over:
+            why = f"its task printed over {MAX_TASK_OUTPUT_BYTES >> 20} MiB: refused"
+            return fleet.NodeOutcome(label, name, False, error=why)
+        text = "\n".join(self.lines.get(task, []))
+        if not text.strip():
+            why = "srun ran past the time limit before its task answered" if timed_out else "its task printed nothing"
+            return fleet.NodeOutcome(label, name, False, error=why)
+        try:
+            doc = loads_json(text, f"the output of srun task {task}", max_values=MAX_TASK_VALUES)
+        except DynprofError as exc:
+            return fleet.NodeOutcome(label, name, False, error=f"its task printed no JSON report ({exc.message})")
+        code = doc.get("exit_code") if isinstance(doc, dict) else None
+        return fleet.NodeOutcome(label, name, True, report=doc, exit_code=code if isinstance(code, int) else None)
+
+
+def _pump(stream: Any, sink: TaskOutput, progress: Progress) -> None:
+    for line in iter(lambda: stream.readline(MAX_TASK_OUTPUT_BYTES + 1), ""):
+        sink.add(line)
+        progress.update(f"healthcheck: {len(sink.finished)}/{sink.count} nodes answered")
+
+
+def collect_srun(args: argparse.Namespace) -> FleetResult:
+    """One ``python -m healthcheck --json`` per node of this allocation, through ``srun``; each
+    task's report read back bounded and judged with the others. Task T is the T-th node of the
+    allocation's node list (one task per node, in order)."""
+    from dynprof.job.discovery import slurm_hosts
+
+    if shutil.which("srun") is None:
+        raise errors.UsageError(
+            "--srun needs srun on PATH", help="Run it on a node of the Slurm cluster, inside the allocation."
+        )
+    if not (os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST")):
+        raise errors.UsageError(
+            "--srun checks the nodes of this Slurm allocation, and there is none here (SLURM_JOB_NODELIST is not set)",
+            help="Run it inside the allocation (salloc, sbatch), or ask the nodes' sidecars with --slurm JOB.",
+        )
+    hosts = slurm_hosts()
+    started = time.monotonic()
+    wait = node_wait(args, cap=None) + SRUN_START_S
+    argv = srun_command(args, len(hosts))
+    sink = TaskOutput(len(hosts))
+    progress = Progress(enabled=not args.quiet)
+    env = dict(os.environ)
+    env.pop("DYNPROF", None)  # the healthchecks are tools, not jobs
+    try:
+        proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            errors="replace",
+            env=env,
+            start_new_session=True,
+        )
+    except OSError as exc:
+        raise errors.UsageError(f"cannot start srun: {exc.strerror or exc}") from None
+    stderr_tail: list[str] = []
+
+    def read_stderr() -> None:
+        assert proc.stderr is not None
+        for line in iter(lambda: proc.stderr.readline(8192), ""):  # type: ignore[union-attr]
+            stderr_tail.append(line.rstrip("\n")[:500])
+            del stderr_tail[:-20]
+
+    readers = [
+        threading.Thread(target=_pump, args=(proc.stdout, sink, progress), daemon=True),
+        threading.Thread(target=read_stderr, daemon=True),
+    ]
+    for r in readers:
+        r.start()
+    timed_out = False
+    try:
+        proc.wait(timeout=wait)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        _end_group(proc)
+    finally:
+        if proc.poll() is None:
+            _end_group(proc)
+    for r in readers:
+        r.join(10)
+    progress.done()
+    outcomes = [sink.outcome(t, host, timed_out) for t, host in enumerate(hosts)]
+    report = fleet.judge(outcomes, args.peer_threshold, args.level, time.monotonic() - started, how="srun")
+    messages = _summary_messages(report, args.drain_command)
+    if timed_out:
+        messages.insert(0, f"healthcheck: srun ran past {wait:g} s and was stopped")
+    elif proc.returncode not in (0, 1, 2, 3) and stderr_tail:
+        messages.insert(0, f"healthcheck: srun exited {proc.returncode}: {stderr_tail[-1]}")
+    return FleetResult(report, args.drain_command, args.failures_only, messages)
+
+
+def _end_group(proc: subprocess.Popen[str]) -> None:
+    """SIGTERM srun (it stops its tasks), then SIGKILL its group if it lingers."""
+    for sig, grace in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            return
+        try:
+            proc.wait(timeout=grace)
+            return
+        except subprocess.TimeoutExpired:
+            continue

@@ -103,6 +103,7 @@ class NodeAnswer:
     elapsed_s: float = 0.0
     dynprof_version: str | None = None
     failure: CommandError | None = None  # the command ran and stopped on this error
+    status: int | None = None  # without an answer: the HTTP status the node refused with, if any
 
     @property
     def ok(self) -> bool:
@@ -382,7 +383,7 @@ class SidecarClient:
             )
             return _answer(node, doc, name, time.monotonic() - started)
         except NodeFailure as exc:
-            return NodeAnswer(node, False, error=exc.reason, elapsed_s=time.monotonic() - started)
+            return NodeAnswer(node, False, error=exc.reason, elapsed_s=time.monotonic() - started, status=exc.status)
 
     def action_all(
         self,

@@ -45,8 +45,12 @@ def level_plan(level: str) -> LevelPlan:
                 "memory_pattern": {"fraction": 0.9},
                 # The same message size as standard, so the baseline applies; more iterations.
                 "allreduce": {"size_bytes": 256 * 1024**2, "warmup": 5, "iters": 100},
+                "host_gemm_fp32": {"n": 1024, "measure_s": 2.0, "repeats": 5},
+                "host_memory_bandwidth": {"size_bytes": 256 * 1024**2, "iters": 8, "repeats": 5},
             },
             timeouts={
+                "host_gemm_fp32": 60,
+                "host_memory_bandwidth": 60,
                 "gemm_bf16": 180,
                 "memory_bandwidth": 120,
                 "host_transfer": 120,
@@ -61,12 +65,24 @@ def level_plan(level: str) -> LevelPlan:
             "host_transfer": {"size_bytes": 512 * 1024**2, "iters": 20},
             "memory_pattern": {"fraction": 0.5},
             "allreduce": {"size_bytes": 256 * 1024**2, "warmup": 5, "iters": 20},
+            "host_gemm_fp32": {"n": 1024, "measure_s": 1.0, "repeats": 5},
+            "host_memory_bandwidth": {"size_bytes": 128 * 1024**2, "iters": 2, "repeats": 5},
         },
-        timeouts={"gemm_bf16": 60, "memory_bandwidth": 30, "host_transfer": 30, "memory_pattern": 60, "allreduce": 120},
+        timeouts={
+            "gemm_bf16": 60,
+            "memory_bandwidth": 30,
+            "host_transfer": 30,
+            "memory_pattern": 60,
+            "allreduce": 120,
+            "host_gemm_fp32": 30,
+            "host_memory_bandwidth": 30,
+        },
     )
 
 
 PER_DEVICE_CHECKS = ("gemm_bf16", "memory_bandwidth", "host_transfer", "memory_pattern")
+# The host's own figures (healthcheck.functional.cpu): one worker on the CPU device, every node.
+HOST_FUNCTIONAL_CHECKS = ("host_gemm_fp32", "host_memory_bandwidth")
 
 
 @dataclass

@@ -110,6 +110,14 @@ def run_check(
         return host_transfer(device, sample=sampler.pcie, **params)
     if check == "memory_pattern":
         return [memory_pattern(device, **params)]
+    if check == "host_gemm_fp32":
+        from healthcheck.functional.cpu import host_gemm
+
+        return [host_gemm(**params)]
+    if check == "host_memory_bandwidth":
+        from healthcheck.functional.cpu import host_memory_bandwidth
+
+        return [host_memory_bandwidth(**params)]
     if check == "allreduce":
         import torch.distributed as dist
 

@@ -242,7 +242,12 @@ def test_a_job_wide_action_runs_in_a_child_with_the_sidecars_token_file(monkeypa
 # -- the rows hold to the commands' parsers ----------------------------------------------------------
 SAMPLES: dict[str, Any] = {"int": 1, "float": 1.5, "str": "x", "bool": True, "ints": [1, 2], "strs": ["x"]}
 # options whose parser accepts names only: a name it knows
-NAMED_SAMPLES: dict[str, Any] = {"activities": ["cpu"], "skip": ["disk_free"]}
+NAMED_SAMPLES: dict[str, Any] = {
+    "activities": ["cpu"],
+    "skip": ["disk_free"],
+    # fractions between 0 and 1
+    **dict.fromkeys(("fail_below", "warn_below", "peer_fail", "peer_warn"), 0.5),
+}
 KIND_TYPES: dict[str, tuple[type, ...]] = {"int": (int,), "float": (int, float), "str": (str,)}
 
 

@@ -1,0 +1,73 @@
+"""`dynprof healthcheck --srun`: one healthcheck per node of the allocation through srun, no
+sidecars; a fake ``srun`` on PATH starts the tasks on this machine (labelled output, as srun's
+``--label`` writes it), some of which misbehave."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+FAKE_SRUN = ROOT / "tests" / "integration" / "programs" / "fake_srun_program.py"
+
+
+def srun_on_path(directory: Path) -> str:
+    srun = directory / "srun"
+    srun.write_text(f'#!/bin/sh\nexec {sys.executable} {FAKE_SRUN} "$@"\n')
+    srun.chmod(0o755)
+    return f"{directory}{os.pathsep}{os.environ['PATH']}"
+
+
+def preflight(tmp_path: Path, nodelist: str, tasks: str, *extra: str) -> subprocess.CompletedProcess[str]:
+    env = {
+        **os.environ,
+        "PATH": srun_on_path(tmp_path),
+        "SLURM_JOB_NODELIST": nodelist,
+        "SLURM_JOB_ID": "4242",
+        "FAKE_SRUN_TASKS": tasks,
+        "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    }
+    cmd = [sys.executable, "-m", "dynprof", "healthcheck", "--srun", "--level", "quick", "--expect-devices", "0"]
+    return subprocess.run(
+        [*cmd, "--no-save", *extra], capture_output=True, text=True, timeout=300, env=env, cwd=str(ROOT)
+    )
+
+
+def test_every_task_is_a_node_and_tasks_that_print_nothing_garbage_or_too_much_are_named(tmp_path):
+    # GIVEN an allocation of five nodes where task 2 prints nothing, 3 garbage and 4 five MiB
+    # WHEN the preflight runs through srun
+    out = preflight(tmp_path, "gpu[01-05]", "2=silent,3=garbage,4=flood", "--json")
+
+    # THEN the two healthy tasks are their nodes' reports, and the three others did not answer
+    doc = json.loads(out.stdout)
+    assert doc["how"] == "srun"
+    by_node = {n["node"]: n for n in doc["nodes"]}
+    assert list(by_node) == ["gpu01", "gpu02", "gpu03", "gpu04", "gpu05"]
+    assert all(by_node[n]["status"] in ("healthy", "warning") for n in ("gpu01", "gpu02"))
+    assert all(by_node[n]["answered"] and by_node[n]["checks"] for n in ("gpu01", "gpu02"))
+    assert {d["node"]: d["reasons"][0]["code"] for d in doc["drain"]} == {
+        "gpu03": "unreachable",
+        "gpu04": "unreachable",
+        "gpu05": "unreachable",
+    }
+    assert "printed nothing" in by_node["gpu03"]["error"]
+    assert "no JSON report" in by_node["gpu04"]["error"]
+    assert "over 4 MiB" in by_node["gpu05"]["error"]
+    # none unhealthy, some could not be checked: exit 3
+    assert doc["exit_code"] == 3 and out.returncode == 3
+
+
+def test_drain_lines_without_sidecars(tmp_path):
+    # GIVEN three nodes, the last one silent
+    # WHEN the slurm drain lines are asked for
+    out = preflight(tmp_path, "n[1-3]", "2=silent", "--drain-command", "slurm")
+
+    # THEN stdout holds only the drain line of the silent node; the verdict is on stderr
+    assert out.stdout.splitlines() == [
+        "scontrol update NodeName=n3 State=DRAIN 'Reason=dynprof preflight: unreachable'"
+    ]
+    assert "verdict could not run (exit 3): 1 of 3 node(s) to drain" in out.stderr
+    assert out.returncode == 3
