@@ -188,7 +188,8 @@ class LinkSearch:
     def _plan(self) -> list[Group]:
         number = len(self.rounds) + 1
         if self.n == 3:
-            return [[(0, 1)], [(1, 2)], [(0, 2)]][number - 1] if number <= 3 else []
+            three: list[list[Group]] = [[(0, 1)], [(1, 2)], [(0, 2)]]
+            return three[number - 1] if number <= 3 else []
         if number == 1:
             return first_round(self.n)
         if number == 2:
