@@ -5,7 +5,9 @@
 each member node runs its side through its sidecar's ``link-test`` action (a child process
 there, which runs the torch.distributed worker in a process group of its own, killed past
 the round's limit). Rank 0 of a group (its first node) hosts the rendezvous, a TCPStore on
-``store_port + i`` (``i`` the group's index in the round) of its own node; the others connect
+``store_port + (r - 1) * (n // 2) + i`` (round ``r``, ``i`` the group's index in the round:
+distinct ports, so simulated nodes sharing an address, or a side that ended late, never
+collide) of its own node; the others connect
 to it at the address the orchestrator reaches that node's sidecar by. So the rendezvous and
 the test run between the compute nodes only: the orchestrator (a login node behind a
 firewall, say) needs to reach the sidecars and nothing else.
@@ -199,7 +201,10 @@ def run_link_rounds(
         number = len(search.rounds) + 1
         say(f"links: round {number}: {len(groups)} tests at once, limit {round_limit_s:g} s")
         t0 = time.monotonic()
-        results = _run_round(nodes, client, groups, number, options, round_limit_s, store_port)
+        # a port block per round: a side of the last round that its node ended late (a loaded
+        # node) cannot hold the port of this round's test
+        port = store_port + (number - 1) * max(1, len(nodes) // 2)
+        results = _run_round(nodes, client, groups, number, options, round_limit_s, port)
         for result in results:  # the sidecars' names where they gave one
             for side, member in zip(result.sides, result.members, strict=True):
                 if side.host:

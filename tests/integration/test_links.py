@@ -85,8 +85,8 @@ def test_a_node_with_a_shaped_link_is_named_within_two_rounds(netns_nodes):
 def test_a_stopped_node_is_a_hung_link_reported_within_the_rounds_limit(loopback_nodes):
     # GIVEN four nodes on loopback, node 3's sidecar stopped (SIGSTOP): it never joins a test
     loopback_nodes.stop_node(3)
-    # WHEN the link rounds run with a 45 s limit per round
-    report = run_rounds_bounded(loopback_nodes, backend="gloo", size_bytes=1 << 20, round_limit_s=45, store_port=29830)
+    # WHEN the link rounds run with a 60 s limit per round
+    report = run_rounds_bounded(loopback_nodes, backend="gloo", size_bytes=1 << 20, round_limit_s=60, store_port=29830)
     # THEN the call returned; the stopped node is named link-hung, isolated, in round 2
     doc = report.to_json()
     assert [(f["node"], f["code"], f["isolated"]) for f in doc["findings"]] == [
@@ -98,7 +98,7 @@ def test_a_stopped_node_is_a_hung_link_reported_within_the_rounds_limit(loopback
     assert first["status"] == "hung"
     partner = first["sides"][0]
     assert partner["host"] == "node-2" and partner["status"] == "hung"
-    assert "45 s" in partner["error"]
+    assert "60 s" in partner["error"]
 
 
 def test_one_side_whose_peer_never_joins_answers_hung_within_its_limit():
