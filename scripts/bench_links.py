@@ -18,6 +18,7 @@ at most).
 from __future__ import annotations
 
 import argparse
+import signal
 import statistics
 import sys
 import time
@@ -47,7 +48,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--rate", default="100mbit")
     ap.add_argument("--limit", type=float, default=90.0)
+    ap.add_argument(
+        "--start-delay", type=float, default=15.0, help="s after a round starts that its timed iterations begin"
+    )
     args = ap.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # still clean up the namespaces
 
     why_not = netns_usable()
     sims: SimNodes = NetnsNodes(args.nodes, net=214) if why_not is None else SimNodes(args.nodes)
@@ -59,16 +64,24 @@ def main(argv: list[str] | None = None) -> int:
     pair_figures: list[float] = []
     spreads: list[float] = []
     round_walls: list[float] = []
+    lates: list[float] = []
     started = time.monotonic()
     try:
         sims.start()
 
         def one_run() -> LinkReport:
             report = run_link_rounds(
-                sims.nodes, client, backend="gloo", size_bytes=args.size, iters=args.iters, round_limit_s=args.limit
+                sims.nodes,
+                client,
+                backend="gloo",
+                size_bytes=args.size,
+                iters=args.iters,
+                round_limit_s=args.limit,
+                start_delay_s=args.start_delay,
             )
             for groups, wall in zip(report.rounds, report.round_wall_s, strict=True):
                 round_walls.append(wall)
+                lates.extend(s.late_s for g in groups for s in g.sides if s.late_s is not None)
                 for g in groups:
                     pair_walls.append(g.wall_s)
                     if g.busbw_gbps is not None and g.status in ("ok", "slow"):
@@ -146,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"~{2 * per_round:.0f} s, ties 3 rounds ~{3 * per_round:.0f} s "
                 f"(this machine's slowest round {per_round:.1f} s, of which {overhead:.1f} s above the median pair)"
             )
+    print(f"sides late to their round's common start: {len(lates)} (max {max(lates, default=0):.1f} s)")
     print(f"bench wall: {time.monotonic() - started:.0f} s")
     return 0
 

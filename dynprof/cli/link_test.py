@@ -7,6 +7,8 @@ action (healthcheck.links.rounds); it can be run by hand on two nodes to test th
 from __future__ import annotations
 
 import argparse
+import math
+import time
 from typing import Any
 
 from dynprof.errors import DynprofError, Timeout, UsageError
@@ -46,6 +48,9 @@ class LinkTestCommand:
         parser.add_argument("--iters", type=int, default=10, help="timed iterations (default 10)")
         parser.add_argument("--warmup", type=int, default=2, help="untimed iterations first (default 2)")
         parser.add_argument("--limit", type=float, default=60.0, help="hard time limit of this side, s (default 60)")
+        parser.add_argument(
+            "--start-at", type=float, default=0.0, help="epoch seconds: the timed iterations begin then (0: at once)"
+        )
         parser.add_argument("--json", action="store_true", help="print the JSON document")
 
     def collect(self, args: argparse.Namespace) -> Result:
@@ -64,6 +69,8 @@ class LinkTestCommand:
             raise bad("--iters is 1-10000 and --warmup 0-1000")
         if not 0 < args.limit <= MAX_LIMIT_S:
             raise bad(f"--limit is over 0 and at most {MAX_LIMIT_S:g} s")
+        if not math.isfinite(args.start_at) or args.start_at < 0 or args.start_at > time.time() + MAX_LIMIT_S:
+            raise bad("--start-at is epoch seconds within --limit from now (or 0)")
         try:
             side = run_side(
                 rank=args.rank,
@@ -76,6 +83,7 @@ class LinkTestCommand:
                 iters=args.iters,
                 warmup=args.warmup,
                 limit_s=args.limit,
+                start_at=args.start_at,
             )
         except OSError as exc:
             raise DynprofError(f"link-test could not start its worker: {exc}") from None

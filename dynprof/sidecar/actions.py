@@ -208,6 +208,7 @@ ACTIONS: dict[str, Action] = {
             iters="int",
             warmup="int",
             limit="float",
+            start_at="float",
         ),
         None,
         120.0,

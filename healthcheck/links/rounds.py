@@ -40,6 +40,9 @@ ROUND_MARGIN_S = 15.0
 DEFAULT_ROUND_LIMIT_S = 60.0
 DEFAULT_STORE_PORT = 29720
 DEFAULT_SIZE_BYTES = 64 * 1024 * 1024
+# the timed iterations of a round's tests begin together, this long after the round starts
+# (the sidecars' children and the workers start, rendezvous and warm up before it)
+DEFAULT_START_DELAY_S = 10.0
 MAX_SIDES_AT_ONCE = 4096  # every side of a round must run at once, or its peers wait for it
 
 CODE_SLOW = "link-slow"
@@ -62,6 +65,7 @@ class SideAnswer:
     busbw_gbps: float | None = None
     wall_s: float | None = None
     error: str | None = None
+    late_s: float | None = None  # how late it came to the round's common start (it then began at once)
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -181,12 +185,15 @@ def run_link_rounds(
     iters: int = 10,
     warmup: int = 2,
     store_port: int = DEFAULT_STORE_PORT,
+    start_delay_s: float = DEFAULT_START_DELAY_S,
 ) -> LinkReport:
     """Test the links between ``nodes`` in rounds and name the slow node (see the module doc).
 
     ``baseline_gbps`` is the SKU's link bus bandwidth where a baseline has one: a test below
     ``(1 - threshold) * baseline_gbps`` is slow whatever the others measure. Never raises for
-    what a node does: a node that does not answer, a test that hangs or fails are findings."""
+    what a node does: a node that does not answer, a test that hangs or fails are findings.
+    ``start_delay_s`` after a round starts, all its tests begin their timed iterations at
+    once (epoch time: the nodes' clocks are assumed NTP-synchronised; 0: each at once)."""
     started = time.monotonic()
     say = progress or (lambda line: None)
     labels = [n.address for n in nodes]
@@ -204,7 +211,8 @@ def run_link_rounds(
         # a port block per round: a side of the last round that its node ended late (a loaded
         # node) cannot hold the port of this round's test
         port = store_port + (number - 1) * max(1, len(nodes) // 2)
-        results = _run_round(nodes, client, groups, number, options, round_limit_s, port)
+        start_at = time.time() + start_delay_s if start_delay_s > 0 else 0.0
+        results = _run_round(nodes, client, groups, number, {**options, "start_at": start_at}, round_limit_s, port)
         for result in results:  # the sidecars' names where they gave one
             for side, member in zip(result.sides, result.members, strict=True):
                 if side.host:
@@ -303,8 +311,10 @@ def _side_answer(node: Node, rank: int, future: Future[NodeAnswer], limit_s: flo
     wall_s = float(wall) if isinstance(wall, (int, float)) and not isinstance(wall, bool) else None
     if status == "ok":
         busbw = doc.get("busbw_gbps")
+        late = doc.get("late_s")
+        late_s = float(late) if isinstance(late, (int, float)) and not isinstance(late, bool) else None
         if isinstance(busbw, (int, float)) and not isinstance(busbw, bool) and busbw >= 0:
-            return SideAnswer(label, host, rank, "ok", float(busbw), wall_s)
+            return SideAnswer(label, host, rank, "ok", float(busbw), wall_s, late_s=late_s)
         return SideAnswer(label, host, rank, "failed", wall_s=wall_s, error="its answer has no bandwidth")
     if status == "hung" or answer.exit_code == 9:
         return SideAnswer(

@@ -45,6 +45,7 @@ class SideResult:
     size_bytes: int | None = None
     iters: int | None = None
     interface: str | None = None
+    late_s: float | None = None  # how late this side came to the round's common start
     error: str | None = None
 
     def to_json(self) -> dict[str, Any]:
@@ -77,6 +78,7 @@ def run_side(
     iters: int = 10,
     warmup: int = 2,
     limit_s: float = 60.0,
+    start_at: float = 0.0,
 ) -> SideResult:
     """Run this node's side (rank ``rank`` of ``world``) and answer within ``limit_s``."""
     if backend not in BACKENDS or pattern not in PATTERNS:
@@ -95,6 +97,7 @@ def run_side(
         f"--iters={iters}",
         f"--warmup={warmup}",
         f"--timeout={limit_s!r}",
+        f"--start-at={start_at!r}",
     ]
     env = dict(os.environ)
     env.pop("DYNPROF", None)  # a tool, not a job: no agent in it
@@ -156,4 +159,5 @@ def run_side(
         size_bytes=size_value if isinstance(size_value, int) and not isinstance(size_value, bool) else None,
         iters=iters_value if isinstance(iters_value, int) and not isinstance(iters_value, bool) else None,
         interface=str(doc.get("interface"))[:40] if doc.get("interface") else None,
+        late_s=_number(doc, "late_s"),
     )

@@ -6,7 +6,10 @@ the side's time limit). Rank 0 hosts the rendezvous, a ``TCPStore`` on ``--store
 own node (``--store-host`` is its address as the other nodes reach it); the others connect to
 it. Then ``init_process_group`` with gloo (CPU) or NCCL (GPU 0 of the node), as training does.
 
-Patterns (``--pattern``), ``--warmup`` untimed iterations, then ``--iters`` timed ones:
+Patterns (``--pattern``), ``--warmup`` untimed iterations, then ``--iters`` timed ones, which
+begin at ``--start-at`` (epoch seconds) when it is given: all tests of a round then load the
+network at the same time, so no pair is measured alone while the others are still starting
+(a side that arrives late starts at once and reports ``late_s``):
 
 - ``sendrecv`` (default): every rank sends the buffer to the next rank and receives one from
   the previous, at once (``batch_isend_irecv``); with 2 ranks that is send/recv both ways, with
@@ -72,6 +75,34 @@ def pick_interface(store_host: str, store_port: int) -> str | None:
     return interface_of(address) if address else None
 
 
+def _wait_until(start_at: float) -> float | None:
+    """Sleep until ``start_at`` (epoch seconds; 0: no common start); how late this side was
+    when it got there (None: on time or no common start)."""
+    if start_at <= 0:
+        return None
+    now = time.time()
+    if now >= start_at:
+        return round(now - start_at, 3)
+    time.sleep(min(start_at - now, 3600.0))
+    return None
+
+
+def die_with_parent() -> None:
+    """Linux: SIGKILL this worker when the side that started it dies (a sidecar's child killed
+    past its limit must not leave a worker behind in another session)."""
+    try:
+        import ctypes
+        import signal
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        parent = os.getppid()
+        libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the parent died before the call
+            os._exit(3)
+    except (OSError, AttributeError):
+        pass
+
+
 def bus_factor(pattern: str, world: int) -> float:
     return 1.0 if pattern == "sendrecv" else 2 * (world - 1) / world
 
@@ -128,6 +159,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.pattern == "sendrecv" and float(recv[0].item()) != float(prev + 1):
         raise RuntimeError(f"rank {args.rank} received {float(recv[0].item())} from rank {prev}, not {prev + 1}")
     dist.barrier()
+    late_s = _wait_until(args.start_at)
+    dist.barrier()  # the two sides' clocks may differ by a little: start together
     times = []
     for _ in range(args.iters):
         t0 = time.perf_counter()
@@ -157,6 +190,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "warmup": args.warmup,
         "joined_s": round(joined_s, 4),
         "seconds": seconds,
+        "late_s": late_s,
         "seconds_min": per_iter[0],
         "seconds_max": per_iter[-1],
         "algbw_gbps": algbw,
@@ -177,11 +211,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--timeout", type=float, default=60.0)
+    p.add_argument("--start-at", type=float, default=0.0, help="epoch s: begin the timed iterations then")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    die_with_parent()
     try:
         doc = run(args)
     except Exception as exc:  # any failure is this side's answer, never a traceback

@@ -112,6 +112,17 @@ class SimNodes:
         os.killpg(self.procs[i].pid, signal.SIGSTOP)
 
     def close(self) -> None:
+        for proc in self.procs:  # a sidecar that stops kills its actions' children first
+            for sig in (signal.SIGCONT, signal.SIGTERM):
+                try:
+                    os.killpg(proc.pid, sig)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                pass
         for proc in self.procs:
             for sig in (signal.SIGCONT, signal.SIGKILL):
                 try:
