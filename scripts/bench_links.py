@@ -48,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--rate", default="100mbit")
     ap.add_argument("--limit", type=float, default=90.0)
+    ap.add_argument("--threshold", type=float, default=0.10, help="slow: this fraction below the median (default 0.10)")
     ap.add_argument(
         "--start-delay", type=float, default=15.0, help="s after a round starts that its timed iterations begin"
     )
@@ -78,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
                 iters=args.iters,
                 round_limit_s=args.limit,
                 start_delay_s=args.start_delay,
+                threshold=args.threshold,
             )
             for groups, wall in zip(report.rounds, report.round_wall_s, strict=True):
                 round_walls.append(wall)
@@ -133,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
             "healthy pairs vs the median of the others in their round: "
             f"min {min(healthy_spreads):+.1%}, p10 {pct(healthy_spreads, 0.1):+.1%}, "
             f"median {statistics.median(healthy_spreads):+.1%}, max {max(healthy_spreads):+.1%} "
-            f"(slow means below -{0.10:.0%})"
+            f"(slow means below -{args.threshold:.0%})"
         )
     if shaped_rounds:
         print(f"shaped runs: {len(shaped_rounds)}, missed: {missed}, rounds needed per run: {shaped_rounds}")

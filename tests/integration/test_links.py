@@ -65,17 +65,20 @@ def loopback_nodes(tmp_path) -> Iterator[SimNodes]:
 
 
 def test_a_node_with_a_shaped_link_is_named_within_two_rounds(netns_nodes):
-    # GIVEN four nodes in namespaces of their own, node 2's link shaped to 100 Mbit/s both ways
-    netns_nodes.shape(2, "100mbit")
-    # WHEN the link rounds run through their sidecars (gloo: no GPU here)
-    report = run_rounds_bounded(netns_nodes, backend="gloo", size_bytes=2 << 20, round_limit_s=90)
+    # GIVEN four nodes in namespaces of their own, node 2's link shaped to 40 Mbit/s both ways
+    # (healthy pairs here measure ~0.1 GB/s, 20x more)
+    netns_nodes.shape(2, "40mbit")
+    # WHEN the link rounds run through their sidecars (gloo: no GPU here), with a threshold of
+    # 50 %: gloo between namespaces on a small shared machine spreads by tens of % (CPU
+    # scheduling, see docs/links.md); the shaped link is far below that
+    report = run_rounds_bounded(netns_nodes, backend="gloo", size_bytes=2 << 20, round_limit_s=90, threshold=0.5)
     # THEN node 2 alone is named, isolated, link-slow, in round 2 at the latest
     doc = report.to_json()
     print(json.dumps(doc["rounds"], indent=1))
     assert [(f["host"], f["code"], f["isolated"]) for f in doc["findings"]] == [("node-2", CODE_SLOW, True)]
     assert len(doc["rounds"]) <= 2
     finding = doc["findings"][0]
-    assert finding["busbw_gbps"] < 0.9 * finding["median_gbps"]
+    assert finding["busbw_gbps"] < 0.5 * finding["median_gbps"]
     assert {tuple(p["hosts"]) for p in finding["pairs"]} == {("node-2", "node-3"), ("node-2", "node-0")}
     # AND the figures are bus bandwidths of the tests that ran between the namespaces
     assert all(g["busbw_gbps"] > 0 for r in doc["rounds"] for g in r["groups"])

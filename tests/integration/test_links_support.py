@@ -79,6 +79,12 @@ class SimNodes:
         self.count = count
 
     def _serve(self, i: int, host: str, port: int, prefix: list[str]) -> None:
+        # node i (its sidecar, and so its link workers) on CPU i % cpus: every pair of a round
+        # then shares the CPUs alike; left to the scheduler on a small machine, a pair whose two
+        # ends happen to share a CPU measures several times slower than one that does not
+        cpus = os.cpu_count() or 1
+        if shutil.which("taskset") and cpus > 1:
+            prefix = [*prefix, "taskset", "-c", str(i % cpus)]
         run_dir = Path(tempfile.mkdtemp(prefix=f"dp-lk{i}-", dir="/tmp"))
         env = {**os.environ, "DYNPROF_HOST": f"node-{i}", "DYNPROF_RUN_DIR": str(run_dir), "PYTHONUNBUFFERED": "1"}
         env["DYNPROF_ARTIFACT_DIR"] = str(self.workdir / f"store-{i}")
