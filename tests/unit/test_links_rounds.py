@@ -23,9 +23,9 @@ class FakeClient:
     """Answers each side with its node's speed (the rounds take the slowest side's figure);
     ``hung`` nodes answer hung, ``failed`` ones fail, ``silent`` ones do not answer."""
 
-    def __init__(self, speeds: dict[int, float] | None = None, hung=(), failed=(), silent=()) -> None:
+    def __init__(self, speeds: dict[int, float] | None = None, hung=(), failed=(), silent=(), refused=()) -> None:
         self.speeds = speeds or {}
-        self.hung, self.failed, self.silent = set(hung), set(failed), set(silent)
+        self.hung, self.failed, self.silent, self.refused = set(hung), set(failed), set(silent), set(refused)
         self.calls: list[tuple[int, dict[str, Any]]] = []
         self.lock = threading.Lock()
 
@@ -36,7 +36,9 @@ class FakeClient:
         assert name == "link-test" and timeout is not None and timeout > options["limit"]
         host = f"node-{i}"
         if i in self.silent:
-            return NodeAnswer(node, False, error="timed out")
+            return NodeAnswer(node, False, error="timed out", elapsed_s=timeout)
+        if i in self.refused:
+            return NodeAnswer(node, False, error="403: this sidecar is read-only", elapsed_s=0.01)
         if i in self.hung:
             result = {"status": "hung", "error": f"limit of {options['limit']:g} s", "wall_s": options["limit"]}
             return NodeAnswer(node, True, host=host, exit_code=9, result=result)
@@ -83,9 +85,13 @@ def test_a_hung_node_is_link_hung_and_a_silent_one_too():
         assert [(f.node, f.code, f.isolated) for f in report.findings] == [(NODES[2].address, CODE_HUNG, True)], kwargs
 
 
-def test_a_failing_node_is_link_failed():
+def test_a_failing_node_is_link_failed_and_so_is_a_sidecar_that_refuses_at_once():
+    # GIVEN a node whose side fails (a port in use), or whose sidecar refuses the action
     report = run_link_rounds(NODES, FakeClient(failed=[7]), round_limit_s=30)
+    refused = run_link_rounds(NODES, FakeClient(refused=[4]), round_limit_s=30)
+    # THEN it is named link-failed, not hung
     assert [(f.host, f.code) for f in report.findings] == [("node-7", CODE_FAILED)]
+    assert [(f.node, f.code) for f in refused.findings] == [(NODES[4].address, CODE_FAILED)]
 
 
 def test_two_nodes_slow_below_the_baseline_are_both_reported_not_isolated():
