@@ -306,8 +306,8 @@ def _side_answer(node: Node, rank: int, future: Future[NodeAnswer], limit_s: flo
     if not answer.answered:
         # a sidecar that refused or could not be reached answers at once: the test failed; one
         # that kept the request past the limit (stopped, or a network that drops) is hung
-        status = "no-answer" if answer.elapsed_s >= limit_s else "failed"
-        return SideAnswer(label, host, rank, status, error=answer.error)
+        silent = "no-answer" if answer.elapsed_s >= limit_s else "failed"
+        return SideAnswer(label, host, rank, silent, error=answer.error)
     doc = answer.result if isinstance(answer.result, dict) else {}
     status = doc.get("status")
     wall = doc.get("wall_s")
