@@ -35,6 +35,7 @@ COMMANDS: list[tuple[str, str, str]] = [
     ("memory", "memory", "MemoryCommand"),
     ("memory-report", "memory_report", "MemoryReportCommand"),
     ("healthcheck", "healthcheck", "HealthcheckCommand"),
+    ("link-test", "link_test", "LinkTestCommand"),
     ("ls", "ls", "LsCommand"),
     ("show", "show", "ShowCommand"),
     ("analyze", "analyze", "AnalyzeCommand"),

@@ -15,7 +15,8 @@ process runs :data:`CHILD_MODULE`, named here as a string only.
 
 Commands run in this process, on a thread of their own, and return their result: nothing they
 do touches ``sys.stdout``. ``healthcheck`` runs in a child process: it drives the GPUs and must
-not leave CUDA state in the sidecar.
+not leave CUDA state in the sidecar; so does ``link-test`` (one side of a link test between
+nodes, torch.distributed with gloo or NCCL).
 
 The job-level actions (``ps``, ``ls``, ``stacks``, ``start``, ``stop``, ``memory``, ``nccl``)
 also take ``hosts``, a list of ``HOST[:PORT]``: the command's ``collect_nodes`` then reaches
@@ -204,6 +205,29 @@ ACTIONS: dict[str, Action] = {
         in_subprocess=True,
         changes_jobs=True,
         failed_exit=3,
+    ),
+    # one node's side of a link test between nodes (healthcheck.links): in a child, which runs
+    # the torch.distributed worker in a process group of its own, killed past --limit
+    "link-test": Action(
+        "link-test",
+        _opts(
+            rank="int",
+            world="int",
+            store_host="str",
+            store_port="int",
+            backend="str",
+            pattern="str",
+            size="int",
+            iters="int",
+            warmup="int",
+            limit="float",
+            start_at="float",
+        ),
+        None,
+        120.0,
+        900.0,
+        in_subprocess=True,
+        changes_jobs=True,
     ),
 }
 

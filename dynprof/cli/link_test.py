@@ -1,0 +1,103 @@
+"""``dynprof link-test``: this node's side of one link test between nodes (internal).
+
+The job-wide healthcheck runs it on every node of a round through the sidecars' ``link-test``
+action (healthcheck.links.rounds); it can be run by hand on two nodes to test their link.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from typing import Any
+
+from dynprof.errors import DynprofError, Timeout, UsageError
+from dynprof.result import Result
+from healthcheck.links.side import BACKENDS, PATTERNS, SideResult, run_side
+
+LINK_TEST_SCHEMA = "dynprof.link_test"
+MAX_LINK_SIZE = 4 * 1024**3
+MAX_LIMIT_S = 900.0
+
+
+class LinkSide(Result):
+    def __init__(self, side: SideResult) -> None:
+        super().__init__({}, 0 if side.status == "ok" else 1, [])
+        self.side = side
+
+    def to_json(self) -> dict[str, Any]:
+        return {"schema": LINK_TEST_SCHEMA, "schema_version": 1, **self.side.to_json()}
+
+
+class LinkTestCommand:
+    """Run this node's side of a link test between nodes (torch.distributed, gloo or NCCL).
+
+    Rank 0 hosts the rendezvous (a TCPStore on --store-port of its own node, all addresses);
+    the other ranks connect to --store-host:--store-port. Each side runs in a process group of
+    its own, killed past --limit: a peer that never joins is answered `hung` within the limit.
+    Used by the job-wide healthcheck through the sidecars (docs/links.md)."""
+
+    def prepare_parser(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--rank", type=int, default=0, help="this side's rank (0 hosts the rendezvous)")
+        parser.add_argument("--world", type=int, default=2, help="ranks in the test: 2 (a pair) or 3 (a ring)")
+        parser.add_argument("--store-host", default=None, help="address of rank 0's node, as the others reach it")
+        parser.add_argument("--store-port", type=int, default=29720, help="port of the rendezvous (default 29720)")
+        parser.add_argument("--backend", choices=BACKENDS, default="auto", help="auto: NCCL with a GPU, else gloo")
+        parser.add_argument("--pattern", choices=PATTERNS, default="sendrecv", help="exchange (default sendrecv)")
+        parser.add_argument("--size", type=int, default=64 * 1024 * 1024, help="bytes per exchange (default 64 MiB)")
+        parser.add_argument("--iters", type=int, default=10, help="timed iterations (default 10)")
+        parser.add_argument("--warmup", type=int, default=2, help="untimed iterations first (default 2)")
+        parser.add_argument("--limit", type=float, default=60.0, help="hard time limit of this side, s (default 60)")
+        parser.add_argument(
+            "--start-at", type=float, default=0.0, help="epoch seconds: the timed iterations begin then (0: at once)"
+        )
+        parser.add_argument("--json", action="store_true", help="print the JSON document")
+
+    def collect(self, args: argparse.Namespace) -> Result:
+        def bad(what: str) -> UsageError:
+            return UsageError(f"link-test: {what}", help="See `dynprof link-test --help`.")
+
+        if not args.store_host or len(args.store_host) > 255 or any(c.isspace() for c in args.store_host):
+            raise bad("--store-host names rank 0's node")
+        if args.world not in (2, 3) or not 0 <= args.rank < args.world:
+            raise bad("--world is 2 or 3 and --rank within it")
+        if not 1 <= args.store_port <= 65535:
+            raise bad("--store-port is 1-65535")
+        if not 4 <= args.size <= MAX_LINK_SIZE:
+            raise bad(f"--size is 4 bytes to {MAX_LINK_SIZE >> 30} GiB")
+        if not 1 <= args.iters <= 10_000 or not 0 <= args.warmup <= 1000:
+            raise bad("--iters is 1-10000 and --warmup 0-1000")
+        if not 0 < args.limit <= MAX_LIMIT_S:
+            raise bad(f"--limit is over 0 and at most {MAX_LIMIT_S:g} s")
+        if not math.isfinite(args.start_at) or args.start_at < 0 or args.start_at > time.time() + MAX_LIMIT_S:
+            raise bad("--start-at is epoch seconds within --limit from now (or 0)")
+        try:
+            side = run_side(
+                rank=args.rank,
+                world=args.world,
+                store_host=args.store_host,
+                store_port=args.store_port,
+                backend=args.backend,
+                pattern=args.pattern,
+                size_bytes=args.size,
+                iters=args.iters,
+                warmup=args.warmup,
+                limit_s=args.limit,
+                start_at=args.start_at,
+            )
+        except OSError as exc:
+            raise DynprofError(f"link-test could not start its worker: {exc}") from None
+        result = LinkSide(side)
+        if side.status == "hung":
+            result.exit_code = Timeout.exit_code
+        return result
+
+    def render(self, result: Result) -> str:
+        assert isinstance(result, LinkSide)
+        s = result.side
+        if s.status == "ok":
+            return (
+                f"link {s.pattern} rank {s.rank}/{s.world} over {s.backend}: {s.busbw_gbps:.3f} GB/s bus bandwidth "
+                f"({s.size_bytes} bytes x {s.iters} in {s.seconds:.3f} s)"
+            )
+        return f"link test {s.status}: {s.error}"

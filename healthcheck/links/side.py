@@ -1,0 +1,163 @@
+"""One node's side of a link test, under a hard time limit.
+
+:func:`run_side` starts :mod:`healthcheck.links.worker` in a new session (a process group of
+its own) and waits at most ``limit_s`` for its answer. Past it, the whole group is killed and
+the side answers ``hung`` (a peer that never joined, a peer stopped, a link that dropped): the
+answer comes within the limit, whatever the worker does. Nothing the worker prints is trusted:
+its stdout is bounded and must be one JSON object of the expected schema.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from healthcheck.links.worker import LINK_SIDE_SCHEMA
+
+MAX_WORKER_OUTPUT = 64 * 1024
+WORKER_MODULE = "healthcheck.links.worker"
+BACKENDS = ("auto", "gloo", "nccl")
+PATTERNS = ("sendrecv", "allreduce")
+
+
+@dataclass
+class SideResult:
+    """What one side saw: ``status`` ok, hung (killed at the limit) or failed (with why)."""
+
+    status: str
+    rank: int
+    world: int
+    limit_s: float
+    wall_s: float
+    busbw_gbps: float | None = None
+    algbw_gbps: float | None = None
+    bus_factor: float | None = None
+    seconds: float | None = None  # the median iteration's
+    backend: str | None = None
+    pattern: str | None = None
+    size_bytes: int | None = None
+    iters: int | None = None
+    interface: str | None = None
+    late_s: float | None = None  # how late this side came to the round's common start
+    error: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items()}
+
+
+def _number(doc: dict[str, Any], key: str) -> float | None:
+    value = doc.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        return None
+    return float(value)
+
+
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def run_side(
+    *,
+    rank: int,
+    world: int,
+    store_host: str,
+    store_port: int,
+    backend: str = "auto",
+    pattern: str = "sendrecv",
+    size_bytes: int = 64 * 1024 * 1024,
+    iters: int = 10,
+    warmup: int = 2,
+    limit_s: float = 60.0,
+    start_at: float = 0.0,
+) -> SideResult:
+    """Run this node's side (rank ``rank`` of ``world``) and answer within ``limit_s``."""
+    if backend not in BACKENDS or pattern not in PATTERNS:
+        raise ValueError("unknown backend or pattern")
+    argv = [
+        sys.executable,
+        "-m",
+        WORKER_MODULE,
+        f"--rank={rank}",
+        f"--world={world}",
+        f"--store-host={store_host}",
+        f"--store-port={store_port}",
+        f"--backend={backend}",
+        f"--pattern={pattern}",
+        f"--size={size_bytes}",
+        f"--iters={iters}",
+        f"--warmup={warmup}",
+        f"--timeout={limit_s!r}",
+        f"--start-at={start_at!r}",
+    ]
+    env = dict(os.environ)
+    env.pop("DYNPROF", None)  # a tool, not a job: no agent in it
+    started = time.monotonic()
+    proc = subprocess.Popen(
+        argv,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=limit_s)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        proc.communicate()
+        return SideResult(
+            "hung",
+            rank,
+            world,
+            limit_s,
+            time.monotonic() - started,
+            error=f"the link test did not end within its limit of {limit_s:g} s; its processes were killed",
+        )
+    finally:
+        _kill_group(proc)  # whatever the worker left in its group
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    wall = time.monotonic() - started
+    if proc.returncode != 0:
+        lines = [ln for ln in err[-8192:].decode("utf-8", "replace").splitlines() if ln.strip()]
+        why = lines[-1][:2000] if lines else f"exit {proc.returncode}"
+        return SideResult("failed", rank, world, limit_s, wall, error=why)
+    try:
+        doc = json.loads(out[:MAX_WORKER_OUTPUT].decode("utf-8", "replace"))
+    except ValueError:
+        doc = None
+    if not isinstance(doc, dict) or doc.get("schema") != LINK_SIDE_SCHEMA:
+        return SideResult("failed", rank, world, limit_s, wall, error="the link test wrote no answer")
+    busbw = _number(doc, "busbw_gbps")
+    if busbw is None:
+        return SideResult("failed", rank, world, limit_s, wall, error="the link test's answer has no bandwidth")
+    iters_value = doc.get("iters")
+    size_value = doc.get("size_bytes")
+    return SideResult(
+        "ok",
+        rank,
+        world,
+        limit_s,
+        wall,
+        busbw_gbps=busbw,
+        algbw_gbps=_number(doc, "algbw_gbps"),
+        bus_factor=_number(doc, "bus_factor"),
+        seconds=_number(doc, "seconds"),
+        backend=str(doc.get("backend"))[:20],
+        pattern=str(doc.get("pattern"))[:20],
+        size_bytes=size_value if isinstance(size_value, int) and not isinstance(size_value, bool) else None,
+        iters=iters_value if isinstance(iters_value, int) and not isinstance(iters_value, bool) else None,
+        interface=str(doc.get("interface"))[:40] if doc.get("interface") else None,
+        late_s=_number(doc, "late_s"),
+    )

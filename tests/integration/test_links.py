@@ -1,0 +1,135 @@
+"""Link tests between simulated nodes (sidecars), through the sidecars' link-test action.
+
+With root, `ip` and `tc`, each node is a network namespace of its own and one node's link is
+shaped with tbf; elsewhere those tests skip. The hung-peer tests run on loopback.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from test_links_support import ROOT, TOKEN, NetnsNodes, SimNodes, netns_usable
+
+from dynprof.job.client import SidecarClient
+from healthcheck.links.rounds import CODE_HUNG, CODE_SLOW, LinkReport, run_link_rounds
+
+LINK_TEST = [sys.executable, "-m", "dynprof", "link-test"]
+FAR_DEADLINE_S = 600.0  # a hang detector, not a measurement
+
+NETNS_SKIP = netns_usable()
+
+
+def run_rounds_bounded(nodes: SimNodes, **kwargs: Any) -> LinkReport:
+    """run_link_rounds on a thread, waited for up to a far deadline: it must return."""
+    box: list[LinkReport] = []
+    errors: list[BaseException] = []
+
+    def body() -> None:
+        try:
+            box.append(run_link_rounds(nodes.nodes, SidecarClient(TOKEN, timeout=10.0), **kwargs))
+        except BaseException as exc:  # pragma: no cover - shown by the assertion below
+            errors.append(exc)
+
+    worker = threading.Thread(target=body, daemon=True)
+    worker.start()
+    worker.join(FAR_DEADLINE_S)
+    assert not worker.is_alive(), "run_link_rounds did not return"
+    assert not errors, errors
+    return box[0]
+
+
+@pytest.fixture
+def netns_nodes(tmp_path) -> Iterator[NetnsNodes]:
+    if NETNS_SKIP:
+        pytest.skip(NETNS_SKIP)
+    sims = NetnsNodes(4, workdir=tmp_path / "nodes")
+    try:
+        yield sims.start()
+    finally:
+        sims.close()
+
+
+@pytest.fixture
+def loopback_nodes(tmp_path) -> Iterator[SimNodes]:
+    sims = SimNodes(4, workdir=tmp_path / "nodes")
+    try:
+        yield sims.start()
+    finally:
+        sims.close()
+
+
+def test_a_node_with_a_shaped_link_is_named_within_two_rounds(netns_nodes):
+    # GIVEN four nodes in namespaces of their own, node 2's link shaped to 40 Mbit/s both ways
+    # (healthy pairs here measure ~0.1 GB/s, 20x more)
+    netns_nodes.shape(2, "40mbit")
+    # WHEN the link rounds run through their sidecars (gloo: no GPU here), with a threshold of
+    # 50 %: gloo between namespaces on a small shared machine spreads by tens of % (CPU
+    # scheduling, see docs/links.md); the shaped link is far below that
+    report = run_rounds_bounded(netns_nodes, backend="gloo", size_bytes=2 << 20, round_limit_s=90, threshold=0.5)
+    # THEN node 2 alone is named, isolated, link-slow, in round 2 at the latest
+    doc = report.to_json()
+    print(json.dumps(doc["rounds"], indent=1))
+    assert [(f["host"], f["code"], f["isolated"]) for f in doc["findings"]] == [("node-2", CODE_SLOW, True)]
+    assert len(doc["rounds"]) <= 2
+    finding = doc["findings"][0]
+    assert finding["busbw_gbps"] < 0.5 * finding["median_gbps"]
+    assert {tuple(p["hosts"]) for p in finding["pairs"]} == {("node-2", "node-3"), ("node-2", "node-0")}
+    # AND the figures are bus bandwidths of the tests that ran between the namespaces
+    assert all(g["busbw_gbps"] > 0 for r in doc["rounds"] for g in r["groups"])
+    assert doc["schema"] == "dynprof.healthcheck.links" and doc["schema_version"] == 1
+
+
+def test_a_stopped_node_is_a_hung_link_reported_within_the_rounds_limit(loopback_nodes):
+    # GIVEN four nodes on loopback, node 3's sidecar stopped (SIGSTOP): it never joins a test
+    loopback_nodes.stop_node(3)
+    # WHEN the link rounds run with a 60 s limit per round
+    report = run_rounds_bounded(loopback_nodes, backend="gloo", size_bytes=1 << 20, round_limit_s=60, store_port=29830)
+    # THEN the call returned; the stopped node is named link-hung, isolated, in round 2
+    doc = report.to_json()
+    assert [(f["node"], f["code"], f["isolated"]) for f in doc["findings"]] == [
+        (loopback_nodes.nodes[3].address, CODE_HUNG, True)
+    ], json.dumps(doc["rounds"], indent=1)
+    assert len(doc["rounds"]) == 2
+    # AND its partner of round 1 said it waited out the limit (its own side answered hung)
+    first = doc["rounds"][0]["groups"][1]
+    assert first["status"] == "hung"
+    partner = first["sides"][0]
+    assert partner["host"] == "node-2" and partner["status"] == "hung"
+    assert "60 s" in partner["error"]
+
+
+def test_one_side_whose_peer_never_joins_answers_hung_within_its_limit():
+    # GIVEN rank 0 of a pair whose rank 1 never starts
+    proc = subprocess.run(
+        [*LINK_TEST, "--json", "--store-host=127.0.0.1", "--store-port=29841", "--rank=0", "--limit=8"],
+        capture_output=True,
+        text=True,
+        timeout=FAR_DEADLINE_S,
+        cwd=str(ROOT),
+    )
+    # THEN it answers hung (exit 9, timed out) with its limit, and no process is left behind
+    doc = json.loads(proc.stdout)
+    assert proc.returncode == 9, proc.stderr
+    assert doc["status"] == "hung" and doc["limit_s"] == 8.0
+    assert "8 s" in doc["error"]
+
+
+def test_link_test_refuses_what_it_cannot_run():
+    # GIVEN a rank outside the world, and no store host
+    for args in (["--store-host=h", "--rank=2"], ["--rank=0"], ["--store-host=h", "--size=1"]):
+        proc = subprocess.run(
+            [sys.executable, "-m", "dynprof", "link-test", *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=str(ROOT),
+        )
+        # THEN a usage error with its help, no traceback
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr
+        assert "link-test" in proc.stderr
