@@ -53,6 +53,7 @@ CHECK_FAILED = "check-failed"
 PEER_SLOW = "peer-slow"
 LINK_SLOW = "link-slow"
 LINK_HUNG = "link-hung"
+LINK_FAILED = "link-failed"
 REASON_CODES: dict[str, str] = {
     UNREACHABLE: "the node gave no answer: its sidecar is down or unreachable, refused the token, or its srun "
     "task printed nothing readable",
@@ -62,8 +63,10 @@ REASON_CODES: dict[str, str] = {
     INCOMPLETE: "the node's checks did not all run: a critical check is unknown (the node's own exit 3)",
     CHECK_FAILED: "a check failed on the node (the check, its device and value are given)",
     PEER_SLOW: "a functional figure is more than the peer threshold below the fleet's median (figure, median, ratio)",
-    LINK_SLOW: "a link to other nodes is slow (pair tests; reserved for the links check)",
-    LINK_HUNG: "a link test to other nodes did not finish in its time limit (reserved for the links check)",
+    LINK_SLOW: "the node's link tests with other nodes are slower than the others' (--links: the node common to "
+    "the slow pairs; bus bandwidth, median of the other pairs)",
+    LINK_HUNG: "a link test with the node did not finish in its time limit (--links)",
+    LINK_FAILED: "a link test with the node ended in an error, or its sidecar would not run it (--links)",
 }
 # The structured error types of a node that would not run the healthcheck (the others, but a
 # timeout, are a healthcheck that did not finish).
@@ -300,6 +303,8 @@ class Reason:
             return f"{self.code} {self.metric}{where} {_fmt(self.value)} ({_pct(self.ratio)} of median {_fmt(self.median)})"
         if self.code == CHECK_FAILED:
             return f"{self.code} {self.check}{where}"
+        if self.code == LINK_SLOW and self.value is not None and self.median is not None:
+            return f"{self.code} busbw {_fmt(self.value)} GB/s ({_pct(self.ratio)} of median {_fmt(self.median)})"
         return self.code
 
     def describe(self) -> str:
@@ -310,6 +315,11 @@ class Reason:
             return (
                 f"{self.code}: {self.metric}{where} {_fmt(self.value)}{unit}, {_pct(self.ratio)} of the fleet "
                 f"median {_fmt(self.median)}{unit} ({self.nodes} nodes)"
+            )
+        if self.code == LINK_SLOW and self.value is not None and self.median is not None:
+            return (
+                f"{self.code}: bus bandwidth {_fmt(self.value)} GB/s, {_pct(self.ratio)} of the other pairs' "
+                f"median {_fmt(self.median)} GB/s: {self.detail}".rstrip(": ")
             )
         if self.code == CHECK_FAILED:
             value = "" if self.value is None else f" ({_fmt(self.value)}{unit})"
@@ -523,6 +533,7 @@ class FleetReport:
     level: str | None = None
     duration_s: float | None = None
     how: str = "sidecars"  # or "srun"
+    links: dict[str, Any] | None = None  # the link tests' document (--links), as run_link_rounds wrote it
 
     @property
     def exit_code(self) -> int:
@@ -576,6 +587,7 @@ class FleetReport:
                 for v in self.drained()
             ],
             "nodes": [v.to_json() for v in self.verdicts],
+            "links": self.links,
         }
         if drain_kind is not None:
             doc["drain_commands"] = drain_commands(self, drain_kind)
@@ -603,6 +615,40 @@ def judge(
         elif v.status == "unknown":
             v.status = "unhealthy"  # a node that is slow is unhealthy, whatever else it could not run
     return FleetReport(verdicts, peers, threshold, level, duration_s, how)
+
+
+def add_link_findings(report: FleetReport, findings: Sequence[tuple[int, Any]], links_doc: dict[str, Any]) -> None:
+    """The link tests' findings (``(index of the node's verdict, LinkFinding)``) joined to the
+    nodes' verdicts: a node the tests isolate is unhealthy (slow, hung) or not checked
+    (failed); one they could not tell from its partner is warned about (its own checks decide)."""
+    report.links = links_doc
+    for index, finding in findings:
+        if not 0 <= index < len(report.verdicts):
+            continue
+        v = report.verdicts[index]
+        code = finding.code if finding.code in (LINK_SLOW, LINK_HUNG, LINK_FAILED) else LINK_FAILED
+        reason = Reason(
+            code,
+            check="links",
+            metric="busbw" if finding.busbw_gbps is not None else None,
+            value=finding.busbw_gbps,
+            median=finding.median_gbps,
+            ratio=(finding.busbw_gbps / finding.median_gbps) if finding.busbw_gbps and finding.median_gbps else None,
+            unit="GB/s" if finding.busbw_gbps is not None else None,
+            detail=finding.message,
+        )
+        if not finding.isolated:
+            v.warnings.append(reason)
+            if v.status == "healthy":
+                v.status = "warning"
+            continue
+        v.reasons.append(reason)
+        v.slow_checks.add("links")
+        if code == LINK_FAILED:
+            if v.status in ("healthy", "warning"):
+                v.status = "unknown"
+        else:
+            v.status = "unhealthy"
 
 
 # -- drain lines -----------------------------------------------------------------------------------
@@ -680,6 +726,15 @@ def render_table(report: FleetReport, failures_only: bool = False) -> str:
     passed = len(names) - len(shown)
     if passed:
         lines.append(f"({passed} other check(s) passed or were skipped on every node that answered)")
+    if report.links is not None:
+        rounds = report.links.get("rounds") or []
+        named = [f for f in report.links.get("findings") or [] if f.get("isolated")]
+        lines.append(
+            f"links: {len(rounds)} round(s) of pair tests ({report.links.get('backend')}, "
+            f"{report.links.get('pattern')}); " + (f"{len(named)} node(s) named" if named else "no node named")
+        )
+        for note in report.links.get("notes") or []:
+            lines.append(printable(f"  note: {note}"))
     drained = report.drained()
     if drained:
         lines += ["", f"drain ({len(drained)}):"]

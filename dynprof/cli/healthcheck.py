@@ -138,11 +138,63 @@ def add_fleet_arguments(parser: argparse.ArgumentParser) -> None:
         f"default {fleet.DEFAULT_PEER_THRESHOLD:g}; compared only over {fleet.MIN_PEER_NODES} nodes or more)",
     )
     group.add_argument(
+        "--links",
+        action="store_true",
+        help="job-wide, through the sidecars: after the node checks, test the links between the nodes that "
+        "answered, pair by pair in rounds, and name the slow node (see docs/links.md)",
+    )
+    group.add_argument(
+        "--link-size",
+        type=_size,
+        default=64 << 20,
+        metavar="SIZE",
+        help="with --links: the buffer each pair exchanges (default 64M)",
+    )
+    group.add_argument(
+        "--link-threshold",
+        type=_fraction,
+        metavar="F",
+        help="with --links: a pair more than F below the median of the other pairs is slow (default 0.1)",
+    )
+    group.add_argument(
+        "--link-limit",
+        type=_seconds,
+        default=60.0,
+        metavar="SEC",
+        help="with --links: seconds one round of pair tests may take; a pair still running then is hung (default 60)",
+    )
+    group.add_argument(
+        "--link-backend",
+        choices=("auto", "gloo", "nccl"),
+        default="auto",
+        help="with --links: torch.distributed backend of the pair tests (default auto: NCCL where the node "
+        "has a GPU, else gloo)",
+    )
+    group.add_argument(
+        "--link-port",
+        type=int,
+        default=29720,
+        metavar="PORT",
+        help="with --links: first TCP port of the pair tests' rendezvous, on the nodes (default 29720)",
+    )
+    group.add_argument(
         "--drain-command",
         choices=DRAIN_KINDS,
         help="job-wide: print (never run) the lines that drain the nodes to drain: `scontrol update ... "
         "State=DRAIN` (slurm) or `kubectl cordon` and `kubectl taint` (k8s), instead of the table",
     )
+
+
+def _size(text: str) -> int:
+    from dynprof.units import parse_size
+
+    try:
+        size = parse_size(text)
+    except errors.ArtifactError as exc:
+        raise argparse.ArgumentTypeError(exc.message) from None
+    if not 1 <= size <= 8 << 30:
+        raise argparse.ArgumentTypeError("a size from 1 byte to 8G")
+    return size
 
 
 def _seconds(text: str) -> float:
@@ -171,6 +223,11 @@ class HealthcheckCommand:
                     raise errors.UsageError(
                         "--srun starts the healthchecks itself: give it without --hosts/--hostfile/--slurm",
                         help="--srun checks every node of this allocation; --slurm asks their sidecars.",
+                    )
+                if args.links:
+                    raise errors.UsageError(
+                        "--links runs through the sidecars: give the nodes with --hosts, --hostfile or --slurm",
+                        help="Under srun without sidecars, the link tests are not available yet (docs/links.md).",
                     )
                 return collect_srun(args)
             if nodes is not None:
@@ -225,6 +282,7 @@ def _refuse_fleet_only(args: argparse.Namespace) -> None:
             ("--srun-arg", args.srun_arg),
             ("--srun-python", args.srun_python),
             ("--peer-threshold", args.peer_threshold != fleet.DEFAULT_PEER_THRESHOLD),
+            ("--links", args.links),
         )
         if value
     ]
@@ -322,7 +380,37 @@ def collect_nodes(args: argparse.Namespace, nodes: list[Any]) -> FleetResult:
             )
         )
     report = fleet.judge(outcomes, args.peer_threshold, args.level, time.monotonic() - started, how="sidecars")
+    if args.links:
+        _test_links(
+            args, client, [n for n, o in zip(nodes, outcomes, strict=True) if o.answered], nodes, report, progress
+        )
+        report.duration_s = time.monotonic() - started
     return FleetResult(report, args.drain_command, args.failures_only, _summary_messages(report, args.drain_command))
+
+
+def _test_links(
+    args: argparse.Namespace, client: Any, answered: list[Any], nodes: list[Any], report: Any, progress: Progress
+) -> None:
+    """The link tests between the nodes that answered, joined to their verdicts."""
+    from healthcheck.links.rounds import run_link_rounds
+    from healthcheck.links.scheme import DEFAULT_THRESHOLD
+
+    def say(line: str) -> None:
+        progress.update(f"links: {line}")
+
+    links = run_link_rounds(
+        answered,
+        client,
+        backend=args.link_backend,
+        size_bytes=args.link_size,
+        round_limit_s=args.link_limit,
+        threshold=args.link_threshold if args.link_threshold is not None else DEFAULT_THRESHOLD,
+        store_port=args.link_port,
+        progress=say,
+    )
+    progress.done()
+    index = {n.address: i for i, n in enumerate(nodes)}
+    fleet.add_link_findings(report, [(index.get(f.node, -1), f) for f in links.findings], links.to_json())
 
 
 # -- srun ---------------------------------------------------------------------------------------------

@@ -133,3 +133,32 @@ def test_link_test_refuses_what_it_cannot_run():
         # THEN a usage error with its help, no traceback
         assert proc.returncode == 2 and "Traceback" not in proc.stderr
         assert "link-test" in proc.stderr
+
+
+def test_the_preflight_with_links_drains_the_node_with_the_slow_link(netns_nodes):
+    # GIVEN four nodes in namespaces of their own, node 1's link shaped to 40 Mbit/s
+    netns_nodes.shape(1, "40mbit")
+    hosts = ",".join(n.address for n in netns_nodes.nodes)
+    # WHEN the job-wide healthcheck runs their quick checks and then the link tests
+    proc = subprocess.run(
+        [
+            *[sys.executable, "-m", "dynprof", "healthcheck", "--hosts", hosts],
+            *["--token-file", str(netns_nodes.token_file), "--level", "quick", "--expect-devices", "0"],
+            *["--no-save", "--links", "--link-backend", "gloo", "--link-size", "2M", "--link-threshold", "0.5"],
+            *["--link-limit", "90", "--link-port", "29870", "--json"],
+        ],
+        capture_output=True,
+        text=True,
+        timeout=FAR_DEADLINE_S,
+        cwd=str(ROOT),
+    )
+    # THEN node 1 is drained for link-slow with its figure and the median of the other pairs,
+    # the others are not, and the links document travels in the fleet document
+    doc = json.loads(proc.stdout)
+    drained = {d["name"]: [r["code"] for r in d["reasons"]] for d in doc["drain"]}
+    assert drained == {netns_nodes.nodes[1].host: ["link-slow"]}, (proc.stderr, json.dumps(doc["links"])[:3000])
+    (reason,) = doc["drain"][0]["reasons"]
+    assert reason["value"] < 0.5 * reason["median"] and reason["unit"] == "GB/s"
+    assert doc["links"]["schema"] == "dynprof.healthcheck.links" and len(doc["links"]["rounds"]) <= 2
+    assert proc.returncode == 2
+    assert "links:" in proc.stderr

@@ -355,3 +355,38 @@ def test_the_document_lists_the_drain_lines_and_every_reason_code_is_documented(
 
     text = (Path(__file__).resolve().parents[2] / "docs" / "preflight.md").read_text()
     assert all(f"`{code}`" in text for code in fleet.REASON_CODES)
+
+
+def test_link_findings_drain_the_isolated_node_and_warn_about_the_undecided_ones():
+    from healthcheck.links.rounds import LinkFinding
+
+    # GIVEN four healthy nodes and the link tests' findings: node b isolated slow, node c a
+    # failed test, node d in a slow pair links alone could not decide
+    result = fleet.judge([node(n) for n in "abcd"])
+
+    def finding(name: str, code: str, isolated: bool, bw: float | None = None) -> LinkFinding:
+        return LinkFinding(name, name, code, isolated, bw, 10.0 if bw else None, None, [], f"{code} {name}")
+
+    findings = [
+        (1, finding("b", "link-slow", True, 2.0)),
+        (2, finding("c", "link-failed", True)),
+        (3, finding("d", "link-slow", False, 4.0)),
+        (99, finding("x", "link-hung", True)),  # not a node of the fleet: ignored
+    ]
+    # WHEN they are joined to the verdicts
+    fleet.add_link_findings(result, findings, {"schema": "dynprof.healthcheck.links", "rounds": [[], []]})
+    # THEN b is unhealthy for link-slow with its figure, c not checked, d warned, a healthy
+    v = by_label(result)
+    assert (v["a"].status, v["b"].status, v["c"].status, v["d"].status) == (
+        "healthy",
+        "unhealthy",
+        "unknown",
+        "warning",
+    )
+    assert codes(v["b"]) == ["link-slow"] and v["b"].reasons[0].ratio == 0.2
+    assert [r.code for r in v["d"].warnings] == ["link-slow"]
+    assert result.exit_code == 2 and [d.outcome.label for d in result.drained()] == ["b", "c"]
+    doc = result.to_json("slurm")
+    assert doc["links"]["schema"] == "dynprof.healthcheck.links"
+    assert "link-slow busbw" in doc["drain_commands"][0]
+    assert "links: 2 round(s)" in fleet.render_table(result)
