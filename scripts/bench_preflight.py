@@ -228,6 +228,48 @@ def measure(count: int, level: str, workdir: Path) -> dict[str, Any]:
     }
 
 
+def judged_runs(runs: int, slow_runs: int, nodes: int, threshold: float, workdir: Path) -> int:
+    """False positives and misses of the peer comparison: ``runs`` preflights of ``nodes``
+    healthy nodes (every drain is a false positive), then ``slow_runs`` with one node slowed by
+    the cgroup limit (a different one each run: it must be the only node drained)."""
+    options = ["--level", "full", "--expect-devices", "0", "--no-save", "--skip", "host_memory_bandwidth"]
+    options += ["--peer-threshold", str(threshold), "--timeout-scale", "3"]
+    false_positives = 0
+    with SimFleet(nodes, workdir / "healthy") as fleet:
+        for run in range(runs):
+            doc = json.loads(preflight(fleet, options).stdout)
+            drained = [d["node"] for d in doc["drain"]]
+            medians = [p["median"] for p in doc["peer"]["figures"] if p["metric"] == "host_gemm_fp32_gflops"]
+            values = [
+                c.get("value")
+                for n in doc["nodes"]
+                for c in n["checks"]
+                if c["name"] == "host_gemm_fp32" and isinstance(c.get("value"), (int, float))
+            ]
+            ratios = [round(v / medians[0], 2) for v in values] if medians and medians[0] else []
+            false_positives += len(drained)
+            print(f"healthy run {run + 1:>2}: drained {drained or 'none'} {ratios if ratios else ''}", flush=True)
+    named = 0
+    if slow_runs and cpu_cgroup_root() is None:
+        print("no writable cgroup with the cpu controller: no slowed runs")
+        slow_runs = 0
+    for run in range(slow_runs):
+        slow = run % nodes
+        with SimFleet(nodes, workdir / f"slow{run}", slow=frozenset({slow})) as fleet:
+            doc = json.loads(preflight(fleet, options).stdout)
+        drained = [d["node"] for d in doc["drain"]]
+        right = drained == [fleet.nodes[slow].host]
+        named += right
+        print(
+            f"slowed run {run + 1:>2}: node {fleet.nodes[slow].host} slowed, drained {drained}: {'right' if right else 'WRONG'}"
+        )
+    print(
+        f"\npeer comparison at threshold {threshold:g}, {nodes} nodes: {runs} healthy runs, "
+        f"{false_positives} false positive(s); {slow_runs} slowed runs, {named} named right"
+    )
+    return 0
+
+
 def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
     """Least squares ``y = a + b x`` (b = 0 with one point)."""
     if len(xs) < 2:
@@ -242,7 +284,24 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nodes", default="8,16,32,64", help="node counts to run (default 8,16,32,64)")
     parser.add_argument("--level", default="quick", choices=("quick", "standard"), help="healthcheck level")
+    parser.add_argument(
+        "--healthy-runs",
+        type=int,
+        default=0,
+        metavar="N",
+        help="instead of timing: N healthy preflights (false positives of the peer comparison) and "
+        "--slow-runs with one node slowed",
+    )
+    parser.add_argument("--slow-runs", type=int, default=0, metavar="N")
+    parser.add_argument("--fp-nodes", type=int, default=4, metavar="N", help="nodes of the --healthy-runs fleet")
+    parser.add_argument("--threshold", type=float, default=0.5, help="--peer-threshold of those runs (default 0.5)")
     args = parser.parse_args(argv)
+    if args.healthy_runs or args.slow_runs:
+        workdir = Path(tempfile.mkdtemp(prefix="dp-bench-preflight-"))
+        try:
+            return judged_runs(args.healthy_runs, args.slow_runs, args.fp_nodes, args.threshold, workdir)
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
     counts = [int(x) for x in args.nodes.split(",") if x.strip()]
     workdir = Path(tempfile.mkdtemp(prefix="dp-bench-preflight-"))
     rows = []
