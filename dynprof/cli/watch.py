@@ -36,6 +36,9 @@ from dynprof.job.discovery import Node, add_node_args
 
 HELP = __doc__
 HANG_EXIT = 20
+# Each rank's dump: a rank whose agent does not answer (stopped, holding the GIL) is given up on
+# after this, and the others' dumps say what it missed.
+FLIGHT_RECORDER_TIMEOUT_S = 3.0
 EVENT_SCHEMA = "dynprof.watch.event"
 EVENT_VERSION = 1
 NO_AGENT_HELP = (
@@ -243,7 +246,7 @@ def node_source(args: argparse.Namespace, nodes: list[Node]) -> Any:
         from dynprof.cli.nccl import NcclCommand
 
         command = NcclCommand()
-        ns = _parse(command, ["--job", job, "--timeout", "10"])
+        ns = _parse(command, ["--job", job, "--timeout", str(FLIGHT_RECORDER_TIMEOUT_S)])
         for key, value in forward.items():
             setattr(ns, key, value)
         result = command.collect_nodes(ns, nodes)
@@ -310,7 +313,7 @@ class LocalSource:
 
         command = NcclCommand()
         try:
-            result = command.collect_local(_parse(command, ["--job", job, "--timeout", "10"]))
+            result = command.collect_local(_parse(command, ["--job", job, "--timeout", str(FLIGHT_RECORDER_TIMEOUT_S)]))
         except errors.DynprofError as exc:
             return None, exc.message[:1000]
         return result.to_json().get("analysis"), None

@@ -323,7 +323,8 @@ def classify(look: RankLook, moving_cpu_s: float = MOVING_CPU_S) -> RankState:
         state.state = "in-c"
         inner = native_frame(frames)
         if inner is not None:
-            state.where = where(inner)
+            py = user_frame(frames)
+            state.where = f"{where(py)} [native: {where(inner)}]" if py is not None else where(inner)
         state.detail = "in C code holding the GIL (its agent does not answer)"
         return state
     if changed or spent:

@@ -323,8 +323,23 @@ class WatchEngine:
             if read.progress is None:
                 failed[read.node] = read.error or "no answer"
                 continue
-            rows.extend((read.node, r) for r in read.progress.ranks if r.job == self.config.job)
+            for r in read.progress.ranks:
+                if r.job == self.config.job:
+                    rows.append((read.node, self._with_last_known(read.node, r)))
         return rows, failed
+
+    def _with_last_known(self, node: str, row: RankProgress) -> RankProgress:
+        """A rank whose agent does not answer keeps the step it last told (ages on its node's clock)."""
+        known = self.seen.get((node, row.pid))
+        if row.agent != "up" and known is not None and known.step > row.step:
+            row.step = known.step
+            row.step_time_s = row.step_time_s or known.step_time_s
+            row.last_step_at = known.last_step_at
+            if known.last_step_at > 0 and row.polled_at >= known.last_step_at:
+                row.last_step_age_s = row.polled_at - known.last_step_at
+            if row.rank is None:
+                row.rank, row.world_size = known.rank, known.world_size
+        return row
 
     def tick(self, force_look: bool = False) -> Tick:
         rows, failed = self.poll()
@@ -410,9 +425,19 @@ class WatchEngine:
         decision = detect.decide(looks, stall, None, waited, confirm, moving)
         fr_analysis: dict[str, Any] | None = None
         fr_note: str | None = None
+        health: dict[str, Any] | None = None
         if decision.kind == "hang":
-            fr_analysis, fr_note = self._flight_recorder()
+            # The flight recorder and the involved nodes' healthcheck at once: both take seconds.
+            with ThreadPoolExecutor(max_workers=2) as pool:
+                involved = sorted({c.host for c in decision.culprits} or {n for n, _ in rows})
+                health_future = pool.submit(self._healthcheck, involved) if self.config.healthcheck else None
+                fr_analysis, fr_note = self._flight_recorder()
+                health = health_future.result() if health_future is not None else None
             decision = detect.decide(looks, stall, fr_analysis, waited, confirm, moving)
+            if health is not None:
+                more = sorted({c.host for c in decision.culprits} - set(health) - {"?"})
+                if more:
+                    health.update(self._healthcheck(more))
         if decision.kind == "pending":
             return None, None
         key: tuple[Any, ...] = (
@@ -442,13 +467,8 @@ class WatchEngine:
         }
         if decision.kind == "hang":
             evidence["flight_recorder"] = {"analysis": _fr_summary(fr_analysis), "note": fr_note}
-            if self.config.healthcheck:
-                involved = sorted({c.host for c in decision.culprits} or {n for n, _ in rows})
-                try:
-                    evidence["healthcheck"] = self.source.healthcheck(involved)
-                except Exception as exc:  # the evidence is best effort: the verdict still comes
-                    log.warning("dynprof watch: healthcheck failed: %s", exc)
-                    evidence["healthcheck"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+            if health is not None:
+                evidence["healthcheck"] = health
         conclusion = decision.conclusion + _health_clause(evidence.get("healthcheck"))
         if failed:
             conclusion += "; no answer from node(s) " + ", ".join(sorted(failed)[:20])
@@ -484,6 +504,13 @@ class WatchEngine:
         if episode.waiting_key != key or episode.waiting_since is None:
             episode.waiting_key, episode.waiting_since = key, now
         return now - episode.waiting_since
+
+    def _healthcheck(self, nodes: list[str]) -> dict[str, Any]:
+        try:
+            return dict(self.source.healthcheck(nodes))
+        except Exception as exc:  # the evidence is best effort: the verdict still comes
+            log.warning("dynprof watch: healthcheck failed: %s", exc)
+            return {n: {"verdict": "could not run", "error": f"{type(exc).__name__}: {exc}"[:300]} for n in nodes}
 
     def _flight_recorder(self) -> tuple[dict[str, Any] | None, str | None]:
         try:
