@@ -18,8 +18,8 @@ stopped     the process is stopped (SIGSTOP, a debugger): it cannot run at all
 waiting     in a collective (torch.distributed / c10d, gloo, NCCL) in both samples,
             with the same stack, and no CPU spent meanwhile (a CUDA or NCCL wait that
             spins the CPU counts when its native frame says so)
-in-c        its agent does not answer and it is in C code holding the GIL (py-spy says
-            so, or the innermost frames are native)
+in-c        its agent does not answer, it is in C code holding the GIL (py-spy says
+            so, or the innermost frames are native), and it does not move
 moving      its Python stack changed between the samples, or it spent CPU (its children's
             included: DataLoader workers) -- it works at something that is not a step
 parked      the same Python frame in both samples and no CPU: it waits for something
@@ -316,10 +316,16 @@ def classify(look: RankLook, moving_cpu_s: float = MOVING_CPU_S) -> RankState:
     if c1 and c2 and c1 == c2 and not changed and (not spent or native_wait):
         state.state = "waiting"
         state.collective = c2
+        inner = native_frame(frames)
+        if inner is not None and not any(f.function == c2 for f in python_frames(frames)):
+            py = user_frame(frames)  # a wait seen in C only (a CUDA synchronize): its native frame says it
+            state.where = f"{where(py)} [native: {where(inner)}]" if py is not None else where(inner)
         return state
     holds_gil = _holds_gil(look.second) or _holds_gil(look.first)
     unresponsive = last.agent == "unresponsive" or before.agent == "unresponsive"
-    if unresponsive and (holds_gil or (frames and frames[0].native)):
+    # In C holding the GIL, and not working there (no CPU, the same Python frame): a rank that
+    # imports torch or compiles holds the GIL too, but it moves.
+    if unresponsive and (holds_gil or (frames and frames[0].native)) and not spent and not changed:
         state.state = "in-c"
         inner = native_frame(frames)
         if inner is not None:

@@ -158,7 +158,7 @@ def main() -> int:
     deadline = time.monotonic() + args.max_seconds
     step = 0
     fault_step: int | None = None
-    while time.monotonic() < deadline:
+    while True:
         if (
             fault_step is None
             and rank == args.fault_rank
@@ -199,6 +199,13 @@ def main() -> int:
         if step == args.fault_at and args.fault == "eval":
             evaluate(model, x, args.phase_seconds)
         time.sleep(args.step_sleep)
+        # Every rank ends at the same step (one that ends alone breaks its peers' collectives).
+        past = torch.tensor([1.0 if time.monotonic() >= deadline else 0.0])
+        dist.all_reduce(past, op=dist.ReduceOp.MAX)
+        if past.item() > 0:
+            break
+    dist.barrier()
+    dist.destroy_process_group()
     print(f"DONE {step}", flush=True)
     return 0
 
