@@ -192,8 +192,14 @@ class ServeCommand:
         )
         parser.add_argument("--certfile", type=path_arg, metavar="PEM", help="serve HTTPS with this certificate")
         parser.add_argument("--keyfile", type=path_arg, metavar="PEM", help="the certificate's private key")
+        from dynprof.cli.watch import add_serve_watch_args
+
+        add_serve_watch_args(parser)
 
     def run(self, args: argparse.Namespace) -> int:
+        from dynprof.cli.watch import check_hosted_watch, start_hosted_watch
+
+        check_hosted_watch(args)
         if bool(args.certfile) != bool(args.keyfile):
             raise errors.UsageError("give --certfile and --keyfile together (TLS needs both)")
         if args.max_actions >= args.threads:
@@ -231,6 +237,7 @@ class ServeCommand:
             raise errors.DynprofError(
                 f"cannot listen on {args.host}:{args.port}: {exc}", help="Choose another --port."
             ) from None
+        watch = start_hosted_watch(args, token)  # the engine's gauges() go to /metrics
         for warning in warnings:
             print(f"dynprof: warning: {warning}", file=sys.stderr)
         print(f"dynprof: serving on {_url(args.host, args.port, token, tls=bool(args.certfile))}", file=sys.stderr)
@@ -240,6 +247,8 @@ class ServeCommand:
         try:
             return _serve_until_signalled(server)
         finally:
+            if watch is not None:
+                watch.stop()
             if own_file:
                 with contextlib.suppress(OSError):
                     os.unlink(own_file)

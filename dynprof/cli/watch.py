@@ -39,6 +39,7 @@ HANG_EXIT = 20
 # Each rank's dump: a rank whose agent does not answer (stopped, holding the GIL) is given up on
 # after this, and the others' dumps say what it missed.
 FLIGHT_RECORDER_TIMEOUT_S = 3.0
+HEALTHCHECK_TIMEOUT_S = 120.0
 EVENT_SCHEMA = "dynprof.watch.event"
 EVENT_VERSION = 1
 NO_AGENT_HELP = (
@@ -319,15 +320,26 @@ class LocalSource:
         return result.to_json().get("analysis"), None
 
     def healthcheck(self, nodes: list[str]) -> dict[str, dict[str, Any]]:
-        from dynprof.cli.healthcheck import HealthcheckCommand
+        """``dynprof healthcheck --level quick`` in a child process: it may touch the GPUs, which
+        must leave no CUDA state in the watch (nor in the sidecar that hosts it)."""
+        import os
+        import subprocess
+
         from dynprof.watch.engine import healthcheck_summary
 
-        command = HealthcheckCommand()
+        env = dict(os.environ)
+        env.pop("DYNPROF", None)  # a tool, not a job: no agent in it
+        cmd = [sys.executable, "-m", "dynprof", "healthcheck", "--level", "quick", "--no-save", "--json"]
         try:
-            result = command.collect(_parse(command, ["--level", "quick", "--no-save"]))
-        except errors.DynprofError as exc:
-            return {self.host: {"verdict": "could not run", "error": exc.message[:1000], "problems": []}}
-        return {self.host: healthcheck_summary(result.to_json())}
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=HEALTHCHECK_TIMEOUT_S, env=env)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return {self.host: {"verdict": "could not run", "error": str(exc)[:1000], "problems": []}}
+        try:
+            doc = json.loads(done.stdout[: 16 << 20])
+        except ValueError:
+            tail = done.stderr.strip().splitlines()[-1:] or [f"exit {done.returncode}"]
+            return {self.host: {"verdict": "could not run", "error": tail[0][:1000], "problems": []}}
+        return {self.host: healthcheck_summary(doc)}
 
 
 # -- serve --watch ----------------------------------------------------------------------------------
@@ -340,15 +352,24 @@ def add_serve_watch_args(parser: argparse.ArgumentParser) -> None:
     add_node_args(group)  # type: ignore[arg-type]
 
 
-def start_hosted_watch(args: argparse.Namespace, token: str) -> Any:
-    """The engine of ``serve --watch``, started on a daemon thread; None without --watch.
-    With node options it reads the nodes' sidecars with this sidecar's token, else this node."""
+def check_hosted_watch(args: argparse.Namespace) -> None:
+    """``serve``'s watch options make sense together (before anything is bound)."""
     if not getattr(args, "watch", False):
         if getattr(args, "job", None):
             raise errors.UsageError("--job goes with --watch")
-        return None
+        return
     if not args.job:
         raise errors.UsageError("--watch needs --job JOB", help="`dynprof serve --watch --job JOB [--hosts ...]`")
+    if len(args.job) > 200:
+        raise errors.UsageError("--job takes at most 200 characters")
+
+
+def start_hosted_watch(args: argparse.Namespace, token: str) -> Any:
+    """The engine of ``serve --watch``, started on a daemon thread; None without --watch.
+    With node options it reads the nodes' sidecars with this sidecar's token, else this node."""
+    check_hosted_watch(args)
+    if not getattr(args, "watch", False):
+        return None
     from dynprof.job.client import SidecarClient, tls_context
     from dynprof.job.discovery import resolve_nodes
     from dynprof.watch.engine import SidecarSource, WatchEngine
@@ -376,4 +397,4 @@ def start_hosted_watch(args: argparse.Namespace, token: str) -> Any:
     return engine
 
 
-__all__ = ["HANG_EXIT", "WatchCommand", "add_serve_watch_args", "start_hosted_watch"]
+__all__ = ["HANG_EXIT", "WatchCommand", "add_serve_watch_args", "check_hosted_watch", "start_hosted_watch"]
