@@ -228,6 +228,7 @@ class Episode:
     verdicts: int = 0
     waiting_key: tuple[Any, ...] | None = None
     waiting_since: float | None = None
+    next_look_at: float = 0.0  # after a verdict, the next look waits (the ranks are not paused for nothing)
 
 
 @dataclass
@@ -369,6 +370,8 @@ class WatchEngine:
         if self.episode is None:
             started = now - (stall.age_s or 0.0)
             self.episode = Episode(detected_at=now, started_at=started)
+        if now < self.episode.next_look_at and not force_look:
+            return Tick(len(rows), failed, stall, note="stalled; looked at already")
         verdict, artifact = self._look_and_decide(rows, gone, failed, stall)
         return Tick(len(rows), failed, stall, verdict=verdict, artifact=artifact)
 
@@ -440,6 +443,9 @@ class WatchEngine:
                     health.update(self._healthcheck(more))
         if decision.kind == "pending":
             return None, None
+        # Said (or to be said again only if it changes): look again in half a stall time, not
+        # every round: each look reads every rank's stacks twice.
+        episode.next_look_at = self.clock() + max(self.config.interval_s, stall.stall_after_s / 2)
         key: tuple[Any, ...] = (
             decision.kind,
             tuple(sorted((c.host, c.rank if c.rank is not None else -1) for c in decision.culprits)),
