@@ -254,6 +254,7 @@ class RankState:
     span_s: float = 0.0
     detail: str = ""
     stack_key: tuple[Any, ...] = ()  # the Python stack of the second sample (the wait's identity)
+    frames: list[Frame] = field(default_factory=list)  # the main thread's stack, innermost first
 
     @property
     def who(self) -> str:
@@ -300,6 +301,7 @@ def classify(look: RankLook, moving_cpu_s: float = MOVING_CPU_S) -> RankState:
         cpu_delta_s=cpu_delta,
         span_s=span,
         stack_key=_py_key(frames),
+        frames=frames,
     )
     if after is None or last.process_state in ("gone", "zombie", "dead"):
         state.state = "gone"
@@ -554,7 +556,29 @@ def _waiting_key(waiting: Sequence[RankState]) -> tuple[Any, ...]:
     return tuple(sorted((s.node, s.pid, s.collective or "", s.where) for s in waiting))
 
 
+def _common_user_frame(states: Sequence[RankState]) -> str | None:
+    """The innermost frame of the program's own code that every rank's stack passes through
+    (``evaluate`` when the ranks are in different lines below it), or None."""
+    chains = []
+    for s in states:
+        frames = [f for f in reversed(s.frames) if not f.native and not is_library_path(f.file)]
+        if not frames:
+            return None
+        chains.append(frames)
+    common: Frame | None = None
+    for level in zip(*chains):
+        if len({(f.function, f.file) for f in level}) != 1:
+            break
+        common = level[0]
+    return where(common) if common is not None else None
+
+
 def _busy_text(states: Sequence[RankState]) -> str:
+    if len(states) > 1 and all(s.state == "moving" for s in states):
+        shared = _common_user_frame(states)
+        outer = {s.where for s in states}
+        if shared is not None and len(outer) > 1 and not shared.startswith("<module>"):
+            return f"all ranks in {shared}, moving"
     parts = []
     groups = _groups(states, lambda s: (s.state, s.where))
     for group in groups:

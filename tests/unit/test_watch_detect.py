@@ -255,3 +255,26 @@ def test_ranks_text_names_nodes_and_spans():
     ] + [detect.RankState(node="node-2", rank=8, pid=8, step=1, age_s=1.0, state="parked", where="x")]
     # WHEN / THEN
     assert detect.ranks_text(states) == "ranks 0-2,5 on node-1, rank 8 on node-2"
+
+
+def test_busy_ranks_in_different_lines_of_one_function_are_said_in_it():
+    # GIVEN an evaluation: every rank in evaluate, below it in different helpers
+    ranks = [
+        look(
+            0,
+            "n",
+            (py("burn", "/job/x.py", 48), py("evaluate", "/job/x.py", 113), py("main", "/job/x.py", 9)),
+            cpu_delta=2.0,
+        ),
+        look(
+            1,
+            "n",
+            (py("forward", "/job/x.py", 20), py("evaluate", "/job/x.py", 112), py("main", "/job/x.py", 9)),
+            cpu_delta=2.0,
+        ),
+    ]
+    # WHEN
+    decision = detect.decide(ranks, STALL)
+    # THEN
+    assert decision.kind == "busy"
+    assert decision.conclusion == "no step for 80 s: all ranks in evaluate (/job/x.py:113), moving"
