@@ -261,7 +261,9 @@ def test_the_hang_verdict_names_the_faulty_rank_and_its_node(sim_nodes, spawn, f
         assert len(others) == 3 and all(r["state"].startswith("waiting in") for r in others), verdict["ranks"]
         # every rank's last step and age, the merged stacks, the times
         assert sorted(r["rank"] for r in verdict["ranks"]) == [0, 1, 2, 3]
-        assert all(r["step"] >= FAULT_AT and r["last_step_age_s"] is not None for r in verdict["ranks"])
+        assert all(r["step"] >= FAULT_AT for r in others), verdict["ranks"]
+        # (a rank whose agent went silent keeps the last step it told the watch: maybe before the fault's)
+        assert row["step"] > 0 and all(r["last_step_age_s"] is not None for r in verdict["ranks"])
         assert verdict["evidence"]["stacks"]["groups"]
         assert {"detection_s", "verdict_s"} <= set(verdict["evidence"]["timing"])
         assert set(verdict["evidence"]["healthcheck"]) == {label}
