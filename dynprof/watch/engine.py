@@ -364,8 +364,11 @@ class WatchEngine:
                 tick.verdict, tick.artifact = self._resumed(rows, failed, stall, now)
             self._set_stalled(False)
             return tick
-        if not stall.stalled:  # --once on a job that moves
-            return Tick(len(rows), failed, stall, verdict=self._ok(rows, failed, stall, now))
+        if not stall.stalled:  # --once on a job that moves: said, not saved
+            ok = self._ok(rows, failed, stall, now)
+            if self.on_verdict is not None:
+                self.on_verdict(ok, None)
+            return Tick(len(rows), failed, stall, verdict=ok)
         self._set_stalled(True)
         if self.episode is None:
             started = now - (stall.age_s or 0.0)

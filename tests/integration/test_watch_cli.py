@@ -21,9 +21,14 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_watch_once_on_this_node_names_the_rank_that_holds_the_others(hang_job, cli):
     # GIVEN a 2-rank job: rank 0 waits in an all_reduce, rank 1 sleeps in wait_for_data
     hang_job("wjob")
-    # WHEN the watch checks once, on this node's agents
+    # WHEN the watch checks once, on this node's agents (with the job idle past the stall time)
+    progressing = cli("watch", "--job", "wjob", "--once", "--json", "--stall-after", "60", timeout=120)
+    time.sleep(2)  # the job is hung for good: this only puts its last step more than 1 s back
     out = cli("watch", "--job", "wjob", "--once", "--json", "--stall-after", "1", "--look-interval", "1", timeout=180)
     # THEN it exits with the hang code and one verdict naming rank 1 on this host
+    assert progressing.returncode == 0, progressing.stderr
+    (ok,) = [json.loads(line)["verdict"] for line in progressing.stdout.splitlines()]
+    assert ok["kind"] == "ok" and "2 rank(s) progress" in ok["conclusion"]
     assert out.returncode == 20, out.stderr
     (event,) = [json.loads(line) for line in out.stdout.splitlines()]
     assert event["schema"] == "dynprof.watch.event" and event["schema_version"] == 1
