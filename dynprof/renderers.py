@@ -27,6 +27,7 @@ RENDERERS: dict[str, str] = {
     "host-memory": "collectors.host_memory:render_artifact",
     "nccl": "collectors.flight_recorder:render_artifact",
     "analysis": "collectors.trace_analysis:render_artifact",
+    "verdict": "dynprof.watch.render:render_artifact",
 }
 # kind -> "module:function" returning an HTML fragment (self-contained, no script) that the web
 # page shows above the text summary.

@@ -39,6 +39,7 @@ COMMANDS: list[tuple[str, str, str]] = [
     ("ls", "ls", "LsCommand"),
     ("show", "show", "ShowCommand"),
     ("analyze", "analyze", "AnalyzeCommand"),
+    ("watch", "watch", "WatchCommand"),
     ("serve", "serve", "ServeCommand"),
 ]
 

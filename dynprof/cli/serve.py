@@ -27,7 +27,7 @@ import threading
 from typing import Any
 
 from dynprof import errors
-from dynprof.arguments import nonnegative_float, seconds
+from dynprof.arguments import nonnegative_float
 from dynprof.cli._common import host_arg, path_arg, port
 from dynprof.tokens import check_token, read_token_file
 
@@ -204,15 +204,14 @@ class ServeCommand:
             help="read every rank's progress from its agent every S seconds, for /api/progress and /metrics "
             f"(default 2; at least {MIN_PROGRESS_EVERY_S:g}; 0: read only when asked)",
         )
-        parser.add_argument(
-            "--stall-after",
-            type=seconds,
-            metavar="S",
-            help="the stall time /metrics exports for every job (dynprof_stall_after_seconds); "
-            "default: the larger of 60 s and 20x the median step time of the job's ranks",
-        )
+        from dynprof.cli.watch import add_serve_watch_args
+
+        add_serve_watch_args(parser)
 
     def run(self, args: argparse.Namespace) -> int:
+        from dynprof.cli.watch import check_hosted_watch, start_hosted_watch
+
+        check_hosted_watch(args)
         if bool(args.certfile) != bool(args.keyfile):
             raise errors.UsageError("give --certfile and --keyfile together (TLS needs both)")
         if 0 < args.progress_every < MIN_PROGRESS_EVERY_S:
@@ -241,8 +240,10 @@ class ServeCommand:
         from dynprof.sidecar.progress import ProgressBook
 
         book = ProgressBook(detect().host, args.progress_every, stall_after=args.stall_after)
+        hosted: list[Any] = []  # the hosted watch (--watch), once it started: its gauges go to /metrics
         app = create_app(
             progress=book,
+            watch_gauges=(lambda: hosted[0].gauges() if hosted else []) if args.watch else None,
             commands=action_commands(),
             views=page_views(),
             token=token,
@@ -260,6 +261,9 @@ class ServeCommand:
             raise errors.DynprofError(
                 f"cannot listen on {args.host}:{args.port}: {exc}", help="Choose another --port."
             ) from None
+        watch = start_hosted_watch(args, token)
+        if watch is not None:
+            hosted.append(watch)
         for warning in warnings:
             print(f"dynprof: warning: {warning}", file=sys.stderr)
         print(f"dynprof: serving on {_url(args.host, args.port, token, tls=bool(args.certfile))}", file=sys.stderr)
@@ -271,6 +275,8 @@ class ServeCommand:
             return _serve_until_signalled(server)
         finally:
             book.stop()
+            if watch is not None:
+                watch.stop()
             if own_file:
                 with contextlib.suppress(OSError):
                     os.unlink(own_file)

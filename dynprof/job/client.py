@@ -58,6 +58,7 @@ MAX_SMALL_ANSWER_BYTES = 1024 * 1024  # info, errors
 # that answers it for the page) from growing by hundreds of MB on a hostile node's answer; other actions may answer up to the sidecar's
 # 64 MiB (stacks of many threads, NCCL entries).
 LISTING_ANSWER_BYTES = dict.fromkeys(("ps", "stop", "ls"), 16 * 1024 * 1024)
+MAX_LISTING_PROGRESS_BYTES = 16 * 1024 * 1024  # a progress document: ~500 bytes per rank
 # JSON values one answer may hold (counted before it is decoded): the answers of real nodes
 # hold thousands (ps, ls) to a few hundred thousand (stacks of many threads, NCCL entries).
 MAX_ANSWER_VALUES = 500_000
@@ -362,6 +363,13 @@ class SidecarClient:
         if doc.get("api") != API_VERSION:
             raise NodeFailure(f"not a dynprof sidecar: {node} gave no api version")
         return doc
+
+    def progress(self, node: Node, job: str | None = None) -> dict[str, Any]:
+        """The node's progress document (``GET /api/v1/progress[?job=J]``), undecoded (the
+        watch decodes it with ``NodeProgress.from_json``); :class:`NodeFailure` when none comes."""
+        deadline = time.monotonic() + self.timeout
+        path = "/api/v1/progress" + (f"?job={quote(job, safe='')}" if job else "")
+        return self._call_json(node, "GET", path, None, deadline, MAX_LISTING_PROGRESS_BYTES, MAX_ANSWER_VALUES)
 
     def action(self, node: Node, name: str, options: dict[str, Any], timeout: float | None = None) -> NodeAnswer:
         """Run action ``name`` on ``node``; ``timeout`` bounds the action on the node, and the

@@ -1,0 +1,438 @@
+"""Watch a job: say when it stalls, and whether and where it hangs, with the evidence.
+
+    dynprof watch --job J                               # the ranks on this node
+    dynprof watch --job J --hosts node-1,node-2 --token-file T
+    dynprof watch --job J --slurm --once --json          # one check; exit code says what it found
+
+Every --interval it reads each rank's progress (through each node's sidecar, one request per
+node, or this node's agents directly). When no rank advanced for --stall-after (default: the
+larger of 60 s and 20x the job's median step time; before the first step, counted from the
+processes' start) it looks before it speaks: every rank's stacks twice, --look-interval apart
+(native frames for ranks whose agent does not answer), merged; then says **hang** (naming the
+culprit ranks, their nodes and where they are, with the flight recorder's analysis when the
+job has it on and each involved node's quick healthcheck), or **busy** (ranks that save,
+evaluate, compile or load data: never a hang). Each verdict is printed once per stall, written
+as a `verdict` artifact (`dynprof show` reads it) and handed to --on-verdict CMD. Progress
+lines go to stderr. dynprof never stops the job itself.
+
+Exit codes: 0 no hang found (the job progresses, or is busy), 20 a hang verdict was given,
+12 some node did not answer (and no hang was found), 5 no rank of the job has an agent (--once).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import sys
+import threading
+import time
+from typing import Any
+
+from dynprof import errors
+from dynprof.cli._common import add_json, positive_float, printable, printable_lines, seconds
+from dynprof.cli._node_args import add_many_node_args, nodes_requested
+from dynprof.job.discovery import Node, add_node_args
+
+HELP = __doc__
+HANG_EXIT = 20
+# Each rank's dump: a rank whose agent does not answer (stopped, holding the GIL) is given up on
+# after this, and the others' dumps say what it missed.
+FLIGHT_RECORDER_TIMEOUT_S = 3.0
+HEALTHCHECK_TIMEOUT_S = 120.0
+EVENT_SCHEMA = "dynprof.watch.event"
+EVENT_VERSION = 1
+NO_AGENT_HELP = (
+    "The watch reads each rank's progress from its dynprof agent. Start the job under `dynprof run -- ...` "
+    "(or with DYNPROF=1), or attach agents to its running processes: `dynprof attach --job JOB` on each node "
+    "(`--attach` on stacks and nccl does it on the fly). Without agents, `dynprof stacks --job JOB` still "
+    "samples where every rank is (py-spy / pystack read them from outside), but nothing counts steps."
+)
+
+
+def add_watch_options(parser: argparse.ArgumentParser | Any) -> None:
+    """The watch's own options (``dynprof watch`` and ``dynprof serve --watch``)."""
+    parser.add_argument(
+        "--interval", type=seconds, default=5.0, metavar="SEC", help="read the progress every SEC (default 5)"
+    )
+    parser.add_argument(
+        "--stall-after",
+        type=seconds,
+        metavar="SEC",
+        help="a job that makes no step for SEC is stalled (default: the larger of 60 s and 20x its median step time)",
+    )
+    parser.add_argument(
+        "--look-interval",
+        type=seconds,
+        default=3.0,
+        metavar="SEC",
+        help="seconds between the two stack samples of a look (default 3)",
+    )
+    parser.add_argument(
+        "--confirm-after",
+        type=seconds,
+        metavar="SEC",
+        help="a hang whose only culprits are ranks that still move (CPU, changing stack) is called once the "
+        "others have waited SEC in the same collective (default: half the stall time)",
+    )
+    parser.add_argument(
+        "--on-verdict",
+        metavar="CMD",
+        help="run CMD (with /bin/sh) on each verdict: the verdict's JSON on its stdin, DYNPROF_VERDICT_FILE, "
+        "DYNPROF_VERDICT_KIND and DYNPROF_VERDICT_JOB in its environment; its failure is reported, never fatal",
+    )
+    parser.add_argument(
+        "--on-verdict-timeout",
+        type=seconds,
+        default=30.0,
+        metavar="SEC",
+        help="kill --on-verdict CMD past SEC (default 30)",
+    )
+    parser.add_argument(
+        "--sample-every",
+        type=nonnegative_seconds,
+        default=None,
+        metavar="SEC",
+        help="with nodes (sidecars): every SEC take an aligned trace of a couple of steps on every rank and run "
+        "analyze's straggler rule (default 600: about 0.1 %% of training time, docs/watch-stragglers.md; 0: never)",
+    )
+    parser.add_argument(
+        "--no-healthcheck", action="store_true", help="do not run the involved nodes' quick healthcheck on a hang"
+    )
+    parser.add_argument("--no-save", action="store_true", help="print the verdicts only; do not save artifacts")
+
+
+class WatchCommand:
+    __doc__ = HELP
+
+    def prepare_parser(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--job", required=True, metavar="JOB", help="the job to watch (its DYNPROF_JOB_ID)")
+        add_watch_options(parser)
+        parser.add_argument("--once", action="store_true", help="check once (look now, stalled or not) and exit")
+        parser.add_argument(
+            "--max-seconds",
+            type=positive_float(),
+            metavar="SEC",
+            help="stop watching after SEC (default: until the job ends or Ctrl-C)",
+        )
+        add_json(parser)
+        add_many_node_args(parser)
+
+    def run(self, args: argparse.Namespace) -> int:
+        from dynprof.watch.engine import WatchEngine
+
+        if len(args.job) > 200:
+            raise errors.UsageError("--job takes at most 200 characters")
+        nodes = nodes_requested(args)
+        source = node_source(args, nodes) if nodes is not None else LocalSource()
+        printer = VerdictPrinter(args.json, args.on_verdict, args.on_verdict_timeout)
+        straggler = straggler_of(getattr(source, "client", None)) if nodes is not None else None
+        engine = WatchEngine(
+            config_of(args), source, on_verdict=printer.verdict, on_tick=printer.tick, straggler=straggler
+        )
+        timer: threading.Timer | None = None
+        if args.max_seconds:
+            timer = threading.Timer(args.max_seconds, engine.stop)
+            timer.daemon = True
+            timer.start()
+        try:
+            engine.run(once=args.once)
+        except KeyboardInterrupt:
+            engine.stop()
+            print("dynprof: watch interrupted", file=sys.stderr)
+        finally:
+            if timer is not None:
+                timer.cancel()
+        if args.once and printer.ticks and printer.ticks[-1].ranks == 0:
+            raise errors.NoAgent(f"no rank of job {args.job!r} with a dynprof agent was found", help=NO_AGENT_HELP)
+        if printer.hangs:
+            return HANG_EXIT
+        if printer.ticks and printer.ticks[-1].nodes_unanswered:
+            return errors.NodesFailed.exit_code
+        return 0
+
+
+def config_of(args: argparse.Namespace) -> Any:
+    from dynprof.watch.engine import WatchConfig
+
+    return WatchConfig(
+        job=args.job,
+        interval_s=args.interval,
+        stall_after_s=args.stall_after,
+        look_interval_s=args.look_interval,
+        confirm_s=args.confirm_after,
+        healthcheck=not args.no_healthcheck,
+        save=not args.no_save,
+        sample_every_s=sample_every_of(args),
+    )
+
+
+def nonnegative_seconds(text: str) -> float:
+    from dynprof.arguments import parse_float
+
+    return parse_float(text, 0.0, 7 * 86400.0, what="seconds (0 <= SEC <= 604800)")
+
+
+def sample_every_of(args: argparse.Namespace) -> float | None:
+    """The straggler sample's interval: the default where the watch reads sidecars, never on this
+    node alone (the sample is a job-wide trace through the sidecars); 0: never."""
+    from dynprof.watch.straggler import SAMPLE_EVERY_S
+
+    every = getattr(args, "sample_every", None)
+    if every is None:
+        return SAMPLE_EVERY_S
+    return every or None
+
+
+def straggler_of(client: Any) -> Any:
+    """The engine's straggler hook over the sidecars ``client`` reaches."""
+    from dynprof.watch.straggler import straggler_hook
+
+    return straggler_hook(client)
+
+
+# -- what the watch says ---------------------------------------------------------------------------
+class VerdictPrinter:
+    """Prints each verdict (text, or one JSON document a line), runs the hook, and puts a
+    progress line on stderr each round."""
+
+    def __init__(self, as_json: bool, hook: str | None, hook_timeout: float, out: Any = None) -> None:
+        self.as_json = as_json
+        self.hook = hook
+        self.hook_timeout = hook_timeout
+        self.out = out
+        self.hangs = 0
+        self.ticks: list[Any] = []
+        self._told_no_ranks = False
+
+    def verdict(self, verdict: Any, path: str | None) -> None:
+        from dynprof.watch.engine import run_hook
+
+        if verdict.kind == "hang":
+            self.hangs += 1
+        hook: dict[str, Any] | None = None
+        if self.hook and (verdict.kind != "ok" or path):
+            result = run_hook(self.hook, verdict, path, self.hook_timeout)
+            hook = {"ok": result.ok, "exit_code": result.exit_code, "message": result.message}
+            if not result.ok:
+                print(f"dynprof: warning: {printable(result.message)}", file=sys.stderr)
+        out = self.out or sys.stdout
+        if self.as_json:
+            doc = {
+                "schema": EVENT_SCHEMA,
+                "schema_version": EVENT_VERSION,
+                "verdict": verdict.to_json(),
+                "artifact": path,
+                "hook": hook,
+            }
+            print(json.dumps(doc, default=str), file=out, flush=True)
+        else:
+            print(render_verdict(verdict, path), file=out, flush=True)
+
+    def tick(self, tick: Any) -> None:
+        self.ticks.append(tick)
+        del self.ticks[:-2]
+        for node, why in sorted(tick.nodes_unanswered.items()):
+            print(f"dynprof: node {node}: {printable(why)}", file=sys.stderr)
+        if tick.ended:
+            print(f"dynprof: watch: {tick.note}; stopping", file=sys.stderr)
+            return
+        if tick.ranks == 0:
+            if not self._told_no_ranks:
+                print(f"dynprof: watch: {tick.note} yet (waiting for ranks with an agent)", file=sys.stderr)
+                self._told_no_ranks = True
+            return
+        stall = tick.stall
+        if stall is None:
+            return
+        age = f"{stall.age_s:.1f} s ago" if stall.age_s is not None else "never"
+        state = "STALLED" if stall.stalled else "ok"
+        print(
+            f"dynprof: watch: {state}: {tick.ranks} rank(s), last step {stall.last_step} {age} "
+            f"(stall after {stall.stall_after_s:.0f} s)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def render_verdict(verdict: Any, path: str | None) -> str:
+    """A verdict for people: the conclusion, the times, the culprits, every rank in a table."""
+    from dynprof.watch.render import render_verdict_text
+
+    text = render_verdict_text(verdict)
+    if path:
+        text += f"\nartifact {path}"
+    return printable_lines(text)
+
+
+# -- where the watch reads -------------------------------------------------------------------------
+def node_source(args: argparse.Namespace, nodes: list[Node]) -> Any:
+    """The nodes' sidecars, with the flight recorder read by ``nccl``'s own job-wide path."""
+    from dynprof.cli.job import client_for
+    from dynprof.watch.engine import SidecarSource
+
+    client = client_for(args)
+    forward = {
+        "token_file": getattr(args, "token_file", None),
+        "cacert": getattr(args, "cacert", None),
+        "node_timeout": getattr(args, "node_timeout", 10.0),
+        "max_in_flight": getattr(args, "max_in_flight", 64),
+    }
+
+    def flight_recorder(job: str) -> tuple[dict[str, Any] | None, str | None]:
+        from dynprof.cli.nccl import NcclCommand
+
+        command = NcclCommand()
+        ns = _parse(command, ["--job", job, "--timeout", str(FLIGHT_RECORDER_TIMEOUT_S)])
+        for key, value in forward.items():
+            setattr(ns, key, value)
+        result = command.collect_nodes(ns, nodes)
+        doc = result.to_json()
+        if doc.get("analysis") is None:
+            return None, "; ".join(result.messages[:5])[:1000] or "no flight recorder dump (is it on?)"
+        return doc["analysis"], None
+
+    return SidecarSource(client, nodes, flight_recorder=flight_recorder)
+
+
+def _parse(command: Any, argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(add_help=False)
+    command.prepare_parser(parser)
+    return parser.parse_args(argv)
+
+
+class LocalSource:
+    """This node's agents: read directly (no sidecar), stacks and dumps by the commands' own
+    local paths."""
+
+    def __init__(self, host: str | None = None, stacks_timeout: float = 10.0) -> None:
+        from dynprof.identity import detect
+
+        self.host = host or detect().host or socket.gethostname()
+        self.stacks_timeout = stacks_timeout
+
+    def nodes(self) -> list[str]:
+        return [self.host]
+
+    def progress(self, job: str) -> list[Any]:
+        from dynprof.registry import list_records
+        from dynprof.watch.engine import NodeRead
+        from dynprof.watch.progress import read_progress
+
+        return [NodeRead(self.host, read_progress(list_records(), self.host, job, timeout=1.0))]
+
+    def stacks(self, job: str, native: dict[str, list[int]]) -> Any:
+        from collectors.stacks import Source, Stacks
+        from dynprof.cli.stacks import StacksCommand
+        from dynprof.watch.engine import StacksRead, merged_with_native
+
+        command = StacksCommand()
+        failures: dict[str, str] = {}
+
+        def read(argv: list[str]) -> Stacks:
+            try:
+                result = command.collect_local(
+                    _parse(command, [*argv, "--no-save", "--timeout", str(self.stacks_timeout)])
+                )
+            except errors.DynprofError as exc:
+                failures[f"node {self.host}"] = exc.message
+                return Stacks([])
+            return result.stacks  # type: ignore[attr-defined,no-any-return]
+
+        plain = read(["--job", job])
+        pids = native.get(self.host) or []
+        natives = read(["--pid", ",".join(str(p) for p in pids), "--native"]) if pids else Stacks([])
+        merged = merged_with_native([Source(plain, node=self.host)], [Source(natives, node=self.host)] if pids else [])
+        return StacksRead(merged, failures)
+
+    def flight_recorder(self, job: str) -> tuple[dict[str, Any] | None, str | None]:
+        from dynprof.cli.nccl import NcclCommand
+
+        command = NcclCommand()
+        try:
+            result = command.collect_local(_parse(command, ["--job", job, "--timeout", str(FLIGHT_RECORDER_TIMEOUT_S)]))
+        except errors.DynprofError as exc:
+            return None, exc.message[:1000]
+        return result.to_json().get("analysis"), None
+
+    def healthcheck(self, nodes: list[str]) -> dict[str, dict[str, Any]]:
+        """``dynprof healthcheck --level quick`` in a child process: it may touch the GPUs, which
+        must leave no CUDA state in the watch (nor in the sidecar that hosts it)."""
+        import os
+        import subprocess
+
+        from dynprof.watch.engine import healthcheck_summary
+
+        env = dict(os.environ)
+        env.pop("DYNPROF", None)  # a tool, not a job: no agent in it
+        cmd = [sys.executable, "-m", "dynprof", "healthcheck", "--level", "quick", "--no-save", "--json"]
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=HEALTHCHECK_TIMEOUT_S, env=env)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return {self.host: {"verdict": "could not run", "error": str(exc)[:1000], "problems": []}}
+        try:
+            doc = json.loads(done.stdout[: 16 << 20])
+        except ValueError:
+            tail = done.stderr.strip().splitlines()[-1:] or [f"exit {done.returncode}"]
+            return {self.host: {"verdict": "could not run", "error": tail[0][:1000], "problems": []}}
+        return {self.host: healthcheck_summary(doc)}
+
+
+# -- serve --watch ----------------------------------------------------------------------------------
+def add_serve_watch_args(parser: argparse.ArgumentParser) -> None:
+    """``dynprof serve --watch --job J [node options]``: the sidecar hosts the watch."""
+    group = parser.add_argument_group("hosted watch (`dynprof watch` inside the sidecar; see docs/watch.md)")
+    group.add_argument("--watch", action="store_true", help="watch --job JOB from this sidecar (verdicts in its log)")
+    group.add_argument("--job", metavar="JOB", help="with --watch: the job to watch")
+    add_watch_options(group)
+    add_node_args(group)  # type: ignore[arg-type]
+
+
+def check_hosted_watch(args: argparse.Namespace) -> None:
+    """``serve``'s watch options make sense together (before anything is bound)."""
+    if not getattr(args, "watch", False):
+        if getattr(args, "job", None):
+            raise errors.UsageError("--job goes with --watch")
+        return
+    if not args.job:
+        raise errors.UsageError("--watch needs --job JOB", help="`dynprof serve --watch --job JOB [--hosts ...]`")
+    if len(args.job) > 200:
+        raise errors.UsageError("--job takes at most 200 characters")
+
+
+def start_hosted_watch(args: argparse.Namespace, token: str) -> Any:
+    """The engine of ``serve --watch``, started on a daemon thread; None without --watch.
+    With node options it reads the nodes' sidecars with this sidecar's token, else this node."""
+    check_hosted_watch(args)
+    if not getattr(args, "watch", False):
+        return None
+    from dynprof.job.client import SidecarClient, tls_context
+    from dynprof.job.discovery import resolve_nodes
+    from dynprof.watch.engine import SidecarSource, WatchEngine
+
+    nodes = resolve_nodes(args)
+    if nodes is not None:
+        tls = tls_context(args.cacert) if args.cacert else None
+        source: Any = SidecarSource(SidecarClient(token, tls=tls), nodes)
+        straggler = straggler_of(source.client)
+    else:
+        source = LocalSource()
+        straggler = None
+    printer = VerdictPrinter(False, args.on_verdict, args.on_verdict_timeout, out=sys.stderr)
+    engine = WatchEngine(config_of(args), source, on_verdict=printer.verdict, straggler=straggler)
+
+    def loop() -> None:
+        while True:
+            try:
+                engine.run()
+                return
+            except Exception as exc:  # a bug in a round must not end the watch (nor the sidecar)
+                print(f"dynprof: watch: a round failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+                time.sleep(args.interval)
+
+    threading.Thread(target=loop, name="dynprof-watch", daemon=True).start()
+    print(f"dynprof: watching job {printable(args.job)}", file=sys.stderr)
+    return engine
+
+
+__all__ = ["HANG_EXIT", "WatchCommand", "add_serve_watch_args", "check_hosted_watch", "start_hosted_watch"]

@@ -1,0 +1,589 @@
+"""The watch's decisions, as pure functions of what it read: is the job stalled, and when it
+is, what each rank is doing and what that makes of the job (a hang, with its culprits, or busy).
+
+Nothing here reads a process or a node: :mod:`dynprof.watch.engine` gathers the progress rows
+(:class:`~dynprof.watch.model.RankProgress`) and two samples of every rank's stacks (merged by
+:func:`collectors.stacks.merge`), and hands them here.
+
+**Stall.** No rank advanced for ``stall_after`` seconds (default: the larger of 60 s and 20x
+the job's median step time). A rank's age is the time since its last step; before its first
+step (compiling, warming up a dataloader, joining the process group) it is the time since its
+process started. The job's age is the smallest rank age: one rank that stepped recently is
+enough to say the job moves.
+
+**The look.** Each rank is put in one state from its two samples and its progress rows:
+
+=========== ==========================================================================
+stopped     the process is stopped (SIGSTOP, a debugger): it cannot run at all
+waiting     in a collective (torch.distributed / c10d, gloo, NCCL) in both samples,
+            with the same stack, and no CPU spent meanwhile (a CUDA or NCCL wait that
+            spins the CPU counts when its native frame says so)
+in-c        its agent does not answer, it is in C code holding the GIL (py-spy says
+            so, or the innermost frames are native), and it does not move
+moving      its Python stack changed between the samples, or it spent CPU (its children's
+            included: DataLoader workers) -- it works at something that is not a step
+parked      the same Python frame in both samples and no CPU: it waits for something
+unread      no stack could be read, and no CPU spent: nothing says what it does
+=========== ==========================================================================
+
+**The decision.** Ranks wait in a collective while others do not: a **hang**, whose culprits
+are the ranks that do not wait. Every rank waits and none moves: a **hang**; the culprits are
+the ranks the flight recorder says never enqueued the collective the others wait in, else the
+ranks whose wait differs from the largest group's (another collective, another call site).
+No rank waits and every rank moves: **busy** ("no step for 94 s: all ranks in save_checkpoint
+(train.py:210), moving"), never a hang. A rank stopped or stuck in C holding the GIL is a
+culprit of a **hang** wherever the others are. When the only culprits are ranks that move (a
+rank that spins, or saves a checkpoint alone while the others wait), the hang is called only
+once the waiting ranks have been seen waiting in the same place for ``confirm_s`` (the engine
+keeps that time across looks): a rank that saves alone for a few seconds while others wait at
+a barrier is not a hang.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from collectors.stacks import Frame, ProcessStacks, is_library_path, short_path
+from dynprof.watch.model import MAX_CULPRITS, Culprit, RankProgress
+
+DEFAULT_MIN_STALL_S = 60.0
+STALL_STEP_FACTOR = 20.0
+MOVING_CPU_S = 0.1  # CPU seconds (with children) between the samples that make a rank "moving"
+
+# Python functions of torch.distributed that are collectives (or waits on one).
+COLLECTIVES = frozenset(
+    {
+        "all_reduce",
+        "all_reduce_coalesced",
+        "all_reduce_multigpu",
+        "barrier",
+        "monitored_barrier",
+        "broadcast",
+        "broadcast_object_list",
+        "all_gather",
+        "all_gather_into_tensor",
+        "all_gather_object",
+        "all_gather_coalesced",
+        "_all_gather_base",
+        "reduce",
+        "reduce_scatter",
+        "reduce_scatter_tensor",
+        "_reduce_scatter_base",
+        "all_to_all",
+        "all_to_all_single",
+        "gather",
+        "gather_object",
+        "scatter",
+        "scatter_object_list",
+        "send",
+        "recv",
+        "batch_isend_irecv",
+        "send_object_list",
+        "recv_object_list",
+        "wait",
+    }
+)
+# Substrings of native symbols that are a collective's wait (gloo, c10d, NCCL, a CUDA sync).
+NATIVE_WAITS = (
+    "gloo::",
+    "c10d::ProcessGroup",
+    "ProcessGroupGloo",
+    "ProcessGroupNCCL",
+    "ncclGroupEnd",
+    "ncclAllReduce",
+    "cudaStreamSynchronize",
+    "cudaEventSynchronize",
+    "cudaDeviceSynchronize",
+    "cuStreamSynchronize",
+    "cuEventSynchronize",
+    "cuCtxSynchronize",
+)
+_DIST_FILE_MARKERS = ("torch/distributed/", "c10d")
+_SYSTEM_LIBS = ("libc.", "libc-", "libpthread", "ld-linux", "libgcc", "libpython", "python", "libffi", "_ctypes")
+
+STATES = ("stopped", "waiting", "in-c", "moving", "parked", "unread", "gone")
+
+
+# -- stall -------------------------------------------------------------------------------------------
+def median_step_time(rows: Sequence[RankProgress]) -> float:
+    """The job's median step time over ranks that know theirs; 0 when none does."""
+    times = [r.step_time_s for r in rows if r.step_time_s > 0]
+    return float(statistics.median(times)) if times else 0.0
+
+
+def default_stall_after(rows: Sequence[RankProgress]) -> float:
+    """The larger of 60 s and 20x the job's median step time."""
+    return max(DEFAULT_MIN_STALL_S, STALL_STEP_FACTOR * median_step_time(rows))
+
+
+def rank_age(row: RankProgress) -> float | None:
+    """Seconds since the rank last stepped; before its first step, since its process started
+    (both on the node's clock); None when neither is known."""
+    if row.step > 0 and row.last_step_age_s is not None:
+        return row.last_step_age_s
+    if row.started_at and row.polled_at and row.polled_at >= row.started_at:
+        return row.polled_at - row.started_at
+    return None
+
+
+@dataclass(slots=True)
+class Stall:
+    stalled: bool
+    age_s: float | None  # the job's age: the smallest rank age (None: no rank to judge)
+    stall_after_s: float
+    first_step: bool  # no rank has stepped yet: the age counts from the processes' start
+    last_step: int  # the highest step of any rank
+    ranks: int
+
+
+def check_stall(rows: Sequence[RankProgress], stall_after: float | None = None) -> Stall:
+    """Whether no rank of ``rows`` (one job, every node) advanced for the stall time."""
+    live = [r for r in rows if r.process_state not in ("gone", "zombie", "dead")]
+    limit = stall_after if stall_after is not None else default_stall_after(live)
+    ages = [a for a in (rank_age(r) for r in live) if a is not None]
+    age = min(ages) if ages else None
+    return Stall(
+        stalled=age is not None and age >= limit,
+        age_s=age,
+        stall_after_s=limit,
+        first_step=bool(live) and all(r.step == 0 for r in live),
+        last_step=max((r.step for r in live), default=0),
+        ranks=len(live),
+    )
+
+
+# -- frames ------------------------------------------------------------------------------------------
+def _main_frames(p: ProcessStacks | None) -> list[Frame]:
+    if p is None:
+        return []
+    main = p.main_thread()
+    return list(main.frames) if main is not None else []
+
+
+def python_frames(frames: Sequence[Frame]) -> list[Frame]:
+    return [f for f in frames if not f.native]
+
+
+def collective_of(frames: Sequence[Frame]) -> str | None:
+    """The collective a stack waits in ("all_reduce", "barrier", "gloo::allreduce"...), or None."""
+    for f in frames:
+        if f.native:
+            continue
+        if f.function in COLLECTIVES and any(m in f.file for m in _DIST_FILE_MARKERS):
+            return f.function
+    for f in frames:
+        if f.native and any(w in f.function for w in NATIVE_WAITS):
+            return native_name(f)
+    return None
+
+
+def native_name(f: Frame) -> str:
+    name = f.function.split("(")[0]
+    return name if len(name) <= 80 else name[:77] + "..."
+
+
+def user_frame(frames: Sequence[Frame]) -> Frame | None:
+    """The innermost frame of the program's own code; else the innermost Python frame."""
+    py = python_frames(frames)
+    for f in py:
+        if not is_library_path(f.file) and not f.file.startswith("<"):
+            return f
+    return py[0] if py else None
+
+
+def native_frame(frames: Sequence[Frame]) -> Frame | None:
+    """The innermost native frame of a library of the program's (not libc, not Python's own)."""
+    for f in frames:
+        if not f.native or f.function in ("???", "") or f.function.startswith("0x"):
+            continue
+        lib = os.path.basename(f.library or f.file)
+        if not lib.startswith(_SYSTEM_LIBS):
+            return f
+    return next((f for f in frames if f.native and f.function not in ("???", "")), None)
+
+
+def where(f: Frame | None) -> str:
+    """``load_next_batch (data.py:88)``, or a native frame ``cudaStreamSynchronize [libcudart.so]``."""
+    if f is None:
+        return "?"
+    if f.native:
+        return f"{native_name(f)} [{os.path.basename(f.library or f.file or '?')}]"
+    return f"{f.function} ({short_path(f.file)}:{f.line})"
+
+
+def _py_key(frames: Sequence[Frame]) -> tuple[tuple[str, str, int], ...]:
+    return tuple(f.key() for f in python_frames(frames))
+
+
+# -- one rank ------------------------------------------------------------------------------------------
+@dataclass(slots=True)
+class RankLook:
+    """What the look saw of one rank: its progress before and after, its two stack samples."""
+
+    node: str  # the node's label
+    before: RankProgress
+    after: RankProgress | None  # None: the rank was not in the second progress read
+    first: ProcessStacks | None = None
+    second: ProcessStacks | None = None
+    unread: str | None = None  # why the stacks could not be read
+
+    @property
+    def rank(self) -> int | None:
+        return self.before.rank
+
+    @property
+    def pid(self) -> int:
+        return self.before.pid
+
+
+@dataclass(slots=True)
+class RankState:
+    node: str
+    rank: int | None
+    pid: int
+    step: int
+    age_s: float | None
+    state: str  # one of STATES
+    where: str  # the frame that says where it is
+    collective: str | None = None
+    cpu_delta_s: float | None = None
+    span_s: float = 0.0
+    detail: str = ""
+    stack_key: tuple[Any, ...] = ()  # the Python stack of the second sample (the wait's identity)
+    frames: list[Frame] = field(default_factory=list)  # the main thread's stack, innermost first
+
+    @property
+    def who(self) -> str:
+        return f"rank {self.rank}" if self.rank is not None else f"pid {self.pid}"
+
+    def row(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "host": self.node,
+            "pid": self.pid,
+            "step": self.step,
+            "last_step_age_s": None if self.age_s is None else round(self.age_s, 3),
+            "state": self.describe(),
+            "where": self.where,
+            "cpu_delta_s": None if self.cpu_delta_s is None else round(self.cpu_delta_s, 3),
+        }
+
+    def describe(self) -> str:
+        if self.state == "waiting":
+            return f"waiting in {self.collective}"
+        return self.state
+
+
+def classify(look: RankLook, moving_cpu_s: float = MOVING_CPU_S) -> RankState:
+    """The state of one rank from its look (see the module's table)."""
+    before, after = look.before, look.after
+    last = after or before
+    frames2 = _main_frames(look.second)
+    frames1 = _main_frames(look.first)
+    frames = frames2 or frames1
+    cpu_delta: float | None = None
+    span = 0.0
+    if after is not None and before.cpu_s is not None and after.cpu_s is not None:
+        cpu_delta = max(0.0, after.cpu_s - before.cpu_s)
+        span = max(0.0, after.polled_at - before.polled_at)
+    state = RankState(
+        node=look.node,
+        rank=before.rank,
+        pid=before.pid,
+        step=last.step,
+        age_s=rank_age(last),
+        state="unread",
+        where=where(user_frame(frames) or native_frame(frames)),
+        cpu_delta_s=cpu_delta,
+        span_s=span,
+        stack_key=_py_key(frames),
+        frames=frames,
+    )
+    if after is None or last.process_state in ("gone", "zombie", "dead"):
+        state.state = "gone"
+        state.detail = "the process is gone"
+        return state
+    if before.process_state == "stopped" or last.process_state == "stopped":
+        state.state = "stopped"
+        state.detail = "stopped (process state T: SIGSTOP or a debugger)"
+        return state
+    spent = cpu_delta is not None and cpu_delta >= moving_cpu_s
+    changed = bool(frames1 and frames2) and _py_key(frames1) != _py_key(frames2)
+    c1, c2 = collective_of(frames1), collective_of(frames2)
+    native_wait = any(f.native and any(w in f.function for w in NATIVE_WAITS) for f in frames2)
+    if c1 and c2 and c1 == c2 and not changed and (not spent or native_wait):
+        state.state = "waiting"
+        state.collective = c2
+        inner = native_frame(frames)
+        if inner is not None and not any(f.function == c2 for f in python_frames(frames)):
+            py = user_frame(frames)  # a wait seen in C only (a CUDA synchronize): its native frame says it
+            state.where = f"{where(py)} [native: {where(inner)}]" if py is not None else where(inner)
+        return state
+    holds_gil = _holds_gil(look.second) or _holds_gil(look.first)
+    unresponsive = last.agent == "unresponsive" or before.agent == "unresponsive"
+    # In C holding the GIL, and not working there (no CPU, the same Python frame): a rank that
+    # imports torch or compiles holds the GIL too, but it moves.
+    if unresponsive and (holds_gil or (frames and frames[0].native)) and not spent and not changed:
+        state.state = "in-c"
+        inner = native_frame(frames)
+        if inner is not None:
+            py = user_frame(frames)
+            state.where = f"{where(py)} [native: {where(inner)}]" if py is not None else where(inner)
+        state.detail = "in C code holding the GIL (its agent does not answer)"
+        return state
+    if changed or spent:
+        state.state = "moving"
+        parts = []
+        if cpu_delta is not None:
+            parts.append(f"CPU +{cpu_delta:.1f} s in {span:.1f} s")
+        if changed:
+            parts.append("stack changed")
+        state.detail = "moving (" + ", ".join(parts) + ")"
+        return state
+    if frames:
+        state.state = "parked"
+        state.detail = "parked: the same frame in both samples, no CPU"
+        return state
+    state.detail = f"stacks unreadable ({look.unread})" if look.unread else "stacks unreadable"
+    return state
+
+
+def _holds_gil(p: ProcessStacks | None) -> bool:
+    if p is None:
+        return False
+    main = p.main_thread()
+    return bool(main is not None and main.holds_gil)
+
+
+# -- the job -------------------------------------------------------------------------------------------
+@dataclass
+class Decision:
+    kind: str  # "hang", "busy", or "pending" (a hang whose culprits only move, not yet confirmed)
+    conclusion: str
+    culprits: list[Culprit] = field(default_factory=list)
+    states: list[RankState] = field(default_factory=list)
+    flight_recorder: str | None = None  # what the flight recorder said, when it was read
+    waiting_key: tuple[Any, ...] | None = None  # what the waiting ranks wait in (for confirm_s)
+
+
+def ranks_text(states: Sequence[RankState], of_total: int | None = None) -> str:
+    """``rank 3 on node-1``, ``ranks 0-3 on node-1, ranks 4-7 on node-2``."""
+    by_node: dict[str, list[int | None]] = {}
+    for s in states:
+        by_node.setdefault(s.node, []).append(s.rank)
+    parts = []
+    for node, ranks in by_node.items():
+        known = sorted(r for r in ranks if r is not None)
+        pids = [s.pid for s in states if s.node == node and s.rank is None]
+        label = _span(known)
+        text = (f"rank {label}" if len(known) == 1 else f"ranks {label}") if known else ""
+        if pids:
+            text = (text + ", " if text else "") + "pid " + ",".join(str(p) for p in pids[:8])
+        parts.append(f"{text} on {node}")
+    if len(parts) > 4:
+        return f"{len(states)} ranks on {len(parts)} nodes"
+    return ", ".join(parts)
+
+
+def _span(ranks: list[int]) -> str:
+    out: list[str] = []
+    i = 0
+    while i < len(ranks):
+        j = i
+        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
+            j += 1
+        out.append(str(ranks[i]) if i == j else f"{ranks[i]}-{ranks[j]}")
+        i = j + 1
+    return ",".join(out)
+
+
+def _culprit(s: RankState, why: str) -> Culprit:
+    return Culprit(rank=s.rank, host=s.node, pid=s.pid, where=s.where, why=why, since_step=s.step)
+
+
+def _phrase(s: RankState, others: str | None) -> str:
+    """What a culprit is doing, after "rank 37 on node-5 ": "is in load_next_batch (...) ..."."""
+    if s.state == "stopped":
+        return f"is stopped (SIGSTOP or a debugger) in {s.where}"
+    if s.state == "in-c":
+        return f"is stuck in C holding the GIL in {s.where}"
+    if s.state == "moving":
+        tail = f", not in the {others} the others wait in" if others else ""
+        return f"is in {s.where}, {s.detail}{tail}"
+    if s.state == "parked":
+        return f"is in {s.where}, parked (no CPU)"
+    if s.state == "waiting":
+        return f"waits in {s.collective} at {s.where}"
+    if s.state == "gone":
+        return "is gone (its process exited)"
+    return f"cannot be read ({s.detail})"
+
+
+def _groups(states: Sequence[RankState], key: Any) -> list[list[RankState]]:
+    buckets: dict[Any, list[RankState]] = {}
+    for s in states:
+        buckets.setdefault(key(s), []).append(s)
+    return sorted(buckets.values(), key=lambda g: (-len(g), min((s.rank or 0) for s in g)))
+
+
+def _since(states: Sequence[RankState]) -> str:
+    steps = sorted({s.step for s in states})
+    return f" since step {steps[0]}" if len(steps) == 1 else f" since steps {steps[0]}-{steps[-1]}"
+
+
+def _culprit_text(culprits: Sequence[RankState], others: str | None) -> str:
+    parts = []
+    for group in _groups(culprits, lambda s: (s.state, s.where)):
+        verb = _phrase(group[0], others)
+        if len(group) > 1:
+            verb = verb.replace("is ", "are ", 1).replace("waits ", "wait ", 1)
+        parts.append(f"{ranks_text(group)} {verb}{_since(group)}")
+    return "; ".join(parts)
+
+
+def flight_recorder_missing(analysis: dict[str, Any] | None) -> tuple[list[int], str | None]:
+    """(ranks the flight recorder says never enqueued the collective the others wait in, its text)."""
+    if not isinstance(analysis, dict):
+        return [], None
+    for pg in analysis.get("process_groups") or []:
+        if not isinstance(pg, dict) or not pg.get("hung"):
+            continue
+        missing = [r for r in pg.get("missing") or [] if isinstance(r, int) and not isinstance(r, bool)]
+        missing += [r for r in pg.get("no_dump") or [] if isinstance(r, int) and not isinstance(r, bool)]
+        collective = str(pg.get("collective") or "?")[:200]
+        if missing:
+            who = ",".join(str(r) for r in sorted(set(missing)))
+            return sorted(
+                set(missing)
+            ), f"flight recorder: missing rank{'s' if len(missing) > 1 else ''} {who} in {collective}"
+        return [], f"flight recorder: {str(pg.get('verdict') or '')[:300]}"
+    return [], None
+
+
+def decide(
+    looks: Sequence[RankLook],
+    stall: Stall,
+    flight_recorder: dict[str, Any] | None = None,
+    waiting_for_s: float | None = None,
+    confirm_s: float = 0.0,
+    moving_cpu_s: float = MOVING_CPU_S,
+) -> Decision:
+    """What a stalled job is doing, from the look at every rank. ``waiting_for_s``: how long
+    the waiting ranks have been seen waiting in the same place (the engine's count, across
+    looks); a hang whose only culprits move is called once that reaches ``confirm_s``."""
+    states = [classify(look, moving_cpu_s) for look in looks]
+    states.sort(key=lambda s: (s.rank if s.rank is not None else 1 << 30, s.node, s.pid))
+    age = f"{stall.age_s:.0f} s" if stall.age_s is not None else "a while"
+    head = f"no first step {age} after start" if stall.first_step else f"no step for {age}"
+    waiting = [s for s in states if s.state == "waiting"]
+    others = [s for s in states if s.state != "waiting"]
+    fr_missing, fr_text = flight_recorder_missing(flight_recorder)
+    fr_clause = f" ({fr_text})" if fr_text else ""
+    if not states:
+        return Decision("busy", f"{head}: no rank could be read", states=states)
+    if waiting and others:
+        main = _groups(waiting, lambda s: s.collective)[0]
+        collective = main[0].collective
+        main_where = _groups(main, lambda s: s.where)[0][0].where
+        stuck = [s for s in others if s.state in ("stopped", "in-c", "parked", "gone", "unread")]
+        text = (
+            _culprit_text(others, collective)
+            + f"; the other {len(waiting)} rank{'s' if len(waiting) > 1 else ''} wait in {collective} "
+            + f"at {main_where}{fr_clause}"
+        )
+        culprits = [_culprit(s, s.detail or s.state) for s in others]
+        if not stuck and (waiting_for_s is None or waiting_for_s < confirm_s):
+            return Decision(
+                "pending",
+                f"{head}: {text}; not called a hang yet (the waiting ranks wait for "
+                f"{waiting_for_s or 0:.0f} s of the {confirm_s:.0f} s asked)",
+                culprits[:MAX_CULPRITS],
+                states,
+                fr_text,
+                waiting_key=_waiting_key(waiting),
+            )
+        return Decision("hang", text, culprits[:MAX_CULPRITS], states, fr_text, _waiting_key(waiting))
+    if waiting and not others:
+        groups = _groups(waiting, lambda s: (s.collective, s.stack_key))
+        main = groups[0]
+        if fr_missing:
+            by_rank = {s.rank: s for s in states}
+            named = [by_rank[r] for r in fr_missing if r in by_rank]
+            rest = [s for s in states if s.rank not in set(fr_missing)]
+            text = (
+                f"{_culprit_text(named, None) if named else 'ranks ' + ','.join(map(str, fr_missing))}"
+                f"; the other {len(rest)} rank(s) wait in {main[0].collective} at {main[0].where}{fr_clause}"
+            )
+            culprits = [
+                _culprit(s, "never enqueued the collective the others wait in (flight recorder)") for s in named
+            ] or [Culprit(rank=r, host="?", where="?", why="missing (flight recorder)") for r in fr_missing]
+            return Decision("hang", text, culprits[:MAX_CULPRITS], states, fr_text, _waiting_key(waiting))
+        if len(groups) > 1:
+            odd = [s for g in groups[1:] for s in g]
+            text = (
+                f"{_culprit_text(odd, None)}; the other {len(main)} rank{'s' if len(main) > 1 else ''} "
+                f"wait in {main[0].collective} at {main[0].where}{fr_clause}"
+            )
+            culprits = [_culprit(s, f"waits in {s.collective} at {s.where}, not where the others wait") for s in odd]
+            return Decision("hang", text, culprits[:MAX_CULPRITS], states, fr_text, _waiting_key(waiting))
+        text = f"all {len(states)} ranks wait in {main[0].collective} at {main[0].where} and none moves{fr_clause}" + (
+            ""
+            if fr_text
+            else "; with the flight recorder on (`dynprof run --flight-recorder`) "
+            "the watch would name the rank that is missing"
+        )
+        return Decision("hang", text, [], states, fr_text, _waiting_key(waiting))
+    # No rank waits in a collective.
+    stuck = [s for s in states if s.state in ("stopped", "in-c")]
+    if stuck:
+        rest = [s for s in states if s.state not in ("stopped", "in-c")]
+        text = _culprit_text(stuck, None)
+        if rest:
+            text += "; " + _busy_text(rest)
+        return Decision("hang", text, [_culprit(s, s.detail) for s in stuck][:MAX_CULPRITS], states, fr_text)
+    moving = [s for s in states if s.state == "moving"]
+    if moving:
+        return Decision("busy", f"{head}: {_busy_text(states)}", [], states, fr_text)
+    text = f"{head}, and no rank moves: {_culprit_text(states, None)}{fr_clause}"
+    return Decision("hang", text, [_culprit(s, s.detail or s.state) for s in states][:MAX_CULPRITS], states, fr_text)
+
+
+def _waiting_key(waiting: Sequence[RankState]) -> tuple[Any, ...]:
+    return tuple(sorted((s.node, s.pid, s.collective or "", s.where) for s in waiting))
+
+
+def _common_user_frame(states: Sequence[RankState]) -> str | None:
+    """The innermost frame of the program's own code that every rank's stack passes through
+    (``evaluate`` when the ranks are in different lines below it), or None."""
+    chains = []
+    for s in states:
+        frames = [f for f in reversed(s.frames) if not f.native and not is_library_path(f.file)]
+        if not frames:
+            return None
+        chains.append(frames)
+    common: Frame | None = None
+    for level in zip(*chains):
+        if len({(f.function, f.file) for f in level}) != 1:
+            break
+        common = level[0]
+    return where(common) if common is not None else None
+
+
+def _busy_text(states: Sequence[RankState]) -> str:
+    if len(states) > 1 and all(s.state == "moving" for s in states):
+        shared = _common_user_frame(states)
+        outer = {s.where for s in states}
+        if shared is not None and len(outer) > 1 and not shared.startswith("<module>"):
+            return f"all ranks in {shared}, moving"
+    parts = []
+    groups = _groups(states, lambda s: (s.state, s.where))
+    for group in groups:
+        who = "all ranks" if len(group) == len(states) and len(states) > 1 else ranks_text(group)
+        state = group[0].state
+        what = "moving" if state == "moving" else state
+        parts.append(f"{who} in {group[0].where}, {what}")
+    return "; ".join(parts)

@@ -1,0 +1,776 @@
+"""The watch's loop: poll every node's progress, and when a job stalls, look, decide and say so.
+
+Every ``interval`` the engine reads each node's progress (one ``GET /api/progress?job=J`` per
+node, all nodes at once, through :class:`~dynprof.job.client.SidecarClient`, or this node's
+agents directly); nodes that do not answer are named in what it says, never dropped. When no
+rank advanced for the stall time (:func:`dynprof.watch.detect.check_stall`) it looks: every
+rank's stacks twice, ``look_interval`` apart, through the nodes' ``stacks`` action (native
+frames for the ranks whose agent does not answer), merged by :func:`collectors.stacks.merge`,
+and decides (:func:`dynprof.watch.detect.decide`). On a hang it gathers the evidence (the
+flight recorder's analysis when the job has it on; each involved node's quick healthcheck),
+builds the :class:`~dynprof.watch.model.Verdict`, writes it as a ``verdict`` artifact, hands
+it to ``on_verdict`` (printing, the user's hook) and does not say it again while the stall
+lasts, unless the verdict changes (other culprits, busy becoming a hang); when progress
+resumes it says that once. It never acts on the job.
+
+Where the engine reads is a :class:`WatchSource`: :class:`SidecarSource` (the nodes'
+sidecars), or one the face builds on this node's agents (``dynprof watch`` without nodes,
+``dynprof serve --watch``); the flight recorder and the healthcheck come from callables the
+face hands in, the commands that already read them.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from collectors.stacks import Budget, ProcessStacks, Source, Stacks, from_json, merge
+from dynprof import errors
+from dynprof.watch import detect
+from dynprof.watch.model import (
+    VERDICT_KIND,
+    Culprit,
+    NodeProgress,
+    RankProgress,
+    StragglerReport,
+    Verdict,
+    WatchGauges,
+)
+
+log = logging.getLogger("dynprof.watch")
+
+DEFAULT_INTERVAL_S = 5.0
+DEFAULT_LOOK_INTERVAL_S = 3.0
+DEFAULT_STACKS_TIMEOUT_S = 10.0
+DEFAULT_HOOK_TIMEOUT_S = 30.0
+MAX_STACKS_EVIDENCE_GROUPS = 50
+
+
+# -- what the engine reads -----------------------------------------------------------------------
+@dataclass
+class NodeRead:
+    """One node's progress document, or why there is none."""
+
+    node: str  # the node's label (as output names it)
+    progress: NodeProgress | None
+    error: str | None = None
+
+
+@dataclass
+class StacksRead:
+    """One sample of the job's stacks: merged, each process's ``host`` its node's label."""
+
+    stacks: Stacks
+    failures: dict[str, str] = field(default_factory=dict)
+
+
+class WatchSource(Protocol):
+    """Where a watch reads: progress, stacks, and the evidence of a hang."""
+
+    def nodes(self) -> list[str]: ...
+
+    def progress(self, job: str) -> list[NodeRead]: ...
+
+    def stacks(self, job: str, native: dict[str, list[int]]) -> StacksRead: ...
+
+    def flight_recorder(self, job: str) -> tuple[dict[str, Any] | None, str | None]: ...
+
+    def healthcheck(self, nodes: list[str]) -> dict[str, dict[str, Any]]: ...
+
+
+FlightRecorder = Callable[[str], tuple[dict[str, Any] | None, str | None]]
+Straggler = Callable[[list[str], str], StragglerReport | None]
+
+
+def healthcheck_summary(doc: Any) -> dict[str, Any]:
+    """What a verdict keeps of a node's healthcheck report: its verdict and the checks that
+    did not pass (Xid, ECC, clocks, NVLink, InfiniBand, ...)."""
+    if not isinstance(doc, dict):
+        return {"verdict": "unreadable", "problems": []}
+    problems = []
+    for check in doc.get("checks") or []:
+        if isinstance(check, dict) and check.get("status") in ("fail", "warn", "unknown"):
+            problems.append(
+                {
+                    "name": str(check.get("name"))[:100],
+                    "status": str(check.get("status"))[:20],
+                    "device": check.get("device") if isinstance(check.get("device"), (int, str)) else None,
+                    "reason": str(check.get("reason") or "")[:300],
+                }
+            )
+    return {
+        "verdict": str(doc.get("verdict") or "?")[:40],
+        "exit_code": doc.get("exit_code") if isinstance(doc.get("exit_code"), int) else None,
+        "counts": doc.get("counts") if isinstance(doc.get("counts"), dict) else {},
+        "problems": problems[:50],
+    }
+
+
+class SidecarSource:
+    """The nodes' sidecars: ``GET /api/progress`` and the ``stacks`` and ``healthcheck`` actions."""
+
+    def __init__(
+        self,
+        client: Any,  # a dynprof.job.client.SidecarClient
+        nodes: Sequence[Any],  # dynprof.job.discovery.Node
+        flight_recorder: FlightRecorder | None = None,
+        stacks_timeout: float = DEFAULT_STACKS_TIMEOUT_S,
+    ) -> None:
+        from dynprof.job.answers import node_labels
+
+        self.client = client
+        self.node_list = list(nodes)
+        self.labels = node_labels(self.node_list)
+        self.by_label = {label: node for node, label in self.labels.items()}
+        self._flight_recorder = flight_recorder
+        self.stacks_timeout = stacks_timeout
+
+    def nodes(self) -> list[str]:
+        return [self.labels[n] for n in self.node_list]
+
+    def progress(self, job: str) -> list[NodeRead]:
+        from dynprof.job.client import NodeFailure
+
+        def one(node: Any) -> NodeRead:
+            label = self.labels[node]
+            try:
+                return NodeRead(label, NodeProgress.from_json(self.client.progress(node, job)))
+            except NodeFailure as exc:
+                return NodeRead(label, None, exc.reason)
+            except errors.ArtifactError as exc:
+                return NodeRead(label, None, f"not a progress document: {exc.message}")
+
+        workers = max(1, min(self.client.max_in_flight, len(self.node_list)))
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            return list(pool.map(one, self.node_list))
+
+    def stacks(self, job: str, native: dict[str, list[int]]) -> StacksRead:
+        plain = {"job": job, "no_save": True, "timeout": self.stacks_timeout}
+        calls: list[tuple[Any, dict[str, Any]]] = [(n, plain) for n in self.node_list]
+        for label, pids in native.items():
+            node = self.by_label.get(label)
+            if node is not None and pids:
+                calls.append(
+                    (node, {"pid": sorted(set(pids)), "native": True, "no_save": True, "timeout": self.stacks_timeout})
+                )
+        workers = max(1, min(self.client.max_in_flight, len(calls)))
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            answers = list(
+                pool.map(lambda c: self.client.action(c[0], "stacks", c[1], timeout=self.stacks_timeout + 5.0), calls)
+            )
+        plain_sources: list[Source] = []
+        native_sources: list[Source] = []
+        failures: dict[str, str] = {}
+        budget = Budget()
+        for (node, options), answer in zip(calls, answers):
+            label = self.labels[node]
+            if not answer.answered:
+                failures[f"node {label}"] = answer.error or "no answer"
+                continue
+            try:
+                found = from_json(answer.result, budget)
+            except errors.ArtifactError as exc:
+                failures[f"node {label}"] = answer.command_error() or exc.message
+                continue
+            (native_sources if options.get("native") else plain_sources).append(Source(found, node=label))
+        return StacksRead(merged_with_native(plain_sources, native_sources), failures)
+
+    def flight_recorder(self, job: str) -> tuple[dict[str, Any] | None, str | None]:
+        if self._flight_recorder is None:
+            return None, "the flight recorder is not read by this watch"
+        return self._flight_recorder(job)
+
+    def healthcheck(self, nodes: list[str]) -> dict[str, dict[str, Any]]:
+        chosen = [self.by_label[n] for n in nodes if n in self.by_label]
+        if not chosen:
+            return {}
+        answers = self.client.action_all(chosen, "healthcheck", {"level": "quick", "no_save": True}, timeout=120.0)
+        out: dict[str, dict[str, Any]] = {}
+        for node, answer in zip(chosen, answers):
+            label = self.labels[node]
+            if not answer.answered:
+                out[label] = {"verdict": "no answer", "error": answer.error, "problems": []}
+            elif answer.failure is not None and not isinstance(answer.result, dict):
+                out[label] = {"verdict": "could not run", "error": answer.failure.message, "problems": []}
+            else:
+                out[label] = healthcheck_summary(answer.result)
+        return out
+
+
+def merged_with_native(plain: Sequence[Source], native: Sequence[Source]) -> Stacks:
+    """THE merge of one sample: the native reads replace the plain reads of the same processes."""
+    replaced = {(s.node, p.pid) for s in native for p in s.stacks.processes}
+    sources = [
+        Source(
+            Stacks([p for p in s.stacks.processes if (s.node, p.pid) not in replaced], failures=s.stacks.failures),
+            node=s.node,
+            host=s.host,
+        )
+        for s in plain
+    ]
+    return merge([*sources, *native], by_host=True)
+
+
+# -- the verdicts ---------------------------------------------------------------------------------
+@dataclass
+class Episode:
+    """One stall, from when the watch saw it until progress resumes."""
+
+    detected_at: float
+    started_at: float  # the stall's start: the last step of any rank (watch clock)
+    last_key: tuple[Any, ...] | None = None
+    verdicts: int = 0
+    waiting_key: tuple[Any, ...] | None = None
+    waiting_since: float | None = None
+    next_look_at: float = 0.0  # after a verdict, the next look waits (the ranks are not paused for nothing)
+
+
+@dataclass
+class WatchConfig:
+    job: str
+    interval_s: float = DEFAULT_INTERVAL_S
+    stall_after_s: float | None = None  # None: the larger of 60 s and 20x the median step time
+    look_interval_s: float = DEFAULT_LOOK_INTERVAL_S
+    confirm_s: float | None = None  # None: half the stall time
+    sample_every_s: float | None = None  # the straggler sample; None: never
+    healthcheck: bool = True
+    save: bool = True
+    moving_cpu_s: float = detect.MOVING_CPU_S
+
+
+@dataclass
+class Tick:
+    """What one round of the loop found (for the face's progress line and for tests)."""
+
+    ranks: int
+    nodes_unanswered: dict[str, str]
+    stall: detect.Stall | None
+    verdict: Verdict | None = None
+    artifact: str | None = None
+    ended: bool = False
+    note: str = ""
+
+
+class WatchEngine:
+    """The loop over one job (see the module's docstring)."""
+
+    def __init__(
+        self,
+        config: WatchConfig,
+        source: WatchSource,
+        on_verdict: Callable[[Verdict, str | None], None] | None = None,
+        on_tick: Callable[[Tick], None] | None = None,
+        straggler: Straggler | None = None,
+        clock: Callable[[], float] = time.time,
+        sleep: Callable[[float], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.source = source
+        self.on_verdict = on_verdict
+        self.on_tick = on_tick
+        self.straggler = straggler
+        self.clock = clock
+        self._stop = threading.Event()
+        self._sleep = sleep or (lambda s: self._stop.wait(s) and None)
+        self.episode: Episode | None = None
+        self.seen: dict[tuple[str, int], RankProgress] = {}
+        self.verdicts: list[Verdict] = []
+        self.counts: dict[str, int] = {}
+        self.stalled = False
+        self.straggler_scores: dict[tuple[str, int], float] = {}
+        self._last_sample = clock()
+        self._lock = threading.Lock()
+
+    # -- running --------------------------------------------------------------------------
+    def stop(self) -> None:
+        self._stop.set()
+
+    def run(self, once: bool = False) -> list[Verdict]:
+        """Until the job ends (every rank gone), :meth:`stop`, or after one round with ``once``."""
+        while not self._stop.is_set():
+            started = time.monotonic()
+            tick = self.tick(force_look=once)
+            if self.on_tick is not None:
+                self.on_tick(tick)
+            if once or tick.ended:
+                break
+            self._sleep(max(0.0, self.config.interval_s - (time.monotonic() - started)))
+        return self.verdicts
+
+    def gauges(self) -> list[WatchGauges]:
+        """What the sidecar exports on /metrics for the job this engine watches."""
+        with self._lock:
+            return [
+                WatchGauges(
+                    job=self.config.job,
+                    stalled=self.stalled,
+                    straggler_scores=dict(self.straggler_scores),
+                    verdicts=dict(self.counts),
+                )
+            ]
+
+    # -- one round ----------------------------------------------------------------------------
+    def poll(self) -> tuple[list[tuple[str, RankProgress]], dict[str, str]]:
+        reads = self.source.progress(self.config.job)
+        rows: list[tuple[str, RankProgress]] = []
+        failed: dict[str, str] = {}
+        for read in reads:
+            if read.progress is None:
+                failed[read.node] = read.error or "no answer"
+                continue
+            for r in read.progress.ranks:
+                if r.job == self.config.job:
+                    rows.append((read.node, self._with_last_known(read.node, r)))
+        return rows, failed
+
+    def _with_last_known(self, node: str, row: RankProgress) -> RankProgress:
+        """A rank whose agent does not answer keeps the step it last told (ages on its node's clock)."""
+        known = self.seen.get((node, row.pid))
+        if row.agent != "up" and known is not None and known.step > row.step:
+            row.step = known.step
+            row.step_time_s = row.step_time_s or known.step_time_s
+            row.last_step_at = known.last_step_at
+            if known.last_step_at > 0 and row.polled_at >= known.last_step_at:
+                row.last_step_age_s = row.polled_at - known.last_step_at
+            if row.rank is None:
+                row.rank, row.world_size = known.rank, known.world_size
+        return row
+
+    def tick(self, force_look: bool = False) -> Tick:
+        rows, failed = self.poll()
+        now = self.clock()
+        live_nodes = {n for n in self.source.nodes() if n not in failed}
+        here = {(node, r.pid) for node, r in rows}
+        gone = [(node, r) for (node, pid), r in self.seen.items() if (node, pid) not in here and node in live_nodes]
+        for node, r in rows:
+            self.seen[(node, r.pid)] = r
+        if self.seen and not rows and not failed:
+            self._set_stalled(False)
+            return Tick(0, failed, None, ended=True, note="every rank of the job is gone")
+        if not rows:
+            note = "no rank of the job on any node that answered"
+            return Tick(0, failed, None, note=note)
+        self._maybe_sample_straggler(now)
+        stall = detect.check_stall([r for _, r in rows], self.config.stall_after_s)
+        if not stall.stalled and not force_look:
+            tick = Tick(len(rows), failed, stall)
+            if self.episode is not None:
+                tick.verdict, tick.artifact = self._resumed(rows, failed, stall, now)
+            self._set_stalled(False)
+            return tick
+        if not stall.stalled:  # --once on a job that moves: said, not saved
+            ok = self._ok(rows, failed, stall, now)
+            if self.on_verdict is not None:
+                self.on_verdict(ok, None)
+            return Tick(len(rows), failed, stall, verdict=ok)
+        self._set_stalled(True)
+        if self.episode is None:
+            started = now - (stall.age_s or 0.0)
+            self.episode = Episode(detected_at=now, started_at=started)
+        if now < self.episode.next_look_at and not force_look:
+            return Tick(len(rows), failed, stall, note="stalled; looked at already")
+        verdict, artifact = self._look_and_decide(rows, gone, failed, stall)
+        return Tick(len(rows), failed, stall, verdict=verdict, artifact=artifact)
+
+    def _set_stalled(self, value: bool) -> None:
+        with self._lock:
+            self.stalled = value
+
+    # -- the look ---------------------------------------------------------------------------
+    def _look_and_decide(
+        self,
+        rows: list[tuple[str, RankProgress]],
+        gone: list[tuple[str, RankProgress]],
+        failed: dict[str, str],
+        stall: detect.Stall,
+    ) -> tuple[Verdict | None, str | None]:
+        assert self.episode is not None
+        episode = self.episode
+        look_started = self.clock()
+        first = self.source.stacks(self.config.job, {})
+        wait = self.config.look_interval_s - (self.clock() - look_started)
+        if wait > 0:
+            self._sleep(wait)
+        native: dict[str, list[int]] = {}
+        for node, r in rows:
+            if r.agent == "unresponsive" and r.process_state != "stopped":
+                native.setdefault(node, []).append(r.pid)
+        second = self.source.stacks(self.config.job, native)
+        after_rows, _ = self.poll()
+        after = {(node, r.pid): r for node, r in after_rows}
+        first_by = _by_process(first.stacks)
+        second_by = _by_process(second.stacks)
+        unread = {**first.failures, **second.failures, **second.stacks.failures}
+        looks = []
+        for node, r in rows:
+            where = (node, r.pid)
+            looks.append(
+                detect.RankLook(
+                    node=node,
+                    before=r,
+                    after=after.get(where),
+                    first=first_by.get(where),
+                    second=second_by.get(where),
+                    unread=_failure_of(unread, node, r),
+                )
+            )
+        for node, r in gone:
+            looks.append(detect.RankLook(node=node, before=r, after=None))
+        looked = self.clock()
+        confirm = self.config.confirm_s if self.config.confirm_s is not None else stall.stall_after_s / 2
+        moving = self.config.moving_cpu_s
+        first_take = detect.decide(looks, stall, None, None, confirm, moving)
+        # The waiting ranks' wait is timed across looks: a hang whose culprits only move waits for it.
+        waited = self._waiting_for(first_take.waiting_key, looked)
+        decision = detect.decide(looks, stall, None, waited, confirm, moving)
+        fr_analysis: dict[str, Any] | None = None
+        fr_note: str | None = None
+        health: dict[str, Any] | None = None
+        if decision.kind == "hang":
+            # The flight recorder and the involved nodes' healthcheck at once: both take seconds.
+            with ThreadPoolExecutor(max_workers=2) as pool:
+                involved = sorted({c.host for c in decision.culprits} or {n for n, _ in rows})
+                health_future = pool.submit(self._healthcheck, involved) if self.config.healthcheck else None
+                fr_analysis, fr_note = self._flight_recorder()
+                health = health_future.result() if health_future is not None else None
+            decision = detect.decide(looks, stall, fr_analysis, waited, confirm, moving)
+            if health is not None:
+                more = sorted({c.host for c in decision.culprits} - set(health) - {"?"})
+                if more:
+                    health.update(self._healthcheck(more))
+        if decision.kind == "pending":
+            return None, None
+        # Said (or to be said again only if it changes): look again in half a stall time, not
+        # every round: each look reads every rank's stacks twice.
+        episode.next_look_at = self.clock() + max(self.config.interval_s, stall.stall_after_s / 2)
+        key: tuple[Any, ...] = (
+            decision.kind,
+            tuple(sorted((c.host, c.rank if c.rank is not None else -1) for c in decision.culprits)),
+        )
+        if key == episode.last_key:
+            return None, None
+        detected_s = max(0.0, episode.detected_at - episode.started_at)
+        evidence: dict[str, Any] = {
+            "stall": {
+                "age_s": round(stall.age_s or 0.0, 3),
+                "stall_after_s": stall.stall_after_s,
+                "first_step": stall.first_step,
+                "last_step": stall.last_step,
+                "median_step_time_s": round(detect.median_step_time([r for _, r in rows]), 6),
+                "started_at": episode.started_at,
+            },
+            "stacks": stacks_evidence(second.stacks),
+            "samples": {
+                "look_interval_s": self.config.look_interval_s,
+                "look_s": round(looked - look_started, 3),
+                "first_at": look_started,
+                "unread": dict(list(unread.items())[:100]),
+                "native_read": {n: p[:100] for n, p in native.items()},
+            },
+        }
+        if decision.kind == "hang":
+            evidence["flight_recorder"] = {"analysis": _fr_summary(fr_analysis), "note": fr_note}
+            if health is not None:
+                evidence["healthcheck"] = health
+        conclusion = decision.conclusion + _health_clause(evidence.get("healthcheck"))
+        if failed:
+            conclusion += "; no answer from node(s) " + ", ".join(sorted(failed)[:20])
+        decided = self.clock()
+        evidence["timing"] = {
+            "stall_started_at": episode.started_at,
+            "detected_at": episode.detected_at,
+            "detection_s": round(detected_s, 3),
+            "verdict_s": round(decided - episode.detected_at, 3),
+            "look_s": round(looked - look_started, 3),
+        }
+        verdict = Verdict(
+            kind=decision.kind,
+            job=self.config.job,
+            conclusion=conclusion,
+            detected_at=episode.detected_at,
+            decided_at=decided,
+            culprits=decision.culprits,
+            ranks=[s.row() for s in decision.states],
+            evidence=evidence,
+            nodes_unanswered=sorted(failed),
+        )
+        artifact = self._publish(verdict, second.stacks)
+        episode.last_key = key
+        episode.verdicts += 1
+        return verdict, artifact
+
+    def _waiting_for(self, key: tuple[Any, ...] | None, now: float) -> float | None:
+        """Seconds the same ranks have been seen waiting in the same place (None: not waiting)."""
+        episode = self.episode
+        if episode is None or key is None:
+            return None
+        if episode.waiting_key != key or episode.waiting_since is None:
+            episode.waiting_key, episode.waiting_since = key, now
+        return now - episode.waiting_since
+
+    def _healthcheck(self, nodes: list[str]) -> dict[str, Any]:
+        try:
+            return dict(self.source.healthcheck(nodes))
+        except Exception as exc:  # the evidence is best effort: the verdict still comes
+            log.warning("dynprof watch: healthcheck failed: %s", exc)
+            return {n: {"verdict": "could not run", "error": f"{type(exc).__name__}: {exc}"[:300]} for n in nodes}
+
+    def _flight_recorder(self) -> tuple[dict[str, Any] | None, str | None]:
+        try:
+            return self.source.flight_recorder(self.config.job)
+        except Exception as exc:  # best effort: the stacks decide without it
+            log.warning("dynprof watch: reading the flight recorder failed: %s", exc)
+            return None, f"reading the flight recorder failed: {type(exc).__name__}: {exc}"[:300]
+
+    # -- the other verdicts ---------------------------------------------------------------------
+    def _resumed(
+        self, rows: list[tuple[str, RankProgress]], failed: dict[str, str], stall: detect.Stall, now: float
+    ) -> tuple[Verdict | None, str | None]:
+        episode = self.episode
+        self.episode = None
+        if episode is None or episode.verdicts == 0:
+            return None, None
+        lasted = now - episode.started_at
+        verdict = Verdict(
+            kind="ok",
+            job=self.config.job,
+            conclusion=f"progress resumed: step {stall.last_step} after {lasted:.0f} s without a step",
+            detected_at=episode.detected_at,
+            decided_at=now,
+            ranks=[_rank_row(node, r) for node, r in rows],
+            evidence={"stall": {"lasted_s": round(lasted, 3), "started_at": episode.started_at}},
+            nodes_unanswered=sorted(failed),
+        )
+        return verdict, self._publish(verdict, None)
+
+    def _ok(
+        self, rows: list[tuple[str, RankProgress]], failed: dict[str, str], stall: detect.Stall, now: float
+    ) -> Verdict:
+        """``--once`` on a job that moves: no artifact, no hook."""
+        age = f"{stall.age_s:.1f} s ago" if stall.age_s is not None else "unknown"
+        verdict = Verdict(
+            kind="ok",
+            job=self.config.job,
+            conclusion=f"{stall.ranks} rank(s) progress: last step {stall.last_step}, {age} "
+            f"(stall after {stall.stall_after_s:.0f} s)",
+            detected_at=now,
+            decided_at=now,
+            ranks=[_rank_row(node, r) for node, r in rows],
+            evidence={"stall": {"age_s": stall.age_s, "stall_after_s": stall.stall_after_s}},
+            nodes_unanswered=sorted(failed),
+        )
+        return verdict
+
+    def _publish(self, verdict: Verdict, stacks: Stacks | None) -> str | None:
+        path: str | None = None
+        if self.config.save:
+            try:
+                path = write_verdict(verdict, stacks)
+            except errors.DynprofError as exc:
+                log.warning("dynprof watch: the verdict could not be saved: %s", exc.message)
+        with self._lock:
+            self.verdicts.append(verdict)
+            self.counts[verdict.kind] = self.counts.get(verdict.kind, 0) + 1
+        if self.on_verdict is not None:
+            try:
+                self.on_verdict(verdict, path)
+            except Exception as exc:  # a face's printing or hook must not stop the watch
+                log.warning("dynprof watch: on_verdict failed: %s", exc)
+        return path
+
+    def _maybe_sample_straggler(self, now: float) -> None:
+        every = self.config.sample_every_s
+        if self.straggler is None or not every or now - self._last_sample < every or self.episode is not None:
+            return
+        self._last_sample = now
+        try:
+            report = self.straggler(self.source.nodes(), self.config.job)
+        except Exception as exc:  # a failed sample is skipped, the watch goes on
+            log.warning("dynprof watch: the straggler sample failed: %s", exc)
+            return
+        if report is None:
+            return
+        with self._lock:
+            self.straggler_scores = dict(report.scores)
+        if report.verdict is not None:
+            self._publish(report.verdict, None)
+
+
+def _by_process(stacks: Stacks) -> dict[tuple[str, int], ProcessStacks]:
+    return {(p.host or "?", p.pid): p for p in stacks.processes}
+
+
+def _failure_of(failures: dict[str, str], node: str, row: RankProgress) -> str | None:
+    for who, why in failures.items():
+        if who == f"node {node}" or (f"pid {row.pid}" in who and node in who):
+            return why[:300]
+    return None
+
+
+def _rank_row(node: str, r: RankProgress) -> dict[str, Any]:
+    return {
+        "rank": r.rank,
+        "host": node,
+        "pid": r.pid,
+        "step": r.step,
+        "last_step_age_s": None if detect.rank_age(r) is None else round(detect.rank_age(r) or 0.0, 3),
+        "state": "stepping" if r.agent == "up" else r.agent,
+    }
+
+
+def stacks_evidence(stacks: Stacks) -> dict[str, Any]:
+    """What a verdict keeps of the merged stacks: the groups (who, where), not every frame."""
+    groups = []
+    for g in stacks.groups[:MAX_STACKS_EVIDENCE_GROUPS]:
+        groups.append(
+            {
+                "label": g.labels[:2000],
+                "size": len(g.members),
+                "outlier": g.outlier,
+                "headline": g.headline()[:2000],
+                "members": [{"rank": m.rank, "host": m.host, "pid": m.pid} for m in g.members[:1000]],
+            }
+        )
+    return {
+        "groups": groups,
+        "failures": dict(list(stacks.failures.items())[:100]),
+        "processes": len(stacks.processes),
+        "file": "stacks.json",
+    }
+
+
+def _fr_summary(analysis: dict[str, Any] | None) -> list[dict[str, Any]] | None:
+    if not isinstance(analysis, dict):
+        return None
+    out = []
+    for pg in analysis.get("process_groups") or []:
+        if isinstance(pg, dict):
+            out.append({k: pg.get(k) for k in ("process_group", "collective", "waiting", "missing", "hung", "verdict")})
+    return out[:64]
+
+
+def _health_clause(health: Any) -> str:
+    if not isinstance(health, dict):
+        return ""
+    parts = []
+    for node, summary in health.items():
+        if not isinstance(summary, dict):
+            continue
+        failing = [p for p in summary.get("problems") or [] if isinstance(p, dict) and p.get("status") == "fail"]
+        for p in failing[:3]:
+            device = f" GPU {p['device']}" if p.get("device") is not None else ""
+            parts.append(f"{node}{device}: {p.get('name')}: {p.get('reason')}")
+    return ("; healthcheck: " + "; ".join(parts)) if parts else ""
+
+
+def write_verdict(verdict: Verdict, stacks: Stacks | None) -> str:
+    """The verdict as a ``verdict`` artifact in this machine's store: ``verdict.json`` (the
+    verdict document) and, when the watch looked, ``stacks.json`` (the merged stacks
+    document); the manifest's summary carries the conclusion. Returns its path."""
+    from dynprof.store import ArtifactStore
+
+    writer = ArtifactStore().create(
+        VERDICT_KIND, job=verdict.job, options={"kind": verdict.kind, "culprits": len(verdict.culprits)}
+    )
+    try:
+        writer.write_json("verdict.json", verdict.to_json())
+        if stacks is not None:
+            writer.write_json("stacks.json", stacks.to_json())
+        art = writer.finish(
+            "complete",
+            summary={
+                "kind": verdict.kind,
+                "conclusion": verdict.conclusion[:4000],
+                "culprits": [c.to_json() for c in verdict.culprits[:16]],
+            },
+        )
+    except BaseException as exc:
+        if writer.finished is None:
+            writer.finish("failed", error=f"{type(exc).__name__}: {exc}")
+        raise
+    return str(art.path)
+
+
+# -- the user's hook ---------------------------------------------------------------------------------
+@dataclass
+class HookResult:
+    ok: bool
+    exit_code: int | None
+    message: str
+
+
+def run_hook(command: str, verdict: Verdict, path: str | None, timeout: float = DEFAULT_HOOK_TIMEOUT_S) -> HookResult:
+    """``--on-verdict CMD``: ``/bin/sh -c CMD`` with the verdict's JSON on its stdin and
+    ``DYNPROF_VERDICT_FILE`` (the artifact's verdict.json, "" when not saved),
+    ``DYNPROF_VERDICT_KIND`` and ``DYNPROF_VERDICT_JOB`` in its environment; killed past
+    ``timeout``. Its failure is reported, never raised."""
+    import json
+    import os
+    import signal
+    import subprocess
+
+    env = dict(os.environ)
+    env.update(
+        {
+            "DYNPROF_VERDICT_FILE": os.path.join(path, "verdict.json") if path else "",
+            "DYNPROF_VERDICT_DIR": path or "",
+            "DYNPROF_VERDICT_KIND": verdict.kind,
+            "DYNPROF_VERDICT_JOB": verdict.job,
+        }
+    )
+    try:
+        proc = subprocess.Popen(
+            ["/bin/sh", "-c", command],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            env=env,
+            start_new_session=True,
+        )
+    except OSError as exc:
+        return HookResult(False, None, f"--on-verdict could not start: {exc}")
+    try:
+        _, err = proc.communicate(json.dumps(verdict.to_json()).encode(), timeout=timeout)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        proc.communicate()
+        return HookResult(False, None, f"--on-verdict ran past {timeout:g} s and was killed")
+    except BrokenPipeError:
+        proc.wait()
+        err = b""
+    if proc.returncode != 0:
+        tail = err.decode("utf-8", "replace").strip().splitlines()[-1:] if err else []
+        return HookResult(
+            False, proc.returncode, f"--on-verdict exited {proc.returncode}" + (f": {tail[0][:300]}" if tail else "")
+        )
+    return HookResult(True, 0, "--on-verdict ran")
+
+
+def median(values: Sequence[float]) -> float:
+    return float(statistics.median(values)) if values else 0.0
+
+
+__all__ = [
+    "Culprit",
+    "NodeRead",
+    "SidecarSource",
+    "StacksRead",
+    "Tick",
+    "WatchConfig",
+    "WatchEngine",
+    "WatchSource",
+    "healthcheck_summary",
+    "merged_with_native",
+    "run_hook",
+    "stacks_evidence",
+    "write_verdict",
+]

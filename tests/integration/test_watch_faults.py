@@ -1,0 +1,336 @@
+"""The watch's injected-fault suite: a 4-rank gloo job over two simulated nodes, one fault each.
+
+Each "node" is a `dynprof serve` on a loopback port with its own run directory, store and
+DYNPROF_HOST (as in test_fanout.py); ranks 0-1 run on node A (127.0.0.1), ranks 2-3 on node B
+(localhost). `dynprof watch --hosts A,B --json` runs from a third place with no agents.
+
+Fault cases: the verdict is a hang that names the faulty rank and its node. False-alarm cases
+(a checkpoint that really writes, an evaluation without optimizer steps, a slow first step, a
+slow DataLoader warm-up, each longer than the stall time): no hang verdict, a busy one.
+
+Lengths scale with DYNPROF_WATCH_SCALE (default 1: a 6 s stall time, phases of 3x that).
+The full-length variants (the 90 s checkpoint, the 2-minute evaluation) are marked
+``watch_full`` and run only when asked: ``pytest -m watch_full tests/integration/test_watch_faults.py``.
+Each case prints its detection and verdict times (no timed assertion).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PROGRAM = "tests/integration/programs/watch_program.py"
+SCALE = float(os.environ.get("DYNPROF_WATCH_SCALE", "1"))
+STALL_S = 6.0 * SCALE
+PHASE_S = 3 * STALL_S
+FAULT_AT = 8
+TOKEN = "watch-faults-token-0123456789"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class SimNode:
+    name: str
+    label: str  # how the watch names it (its host in --hosts)
+    address: str
+    run_dir: Path
+    artifacts: Path
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {
+            "DYNPROF_RUN_DIR": str(self.run_dir),
+            "DYNPROF_ARTIFACT_DIR": str(self.artifacts),
+            "DYNPROF_HOST": self.name,
+        }
+
+
+def _wait_listening(port: int, proc: subprocess.Popen[bytes], timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "dynprof serve exited"
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                return
+        except OSError:
+            time.sleep(0.1)
+    raise AssertionError(f"dynprof serve is not listening on {port} after {timeout} s")
+
+
+@pytest.fixture
+def sim_nodes(tmp_path: Path) -> Iterator[dict[str, Any]]:
+    token = tmp_path / "token"
+    token.write_text(TOKEN + "\n")
+    token.chmod(0o600)
+    sims: list[SimNode] = []
+    try:
+        for name, host in (("node-a", "127.0.0.1"), ("node-b", "localhost")):
+            port = free_port()
+            run_dir = Path(tempfile.mkdtemp(prefix=f"dw-{name[-1]}-", dir="/tmp"))
+            sim = SimNode(name, host, f"{host}:{port}", run_dir, tmp_path / f"store-{name}")
+            env = {**os.environ, **sim.env, "PYTHONUNBUFFERED": "1"}
+            env.pop("DYNPROF_TOKEN_FILE", None)
+            with open(tmp_path / f"serve-{name}.log", "wb") as log:
+                sim.proc = subprocess.Popen(
+                    [sys.executable, "-m", "dynprof", "serve", "--port", str(port), "--token-file", str(token)],
+                    env=env,
+                    cwd=str(ROOT),
+                    stdout=subprocess.DEVNULL,
+                    stderr=log,
+                    start_new_session=True,
+                )
+            sims.append(sim)
+        for sim in sims:
+            assert sim.proc is not None
+            _wait_listening(int(sim.address.rsplit(":", 1)[1]), sim.proc)
+        yield {"a": sims[0], "b": sims[1], "token": token, "hosts": ",".join(s.address for s in sims)}
+    finally:
+        for sim in sims:
+            if sim.proc is not None:
+                sim.proc.terminate()
+                try:
+                    sim.proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    sim.proc.kill()
+                    sim.proc.wait(timeout=10)
+            shutil.rmtree(sim.run_dir, ignore_errors=True)
+
+
+def start_job(spawn: Any, nodes: dict[str, Any], job: str, args: list[str]) -> list[Any]:
+    """Ranks 0-1 on node A, 2-3 on node B, each under `dynprof run`."""
+    master = str(free_port())
+    placement = [nodes["a"], nodes["a"], nodes["b"], nodes["b"]]
+    targets = []
+    for rank, sim in enumerate(placement):
+        env = {
+            **sim.env,
+            "RANK": str(rank),
+            "WORLD_SIZE": str(len(placement)),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": master,
+            "DYNPROF_JOB_ID": job,
+        }
+        cmd = ["-m", "dynprof", "run", "-q", "--", sys.executable, PROGRAM, *args]
+        targets.append(spawn(cmd, under_run=False, env=env))
+    return targets
+
+
+class Watch:
+    """`dynprof watch --json` as a subprocess; its JSON lines collected as they come."""
+
+    def __init__(self, nodes: dict[str, Any], job: str, max_seconds: float, extra: tuple[str, ...] = ()) -> None:
+        env = {**os.environ, "DYNPROF_TOKEN_FILE": str(nodes["token"])}
+        cmd = [
+            sys.executable, "-m", "dynprof", "watch", "--job", job, "--hosts", nodes["hosts"], "--json",
+            "--interval", "1", "--stall-after", f"{STALL_S:g}", "--look-interval", "1.5",
+            "--max-seconds", f"{max_seconds:g}", *extra,
+        ]  # fmt: skip
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd=str(ROOT),
+            start_new_session=True,
+        )
+        self.events: list[dict[str, Any]] = []
+        self.stderr: list[str] = []
+        self._out = threading.Thread(target=self._read, daemon=True)
+        self._out.start()
+        threading.Thread(target=self._read_err, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.events.append(json.loads(line))
+
+    def _read_err(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.stderr.append(line.rstrip("\n"))
+
+    def verdicts(self, kind: str | None = None) -> list[dict[str, Any]]:
+        return [e["verdict"] for e in self.events if kind is None or e["verdict"]["kind"] == kind]
+
+    def wait_for(self, kind: str, timeout: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = self.verdicts(kind)
+            if found:
+                return found[0]
+            if self.proc.poll() is not None and not self._out.is_alive():
+                break
+            time.sleep(0.2)
+        raise AssertionError(
+            f"no {kind} verdict within {timeout} s; verdicts: {[v['conclusion'] for v in self.verdicts()]}\n"
+            + "\n".join(self.stderr[-30:])
+        )
+
+    def wait_for_stderr(self, text: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if any(text in line for line in self.stderr):
+                return
+            assert self.proc.poll() is None, "\n".join(self.stderr[-30:])
+            time.sleep(0.2)
+        raise AssertionError(f"the watch never said {text!r}:\n" + "\n".join(self.stderr[-30:]))
+
+    def wait_end(self, timeout: float) -> int:
+        rc = self.proc.wait(timeout=timeout)
+        self._out.join(10)
+        return rc
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+
+
+def report(case: str, verdict: dict[str, Any]) -> None:
+    timing = verdict["evidence"].get("timing", {})
+    print(
+        f"\nWATCH-FAULT {case}: kind={verdict['kind']} detection_s={timing.get('detection_s')} "
+        f"verdict_s={timing.get('verdict_s')} look_s={timing.get('look_s')}: {verdict['conclusion']}"
+    )
+
+
+FAULTS = [
+    # (fault, faulty rank, its node, the state the verdict gives it)
+    ("sleep-data", 3, "b", "parked"),
+    ("skip", 1, "a", "waiting in all_reduce"),
+    ("stop", 2, "b", "stopped"),
+    ("spin", 1, "a", "moving"),
+    ("gil", 3, "b", "in-c"),
+]
+
+
+@pytest.mark.ptrace
+@pytest.mark.parametrize(("fault", "rank", "node", "state"), FAULTS, ids=[f[0] for f in FAULTS])
+def test_the_hang_verdict_names_the_faulty_rank_and_its_node(sim_nodes, spawn, fault, rank, node, state, tmp_path):
+    # GIVEN a 4-rank job over two nodes in which one rank meets a fault at step FAULT_AT
+    job = f"wf-{fault}"
+    go = tmp_path / "fault"
+    args = ["--fault", fault, "--fault-rank", str(rank), "--fault-at", str(FAULT_AT), "--fault-file", str(go)]
+    targets = start_job(spawn, sim_nodes, job, [*args, "--max-seconds", "240"])
+    for t in targets:
+        t.ready_pids(timeout=120)
+    watch = Watch(sim_nodes, job, max_seconds=200)
+    faulty = targets[rank]
+    try:
+        # (the fault comes once the watch has read every rank: it keeps the last step a stuck agent told)
+        watch.wait_for_stderr("4 rank(s)", timeout=120)
+        go.touch()
+        faulty.wait_for_line("FAULT", timeout=120)
+        # WHEN the watch runs over both nodes until it gives a hang verdict
+        verdict = watch.wait_for("hang", timeout=180)
+        report(fault, verdict)
+
+        # THEN the verdict names that rank on its node, and only it
+        label = sim_nodes[node].label
+        assert [(c["rank"], c["host"]) for c in verdict["culprits"]] == [(rank, label)], verdict["conclusion"]
+        assert f"rank {rank} on {label}" in verdict["conclusion"]
+        row = next(r for r in verdict["ranks"] if r["rank"] == rank)
+        assert row["state"] == state, verdict["ranks"]
+        others = [r for r in verdict["ranks"] if r["rank"] != rank]
+        assert len(others) == 3 and all(r["state"].startswith("waiting in") for r in others), verdict["ranks"]
+        # every rank's last step and age, the merged stacks, the times
+        assert sorted(r["rank"] for r in verdict["ranks"]) == [0, 1, 2, 3]
+        assert all(r["step"] >= FAULT_AT for r in others), verdict["ranks"]
+        # (a rank whose agent went silent keeps the last step it told the watch: maybe before the fault's)
+        assert row["step"] > 0 and all(r["last_step_age_s"] is not None for r in verdict["ranks"])
+        assert verdict["evidence"]["stacks"]["groups"]
+        assert {"detection_s", "verdict_s"} <= set(verdict["evidence"]["timing"])
+        assert set(verdict["evidence"]["healthcheck"]) == {label}
+        # said once for this stall, not every interval
+        time.sleep(3)
+        assert len(watch.verdicts("hang")) == 1
+    finally:
+        watch.stop()
+        if fault == "stop":
+            os.kill(faulty.ready_pids()[0], signal.SIGCONT)
+
+
+FALSE_ALARMS = ["checkpoint", "eval", "slow-first", "slow-warmup"]
+
+
+def _no_hang_through_a_phase(sim_nodes: dict[str, Any], spawn: Any, fault: str, phase_s: float, tmp_path: Path) -> None:
+    job = f"wf-{fault}"
+    args = [
+        "--fault",
+        fault,
+        "--phase-seconds",
+        f"{phase_s:g}",
+        "--max-seconds",
+        f"{phase_s + 40:g}",
+        "--out",
+        str(tmp_path),
+    ]
+    targets = start_job(spawn, sim_nodes, job, args)
+    before_first = fault in ("slow-first", "slow-warmup")
+    watch = Watch(sim_nodes, job, max_seconds=phase_s + 120) if before_first else None
+    try:
+        for t in targets:
+            (t.wait_for_line("FAULT", timeout=120) if before_first else t.ready_pids(timeout=120))
+        if watch is None:
+            watch = Watch(sim_nodes, job, max_seconds=phase_s + 120)
+        # WHEN the watch runs through the phase and after it, until the job ends
+        for t in targets:
+            t.wait_for_line("DONE", timeout=phase_s + 150)
+        watch.wait_end(timeout=90)
+
+        # THEN it said what the ranks were doing (busy), never a hang, and saw progress resume
+        busy = watch.verdicts("busy")
+        hangs = watch.verdicts("hang")
+        for v in busy + hangs:
+            report(fault, v)
+        assert hangs == [], [v["conclusion"] for v in hangs]
+        assert busy, [v["conclusion"] for v in watch.verdicts()] + watch.stderr[-20:]
+        assert "moving" in busy[0]["conclusion"] and busy[0]["culprits"] == []
+        assert watch.verdicts("ok"), "no verdict says the job resumed"
+    finally:
+        if watch is not None:
+            watch.stop()
+
+
+@pytest.mark.ptrace
+@pytest.mark.parametrize("fault", FALSE_ALARMS)
+def test_busy_phases_longer_than_the_stall_time_are_not_called_a_hang(sim_nodes, spawn, fault, tmp_path):
+    # GIVEN a 4-rank job over two nodes whose ranks all enter a phase without steps, 3x the stall time
+    _no_hang_through_a_phase(sim_nodes, spawn, fault, PHASE_S, tmp_path)
+
+
+@pytest.mark.watch_full
+@pytest.mark.ptrace
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize(("fault", "phase_s"), [("checkpoint", 90.0), ("eval", 120.0)])
+def test_full_length_phases_are_not_called_a_hang(sim_nodes, spawn, fault, phase_s, tmp_path, request):
+    # GIVEN the issue's lengths: a 90 s checkpoint save, a 2-minute evaluation (on demand only)
+    if "watch_full" not in (request.config.getoption("markexpr", "") or ""):
+        pytest.skip("full-length watch case: run `pytest -m watch_full tests/integration/test_watch_faults.py`")
+    _no_hang_through_a_phase(sim_nodes, spawn, fault, phase_s, tmp_path)

@@ -1,0 +1,280 @@
+"""The watch's decisions (dynprof.watch.detect) on crafted progress rows and stack samples."""
+
+from __future__ import annotations
+
+from collectors.stacks import Frame, ProcessStacks, ThreadStack
+from dynprof.watch import detect
+from dynprof.watch.model import RankProgress
+
+DIST = "/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py"
+NOW = 1_000_000.0
+
+
+def row(rank: int, step: int = 100, age: float | None = 80.0, cpu: float = 10.0, t: float = NOW, **kw) -> RankProgress:
+    r = RankProgress(
+        job="j",
+        rank=rank,
+        world_size=4,
+        pid=1000 + rank,
+        host="h",
+        step=step,
+        last_step_at=(t - age) if age is not None else 0.0,
+        last_step_age_s=age,
+        step_time_s=0.5,
+        cpu_s=cpu,
+        started_at=t - 3600,
+        polled_at=t,
+        process_state="sleeping",
+    )
+    for k, v in kw.items():
+        setattr(r, k, v)
+    return r
+
+
+def stacks(rank: int, *frames: Frame, holds_gil: bool | None = None) -> ProcessStacks:
+    return ProcessStacks(
+        pid=1000 + rank,
+        method="py-spy",
+        rank=rank,
+        host="h",
+        threads=[ThreadStack(tid=1000 + rank, main=True, holds_gil=holds_gil, frames=list(frames))],
+    )
+
+
+def py(function: str, file: str = "/job/train.py", line: int = 10) -> Frame:
+    return Frame(function, file, line)
+
+
+ALL_REDUCE = (py("all_reduce", DIST, 2806), py("train_step", "/job/train.py", 40), py("main", "/job/train.py", 99))
+
+
+def look(
+    rank: int,
+    node: str,
+    first: tuple[Frame, ...],
+    second: tuple[Frame, ...] | None = None,
+    cpu_delta: float = 0.0,
+    **kw,
+) -> detect.RankLook:
+    before = row(rank, **kw)
+    after = row(rank, cpu=before.cpu_s + cpu_delta, t=NOW + 3.0, **{**kw, "age": (kw.get("age", 80.0) or 0) + 3.0})
+    if kw.get("age", 80.0) is None:
+        after.last_step_age_s = None
+    return detect.RankLook(
+        node=node,
+        before=before,
+        after=after,
+        first=stacks(rank, *first),
+        second=stacks(rank, *(second if second is not None else first)),
+    )
+
+
+STALL = detect.Stall(stalled=True, age_s=80.0, stall_after_s=60.0, first_step=False, last_step=100, ranks=4)
+
+
+def test_stall_default_is_the_larger_of_60_s_and_20_median_step_times():
+    # GIVEN ranks stepping every 0.5 s, and a job of 10 s steps
+    fast = [row(r) for r in range(4)]
+    slow = [row(r, step_time_s=10.0) for r in range(4)]
+    # WHEN / THEN
+    assert detect.default_stall_after(fast) == 60.0
+    assert detect.default_stall_after(slow) == 200.0
+    assert detect.check_stall(fast).stalled  # 80 s without a step
+    assert not detect.check_stall(slow).stalled
+
+
+def test_one_rank_that_stepped_recently_means_no_stall():
+    # GIVEN three ranks idle for 80 s, one that stepped 2 s ago
+    rows = [row(0), row(1), row(2), row(3, age=2.0)]
+    # WHEN
+    stall = detect.check_stall(rows, 30.0)
+    # THEN the job's age is the youngest rank's
+    assert not stall.stalled and stall.age_s == 2.0
+
+
+def test_before_the_first_step_the_age_counts_from_the_processes_start():
+    # GIVEN ranks with no step yet, started 20 s ago
+    rows = [row(r, step=0, age=None, started_at=NOW - 20.0) for r in range(2)]
+    # WHEN
+    early = detect.check_stall(rows, 30.0)
+    late = detect.check_stall(rows, 10.0)
+    # THEN no stall is called from step ages alone: the start time counts
+    assert not early.stalled and early.first_step and early.age_s == 20.0
+    assert late.stalled
+
+
+def test_a_rank_parked_in_data_loading_is_the_culprit_of_the_others_wait():
+    # GIVEN ranks 0-2 waiting in all_reduce, rank 3 on node-2 parked in load_next_batch
+    looks = [look(r, "node-1" if r < 2 else "node-2", ALL_REDUCE) for r in range(3)]
+    looks.append(look(3, "node-2", (py("load_next_batch", "/job/data.py", 88), py("main", "/job/train.py", 90))))
+    # WHEN
+    decision = detect.decide(looks, STALL)
+    # THEN a hang naming rank 3 on node-2 where it is
+    assert decision.kind == "hang"
+    assert [(c.rank, c.host, c.where) for c in decision.culprits] == [
+        (3, "node-2", "load_next_batch (/job/data.py:88)")
+    ]
+    assert decision.conclusion.startswith("rank 3 on node-2 is in load_next_batch (/job/data.py:88), parked")
+    assert "since step 100" in decision.conclusion
+    assert "the other 3 ranks wait in all_reduce" in decision.conclusion
+    assert [s.state for s in decision.states] == ["waiting", "waiting", "waiting", "parked"]
+
+
+def test_a_stopped_rank_is_named_stopped():
+    # GIVEN rank 1 stopped (state T), its agent silent, the others in all_reduce
+    looks = [look(r, "n", ALL_REDUCE) for r in (0, 2)]
+    looks.append(look(1, "n", (py("load_next_batch"),), process_state="stopped", agent="unresponsive"))
+    # WHEN
+    decision = detect.decide(looks, STALL)
+    # THEN
+    assert decision.kind == "hang" and [c.rank for c in decision.culprits] == [1]
+    assert "rank 1 on n is stopped" in decision.conclusion
+
+
+def test_a_rank_in_c_holding_the_gil_is_named_with_its_native_frame():
+    # GIVEN rank 1 whose agent does not answer, holding the GIL in a C call, no CPU
+    native = Frame("spin_kernel", "", 0, native=True, library="/job/libmyext.so")
+    frames = (native, py("sync_all", "/job/train.py", 55))
+    looks = [look(0, "n", ALL_REDUCE), look(1, "n", frames, agent="unresponsive")]
+    looks[1].second = stacks(1, *frames, holds_gil=True)
+    # WHEN
+    decision = detect.decide(looks, STALL)
+    # THEN
+    assert decision.kind == "hang"
+    (culprit,) = decision.culprits
+    assert culprit.rank == 1 and culprit.where == "sync_all (/job/train.py:55) [native: spin_kernel [libmyext.so]]"
+    assert "stuck in C holding the GIL" in decision.conclusion
+
+
+def test_a_rank_blocked_in_a_cuda_synchronize_is_named_with_its_native_frame():
+    # GIVEN rank 1 in cudaStreamSynchronize (a spinning wait: CPU advances), the others in all_reduce
+    native = Frame("cudaStreamSynchronize", "", 0, native=True, library="/usr/lib/libcudart.so.12")
+    frames = (native, py("synchronize", "/venv/lib/python3.11/site-packages/torch/cuda/__init__.py", 9), py("step"))
+    looks = [look(0, "n", ALL_REDUCE), look(2, "n", ALL_REDUCE), look(1, "n", frames, cpu_delta=2.9)]
+    # WHEN
+    decision = detect.decide(looks, STALL)
+    # THEN it is the odd wait, named with its native frame
+    assert decision.kind == "hang" and [c.rank for c in decision.culprits] == [1]
+    assert decision.culprits[0].where == "step (/job/train.py:10) [native: cudaStreamSynchronize [libcudart.so.12]]"
+
+
+def test_a_rank_that_holds_the_gil_but_works_is_moving_not_stuck():
+    # GIVEN every rank importing torch (the agents do not answer, native frames), CPU advancing
+    native = Frame("PyImport_ImportModule", "", 0, native=True, library="/usr/lib/libpython3.11.so")
+    frames = (native, py("<module>", "/job/train.py", 3))
+    looks = [look(r, "n", frames, cpu_delta=2.0, step=0, age=None, agent="unresponsive") for r in range(2)]
+    stall = detect.Stall(True, 30.0, 20.0, first_step=True, last_step=0, ranks=2)
+    # WHEN
+    decision = detect.decide(looks, stall)
+    # THEN busy, never a hang
+    assert decision.kind == "busy"
+    assert decision.conclusion.startswith(
+        "no first step 30 s after start: all ranks in <module> (/job/train.py:3), moving"
+    )
+
+
+def test_all_ranks_saving_a_checkpoint_are_busy():
+    # GIVEN every rank in save_checkpoint, spending CPU
+    frames = (py("write", "/job/ckpt.py", 12), py("save_checkpoint", "/job/train.py", 210))
+    looks = [look(r, "n", frames, cpu_delta=1.5) for r in range(4)]
+    # WHEN
+    decision = detect.decide(looks, STALL)
+    # THEN reported as what it is
+    assert decision.kind == "busy" and decision.culprits == []
+    assert decision.conclusion == "no step for 80 s: all ranks in write (/job/ckpt.py:12), moving"
+
+
+def test_a_rank_caught_twice_in_a_short_collective_while_computing_is_not_waiting():
+    # GIVEN an evaluation loop: rank 0 caught in its metric's all_reduce in both samples but
+    # spending CPU between them; rank 1 in the forward pass
+    looks = [look(0, "n", ALL_REDUCE, cpu_delta=2.0), look(1, "n", (py("forward", "/job/model.py", 5),), cpu_delta=2.0)]
+    # WHEN
+    decision = detect.decide(looks, STALL)
+    # THEN busy: the all_reduce is not a wait
+    assert decision.kind == "busy"
+    assert [s.state for s in decision.states] == ["moving", "moving"]
+
+
+def test_a_rank_that_only_moves_is_a_hang_once_the_others_waited_long_enough():
+    # GIVEN rank 1 spinning in Python while the others wait in all_reduce
+    spin = (py("spin", "/job/train.py", 70),)
+    looks = [look(0, "n", ALL_REDUCE), look(2, "n", ALL_REDUCE), look(1, "n", spin, cpu_delta=2.9)]
+    # WHEN the others have waited 5 s of the 30 asked, then 31 s
+    early = detect.decide(looks, STALL, waiting_for_s=5.0, confirm_s=30.0)
+    late = detect.decide(looks, STALL, waiting_for_s=31.0, confirm_s=30.0)
+    # THEN first pending, then a hang naming the spinner
+    assert early.kind == "pending" and early.waiting_key == late.waiting_key
+    assert late.kind == "hang" and [c.rank for c in late.culprits] == [1]
+    assert "moving (CPU +2.9 s in 3.0 s), not in the all_reduce the others wait in" in late.conclusion
+
+
+def test_a_rank_waiting_in_another_collective_is_the_odd_one():
+    # GIVEN every rank waiting, rank 1 in an all_reduce called from report_metrics
+    other = (py("all_reduce", DIST, 2806), py("report_metrics", "/job/train.py", 129), py("main", "/job/train.py", 99))
+    looks = [look(r, "n", ALL_REDUCE) for r in (0, 2, 3)] + [look(1, "n", other)]
+    # WHEN
+    decision = detect.decide(looks, STALL)
+    # THEN
+    assert decision.kind == "hang" and [c.rank for c in decision.culprits] == [1]
+    assert decision.conclusion.startswith("rank 1 on n waits in all_reduce at report_metrics (/job/train.py:129)")
+
+
+def test_all_in_the_same_collective_uses_the_flight_recorder_to_name_the_missing():
+    # GIVEN every rank in the same all_reduce, and the flight recorder saying rank 2 never enqueued #8812
+    looks = [look(r, "n", ALL_REDUCE) for r in range(4)]
+    fr = {
+        "process_groups": [
+            {"hung": True, "missing": [2], "no_dump": [], "collective": "#8812 all_reduce", "verdict": "..."}
+        ]
+    }
+    # WHEN with and without it
+    without = detect.decide(looks, STALL)
+    named = detect.decide(looks, STALL, flight_recorder=fr)
+    # THEN without: a hang that cannot name the culprit; with: rank 2
+    assert without.kind == "hang" and without.culprits == [] and "--flight-recorder" in without.conclusion
+    assert named.kind == "hang" and [c.rank for c in named.culprits] == [2]
+    assert "flight recorder: missing rank 2 in #8812 all_reduce" in named.conclusion
+
+
+def test_a_dataloader_warm_up_is_moving_through_its_workers_cpu():
+    # GIVEN ranks whose main thread waits for the first batch while their workers compute
+    frames = (py("_poll", "/usr/lib/python3.11/multiprocessing/connection.py", 440), py("main", "/job/train.py", 60))
+    looks = [look(r, "n", frames, cpu_delta=2.5, step=0, age=None) for r in range(2)]
+    stall = detect.Stall(True, 30.0, 20.0, first_step=True, last_step=0, ranks=2)
+    # WHEN
+    decision = detect.decide(looks, stall)
+    # THEN busy
+    assert decision.kind == "busy" and "moving" in decision.conclusion
+
+
+def test_ranks_text_names_nodes_and_spans():
+    # GIVEN states on two nodes
+    states = [
+        detect.RankState(node="node-1", rank=r, pid=r, step=1, age_s=1.0, state="parked", where="x")
+        for r in (0, 1, 2, 5)
+    ] + [detect.RankState(node="node-2", rank=8, pid=8, step=1, age_s=1.0, state="parked", where="x")]
+    # WHEN / THEN
+    assert detect.ranks_text(states) == "ranks 0-2,5 on node-1, rank 8 on node-2"
+
+
+def test_busy_ranks_in_different_lines_of_one_function_are_said_in_it():
+    # GIVEN an evaluation: every rank in evaluate, below it in different helpers
+    ranks = [
+        look(
+            0,
+            "n",
+            (py("burn", "/job/x.py", 48), py("evaluate", "/job/x.py", 113), py("main", "/job/x.py", 9)),
+            cpu_delta=2.0,
+        ),
+        look(
+            1,
+            "n",
+            (py("forward", "/job/x.py", 20), py("evaluate", "/job/x.py", 112), py("main", "/job/x.py", 9)),
+            cpu_delta=2.0,
+        ),
+    ]
+    # WHEN
+    decision = detect.decide(ranks, STALL)
+    # THEN
+    assert decision.kind == "busy"
+    assert decision.conclusion == "no step for 80 s: all ranks in evaluate (/job/x.py:113), moving"

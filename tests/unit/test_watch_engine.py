@@ -1,0 +1,235 @@
+"""The watch's loop (dynprof.watch.engine) over a fake source: once per stall, evidence, hooks."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from typing import Any
+
+from collectors.stacks import Frame, ProcessStacks, Stacks, ThreadStack, merge
+from collectors.stacks import Source as StacksSource
+from dynprof.renderers import render
+from dynprof.store import ArtifactStore
+from dynprof.watch.engine import NodeRead, StacksRead, WatchConfig, WatchEngine, run_hook
+from dynprof.watch.model import NodeProgress, RankProgress, StragglerReport, Verdict
+
+DIST = "/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py"
+
+
+class FakeSource:
+    """Two nodes, two ranks each; rank 3 parks in load_next_batch once ``stuck`` is set."""
+
+    def __init__(self) -> None:
+        self.t = 1000.0
+        self.step = 10
+        self.stuck = False
+        self.down: set[str] = set()
+        self.healthchecks: list[list[str]] = []
+        self.stack_reads = 0
+
+    def nodes(self) -> list[str]:
+        return ["node-1", "node-2"]
+
+    def progress(self, job: str) -> list[NodeRead]:
+        self.t += 1.0
+        if not self.stuck:
+            self.step += 1
+        out = []
+        for node, ranks in (("node-1", (0, 1)), ("node-2", (2, 3))):
+            if node in self.down:
+                out.append(NodeRead(node, None, "connection refused"))
+                continue
+            rows = [
+                RankProgress(
+                    job=job,
+                    rank=r,
+                    world_size=4,
+                    pid=100 + r,
+                    host=node,
+                    step=self.step,
+                    last_step_at=self.last_step,
+                    last_step_age_s=self.t - self.last_step,
+                    step_time_s=0.1,
+                    cpu_s=5.0,
+                    started_at=0.0,
+                    polled_at=self.t,
+                )
+                for r in ranks
+            ]
+            out.append(NodeRead(node, NodeProgress(host=node, time=self.t, poll_every_s=1.0, ranks=rows)))
+        return out
+
+    @property
+    def last_step(self) -> float:
+        if not self.stuck:
+            self._last = self.t
+        return getattr(self, "_last", self.t)
+
+    def stacks(self, job: str, native: dict[str, list[int]]) -> StacksRead:
+        self.stack_reads += 1
+        sources = []
+        for node, ranks in (("node-1", (0, 1)), ("node-2", (2, 3))):
+            processes = []
+            for r in ranks:
+                frames = (
+                    [Frame("load_next_batch", "/job/data.py", 88), Frame("main", "/job/train.py", 9)]
+                    if r == 3
+                    else [Frame("all_reduce", DIST, 2806), Frame("main", "/job/train.py", 40)]
+                )
+                processes.append(
+                    ProcessStacks(
+                        pid=100 + r, method="py-spy", rank=r, threads=[ThreadStack(100 + r, main=True, frames=frames)]
+                    )
+                )
+            sources.append(StacksSource(Stacks(processes), node=node))
+        return StacksRead(merge(sources, by_host=True))
+
+    def flight_recorder(self, job: str) -> tuple[dict[str, Any] | None, str | None]:
+        return None, "the flight recorder is off"
+
+    def healthcheck(self, nodes: list[str]) -> dict[str, dict[str, Any]]:
+        self.healthchecks.append(nodes)
+        return {n: {"verdict": "healthy", "problems": []} for n in nodes}
+
+
+def engine_for(source: FakeSource, **kw: Any) -> tuple[WatchEngine, list[tuple[Verdict, str | None]]]:
+    said: list[tuple[Verdict, str | None]] = []
+    config = WatchConfig(job="j", interval_s=1.0, stall_after_s=5.0, look_interval_s=0.0, **kw)
+    engine = WatchEngine(config, source, on_verdict=lambda v, p: said.append((v, p)), clock=lambda: source.t)
+    return engine, said
+
+
+def test_a_hang_is_said_once_per_stall_with_its_evidence_and_saved_as_a_verdict_artifact():
+    # GIVEN a job that steps, then rank 3 parks in data loading
+    source = FakeSource()
+    engine, said = engine_for(source)
+    for _ in range(3):
+        assert engine.tick().verdict is None
+    source.stuck = True
+    # WHEN the watch goes on for 12 more rounds
+    ticks = [engine.tick() for _ in range(12)]
+    # THEN one hang verdict, naming rank 3 on node-2, with the evidence and the times
+    hangs = [v for v, _ in said if v.kind == "hang"]
+    assert len(hangs) == 1, [v.conclusion for v, _ in said]
+    verdict, path = said[0]
+    assert [(c.rank, c.host) for c in verdict.culprits] == [(3, "node-2")]
+    assert verdict.conclusion.startswith("rank 3 on node-2 is in load_next_batch (/job/data.py:88)")
+    assert [r["rank"] for r in verdict.ranks] == [0, 1, 2, 3]
+    assert verdict.evidence["healthcheck"] == {"node-2": {"verdict": "healthy", "problems": []}}
+    assert verdict.evidence["flight_recorder"]["note"] == "the flight recorder is off"
+    assert verdict.evidence["timing"]["detection_s"] >= 5.0
+    assert verdict.evidence["stacks"]["groups"][0]["size"] == 3
+    stalled = [t for t in ticks if t.stall is not None and t.stall.stalled]
+    assert stalled
+    # and the ranks' stacks are not read every round of the stall once it is said
+    assert source.stack_reads < 2 * len(stalled)
+    assert engine.gauges()[0].stalled and engine.gauges()[0].verdicts == {"hang": 1}
+    # and the artifact holds the verdict, which `dynprof show`'s renderer reads back
+    assert path is not None
+    art = ArtifactStore().get(os.path.relpath(path, ArtifactStore().root))
+    assert art.kind == "verdict" and art.manifest["summary"]["conclusion"] == verdict.conclusion
+    assert Verdict.from_json(json.loads((art.path / "verdict.json").read_text())).culprits[0].rank == 3
+    summary, text = render(art)
+    assert summary is not None and summary["kind"] == "hang"
+    assert text.startswith("HANG job j: rank 3 on node-2 is in load_next_batch")
+
+    # WHEN progress resumes
+    source.stuck = False
+    resumed = engine.tick()
+    # THEN it is said once, and the next stall is a new episode
+    assert resumed.verdict is not None and resumed.verdict.kind == "ok"
+    assert "progress resumed" in resumed.verdict.conclusion
+    assert engine.tick().verdict is None and not engine.gauges()[0].stalled
+
+
+def test_nodes_that_do_not_answer_are_named_not_dropped():
+    # GIVEN node-1 down, rank 3 stuck
+    source = FakeSource()
+    engine, said = engine_for(source)
+    engine.tick()
+    source.down = {"node-1"}
+    source.stuck = True
+    # WHEN
+    ticks = [engine.tick() for _ in range(8)]
+    # THEN every round names it, and so does the verdict
+    assert all(t.nodes_unanswered == {"node-1": "connection refused"} for t in ticks)
+    verdict = next(v for v, _ in said if v.kind == "hang")
+    assert verdict.nodes_unanswered == ["node-1"]
+    assert "no answer from node(s) node-1" in verdict.conclusion
+
+
+def test_the_straggler_hook_is_called_every_sample_and_its_scores_exported():
+    # GIVEN a straggler callable that scores rank 2
+    source = FakeSource()
+    calls: list[tuple[list[str], str]] = []
+
+    def straggler(nodes: list[str], job: str) -> StragglerReport:
+        calls.append((nodes, job))
+        return StragglerReport(sampled_at=source.t, steps=2, scores={("node-2", 2): 0.3})
+
+    said: list[Verdict] = []
+    config = WatchConfig(job="j", interval_s=1.0, stall_after_s=60.0, sample_every_s=3.0)
+    engine = WatchEngine(
+        config, source, on_verdict=lambda v, p: said.append(v), straggler=straggler, clock=lambda: source.t
+    )
+    # WHEN ten rounds of one second run
+    for _ in range(10):
+        engine.tick()
+    # THEN it was sampled every 3 s, and the score is in the gauges
+    assert len(calls) == 3 and calls[0] == (["node-1", "node-2"], "j")
+    assert engine.gauges()[0].straggler_scores == {("node-2", 2): 0.3}
+    assert said == []
+
+
+def test_the_job_ending_ends_the_watch():
+    # GIVEN a job seen once, then no rank on any node
+    source = FakeSource()
+    engine, _ = engine_for(source)
+    engine.tick()
+    source.progress = lambda job: [  # type: ignore[method-assign]
+        NodeRead(n, NodeProgress(host=n, time=0.0, poll_every_s=1.0)) for n in ("node-1", "node-2")
+    ]
+    # WHEN
+    tick = engine.tick()
+    # THEN
+    assert tick.ended and engine.run() == []
+
+
+def test_the_hook_gets_the_verdict_on_stdin_and_its_file_in_the_environment(tmp_path):
+    # GIVEN a hook that records what it got
+    out = tmp_path / "got"
+    verdict = Verdict(kind="hang", job="j", conclusion="rank 1 on n is stuck", detected_at=1.0, decided_at=2.0)
+    hook = f'printf "%s %s %s\\n" "$DYNPROF_VERDICT_KIND" "$DYNPROF_VERDICT_JOB" "$DYNPROF_VERDICT_FILE" > {out}; cat >> {out}'
+    # WHEN
+    result = run_hook(hook, verdict, str(tmp_path / "art"))
+    # THEN
+    assert result.ok
+    first, rest = out.read_text().split("\n", 1)
+    assert first == f"hang j {tmp_path / 'art' / 'verdict.json'}"
+    assert json.loads(rest)["conclusion"] == "rank 1 on n is stuck"
+
+
+def test_a_failing_or_hanging_hook_is_reported_never_raised(tmp_path):
+    verdict = Verdict(kind="hang", job="j", conclusion="c", detected_at=1.0, decided_at=2.0)
+    # WHEN a hook fails, and one runs past its time
+    failed = run_hook("echo nope >&2; exit 3", verdict, None)
+    slow = run_hook("sleep 30", verdict, None, timeout=0.5)
+    # THEN both say why
+    assert not failed.ok and failed.exit_code == 3 and failed.message == "--on-verdict exited 3: nope"
+    assert not slow.ok and "ran past 0.5 s and was killed" in slow.message
+
+
+def test_verdict_files_are_private(tmp_path):
+    # GIVEN / WHEN a verdict written by the engine
+    source = FakeSource()
+    engine, said = engine_for(source)
+    engine.tick()
+    source.stuck = True
+    for _ in range(8):
+        engine.tick()
+    path = next(p for v, p in said if v.kind == "hang")
+    assert path is not None
+    # THEN its files are the store's usual private ones
+    mode = stat.S_IMODE(os.stat(os.path.join(path, "verdict.json")).st_mode)
+    assert mode & 0o077 == 0
