@@ -315,6 +315,9 @@ def classify(look: RankLook, moving_cpu_s: float = MOVING_CPU_S) -> RankState:
     changed = bool(frames1 and frames2) and _py_key(frames1) != _py_key(frames2)
     c1, c2 = collective_of(frames1), collective_of(frames2)
     native_wait = any(f.native and any(w in f.function for w in NATIVE_WAITS) for f in frames2)
+    if c1 is None and c2 is not None and native_wait and not changed and collective_of(python_frames(frames2)) is None:
+        # read natively the second time only: the same Python frame, now seen in a native wait
+        c1 = c2
     if c1 and c2 and c1 == c2 and not changed and (not spent or native_wait):
         state.state = "waiting"
         state.collective = c2

@@ -398,8 +398,13 @@ class WatchEngine:
         if wait > 0:
             self._sleep(wait)
         native: dict[str, list[int]] = {}
+        seen_first = _by_process(first.stacks)
         for node, r in rows:
-            if r.agent == "unresponsive" and r.process_state != "stopped":
+            if r.process_state == "stopped":
+                continue
+            if r.agent == "unresponsive" or not _in_python_collective(seen_first.get((node, r.pid))):
+                # read natively: where a rank that does not wait with the others is in C (a CUDA
+                # synchronize behind a long kernel, a C call holding the GIL) is its native frame
                 native.setdefault(node, []).append(r.pid)
         second = self.source.stacks(self.config.job, native)
         after_rows, _ = self.poll()
@@ -600,6 +605,14 @@ class WatchEngine:
             self.straggler_scores = dict(report.scores)
         if report.verdict is not None:
             self._publish(report.verdict, None)
+
+
+def _in_python_collective(p: ProcessStacks | None) -> bool:
+    """Whether a process's main thread was seen in a torch.distributed collective's Python frame."""
+    if p is None:
+        return False
+    main = p.main_thread()
+    return main is not None and detect.collective_of(detect.python_frames(main.frames)) is not None
 
 
 def _by_process(stacks: Stacks) -> dict[tuple[str, int], ProcessStacks]:

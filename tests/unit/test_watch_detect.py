@@ -278,3 +278,24 @@ def test_busy_ranks_in_different_lines_of_one_function_are_said_in_it():
     # THEN
     assert decision.kind == "busy"
     assert decision.conclusion == "no step for 80 s: all ranks in evaluate (/job/x.py:113), moving"
+
+
+def test_a_cuda_synchronize_read_natively_only_the_second_time_is_the_odd_wait():
+    # GIVEN ranks 0-2 waiting in all_reduce, and rank 3 seen first in Python only (in torch's
+    # synchronize), then read natively (the look reads natively the ranks not in a collective):
+    # the same Python frames, now in cuCtxSynchronize, its CPU spinning in the driver's wait
+    sync = py("synchronize", "/venv/lib/python3.12/site-packages/torch/cuda/__init__.py", 1162)
+    python_only = (sync, py("wait_for_kernel", "/job/train.py", 28))
+    native = (Frame("cuCtxSynchronize_v2", "", 0, native=True, library="/usr/lib/libcuda.so.580"), *python_only)
+    looks = [look(r, "node-1", ALL_REDUCE) for r in range(3)]
+    looks.append(look(3, "node-2", python_only, native, cpu_delta=3.0))
+    # WHEN
+    decision = detect.decide(looks, STALL)
+    # THEN a hang naming rank 3 with its native frame, not a rank that moves
+    assert decision.kind == "hang"
+    assert [(c.rank, c.host) for c in decision.culprits] == [(3, "node-2")]
+    assert (
+        decision.culprits[0].where
+        == "wait_for_kernel (/job/train.py:28) [native: cuCtxSynchronize_v2 [libcuda.so.580]]"
+    )
+    assert decision.states[3].state == "waiting"
