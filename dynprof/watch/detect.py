@@ -196,12 +196,17 @@ def user_frame(frames: Sequence[Frame]) -> Frame | None:
 
 
 def native_frame(frames: Sequence[Frame]) -> Frame | None:
-    """The innermost native frame of a library of the program's (not libc, not Python's own)."""
+    """The native frame that says where a rank is: a collective's or a CUDA wait where there is
+    one (a spinning wait is caught anywhere in its loop: in the driver, in the vDSO's clock),
+    else the innermost frame of a library of the program's (not libc, not Python's own)."""
+    for f in frames:
+        if f.native and any(w in f.function for w in NATIVE_WAITS):
+            return f
     for f in frames:
         if not f.native or f.function in ("???", "") or f.function.startswith("0x"):
             continue
         lib = os.path.basename(f.library or f.file)
-        if not lib.startswith(_SYSTEM_LIBS):
+        if not lib.startswith(_SYSTEM_LIBS) and "vdso" not in lib:
             return f
     return next((f for f in frames if f.native and f.function not in ("???", "")), None)
 
