@@ -479,15 +479,45 @@ def time_look(cluster: Cluster, count: int, client: Any, gap: float) -> Run:
     return Run(wall, cpu, node_cpu, found, 0 if not error else 1, error)
 
 
-def time_verdict(cluster: Cluster, count: int) -> Run | None:
-    """Detection -> verdict written, by the watch engine: None where the engine is not in this
-    checkout. The engine's own timing goes here (a stalled job, the engine's episode from the
-    stall it detects to the verdict artifact it writes)."""
+def time_verdict(cluster: Cluster, count: int, client: Any, gap: float) -> Run | None:
+    """The watch engine's look and verdict over ``count`` nodes: one round that looks whatever
+    the stall (``once``), as a stalled job's round does: two stacks samples ``gap`` apart (a
+    native read of the ranks not seen in a collective), each involved node's quick healthcheck,
+    the decision and the verdict artifact. Timed: from the round's start to the verdict
+    written (the engine's own ``verdict_s`` is in the verdict's evidence). The light ranks do
+    not step: the verdict itself says what it finds of them; its cost is what is measured."""
     import importlib.util
 
     if importlib.util.find_spec("dynprof.watch.engine") is None:
         return None
-    return None  # measured by the engine's benchmark hook once it is merged
+    from dynprof.job.discovery import parse_node
+    from dynprof.watch.engine import SidecarSource, WatchConfig, WatchEngine
+
+    nodes = [parse_node(n.address) for n in cluster.nodes[:count]]
+    verdicts: list[Any] = []
+    config = WatchConfig(job=cluster.job, interval_s=1.0, stall_after_s=1.0, look_interval_s=gap, save=True)
+    engine = WatchEngine(config, SidecarSource(client, nodes), on_verdict=lambda verdict, *_: verdicts.append(verdict))
+    node_before = cluster.node_cpu_s(count)
+    c0, t0 = time.process_time(), time.perf_counter()
+    try:
+        engine.run(once=True)
+    except Exception as exc:
+        return Run(time.perf_counter() - t0, time.process_time() - c0, 0.0, 0, 1, f"{type(exc).__name__}: {exc}"[:300])
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    node_cpu = cluster.node_cpu_s(count) - node_before
+    if not verdicts:
+        return Run(wall, cpu, node_cpu, 0, 1, "no verdict")
+    verdict = verdicts[-1]
+    timing = verdict.evidence.get("timing") or {}
+    found = len(verdict.ranks)
+    error = "" if found == count * cluster.ranks_per_node else f"{found} ranks in the verdict"
+    print(
+        f"  verdict ({verdict.kind}) over {count} nodes: round {wall:.2f} s; engine verdict_s "
+        f"{timing.get('verdict_s')}, look_s {timing.get('look_s')}; healthchecks of "
+        f"{len(verdict.evidence.get('healthcheck') or {})} node(s)",
+        flush=True,
+    )
+    return Run(wall, cpu, node_cpu, found, 0 if not error else 1, error)
 
 
 def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
@@ -581,7 +611,7 @@ def main() -> int:
                 flush=True,
             )
             commands = [c for c in commands if c not in missing]
-        client = _watch_client(cluster) if {"poll", "look"} & set(commands) else None
+        client = _watch_client(cluster) if {"poll", "look", "verdict"} & set(commands) else None
 
         def timed(command: str, count: int) -> Run | None:
             if command == "poll":
@@ -589,7 +619,7 @@ def main() -> int:
             if command == "look":
                 return time_look(cluster, count, client, args.look_gap)
             if command == "verdict":
-                return time_verdict(cluster, count)
+                return time_verdict(cluster, count, client, args.look_gap)
             return time_command(cluster, command, count, args.timeout, args.cli_args)
 
         for command in commands:

@@ -399,12 +399,19 @@ class WatchEngine:
             self._sleep(wait)
         native: dict[str, list[int]] = {}
         seen_first = _by_process(first.stacks)
+        in_collective = {key: _in_python_collective(p) for key, p in seen_first.items()}
+        others_wait = any(in_collective.values())
+        candidates = 0
         for node, r in rows:
             if r.process_state == "stopped":
                 continue
-            if r.agent == "unresponsive" or not _in_python_collective(seen_first.get((node, r.pid))):
-                # read natively: where a rank that does not wait with the others is in C (a CUDA
-                # synchronize behind a long kernel, a C call holding the GIL) is its native frame
+            if r.agent == "unresponsive":
+                native.setdefault(node, []).append(r.pid)
+            elif others_wait and not in_collective.get((node, r.pid), False) and candidates < MAX_NATIVE_CANDIDATES:
+                # read natively the ranks that do not wait with the others (the culprits to be):
+                # where one is in C (a CUDA synchronize behind a long kernel) is its native frame.
+                # Not when no rank waits (all busy): a native read costs a node far more.
+                candidates += 1
                 native.setdefault(node, []).append(r.pid)
         second = self.source.stacks(self.config.job, native)
         after_rows, _ = self.poll()
@@ -605,6 +612,9 @@ class WatchEngine:
             self.straggler_scores = dict(report.scores)
         if report.verdict is not None:
             self._publish(report.verdict, None)
+
+
+MAX_NATIVE_CANDIDATES = 64  # ranks read natively in one look for not waiting with the others
 
 
 def _in_python_collective(p: ProcessStacks | None) -> bool:

@@ -233,3 +233,46 @@ def test_verdict_files_are_private(tmp_path):
     # THEN its files are the store's usual private ones
     mode = stat.S_IMODE(os.stat(os.path.join(path, "verdict.json")).st_mode)
     assert mode & 0o077 == 0
+
+
+class RecordingSource(FakeSource):
+    """FakeSource that remembers which ranks each look asked to read natively; with
+    ``all_busy`` no rank is in a collective (every rank in save_checkpoint)."""
+
+    def __init__(self, all_busy: bool = False) -> None:
+        super().__init__()
+        self.native_asked: list[dict[str, list[int]]] = []
+        self.all_busy = all_busy
+
+    def stacks(self, job: str, native: dict[str, list[int]]) -> StacksRead:
+        self.native_asked.append({k: sorted(v) for k, v in native.items()})
+        if not self.all_busy:
+            return super().stacks(job, native)
+        self.stack_reads += 1
+        sources = []
+        for node, ranks in (("node-1", (0, 1)), ("node-2", (2, 3))):
+            frames = [Frame("save_checkpoint", "/job/train.py", 210), Frame("main", "/job/train.py", 9)]
+            processes = [
+                ProcessStacks(
+                    pid=100 + r, method="py-spy", rank=r, threads=[ThreadStack(100 + r, main=True, frames=frames)]
+                )
+                for r in ranks
+            ]
+            sources.append(StacksSource(Stacks(processes), node=node))
+        return StacksRead(merge(sources, by_host=True))
+
+
+def test_the_look_reads_natively_only_the_ranks_that_do_not_wait_with_the_others():
+    # GIVEN ranks 0-2 in all_reduce and rank 3 parked elsewhere; and a job whose ranks all save
+    for all_busy, expected in ((False, {"node-2": [103]}), (True, {})):
+        source = RecordingSource(all_busy=all_busy)
+        engine, _ = engine_for(source)
+        engine.tick()
+        source.stuck = True
+        # WHEN the watch looks at the stall
+        for _ in range(8):
+            engine.tick()
+        # THEN the second sample reads natively rank 3 alone; none when no rank waits (a
+        # native read costs a node far more, and busy ranks need none)
+        assert source.native_asked and source.native_asked[0] == {}
+        assert source.native_asked[1] == expected
