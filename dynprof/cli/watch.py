@@ -143,7 +143,13 @@ class WatchCommand:
         finally:
             if timer is not None:
                 timer.cancel()
-        if args.once and printer.ticks and printer.ticks[-1].ranks == 0:
+        last = printer.ticks[-1] if printer.ticks else None
+        if args.once and last is not None and last.ranks == 0:
+            if last.nodes_unanswered:  # the ranks may be there, on the nodes that did not answer
+                raise errors.NodesFailed(
+                    f"no rank of job {args.job!r} found: {len(last.nodes_unanswered)} node(s) did not answer "
+                    f"({', '.join(printable(n) for n in list(last.nodes_unanswered)[:5])})"
+                )
             raise errors.NoAgent(f"no rank of job {args.job!r} with a dynprof agent was found", help=NO_AGENT_HELP)
         if printer.hangs:
             return HANG_EXIT

@@ -98,3 +98,18 @@ def test_serve_hosts_the_watch_and_logs_its_verdict(hang_job, tmp_path):
 def test_serve_refuses_a_watch_without_a_job(cli):
     out = cli("serve", "--watch")
     assert out.returncode == 2 and "--watch needs --job JOB" in out.stderr
+
+
+def test_watch_once_whose_only_node_does_not_answer_says_so_not_no_agent(cli, tmp_path):
+    # GIVEN a node where nothing listens
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    token = tmp_path / "token"
+    token.write_text("watch-node-token-0123456789\n")
+    token.chmod(0o600)
+    # WHEN the watch checks once through it
+    out = cli("watch", "--job", "j", "--once", "--hosts", f"127.0.0.1:{port}", "--token-file", str(token))
+    # THEN the node that did not answer is the verdict (exit 12), not "no agent" (exit 5)
+    assert out.returncode == 12, out.stderr
+    assert f"127.0.0.1:{port}" in out.stderr and "no rank of job" in out.stderr
