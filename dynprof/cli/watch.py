@@ -320,7 +320,7 @@ class LocalSource:
     def nodes(self) -> list[str]:
         return [self.host]
 
-    def progress(self, job: str) -> list[Any]:
+    def progress(self, job: str, fresh: bool = False) -> list[Any]:  # always read now
         from dynprof.registry import list_records
         from dynprof.watch.engine import NodeRead
         from dynprof.watch.progress import read_progress

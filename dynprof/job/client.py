@@ -364,11 +364,13 @@ class SidecarClient:
             raise NodeFailure(f"not a dynprof sidecar: {node} gave no api version")
         return doc
 
-    def progress(self, node: Node, job: str | None = None) -> dict[str, Any]:
-        """The node's progress document (``GET /api/v1/progress[?job=J]``), undecoded (the
-        watch decodes it with ``NodeProgress.from_json``); :class:`NodeFailure` when none comes."""
+    def progress(self, node: Node, job: str | None = None, fresh: bool = False) -> dict[str, Any]:
+        """The node's progress document (``GET /api/v1/progress[?job=J][&fresh=1]``), undecoded
+        (the watch decodes it with ``NodeProgress.from_json``); :class:`NodeFailure` when none
+        comes. ``fresh``: read the agents now, not the node's last poll."""
         deadline = time.monotonic() + self.timeout
-        path = "/api/v1/progress" + (f"?job={quote(job, safe='')}" if job else "")
+        query = ([f"job={quote(job, safe='')}"] if job else []) + (["fresh=1"] if fresh else [])
+        path = "/api/v1/progress" + ("?" + "&".join(query) if query else "")
         return self._call_json(node, "GET", path, None, deadline, MAX_LISTING_PROGRESS_BYTES, MAX_ANSWER_VALUES)
 
     def action(self, node: Node, name: str, options: dict[str, Any], timeout: float | None = None) -> NodeAnswer:

@@ -23,7 +23,8 @@ requests are logged to stderr, one line each, without the token, at most
     GET  /api/v1/artifacts?job=&kind=&limit=        JSON, as `dynprof ls --json`
     GET  /api/v1/artifacts/<id>                     JSON manifest and rendered summary
     GET  /api/v1/artifacts/<id>/files/<name>        a file of the artifact (only files its manifest lists)
-    GET  /api/v1/progress?job=                      each rank's progress (dynprof.progress document)
+    GET  /api/v1/progress?job=&fresh=1              each rank's progress (dynprof.progress document);
+                                                     fresh=1: read now, not the last poll
     GET  /metrics                                   Prometheus exposition (docs/metrics.md)
 
 The unversioned ``/api/agents`` and ``/api/artifacts...`` are the same as their ``/api/v1/``
@@ -560,10 +561,16 @@ def create_app(
         job = request.args.get("job") or None
         if job is not None and len(job) > 200:
             return _error(400, "job: at most 200 characters")
+        fresh = request.args.get("fresh", "")
+        if fresh not in ("", "0", "1"):
+            return _error(400, "fresh: 0 or 1")
         view = book.view()
-        if book.fresh(view):  # the poller's book: no agent is asked for this request
-            return jsonify(book.progress(job, view).to_json())
-        return jsonify(read_progress(list_records(), detect().host, job).to_json())
+        if fresh == "1" or not book.fresh(view):
+            # read now (a watch's look measures each rank's CPU across its two samples, which
+            # the poller's last poll may not span), into the book: at most once a second
+            # whatever the clients ask, so none can make the agents answer more often
+            view = book.poll_if_stale(book.on_demand_max_age_s)
+        return jsonify(book.progress(job, view).to_json())
 
     @app.get("/metrics")
     def metrics() -> Response:

@@ -20,8 +20,10 @@ waiting     in a collective (torch.distributed / c10d, gloo, NCCL) in both sampl
             spins the CPU counts when its native frame says so)
 in-c        its agent does not answer, it is in C code holding the GIL (py-spy says
             so, or the innermost frames are native), and it does not move
-moving      its Python stack changed between the samples, or it spent CPU (its children's
-            included: DataLoader workers) -- it works at something that is not a step
+moving      its Python stack changed between the samples, it spent CPU, or it read or wrote
+            (1 MiB or more, or it was in disk I/O, state D: a checkpoint on a slow
+            file system) -- its children's included (DataLoader workers) -- it works at
+            something that is not a step
 parked      the same Python frame in both samples and no CPU: it waits for something
 unread      no stack could be read, and no CPU spent: nothing says what it does
 =========== ==========================================================================
@@ -53,6 +55,9 @@ from dynprof.watch.model import MAX_CULPRITS, Culprit, RankProgress
 DEFAULT_MIN_STALL_S = 60.0
 STALL_STEP_FACTOR = 20.0
 MOVING_CPU_S = 0.1  # CPU seconds (with children) between the samples that make a rank "moving"
+# Bytes read or written (with children) between the samples that make a rank "moving": far
+# above what its agent's status answers cost (a few kB), a checkpoint's or a loader's writes.
+MOVING_IO_BYTES = 1 << 20
 
 # Python functions of torch.distributed that are collectives (or waits on one).
 COLLECTIVES = frozenset(
@@ -291,10 +296,14 @@ def classify(look: RankLook, moving_cpu_s: float = MOVING_CPU_S) -> RankState:
     frames1 = _main_frames(look.first)
     frames = frames2 or frames1
     cpu_delta: float | None = None
+    io_delta: int | None = None
     span = 0.0
-    if after is not None and before.cpu_s is not None and after.cpu_s is not None:
-        cpu_delta = max(0.0, after.cpu_s - before.cpu_s)
-        span = max(0.0, after.polled_at - before.polled_at)
+    if after is not None and after.polled_at > before.polled_at:  # two reads, not one poll seen twice
+        span = after.polled_at - before.polled_at
+        if before.cpu_s is not None and after.cpu_s is not None:
+            cpu_delta = max(0.0, after.cpu_s - before.cpu_s)
+        if before.io_bytes is not None and after.io_bytes is not None:
+            io_delta = max(0, after.io_bytes - before.io_bytes)
     state = RankState(
         node=look.node,
         rank=before.rank,
@@ -317,6 +326,8 @@ def classify(look: RankLook, moving_cpu_s: float = MOVING_CPU_S) -> RankState:
         state.detail = "stopped (process state T: SIGSTOP or a debugger)"
         return state
     spent = cpu_delta is not None and cpu_delta >= moving_cpu_s
+    disk_sleep = "disk-sleep" in (before.process_state, last.process_state)
+    in_io = disk_sleep or (io_delta is not None and io_delta >= MOVING_IO_BYTES)
     changed = bool(frames1 and frames2) and _py_key(frames1) != _py_key(frames2)
     c1, c2 = collective_of(frames1), collective_of(frames2)
     native_wait = any(f.native and any(w in f.function for w in NATIVE_WAITS) for f in frames2)
@@ -335,7 +346,7 @@ def classify(look: RankLook, moving_cpu_s: float = MOVING_CPU_S) -> RankState:
     unresponsive = last.agent == "unresponsive" or before.agent == "unresponsive"
     # In C holding the GIL, and not working there (no CPU, the same Python frame): a rank that
     # imports torch or compiles holds the GIL too, but it moves.
-    if unresponsive and (holds_gil or (frames and frames[0].native)) and not spent and not changed:
+    if unresponsive and (holds_gil or (frames and frames[0].native)) and not (spent or changed or in_io):
         state.state = "in-c"
         inner = native_frame(frames)
         if inner is not None:
@@ -343,18 +354,25 @@ def classify(look: RankLook, moving_cpu_s: float = MOVING_CPU_S) -> RankState:
             state.where = f"{where(py)} [native: {where(inner)}]" if py is not None else where(inner)
         state.detail = "in C code holding the GIL (its agent does not answer)"
         return state
-    if changed or spent:
+    if changed or spent or in_io:
         state.state = "moving"
         parts = []
         if cpu_delta is not None:
             parts.append(f"CPU +{cpu_delta:.1f} s in {span:.1f} s")
+        if io_delta is not None and io_delta >= MOVING_IO_BYTES:
+            parts.append(f"I/O +{io_delta / 1e6:.1f} MB")
+        if disk_sleep:
+            parts.append("in disk I/O (process state D)")
         if changed:
             parts.append("stack changed")
         state.detail = "moving (" + ", ".join(parts) + ")"
         return state
     if frames:
         state.state = "parked"
-        state.detail = "parked: the same frame in both samples, no CPU"
+        if cpu_delta is None:
+            state.detail = "parked: the same frame in both samples (its CPU not measured)"
+        else:
+            state.detail = "parked: the same frame in both samples, no CPU"
         return state
     state.detail = f"stacks unreadable ({look.unread})" if look.unread else "stacks unreadable"
     return state
@@ -423,7 +441,7 @@ def _phrase(s: RankState, others: str | None) -> str:
         tail = f", not in the {others} the others wait in" if others else ""
         return f"is in {s.where}, {s.detail}{tail}"
     if s.state == "parked":
-        return f"is in {s.where}, parked (no CPU)"
+        return f"is in {s.where}, parked" + (" (no CPU)" if s.cpu_delta_s is not None else "")
     if s.state == "waiting":
         return f"waits in {s.collective} at {s.where}"
     if s.state == "gone":

@@ -75,7 +75,7 @@ class WatchSource(Protocol):
 
     def nodes(self) -> list[str]: ...
 
-    def progress(self, job: str) -> list[NodeRead]: ...
+    def progress(self, job: str, fresh: bool = False) -> list[NodeRead]: ...
 
     def stacks(self, job: str, native: dict[str, list[int]]) -> StacksRead: ...
 
@@ -134,13 +134,13 @@ class SidecarSource:
     def nodes(self) -> list[str]:
         return [self.labels[n] for n in self.node_list]
 
-    def progress(self, job: str) -> list[NodeRead]:
+    def progress(self, job: str, fresh: bool = False) -> list[NodeRead]:
         from dynprof.job.client import NodeFailure
 
         def one(node: Any) -> NodeRead:
             label = self.labels[node]
             try:
-                return NodeRead(label, NodeProgress.from_json(self.client.progress(node, job)))
+                return NodeRead(label, NodeProgress.from_json(self.client.progress(node, job, fresh=fresh)))
             except NodeFailure as exc:
                 return NodeRead(label, None, exc.reason)
             except errors.ArtifactError as exc:
@@ -316,8 +316,9 @@ class WatchEngine:
             ]
 
     # -- one round ----------------------------------------------------------------------------
-    def poll(self) -> tuple[list[tuple[str, RankProgress]], dict[str, str]]:
-        reads = self.source.progress(self.config.job)
+    def poll(self, fresh: bool = False) -> tuple[list[tuple[str, RankProgress]], dict[str, str]]:
+        """Every node's ranks of the job; ``fresh``: read now, not the nodes' last polls."""
+        reads = self.source.progress(self.config.job, fresh=fresh)
         rows: list[tuple[str, RankProgress]] = []
         failed: dict[str, str] = {}
         for read in reads:
@@ -414,7 +415,9 @@ class WatchEngine:
                 candidates += 1
                 native.setdefault(node, []).append(r.pid)
         second = self.source.stacks(self.config.job, native)
-        after_rows, _ = self.poll()
+        # read now: the CPU a rank spent is measured across the two samples, which the nodes'
+        # last polls (every few seconds) may not span
+        after_rows, _ = self.poll(fresh=True)
         after = {(node, r.pid): r for node, r in after_rows}
         first_by = _by_process(first.stacks)
         second_by = _by_process(second.stacks)

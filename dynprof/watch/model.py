@@ -63,6 +63,10 @@ def _float(value: Any) -> float | None:
     return f if math.isfinite(f) else None
 
 
+def _nonneg(value: int | None) -> int | None:
+    return value if value is None or value >= 0 else None
+
+
 def _check_schema(doc: Any, schema: str, version: int, what: str) -> dict[str, Any]:
     if not isinstance(doc, dict):
         raise ArtifactError(f"not a {what} (not a JSON object)")
@@ -91,6 +95,7 @@ class RankProgress:
     agent: str = "up"  # one of AGENT_STATES
     process_state: str = "?"  # psutil's status: running, sleeping, disk-sleep, stopped, zombie, ...
     cpu_s: float | None = None  # CPU seconds of the process and its children; None: unreadable
+    io_bytes: int | None = None  # bytes read and written (any file or socket), with its children; None: unreadable
     started_at: float | None = None  # process start, unix time
     polled_at: float = 0.0  # when the sidecar read this, node clock
 
@@ -108,6 +113,7 @@ class RankProgress:
             "agent": self.agent,
             "process_state": self.process_state,
             "cpu_s": self.cpu_s,
+            "io_bytes": self.io_bytes,
             "started_at": self.started_at,
             "polled_at": self.polled_at,
         }
@@ -136,6 +142,7 @@ class RankProgress:
             agent=agent if agent in AGENT_STATES else "error",
             process_state=_text(d.get("process_state"), 40) or "?",
             cpu_s=_float(d.get("cpu_s")),
+            io_bytes=_nonneg(_int(d.get("io_bytes"))),
             started_at=_float(d.get("started_at")),
             polled_at=_float(d.get("polled_at")) or 0.0,
         )

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import psutil
 
@@ -75,23 +76,49 @@ def _cpu_seconds(process: psutil.Process) -> float | None:
     return float(t.user + t.system)
 
 
-def _process_facts(pid: int, children: list[psutil.Process]) -> tuple[str, float | None, float | None]:
-    """(state, CPU seconds with live children, start time) of a process; ("gone", None, None)."""
+def _io_bytes(process: psutil.Process) -> int | None:
+    """Bytes the process read and wrote through system calls (files, pipes, sockets: rchar +
+    wchar), or None where the kernel does not say."""
+    try:
+        io = process.io_counters()
+    except (psutil.Error, OSError, AttributeError, NotImplementedError):
+        return None
+    chars = getattr(io, "read_chars", None), getattr(io, "write_chars", None)
+    if chars[0] is None or chars[1] is None:
+        return None
+    return int(chars[0]) + int(chars[1])
+
+
+@dataclass(slots=True)
+class ProcessFacts:
+    state: str  # psutil's status, "gone", or "?" (unreadable)
+    cpu_s: float | None = None  # CPU seconds, live children's included
+    io_bytes: int | None = None  # bytes read and written, live children's included
+    started: float | None = None  # start time (unix)
+
+
+def _process_facts(pid: int, children: list[psutil.Process]) -> ProcessFacts:
+    """What the node sees of a process and its live children (DataLoader workers)."""
     try:
         p = psutil.Process(pid)
         state = str(p.status())
         started = float(p.create_time())
     except psutil.NoSuchProcess:
-        return "gone", None, None
+        return ProcessFacts("gone")
     except (psutil.Error, OSError):
-        return "?", None, None
+        return ProcessFacts("?")
     cpu = _cpu_seconds(p)
-    if cpu is not None:
-        for child in children:
+    io = _io_bytes(p)
+    for child in children:
+        if cpu is not None:
             more = _cpu_seconds(child)
             if more is not None:
                 cpu += more
-    return state, cpu, started
+        if io is not None:
+            chars = _io_bytes(child)
+            if chars is not None:
+                io += chars
+    return ProcessFacts(state, cpu, io, started)
 
 
 def read_progress(
@@ -118,7 +145,8 @@ def read_progress(
     rows: list[RankProgress] = []
     for record in chosen:
         status = by_pid[record.pid]
-        state, cpu, started = _process_facts(record.pid, kids.get(record.pid, []))
+        facts = _process_facts(record.pid, kids.get(record.pid, []))
+        state = facts.state
         row = RankProgress(
             job=record.job_id or "",
             rank=record.rank,
@@ -126,8 +154,9 @@ def read_progress(
             pid=record.pid,
             host=host,
             process_state=state,
-            cpu_s=cpu,
-            started_at=started if started is not None else record.started_at,
+            cpu_s=facts.cpu_s,
+            io_bytes=facts.io_bytes,
+            started_at=facts.started if facts.started is not None else record.started_at,
             polled_at=now,
         )
         if isinstance(status, Exception):

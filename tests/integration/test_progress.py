@@ -143,3 +143,46 @@ def test_the_sidecars_poller_keeps_a_stopped_ranks_last_step(spawn, tmp_path):
         except subprocess.TimeoutExpired:
             serve.kill()
             serve.wait(timeout=15)
+
+
+def test_a_process_and_its_children_io_is_counted(tmp_path):
+    import subprocess
+    import sys
+
+    import psutil
+
+    from dynprof.watch.progress import _process_facts
+
+    # GIVEN a process whose child writes 8 MB to a file once told to
+    code = (
+        "import os, subprocess, sys\n"
+        "child = subprocess.Popen([sys.executable, '-c', "
+        '\'import sys; sys.stdin.readline(); open(sys.argv[1], "wb").write(b"x" * (8 << 20)); '
+        'print("WROTE", flush=True); sys.stdin.readline()\', sys.argv[1]], stdin=sys.stdin)\n'
+        "child.wait()\n"
+    )
+    parent = subprocess.Popen(
+        [sys.executable, "-c", code, str(tmp_path / "shard")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    kids: list[psutil.Process] = []
+    try:
+        assert parent.stdin is not None and parent.stdout is not None
+        kids = _wait(lambda: psutil.Process(parent.pid).children())
+        before = _process_facts(parent.pid, kids)
+        # WHEN the child writes
+        parent.stdin.write("go\n")
+        parent.stdin.flush()
+        assert parent.stdout.readline().startswith("WROTE")
+        after = _process_facts(parent.pid, kids)
+        # THEN the parent's figure, its child's included, grew by at least what was written
+        assert before.io_bytes is not None and after.io_bytes is not None
+        assert after.io_bytes - before.io_bytes >= 8 << 20
+        assert after.state != "gone" and after.cpu_s is not None
+    finally:
+        for kid in kids:
+            kid.kill()
+        parent.kill()
+        parent.wait()

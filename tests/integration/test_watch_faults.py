@@ -197,6 +197,16 @@ class Watch:
             time.sleep(0.2)
         raise AssertionError(f"the watch never said {text!r}:\n" + "\n".join(self.stderr[-30:]))
 
+    def wait_for_stderr_after(self, seen: int, text: str, timeout: float) -> None:
+        """Until a line past the first ``seen`` says ``text``."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if any(text in line for line in self.stderr[seen:]):
+                return
+            assert self.proc.poll() is None, "\n".join(self.stderr[-30:])
+            time.sleep(0.2)
+        raise AssertionError(f"the watch never said {text!r} again:\n" + "\n".join(self.stderr[-30:]))
+
     def wait_end(self, timeout: float) -> int:
         rc = self.proc.wait(timeout=timeout)
         self._out.join(10)
@@ -210,6 +220,24 @@ class Watch:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(timeout=10)
+
+
+def wait_until_stepped(node: SimNode, job: str, rank: int, timeout: float = 120.0) -> None:
+    """Until ``node``'s sidecar (its book, which the watch reads) has seen ``rank`` of ``job``
+    take a step."""
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    request = urllib.request.Request(
+        f"http://{node.address}/api/v1/progress?job={job}", headers={"Authorization": f"Bearer {TOKEN}"}
+    )
+    while time.monotonic() < deadline:
+        with urllib.request.urlopen(request, timeout=10) as answer:
+            doc = json.load(answer)
+        if any(r.get("rank") == rank and (r.get("step") or 0) > 0 for r in doc.get("ranks", [])):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"the sidecar of {node.name} never saw rank {rank} of {job} step")
 
 
 def report(case: str, verdict: dict[str, Any]) -> None:
@@ -243,8 +271,13 @@ def test_the_hang_verdict_names_the_faulty_rank_and_its_node(sim_nodes, spawn, f
     watch = Watch(sim_nodes, job, max_seconds=200)
     faulty = targets[rank]
     try:
-        # (the fault comes once the watch has read every rank: it keeps the last step a stuck agent told)
+        # (the fault comes once the watch has read every rank, the faulty one past a step: it
+        # keeps the last step a stuck agent told, and its node's book may be older than the
+        # rank's first step: so, once the book saw one, one more of the watch's reads)
         watch.wait_for_stderr("4 rank(s)", timeout=120)
+        wait_until_stepped(sim_nodes[node], job, rank)
+        ticks = len(watch.stderr)
+        watch.wait_for_stderr_after(ticks, "4 rank(s)", timeout=120)
         go.touch()
         faulty.wait_for_line("FAULT", timeout=120)
         # WHEN the watch runs over both nodes until it gives a hang verdict

@@ -496,12 +496,24 @@ def ib_tree(root: Path, ports: dict[str, dict[str, int]], hw: dict[str, dict[str
 QUIET = {"link_downed": 0, "symbol_error": 12, "port_rcv_errors": 0, "link_error_recovery": 1, "port_xmit_discards": 0}
 
 
-def test_ib_link_downed_during_the_run_fails_steady_counters_pass(install, tmp_path):
-    # GIVEN two ports; mlx5_1's link goes down (and symbols are lost) while the check runs
+def test_ib_link_downed_during_the_run_fails_steady_counters_pass(install, tmp_path, monkeypatch):
+    # GIVEN two ports; mlx5_1's link goes down (and symbols are lost) while the check runs,
+    # after the run's first read of the counters (a thread of its own: on a loaded machine it
+    # may come late, so the flap waits for it)
     root = tmp_path / "infiniband"
     ib_tree(root, {"mlx5_0/1": QUIET, "mlx5_1/1": QUIET})
+    first_read = threading.Event()
+    real_read = runner_mod.read_ib_counters
+
+    def read_and_tell(where: Any) -> Any:
+        counters = real_read(where)
+        first_read.set()
+        return counters
+
+    monkeypatch.setattr(runner_mod, "read_ib_counters", read_and_tell)
 
     def flap() -> None:
+        assert first_read.wait(60), "the run never read the counters a first time"
         ib_tree(root, {"mlx5_1/1": {**QUIET, "link_downed": 1, "symbol_error": 40}})
 
     install(FakeBackend([healthy(0)], on_end=flap))

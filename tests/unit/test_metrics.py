@@ -328,6 +328,43 @@ def test_progress_answers_from_a_fresh_book_without_asking_the_agents(tmp_path):
     assert doc.poll_every_s == 600.0
 
 
+def test_progress_fresh_reads_the_agents_now_even_from_a_fresh_book(tmp_path):
+    # GIVEN a book polled just now (fresh for 20 minutes), the rank having stepped since
+    node = FakeNode()
+    row = node.rank(0, 100, step=9, last_step_at=time.time() - 2, step_time_s=0.1)
+    book = _book(node, every_s=600.0)
+    book.poll()
+    book.on_demand_max_age_s = 0.0  # every fresh request reads (the rate bound is tested below)
+    row.step = 12
+    client = create_app(ArtifactStore(tmp_path / "s"), token=TOKEN, progress=book).test_client()
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    reads = node.reads
+    # WHEN asked plainly, then with fresh=1
+    plain = NodeProgress.from_json(client.get("/api/v1/progress?job=j", headers=auth).get_json())
+    fresh = NodeProgress.from_json(client.get("/api/v1/progress?job=j&fresh=1", headers=auth).get_json())
+    # THEN the plain answer is the book's, the fresh one a read made for it
+    assert [r.step for r in plain.ranks] == [9]
+    assert [r.step for r in fresh.ranks] == [12] and node.reads == reads + 1
+    # AND fresh takes 0 or 1 only
+    answer = client.get("/api/v1/progress?job=j&fresh=yes", headers=auth)
+    assert answer.status_code == 400 and "fresh" in answer.get_json()["error"]
+
+
+def test_progress_fresh_in_a_loop_reads_the_agents_at_most_once_per_interval(tmp_path):
+    # GIVEN a book whose on-demand reads are bounded to one per 10 minutes
+    node = FakeNode()
+    node.rank(0, 100, step=1, last_step_at=time.time())
+    book = _book(node, every_s=600.0)
+    book.on_demand_max_age_s = 600.0
+    client = create_app(ArtifactStore(tmp_path / "s"), token=TOKEN, progress=book).test_client()
+    # WHEN a client asks for a fresh read ten times in a row
+    for _ in range(10):
+        answer = client.get("/api/v1/progress?fresh=1", headers={"Authorization": f"Bearer {TOKEN}"})
+        assert answer.status_code == 200
+    # THEN the agents were read once
+    assert node.reads == 1
+
+
 def test_without_a_poller_metrics_reads_at_most_once_a_second(tmp_path):
     # GIVEN a book without a poller
     node = FakeNode()

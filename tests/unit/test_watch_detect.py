@@ -184,6 +184,50 @@ def test_all_ranks_saving_a_checkpoint_are_busy():
     assert decision.conclusion == "no step for 80 s: all ranks in write (/job/ckpt.py:12), moving"
 
 
+def test_ranks_blocked_writing_a_checkpoint_are_busy_not_parked():
+    # GIVEN every rank in save_checkpoint with no CPU between the samples (a slow disk's fsync),
+    # two of them seen in disk I/O (state D), the other two having written 8 MB meanwhile
+    frames = (py("save_checkpoint", "/job/train.py", 210),)
+    looks = [look(r, "n", frames, cpu_delta=0.0) for r in range(4)]
+    for lk in looks[:2]:
+        lk.before.process_state = "disk-sleep"
+    for lk in looks[2:]:
+        assert lk.after is not None
+        lk.before.io_bytes, lk.after.io_bytes = 10_000_000, 18_000_000
+    # WHEN
+    decision = detect.decide(looks, STALL)
+    # THEN busy: they work (at the disk), and each says how it was seen to
+    assert decision.kind == "busy" and decision.culprits == []
+    assert "moving" in decision.conclusion
+    details = [s.detail for s in decision.states]
+    assert all("in disk I/O (process state D)" in d for d in details[:2]), details
+    assert all("I/O +8.0 MB" in d for d in details[2:]), details
+
+
+def test_a_few_kilobytes_of_io_do_not_make_a_parked_rank_move():
+    # GIVEN a rank parked in load_next_batch whose agent answered status requests (a few kB)
+    frames = (py("load_next_batch", "/job/data.py", 77),)
+    (lk,) = [look(3, "n", frames, cpu_delta=0.0)]
+    assert lk.after is not None
+    lk.before.io_bytes, lk.after.io_bytes = 5_000, 9_000
+    # WHEN / THEN still parked
+    assert detect.classify(lk).state == "parked"
+
+
+def test_one_poll_seen_twice_does_not_claim_no_cpu():
+    # GIVEN a look whose two progress rows are the same poll of the node (a sidecar that
+    # answers from its book and did not poll in between)
+    frames = (py("_poll", "/usr/lib/python3.11/multiprocessing/connection.py", 440), py("main", "/job/train.py", 60))
+    lk = look(0, "n", frames)
+    lk.after = lk.before
+    # WHEN
+    state = detect.classify(lk)
+    # THEN its CPU is unknown, and nothing says it spent none
+    assert state.cpu_delta_s is None
+    assert state.state == "parked" and "not measured" in state.detail
+    assert "no CPU" not in detect.decide([lk], STALL).conclusion
+
+
 def test_a_rank_caught_twice_in_a_short_collective_while_computing_is_not_waiting():
     # GIVEN an evaluation loop: rank 0 caught in its metric's all_reduce in both samples but
     # spending CPU between them; rank 1 in the forward pass

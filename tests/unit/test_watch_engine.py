@@ -31,7 +31,7 @@ class FakeSource:
     def nodes(self) -> list[str]:
         return ["node-1", "node-2"]
 
-    def progress(self, job: str) -> list[NodeRead]:
+    def progress(self, job: str, fresh: bool = False) -> list[NodeRead]:
         self.t += 1.0
         if not self.stuck:
             self.step += 1
@@ -187,7 +187,7 @@ def test_the_job_ending_ends_the_watch():
     source = FakeSource()
     engine, _ = engine_for(source)
     engine.tick()
-    source.progress = lambda job: [  # type: ignore[method-assign]
+    source.progress = lambda job, fresh=False: [  # type: ignore[method-assign]
         NodeRead(n, NodeProgress(host=n, time=0.0, poll_every_s=1.0)) for n in ("node-1", "node-2")
     ]
     # WHEN
