@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 
@@ -34,9 +35,23 @@ def test_a_boundary_from_an_autograd_device_thread_is_delivered_on_the_main_thre
     done = threading.Event()
     opt = _Optimizer()
 
+    main_ident = threading.main_thread().ident
+
+    def main_waits_in_backward() -> bool:
+        frame = sys._current_frames().get(main_ident or -1)
+        while frame is not None:
+            if frame.f_code is _backward_wait.__code__:  # type: ignore[attr-defined]
+                return True
+            frame = frame.f_back
+        return False
+
     def device_thread() -> None:
         in_graph_task.on = True
-        time.sleep(0.05)  # let the main thread enter its "backward" wait
+        # The optimizer steps only once the main thread waits in its "backward" (on a loaded
+        # machine the main thread may not have got there for a long while after start())
+        deadline = time.monotonic() + 60
+        while not main_waits_in_backward() and time.monotonic() < deadline:
+            time.sleep(0.005)
         tracker._eager_step(opt)
         done.set()
 
