@@ -304,6 +304,9 @@ def test_a_failing_export_is_one_line_in_the_job_output_never_a_traceback(spawn,
     # dynprof's one-line warning, no traceback
     res = _result(result.stdout)
     assert res["status"] == "failed" and "export" in res["error"], res
+    # the agent wrote its warning before it reported the failure, but this process reads the
+    # job's output on its own thread, which may not have read that line yet on a loaded machine
+    target.wait_for_line("dynprof: ")
     time.sleep(0.5)
     assert _alive(target)
     assert not [line for line in target.lines if "Traceback" in line or line.startswith("  File ")]
