@@ -15,7 +15,7 @@ import pytest
 
 from dynprof import errors
 from dynprof.attach import _elf, _preflight, choose_method, find_job_processes
-from dynprof.attach._bootstrap import bootstrap_source, payload
+from dynprof.attach._bootstrap import THREAD_NAME, bootstrap_source, payload
 from dynprof.job.align import aligned_steps, boundary_offsets
 from dynprof.proto import pb
 
@@ -78,16 +78,18 @@ def test_payload_binds_nothing_in_main_and_reports(tmp_path):
 
     checkout = os.path.dirname(os.path.dirname(os.path.abspath(dynprof.__file__)))
     code = (
-        "import os, sys, time\n"
+        "import os, sys, threading\n"
         f"sys.path[:] = [p for p in sys.path if 'site-packages' not in p and os.path.abspath(p) != {checkout!r}]\n"
         "before = set(globals())\n"
         f"exec({payload(source)!r}, globals())\n"
         "after = set(globals())\n"
-        "time.sleep(2)\n"
+        # the bootstrap thread is a daemon: wait until it has written its report (on a loaded
+        # machine or a slow disk that can take longer than any fixed sleep) before exiting
+        f"[t.join(120) for t in threading.enumerate() if t.name == {THREAD_NAME!r}]\n"
         "print(sorted(after - before))\n"
     )
     # WHEN the main thread runs it
-    out = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True, timeout=60, cwd="/")
+    out = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True, timeout=180, cwd="/")
     # THEN __main__ gained no name, nothing was printed into the job, and the error was reported
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "['before']" and out.stderr == ""
