@@ -173,7 +173,7 @@ def test_many_nodes_answer_in_order_and_the_exit_code_says_one_failed(server):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         closed = Node("127.0.0.1", s.getsockname()[1])
-    answers = SidecarClient(TOKEN, timeout=2, max_in_flight=2).action_all([node, closed, node], "ps", {})
+    answers = SidecarClient(TOKEN, timeout=30, max_in_flight=2).action_all([node, closed, node], "ps", {})
     assert [a.answered for a in answers] == [True, False, True]
     assert exit_code(answers) == NODES_FAILED_EXIT == 12
     assert exit_code([answers[0], NodeAnswer(node, True, exit_code=8)]) == 8
