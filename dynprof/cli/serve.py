@@ -264,11 +264,11 @@ class ServeCommand:
         watch = start_hosted_watch(args, token)
         if watch is not None:
             hosted.append(watch)
-        for warning in warnings:
-            print(f"dynprof: warning: {warning}", file=sys.stderr)
-        print(f"dynprof: serving on {_url(args.host, args.port, token, tls=bool(args.certfile))}", file=sys.stderr)
+        said = [f"dynprof: warning: {warning}" for warning in warnings]
+        said.append(f"dynprof: serving on {_url(args.host, args.port, token, tls=bool(args.certfile))}")
         if source != "generated":
-            print(f"dynprof: token from {source}", file=sys.stderr)
+            said.append(f"dynprof: token from {source}")
+        sys.stderr.write("".join(line + "\n" for line in said))  # one write: a reader sees all of it or none
         sys.stderr.flush()
         book.start()
         try:

@@ -232,6 +232,10 @@ def server(hostile: dict[str, object]) -> Iterator[Server]:
             if proc.poll() is not None:
                 raise AssertionError(f"serve exited: {srv.stderr()}") from None
             time.sleep(0.1)
+    # it listens from its bind on, and says where it serves just after: wait for that line too
+    while "dynprof: serving on" not in srv.stderr() and time.monotonic() < deadline:
+        assert proc.poll() is None, f"serve exited: {srv.stderr()}"
+        time.sleep(0.1)
     try:
         yield srv
     finally:
