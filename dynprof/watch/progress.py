@@ -1,6 +1,7 @@
 """One read of a node's live per-rank progress: what each agent says of its steps (the agent's
-status request, every agent asked at once) and what the node sees of each process (its state
-and CPU time, its children's included: a rank whose DataLoader workers compute is moving).
+status request, every agent asked at once) and what the node sees of each process (its state,
+CPU time and bytes read and written, its children's included: a rank whose DataLoader workers
+compute is moving).
 
 Nothing here runs in the training process: the agent answers a status request from its own
 thread with counters it keeps anyway, so a read costs the ranks one small request each

@@ -55,16 +55,22 @@ def test_watch_of_a_job_without_agents_says_what_it_can_still_do(cli):
     assert "dynprof attach --job JOB" in out.stderr and "dynprof stacks --job JOB" in out.stderr
 
 
+def _port_and_token(directory: Path, token: str) -> tuple[int, Path]:
+    """A free loopback port (nothing listens on it once returned), and a token file of mode 0600."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    path = directory / "token"
+    path.write_text(token + "\n")
+    path.chmod(0o600)
+    return port, path
+
+
 @pytest.mark.ptrace
 def test_serve_hosts_the_watch_and_logs_its_verdict(hang_job, tmp_path):
     # GIVEN a hung 2-rank job, and a sidecar started with --watch on it
     hang_job("sjob")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    token = tmp_path / "token"
-    token.write_text("serve-watch-token-0123456789\n")
-    token.chmod(0o600)
+    port, token = _port_and_token(tmp_path, "serve-watch-token-0123456789")
     log = tmp_path / "serve.log"
     cmd = [
         sys.executable, "-m", "dynprof", "serve", "--port", str(port), "--token-file", str(token),
@@ -102,12 +108,7 @@ def test_serve_refuses_a_watch_without_a_job(cli):
 
 def test_watch_once_whose_only_node_does_not_answer_says_so_not_no_agent(cli, tmp_path):
     # GIVEN a node where nothing listens
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    token = tmp_path / "token"
-    token.write_text("watch-node-token-0123456789\n")
-    token.chmod(0o600)
+    port, token = _port_and_token(tmp_path, "watch-node-token-0123456789")
     # WHEN the watch checks once through it
     out = cli("watch", "--job", "j", "--once", "--hosts", f"127.0.0.1:{port}", "--token-file", str(token))
     # THEN the node that did not answer is the verdict (exit 12), not "no agent" (exit 5)
