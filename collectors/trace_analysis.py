@@ -516,7 +516,9 @@ def analyze_rank(item: RankInput) -> dict[str, Any]:
                 "idle": max(0.0, window - g_all.measure(a, b)),
             }
             row["gpu"] = {k: v / 1000 for k, v in gpu_row.items()}
-            row["collective_ms"] = row["gpu"]["comm"]
+            # Waiting for the peers: in NCCL kernels (GPU comm alone) or, where the collectives
+            # run on the CPU (gloo over tensors copied from the GPU), in the CPU collective.
+            row["collective_ms"] = max(row["gpu"]["comm"], (c_coll + c_wait) / 1000)
         else:
             row["gpu"] = None
             row["collective_ms"] = (c_coll + c_wait) / 1000
@@ -978,7 +980,7 @@ def detect_straggler(
         )
     s = ok[idx]
     rest = [r for i, r in enumerate(ok) if i != idx]
-    where = _explain(s, rest, s_row, others, n_steps)
+    where, cause = _explain(s, rest, s_row, others, n_steps)
     coll_name = _top_collective(rest)
     reason = (
         f"rank {s_row['rank']}: {s_row['work_ms']:.1f} ms/step outside collectives{where} vs "
@@ -990,6 +992,7 @@ def detect_straggler(
             "rank": s_row["rank"],
             "host": s_row["host"],
             "reason": reason,
+            "cause": cause,
             "work_ms": s_row["work_ms"],
             "others_work_ms": _r(others_work),
             "others_wait_ms": _r(others_wait),
@@ -1001,43 +1004,61 @@ def detect_straggler(
     )
 
 
+# What a CPU operator that holds a straggler's extra time says of its cause.
+_DATA_LOADING = re.compile(r"DataLoader|dataloader|__next__|collate", re.IGNORECASE)
+_H2D_OPS = re.compile(r"^(cudaMemcpy|cuMemcpy|aten::copy_|aten::_to_copy|aten::to$|Memcpy HtoD|aten::pin_memory)")
+_LAUNCH_OPS = re.compile(r"^(cudaLaunchKernel|cuLaunchKernel|cudaLaunch|aten::)")
+
+
 def _explain(
     s: dict[str, Any], rest: list[dict[str, Any]], s_row: dict[str, Any], others: list[dict[str, Any]], n_steps: int
-) -> str:
-    """What the straggler spends its extra time on: the work category that grew most, named."""
+) -> tuple[str, str]:
+    """What the straggler spends its extra time on: (text for the reason, cause class). The
+    cause is one of "GPU compute", "host launch", "host-to-device copy", "data loading",
+    "input pipeline" (Python outside operators), "CPU operators"."""
     cats: dict[str, tuple[float, float]] = {}
     for k in ("ops", "outside_ops"):
         cats["cpu:" + k] = (s_row["cpu"][k], _mean([o["cpu"][k] for o in others]))
     if s_row["gpu"] is not None:
-        for k in ("compute", "memcpy", "idle"):
-            cats["gpu:" + k] = (s_row["gpu"][k], _mean([o["gpu"][k] if o["gpu"] else 0.0 for o in others]))
+        cats["gpu:memcpy"] = (s_row["gpu"]["memcpy"], _mean([o["gpu"]["memcpy"] if o["gpu"] else 0.0 for o in others]))
         # compute kernels' whole time, overlapped with communication or not
         cats["gpu:compute"] = (
             s_row["gpu"]["compute"] + s_row["gpu"]["comm_overlap"],
             _mean([o["gpu"]["compute"] + o["gpu"]["comm_overlap"] if o["gpu"] else 0.0 for o in others]),
         )
-    if s_row["gpu"] is not None:
-        # On GPU traces a CPU-side delay shows as GPU idle; name the CPU side then.
-        cats.pop("cpu:ops", None)
-        cats.pop("cpu:outside_ops", None)
     cat = max(cats, key=lambda k: cats[k][0] - cats[k][1])
     mine, theirs = cats[cat]
-    if cat in ("cpu:outside_ops", "gpu:idle"):
+    if cat == "cpu:outside_ops":
         name = _top_excess(s, rest, "python_outside", n_steps)
-        label = "outside operators"
-        if cat == "gpu:idle":
-            label = "GPU idle"
+        cause = "data loading" if name and _DATA_LOADING.search(name[0]) else "input pipeline"
         if name:
-            return f" ({label}: {short_function(name[0])} {name[1]:.1f} ms/step)"
+            return f" ({cause}, outside operators: {short_function(name[0])} {name[1]:.1f} ms/step)", cause
         hint = "data loading, Python; trace with --with-stack to name the function"
-        return f" ({label} {mine:.1f} ms vs {theirs:.1f}: {hint})"
+        return f" (outside operators {mine:.1f} ms vs {theirs:.1f}: {hint})", cause
     if cat == "cpu:ops":
         name = _top_excess(s, rest, "ops", n_steps)
-        return f" (CPU operators{f': {name[0]} {name[1]:.1f} ms/step' if name else ''})"
+        op = name[0] if name else ""
+        if _DATA_LOADING.search(op):
+            cause = "data loading"
+        elif _H2D_OPS.match(op):
+            cause = "host-to-device copy"
+        elif _LAUNCH_OPS.match(op) and s_row["gpu"] is not None:
+            cause = "host launch"
+        else:
+            cause = "CPU operators"
+        detail = f": {op[:80]} {name[1]:.1f} ms/step" if name else ""
+        if cause == "host launch":
+            mine_k = sum(int(v[0]) for v in s["kernels"].values()) / n_steps
+            theirs_k = _mean([sum(int(v[0]) for v in r["kernels"].values()) / n_steps for r in rest])
+            detail += f"; {mine_k:.0f} kernels/step vs {theirs_k:.0f}"
+        return f" ({cause}, CPU operators {mine:.1f} vs {theirs:.1f} ms{detail})", cause
     if cat == "gpu:compute":
         name = _top_excess(s, rest, "kernels", n_steps)
-        return f" (GPU compute {mine:.1f} vs {theirs:.1f} ms{f'; most in {name[0][:80]}' if name else ''})"
-    return f" ({cat.split(':')[1]} {mine:.1f} ms vs {theirs:.1f})"
+        return (
+            f" (GPU compute {mine:.1f} vs {theirs:.1f} ms{f'; most in {name[0][:80]}' if name else ''})",
+            "GPU compute",
+        )
+    return f" (host-to-device copy: GPU memory copies {mine:.1f} vs {theirs:.1f} ms)", "host-to-device copy"
 
 
 def _top_excess(s: dict[str, Any], rest: list[dict[str, Any]], key: str, n_steps: int) -> tuple[str, float] | None:

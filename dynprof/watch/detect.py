@@ -18,6 +18,11 @@ stopped     the process is stopped (SIGSTOP, a debugger): it cannot run at all
 waiting     in a collective (torch.distributed / c10d, gloo, NCCL) in both samples,
             with the same stack, and no CPU spent meanwhile (a CUDA or NCCL wait that
             spins the CPU counts when its native frame says so)
+waiting-gpu its main thread is in a blocking CUDA, cuBLAS/cuDNN or NCCL host call (a copy
+            to or from the device, ``.item()``, a synchronize of the device, a stream or
+            an event), recognised by the library and call family of its native frames and
+            the same Python stack in both samples, whatever CPU its spin costs: it waits
+            for its GPU, it does not move
 in-c        its agent does not answer, it is in C code holding the GIL (py-spy says
             so, or the innermost frames are native), and it does not move
 moving      its Python stack changed between the samples, it spent CPU, or it read or wrote
@@ -29,7 +34,9 @@ unread      no stack could be read, and no CPU spent: nothing says what it does
 =========== ==========================================================================
 
 **The decision.** Ranks wait in a collective while others do not: a **hang**, whose culprits
-are the ranks that do not wait. Every rank waits and none moves: a **hang**; the culprits are
+are the ranks that do not wait (a rank that waits for its GPU is one: it is held by its
+device, not by its peers). Every rank waits for its GPU: a hang on the devices (a GPU kernel
+or a collective inside NCCL), called once confirmed like a hang whose culprits move. Every rank waits and none moves: a **hang**; the culprits are
 the ranks the flight recorder says never enqueued the collective the others wait in, else the
 ranks whose wait differs from the largest group's (another collective, another call site).
 No rank waits and every rank moves: **busy** ("no step for 94 s: all ranks in save_checkpoint
@@ -110,7 +117,7 @@ NATIVE_WAITS = (
 _DIST_FILE_MARKERS = ("torch/distributed/", "c10d")
 _SYSTEM_LIBS = ("libc.", "libc-", "libpthread", "ld-linux", "libgcc", "libpython", "python", "libffi", "_ctypes")
 
-STATES = ("stopped", "waiting", "in-c", "moving", "parked", "unread", "gone")
+STATES = ("stopped", "waiting", "waiting-gpu", "in-c", "moving", "parked", "unread", "gone")
 
 
 # -- stall -------------------------------------------------------------------------------------------
@@ -216,6 +223,94 @@ def native_frame(frames: Sequence[Frame]) -> Frame | None:
     return next((f for f in frames if f.native and f.function not in ("???", "")), None)
 
 
+# Libraries whose frames are the GPU's host side: the driver, the runtime, torch's CUDA parts,
+# the collective and math libraries. A frame of one of them innermost (under libc and the vDSO,
+# where a spinning wait reads the clock) is a call into the GPU's stack.
+GPU_LIBS = ("libcuda.", "libcudart", "libtorch_cuda", "libc10_cuda", "libnccl", "libcublas", "libcudnn", "libcusparse")
+# Call families that block the host until the device is done, as (symbol fragment, words).
+# Checked in order over every native frame of the stack: the most specific first.
+_GPU_CALLS = (
+    ("MemcpyDtoH", "a device-to-host copy"),
+    ("_local_scalar_dense", "a device-to-host copy"),
+    ("MemcpyHtoD", "a host-to-device copy"),
+    ("EventSynchronize", "an event synchronize"),
+    ("StreamSynchronize", "a stream synchronize"),
+    ("StreamWaitEvent", "a stream wait"),
+    ("DeviceSynchronize", "a device synchronize"),
+    ("CtxSynchronize", "a device synchronize"),
+    ("Memcpy", "a copy between host and device"),
+    ("copy_kernel_cuda", "a copy between host and device"),
+    ("nccl", "an NCCL call"),
+    ("cublas", "a cuBLAS call"),
+    ("cudnn", "a cuDNN call"),
+)
+# torch's Python bindings, as the program wrote the call.
+_TORCH_BINDINGS = {
+    "THPVariable_item": "Tensor.item",
+    "THPVariable_cpu": "Tensor.cpu",
+    "THPVariable_tolist": "Tensor.tolist",
+    "THPVariable_numpy": "Tensor.numpy",
+    "THPVariable_to": "Tensor.to",
+    "THPVariable_copy_": "Tensor.copy_",
+    "THPVariable_cuda": "Tensor.cuda",
+    "THCPModule_cudaSynchronize": "torch.cuda.synchronize",
+    "THCPEvent_synchronize": "Event.synchronize",
+    "THCPStream_synchronize": "Stream.synchronize",
+}
+
+
+def _lib(f: Frame) -> str:
+    return os.path.basename(f.library or f.file or "")
+
+
+@dataclass(frozen=True, slots=True)
+class GpuWait:
+    """A blocking call into the GPU's host side, as a stack shows it."""
+
+    call: str  # "a device-to-host copy", "a stream synchronize", ...
+    op: str | None  # the call as the program wrote it ("Tensor.cpu"), when its binding says
+    frame: Frame  # the innermost frame of a GPU library that names a symbol
+
+
+def gpu_wait_of(frames: Sequence[Frame]) -> GpuWait | None:
+    """The blocking GPU call a main thread is in, from its native frames; None when its
+    innermost frame of a library of the program's is not a GPU library's, or no frame of the
+    stack is a blocking call (a kernel launch is work, not a wait)."""
+    inner = None
+    for f in frames:
+        if not f.native:
+            return None  # Python code innermost: not in a native call
+        lib = _lib(f)
+        if lib.startswith(_SYSTEM_LIBS) or "vdso" in lib or not lib:
+            continue
+        inner = f
+        break
+    if inner is None or not _lib(inner).startswith(GPU_LIBS):
+        return None
+    natives = [f for f in frames if f.native]
+    call = None
+    for fragment, words in _GPU_CALLS:
+        if any(fragment.lower() in f.function.lower() for f in natives if _lib(f).startswith(GPU_LIBS)):
+            call = words
+            break
+    if call is None:
+        return None
+    op = None
+    for f in natives:
+        name = f.function.split("(")[0].rsplit("::", 1)[-1]
+        if name in _TORCH_BINDINGS:
+            op = _TORCH_BINDINGS[name]
+            break
+    if op is None:  # torch's own Python wrapper innermost (torch.cuda.synchronize, Event.synchronize)
+        lib_py = next((f for f in frames if not f.native), None)
+        if lib_py is not None and is_library_path(lib_py.file) and "torch" in lib_py.file:
+            op = f"torch.cuda.{lib_py.function}" if lib_py.file.endswith("cuda/__init__.py") else lib_py.function
+    named = next(
+        (f for f in natives if _lib(f).startswith(GPU_LIBS) and not f.function.startswith(("0x", "???"))), inner
+    )
+    return GpuWait(call=call, op=op, frame=named)
+
+
 def where(f: Frame | None) -> str:
     """``load_next_batch (data.py:88)``, or a native frame ``cudaStreamSynchronize [libcudart.so]``."""
     if f is None:
@@ -265,6 +360,7 @@ class RankState:
     detail: str = ""
     stack_key: tuple[Any, ...] = ()  # the Python stack of the second sample (the wait's identity)
     frames: list[Frame] = field(default_factory=list)  # the main thread's stack, innermost first
+    gpu_call: str = ""  # waiting-gpu: what it waits in, in words ("a device-to-host copy (Tensor.cpu at train.py:37)")
 
     @property
     def who(self) -> str:
@@ -285,6 +381,8 @@ class RankState:
     def describe(self) -> str:
         if self.state == "waiting":
             return f"waiting in {self.collective}"
+        if self.state == "waiting-gpu":
+            return f"waiting for its GPU in {self.gpu_call}"
         return self.state
 
 
@@ -329,6 +427,17 @@ def classify(look: RankLook, moving_cpu_s: float = MOVING_CPU_S) -> RankState:
     disk_sleep = "disk-sleep" in (before.process_state, last.process_state)
     in_io = disk_sleep or (io_delta is not None and io_delta >= MOVING_IO_BYTES)
     changed = bool(frames1 and frames2) and _py_key(frames1) != _py_key(frames2)
+    gpu = gpu_wait_of(frames2) if frames2 else None
+    if gpu is not None and not changed and collective_of(python_frames(frames2)) is None:
+        # In a blocking call into the GPU (a copy, a synchronize): held by its device, whatever
+        # CPU the driver's spinning wait burns. A collective's Python frame says "waiting" instead.
+        py = user_frame(frames)
+        state.state = "waiting-gpu"
+        state.where = f"{where(py)} [native: {where(gpu.frame)}]" if py is not None else where(gpu.frame)
+        at = f"{short_path(py.file)}:{py.line}" if py is not None else where(gpu.frame)
+        state.gpu_call = f"{gpu.call} ({gpu.op} at {at})" if gpu.op else f"{gpu.call} (at {at})"
+        state.detail = f"waits for its GPU in {state.gpu_call}"
+        return state
     c1, c2 = collective_of(frames1), collective_of(frames2)
     native_wait = any(f.native and any(w in f.function for w in NATIVE_WAITS) for f in frames2)
     if c1 is None and c2 is not None and native_wait and not changed and collective_of(python_frames(frames2)) is None:
@@ -444,6 +553,9 @@ def _phrase(s: RankState, others: str | None) -> str:
         return f"is in {s.where}, parked" + (" (no CPU)" if s.cpu_delta_s is not None else "")
     if s.state == "waiting":
         return f"waits in {s.collective} at {s.where}"
+    if s.state == "waiting-gpu":
+        tail = f", not in the {others} the others wait in" if others else ""
+        return f"waits for its GPU in {s.gpu_call}{tail}"
     if s.state == "gone":
         return "is gone (its process exited)"
     return f"cannot be read ({s.detail})"
@@ -515,10 +627,10 @@ def decide(
         main = _groups(waiting, lambda s: s.collective)[0]
         collective = main[0].collective
         main_where = _groups(main, lambda s: s.where)[0][0].where
-        stuck = [s for s in others if s.state in ("stopped", "in-c", "parked", "gone", "unread")]
+        stuck = [s for s in others if s.state in ("stopped", "in-c", "waiting-gpu", "parked", "gone", "unread")]
         text = (
             _culprit_text(others, collective)
-            + f"; the other {len(waiting)} rank{'s' if len(waiting) > 1 else ''} wait in {collective} "
+            + f"; {_the_others(len(waiting))} in {collective} "
             + f"at {main_where}{fr_clause}"
         )
         culprits = [_culprit(s, s.detail or s.state) for s in others]
@@ -542,7 +654,7 @@ def decide(
             rest = [s for s in states if s.rank not in set(fr_missing)]
             text = (
                 f"{_culprit_text(named, None) if named else 'ranks ' + ','.join(map(str, fr_missing))}"
-                f"; the other {len(rest)} rank(s) wait in {main[0].collective} at {main[0].where}{fr_clause}"
+                f"; {_the_others(len(rest))} in {main[0].collective} at {main[0].where}{fr_clause}"
             )
             culprits = [
                 _culprit(s, "never enqueued the collective the others wait in (flight recorder)") for s in named
@@ -551,8 +663,8 @@ def decide(
         if len(groups) > 1:
             odd = [s for g in groups[1:] for s in g]
             text = (
-                f"{_culprit_text(odd, None)}; the other {len(main)} rank{'s' if len(main) > 1 else ''} "
-                f"wait in {main[0].collective} at {main[0].where}{fr_clause}"
+                f"{_culprit_text(odd, None)}; {_the_others(len(main))} "
+                f"in {main[0].collective} at {main[0].where}{fr_clause}"
             )
             culprits = [_culprit(s, f"waits in {s.collective} at {s.where}, not where the others wait") for s in odd]
             return Decision("hang", text, culprits[:MAX_CULPRITS], states, fr_text, _waiting_key(waiting))
@@ -564,6 +676,29 @@ def decide(
         )
         return Decision("hang", text, [], states, fr_text, _waiting_key(waiting))
     # No rank waits in a collective.
+    on_gpu = [s for s in states if s.state == "waiting-gpu"]
+    if on_gpu and len(on_gpu) == len(states):
+        text = (
+            f"{head}: every rank waits for its GPU: {_culprit_text(on_gpu, None)}; the hang is on the devices "
+            "(a GPU kernel that does not end, or a collective inside NCCL)"
+            + (
+                fr_clause
+                if fr_text
+                else "; with the flight recorder on (`dynprof run --flight-recorder`) the watch would say "
+                "which NCCL collective each rank is in"
+            )
+        )
+        culprits = [_culprit(s, s.detail) for s in on_gpu]
+        if waiting_for_s is None or waiting_for_s < confirm_s:
+            return Decision(
+                "pending",
+                f"{text}; not called a hang yet (seen for {waiting_for_s or 0:.0f} s of the {confirm_s:.0f} s asked)",
+                culprits[:MAX_CULPRITS],
+                states,
+                fr_text,
+                waiting_key=_waiting_key(on_gpu),
+            )
+        return Decision("hang", text, culprits[:MAX_CULPRITS], states, fr_text, _waiting_key(on_gpu))
     stuck = [s for s in states if s.state in ("stopped", "in-c")]
     if stuck:
         rest = [s for s in states if s.state not in ("stopped", "in-c")]
@@ -576,6 +711,11 @@ def decide(
         return Decision("busy", f"{head}: {_busy_text(states)}", [], states, fr_text)
     text = f"{head}, and no rank moves: {_culprit_text(states, None)}{fr_clause}"
     return Decision("hang", text, [_culprit(s, s.detail or s.state) for s in states][:MAX_CULPRITS], states, fr_text)
+
+
+def _the_others(n: int) -> str:
+    """``the other rank waits``, ``the other 3 ranks wait``."""
+    return "the other rank waits" if n == 1 else f"the other {n} ranks wait"
 
 
 def _waiting_key(waiting: Sequence[RankState]) -> tuple[Any, ...]:

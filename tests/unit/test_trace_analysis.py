@@ -410,3 +410,40 @@ def test_fewer_workers_when_traces_are_large(monkeypatch, tmp_path):
 
     # THEN it keeps them under half the available memory
     assert n == 1
+
+
+# -- GPU traces of a 2-rank gloo job sharing one H200 (gradients all-reduced on the CPU), as
+# `dynprof start --job J --steps 6` wrote them (tests/gpu/programs/gpu_fault_program.py)
+GPU_TRACES = Path(__file__).resolve().parents[1] / "data" / "gpu_traces"
+
+
+def _gpu_case(case: str) -> dict:
+    from collectors import trace_analysis as ta
+
+    files = sorted(GPU_TRACES.glob(f"{case}-*.json.gz"))
+    assert len(files) == 2
+    return ta.combine(ta.analyze_ranks([ta.RankInput(path=str(f)) for f in files], workers=1))
+
+
+def test_a_gpu_compute_straggler_behind_gloo_collectives_is_named_with_its_kernels():
+    # GIVEN rank 1 running 60 extra 2048x2048 matmuls per step, rank 0 waiting for it in gloo
+    result = _gpu_case("gpu-compute")
+    # THEN rank 1 is the straggler, for GPU compute, with the matmul kernel that holds it
+    s = result["straggler"]
+    assert s is not None and s["rank"] == 1, result["straggler_check"]
+    assert s["cause"] == "GPU compute" and "sgemm" in s["reason"], s["reason"]
+    # and the waiting on the CPU side counts as waiting on a GPU trace
+    waits = {r["rank"]: r["collective_ms"] for r in result["ranks"]}
+    assert waits[0] > waits[1] > 0, waits
+
+
+def test_a_data_loading_straggler_on_a_gpu_trace_is_named_as_data_loading():
+    result = _gpu_case("data-loading")
+    s = result["straggler"]
+    assert s is not None and s["rank"] == 1, result["straggler_check"]
+    assert s["cause"] == "data loading" and "DataLoader" in s["reason"], s["reason"]
+
+
+def test_an_even_gpu_job_has_no_straggler():
+    result = _gpu_case("none")
+    assert result["straggler"] is None and result["straggler_check"].startswith("no straggler"), result

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
+import pytest
+
 from collectors.stacks import Frame, ProcessStacks, ThreadStack
+from collectors.stacks.readers import parse_py_spy
 from dynprof.watch import detect
 from dynprof.watch.model import RankProgress
 
@@ -348,4 +354,85 @@ def test_a_cuda_synchronize_read_natively_only_the_second_time_is_the_odd_wait()
         decision.culprits[0].where
         == "wait_for_kernel (/job/train.py:28) [native: cuCtxSynchronize_v2 [libcuda.so.580]]"
     )
-    assert decision.states[3].state == "waiting"
+    assert decision.states[3].state == "waiting-gpu"
+
+
+# -- waiting for the GPU: the main thread's stacks as py-spy read them on an H200 (CUDA 13, driver
+# 580), one per way a rank blocks behind a kernel that does not end (tests/data/gpu_stacks).
+GPU_STACKS = Path(__file__).resolve().parents[1] / "data" / "gpu_stacks"
+GPU_CASES = {
+    # fault: (call, op, the program's line)
+    "item": ("a device-to-host copy", "Tensor.item", 42),
+    "cpu": ("a device-to-host copy", "Tensor.cpu", 44),
+    "tolist": ("a device-to-host copy", "Tensor.tolist", 46),
+    "cuda-sync": ("a device synchronize", "torch.cuda.synchronize", 48),
+    "event-sync": ("an event synchronize", "Event.synchronize", 52),
+    "stream-sync": ("a stream synchronize", "Stream.synchronize", 54),
+    "h2d-pageable": ("a host-to-device copy", "Tensor.to", 57),
+}
+
+
+def _gpu_stack(fault: str) -> list[Frame]:
+    (thread,) = parse_py_spy(json.loads((GPU_STACKS / f"{fault}.json").read_text()), pid=1)
+    return list(thread.frames)
+
+
+@pytest.mark.parametrize("fault", sorted(GPU_CASES))
+def test_a_rank_blocked_behind_its_gpu_waits_for_its_gpu_whatever_cpu_it_spins(fault):
+    # GIVEN rank 1 seen first in Python only, then natively in a blocking CUDA call (its CPU
+    # spinning in the driver), ranks 0 and 2 waiting in all_reduce
+    native = _gpu_stack(fault)
+    python_only = tuple(f for f in native if not f.native)
+    looks = [
+        look(0, "n", ALL_REDUCE),
+        look(2, "n", ALL_REDUCE),
+        look(1, "n", python_only, tuple(native), cpu_delta=2.9),
+    ]
+    # WHEN
+    decision = detect.decide(looks, STALL)
+    # THEN rank 1 waits for its GPU, in words, and is the hang's one culprit
+    call, op, line = GPU_CASES[fault]
+    state = next(s for s in decision.states if s.rank == 1)
+    assert state.state == "waiting-gpu", (state.state, state.detail)
+    assert state.gpu_call == f"{call} ({op} at tests/gpu/programs/gpu_fault_program.py:{line})"
+    assert decision.kind == "hang" and [c.rank for c in decision.culprits] == [1]
+    assert f"rank 1 on n waits for its GPU in {call} ({op} at " in decision.conclusion
+    assert "since step 100; the other 2 ranks wait in all_reduce" in decision.conclusion
+    assert "moving" not in decision.conclusion
+    assert state.where.startswith("block_behind_kernel (") and "[native: " in state.where
+
+
+def test_a_rank_launching_kernels_is_not_waiting_for_its_gpu():
+    # GIVEN a native stack innermost in cudaLaunchKernel (work, not a wait)
+    frames = (
+        Frame("???", "", 0, native=True, library="/usr/lib/libcuda.so.580"),
+        Frame("cudaLaunchKernel", "", 0, native=True, library="/usr/lib/libcudart.so.13"),
+        py("forward", "/job/model.py", 12),
+    )
+    # THEN it is no GPU wait
+    assert detect.gpu_wait_of(frames) is None
+    # nor is a stack whose innermost frame is Python, or a library of the program's
+    assert detect.gpu_wait_of((py("step"),)) is None
+    ext = Frame("spin", "", 0, native=True, library="/usr/lib/libmyext.so")
+    assert detect.gpu_wait_of((ext, Frame("cudaStreamSynchronize", "", 0, native=True, library="libcudart.so"))) is None
+
+
+def test_every_rank_waiting_for_its_gpu_is_a_hang_on_the_devices_once_confirmed():
+    # GIVEN both ranks in a device synchronize behind a kernel that does not end
+    native = _gpu_stack("cuda-sync")
+    python_only = tuple(f for f in native if not f.native)
+    looks = [look(r, "n", python_only, tuple(native), cpu_delta=3.0) for r in range(2)]
+    # WHEN seen for 2 s of the 10 asked, then for 12 s
+    early = detect.decide(looks, STALL, waiting_for_s=2.0, confirm_s=10.0)
+    late = detect.decide(looks, STALL, waiting_for_s=12.0, confirm_s=10.0)
+    # THEN pending first, then a hang on the devices that points at the flight recorder
+    assert early.kind == "pending"
+    assert late.kind == "hang" and sorted(c.rank for c in late.culprits) == [0, 1]
+    assert "every rank waits for its GPU" in late.conclusion and "the hang is on the devices" in late.conclusion
+    assert "--flight-recorder" in late.conclusion
+
+
+def test_one_waiting_rank_reads_the_other_rank_waits():
+    looks = [look(0, "n", ALL_REDUCE), look(1, "n", (py("load", "/job/data.py", 5),))]
+    decision = detect.decide(looks, STALL)
+    assert "; the other rank waits in all_reduce at" in decision.conclusion, decision.conclusion

@@ -1,0 +1,155 @@
+"""A CUDA training job of ``WORLD_SIZE`` ranks sharing one GPU, whose rank ``--fault-rank`` does
+one thing wrong from step ``--at-step`` on, for the GPU fault suite (tests/gpu/test_gpu_faults.py).
+
+The gradients are copied to the CPU and all-reduced with gloo (two ranks cannot share one GPU
+in NCCL), so the ranks that do not fault wait for the faulty one in ``all_reduce``.
+
+Faults that block the rank behind a GPU kernel that spins for minutes (``torch.cuda._sleep``):
+``item``, ``cpu``, ``tolist``, ``cuda-sync``, ``event-sync``, ``stream-sync``, ``h2d-pageable``.
+Stragglers, every step: ``gpu-compute`` (extra matmuls), ``host-launch`` (thousands of tiny
+kernels), ``h2d-input`` (a large pageable batch copied in), ``data-loading`` (a slow loader).
+Busy phases that are not hangs (on every rank): ``checkpoint`` (CUDA tensors saved for
+``--busy-seconds``), ``eval`` (an evaluation loop of that length), ``compile`` (torch.compile's
+first step). ``none``: an even job.
+
+Each rank prints ``READY <pid>`` when it is where the test wants it: at the fault (blocking
+faults), or after ``--at-step`` steady steps (the others)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+BLOCKING = ("item", "cpu", "tolist", "cuda-sync", "event-sync", "stream-sync", "h2d-pageable")
+SPIN_CYCLES = int(4e12)  # torch.cuda._sleep: tens of minutes on any GPU of today
+
+
+def ready() -> None:
+    print(f"READY {os.getpid()}", flush=True)
+
+
+def block_behind_kernel(fault: str, model: torch.nn.Module, device: torch.device) -> None:
+    """Queue an endless kernel, then wait for the GPU in the way ``fault`` names."""
+    probe = torch.ones(4, device=device)
+    torch.cuda._sleep(SPIN_CYCLES)
+    ready()
+    if fault == "item":
+        probe.sum().item()
+    elif fault == "cpu":
+        probe.cpu()
+    elif fault == "tolist":
+        probe.tolist()
+    elif fault == "cuda-sync":
+        torch.cuda.synchronize(device)
+    elif fault == "event-sync":
+        event = torch.cuda.Event()
+        event.record()
+        event.synchronize()
+    elif fault == "stream-sync":
+        torch.cuda.current_stream(device).synchronize()
+    elif fault == "h2d-pageable":
+        host = torch.ones(1 << 20)  # pageable: the copy waits for the stream, then copies
+        host.to(device)
+        torch.cuda.current_stream(device).synchronize()
+
+
+def reduce_gradients(model: torch.nn.Module) -> None:
+    for p in model.parameters():
+        if p.grad is None:
+            continue
+        g = p.grad.detach().cpu()
+        dist.all_reduce(g)
+        p.grad.copy_(g.to(p.grad.device))
+
+
+class SlowData(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    def __init__(self, n: int, width: int, delay_s: float) -> None:
+        self.n, self.width, self.delay_s = n, width, delay_s
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        return torch.full((self.width,), float(i % 7))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--fault", default="none")
+    parser.add_argument("--fault-rank", type=int, default=1)
+    parser.add_argument("--at-step", type=int, default=20)
+    parser.add_argument("--busy-seconds", type=float, default=30.0)
+    parser.add_argument("--max-seconds", type=float, default=600.0)
+    parser.add_argument("--width", type=int, default=1024)
+    args = parser.parse_args()
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    faulty = rank == args.fault_rank
+    w = args.width
+    model = torch.nn.Sequential(torch.nn.Linear(w, w), torch.nn.ReLU(), torch.nn.Linear(w, w)).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    step_fn = model
+    if args.fault == "compile":
+        step_fn = torch.compile(model)  # type: ignore[assignment]
+    delay = 0.03 if (args.fault == "data-loading" and faulty) else 0.0
+    loader = torch.utils.data.DataLoader(SlowData(1 << 30, w, delay), batch_size=1, num_workers=0)
+    batches = iter(loader)
+    big_host = torch.randn(64 << 20 // 4) if (args.fault == "h2d-input" and faulty) else None  # 64 MiB, pageable
+    heavy = torch.randn(2048, 2048, device=device) if args.fault == "gpu-compute" else None
+    tiny = torch.zeros(8, device=device)
+    x = torch.randn(64, w, device=device)
+    started = time.monotonic()
+    step = 0
+    while time.monotonic() - started < args.max_seconds:
+        batch = next(batches).to(device)
+        inp = x + batch.mean()
+        if big_host is not None:
+            inp = inp + big_host.to(device).mean()
+        if heavy is not None and faulty and step >= args.at_step // 2:
+            for _ in range(60):
+                heavy = torch.mm(heavy, heavy).clamp_(-1, 1)
+        if args.fault == "host-launch" and faulty:
+            for _ in range(3000):
+                tiny.add_(1.0)
+        opt.zero_grad(set_to_none=True)
+        step_fn(inp).square().mean().backward()
+        if step == args.at_step:
+            if args.fault in BLOCKING:
+                if faulty:
+                    block_behind_kernel(args.fault, model, device)
+                else:
+                    ready()
+            elif args.fault == "checkpoint":
+                ready()
+                path = f"/tmp/dynprof-gpu-ckpt-{os.getpid()}.pt"
+                until = time.monotonic() + args.busy_seconds
+                while time.monotonic() < until:
+                    torch.save({k: v for k, v in model.state_dict().items()}, path)
+                os.unlink(path)
+            elif args.fault == "eval":
+                ready()
+                until = time.monotonic() + args.busy_seconds
+                with torch.no_grad():
+                    while time.monotonic() < until:
+                        model(x).sum().item()
+            else:
+                ready()
+        reduce_gradients(model)
+        opt.step()
+        step += 1
+    dist.destroy_process_group()
+    print("DONE", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,135 @@
+"""The GPU fault suite: two ranks share one GPU (gloo all-reduces the gradients, copied to the
+CPU), and rank 1 blocks behind a kernel that does not end, in each of the ways a CUDA job waits
+for its GPU; beside them, busy phases on the GPU that are not hangs. The watch must name rank 1
+``waiting-gpu`` with the call in words, and call no busy phase a hang.
+
+Run on a GPU machine: ``pytest -m gpu tests/gpu/test_gpu_faults.py -s`` (``DYNPROF_GPU_RUNS=3``
+runs each case three times). Each case prints one row of the verdict table: case, run, right,
+detection s, verdict s.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+
+import pytest
+
+from dynprof.identity import detect
+
+pytestmark = [pytest.mark.gpu, pytest.mark.ptrace]
+PROGRAM = "tests/gpu/programs/gpu_fault_program.py"
+RUNS = range(int(os.environ.get("DYNPROF_GPU_RUNS", "1")))
+BLOCKING = {
+    "item": ("a device-to-host copy", "Tensor.item"),
+    "cpu": ("a device-to-host copy", "Tensor.cpu"),
+    "tolist": ("a device-to-host copy", "Tensor.tolist"),
+    "cuda-sync": ("a device synchronize", "torch.cuda.synchronize"),
+    "event-sync": ("an event synchronize", "Event.synchronize"),
+    "stream-sync": ("a stream synchronize", "Stream.synchronize"),
+    "h2d-pageable": ("a host-to-device copy", "Tensor.to"),
+}
+
+
+def _free_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+def _start(spawn, job: str, fault: str, *extra: str) -> None:
+    port = _free_port()
+    targets = []
+    for rank in range(2):
+        env = {"RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+        env["DYNPROF_JOB_ID"] = job
+        args = ["-m", "dynprof", "run", "-q", "--", sys.executable, PROGRAM, "--fault", fault, *extra]
+        targets.append(spawn(args, under_run=False, env=env))
+    for t in targets:
+        t.ready_pids(timeout=240)
+
+
+def _watch_once(cli, job: str) -> tuple[int, list[dict], str]:
+    out = cli("watch", "--job", job, "--once", "--json", "--stall-after", "3", "--look-interval", "1", timeout=300)
+    events = [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
+    return out.returncode, [e["verdict"] for e in events if "verdict" in e], out.stderr
+
+
+@pytest.mark.parametrize("run", RUNS)
+@pytest.mark.parametrize("fault", sorted(BLOCKING))
+def test_a_rank_blocked_behind_its_gpu_is_named_waiting_for_its_gpu(spawn, cli, fault, run):
+    # GIVEN rank 1 blocked behind an endless kernel at step 5, rank 0 waiting in all_reduce
+    job = f"gpu{fault.replace('-', '')}{run}"
+    _start(spawn, job, fault, "--at-step", "5")
+    time.sleep(4.0)  # past the stall time below
+    # WHEN the watch looks once
+    rc, verdicts, err = _watch_once(cli, job)
+    # THEN one hang, rank 1 on this host, waiting for its GPU in the call, in words
+    call, op = BLOCKING[fault]
+    assert rc == 20 and len(verdicts) == 1, err
+    v = verdicts[0]
+    t = v["evidence"]["timing"]
+    print(f"\nVERDICT-ROW {fault} run={run} kind={v['kind']} detection_s={t['detection_s']} verdict_s={t['verdict_s']}")
+    print(v["conclusion"])
+    assert v["kind"] == "hang"
+    assert [(c["rank"], c["host"]) for c in v["culprits"]] == [(1, detect().host)]
+    assert f"waits for its GPU in {call} ({op} at " in v["conclusion"], v["conclusion"]
+    assert "moving" not in v["conclusion"]
+    (row,) = [r for r in v["ranks"] if r["rank"] == 1]
+    assert row["state"].startswith("waiting for its GPU in "), row
+
+
+@pytest.mark.parametrize("run", RUNS)
+@pytest.mark.parametrize("fault", ["checkpoint", "eval"])
+def test_busy_phases_on_the_gpu_are_not_a_hang(spawn, cli, fault, run):
+    # GIVEN every rank in a busy phase on the GPU (CUDA tensors saved, an evaluation loop)
+    # that lasts far longer than the stall time
+    job = f"gpubusy{fault}{run}"
+    _start(spawn, job, fault, "--at-step", "5", "--busy-seconds", "60")
+    time.sleep(4.0)
+    # WHEN the watch looks once, three times over
+    kinds = []
+    for _ in range(3):
+        rc, verdicts, err = _watch_once(cli, job)
+        kinds += [v["kind"] for v in verdicts]
+        print(f"\nVERDICT-ROW busy-{fault} run={run} rc={rc} kinds={[v['kind'] for v in verdicts]}")
+        for v in verdicts:
+            print(v["conclusion"])
+        # THEN never a hang
+        assert rc != 20, err
+    assert "hang" not in kinds
+
+
+STRAGGLERS = {
+    "gpu-compute": "GPU compute",
+    "host-launch": "host launch",
+    "h2d-input": "host-to-device copy",
+    "data-loading": "data loading",
+    "none": None,
+}
+
+
+@pytest.mark.parametrize("run", RUNS)
+@pytest.mark.parametrize("fault", sorted(STRAGGLERS))
+def test_gpu_stragglers_are_named_with_their_cause_and_an_even_job_names_none(spawn, cli, fault, run):
+    # GIVEN rank 1 slower every step in one way (none: an even job), after 20 steady steps
+    job = f"gpuslow{fault.replace('-', '')}{run}"
+    _start(spawn, job, fault, "--at-step", "20")
+    # WHEN 6 steps are traced job-wide and analysed
+    started = cli("start", "--job", job, "--steps", "6", "--json", timeout=300)
+    assert started.returncode == 0, started.stderr
+    result = cli("analyze", "--job", job, "--json", timeout=300)
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    s = data["straggler"]
+    print(f"\nVERDICT-ROW straggler-{fault} run={run} rank={s and s['rank']} cause={s and s.get('cause')}")
+    print(s["reason"] if s else data["straggler_check"])
+    # THEN the right rank and cause, or none for the even job
+    cause = STRAGGLERS[fault]
+    if cause is None:
+        assert s is None, s
+    else:
+        assert s is not None and s["rank"] == 1 and s["cause"] == cause, data["straggler_check"]
