@@ -126,9 +126,14 @@ class WatchCommand:
         nodes = nodes_requested(args)
         source = node_source(args, nodes) if nodes is not None else LocalSource()
         printer = VerdictPrinter(args.json, args.on_verdict, args.on_verdict_timeout)
-        straggler = straggler_of(getattr(source, "client", None)) if nodes is not None else None
+        straggler = straggler_of(source) if nodes is not None else None
         engine = WatchEngine(
-            config_of(args), source, on_verdict=printer.verdict, on_tick=printer.tick, straggler=straggler
+            config_of(args),
+            source,
+            on_verdict=printer.verdict,
+            on_tick=printer.tick,
+            straggler=straggler,
+            on_sample=printer.sample,
         )
         timer: threading.Timer | None = None
         if args.max_seconds:
@@ -190,11 +195,13 @@ def sample_every_of(args: argparse.Namespace) -> float | None:
     return every or None
 
 
-def straggler_of(client: Any) -> Any:
-    """The engine's straggler hook over the sidecars ``client`` reaches."""
+def straggler_of(source: Any) -> Any:
+    """The engine's straggler hook over the sidecars of ``source`` (a
+    :class:`~dynprof.watch.engine.SidecarSource`): the same node objects, client and token that
+    read the progress, so a sample goes to exactly the addresses the user named."""
     from dynprof.watch.straggler import straggler_hook
 
-    return straggler_hook(client)
+    return straggler_hook(source.client, source.node_list)
 
 
 # -- what the watch says ---------------------------------------------------------------------------
@@ -227,6 +234,7 @@ class VerdictPrinter:
             doc = {
                 "schema": EVENT_SCHEMA,
                 "schema_version": EVENT_VERSION,
+                "event": "verdict",
                 "verdict": verdict.to_json(),
                 "artifact": path,
                 "hook": hook,
@@ -234,6 +242,21 @@ class VerdictPrinter:
             print(json.dumps(doc, default=str), file=out, flush=True)
         else:
             print(render_verdict(verdict, path), file=out, flush=True)
+
+    def sample(self, report: Any) -> None:
+        """What one straggler sample found: a ``straggler_sample`` event with --json, and a line
+        on stderr (whatever it found: a straggler, none, or why nothing was decided)."""
+        from dynprof.watch.straggler import report_json, sample_line
+
+        if self.as_json:
+            doc = {
+                "schema": EVENT_SCHEMA,
+                "schema_version": EVENT_VERSION,
+                "event": "straggler_sample",
+                "sample": report_json(report),
+            }
+            print(json.dumps(doc, default=str), file=self.out or sys.stdout, flush=True)
+        print(f"dynprof: watch: {printable(sample_line(report))}", file=sys.stderr, flush=True)
 
     def tick(self, tick: Any) -> None:
         self.ticks.append(tick)
@@ -420,12 +443,14 @@ def start_hosted_watch(args: argparse.Namespace, token: str) -> Any:
     if nodes is not None:
         tls = tls_context(args.cacert) if args.cacert else None
         source: Any = SidecarSource(SidecarClient(token, tls=tls), nodes)
-        straggler = straggler_of(source.client)
+        straggler = straggler_of(source)
     else:
         source = LocalSource()
         straggler = None
     printer = VerdictPrinter(False, args.on_verdict, args.on_verdict_timeout, out=sys.stderr)
-    engine = WatchEngine(config_of(args), source, on_verdict=printer.verdict, straggler=straggler)
+    engine = WatchEngine(
+        config_of(args), source, on_verdict=printer.verdict, straggler=straggler, on_sample=printer.sample
+    )
 
     def loop() -> None:
         while True:

@@ -85,7 +85,9 @@ class WatchSource(Protocol):
 
 
 FlightRecorder = Callable[[str], tuple[dict[str, Any] | None, str | None]]
-Straggler = Callable[[list[str], str], StragglerReport | None]
+Straggler = Callable[[str], StragglerReport | None]
+"""``straggler(job)``: one sampled straggler check of the job, on the nodes the face built it for
+(the very node objects its source reads: the engine never hands it node labels to re-parse)."""
 
 
 def healthcheck_summary(doc: Any) -> dict[str, Any]:
@@ -269,12 +271,14 @@ class WatchEngine:
         straggler: Straggler | None = None,
         clock: Callable[[], float] = time.time,
         sleep: Callable[[float], None] | None = None,
+        on_sample: Callable[[StragglerReport], None] | None = None,
     ) -> None:
         self.config = config
         self.source = source
         self.on_verdict = on_verdict
         self.on_tick = on_tick
         self.straggler = straggler
+        self.on_sample = on_sample
         self.clock = clock
         self._stop = threading.Event()
         self._sleep = sleep or (lambda s: self._stop.wait(s) and None)
@@ -285,6 +289,7 @@ class WatchEngine:
         self.stalled = False
         self.straggler_scores: dict[tuple[str, int], float] = {}
         self._last_sample = clock()
+        self._sample_thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
     # -- running --------------------------------------------------------------------------
@@ -301,7 +306,21 @@ class WatchEngine:
             if once or tick.ended:
                 break
             self._sleep(max(0.0, self.config.interval_s - (time.monotonic() - started)))
+        if once:  # one check says what its sample found
+            self.wait_for_sample()
         return self.verdicts
+
+    def sampling(self) -> bool:
+        """Whether a straggler sample is in flight (it runs beside the progress polls)."""
+        thread = self._sample_thread
+        return thread is not None and thread.is_alive()
+
+    def wait_for_sample(self, timeout: float | None = None) -> bool:
+        """Wait for the sample in flight, if any; whether none is left in flight."""
+        thread = self._sample_thread
+        if thread is not None:
+            thread.join(timeout)
+        return not self.sampling()
 
     def gauges(self) -> list[WatchGauges]:
         """What the sidecar exports on /metrics for the job this engine watches."""
@@ -600,21 +619,35 @@ class WatchEngine:
         return path
 
     def _maybe_sample_straggler(self, now: float) -> None:
+        """Start a straggler sample when one is due, on its own thread: the progress polls (and
+        the stall detection) go on while the ranks are traced, fetched and analysed."""
         every = self.config.sample_every_s
         if self.straggler is None or not every or now - self._last_sample < every or self.episode is not None:
             return
-        self._last_sample = now
-        try:
-            report = self.straggler(self.source.nodes(), self.config.job)
-        except Exception as exc:  # a failed sample is skipped, the watch goes on
-            log.warning("dynprof watch: the straggler sample failed: %s", exc)
+        if self.sampling():  # one at a time; the next is due an interval after this one started
             return
+        self._last_sample = now
+        self._sample_thread = threading.Thread(target=self._sample, name="dynprof-watch-sample", daemon=True)
+        self._sample_thread.start()
+
+    def _sample(self) -> None:
+        assert self.straggler is not None
+        try:
+            report = self.straggler(self.config.job)
+        except Exception as exc:  # a failed sample is said, the watch goes on
+            log.warning("dynprof watch: the straggler sample failed: %s", exc)
+            report = StragglerReport(sampled_at=self.clock(), steps=0, note=f"the sample failed: {exc}"[:2000])
         if report is None:
             return
         with self._lock:
             self.straggler_scores = dict(report.scores)
         if report.verdict is not None:
             self._publish(report.verdict, None)
+        if self.on_sample is not None:
+            try:
+                self.on_sample(report)
+            except Exception as exc:  # a face's printing must not stop the watch
+                log.warning("dynprof watch: on_sample failed: %s", exc)
 
 
 MAX_NATIVE_CANDIDATES = 64  # ranks read natively in one look for not waiting with the others

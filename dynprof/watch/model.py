@@ -318,3 +318,5 @@ class StragglerReport:
     verdict: Verdict | None = None  # kind "straggler" naming rank, host and cause class; None: none found
     note: str = ""  # why nothing was decided (one rank only, the trace failed, ...)
     cost_s: float = 0.0  # wall seconds the sample took (tracing, fetching, analysis)
+    at_step: int | None = None  # the step every rank's trace started at; None: none was armed
+    check: str = ""  # the straggler rule's own line (what it measured, its noise threshold)

@@ -43,7 +43,7 @@ import shutil
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -70,7 +70,13 @@ MAX_TRACE_DURATION_S = 300.0
 CAUSES = ("compute", "communication", "input pipeline", "host/launch")
 _INPUT_NAMES = re.compile(r"load|batch|data|loader|fetch|next|read|collate|sampler|prefetch|shard|decode", re.I)
 
-HookType = Callable[[list[str], str], StragglerReport | None]
+_COLLECTIVE_NAMES = re.compile(
+    r"c10d::|nccl|gloo:|all_?reduce|all_?gather|reduce_?scatter|all_?to_?all|broadcast|barrier|distributed_c10d", re.I
+)
+"""Names of collectives (ops, kernels, torch.distributed's own functions): where the others wait,
+never what holds a straggler's extra time."""
+
+HookType = Callable[[str], StragglerReport | None]
 
 
 class _Quiet:
@@ -157,6 +163,32 @@ def cause_class(excess: dict[str, float], function: str | None) -> str:
     return "host/launch" if function and not _INPUT_NAMES.search(function) else "input pipeline"
 
 
+def _named(entry: Any) -> str | None:
+    if isinstance(entry, str):
+        return entry
+    if isinstance(entry, dict):
+        for key in ("name", "function", "op", "kernel"):
+            if isinstance(entry.get(key), str):
+                return str(entry[key])
+    return None
+
+
+def what_holds(straggler: dict[str, Any], function: str | None) -> str | None:
+    """What holds the straggler's extra time, as the analysis names it: the Python function
+    whose time grew most (``function``), else the first of the analysis's ``top`` names (ops,
+    kernels, functions) that is not a collective. None when neither names one."""
+    candidates: list[str] = [function] if function else []
+    top = straggler.get("top")
+    if isinstance(top, (list, tuple)):
+        candidates += [n for n in (_named(t) for t in top[:20]) if n]
+    elif top is not None and _named(top):
+        candidates.append(str(_named(top)))
+    for name in candidates:
+        if not _COLLECTIVE_NAMES.search(name):
+            return name[:200]
+    return None
+
+
 def _read_manifest(path: Path) -> dict[str, Any] | None:
     try:
         doc = untrusted.loads_json(
@@ -224,7 +256,8 @@ def straggler_verdict(
     function = named[0] if named else None
     cause = cause_class(excess, function)
     top_cat = max(excess, key=lambda k: excess[k]) if excess else "work"
-    where = function or {
+    holds = what_holds(s, function)
+    where = holds or {
         "cpu.ops": "CPU operators",
         "cpu.outside_ops": "outside operators (Python, data loading)",
         "gpu.compute": "GPU compute kernels",
@@ -237,7 +270,7 @@ def straggler_verdict(
     conclusion = (
         f"rank {rank} on {on} is a straggler ({cause}): it works {excess_ms:.1f} ms/step more than the "
         f"others' median, {score * 100:.0f} % of the {median_step:.1f} ms step (score {score:.2f}); "
-        f"{s.get('reason')}"
+        f"its extra time is in {where}; {s.get('reason')}"
     )
     culprit = Culprit(
         rank=rank if isinstance(rank, int) else None,
@@ -269,7 +302,9 @@ def straggler_verdict(
         evidence={
             "straggler": {
                 **s,
+                "analysis_cause": s.get("cause"),
                 "cause": cause,
+                "holds": where,
                 "score": score,
                 "score_rule": "excess work over the others' median, as a fraction of the median step time",
                 "category_excess_ms": excess,
@@ -283,7 +318,7 @@ def straggler_verdict(
 
 
 def sample_stragglers(
-    nodes: list[str],
+    nodes: Sequence[Node | str],
     job: str,
     client: SidecarClient,
     *,
@@ -292,26 +327,30 @@ def sample_stragglers(
     with_stack: bool = True,
     keep: Path | None = None,
 ) -> StragglerReport:
-    """One sampled trace of ``steps`` steps of every rank of ``job`` on ``nodes`` (sidecar
-    addresses, ``HOST[:PORT]``), analysed for a straggler. Never raises: what went wrong is the
-    report's ``note``. ``keep``: copy the traces there and leave them (default: a temporary
-    directory, removed). Ranks and culprits are named by their node as given in ``nodes``."""
+    """One sampled trace of ``steps`` steps of every rank of ``job`` on ``nodes``, analysed for
+    a straggler. Never raises: what went wrong is the report's ``note``. ``keep``: copy the
+    traces there and leave them (default: a temporary directory, removed).
+
+    ``nodes`` are the sidecars the user named: :class:`~dynprof.job.discovery.Node` objects (the
+    watch's own), or full addresses ``HOST[:PORT]`` as the user wrote them. Never a display
+    label: ``host`` alone stands for ``host:8787``, and the token would go there. Ranks and
+    culprits are named by :func:`~dynprof.job.answers.node_labels` of these nodes (the names
+    the watch prints)."""
     started = time.monotonic()
     sampled_at = time.time()
     report = StragglerReport(sampled_at=sampled_at, steps=steps)
     tmp: str | None = None
     try:
         parsed: list[Node] = []
-        given: dict[str, str] = {}
-        for text in nodes:
-            node = parse_node(text)
+        for given_node in nodes:
+            node = given_node if isinstance(given_node, Node) else parse_node(given_node)
             if node not in parsed:
                 parsed.append(node)
-                given[node.address] = text
         if not parsed:
             report.note = "no node to sample"
             return report
         labels = node_labels(parsed)
+        given = {n.address: labels[n] for n in parsed}
         ps_options = {"job": job, "timeout": PS_TIMEOUT_S}
         start_options: dict[str, Any] = {
             "job": job,
@@ -333,6 +372,7 @@ def sample_stragglers(
             ps_options=ps_options,
             progress=_Quiet(),
         )
+        report.at_step = armed.at_step
         if armed.at_step is None:
             report.note = "; ".join(armed.messages) or "no rank of the job has stepped"
             return report
@@ -371,6 +411,7 @@ def sample_stragglers(
             return report
         report.steps = len(analysis.get("common_steps") or []) or steps
         report.scores, report.verdict, check = straggler_verdict(job, analysis, reduced, sampled_at)
+        report.check = check[:2000]
         if report.verdict is not None:
             report.verdict.evidence["samples"]["at_step"] = armed.at_step
             report.verdict.evidence["samples"]["missed"] = missed[:64]
@@ -388,12 +429,19 @@ def sample_stragglers(
 
 
 def straggler_hook(
-    client: SidecarClient, *, steps: int = SAMPLE_STEPS, limit_s: float = SAMPLE_LIMIT_S, with_stack: bool = True
+    client: SidecarClient,
+    nodes: Sequence[Node],
+    *,
+    steps: int = SAMPLE_STEPS,
+    limit_s: float = SAMPLE_LIMIT_S,
+    with_stack: bool = True,
 ) -> HookType:
-    """The watch engine's straggler hook: ``hook(nodes, job)`` takes one sample."""
+    """The watch engine's straggler hook: ``hook(job)`` takes one sample of the job on ``nodes``,
+    the very node objects the watch reads progress from (never their display labels)."""
+    chosen = list(nodes)
 
-    def hook(nodes: list[str], job: str) -> StragglerReport | None:
-        return sample_stragglers(nodes, job, client, steps=steps, limit_s=limit_s, with_stack=with_stack)
+    def hook(job: str) -> StragglerReport | None:
+        return sample_stragglers(chosen, job, client, steps=steps, limit_s=limit_s, with_stack=with_stack)
 
     return hook
 
@@ -407,4 +455,26 @@ def report_json(report: StragglerReport) -> dict[str, Any]:
         "verdict": report.verdict.to_json() if report.verdict else None,
         "note": report.note,
         "cost_s": report.cost_s,
+        "at_step": report.at_step,
+        "check": report.check,
     }
+
+
+def sample_line(report: StragglerReport) -> str:
+    """One line for people on what a sample found: ``straggler sample at step 1168: none (...)``,
+    the straggler it names, or why it found nothing."""
+    at = f" at step {report.at_step}" if report.at_step is not None else ""
+    v = report.verdict
+    if v is not None and v.culprits:
+        c = v.culprits[0]
+        found = v.evidence.get("straggler")
+        s: dict[str, Any] = found if isinstance(found, dict) else {}
+        score = _number(s.get("score"))
+        return (
+            f"straggler sample{at}: rank {c.rank} on {c.host} ({s.get('cause') or '?'}, score {score:.2f}): "
+            f"{c.why}; its time in {c.where}"
+        )
+    if report.check:
+        check = report.check.removeprefix("no straggler: ")
+        return f"straggler sample{at}: none ({check})"
+    return f"straggler sample{at}: nothing decided ({report.note or 'no reason given'})"

@@ -8,7 +8,9 @@ import json
 
 import test_fanout
 
+from dynprof.job.answers import node_labels
 from dynprof.job.client import SidecarClient
+from dynprof.job.discovery import parse_node
 from dynprof.watch.model import Verdict
 from dynprof.watch.straggler import report_json, sample_stragglers, straggler_hook
 
@@ -17,6 +19,13 @@ nodes = test_fanout.nodes  # two sidecars, node A on 127.0.0.1, node B on localh
 
 def _client(nodes_fixture: dict) -> SidecarClient:
     return SidecarClient(nodes_fixture["token"].read_text().strip(), timeout=20.0)
+
+
+def _names(*addresses: str) -> list[str]:
+    """How the watch names these nodes (its labels: the host where it appears once)."""
+    parsed = [parse_node(a) for a in addresses]
+    labels = node_labels(parsed)
+    return [labels[n] for n in parsed]
 
 
 def test_rank_30_percent_slower_is_named_with_its_node_and_cause(nodes, spawn):
@@ -30,8 +39,9 @@ def test_rank_30_percent_slower_is_named_with_its_node_and_cause(nodes, spawn):
         t.ready_pids(timeout=120)
 
     # WHEN the watch's straggler hook samples the job through both sidecars
-    hook = straggler_hook(_client(nodes))
-    report = hook([a.address, b.address], "watch-slow")
+    hook = straggler_hook(_client(nodes), [parse_node(a.address), parse_node(b.address)])
+    report = hook("watch-slow")
+    name_a, name_b = _names(a.address, b.address)
 
     # THEN the verdict names rank 2 on node B, its cause the input pipeline (load_batch)
     assert report is not None
@@ -39,19 +49,19 @@ def test_rank_30_percent_slower_is_named_with_its_node_and_cause(nodes, spawn):
     v = report.verdict
     assert v.kind == "straggler" and v.job == "watch-slow"
     (culprit,) = v.culprits
-    assert (culprit.rank, culprit.host) == (2, b.address), v.conclusion
+    assert (culprit.rank, culprit.host) == (2, name_b), v.conclusion
     assert "load_batch" in culprit.where, culprit
     assert v.evidence["straggler"]["cause"] == "input pipeline"
-    assert f"rank 2 on {b.address}" in v.conclusion and "(input pipeline)" in v.conclusion
+    assert f"rank 2 on {name_b}" in v.conclusion and "(input pipeline)" in v.conclusion
     # every rank is scored; the straggler above 0, the others 0
-    assert set(report.scores) == {(a.address, 0), (b.address, 1), (b.address, 2)}
-    assert report.scores[(b.address, 2)] > 0.1, report.scores
-    assert report.scores[(a.address, 0)] == 0 and report.scores[(b.address, 1)] == 0
+    assert set(report.scores) == {(name_a, 0), (name_b, 1), (name_b, 2)}
+    assert report.scores[(name_b, 2)] > 0.1, report.scores
+    assert report.scores[(name_a, 0)] == 0 and report.scores[(name_b, 1)] == 0
     assert report.steps >= 2 and report.cost_s > 0
     # the verdict is a verdict document (what the watch writes as its artifact)
     again = Verdict.from_json(json.loads(json.dumps(v.to_json())))
     assert again.culprits[0].rank == 2 and again.kind == "straggler"
-    assert report_json(report)["verdict"]["culprits"][0]["host"] == b.address
+    assert report_json(report)["verdict"]["culprits"][0]["host"] == name_b
 
 
 def test_even_job_gets_no_verdict_and_zero_scores(nodes, spawn):
@@ -64,10 +74,11 @@ def test_even_job_gets_no_verdict_and_zero_scores(nodes, spawn):
 
     # WHEN it is sampled for 3 steps
     report = sample_stragglers([a.address, b.address], "watch-even", _client(nodes), steps=3)
+    name_a, name_b = _names(a.address, b.address)
 
     # THEN no verdict, every rank scores 0, and the rule's noise threshold is the note
     assert report.verdict is None, report.verdict and report.verdict.conclusion
-    assert report.scores == {(a.address, 0): 0.0, (b.address, 1): 0.0}
+    assert report.scores == {(name_a, 0): 0.0, (name_b, 1): 0.0}
     assert "no straggler" in report.note and "noise threshold" in report.note
 
 

@@ -162,10 +162,10 @@ def test_nodes_that_do_not_answer_are_named_not_dropped():
 def test_the_straggler_hook_is_called_every_sample_and_its_scores_exported():
     # GIVEN a straggler callable that scores rank 2
     source = FakeSource()
-    calls: list[tuple[list[str], str]] = []
+    calls: list[str] = []
 
-    def straggler(nodes: list[str], job: str) -> StragglerReport:
-        calls.append((nodes, job))
+    def straggler(job: str) -> StragglerReport:
+        calls.append(job)
         return StragglerReport(sampled_at=source.t, steps=2, scores={("node-2", 2): 0.3})
 
     said: list[Verdict] = []
@@ -173,13 +173,67 @@ def test_the_straggler_hook_is_called_every_sample_and_its_scores_exported():
     engine = WatchEngine(
         config, source, on_verdict=lambda v, p: said.append(v), straggler=straggler, clock=lambda: source.t
     )
-    # WHEN ten rounds of one second run
+    # WHEN ten rounds of one second run (each sample done before the next round)
     for _ in range(10):
         engine.tick()
+        assert engine.wait_for_sample(timeout=30)
     # THEN it was sampled every 3 s, and the score is in the gauges
-    assert len(calls) == 3 and calls[0] == (["node-1", "node-2"], "j")
+    assert calls == ["j", "j", "j"]
     assert engine.gauges()[0].straggler_scores == {("node-2", 2): 0.3}
     assert said == []
+
+
+def test_progress_polls_go_on_while_a_sample_is_in_flight():
+    # GIVEN a straggler sample that does not finish until the test lets it
+    import threading
+
+    source = FakeSource()
+    started, release = threading.Event(), threading.Event()
+
+    def straggler(job: str) -> StragglerReport:
+        started.set()
+        release.wait(60)
+        return StragglerReport(sampled_at=source.t, steps=2, scores={("node-2", 2): 0.0}, check="no straggler")
+
+    samples: list[StragglerReport] = []
+    config = WatchConfig(job="j", interval_s=1.0, stall_after_s=5.0, look_interval_s=0.0, sample_every_s=2.0)
+    engine = WatchEngine(config, source, straggler=straggler, clock=lambda: source.t, on_sample=samples.append)
+    try:
+        # WHEN rounds run after the sample started, and the job stalls meanwhile
+        engine.tick()
+        engine.tick()
+        assert started.wait(30)
+        before = source.t
+        source.stuck = True
+        ticks = [engine.tick() for _ in range(10)]
+
+        # THEN every round polled (the clock moved each time), the stall was seen with the
+        # sample still in flight, and no second sample started beside it
+        assert len(ticks) == 10 and source.t >= before + 10
+        assert engine.sampling()
+        assert any(t.stall is not None and t.stall.stalled for t in ticks)
+        assert samples == []
+    finally:
+        release.set()
+    assert engine.wait_for_sample(timeout=30)
+    assert len(samples) == 1 and samples[0].check == "no straggler"
+
+
+def test_a_sample_that_raises_is_still_said():
+    # GIVEN a straggler hook that fails
+    source = FakeSource()
+
+    def straggler(job: str) -> StragglerReport:
+        raise RuntimeError("boom")
+
+    samples: list[StragglerReport] = []
+    config = WatchConfig(job="j", interval_s=1.0, stall_after_s=60.0, sample_every_s=1.0)
+    engine = WatchEngine(config, source, straggler=straggler, clock=lambda: source.t, on_sample=samples.append)
+    # WHEN a sample is due (the round's poll moves the clock 1 s)
+    engine.tick()
+    assert engine.wait_for_sample(timeout=30)
+    # THEN the watch says it failed, and why
+    assert len(samples) == 1 and "boom" in samples[0].note and samples[0].verdict is None
 
 
 def test_the_job_ending_ends_the_watch():

@@ -3,7 +3,8 @@ the score and verdict from an analysis document."""
 
 from __future__ import annotations
 
-from dynprof.watch.straggler import category_excess, cause_class, straggler_verdict
+from dynprof.watch.model import StragglerReport
+from dynprof.watch.straggler import category_excess, cause_class, sample_line, straggler_verdict, what_holds
 
 
 def _row(rank, host, ops, outside, coll, step=100.0):
@@ -75,3 +76,65 @@ def test_no_straggler_no_verdict():
     # WHEN the verdict is drawn / THEN there is none, every score 0
     scores, verdict, _ = straggler_verdict("j", analysis, [], 1000.0)
     assert verdict is None and scores == {("n1", 0): 0.0, ("n2", 1): 0.0}
+
+
+def test_the_evidence_names_what_holds_the_extra_time_not_the_collective():
+    # GIVEN a straggler whose extra time is in CPU operators; the analysis's top names lead
+    # with the collective the others wait in
+    rows = [_row(0, "n1", 5.0, 10.0, 35.0), _row(1, "n1", 5.0, 10.0, 35.0), _row(2, "n2", 35.0, 10.0, 5.0)]
+    straggler = {
+        "rank": 2,
+        "host": "n2",
+        "reason": "rank 2: 45.0 ms/step outside collectives vs 15.0 ms; the others wait in c10d::allreduce_",
+        "excess_ms": 30.0,
+        "cause": {"kind": "compute"},
+        "top": [{"name": "c10d::allreduce_", "ms": 30.0}, {"name": "aten::addmm", "ms": 28.0}],
+    }
+    analysis = {"ranks": rows, "common_steps": [3, 4], "straggler": straggler, "straggler_check": "straggler: ..."}
+
+    # WHEN the verdict is drawn
+    _, verdict, _ = straggler_verdict("j", analysis, [], 1000.0)
+
+    # THEN its culprit and evidence quote the operator, the analysis's own cause is kept
+    assert verdict is not None
+    (culprit,) = verdict.culprits
+    assert culprit.where == "aten::addmm"
+    assert verdict.evidence["straggler"]["holds"] == "aten::addmm"
+    assert verdict.evidence["straggler"]["analysis_cause"] == {"kind": "compute"}
+    assert "its extra time is in aten::addmm" in verdict.conclusion
+
+    # and with only collectives named, the category says where, never the collective
+    only = {**straggler, "top": ["c10d::allreduce_"]}
+    _, verdict, _ = straggler_verdict("j", {**analysis, "straggler": only}, [], 1000.0)
+    assert verdict is not None and verdict.culprits[0].where == "CPU operators"
+    assert what_holds(only, "all_reduce (distributed_c10d.py:2501)") is None
+
+
+def test_the_sample_line_says_what_was_found():
+    # GIVEN reports: none found (the rule's line), a straggler, nothing decided
+    none = StragglerReport(
+        sampled_at=1.0,
+        steps=2,
+        at_step=1168,
+        check="no straggler: work outside collectives is within 0.1 ms across ranks "
+        "(max rank 1 55.1 ms/step vs 55.0 ms median); noise threshold 5.5 ms",
+    )
+    rows = [_row(0, "n1", 5.0, 10.0, 35.0), _row(1, "n2", 5.0, 40.0, 5.0)]
+    analysis = {
+        "ranks": rows,
+        "common_steps": [9, 10],
+        "straggler": {"rank": 1, "host": "n2", "reason": "rank 1: ...", "excess_ms": 30.0},
+        "straggler_check": "straggler: rank 1",
+    }
+    _, verdict, _ = straggler_verdict("j", analysis, [], 1.0)
+    found = StragglerReport(sampled_at=1.0, steps=2, at_step=9, verdict=verdict)
+    failed = StragglerReport(sampled_at=1.0, steps=0, note="no rank of the job has stepped")
+
+    # WHEN each is said / THEN the line names the step and what the sample found
+    assert sample_line(none) == (
+        "straggler sample at step 1168: none (work outside collectives is within 0.1 ms across ranks "
+        "(max rank 1 55.1 ms/step vs 55.0 ms median); noise threshold 5.5 ms)"
+    )
+    line = sample_line(found)
+    assert line.startswith("straggler sample at step 9: rank 1 on n2 (input pipeline, score 0.30)"), line
+    assert sample_line(failed) == "straggler sample: nothing decided (no rank of the job has stepped)"
