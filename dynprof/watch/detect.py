@@ -321,7 +321,10 @@ def where(f: Frame | None) -> str:
 
 
 def _py_key(frames: Sequence[Frame]) -> tuple[tuple[str, str, int], ...]:
-    return tuple(f.key() for f in python_frames(frames))
+    """The Python stack's identity: (function, file, line) per frame, the function without its
+    class (py-spy names a method ``Event.synchronize``, the agent's own sample ``synchronize``:
+    the same frame read two ways is not a stack that changed)."""
+    return tuple((f.function.rsplit(".", 1)[-1], f.file, f.line) for f in python_frames(frames))
 
 
 # -- one rank ------------------------------------------------------------------------------------------
