@@ -20,7 +20,8 @@ guessed from ``/proc/PID/cmdline`` and ``environ`` (see :func:`role_from_proc`).
 A role changes over a life: a wrapper becomes a launcher once a child agent of its job appears;
 any process becomes a trainer at its first optimizer step. Users target trainers: ``--job``
 selects them, ``dynprof ps`` shows every role, ``attach --job`` skips workers and launchers, and
-the hang watchdog does not wait for a first step in launchers and workers.
+the hang watchdog does not wait for a first step in launchers and workers, nor in a spawned
+child whose role is not known yet (:func:`role_pending`: it has not reached its target).
 
 Nothing here imports torch or touches the network.
 """
@@ -145,6 +146,22 @@ def decide(
     if launcher_cmdline or has_agent_children():
         return LAUNCHER
     return TRAINER if rank is not None and not mp_child else OTHER
+
+
+def role_pending(argv: Sequence[str] | None = None) -> bool:
+    """This process's role is not known yet: multiprocessing's spawn method started it and it
+    does not run its target yet (it still imports its parent's main module, which takes
+    seconds on a loaded machine). Only the target tells a DataLoader worker from a
+    ``torch.multiprocessing.spawn`` rank or a helper; multiprocessing sets the parent process
+    as it starts the target. Never raises."""
+    try:
+        argv = list(getattr(sys, "orig_argv", sys.argv) if argv is None else argv)
+        if not is_mp_child_cmdline(argv):
+            return False
+        process = sys.modules.get("multiprocessing.process")
+        return process is None or getattr(process, "_parent_process", None) is None
+    except Exception:
+        return False
 
 
 def _started_by_multiprocessing(argv: Sequence[str]) -> bool:

@@ -176,6 +176,12 @@ def prepare_parser(parser: argparse.ArgumentParser) -> None:
         metavar="S",
         help="read the error counters at least S seconds apart (default 0: at the start and the end of the run)",
     )
+    parser.add_argument(
+        "--job",
+        metavar="JOB",
+        help="the job this node runs: its processes with dynprof agents here are not counted as other processes "
+        "holding the devices (device_processes)",
+    )
     parser.add_argument("--failures-only", action="store_true", help="table: leave out passed and skipped checks")
     parser.add_argument("--no-save", action="store_true", help="do not save the results as an artifact")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
@@ -212,7 +218,20 @@ def options_from_args(args: argparse.Namespace) -> Options:
         probe_timeout_s=getattr(args, "probe_timeout", PROBE_TIMEOUT_S),
         shared_fs=getattr(args, "shared_fs", None),
         counter_window_s=getattr(args, "counter_window", 0.0),
+        job_pids=job_pids(getattr(args, "job", None)),
     )
+
+
+def job_pids(job: str | None) -> frozenset[int]:
+    """The pids of the live processes of ``job`` with dynprof agents on this node (this user's)."""
+    if not job:
+        return frozenset()
+    from dynprof.registry import list_records
+
+    try:
+        return frozenset(r.pid for r in list_records(clean=False) if r.job_id == job)
+    except OSError:
+        return frozenset()
 
 
 def save_artifact(report: Report, table_text: str) -> str:

@@ -100,6 +100,9 @@ class Options:
     # The least time between the two readings of the error counters (0: the start and the end
     # of the run, whatever it took).
     counter_window_s: float = 0.0
+    # The processes of the job the node runs (--job): device_processes does not count them as
+    # others holding the devices (a watch's verdict checks the nodes of the job it names).
+    job_pids: frozenset[int] = frozenset()
 
     def shared_fs_paths(self) -> list[str]:
         if self.shared_fs is not None:
@@ -111,6 +114,7 @@ class Options:
         data["thresholds"] = self.thresholds.__dict__
         data["skip"] = sorted(self.skip)
         data["shared_fs"] = self.shared_fs_paths()
+        data["job_pids"] = sorted(self.job_pids)
         data["read_timeout_s"] = self.probe_timeout_s  # the name before every probe had a limit
         return data
 
@@ -321,7 +325,7 @@ class _Run:
         for r in self.readings:
             self.add(
                 passive_device_checks(
-                    r, source, peer_nvlinks=active_links.get(r.sku), own_pids=frozenset({os.getpid()})
+                    r, source, peer_nvlinks=active_links.get(r.sku), own_pids=frozenset({os.getpid()}) | self.o.job_pids
                 )
             )
 

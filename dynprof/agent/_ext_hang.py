@@ -18,7 +18,9 @@ evaluation, a checkpoint: "busy, not hung"); after a phase the timeout counts fr
 Cost per optimizer step: nothing. No step listener is installed: the monitor reads the step
 tracker's last-progress time. Before the first step (compilation, data loading) the watchdog
 is quiet unless ``DYNPROF_HANG_FIRST_STEP_TIMEOUT`` is set, and even then in processes that
-never step by design: launchers and DataLoader workers (``dynprof.roles``).
+never step by design: launchers and DataLoader workers (``dynprof.roles``). A process whose
+role is not known yet (a spawned child still importing its parent's main module, before its
+target runs: ``roles.role_pending``) arms nothing; its first-step timeout counts from when it is.
 
 faulthandler has one such timer per process: a job that calls
 ``faulthandler.dump_traceback_later`` itself should not also use the watchdog.
@@ -155,6 +157,15 @@ class HangWatchdog:
         steps.fold_compiled()
         progress = steps.last_progress_at
         now = time.time()
+        if not progress and roles.role_pending():
+            # A spawned child still starting (importing its parent's main module): what it is,
+            # a DataLoader worker or a rank, is not known yet. Nothing is armed; the first-step
+            # timeout counts from the moment it is known.
+            self._disarm()
+            self._close_file(remove=True)
+            self._progress_at = now
+            self.state = "waiting for its role (a spawned process starting)"
+            return
         if progress != self._seen_progress:
             self._seen_progress = progress
             self._progress_at = progress or now

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import threading
 import time
 from collections.abc import Sequence
 
@@ -126,13 +127,28 @@ _ROLE_NOTES = {
 }
 
 
+# What _note_left_out has said in this process: a long-lived one (a sidecar hosting a watch,
+# which reads the job's stacks and flight recorder at every look) says each once.
+_SAID_LEFT_OUT: set[tuple[str, tuple[tuple[int, str], ...]]] = set()
+_SAID_LEFT_OUT_LOCK = threading.Lock()
+_MAX_SAID_LEFT_OUT = 1024
+
+
 def _note_left_out(job: str, matching: Sequence[AgentRecord], chosen: Sequence[AgentRecord]) -> None:
-    """Say which processes of the job --job does not target, and why (their role)."""
+    """Say which processes of the job --job does not target, and why (their role): once per
+    process for the same processes in the same roles (a watch's every look selects again)."""
     kept = {r.pid for r in chosen}
     left = [r for r in matching if r.pid not in kept]
     if not left:
         return
     role_of = roles.job_roles(matching)
+    key = (job, tuple(sorted((r.pid, role_of[r.pid]) for r in left)))
+    with _SAID_LEFT_OUT_LOCK:
+        if key in _SAID_LEFT_OUT:
+            return
+        if len(_SAID_LEFT_OUT) >= _MAX_SAID_LEFT_OUT:
+            _SAID_LEFT_OUT.clear()
+        _SAID_LEFT_OUT.add(key)
     print(
         f"dynprof: job {printable(job)}: not targeting {len(left)} process(es) that are not trainers: "
         + ", ".join(f"pid {r.pid} ({_ROLE_NOTES[role_of[r.pid]]})" for r in left),

@@ -113,7 +113,11 @@ class NcclCommand(JobCommand):
             if not per_rank:
                 not_enabled: list[errors.DynprofError] = [e for _, e in problems if isinstance(e, errors.Unsupported)]
                 first = (not_enabled or [e for _, e in problems])[0]
-                writer.finish("failed", error=first.message)
+                if len(not_enabled) == len(problems):
+                    # no rank records (the job runs without the recorder): nothing to keep
+                    writer.abort("the flight recorder is off")
+                else:
+                    writer.finish("failed", error=first.message)
                 raise first
             analysis = fr.analyze(per_rank)
             for pid, exc in problems:
@@ -128,7 +132,7 @@ class NcclCommand(JobCommand):
             }
             art = writer.finish("partial" if problems else "complete", summary=summary)
         except BaseException as exc:
-            if writer.finished is None:
+            if writer.finished is None and writer.aborted is None:
                 writer.finish("failed", error=f"{type(exc).__name__}: {exc}")
             raise
         elapsed = time.monotonic() - t0
@@ -198,9 +202,14 @@ class NcclCommand(JobCommand):
         code = with_fetch(exit_code(answers), fetched)
         if analysis is None and code == 0:
             code = 1
+        # No node's ranks record (each answered that the recorder is off): the job runs without it.
+        refused = [a.failure for a in answers if a.answered and a.failure is not None]
+        recorder_off = not per_rank and bool(refused) and len(refused) == len(answers)
+        recorder_off = recorder_off and all(f.type == errors.Unsupported.__name__ for f in refused)
         doc = {
             **envelope(answers),
             "analysis": analysis,
+            "recorder_off": recorder_off,
             "ranks": {str(r): where[r] for r in sorted(per_rank)},
             "notes": notes,
             "artifacts": artifacts,

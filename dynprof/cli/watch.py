@@ -317,6 +317,10 @@ def node_source(args: argparse.Namespace, nodes: list[Node]) -> Any:
             setattr(ns, key, value)
         result = command.collect_nodes(ns, nodes)
         doc = result.to_json()
+        if doc.get("recorder_off"):
+            from dynprof.watch.engine import FLIGHT_RECORDER_OFF
+
+            return None, FLIGHT_RECORDER_OFF
         if doc.get("analysis") is None:
             return None, "; ".join(result.messages[:5])[:1000] or "no flight recorder dump (is it on?)"
         return doc["analysis"], None
@@ -380,11 +384,15 @@ class LocalSource:
         command = NcclCommand()
         try:
             result = command.collect_local(_parse(command, ["--job", job, "--timeout", str(FLIGHT_RECORDER_TIMEOUT_S)]))
+        except errors.Unsupported:
+            from dynprof.watch.engine import FLIGHT_RECORDER_OFF
+
+            return None, FLIGHT_RECORDER_OFF  # every rank said so (and no artifact was written)
         except errors.DynprofError as exc:
             return None, exc.message[:1000]
         return result.to_json().get("analysis"), None
 
-    def healthcheck(self, nodes: list[str]) -> dict[str, dict[str, Any]]:
+    def healthcheck(self, nodes: list[str], job: str | None = None) -> dict[str, dict[str, Any]]:
         """``dynprof healthcheck --level quick`` in a child process: it may touch the GPUs, which
         must leave no CUDA state in the watch (nor in the sidecar that hosts it)."""
         import os
@@ -395,6 +403,8 @@ class LocalSource:
         env = dict(os.environ)
         env.pop("DYNPROF", None)  # a tool, not a job: no agent in it
         cmd = [sys.executable, "-m", "dynprof", "healthcheck", "--level", "quick", "--no-save", "--json"]
+        if job:
+            cmd += ["--job", job]  # the job's own ranks hold the devices: not "other processes"
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=HEALTHCHECK_TIMEOUT_S, env=env)
         except (OSError, subprocess.TimeoutExpired) as exc:

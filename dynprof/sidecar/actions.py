@@ -198,6 +198,7 @@ ACTIONS: dict[str, Action] = {
             peer_warn="float",
             min_disk_gib="float",
             xid_window="float",
+            job="str",
         ),
         None,
         900.0,

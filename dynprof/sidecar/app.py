@@ -607,7 +607,7 @@ def create_app(
         jobs: dict[str, list[dict[str, Any]]] = {}
         for a in agents:
             jobs.setdefault(str(a["job"]) if a["job"] else "", []).append(a)
-        live = live_html(_page_progress(app.config.get("DYNPROF_PAGE_PROGRESS")))
+        live = live_html(_page_progress(app.config.get("DYNPROF_PAGE_PROGRESS")), book.stall_after)
         verdicts = verdicts_html(_page_verdicts(arts))
         sections = "".join(_job_section(job, rows, read_only, fanout is not None) for job, rows in sorted(jobs.items()))
         if not sections:

@@ -11,20 +11,22 @@ that came from a job (frames, messages, names) is set as text, never as HTML.
 from __future__ import annotations
 
 import html
-import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
 
+from dynprof.sidecar.progress import MIN_STALL_AFTER_S, STALL_STEP_FACTOR
+from dynprof.sidecar.progress import stall_after_s as _stall_after_s
 from dynprof.units import human_age
 from dynprof.watch.model import NodeProgress, RankProgress
 
-STALL_MIN_S = 60.0
-STALL_STEPS = 20.0
-"""A rank is *stalled* on the page when its last step is older than the larger of
-``STALL_MIN_S`` and ``STALL_STEPS`` times the median step time of its job's ranks here (the
-watch's default ``--stall-after``)."""
+STALL_MIN_S = MIN_STALL_AFTER_S
+STALL_STEPS = STALL_STEP_FACTOR
+"""A rank is *stalled* on the page when its last step is older than the sidecar's stall time:
+``serve --stall-after S`` (the hosted watch's, ``serve --watch --stall-after S``) when given,
+else the larger of ``STALL_MIN_S`` and ``STALL_STEPS`` times the median step time of its job's
+ranks here (the watch's default). The page says which, under the table."""
 MAX_VERDICTS_SHOWN = 10
 MAX_LIVE_ROWS = 4096
 
@@ -52,10 +54,23 @@ class VerdictItem:
     conclusion: str
 
 
-def stall_after_s(ranks: Sequence[RankProgress]) -> float:
-    """The age past which a rank of these (one job's ranks) is stalled."""
-    times = [r.step_time_s for r in ranks if r.step_time_s > 0]
-    return max(STALL_MIN_S, STALL_STEPS * statistics.median(times)) if times else STALL_MIN_S
+def stall_after_s(ranks: Sequence[RankProgress], given: float | None = None) -> float:
+    """The age past which a rank of these (one job's ranks) is stalled: ``given`` (the
+    sidecar's ``--stall-after``) when set, else the default rule (the progress book's)."""
+    return _stall_after_s([r.step_time_s for r in ranks], given)
+
+
+def stall_rule_html(given: float | None) -> str:
+    """The rule the table's STATE follows, in words."""
+    if given is not None:
+        return (
+            f"<p class=live-rule>stalled: no step for {given:g} s "
+            "(<code>--stall-after</code>, the hosted watch's stall time)</p>"
+        )
+    return (
+        f"<p class=live-rule>stalled: no step for the larger of {STALL_MIN_S:g} s and {STALL_STEPS:g}x the "
+        "job's median step time here (the watch's default; <code>serve --watch --stall-after S</code> sets it)</p>"
+    )
 
 
 def live_state(rank: RankProgress, stall_after: float) -> str:
@@ -67,8 +82,10 @@ def live_state(rank: RankProgress, stall_after: float) -> str:
     return "stalled" if rank.last_step_age_s > stall_after else "stepping"
 
 
-def live_html(progress: NodeProgress) -> str:
-    """The node's ranks, job by job: rank, pid, step, last step's age, step time, state."""
+def live_html(progress: NodeProgress, stall_after: float | None = None) -> str:
+    """The node's ranks, job by job: rank, pid, step, last step's age, step time, state
+    (stalled past ``stall_after``, the sidecar's ``--stall-after``, else the default rule),
+    and the rule, stated."""
     jobs: dict[str, list[RankProgress]] = {}
     for r in progress.ranks[:MAX_LIVE_ROWS]:
         jobs.setdefault(r.job, []).append(r)
@@ -79,7 +96,7 @@ def live_html(progress: NodeProgress) -> str:
         "<th>STEP TIME</th><th>AGENT</th><th>PROCESS</th><th>STATE</th></tr>"
     ]
     for job, ranks in sorted(jobs.items()):
-        limit = stall_after_s(ranks)
+        limit = stall_after_s(ranks, stall_after)
         for r in ranks:
             state = live_state(r, limit)
             age = f"{human_age(r.last_step_age_s)} ago" if r.last_step_age_s is not None else "-"
@@ -93,6 +110,7 @@ def live_html(progress: NodeProgress) -> str:
                 f"<td class='live-state {state.replace(' ', '-')}'>{state}</td></tr>"
             )
     out.append("</table>")
+    out.append(stall_rule_html(stall_after))
     return "".join(out)
 
 

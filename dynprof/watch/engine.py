@@ -50,6 +50,9 @@ DEFAULT_LOOK_INTERVAL_S = 3.0
 DEFAULT_STACKS_TIMEOUT_S = 10.0
 DEFAULT_HOOK_TIMEOUT_S = 30.0
 MAX_STACKS_EVIDENCE_GROUPS = 50
+FLIGHT_RECORDER_OFF = "not on for this job (`dynprof run --flight-recorder`)"
+"""The flight-recorder note of a verdict on a job whose ranks record nothing (a source's answer
+when every rank said the recorder is off; no artifact is written then)."""
 
 
 # -- what the engine reads -----------------------------------------------------------------------
@@ -81,7 +84,10 @@ class WatchSource(Protocol):
 
     def flight_recorder(self, job: str) -> tuple[dict[str, Any] | None, str | None]: ...
 
-    def healthcheck(self, nodes: list[str]) -> dict[str, dict[str, Any]]: ...
+    def healthcheck(self, nodes: list[str], job: str | None = None) -> dict[str, dict[str, Any]]:
+        """Each node's quick healthcheck; the processes of ``job`` there are its own, not others
+        holding its devices."""
+        ...
 
 
 FlightRecorder = Callable[[str], tuple[dict[str, Any] | None, str | None]]
@@ -188,11 +194,12 @@ class SidecarSource:
             return None, "the flight recorder is not read by this watch"
         return self._flight_recorder(job)
 
-    def healthcheck(self, nodes: list[str]) -> dict[str, dict[str, Any]]:
+    def healthcheck(self, nodes: list[str], job: str | None = None) -> dict[str, dict[str, Any]]:
         chosen = [self.by_label[n] for n in nodes if n in self.by_label]
         if not chosen:
             return {}
-        answers = self.client.action_all(chosen, "healthcheck", {"level": "quick", "no_save": True}, timeout=120.0)
+        options: dict[str, Any] = {"level": "quick", "no_save": True, **({"job": job} if job else {})}
+        answers = self.client.action_all(chosen, "healthcheck", options, timeout=120.0)
         out: dict[str, dict[str, Any]] = {}
         for node, answer in zip(chosen, answers):
             label = self.labels[node]
@@ -550,7 +557,7 @@ class WatchEngine:
 
     def _healthcheck(self, nodes: list[str]) -> dict[str, Any]:
         try:
-            return dict(self.source.healthcheck(nodes))
+            return dict(self.source.healthcheck(nodes, self.config.job))
         except Exception as exc:  # the evidence is best effort: the verdict still comes
             log.warning("dynprof watch: healthcheck failed: %s", exc)
             return {n: {"verdict": "could not run", "error": f"{type(exc).__name__}: {exc}"[:300]} for n in nodes}

@@ -42,3 +42,7 @@ def test_job_without_the_recorder_gets_a_clear_message(hang_job, cli):
     assert result.returncode == 7, result.stderr
     assert "flight recorder is off" in result.stderr
     assert "dynprof run --flight-recorder" in result.stderr
+    # and no artifact is left of the attempt (a watch asks at every hang verdict)
+    listed = cli("ls", "--job", "plainjob", "--kind", "nccl", "--json")
+    assert listed.returncode == 0, listed.stderr
+    assert json.loads(listed.stdout)["artifacts"] == []

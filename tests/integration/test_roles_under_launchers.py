@@ -147,6 +147,42 @@ def test_spawned_dataloader_workers_are_not_processes_of_the_job(spawn_group, cl
     assert _roles(cli, "dljob") == {trainer: "trainer"}
 
 
+def test_spawned_workers_slow_to_import_are_not_dumped_before_they_know_they_are_workers(spawn_group, tmp_path):
+    # GIVEN a trainer whose persistent DataLoader workers, started with "spawn", are held in the
+    # import of the training script (as on a loaded machine), under a 1 s first-step timeout
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    target = spawn_group(
+        ["-m", "dynprof", "run", "-q", "--hang-timeout", "1", "--hang-first-step-timeout", "1", "--",
+         sys.executable, LOADER, "--persistent", "--seconds", "90"],
+        under_run=False,
+        env={"DYNPROF_JOB_ID": "gatejob", "DATALOADER_IMPORT_GATE": str(gate)},
+    )  # fmt: skip
+    _wait_for(lambda: len(list(gate.glob("waiting-*"))) == 2, what="both workers held in their import")
+    held = sorted(int(p.name.split("-")[1]) for p in gate.glob("waiting-*"))
+
+    # WHEN a process that never steps, started after them under the same watchdog, has been
+    # dumped twice (its first-step timeout and the second dump 3 timeouts later have passed:
+    # the workers have been held longer than that), and the workers are then let go
+    never = spawn_group(
+        ["-m", "dynprof", "run", "-q", "--hang-timeout", "1", "--hang-first-step-timeout", "1", "--",
+         sys.executable, TRAIN, "--no-optimizer"],
+        under_run=False,
+        env={"DYNPROF_JOB_ID": "gatecontrol"},
+    )  # fmt: skip
+    (never_pid,) = never.ready_pids(timeout=90)
+    _wait_for(
+        lambda: sum(a.manifest.get("pid") == never_pid for a in _hang_artifacts()) >= 2, what="the control's dumps"
+    )
+    (gate / "open").touch()
+    target.ready_pids(timeout=120)
+    workers = sorted(int(p) for p in target.wait_for_line("WORKERS")[0].split()[1:])
+
+    # THEN the held processes were the workers, and no watchdog of theirs dumped
+    assert workers == held
+    assert not {a.manifest.get("pid") for a in _hang_artifacts()} & set(held)
+
+
 def test_torchrun_launcher_and_ranks_workers(spawn_group, cli):
     # GIVEN torchrun with 2 gloo ranks on this node, each with a spawned DataLoader worker,
     # under a watchdog that waits for the first step

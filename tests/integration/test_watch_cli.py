@@ -39,6 +39,10 @@ def test_watch_once_on_this_node_names_the_rank_that_holds_the_others(hang_job, 
     assert verdict["culprits"][0]["where"].startswith("wait_for_data (")
     assert f"rank 1 on {host} is in wait_for_data" in verdict["conclusion"]
     assert set(verdict["evidence"]["healthcheck"]) == {host}
+    # and the job runs without the flight recorder: the verdict says so, and no nccl artifact is left
+    assert verdict["evidence"]["flight_recorder"]["note"] == "not on for this job (`dynprof run --flight-recorder`)"
+    listed = cli("ls", "--job", "wjob", "--kind", "nccl", "--json")
+    assert json.loads(listed.stdout)["artifacts"] == [], listed.stdout
     # and `dynprof show` prints the verdict artifact
     shown = cli("show", event["artifact"])
     assert shown.returncode == 0, shown.stderr

@@ -81,3 +81,42 @@ def test_a_process_that_never_stepped_and_is_no_launcher_is_dumped(checked):
     # WHEN the watchdog checks, THEN it dumps its stacks
     wd._check()
     assert len(wd.artifacts) == 1 and wd._dumps_this_stall == 1
+
+
+def test_a_spawned_child_still_starting_arms_nothing_until_its_role_is_known(checked, monkeypatch):
+    # GIVEN a process started by multiprocessing's spawn method that does not run its target
+    # yet (it imports its parent's main module: slow on a loaded machine), whose first-step
+    # timeout passed long ago, and whose role looks like any process's that never stepped
+    import multiprocessing.process as mp_process
+
+    monkeypatch.setattr("sys.orig_argv", ["python", "-c", "spawn_main()", "--multiprocessing-fork"])
+    monkeypatch.setattr(mp_process, "_parent_process", None)
+    wd = checked(roles.OTHER)
+    wd._check()
+    wd._progress_at = time.time() - 60
+
+    # WHEN the watchdog checks while the child starts
+    wd._check()
+    # THEN it dumps nothing, arms no timer, and says what it waits for
+    assert wd.artifacts == [] and wd._dumps_this_stall == 0 and not wd._armed_for
+    assert wd.state == "waiting for its role (a spawned process starting)"
+
+    # WHEN the child runs its target (multiprocessing sets its parent), as a process that never
+    # steps: THEN its first-step timeout counts from then, and only then does it dump
+    monkeypatch.setattr(mp_process, "_parent_process", object())
+    wd._check()
+    assert wd.artifacts == [] and wd._armed_for
+    wd._progress_at = time.time() - 60
+    wd._check()
+    assert len(wd.artifacts) == 1
+
+
+def test_role_pending_only_in_a_spawned_child_before_its_target(monkeypatch):
+    import multiprocessing.process as mp_process
+
+    spawned = ["python", "-c", "from multiprocessing.spawn import spawn_main", "--multiprocessing-fork"]
+    monkeypatch.setattr(mp_process, "_parent_process", None)
+    assert roles.role_pending(spawned)
+    assert not roles.role_pending(["python", "train.py"])
+    monkeypatch.setattr(mp_process, "_parent_process", object())
+    assert not roles.role_pending(spawned)

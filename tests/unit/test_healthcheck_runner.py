@@ -234,3 +234,51 @@ def test_a_check_that_outlives_its_timeout_is_unknown_not_pass(node, monkeypatch
     (bandwidth,) = by_name(report, "memory_bandwidth")
     assert bandwidth.status is Status.UNKNOWN and bandwidth.reason.startswith("not run")
     assert report.exit_code == 3
+
+
+def test_the_processes_of_the_job_named_are_not_others_holding_the_devices(node, monkeypatch):
+    # GIVEN a device held by a rank of job "hjob" (a live process with a dynprof agent here) and
+    # by a process of no job, and a process of another job with an agent
+    import argparse
+    import os
+    import subprocess
+
+    from dynprof.registry import AgentRecord, write_record
+    from healthcheck import cli as hc_cli
+    from healthcheck.readings import DeviceProcess
+
+    def record(pid: int, job: str) -> AgentRecord:
+        return AgentRecord(
+            pid=pid, ppid=1, host="h", rank=0, local_rank=0, world_size=1, job_id=job, cmdline=["python"],
+            python_version="3", torch_version=None, dynprof_version="0", started_at=0.0, start_ticks=None,
+            socket="/x", log="", activation="run",
+        )  # fmt: skip
+
+    rank = subprocess.Popen(["sleep", "120"])  # a live process: the job's rank
+    try:
+        rank_pid, stranger = rank.pid, os.getppid()
+        write_record(record(rank_pid, "hjob"))
+        write_record(record(stranger, "other"))
+        held = healthy(0)
+        held.processes = [DeviceProcess(rank_pid, 1 << 30), DeviceProcess(stranger, 1 << 30)]
+        node([held])
+
+        # WHEN the quick level runs for job hjob (as a watch's verdict asks), and for no job
+        parser = argparse.ArgumentParser()
+        hc_cli.prepare_parser(parser)
+        argv = ["--job", "hjob", "--disk", "/", "--min-disk-gib", "0.001"]
+        options = hc_cli.options_from_args(parser.parse_args(argv))
+        for_job = runner_mod.run(options)
+        for_none = runner_mod.run(runner_mod.Options(level="quick", disk_paths=["/"], min_disk_gib=0.001))
+    finally:
+        rank.kill()
+        rank.wait(timeout=30)
+
+    # THEN the job's rank is its own, the other process is still named; without a job, both are
+    assert options.job_pids == frozenset({rank_pid})
+    (check,) = by_name(for_job, "device_processes")
+    assert check.status is Status.WARN
+    assert [p["pid"] for p in check.details["processes"]] == [stranger]
+    (check,) = by_name(for_none, "device_processes")
+    assert [p["pid"] for p in check.details["processes"]] == [rank_pid, stranger]
+    assert for_job.options["job_pids"] == [rank_pid]

@@ -26,6 +26,7 @@ class FakeSource:
         self.stuck = False
         self.down: set[str] = set()
         self.healthchecks: list[list[str]] = []
+        self.healthcheck_jobs: list[str | None] = []
         self.stack_reads = 0
 
     def nodes(self) -> list[str]:
@@ -88,8 +89,9 @@ class FakeSource:
     def flight_recorder(self, job: str) -> tuple[dict[str, Any] | None, str | None]:
         return None, "the flight recorder is off"
 
-    def healthcheck(self, nodes: list[str]) -> dict[str, dict[str, Any]]:
+    def healthcheck(self, nodes: list[str], job: str | None = None) -> dict[str, dict[str, Any]]:
         self.healthchecks.append(nodes)
+        self.healthcheck_jobs.append(job)
         return {n: {"verdict": "healthy", "problems": []} for n in nodes}
 
 
@@ -117,6 +119,7 @@ def test_a_hang_is_said_once_per_stall_with_its_evidence_and_saved_as_a_verdict_
     assert verdict.conclusion.startswith("rank 3 on node-2 is in load_next_batch (/job/data.py:88)")
     assert [r["rank"] for r in verdict.ranks] == [0, 1, 2, 3]
     assert verdict.evidence["healthcheck"] == {"node-2": {"verdict": "healthy", "problems": []}}
+    assert set(source.healthcheck_jobs) == {"j"}  # the job's own ranks are no other processes there
     assert verdict.evidence["flight_recorder"]["note"] == "the flight recorder is off"
     assert verdict.evidence["timing"]["detection_s"] >= 5.0
     assert verdict.evidence["stacks"]["groups"][0]["size"] == 3

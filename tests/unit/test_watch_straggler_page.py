@@ -92,3 +92,40 @@ def test_live_html_and_verdict_list_escape_hostile_names():
         assert "<script" not in page and "<img" not in page, page
     assert re.search(r"<td class=live-step>7</td>", live) and "stepping" in live
     assert "&lt;script&gt;" in listed and "%3Cscript%3E" in listed
+
+
+def _stale_ranks() -> NodeProgress:
+    # two ranks of 0.1 s steps whose last step was 24 s ago
+    ranks = [
+        RankProgress(job="wj", rank=r, world_size=2, pid=500 + r, host="h", step=40, last_step_age_s=24.0,
+                     step_time_s=0.1)
+        for r in (0, 1)
+    ]  # fmt: skip
+    return NodeProgress(host="h", time=0.0, poll_every_s=2.0, ranks=ranks)
+
+
+def test_the_page_s_live_table_uses_the_hosted_watch_s_stall_time(tmp_path):
+    # GIVEN a sidecar hosting a watch with --stall-after 12 (its book's stall time), and one
+    # without: ranks whose last step was 24 s ago
+    from dynprof.sidecar.app import create_app
+    from dynprof.sidecar.progress import ProgressBook
+
+    pages = {}
+    for given in (12.0, None):
+        book = ProgressBook("h", 0.0, records=lambda: [], stall_after=given)
+        app = create_app(ArtifactStore(tmp_path / "store"), progress=book)
+        app.config["DYNPROF_PAGE_PROGRESS"] = _stale_ranks
+        # WHEN the page is shown
+        answer = app.test_client().get("/")
+        assert answer.status_code == 200
+        pages[given] = answer.get_data(as_text=True)
+
+    # THEN with the watch's 12 s both ranks are stalled, as the watch says, and the rule is stated
+    watched = pages[12.0]
+    assert watched.count("live-state stalled'>stalled<") == 2 and "live-state stepping" not in watched
+    assert watched.count("data-stall-after='12.000'") == 2
+    assert "stalled: no step for 12 s" in watched
+    # and without a watch's stall time, the default rule (60 s here) keeps them stepping, stated
+    default = pages[None]
+    assert default.count("live-state stepping'>stepping<") == 2
+    assert "stalled: no step for the larger of 60 s and 20x the job's median step time here" in default

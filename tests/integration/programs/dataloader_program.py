@@ -4,6 +4,10 @@ Prints ``READY <pid>`` after its first optimizer step, then ``WORKERS <pid> <pid
 its live DataLoader workers, then trains until --seconds. --persistent keeps the workers for
 the whole run; without it, each epoch (a few batches) starts new workers that exit at its end.
 With --dist it joins a gloo group from RANK/WORLD_SIZE (torchrun).
+
+With DATALOADER_IMPORT_GATE=DIR in its environment, each spawned worker, as it imports this
+file (as ``__mp_main__``, before it knows it is a worker), creates ``DIR/waiting-<pid>`` and
+waits there until ``DIR/open`` exists: a slow import on a loaded machine, made deterministic.
 """
 
 from __future__ import annotations
@@ -15,6 +19,12 @@ import time
 
 import torch
 from torch.utils.data import DataLoader, TensorDataset
+
+_GATE = os.environ.get("DATALOADER_IMPORT_GATE")
+if __name__ == "__mp_main__" and _GATE:
+    open(os.path.join(_GATE, f"waiting-{os.getpid()}"), "w").close()
+    while not os.path.exists(os.path.join(_GATE, "open")):
+        time.sleep(0.05)
 
 
 def main() -> int:
