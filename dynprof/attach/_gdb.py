@@ -8,10 +8,18 @@ async-signal-safe work happens: ``mmap`` a private page, write the payload there
 ``restore`` (no call into the target's malloc), ``Py_AddPendingCall(PyRun_SimpleString, page)``.
 No breakpoint is planted, so nothing is left behind if gdb dies. The page (a few KiB) stays
 mapped: the pending call reads it later.
+
+gdb writes the thread's extended register state (XSAVE) back after every call it makes. Where
+gdb and the CPU and kernel disagree on that area's size, the kernel refuses the write (EFAULT,
+"Couldn't write extended state status: Bad address") after the call ran, and the thread keeps
+whatever the callee left in its vector registers. So on x86 every session first makes that same
+write with nothing run (an MXCSR status bit flipped and flipped back) and calls nothing in the
+target when it fails.
 """
 
 from __future__ import annotations
 
+import platform
 import re
 import signal
 import subprocess
@@ -33,6 +41,36 @@ _SIGNATURES = {
     "PyGILState_Release": "void (*)(int)",
 }
 _VALUE = re.compile(r"^\$\d+ = (.*)$", re.M)
+# The register-write probe: $dynprof_regs is 1 only when both writes went through.
+_PROBE = [
+    "set $dynprof_regs = 0",
+    "set $dynprof_regs = (($mxcsr = $mxcsr ^ 1), ($mxcsr = $mxcsr ^ 1), 1)",
+    "p $dynprof_regs",
+]
+_X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+
+
+# Every call is guarded by the probe's result, so a session whose probe failed calls nothing.
+_IF_OK = "$dynprof_regs == 1 ? " if _X86 else "1 ? "
+
+
+class RegistersRefused(errors.Unsupported):
+    """gdb cannot write this process's registers here: it calls nothing in it."""
+
+    def __init__(self, pid: int, output: str) -> None:
+        said = next(
+            (line.strip() for line in output.splitlines() if "extended state" in line or "registers" in line.lower()),
+            _tail(output, 3),
+        )
+        super().__init__(
+            f"gdb cannot write the registers of process {pid} on this machine, so it cannot call a function in "
+            f"it; nothing was run in the process (gdb said: {said})",
+            help="This gdb and this CPU and kernel disagree on the size of the extended register state (XSAVE), "
+            "as on some recent CPUs: a newer gdb may know the layout (put it first on PATH). Without a debugger: "
+            "start the job with the agent (`dynprof run -- CMD`, or DYNPROF=1 in its environment). "
+            f"`dynprof stacks --pid {pid}` works here: it only reads memory.",
+        )
+        self.said = said
 
 
 @dataclass
@@ -76,7 +114,7 @@ class GdbSession:
             "-ex",
             "set unwindonsignal on",
         ]
-        for command in commands:
+        for command in (_PROBE if _X86 else []) + commands:
             cmd += ["-ex", command]
         proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True
@@ -106,16 +144,22 @@ class GdbSession:
             raise errors.PtraceRefused(f"gdb was not allowed to ptrace process {self.pid}", help=PTRACE_HELP)
         if "ptrace: No such process" in out or ("No such process" in out and not _VALUE.search(out)):
             raise errors.ProcessNotFound(f"process {self.pid} exited during attach")
-        return GdbRun(out, _VALUE.findall(out))
+        values = _VALUE.findall(out)
+        if _X86 and values:  # no value at all: gdb failed before the probe; the caller says so
+            if values[0].strip() != "1":
+                raise RegistersRefused(self.pid, out)
+            values = values[1:]
+        return GdbRun(out, values)
 
     def queue_pending_call(self, payload_file: str, size: int) -> int:
         """Write the payload into a fresh page and queue ``PyRun_SimpleString(page)``; the page's address."""
         length = (size + PAGE) // PAGE * PAGE
         result = self.run(
             [
-                f"p $buf = (char *) {self.fn('mmap')}(0, {length}, {PROT_READ_WRITE}, {MAP_PRIVATE_ANONYMOUS}, -1, 0)",
+                f"p $buf = {_IF_OK}(char *) {self.fn('mmap')}(0, {length}, {PROT_READ_WRITE}, "
+                f"{MAP_PRIVATE_ANONYMOUS}, -1, 0) : (char *) 0",
                 f"restore {payload_file} binary $buf",
-                f"p {self.fn('Py_AddPendingCall')}((void *) {self.fn('PyRun_SimpleString')}, $buf)",
+                f"p {_IF_OK}{self.fn('Py_AddPendingCall')}((void *) {self.fn('PyRun_SimpleString')}, $buf) : -98",
             ]
         )
         if len(result.values) < 2:
@@ -143,9 +187,9 @@ class GdbSession:
         result = self.run(
             [
                 "thread 1",
-                f"p $g = {self.fn('PyGILState_Ensure')}()",
+                f"p $g = {_IF_OK}{self.fn('PyGILState_Ensure')}() : -97",
                 f"p $g == {GIL_UNLOCKED} ? {self.fn('PyRun_SimpleString')}((char *) 0x{buffer:x}) : -99",
-                f"p {self.fn('PyGILState_Release')}($g)",
+                f"p $g != -97 ? ({self.fn('PyGILState_Release')}($g), 1) : 0",
             ]
         )
         if len(result.values) < 2:

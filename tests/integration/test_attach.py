@@ -43,6 +43,7 @@ def _iterations(artifact: str) -> list[str]:
     return sorted((n for n in names if n.startswith("iteration_")), key=lambda n: int(n.split("_")[1]))
 
 
+@pytest.mark.gdb_calls
 def test_plain_python_loop_attached_then_traced(spawn, cli, dynprof_dirs):
     # GIVEN a torch training loop started with plain python: no DYNPROF, no dynprof run
     target = spawn([PROGRAM, "--step-sleep", "0.005"], under_run=False)
@@ -84,6 +85,7 @@ def test_plain_python_loop_attached_then_traced(spawn, cli, dynprof_dirs):
     assert target.proc.poll() is None
 
 
+@pytest.mark.gdb_calls
 def test_main_thread_in_sleep_uses_the_gil_state_fallback(spawn, cli, dynprof_dirs, parked):
     # GIVEN a process whose main thread sleeps in time.sleep (GIL released, no Python running),
     # for longer than any attach takes
@@ -105,6 +107,7 @@ def test_main_thread_in_sleep_uses_the_gil_state_fallback(spawn, cli, dynprof_di
     assert "RETURNED" not in target.lines and target.proc.poll() is None
 
 
+@pytest.mark.gdb_calls
 def test_gil_held_in_c_is_refused_with_the_stack_then_attaches_when_it_returns(
     spawn, cli, dynprof_dirs, parked, tmp_path
 ):
@@ -145,6 +148,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@pytest.mark.gdb_calls
 def test_two_rank_gloo_job_attached_by_job_id_and_traced_at_the_same_step(spawn, cli, dynprof_dirs):
     # GIVEN a 2-rank gloo job started without dynprof, known only by torchrun's run id
     port = str(_free_port())
@@ -188,6 +192,7 @@ def test_two_rank_gloo_job_attached_by_job_id_and_traced_at_the_same_step(spawn,
     assert len(iterations[0]) >= 3
 
 
+@pytest.mark.gdb_calls
 def test_attach_flag_attaches_first(spawn, cli, dynprof_dirs):
     # GIVEN a plain Python process without torch
     target = spawn(["-c", "import os, time\nprint('READY', os.getpid(), flush=True)\ntime.sleep(120)"], under_run=False)
@@ -226,6 +231,75 @@ def test_no_gdb_on_path_says_how_to_install_it(spawn, cli, tmp_path):
     assert "3.14" in result.stderr
 
 
+# -- where gdb cannot write a thread's registers (its XSAVE layout and the CPU's disagree) -------
+_TICKER = "import os, time\nprint('READY', os.getpid(), flush=True)\nwhile True:\n    print('TICK', flush=True)\n    time.sleep(0.05)"
+_REFUSING_GDB = """#!/bin/sh
+for a in "$@"; do printf '%s\\n' "$a"; done >> "$0.args"
+echo "Couldn't write extended state status: Bad address."
+echo '$1 = 0'
+echo '$2 = 0x0'
+echo 'Cannot access memory at address 0x0'
+echo '$3 = -98'
+"""
+
+
+def _mappings(pid: int) -> int:
+    return len(Path(f"/proc/{pid}/maps").read_text().splitlines())
+
+
+def _assert_refused_and_untouched(result, target, pid: int, maps_before: int, dynprof_dirs) -> None:
+    assert result.returncode == 7, result.stderr
+    assert f"gdb cannot write the registers of process {pid}" in result.stderr
+    assert "nothing was run in the process" in result.stderr
+    assert "Couldn't write extended state status" in result.stderr
+    assert "dynprof run" in result.stderr and f"dynprof stacks --pid {pid}" in result.stderr
+    assert "Traceback" not in result.stderr
+    # THEN the target runs on, with no page mapped into it and no agent
+    ticks = len([line for line in target.lines if line == "TICK"])
+    target.wait_for_line("TICK", count=ticks + 3)
+    assert target.proc.poll() is None
+    assert _mappings(pid) == maps_before
+    assert _record(dynprof_dirs["run"], pid) is None
+
+
+def test_a_gdb_that_cannot_write_registers_is_asked_for_no_call_and_attach_says_why(spawn, cli, tmp_path, dynprof_dirs):
+    # GIVEN a running Python process, and on PATH a gdb whose register write fails the way it
+    # does where gdb and the CPU disagree on the XSAVE area's size
+    target = spawn(["-c", _TICKER], under_run=False)
+    (pid,) = target.ready_pids()
+    fake = tmp_path / "bin" / "gdb"
+    fake.parent.mkdir()
+    fake.write_text(_REFUSING_GDB)
+    fake.chmod(0o755)
+    maps_before = _mappings(pid)
+
+    # WHEN dynprof attaches to it with that gdb
+    result = cli("attach", str(pid), "--method", "gdb", env={"PATH": f"{fake.parent}:{os.environ['PATH']}"})
+
+    # THEN it refuses in words, with what to do instead, and the process is as it was
+    _assert_refused_and_untouched(result, target, pid, maps_before, dynprof_dirs)
+    # THEN gdb was asked for the register write first, and for every call only under its result
+    args = (tmp_path / "bin" / "gdb.args").read_text().splitlines()
+    probe = args.index("set $dynprof_regs = (($mxcsr = $mxcsr ^ 1), ($mxcsr = $mxcsr ^ 1), 1)")
+    calls = [i for i, a in enumerate(args) if a.startswith("p ") and "(*)" in a]
+    assert calls and all(i > probe and "$dynprof_regs == 1 ? " in args[i] for i in calls), args
+
+
+@pytest.mark.gdb_calls_refused
+def test_attach_refuses_where_gdb_cannot_write_registers(spawn, cli, dynprof_dirs):
+    # GIVEN a machine whose gdb cannot write a thread's registers back (conftest's probe), and
+    # a running Python process
+    target = spawn(["-c", _TICKER], under_run=False)
+    (pid,) = target.ready_pids()
+    maps_before = _mappings(pid)
+
+    # WHEN dynprof attaches to it with the real gdb
+    result = cli("attach", str(pid), "--method", "gdb")
+
+    # THEN it refuses in words before calling anything, and the process is as it was
+    _assert_refused_and_untouched(result, target, pid, maps_before, dynprof_dirs)
+
+
 # What the attach bootstrap does to import dynprof in the target (see dynprof.attach._bootstrap):
 # its own sys.path first, then the CLI's copy appended. Run in the target's own conditions, it
 # prints what that import finds, so the test checks its precondition instead of assuming it.
@@ -246,6 +320,7 @@ print(json.dumps({"executable": sys.executable, "missing": missing, "sys_path": 
 """
 
 
+@pytest.mark.gdb_calls
 def test_dynprof_not_importable_in_the_target_names_its_python(tmp_path):
     # GIVEN a CLI that runs its own copy of dynprof from a directory holding nothing else (the
     # bootstrap appends that directory to the target's sys.path), and a target Python started

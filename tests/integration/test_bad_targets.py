@@ -74,6 +74,7 @@ def test_nothing_is_logged_after_the_agent_stopped(dynprof_dirs):
     assert "late" not in text and "late" not in done.stderr
 
 
+@pytest.mark.gdb_calls
 @pytest.mark.ptrace
 @pytest.mark.skipif(shutil.which("gdb") is None, reason="attach to Python < 3.14 needs gdb on PATH")
 def test_attach_does_not_report_ready_when_the_agent_s_server_died(spawn, cli):

@@ -239,6 +239,7 @@ def test_a_phase_marked_evaluation_is_not_a_hang_but_an_unmarked_stall_is(spawn_
     assert [a.get("phase") for a in in_eval] == ["eval"]
 
 
+@pytest.mark.gdb_calls
 @pytest.mark.skipif(shutil.which("gdb") is None, reason="attach to Python < 3.14 needs gdb on PATH")
 def test_attach_job_attaches_the_trainer_and_skips_its_dataloader_workers(spawn_group, cli):
     # GIVEN a trainer started without dynprof, with 2 persistent DataLoader workers ("spawn")

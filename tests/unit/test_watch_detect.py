@@ -372,8 +372,15 @@ GPU_CASES = {
 }
 
 
+# The checkout the stacks were read in; its files are this checkout's (short_path makes them
+# relative to the working directory, which is wherever the suite runs from).
+GPU_STACKS_ROOT = "/work/main/"
+
+
 def _gpu_stack(fault: str) -> list[Frame]:
-    (thread,) = parse_py_spy(json.loads((GPU_STACKS / f"{fault}.json").read_text()), pid=1)
+    text = (GPU_STACKS / f"{fault}.json").read_text()
+    text = text.replace(GPU_STACKS_ROOT, f"{Path(__file__).resolve().parents[2]}/")
+    (thread,) = parse_py_spy(json.loads(text), pid=1)
     return list(thread.frames)
 
 
