@@ -2,7 +2,8 @@
 
 Binds to 127.0.0.1 by default, on cheroot's threaded WSGI server (dynprof.sidecar.server):
 --threads workers, request bodies and headers bounded, whole-request deadlines that cut off
-slow clients as surely as idle ones, /healthz answered before the worker pool, TLS with
+slow clients as surely as idle ones, connections held below the open-file limit (raised to
+--max-open-files at start) and the rest shed, /healthz answered before the worker pool, TLS with
 --certfile/--keyfile, a clean stop on SIGINT or SIGTERM. It warns about --token (other users
 see it in the process list) and about plain HTTP on every address (the token in clear). Every request, on every address (loopback too: any local
 user can reach loopback), must carry the access token: `Authorization: Bearer TOKEN`,
@@ -89,6 +90,7 @@ SHUTDOWN_TIMEOUT_S = 5.0
 MAX_THREADS = 256
 MAX_ACTIONS = 64
 MIN_PROGRESS_EVERY_S = 0.2
+WANTED_OPEN_FILES = 4096
 
 
 def _count(lo: int, hi: int) -> Any:
@@ -105,9 +107,11 @@ def _count(lo: int, hi: int) -> Any:
 
 
 def build_server(app: Any, host: str, port: int, threads: int, certfile: str | None, keyfile: str | None) -> Any:
-    """cheroot's WSGI server for ``app``, bound but not yet serving; TLS when given a cert."""
+    """cheroot's WSGI server for ``app``, bound but not yet serving; TLS when given a cert. It
+    holds at most :func:`~dynprof.sidecar.server.connection_cap` connections (the open-file
+    limit of this process less what ``threads`` workers need)."""
     from dynprof.sidecar.app import MAX_REQUEST_BYTES
-    from dynprof.sidecar.server import Reserve, SidecarServer, healthz_answer
+    from dynprof.sidecar.server import Reserve, SidecarServer, connection_cap, healthz_answer
 
     server = SidecarServer(
         (host, port),
@@ -121,6 +125,7 @@ def build_server(app: Any, host: str, port: int, threads: int, certfile: str | N
         head_timeout=HEAD_TIMEOUT_S,
         body_timeout=BODY_TIMEOUT_S,
         healthz=healthz_answer(app),
+        max_connections=connection_cap(threads),
     )
     server.max_request_body_size = MAX_REQUEST_BYTES
     server.max_request_header_size = MAX_HEADER_BYTES
@@ -163,6 +168,14 @@ class ServeCommand:
         )
         parser.add_argument(
             "--threads", type=_count(1, MAX_THREADS), default=8, help="worker threads of the HTTP server (default 8)"
+        )
+        parser.add_argument(
+            "--max-open-files",
+            type=_count(1, 1 << 20),
+            default=WANTED_OPEN_FILES,
+            metavar="N",
+            help=f"raise this process's soft open-file limit to N at start, within the hard limit "
+            f"(default {WANTED_OPEN_FILES}); connections are held up to that limit less what the threads need",
         )
         parser.add_argument(
             "--max-actions",
@@ -233,7 +246,15 @@ class ServeCommand:
         except ImportError as exc:
             raise errors.Unsupported(f"the HTTP server needs cheroot: {exc}", help="pip install cheroot") from None
         from dynprof.cli.sidecar_actions import action_commands
+        from dynprof.sidecar.server import connection_cap, min_open_files, raise_open_file_limit
 
+        before, limit = raise_open_file_limit(args.max_open_files)
+        if limit < min_open_files(args.threads):
+            raise errors.UsageError(
+                f"the open-file limit of this process is {limit}: too low for --threads {args.threads} "
+                f"(at least {min_open_files(args.threads)})",
+                help="Raise the limit (`ulimit -n`, systemd's LimitNOFILE, the container's nofile) or give fewer --threads.",
+            )
         token, source = resolve_token(args.token, args.token_file)
         fanout, own_file = (None, None) if args.no_job_wide else _fanout_config(token, source, args.cacert)
         from dynprof.identity import detect
@@ -266,6 +287,11 @@ class ServeCommand:
             hosted.append(watch)
         said = [f"dynprof: warning: {warning}" for warning in warnings]
         said.append(f"dynprof: serving on {_url(args.host, args.port, token, tls=bool(args.certfile))}")
+        raised = f", raised from {before}" if limit != before else ""
+        said.append(
+            f"dynprof: at most {connection_cap(args.threads, limit)} connections at once "
+            f"(open-file limit {limit}{raised}; --threads {args.threads})"
+        )
         if source != "generated":
             said.append(f"dynprof: token from {source}")
         sys.stderr.write("".join(line + "\n" for line in said))  # one write: a reader sees all of it or none

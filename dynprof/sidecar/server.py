@@ -23,14 +23,25 @@ the server. Here:
   workers (the deadlines above still bound what a client without the token can hold).
 - ``Reserve`` keeps a thread free of long requests: at most threads - 1 requests in the app.
 - cheroot's error log is one line per event, no traceback, rate-limited (``RefusalLog``).
+- Open connections are bounded below the open-file limit (``max_connections``, from
+  :func:`connection_cap`): a new one past the cap is closed at once, a connection whose head
+  is not in is closed at ``head_timeout`` whether it sends or not, and one whose client has
+  closed before sending a request is closed by the selector itself (no worker). A failed
+  accept for want of descriptors (EMFILE, ENFILE, ENOBUFS, ENOMEM) pauses accepting for
+  ``ACCEPT_BACKOFF_S`` instead of failing again at once; an episode of either (the cap, or
+  descriptors) is logged in one line when it begins and one when it ends, with its counts.
 """
 
 from __future__ import annotations
 
 import contextlib
 import email.utils
+import errno
 import heapq
 import itertools
+import resource
+import select
+import selectors
 import socket
 import ssl
 import threading
@@ -38,6 +49,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from cheroot.connections import ConnectionManager
 from cheroot.errors import FatalSSLAlert
 from cheroot.makefile import MakeFile, StreamReader
 from cheroot.server import HTTPConnection, HTTPRequest
@@ -48,9 +60,62 @@ from werkzeug.wsgi import ClosingIterator
 from dynprof.sidecar.app import RefusalLog
 
 HEALTHZ_REQUEST = b"GET /healthz HTTP/1."
+_CLOSED = b"\0closed"  # _peek_head: the client closed (or its socket failed) before a request
 PARK_S = 0.5  # a connection whose head is not all in is looked at again after this
 MAX_PARKED = 4096
 _PEEK_BYTES = 16384
+ACCEPT_BACKOFF_S = 0.5  # accepting pauses this long after an accept failed for want of descriptors
+EPISODE_QUIET_S = 2.0  # a shedding episode ends after this long without a shed connection
+OUT_OF_DESCRIPTORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+MIN_CONNECTIONS = 16
+
+
+def descriptor_reserve(threads: int) -> int:
+    """Descriptors kept free of connections: the listening socket, the selector, logs, the
+    agents' sockets and the actions' pipes and files (per worker thread)."""
+    return 64 + 8 * threads
+
+
+def min_open_files(threads: int) -> int:
+    """The smallest open-file limit that leaves ``threads`` workers room for connections."""
+    return descriptor_reserve(threads) + MIN_CONNECTIONS
+
+
+def connection_cap(threads: int, limit: int | None = None) -> int:
+    """The most connections held at once: the soft open-file limit (``limit``, default this
+    process's) less :func:`descriptor_reserve`, never under ``MIN_CONNECTIONS``."""
+    if limit is None:
+        limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if limit == resource.RLIM_INFINITY:
+        limit = 1 << 20
+    return max(MIN_CONNECTIONS, int(limit) - descriptor_reserve(threads))
+
+
+def raise_open_file_limit(wanted: int) -> tuple[int, int]:
+    """Raise the soft RLIMIT_NOFILE of this process to ``wanted`` (at most the hard limit;
+    never lowered); (before, after)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (OSError, ValueError):
+            return soft, soft
+        return soft, target
+    return soft, soft
+
+
+def _peer_hung_up(sock: Any) -> bool:
+    """Whether the client has closed its side (Linux POLLRDHUP; False where unknown)."""
+    rdhup = getattr(select, "POLLRDHUP", 0)
+    if not rdhup:
+        return False
+    try:
+        poller = select.poll()
+        poller.register(sock.fileno(), rdhup)
+        return any(events & (rdhup | select.POLLHUP | select.POLLERR) for _, events in poller.poll(0))
+    except (OSError, ValueError):
+        return True
 
 
 class _Parking:
@@ -151,6 +216,15 @@ class _Connection(HTTPConnection):  # type: ignore[misc]
             return _DeadlineReader(s, bufsize) if "r" in mode else makefile(s, mode, bufsize)
 
         super().__init__(server, sock, files)
+        self._counted = hasattr(server, "held") and server.held(+1)
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            if self._counted:
+                self._counted = False
+                self.server.held(-1)
 
     def communicate(self) -> bool:
         self.served = True
@@ -194,6 +268,49 @@ class LazyHandshakeSSLAdapter(BuiltinSSLAdapter):  # type: ignore[misc]
         return wrapped, {}
 
 
+class _Connections(ConnectionManager):  # type: ignore[misc]
+    """cheroot's selector loop, held to the sidecar's bounds: an accept that fails for want of
+    descriptors pauses accepting (cheroot would raise it out of its loop, which then fails on
+    the same pending connection at once, never reaching its expiry: dead for good), and new
+    connections whose head is not in by the head deadline are closed."""
+
+    _selector: Any  # cheroot's own (not in its stubs)
+
+    def __init__(self, server: Any) -> None:
+        super().__init__(server)
+        self._paused_until: float | None = None
+
+    def _from_server_socket(self, server_socket: Any) -> Any:
+        try:
+            return super()._from_server_socket(server_socket)  # type: ignore[misc]
+        except OSError as exc:
+            if exc.errno not in OUT_OF_DESCRIPTORS:
+                raise
+            self._selector.unregister(server_socket.fileno())
+            self._paused_until = time.monotonic() + ACCEPT_BACKOFF_S
+            self.server.shed("accept", exc)
+            return None
+
+    def _expire(self, threshold: float) -> None:
+        super()._expire(threshold)  # type: ignore[misc]
+        now = time.monotonic()
+        late = [
+            (fd, conn)
+            for fd, conn in self._selector.connections
+            if conn is not self.server
+            and not conn.served
+            and conn.accepted_at is not None
+            and now - conn.accepted_at > self.server.head_timeout
+        ]
+        for fd, conn in late:
+            self._selector.unregister(fd)
+            conn.close()
+        if self._paused_until is not None and now >= self._paused_until:
+            self._paused_until = None
+            self._selector.register(self.server.socket.fileno(), selectors.EVENT_READ, data=self.server)
+        self.server.episode_tick()
+
+
 class SidecarServer(Server):  # type: ignore[misc]
     """cheroot's WSGI server with the deadlines, the early /healthz and the quiet error log
     described above. ``healthz`` is the whole HTTP answer to ``GET /healthz`` (None: the
@@ -208,6 +325,7 @@ class SidecarServer(Server):  # type: ignore[misc]
         body_timeout: float,
         healthz: bytes | None = None,
         log: RefusalLog | None = None,
+        max_connections: int = 1024,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
@@ -215,7 +333,54 @@ class SidecarServer(Server):  # type: ignore[misc]
         self.body_timeout = body_timeout
         self.healthz = healthz
         self.log = log or RefusalLog()
+        self.max_connections = max_connections
         self._parking = _Parking(self.put_conn)
+        self._held = 0
+        self._held_lock = threading.Lock()
+        self._episode: dict[str, Any] | None = None  # a shedding episode under way: its counts
+
+    def prepare(self) -> None:
+        super().prepare()
+        self._connections = _Connections(self)  # the one cheroot made holds nothing yet
+
+    def held(self, delta: int) -> bool:
+        """Count a connection opened (+1) or closed (-1)."""
+        with self._held_lock:
+            self._held += delta
+        return True
+
+    @property
+    def connections_held(self) -> int:
+        return self._held
+
+    def shed(self, why: str, exc: BaseException | None = None) -> None:
+        """A connection shed (``why`` "cap": closed at once past the cap; "accept": an accept
+        that failed for want of descriptors); the episode's first says so, once."""
+        now = time.monotonic()
+        episode = self._episode
+        if episode is None:
+            episode = self._episode = {"began": now, "cap": 0, "accept": 0}
+            what = (
+                f"out of file descriptors ({exc}); accepting pauses {ACCEPT_BACKOFF_S:g} s at a time"
+                if why == "accept"
+                else f"{self._held} connections held, at the cap of {self.max_connections}; new ones are closed"
+            )
+            self.log.say(f"dynprof serve: shedding connections: {what} (connections whose head is not in "
+                         f"are closed after {self.head_timeout:g} s)")  # fmt: skip
+        episode[why] += 1
+        episode["last"] = now
+
+    def episode_tick(self) -> None:
+        """End the shedding episode (one line with its counts) once it has been quiet a while."""
+        episode = self._episode
+        if episode is None or time.monotonic() - episode["last"] < EPISODE_QUIET_S:
+            return
+        self._episode = None
+        self.log.say(
+            f"dynprof serve: no longer shedding connections ({self._held} held): in "
+            f"{episode['last'] - episode['began']:.1f} s, {episode['cap']} closed past the cap, "
+            f"{episode['accept']} accepts failed for want of descriptors"
+        )
 
     def process_conn(self, conn: Any) -> None:
         if conn.served:
@@ -224,6 +389,10 @@ class SidecarServer(Server):  # type: ignore[misc]
         now = time.monotonic()
         if conn.accepted_at is None:  # new: into the selector, a worker only once its head is in
             conn.accepted_at = now
+            if self._held > self.max_connections:
+                self.shed("cap")
+                conn.close()
+                return
             self.put_conn(conn)
             return
         if self.ssl_adapter is not None:  # its first bytes (a TLS hello) came: the worker shakes hands
@@ -234,24 +403,32 @@ class SidecarServer(Server):  # type: ignore[misc]
             if now - conn.accepted_at > self.head_timeout or not self._parking.park(conn, now + PARK_S):
                 conn.close()
             return
+        if head is _CLOSED:  # the client left before a request: nothing for a worker to do
+            conn.close()
+            return
         if head and self.healthz is not None and self._answer_healthz(conn, head):
             return
         super().process_conn(conn)
 
     def _peek_head(self, conn: Any) -> bytes | None:
         """What a new connection has sent, when its request head is all there (or it has sent
-        a lot, or closed, or failed: the worker's parser then decides, b""); None when only
-        part of the head has come."""
+        a lot: the worker's parser then decides, b""); ``_CLOSED`` when the client has closed
+        (or its socket failed) before its head was in; None when only part of the head has
+        come."""
         try:
             data: bytes = conn.socket.recv(_PEEK_BYTES, socket.MSG_PEEK | socket.MSG_DONTWAIT)
         except BlockingIOError:
             return None
         except OSError:
-            return b""
+            return _CLOSED
+        if not data:
+            return _CLOSED
         end = data.find(b"\r\n\r\n")
         if end >= 0:
             return data[: end + 4]
-        return b"" if not data or len(data) >= _PEEK_BYTES else None
+        if len(data) >= _PEEK_BYTES:
+            return b""
+        return _CLOSED if _peer_hung_up(conn.socket) else None
 
     def _answer_healthz(self, conn: Any, head: bytes) -> bool:
         """Answer a whole ``GET /healthz`` already received, without a worker (never blocks)."""

@@ -34,6 +34,11 @@ set -u
 DYNPROF=${DYNPROF_BIN:-dynprof}
 PORT=${DYNPROF_SIDECAR_PORT:-8787}
 HOST=${DYNPROF_SIDECAR_HOST:-0.0.0.0}
+THREADS=${DYNPROF_SIDECAR_THREADS:-8}
+# the sidecar raises its soft open-file limit to this at start (within the hard limit: Slurm's
+# default soft limit, 1024, would cap it at ~900 connections); it holds connections up to it,
+# less 64 + 8 per thread, and sheds the rest
+NOFILE=${DYNPROF_SIDECAR_NOFILE:-4096}
 
 token_file_for() {  # $1: the user's home
   echo "${DYNPROF_TOKEN_FILE:-$1/.config/dynprof/token}"
@@ -50,7 +55,7 @@ case "${1:-}" in
   start)
     token=$(token_file_for "$HOME")
     ensure_token "$token"
-    exec "$DYNPROF" serve --host "$HOST" --port "$PORT" --token-file "$token"
+    exec "$DYNPROF" serve --host "$HOST" --port "$PORT" --threads "$THREADS" --max-open-files "$NOFILE" --token-file "$token"
     ;;
   prolog)
     user=${SLURM_JOB_USER:?prolog: SLURM_JOB_USER is not set}
@@ -62,7 +67,7 @@ case "${1:-}" in
     runuser -u "$user" -- bash -c "$(declare -f ensure_token); ensure_token '$token'"
     # detached from the prolog (setsid), as the job's user, its stderr (with its URL) kept private
     setsid runuser -u "$user" -- env DYNPROF_TOKEN_FILE="$token" bash -c \
-      "umask 077; exec '$DYNPROF' serve --host '$HOST' --port '$PORT' --token-file '$token' 2>'$log'" \
+      "umask 077; exec '$DYNPROF' serve --host '$HOST' --port '$PORT' --threads '$THREADS' --max-open-files '$NOFILE' --token-file '$token' 2>'$log'" \
       </dev/null >/dev/null 2>&1 &
     echo $! > "$piddir/${SLURM_JOB_ID:-0}.pid"
     exit 0   # never fail the job for the sidecar

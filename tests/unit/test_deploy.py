@@ -71,3 +71,23 @@ def test_slurm_recipe_documents_the_no_sidecar_path():
     assert 'dynprof stacks --job "$SLURM_JOB_ID" --json' in text and "dynprof stacks --merge" in text
     usage = subprocess.run(["bash", str(DEPLOY / "slurm_sidecar.sh")], capture_output=True, text=True)
     assert usage.returncode == 2 and "usage:" in usage.stderr
+
+
+def test_deployments_set_an_open_file_limit_that_fits_their_threads():
+    from dynprof.sidecar.server import connection_cap, min_open_files
+
+    # GIVEN the Kubernetes DaemonSet and the Slurm recipe
+    (ds,) = [d for d in _load_all(DEPLOY / "k8s-sidecar-daemonset.yaml") if d["kind"] == "DaemonSet"]
+    (container,) = ds["spec"]["template"]["spec"]["containers"]
+    args = dict(a.split("=", 1) for a in container["command"] if a.startswith("--") and "=" in a)
+    slurm = (DEPLOY / "slurm_sidecar.sh").read_text()
+    slurm_threads = int(re.search(r"THREADS=\$\{DYNPROF_SIDECAR_THREADS:-(\d+)\}", slurm).group(1))
+    nofile = int(re.search(r"NOFILE=\$\{DYNPROF_SIDECAR_NOFILE:-(\d+)\}", slurm).group(1))
+    serve_lines = [ln for ln in slurm.splitlines() if " serve " in ln]
+    # THEN each names its threads and an open-file limit the sidecar raises itself to, above
+    # what those threads need and with room for far more connections than a default shell's 1024
+    assert serve_lines and all('--threads "$THREADS"' in ln or "--threads '$THREADS'" in ln for ln in serve_lines)
+    assert all("--max-open-files" in ln for ln in serve_lines)
+    for threads, limit in ((int(args["--threads"]), int(args["--max-open-files"])), (slurm_threads, nofile)):
+        assert limit >= min_open_files(threads)
+        assert connection_cap(threads, limit) > 1024

@@ -424,3 +424,64 @@ def test_the_reserve_keeps_a_thread_free_of_long_requests():
     assert b"".join(answer) == b"ab"
     answer.close()
     assert call(reserve, "/api/v1/info")[0]["status"] == "200 OK"
+
+
+def test_an_accept_out_of_descriptors_pauses_accepting_and_is_logged_once(monkeypatch):
+    import errno
+    import io
+
+    from dynprof.sidecar import server as srv
+    from dynprof.sidecar.app import RefusalLog
+
+    # GIVEN a prepared sidecar server whose accept fails for want of descriptors (EMFILE)
+    out = io.StringIO()
+    server = srv.SidecarServer(
+        ("127.0.0.1", 0), lambda environ, start: [], numthreads=1, head_timeout=10, body_timeout=10,
+        log=RefusalLog(out),
+    )  # fmt: skip
+    server.prepare()
+    try:
+        listener = server.socket.fileno()
+
+        class Exhausted:
+            def fileno(self) -> int:
+                return listener
+
+            def accept(self) -> None:
+                raise OSError(errno.EMFILE, "Too many open files")
+
+        manager = server._connections
+        registered = lambda: any(conn is server for _, conn in manager._selector.connections)  # noqa: E731
+        assert registered()
+        # WHEN the selector's accept fails
+        assert manager._from_server_socket(Exhausted()) is None
+        # THEN the listening socket leaves the selector (no spinning on it), and the failure
+        # raises nothing out of the selector's loop
+        assert not registered()
+        # WHEN the back-off has passed and the loop's periodic expiry runs
+        manager._paused_until = 0.0
+        manager._expire(threshold=0.0)
+        # THEN accepting resumes
+        assert registered()
+        # AND a second failure in the same episode adds no line; the episode's end adds one
+        assert manager._from_server_socket(Exhausted()) is None
+        lines = out.getvalue().splitlines()
+        assert len(lines) == 1 and "out of file descriptors" in lines[0] and "Too many open files" in lines[0]
+        monkeypatch.setattr(srv, "EPISODE_QUIET_S", 0.0)
+        manager._paused_until = 0.0
+        manager._expire(threshold=0.0)
+        lines = out.getvalue().splitlines()
+        assert len(lines) == 2 and "no longer shedding" in lines[1] and "2 accepts failed" in lines[1]
+    finally:
+        server.stop()
+
+
+def test_the_connection_cap_leaves_the_threads_their_descriptors():
+    from dynprof.sidecar.server import MIN_CONNECTIONS, connection_cap, descriptor_reserve, min_open_files
+
+    # GIVEN the open-file limits of a default shell, of the deployments, and a tiny one
+    # THEN connections are held below the limit, the threads' reserve kept free
+    assert connection_cap(8, 1024) == 1024 - descriptor_reserve(8) < 1024
+    assert connection_cap(8, 4096) + descriptor_reserve(8) == 4096
+    assert connection_cap(256, 64) == MIN_CONNECTIONS
+    assert min_open_files(8) == descriptor_reserve(8) + MIN_CONNECTIONS

@@ -1,0 +1,115 @@
+"""A real `dynprof serve` under a low open-file limit, flooded with half-open connections.
+
+The server is started with RLIMIT_NOFILE 256 (soft and hard, so it cannot raise it), then sent
+more connections than that, each with part of a request head and never the rest; then the flood
+is closed. The server must shed what it cannot hold, answer /healthz again once the flood is
+gone, and say what happened in a few lines, without a traceback. Loopback only.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+LIMIT = 256
+FLOOD = 320  # more connections than descriptors
+HANG_BOUND_S = 60.0  # only bounds a hang: the test polls until /healthz answers, or this passes
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _healthz(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=2) as s:
+            s.settimeout(2)
+            s.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            return s.recv(64).startswith(b"HTTP/1.1 200")
+    except OSError:
+        return False
+
+
+def _poll_healthz(port: int, proc: subprocess.Popen[bytes]) -> bool:
+    deadline = time.monotonic() + HANG_BOUND_S
+    while time.monotonic() < deadline and proc.poll() is None:
+        if _healthz(port):
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def _low_limit() -> None:
+    resource.setrlimit(resource.RLIMIT_NOFILE, (LIMIT, LIMIT))
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="counts descriptors in /proc")
+def test_serve_sheds_a_flood_past_its_descriptor_limit_and_recovers(tmp_path):
+    # GIVEN a sidecar whose open-file limit is 256 (soft and hard)
+    token = tmp_path / "token"
+    token.write_text("descriptor-flood-token-0123456789\n")
+    token.chmod(0o600)
+    port = _free_port()
+    env = dict(os.environ, DYNPROF_HOME=str(tmp_path / "home"), HOME=str(tmp_path))
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "dynprof", "serve", "--port", str(port), "--token-file", str(token),
+             "--progress-every", "0"],
+            stdout=log, stderr=log, env=env, cwd=ROOT, preexec_fn=_low_limit,
+        )  # fmt: skip
+    flood: list[socket.socket] = []
+    try:
+        assert _poll_healthz(port, proc), log_path.read_text()
+        # WHEN more connections than descriptors each send part of a request head, and stay
+        for _ in range(FLOOD):
+            try:
+                s = socket.create_connection(("127.0.0.1", port), timeout=2)
+                s.sendall(b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+                flood.append(s)
+            except OSError:
+                pass
+        time.sleep(1.0)  # let the server take what is in its backlog
+        held = len(os.listdir(f"/proc/{proc.pid}/fd"))
+        print(f"flood: {len(flood)} connections open; the server holds {held} descriptors of {LIMIT}")
+        # THEN it holds fewer descriptors than its limit (it sheds the rest) ...
+        assert held < LIMIT
+        # ... and once the flood is closed, /healthz answers again
+        for s in flood:
+            s.close()
+        flood.clear()
+        closed_at = time.monotonic()
+        assert _poll_healthz(port, proc), log_path.read_text()[-3000:]
+        print(f"/healthz answered {time.monotonic() - closed_at:.2f} s after the flood closed")
+        time.sleep(3.0)  # the episode's end is logged once it has been quiet 2 s
+        assert _healthz(port)
+    finally:
+        for s in flood:
+            s.close()
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    text = log_path.read_text()
+    lines = text.splitlines()
+    print(text)
+    assert "Traceback" not in text
+    assert "Error in HTTPServer.serve" not in text
+    # the log says what happened, once: when the shedding began and when it ended
+    assert sum("serve: shedding connections" in ln for ln in lines) == 1
+    assert sum("no longer shedding" in ln for ln in lines) == 1
+    assert "at most" in lines[1] and f"open-file limit {LIMIT}" in text
+    assert len(lines) <= 8
