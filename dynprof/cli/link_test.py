@@ -16,7 +16,8 @@ from dynprof.result import Result
 from healthcheck.links.side import BACKENDS, PATTERNS, SideResult, run_side
 
 LINK_TEST_SCHEMA = "dynprof.link_test"
-MAX_LINK_SIZE = 4 * 1024**3
+MAX_LINK_SIZE = 1024**3  # per exchange; sent in pieces of 64 MiB, so a side holds ~128 MiB at most
+MIN_STORE_PORT = 1024
 MAX_LIMIT_S = 900.0
 
 
@@ -42,9 +43,20 @@ class LinkTestCommand:
         parser.add_argument("--world", type=int, default=2, help="ranks in the test: 2 (a pair) or 3 (a ring)")
         parser.add_argument("--store-host", default=None, help="address of rank 0's node, as the others reach it")
         parser.add_argument("--store-port", type=int, default=29720, help="port of the rendezvous (default 29720)")
+        parser.add_argument(
+            "--bind",
+            default=None,
+            metavar="ADDR",
+            help="rank 0: the rendezvous listens on ADDR only (default every address; the sidecar gives its own)",
+        )
         parser.add_argument("--backend", choices=BACKENDS, default="auto", help="auto: NCCL with a GPU, else gloo")
         parser.add_argument("--pattern", choices=PATTERNS, default="sendrecv", help="exchange (default sendrecv)")
-        parser.add_argument("--size", type=int, default=64 * 1024 * 1024, help="bytes per exchange (default 64 MiB)")
+        parser.add_argument(
+            "--size",
+            type=int,
+            default=64 * 1024 * 1024,
+            help="bytes per exchange, at most 1 GiB, sent in pieces of 64 MiB (default 64 MiB)",
+        )
         parser.add_argument("--iters", type=int, default=10, help="timed iterations (default 10)")
         parser.add_argument("--warmup", type=int, default=2, help="untimed iterations first (default 2)")
         parser.add_argument("--limit", type=float, default=60.0, help="hard time limit of this side, s (default 60)")
@@ -61,8 +73,10 @@ class LinkTestCommand:
             raise bad("--store-host names rank 0's node")
         if args.world not in (2, 3) or not 0 <= args.rank < args.world:
             raise bad("--world is 2 or 3 and --rank within it")
-        if not 1 <= args.store_port <= 65535:
-            raise bad("--store-port is 1-65535")
+        if not MIN_STORE_PORT <= args.store_port <= 65535:
+            raise bad(f"--store-port is {MIN_STORE_PORT}-65535 (no privileged port)")
+        if args.bind is not None and (not args.bind or len(args.bind) > 255 or any(c.isspace() for c in args.bind)):
+            raise bad("--bind names an address of this node")
         if not 4 <= args.size <= MAX_LINK_SIZE:
             raise bad(f"--size is 4 bytes to {MAX_LINK_SIZE >> 30} GiB")
         if not 1 <= args.iters <= 10_000 or not 0 <= args.warmup <= 1000:
@@ -84,6 +98,7 @@ class LinkTestCommand:
                 warmup=args.warmup,
                 limit_s=args.limit,
                 start_at=args.start_at,
+                bind=args.bind,
             )
         except OSError as exc:
             raise DynprofError(f"link-test could not start its worker: {exc}") from None

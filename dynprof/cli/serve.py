@@ -199,7 +199,16 @@ class ServeCommand:
         parser.add_argument(
             "--no-job-wide",
             action="store_true",
-            help="refuse 'hosts' in actions: this sidecar never connects to other nodes' sidecars",
+            help="refuse 'hosts' in actions and the link-test action: this sidecar never connects to other nodes",
+        )
+        parser.add_argument(
+            "--allow-peer",
+            action="append",
+            type=host_arg,
+            default=[],
+            metavar="NAME",
+            help="a node that this sidecar's link tests may reach, besides this Slurm allocation's nodes and this "
+            "machine (a sidecar bound to loopback reaches loopback only); repeatable",
         )
         parser.add_argument(
             "--cacert",
@@ -258,6 +267,7 @@ class ServeCommand:
         token, source = resolve_token(args.token, args.token_file)
         fanout, own_file = (None, None) if args.no_job_wide else _fanout_config(token, source, args.cacert)
         from dynprof.identity import detect
+        from dynprof.sidecar.actions import LinkPolicy
         from dynprof.sidecar.progress import ProgressBook
 
         book = ProgressBook(detect().host, args.progress_every, stall_after=args.stall_after)
@@ -273,6 +283,7 @@ class ServeCommand:
             read_only=args.read_only,
             extra_hosts=args.allow_host,
             fanout=fanout,
+            links=None if fanout is None else LinkPolicy.for_sidecar(args.host, args.allow_peer),
         )
         server = build_server(app, args.host, args.port, args.threads, args.certfile, args.keyfile)
         warnings = risk_warnings(args.host, tls=bool(args.certfile), token_in_argv=source == "--token")

@@ -48,7 +48,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -113,6 +113,80 @@ class FanoutConfig:
 
     token_file: str
     cacert: str | None = None
+
+
+def _host_key(host: str) -> str:
+    return host.strip().strip("[]").rstrip(".").lower()
+
+
+def _is_loopback_host(host: str) -> bool:
+    import ipaddress
+
+    key = _host_key(host)
+    if key == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(key).is_loopback
+    except ValueError:
+        return False
+
+
+MIN_LINK_PORT = 1024  # a link test's rendezvous is never on a privileged port
+
+
+@dataclass(frozen=True)
+class LinkPolicy:
+    """Where this sidecar's ``link-test`` may reach, and where it listens.
+
+    Rank 0's rendezvous listens on ``bind`` (the sidecar's own ``--host``) only; a peer's
+    ``store_host`` must be one of ``peers`` (the Slurm allocation's nodes, this machine's names,
+    ``serve --allow-peer``), or, for a sidecar bound to loopback, a loopback address (nothing
+    else can reach it). Ports are unprivileged (1024-65535). A sidecar without a policy (``serve
+    --no-job-wide``) runs no link test at all."""
+
+    bind: str
+    peers: frozenset[str] = frozenset()
+
+    @classmethod
+    def for_sidecar(cls, bind: str, extra: Iterable[str] = (), env: Mapping[str, str] | None = None) -> LinkPolicy:
+        import socket
+
+        from dynprof.job.discovery import SLURM_NODELIST_VARIABLES, expand_nodelist
+
+        env = os.environ if env is None else env
+        peers = {_host_key(bind), _host_key(socket.gethostname()), _host_key(detect().host)}
+        peers |= {_host_key(h) for h in extra if h.strip()}
+        nodelist = next((env[v] for v in SLURM_NODELIST_VARIABLES if env.get(v)), None)
+        if nodelist:
+            try:
+                peers |= {_host_key(h) for h in expand_nodelist(nodelist)}
+            except errors.DynprofError:
+                pass  # a list this parser refuses allows nothing
+        return cls(bind, frozenset(peers))
+
+    @property
+    def loopback_only(self) -> bool:
+        return _is_loopback_host(self.bind)
+
+    def refusal(self, store_host: Any, store_port: Any) -> str | None:
+        """Why a link test toward ``store_host:store_port`` is refused (None: it may run)."""
+        if isinstance(store_port, int) and not isinstance(store_port, bool) and store_port < MIN_LINK_PORT:
+            return f"link-test: 'store_port' must be {MIN_LINK_PORT}-65535 (no privileged port)"
+        if not isinstance(store_host, str):
+            return None  # the command's parser refuses it
+        if self.loopback_only:
+            if not _is_loopback_host(store_host):
+                return (
+                    f"link-test: this sidecar is bound to loopback ({self.bind}): 'store_host' must be a "
+                    f"loopback address, not {store_host[:80]!r}"
+                )
+            return None
+        if _is_loopback_host(store_host) or _host_key(store_host) in self.peers:
+            return None
+        return (
+            f"link-test: {store_host[:80]!r} is not a node this sidecar may reach (the Slurm allocation's "
+            "nodes, this machine, dynprof serve --allow-peer)"
+        )
 
 
 def _opts(**kinds: str) -> dict[str, Option]:
@@ -250,21 +324,26 @@ class ActionSlots:
         limit: int,
         fanout: FanoutConfig | None = None,
         commands: Mapping[str, ActionCommand] | None = None,
+        links: LinkPolicy | None = None,
     ) -> None:
         if limit < 1:
             raise ValueError("at least one action slot")
         self.limit = limit
         self.fanout = fanout
         self.commands = commands or {}
+        self.links = links
         self._sem = threading.BoundedSemaphore(limit)
 
     def run(self, name: str, params: dict[str, Any] | None = None, timeout: float | None = None) -> dict[str, Any]:
         """:func:`run_action` in a free slot; :class:`ActionsBusy` when there is none. The
         request is checked first, so a bad one is refused (ActionError) even when all are busy."""
-        argv_for(name, dict(params or {}), self.fanout)
+        argv_for(name, dict(params or {}), self.fanout, self.links)
         if not self._sem.acquire(blocking=False):
             raise ActionsBusy(f"all {self.limit} action slots are busy")
-        return run_action(name, params, timeout, release=self._sem.release, fanout=self.fanout, commands=self.commands)
+        return run_action(
+            name, params, timeout, release=self._sem.release, fanout=self.fanout, commands=self.commands,
+            links=self.links,
+        )  # fmt: skip
 
 
 def effective_timeout(name: str, timeout: float | None) -> float:
@@ -277,9 +356,12 @@ def effective_timeout(name: str, timeout: float | None) -> float:
     return float(min(timeout, action.max_timeout_s))
 
 
-def argv_for(name: str, params: dict[str, Any], fanout: FanoutConfig | None = None) -> list[str]:
+def argv_for(
+    name: str, params: dict[str, Any], fanout: FanoutConfig | None = None, links: LinkPolicy | None = None
+) -> list[str]:
     """The CLI argument list for action ``name`` with ``params``; :class:`ActionError` on an
-    unknown action or option, or a value of the wrong type. ``hosts`` needs ``fanout``."""
+    unknown action or option, or a value of the wrong type. ``hosts`` needs ``fanout``;
+    ``link-test`` needs ``links`` (and obeys it: its peer, its port, where it listens)."""
     action = ACTIONS.get(name)
     if action is None:
         raise ActionError(f"unknown action {name!r}; known: {', '.join(sorted(ACTIONS))}")
@@ -296,8 +378,24 @@ def argv_for(name: str, params: dict[str, Any], fanout: FanoutConfig | None = No
             known = ", ".join(sorted(action.options))
             raise ActionError(f"{name}: unknown option {str(key)[:80]!r}; known: {known}")
         argv.extend(_flag(opt, key, value))
+    if name == LINK_TEST:
+        argv.extend(_link_args(params, links))
     argv.append("--json")
     return argv
+
+
+LINK_TEST = "link-test"
+
+
+def _link_args(params: dict[str, Any], links: LinkPolicy | None) -> list[str]:
+    """``--bind`` (where rank 0's rendezvous listens: the sidecar's own address) for a link
+    test that ``links`` allows; :class:`ActionError` for one it does not."""
+    if links is None:
+        raise ActionError("this sidecar does not reach other nodes (dynprof serve --no-job-wide): it runs no link test")
+    why = links.refusal(params.get("store_host"), params.get("store_port"))
+    if why:
+        raise ActionError(why)
+    return [f"--bind={links.bind}"]
 
 
 def _hosts_args(name: str, action: Action, hosts: Any, fanout: FanoutConfig | None) -> list[str]:
@@ -379,6 +477,7 @@ def run_action(
     release: Callable[[], Any] | None = None,
     fanout: FanoutConfig | None = None,
     commands: Mapping[str, ActionCommand] | None = None,
+    links: LinkPolicy | None = None,
 ) -> dict[str, Any]:
     """Run one action and return the sidecar's answer::
 
@@ -408,7 +507,7 @@ def run_action(
             elif not isinstance(own, bool) and isinstance(own, (int, float)):
                 params[action.timeout_option] = effective_timeout(name, own)
                 limit = max(limit, params[action.timeout_option])
-        argv = argv_for(name, params, fanout)
+        argv = argv_for(name, params, fanout, links)
         job_wide = params.get(HOSTS) is not None
     except BaseException:
         if release is not None:

@@ -65,6 +65,7 @@ from dynprof.sidecar.actions import (
     ActionsBusy,
     ActionSlots,
     FanoutConfig,
+    LinkPolicy,
 )
 from dynprof.sidecar.metrics import CONTENT_TYPE, CaptureCounts, SidecarCollector, exposition, registry_of
 from dynprof.sidecar.page import PAGE_JS, PAGE_STYLE, VerdictItem, live_html, verdict_item, verdicts_html
@@ -339,6 +340,7 @@ def create_app(
     run_action: Callable[..., dict[str, Any]] | None = None,
     extra_hosts: Iterable[str] = (),
     fanout: FanoutConfig | None = None,
+    links: LinkPolicy | None = None,
     commands: Mapping[str, ActionCommand] | None = None,
     views: PageViews = NO_VIEWS,
     progress: ProgressBook | None = None,
@@ -349,6 +351,7 @@ def create_app(
     one). At most ``max_actions`` actions run at once; ``read_only`` refuses those that act on
     jobs. ``extra_hosts`` are more names the Host header may carry (DNS aliases of this node).
     ``fanout`` lets actions take ``hosts`` (a job-wide view through the other nodes' sidecars).
+    ``links`` lets the ``link-test`` action run, where it allows (without it, it is refused).
     ``commands`` are what the actions run (``dynprof serve`` builds them from the CLI's commands;
     without them, an action answers that it has no command); ``views`` how agents and
     artifacts are shown (without them, none are listed nor summarised). ``progress`` is the
@@ -359,7 +362,7 @@ def create_app(
     app.config["MAX_CONTENT_LENGTH"] = MAX_REQUEST_BYTES
     store = store or ArtifactStore()
     names = allowed_hosts(host) | {_strip_port(h) for h in extra_hosts if h.strip()}
-    slots = ActionSlots(max_actions, fanout, commands)
+    slots = ActionSlots(max_actions, fanout, commands, links)
     runner = run_action or slots.run
     refusals = refusals or RefusalLog()
     book = progress or ProgressBook(detect().host, every_s=0.0)

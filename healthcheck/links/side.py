@@ -79,8 +79,10 @@ def run_side(
     warmup: int = 2,
     limit_s: float = 60.0,
     start_at: float = 0.0,
+    bind: str | None = None,
 ) -> SideResult:
-    """Run this node's side (rank ``rank`` of ``world``) and answer within ``limit_s``."""
+    """Run this node's side (rank ``rank`` of ``world``) and answer within ``limit_s``; rank 0's
+    rendezvous listens on ``bind`` only (None: every address)."""
     if backend not in BACKENDS or pattern not in PATTERNS:
         raise ValueError("unknown backend or pattern")
     argv = [
@@ -99,6 +101,8 @@ def run_side(
         f"--timeout={limit_s!r}",
         f"--start-at={start_at!r}",
     ]
+    if bind:
+        argv.append(f"--bind={bind}")
     env = dict(os.environ)
     env.pop("DYNPROF", None)  # a tool, not a job: no agent in it
     started = time.monotonic()

@@ -17,6 +17,10 @@ network at the same time, so no pair is measured alone while the others are stil
   busbw = algbw = size / time (nccl-tests' sendrecv factor, 1).
 - ``allreduce``: ``all_reduce`` of the buffer; busbw = algbw * 2 (n - 1) / n (nccl-tests).
 
+An exchange is sent in pieces of at most ``CHUNK_BYTES`` (64 MiB), one after the other, so a
+side holds at most one send and one receive piece whatever the size. With ``--bind``, rank 0's
+rendezvous listens on that address only (the sidecar's own), not on every address.
+
 Each iteration's time is the slowest rank's (a MAX all-reduce of the per-iteration seconds),
 so all ranks report the same figure; the figure is the median iteration's (algbw = size /
 median time), so a moment of contention on one side does not make the link look slow. Prints one JSON object on stdout; exit 0, or 3 with the reason on stderr.
@@ -38,6 +42,32 @@ from typing import Any
 
 LINK_SIDE_SCHEMA = "dynprof.healthcheck.link_side"
 SIOCGIFADDR = 0x8915
+CHUNK_BYTES = 64 * 1024 * 1024  # the buffer is exchanged in pieces of at most this: memory is bounded
+
+
+def chunks(elements: int, chunk: int) -> list[int]:
+    """The piece sizes (elements) of one exchange of ``elements``, each at most ``chunk``."""
+    out = [chunk] * (elements // chunk)
+    if elements % chunk:
+        out.append(elements % chunk)
+    return out
+
+
+def listen_socket(bind: str, port: int) -> socket.socket:
+    """A listening socket on ``bind``:``port`` only (the sidecar's own address), for rank 0's
+    rendezvous: the store never listens on addresses the sidecar does not serve."""
+    family, kind, proto, _, address = socket.getaddrinfo(
+        bind.strip("[]"), port, socket.AF_UNSPEC, socket.SOCK_STREAM, 0, socket.AI_PASSIVE
+    )[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 def interface_of(address: str) -> str | None:
@@ -125,6 +155,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         torch.cuda.set_device(device)
     timeout = timedelta(seconds=args.timeout)
     started = time.monotonic()
+    listener = listen_socket(args.bind, args.store_port) if args.rank == 0 and args.bind else None
     store = TCPStore(
         args.store_host,
         args.store_port,
@@ -132,6 +163,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         is_master=args.rank == 0,
         timeout=timeout,
         wait_for_workers=False,
+        master_listen_fd=listener.fileno() if listener is not None else None,
     )
     dist.init_process_group(backend, store=store, rank=args.rank, world_size=args.world, timeout=timeout)
     joined_s = time.monotonic() - started
@@ -141,22 +173,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             torch.cuda.synchronize(device)
 
     n = max(1, args.size // 4)
-    send = torch.full((n,), float(args.rank + 1), dtype=torch.float32, device=device)
-    recv = torch.empty_like(send)
+    # one exchange is the whole size, in pieces of at most CHUNK_BYTES: each side holds a send
+    # piece (and a receive piece for sendrecv), never the whole size twice over
+    pieces = chunks(n, max(1, CHUNK_BYTES // 4))
+    send = torch.full((pieces[0],), float(args.rank + 1), dtype=torch.float32, device=device)
+    recv = torch.empty_like(send) if args.pattern == "sendrecv" else send
     nxt, prev = (args.rank + 1) % args.world, (args.rank - 1) % args.world
 
     def once() -> None:
-        if args.pattern == "sendrecv":
-            ops = [dist.P2POp(dist.isend, send, nxt), dist.P2POp(dist.irecv, recv, prev)]
-            for req in dist.batch_isend_irecv(ops):
-                req.wait()
-        else:
-            dist.all_reduce(send)
+        for piece in pieces:
+            if args.pattern == "sendrecv":
+                ops = [dist.P2POp(dist.isend, send[:piece], nxt), dist.P2POp(dist.irecv, recv[:piece], prev)]
+                for req in dist.batch_isend_irecv(ops):
+                    req.wait()
+            else:
+                dist.all_reduce(send[:piece])
 
     for _ in range(args.warmup):
         once()
     sync()
-    if args.pattern == "sendrecv" and float(recv[0].item()) != float(prev + 1):
+    if args.pattern == "sendrecv" and args.warmup and float(recv[0].item()) != float(prev + 1):
         raise RuntimeError(f"rank {args.rank} received {float(recv[0].item())} from rank {prev}, not {prev + 1}")
     dist.barrier()
     late_s = _wait_until(args.start_at)
@@ -205,6 +241,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--world", type=int, required=True)
     p.add_argument("--store-host", required=True)
     p.add_argument("--store-port", type=int, required=True)
+    p.add_argument("--bind", default=None, help="rank 0: the rendezvous listens on this address only")
     p.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto")
     p.add_argument("--pattern", choices=("sendrecv", "allreduce"), default="sendrecv")
     p.add_argument("--size", type=int, default=64 * 1024 * 1024)

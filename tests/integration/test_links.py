@@ -7,9 +7,11 @@ shaped with tbf; elsewhere those tests skip. The hung-peer tests run on loopback
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -162,3 +164,77 @@ def test_the_preflight_with_links_drains_the_node_with_the_slow_link(netns_nodes
     assert doc["links"]["schema"] == "dynprof.healthcheck.links" and len(doc["links"]["rounds"]) <= 2
     assert proc.returncode == 2
     assert "links:" in proc.stderr
+
+
+def _listeners(port: int) -> set[str]:
+    """The local addresses (hex, as /proc/net/tcp* writes them) listening on ``port``."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = open(table).read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            address, hex_port = fields[1].rsplit(":", 1)
+            if int(hex_port, 16) == port and fields[3] == "0A":  # LISTEN
+                found.add(address)
+    return found
+
+
+def test_rank_zero_listens_only_on_the_address_it_is_bound_to():
+    # GIVEN rank 0 of a pair told to listen on loopback only (what a sidecar bound there gives it)
+    port = 29851
+    proc = subprocess.Popen(
+        [*LINK_TEST, "--json", "--store-host=127.0.0.1", f"--store-port={port}", "--rank=0", "--limit=60",
+         "--bind=127.0.0.1"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=str(ROOT),
+    )  # fmt: skip
+    try:
+        # WHEN its rendezvous is up (polled; the bound only stops a hang)
+        deadline = time.monotonic() + 120
+        seen: set[str] = set()
+        while time.monotonic() < deadline and proc.poll() is None and not seen:
+            seen = _listeners(port)
+            time.sleep(0.2)
+        # THEN it listens on 127.0.0.1 alone, not on every address
+        assert seen == {"0100007F"}, (seen, proc.poll(), proc.stderr.read() if proc.poll() is not None else "")
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=60)
+
+
+def _worker_peak_rss(size: int, port: int) -> int:
+    """The peak RSS (bytes) of rank 0 of a gloo pair on loopback exchanging ``size`` bytes."""
+    argv = [sys.executable, "-m", "healthcheck.links.worker", "--world=2", "--store-host=127.0.0.1",
+            f"--store-port={port}", "--backend=gloo", f"--size={size}", "--iters=1", "--warmup=1", "--timeout=120"]  # fmt: skip
+    procs = [
+        subprocess.Popen([*argv, f"--rank={rank}"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=str(ROOT))
+        for rank in (0, 1)
+    ]
+    peaks = []
+    for proc in procs:
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        assert proc.returncode == 0, proc.stderr.read() if proc.stderr else ""
+        peaks.append(usage.ru_maxrss * 1024)
+    return max(peaks)
+
+
+def test_a_sides_memory_does_not_grow_with_twice_the_size():
+    # GIVEN a pair exchanging 4 MiB, then one exchanging 256 MiB
+    small = _worker_peak_rss(4 << 20, 29861)
+    size = 256 << 20
+    large = _worker_peak_rss(size, 29862)
+    grown = large - small
+    print(f"peak RSS of a side: {small / 2**20:.0f} MiB at 4 MiB, {large / 2**20:.0f} MiB at 256 MiB")
+    # THEN the larger exchange costs less than its size more (it is streamed in pieces), not
+    # two buffers of the whole size
+    assert grown < size
+
+
+def test_link_test_refuses_a_privileged_port_and_a_size_past_its_bound():
+    for args in (["--store-host=h", "--store-port=81"], ["--store-host=h", f"--size={2 << 30}"]):
+        proc = subprocess.run([*LINK_TEST, *args], capture_output=True, text=True, timeout=120, cwd=str(ROOT))
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+        assert "link-test" in proc.stderr

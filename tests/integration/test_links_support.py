@@ -78,7 +78,7 @@ class SimNodes:
         self.procs: list[subprocess.Popen[bytes]] = []
         self.count = count
 
-    def _serve(self, i: int, host: str, port: int, prefix: list[str]) -> None:
+    def _serve(self, i: int, host: str, port: int, prefix: list[str], extra: tuple[str, ...] = ()) -> None:
         # node i (its sidecar, and so its link workers) on CPU i % cpus: every pair of a round
         # then shares the CPUs alike; left to the scheduler on a small machine, a pair whose two
         # ends happen to share a CPU measures several times slower than one that does not
@@ -93,7 +93,7 @@ class SimNodes:
         env.pop("DYNPROF", None)
         with open(self.workdir / f"serve-{i}.log", "wb") as log:
             proc = subprocess.Popen(
-                [*prefix, *SERVE, "--host", host, "--port", str(port), "--token-file", str(self.token_file)],
+                [*prefix, *SERVE, "--host", host, "--port", str(port), "--token-file", str(self.token_file), *extra],
                 env=env,
                 cwd=str(ROOT),
                 stdout=subprocess.DEVNULL,
@@ -177,7 +177,9 @@ class NetnsNodes(SimNodes):
             self._ip("-n", ns, "link", "set", "eth0", "up")
             self._ip("-n", ns, "link", "set", "lo", "up")
         for i, ns in enumerate(self.namespaces):
-            self._serve(i, self.address(i), SIDECAR_PORT, ["ip", "netns", "exec", ns])
+            # the other nodes are the peers its link tests may reach (no Slurm allocation here)
+            peers = tuple(f"--allow-peer={self.address(j)}" for j in range(self.count) if j != i)
+            self._serve(i, self.address(i), SIDECAR_PORT, ["ip", "netns", "exec", ns], peers)
         self._wait()
         return self
 

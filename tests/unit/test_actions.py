@@ -513,3 +513,48 @@ def test_the_sidecar_imports_no_cli():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     # THEN no CLI module came with them (dynprof serve hands the sidecar its commands and views)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+# -- link-test: the sidecar's allow-list, its binding, no privileged port ---------------------------
+LINK = {"rank": 1, "world": 2, "store_host": "10.9.9.9", "store_port": 29720}
+
+
+def test_a_sidecar_without_job_wide_runs_no_link_test():
+    # GIVEN a sidecar started with --no-job-wide (no fan-out, hence no link policy)
+    slots = actions.ActionSlots(2)
+    # WHEN a token holder asks for a link test toward any host, of either rank
+    for rank in (0, 1):
+        with pytest.raises(actions.ActionError, match="no-job-wide"):
+            slots.run("link-test", {**LINK, "rank": rank, "store_host": "127.0.0.9", "store_port": 29999})
+    # THEN it is refused before anything runs (and before a slot is taken)
+    assert slots._sem.acquire(blocking=False)
+
+
+def test_a_sidecar_bound_to_loopback_links_only_over_loopback_and_listens_there():
+    policy = actions.LinkPolicy.for_sidecar("127.0.0.1", env={})
+    # GIVEN a sidecar bound to loopback: a peer elsewhere is refused
+    for host in ("10.9.9.9", "node-7", "0.0.0.0"):
+        with pytest.raises(actions.ActionError, match="bound to loopback"):
+            actions.argv_for("link-test", {**LINK, "store_host": host}, links=policy)
+    # THEN a loopback peer runs, and rank 0's rendezvous listens on the sidecar's address only
+    argv = actions.argv_for("link-test", {**LINK, "rank": 0, "store_host": "127.0.0.1"}, links=policy)
+    assert "--bind=127.0.0.1" in argv and argv[-1] == "--json"
+    # AND the caller cannot name where it listens
+    with pytest.raises(actions.ActionError, match="unknown option 'bind'"):
+        actions.argv_for("link-test", {**LINK, "store_host": "127.0.0.1", "bind": "0.0.0.0"}, links=policy)
+
+
+def test_link_test_peers_are_the_allowed_nodes_and_ports_are_unprivileged():
+    # GIVEN a sidecar on every address of a node of a Slurm allocation, one more peer allowed
+    env = {"SLURM_JOB_NODELIST": "gpu[01-03]"}
+    policy = actions.LinkPolicy.for_sidecar("0.0.0.0", ["spare-9"], env=env)
+    # THEN the allocation's nodes, the extra peer and this machine are reachable
+    for host in ("gpu02", "GPU03.", "spare-9", "127.0.0.1"):
+        assert "--bind=0.0.0.0" in actions.argv_for("link-test", {**LINK, "store_host": host}, links=policy)
+    # AND any other host is refused, as is a privileged port
+    for host in ("10.9.9.9", "gpu04", "evil.example.com"):
+        with pytest.raises(actions.ActionError, match="not a node this sidecar may reach"):
+            actions.argv_for("link-test", {**LINK, "store_host": host}, links=policy)
+    for port in (81, 1023, 0):
+        with pytest.raises(actions.ActionError, match="no privileged port"):
+            actions.argv_for("link-test", {**LINK, "store_host": "gpu01", "store_port": port}, links=policy)
