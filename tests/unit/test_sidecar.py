@@ -485,3 +485,13 @@ def test_the_connection_cap_leaves_the_threads_their_descriptors():
     assert connection_cap(8, 4096) + descriptor_reserve(8) == 4096
     assert connection_cap(256, 64) == MIN_CONNECTIONS
     assert min_open_files(8) == descriptor_reserve(8) + MIN_CONNECTIONS
+
+
+def test_a_sidecar_without_job_wide_refuses_the_link_test_action(store):
+    # GIVEN a sidecar app as `serve --no-job-wide` builds it (no fan-out, no link policy)
+    client = create_app(store, token="t" * 20).test_client()
+    # WHEN a token holder asks it for a link test toward a listener of its choosing
+    options = {"rank": 1, "world": 2, "store_host": "127.0.0.9", "store_port": 29999}
+    r = client.post("/api/v1/actions/link-test", json={"options": options}, headers=AUTH)
+    # THEN it is a 400 that says why, and nothing runs
+    assert r.status_code == 400 and "runs no link test" in r.get_json()["error"]
