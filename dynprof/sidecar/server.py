@@ -317,6 +317,7 @@ class SidecarServer(Server):  # type: ignore[misc]
     workers answer it)."""
 
     ConnectionClass = _Connection
+    _connections: Any  # cheroot's connection manager, made by prepare()
 
     def __init__(
         self,
@@ -341,7 +342,9 @@ class SidecarServer(Server):  # type: ignore[misc]
 
     def prepare(self) -> None:
         super().prepare()
-        self._connections = _Connections(self)  # the one cheroot made holds nothing yet
+        made = self._connections
+        self._connections = _Connections(self)
+        made.close()  # the one cheroot made holds nothing yet: only its selector is closed
 
     def held(self, delta: int) -> bool:
         """Count a connection opened (+1) or closed (-1)."""

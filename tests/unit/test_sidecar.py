@@ -495,3 +495,33 @@ def test_a_sidecar_without_job_wide_refuses_the_link_test_action(store):
     r = client.post("/api/v1/actions/link-test", json={"options": options}, headers=AUTH)
     # THEN it is a 400 that says why, and nothing runs
     assert r.status_code == 400 and "runs no link test" in r.get_json()["error"]
+
+
+def test_a_new_connection_that_sends_nothing_is_closed_at_the_head_deadline():
+    import socket
+    import threading
+    import time
+
+    from dynprof.sidecar.server import SidecarServer
+
+    # GIVEN a serving sidecar server with a head deadline of 1 s and an idle timeout of 60 s
+    server = SidecarServer(
+        ("127.0.0.1", 0), lambda environ, start: [], numthreads=1, timeout=60, head_timeout=1.0, body_timeout=1.0
+    )
+    server.prepare()
+    thread = threading.Thread(target=server.serve, daemon=True)
+    thread.start()
+    try:
+        # WHEN a client connects and sends nothing
+        with socket.create_connection(server.bind_addr, timeout=30) as s:
+            # THEN the server closes it long before the idle timeout (recv sees the close; the
+            # socket's 30 s timeout only stops a hang)
+            assert s.recv(1) == b""
+        # AND it no longer counts it among the connections it holds
+        deadline = time.monotonic() + 10
+        while server.connections_held and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert server.connections_held == 0
+    finally:
+        server.stop()
+        thread.join(10)
