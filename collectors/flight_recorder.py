@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dynprof.safetext import one_line
+
 KIND = "nccl"
 SCHEMA = "dynprof.flight_recorder"
 SCHEMA_VERSION = 1
@@ -473,7 +475,7 @@ def render_analysis(analysis: dict[str, Any]) -> str:
             )
         lines.append(("  HUNG: " if pg["hung"] else "  ") + pg["verdict"])
         lines.append("")
-    return "\n".join(lines)
+    return "\n".join(one_line(line) for line in lines)
 
 
 def render_artifact(artifact: Any) -> tuple[dict[str, Any], str]:
@@ -485,5 +487,5 @@ def render_artifact(artifact: Any) -> tuple[dict[str, Any], str]:
         ]
     }
     notes = (artifact.manifest.get("summary") or {}).get("notes") or []
-    text = render_analysis(analysis) + "".join(f"note: {n}\n" for n in notes)
+    text = render_analysis(analysis) + "".join(one_line(f"note: {n}") + "\n" for n in notes)
     return summary, text

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from dynprof.safetext import one_line
 from dynprof.units import human_bytes
 
 KIND = "host-memory"
@@ -413,7 +414,7 @@ def format_tensors(tensors: list[dict[str, Any]]) -> str:
     if not tensors:
         return "(no CPU tensors found from the threads' frames and __main__)\n"
     lines = [f"{_b(t['bytes']):>11}  {t['dtype']:<9} {t['shape']!s:<22} {t['where']}" for t in tensors]
-    return "\n".join(lines) + "\n"
+    return "\n".join(one_line(line) for line in lines) + "\n"
 
 
 def render_artifact(artifact: Any) -> tuple[dict[str, Any], str]:
@@ -437,12 +438,12 @@ def render_artifact(artifact: Any) -> tuple[dict[str, Any], str]:
     lines.append(
         f"largest CPU tensors ({summary['objects_visited']} objects searched in {summary['tensor_search_s']} s):"
     )
-    lines.append(format_tensors(summary.get("largest_cpu_tensors") or []).rstrip())
+    lines.extend(format_tensors(summary.get("largest_cpu_tensors") or []).rstrip().split("\n"))
     stacks = Path(artifact.file(STACKS_FILE))
     if stacks.exists():
         lines.append("")
         lines.append(f"Python stacks of {summary.get('threads', '?')} threads in {STACKS_FILE}")
-    return summary, "\n".join(lines)
+    return summary, "\n".join(one_line(line) for line in lines)
 
 
 def usage_dict(usage: Usage) -> dict[str, Any]:

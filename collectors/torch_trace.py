@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from dynprof.safetext import one_line
+
 TRACE_FILE = "trace.json.gz"
 KIND = "trace"
 
@@ -480,4 +482,4 @@ def render_artifact(artifact: Any) -> tuple[dict[str, Any], str]:
         lines.append(f"{'top GPU kernels':<48} {'calls':>7} {'total ms':>10}")
         for row in summary["gpu_kernels"]:
             lines.append(f"{row['name'][:48]:<48} {row['count']:>7} {row['total_us'] / 1000:>10.3f}")
-    return summary, "\n".join(lines)
+    return summary, "\n".join(one_line(line) for line in lines)

@@ -63,6 +63,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from dynprof.errors import ArtifactError
+from dynprof.safetext import one_line
 
 KIND = "analysis"
 ANALYSIS_FILE = "analysis.json"
@@ -1230,7 +1231,7 @@ def render_text(analysis: dict[str, Any], top: int = 10) -> str:
             )
     for e in analysis.get("errors") or []:
         lines.append(f"not analysed: rank {e.get('rank')}: {e['error']}")
-    return "\n".join(lines)
+    return "\n".join(one_line(line) for line in lines)
 
 
 def render_compare_text(result: dict[str, Any], label_a: str, label_b: str) -> str:
@@ -1254,7 +1255,7 @@ def render_compare_text(result: dict[str, Any], label_a: str, label_b: str) -> s
     for side in ("a", "b"):
         s = result["straggler"][side]
         lines.append(f"straggler in {side.upper()}: " + (s["reason"] if s else "none"))
-    return "\n".join(lines)
+    return "\n".join(one_line(line) for line in lines)
 
 
 # -- artifacts ----------------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 
 Read from the launcher's environment: torchrun / torch.distributed.elastic, Slurm, Open MPI,
 and dynprof's own overrides (``DYNPROF_RANK``, ``DYNPROF_JOB_ID``...). Nothing here imports
-torch or touches the network.
+torch or touches the network. The environment is untrusted: a value that is not UTF-8 is read
+as text with its bad bytes escaped (``\\xff``), never as an error.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from dynprof import _settings
+from dynprof.safetext import valid_text
 
 
 def _first_int(env: Mapping[str, str], *names: str) -> int | None:
@@ -28,10 +30,13 @@ def _first_int(env: Mapping[str, str], *names: str) -> int | None:
 
 
 def _first_str(env: Mapping[str, str], *names: str) -> str | None:
+    """The first of ``names`` set to a non-empty value, as valid text: bytes of the environment
+    that are not UTF-8 (``DYNPROF_JOB_ID=$'bad\\xff'``) become ``\\xff``, the same on every read,
+    so that the id can be encoded on the wire and in every record and page."""
     for name in names:
         value = env.get(name)
         if value:
-            return value
+            return valid_text(value)
     return None
 
 
@@ -55,5 +60,5 @@ def detect(env: Mapping[str, str] | None = None) -> Identity:
     job_id = _first_str(env, "DYNPROF_JOB_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID")
     if job_id == "none":  # torchrun's default run id when --rdzv-id is not given
         job_id = _first_str(env, "DYNPROF_JOB_ID", "SLURM_JOB_ID")
-    host = env.get("DYNPROF_HOST") or socket.gethostname()
+    host = valid_text(env.get("DYNPROF_HOST") or socket.gethostname())
     return Identity(host=host, rank=rank, local_rank=local_rank, world_size=world_size, job_id=job_id)

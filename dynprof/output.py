@@ -12,7 +12,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from dynprof import jsontext
+from dynprof import jsontext, safetext
 
 
 def print_json(obj: Any) -> None:
@@ -21,44 +21,19 @@ def print_json(obj: Any) -> None:
     print(jsontext.dumps(obj, indent=2, default=str))
 
 
-# Characters that must not reach a terminal raw: C0/C1 controls (escape sequences, carriage
-# returns, backspaces), bidirectional overrides (text that reads differently from what it is)
-# and lone surrogates (undecodable bytes, which would also fail to encode).
-_BIDI = set(range(0x202A, 0x202F)) | set(range(0x2066, 0x206A)) | {0x200E, 0x200F, 0x061C}
-
-
-def _escape_char(ch: str) -> str:
-    code = ord(ch)
-    if code < 0x100:
-        return f"\\x{code:02x}"
-    if code < 0x10000:
-        return f"\\u{code:04x}"
-    return f"\\U{code:08x}"
-
-
 def printable(text: object) -> str:
-    """``text`` safe to show on a terminal: control characters and the like as ``\\xNN`` escapes.
+    """``text`` safe to show on a terminal, on one line: control characters, newlines,
+    bidirectional overrides and the like as visible escapes (``\\x1b``, ``\\n``, ``\\u202e``),
+    cut at :data:`dynprof.safetext.MAX_LINE` characters (:func:`dynprof.safetext.one_line`).
 
     Job ids, command lines and manifests come from other processes and from files: whatever
     they hold must not move the cursor, recolour or clear the screen of whoever runs dynprof."""
-    s = str(text)
-    if s.isprintable():
-        return s
-    out = []
-    for ch in s:
-        code = ord(ch)
-        if ch.isprintable() and code not in _BIDI:
-            out.append(ch)
-        elif ch == " ":
-            out.append(ch)
-        else:
-            out.append(_escape_char(ch))
-    return "".join(out)
+    return safetext.one_line(text)
 
 
 def printable_lines(text: str) -> str:
     """Like :func:`printable`, line by line: newlines kept, everything else escaped."""
-    return "\n".join(printable(line) for line in text.split("\n"))
+    return safetext.lines(text)
 
 
 def table(rows: Sequence[Sequence[Any]], headers: Sequence[str]) -> str:

@@ -18,6 +18,7 @@ from typing import Any
 from dynprof import jsontext
 from dynprof.paths import agents_dir
 from dynprof.roles import ROLES, makes_launcher
+from dynprof.safetext import valid_text
 
 RECORD_SCHEMA_VERSION = 1
 
@@ -72,7 +73,18 @@ class AgentRecord:
         known = {f for f in cls.__dataclass_fields__}
         record = cls(**{k: v for k, v in data.items() if k in known})
         record._check()
+        record._make_valid_text()
         return record
+
+    def _make_valid_text(self) -> None:
+        """A record's text as valid text: a job id or command line holding bytes that are not
+        UTF-8 (a JSON ``\\udcff``, from an agent that wrote them raw) is read with them
+        escaped (``\\xff``), so that no reader (a page, ``/metrics``, the wire) fails on it."""
+        for name in ("host", "job_id", "python_version", "torch_version", "dynprof_version"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                setattr(self, name, valid_text(value))
+        self.cmdline = [valid_text(a) for a in self.cmdline]
 
     def _check(self) -> None:
         def is_int(v: Any) -> bool:

@@ -27,6 +27,7 @@ from typing import Any
 from collectors.memory import STACK_FILE
 from collectors.memory.reader import read_summary
 from collectors.memory.summary import ACTIVE_STATES, NO_STACK, allocation_site, format_frame
+from dynprof.safetext import one_line
 from dynprof.units import human_bytes
 
 
@@ -142,7 +143,7 @@ def format_summary(summary: dict[str, Any], top: int = 10) -> str:
             f"capture: {cap['total_s']} s (snapshot {cap['snapshot_s']} s, pickle {cap['pickle_s']} s, "
             f"{_b(cap['pickle_bytes'])}, {cap['history_entries']} history events)"
         )
-    return "\n".join(lines)
+    return "\n".join(one_line(line) for line in lines)
 
 
 def render_artifact(artifact: Any) -> tuple[dict[str, Any], str]:

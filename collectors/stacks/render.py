@@ -1,5 +1,7 @@
 """Text renderers of stacks: one process's dump, the merged view, and a stacks (or hang)
-artifact for ``dynprof show``."""
+artifact for ``dynprof show``. Each line is made one printable line
+(:func:`dynprof.safetext.one_line`): a newline or an escape sequence in a frame's name, a
+thread's name or a host is shown escaped, never as a line of its own."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ from collections.abc import Sequence
 
 from collectors.stacks.merge import group_processes
 from collectors.stacks.model import Group, ProcessStacks, ThreadStack
+from dynprof.safetext import one_line
 
 
 def render_process(p: ProcessStacks) -> str:
@@ -35,7 +38,7 @@ def render_process(p: ProcessStacks) -> str:
             lines.append(f"    {f.where()}")
             for k, v in (f.locals or {}).items():
                 lines.append(f"        {k} = {v}")
-    return "\n".join(lines)
+    return "\n".join(one_line(line) for line in lines)
 
 
 def render_merged(
@@ -85,4 +88,4 @@ def render_merged(
     if notes:
         lines.append("Notes:")
         lines.extend(f"  {n}" for n in notes)
-    return "\n".join(lines).rstrip() + "\n"
+    return "\n".join(one_line(line) for line in lines).rstrip() + "\n"

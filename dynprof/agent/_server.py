@@ -31,6 +31,7 @@ from collections.abc import Callable
 from typing import Any
 
 from dynprof.proto import PROTOCOL_VERSION, FrameError, pb, recv_frame, send_frame
+from dynprof.safetext import valid_text
 
 log = logging.getLogger("dynprof.agent")
 
@@ -116,6 +117,7 @@ class ControlServer:
         self._closing = False
         self._slots = threading.BoundedSemaphore(max_connections)
         self._dispatch_lock = threading.Lock()
+        self.failed_commands: dict[str, int] = {}  # handler failures by command
 
     def close(self) -> None:
         self._closing = True
@@ -239,7 +241,7 @@ class ControlServer:
         except CommandError as exc:
             return self._error(req.request_id, exc.code, exc.message, exc.help)
         except Exception as exc:
-            log.exception("handler %s failed", command)
+            self._handler_failed(command)
             return self._error(
                 req.request_id,
                 pb.INTERNAL,
@@ -250,12 +252,24 @@ class ControlServer:
         getattr(reply, field).CopyFrom(result)
         return reply
 
+    def _handler_failed(self, command: str) -> None:
+        """A handler's failure goes into the job's stderr once per command, the first time, with
+        where the rest go; every later one of that command goes to the agent's log file only
+        (a client polling ``status`` every second must not write a line a second into the job's
+        output). Called under the dispatch lock: handlers run one at a time."""
+        first = command not in self.failed_commands
+        self.failed_commands[command] = self.failed_commands.get(command, 0) + 1
+        if first:
+            log.exception("handler %s failed (its later failures go to the agent's log file only)", command)
+        else:
+            log.info("handler %s failed again (%d times)", command, self.failed_commands[command], exc_info=True)
+
     @staticmethod
     def _error(request_id: int, code: int, message: str, help: str = "") -> Any:
         reply = pb.Reply(protocol_version=PROTOCOL_VERSION, request_id=request_id)
         reply.error.code = code
-        reply.error.message = message
-        reply.error.help = help
+        reply.error.message = valid_text(message)
+        reply.error.help = valid_text(help)
         return reply
 
     def _reply_error(self, conn: socket.socket, request_id: int, code: int, message: str, timeout: float = 0.5) -> None:

@@ -262,13 +262,13 @@ class VerdictPrinter:
         self.ticks.append(tick)
         del self.ticks[:-2]
         for node, why in sorted(tick.nodes_unanswered.items()):
-            print(f"dynprof: node {node}: {printable(why)}", file=sys.stderr)
+            print(f"dynprof: node {printable(node)}: {printable(why)}", file=sys.stderr)
         if tick.ended:
-            print(f"dynprof: watch: {tick.note}; stopping", file=sys.stderr)
+            print(f"dynprof: watch: {printable(tick.note)}; stopping", file=sys.stderr)
             return
         if tick.ranks == 0:
             if not self._told_no_ranks:
-                print(f"dynprof: watch: {tick.note} yet (waiting for ranks with an agent)", file=sys.stderr)
+                print(f"dynprof: watch: {printable(tick.note)} yet (waiting for ranks with an agent)", file=sys.stderr)
                 self._told_no_ranks = True
             return
         stall = tick.stall
@@ -468,7 +468,7 @@ def start_hosted_watch(args: argparse.Namespace, token: str) -> Any:
                 engine.run()
                 return
             except Exception as exc:  # a bug in a round must not end the watch (nor the sidecar)
-                print(f"dynprof: watch: a round failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+                print(f"dynprof: watch: a round failed: {type(exc).__name__}: {printable(exc)}", file=sys.stderr)
                 time.sleep(args.interval)
 
     threading.Thread(target=loop, name="dynprof-watch", daemon=True).start()

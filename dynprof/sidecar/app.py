@@ -53,7 +53,7 @@ from urllib.parse import quote, urlsplit
 from flask import Flask, Response, abort, g, jsonify, request, send_file
 from werkzeug.exceptions import ClientDisconnected, HTTPException, MethodNotAllowed
 
-from dynprof import __version__, roles
+from dynprof import __version__, roles, safetext
 from dynprof.errors import ArtifactError
 from dynprof.identity import detect
 from dynprof.registry import list_records
@@ -617,18 +617,17 @@ def create_app(
             sections = "<p>no agents on this node</p>"
         rows_arts = "".join(_artifact_row(a) for a in arts) or "<tr><td colspan=5>no artifacts yet</td></tr>"
         rows_bad = "".join(
-            f"<tr><td>{html.escape(b.id)}</td><td class='failed'>bad</td><td>{html.escape(b.reason)}</td></tr>"
-            for b in bad[:200]
+            f"<tr><td>{_text(b.id)}</td><td class='failed'>bad</td><td>{_text(b.reason)}</td></tr>" for b in bad[:200]
         )
         if rows_bad:
             rows_bad = f"<h2>Damaged (skipped)</h2><table><tr><th>ID</th><th></th><th>WHY</th></tr>{rows_bad}</table>"
         mode = " <span class='ro'>read-only</span>" if read_only else ""
-        return (
+        return _shown(
             f"<!doctype html><html><head><meta charset=utf-8><title>dynprof</title>"
             f"<meta name=dynprof-csrf content='{html.escape(csrf)}'>"
             f"<meta name=dynprof-store content='{html.escape(str(store.root))}'>"
             f"<style>{_STYLE}</style></head>"
-            f"<body><h1>dynprof <small>{html.escape(detect().host)}</small>{mode}</h1>"
+            f"<body><h1>dynprof <small>{_text(detect().host)}</small>{mode}</h1>"
             f"<h2>Live</h2>{live}<h2>Verdicts</h2>{verdicts}"
             f"<h2>Jobs</h2><div id=jobs>{sections}</div>"
             f"<h2>Artifacts</h2><p>store: <code>{html.escape(str(store.root))}</code></p>{refused}"
@@ -644,20 +643,20 @@ def create_app(
         m = art.manifest
         files = "".join(
             f"<tr><td><a href='/api/v1/artifacts/{html.escape(quote(art.id))}/files/{html.escape(quote(f['name']))}'>"
-            f"{html.escape(f['name'])}</a></td><td>{human_bytes(f['size'])}</td><td><code>{html.escape(f['sha256'])}</code></td></tr>"
+            f"{_text(f['name'])}</a></td><td>{human_bytes(f['size'])}</td><td><code>{html.escape(f['sha256'])}</code></td></tr>"
             for f in art.files
         )
         fields = "".join(
-            f"<tr><th>{k}</th><td>{html.escape(_value(m.get(k)))}</td></tr>"
+            f"<tr><th>{k}</th><td>{_text(_value(m.get(k)))}</td></tr>"
             for k in ("kind", "status", "job", "host", "rank", "pid", "created_at", "finished_at", "options", "error")
         )
-        return (
+        return _shown(
             f"<!doctype html><html><head><meta charset=utf-8><title>{html.escape(art.id)}</title>"
             f"<style>{_STYLE}</style></head><body><p><a href='/'>&larr; dynprof</a></p>"
-            f"<h1>{html.escape(art.kind)} <small>{html.escape(art.id)}</small></h1><table>{fields}</table>"
+            f"<h1>{_text(art.kind)} <small>{_text(art.id)}</small></h1><table>{fields}</table>"
             f"<h2>Files</h2><table><tr><th>name</th><th>size</th><th>sha256</th></tr>{files}</table>"
             f"{views.render_html(art)}"
-            f"<h2>Contents</h2><pre>{html.escape(text or '(no summary for this kind)')}</pre></body></html>"
+            f"<h2>Contents</h2><pre>{html.escape(safetext.lines(text or '(no summary for this kind)'))}</pre></body></html>"
         )
 
     return app
@@ -694,11 +693,24 @@ def _page_verdicts(arts: list[Artifact]) -> list[VerdictItem]:
     return items
 
 
+def _text(value: object) -> str:
+    """What an agent, a node or a file said, for the page: one printable line
+    (:func:`dynprof.safetext.one_line`), then escaped for HTML."""
+    return html.escape(safetext.one_line(value))
+
+
+def _shown(page: str) -> str:
+    """The whole page, last: whatever a fragment let through (a raw escape character, a
+    bidirectional override, a byte that is not UTF-8, which would fail the answer) is shown as
+    its escape; the page's own markup holds none of them."""
+    return safetext.lines(page, limit=None)
+
+
 def _artifact_row(a: Artifact) -> str:
     return (
-        f"<tr><td><a href='/artifact/{html.escape(quote(a.id))}'>{html.escape(a.id)}</a></td>"
-        f"<td>{html.escape(a.kind)}</td><td class='{html.escape(a.status)}'>{html.escape(a.status)}</td>"
-        f"<td>{html.escape(a.created_at)}</td><td>{human_bytes(a.size)}</td></tr>"
+        f"<tr><td><a href='/artifact/{html.escape(quote(a.id))}'>{_text(a.id)}</a></td>"
+        f"<td>{_text(a.kind)}</td><td class='{html.escape(a.status)}'>{_text(a.status)}</td>"
+        f"<td>{_text(a.created_at)}</td><td>{human_bytes(a.size)}</td></tr>"
     )
 
 
@@ -710,14 +722,14 @@ def _job_section(job: str, rows: list[dict[str, Any]], read_only: bool, job_wide
     trainers = [a for a in rows if a.get("role") == roles.TRAINER]
     targets = trainers or [a for a in rows if a.get("role") in (None, roles.OTHER)]
     pids = ",".join(str(a["pid"]) for a in targets)
-    title = f"job {html.escape(job)}" if job else "processes without a job id"
+    title = f"job {_text(job)}" if job else "processes without a job id"
     body = "".join(
         f"<tr data-pid='{a['pid']}'><td>{a['rank'] if a['rank'] is not None else '-'}</td>"
-        f"<td class='role'>{html.escape(str(a.get('role') or '-'))}</td>"
-        f"<td>{html.escape(str(a.get('host') or '-'))}</td>"
+        f"<td class='role'>{_text(a.get('role') or '-')}</td>"
+        f"<td>{_text(a.get('host') or '-')}</td>"
         f"<td>{a['pid']}</td><td class='step'>{a.get('step') if a.get('step') is not None else '-'}</td>"
-        f"<td class='state'>{html.escape(a['state'])}</td><td>{human_age(a['age_s'])}</td>"
-        f"<td><code>{html.escape(' '.join(a['cmdline'])[:100])}</code></td></tr>"
+        f"<td class='state'>{_text(a['state'])}</td><td>{human_age(a['age_s'])}</td>"
+        f"<td><code>{_text(safetext.one_line(' '.join(a['cmdline']), 100))}</code></td></tr>"
         for a in rows
     )
     disabled = " disabled title='read-only sidecar'" if read_only else ""

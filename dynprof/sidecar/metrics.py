@@ -8,7 +8,8 @@ is the reference; the names are what ``scripts/deploy/dynprof-alerts.yml`` and t
 Per rank of a job on this node (labels ``job_id``, ``host``, ``rank``): steps (counter), a
 step-time histogram (10 buckets), seconds since the last step, agent up; per job: artifacts
 in the node's store by kind (counter, cached ``CAPTURE_TTL_S``), the stall time; with a hosted
-watch: stalled, straggler score, verdicts. Labels are bounded: never a pid or a command line.
+watch: stalled, straggler score, verdicts. Labels are bounded: never a pid or a command line,
+and valid text (:func:`text_label`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from prometheus_client.registry import Collector
 from dynprof import __version__
 from dynprof.errors import ArtifactError
 from dynprof.renderers import RENDERERS
+from dynprof.safetext import valid_text
 from dynprof.sidecar.progress import STEP_BUCKETS, BookView, ProgressBook
 from dynprof.store import ArtifactStore
 from dynprof.watch.model import VERDICT_KIND, VERDICT_KINDS, WatchGauges
@@ -45,6 +47,14 @@ SERIES_PER_RANK_WITH_WATCH = SERIES_PER_RANK + 1  # the straggler score
 
 def rank_label(rank: int | None) -> str:
     return "none" if rank is None else str(rank)
+
+
+def text_label(value: object) -> str:
+    """A label value from what an agent or a node said (a job id, a host), cut to MAX_LABEL
+    characters, as valid text (:func:`dynprof.safetext.valid_text`: bytes that are not UTF-8
+    as ``\\xNN``), so that one agent's odd id can never fail the whole exposition. Quotes,
+    backslashes and newlines are the exposition's to escape, and it does."""
+    return valid_text(str(value))[:MAX_LABEL]
 
 
 class CaptureCounts:
@@ -101,7 +111,7 @@ class SidecarCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         view = self._view()
-        host = view.host[:MAX_LABEL]
+        host = text_label(view.host)
         now = time.time()
         labels = ["job_id", "host", "rank"]
         steps = CounterMetricFamily("dynprof_rank_steps", "Optimizer steps the rank completed.", labels=labels)
@@ -119,7 +129,7 @@ class SidecarCollector(Collector):
         jobs: dict[str, str] = {}  # job_id label -> the job's id (cut to MAX_LABEL characters)
         seen: set[tuple[str, str]] = set()
         for (job, rank), entry in sorted(view.entries.items(), key=lambda kv: (kv[0][0], rank_label(kv[0][1]))):
-            label = job[:MAX_LABEL]
+            label = text_label(job)
             if jobs.setdefault(label, job) != job or (label, rank_label(rank)) in seen:
                 continue  # two ids alike in their first MAX_LABEL characters: one series, the first
             seen.add((label, rank_label(rank)))
@@ -185,14 +195,14 @@ class SidecarCollector(Collector):
             gauges = []
         seen: set[str] = set()
         for g in gauges:
-            if not isinstance(g, WatchGauges) or g.job[:MAX_LABEL] in seen:
+            if not isinstance(g, WatchGauges) or text_label(g.job) in seen:
                 continue
-            job = g.job[:MAX_LABEL]
+            job = text_label(g.job)
             seen.add(job)
             stalled.add_metric([job], 1.0 if g.stalled else 0.0)
             scored: set[tuple[str, str]] = set()
             for (host, rank), value in sorted(g.straggler_scores.items())[:MAX_SCORES_PER_JOB]:
-                key = (str(host)[:MAX_LABEL], str(rank)[:MAX_LABEL])
+                key = (text_label(host), text_label(rank))
                 if key not in scored:
                     scored.add(key)
                     score.add_metric([job, *key], float(value))

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
 
+from dynprof.safetext import one_line
 from dynprof.sidecar.progress import MIN_STALL_AFTER_S, STALL_STEP_FACTOR
 from dynprof.sidecar.progress import stall_after_s as _stall_after_s
 from dynprof.units import human_age
@@ -103,10 +104,10 @@ def live_html(progress: NodeProgress, stall_after: float | None = None) -> str:
             step_time = f"{r.step_time_s * 1000:.1f} ms" if r.step_time_s > 0 else "-"
             out.append(
                 f"<tr data-live-pid='{int(r.pid)}' data-stall-after='{limit:.3f}'>"
-                f"<td>{html.escape(job or '-')}</td><td>{r.rank if r.rank is not None else '-'}</td>"
+                f"<td>{_text(job or '-')}</td><td>{r.rank if r.rank is not None else '-'}</td>"
                 f"<td>{int(r.pid)}</td><td class=live-step>{int(r.step)}</td><td class=live-age>{age}</td>"
-                f"<td class=live-time>{step_time}</td><td class=live-agent>{html.escape(r.agent)}</td>"
-                f"<td>{html.escape(r.process_state)}</td>"
+                f"<td class=live-time>{step_time}</td><td class=live-agent>{_text(r.agent)}</td>"
+                f"<td>{_text(r.process_state)}</td>"
                 f"<td class='live-state {state.replace(' ', '-')}'>{state}</td></tr>"
             )
     out.append("</table>")
@@ -122,12 +123,19 @@ def verdicts_html(items: Sequence[VerdictItem]) -> str:
     for v in items[:MAX_VERDICTS_SHOWN]:
         href = "/artifact/" + "/".join(_quote(part) for part in v.artifact_id.split("/"))
         rows.append(
-            f"<li class='verdict-item {html.escape(v.kind)}'><div class=conclusion>{html.escape(v.conclusion)}</div>"
-            f"<div>{html.escape(v.kind)} &middot; job {html.escape(v.job or '-')} &middot; "
-            f"{html.escape(v.created_at)} &middot; <a href='{html.escape(href)}'>{html.escape(v.artifact_id)}</a>"
+            f"<li class='verdict-item {_text(v.kind)}'><div class=conclusion>{_text(v.conclusion)}</div>"
+            f"<div>{_text(v.kind)} &middot; job {_text(v.job or '-')} &middot; "
+            f"{_text(v.created_at)} &middot; <a href='{html.escape(href)}'>{_text(v.artifact_id)}</a>"
             "</div></li>"
         )
     return f"<ul id=verdicts class=verdicts>{''.join(rows)}</ul>"
+
+
+def _text(value: object) -> str:
+    """What a node or an agent said, for the page: one printable line
+    (:func:`dynprof.safetext.one_line`: controls, newlines and bidirectional overrides shown as
+    escapes), then escaped for HTML."""
+    return html.escape(one_line(value))
 
 
 def _quote(part: str) -> str:

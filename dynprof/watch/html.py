@@ -14,6 +14,7 @@ import html
 import json
 from typing import Any
 
+from dynprof.safetext import one_line
 from dynprof.watch.model import Verdict
 
 VERDICT_FILE = "verdict.json"
@@ -31,12 +32,13 @@ _KIND_LABEL = {
 
 
 def _e(value: Any) -> str:
-    """A value as escaped text ("-" for none)."""
+    """A value as escaped text on one line ("-" for none): what a node said is made printable
+    first (:func:`dynprof.safetext.one_line`), then escaped for HTML."""
     if value is None:
         return "-"
     if isinstance(value, float):
         return html.escape(f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}")
-    return html.escape(str(value))
+    return html.escape(one_line(value))
 
 
 def load_verdict(artifact: Any) -> Verdict:
@@ -71,15 +73,14 @@ def verdict_html(v: Verdict) -> str:
         more = f"<p>... {len(v.ranks) - len(shown)} more rank(s)</p>" if len(v.ranks) > len(shown) else ""
         parts.append(f"<h3>Ranks</h3><table class='ranks'><tr>{head}</tr>{rows}</table>{more}")
     if v.nodes_unanswered:
-        nodes = ", ".join(html.escape(n) for n in v.nodes_unanswered[:200])
+        nodes = ", ".join(_e(n) for n in v.nodes_unanswered[:200])
         parts.append(f"<p class='failed'>Nodes that did not answer: {nodes}</p>")
     for name, piece in v.evidence.items():
         text = json.dumps(piece, indent=1, sort_keys=True, default=str)
         if len(text) > MAX_EVIDENCE_CHARS:
             text = text[:MAX_EVIDENCE_CHARS] + "\n... (cut)"
         parts.append(
-            f"<details class='evidence'><summary>evidence: {html.escape(name)}</summary><pre>{html.escape(text)}</pre>"
-            "</details>"
+            f"<details class='evidence'><summary>evidence: {_e(name)}</summary><pre>{html.escape(text)}</pre></details>"
         )
     decided = v.decided_at - v.detected_at if v.decided_at and v.detected_at else None
     if decided is not None and decided >= 0:

@@ -1,10 +1,12 @@
 """A verdict for people: the text ``dynprof watch`` prints and ``dynprof show`` shows of a
-``verdict`` artifact (its ``verdict.json``, read through :meth:`Verdict.from_json`)."""
+``verdict`` artifact (its ``verdict.json``, read through :meth:`Verdict.from_json`). What the
+nodes said is shown through :func:`dynprof.safetext.one_line`: one printable line per line."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from dynprof.safetext import one_line
 from dynprof.watch.model import Verdict
 
 MAX_RANK_LINES = 64
@@ -56,7 +58,9 @@ def render_verdict_text(verdict: Verdict) -> str:
             )
         if len(verdict.ranks) > MAX_RANK_LINES:
             lines.append(f"  ... {len(verdict.ranks) - MAX_RANK_LINES} more rank(s)")
-    return "\n".join(lines)
+    # Each line is one line: a newline in what a node said (a frame's name, a job id) is shown
+    # as ``\n``, never a line of its own that would read as part of the verdict.
+    return "\n".join(one_line(line) for line in lines)
 
 
 def render_artifact(artifact: Any) -> tuple[dict[str, Any], str]:
