@@ -39,6 +39,11 @@ device, not by its peers). Every rank waits for its GPU: a hang on the devices (
 or a collective inside NCCL), called once confirmed like a hang whose culprits move. Every rank waits and none moves: a **hang**; the culprits are
 the ranks the flight recorder says never enqueued the collective the others wait in, else the
 ranks whose wait differs from the largest group's (another collective, another call site).
+Where the waits are in different places, the evidence of their positions comes first, never a
+rank's number: the ranks in a barrier while the others wait in another collective (they left
+the loop the others are in), else the ranks with fewer steps (they are behind); with as many
+ranks in one wait as in another and neither evidence, the verdict says every position and names
+no rank.
 No rank waits and every rank moves: **busy** ("no step for 94 s: all ranks in save_checkpoint
 (train.py:210), moving"), never a hang. A rank stopped or stuck in C holding the GIL is a
 culprit of a **hang** wherever the others are. When the only culprits are ranks that move (a
@@ -664,6 +669,28 @@ def decide(
             ] or [Culprit(rank=r, host="?", where="?", why="missing (flight recorder)") for r in fr_missing]
             return Decision("hang", text, culprits[:MAX_CULPRITS], states, fr_text, _waiting_key(waiting))
         if len(groups) > 1:
+            behind = _behind(groups)
+            if behind is not None:
+                held, why = behind
+                rest = [s for s in waiting if s not in held]
+                text = f"{_culprit_text(held, None)}: {why}; {_the_others(len(rest))} {_positions(rest)}{fr_clause}"
+                culprits = [_culprit(s, f"waits in {s.collective} at {s.where}: {why}") for s in held]
+                return Decision("hang", text, culprits[:MAX_CULPRITS], states, fr_text, _waiting_key(waiting))
+            if len(groups[1]) == len(main):
+                # As many ranks in one wait as in another, and nothing says which is behind:
+                # the positions are said, no rank is named (its number is no evidence).
+                text = (
+                    f"the ranks wait in {len(groups)} different places and the watch cannot tell which holds "
+                    f"the others (the same steps, no rank left the loop alone): {_culprit_text(waiting, None)}"
+                    f"{fr_clause}"
+                    + (
+                        ""
+                        if fr_text
+                        else "; with the flight recorder on (`dynprof run --flight-recorder`) the watch would "
+                        "name the rank that is missing"
+                    )
+                )
+                return Decision("hang", text, [], states, fr_text, _waiting_key(waiting))
             odd = [s for g in groups[1:] for s in g]
             text = (
                 f"{_culprit_text(odd, None)}; {_the_others(len(main))} "
@@ -714,6 +741,40 @@ def decide(
         return Decision("busy", f"{head}: {_busy_text(states)}", [], states, fr_text)
     text = f"{head}, and no rank moves: {_culprit_text(states, None)}{fr_clause}"
     return Decision("hang", text, [_culprit(s, s.detail or s.state) for s in states][:MAX_CULPRITS], states, fr_text)
+
+
+# Collectives that end a phase (every rank meets there once its loop is done): a rank waiting in
+# one while the others wait in another collective has left the loop the others are still in.
+PHASE_END_COLLECTIVES = frozenset({"barrier", "monitored_barrier"})
+
+
+def _behind(groups: Sequence[Sequence[RankState]]) -> tuple[list[RankState], str] | None:
+    """The ranks that hold the others when every rank waits, but in different places, from the
+    evidence of their positions (never their numbers): the ranks in a barrier while every other
+    rank waits in another collective (they left the loop the others are in), else the ranks with
+    the fewest steps (they are behind). None when neither tells them apart."""
+    everyone = [s for g in groups for s in g]
+    at_end = [s for s in everyone if s.collective in PHASE_END_COLLECTIVES]
+    inside = [s for s in everyone if s.collective not in PHASE_END_COLLECTIVES]
+    if at_end and inside:
+        return at_end, f"it left the loop the others are in (a {at_end[0].collective} after it)"
+    steps = sorted({s.step for s in everyone})
+    if len(steps) > 1:
+        low = [s for s in everyone if s.step == steps[0]]
+        ahead = sorted({s.step for s in everyone if s.step != steps[0]})
+        more = f"{ahead[0]}" if len(ahead) == 1 else f"{ahead[0]}-{ahead[-1]}"
+        return low, f"it is behind: {steps[0]} steps where the others made {more}"
+    return None
+
+
+def _positions(states: Sequence[RankState]) -> str:
+    """``in all_reduce at train_step (train.py:40)``, each distinct wait once."""
+    seen: list[str] = []
+    for s in states:
+        place = f"in {s.collective} at {s.where}"
+        if place not in seen:
+            seen.append(place)
+    return " and ".join(seen[:4]) + (f" and {len(seen) - 4} more places" if len(seen) > 4 else "")
 
 
 def _the_others(n: int) -> str:
