@@ -9,7 +9,9 @@ Nothing here reads a process or a node: :mod:`dynprof.watch.engine` gathers the 
 the job's median step time). A rank's age is the time since its last step; before its first
 step (compiling, warming up a dataloader, joining the process group) it is the time since its
 process started. The job's age is the smallest rank age: one rank that stepped recently is
-enough to say the job moves.
+enough to say the job moves. A rank whose agent does not answer is put at the last step the
+watch heard of (the engine keeps it); when none was ever heard its step and age are None in
+the verdict, never 0 and never its process's age.
 
 **The look.** Each rank is put in one state from its two samples and its progress rows:
 
@@ -358,7 +360,7 @@ class RankState:
     node: str
     rank: int | None
     pid: int
-    step: int
+    step: int | None  # None: its agent does not answer and its step count was never heard
     age_s: float | None
     state: str  # one of STATES
     where: str  # the frame that says where it is
@@ -414,8 +416,8 @@ def classify(look: RankLook, moving_cpu_s: float = MOVING_CPU_S) -> RankState:
         node=look.node,
         rank=before.rank,
         pid=before.pid,
-        step=last.step,
-        age_s=rank_age(last),
+        step=None if last.step_unknown else last.step,
+        age_s=None if last.step_unknown else rank_age(last),
         state="unread",
         where=where(user_frame(frames) or native_frame(frames)),
         cpu_delta_s=cpu_delta,
@@ -577,8 +579,13 @@ def _groups(states: Sequence[RankState], key: Any) -> list[list[RankState]]:
 
 
 def _since(states: Sequence[RankState]) -> str:
-    steps = sorted({s.step for s in states})
-    return f" since step {steps[0]}" if len(steps) == 1 else f" since steps {steps[0]}-{steps[-1]}"
+    steps = sorted({s.step for s in states if s.step is not None})
+    unknown = sum(1 for s in states if s.step is None)
+    if not steps:
+        its = "its" if len(states) == 1 else "their"
+        return f" ({its} last step unknown: {its} agent has not answered this watch)"
+    text = f" since step {steps[0]}" if len(steps) == 1 else f" since steps {steps[0]}-{steps[-1]}"
+    return text + (f" ({unknown} with the last step unknown)" if unknown else "")
 
 
 def _culprit_text(culprits: Sequence[RankState], others: str | None) -> str:
@@ -758,10 +765,11 @@ def _behind(groups: Sequence[Sequence[RankState]]) -> tuple[list[RankState], str
     inside = [s for s in everyone if s.collective not in PHASE_END_COLLECTIVES]
     if at_end and inside:
         return at_end, f"it left the loop the others are in (a {at_end[0].collective} after it)"
-    steps = sorted({s.step for s in everyone})
-    if len(steps) > 1:
+    counted = [s.step for s in everyone if s.step is not None]
+    steps = sorted(set(counted))
+    if len(steps) > 1 and len(counted) == len(everyone):  # every rank's count known
         low = [s for s in everyone if s.step == steps[0]]
-        ahead = sorted({s.step for s in everyone if s.step != steps[0]})
+        ahead = sorted({s.step for s in everyone if s.step is not None and s.step != steps[0]})
         more = f"{ahead[0]}" if len(ahead) == 1 else f"{ahead[0]}-{ahead[-1]}"
         return low, f"it is behind: {steps[0]} steps where the others made {more}"
     return None

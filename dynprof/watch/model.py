@@ -98,6 +98,9 @@ class RankProgress:
     io_bytes: int | None = None  # bytes read and written (any file or socket), with its children; None: unreadable
     started_at: float | None = None  # process start, unix time
     polled_at: float = 0.0  # when the sidecar read this, node clock
+    # The watch's own, never on the wire: its agent does not answer and neither its node nor this
+    # watch ever heard its step count (``step`` 0 is then no count).
+    step_unknown: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return {
