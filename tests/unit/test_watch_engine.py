@@ -13,6 +13,7 @@ from dynprof.renderers import render
 from dynprof.store import ArtifactStore
 from dynprof.watch.engine import NodeRead, StacksRead, WatchConfig, WatchEngine, run_hook
 from dynprof.watch.model import NodeProgress, RankProgress, StragglerReport, Verdict
+from dynprof.watch.render import render_verdict_text
 
 DIST = "/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py"
 
@@ -413,3 +414,6 @@ def test_a_rank_whose_agent_never_answered_this_watch_is_said_with_its_last_step
     assert row3["step"] is None and row3["last_step_age_s"] is None, row3
     others = [r for r in verdict.ranks if r["rank"] != 3]
     assert all(r["step"] == 5 and r["last_step_age_s"] is not None for r in others), others
+    # and the printed table says it is not known
+    (line,) = [ln for ln in render_verdict_text(verdict).splitlines() if ln.startswith("  3 ")]
+    assert line.split()[:4] == ["3", "node-2", "?", "-"], line
