@@ -323,3 +323,4 @@ class StragglerReport:
     cost_s: float = 0.0  # wall seconds the sample took (tracing, fetching, analysis)
     at_step: int | None = None  # the step every rank's trace started at; None: none was armed
     check: str = ""  # the straggler rule's own line (what it measured, its noise threshold)
+    traces: list[str] = field(default_factory=list)  # trace artifacts it wrote in this machine's store (local samples)
