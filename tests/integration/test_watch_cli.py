@@ -218,3 +218,36 @@ def test_watch_sample_every_on_this_nodes_agents_keeps_only_the_latest_samples_t
     # 2 traces for each of the latest 3 samples, and for one more that was in flight as the watch stopped
     assert len(listed) <= 2 * 4, listed
     print(f"\nWATCH-LOCAL-PRUNE samples={len(samples)} traced={len(traced)} traces_left={len(listed)}")
+
+
+UNEVEN_PROGRAM = "tests/integration/programs/uneven_data_program.py"
+
+
+@pytest.mark.ptrace
+@pytest.mark.parametrize("short", [0, 1])
+def test_watch_names_the_rank_that_ran_out_of_data_whatever_its_number(spawn, cli, short):
+    # GIVEN a 2-rank job on this node whose rank `short` runs out of batches a step early: it
+    # waits in the barrier after its loop, the other rank in the next step's all_reduce
+    job = f"wuneven{short}"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    targets = []
+    for rank in (0, 1):
+        env = {"RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+        env["DYNPROF_JOB_ID"] = job
+        cmd = ["-m", "dynprof", "run", "-q", "--", sys.executable, UNEVEN_PROGRAM, "--short-rank", str(short)]
+        targets.append(spawn(cmd, under_run=False, env=env))
+    targets[short].wait_for_line("END", timeout=120)
+    time.sleep(2)  # the job is stuck for good: this only puts its last step more than 1 s back
+    # WHEN the watch looks once, on this node's agents
+    out = cli("watch", "--job", job, "--once", "--json", "--stall-after", "1", "--look-interval", "1", timeout=180)
+    # THEN a hang naming the rank that left the loop, in its barrier, and only it
+    assert out.returncode == 20, out.stderr
+    (verdict,) = [json.loads(line)["verdict"] for line in out.stdout.splitlines()]
+    host = detect().host
+    assert [(c["rank"], c["host"]) for c in verdict["culprits"]] == [(short, host)], verdict["conclusion"]
+    assert f"rank {short} on {host} waits in barrier at main (" in verdict["conclusion"], verdict["conclusion"]
+    assert "it left the loop the others are in (a barrier after it)" in verdict["conclusion"]
+    assert "the other rank waits in all_reduce at train_step (" in verdict["conclusion"]
+    print(f"\nWATCH-UNEVEN short={short}: {verdict['conclusion']}")
