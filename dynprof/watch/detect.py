@@ -43,9 +43,9 @@ the ranks the flight recorder says never enqueued the collective the others wait
 ranks whose wait differs from the largest group's (another collective, another call site).
 Where the waits are in different places, the evidence of their positions comes first, never a
 rank's number: the ranks in a barrier while the others wait in another collective (they left
-the loop the others are in), else the ranks with fewer steps (they are behind); with as many
-ranks in one wait as in another and neither evidence, the verdict says every position and names
-no rank.
+the loop the others are in); with as many ranks in one wait as in another, the ranks with
+fewer steps (they are behind), and with neither evidence the verdict says every position and
+names no rank.
 No rank waits and every rank moves: **busy** ("no step for 94 s: all ranks in save_checkpoint
 (train.py:210), moving"), never a hang. A rank stopped or stuck in C holding the GIL is a
 culprit of a **hang** wherever the others are. When the only culprits are ranks that move (a
@@ -676,7 +676,7 @@ def decide(
             ] or [Culprit(rank=r, host="?", where="?", why="missing (flight recorder)") for r in fr_missing]
             return Decision("hang", text, culprits[:MAX_CULPRITS], states, fr_text, _waiting_key(waiting))
         if len(groups) > 1:
-            behind = _behind(groups)
+            behind = _behind(groups, tied=len(groups[1]) == len(main))
             if behind is not None:
                 held, why = behind
                 rest = [s for s in waiting if s not in held]
@@ -755,23 +755,26 @@ def decide(
 PHASE_END_COLLECTIVES = frozenset({"barrier", "monitored_barrier"})
 
 
-def _behind(groups: Sequence[Sequence[RankState]]) -> tuple[list[RankState], str] | None:
+def _behind(groups: Sequence[Sequence[RankState]], tied: bool) -> tuple[list[RankState], str] | None:
     """The ranks that hold the others when every rank waits, but in different places, from the
     evidence of their positions (never their numbers): the ranks in a barrier while every other
-    rank waits in another collective (they left the loop the others are in), else the ranks with
-    the fewest steps (they are behind). None when neither tells them apart."""
+    rank waits in another collective (they left the loop the others are in); else, where as many
+    ranks wait in one place as in another (``tied``), the ranks with the fewest steps (they are
+    behind). None when nothing tells them apart."""
     everyone = [s for g in groups for s in g]
     at_end = [s for s in everyone if s.collective in PHASE_END_COLLECTIVES]
     inside = [s for s in everyone if s.collective not in PHASE_END_COLLECTIVES]
     if at_end and inside:
-        return at_end, f"it left the loop the others are in (a {at_end[0].collective} after it)"
+        who = "it" if len(at_end) == 1 else "they"
+        return at_end, f"{who} left the loop the others are in (a {at_end[0].collective} after it)"
     counted = [s.step for s in everyone if s.step is not None]
     steps = sorted(set(counted))
-    if len(steps) > 1 and len(counted) == len(everyone):  # every rank's count known
+    if tied and len(steps) > 1 and len(counted) == len(everyone):  # every rank's count known
         low = [s for s in everyone if s.step == steps[0]]
         ahead = sorted({s.step for s in everyone if s.step is not None and s.step != steps[0]})
         more = f"{ahead[0]}" if len(ahead) == 1 else f"{ahead[0]}-{ahead[-1]}"
-        return low, f"it is behind: {steps[0]} steps where the others made {more}"
+        who = "it is" if len(low) == 1 else "they are"
+        return low, f"{who} behind: {steps[0]} steps where the others made {more}"
     return None
 
 

@@ -507,3 +507,31 @@ def test_two_ranks_in_two_collectives_follow_the_flight_recorder_first():
     decision = detect.decide(looks, STALL, flight_recorder=fr)
     # THEN the flight recorder's missing rank, not the barrier rule
     assert [c.rank for c in decision.culprits] == [1], decision.conclusion
+
+
+def test_the_step_counts_break_only_a_tie_a_lone_rank_a_step_ahead_in_another_wait_is_the_odd_one():
+    # GIVEN three ranks at step 99 in the metrics all_reduce, and rank 3 a step ahead in the next
+    # step's all_reduce (it skipped the metrics collective)
+    metrics = (
+        py("all_reduce", DIST, 2806),
+        py("report_metrics", "/job/train.py", 129),
+        py("main", "/job/train.py", 99),
+    )
+    looks = [look(r, "n", metrics, step=99) for r in range(3)] + [look(3, "n", ALL_REDUCE, step=100)]
+    # WHEN
+    decision = detect.decide(looks, STALL)
+    # THEN the lone rank is named, not the three "behind"
+    assert [c.rank for c in decision.culprits] == [3], decision.conclusion
+    assert "behind" not in decision.conclusion
+
+
+def test_ranks_that_left_the_loop_together_are_named_together():
+    # GIVEN ranks 0 and 1 in the barrier after the loop, ranks 2 and 3 in the next all_reduce
+    looks = [look(r, "n", BARRIER_AFTER_LOOP) for r in (0, 1)] + [look(r, "n", GRADS_ALL_REDUCE) for r in (2, 3)]
+    # WHEN
+    decision = detect.decide(looks, STALL)
+    # THEN ranks 0-1 are named, in their barrier
+    assert [c.rank for c in decision.culprits] == [0, 1], decision.conclusion
+    assert decision.conclusion.startswith(
+        "ranks 0-1 on n wait in barrier at main (/job/train.py:208) since step 100: they left the loop"
+    ), decision.conclusion
