@@ -501,13 +501,17 @@ def sample_local_stragglers(
         results = [r for r in (doc.get("results") if isinstance(doc, dict) else None) or [] if isinstance(r, dict)]
         starts = [r["start_step"] for r in results if isinstance(r.get("start_step"), int) and r["start_step"] > 0]
         report.at_step = min(starts) if starts else None
+        group = doc.get("group_id") if isinstance(doc, dict) else None
         notes: list[str] = []
-        for r in results:
+        for r in results[:4096]:
             path = r.get("artifact")
-            if r.get("status") in ("complete", "partial") and isinstance(path, str) and path:
-                written.append(path)
+            who = f"rank {r.get('rank')} (pid {r.get('pid')})"
+            if not (r.get("status") in ("complete", "partial") and isinstance(path, str) and path):
+                notes.append(f"{who}: {str(r.get('error') or 'no trace')[:300]}")
+            elif not _sample_trace(path, group):  # an agent's answer names it: only this sample's traces count
+                notes.append(f"{who}: {path[:300]!r} is not a trace of this sample in the store")
             else:
-                notes.append(f"rank {r.get('rank')} (pid {r.get('pid')}): {str(r.get('error') or 'no trace')[:300]}")
+                written.append(path)
         if not written:
             report.note = ("no trace was written" + (": " + "; ".join(notes[:5]) if notes else ""))[:2000]
             return report
@@ -528,6 +532,21 @@ def sample_local_stragglers(
         report.cost_s = round(time.monotonic() - started, 3)
         if traces is not None and written:
             traces.add(written, report.verdict is not None)
+
+
+def _sample_trace(path: str, group: Any) -> bool:
+    """Whether ``path`` is a finished ``trace`` artifact of this machine's store written for the
+    sample's request (its ``group_id``)."""
+    if not isinstance(group, str) or not group:
+        return False
+    try:
+        art = store.ArtifactStore().get(path)
+    except (DynprofError, OSError):
+        return False
+    options = art.manifest.get("options")
+    return (
+        art.root is not None and art.kind == "trace" and isinstance(options, dict) and options.get("group_id") == group
+    )
 
 
 def local_straggler_hook(

@@ -68,3 +68,31 @@ def test_a_local_sample_that_cannot_trace_says_why_and_keeps_nothing():
     assert empty.verdict is None and empty.at_step == 12
     assert empty.note == "no trace was written: rank 0 (pid 7): process exited"
     assert empty.traces == []
+
+
+def test_an_artifact_an_answer_names_that_is_not_the_samples_trace_is_neither_read_nor_deleted():
+    # GIVEN a store with a verdict and another request's trace, and a trace request whose ranks'
+    # answers name those as their traces
+    store = ArtifactStore()
+    writer = store.create("verdict", job="j")
+    writer.write_json("verdict.json", {})
+    verdict = str(writer.finish("complete").path)
+    other = trace_artifact(store, 1, "another-request")
+
+    def answers(job: str, steps: int, limit_s: float) -> dict:
+        return {
+            "group_id": "this-sample",
+            "results": [
+                {"pid": 7, "rank": 0, "start_step": 12, "status": "complete", "artifact": verdict},
+                {"pid": 8, "rank": 1, "start_step": 12, "status": "complete", "artifact": other},
+            ],
+        }
+
+    traces = SampleTraces(store, keep=1)
+    # WHEN it is sampled twice (the first sample's traces would be pruned by the second)
+    first = sample_local_stragglers("j", "h", answers, traces=traces)
+    sample_local_stragglers("j", "h", answers, traces=traces)
+    # THEN neither is taken for a trace of the sample, and both are still there
+    assert first.traces == [] and first.verdict is None
+    assert "rank 0 (pid 7): " in first.note and "is not a trace of this sample in the store" in first.note
+    assert Path(verdict).is_dir() and Path(other).is_dir()
