@@ -1141,6 +1141,30 @@ class ArtifactStore:
             help="Give more of the id: " + ", ".join(a.id for a in matches[:5]),
         )
 
+    def remove(self, path: Path) -> bool:
+        """Delete the finished artifact at ``path``, an artifact directory of this store, under
+        the store's lock; every directory on the way checked, never through a link. Whether it
+        was deleted (False: not an artifact of this store, or already gone)."""
+        parts = self._relative(path)
+        if parts is None or len(parts) != 5 or not os.path.lexists(self.root):
+            return False
+        with self._root_fd(write=True) as root_fd:
+            assert root_fd is not None
+            fd = os.open(
+                LOCK, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, artifact_modes()[1], dir_fd=root_fd
+            )
+            with os.fdopen(fd, "rb") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                try:
+                    with self._kind_dir(parts[:4]) as kind_fd:
+                        st = _lstat_at(kind_fd, parts[4])
+                        if st is None or not stat.S_ISDIR(st.st_mode):
+                            return False
+                        _rmtree_at(kind_fd, parts[4])
+                except (OSError, ArtifactError):
+                    return False
+        return True
+
     # -- size cap --------------------------------------------------------------------------
     def enforce_cap(self, keep: Path | None = None) -> builtins.list[Path]:
         """Delete the oldest finished artifacts until the store fits under ``max_bytes``.

@@ -93,8 +93,9 @@ def add_watch_options(parser: argparse.ArgumentParser | Any) -> None:
         type=nonnegative_seconds,
         default=None,
         metavar="SEC",
-        help="with nodes (sidecars): every SEC take an aligned trace of a couple of steps on every rank and run "
-        "analyze's straggler rule (default 600: about 0.1 %% of training time, docs/watch-stragglers.md; 0: never)",
+        help="every SEC take an aligned trace of a couple of steps on every rank (through the sidecars, or this "
+        "node's agents without node options) and run analyze's straggler rule (default 600: about 0.1 %% of "
+        "training time, docs/watch-stragglers.md; 0: never)",
     )
     parser.add_argument(
         "--no-healthcheck", action="store_true", help="do not run the involved nodes' quick healthcheck on a hang"
@@ -126,7 +127,7 @@ class WatchCommand:
         nodes = nodes_requested(args)
         source = node_source(args, nodes) if nodes is not None else LocalSource()
         printer = VerdictPrinter(args.json, args.on_verdict, args.on_verdict_timeout)
-        straggler = straggler_of(source) if nodes is not None else None
+        straggler = straggler_of(source) if nodes is not None else local_straggler_of(source)
         engine = WatchEngine(
             config_of(args),
             source,
@@ -185,14 +186,31 @@ def nonnegative_seconds(text: str) -> float:
 
 
 def sample_every_of(args: argparse.Namespace) -> float | None:
-    """The straggler sample's interval: the default where the watch reads sidecars, never on this
-    node alone (the sample is a job-wide trace through the sidecars); 0: never."""
+    """The straggler sample's interval (through the sidecars, or this node's agents without node
+    options); 0: never."""
     from dynprof.watch.straggler import SAMPLE_EVERY_S
 
     every = getattr(args, "sample_every", None)
     if every is None:
         return SAMPLE_EVERY_S
     return every or None
+
+
+def local_straggler_of(source: Any) -> Any:
+    """The engine's straggler hook over this node's agents (a :class:`LocalSource`): each sample
+    is ``dynprof start --job J --steps N --with-stack`` on them, by the command's own local path,
+    its traces analysed in this machine's store (and pruned there)."""
+    from dynprof.watch.straggler import MAX_TRACE_DURATION_S, local_straggler_hook
+
+    def trace(job: str, steps: int, limit_s: float) -> dict[str, Any]:
+        from dynprof.cli.start import StartCommand
+
+        command = StartCommand()
+        argv = ["--job", job, "--steps", str(steps), "--with-stack", "--json"]
+        argv += ["--max-duration", f"{min(MAX_TRACE_DURATION_S, max(10.0, limit_s)):g}", "--timeout", f"{limit_s:g}"]
+        return command.collect_local(_parse(command, argv)).to_json()
+
+    return local_straggler_hook(source.host, trace)
 
 
 def straggler_of(source: Any) -> Any:
@@ -456,7 +474,7 @@ def start_hosted_watch(args: argparse.Namespace, token: str) -> Any:
         straggler = straggler_of(source)
     else:
         source = LocalSource()
-        straggler = None
+        straggler = local_straggler_of(source)
     printer = VerdictPrinter(False, args.on_verdict, args.on_verdict_timeout, out=sys.stderr)
     engine = WatchEngine(
         config_of(args), source, on_verdict=printer.verdict, straggler=straggler, on_sample=printer.sample

@@ -9,7 +9,9 @@ Nothing here reads a process or a node: :mod:`dynprof.watch.engine` gathers the 
 the job's median step time). A rank's age is the time since its last step; before its first
 step (compiling, warming up a dataloader, joining the process group) it is the time since its
 process started. The job's age is the smallest rank age: one rank that stepped recently is
-enough to say the job moves.
+enough to say the job moves. A rank whose agent does not answer is put at the last step the
+watch heard of (the engine keeps it); when none was ever heard its step and age are None in
+the verdict, never 0 and never its process's age.
 
 **The look.** Each rank is put in one state from its two samples and its progress rows:
 
@@ -39,6 +41,11 @@ device, not by its peers). Every rank waits for its GPU: a hang on the devices (
 or a collective inside NCCL), called once confirmed like a hang whose culprits move. Every rank waits and none moves: a **hang**; the culprits are
 the ranks the flight recorder says never enqueued the collective the others wait in, else the
 ranks whose wait differs from the largest group's (another collective, another call site).
+Where the waits are in different places, the evidence of their positions comes first, never a
+rank's number: the ranks in a barrier while the others wait in another collective (they left
+the loop the others are in); with as many ranks in one wait as in another, the ranks with
+fewer steps (they are behind), and with neither evidence the verdict says every position and
+names no rank.
 No rank waits and every rank moves: **busy** ("no step for 94 s: all ranks in save_checkpoint
 (train.py:210), moving"), never a hang. A rank stopped or stuck in C holding the GIL is a
 culprit of a **hang** wherever the others are. When the only culprits are ranks that move (a
@@ -353,7 +360,7 @@ class RankState:
     node: str
     rank: int | None
     pid: int
-    step: int
+    step: int | None  # None: its agent does not answer and its step count was never heard
     age_s: float | None
     state: str  # one of STATES
     where: str  # the frame that says where it is
@@ -409,8 +416,8 @@ def classify(look: RankLook, moving_cpu_s: float = MOVING_CPU_S) -> RankState:
         node=look.node,
         rank=before.rank,
         pid=before.pid,
-        step=last.step,
-        age_s=rank_age(last),
+        step=None if last.step_unknown else last.step,
+        age_s=None if last.step_unknown else rank_age(last),
         state="unread",
         where=where(user_frame(frames) or native_frame(frames)),
         cpu_delta_s=cpu_delta,
@@ -572,8 +579,13 @@ def _groups(states: Sequence[RankState], key: Any) -> list[list[RankState]]:
 
 
 def _since(states: Sequence[RankState]) -> str:
-    steps = sorted({s.step for s in states})
-    return f" since step {steps[0]}" if len(steps) == 1 else f" since steps {steps[0]}-{steps[-1]}"
+    steps = sorted({s.step for s in states if s.step is not None})
+    unknown = sum(1 for s in states if s.step is None)
+    if not steps:
+        its = "its" if len(states) == 1 else "their"
+        return f" ({its} last step unknown: {its} agent has not answered this watch)"
+    text = f" since step {steps[0]}" if len(steps) == 1 else f" since steps {steps[0]}-{steps[-1]}"
+    return text + (f" ({unknown} with the last step unknown)" if unknown else "")
 
 
 def _culprit_text(culprits: Sequence[RankState], others: str | None) -> str:
@@ -664,6 +676,28 @@ def decide(
             ] or [Culprit(rank=r, host="?", where="?", why="missing (flight recorder)") for r in fr_missing]
             return Decision("hang", text, culprits[:MAX_CULPRITS], states, fr_text, _waiting_key(waiting))
         if len(groups) > 1:
+            behind = _behind(groups, tied=len(groups[1]) == len(main))
+            if behind is not None:
+                held, why = behind
+                rest = [s for s in waiting if s not in held]
+                text = f"{_culprit_text(held, None)}: {why}; {_the_others(len(rest))} {_positions(rest)}{fr_clause}"
+                culprits = [_culprit(s, f"waits in {s.collective} at {s.where}: {why}") for s in held]
+                return Decision("hang", text, culprits[:MAX_CULPRITS], states, fr_text, _waiting_key(waiting))
+            if len(groups[1]) == len(main):
+                # As many ranks in one wait as in another, and nothing says which is behind:
+                # the positions are said, no rank is named (its number is no evidence).
+                text = (
+                    f"the ranks wait in {len(groups)} different places and the watch cannot tell which holds "
+                    f"the others (the same steps, no rank left the loop alone): {_culprit_text(waiting, None)}"
+                    f"{fr_clause}"
+                    + (
+                        ""
+                        if fr_text
+                        else "; with the flight recorder on (`dynprof run --flight-recorder`) the watch would "
+                        "name the rank that is missing"
+                    )
+                )
+                return Decision("hang", text, [], states, fr_text, _waiting_key(waiting))
             odd = [s for g in groups[1:] for s in g]
             text = (
                 f"{_culprit_text(odd, None)}; {_the_others(len(main))} "
@@ -714,6 +748,44 @@ def decide(
         return Decision("busy", f"{head}: {_busy_text(states)}", [], states, fr_text)
     text = f"{head}, and no rank moves: {_culprit_text(states, None)}{fr_clause}"
     return Decision("hang", text, [_culprit(s, s.detail or s.state) for s in states][:MAX_CULPRITS], states, fr_text)
+
+
+# Collectives that end a phase (every rank meets there once its loop is done): a rank waiting in
+# one while the others wait in another collective has left the loop the others are still in.
+PHASE_END_COLLECTIVES = frozenset({"barrier", "monitored_barrier"})
+
+
+def _behind(groups: Sequence[Sequence[RankState]], tied: bool) -> tuple[list[RankState], str] | None:
+    """The ranks that hold the others when every rank waits, but in different places, from the
+    evidence of their positions (never their numbers): the ranks in a barrier while every other
+    rank waits in another collective (they left the loop the others are in); else, where as many
+    ranks wait in one place as in another (``tied``), the ranks with the fewest steps (they are
+    behind). None when nothing tells them apart."""
+    everyone = [s for g in groups for s in g]
+    at_end = [s for s in everyone if s.collective in PHASE_END_COLLECTIVES]
+    inside = [s for s in everyone if s.collective not in PHASE_END_COLLECTIVES]
+    if at_end and inside:
+        who = "it" if len(at_end) == 1 else "they"
+        return at_end, f"{who} left the loop the others are in (a {at_end[0].collective} after it)"
+    counted = [s.step for s in everyone if s.step is not None]
+    steps = sorted(set(counted))
+    if tied and len(steps) > 1 and len(counted) == len(everyone):  # every rank's count known
+        low = [s for s in everyone if s.step == steps[0]]
+        ahead = sorted({s.step for s in everyone if s.step is not None and s.step != steps[0]})
+        more = f"{ahead[0]}" if len(ahead) == 1 else f"{ahead[0]}-{ahead[-1]}"
+        who = "it is" if len(low) == 1 else "they are"
+        return low, f"{who} behind: {steps[0]} steps where the others made {more}"
+    return None
+
+
+def _positions(states: Sequence[RankState]) -> str:
+    """``in all_reduce at train_step (train.py:40)``, each distinct wait once."""
+    seen: list[str] = []
+    for s in states:
+        place = f"in {s.collective} at {s.where}"
+        if place not in seen:
+            seen.append(place)
+    return " and ".join(seen[:4]) + (f" and {len(seen) - 4} more places" if len(seen) > 4 else "")
 
 
 def _the_others(n: int) -> str:

@@ -357,16 +357,24 @@ class WatchEngine:
         return rows, failed
 
     def _with_last_known(self, node: str, row: RankProgress) -> RankProgress:
-        """A rank whose agent does not answer keeps the step it last told (ages on its node's clock)."""
+        """A rank whose agent does not answer (stopped, in C holding the GIL) keeps the last step
+        the watch saw it make (or its node's count, when later), its age counted from that step
+        on its node's clock; when neither ever heard a count, its step is unknown, not 0."""
+        if row.agent == "up":
+            return row
         known = self.seen.get((node, row.pid))
-        if row.agent != "up" and known is not None and known.step > row.step:
+        if known is not None and (
+            known.step > row.step or (known.step == row.step and known.last_step_at > row.last_step_at)
+        ):
             row.step = known.step
             row.step_time_s = row.step_time_s or known.step_time_s
             row.last_step_at = known.last_step_at
             if known.last_step_at > 0 and row.polled_at >= known.last_step_at:
                 row.last_step_age_s = row.polled_at - known.last_step_at
-            if row.rank is None:
-                row.rank, row.world_size = known.rank, known.world_size
+        if known is not None and row.rank is None:
+            row.rank, row.world_size = known.rank, known.world_size
+        told = row.step > 0 or row.last_step_at > 0 or (known is not None and not known.step_unknown)
+        row.step_unknown = not told
         return row
 
     def tick(self, force_look: bool = False) -> Tick:

@@ -98,6 +98,9 @@ class RankProgress:
     io_bytes: int | None = None  # bytes read and written (any file or socket), with its children; None: unreadable
     started_at: float | None = None  # process start, unix time
     polled_at: float = 0.0  # when the sidecar read this, node clock
+    # The watch's own, never on the wire: its agent does not answer and neither its node nor this
+    # watch ever heard its step count (``step`` 0 is then no count).
+    step_unknown: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -320,3 +323,4 @@ class StragglerReport:
     cost_s: float = 0.0  # wall seconds the sample took (tracing, fetching, analysis)
     at_step: int | None = None  # the step every rank's trace started at; None: none was armed
     check: str = ""  # the straggler rule's own line (what it measured, its noise threshold)
+    traces: list[str] = field(default_factory=list)  # trace artifacts it wrote in this machine's store (local samples)

@@ -52,8 +52,9 @@ def render_verdict_text(verdict: Verdict) -> str:
             where = r.get("where")
             if where and where != "?":
                 state += f" at {where}"
+            step = r.get("step")
             lines.append(
-                f"  {r.get('rank')!s:<5} {str(r.get('host'))[:20]:<20} {r.get('step')!s:>6} "
+                f"  {r.get('rank')!s:<5} {str(r.get('host'))[:20]:<20} {'?' if step is None else step!s:>6} "
                 f"{_age(r.get('last_step_age_s')):>8}  {state}"
             )
         if len(verdict.ranks) > MAX_RANK_LINES:

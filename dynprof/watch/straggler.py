@@ -406,16 +406,9 @@ def sample_stragglers(
         ]
         notes += [f"not fetched from {f['node']}: {f['error']}" for f in fetched if f.get("error")]
         notes += [f"rank {e.get('rank')} not analysed: {e.get('error')}" for e in analysis.get("errors") or []]
-        if len(analysis["ranks"]) < 2:
-            report.note = "; ".join(["fewer than 2 ranks analysed: no straggler check", *notes])[:2000]
-            return report
-        report.steps = len(analysis.get("common_steps") or []) or steps
-        report.scores, report.verdict, check = straggler_verdict(job, analysis, reduced, sampled_at)
-        report.check = check[:2000]
+        _judge(report, job, analysis, reduced, notes, steps)
         if report.verdict is not None:
-            report.verdict.evidence["samples"]["at_step"] = armed.at_step
             report.verdict.evidence["samples"]["missed"] = missed[:64]
-        report.note = "; ".join([check, *notes])[:2000]
         return report
     except Exception as exc:  # a sample that fails is a note, never the watch's end
         log.debug("straggler sample of %s failed", job, exc_info=exc)
@@ -426,6 +419,148 @@ def sample_stragglers(
         report.cost_s = round(time.monotonic() - started, 3)
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _judge(
+    report: StragglerReport,
+    job: str,
+    analysis: dict[str, Any],
+    reduced: list[dict[str, Any]],
+    notes: list[str],
+    steps: int,
+) -> None:
+    """The straggler rule over a sample's analysis, into ``report`` (scores, verdict, notes)."""
+    if len(analysis["ranks"]) < 2:
+        report.note = "; ".join(["fewer than 2 ranks analysed: no straggler check", *notes])[:2000]
+        return
+    report.steps = len(analysis.get("common_steps") or []) or steps
+    report.scores, report.verdict, check = straggler_verdict(job, analysis, reduced, report.sampled_at)
+    report.check = check[:2000]
+    if report.verdict is not None:
+        report.verdict.evidence["samples"]["at_step"] = report.at_step
+    report.note = "; ".join([check, *notes])[:2000]
+
+
+KEEP_SAMPLES = 3
+"""The sampled traces a watch leaves in the store it traces into: those of its latest
+``KEEP_SAMPLES`` samples, and those of every sample that named a straggler (its verdict lists
+them); the others' are deleted once they are older than that."""
+
+
+class SampleTraces:
+    """The trace artifacts a watch's samples wrote in one store, pruned after each sample (see
+    :data:`KEEP_SAMPLES`). Only artifacts this watch's samples wrote are ever deleted."""
+
+    def __init__(self, in_store: store.ArtifactStore | None = None, keep: int = KEEP_SAMPLES) -> None:
+        self.store = in_store
+        self.keep = max(1, keep)
+        self._recent: list[tuple[list[str], bool]] = []  # (artifact paths, named a straggler), oldest first
+
+    def add(self, paths: Sequence[str], named: bool) -> list[str]:
+        """One sample's traces; returns the paths deleted."""
+        self._recent.append((list(paths), named))
+        removed: list[str] = []
+        older, self._recent = self._recent[: -self.keep], self._recent[-self.keep :]
+        where = self.store or store.ArtifactStore()
+        for old_paths, old_named in older:
+            if old_named:
+                continue  # kept, and no longer followed
+            for path in old_paths:
+                try:
+                    if where.remove(Path(path)):
+                        removed.append(path)
+                except (DynprofError, OSError) as exc:  # what cannot be deleted stays; the watch goes on
+                    log.warning("dynprof watch: a sampled trace could not be deleted: %s", exc)
+        return removed
+
+
+LocalTrace = Callable[[str, int, float], dict[str, Any]]
+"""``trace(job, steps, limit_s)``: one aligned trace of ``steps`` steps of this node's ranks of
+``job`` (``dynprof start --job J --steps N --with-stack``), waited for; its ``--json`` document:
+``{"group_id", "results": [{"pid", "rank", "start_step", "status", "artifact", "error"}]}``."""
+
+
+def sample_local_stragglers(
+    job: str,
+    host: str,
+    trace: LocalTrace,
+    *,
+    steps: int = SAMPLE_STEPS,
+    limit_s: float = SAMPLE_LIMIT_S,
+    traces: SampleTraces | None = None,
+) -> StragglerReport:
+    """One sampled trace of this node's ranks of ``job`` (read from their agents directly, no
+    sidecar), analysed for a straggler with the same rule as :func:`sample_stragglers`; ranks are
+    named on ``host``. Never raises. ``traces``: the sample's trace artifacts are handed to it
+    (kept or pruned there); without it they stay in the store."""
+    started = time.monotonic()
+    report = StragglerReport(sampled_at=time.time(), steps=steps)
+    written: list[str] = []
+    try:
+        doc = trace(job, steps, limit_s)
+        results = [r for r in (doc.get("results") if isinstance(doc, dict) else None) or [] if isinstance(r, dict)]
+        starts = [r["start_step"] for r in results if isinstance(r.get("start_step"), int) and r["start_step"] > 0]
+        report.at_step = min(starts) if starts else None
+        group = doc.get("group_id") if isinstance(doc, dict) else None
+        notes: list[str] = []
+        for r in results[:4096]:
+            path = r.get("artifact")
+            who = f"rank {r.get('rank')} (pid {r.get('pid')})"
+            if not (r.get("status") in ("complete", "partial") and isinstance(path, str) and path):
+                notes.append(f"{who}: {str(r.get('error') or 'no trace')[:300]}")
+            elif not _sample_trace(path, group):  # an agent's answer names it: only this sample's traces count
+                notes.append(f"{who}: {path[:300]!r} is not a trace of this sample in the store")
+            else:
+                written.append(path)
+        if not written:
+            report.note = ("no trace was written" + (": " + "; ".join(notes[:5]) if notes else ""))[:2000]
+            return report
+        report.traces = written[:64]
+        fetched = [{"path": path, "node": host, "id": Path(path).name} for path in written]
+        analysis, reduced = analyse_fetched(fetched, {host: host})
+        notes += [f"rank {e.get('rank')} not analysed: {e.get('error')}" for e in analysis.get("errors") or []]
+        _judge(report, job, analysis, reduced, notes, steps)
+        if report.verdict is not None:
+            report.verdict.evidence["samples"]["traces"] = written[:64]
+        return report
+    except Exception as exc:  # a sample that fails is a note, never the watch's end
+        log.debug("straggler sample of %s failed", job, exc_info=exc)
+        message = exc.message if isinstance(exc, DynprofError) else f"{type(exc).__name__}: {exc}"
+        report.note = f"the sampled trace failed: {message}"[:2000]
+        return report
+    finally:
+        report.cost_s = round(time.monotonic() - started, 3)
+        if traces is not None and written:
+            traces.add(written, report.verdict is not None)
+
+
+def _sample_trace(path: str, group: Any) -> bool:
+    """Whether ``path`` is a finished ``trace`` artifact of this machine's store written for the
+    sample's request (its ``group_id``)."""
+    if not isinstance(group, str) or not group:
+        return False
+    try:
+        art = store.ArtifactStore().get(path)
+    except (DynprofError, OSError):
+        return False
+    options = art.manifest.get("options")
+    return (
+        art.root is not None and art.kind == "trace" and isinstance(options, dict) and options.get("group_id") == group
+    )
+
+
+def local_straggler_hook(
+    host: str, trace: LocalTrace, *, steps: int = SAMPLE_STEPS, limit_s: float = SAMPLE_LIMIT_S
+) -> HookType:
+    """The watch engine's straggler hook over this node's agents (``dynprof watch`` without
+    node options): ``hook(job)`` takes one sample through ``trace``; the samples' traces are kept
+    and pruned in this machine's store as :data:`KEEP_SAMPLES` says."""
+    traces = SampleTraces()
+
+    def hook(job: str) -> StragglerReport | None:
+        return sample_local_stragglers(job, host, trace, steps=steps, limit_s=limit_s, traces=traces)
+
+    return hook
 
 
 def straggler_hook(
@@ -457,6 +592,7 @@ def report_json(report: StragglerReport) -> dict[str, Any]:
         "cost_s": report.cost_s,
         "at_step": report.at_step,
         "check": report.check,
+        "traces": report.traces,
     }
 
 

@@ -443,3 +443,95 @@ def test_one_waiting_rank_reads_the_other_rank_waits():
     looks = [look(0, "n", ALL_REDUCE), look(1, "n", (py("load", "/job/data.py", 5),))]
     decision = detect.decide(looks, STALL)
     assert "; the other rank waits in all_reduce at" in decision.conclusion, decision.conclusion
+
+
+# -- two ranks in two different waits: decided on evidence, never by rank number ------------------
+BARRIER_AFTER_LOOP = (py("barrier", DIST, 4150), py("main", "/job/train.py", 208))
+GRADS_ALL_REDUCE = (py("all_reduce", DIST, 2806), py("main", "/job/train.py", 188))
+
+
+@pytest.mark.parametrize("early", [0, 1])
+def test_the_rank_that_left_the_loop_for_a_barrier_is_named_whatever_its_number(early):
+    # GIVEN two ranks at the same step: one (rank `early`) ran out of data and waits in the
+    # barrier after the loop, the other waits in the gradients' all_reduce inside it
+    late = 1 - early
+    looks = [look(early, "n", BARRIER_AFTER_LOOP), look(late, "n", GRADS_ALL_REDUCE)]
+    # WHEN
+    decision = detect.decide(looks, STALL)
+    # THEN the rank that left the loop is the culprit, and the other is not named
+    assert decision.kind == "hang" and [c.rank for c in decision.culprits] == [early], decision.conclusion
+    assert decision.conclusion.startswith(
+        f"rank {early} on n waits in barrier at main (/job/train.py:208) since step 100: it left the loop"
+    ), decision.conclusion
+    assert "the other rank waits in all_reduce at main (/job/train.py:188)" in decision.conclusion
+
+
+@pytest.mark.parametrize("behind", [0, 1])
+def test_of_two_ranks_in_two_collectives_the_one_with_fewer_steps_is_behind(behind):
+    # GIVEN two ranks in two different all_reduces, rank `behind` one step behind the other
+    other = (py("all_reduce", DIST, 2806), py("report_metrics", "/job/train.py", 129), py("main", "/job/train.py", 99))
+    looks = [
+        look(behind, "n", ALL_REDUCE, step=41),
+        look(1 - behind, "n", other, step=42),
+    ]
+    # WHEN
+    decision = detect.decide(looks, STALL)
+    # THEN the rank behind is the culprit, with its steps and the other's
+    assert decision.kind == "hang" and [c.rank for c in decision.culprits] == [behind], decision.conclusion
+    assert "it is behind: 41 steps where the others made 42" in decision.conclusion
+    assert decision.culprits[0].since_step == 41
+
+
+@pytest.mark.parametrize("order", [(0, 1), (1, 0)])
+def test_two_ranks_in_two_collectives_with_nothing_to_tell_them_apart_name_no_rank(order):
+    # GIVEN two ranks at the same step in two different all_reduces (no barrier, no flight recorder)
+    other = (py("all_reduce", DIST, 2806), py("report_metrics", "/job/train.py", 129), py("main", "/job/train.py", 99))
+    a, b = order
+    looks = [look(a, "n", ALL_REDUCE), look(b, "n", other)]
+    # WHEN
+    decision = detect.decide(looks, STALL)
+    # THEN a hang that names no rank and says both positions
+    assert decision.kind == "hang" and decision.culprits == [], decision.conclusion
+    assert "cannot tell which holds the others" in decision.conclusion
+    assert f"rank {a} on n waits in all_reduce at train_step (/job/train.py:40)" in decision.conclusion
+    assert f"rank {b} on n waits in all_reduce at report_metrics (/job/train.py:129)" in decision.conclusion
+    assert "--flight-recorder" in decision.conclusion
+
+
+def test_two_ranks_in_two_collectives_follow_the_flight_recorder_first():
+    # GIVEN the tie above, and the flight recorder saying rank 1 never enqueued rank 0's collective
+    other = (py("all_reduce", DIST, 2806), py("report_metrics", "/job/train.py", 129), py("main", "/job/train.py", 99))
+    looks = [look(0, "n", BARRIER_AFTER_LOOP), look(1, "n", other)]
+    fr = {"process_groups": [{"hung": True, "missing": [1], "no_dump": [], "collective": "#77 barrier"}]}
+    # WHEN
+    decision = detect.decide(looks, STALL, flight_recorder=fr)
+    # THEN the flight recorder's missing rank, not the barrier rule
+    assert [c.rank for c in decision.culprits] == [1], decision.conclusion
+
+
+def test_the_step_counts_break_only_a_tie_a_lone_rank_a_step_ahead_in_another_wait_is_the_odd_one():
+    # GIVEN three ranks at step 99 in the metrics all_reduce, and rank 3 a step ahead in the next
+    # step's all_reduce (it skipped the metrics collective)
+    metrics = (
+        py("all_reduce", DIST, 2806),
+        py("report_metrics", "/job/train.py", 129),
+        py("main", "/job/train.py", 99),
+    )
+    looks = [look(r, "n", metrics, step=99) for r in range(3)] + [look(3, "n", ALL_REDUCE, step=100)]
+    # WHEN
+    decision = detect.decide(looks, STALL)
+    # THEN the lone rank is named, not the three "behind"
+    assert [c.rank for c in decision.culprits] == [3], decision.conclusion
+    assert "behind" not in decision.conclusion
+
+
+def test_ranks_that_left_the_loop_together_are_named_together():
+    # GIVEN ranks 0 and 1 in the barrier after the loop, ranks 2 and 3 in the next all_reduce
+    looks = [look(r, "n", BARRIER_AFTER_LOOP) for r in (0, 1)] + [look(r, "n", GRADS_ALL_REDUCE) for r in (2, 3)]
+    # WHEN
+    decision = detect.decide(looks, STALL)
+    # THEN ranks 0-1 are named, in their barrier
+    assert [c.rank for c in decision.culprits] == [0, 1], decision.conclusion
+    assert decision.conclusion.startswith(
+        "ranks 0-1 on n wait in barrier at main (/job/train.py:208) since step 100: they left the loop"
+    ), decision.conclusion

@@ -13,6 +13,7 @@ from dynprof.renderers import render
 from dynprof.store import ArtifactStore
 from dynprof.watch.engine import NodeRead, StacksRead, WatchConfig, WatchEngine, run_hook
 from dynprof.watch.model import NodeProgress, RankProgress, StragglerReport, Verdict
+from dynprof.watch.render import render_verdict_text
 
 DIST = "/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py"
 
@@ -333,3 +334,86 @@ def test_the_look_reads_natively_only_the_ranks_that_do_not_wait_with_the_others
         # native read costs a node far more, and busy ranks need none)
         assert source.native_asked and source.native_asked[0] == {}
         assert source.native_asked[1] == expected
+
+
+class StoppingSource(FakeSource):
+    """Rank 3's agent stops answering after the step ``stops_at`` (its process stopped); its
+    node then reports for it the step ``reported`` (0: what a fresh read of an agent that does
+    not answer says; else a stale count) and no time of a last step."""
+
+    def __init__(self, stops_at: int, reported: int) -> None:
+        super().__init__()
+        self.step = 0
+        self.stops_at = stops_at
+        self.reported = reported
+        self.step_times: dict[int, float] = {}
+
+    def progress(self, job: str, fresh: bool = False) -> list[NodeRead]:
+        self.stuck = self.step >= self.stops_at
+        reads = super().progress(job, fresh)
+        self.step_times.setdefault(self.step, self.last_step)
+        for read in reads:
+            assert read.progress is not None
+            for r in read.progress.ranks:
+                if r.rank == 3 and self.stuck:
+                    r.agent, r.process_state = "unresponsive", "stopped"
+                    r.step, r.last_step_at, r.last_step_age_s = self.reported, 0.0, None
+        return reads
+
+
+def test_a_rank_whose_agent_stopped_answering_is_said_at_the_last_step_the_watch_saw_it_make():
+    for stops_at, reported in ((5, 0), (149, 24), (149, 0)):
+        # GIVEN a job the watch saw step to `stops_at`, then rank 3 stopped, its node reporting
+        # `reported` steps for it and no time of its last step
+        source = StoppingSource(stops_at, reported)
+        engine, said = engine_for(source)
+        while source.step < stops_at:
+            engine.tick()
+        last_step_at = source.step_times[stops_at]
+        # WHEN the watch goes on until it says the hang
+        for _ in range(20):
+            engine.tick()
+            if said:
+                break
+        # THEN the culprit is rank 3, since the last step the watch saw it make, and its age
+        # counts from that step, not from its process's start
+        verdict = said[0][0]
+        assert [c.rank for c in verdict.culprits] == [3], verdict.conclusion
+        assert verdict.culprits[0].since_step == stops_at, verdict.conclusion
+        assert f"since step {stops_at}" in verdict.conclusion
+        row3 = next(r for r in verdict.ranks if r["rank"] == 3)
+        assert row3["step"] == stops_at
+        assert row3["last_step_age_s"] is not None
+        assert abs(row3["last_step_age_s"] - (source.t - last_step_at)) <= 1.0, (row3, source.t, last_step_at)
+
+
+def test_a_rank_whose_agent_never_answered_this_watch_is_said_with_its_last_step_unknown_not_0():
+    # GIVEN a job that made 5 steps before the watch started (`watch --once` after the fact),
+    # rank 3 stopped since, its node reporting 0 steps and no last step for it
+    source = StoppingSource(5, 0)
+    while source.step < 5:
+        source.progress("j")
+    engine, said = engine_for(source)
+    # WHEN the watch looks
+    for _ in range(20):
+        engine.tick()
+        if said:
+            break
+    # THEN rank 3 is the culprit, with its last step and its age unknown, never "since step 0"
+    # nor aged from its process's start; the other ranks keep theirs
+    verdict = said[0][0]
+    assert [c.rank for c in verdict.culprits] == [3], verdict.conclusion
+    assert verdict.culprits[0].since_step is None
+    assert "since step 0" not in verdict.conclusion, verdict.conclusion
+    said_of_3 = (
+        "rank 3 on node-2 is stopped (SIGSTOP or a debugger) in load_next_batch (/job/data.py:88) "
+        "(its last step unknown: its agent has not answered this watch)"
+    )
+    assert said_of_3 in verdict.conclusion, verdict.conclusion
+    row3 = next(r for r in verdict.ranks if r["rank"] == 3)
+    assert row3["step"] is None and row3["last_step_age_s"] is None, row3
+    others = [r for r in verdict.ranks if r["rank"] != 3]
+    assert all(r["step"] == 5 and r["last_step_age_s"] is not None for r in others), others
+    # and the printed table says it is not known
+    (line,) = [ln for ln in render_verdict_text(verdict).splitlines() if ln.startswith("  3 ")]
+    assert line.split()[:4] == ["3", "node-2", "?", "-"], line
