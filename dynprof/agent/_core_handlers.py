@@ -50,6 +50,7 @@ def install(agent: Agent) -> None:
                 device=gpu.device,
                 device_uuid=gpu.device_uuid,
                 note=gpu.note,
+                coredump_armed=gpu.coredump_armed,
             ),
         )
 

@@ -17,6 +17,7 @@ process, with one log line; the training step never sees it.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +38,7 @@ class GpuStepLook:
     device: int = -1
     device_uuid: str = ""
     note: str = ""
+    coredump_armed: bool = False  # the driver's user-triggered GPU core dump is armed here
 
 
 class GpuStepMarker:
@@ -94,6 +96,11 @@ class GpuStepMarker:
 
     def look(self, torch: Any) -> GpuStepLook:
         """The latest marked step, its event queried now (never waits). Never raises."""
+        found = self._look(torch)
+        found.coredump_armed = os.environ.get("CUDA_ENABLE_USER_TRIGGERED_COREDUMP") == "1"
+        return found
+
+    def _look(self, torch: Any) -> GpuStepLook:
         if not self.enabled:
             return GpuStepLook(False, note=f"off for this process: {self.off_reason}"[:300])
         slot = self._slot

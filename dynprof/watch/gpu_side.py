@@ -14,7 +14,9 @@ Two facts, from two places:
 :func:`describe` makes the line ("GPU 1 busy 100 %, 41.2 GiB used (this process 40.9 GiB);
 its work queued at step 199 has not finished after 40 s", "GPU 1 idle (0 %); its last step's
 work finished: the host is stuck"), :func:`evidence` the verdict's ``gpu`` evidence and
-:func:`clause` what the conclusion says of it.
+:func:`clause` what the conclusion says of it. The kernel the GPU runs is not named: the
+evidence's ``kernel`` says why (the driver's user-triggered GPU core dump, which
+``dynprof run --gpu-coredump`` arms, is not triggered nor read by dynprof yet).
 """
 
 from __future__ import annotations
@@ -155,6 +157,22 @@ def describe(row: RankProgress) -> str:
     return f"{head}; its last step's work (step {step.step}) finished"
 
 
+KERNEL_NOT_ARMED = (
+    "not named: the GPU core dump is not armed in this rank (start the job with `dynprof run --gpu-coredump`)"
+)
+KERNEL_ARMED = (
+    "not named: the GPU core dump is armed in this rank (CUDA_ENABLE_USER_TRIGGERED_COREDUMP=1), but dynprof "
+    "does not trigger it nor read the dump yet: a write into the rank's CUDA_COREDUMP_PIPE dumps it, cuda-gdb reads it"
+)
+
+
+def kernel(row: RankProgress) -> str:
+    """What the verdict says of the kernel the rank's GPU runs: why it is not named."""
+    if row.gpu_step is None:
+        return "not named: no GPU step recorded"
+    return KERNEL_ARMED if row.gpu_step.coredump_armed else KERNEL_NOT_ARMED
+
+
 def evidence(kind: str, culprits: Sequence[Culprit], rows: Sequence[tuple[str, RankProgress]]) -> list[dict[str, Any]]:
     """The verdict's ``gpu`` evidence: one entry per culprit of a hang whose rank stepped on
     CUDA or was read by NVML (its line, and the facts behind it); [] otherwise. Of two rows of
@@ -175,6 +193,7 @@ def evidence(kind: str, culprits: Sequence[Culprit], rows: Sequence[tuple[str, R
                 "host": c.host,
                 "pid": row.pid,
                 "line": describe(row),
+                "kernel": kernel(row),
                 "gpu_step": row.gpu_step.to_json() if row.gpu_step is not None else None,
                 "gpu": row.gpu.to_json() if row.gpu is not None else None,
             }
@@ -193,4 +212,16 @@ def clause(items: Sequence[dict[str, Any]]) -> str:
     return ("; " + "; ".join(parts) + more) if parts else ""
 
 
-__all__ = ["IDLE_PCT", "NO_NVML", "READ_AFTER_S", "clause", "describe", "evidence", "read_device", "read_gpus"]
+__all__ = [
+    "KERNEL_ARMED",
+    "KERNEL_NOT_ARMED",
+    "IDLE_PCT",
+    "NO_NVML",
+    "READ_AFTER_S",
+    "clause",
+    "kernel",
+    "describe",
+    "evidence",
+    "read_device",
+    "read_gpus",
+]

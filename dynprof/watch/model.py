@@ -99,6 +99,7 @@ class GpuStep:
     age_s: float  # seconds since the event was recorded, at the agent's answer
     device: int | None = None  # the CUDA device index in the process
     device_uuid: str = ""  # "GPU-...", "" if unknown
+    coredump_armed: bool = False  # the driver's user-triggered GPU core dump is armed in it
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -107,6 +108,7 @@ class GpuStep:
             "age_s": self.age_s,
             "device": self.device,
             "device_uuid": self.device_uuid,
+            "coredump_armed": self.coredump_armed,
         }
 
     @classmethod
@@ -125,6 +127,7 @@ class GpuStep:
             age_s=age,
             device=_bounded_int(d.get("device"), 0, MAX_GPU_DEVICE),
             device_uuid=_text(d.get("device_uuid"), 100) or "",
+            coredump_armed=d.get("coredump_armed") is True,
         )
 
 

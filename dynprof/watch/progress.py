@@ -136,6 +136,7 @@ def _gpu_step(status: object) -> GpuStep | None:
             "age_s": float(g.age_s),
             "device": int(g.device),
             "device_uuid": str(g.device_uuid),
+            "coredump_armed": bool(g.coredump_armed),
         }
     )
 

@@ -19,6 +19,7 @@ import time
 import pytest
 
 from dynprof.identity import detect
+from dynprof.watch.gpu_side import KERNEL_NOT_ARMED
 
 pytestmark = [pytest.mark.gpu, pytest.mark.ptrace]
 PROGRAM = "tests/gpu/programs/gpu_fault_program.py"
@@ -172,3 +173,4 @@ def test_the_verdict_says_whether_the_hung_ranks_gpu_work_finished(spawn, cli, f
     assert line.startswith("GPU ") and state in line and said in line, line
     assert "GiB used" in line and "(this process " in line, line
     assert f"rank 1 ({detect().host}): {line}" in v["conclusion"]
+    assert item["kernel"] == KERNEL_NOT_ARMED and g.coredump_armed is False  # not run with --gpu-coredump

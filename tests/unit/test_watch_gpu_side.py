@@ -222,7 +222,15 @@ def test_the_progress_read_carries_the_status_gpu_step_and_reads_nvml_for_a_stal
         rank=1,
         world_size=2,
         role="trainer",
-        gpu_step=pb.GpuStep(recorded=True, step=41, done=False, age_s=30.5, device=0, device_uuid="GPU-00000001-aaaa"),
+        gpu_step=pb.GpuStep(
+            recorded=True,
+            step=41,
+            done=False,
+            age_s=30.5,
+            device=0,
+            device_uuid="GPU-00000001-aaaa",
+            coredump_armed=True,
+        ),
     )
     unrecorded = pb.Status(pid=1, step=3, job_id="j", rank=0, role="trainer", gpu_step=pb.GpuStep(recorded=False))
     records = [
@@ -253,6 +261,8 @@ def test_the_progress_read_carries_the_status_gpu_step_and_reads_nvml_for_a_stal
     # WHEN the node's progress is read
     rows = {r.rank: r for r in progress.read_progress(records, "h", "j").ranks}
     # THEN the stalled rank carries its GPU step and its device's reading; the other none
-    assert rows[1].gpu_step == GpuStep(step=41, done=False, age_s=30.5, device=0, device_uuid="GPU-00000001-aaaa")
+    assert rows[1].gpu_step == GpuStep(
+        step=41, done=False, age_s=30.5, device=0, device_uuid="GPU-00000001-aaaa", coredump_armed=True
+    )
     assert rows[1].gpu is not None and (rows[1].gpu.index, rows[1].gpu.utilization_pct) == (1, 97)
     assert rows[0].gpu_step is None and rows[0].gpu is None

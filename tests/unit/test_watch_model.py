@@ -64,7 +64,7 @@ def test_a_ranks_gpu_step_and_gpu_reading_round_trip_and_are_bounded():
         world_size=2,
         pid=42,
         host="n1",
-        gpu_step=GpuStep(step=199, done=False, age_s=40.5, device=0, device_uuid="GPU-abc"),
+        gpu_step=GpuStep(step=199, done=False, age_s=40.5, device=0, device_uuid="GPU-abc", coredump_armed=True),
         gpu=GpuReading(
             index=1, utilization_pct=100, used_bytes=44 << 30, total_bytes=141 << 30, process_bytes=40 << 30
         ),
@@ -82,7 +82,7 @@ def test_a_ranks_gpu_step_and_gpu_reading_round_trip_and_are_bounded():
         ({"step": True, "done": True, "age_s": 1.0}, None),
         ("junk", None),
         (
-            {"step": 5, "done": True, "age_s": 2.0, "device": -4, "device_uuid": "G" * 5000},
+            {"step": 5, "done": True, "age_s": 2.0, "device": -4, "device_uuid": "G" * 5000, "coredump_armed": "yes"},
             GpuStep(step=5, done=True, age_s=2.0, device=None, device_uuid="G" * 100),
         ),
     ]
