@@ -5,7 +5,8 @@ A small training loop (launch-bound on a GPU: its host side is the step time, th
 for a per-step host cost) runs in this process with dynprof's optimizer step hook installed.
 Blocks of steps alternate between the marker on and off (the rest of the hook runs in both),
 so both are measured side by side under the same machine noise; the figure is the paired
-ratio, step time with the marker / without. Each block ends with one synchronize of the
+ratio, step time with the marker / without (this thread's CPU time on the CPU, wall time on
+CUDA). Each block ends with one synchronize of the
 benchmark's own (so a block's wall time includes its GPU work); dynprof never synchronizes.
 The marker's call is also timed alone.
 
@@ -55,6 +56,9 @@ def run(device: str, rounds: int, block: int, width: int) -> dict[str, Any]:
     tracker.install()
     assert tracker.hook_installed, "the optimizer step hook should be installed (torch.optim is imported)"
     marker = tracker.gpu
+    # On the CPU, this thread's CPU time (immune to being descheduled on a shared machine); on
+    # CUDA, wall time (a block's GPU work is waited for at its end).
+    clock = time.perf_counter if dev.type == "cuda" else time.thread_time
     for _ in range(200):
         step()
     sync()
@@ -64,11 +68,11 @@ def run(device: str, rounds: int, block: int, width: int) -> dict[str, Any]:
         order = (True, False) if r % 2 == 0 else (False, True)
         for on in order:
             marker.enabled = on
-            t0 = time.perf_counter()
+            t0 = clock()
             for _ in range(block):
                 step()
             sync()
-            dt = (time.perf_counter() - t0) / block
+            dt = (clock() - t0) / block
             (with_marker if on else without).append(dt)
     marker.enabled = True
     look = marker.look(torch)
@@ -81,6 +85,7 @@ def run(device: str, rounds: int, block: int, width: int) -> dict[str, Any]:
     ratios = [a / b for a, b in zip(with_marker, without)]
     return {
         "device": device,
+        "clock": "wall" if dev.type == "cuda" else "thread CPU",
         "cuda_initialized": bool(torch.cuda.is_initialized()),
         "event_recorded": look.recorded,
         "marker_on": marker.enabled,
@@ -121,8 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     path = "CUDA event record" if r["event_recorded"] else "no CUDA (torch.cuda.is_initialized() only)"
     print(f"== GPU step marker, step-time cost on {device}: {path} ==")
     print(f"loop: MLP width {r['width']}, {r['rounds']} rounds x 2 blocks x {r['block']} steps, alternating")
-    print(f"median step without marker: {r['step_ms_without']:.4f} ms")
-    print(f"median step with marker:    {r['step_ms_with']:.4f} ms")
+    print(f"median step without marker ({r['clock']} time): {r['step_ms_without']:.4f} ms")
+    print(f"median step with marker ({r['clock']} time):    {r['step_ms_with']:.4f} ms")
     print(
         f"median paired ratio:        {r['median_paired_ratio']:.4f}"
         f"  (IQR {r['paired_ratio_p25']:.4f} .. {r['paired_ratio_p75']:.4f})"

@@ -133,7 +133,10 @@ def describe(row: RankProgress) -> str:
     g = row.gpu
     step = row.gpu_step
     if g is None or g.index is None or g.utilization_pct is None:
-        why = g.note if g is not None and g.note else NO_NVML if g is not None else "its device was not read"
+        if g is None:
+            why = f"its device is read once the rank has not stepped for {READ_AFTER_S:.0f} s"
+        else:
+            why = g.note or NO_NVML
         head = f"GPU state unknown: {why}"
         busy = None
     else:

@@ -78,6 +78,14 @@ def test_without_nvml_the_state_is_unknown_and_the_step_still_said():
     )
 
 
+def test_a_device_not_read_yet_says_when_it_is_read():
+    row = _row(GpuStep(step=3, done=False, age_s=5.0), None, age=5.0)
+    assert gpu_side.describe(row) == (
+        "GPU state unknown: its device is read once the rank has not stepped for 10 s; "
+        "its work queued at step 3 has not finished after 5 s"
+    )
+
+
 def test_without_a_gpu_step_the_line_says_none_was_recorded():
     row = _row(None, BUSY)
     assert gpu_side.describe(row) == (
