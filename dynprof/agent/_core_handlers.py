@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import TYPE_CHECKING, Any
 
 from dynprof import __version__, _phase
@@ -21,12 +22,13 @@ def install(agent: Agent) -> None:
         steps.fold_compiled()
         trace = getattr(agent, "trace", None)
         in_phase = _phase.current()
+        gpu = steps.gpu.look(sys.modules.get("torch"))
         return "status", pb.Status(
             pid=agent.pid,
             step=steps.step,
             step_time_s=steps.step_time_s,
             last_step_at=steps.last_step_at,
-            torch_imported="torch" in __import__("sys").modules,
+            torch_imported="torch" in sys.modules,
             cuda_initialized=agent.cuda_initialized(),
             step_hook_installed=steps.hook_installed,
             trace=trace.state_pb() if trace is not None else pb.TraceState(state="unavailable"),
@@ -40,6 +42,16 @@ def install(agent: Agent) -> None:
             role=agent.role,
             phase=in_phase[0] if in_phase else "",
             phase_since=in_phase[1] if in_phase else 0.0,
+            gpu_step=pb.GpuStep(
+                recorded=gpu.recorded,
+                step=gpu.step,
+                done=gpu.done,
+                age_s=gpu.age_s,
+                device=gpu.device,
+                device_uuid=gpu.device_uuid,
+                note=gpu.note,
+                coredump_armed=gpu.coredump_armed,
+            ),
         )
 
     agent.handlers["ping"] = ping

@@ -6,7 +6,9 @@ So the hook is installed when the job imports ``torch.optim.optimizer``: a meta-
 wraps that one module's loader and registers the hook right after the module has run.
 
 The hook is the only dynprof code on the training hot path. While nothing is requested it
-does one dict update, one comparison and one clock read per optimizer step.
+does one dict update, one comparison and one clock read per optimizer step, and, at a step
+boundary, what :class:`~dynprof.agent._gpu_step.GpuStepMarker` does (one CUDA event record when
+the step ran on CUDA, one ``torch.cuda.is_initialized()`` call when not).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
+from dynprof.agent._gpu_step import GpuStepMarker
 from dynprof.agent._mainthread import call_soon_in_main_thread
 
 log = logging.getLogger("dynprof.agent")
@@ -67,6 +70,7 @@ class StepTracker:
         self._lock = threading.Lock()
         self._handle: Any = None
         self._finder: _PostImportFinder | None = None
+        self.gpu = GpuStepMarker()  # the GPU's side of each step (a CUDA event per boundary)
 
     # -- listeners (armed only while a capture needs step boundaries) ----------------------
     def add_listener(self, listener: BoundaryListener) -> None:
@@ -130,6 +134,7 @@ class StepTracker:
             iteration.add(key)
             self.step += 1
             count = self.step
+            self.gpu.mark(_TORCH[0], optimizer, count)
             mono = time.monotonic()
             if self._last_mono:
                 dt = mono - self._last_mono

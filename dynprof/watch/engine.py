@@ -32,7 +32,7 @@ from typing import Any, Protocol
 
 from collectors.stacks import Budget, ProcessStacks, Source, Stacks, from_json, merge
 from dynprof import errors
-from dynprof.watch import detect
+from dynprof.watch import detect, gpu_side
 from dynprof.watch.model import (
     VERDICT_KIND,
     Culprit,
@@ -528,6 +528,10 @@ class WatchEngine:
             if health is not None:
                 evidence["healthcheck"] = health
         conclusion = decision.conclusion + _health_clause(evidence.get("healthcheck"))
+        gpu = gpu_side.evidence(decision.kind, decision.culprits, [*rows, *after_rows])
+        if gpu:  # what each culprit's GPU is doing (dynprof/watch/gpu_side.py)
+            evidence["gpu"] = gpu
+            conclusion += gpu_side.clause(gpu)
         if failed:
             conclusion += "; no answer from node(s) " + ", ".join(sorted(failed)[:20])
         decided = self.clock()

@@ -2,8 +2,9 @@
 
 A *progress document* (schema ``dynprof.progress``) is what a node's sidecar answers at
 ``GET /api/progress``: every rank of a job on that node as its agent last told the sidecar
-(step count, time of the last step, mean step time) and as the sidecar sees the process (its
-state, its CPU time, its children's included). Ages are measured on the node's own clock, so a
+(step count, time of the last step, mean step time, the GPU's side of the last step) and as the
+sidecar sees the process (its state, its CPU time, its children's included, and, for a rank
+that stopped stepping on CUDA, NVML's reading of its device). Ages are measured on the node's own clock, so a
 watch on another machine never compares two clocks.
 
 A *verdict* (schema ``dynprof.verdict``) is what the watch decided and why: the kind of finding,
@@ -79,6 +80,93 @@ def _check_schema(doc: Any, schema: str, version: int, what: str) -> dict[str, A
     return doc
 
 
+MAX_GPU_BYTES = 1 << 50  # 1 PiB: more than any device holds
+MAX_GPU_DEVICE = 1 << 16
+
+
+def _bounded_int(value: Any, low: int, high: int) -> int | None:
+    v = _int(value)
+    return v if v is not None and low <= v <= high else None
+
+
+@dataclass(slots=True)
+class GpuStep:
+    """The GPU's side of a rank's latest step: the CUDA event its agent recorded at that step's
+    end, queried when the agent was asked (``done``: the GPU finished what was queued by then)."""
+
+    step: int
+    done: bool
+    age_s: float  # seconds since the event was recorded, at the agent's answer
+    device: int | None = None  # the CUDA device index in the process
+    device_uuid: str = ""  # "GPU-...", "" if unknown
+    coredump_armed: bool = False  # the driver's user-triggered GPU core dump is armed in it
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "done": self.done,
+            "age_s": self.age_s,
+            "device": self.device,
+            "device_uuid": self.device_uuid,
+            "coredump_armed": self.coredump_armed,
+        }
+
+    @classmethod
+    def from_json(cls, d: Any) -> GpuStep | None:
+        """None unless it is one (a step count, a boolean ``done`` and an age)."""
+        if not isinstance(d, dict):
+            return None
+        step = _bounded_int(d.get("step"), 0, 1 << 62)
+        done = d.get("done")
+        age = _float(d.get("age_s"))
+        if step is None or not isinstance(done, bool) or age is None or not 0.0 <= age <= 1e9:
+            return None
+        return cls(
+            step=step,
+            done=done,
+            age_s=age,
+            device=_bounded_int(d.get("device"), 0, MAX_GPU_DEVICE),
+            device_uuid=_text(d.get("device_uuid"), 100) or "",
+            coredump_armed=d.get("coredump_armed") is True,
+        )
+
+
+@dataclass(slots=True)
+class GpuReading:
+    """What the node's NVML said of a rank's device when the rank had not stepped for a while
+    (:func:`dynprof.watch.gpu_side.read_gpus`), or why it says nothing (``note``)."""
+
+    index: int | None = None  # NVML's index of the device on the node (nvidia-smi's)
+    utilization_pct: int | None = None  # percent of the last sample period a kernel ran
+    used_bytes: int | None = None
+    total_bytes: int | None = None
+    process_bytes: int | None = None  # what the rank's process holds there; None: not listed
+    note: str = ""  # why there is no reading ("no NVML here", "device not found", ...)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "index": self.index,
+            "utilization_pct": self.utilization_pct,
+            "used_bytes": self.used_bytes,
+            "total_bytes": self.total_bytes,
+            "process_bytes": self.process_bytes,
+            "note": self.note,
+        }
+
+    @classmethod
+    def from_json(cls, d: Any) -> GpuReading | None:
+        if not isinstance(d, dict):
+            return None
+        return cls(
+            index=_bounded_int(d.get("index"), 0, MAX_GPU_DEVICE),
+            utilization_pct=_bounded_int(d.get("utilization_pct"), 0, 100),
+            used_bytes=_bounded_int(d.get("used_bytes"), 0, MAX_GPU_BYTES),
+            total_bytes=_bounded_int(d.get("total_bytes"), 0, MAX_GPU_BYTES),
+            process_bytes=_bounded_int(d.get("process_bytes"), 0, MAX_GPU_BYTES),
+            note=_text(d.get("note"), 300) or "",
+        )
+
+
 @dataclass(slots=True)
 class RankProgress:
     """One rank (one process with an agent) of a job on one node, at the sidecar's last poll."""
@@ -98,6 +186,8 @@ class RankProgress:
     io_bytes: int | None = None  # bytes read and written (any file or socket), with its children; None: unreadable
     started_at: float | None = None  # process start, unix time
     polled_at: float = 0.0  # when the sidecar read this, node clock
+    gpu_step: GpuStep | None = None  # None: no step on CUDA (or the agent did not say)
+    gpu: GpuReading | None = None  # the node's NVML reading of its device; None: not read
     # The watch's own, never on the wire: its agent does not answer and neither its node nor this
     # watch ever heard its step count (``step`` 0 is then no count).
     step_unknown: bool = False
@@ -119,6 +209,8 @@ class RankProgress:
             "io_bytes": self.io_bytes,
             "started_at": self.started_at,
             "polled_at": self.polled_at,
+            "gpu_step": self.gpu_step.to_json() if self.gpu_step is not None else None,
+            "gpu": self.gpu.to_json() if self.gpu is not None else None,
         }
 
     @classmethod
@@ -148,6 +240,8 @@ class RankProgress:
             io_bytes=_nonneg(_int(d.get("io_bytes"))),
             started_at=_float(d.get("started_at")),
             polled_at=_float(d.get("polled_at")) or 0.0,
+            gpu_step=GpuStep.from_json(d.get("gpu_step")),
+            gpu=GpuReading.from_json(d.get("gpu")),
         )
 
 

@@ -1,7 +1,8 @@
 """One read of a node's live per-rank progress: what each agent says of its steps (the agent's
 status request, every agent asked at once) and what the node sees of each process (its state,
 CPU time and bytes read and written, its children's included: a rank whose DataLoader workers
-compute is moving).
+compute is moving), and, for ranks that stepped on CUDA and then stopped stepping, what the
+node's NVML says of their device (:func:`dynprof.watch.gpu_side.read_gpus`).
 
 Nothing here runs in the training process: the agent answers a status request from its own
 thread with counters it keeps anyway, so a read costs the ranks one small request each
@@ -21,7 +22,8 @@ from dynprof import errors, roles
 from dynprof.agents import parallel
 from dynprof.client import AgentClient
 from dynprof.registry import AgentRecord
-from dynprof.watch.model import NodeProgress, RankProgress
+from dynprof.watch import gpu_side
+from dynprof.watch.model import GpuStep, NodeProgress, RankProgress
 
 
 def _parents() -> dict[int, int]:
@@ -122,6 +124,23 @@ def _process_facts(pid: int, children: list[psutil.Process]) -> ProcessFacts:
     return ProcessFacts(state, cpu, io, started)
 
 
+def _gpu_step(status: object) -> GpuStep | None:
+    """The status's GPU step (an agent that recorded none, or an older agent: None), bounded."""
+    g = getattr(status, "gpu_step", None)
+    if g is None or not getattr(g, "recorded", False):
+        return None
+    return GpuStep.from_json(
+        {
+            "step": int(g.step),
+            "done": bool(g.done),
+            "age_s": float(g.age_s),
+            "device": int(g.device),
+            "device_uuid": str(g.device_uuid),
+            "coredump_armed": bool(g.coredump_armed),
+        }
+    )
+
+
 def read_progress(
     records: list[AgentRecord], host: str, job: str | None = None, timeout: float = 1.0, poll_every_s: float = 0.0
 ) -> NodeProgress:
@@ -168,6 +187,8 @@ def read_progress(
             if status.last_step_at > 0:
                 row.last_step_at = float(status.last_step_at)
                 row.last_step_age_s = max(0.0, now - row.last_step_at)
+            row.gpu_step = _gpu_step(status)
         rows.append(row)
+    gpu_side.read_gpus(rows)  # only ranks that stopped stepping on CUDA: NVML, guarded
     rows.sort(key=lambda r: (r.job, r.rank if r.rank is not None else 1 << 40, r.pid))
     return NodeProgress(host=host, time=now, poll_every_s=poll_every_s, ranks=rows)

@@ -19,6 +19,7 @@ import time
 import pytest
 
 from dynprof.identity import detect
+from dynprof.watch.gpu_side import KERNEL_NOT_ARMED
 
 pytestmark = [pytest.mark.gpu, pytest.mark.ptrace]
 PROGRAM = "tests/gpu/programs/gpu_fault_program.py"
@@ -40,7 +41,8 @@ def _free_port() -> str:
         return str(s.getsockname()[1])
 
 
-def _start(spawn, job: str, fault: str, *extra: str) -> None:
+def _start(spawn, job: str, fault: str, *extra: str) -> list[int]:
+    """Rank 0's and rank 1's pids, once each is where the test wants it."""
     port = _free_port()
     targets = []
     for rank in range(2):
@@ -48,8 +50,7 @@ def _start(spawn, job: str, fault: str, *extra: str) -> None:
         env["DYNPROF_JOB_ID"] = job
         args = ["-m", "dynprof", "run", "-q", "--", sys.executable, PROGRAM, "--fault", fault, *extra]
         targets.append(spawn(args, under_run=False, env=env))
-    for t in targets:
-        t.ready_pids(timeout=240)
+    return [t.ready_pids(timeout=240)[0] for t in targets]
 
 
 def _watch_once(cli, job: str) -> tuple[int, list[dict], str]:
@@ -133,3 +134,43 @@ def test_gpu_stragglers_are_named_with_their_cause_and_an_even_job_names_none(sp
         assert s is None, s
     else:
         assert s is not None and s["rank"] == 1 and s["cause"] == cause, data["straggler_check"]
+
+
+GPU_SIDE = {
+    # fault: (the status's gpu_step.done, what the verdict's GPU line says)
+    "step-behind-kernel": (False, ("busy ", "its work queued at step 6 has not finished after ")),
+    "host-sleep": (True, ("idle (", "its last step's work (step 6) finished: the host is stuck")),
+}
+
+
+@pytest.mark.parametrize("run", RUNS)
+@pytest.mark.parametrize("fault", sorted(GPU_SIDE))
+def test_the_verdict_says_whether_the_hung_ranks_gpu_work_finished(spawn, cli, fault, run):
+    # GIVEN rank 1 stuck after its 6th step: behind an endless kernel queued before that step
+    # (then .item()), or sleeping on the host after the step's work finished (synchronized)
+    from dynprof.client import AgentClient
+
+    job = f"gpuside{fault.replace('-', '')}{run}"
+    _, pid = _start(spawn, job, fault, "--at-step", "5")
+    time.sleep(12.0)  # past the stall time below, and past the age at which NVML is read
+    # WHEN its agent is asked for its status, and the watch looks once
+    g = AgentClient.for_pid(pid, timeout=10.0).status().gpu_step
+    rc, verdicts, err = _watch_once(cli, job)
+    # THEN the status says whether the GPU finished that step's work, recorded 12 s ago or more
+    done, (state, said) = GPU_SIDE[fault]
+    assert (g.recorded, g.step, g.done) == (True, 6, done), g
+    assert g.age_s >= 10.0 and g.device == 0 and g.device_uuid.startswith("GPU-"), g
+    # and the hang's verdict says what rank 1's GPU does, in its conclusion and evidence
+    assert rc == 20 and len(verdicts) == 1, err
+    v = verdicts[0]
+    print(f"\nVERDICT-ROW gpu-side-{fault} run={run} kind={v['kind']}")
+    print(v["conclusion"])
+    assert v["kind"] == "hang"
+    assert [(c["rank"], c["host"]) for c in v["culprits"]] == [(1, detect().host)]
+    (item,) = v["evidence"]["gpu"]
+    line = item["line"]
+    assert item["rank"] == 1 and item["pid"] == pid
+    assert line.startswith("GPU ") and state in line and said in line, line
+    assert "GiB used" in line and "(this process " in line, line
+    assert f"rank 1 ({detect().host}): {line}" in v["conclusion"]
+    assert item["kernel"] == KERNEL_NOT_ARMED and g.coredump_armed is False  # not run with --gpu-coredump

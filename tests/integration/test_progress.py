@@ -186,3 +186,29 @@ def test_a_process_and_its_children_io_is_counted(tmp_path):
             kid.kill()
         parent.kill()
         parent.wait()
+
+
+def test_a_cpu_rank_says_it_has_no_gpu_step_and_its_progress_row_has_none(spawn):
+    # GIVEN a rank that trains on the CPU (CUDA never initialised in it)
+    from dynprof.client import AgentClient
+
+    rank = spawn(
+        ["tests/integration/programs/train_program.py", "--step-sleep", "0.02"],
+        env={"DYNPROF_JOB_ID": "pg", "RANK": "0", "WORLD_SIZE": "1"},
+    )
+    (pid,) = rank.ready_pids()
+    _wait(lambda: pid in {r.pid for r in list_records()})
+    client = AgentClient.for_pid(pid)
+    first = client.status().step
+    _wait(lambda: client.status().step > first)
+    # WHEN its agent is asked for its status, and the node reads the job's progress
+    status = client.status()
+    progress = read_progress(list_records(), "h", "pg")
+    # THEN its steps go on, no CUDA event was recorded, the marker is on (not off after an
+    # error) and says why there is none; the progress row carries no GPU step and no reading
+    assert status.step > first and not status.cuda_initialized
+    g = status.gpu_step
+    assert (g.recorded, g.step, g.done, g.note) == (False, 0, False, "no optimizer step on CUDA yet")
+    (row,) = progress.ranks
+    assert row.pid == pid and row.step > 0
+    assert row.gpu_step is None and row.gpu is None

@@ -10,7 +10,10 @@ Stragglers, every step: ``gpu-compute`` (extra matmuls), ``host-launch`` (thousa
 kernels), ``h2d-input`` (a large pageable batch copied in), ``data-loading`` (a slow loader).
 Busy phases that are not hangs (on every rank): ``checkpoint`` (CUDA tensors saved for
 ``--busy-seconds``), ``eval`` (an evaluation loop of that length), ``compile`` (torch.compile's
-first step). ``none``: an even job.
+first step). ``none``: an even job. The GPU's side of a hang (the step's CUDA event):
+``step-behind-kernel`` (the endless kernel is queued before the optimizer step, whose work then
+never finishes, and ``.item()`` waits for it), ``host-sleep`` (the step's work finished and
+synchronized, then the rank sleeps on the host).
 
 Each rank prints ``READY <pid>`` when it is where the test wants it: at the fault (blocking
 faults), or after ``--at-step`` steady steps (the others)."""
@@ -26,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 BLOCKING = ("item", "cpu", "tolist", "cuda-sync", "event-sync", "stream-sync", "h2d-pageable")
+GPU_SIDE = ("step-behind-kernel", "host-sleep")
 SPIN_CYCLES = int(4e12)  # torch.cuda._sleep: tens of minutes on any GPU of today
 
 
@@ -56,6 +60,22 @@ def block_behind_kernel(fault: str, model: torch.nn.Module, device: torch.device
         host = torch.ones(1 << 20)  # pageable: the copy waits for the stream, then copies
         host.to(device)
         torch.cuda.current_stream(device).synchronize()
+
+
+def stuck_after_step(fault: str, opt: torch.optim.Optimizer, device: torch.device, seconds: float) -> None:
+    """Step, then stop: behind an endless kernel queued before the step (``.item()`` waits for
+    it), or on the host after the step's work finished (``time.sleep``)."""
+    probe = torch.ones(4, device=device)
+    if fault == "step-behind-kernel":
+        torch.cuda._sleep(SPIN_CYCLES)
+        opt.step()
+        ready()
+        probe.sum().item()
+    else:
+        opt.step()
+        torch.cuda.synchronize(device)
+        ready()
+        time.sleep(seconds)
 
 
 def reduce_gradients(model: torch.nn.Module) -> None:
@@ -122,7 +142,12 @@ def main() -> int:
                 tiny.add_(1.0)
         opt.zero_grad(set_to_none=True)
         step_fn(inp).square().mean().backward()
-        if step == args.at_step:
+        if step == args.at_step and args.fault in GPU_SIDE:
+            if faulty:
+                stuck_after_step(args.fault, opt, device, args.max_seconds)  # says READY itself
+            else:
+                ready()
+        elif step == args.at_step:
             if args.fault in BLOCKING:
                 if faulty:
                     block_behind_kernel(args.fault, model, device)

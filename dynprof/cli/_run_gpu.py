@@ -1,0 +1,78 @@
+"""`dynprof run --gpu-coredump`: arm the CUDA driver's user-triggered GPU core dump in the job.
+
+The driver reads these variables when CUDA starts in each process: with
+``CUDA_ENABLE_USER_TRIGGERED_COREDUMP=1`` it creates the pipe ``CUDA_COREDUMP_PIPE`` (here in
+dynprof's runtime directory, one per host and process: ``%h``, ``%p``), and a write into that
+pipe makes it dump the GPU's state (the kernels that run, where each warp is) to
+``CUDA_COREDUMP_FILE`` (here inside the artifact store). ``CUDA_COREDUMP_GENERATION_FLAGS``
+asks for a light dump (no GPU memory) that does not abort the process afterwards.
+
+This only arms it: dynprof does not write into the pipe yet, nor read a dump (cuda-gdb does);
+the watch's verdict says so for each culprit (docs/watch.md). A variable the user already set
+is kept as it is, and said.
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import sys
+
+from dynprof import errors
+from dynprof.cli.run import RUN_OPTIONS
+
+GENERATION_FLAGS = "skip_abort,skip_nonrelocated_elf_images,skip_global_memory,skip_shared_memory,skip_local_memory"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("GPU core dump")
+    group.add_argument(
+        "--gpu-coredump",
+        action="store_true",
+        help="arm the CUDA driver's user-triggered GPU core dump in every process of the job "
+        "(CUDA_ENABLE_USER_TRIGGERED_COREDUMP=1, its pipe in dynprof's runtime directory, its "
+        "dumps in the store); dynprof does not trigger it yet. Put -- before the command.",
+    )
+
+
+def coredump_environment(pipe_dir: str, dump_dir: str) -> dict[str, str]:
+    """The variables that arm the dump, pipes in ``pipe_dir`` and dumps in ``dump_dir``."""
+    return {
+        "CUDA_ENABLE_USER_TRIGGERED_COREDUMP": "1",
+        "CUDA_COREDUMP_PIPE": f"{pipe_dir}/corepipe.cuda.%h.%p",
+        "CUDA_COREDUMP_FILE": f"{dump_dir}/core.cuda.%h.%p.%t",
+        "CUDA_COREDUMP_GENERATION_FLAGS": GENERATION_FLAGS,
+    }
+
+
+def apply(args: argparse.Namespace, env: dict[str, str]) -> None:
+    if not getattr(args, "gpu_coredump", False):
+        return
+    from dynprof.paths import ensure_private_dir, run_dir
+    from dynprof.store import ArtifactStore, _safe
+
+    job = env.get("DYNPROF_JOB_ID") or "nojob"
+    pipe_dir = run_dir() / "gpu-coredump" / _safe(job)
+    try:
+        ensure_private_dir(pipe_dir.parent)
+        ensure_private_dir(pipe_dir)
+        dump_dir = ArtifactStore().private_dir(_safe(job), _safe(socket.gethostname()), ".gpu-coredump")
+    except (OSError, errors.DynprofError) as exc:
+        raise errors.DynprofError(
+            f"cannot create the GPU core dump directories: {exc}",
+            help="Check DYNPROF_RUN_DIR and DYNPROF_ARTIFACT_DIR, or run without --gpu-coredump.",
+        ) from None
+    kept = []
+    for name, value in coredump_environment(str(pipe_dir), str(dump_dir)).items():
+        if env.get(name, value) != value:
+            kept.append(f"{name}={env[name]}")
+            continue
+        env[name] = value
+    env["DYNPROF_GPU_COREDUMP"] = "1"
+    if kept:
+        print(f"dynprof: GPU core dump: kept your {', '.join(kept)}", file=sys.stderr)
+    if not getattr(args, "quiet", False):
+        print(f"dynprof: GPU core dump armed: pipes in {pipe_dir}, dumps in {dump_dir}", file=sys.stderr)
+
+
+RUN_OPTIONS.append((add_arguments, apply))

@@ -1,0 +1,230 @@
+"""The GPU's side of a hang: what each culprit's GPU is doing, in one line of words.
+
+Two facts, from two places:
+
+* the rank's own: the CUDA event its agent records at each step's end, queried when the
+  agent answers a status (:class:`~dynprof.watch.model.GpuStep`: the step, whether the GPU
+  finished the work queued by then, how long ago it was recorded);
+* the node's: NVML's reading of that device (utilization, memory used, what the rank's process
+  holds there: :class:`~dynprof.watch.model.GpuReading`), read on the rank's node by
+  :func:`read_gpus` when the progress is read (the sidecar's poller, or ``dynprof watch`` on
+  this node), and only for ranks that have not stepped for :data:`READ_AFTER_S`: a job that
+  steps costs NVML nothing.
+
+:func:`describe` makes the line ("GPU 1 busy 100 %, 41.2 GiB used (this process 40.9 GiB);
+its work queued at step 199 has not finished after 40 s", "GPU 1 idle (0 %); its last step's
+work finished: the host is stuck"), :func:`evidence` the verdict's ``gpu`` evidence and
+:func:`clause` what the conclusion says of it. The kernel the GPU runs is not named: the
+evidence's ``kernel`` says why (the driver's user-triggered GPU core dump, which
+``dynprof run --gpu-coredump`` arms, is not triggered nor read by dynprof yet).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from dynprof.watch.model import Culprit, GpuReading, RankProgress
+
+log = logging.getLogger("dynprof.watch")
+
+READ_AFTER_S = 10.0  # NVML is read for ranks whose last step is at least this old
+IDLE_PCT = 5  # utilization at or below this is idle
+MAX_GPU_LINES = 64
+MAX_DEVICES = 256
+NO_NVML = "no NVML here"
+
+
+# -- the node's NVML ------------------------------------------------------------------------------
+class _Nvml:
+    """pynvml, initialised once per process on first need; None forever when it cannot be."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._module: Any = None
+        self._why: str | None = None
+
+    def get(self) -> tuple[Any, str | None]:
+        with self._lock:
+            if self._module is None and self._why is None:
+                try:
+                    import pynvml
+
+                    pynvml.nvmlInit()
+                    self._module = pynvml
+                except ImportError:
+                    self._why = f"{NO_NVML} (pynvml is not installed: pip install nvidia-ml-py)"
+                except Exception as exc:  # no driver, no device: NVMLError_LibraryNotFound, ...
+                    self._why = f"{NO_NVML} ({type(exc).__name__}: {exc})"[:300]
+            return self._module, self._why
+
+
+_NVML = _Nvml()
+
+
+def _norm_uuid(uuid: Any) -> str:
+    text = str(uuid or "").strip().lower()
+    return text[4:] if text.startswith("gpu-") else text
+
+
+def _device_of(nv: Any, uuid: str, pid: int) -> tuple[int, Any] | None:
+    """The NVML (index, handle) of the device with ``uuid``, else of one ``pid`` runs on."""
+    count = min(int(nv.nvmlDeviceGetCount()), MAX_DEVICES)
+    handles = [(i, nv.nvmlDeviceGetHandleByIndex(i)) for i in range(count)]
+    wanted = _norm_uuid(uuid)
+    if wanted:
+        for i, h in handles:
+            if _norm_uuid(nv.nvmlDeviceGetUUID(h)) == wanted:
+                return i, h
+    for i, h in handles:
+        if any(int(p.pid) == pid for p in nv.nvmlDeviceGetComputeRunningProcesses(h)):
+            return i, h
+    return None
+
+
+def read_device(nv: Any, uuid: str, pid: int) -> GpuReading:
+    """NVML's reading of the device of process ``pid`` (by its UUID, else by its process)."""
+    try:
+        found = _device_of(nv, uuid, pid)
+        if found is None:
+            return GpuReading(note=f"its device ({uuid or 'no UUID'}) is not among this node's NVML devices")
+        index, h = found
+        reading = GpuReading(index=index)
+        reading.utilization_pct = max(0, min(100, int(nv.nvmlDeviceGetUtilizationRates(h).gpu)))
+        memory = nv.nvmlDeviceGetMemoryInfo(h)
+        reading.used_bytes, reading.total_bytes = int(memory.used), int(memory.total)
+        for p in nv.nvmlDeviceGetComputeRunningProcesses(h):
+            used = getattr(p, "usedGpuMemory", None)
+            if int(p.pid) == pid and isinstance(used, int) and used >= 0:
+                reading.process_bytes = (reading.process_bytes or 0) + used
+        return reading
+    except Exception as exc:  # NVMLError, a pynvml without the call: said, never raised
+        return GpuReading(note=f"NVML could not read it: {type(exc).__name__}: {exc}"[:300])
+
+
+def read_gpus(rows: Sequence[RankProgress], nvml: Any = None) -> None:
+    """Fill ``gpu`` of each row that stepped on CUDA and has not stepped for READ_AFTER_S, from
+    this node's NVML (``nvml``: a pynvml-like module, for tests; default: pynvml, guarded)."""
+    wanted = [
+        r
+        for r in rows
+        if r.gpu_step is not None and r.last_step_age_s is not None and r.last_step_age_s >= READ_AFTER_S
+    ]
+    if not wanted:
+        return
+    why: str | None = None
+    if nvml is None:
+        nvml, why = _NVML.get()
+    for row in wanted:
+        step = row.gpu_step
+        assert step is not None
+        row.gpu = GpuReading(note=why or NO_NVML) if nvml is None else read_device(nvml, step.device_uuid, row.pid)
+
+
+# -- the words --------------------------------------------------------------------------------------
+def _gib(n: int) -> str:
+    return f"{n / 1024**3:.1f} GiB"
+
+
+def describe(row: RankProgress) -> str:
+    """One line of words for what the rank's GPU is doing (see the module's docstring)."""
+    g = row.gpu
+    step = row.gpu_step
+    if g is None or g.index is None or g.utilization_pct is None:
+        if g is None:
+            why = f"its device is read once the rank has not stepped for {READ_AFTER_S:.0f} s"
+        else:
+            why = g.note or NO_NVML
+        head = f"GPU state unknown: {why}"
+        busy = None
+    else:
+        busy = g.utilization_pct > IDLE_PCT
+        head = f"GPU {g.index} busy {g.utilization_pct} %" if busy else f"GPU {g.index} idle ({g.utilization_pct} %)"
+        if g.used_bytes is not None:
+            head += f", {_gib(g.used_bytes)} used"
+            if g.process_bytes is not None:
+                head += f" (this process {_gib(g.process_bytes)})"
+    if step is None:
+        return head + "; no GPU step recorded (no optimizer step on CUDA seen by its agent)"
+    if not step.done:
+        tail = f"its work queued at step {step.step} has not finished after {step.age_s:.0f} s"
+        if busy is False:
+            tail += ": it waits on something that is not a kernel (another stream, a peer, the host)"
+        return f"{head}; {tail}"
+    if busy is False:
+        return f"{head}; its last step's work (step {step.step}) finished: the host is stuck"
+    if busy:
+        return f"{head}; its last step's work (step {step.step}) finished: it runs work queued since"
+    return f"{head}; its last step's work (step {step.step}) finished"
+
+
+KERNEL_NOT_ARMED = (
+    "not named: the GPU core dump is not armed in this rank (start the job with `dynprof run --gpu-coredump`)"
+)
+KERNEL_ARMED = (
+    "not named: the GPU core dump is armed in this rank (CUDA_ENABLE_USER_TRIGGERED_COREDUMP=1), but dynprof "
+    "does not trigger it nor read the dump yet: a write into the rank's CUDA_COREDUMP_PIPE dumps it, cuda-gdb reads it"
+)
+
+
+def kernel(row: RankProgress) -> str:
+    """What the verdict says of the kernel the rank's GPU runs: why it is not named."""
+    if row.gpu_step is None:
+        return "not named: no GPU step recorded"
+    return KERNEL_ARMED if row.gpu_step.coredump_armed else KERNEL_NOT_ARMED
+
+
+def evidence(kind: str, culprits: Sequence[Culprit], rows: Sequence[tuple[str, RankProgress]]) -> list[dict[str, Any]]:
+    """The verdict's ``gpu`` evidence: one entry per culprit of a hang whose rank stepped on
+    CUDA or was read by NVML (its line, and the facts behind it); [] otherwise. Of two rows of
+    one process in ``rows``, the later one is used (the look's fresh read)."""
+    if kind != "hang":
+        return []
+    by_pid = {(node, r.pid): r for node, r in rows}
+    by_rank = {(node, r.rank): r for node, r in rows if r.rank is not None}
+    out: list[dict[str, Any]] = []
+    for c in culprits[:MAX_GPU_LINES]:
+        row = by_pid.get((c.host, c.pid)) if c.pid is not None else None
+        row = row or (by_rank.get((c.host, c.rank)) if c.rank is not None else None)
+        if row is None or (row.gpu_step is None and row.gpu is None):
+            continue
+        out.append(
+            {
+                "rank": row.rank,
+                "host": c.host,
+                "pid": row.pid,
+                "line": describe(row),
+                "kernel": kernel(row),
+                "gpu_step": row.gpu_step.to_json() if row.gpu_step is not None else None,
+                "gpu": row.gpu.to_json() if row.gpu is not None else None,
+            }
+        )
+    return out
+
+
+def clause(items: Sequence[dict[str, Any]]) -> str:
+    """What the conclusion says of the ``gpu`` evidence: "; rank 1 (node-a): GPU 1 busy ..."."""
+    parts = []
+    for item in items[:8]:
+        rank = item.get("rank")
+        who = f"rank {rank}" if rank is not None else f"pid {item.get('pid')}"
+        parts.append(f"{who} ({item.get('host')}): {item.get('line')}")
+    more = f"; and {len(items) - 8} more" if len(items) > 8 else ""
+    return ("; " + "; ".join(parts) + more) if parts else ""
+
+
+__all__ = [
+    "KERNEL_ARMED",
+    "KERNEL_NOT_ARMED",
+    "IDLE_PCT",
+    "NO_NVML",
+    "READ_AFTER_S",
+    "clause",
+    "kernel",
+    "describe",
+    "evidence",
+    "read_device",
+    "read_gpus",
+]

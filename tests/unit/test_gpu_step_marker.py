@@ -1,0 +1,174 @@
+"""The GPU step marker in the step hook (dynprof/agent/_gpu_step.py) and the status's gpu_step:
+on CPU torch, a step records nothing and says why; with a CUDA that reports itself initialised
+(a stand-in for torch.cuda), two events are recorded in turn, queried only when asked, and any
+failure turns the marker off with one log line and never reaches the training step."""
+
+from __future__ import annotations
+
+import logging
+import types
+from typing import Any
+
+import pytest
+import torch
+
+from dynprof.agent import _core_handlers
+from dynprof.agent._gpu_step import GpuStepMarker
+from dynprof.agent._steps import StepTracker
+from dynprof.proto import pb
+
+
+def _installed_tracker() -> StepTracker:
+    tracker = StepTracker()
+    tracker.install()
+    assert tracker.hook_installed
+    return tracker
+
+
+def _status_of(tracker: StepTracker) -> Any:
+    agent = types.SimpleNamespace(
+        handlers={},
+        identity=types.SimpleNamespace(job_id="j", rank=0, world_size=1),
+        steps=tracker,
+        pid=1,
+        started_at=0.0,
+        role="trainer",
+        cuda_initialized=lambda: False,
+    )
+    _core_handlers.install(agent)  # type: ignore[arg-type]
+    kind, status = agent.handlers["status"](pb.StatusRequest())
+    assert kind == "status"
+    return status
+
+
+def test_a_cpu_step_records_no_event_and_the_status_says_why():
+    # GIVEN the step hook installed in a process whose torch has no CUDA initialised
+    tracker = _installed_tracker()
+    try:
+        model = torch.nn.Linear(4, 4)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        # WHEN it trains three steps on the CPU
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.ones(2, 4)).sum().backward()
+            opt.step()
+        status = _status_of(tracker)
+    finally:
+        tracker.uninstall()
+    # THEN the steps are counted, no event was made, the marker is still on, and the status's
+    # gpu_step says no step ran on CUDA
+    assert tracker.step == 3
+    assert tracker.gpu.enabled and tracker.gpu._events == []
+    g = status.gpu_step
+    assert (g.recorded, g.step, g.done, g.device, g.note) == (False, 0, False, -1, "no optimizer step on CUDA yet")
+
+
+class FakeEvent:
+    made = 0
+
+    def __init__(self) -> None:
+        FakeEvent.made += 1
+        self.recorded_on: list[Any] = []
+        self.finished = False
+
+    def record(self, stream: Any) -> None:
+        self.recorded_on.append(stream)
+
+    def query(self) -> bool:
+        return self.finished
+
+
+class FakeCuda:
+    """What the marker calls of torch.cuda, on device 1 of a process whose CUDA is initialised."""
+
+    Event = FakeEvent
+
+    def __init__(self, initialized: bool = True, capturing: bool = False) -> None:
+        self.initialized = initialized
+        self.capturing = capturing
+        self.stream = types.SimpleNamespace(device_index=1)
+
+    def is_initialized(self) -> bool:
+        return self.initialized
+
+    def is_current_stream_capturing(self) -> bool:
+        return self.capturing
+
+    def current_stream(self) -> Any:
+        return self.stream
+
+    def get_device_properties(self, device: int) -> Any:
+        return types.SimpleNamespace(uuid="3f1c0000-aaaa-bbbb-cccc-000000000001")
+
+
+def _optimizer(on_cuda: bool) -> Any:
+    return types.SimpleNamespace(param_groups=[{"params": [types.SimpleNamespace(is_cuda=on_cuda)]}])
+
+
+def test_steps_on_cuda_record_two_events_in_turn_queried_only_when_asked():
+    # GIVEN a marker, a CUDA that is initialised, and an optimizer of CUDA parameters
+    FakeEvent.made = 0
+    fake = types.SimpleNamespace(cuda=FakeCuda())
+    marker = GpuStepMarker()
+    opt = _optimizer(True)
+    # WHEN five steps are marked
+    for step in range(1, 6):
+        marker.mark(fake, opt, step)
+    # THEN two events were made, recorded in turn on the current stream, none queried yet
+    assert FakeEvent.made == 2
+    first, second = marker._events
+    assert (len(first.recorded_on), len(second.recorded_on)) == (3, 2)
+    # and a look names step 5, not finished, on device 1 with its UUID
+    look = marker.look(fake)
+    assert (look.recorded, look.step, look.done, look.device) == (True, 5, False, 1)
+    assert look.device_uuid == "GPU-3f1c0000-aaaa-bbbb-cccc-000000000001" and look.age_s >= 0.0
+    # WHEN the GPU finishes that step's work
+    marker._events[marker._slot].finished = True
+    # THEN the next look says so
+    assert marker.look(fake).done is True
+
+
+@pytest.mark.parametrize(
+    "cuda, on_cuda",
+    [(FakeCuda(initialized=False), True), (FakeCuda(), False), (FakeCuda(capturing=True), True)],
+    ids=["cuda-not-initialised", "cpu-parameters", "graph-capture"],
+)
+def test_no_event_without_cuda_for_cpu_parameters_or_in_a_graph_capture(cuda, on_cuda):
+    # GIVEN CUDA not initialised, an optimizer of CPU parameters, or a CUDA graph being captured
+    FakeEvent.made = 0
+    marker = GpuStepMarker()
+    # WHEN a step is marked
+    marker.mark(types.SimpleNamespace(cuda=cuda), _optimizer(on_cuda), 1)
+    # THEN no event is made or recorded, and the marker stays on
+    assert FakeEvent.made == 0 and marker.enabled
+    assert marker.look(None).recorded is False
+
+
+def test_a_failing_event_turns_the_marker_off_with_one_log_line_and_never_reaches_the_step(caplog):
+    # GIVEN the step hook, with a CUDA whose event record fails
+    class Broken(FakeEvent):
+        def record(self, stream: Any) -> None:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    cuda = FakeCuda()
+    cuda.Event = Broken  # type: ignore[misc]
+    tracker = StepTracker()
+    from dynprof.agent import _steps
+
+    saved = _steps._TORCH[0]
+    _steps._TORCH[0] = types.SimpleNamespace(cuda=cuda)
+    opt = _optimizer(True)
+    try:
+        # WHEN the job steps three times
+        with caplog.at_level(logging.INFO, logger="dynprof.agent"):
+            for _ in range(3):
+                tracker._eager_step(opt)
+    finally:
+        _steps._TORCH[0] = saved
+    # THEN the steps are counted, the marker is off, said once, and the status says why
+    assert tracker.step == 3
+    assert not tracker.gpu.enabled
+    lines = [r.getMessage() for r in caplog.records if "GPU step marker" in r.getMessage()]
+    assert len(lines) == 1 and "illegal memory access" in lines[0]
+    look = tracker.gpu.look(None)
+    assert look.recorded is False and look.note.startswith("off for this process: recording its CUDA event failed")
