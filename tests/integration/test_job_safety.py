@@ -226,7 +226,8 @@ def test_duration_is_honoured_and_recorded(spawn, cli):
     summary = manifest["summary"]
     assert summary["profiled_s"] >= 0.95, summary
     last_step = profiler_steps(read_trace(Path(res["artifact"]) / "trace.json.gz"))[-1]
-    assert summary["stop_waited_s"] <= last_step["dur"] / 1e6 + 0.005, (summary, last_step)
+    # (50 ms of slack: the two are read by different clocks, one thread preemption apart on a loaded machine)
+    assert summary["stop_waited_s"] <= last_step["dur"] / 1e6 + 0.05, (summary, last_step)
     # AND the stop pause is reported apart, not added to it: the profiled window ended before the
     # pause, which ended before the export created the artifact (created_at is to the millisecond)
     assert summary["training_thread_pause_ms"] >= 0 and isinstance(summary["torch_warnings"], list)
