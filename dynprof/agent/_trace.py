@@ -143,6 +143,7 @@ class TraceController:
         self._first_partial = False
         self._last_partial = False
         self._span_marks: list[int] = []  # StepTracker.optimizer_steps at each span boundary
+        self._spans_omitted = 0  # spans past the first MAX_SPANS_DESCRIBED, counted, not described
         self._optimizer_waits = 0
         WATCH.on_foreign_prepare = self._on_foreign_profiler
 
@@ -207,6 +208,7 @@ class TraceController:
             self._aligned = step_aligned
             self._first_partial = self._last_partial = False
             self._span_marks = []
+            self._spans_omitted = 0
             self.state = "armed"
             max_s = msg.max_duration_s or DEFAULT_MAX_DURATION_S
             if msg.duration_s:
@@ -354,6 +356,7 @@ class TraceController:
         self.session = session
         self.state = "tracing"
         self._span_marks = [self.steps.optimizer_steps]
+        self._spans_omitted = 0
         req = self.req
         if req.duration_s:
             self._timer(req.duration_s, lambda: self._request_stop_locked("duration"))
@@ -504,18 +507,26 @@ class TraceController:
     def _mark_span(self) -> None:
         if len(self._span_marks) <= MAX_SPANS_DESCRIBED:
             self._span_marks.append(self.steps.optimizer_steps)
+        else:
+            self._spans_omitted += 1
 
     def _span_fields(self, at_boundary: bool) -> dict[str, Any]:
-        """What the trace's ProfilerStep# spans are, for the manifest."""
+        """What the trace's ProfilerStep# spans are, for the manifest: the optimizer steps of
+        each of the first MAX_SPANS_DESCRIBED spans, and how many spans follow undescribed."""
         marks = self._span_marks
+        omitted = self._spans_omitted
         if not at_boundary and marks:
-            marks = [*marks, self.steps.optimizer_steps]  # the last span, up to the stop
+            if len(marks) <= MAX_SPANS_DESCRIBED:
+                marks = [*marks, self.steps.optimizer_steps]  # the last span, up to the stop
+            else:
+                omitted += 1
         per_span = [b - a for a, b in itertools.pairwise(marks)]
         return {
             "span": "iteration",  # ProfilerStep#N: training iteration N, boundary to boundary
             "first_span_partial": self._first_partial,
             "last_span_partial": not at_boundary,
             "optimizer_steps_per_span": per_span,
+            "optimizer_steps_per_span_omitted": omitted,
         }
 
     def _on_foreign_profiler(self) -> None:

@@ -145,3 +145,28 @@ def test_stop_without_a_trace_names_the_process_once(spawn, cli):
     # THEN the one line says so, with the pid once
     assert result.returncode == 1
     assert result.stdout.strip() == f"pid {pid}: no trace is running [NOT_RUNNING]"
+
+
+def test_spans_past_the_described_ones_are_counted_not_lumped_into_the_last(spawn, cli, tmp_path):
+    # GIVEN a loop of short optimizer-only steps that exits after 10 005 traced steps
+    release = tmp_path / "release"
+    release.write_text("go\n")
+    target = spawn([PROGRAM, "--release-file", str(release), "--optimizer-only", "--steps-after-trace", "10005"])
+    (pid,) = target.ready_pids()
+    assert cli("start", "--pid", str(pid)).returncode == 0
+
+    # WHEN it exits mid-trace, after more spans than the manifest describes one by one
+    target.wait_for_line("EXITING", timeout=300)
+    target.proc.wait(timeout=300)
+
+    # THEN the first 10 000 spans are described (one optimizer step each), and the rest counted
+    (listed,) = _trace_artifacts(cli)
+    assert listed["status"] == "partial"
+    summary = json.loads((Path(listed["path"]) / "manifest.json").read_text())["summary"]
+    per_span = summary["optimizer_steps_per_span"]
+    assert len(per_span) == 10_000
+    assert set(per_span) == {1}
+    omitted = summary["optimizer_steps_per_span_omitted"]
+    assert omitted >= 5
+    spans = profiler_steps(read_trace(Path(listed["path"]) / "trace.json.gz"))
+    assert len(per_span) + omitted == len(spans)

@@ -46,6 +46,7 @@ def main() -> int:
     parser.add_argument("--hold", type=float, default=300.0)
     parser.add_argument("--steps-after-trace", type=int, default=3)
     parser.add_argument("--exit-on", choices=("tracing", "exporting"), default="tracing")
+    parser.add_argument("--optimizer-only", action="store_true", help="steps of the optimizer alone: short spans")
     args = parser.parse_args()
     slow_export(args.release_file, args.hold)
     torch.manual_seed(0)
@@ -54,10 +55,13 @@ def main() -> int:
     x, y = torch.randn(32, 64), torch.randn(32, 1)
     deadline = time.monotonic() + 120
     step = traced = 0
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    loss.backward()  # gradients for --optimizer-only, which keeps them
     while time.monotonic() < deadline and traced < args.steps_after_trace:
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        opt.zero_grad()
-        loss.backward()
+        if not args.optimizer_only:
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            opt.zero_grad()
+            loss.backward()
         opt.step()
         step += 1
         if step == 1:
@@ -67,7 +71,8 @@ def main() -> int:
             traced += 1
         if args.exit_on == "exporting" and state == "exporting":
             break
-        time.sleep(0.005)
+        if not args.optimizer_only or state != "tracing":
+            time.sleep(0.005)
     print(f"EXITING {step}", flush=True)
     return 0
 
