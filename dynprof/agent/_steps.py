@@ -86,6 +86,10 @@ class StepTracker:
         recent = sorted(d for d in self._recent if d > 0.0)
         return recent[len(recent) // 2] if recent else 0.0
 
+    def all_optimizer_steps(self) -> int:
+        """Every optimizer step seen so far: eager ones and those inside compiled regions."""
+        return self.optimizer_steps + COMPILED_STEPS.count
+
     def fold_compiled(self) -> bool:
         """Count optimizer steps made inside compiled regions. True if the step advanced."""
         compiled = COMPILED_STEPS.count

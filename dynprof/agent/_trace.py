@@ -142,7 +142,7 @@ class TraceController:
         self._aligned = False  # started at a step boundary, listening to boundaries
         self._first_partial = False
         self._last_partial = False
-        self._span_marks: list[int] = []  # StepTracker.optimizer_steps at each span boundary
+        self._span_marks: list[int] = []  # StepTracker.all_optimizer_steps() at each span boundary
         self._spans_omitted = 0  # spans past the first MAX_SPANS_DESCRIBED, counted, not described
         self._optimizer_waits = 0
         WATCH.on_foreign_prepare = self._on_foreign_profiler
@@ -355,7 +355,7 @@ class TraceController:
             return True
         self.session = session
         self.state = "tracing"
-        self._span_marks = [self.steps.optimizer_steps]
+        self._span_marks = [self.steps.all_optimizer_steps()]
         self._spans_omitted = 0
         req = self.req
         if req.duration_s:
@@ -506,7 +506,7 @@ class TraceController:
 
     def _mark_span(self) -> None:
         if len(self._span_marks) <= MAX_SPANS_DESCRIBED:
-            self._span_marks.append(self.steps.optimizer_steps)
+            self._span_marks.append(self.steps.all_optimizer_steps())
         else:
             self._spans_omitted += 1
 
@@ -517,7 +517,7 @@ class TraceController:
         omitted = self._spans_omitted
         if not at_boundary and marks:
             if len(marks) <= MAX_SPANS_DESCRIBED:
-                marks = [*marks, self.steps.optimizer_steps]  # the last span, up to the stop
+                marks = [*marks, self.steps.all_optimizer_steps()]  # the last span, up to the stop
             else:
                 omitted += 1
         per_span = [b - a for a, b in itertools.pairwise(marks)]

@@ -1,4 +1,4 @@
-"""Steps and trace spans of a job that replaces its optimizer mid-run."""
+"""Steps and trace spans of jobs that replace their optimizer mid-run or compile its step."""
 
 from __future__ import annotations
 
@@ -49,3 +49,24 @@ def test_a_replacement_that_keeps_the_old_optimizer_alive_still_counts_every_ite
 
     # THEN dynprof counts as many steps as the job made
     assert _step_of(cli, pid) == int(line.split()[1])
+
+
+COMPILED = "tests/integration/programs/compiled_step_program.py"
+
+
+def test_the_manifest_counts_compiled_optimizer_steps_in_its_spans(spawn, cli):
+    # GIVEN a loop whose optimizer step is compiled
+    target = spawn([COMPILED])
+    (pid,) = target.ready_pids(timeout=120)
+
+    # WHEN 3 steps are traced
+    result = cli("start", "--pid", str(pid), "--steps", "3", "--json")
+
+    # THEN the manifest describes every span, and counts the compiled optimizer steps in them
+    assert result.returncode == 0, result.stdout + result.stderr
+    (res,) = json.loads(result.stdout)["results"]
+    summary = json.loads((Path(res["artifact"]) / "manifest.json").read_text())["summary"]
+    spans = profiler_steps(read_trace(Path(res["artifact"]) / "trace.json.gz"))
+    per_span = summary["optimizer_steps_per_span"]
+    assert len(per_span) == len(spans)
+    assert sum(per_span) >= 1, per_span  # compiled steps ran in the traced spans
