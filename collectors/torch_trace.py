@@ -26,6 +26,9 @@ from typing import IO, Any
 from dynprof.safetext import one_line
 
 TRACE_FILE = "trace.json.gz"
+# TraceState.last_artifact_status while the job exits and its trace is being written (then
+# last_artifact is where the artifact will be).
+WRITING_AT_EXIT = "writing-at-exit"
 KIND = "trace"
 
 # Kineto prints "USDT: ... profiler_start/stop" lines and, with a CUDA build on a machine

@@ -46,7 +46,8 @@ class StepTracker:
     optimizers of "optimizer step in backward") count once per iteration; and an optimizer
     created mid-run (a second training stage, a k-fold loop, a second HF ``Trainer``) goes on
     counting from where the previous one left off (its very first step joins the iteration
-    in progress). Optimizer steps that run inside a ``torch.compile``d region are counted as
+    in progress, unless it replaced the optimizers that stepped there: they are gone, or it
+    steps again before any other does, and then that first step began an iteration). Optimizer steps that run inside a ``torch.compile``d region are counted as
     one step each (Dynamo traces the hook into the compiled frame, where it only stores a
     constant into :data:`COMPILED_STEPS`; no listener runs there, and nothing breaks the graph).
     """
@@ -63,6 +64,7 @@ class StepTracker:
         self.hook_thread_id: int | None = None
         self.on_install: Callable[[], None] | None = None
         self._iteration: set[int] = set()  # ids of the optimizers that stepped in this iteration
+        self._joined = 0  # id of a new optimizer whose first step joined it, while none stepped since
         # The job's optimizers (weakly), for the OOM report's parameter/gradient/state totals.
         self.optimizers: dict[int, Any] = {}
         self._last_mono = 0.0
@@ -87,6 +89,10 @@ class StepTracker:
         start or stop made, does not move it); 0.0 before any."""
         recent = sorted(d for d in self._recent if d > 0.0)
         return recent[len(recent) // 2] if recent else 0.0
+
+    def all_optimizer_steps(self) -> int:
+        """Every optimizer step seen so far: eager ones and those inside compiled regions."""
+        return self.optimizer_steps + COMPILED_STEPS.count
 
     def fold_compiled(self) -> bool:
         """Count optimizer steps made inside compiled regions. True if the step advanced."""
@@ -115,6 +121,13 @@ class StepTracker:
                 pass
         self.optimizers = known
 
+    def _replaces(self, iteration: set[int], key: int) -> bool:
+        """A new optimizer's first step: do the iteration's optimizers still exist? None left
+        (the job dropped them for this one, as in ``opt = AdamW(...)``): a new iteration."""
+        if key not in self.optimizers or len(self.optimizers) >= MAX_OPTIMIZERS:
+            return False  # not every live optimizer is known: do not guess
+        return not any(key in self.optimizers for key in iteration)
+
     def _eager_step(self, optimizer: Any) -> None:
         try:
             self.optimizer_steps += 1
@@ -123,16 +136,29 @@ class StepTracker:
             if COMPILED_STEPS.count != self._folded_compiled:
                 self.fold_compiled()
             key = id(optimizer)
-            if key not in self.optimizers:
+            known = self.optimizers.get(key)
+            new = known is None or known() is not optimizer
+            if new:
                 self._remember(optimizer)
             iteration = self._iteration
+            missed = 0
             if key in iteration:
                 iteration.clear()
+                if key == self._joined:
+                    # A new optimizer joined the iteration in progress and stepped again before
+                    # any other did: it replaced the job's optimizer, and its first step began
+                    # an iteration. That iteration is counted now (its span is already drawn).
+                    missed = 1
+            elif iteration and new and self._replaces(iteration, key):
+                iteration.clear()  # the optimizers of the iteration in progress are gone
+            self._joined = 0
             if iteration:
                 iteration.add(key)  # another optimizer of the iteration in progress
+                if new:
+                    self._joined = key
                 return
             iteration.add(key)
-            self.step += 1
+            self.step += 1 + missed
             count = self.step
             self.gpu.mark(_TORCH[0], optimizer, count)
             mono = time.monotonic()

@@ -10,6 +10,7 @@ import argparse
 import time
 from typing import Any
 
+from collectors.torch_trace import WRITING_AT_EXIT
 from dynprof import errors
 from dynprof.cli._common import (
     Progress,
@@ -42,8 +43,10 @@ class StopCommand(JobCommand):
         records = resolve_agents(args)
         clients = [AgentClient.for_record(r) for r in records]
         replies = parallel(lambda c: c.request(stop_trace=pb.StopTraceRequest()), clients)
+        at_exit: dict[int, str | None] = {}  # pid -> where its trace is being written at exit
         stopping = []
         results: list[dict[str, Any]] = []
+        messages: list[str] = []
         for record, client, reply in zip(records, clients, replies):
             if isinstance(reply, Exception):
                 not_running = getattr(reply, "code", None) == pb.NOT_RUNNING
@@ -57,7 +60,14 @@ class StopCommand(JobCommand):
                     }
                 )
             else:
-                stopping.append((record, client, reply.trace_stopped.trace.group_id))
+                trace = reply.trace_stopped.trace
+                stopping.append((record, client, trace.group_id))
+                if trace.state == "exporting" and trace.last_artifact_status == WRITING_AT_EXIT:
+                    where = f" to {trace.last_artifact}" if trace.last_artifact else " into the store"
+                    messages.append(
+                        printable(f"pid {record.pid}: the job is exiting and its trace is being written at exit{where}")
+                    )
+                    at_exit[record.pid] = trace.last_artifact or None
         if not stopping:
             return JobResult({"results": results}, 1, context={"none_stopping": True})
         if not args.no_wait:
@@ -119,18 +129,25 @@ class StopCommand(JobCommand):
             progress.done()
         else:
             results.extend(
-                {"pid": r.pid, "rank": r.rank, "status": "stopping", "artifact": None, "error": None}
+                {
+                    "pid": r.pid,
+                    "rank": r.rank,
+                    "status": WRITING_AT_EXIT if r.pid in at_exit else "stopping",
+                    "artifact": at_exit.get(r.pid),
+                    "error": None,
+                }
                 for r, _, _ in stopping
             )
-        ok = all(r["status"] in ("complete", "partial", "stopping") for r in results)
-        return Result({"results": results}, 0 if ok else 1)
+        ok = all(r["status"] in ("complete", "partial", "stopping", WRITING_AT_EXIT) for r in results)
+        return Result({"results": results}, 0 if ok else 1, messages)
 
     def render(self, result: Result) -> str:
         doc = result.to_json()
         if "nodes" in doc:
             return super().render(result)
         if isinstance(result, JobResult) and result.context.get("none_stopping"):
-            return "\n".join(printable(f"pid {res['pid']}: {res['error']}") for res in doc["results"])
+            # Each error names its process already ("pid N: ...", "process N has no ...").
+            return "\n".join(printable(str(res["error"])) for res in doc["results"])
         lines = []
         for res in doc["results"]:
             who = f"rank {res['rank']} (pid {res['pid']})" if res["rank"] is not None else f"pid {res['pid']}"
