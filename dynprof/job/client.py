@@ -77,6 +77,8 @@ MAX_MESSAGES = 200
 MAX_RETRY_AFTER_S = 30.0
 _CHUNK = 1 << 16
 _SAFE_SEGMENT = re.compile(r"[A-Za-z0-9_.@+-]{1,255}")
+_RANK_SEGMENT = re.compile(r"rank-?[0-9]{1,10}|node")  # ASCII digits only
+ARTIFACT_ID_SEGMENTS = 5  # job/host/rank/kind/name
 _NAME_MISMATCH = (62, 64)  # OpenSSL's X509_V_ERR_HOSTNAME_MISMATCH, X509_V_ERR_IP_ADDRESS_MISMATCH
 
 
@@ -791,14 +793,21 @@ def _command_error(value: Any) -> CommandError | None:
 
 
 def check_artifact_id(artifact_id: Any) -> str:
-    """An artifact id as the store lays it out (``job/host/rank/kind/name``): relative, each
-    segment plain and not hidden (no ``..``, no temporary ``.name.tmp``); anything else could
-    name a path outside a fetch directory."""
+    """An artifact id as the store lays it out: exactly ``job/host/rank/kind/name`` (rank
+    ``rankN`` or ``node``), each segment plain and not hidden (no ``..``, no temporary
+    ``.name.tmp``); anything else could name a path outside a fetch directory, or, with more
+    segments, one inside another artifact's directory."""
     if not isinstance(artifact_id, str) or len(artifact_id) > 1024:
         raise NodeFailure(f"bad artifact id {_short(artifact_id)}")
     parts = artifact_id.split("/")
-    if any(p.startswith(".") or not _SAFE_SEGMENT.fullmatch(p) for p in parts):
-        raise NodeFailure(f"bad artifact id {_short(artifact_id)}")
+    if (
+        len(parts) != ARTIFACT_ID_SEGMENTS
+        or any(p.startswith(".") or not _SAFE_SEGMENT.fullmatch(p) for p in parts)
+        or not _RANK_SEGMENT.fullmatch(parts[2])
+    ):
+        raise NodeFailure(
+            f"bad artifact id {_short(artifact_id)}: not job/host/rank/kind/name as the store lays it out"
+        )
     return artifact_id
 
 
