@@ -380,6 +380,17 @@ class RankInput:
     max_bytes: int = DEFAULT_MAX_TRACE_BYTES
 
 
+_STEP_NAME = re.compile(r"ProfilerStep#([0-9]{1,18})")
+
+
+def profiler_step_number(name: str) -> int | None:
+    """The iteration a ``ProfilerStep#N`` span names: N in ASCII digits, not negative (the
+    profiler counts from 0); None for any other name (``#-1``, ``#١٢``, ``# 3``, ``#1_0``,
+    which ``int()`` would take)."""
+    found = _STEP_NAME.fullmatch(name)
+    return int(found.group(1)) if found else None
+
+
 def analyze_rank(item: RankInput) -> dict[str, Any]:
     """Reduce one rank's trace to per-step figures, top kernels and ops, and a timeline."""
     path = Path(item.path)
@@ -407,10 +418,8 @@ def analyze_rank(item: RankInput) -> dict[str, Any]:
                 return _W_GPU, nid(name), _COMM if is_comm_kernel(name) else _COMPUTE
             return _W_GPU, nid(name), _MEM
         if name.startswith("ProfilerStep#") and cat != "gpu_user_annotation":
-            try:
-                return _W_STEP, int(name.split("#", 1)[1]), 0
-            except ValueError:
-                return _W_SKIP, 0, 0
+            step = profiler_step_number(name)
+            return (_W_STEP, step, 0) if step is not None else (_W_SKIP, 0, 0)
         if cat in _OP_CATS:
             return _W_THREAD, nid(name), _COLL if is_comm_op(name) else _OP
         if cat == "python_function":

@@ -10,7 +10,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import socket
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,16 @@ from dynprof.roles import ROLES, makes_launcher
 from dynprof.safetext import valid_text
 
 RECORD_SCHEMA_VERSION = 1
+# The per-process logs (run directory's logs/PID.log) of processes that are gone: kept 7 days,
+# and at most 500 of them (the oldest go first), so a long-lived node's run directory does not
+# grow without bound. A log whose process has a record (a live agent, or one in another pid
+# namespace) or still runs here is never removed. Pruned by the commands and the sidecar that
+# list the agents (list_records), at most every 5 minutes per process.
+LOG_KEEP_S = 7 * 86400.0
+MAX_DEAD_LOGS = 500
+PRUNE_EVERY_S = 300.0
+_LOG_NAME = re.compile(r"([0-9]{1,10})\.log")
+_last_prune: dict[Path, float] = {}
 
 
 def process_start_ticks(pid: int) -> int | None:
@@ -189,7 +201,51 @@ def list_records(directory: Path | None = None, clean: bool = True) -> list[Agen
             continue
         records.append(record)
     records.sort(key=lambda r: r.started_at, reverse=True)
+    if clean:
+        logs = directory.parent / "logs"
+        now = time.monotonic()
+        if now - _last_prune.get(logs, -PRUNE_EVERY_S) >= PRUNE_EVERY_S:
+            _last_prune[logs] = now
+            with contextlib.suppress(OSError):
+                prune_logs(logs, directory)
     return records
+
+
+def _pid_runs(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # it runs, as another user
+    return True
+
+
+def prune_logs(logs: Path, agents: Path, now: float | None = None) -> list[Path]:
+    """Remove the logs of processes that are gone (no record in ``agents``, not running here)
+    older than :data:`LOG_KEEP_S`, then the oldest of them past :data:`MAX_DEAD_LOGS`; the
+    paths removed. Only plain files named ``PID.log`` are looked at, never through a link."""
+    now = time.time() if now is None else now
+    dead: list[tuple[float, Path]] = []
+    with os.scandir(logs) as entries:
+        for entry in entries:
+            found = _LOG_NAME.fullmatch(entry.name)
+            if found is None or not entry.is_file(follow_symlinks=False):
+                continue
+            pid = int(found.group(1))
+            if record_path(pid, agents).exists() or _pid_runs(pid):
+                continue
+            with contextlib.suppress(OSError):
+                dead.append((entry.stat(follow_symlinks=False).st_mtime, Path(entry.path)))
+    dead.sort()
+    old = [p for mtime, p in dead if now - mtime > LOG_KEEP_S]
+    over = [p for _, p in dead[: max(0, len(dead) - MAX_DEAD_LOGS)]]
+    removed = []
+    for path in dict.fromkeys(old + over):
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+            removed.append(path)
+    return removed
 
 
 def has_agent_children(pid: int, job_id: str | None, rank: int | None = None) -> bool:

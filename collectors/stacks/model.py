@@ -47,6 +47,11 @@ MAX_TEXT_TOTAL = 8_000_000  # characters of different strings one read keeps
 MAX_FILE_BYTES = 64 << 20  # one document file
 MAX_VALUE_CHARS = 1 << 20  # one process row, group or other top-level value of a document file
 SMALL_FILE_BYTES = 1 << 20  # a document file up to this size is parsed at once
+# How deep a document file may nest, checked in its text before any of it is decoded: a
+# document nests 8 levels (document, processes, process, threads, thread, frames, frame,
+# locals), a job-wide one's nodes and per-node fields fewer. A file of values nested tens of
+# levels deep would otherwise decode at about 1 MB/s (millions of lists) before it is refused.
+MAX_DOCUMENT_DEPTH = 16
 
 
 # -- data -------------------------------------------------------------------------------------
@@ -482,15 +487,20 @@ def from_json(doc: Any, budget: Budget | None = None) -> Stacks:
 def read_document(fh: IO[bytes], budget: Budget | None = None) -> Stacks:
     """:func:`from_json` of a document file, read piece by piece: at most
     :data:`MAX_FILE_BYTES`, one row, group or other field at most :data:`MAX_VALUE_CHARS`,
-    and never more in memory than the budget allows plus one such value."""
-    from dynprof.untrusted import iter_json_document, loads_json
+    and never more in memory than the budget allows plus one such value; nesting deeper than
+    :data:`MAX_DOCUMENT_DEPTH` is refused from the text, before it is decoded."""
+    from dynprof.untrusted import iter_json_document, loads_json, text_depth
 
     budget = budget if budget is not None else Budget()
     head = fh.read(SMALL_FILE_BYTES + 1)
     try:
         if len(head) <= SMALL_FILE_BYTES:
+            if text_depth(head.decode("utf-8", "replace").lstrip(" \t\r\n"))[0] > MAX_DOCUMENT_DEPTH:
+                raise ArtifactError(f"JSON nested deeper than {MAX_DOCUMENT_DEPTH} levels: refused")
             return from_json(loads_json(head, "it"), budget)
-        return _decode(iter_json_document(_chunks(head, fh), _STREAMED, "it", MAX_VALUE_CHARS), budget)
+        # Each row and field is checked for depth from its text before it is decoded.
+        events = iter_json_document(_chunks(head, fh), _STREAMED, "it", MAX_VALUE_CHARS, MAX_DOCUMENT_DEPTH)
+        return _decode(events, budget)
     except ArtifactError as exc:
         raise ArtifactError(exc.message.removeprefix("it: ")) from None
 

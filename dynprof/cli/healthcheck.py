@@ -93,6 +93,7 @@ MAX_TASK_OUTPUT_BYTES = 4 * 1024 * 1024
 MAX_SRUN_OUTPUT_BYTES = 512 * 1024 * 1024
 MAX_TASK_VALUES = 200_000
 SRUN_START_S = 60.0  # srun's own start on top of each node's wait
+SRUN_END_GRACE_S = 10.0  # srun's own end, once every task has answered
 
 
 def _fraction(text: str) -> float:
@@ -414,7 +415,8 @@ def _test_links(
 
 
 # -- srun ---------------------------------------------------------------------------------------------
-_LABEL = re.compile(r"\s*([0-9]{1,7}): ?(.*)", re.DOTALL)
+_LABEL = re.compile(rb"[ \t]*([0-9]{1,7}): ?")
+_READ_CHUNK = 1 << 20  # srun's output is read a MiB at a time and split into lines at once
 
 
 def srun_command(args: argparse.Namespace, count: int) -> list[str]:
@@ -473,25 +475,42 @@ class TaskOutput:
         self.lock = threading.Lock()
 
     def add(self, line: str) -> None:
-        match = _LABEL.fullmatch(line.rstrip("\n"))
-        task = int(match.group(1)) if match else -1
-        if match is None or not 0 <= task < self.count:
-            self.unlabelled += 1
-            return
-        text = match.group(2)
+        self.add_lines([line.rstrip("\n").encode("utf-8", "surrogateescape")])
+
+    def add_lines(self, lines: list[bytes]) -> None:
+        """Lines of srun's output (without their newline), at once: a task over its bound costs
+        a label match per line, nothing more (its text is neither decoded nor kept)."""
         with self.lock:
-            size = self.sizes.get(task, 0) + len(text) + 1
-            self.sizes[task] = size
-            if task in self.over:
-                return
-            if size > MAX_TASK_OUTPUT_BYTES or self.total + len(text) > MAX_SRUN_OUTPUT_BYTES:
-                self.over.add(task)
-                self.lines.pop(task, None)
-                return
-            self.total += len(text) + 1
-            self.lines.setdefault(task, []).append(text)
-            if text == "}":
-                self.finished.add(task)
+            for raw in lines:
+                match = _LABEL.match(raw)
+                task = int(match.group(1)) if match else -1
+                if match is None or not 0 <= task < self.count:
+                    self.unlabelled += 1
+                    continue
+                if task in self.over:
+                    continue
+                n = len(raw) - match.end() + 1
+                size = self.sizes.get(task, 0) + n
+                self.sizes[task] = size
+                if size > MAX_TASK_OUTPUT_BYTES or self.total + n > MAX_SRUN_OUTPUT_BYTES:
+                    self.over.add(task)
+                    self.lines.pop(task, None)
+                    continue
+                text = raw[match.end() :].rstrip(b"\r").decode("utf-8", "replace")
+                self.total += n
+                self.lines.setdefault(task, []).append(text)
+                if text == "}":
+                    self.finished.add(task)
+
+    def decided(self) -> bool:
+        """Every task has answered (its report's last line) or printed past its bound: nothing
+        more srun prints can change an outcome."""
+        with self.lock:
+            return len(self.finished | self.over) >= self.count
+
+    def flooded(self) -> bool:
+        with self.lock:
+            return bool(self.over)
 
     def outcome(self, task: int, name: str, timed_out: bool) -> fleet.NodeOutcome:
         from dynprof.untrusted import loads_json
@@ -513,9 +532,29 @@ class TaskOutput:
 
 
 def _pump(stream: Any, sink: TaskOutput, progress: Progress) -> None:
-    for line in iter(lambda: stream.readline(MAX_TASK_OUTPUT_BYTES + 1), ""):
-        sink.add(line)
-        progress.update(f"healthcheck: {len(sink.finished)}/{sink.count} nodes answered")
+    """srun's output, a MiB at a time, split into lines (a line longer than a task may print
+    counts against its task as it is)."""
+    fd = stream.fileno()
+    pending = b""
+    answered = -1
+    while True:
+        try:
+            chunk = os.read(fd, _READ_CHUNK)
+        except OSError:
+            break
+        if not chunk:
+            break
+        lines = (pending + chunk).split(b"\n")
+        pending = lines.pop()
+        if len(pending) > MAX_TASK_OUTPUT_BYTES:
+            lines.append(pending)
+            pending = b""
+        sink.add_lines(lines)
+        if len(sink.finished) != answered:
+            answered = len(sink.finished)
+            progress.update(f"healthcheck: {answered}/{sink.count} nodes answered")
+    if pending:
+        sink.add_lines([pending])
 
 
 def collect_srun(args: argparse.Namespace) -> FleetResult:
@@ -547,8 +586,6 @@ def collect_srun(args: argparse.Namespace) -> FleetResult:
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
-            text=True,
-            errors="replace",
             env=env,
             start_new_session=True,
         )
@@ -558,8 +595,8 @@ def collect_srun(args: argparse.Namespace) -> FleetResult:
 
     def read_stderr() -> None:
         assert proc.stderr is not None
-        for line in iter(lambda: proc.stderr.readline(8192), ""):  # type: ignore[union-attr]
-            stderr_tail.append(line.rstrip("\n")[:500])
+        for line in iter(lambda: proc.stderr.readline(8192), b""):  # type: ignore[union-attr]
+            stderr_tail.append(line.decode("utf-8", "replace").rstrip("\n")[:500])
             del stderr_tail[:-20]
 
     readers = [
@@ -568,12 +605,28 @@ def collect_srun(args: argparse.Namespace) -> FleetResult:
     ]
     for r in readers:
         r.start()
-    timed_out = False
+    timed_out = stopped = False
+    deadline = time.monotonic() + wait
     try:
-        proc.wait(timeout=wait)
-    except subprocess.TimeoutExpired:
-        timed_out = True
-        _end_group(proc)
+        # srun is stopped once every task has answered or printed past its bound (a task that
+        # prints on and on does not hold the others until srun's deadline); where none printed
+        # past its bound, srun has SRUN_END_GRACE_S to end on its own first.
+        decided_at: float | None = None
+        while True:
+            try:
+                proc.wait(timeout=max(0.0, min(0.5, deadline - time.monotonic())))
+                break
+            except subprocess.TimeoutExpired:
+                if decided_at is None and sink.decided():
+                    decided_at = time.monotonic()
+                if decided_at is not None and (sink.flooded() or time.monotonic() - decided_at > SRUN_END_GRACE_S):
+                    stopped = True
+                    _end_group(proc)
+                    break
+                if time.monotonic() >= deadline:
+                    timed_out = True
+                    _end_group(proc)
+                    break
     finally:
         if proc.poll() is None:
             _end_group(proc)
@@ -585,12 +638,15 @@ def collect_srun(args: argparse.Namespace) -> FleetResult:
     messages = _summary_messages(report, args.drain_command)
     if timed_out:
         messages.insert(0, f"healthcheck: srun ran past {wait:g} s and was stopped")
+    elif stopped:
+        over = ", ".join(hosts[t] for t in sorted(sink.over)) or "none"
+        messages.insert(0, f"healthcheck: every task answered or printed past its bound ({over}): srun was stopped")
     elif proc.returncode not in (0, 1, 2, 3) and stderr_tail:
         messages.insert(0, f"healthcheck: srun exited {proc.returncode}: {stderr_tail[-1]}")
     return FleetResult(report, args.drain_command, args.failures_only, messages)
 
 
-def _end_group(proc: subprocess.Popen[str]) -> None:
+def _end_group(proc: subprocess.Popen[bytes]) -> None:
     """SIGTERM srun (it stops its tasks), then SIGKILL its group if it lingers."""
     for sig, grace in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
         try:

@@ -181,7 +181,16 @@ class Text:
     def footer(self, doc: dict[str, Any]) -> None:
         """The nodes that did not answer, with why."""
         nodes = doc.get("nodes") or []
-        failed = [n for n in nodes if not n.get("answered")]
+        failed = [n for n in nodes if not n.get("answered") and not n.get("cut")]
+        cut = [n for n in nodes if n.get("cut")]
+        if cut:
+            self.print(
+                f"\n{len(cut)} of {len(nodes)} node(s) cut: their answers were dropped, "
+                "the command's bound on all nodes' answers together being reached:"
+            )
+            for n in cut:
+                self.print(f"  {printable(n['node'])}")
+            self.print("  (ask fewer nodes at a time with --hosts, or less of each, e.g. one --job)")
         if failed:
             self.print(f"\n{len(failed)} of {len(nodes)} node(s) did not answer:")
             for n in failed:

@@ -319,6 +319,9 @@ def node_source(args: argparse.Namespace, nodes: list[Node]) -> Any:
     from dynprof.watch.engine import SidecarSource
 
     client = client_for(args)
+    # A poll holds every node's progress and then its stacks: the client's total is shared
+    # among those answers (one per node each, native stacks more for a few).
+    client.shared_by = 2 * max(1, len(nodes))
     forward = {
         "token_file": getattr(args, "token_file", None),
         "cacert": getattr(args, "cacert", None),
@@ -470,7 +473,9 @@ def start_hosted_watch(args: argparse.Namespace, token: str) -> Any:
     nodes = resolve_nodes(args)
     if nodes is not None:
         tls = tls_context(args.cacert) if args.cacert else None
-        source: Any = SidecarSource(SidecarClient(token, tls=tls), nodes)
+        client = SidecarClient(token, tls=tls)
+        client.shared_by = 2 * max(1, len(nodes))  # as node_source's: progress and stacks of every node
+        source: Any = SidecarSource(client, nodes)
         straggler = straggler_of(source)
     else:
         source = LocalSource()

@@ -63,21 +63,135 @@ MAX_LISTING_PROGRESS_BYTES = 16 * 1024 * 1024  # a progress document: ~500 bytes
 # hold thousands (ps, ls) to a few hundred thousand (stacks of many threads, NCCL entries).
 MAX_ANSWER_VALUES = 500_000
 MAX_SMALL_ANSWER_VALUES = 20_000
+# What one command holds of all its nodes' answers together (the bytes read, the JSON values
+# decoded), whatever each node answers within its own bound: 64 nodes at 16 to 80 MiB and
+# 500 000 values each would hold gigabytes. A decoded value costs ~100 bytes at worst (an
+# empty object), and an answer's text is held once more while it is decoded, so these keep a
+# job-wide command under ~1 GB. Each node is sure of half its equal share; the other half of
+# the total goes to the nodes that need more, first come first served (an honest big node is
+# not cut because a small one answered first). See AnswerBudget.
+TOTAL_ANSWER_BYTES = 192 * 1024 * 1024
+TOTAL_ANSWER_VALUES = 3_000_000
 MAX_FILE_BYTES = 64 * 1024**3
 MAX_MESSAGES = 200
 MAX_RETRY_AFTER_S = 30.0
 _CHUNK = 1 << 16
 _SAFE_SEGMENT = re.compile(r"[A-Za-z0-9_.@+-]{1,255}")
+_RANK_SEGMENT = re.compile(r"rank-?[0-9]{1,10}|node")  # ASCII digits only
+ARTIFACT_ID_SEGMENTS = 5  # job/host/rank/kind/name
 _NAME_MISMATCH = (62, 64)  # OpenSSL's X509_V_ERR_HOSTNAME_MISMATCH, X509_V_ERR_IP_ADDRESS_MISMATCH
 
 
 class NodeFailure(Exception):
-    """A node did not answer usefully; ``reason`` says why in a person's words."""
+    """A node did not answer usefully; ``reason`` says why in a person's words; ``cut``: its
+    answer was dropped because the command's total for all nodes was reached."""
 
-    def __init__(self, reason: str, status: int | None = None) -> None:
+    def __init__(self, reason: str, status: int | None = None, cut: bool = False) -> None:
         super().__init__(reason)
         self.reason = reason
         self.status = status
+        self.cut = cut
+
+
+class AnswerBudget:
+    """The bytes and JSON values one command keeps of all its nodes' answers together.
+
+    Each of the ``nodes`` is sure of ``total / (2 * nodes)`` (its floor); the other half of the
+    total is a pool that any node draws on past its floor, while it lasts. With ``pooled``
+    False there is no pool and the floor is the whole equal share, ``total / nodes``: for
+    requests made one node at a time, whose answers the caller holds together. A node whose
+    answer needs more than it can get is cut: its answer is dropped (what it drew goes back)
+    and it is named as cut. Thread-safe: the nodes of a command are read at once."""
+
+    def __init__(
+        self,
+        nodes: int,
+        total_bytes: int = TOTAL_ANSWER_BYTES,
+        total_values: int = TOTAL_ANSWER_VALUES,
+        pooled: bool = True,
+    ) -> None:
+        n = max(1, nodes)
+        self.nodes = n
+        self.total_bytes = total_bytes
+        self.total_values = total_values
+        self.floor_bytes = total_bytes // (2 * n) if pooled else total_bytes // n
+        self.floor_values = total_values // (2 * n) if pooled else total_values // n
+        self._lock = threading.Lock()
+        self._pool_bytes = total_bytes - self.floor_bytes * n if pooled else 0
+        self._pool_values = total_values - self.floor_values * n if pooled else 0
+        self.held_bytes = 0  # what the kept answers hold now (for tests and reports)
+        self.held_values = 0
+
+    def share(self) -> AnswerShare:
+        """What one node's request may keep: its floor, then the pool."""
+        return AnswerShare(self)
+
+    def _draw(self, what: str, amount: int) -> bool:
+        with self._lock:
+            if what == "bytes":
+                if amount > self._pool_bytes:
+                    return False
+                self._pool_bytes -= amount
+            else:
+                if amount > self._pool_values:
+                    return False
+                self._pool_values -= amount
+            return True
+
+    def _give_back(self, pool_bytes: int, pool_values: int) -> None:
+        with self._lock:
+            self._pool_bytes += pool_bytes
+            self._pool_values += pool_values
+
+    def _count(self, nbytes: int, values: int) -> None:
+        with self._lock:
+            self.held_bytes += nbytes
+            self.held_values += values
+
+    def reason(self, what: str, node: Node) -> str:
+        total = human_bytes(self.total_bytes) if what == "bytes" else f"{self.total_values} JSON values"
+        return (
+            f"cut: the answers of the {self.nodes} node(s) of this command are held to {total} together, "
+            f"and the answer of {node} needed more than was left for it; ask fewer nodes at a time "
+            "(--hosts), or less of each (e.g. one --job)"
+        )
+
+
+class AnswerShare:
+    """One node's draw on an :class:`AnswerBudget` while its answer is read and decoded."""
+
+    def __init__(self, budget: AnswerBudget) -> None:
+        self.budget = budget
+        self.bytes = 0
+        self.values = 0
+        self._pool_bytes = 0
+        self._pool_values = 0
+
+    def take_bytes(self, amount: int) -> bool:
+        """Room for ``amount`` more bytes of this answer; False (nothing taken) when none is left."""
+        over = max(0, self.bytes + amount - (self.budget.floor_bytes + self._pool_bytes))
+        if over and not self.budget._draw("bytes", over):
+            return False
+        self._pool_bytes += over
+        self.bytes += amount
+        return True
+
+    def take_values(self, amount: int) -> bool:
+        over = max(0, self.values + amount - (self.budget.floor_values + self._pool_values))
+        if over and not self.budget._draw("values", over):
+            return False
+        self._pool_values += over
+        self.values += amount
+        return True
+
+    def release(self) -> None:
+        """The answer is not kept: what it drew from the pool goes back."""
+        self.budget._give_back(self._pool_bytes, self._pool_values)
+        self.bytes = self.values = self._pool_bytes = self._pool_values = 0
+
+    def keep(self) -> None:
+        """The answer is kept: count what it holds."""
+        self.budget._count(self.bytes, self.values)
 
 
 @dataclass(frozen=True)
@@ -105,6 +219,7 @@ class NodeAnswer:
     dynprof_version: str | None = None
     failure: CommandError | None = None  # the command ran and stopped on this error
     status: int | None = None  # without an answer: the HTTP status the node refused with, if any
+    cut: bool = False  # without an answer: it was dropped, the command's total for all nodes being reached
 
     @property
     def ok(self) -> bool:
@@ -126,6 +241,7 @@ class NodeAnswer:
             "ok": self.ok,
             "answered": self.answered,
             "error": self.error or self.command_error(),
+            "cut": self.cut,
             "exit_code": self.exit_code,
             "elapsed_s": round(self.elapsed_s, 3),
             "messages": self.messages,  # what the command wrote on stderr there
@@ -220,11 +336,24 @@ class SidecarClient:
         tls: ssl.SSLContext | None = None,
         timeout: float = DEFAULT_NODE_TIMEOUT_S,
         max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+        total_bytes: int | None = None,
+        total_values: int | None = None,
     ) -> None:
         self.token = token
         self.tls = tls
         self.timeout = timeout
         self.max_in_flight = max(1, max_in_flight)
+        # The bound on what one command keeps of all its nodes' answers (AnswerBudget):
+        # ``action_all`` shares it among its nodes; a request made for one node alone
+        # (``action``, ``progress``) may keep ``1 / shared_by`` of it, ``shared_by`` being how
+        # many such answers its caller holds at once (the watch: its nodes).
+        self.total_bytes = TOTAL_ANSWER_BYTES if total_bytes is None else total_bytes
+        self.total_values = TOTAL_ANSWER_VALUES if total_values is None else total_values
+        self.shared_by = 1
+        self.last_budget: AnswerBudget | None = None  # the last action_all's, as it ended
+
+    def _alone(self) -> AnswerShare:
+        return AnswerBudget(self.shared_by, self.total_bytes, self.total_values, pooled=False).share()
 
     # -- one request ------------------------------------------------------------------------
     def _connection(self, node: Node, timeout: float) -> http.client.HTTPConnection:
@@ -241,9 +370,11 @@ class SidecarClient:
         deadline: float,
         max_bytes: int,
         sink: Any = None,
+        share: AnswerShare | None = None,
     ) -> tuple[int, dict[str, str], bytearray]:
         """(status, headers, body) of one request, all of it before ``deadline``; the body goes
-        to ``sink.write`` instead when given. Raises :class:`NodeFailure`."""
+        to ``sink.write`` instead when given. A 200 body kept in memory draws on ``share``
+        (the command's total for all nodes) as it arrives. Raises :class:`NodeFailure`."""
         started = time.monotonic()
         total = max(0.05, deadline - started)
         phase = "connecting to"
@@ -271,6 +402,13 @@ class SidecarClient:
                 raise NodeFailure(f"the answer is over {human_bytes(max_bytes)}: refused", resp.status)
             # A refusal (401, 404, 5xx) is read for its reason only: its first MiB.
             keep = max_bytes if resp.status == 200 else min(max_bytes, MAX_SMALL_ANSWER_BYTES)
+            # An answer kept in memory draws on the command's total: all at once when its
+            # length is known (answers read at once do not each draw part and all fall short).
+            drawing = share is not None and resp.status == 200 and sink is None
+            if drawing and share is not None and resp.length is not None:
+                if not share.take_bytes(resp.length):
+                    raise NodeFailure(share.budget.reason("bytes", node), resp.status, cut=True)
+                drawing = False
             got = bytearray()
             size = 0
             truncated = False
@@ -289,8 +427,10 @@ class SidecarClient:
                     raise NodeFailure(f"the answer is over {human_bytes(max_bytes)}: refused", resp.status)
                 if sink is not None and resp.status == 200:
                     sink.write(chunk)
-                else:
-                    got += chunk
+                    continue
+                if drawing and share is not None and not share.take_bytes(len(chunk)):
+                    raise NodeFailure(share.budget.reason("bytes", node), resp.status, cut=True)
+                got += chunk
             if resp.length and not truncated:  # a Content-Length the connection's end fell short of
                 raise NodeFailure(f"the answer of {node} was cut off ({resp.length} bytes missing)", resp.status)
             if watch is not None and _DEADLINES.done(watch):
@@ -321,12 +461,37 @@ class SidecarClient:
         deadline: float,
         max_bytes: int,
         max_values: int = MAX_SMALL_ANSWER_VALUES,
+        share: AnswerShare | None = None,
     ) -> dict[str, Any]:
         """A JSON request with one retry on 429; the answer's JSON object, or :class:`NodeFailure`.
-        The answer is decoded only when it holds at most ``max_values`` JSON values."""
+        The answer is decoded only when it holds at most ``max_values`` JSON values, and, given
+        a ``share`` of the command's total, only when the share has room for them."""
+        try:
+            doc = self._call_json_once(node, method, path, payload, deadline, max_bytes, max_values, share)
+        except BaseException:
+            if share is not None:
+                share.release()
+            raise
+        if share is not None:
+            share.keep()
+        return doc
+
+    def _call_json_once(
+        self,
+        node: Node,
+        method: str,
+        path: str,
+        payload: Any,
+        deadline: float,
+        max_bytes: int,
+        max_values: int,
+        share: AnswerShare | None,
+    ) -> dict[str, Any]:
         body = None if payload is None else json.dumps(payload).encode()
         for attempt in (1, 2):
-            status, headers, data = self._request(node, method, path, body, deadline, max_bytes)
+            if share is not None:
+                share.release()  # a refusal's body, or a retried answer, is not kept
+            status, headers, data = self._request(node, method, path, body, deadline, max_bytes, share=share)
             if status == 429 and attempt == 1:
                 wait = _retry_after(headers.get("retry-after"))
                 if time.monotonic() + wait < deadline - 0.5:
@@ -334,8 +499,11 @@ class SidecarClient:
                     continue
             if status != 200:
                 raise NodeFailure(_http_reason(node, status, data, path), status)
-            if count_json_values(data) > max_values:
+            values = count_json_values(data)
+            if values > max_values:
                 raise NodeFailure(f"the answer of {node} to {path} holds over {max_values} JSON values: refused")
+            if share is not None and not share.take_values(values):
+                raise NodeFailure(share.budget.reason("values", node), cut=True)
             try:
                 # The text alone while it is parsed: the bytes go first (an answer may be 80 MiB).
                 text = data.decode("utf-8")
@@ -371,11 +539,21 @@ class SidecarClient:
         deadline = time.monotonic() + self.timeout
         query = ([f"job={quote(job, safe='')}"] if job else []) + (["fresh=1"] if fresh else [])
         path = "/api/v1/progress" + ("?" + "&".join(query) if query else "")
-        return self._call_json(node, "GET", path, None, deadline, MAX_LISTING_PROGRESS_BYTES, MAX_ANSWER_VALUES)
+        return self._call_json(
+            node, "GET", path, None, deadline, MAX_LISTING_PROGRESS_BYTES, MAX_ANSWER_VALUES, self._alone()
+        )
 
-    def action(self, node: Node, name: str, options: dict[str, Any], timeout: float | None = None) -> NodeAnswer:
+    def action(
+        self,
+        node: Node,
+        name: str,
+        options: dict[str, Any],
+        timeout: float | None = None,
+        share: AnswerShare | None = None,
+    ) -> NodeAnswer:
         """Run action ``name`` on ``node``; ``timeout`` bounds the action on the node, and the
-        node then has this client's timeout more to answer."""
+        node then has this client's timeout more to answer. The answer draws on ``share`` (of
+        the command's total), else on ``1 / shared_by`` of it."""
         started = time.monotonic()
         deadline = started + self.timeout + (timeout or 0.0)
         payload: dict[str, Any] = {"options": options}
@@ -390,10 +568,12 @@ class SidecarClient:
                 deadline,
                 min(MAX_ANSWER_BYTES, LISTING_ANSWER_BYTES.get(name, MAX_ANSWER_BYTES)),
                 MAX_ANSWER_VALUES,
+                share if share is not None else self._alone(),
             )
             return _answer(node, doc, name, time.monotonic() - started)
         except NodeFailure as exc:
-            return NodeAnswer(node, False, error=exc.reason, elapsed_s=time.monotonic() - started, status=exc.status)
+            elapsed = time.monotonic() - started
+            return NodeAnswer(node, False, error=exc.reason, elapsed_s=elapsed, status=exc.status, cut=exc.cut)
 
     def action_all(
         self,
@@ -402,11 +582,15 @@ class SidecarClient:
         options: dict[str, Any],
         timeout: float | None = None,
     ) -> list[NodeAnswer]:
-        """``action`` on every node, at most ``max_in_flight`` at once; answers in node order."""
+        """``action`` on every node, at most ``max_in_flight`` at once; answers in node order.
+        The answers share this client's total (:class:`AnswerBudget`): a node whose answer
+        would take it past it is cut (``cut`` set, the reason in ``error``)."""
         if not nodes:
             return []
+        budget = AnswerBudget(len(nodes), self.total_bytes, self.total_values)
+        self.last_budget = budget
         with ThreadPoolExecutor(max_workers=min(self.max_in_flight, len(nodes))) as pool:
-            return list(pool.map(lambda n: self.action(n, name, options, timeout), nodes))
+            return list(pool.map(lambda n: self.action(n, name, options, timeout, budget.share()), nodes))
 
     def artifact(self, node: Node, artifact_id: str) -> dict[str, Any]:
         check_artifact_id(artifact_id)
@@ -609,14 +793,21 @@ def _command_error(value: Any) -> CommandError | None:
 
 
 def check_artifact_id(artifact_id: Any) -> str:
-    """An artifact id as the store lays it out (``job/host/rank/kind/name``): relative, each
-    segment plain and not hidden (no ``..``, no temporary ``.name.tmp``); anything else could
-    name a path outside a fetch directory."""
+    """An artifact id as the store lays it out: exactly ``job/host/rank/kind/name`` (rank
+    ``rankN`` or ``node``), each segment plain and not hidden (no ``..``, no temporary
+    ``.name.tmp``); anything else could name a path outside a fetch directory, or, with more
+    segments, one inside another artifact's directory."""
     if not isinstance(artifact_id, str) or len(artifact_id) > 1024:
         raise NodeFailure(f"bad artifact id {_short(artifact_id)}")
     parts = artifact_id.split("/")
-    if any(p.startswith(".") or not _SAFE_SEGMENT.fullmatch(p) for p in parts):
-        raise NodeFailure(f"bad artifact id {_short(artifact_id)}")
+    if (
+        len(parts) != ARTIFACT_ID_SEGMENTS
+        or any(p.startswith(".") or not _SAFE_SEGMENT.fullmatch(p) for p in parts)
+        or not _RANK_SEGMENT.fullmatch(parts[2])
+    ):
+        raise NodeFailure(
+            f"bad artifact id {_short(artifact_id)}: not job/host/rank/kind/name as the store lays it out"
+        )
     return artifact_id
 
 

@@ -1,8 +1,9 @@
 """Copying artifacts back from the nodes' sidecars (``--fetch DIR``), and reading one file of an
 artifact (the ranks' NCCL dumps).
 
-What a node says about an artifact is untrusted: its manifest is checked file by file (a plain
-name, a size, a sha256), an artifact whose manifest claims more than the store's limit
+What a node says about an artifact is untrusted: its id must be ``job/host/rank/kind/name``
+exactly, its manifest is checked file by file (a plain name, a size, a sha256; no file larger
+than its kind's files are, :func:`file_limit`), an artifact whose manifest claims more than the store's limit
 (``DYNPROF_ARTIFACT_MAX_BYTES``, 20 GiB by default) is refused before any file is asked for,
 and so is one that would take a fetch past that limit in all; each file is read up to its
 claimed size and no further, and kept only when its size and sha256 match. The copy lands in
@@ -28,6 +29,13 @@ from dynprof.units import human_bytes
 
 FETCH_TIMEOUT_S = 600.0
 LISTING_TIMEOUT_S = 30.0
+# The largest file an artifact of a kind holds, as dynprof reads it back: a trace up to the
+# analysis's limit (DYNPROF_MAX_TRACE_BYTES' default), a memory snapshot up to the snapshot
+# reader's (DYNPROF_MAX_SNAPSHOT_BYTES' default); the other kinds' files (stacks, hang, nccl,
+# analysis, host-memory, healthcheck, verdicts) are read up to 64 MiB, so 256 MiB is far above
+# any of theirs. A manifest that claims a larger file is refused before any file is asked for.
+MAX_FILE_BYTES_OF_KIND = {"trace": untrusted.DEFAULT_MAX_TRACE_BYTES, "memory": 4 << 30}
+MAX_FILE_BYTES = 256 << 20
 
 
 class Budget:
@@ -44,6 +52,11 @@ class Budget:
                 return False
             self.left -= size
             return True
+
+
+def file_limit(artifact_id: str) -> int:
+    """The largest file fetched for an artifact of this id's kind (``job/host/rank/KIND/name``)."""
+    return MAX_FILE_BYTES_OF_KIND.get(artifact_id.split("/")[3], MAX_FILE_BYTES)
 
 
 def store_limit() -> int:
@@ -105,6 +118,13 @@ def fetch_one(client: SidecarClient, dest: Path, node: Node, artifact_id: Any, b
             row["files"] = len(checked)
             row["already_there"] = True
             return row
+        cap = file_limit(artifact_id)
+        over = next(((name, size) for name, size, _ in checked if size > cap), None)
+        if over is not None:
+            raise NodeFailure(
+                f"its manifest claims {over[0]} is {human_bytes(over[1])}, over the {human_bytes(cap)} a file of "
+                f"a {artifact_id.split('/')[3]} artifact holds: not fetched"
+            )
         claimed = sum(size for _, size, _ in checked)
         if claimed > budget.limit:
             raise NodeFailure(

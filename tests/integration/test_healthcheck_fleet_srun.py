@@ -71,3 +71,18 @@ def test_drain_lines_without_sidecars(tmp_path):
     ]
     assert "verdict could not run (exit 3): 1 of 3 node(s) to drain" in out.stderr
     assert out.returncode == 3
+
+
+def test_a_task_that_prints_on_and_on_does_not_hold_the_others_until_the_deadline(tmp_path):
+    # GIVEN three nodes, the last one's task printing short lines until it is stopped
+    # WHEN the preflight runs through srun (its deadline: the 60 s wait plus srun's start)
+    out = preflight(tmp_path, "c[1-3]", "2=chatty", "--json", "--timeout", "60")
+
+    # THEN the honest nodes are their reports, the chatty one is refused by its bound, and srun
+    # was stopped once that was so, not at its deadline
+    doc = json.loads(out.stdout)
+    by_node = {n["node"]: n for n in doc["nodes"]}
+    assert all(by_node[n]["answered"] and by_node[n]["checks"] for n in ("c1", "c2")), by_node
+    assert "over 4 MiB" in by_node["c3"]["error"]
+    assert "srun ran past" not in out.stderr, out.stderr
+    assert "every task answered or printed past its bound (c3): srun was stopped" in out.stderr

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -232,8 +233,12 @@ MP_PROGRAM = "tests/integration/programs/mp_spawn_program.py"
 
 def test_ranks_started_by_mp_spawn_are_found_and_traced(spawn, cli):
     # GIVEN ranks that learn their rank after start-up (torch.multiprocessing.spawn), a waiting
-    # parent and a spawned helper process that never steps
-    target = spawn([MP_PROGRAM, "--mode", "ranks"], env={"DYNPROF_JOB_ID": "mpjob"})
+    # parent and a spawned helper process that never steps; any port the program has the system
+    # pick is taken as soon as it lets it go (as may happen on a loaded machine)
+    taker = str(Path(__file__).resolve().parent / "programs" / "port_taker")
+    path = os.pathsep.join(p for p in (taker, os.environ.get("PYTHONPATH")) if p)
+    env = {"DYNPROF_JOB_ID": "mpjob", "PYTHONPATH": path}
+    target = spawn([MP_PROGRAM, "--mode", "ranks"], env=env)
     pids = target.ready_pids(count=2, timeout=120)
 
     # WHEN the job is traced

@@ -208,7 +208,23 @@ def test_https_is_verified_against_the_given_ca(server, tmp_path):
     assert not answer.answered and "--cacert" in (answer.error or ""), answer.error
 
 
-@pytest.mark.parametrize("bad", ["../x", "/etc/passwd", "a//b", "a/../b", "j/h/r/k/.x", "", 7, "a/b\x00"])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "../x",
+        "/etc/passwd",
+        "a//b",
+        "a/../b",
+        "j/h/r/k/.x",
+        "",
+        7,
+        "a/b\x00",
+        "j/h/rank0/stacks/a-1/inner",  # six segments: inside another artifact's directory
+        "j/h/rank0/stacks",  # four: a kind's directory
+        "j/h/host/stacks/a-1",  # no rank segment
+        "j/h/rank\u0661/stacks/a-1",  # a rank in Arabic-Indic digits
+    ],
+)
 def test_artifact_ids_that_could_leave_the_fetch_directory_are_refused(bad):
     with pytest.raises(NodeFailure):
         check_artifact_id(bad)
@@ -216,6 +232,7 @@ def test_artifact_ids_that_could_leave_the_fetch_directory_are_refused(bad):
 
 def test_artifact_ids_and_file_names_of_the_store_pass():
     assert check_artifact_id("job-1/node-5/rank3/trace/20260101T000000.000000Z-4242")
+    assert check_artifact_id("nojob/node-5/node/host-memory/20260101T000000.000000Z-4242")
     assert check_file_name("trace.json.gz")
     for bad in ("../x", ".hidden", "a/b", None):
         with pytest.raises(NodeFailure):
@@ -582,3 +599,35 @@ def test_a_listing_answer_is_bounded_below_the_largest_answer(server):
     answer = SidecarClient(TOKEN, timeout=30).action(node, "ps", {})
     # THEN the answer is refused for its size, as the node's failure
     assert not answer.answered and "over 16.0 MiB: refused" in (answer.error or ""), answer.error
+
+
+def test_a_six_segment_id_is_not_fetched_into_another_artifact_s_directory(server, tmp_path):
+    from dynprof.job.fetch import fetch
+
+    script, node, _ = server
+    # GIVEN a node that names an artifact inside another one's directory
+    (row,) = fetch(SidecarClient(TOKEN, timeout=5), tmp_path / "dest", [(node, "j/h/rank0/trace/a-1/x")])
+    # THEN it is refused with the reason, before anything is asked or written
+    assert "bad artifact id" in row["error"] and row["files"] == 0
+    assert script.seen == [] and not (tmp_path / "dest").exists()
+
+
+def test_a_file_larger_than_its_kind_holds_is_not_fetched(server, tmp_path):
+    from dynprof.job import fetch as job_fetch
+
+    script, node, _ = server
+    # GIVEN a stacks artifact whose manifest claims a 301 MB file (the store's limit is 20 GiB)
+    files = [{"name": "stacks.json", "size": 301_000_000, "sha256": "0" * 64}]
+    doc = {"id": "j/h/rank0/stacks/a-1", "manifest": {"kind": "stacks", "files": files}}
+    script.replies = [(200, {}, json.dumps(doc).encode())]
+    # WHEN it is fetched
+    (row,) = job_fetch.fetch(SidecarClient(TOKEN, timeout=5), tmp_path / "dest", [(node, "j/h/rank0/stacks/a-1")])
+    # THEN it is refused before the file is asked for, with the kind's limit
+    assert "over the 256.0 MiB a file of a stacks artifact holds" in row["error"], row["error"]
+    assert len(script.seen) == 1 and not list((tmp_path / "dest").rglob("stacks.json"))
+    # and the kinds whose files are large keep the limits dynprof reads them up to
+    from collectors.memory.reader import MAX_SNAPSHOT_BYTES
+    from dynprof.untrusted import DEFAULT_MAX_TRACE_BYTES
+
+    assert job_fetch.file_limit("j/h/rank0/trace/a-1") == DEFAULT_MAX_TRACE_BYTES > 301_000_000
+    assert job_fetch.file_limit("j/h/rank0/memory/a-1") == MAX_SNAPSHOT_BYTES

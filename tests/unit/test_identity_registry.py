@@ -140,3 +140,67 @@ def test_alignment_takes_no_crafted_step_time_for_a_pace():
     alone = [SimpleNamespace(step=40, step_time_s=5e-324, last_step_at=float("nan"))]
     assert alignment_step(alone, 0.3) == 42
     assert boundary_offsets(alone) is None
+
+
+def _dead_pids(n):
+    procs = [subprocess.Popen([sys.executable, "-c", "pass"]) for _ in range(n)]
+    for p in procs:
+        p.wait()
+    return [p.pid for p in procs]
+
+
+def test_logs_of_gone_processes_are_pruned_by_age_and_count(dynprof_dirs, monkeypatch):
+    from dynprof import registry
+
+    run = dynprof_dirs["run"]
+    logs = run / "logs"
+    logs.mkdir(exist_ok=True)
+    (run / "agents").mkdir(exist_ok=True)
+    week = registry.LOG_KEEP_S
+    old_dead, young_dead, recorded, *more = _dead_pids(7)
+    now = 1_000_000_000.0
+
+    def log(pid, age):
+        path = logs / f"{pid}.log"
+        path.write_text("x")
+        os.utime(path, (now - age, now - age))
+        return path
+
+    # GIVEN the logs of a process gone 8 days, one gone a day, one whose record is still there
+    # (an agent in another pid namespace), this process's own (8 days old) and other files
+    gone = log(old_dead, week + 86400)
+    young = log(young_dead, 86400)
+    kept_by_record = log(recorded, week + 86400)
+    write_record(_record(recorded), run / "agents")
+    mine = log(os.getpid(), week + 86400)
+    other = logs / "notes.txt"
+    other.write_text("y")
+    # WHEN they are pruned
+    removed = registry.prune_logs(logs, run / "agents", now=now)
+    # THEN only the old log of the gone process is removed
+    assert removed == [gone] and not gone.exists()
+    assert young.exists() and kept_by_record.exists() and mine.exists() and other.exists()
+
+    # GIVEN more logs of gone processes than are kept (all young)
+    monkeypatch.setattr(registry, "MAX_DEAD_LOGS", 2)
+    extra = [log(pid, 10.0 * (len(more) - i)) for i, pid in enumerate(more)]  # oldest first
+    # WHEN they are pruned THEN the oldest go first, down to the bound (the young one of before too)
+    removed = registry.prune_logs(logs, run / "agents", now=now)
+    assert sorted(removed) == sorted([young, *extra[:-2]])
+    assert all(p.exists() for p in extra[-2:]) and mine.exists() and kept_by_record.exists()
+
+
+def test_listing_the_agents_prunes_the_logs_at_most_every_few_minutes(dynprof_dirs, monkeypatch):
+    from dynprof import registry
+
+    run = dynprof_dirs["run"]
+    (run / "logs").mkdir(exist_ok=True)
+    (run / "agents").mkdir(exist_ok=True)
+    calls = []
+    monkeypatch.setattr(registry, "prune_logs", lambda logs, agents: calls.append(logs) or [])
+    monkeypatch.setattr(registry, "_last_prune", {})
+    # WHEN the agents are listed twice in a row
+    list_records()
+    list_records()
+    # THEN the run directory's logs were pruned once
+    assert calls == [run / "logs"]

@@ -172,8 +172,8 @@ def test_a_large_file_is_read_piece_by_piece_with_the_same_result() -> None:
     "text, message",
     [
         (b"{not json", "not valid JSON"),
-        (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
-        (b'{"processes": [], "x": ' + b"[" * 100 + b"]" * 100 + b"}", "nested deeper than 64 levels"),
+        (b"[" * 100_000 + b"]" * 100_000, "nested deeper than 16 levels"),
+        (b'{"processes": [], "x": ' + b"[" * 100 + b"]" * 100 + b"}", "nested deeper than 16 levels"),
         (json.dumps({**V2, "processes": [_row(1, [{}] * 400_000)]}).encode(), "one JSON value is over"),
         (json.dumps({**V2, "pad": "x" * (2 << 20), "processes": []}).encode(), "one JSON value is over"),
         (b'{"schema": "dynprof.stacks", "processes": [{"pid": 1}' + b" " * (2 << 20), "malformed"),
@@ -230,3 +230,100 @@ def test_threads_count_against_the_budget(monkeypatch: Any) -> None:
     # WHEN a third is read, THEN it is refused
     with pytest.raises(ArtifactError, match="over 10 threads: refused"):
         ProcessStacks.from_json(dump, budget)
+
+
+class _Counting(io.BytesIO):
+    """A file that counts the bytes read from it."""
+
+    def __init__(self, data: bytes) -> None:
+        super().__init__(data)
+        self.read_bytes = 0
+
+    def read(self, size: int | None = -1) -> bytes:
+        chunk = super().read(size)
+        self.read_bytes += len(chunk)
+        return chunk
+
+
+@pytest.mark.parametrize(
+    "where",
+    ["processes", "groups", "field"],
+)
+def test_a_deeply_nested_file_is_refused_from_its_text_before_it_is_decoded(where: str) -> None:
+    # GIVEN a 60 MB file of values nested 40 levels deep (under the 64 of any JSON dynprof
+    # reads, far over a stacks document's 8), in its processes, its groups or a field
+    value = b"[" * 40 + b",".join([b"[[0]]"] * 1000) + b"]" * 40
+    if where == "field":
+        body = b",".join(b'"k%d": ' % i + value for i in range(12_000))
+        data = b'{"schema": "dynprof.stacks", "schema_version": 2, ' + body + b"}"
+    else:
+        data = b'{"schema": "dynprof.stacks", "schema_version": 2, "%s": [' % where.encode()
+        data += b",".join([value] * 12_000) + b"]}"
+    assert len(data) > 60_000_000
+    fh = _Counting(data)
+    # WHEN it is read
+    with pytest.raises(ArtifactError, match=f"nested deeper than {model.MAX_DOCUMENT_DEPTH} levels: refused"):
+        read_document(fh)
+    # THEN it was refused with the reason after its first few MB, not read to the end
+    assert fh.read_bytes < 4 << 20
+
+
+def test_a_small_deeply_nested_file_is_refused_before_it_is_decoded(monkeypatch: Any) -> None:
+    # GIVEN a file small enough to be parsed at once, of rows nested 30 levels deep
+    row = b"[" * 30 + b"0" + b"]" * 30
+    data = b'{"schema": "dynprof.stacks", "schema_version": 2, "processes": [' + b",".join([row] * 5000) + b"]}"
+    assert len(data) <= model.SMALL_FILE_BYTES
+
+    def no_parse(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("decoded")
+
+    monkeypatch.setattr(json, "loads", no_parse)
+    # WHEN it is read THEN it is refused with the reason, never decoded
+    with pytest.raises(ArtifactError, match="nested deeper than 16 levels: refused"):
+        read_document(io.BytesIO(data))
+
+
+def test_a_document_as_dynprof_writes_it_is_within_the_depth() -> None:
+    # GIVEN a document with every level a document has (locals included), over the size parsed at once
+    frames = [{**_frame(i), "locals": {"x": "1"}} for i in range(40)]
+    doc = {**V2, "processes": [_row(pid, frames) for pid in range(2000)], "failures": {"node a": "why"}}
+    data = json.dumps(doc).encode()
+    # THEN it is read whole, as a file and parsed
+    assert len(read_document(io.BytesIO(data)).processes) == 2000 == len(from_json(doc).processes)
+
+
+def _depth(value: Any) -> int:
+    if isinstance(value, dict):
+        return 1 + max((_depth(v) for v in value.values()), default=0)
+    if isinstance(value, list):
+        return 1 + max((_depth(v) for v in value), default=0)
+    return 0
+
+
+def test_the_depth_read_from_the_text_is_the_decoded_depth() -> None:
+    import random
+
+    from dynprof.untrusted import text_depth
+
+    # GIVEN documents whose strings hold brackets, quotes and backslashes (a repr in a local)
+    rng = random.Random(7)
+    texts = ["a[", "]}", '"\\[', "\\", '"', "{[", "", "x"]
+
+    def make(depth: int) -> Any:
+        pick = rng.random()
+        if depth > 12 or pick < 0.3:
+            return rng.choice([*texts, 1, None])
+        if pick < 0.65:
+            return [make(depth + 1) for _ in range(rng.randint(0, 3))]
+        return {rng.choice(texts) + str(i): make(depth + 1) for i in range(rng.randint(0, 3))}
+
+    docs = [d for d in (make(0) for _ in range(2000)) if isinstance(d, (dict, list))]
+    assert len(docs) > 500 and max(_depth(d) for d in docs) > 8
+    # THEN the depth read from each one's text, strings skipped, is the depth it decodes to
+    for doc in docs:
+        text = json.dumps(doc)
+        assert text_depth(text) == (_depth(doc), True), text
+        # and the text after a value (its siblings, its parents' brackets) does not count
+        assert text_depth(text + ', "]]" ]]]' + "[" * 50) == (_depth(doc), True)
+    # and a value cut at the end of the text is as deep as what is there
+    assert text_depth('[[["]]]", [[') == (5, False)

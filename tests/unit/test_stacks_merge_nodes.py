@@ -149,7 +149,7 @@ def test_merge_command(tmp_path: Path, capsys: Any) -> None:
     assert "8 process(es), 2 group(s) by main-thread stack" in out
     assert "rank 6 on node-b: in load_batch (/job/data.py:12)" in out
     assert f"FAILED file {garbage}: not valid JSON" in out
-    assert f"FAILED file {deep}: JSON nested deeper than 64 levels: refused" in out
+    assert f"FAILED file {deep}: JSON nested deeper than 16 levels: refused" in out
     assert f"FAILED file {fifo}: not a regular file" in out
     assert f"FAILED file {missing}: cannot open it: No such file or directory" in out
     assert f"FAILED file {directory}: not a regular file" in out

@@ -447,3 +447,21 @@ def test_a_data_loading_straggler_on_a_gpu_trace_is_named_as_data_loading():
 def test_an_even_gpu_job_has_no_straggler():
     result = _gpu_case("none")
     assert result["straggler"] is None and result["straggler_check"].startswith("no straggler"), result
+
+
+@pytest.mark.parametrize(
+    "name", ["ProfilerStep#-1", "ProfilerStep#\u0661\u0662", "ProfilerStep# 3", "ProfilerStep#1_0"]
+)
+def test_a_step_number_is_read_only_in_ascii_digits_and_never_negative(tmp_path, name):
+    # GIVEN a trace whose steps are #5, #6 and one span named otherwise (-1, Arabic-Indic 12, ...)
+    events = [
+        {"ph": "X", "cat": "user_annotation", "name": n, "pid": 7, "tid": 7, "ts": 1e6 + i * 1e4, "dur": 1e4}
+        for i, n in enumerate(["ProfilerStep#5", "ProfilerStep#6", name])
+    ]
+    path = tmp_path / "r0.json.gz"
+    path.write_bytes(gzip.compress(json.dumps({"schemaVersion": 1, "traceEvents": events}).encode()))
+    # WHEN it is analysed
+    r = ta.analyze_rank(ta.RankInput(str(path)))
+    # THEN that span is not a step: no step -1 or 12
+    assert [s["step"] for s in r["steps"]] == [5, 6]
+    assert ta.profiler_step_number(name) is None and ta.profiler_step_number("ProfilerStep#12") == 12

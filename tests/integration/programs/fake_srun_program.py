@@ -4,7 +4,8 @@ Reads ``--ntasks=N`` (or ``--nodes=N``) and ``--label``, ignores srun's other op
 the command (everything from the first argument that is not an option) N times at once, with
 ``SLURM_PROCID``/``SLURM_NODEID`` set; with ``--label`` each task's output line is written as
 ``T: line``, as srun does. ``FAKE_SRUN_TASKS`` makes tasks misbehave instead of running:
-``2=silent,3=garbage,4=flood`` (prints nothing, prints text that is not JSON, prints 5 MiB).
+``2=silent,3=garbage,4=flood,5=chatty`` (prints nothing, prints text that is not JSON, prints
+5 MiB, prints short lines until it is stopped).
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ def main() -> int:
         if mode == "garbage":
             write(task, "Traceback (most recent call last): not a report\n")
             return
+        if mode == "chatty":
+            while True:
+                write(task, "still here\n")
         if mode == "flood":
             for _ in range(5 * 1024):
                 write(task, "x" * 1023 + "\n")

@@ -1,0 +1,187 @@
+"""A job-wide command keeps a bounded total of all its nodes' answers, whatever each node
+answers within its own bound: fake sidecars on loopback (one server, many 127.0.0.x
+addresses) each answer at the per-node bound; the nodes past the total are cut and named."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dynprof.cli import main
+from dynprof.job import client as fanout
+from dynprof.job.client import AnswerBudget, SidecarClient
+from dynprof.job.discovery import Node
+from dynprof.untrusted import count_json_values
+
+TOKEN = "unit-test-token-0123456789"
+NODES = 64
+
+
+def _envelope(result: Any) -> bytes:
+    doc = {"api": 1, "action": "ps", "host": "n", "dynprof_version": "0.1.0", "exit_code": 0, "messages": []}
+    return json.dumps({**doc, "result": result}).encode()
+
+
+def wide_answer(size: int) -> bytes:
+    """A ps answer of about ``size`` bytes: agents with long command lines (few JSON values)."""
+    row = {"pid": 1, "rank": 0, "job": "j", "role": "trainer", "state": "up", "age_s": 1.0, "cmdline": ["x" * 4000]}
+    one = len(json.dumps(row)) + 2
+    return _envelope({"agents": [dict(row, pid=i + 1) for i in range(max(1, size // one))]})
+
+
+def many_values_answer(values: int) -> bytes:
+    """A ps answer of ``values`` tiny JSON values (``{}``), a few bytes each."""
+    rows = b"[" + b",".join([b"{}"] * values) + b"]"
+    return _envelope({"agents": "ROWS"}).replace(b'"ROWS"', rows)
+
+
+@pytest.fixture
+def sidecars() -> Iterator[tuple[list[Node], dict[str, bytes]]]:
+    """NODES fake sidecars (one server listening on all of loopback); each answers ``body``."""
+    answer = {"body": _envelope({"agents": []})}
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args: Any) -> None:
+            pass
+
+        def do_POST(self) -> None:
+            length = int(self.headers.get("Content-Length") or 0)
+            if length:
+                self.rfile.read(length)
+            data = answer["body"]
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    httpd.server_close()
+    port = httpd.server_address[1]
+
+    class Server(ThreadingHTTPServer):
+        request_queue_size = 128  # a node per connection at once
+        daemon_threads = True
+
+        def handle_error(self, request: Any, client_address: Any) -> None:
+            pass  # a cut node's client closes its connection mid-answer
+
+    httpd = Server(("0.0.0.0", port), Handler)  # every 127.0.0.x reaches it
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield [Node(f"127.0.0.{i + 1}", port) for i in range(NODES)], answer
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def test_answers_at_the_per_node_bound_are_held_to_the_total_and_the_cut_nodes_named(sidecars, monkeypatch):
+    nodes, answer = sidecars
+    # GIVEN 64 nodes that each answer ps at the per-node bound (scaled: 1 MiB a node), and a
+    # total of 8 MiB for the command
+    per_node = 1 << 20
+    monkeypatch.setitem(fanout.LISTING_ANSWER_BYTES, "ps", per_node)
+    answer["body"] = wide_answer(per_node - 4096)
+    assert per_node - 64 * 1024 < len(answer["body"]) <= per_node
+    client = SidecarClient(TOKEN, timeout=60, max_in_flight=16, total_bytes=8 << 20)
+    # WHEN ps asks them all
+    answers = client.action_all(nodes, "ps", {})
+    # THEN what is kept stays within the total, counted in the bytes of the kept answers
+    kept = [a for a in answers if a.answered]
+    cut = [a for a in answers if a.cut]
+    assert client.last_budget is not None
+    assert client.last_budget.held_bytes == len(kept) * len(answer["body"]) <= 8 << 20
+    # and the nodes past it are cut, each with the reason; every other node's answer is whole
+    # (each node is sure of total / 128; past that, the answers drew on the other half, whole)
+    floor = (8 << 20) // (2 * NODES)
+    assert len(kept) == ((8 << 20) - floor * NODES) // (len(answer["body"]) - floor) >= 1
+    assert len(cut) == NODES - len(kept), [a.error for a in answers if not a.answered and not a.cut]
+    assert all(not a.answered and a.result is None for a in cut)
+    assert all((a.error or "").startswith("cut: the answers of the 64 node(s)") for a in cut)
+    assert all(a.ok and len(a.result["agents"]) > 100 for a in kept)
+    assert all(a.summary("x")["cut"] for a in cut) and not any(a.summary("x")["cut"] for a in kept)
+
+
+def test_answers_of_many_json_values_share_the_total_of_values_too(sidecars, monkeypatch):
+    nodes, answer = sidecars
+    # GIVEN nodes whose answers are small in bytes but each holds 20 000 JSON values, under a
+    # total of 200 000 values for the command
+    answer["body"] = many_values_answer(20_000)
+    client = SidecarClient(TOKEN, timeout=60, max_in_flight=16, total_values=200_000)
+    # WHEN they are all asked
+    answers = client.action_all(nodes, "ps", {})
+    # THEN the values decoded stay within the total, and the rest are cut with the reason
+    kept = [a for a in answers if a.answered]
+    assert client.last_budget is not None and client.last_budget.held_values <= 200_000
+    # (counted as the decoder will make them, before decoding: each "{}," as two; each node
+    # is sure of total / 128, and the answers past that drew on the other half, whole)
+    values, floor = count_json_values(answer["body"]), 200_000 // (2 * NODES)
+    assert len(kept) == (200_000 - floor * NODES) // (values - floor) >= 1
+    assert all("200000 JSON values together" in (a.error or "") for a in answers if a.cut)
+    assert sum(a.cut for a in answers) == NODES - len(kept)
+
+
+def test_small_answers_are_never_cut(sidecars):
+    nodes, answer = sidecars
+    # GIVEN 64 nodes with honest, small answers
+    answer["body"] = wide_answer(40_000)
+    # WHEN they are asked with the default total
+    answers = SidecarClient(TOKEN, timeout=60, max_in_flight=16).action_all(nodes, "ps", {})
+    # THEN all of them are kept
+    assert all(a.ok for a in answers) and not any(a.cut for a in answers)
+
+
+def test_a_big_node_may_draw_past_its_equal_share_while_the_pool_lasts():
+    # GIVEN a total of 1000 bytes for 4 nodes: each is sure of 125, and 500 are a pool
+    budget = AnswerBudget(4, total_bytes=1000, total_values=1000)
+    small, big, late = budget.share(), budget.share(), budget.share()
+    # WHEN a small node keeps 100 and a big one 600
+    assert small.take_bytes(100)
+    assert big.take_bytes(600)
+    # THEN a third may still keep its floor, but not more than the pool has left
+    assert late.take_bytes(125) and not late.take_bytes(100)
+    # and what a dropped answer drew goes back to the pool
+    big.release()
+    assert late.take_bytes(100)
+
+
+def test_requests_for_one_node_at_a_time_keep_an_equal_share():
+    # GIVEN requests made one node at a time for a caller holding 8 answers together
+    budget = AnswerBudget(8, total_bytes=800, total_values=80, pooled=False)
+    share = budget.share()
+    # THEN each may keep 1/8 of the total, and no more
+    assert share.take_bytes(100) and not share.take_bytes(1)
+    assert share.take_values(10) and not share.take_values(1)
+
+
+def test_the_cli_names_the_cut_nodes_in_text_and_json(sidecars, monkeypatch, capsys, tmp_path: Path):
+    nodes, answer = sidecars
+    # GIVEN 64 nodes answering at a (scaled) per-node bound and a total that holds a few
+    per_node = 256 * 1024
+    monkeypatch.setitem(fanout.LISTING_ANSWER_BYTES, "ps", per_node)
+    monkeypatch.setattr(fanout, "TOTAL_ANSWER_BYTES", 2 << 20)
+    answer["body"] = wide_answer(per_node - 4096)
+    token = tmp_path / "token"
+    token.write_text(TOKEN)
+    token.chmod(0o600)
+    spec = ",".join(n.address for n in nodes)
+    base = ["ps", "--hosts", spec, "--token-file", str(token), "--node-timeout", "60", "--max-in-flight", "16"]
+    # WHEN ps runs job-wide, with --json and without
+    main([*base, "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    main(base)
+    text = capsys.readouterr().out
+    # THEN --json marks each cut node, with the reason, and the text names them
+    cut = [n for n in doc["nodes"] if n["cut"]]
+    assert cut and len(cut) < NODES and all(n["error"].startswith("cut: ") for n in cut)
+    # (the same number each time: the answers are of one size; which nodes, the order of arrival)
+    assert f"{len(cut)} of {NODES} node(s) cut" in text
+    listed = text.split("node(s) cut")[1].splitlines()[1 : 1 + len(cut)]
+    assert sorted(listed) == sorted(f"  {n.address}" for n in nodes if f"  {n.address}" in listed)
+    assert len(set(listed)) == len(cut)
