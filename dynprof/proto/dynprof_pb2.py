@@ -17,17 +17,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rdynprof.proto\x12\ndynprof.v1\"K\n\x05\x45rror\x12#\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x15.dynprof.v1.ErrorCode\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x0c\n\x04help\x18\x03 \x01(\t\"\x06\n\x04Ping\"\x0f\n\rStatusRequest\"\x8f\x01\n\x0cTraceOptions\x12\x15\n\rrecord_shapes\x18\x01 \x01(\x08\x12\x12\n\nwith_stack\x18\x02 \x01(\x08\x12\x16\n\x0eprofile_memory\x18\x03 \x01(\x08\x12\x12\n\nwith_flops\x18\x04 \x01(\x08\x12\x14\n\x0cwith_modules\x18\x05 \x01(\x08\x12\x12\n\nactivities\x18\x06 \x03(\t\"\x9c\x01\n\x11StartTraceRequest\x12\r\n\x05steps\x18\x01 \x01(\r\x12\x12\n\nduration_s\x18\x02 \x01(\x01\x12\x0f\n\x07\x61t_step\x18\x03 \x01(\x04\x12)\n\x07options\x18\x04 \x01(\x0b\x32\x18.dynprof.v1.TraceOptions\x12\x16\n\x0emax_duration_s\x18\x05 \x01(\x01\x12\x10\n\x08group_id\x18\x06 \x01(\t\"\x12\n\x10StopTraceRequest\"M\n\x11\x44umpStacksRequest\x12\x13\n\x0b\x61ll_threads\x18\x01 \x01(\x08\x12\x0e\n\x06locals\x18\x02 \x01(\x08\x12\x13\n\x0boutput_path\x18\x03 \x01(\t\"\x17\n\x15MemorySnapshotRequest\"K\n\x14MemoryHistoryRequest\x12\x0e\n\x06\x65nable\x18\x01 \x01(\x08\x12\x13\n\x0bmax_entries\x18\x02 \x01(\x04\x12\x0e\n\x06stacks\x18\x03 \x01(\t\"c\n\x19\x46lightRecorderDumpRequest\x12\x13\n\x0boutput_path\x18\x01 \x01(\t\x12\x1c\n\x14include_stack_traces\x18\x02 \x01(\x08\x12\x13\n\x0bonly_active\x18\x03 \x01(\x08\")\n\x14\x44iscoverNodesRequest\x12\x11\n\ttimeout_s\x18\x01 \x01(\x01\"\xae\x04\n\x07Request\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x12\n\nrequest_id\x18\x02 \x01(\x04\x12 \n\x04ping\x18\n \x01(\x0b\x32\x10.dynprof.v1.PingH\x00\x12+\n\x06status\x18\x0b \x01(\x0b\x32\x19.dynprof.v1.StatusRequestH\x00\x12\x34\n\x0bstart_trace\x18\x0c \x01(\x0b\x32\x1d.dynprof.v1.StartTraceRequestH\x00\x12\x32\n\nstop_trace\x18\r \x01(\x0b\x32\x1c.dynprof.v1.StopTraceRequestH\x00\x12\x34\n\x0b\x64ump_stacks\x18\x0e \x01(\x0b\x32\x1d.dynprof.v1.DumpStacksRequestH\x00\x12<\n\x0fmemory_snapshot\x18\x0f \x01(\x0b\x32!.dynprof.v1.MemorySnapshotRequestH\x00\x12:\n\x0ememory_history\x18\x10 \x01(\x0b\x32 .dynprof.v1.MemoryHistoryRequestH\x00\x12\x45\n\x14\x66light_recorder_dump\x18\x11 \x01(\x0b\x32%.dynprof.v1.FlightRecorderDumpRequestH\x00\x12:\n\x0e\x64iscover_nodes\x18\x12 \x01(\x0b\x32 .dynprof.v1.DiscoverNodesRequestH\x00\x42\t\n\x07\x63ommand\"\x1f\n\x04Pong\x12\x17\n\x0f\x64ynprof_version\x18\x01 \x01(\t\"\xc3\x01\n\nTraceState\x12\r\n\x05state\x18\x01 \x01(\t\x12\x12\n\nstart_step\x18\x02 \x01(\x04\x12\r\n\x05steps\x18\x03 \x01(\r\x12\x12\n\nsteps_done\x18\x04 \x01(\x04\x12\x14\n\x0c\x61\x63tive_since\x18\x05 \x01(\x01\x12\x15\n\rlast_artifact\x18\x06 \x01(\t\x12\x12\n\nlast_error\x18\x07 \x01(\t\x12\x10\n\x08group_id\x18\x08 \x01(\t\x12\x1c\n\x14last_artifact_status\x18\t \x01(\t\"\x8c\x03\n\x06Status\x12\x0b\n\x03pid\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x13\n\x0bstep_time_s\x18\x03 \x01(\x01\x12\x14\n\x0clast_step_at\x18\x04 \x01(\x01\x12\x16\n\x0etorch_imported\x18\x05 \x01(\x08\x12\x18\n\x10\x63uda_initialized\x18\x06 \x01(\x08\x12\x1b\n\x13step_hook_installed\x18\x07 \x01(\x08\x12%\n\x05trace\x18\x08 \x01(\x0b\x32\x16.dynprof.v1.TraceState\x12\x0e\n\x06job_id\x18\t \x01(\t\x12\x0c\n\x04rank\x18\n \x01(\x05\x12\x12\n\nworld_size\x18\x0b \x01(\x05\x12\x17\n\x0f\x64ynprof_version\x18\x0c \x01(\t\x12\x12\n\nstarted_at\x18\r \x01(\x01\x12\x16\n\x0ememory_history\x18\x0e \x01(\t\x12\x1d\n\x15memory_history_detail\x18\x0f \x01(\t\x12\x0c\n\x04role\x18\x10 \x01(\t\x12\r\n\x05phase\x18\x11 \x01(\t\x12\x13\n\x0bphase_since\x18\x12 \x01(\x01\"5\n\x0cTraceStarted\x12%\n\x05trace\x18\x01 \x01(\x0b\x32\x16.dynprof.v1.TraceState\"5\n\x0cTraceStopped\x12%\n\x05trace\x18\x01 \x01(\x0b\x32\x16.dynprof.v1.TraceState\"E\n\x0f\x41rtifactWritten\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0e\n\x06status\x18\x02 \x01(\t\x12\x14\n\x0csummary_json\x18\x03 \x01(\t\"\x15\n\x03\x41\x63k\x12\x0e\n\x06\x64\x65tail\x18\x01 \x01(\t\"\x87\x01\n\x10RankRegistration\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x12\n\nlocal_rank\x18\x02 \x01(\x05\x12\x0c\n\x04host\x18\x03 \x01(\t\x12\x0f\n\x07sidecar\x18\x04 \x01(\t\x12\x0b\n\x03pid\x18\x05 \x01(\x03\x12\x0e\n\x06job_id\x18\x06 \x01(\t\x12\x15\n\rregistered_at\x18\x07 \x01(\x01\"Z\n\x08JobNodes\x12+\n\x05ranks\x18\x01 \x03(\x0b\x32\x1c.dynprof.v1.RankRegistration\x12\x12\n\nworld_size\x18\x02 \x01(\x05\x12\r\n\x05store\x18\x03 \x01(\t\"\x8b\x03\n\x05Reply\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x12\n\nrequest_id\x18\x02 \x01(\x04\x12 \n\x05\x65rror\x18\x03 \x01(\x0b\x32\x11.dynprof.v1.Error\x12 \n\x04pong\x18\n \x01(\x0b\x32\x10.dynprof.v1.PongH\x00\x12$\n\x06status\x18\x0b \x01(\x0b\x32\x12.dynprof.v1.StatusH\x00\x12\x31\n\rtrace_started\x18\x0c \x01(\x0b\x32\x18.dynprof.v1.TraceStartedH\x00\x12\x31\n\rtrace_stopped\x18\r \x01(\x0b\x32\x18.dynprof.v1.TraceStoppedH\x00\x12/\n\x08\x61rtifact\x18\x0e \x01(\x0b\x32\x1b.dynprof.v1.ArtifactWrittenH\x00\x12\x1e\n\x03\x61\x63k\x18\x0f \x01(\x0b\x32\x0f.dynprof.v1.AckH\x00\x12)\n\tjob_nodes\x18\x10 \x01(\x0b\x32\x14.dynprof.v1.JobNodesH\x00\x42\x08\n\x06result*Q\n\x0fProtocolVersion\x12 \n\x1cPROTOCOL_VERSION_UNSPECIFIED\x10\x00\x12\x1c\n\x18PROTOCOL_VERSION_CURRENT\x10\x01*\xf4\x01\n\tErrorCode\x12\x1a\n\x16\x45RROR_CODE_UNSPECIFIED\x10\x00\x12\x0f\n\x0b\x42\x41\x44_REQUEST\x10\x01\x12\x13\n\x0fUNKNOWN_COMMAND\x10\x02\x12\x14\n\x10VERSION_MISMATCH\x10\x03\x12\x08\n\x04\x42USY\x10\x04\x12\x0c\n\x08NO_TORCH\x10\x05\x12\x0b\n\x07NO_CUDA\x10\x06\x12\x0f\n\x0bSTEP_PASSED\x10\x07\x12\x0f\n\x0bNOT_RUNNING\x10\x08\x12\x0c\n\x08INTERNAL\x10\t\x12\x0f\n\x0bUNSUPPORTED\x10\n\x12\x14\n\x10INVALID_ARGUMENT\x10\x0b\x12\x13\n\x0fPROFILER_ACTIVE\x10\x0c\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rdynprof.proto\x12\ndynprof.v1\"K\n\x05\x45rror\x12#\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x15.dynprof.v1.ErrorCode\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x0c\n\x04help\x18\x03 \x01(\t\"\x06\n\x04Ping\"\x0f\n\rStatusRequest\"\x8f\x01\n\x0cTraceOptions\x12\x15\n\rrecord_shapes\x18\x01 \x01(\x08\x12\x12\n\nwith_stack\x18\x02 \x01(\x08\x12\x16\n\x0eprofile_memory\x18\x03 \x01(\x08\x12\x12\n\nwith_flops\x18\x04 \x01(\x08\x12\x14\n\x0cwith_modules\x18\x05 \x01(\x08\x12\x12\n\nactivities\x18\x06 \x03(\t\"\x9c\x01\n\x11StartTraceRequest\x12\r\n\x05steps\x18\x01 \x01(\r\x12\x12\n\nduration_s\x18\x02 \x01(\x01\x12\x0f\n\x07\x61t_step\x18\x03 \x01(\x04\x12)\n\x07options\x18\x04 \x01(\x0b\x32\x18.dynprof.v1.TraceOptions\x12\x16\n\x0emax_duration_s\x18\x05 \x01(\x01\x12\x10\n\x08group_id\x18\x06 \x01(\t\"\x12\n\x10StopTraceRequest\"M\n\x11\x44umpStacksRequest\x12\x13\n\x0b\x61ll_threads\x18\x01 \x01(\x08\x12\x0e\n\x06locals\x18\x02 \x01(\x08\x12\x13\n\x0boutput_path\x18\x03 \x01(\t\"\x17\n\x15MemorySnapshotRequest\"K\n\x14MemoryHistoryRequest\x12\x0e\n\x06\x65nable\x18\x01 \x01(\x08\x12\x13\n\x0bmax_entries\x18\x02 \x01(\x04\x12\x0e\n\x06stacks\x18\x03 \x01(\t\"\"\n\x11MemoryPlanRequest\x12\r\n\x05token\x18\x01 \x01(\t\"c\n\x19\x46lightRecorderDumpRequest\x12\x13\n\x0boutput_path\x18\x01 \x01(\t\x12\x1c\n\x14include_stack_traces\x18\x02 \x01(\x08\x12\x13\n\x0bonly_active\x18\x03 \x01(\x08\")\n\x14\x44iscoverNodesRequest\x12\x11\n\ttimeout_s\x18\x01 \x01(\x01\"\xe4\x04\n\x07Request\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x12\n\nrequest_id\x18\x02 \x01(\x04\x12 \n\x04ping\x18\n \x01(\x0b\x32\x10.dynprof.v1.PingH\x00\x12+\n\x06status\x18\x0b \x01(\x0b\x32\x19.dynprof.v1.StatusRequestH\x00\x12\x34\n\x0bstart_trace\x18\x0c \x01(\x0b\x32\x1d.dynprof.v1.StartTraceRequestH\x00\x12\x32\n\nstop_trace\x18\r \x01(\x0b\x32\x1c.dynprof.v1.StopTraceRequestH\x00\x12\x34\n\x0b\x64ump_stacks\x18\x0e \x01(\x0b\x32\x1d.dynprof.v1.DumpStacksRequestH\x00\x12<\n\x0fmemory_snapshot\x18\x0f \x01(\x0b\x32!.dynprof.v1.MemorySnapshotRequestH\x00\x12:\n\x0ememory_history\x18\x10 \x01(\x0b\x32 .dynprof.v1.MemoryHistoryRequestH\x00\x12\x45\n\x14\x66light_recorder_dump\x18\x11 \x01(\x0b\x32%.dynprof.v1.FlightRecorderDumpRequestH\x00\x12:\n\x0e\x64iscover_nodes\x18\x12 \x01(\x0b\x32 .dynprof.v1.DiscoverNodesRequestH\x00\x12\x34\n\x0bmemory_plan\x18\x13 \x01(\x0b\x32\x1d.dynprof.v1.MemoryPlanRequestH\x00\x42\t\n\x07\x63ommand\"\x1f\n\x04Pong\x12\x17\n\x0f\x64ynprof_version\x18\x01 \x01(\t\"\xc3\x01\n\nTraceState\x12\r\n\x05state\x18\x01 \x01(\t\x12\x12\n\nstart_step\x18\x02 \x01(\x04\x12\r\n\x05steps\x18\x03 \x01(\r\x12\x12\n\nsteps_done\x18\x04 \x01(\x04\x12\x14\n\x0c\x61\x63tive_since\x18\x05 \x01(\x01\x12\x15\n\rlast_artifact\x18\x06 \x01(\t\x12\x12\n\nlast_error\x18\x07 \x01(\t\x12\x10\n\x08group_id\x18\x08 \x01(\t\x12\x1c\n\x14last_artifact_status\x18\t \x01(\t\"\x8c\x03\n\x06Status\x12\x0b\n\x03pid\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x13\n\x0bstep_time_s\x18\x03 \x01(\x01\x12\x14\n\x0clast_step_at\x18\x04 \x01(\x01\x12\x16\n\x0etorch_imported\x18\x05 \x01(\x08\x12\x18\n\x10\x63uda_initialized\x18\x06 \x01(\x08\x12\x1b\n\x13step_hook_installed\x18\x07 \x01(\x08\x12%\n\x05trace\x18\x08 \x01(\x0b\x32\x16.dynprof.v1.TraceState\x12\x0e\n\x06job_id\x18\t \x01(\t\x12\x0c\n\x04rank\x18\n \x01(\x05\x12\x12\n\nworld_size\x18\x0b \x01(\x05\x12\x17\n\x0f\x64ynprof_version\x18\x0c \x01(\t\x12\x12\n\nstarted_at\x18\r \x01(\x01\x12\x16\n\x0ememory_history\x18\x0e \x01(\t\x12\x1d\n\x15memory_history_detail\x18\x0f \x01(\t\x12\x0c\n\x04role\x18\x10 \x01(\t\x12\r\n\x05phase\x18\x11 \x01(\t\x12\x13\n\x0bphase_since\x18\x12 \x01(\x01\"5\n\x0cTraceStarted\x12%\n\x05trace\x18\x01 \x01(\x0b\x32\x16.dynprof.v1.TraceState\"5\n\x0cTraceStopped\x12%\n\x05trace\x18\x01 \x01(\x0b\x32\x16.dynprof.v1.TraceState\"E\n\x0f\x41rtifactWritten\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0e\n\x06status\x18\x02 \x01(\t\x12\x14\n\x0csummary_json\x18\x03 \x01(\t\"\x15\n\x03\x41\x63k\x12\x0e\n\x06\x64\x65tail\x18\x01 \x01(\t\"\x87\x01\n\x10RankRegistration\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x12\n\nlocal_rank\x18\x02 \x01(\x05\x12\x0c\n\x04host\x18\x03 \x01(\t\x12\x0f\n\x07sidecar\x18\x04 \x01(\t\x12\x0b\n\x03pid\x18\x05 \x01(\x03\x12\x0e\n\x06job_id\x18\x06 \x01(\t\x12\x15\n\rregistered_at\x18\x07 \x01(\x01\"Z\n\x08JobNodes\x12+\n\x05ranks\x18\x01 \x03(\x0b\x32\x1c.dynprof.v1.RankRegistration\x12\x12\n\nworld_size\x18\x02 \x01(\x05\x12\r\n\x05store\x18\x03 \x01(\t\"\x8b\x03\n\x05Reply\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x12\n\nrequest_id\x18\x02 \x01(\x04\x12 \n\x05\x65rror\x18\x03 \x01(\x0b\x32\x11.dynprof.v1.Error\x12 \n\x04pong\x18\n \x01(\x0b\x32\x10.dynprof.v1.PongH\x00\x12$\n\x06status\x18\x0b \x01(\x0b\x32\x12.dynprof.v1.StatusH\x00\x12\x31\n\rtrace_started\x18\x0c \x01(\x0b\x32\x18.dynprof.v1.TraceStartedH\x00\x12\x31\n\rtrace_stopped\x18\r \x01(\x0b\x32\x18.dynprof.v1.TraceStoppedH\x00\x12/\n\x08\x61rtifact\x18\x0e \x01(\x0b\x32\x1b.dynprof.v1.ArtifactWrittenH\x00\x12\x1e\n\x03\x61\x63k\x18\x0f \x01(\x0b\x32\x0f.dynprof.v1.AckH\x00\x12)\n\tjob_nodes\x18\x10 \x01(\x0b\x32\x14.dynprof.v1.JobNodesH\x00\x42\x08\n\x06result*Q\n\x0fProtocolVersion\x12 \n\x1cPROTOCOL_VERSION_UNSPECIFIED\x10\x00\x12\x1c\n\x18PROTOCOL_VERSION_CURRENT\x10\x01*\xf4\x01\n\tErrorCode\x12\x1a\n\x16\x45RROR_CODE_UNSPECIFIED\x10\x00\x12\x0f\n\x0b\x42\x41\x44_REQUEST\x10\x01\x12\x13\n\x0fUNKNOWN_COMMAND\x10\x02\x12\x14\n\x10VERSION_MISMATCH\x10\x03\x12\x08\n\x04\x42USY\x10\x04\x12\x0c\n\x08NO_TORCH\x10\x05\x12\x0b\n\x07NO_CUDA\x10\x06\x12\x0f\n\x0bSTEP_PASSED\x10\x07\x12\x0f\n\x0bNOT_RUNNING\x10\x08\x12\x0c\n\x08INTERNAL\x10\t\x12\x0f\n\x0bUNSUPPORTED\x10\n\x12\x14\n\x10INVALID_ARGUMENT\x10\x0b\x12\x13\n\x0fPROFILER_ACTIVE\x10\x0c\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'dynprof_pb2', _globals)
 if _descriptor._USE_C_DESCRIPTORS == False:
   DESCRIPTOR._options = None
-  _globals['_PROTOCOLVERSION']._serialized_start=2804
-  _globals['_PROTOCOLVERSION']._serialized_end=2885
-  _globals['_ERRORCODE']._serialized_start=2888
-  _globals['_ERRORCODE']._serialized_end=3132
+  _globals['_PROTOCOLVERSION']._serialized_start=2894
+  _globals['_PROTOCOLVERSION']._serialized_end=2975
+  _globals['_ERRORCODE']._serialized_start=2978
+  _globals['_ERRORCODE']._serialized_end=3222
   _globals['_ERROR']._serialized_start=29
   _globals['_ERROR']._serialized_end=104
   _globals['_PING']._serialized_start=106
@@ -46,30 +46,32 @@ if _descriptor._USE_C_DESCRIPTORS == False:
   _globals['_MEMORYSNAPSHOTREQUEST']._serialized_end=558
   _globals['_MEMORYHISTORYREQUEST']._serialized_start=560
   _globals['_MEMORYHISTORYREQUEST']._serialized_end=635
-  _globals['_FLIGHTRECORDERDUMPREQUEST']._serialized_start=637
-  _globals['_FLIGHTRECORDERDUMPREQUEST']._serialized_end=736
-  _globals['_DISCOVERNODESREQUEST']._serialized_start=738
-  _globals['_DISCOVERNODESREQUEST']._serialized_end=779
-  _globals['_REQUEST']._serialized_start=782
-  _globals['_REQUEST']._serialized_end=1340
-  _globals['_PONG']._serialized_start=1342
-  _globals['_PONG']._serialized_end=1373
-  _globals['_TRACESTATE']._serialized_start=1376
-  _globals['_TRACESTATE']._serialized_end=1571
-  _globals['_STATUS']._serialized_start=1574
-  _globals['_STATUS']._serialized_end=1970
-  _globals['_TRACESTARTED']._serialized_start=1972
-  _globals['_TRACESTARTED']._serialized_end=2025
-  _globals['_TRACESTOPPED']._serialized_start=2027
-  _globals['_TRACESTOPPED']._serialized_end=2080
-  _globals['_ARTIFACTWRITTEN']._serialized_start=2082
-  _globals['_ARTIFACTWRITTEN']._serialized_end=2151
-  _globals['_ACK']._serialized_start=2153
-  _globals['_ACK']._serialized_end=2174
-  _globals['_RANKREGISTRATION']._serialized_start=2177
-  _globals['_RANKREGISTRATION']._serialized_end=2312
-  _globals['_JOBNODES']._serialized_start=2314
-  _globals['_JOBNODES']._serialized_end=2404
-  _globals['_REPLY']._serialized_start=2407
-  _globals['_REPLY']._serialized_end=2802
+  _globals['_MEMORYPLANREQUEST']._serialized_start=637
+  _globals['_MEMORYPLANREQUEST']._serialized_end=671
+  _globals['_FLIGHTRECORDERDUMPREQUEST']._serialized_start=673
+  _globals['_FLIGHTRECORDERDUMPREQUEST']._serialized_end=772
+  _globals['_DISCOVERNODESREQUEST']._serialized_start=774
+  _globals['_DISCOVERNODESREQUEST']._serialized_end=815
+  _globals['_REQUEST']._serialized_start=818
+  _globals['_REQUEST']._serialized_end=1430
+  _globals['_PONG']._serialized_start=1432
+  _globals['_PONG']._serialized_end=1463
+  _globals['_TRACESTATE']._serialized_start=1466
+  _globals['_TRACESTATE']._serialized_end=1661
+  _globals['_STATUS']._serialized_start=1664
+  _globals['_STATUS']._serialized_end=2060
+  _globals['_TRACESTARTED']._serialized_start=2062
+  _globals['_TRACESTARTED']._serialized_end=2115
+  _globals['_TRACESTOPPED']._serialized_start=2117
+  _globals['_TRACESTOPPED']._serialized_end=2170
+  _globals['_ARTIFACTWRITTEN']._serialized_start=2172
+  _globals['_ARTIFACTWRITTEN']._serialized_end=2241
+  _globals['_ACK']._serialized_start=2243
+  _globals['_ACK']._serialized_end=2264
+  _globals['_RANKREGISTRATION']._serialized_start=2267
+  _globals['_RANKREGISTRATION']._serialized_end=2402
+  _globals['_JOBNODES']._serialized_start=2404
+  _globals['_JOBNODES']._serialized_end=2494
+  _globals['_REPLY']._serialized_start=2497
+  _globals['_REPLY']._serialized_end=2892
 # @@protoc_insertion_point(module_scope)
