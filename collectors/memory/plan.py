@@ -3,19 +3,22 @@
 The input is one measured step (:mod:`.plan_capture`, in the training process): each block's
 freeable saved-tensor bytes and forward time, the step's peak and its parts. The plan is the
 set of blocks whose checkpointing brings the peak under the budget (or saves the asked bytes)
-at the least added recompute time, found exactly by dynamic programming over the blocks (a 0/1
-knapsack: the Pareto front of (bytes freed, time added) over the blocks seen so far).
+at the least added recompute time, found exactly by dynamic programming over the blocks in
+forward order (a 0/1 knapsack whose state is the bytes freed so far).
 
 **The predicted peak.** Checkpointing a set S frees the blocks' freeable bytes at the start of
-backward; in backward, each checkpointed block recomputes its forward and holds its saved
-tensors again while its own backward runs, one block at a time. So
+backward; in backward, each checkpointed block k recomputes its forward and holds its saved
+tensors again while its own backward runs, when the blocks after it are done with (their
+bytes gone, their gradients there) and the chosen blocks before it still freed. So (see
+:func:`saved_by`)
 
-    predicted peak = peak - sum(freeable of S) + max(freeable of S)
+    predicted peak = peak - min(F(S), min over k in S of F(S before k) + relief(k))
 
-which is what the plan is held to. Recompute time is the blocks' measured forward time.
+which is what the plan is held to, and never under the parameters, gradients and optimizer
+state. Recompute time is the blocks' measured forward time.
 
-**The floor.** Parameters, gradients, optimizer state, the activations no block can free, the
-temporaries, and one block recomputed: no set of blocks goes lower. A budget under it gets that
+**The floor.** Every block checkpointed, by the same rule; and never under parameters,
+gradients and optimizer state: no set of blocks goes lower. A budget under it gets that
 answer with the options beyond recomputation and what each would save.
 
 This module needs no torch: the CLI plans from the agent's answer, the benchmark in-process.
@@ -33,7 +36,7 @@ from dynprof.errors import ArtifactError
 SCHEMA = 1
 PLAN_SCHEMA = 1
 MAX_BLOCKS = 4096
-MAX_FRONT = 200_000  # Pareto states kept; beyond it the DP rounds bytes (and says so)
+MAX_FRONT = 200_000  # DP states kept; beyond it a spread of them is kept (and the plan says it is not exact)
 MAX_BYTES = 1 << 60
 RUNNERS_UP = 3
 
@@ -64,6 +67,7 @@ class Measurement:
     temporary_bytes: int
     step_s: float
     typical_step_s: float | None = None
+    peak_includes_gradients: bool = False  # the peak counts every gradient (the CPU's sum)
     notes: list[str] = field(default_factory=list)
     error: str = ""
 
@@ -94,6 +98,7 @@ class Measurement:
             "temporary_bytes": self.temporary_bytes,
             "step_s": self.step_s,
             "typical_step_s": self.typical_step_s,
+            "peak_includes_gradients": self.peak_includes_gradients,
             "notes": list(self.notes),
             "error": self.error,
         }
@@ -168,6 +173,7 @@ def from_json(doc: Any) -> Measurement:
         temporary_bytes=_int(doc, "temporary_bytes", 0),
         step_s=_float(doc, "step_s", 0.0),
         typical_step_s=None if typical is None else _float(doc, "typical_step_s"),
+        peak_includes_gradients=doc.get("peak_includes_gradients") is True,
         notes=[n[:500] for n in notes[:50]],
         error=_str(doc, "error"),
     )
@@ -176,69 +182,90 @@ def from_json(doc: Any) -> Measurement:
 # -- the solver --------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Choice:
-    blocks: tuple[int, ...]  # indices into the items
+    blocks: tuple[int, ...]  # indices into the items, in forward order
     freed: int  # sum of the items' bytes
     cost: float  # sum of the items' seconds
-    held: int  # the largest item's bytes (held again while it recomputes)
-
-    @property
-    def saved(self) -> int:
-        """What the choice takes off the peak: freed bytes less one block recomputed."""
-        return self.freed - self.held
+    saved: int  # what the choice takes off the peak (see :func:`saved_by`)
 
 
-def solve(items: Sequence[tuple[int, float]], need: int, keep: int = 1 + RUNNERS_UP) -> tuple[list[Choice], bool]:
-    """The cheapest sets of ``items`` (bytes, seconds) with ``freed - held >= need``, cheapest
-    first (at most ``keep``), and whether the answer is exact.
+def saved_by(items: Sequence[tuple[int, float]], relief: Sequence[int], chosen: Sequence[int]) -> int:
+    """What checkpointing ``chosen`` takes off the peak.
 
-    Exact: for each item m taken as the largest of the set (ties by index), the other items
-    are those no larger, and a 0/1 knapsack over them (the Pareto front of freed bytes against
-    seconds) finds every cheapest way to free ``need`` more bytes than m holds again."""
+    At the start of backward the chosen blocks' bytes are gone: ``F(S)``. Backward then runs
+    the blocks last to first; when it reaches a chosen block k, k recomputes and holds its bytes
+    again, while the chosen blocks before k are still freed (``F(S before k)``) and the blocks
+    after k are done with (``relief[k]``: their bytes, less the gradients they left). So the
+    peak comes down by ``min(F(S), min over k in S of F(S before k) + relief[k])``."""
+    order = sorted(chosen)
+    total = sum(items[i][0] for i in order)
+    best = total
+    before = 0
+    for k in order:
+        best = min(best, before + relief[k])
+        before += items[k][0]
+    return best
+
+
+def solve(
+    items: Sequence[tuple[int, float]],
+    need: int,
+    relief: Sequence[int] | None = None,
+    keep: int = 1 + RUNNERS_UP,
+) -> tuple[list[Choice], bool]:
+    """The cheapest sets of ``items`` (bytes, seconds; in forward order) whose
+    :func:`saved_by` is at least ``need``, cheapest first (at most ``keep``), and whether the
+    answer is exact.
+
+    A 0/1 knapsack by dynamic programming over the blocks in forward order: the state is the
+    bytes freed so far (capped where no constraint asks for more), each keeping its ``keep``
+    cheapest sets; block k may join a set only when the bytes freed before it reach
+    ``need - relief[k]`` (so that its recompute does not lift the peak over the budget), and
+    a set is a plan when it frees ``need`` in all. States that free less for more time than
+    ``keep`` others are dropped."""
     n = len(items)
-    order = sorted(range(n), key=lambda i: (items[i][0], i))
-    exact = True
-    found: list[Choice] = []
-    for pos, m in enumerate(order):
-        m_bytes, m_cost = items[m]
-        want = need  # the others must free `need` (m's own freed bytes and its hold cancel)
-        # Pareto front over order[:pos]: freed -> (cost, set); capped at `want` (more is no better).
-        front: dict[int, list[tuple[float, tuple[int, ...]]]] = {0: [(0.0, ())]}
-        for j in order[:pos]:
-            b, c = items[j]
-            add: dict[int, list[tuple[float, tuple[int, ...]]]] = {}
-            for freed, states in front.items():
-                nf = min(want, freed + b) if want > 0 else 0
-                for cost, chosen in states:
-                    add.setdefault(nf, []).append((cost + c, (*chosen, j)))
-            for k, states in add.items():
-                front.setdefault(k, []).extend(states)
-            for k in list(front):
-                front[k] = sorted(front[k])[:keep]
-            # drop states dominated by one that frees at least as much for no more time
-            best_above = float("inf")
-            for k in sorted(front, reverse=True):
-                states = [s for s in front[k] if s[0] <= best_above or k == want]
-                if states:
-                    front[k] = states
-                    best_above = min(best_above, states[-1][0] if len(states) >= keep else float("inf"))
-                else:
-                    del front[k]
-            if len(front) > MAX_FRONT:
-                exact = False
-                keys = sorted(front)
-                front = {k: front[k] for k in keys[:: max(1, len(keys) // MAX_FRONT + 1)]}
-        for cost, chosen in front.get(max(want, 0), []) if want > 0 else front.get(0, []):
-            blocks = tuple(sorted((*chosen, m)))
-            freed = sum(items[i][0] for i in blocks)
-            found.append(Choice(blocks, freed, cost + m_cost, m_bytes))
+    relief = list(relief) if relief is not None else [0] * n
     if need <= 0:
-        found.append(Choice((), 0, 0.0, 0))
-    unique: dict[tuple[int, ...], Choice] = {}
-    for ch in found:
-        if ch.saved >= need and ch.blocks not in unique:
-            unique[ch.blocks] = ch
-    ranked = sorted(unique.values(), key=lambda c: (c.cost, -c.saved, len(c.blocks), c.blocks))
-    return ranked[:keep], exact
+        return [Choice((), 0, 0.0, 0)], True
+    gates = [need - relief[k] for k in range(n)]
+    cap = max([need, *gates])
+    exact = True
+    front: dict[int, list[tuple[float, tuple[int, ...]]]] = {0: [(0.0, ())]}
+    for k, (b, c) in enumerate(items):
+        if b <= 0:
+            continue
+        add: dict[int, list[tuple[float, tuple[int, ...]]]] = {}
+        for freed, states in front.items():
+            if freed < gates[k]:
+                continue
+            nf = min(cap, freed + b)
+            for cost, chosen in states:
+                add.setdefault(nf, []).append((cost + c, (*chosen, k)))
+        for key, states in add.items():
+            front[key] = sorted(front.get(key, []) + states)[:keep]
+        # a state is dropped when `keep` states free at least as much for no more time
+        better: list[float] = []  # the costs of the states above, cheapest `keep`
+        pruned: dict[int, list[tuple[float, tuple[int, ...]]]] = {}
+        for key in sorted(front, reverse=True):
+            limit = better[keep - 1] if len(better) >= keep else float("inf")
+            states = [st for st in front[key] if st[0] <= limit]
+            if states:
+                pruned[key] = states
+                better = sorted(better + [st[0] for st in states])[:keep]
+        front = pruned
+        if len(front) > MAX_FRONT:
+            exact = False
+            keys = sorted(front)
+            front = {key: front[key] for key in keys[:: len(keys) // MAX_FRONT + 1]}
+    found = []
+    for freed, states in front.items():
+        if freed < need:
+            continue
+        for cost, chosen in states:
+            saved = saved_by(items, relief, chosen)
+            if saved >= need:
+                found.append(Choice(chosen, sum(items[i][0] for i in chosen), cost, saved))
+    found.sort(key=lambda ch: (ch.cost, -ch.saved, len(ch.blocks), ch.blocks))
+    return found[:keep], exact
 
 
 # -- the plan ----------------------------------------------------------------------------------
@@ -246,12 +273,45 @@ def _block_items(m: Measurement) -> list[int]:
     return [i for i, b in enumerate(m.blocks) if not b.checkpointed and b.freeable_bytes > 0]
 
 
+def _relief(m: Measurement, idx: list[int]) -> list[int]:
+    """For each candidate: the bytes of every block after it (done with when backward reaches
+    it), less the gradients of their parameters (allocated by then, where the peak was
+    measured before they were)."""
+    out = []
+    for i in idx:
+        after = m.blocks[i + 1 :]
+        grads = 0 if m.peak_includes_gradients else sum(b.parameter_bytes for b in after)
+        out.append(sum(b.freeable_bytes for b in after) - grads)
+    return out
+
+
+def _static(m: Measurement) -> int:
+    return m.parameter_bytes + m.gradient_bytes + m.optimizer_state_bytes
+
+
 def floor_bytes(m: Measurement) -> int:
-    """The lowest peak checkpointing can reach: every block checkpointed, one recomputed."""
+    """The lowest peak checkpointing can reach: every block checkpointed (each recomputed in
+    its turn), and never under what the parameters, gradients and optimizer state hold."""
     idx = _block_items(m)
-    freed = sum(m.blocks[i].freeable_bytes for i in idx)
-    held = max((m.blocks[i].freeable_bytes for i in idx), default=0)
-    return max(0, m.peak_bytes - freed + held)
+    items = [(m.blocks[i].freeable_bytes, 0.0) for i in idx]
+    saved = saved_by(items, _relief(m, idx), range(len(idx))) if idx else 0
+    return max(m.peak_bytes - saved, _static(m))
+
+
+def predict(m: Measurement, modules: set[str]) -> dict[str, Any]:
+    """The predicted peak and added step time of checkpointing exactly ``modules`` (blocks of
+    ``m`` by name; others are ignored), by the rule the plan is held to."""
+    idx = [i for i in _block_items(m) if m.blocks[i].name in modules]
+    every = _block_items(m)
+    relief = dict(zip(every, _relief(m, every)))
+    items = {i: (m.blocks[i].freeable_bytes, m.blocks[i].forward_s) for i in every}
+    chosen = list(range(len(idx)))
+    saved = saved_by([items[i] for i in idx], [relief[i] for i in idx], chosen) if idx else 0
+    return {
+        "modules": [m.blocks[i].name for i in idx],
+        "predicted_peak_bytes": max(m.peak_bytes - saved, _static(m)),
+        "added_step_s": round(sum(m.blocks[i].forward_s for i in idx), 6),
+    }
 
 
 def make_plan(m: Measurement, budget: int | None = None, save: int | None = None) -> dict[str, Any]:
@@ -263,8 +323,11 @@ def make_plan(m: Measurement, budget: int | None = None, save: int | None = None
     target = budget if budget is not None else m.peak_bytes - need
     idx = _block_items(m)
     items = [(m.blocks[i].freeable_bytes, m.blocks[i].forward_s) for i in idx]
-    choices, exact = solve(items, need)
+    # the static part (parameters, gradients, optimizer state) is a floor no plan goes under
+    reachable = need if m.peak_bytes - need >= _static(m) else m.peak_bytes + 1
+    choices, exact = solve(items, reachable, _relief(m, idx))
     step = m.typical_step_s or m.step_s
+    static = _static(m)
 
     def describe(ch: Choice) -> dict[str, Any]:
         names = [m.blocks[idx[i]].name for i in ch.blocks]
@@ -272,7 +335,8 @@ def make_plan(m: Measurement, budget: int | None = None, save: int | None = None
             "modules": names,
             "freed_bytes": ch.freed,
             "saved_bytes": ch.saved,
-            "predicted_peak_bytes": m.peak_bytes - ch.saved,
+            # never under what the optimizer step holds whatever is recomputed
+            "predicted_peak_bytes": max(m.peak_bytes - ch.saved, static),
             "added_step_s": round(ch.cost, 6),
             "added_step_fraction": round(ch.cost / step, 4) if step else None,
         }
@@ -425,5 +489,5 @@ def render_text(doc: dict[str, Any]) -> str:
                     f"  {o['option']}: saves {hb(figure)}" + (" with 8 ranks" if "saves_bytes" not in o else "")
                 )
     if not doc.get("exact", True):
-        lines.append("  (the search rounded bytes: too many distinct block sizes for an exact answer)")
+        lines.append("  (not exact: too many distinct block sizes; the search kept a spread of its states)")
     return "\n".join(lines)

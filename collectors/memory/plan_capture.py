@@ -198,6 +198,8 @@ class StepMeasurement:
         self._inputs: list[set[tuple[int, int]]] = [set() for _ in self.blocks]
         self._fwd: list[float] = [0.0] * len(self.blocks)
         self._calls: list[int] = [0] * len(self.blocks)
+        self._first: list[int] = [len(self.blocks)] * len(self.blocks)  # forward order of first calls
+        self._order: list[int] = []
         self._events: list[list[Any]] = [[] for _ in self.blocks]
         self._t0: list[float] = [0.0] * len(self.blocks)
         self._param_keys: set[tuple[int, int]] = set()
@@ -268,6 +270,9 @@ class StepMeasurement:
         def pre(module: Any, args: Any, kwargs: Any) -> None:
             try:
                 self._stack.append(index)
+                if not self._calls[index]:
+                    self._first[index] = len(self._order)
+                    self._order.append(index)
                 self._calls[index] += 1
                 for a in (*args, *kwargs.values()):
                     key = _storage(a) if _is_tensor(a) else None
@@ -392,7 +397,8 @@ class StepMeasurement:
                     "parameter_bytes": sum(p.numel() * p.element_size() for p in m.parameters()),
                     "checkpointed": name in self.skipped,
                 }
-                for i, (name, m) in enumerate(self.blocks)
+                # in the order of their first forward call (backward runs them in reverse)
+                for i, (name, m) in sorted(enumerate(self.blocks), key=lambda x: (self._first[x[0]], x[0]))
             ],
             "activation_bytes": activation,
             "unrecomputable_activation_bytes": outside,
@@ -418,6 +424,7 @@ class StepMeasurement:
         else:
             doc["peak_bytes"] = params + grads + state + activation
             doc["peak_source"] = "parameters + gradients + optimizer state + saved-tensor bytes (CPU)"
+            doc["peak_includes_gradients"] = True
             doc["temporary_bytes"] = 0
         return doc
 

@@ -40,6 +40,9 @@ class MemoryPlanner:
         self.agent = agent
         self.run: PlanRun | None = None
         self._lock = threading.Lock()
+        # One bound method, kept: the step tracker removes a listener by identity, and each
+        # `self._on_step` is a new object.
+        self._listener = self._on_step
 
     def handle(self, request: Any) -> tuple[str, Any]:
         import json
@@ -105,14 +108,14 @@ class MemoryPlanner:
                 ) from None
             run = PlanRun(token, measurement, steps.typical_step_s())
             self.run = run
-            steps.add_listener(self._on_step)
+            steps.add_listener(self._listener)
             return "artifact", pb.ArtifactWritten(path="", status="armed", summary_json="{}")
 
     def _on_step(self, count: int) -> None:
         # On the training thread, at a step boundary: only start or stop hooks here.
         run = self.run
         if run is None:
-            self.agent.steps.remove_listener(self._on_step)
+            self.agent.steps.remove_listener(self._listener)
             return
         try:
             if run.state == "armed":
@@ -124,12 +127,12 @@ class MemoryPlanner:
             elif run.state == "measuring":
                 run.measurement.stop()
                 run.state = "stopped"
-                self.agent.steps.remove_listener(self._on_step)
+                self.agent.steps.remove_listener(self._listener)
         except Exception as exc:
             log.exception("memory plan measurement failed")
             run.measurement.stop()
             run.state, run.error = "failed", f"{type(exc).__name__}: {exc}"
-            self.agent.steps.remove_listener(self._on_step)
+            self.agent.steps.remove_listener(self._listener)
 
     def _finish(self, run: PlanRun) -> None:
         try:
@@ -145,7 +148,7 @@ class MemoryPlanner:
         run.measurement = None
 
     def _drop(self, run: PlanRun) -> None:
-        self.agent.steps.remove_listener(self._on_step)
+        self.agent.steps.remove_listener(self._listener)
         if run.measurement is not None:
             run.measurement.stop()
         run.state, run.error = "failed", "the step did not come"
@@ -155,7 +158,7 @@ class MemoryPlanner:
         if run is None:
             return
         try:
-            self.agent.steps.remove_listener(self._on_step)
+            self.agent.steps.remove_listener(self._listener)
             if run.measurement is not None:
                 run.measurement.stop()
         except Exception:
