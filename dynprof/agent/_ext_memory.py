@@ -338,6 +338,10 @@ class MemoryController:
             log.exception("attributing memory to the job's objects failed")
             return None
 
+    def _last_plan_measurement(self) -> dict[str, Any] | None:
+        planner = getattr(self, "planner", None)
+        return planner.last_measurement if planner is not None else None
+
     def _capture(
         self, trigger: str, stack: str, oom: dict[str, Any] | None = None, attribution: dict[str, Any] | None = None
     ) -> Any:
@@ -354,6 +358,7 @@ class MemoryController:
             oom=oom,
             stack=stack,
             attribution=attribution,
+            plan_measurement=self._last_plan_measurement(),
             options={
                 **({"oom_captures": self.oom_captures} if trigger == "oom" else {}),
                 "memory_history_detail": getattr(self.agent, "memory_history_detail", "") or None,

@@ -39,6 +39,7 @@ class MemoryPlanner:
     def __init__(self, agent: Agent) -> None:
         self.agent = agent
         self.run: PlanRun | None = None
+        self.last_measurement: dict[str, Any] | None = None  # the latest complete one, for OOM advice
         self._lock = threading.Lock()
         # One bound method, kept: the step tracker removes a listener by identity, and each
         # `self._on_step` is a new object.
@@ -142,6 +143,7 @@ class MemoryPlanner:
             doc["typical_step_s"] = round(typical, 6) if typical else None
             run.doc = doc
             run.state = "complete"
+            self.last_measurement = doc
         except Exception as exc:
             log.exception("memory plan figures failed")
             run.state, run.error = "failed", f"{type(exc).__name__}: {exc}"

@@ -3,12 +3,16 @@ saved-tensor bytes, its clean-up, its decoder against hostile documents."""
 
 from __future__ import annotations
 
+import copy
 import itertools
+import json
 import random
+from pathlib import Path
 
 import pytest
 import torch
 
+from collectors.memory.advice import advise
 from collectors.memory.plan import from_json, make_plan, predict, solve
 from collectors.memory.plan_capture import MeasurementRefused, find_blocks, find_models, measure_step
 from dynprof.errors import ArtifactError
@@ -253,3 +257,45 @@ def test_the_decoder_refuses_hostile_measurements(mutate, message):
     # WHEN decoded THEN it is an ArtifactError naming the field
     with pytest.raises(ArtifactError, match=message):
         from_json(doc)
+
+
+OOM_SUMMARY = Path(__file__).resolve().parent.parent / "data" / "memory_oom_artifact" / "summary.json"
+
+
+def activations_oom(measurement, limit):
+    """The real OOM artifact's summary, with an attribution where activations are the largest
+    part, the device's memory ``limit`` and (if any) the last measured step."""
+    s = copy.deepcopy(json.loads(OOM_SUMMARY.read_text()))
+    s["attribution"] = {
+        "optimizers": 1,
+        "parameters_bytes": 0,
+        "gradients_bytes": 0,
+        "optimizer_state_bytes": 0,
+        "frame_tensors_bytes": 0,
+        "frame_tensors": [],
+    }
+    s["failing_allocation"] = {**(s.get("failing_allocation") or {}), "device_limit_bytes": limit}
+    if measurement is not None:
+        s["memory_plan_measurement"] = measurement
+    return {a["rule"]: a for a in advise(s)}
+
+
+def test_an_oom_dominated_by_activations_carries_the_last_plan_or_says_there_is_none():
+    # GIVEN a measured step, and a device whose 90 % lies two blocks under that step's peak
+    model = MLP(8, 64, 6)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    doc = measure_step(model, opt, train_step(model, opt, torch.randn(32, 8)))
+    m = from_json(doc)
+    budget = m.peak_bytes - 2 * 32 * 64 * F32
+    limit = budget * 10 // 9 + 1
+    expected = make_plan(m, budget=limit * 9 // 10)["plan"]
+
+    # WHEN an OOM's advice is made with that measurement, and without one
+    with_plan = activations_oom(doc, limit)["activations"]["advice"]
+    without = activations_oom(None, limit)["activations"]["advice"]
+
+    # THEN the first names the plan's modules and its predicted peak; the second says how to get one
+    assert f"checkpoint {len(expected['modules'])} module(s)" in with_plan
+    assert all(name in with_plan for name in expected["modules"])
+    assert "dynprof memory plan --json" in with_plan
+    assert "no step of this process was measured" in without and "dynprof memory plan --pid PID" in without
