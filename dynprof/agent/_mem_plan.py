@@ -33,6 +33,7 @@ class PlanRun:
         self.armed_at = time.monotonic()
         self.error = ""
         self.doc: dict[str, Any] | None = None
+        self.scan_s = 0.0  # finding the models (the garbage collector's objects, GIL held)
 
 
 class MemoryPlanner:
@@ -92,7 +93,9 @@ class MemoryPlanner:
                 )
             from collectors.memory.plan_capture import MeasurementRefused, StepMeasurement, find_models
 
+            t0 = time.perf_counter()
             roots = find_models(optimizers)
+            scan_s = time.perf_counter() - t0
             if not roots:
                 raise CommandError(
                     pb.UNSUPPORTED,
@@ -108,6 +111,7 @@ class MemoryPlanner:
                     "Measure an eager, unsharded run of the same model (one GPU, a smaller config) and plan from it.",
                 ) from None
             run = PlanRun(token, measurement, steps.typical_step_s())
+            run.scan_s = scan_s
             self.run = run
             steps.add_listener(self._listener)
             return "artifact", pb.ArtifactWritten(path="", status="armed", summary_json="{}")
@@ -141,6 +145,7 @@ class MemoryPlanner:
             # the median of the latest steps (the measured one among them moves it little)
             typical = run.typical_step_s or self.agent.steps.typical_step_s()
             doc["typical_step_s"] = round(typical, 6) if typical else None
+            doc["model_scan_s"] = round(run.scan_s, 6)
             run.doc = doc
             run.state = "complete"
             self.last_measurement = doc

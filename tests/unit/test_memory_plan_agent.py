@@ -72,6 +72,7 @@ def test_one_step_is_measured_between_two_boundaries_and_answered_by_token():
     doc = json.loads(done[1].summary_json)
     assert done[1].status == "complete"
     assert [b["freeable_bytes"] for b in doc["blocks"]] == [3 * 16 * 4] * 3
+    assert doc["model_scan_s"] > 0  # what finding the model cost, reported
     # AND it is kept for the advice of a later OOM
     assert planner.last_measurement == doc
 
