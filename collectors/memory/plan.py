@@ -413,11 +413,15 @@ def how_to_apply(m: Measurement, modules: list[str]) -> dict[str, str]:
             "                               check_fn=lambda m: id(m) in ids)"
         ),
         "hugging face": (
+            "# gradient_checkpointing_enable() checkpoints every layer. Where the layers are\n"
+            "# GradientCheckpointingLayer (recent transformers), enable it, then turn it off on\n"
+            "# the layers not chosen; elsewhere, leave it off and wrap the chosen layers as with\n"
+            "# torch.utils.checkpoint above.\n"
             "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})\n"
-            "# it checkpoints every layer; to keep only the chosen ones, turn it off on the others:\n"
             f"CHECKPOINT = {{{names}}}\n"
             "for name, mod in model.named_modules():\n"
-            "    if getattr(mod, 'gradient_checkpointing', False) and name not in CHECKPOINT:\n"
+            "    layer = any(c.__name__ == 'GradientCheckpointingLayer' for c in type(mod).__mro__)\n"
+            "    if layer and name not in CHECKPOINT:\n"
             "        mod.gradient_checkpointing = False"
         ),
         "deepspeed": (
