@@ -40,6 +40,7 @@ _EXPECTED_REPLY: dict[str, str] = {
     "dump_stacks": "artifact",
     "memory_snapshot": "artifact",
     "memory_history": "ack",
+    "memory_plan": "artifact",
     "flight_recorder_dump": "artifact",
     "discover_nodes": "job_nodes",
 }

@@ -167,7 +167,7 @@ def advise(summary: dict[str, Any]) -> list[dict[str, str]]:
                     "neither parameters, gradients, optimizer state nor held by the failing frames' locals: "
                     "activations and temporaries",
                     "advice": "use activation checkpointing, a smaller micro-batch (with gradient "
-                    "accumulation), or a shorter sequence length",
+                    "accumulation), or a shorter sequence length; " + _plan_advice(summary),
                 }
             )
     sites = [s for s in summary.get("top_sites", []) or [] if s.get("site") and not str(s["site"]).startswith("(")]
@@ -183,3 +183,50 @@ def advise(summary: dict[str, Any]) -> list[dict[str, str]]:
                 }
             )
     return out
+
+
+PLAN_MAX_BLOCKS = 512  # an OOM's advice plans over at most this many blocks (the DP runs in the job)
+
+
+def _plan_advice(summary: dict[str, Any]) -> str:
+    """What the memory plan of the last measured step says for the failing device's memory
+    (``summary["memory_plan_measurement"]``, the agent's latest ``dynprof memory plan``), or
+    how to get one. Never raises: advice is written inside the job at its OOM."""
+    doc = summary.get("memory_plan_measurement")
+    if not isinstance(doc, dict):
+        return (
+            "no step of this process was measured for a plan: run `dynprof memory plan --pid PID "
+            "--budget SIZE` on the next run to learn which layers to recompute"
+        )
+    try:
+        from collectors.memory.plan import from_json, make_plan
+
+        m = from_json(doc)
+        if len(m.blocks) > PLAN_MAX_BLOCKS:
+            return f"the last measured step has {len(m.blocks)} blocks; run `dynprof memory plan` for its plan"
+        limit = int((summary.get("failing_allocation") or {}).get("device_limit_bytes") or 0)
+        if limit <= 0:
+            return "the last measured step's plan needs the device's memory, which the OOM did not give"
+        budget = limit * 9 // 10
+        plan = make_plan(m, budget=budget)
+        chosen = plan.get("plan")
+        if plan["status"] == "fits-already":
+            return (
+                f"the last measured step's peak ({_gib(m.peak_bytes)}) is under 90 % of the device: the step that "
+                "failed holds more (a longer sequence, a larger batch?); measure one like it with `dynprof memory plan`"
+            )
+        if plan["status"] == "unreachable" or not chosen:
+            return (
+                f"the last measured step (peak {_gib(m.peak_bytes)}) cannot fit in {_gib(budget)} (90 % of the "
+                f"device) by recomputation: its floor is {_gib(plan['floor_bytes'])}; shard the optimizer state "
+                "or reduce the micro-batch (`dynprof memory plan --budget SIZE` lists the options)"
+            )
+        names = ", ".join(chosen["modules"][:8]) + (" ..." if len(chosen["modules"]) > 8 else "")
+        return (
+            f"the plan from the last measured step (peak {_gib(m.peak_bytes)}): checkpoint "
+            f"{len(chosen['modules'])} module(s) ({names}) for a predicted peak of "
+            f"{_gib(chosen['predicted_peak_bytes'])}, under {_gib(budget)} (90 % of the device), "
+            f"+{chosen['added_step_s'] * 1000:.1f} ms a step; `dynprof memory plan --json` has how to apply it"
+        )
+    except Exception as exc:
+        return f"the last measured step's plan could not be made ({type(exc).__name__})"

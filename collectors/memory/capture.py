@@ -184,6 +184,7 @@ def capture(
     stack: str = "",
     options: dict[str, Any] | None = None,
     attribution: dict[str, Any] | None = None,
+    plan_measurement: dict[str, Any] | None = None,
 ) -> Any:
     """Take the snapshot now and write one ``memory`` artifact; return the finished Artifact.
 
@@ -192,6 +193,8 @@ def capture(
     device's memory, or the cap set with set_per_process_memory_fraction) and
     ``device_free_bytes``. ``attribution`` is what :func:`job_attribution`
     found in the job's objects (parameters, gradients, optimizer state, the failing frames' tensors).
+    ``plan_measurement``: the latest ``dynprof memory plan`` measurement of this process, for the
+    advice.
     """
     import torch
 
@@ -271,6 +274,8 @@ def capture(
         )
         if attribution is not None:
             summary["attribution"] = attribution
+        if plan_measurement is not None:
+            summary["memory_plan_measurement"] = plan_measurement
         summary["advice"] = advice.advise(summary)
         t_summary = time.perf_counter() - t2
         writer.write_text(MEMORY_SUMMARY_FILE, "\n".join(texts))

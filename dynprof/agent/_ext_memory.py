@@ -16,7 +16,8 @@ capture per ``DYNPROF_MEMORY_OOM_INTERVAL_S`` and ``DYNPROF_MEMORY_OOM_MAX`` per
 happen, since OOMs repeat in retry loops.
 
 **What it loads.** Of the ``memory`` kind's package, only :mod:`collectors.memory.capture` and
-:mod:`collectors.memory.policy`, with this module; the summary and advice modules that the
+:mod:`collectors.memory.policy`, with this module (and :mod:`collectors.memory.plan_capture`
+when a memory plan is asked for, see dynprof/agent/_mem_plan.py); the summary and advice modules that the
 artifact's ``summary.json`` needs are imported by the first capture, and the snapshot
 unpickler and the renderers never enter the job.
 
@@ -151,6 +152,10 @@ class MemoryController:
     def install(self) -> None:
         self.agent.handlers["memory_snapshot"] = self.handle_snapshot
         self.agent.handlers["memory_history"] = self.handle_history
+        from dynprof.agent._mem_plan import MemoryPlanner
+
+        self.planner = MemoryPlanner(self.agent)
+        self.agent.handlers["memory_plan"] = self.planner.handle
         self.agent.exit_callbacks.append(self.at_exit)
         self._hook_cuda_init()
         if self.options.host_fraction > 0:
@@ -160,6 +165,9 @@ class MemoryController:
     def at_exit(self) -> None:
         self._closed = True
         self._stop_auto()
+        planner = getattr(self, "planner", None)
+        if planner is not None:
+            planner.at_exit()
         if self._host is not None:
             self._host.stop()
         if self._finder is not None:
@@ -330,6 +338,10 @@ class MemoryController:
             log.exception("attributing memory to the job's objects failed")
             return None
 
+    def _last_plan_measurement(self) -> dict[str, Any] | None:
+        planner = getattr(self, "planner", None)
+        return planner.last_measurement if planner is not None else None
+
     def _capture(
         self, trigger: str, stack: str, oom: dict[str, Any] | None = None, attribution: dict[str, Any] | None = None
     ) -> Any:
@@ -346,6 +358,7 @@ class MemoryController:
             oom=oom,
             stack=stack,
             attribution=attribution,
+            plan_measurement=self._last_plan_measurement(),
             options={
                 **({"oom_captures": self.oom_captures} if trigger == "oom" else {}),
                 "memory_history_detail": getattr(self.agent, "memory_history_detail", "") or None,

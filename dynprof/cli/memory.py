@@ -33,12 +33,18 @@ class MemoryResults(Result):
     history: bool = False
 
 
+@dataclass
+class MemoryPlanResults(Result):
+    """``dynprof memory plan``: ``{"schema": 1, "results": [one row per process, with its plan]}``."""
+
+
 class MemoryCommand(JobCommand):
     """Take a CUDA memory snapshot of running processes now, or turn allocator history on or off.
 
     dynprof memory --pid 1234                          snapshot now (same artifact as at an OOM)
     dynprof memory --job JOB --history-start 200000    record the next 200000 allocator events
     dynprof memory --all --history-stop                stop recording history
+    dynprof memory plan --pid 1234 --budget 60%        measure the next step; what to checkpoint
 
     Each snapshot is one `memory` artifact per process (see `dynprof show`, `dynprof memory-report`).
     Starting history clears what was recorded before, so the next snapshot shows only what happened
@@ -49,6 +55,13 @@ class MemoryCommand(JobCommand):
     takes_fetch = True
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument(
+            "what",
+            nargs="?",
+            choices=("plan",),
+            help="plan: measure the next optimizer step (each block's saved activations and forward "
+            "time) and say which blocks to recompute in backward to fit --budget or free --save",
+        )
         add_targets(parser)
         add_attach_flag(parser)
         action = parser.add_mutually_exclusive_group()
@@ -65,11 +78,43 @@ class MemoryCommand(JobCommand):
             default="python",
             help="with --history-start: Python frames only (default) or C++ frames too",
         )
+        sizes = parser.add_mutually_exclusive_group()
+        sizes.add_argument(
+            "--budget",
+            metavar="SIZE|P%",
+            help="with plan: the peak the step must fit in (40G, or a percentage of the measured peak)",
+        )
+        sizes.add_argument(
+            "--save", metavar="SIZE|P%", help="with plan: the bytes to take off the peak (8G, or a percentage)"
+        )
         parser.add_argument(
             "--timeout", type=seconds, default=300.0, help="seconds to wait for each process's snapshot (default 300)"
         )
 
+    def collect(self, args: argparse.Namespace) -> Result:
+        if getattr(args, "what", None) == "plan":
+            from dynprof.cli._node_args import nodes_requested
+
+            if nodes_requested(args) is not None:
+                raise errors.UsageError(
+                    "dynprof memory plan asks this node's agents only",
+                    help="Run it on the node of the rank to measure (one rank is enough when the ranks are alike).",
+                )
+        return super().collect(args)
+
     def collect_local(self, args: argparse.Namespace) -> Result:
+        if getattr(args, "what", None) == "plan":
+            from dynprof.cli import _memory_plan
+
+            if args.history_start is not None or args.history_stop:
+                raise errors.UsageError("dynprof memory plan takes no --history-start/--history-stop")
+            doc, code = _memory_plan.collect(args)
+            return MemoryPlanResults(doc=doc, exit_code=code)
+        if args.budget is not None or args.save is not None:
+            raise errors.UsageError(
+                "--budget and --save are options of `dynprof memory plan`",
+                help="Run dynprof memory plan --pid PID --budget SIZE.",
+            )
         if args.history_start is not None and args.history_start <= 0:
             raise errors.UsageError("--history-start N needs N > 0 events", help="Use --history-stop to stop.")
         records = resolve_agents(args)
@@ -114,6 +159,10 @@ class MemoryCommand(JobCommand):
         return MemoryResults(doc={"results": results}, exit_code=code, history=bool(history))
 
     def render(self, result: Result) -> str:
+        if isinstance(result, MemoryPlanResults):
+            from dynprof.cli import _memory_plan
+
+            return _memory_plan.render(result.doc)
         if not isinstance(result, MemoryResults):
             return super().render(result)  # the job-wide answer, rank by rank
         results = result.doc["results"]

@@ -1,0 +1,72 @@
+"""`dynprof memory plan --pid` against a real training process on the CPU."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from tests.conftest import ROOT
+
+PROGRAM = "tests/integration/programs/plan_program.py"
+F32 = 4
+
+
+def test_memory_plan_measures_the_next_step_and_leaves_nothing_behind(spawn, cli, tmp_path):
+    # GIVEN a CPU training loop of 4 blocks (width 32, batch 16) under `dynprof run`
+    probe = tmp_path / "probe"
+    target = spawn(
+        [PROGRAM, "--width", "32", "--depth", "4", "--batch", "16", "--probe-file", str(probe)],
+        env={"PYTHONPATH": str(ROOT)},
+    )
+    (pid,) = target.ready_pids()
+
+    # WHEN a plan is asked for, to save two blocks' freeable bytes
+    block = 16 * 4 * 32 * F32 * 2  # the up projection's output and the GELU's, per block
+    res = cli("memory", "plan", "--pid", str(pid), "--save", str(2 * block), "--json", "--timeout", "60")
+
+    # THEN the measurement has each block's hand-computed bytes and a forward time
+    assert res.returncode == 0, res.stderr
+    (row,) = json.loads(res.stdout)["results"]
+    assert row["status"] == "ok" and row["pid"] == pid
+    plan = row["plan"]
+    m = plan["measurement"]
+    assert [b["name"] for b in m["blocks"]] == ["blocks.0", "blocks.1", "blocks.2", "blocks.3"]
+    for b in m["blocks"]:
+        assert b["freeable_bytes"] == block
+        assert b["saved_bytes"] == block + 16 * 32 * F32  # and its input, which a checkpoint keeps
+        assert b["forward_s"] > 0 and b["calls"] == 1
+    params = (32 * 32 + 32) + 4 * (2 * 32 * 128 + 128 + 32) + (32 + 1)
+    assert m["parameter_bytes"] == params * F32
+    assert m["optimizer_state_bytes"] == 2 * params * F32  # Adam
+    assert m["step_s"] > 0 and m["typical_step_s"] > 0
+    # AND the plan frees two blocks' worth with two blocks, not the last (whose recompute would
+    # bring its bytes back at backward's start)
+    assert plan["status"] == "fits" and len(plan["plan"]["modules"]) == 2
+    assert "blocks.3" not in plan["plan"]["modules"]
+    assert plan["plan"]["predicted_peak_bytes"] == m["peak_bytes"] - 2 * block
+
+    # AND after it, the process has no forward hook, no saved-tensor hook, grad mode on
+    probe.write_text("")
+    (line,) = target.wait_for_line("HOOKS")
+    assert line == "HOOKS forward=0 saved_tensors=False grad=True", line
+
+    # AND the text form names the modules and how to apply them; a budget under the floor says so
+    text = cli("memory", "plan", "--pid", str(pid), "--budget", "10%", "--timeout", "60")
+    assert text.returncode == 0, text.stderr
+    assert "no set of blocks reaches the budget" in text.stdout and "offload the optimizer state" in text.stdout
+    plain = cli("memory", "plan", "--pid", str(pid), "--save", "1K", "--timeout", "60")
+    assert "torch.utils.checkpoint" in plain.stdout and "blocks." in plain.stdout
+    assert os.path.exists(f"/proc/{pid}")  # the job goes on
+
+
+def test_memory_plan_bad_arguments(cli):
+    res = cli("memory", "plan", "--all")
+    assert res.returncode == 2 and "--budget SIZE or --save SIZE" in res.stderr
+    res = cli("memory", "plan", "--all", "--budget", "150%")
+    assert res.returncode == 2 and "between 0 and 100" in res.stderr
+    res = cli("memory", "plan", "--all", "--budget", "lots")
+    assert res.returncode == 2 and "cannot read size" in res.stderr
+    res = cli("memory", "--all", "--budget", "4G")
+    assert res.returncode == 2 and "options of `dynprof memory plan`" in res.stderr
+    res = cli("memory", "plan", "--all", "--budget", "4G", "--save", "1G")
+    assert res.returncode == 2  # argparse: not allowed together

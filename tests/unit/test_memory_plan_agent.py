@@ -1,0 +1,111 @@
+"""The agent's side of the memory plan: arming by token, one step measured between two step
+boundaries, busy and bad requests, refusal of what it cannot measure right."""
+
+from __future__ import annotations
+
+import json
+import threading
+import types
+import weakref
+
+import pytest
+import torch
+
+from dynprof.agent._mem_plan import MemoryPlanner
+from dynprof.agent._server import CommandError
+from dynprof.agent._steps import StepTracker
+from dynprof.proto import pb
+
+
+class Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(4, 16)
+        self.b = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def setup(model):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    steps = StepTracker()
+    steps.hook_installed = True
+    steps.optimizers = {id(opt): weakref.ref(opt)}
+    agent = types.SimpleNamespace(steps=steps)
+    return MemoryPlanner(agent), steps, opt
+
+
+def hooks(model):
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+
+def test_one_step_is_measured_between_two_boundaries_and_answered_by_token():
+    # GIVEN a planner over a job's model and optimizer
+    model = torch.nn.Sequential(Block(), Block(), Block())
+    planner, steps, opt = setup(model)
+    x = torch.randn(3, 4)
+
+    def train_step():
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    # WHEN a client arms it, another asks with another token, and the steps go by
+    armed = planner.handle(pb.MemoryPlanRequest(token="a"))
+    with pytest.raises(CommandError) as busy:
+        planner.handle(pb.MemoryPlanRequest(token="b"))
+    steps._notify(1)  # the boundary before the measured step
+    during = (hooks(model), torch._C._autograd._top_saved_tensors_default_hooks(False) is not None)
+    again = planner.handle(pb.MemoryPlanRequest(token="a"))
+    train_step()
+    steps._notify(2)  # the boundary after it
+    done = planner.handle(pb.MemoryPlanRequest(token="a"))
+
+    # THEN it was armed, the other was busy, hooks were there during the step only
+    assert armed[1].status == "armed"
+    assert busy.value.code == pb.BUSY
+    assert during == (6, True) and again[1].status == "measuring"
+    assert hooks(model) == 0 and torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    assert steps._listeners == ()
+    # AND the answer is the measurement: three blocks, each freeing the ReLU's output (3x16 floats)
+    doc = json.loads(done[1].summary_json)
+    assert done[1].status == "complete"
+    assert [b["freeable_bytes"] for b in doc["blocks"]] == [3 * 16 * 4] * 3
+    assert doc["model_scan_s"] > 0  # what finding the model cost, reported
+    # AND it is kept for the advice of a later OOM
+    assert planner.last_measurement == doc
+
+
+def test_bad_tokens_and_unmeasurable_jobs_are_refused_with_the_reason():
+    model = torch.nn.Sequential(Block(), Block())
+    planner, steps, _opt = setup(model)
+    for token in ("", "x" * 65, "a\nb"):
+        with pytest.raises(CommandError) as bad:
+            planner.handle(pb.MemoryPlanRequest(token=token))
+        assert bad.value.code == pb.INVALID_ARGUMENT
+    compiled = torch.compile(model)  # noqa: F841 (alive: the outermost module of the parameters)
+    with pytest.raises(CommandError) as refused:
+        planner.handle(pb.MemoryPlanRequest(token="c"))
+    assert refused.value.code == pb.UNSUPPORTED and "torch.compile" in refused.value.message
+    assert steps._listeners == ()
+
+
+def test_the_measurement_starts_and_stops_on_the_thread_that_steps():
+    # GIVEN an armed planner WHEN the boundaries come on another thread (the training thread)
+    model = torch.nn.Sequential(Block(), Block())
+    planner, steps, opt = setup(model)
+    planner.handle(pb.MemoryPlanRequest(token="t"))
+
+    def training():
+        steps._notify(1)
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        steps._notify(2)
+
+    t = threading.Thread(target=training)
+    t.start()
+    t.join(60)
+    # THEN this thread never had the saved-tensor hooks, and the answer is complete
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    assert planner.handle(pb.MemoryPlanRequest(token="t"))[1].status == "complete"
