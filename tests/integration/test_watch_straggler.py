@@ -78,8 +78,9 @@ def test_even_job_gets_no_verdict_and_zero_scores(nodes, spawn):
 
     # THEN no verdict, every rank scores 0, and the rule's noise threshold is the note
     assert report.verdict is None, report.verdict and report.verdict.conclusion
-    assert report.scores == {(name_a, 0): 0.0, (name_b, 1): 0.0}
-    assert "no straggler" in report.note and "noise threshold" in report.note
+    # (the note says why when a sample came back without scores)
+    assert report.scores == {(name_a, 0): 0.0, (name_b, 1): 0.0}, report.note
+    assert "no straggler" in report.note and "noise threshold" in report.note, report.note
 
 
 def test_a_job_that_is_not_there_is_a_note_not_an_exception(nodes):
