@@ -15,10 +15,12 @@ returns once the trace is active.
 from __future__ import annotations
 
 import argparse
+import os
 import time
 import uuid
 from typing import Any
 
+from collectors.torch_trace import WRITING_AT_EXIT
 from dynprof import errors
 from dynprof.cli._common import (
     MAX_SECONDS,
@@ -216,8 +218,14 @@ class StartCommand(JobCommand):
                 if args.job
                 else ("--all" if args.all else "--pid " + ",".join(str(r.pid) for r in records))
             )
-            active = f"dynprof: tracing in {len(records)} process(es); end it with `dynprof stop {sel}`"
-            return JobResult(doc, 0, messages, context={"requested": requested, "active": active})
+            n_active = len(doc["targets"])
+            active = (
+                f"dynprof: tracing in {n_active} process(es); end it with `dynprof stop {sel}`"
+                if n_active
+                else "dynprof: the trace already ended: the process(es) exited while tracing"
+            )
+            code = 0 if all(r["artifact"] and r["status"] != "failed" for r in doc.get("results", [])) else 1
+            return JobResult(doc, code, messages, context={"requested": requested, "active": active})
         doc = self._wait_done(args, clients, records, group_id, steps, at_step)
         code = 0 if all(r["status"] == "complete" for r in doc["results"]) else 1
         return JobResult(doc, code, messages, context={"requested": requested})
@@ -314,14 +322,47 @@ class StartCommand(JobCommand):
     ) -> dict[str, Any]:
         deadline = time.monotonic() + (args.timeout or 120.0)
         progress = Progress(enabled=not getattr(args, "json", False))
+        ended: dict[int, dict[str, Any]] = {}  # pid -> the trace it already wrote
         while True:
-            states = parallel(lambda c: c.status().trace, clients)
+            pending = [(r, c) for r, c in zip(records, clients) if r.pid not in ended]
+            states = parallel(lambda rc: rc[1].status().trace, pending)
             active = [s for s in states if not isinstance(s, Exception) and s.state == "tracing"]
-            failed = [
-                (r, s)
-                for r, s in zip(records, states)
-                if isinstance(s, Exception) or (s.state == "idle" and s.group_id == group_id)
-            ]
+            failed = []
+            for (record, _), s in zip(pending, states):
+                # A trace that started and ended between two looks (a job that exits mid-trace):
+                # once the process is gone, its trace is in the store; an idle agent names it.
+                done: dict[str, Any] | None = None
+                if isinstance(s, Exception):
+                    if _alive(record.pid):
+                        continue  # its agent stopped answering during its exit: looked at again
+                    done = result_from_store(record, group_id, 0)
+                elif s.state == "idle" and s.group_id == group_id:
+                    if s.last_artifact:
+                        done = {
+                            **_target(record, s.start_step),
+                            "status": s.last_artifact_status or "failed",
+                            "artifact": s.last_artifact,
+                            "error": s.last_error or None,
+                        }
+                elif (
+                    s.state == "exporting"
+                    and s.group_id == group_id
+                    and s.last_artifact_status == WRITING_AT_EXIT
+                    and s.last_artifact
+                ):
+                    # it ran, and the job's exit is writing it now
+                    done = {
+                        **_target(record, s.start_step),
+                        "status": WRITING_AT_EXIT,
+                        "artifact": s.last_artifact,
+                        "error": None,
+                    }
+                else:
+                    continue
+                if done is not None:
+                    ended[record.pid] = done
+                else:
+                    failed.append((record, s))
             if failed:
                 progress.done()
                 record, s = failed[0]
@@ -332,13 +373,20 @@ class StartCommand(JobCommand):
                         f"pid {record.pid}: the trace did not start: {s.last_error or 'unknown reason'}"
                     )
                 )
-            if len(active) == len(records):
+            if len(active) + len(ended) == len(records):
                 progress.done()
-                return {
+                doc: dict[str, Any] = {
                     "group_id": group_id,
-                    "state": "tracing",
-                    "targets": [_target(r, s.start_step) for r, s in zip(records, states)],
+                    "state": "tracing" if active else "ended",
+                    "targets": [
+                        _target(r, s.start_step)
+                        for (r, _), s in zip(pending, states)
+                        if not isinstance(s, Exception) and s.state == "tracing"
+                    ],
                 }
+                if ended:
+                    doc["results"] = [ended[r.pid] for r in records if r.pid in ended]
+                return doc
             if time.monotonic() > deadline:
                 progress.done()
                 raise errors.Timeout(
@@ -441,6 +489,22 @@ def result_from_store(record: AgentRecord, group_id: str, at_step: int) -> dict[
         "error": art.manifest.get("error")
         or (f"the process exited; stopped by {summary.get('stopped_by')}" if art.status != "complete" else None),
     }
+
+
+def _alive(pid: int) -> bool:
+    """The process exists and has not exited (a zombie, not yet reaped by its parent, has)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        pass  # another user's: it exists
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read(4096).rpartition(b")")[2].split()[:1]
+    except OSError:
+        return True  # no /proc here: kill(0) said it exists
+    return state not in ([b"Z"], [b"X"])
 
 
 def _target(record: AgentRecord, start_step: int) -> dict[str, Any]:
