@@ -50,17 +50,20 @@ def test_duration_traces_of_a_checkpointing_loop_start_and_stop_outside_backward
     target = spawn([PROGRAM, "--mode", "checkpoint", "--width", "128", "--depth", "16"])
     (pid,) = target.ready_pids()
 
-    # WHEN ten duration traces are requested at arbitrary moments
+    # WHEN duration traces are requested at arbitrary moments: ten, and more (up to 40) until
+    # one has landed in backward (where most of each step is, but a moment is chance)
     statuses = []
-    for _ in range(10):
+    for i in range(40):
         result = cli("start", "--pid", str(pid), "--duration", "0.3", "--json")
         assert result.returncode == 0, result.stdout + result.stderr + "\n".join(target.lines[-20:])
         statuses.append(_result(result.stdout)["status"])
         assert _alive(target), "\n".join(target.lines[-30:])
+        if i >= 9 and "waits for a safe point: inside autograd's backward" in _agent_log(dynprof_dirs, pid):
+            break
 
     # THEN every trace completed, the job never crashed, and some requests did land in backward
     # (where dynprof waited for a safe point instead of starting or stopping the profiler there)
-    assert statuses == ["complete"] * 10
+    assert statuses == ["complete"] * len(statuses)
     log = _agent_log(dynprof_dirs, pid)
     assert "waits for a safe point: inside autograd's backward" in log, log[-2000:]
     assert _foreign_lines(target.lines) == []
