@@ -30,6 +30,7 @@ from dynprof.watch.model import Culprit, GpuReading, RankProgress
 
 log = logging.getLogger("dynprof.watch")
 
+MIN_GAP_S = 0.010  # the agent's marker records at most this often (dynprof/agent/_gpu_step.py)
 READ_AFTER_S = 10.0  # NVML is read for ranks whose last step is at least this old
 IDLE_PCT = 5  # utilization at or below this is idle
 MAX_GPU_LINES = 64
@@ -153,11 +154,19 @@ def describe(row: RankProgress) -> str:
         if busy is False:
             tail += ": it waits on something that is not a kernel (another stream, a peer, the host)"
         return f"{head}; {tail}"
+    if row.step > step.step:
+        # the marker records at most every 10 ms: the rank's last steps came sooner after it
+        done = (
+            f"its work up to step {step.step} finished (the marker records at most every "
+            f"{MIN_GAP_S * 1000:.0f} ms, so its last step, {row.step}, is not marked)"
+        )
+    else:
+        done = f"its last step's work (step {step.step}) finished"
     if busy is False:
-        return f"{head}; its last step's work (step {step.step}) finished: the host is stuck"
+        return f"{head}; {done}: the host is stuck"
     if busy:
-        return f"{head}; its last step's work (step {step.step}) finished: it runs work queued since"
-    return f"{head}; its last step's work (step {step.step}) finished"
+        return f"{head}; {done}: it runs work queued since"
+    return f"{head}; {done}"
 
 
 KERNEL_NOT_ARMED = (

@@ -125,6 +125,11 @@ def test_gpu_stragglers_are_named_with_their_cause_and_an_even_job_names_none(sp
     result = cli("analyze", "--job", job, "--json", timeout=300)
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
+    keep = os.environ.get("DYNPROF_GPU_KEEP")  # a folder: keep each analysis, to study the rule's figures
+    if keep:
+        os.makedirs(keep, exist_ok=True)
+        with open(os.path.join(keep, f"{job}.json"), "w") as f:
+            f.write(result.stdout)
     s = data["straggler"]
     print(f"\nVERDICT-ROW straggler-{fault} run={run} rank={s and s['rank']} cause={s and s.get('cause')}")
     print(s["reason"] if s else data["straggler_check"])
@@ -140,6 +145,10 @@ GPU_SIDE = {
     # fault: (the status's gpu_step.done, what the verdict's GPU line says)
     "step-behind-kernel": (False, ("busy ", "its work queued at step 6 has not finished after ")),
     "host-sleep": (True, ("idle (", "its last step's work (step 6) finished: the host is stuck")),
+}
+SAID_AFTER = {  # what the line ends with where the event marks an earlier step than the last one
+    "step-behind-kernel": "it runs work queued since",
+    "host-sleep": "the host is stuck",
 }
 
 
@@ -158,12 +167,19 @@ def test_the_verdict_says_whether_the_hung_ranks_gpu_work_finished(spawn, cli, f
     rc, verdicts, err = _watch_once(cli, job)
     # THEN the status says whether the GPU finished that step's work, recorded 12 s ago or more
     done, (state, said) = GPU_SIDE[fault]
-    assert (g.recorded, g.step, g.done) == (True, 6, done), g
+    assert g.recorded and 1 <= g.step <= 6, g
+    if g.step < 6:
+        # the marker records at most every 10 ms: step 6 came sooner after the last record, so the
+        # event marks an earlier step, whose work finished; the line says so, and NVML says the rest
+        done, said = True, f"its work up to step {g.step} finished (the marker records at most every 10 ms"
+        if fault == "step-behind-kernel":
+            state = "busy "
+    assert g.done is done, g
     assert g.age_s >= 10.0 and g.device == 0 and g.device_uuid.startswith("GPU-"), g
     # and the hang's verdict says what rank 1's GPU does, in its conclusion and evidence
     assert rc == 20 and len(verdicts) == 1, err
     v = verdicts[0]
-    print(f"\nVERDICT-ROW gpu-side-{fault} run={run} kind={v['kind']}")
+    print(f"\nVERDICT-ROW gpu-side-{fault} run={run} kind={v['kind']} marked_step={g.step} done={g.done}")
     print(v["conclusion"])
     assert v["kind"] == "hang"
     assert [(c["rank"], c["host"]) for c in v["culprits"]] == [(1, detect().host)]
@@ -171,6 +187,8 @@ def test_the_verdict_says_whether_the_hung_ranks_gpu_work_finished(spawn, cli, f
     line = item["line"]
     assert item["rank"] == 1 and item["pid"] == pid
     assert line.startswith("GPU ") and state in line and said in line, line
+    if g.step < 6:
+        assert line.endswith(SAID_AFTER[fault]), line
     assert "GiB used" in line and "(this process " in line, line
     assert f"rank 1 ({detect().host}): {line}" in v["conclusion"]
     assert item["kernel"] == KERNEL_NOT_ARMED and g.coredump_armed is False  # not run with --gpu-coredump

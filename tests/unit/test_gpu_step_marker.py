@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from dynprof.agent import _core_handlers
-from dynprof.agent._gpu_step import GpuStepMarker
+from dynprof.agent._gpu_step import MIN_GAP_S, GpuStepMarker
 from dynprof.agent._steps import StepTracker
 from dynprof.proto import pb
 
@@ -101,6 +101,14 @@ class FakeCuda:
         return types.SimpleNamespace(uuid="3f1c0000-aaaa-bbbb-cccc-000000000001")
 
 
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def _optimizer(on_cuda: bool) -> Any:
     return types.SimpleNamespace(param_groups=[{"params": [types.SimpleNamespace(is_cuda=on_cuda)]}])
 
@@ -109,10 +117,12 @@ def test_steps_on_cuda_record_two_events_in_turn_queried_only_when_asked():
     # GIVEN a marker, a CUDA that is initialised, and an optimizer of CUDA parameters
     FakeEvent.made = 0
     fake = types.SimpleNamespace(cuda=FakeCuda())
-    marker = GpuStepMarker()
+    clock = FakeClock()
+    marker = GpuStepMarker(clock=clock)
     opt = _optimizer(True)
-    # WHEN five steps are marked
+    # WHEN five steps of 20 ms are marked
     for step in range(1, 6):
+        clock.now += 0.020
         marker.mark(fake, opt, step)
     # THEN two events were made, recorded in turn on the current stream, none queried yet
     assert FakeEvent.made == 2
@@ -126,6 +136,30 @@ def test_steps_on_cuda_record_two_events_in_turn_queried_only_when_asked():
     marker._events[marker._slot].finished = True
     # THEN the next look says so
     assert marker.look(fake).done is True
+
+
+def test_steps_shorter_than_the_gap_are_marked_at_most_every_10_ms_and_the_look_says_which():
+    # GIVEN a marker on CUDA and steps of 2**-9 s (1.95 ms, exact in binary)
+    FakeEvent.made = 0
+    fake = types.SimpleNamespace(cuda=FakeCuda())
+    clock = FakeClock()
+    marker = GpuStepMarker(clock=clock)
+    opt = _optimizer(True)
+    tick = 2.0**-9
+    # WHEN 35 steps are marked
+    for step in range(1, 36):
+        clock.now = 1024.0 + step * tick
+        marker.mark(fake, opt, step)
+    # THEN a step is marked only 10 ms after the last record or later: steps 1, 7, 13, 19, 25, 31
+    first, second = marker._events
+    assert (len(first.recorded_on), len(second.recorded_on)) == (3, 3)
+    # and the look names the step the event marks, not the last one
+    assert marker.look(fake).step == 31
+    # WHEN the next step comes more than MIN_GAP_S after that record
+    clock.now = 1024.0 + 31 * tick + MIN_GAP_S + tick
+    marker.mark(fake, opt, 36)
+    # THEN it is marked
+    assert marker.look(fake).step == 36
 
 
 @pytest.mark.parametrize(

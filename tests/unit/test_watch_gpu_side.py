@@ -46,6 +46,17 @@ def test_idle_gpu_with_finished_work_says_the_host_is_stuck():
     )
 
 
+def test_a_last_step_the_marker_did_not_mark_is_said_not_taken_for_the_marked_one():
+    # GIVEN a rank seen at step 205 whose marker's event marks step 199 (steps under 10 ms), finished
+    row = _row(GpuStep(step=199, done=True, age_s=40.0, device=0), IDLE)
+    row.step = 205
+    # THEN the line says which work finished, and that the last step is not marked
+    assert gpu_side.describe(row) == (
+        "GPU 1 idle (0 %), 41.2 GiB used; its work up to step 199 finished (the marker records at most "
+        "every 10 ms, so its last step, 205, is not marked): the host is stuck"
+    )
+
+
 @pytest.mark.parametrize(
     "done, gpu, expected",
     [

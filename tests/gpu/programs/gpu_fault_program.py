@@ -123,7 +123,9 @@ def main() -> int:
     delay = 0.03 if (args.fault == "data-loading" and faulty) else 0.0
     loader = torch.utils.data.DataLoader(SlowData(1 << 30, w, delay), batch_size=1, num_workers=0)
     batches = iter(loader)
-    big_host = torch.randn(64 << 20 // 4) if (args.fault == "h2d-input" and faulty) else None  # 64 MiB, pageable
+    # 256 MiB, pageable, copied in at every step. (It read `64 << 20 // 4` before: `//` binds
+    # tighter than `<<`, so that was 2048 floats, 8 KiB, and no straggler at all.)
+    big_host = torch.randn((256 << 20) // 4) if (args.fault == "h2d-input" and faulty) else None
     heavy = torch.randn(2048, 2048, device=device) if args.fault == "gpu-compute" else None
     tiny = torch.zeros(8, device=device)
     x = torch.randn(64, w, device=device)
