@@ -5,7 +5,8 @@ The driver reads these variables when CUDA starts in each process: with
 dynprof's runtime directory, one per host and process: ``%h``, ``%p``), and a write into that
 pipe makes it dump the GPU's state (the kernels that run, where each warp is) to
 ``CUDA_COREDUMP_FILE`` (here inside the artifact store). ``CUDA_COREDUMP_GENERATION_FLAGS``
-asks for a light dump (no GPU memory) that does not abort the process afterwards.
+asks for a light dump (no GPU memory) and no host ``abort()`` afterwards; the process's GPU work
+still ends with the dump (on an H200 its next CUDA call failed, docs/watch.md).
 
 This only arms it: dynprof does not write into the pipe yet, nor read a dump (cuda-gdb does);
 the watch's verdict says so for each culprit (docs/watch.md). A variable the user already set
