@@ -209,9 +209,14 @@ class ControlServer:
             return
         with self._dispatch_lock:
             reply = self.dispatch(data)
+        try:
+            payload = reply.SerializeToString()
+        except Exception as exc:  # never hang up without an answer
+            self.noise.note("could not encode a reply", f"{type(exc).__name__}: {exc}")
+            payload = self._error(0, pb.INTERNAL, f"the agent could not encode its reply: {exc}").SerializeToString()
         conn.settimeout(REPLY_DEADLINE_S)  # sendall: a bound on the whole reply
         try:
-            send_frame(conn, reply.SerializeToString())
+            send_frame(conn, payload)
         except (OSError, FrameError) as exc:
             self.noise.note("could not send a reply", str(exc))
 
@@ -238,6 +243,8 @@ class ControlServer:
             )
         try:
             field, result = handler(getattr(req, command))
+            reply = pb.Reply(protocol_version=PROTOCOL_VERSION, request_id=req.request_id)
+            getattr(reply, field).CopyFrom(result)  # a handler's wrong answer is its failure, answered
         except CommandError as exc:
             return self._error(req.request_id, exc.code, exc.message, exc.help)
         except Exception as exc:
@@ -248,8 +255,6 @@ class ControlServer:
                 f"{command} failed: {type(exc).__name__}: {exc}",
                 "See the agent log in the dynprof runtime directory (logs/PID.log).",
             )
-        reply = pb.Reply(protocol_version=PROTOCOL_VERSION, request_id=req.request_id)
-        getattr(reply, field).CopyFrom(result)
         return reply
 
     def _handler_failed(self, command: str) -> None:

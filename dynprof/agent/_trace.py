@@ -141,6 +141,7 @@ class TraceController:
         # What the spans of the trace in progress are (see _span_fields).
         self._aligned = False  # started at a step boundary, listening to boundaries
         self._first_partial = False
+        self._partial_why = ""  # why the first span does not start at a step boundary
         self._last_partial = False
         self._span_marks: list[int] = []  # StepTracker.all_optimizer_steps() at each span boundary
         self._spans_omitted = 0  # spans past the first MAX_SPANS_DESCRIBED, counted, not described
@@ -207,6 +208,7 @@ class TraceController:
             self.last_status = ""
             self._aligned = step_aligned
             self._first_partial = self._last_partial = False
+            self._partial_why = self._unaligned_why(msg, flowing) if not step_aligned else ""
             self._span_marks = []
             self._spans_omitted = 0
             self.state = "armed"
@@ -266,6 +268,18 @@ class TraceController:
         )
 
     # -- helpers -----------------------------------------------------------------------------
+    def _unaligned_why(self, msg: Any, flowing: bool) -> str:
+        """Why a trace of this request starts where the main thread is, not at a step boundary."""
+        s = self.steps
+        if not s.hook_installed:
+            return "no optimizer step hook in this process"
+        if not flowing:
+            return "no optimizer step in the last few seconds"
+        return (
+            f"steps took {s.typical_step_s():.3f} s when it was asked for, over the "
+            f"{ALIGN_DURATION_MAX_STEP_S:g} s that a --duration trace waits for a boundary"
+        )
+
     def _steps_flowing(self) -> bool:
         s = self.steps
         if not s.hook_installed or not s.last_step_at:
@@ -370,6 +384,8 @@ class TraceController:
             if self.state == "armed":
                 if step >= self.start_step and not self._begin(first_step=step + 1):
                     self._first_partial = True  # it starts later, where the main thread is
+                    why = self._deferred_reason.text if self._deferred_reason is not None else "a start under way"
+                    self._partial_why = f"step {step}'s boundary was not a safe point to start ({why})"
                     self._retry_on_main_thread(self._start_at_safe_point)
                 return
             if self.state != "tracing" or self.session is None:
@@ -524,6 +540,7 @@ class TraceController:
         return {
             "span": "iteration",  # ProfilerStep#N: training iteration N, boundary to boundary
             "first_span_partial": self._first_partial,
+            "first_span_partial_why": self._partial_why if self._first_partial else "",
             "last_span_partial": not at_boundary,
             "optimizer_steps_per_span": per_span,
             "optimizer_steps_per_span_omitted": omitted,

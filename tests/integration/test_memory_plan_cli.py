@@ -15,7 +15,9 @@ def test_memory_plan_measures_the_next_step_and_leaves_nothing_behind(spawn, cli
     # GIVEN a CPU training loop of 4 blocks (width 32, batch 16) under `dynprof run`
     probe = tmp_path / "probe"
     target = spawn(
-        [PROGRAM, "--width", "32", "--depth", "4", "--batch", "16", "--probe-file", str(probe)],
+        # trains for up to 10 minutes (the fixture stops it): a loaded machine's three plans must
+        # not outlast it
+        [PROGRAM, "--width", "32", "--depth", "4", "--batch", "16", "--probe-file", str(probe), "--max-seconds", "600"],
         env={"PYTHONPATH": str(ROOT)},
     )
     (pid,) = target.ready_pids()
@@ -55,7 +57,11 @@ def test_memory_plan_measures_the_next_step_and_leaves_nothing_behind(spawn, cli
     assert text.returncode == 0, text.stderr
     assert "no set of blocks reaches the budget" in text.stdout and "offload the optimizer state" in text.stdout
     plain = cli("memory", "plan", "--pid", str(pid), "--save", "1K", "--timeout", "60")
-    assert "torch.utils.checkpoint" in plain.stdout and "blocks." in plain.stdout
+    assert "torch.utils.checkpoint" in plain.stdout and "blocks." in plain.stdout, (
+        plain.stderr,
+        target.proc.poll(),
+        target.lines[-20:],
+    )
     assert os.path.exists(f"/proc/{pid}")  # the job goes on
 
 

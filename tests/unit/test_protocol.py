@@ -100,6 +100,16 @@ def test_handler_failures_become_error_replies():
     assert (r2.error.code, r2.error.message, r2.error.help) == (pb.BUSY, "busy now", "wait")
 
 
+def test_a_handler_answering_the_wrong_message_gets_an_error_reply_not_a_hang_up():
+    # GIVEN handlers that answer a message the reply field cannot hold, or a field that is not one
+    server = _server({"ping": lambda m: ("pong", pb.Status()), "status": lambda m: ("no_such_field", pb.Pong())})
+    # THEN each request is answered with an INTERNAL error naming the command
+    for req, name in ((_request(ping=pb.Ping()), "ping"), (_request(status=pb.StatusRequest()), "status")):
+        reply = server.dispatch(req)
+        assert reply.error.code == pb.INTERNAL and reply.error.message.startswith(f"{name} failed"), reply
+        assert not reply.WhichOneof("result")
+
+
 def test_client_retries_a_full_backlog_then_says_busy(tmp_path):
     import time
 
