@@ -378,6 +378,9 @@ class RankInput:
     host: str | None = None
     artifact: str | None = None
     max_bytes: int = DEFAULT_MAX_TRACE_BYTES
+    # the physical GPU the rank ran on (its UUID, from the trace's manifest): ranks that share
+    # one contend on it, so their GPU-side times differ for no fault of either
+    device: str | None = None
 
 
 _STEP_NAME = re.compile(r"ProfilerStep#([0-9]{1,18})")
@@ -408,6 +411,8 @@ def analyze_rank(item: RankInput) -> dict[str, Any]:
     threads: dict[tuple[Any, Any], _Spans] = {}
     gpu = _Spans()
     steps: list[tuple[int, float, float, Any]] = []
+    copies: list[tuple[float, int]] = []  # (start, bytes) of each GPU memory copy or set
+    launched: list[tuple[float, int]] = []  # (start, threads: grid x block) of each kernel
     events = 0
     # (cat, name) -> (what, name id, flag): classified once per distinct pair.
     memo: dict[tuple[Any, str], tuple[int, int, int]] = {}
@@ -451,6 +456,10 @@ def analyze_rank(item: RankInput) -> dict[str, Any]:
             continue
         if what == _W_GPU:
             gpu.add(ts, ts + dur, ident, flag)
+            if flag == _MEM:
+                copies.append((ts, _copy_bytes(e.get("args"))))
+            else:
+                launched.append((ts, _threads(e.get("args"))))
         elif what == _W_THREAD:
             key = (_lane_id(e.get("pid")), _lane_id(e.get("tid")))
             spans = threads.get(key)
@@ -542,6 +551,8 @@ def analyze_rank(item: RankInput) -> dict[str, Any]:
             k = kernels.setdefault(name_list[gpu.names[i]], [0, 0.0])
             k[0] += 1
             k[1] += (gpu.ends[i] - gpu.starts[i]) / 1000
+    in_steps = [b for ts, b in copies if first <= ts < last]
+    threads_in_steps = sum(n for ts, n in launched if first <= ts < last)
     outside = _outside(ops, wait, first, last)
     python = _python_outside(train, outside, name_list, steps)
     top_ops = _self_times(threads, name_list, first, last)
@@ -561,11 +572,52 @@ def analyze_rank(item: RankInput) -> dict[str, Any]:
         "has_gpu": has_gpu,
         "steps": step_rows,
         "kernels": {name: (int(v[0]), v[1]) for name, v in kernels.items()},
+        "copies": {"count": len(in_steps), "bytes": sum(in_steps)},
+        "kernel_threads": threads_in_steps,
+        "device": item.device if isinstance(item.device, str) and item.device else None,
         "ops": top_ops,
         "python_outside": python,
         "collectives": collectives,
         "timeline": timeline,
     }
+
+
+def device_of(manifest: Any) -> str | None:
+    """The physical GPU a trace's manifest says its rank ran on (``gpu_device.uuid``: printable,
+    at most 100 characters), or None; nothing in a manifest is trusted."""
+    dev = manifest.get("gpu_device") if isinstance(manifest, dict) else None
+    uuid = dev.get("uuid") if isinstance(dev, dict) else None
+    if isinstance(uuid, str) and 0 < len(uuid) <= 100 and uuid.isprintable():
+        return uuid
+    return None
+
+
+def _copy_bytes(args: Any) -> int:
+    """The bytes a GPU memory copy or set event says it moved (Kineto's ``args.bytes``); 0 where
+    it says nothing a number can be made of."""
+    if not isinstance(args, dict):
+        return 0
+    v = args.get("bytes")
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1 << 50:
+        return 0  # NaN fails the range test too
+    return int(v)
+
+
+def _threads(args: Any) -> int:
+    """The threads a kernel event says it launched (``args.grid`` x ``args.block``, three counts
+    each, as Kineto writes them); 0 where it does not say."""
+    if not isinstance(args, dict):
+        return 0
+    n = 1
+    for key in ("grid", "block"):
+        dims = args.get(key)
+        if not isinstance(dims, list) or len(dims) != 3:
+            return 0
+        for d in dims:
+            if isinstance(d, bool) or not isinstance(d, int) or not 0 < d < 1 << 32:
+                return 0
+            n *= d
+    return n
 
 
 def _lane_id(value: Any) -> Any:
@@ -878,6 +930,7 @@ def combine(ranks: list[dict[str, Any]], top: int = 15, sources: list[dict[str, 
                 "overlap_pct": (_r(100 * gpu["comm_overlap"] / comm_total, 1) if gpu and comm_total > 0 else None),
                 "work_ms": _r(_mean([s["work_ms"] for s in rs])),
                 "collective_ms": _r(_mean([s["collective_ms"] for s in rs])),
+                "device": r.get("device"),
             }
         )
     steps_out = []
@@ -991,6 +1044,11 @@ def detect_straggler(
     s = ok[idx]
     rest = [r for i, r in enumerate(ok) if i != idx]
     where, cause = _explain(s, rest, s_row, others, n_steps)
+    shared = _contention(s, rest, cause)
+    if shared:
+        return None, (
+            f"no straggler: rank {s_row['rank']} works {excess:.1f} ms/step more{where}, but {shared}; {rule}"
+        )
     coll_name = _top_collective(rest)
     reason = (
         f"rank {s_row['rank']}: {s_row['work_ms']:.1f} ms/step outside collectives{where} vs "
@@ -1012,6 +1070,61 @@ def detect_straggler(
         },
         f"straggler: rank {s_row['rank']} ({excess:.1f} ms/step over the others); {rule}",
     )
+
+
+# Two ranks on one GPU do the same GPU work when their kernel and copy counts per step differ by
+# at most this share (and their copied bytes by at most COPY_BYTES_TOLERANCE).
+WORK_COUNT_TOLERANCE = 0.01
+COPY_BYTES_TOLERANCE = 0.01
+# Causes on the host's side, which another rank's use of the GPU does not slow.
+_HOST_CAUSES = frozenset({"data loading", "input pipeline"})
+
+
+def _work_per_step(r: dict[str, Any]) -> tuple[float, float, float, float]:
+    """A rank's GPU work per traced step, whatever the GPU's speed: kernels, the threads they
+    launched (a bigger input launches more), copies, bytes copied."""
+    n = max(1, len(r["steps"]))
+    kernels = sum(int(v[0]) for v in r["kernels"].values())
+    copies = r.get("copies") or {}
+    threads = int(r.get("kernel_threads") or 0)
+    return kernels / n, threads / n, int(copies.get("count", 0)) / n, int(copies.get("bytes", 0)) / n
+
+
+def _contention(s: dict[str, Any], rest: list[dict[str, Any]], cause: str) -> str:
+    """Why the candidate's extra time is its GPU's contention, not its own slowness ("" where it
+    is not): it shares one physical GPU with other ranks of the analysis, its extra time is on the
+    GPU's side (not in data loading or the input pipeline), and it does the same GPU work per step
+    as they do (kernels, the threads they launch, copies and bytes copied: counted, not timed;
+    a trace whose kernels do not say their launch sizes cannot be told apart, and is judged as
+    before). Ranks on one GPU take turns
+    on it; in a job whose ranks wait for each other, the same rank can lose every turn."""
+    device = s.get("device")
+    if not device or cause in _HOST_CAUSES or not s.get("kernel_threads"):
+        return ""
+    peers = [r for r in rest if r.get("device") == device]
+    if not peers:
+        return ""
+    k, t, c, b = _work_per_step(s)
+    for p in peers:
+        pk, pt, pc, pb = _work_per_step(p)
+        if abs(k - pk) > max(1.0, WORK_COUNT_TOLERANCE * max(k, pk)):
+            return ""
+        if abs(t - pt) > WORK_COUNT_TOLERANCE * max(t, pt):
+            return ""
+        if abs(c - pc) > max(1.0, WORK_COUNT_TOLERANCE * max(c, pc)):
+            return ""
+        if abs(b - pb) > max(4096.0, COPY_BYTES_TOLERANCE * max(b, pb)):
+            return ""
+    names = ", ".join(str(p["rank"]) for p in peers[:8])
+    return (
+        f"it shares one GPU ({device[:40]}) with rank{'s' if len(peers) > 1 else ''} {names} and does the same GPU "
+        f"work per step ({k:.0f} kernels, {c:.0f} {'copy' if round(c) == 1 else 'copies'} of {_mib(b)}): ranks on one GPU take turns on it, so "
+        "their GPU-side times differ for no fault of either (give each rank its own GPU to compare them)"
+    )
+
+
+def _mib(n: float) -> str:
+    return f"{n / (1 << 20):.1f} MiB" if n >= 1 << 20 else f"{n / 1024:.0f} KiB"
 
 
 # What a CPU operator that holds a straggler's extra time says of its cause.

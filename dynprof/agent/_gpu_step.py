@@ -125,6 +125,18 @@ class GpuStepMarker:
             return GpuStepLook(False, note=f"off for this process: {self.off_reason}"[:300])
         return GpuStepLook(True, int(step), done, max(0.0, self._clock() - at), int(device), uuid)
 
+    def device_identity(self, torch: Any) -> dict[str, Any] | None:
+        """The CUDA device of the latest marked step, ``{"index", "uuid"}`` (the UUID names the
+        physical GPU whatever CUDA_VISIBLE_DEVICES says), or None before any. Never raises."""
+        slot = self._slot
+        if not self.enabled or slot < 0 or torch is None:
+            return None
+        device = int(self._marks[slot][2])
+        try:
+            return {"index": device, "uuid": self._uuid(torch, device)}
+        except Exception:
+            return None
+
     def _uuid(self, torch: Any, device: int) -> str:
         if device < 0 or torch is None:
             return ""

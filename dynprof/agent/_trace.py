@@ -21,6 +21,7 @@ import itertools
 import logging
 import math
 import os
+import sys
 import threading
 import time
 from typing import TYPE_CHECKING, Any
@@ -626,7 +627,12 @@ class TraceController:
             host=ident.host,
             rank=ident.rank,
             options=options,
-            extra={"world_size": ident.world_size, "local_rank": ident.local_rank},
+            extra={
+                "world_size": ident.world_size,
+                "local_rank": ident.local_rank,
+                # which physical GPU the rank's steps ran on: ranks that share one contend on it
+                "gpu_device": self.steps.gpu.device_identity(sys.modules.get("torch")),
+            },
         )
 
     def _export(

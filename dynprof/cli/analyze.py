@@ -196,6 +196,7 @@ def analyse(arts: list[Artifact], top: int, workers: int | None, max_bytes: int)
             host=a.manifest.get("host"),
             artifact=a.id,
             max_bytes=max_bytes,
+            device=ta.device_of(a.manifest),
         )
         for a in arts
     ]

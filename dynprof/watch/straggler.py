@@ -221,7 +221,15 @@ def analyse_fetched(
         rank = manifest.get("rank") if isinstance(manifest.get("rank"), int) else None
         host = label_of.get(str(row.get("node")), str(row.get("node")))
         node_host[(host, rank)] = manifest.get("host")
-        items.append(ta.RankInput(path=str(path / TRACE_FILE), rank=rank, host=host, artifact=str(row.get("id"))))
+        items.append(
+            ta.RankInput(
+                path=str(path / TRACE_FILE),
+                rank=rank,
+                host=host,
+                artifact=str(row.get("id")),
+                device=ta.device_of(manifest),
+            )
+        )
     ranks = ta.analyze_ranks(items, workers=1)
     analysis = ta.combine(ranks, top=10)
     for r in analysis["ranks"]:

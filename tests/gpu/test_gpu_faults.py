@@ -130,15 +130,34 @@ def test_gpu_stragglers_are_named_with_their_cause_and_an_even_job_names_none(sp
         os.makedirs(keep, exist_ok=True)
         with open(os.path.join(keep, f"{job}.json"), "w") as f:
             f.write(result.stdout)
+        _keep_traces(data, os.path.join(keep, job))
     s = data["straggler"]
     print(f"\nVERDICT-ROW straggler-{fault} run={run} rank={s and s['rank']} cause={s and s.get('cause')}")
     print(s["reason"] if s else data["straggler_check"])
-    # THEN the right rank and cause, or none for the even job
+    # THEN the ranks' traces say the one GPU they share (its UUID, from each trace's manifest)
+    devices = {r["device"] for r in data["ranks"]}
+    assert len(devices) == 1 and str(next(iter(devices))).startswith("GPU-"), data["ranks"]
+    # AND the right rank and cause, or none for the even job
     cause = STRAGGLERS[fault]
     if cause is None:
         assert s is None, s
     else:
         assert s is not None and s["rank"] == 1 and s["cause"] == cause, data["straggler_check"]
+
+
+def _keep_traces(data: dict, folder: str) -> None:
+    """Copy the analysed traces and their manifests into ``folder`` (to record a case)."""
+    import shutil
+
+    from dynprof.store import ArtifactStore
+
+    store = ArtifactStore()
+    for r in data["ranks"]:
+        art = store.get(r["artifact"])
+        dest = os.path.join(folder, f"rank{r['rank']}")
+        os.makedirs(dest, exist_ok=True)
+        for name in ("trace.json.gz", "manifest.json"):
+            shutil.copy(art.path / name, dest)
 
 
 GPU_SIDE = {

@@ -136,6 +136,9 @@ def test_steps_on_cuda_record_two_events_in_turn_queried_only_when_asked():
     marker._events[marker._slot].finished = True
     # THEN the next look says so
     assert marker.look(fake).done is True
+    # AND the device a trace's manifest records is that one: its index and UUID
+    assert marker.device_identity(fake) == {"index": 1, "uuid": "GPU-3f1c0000-aaaa-bbbb-cccc-000000000001"}
+    assert GpuStepMarker().device_identity(fake) is None  # no step marked yet
 
 
 def test_steps_shorter_than_the_gap_are_marked_at_most_every_10_ms_and_the_look_says_which():

@@ -151,7 +151,13 @@ def test_top_ops_hold_the_gloo_collective_and_real_operators():
 
 # -- synthetic GPU traces (Kineto's schema: kernel / gpu_memcpy on device pids) --------------------
 def _gpu_trace(
-    path: Path, rank: int, compute_us: float = 4000, comm_start: float = 4000, comm_us: float = 3000
+    path: Path,
+    rank: int,
+    compute_us: float = 4000,
+    comm_start: float = 4000,
+    comm_us: float = 3000,
+    grid: list[int] | None = None,
+    copy_bytes: int | None = None,
 ) -> Path:
     """A synthetic trace (not recorded), in Kineto's schema: per 10 ms step, a compute kernel from
     1 ms, an NCCL all-reduce on another stream, a memcpy at 6.5-8 ms and a kernel on a third
@@ -159,7 +165,12 @@ def _gpu_trace(
     events: list[dict] = []
 
     def x(cat: str, name: str, pid: int, tid: int, ts: float, dur: float) -> None:
-        events.append({"ph": "X", "cat": cat, "name": name, "pid": pid, "tid": tid, "ts": ts, "dur": dur})
+        e = {"ph": "X", "cat": cat, "name": name, "pid": pid, "tid": tid, "ts": ts, "dur": dur}
+        if grid is not None and cat == "kernel":
+            e["args"] = {"grid": grid, "block": [128, 1, 1], "device": 0}
+        if copy_bytes is not None and cat == "gpu_memcpy":
+            e["args"] = {"bytes": copy_bytes, "device": 0}
+        events.append(e)
 
     for k in range(3):
         t = 1_000_000.0 + k * 10_000
@@ -220,6 +231,51 @@ def test_gpu_straggler_with_extra_compute_is_named_with_its_kernel(tmp_path):
     page = analysis_html(analysis)
     assert page.count("class='seg compute'") == 2 and page.count(">rank 1 GPU<") == 1
     assert "class='lane gpu_comm'" in page and "class='lane gpu_compute'" in page
+
+
+def _pair(tmp_path, devices, grid1=(64, 1, 1), bytes1=1 << 20):
+    """Rank 1's compute kernel runs 3 ms longer than rank 0's (as in the test above), with the
+    kernels' launch sizes and the copies' bytes said; ``devices``: each rank's GPU UUID."""
+    p0 = _gpu_trace(tmp_path / "r0.json.gz", 0, 4000, 5000, 4000, grid=[64, 1, 1], copy_bytes=1 << 20)
+    p1 = _gpu_trace(tmp_path / "r1.json.gz", 1, 7000, 8000, 1000, grid=list(grid1), copy_bytes=bytes1)
+    items = [ta.RankInput(str(p), device=d) for p, d in zip((p0, p1), devices)]
+    return ta.combine(ta.analyze_ranks(items, workers=1))
+
+
+def test_ranks_sharing_one_gpu_that_do_the_same_work_are_not_stragglers(tmp_path):
+    # GIVEN two ranks on one GPU (one UUID) whose kernels and copies are the same in number,
+    # launch size and bytes, rank 1's kernel slower (it lost its turns on the shared GPU)
+    analysis = _pair(tmp_path, ["GPU-1111", "GPU-1111"])
+    # THEN no straggler is named, and the check says why, with the work they both do
+    assert analysis["straggler"] is None, analysis["straggler"]
+    check = analysis["straggler_check"]
+    assert check.startswith("no straggler: rank 1 works 3.0 ms/step more"), check
+    assert "shares one GPU (GPU-1111) with rank 0" in check and "same GPU work per step (3 kernels" in check, check
+    assert "1 copy of 1.0 MiB" in check, check
+    assert [r["device"] for r in analysis["ranks"]] == ["GPU-1111", "GPU-1111"]
+
+
+@pytest.mark.parametrize(
+    "devices,grid1,bytes1",
+    [
+        (["GPU-1111", "GPU-2222"], (64, 1, 1), 1 << 20),  # their own GPUs: the time is the rank's
+        ([None, None], (64, 1, 1), 1 << 20),  # no GPU said: judged on time, as before
+        (["GPU-1111", "GPU-1111"], (96, 1, 1), 1 << 20),  # one GPU, bigger kernels on rank 1
+        (["GPU-1111", "GPU-1111"], (64, 1, 1), 8 << 20),  # one GPU, more bytes copied by rank 1
+    ],
+    ids=["two-gpus", "unknown-gpus", "bigger-kernels", "more-bytes"],
+)
+def test_a_rank_that_does_more_gpu_work_is_named_on_a_shared_gpu_too(tmp_path, devices, grid1, bytes1):
+    analysis = _pair(tmp_path, devices, grid1, bytes1)
+    s = analysis["straggler"]
+    assert s is not None and s["rank"] == 1 and s["cause"] == "GPU compute", analysis["straggler_check"]
+
+
+@pytest.mark.parametrize("uuid", ["", "x" * 101, "GPU-\n1", 7, None])
+def test_a_manifest_gpu_device_is_taken_only_when_it_is_a_short_printable_uuid(uuid):
+    assert ta.device_of({"gpu_device": {"index": 0, "uuid": uuid}}) is None
+    assert ta.device_of({"gpu_device": "GPU-1"}) is None and ta.device_of([]) is None
+    assert ta.device_of({"gpu_device": {"index": 0, "uuid": "GPU-ab-12"}}) == "GPU-ab-12"
 
 
 def test_backward_on_an_autograd_device_thread_counts_as_operators(tmp_path):
@@ -417,12 +473,21 @@ def test_fewer_workers_when_traces_are_large(monkeypatch, tmp_path):
 GPU_TRACES = Path(__file__).resolve().parents[1] / "data" / "gpu_traces"
 
 
-def _gpu_case(case: str) -> dict:
+def _gpu_case(case: str, device: str | None = None) -> dict:
     from collectors import trace_analysis as ta
 
     files = sorted(GPU_TRACES.glob(f"{case}-*.json.gz"))
     assert len(files) == 2
-    return ta.combine(ta.analyze_ranks([ta.RankInput(path=str(f)) for f in files], workers=1))
+    return ta.combine(ta.analyze_ranks([ta.RankInput(path=str(f), device=device) for f in files], workers=1))
+
+
+@pytest.mark.parametrize("case,rank,cause", [("gpu-compute", 1, "GPU compute"), ("data-loading", 1, "data loading")])
+def test_recorded_stragglers_on_one_shared_h200_are_named_when_the_gpu_is_known_to_be_shared(case, rank, cause):
+    # GIVEN the recorded pairs (two ranks on one H200), each rank's GPU said to be that one
+    result = _gpu_case(case, device="GPU-5e0c7f2a")
+    # THEN the straggler that does more work (60 matmuls more, or a slower loader) is named still
+    s = result["straggler"]
+    assert s is not None and (s["rank"], s["cause"]) == (rank, cause), result["straggler_check"]
 
 
 def test_a_gpu_compute_straggler_behind_gloo_collectives_is_named_with_its_kernels():
