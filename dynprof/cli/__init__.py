@@ -32,6 +32,7 @@ COMMANDS: list[tuple[str, str, str]] = [
     ("stop", "stop", "StopCommand"),
     ("stacks", "stacks", "StacksCommand"),
     ("nccl", "nccl", "NcclCommand"),
+    ("gpu-coredump", "gpu_coredump", "GpuCoredumpCommand"),
     ("memory", "memory", "MemoryCommand"),
     ("memory-report", "memory_report", "MemoryReportCommand"),
     ("healthcheck", "healthcheck", "HealthcheckCommand"),

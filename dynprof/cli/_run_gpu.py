@@ -8,9 +8,9 @@ pipe makes it dump the GPU's state (the kernels that run, where each warp is) to
 asks for a light dump (no GPU memory) and no host ``abort()`` afterwards; the process's GPU work
 still ends with the dump (on an H200 its next CUDA call failed, docs/watch.md).
 
-This only arms it: dynprof does not write into the pipe yet, nor read a dump (cuda-gdb does);
-the watch's verdict says so for each culprit (docs/watch.md). A variable the user already set
-is kept as it is, and said.
+This arms it; ``dynprof gpu-coredump`` and ``dynprof watch --gpu-coredump`` write into the pipe
+and read the dump (collectors/gpu_coredump.py). A variable the user already set is kept as it
+is, and said.
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="arm the CUDA driver's user-triggered GPU core dump in every process of the job "
         "(CUDA_ENABLE_USER_TRIGGERED_COREDUMP=1, its pipe in dynprof's runtime directory, its "
-        "dumps in the store); dynprof does not trigger it yet. Put -- before the command.",
+        "dumps in the store): `dynprof gpu-coredump --pid PID --yes` and `dynprof watch --gpu-coredump` take "
+        "one and name the kernels (a dump ends the process's GPU work). Put -- before the command.",
     )
 
 

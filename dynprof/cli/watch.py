@@ -101,6 +101,12 @@ def add_watch_options(parser: argparse.ArgumentParser | Any) -> None:
         "--no-healthcheck", action="store_true", help="do not run the involved nodes' quick healthcheck on a hang"
     )
     parser.add_argument("--no-save", action="store_true", help="print the verdicts only; do not save artifacts")
+    parser.add_argument(
+        "--gpu-coredump",
+        action="store_true",
+        help="on a hang, dump the GPU of each culprit on this node whose step's GPU work has not finished, to name "
+        "the kernel it runs (started with `dynprof run --gpu-coredump`); the dump ENDS that rank's GPU work",
+    )
 
 
 class WatchCommand:
@@ -176,6 +182,7 @@ def config_of(args: argparse.Namespace) -> Any:
         healthcheck=not args.no_healthcheck,
         save=not args.no_save,
         sample_every_s=sample_every_of(args),
+        gpu_coredump=bool(getattr(args, "gpu_coredump", False)),
     )
 
 
@@ -412,6 +419,25 @@ class LocalSource:
         except errors.DynprofError as exc:
             return None, exc.message[:1000]
         return result.to_json().get("analysis"), None
+
+    def gpu_coredump(self, node: str, pid: int) -> dict[str, Any]:
+        """Dump process ``pid``'s GPU and name what it ran (``dynprof gpu-coredump``): its
+        ``kernel`` line and ``coredump`` facts, or why it is not named."""
+        from collectors import gpu_coredump as gc
+
+        try:
+            got = gc.take(pid, timeout=60.0)
+        except gc.TriggerError as exc:
+            return {"kernel": f"not named: {exc.message}"[:1000]}
+        dump = got.get("dump")
+        if not dump:
+            return {"kernel": f"not named: the dump ({got['artifact']}) cannot be read: {got.get('error')}"[:1000]}
+        running = dump["running"]
+        facts = {"artifact": got["artifact"], "dump_s": got["dump_s"], "running": running[:16]}
+        if not running:
+            return {"kernel": "no kernel was running on its GPU when it was dumped", "coredump": facts}
+        more = f" and {len(running) - 3} more" if len(running) > 3 else ""
+        return {"kernel": "running " + "; ".join(running[:3]) + more, "coredump": facts}
 
     def healthcheck(self, nodes: list[str], job: str | None = None) -> dict[str, dict[str, Any]]:
         """``dynprof healthcheck --level quick`` in a child process: it may touch the GPUs, which

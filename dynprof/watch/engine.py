@@ -251,6 +251,9 @@ class WatchConfig:
     healthcheck: bool = True
     save: bool = True
     moving_cpu_s: float = detect.MOVING_CPU_S
+    # on a hang, dump the GPU of each culprit whose step's GPU work has not finished, to name the
+    # kernel it runs (the driver's user-triggered core dump; it ends that rank's GPU work)
+    gpu_coredump: bool = False
 
 
 @dataclass
@@ -298,6 +301,7 @@ class WatchEngine:
         self._last_sample = clock()
         self._sample_thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._gpu_dumps: dict[tuple[str, int], dict[str, Any]] = {}  # (node, pid) -> what its dump named
 
     # -- running --------------------------------------------------------------------------
     def stop(self) -> None:
@@ -340,6 +344,9 @@ class WatchEngine:
                     verdicts=dict(self.counts),
                 )
             ]
+
+    def _name_kernels(self, items: list[dict[str, Any]]) -> None:
+        _name_kernels_of(self, items)
 
     # -- one round ----------------------------------------------------------------------------
     def poll(self, fresh: bool = False) -> tuple[list[tuple[str, RankProgress]], dict[str, str]]:
@@ -529,6 +536,8 @@ class WatchEngine:
                 evidence["healthcheck"] = health
         conclusion = decision.conclusion + _health_clause(evidence.get("healthcheck"))
         gpu = gpu_side.evidence(decision.kind, decision.culprits, [*rows, *after_rows])
+        if gpu and self.config.gpu_coredump and decision.kind == "hang":
+            self._name_kernels(gpu)
         if gpu:  # what each culprit's GPU is doing (dynprof/watch/gpu_side.py)
             evidence["gpu"] = gpu
             conclusion += gpu_side.clause(gpu)
@@ -700,6 +709,33 @@ def _rank_row(node: str, r: RankProgress) -> dict[str, Any]:
         "last_step_age_s": None if detect.rank_age(r) is None else round(detect.rank_age(r) or 0.0, 3),
         "state": "stepping" if r.agent == "up" else r.agent,
     }
+
+
+def _name_kernels_of(engine: WatchEngine, items: list[dict[str, Any]]) -> None:
+    """With ``--gpu-coredump``: dump the GPU of each culprit whose step's GPU work has not
+    finished and whose driver is armed, once per process, and put the kernels it ran into its
+    ``gpu`` evidence (``kernel``, ``coredump``) and its line."""
+    take = getattr(engine.source, "gpu_coredump", None)
+    for item in items:
+        step = item.get("gpu_step") or {}
+        pid = item.get("pid")
+        if not isinstance(pid, int) or step.get("done") is not False or not step.get("coredump_armed"):
+            continue
+        key = (str(item.get("host")), pid)
+        found = engine._gpu_dumps.get(key)
+        if found is None:
+            if take is None:
+                found = {
+                    "kernel": "not named: this watch dumps GPUs on its own node only; on "
+                    f"{item.get('host')}: `dynprof gpu-coredump --pid {pid} --yes` (it ends the rank's GPU work)"
+                }
+            else:
+                found = take(str(item.get("host")), pid)
+            engine._gpu_dumps[key] = found
+        item["kernel"] = found["kernel"]
+        if found.get("coredump"):
+            item["coredump"] = found["coredump"]
+            item["line"] = f"{item.get('line')}; its GPU ran {found['kernel'].removeprefix('running ')}"
 
 
 def stacks_evidence(stacks: Stacks) -> dict[str, Any]:

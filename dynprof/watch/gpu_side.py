@@ -14,9 +14,9 @@ Two facts, from two places:
 :func:`describe` makes the line ("GPU 1 busy 100 %, 41.2 GiB used (this process 40.9 GiB);
 its work queued at step 199 has not finished after 40 s", "GPU 1 idle (0 %); its last step's
 work finished: the host is stuck"), :func:`evidence` the verdict's ``gpu`` evidence and
-:func:`clause` what the conclusion says of it. The kernel the GPU runs is not named: the
-evidence's ``kernel`` says why (the driver's user-triggered GPU core dump, which
-``dynprof run --gpu-coredump`` arms, is not triggered nor read by dynprof yet).
+:func:`clause` what the conclusion says of it. The kernel the GPU runs is named only by a GPU
+core dump (``dynprof watch --gpu-coredump``, :mod:`collectors.gpu_coredump`), which ends the
+rank's GPU work; without one, the evidence's ``kernel`` says why it is not named.
 """
 
 from __future__ import annotations
@@ -173,8 +173,8 @@ KERNEL_NOT_ARMED = (
     "not named: the GPU core dump is not armed in this rank (start the job with `dynprof run --gpu-coredump`)"
 )
 KERNEL_ARMED = (
-    "not named: the GPU core dump is armed in this rank (CUDA_ENABLE_USER_TRIGGERED_COREDUMP=1), but dynprof "
-    "does not trigger it nor read the dump yet: a write into the rank's CUDA_COREDUMP_PIPE dumps it, cuda-gdb reads it"
+    "not named: the GPU core dump is armed in this rank; `dynprof watch --gpu-coredump` or `dynprof gpu-coredump "
+    "--pid PID --yes` names the kernel, and ends the rank's GPU work"
 )
 
 

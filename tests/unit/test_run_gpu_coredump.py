@@ -79,4 +79,4 @@ def test_the_status_and_the_verdict_say_whether_the_dump_is_armed_and_why_no_ker
     # THEN it says why the kernel is not named: not armed (and how to arm it), or armed but
     # not triggered by dynprof
     assert kernel_of(False) == gpu_side.KERNEL_NOT_ARMED and "dynprof run --gpu-coredump" in kernel_of(False)
-    assert kernel_of(True) == gpu_side.KERNEL_ARMED and "does not trigger it" in kernel_of(True)
+    assert kernel_of(True) == gpu_side.KERNEL_ARMED and "dynprof watch --gpu-coredump" in kernel_of(True)

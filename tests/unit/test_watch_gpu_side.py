@@ -285,3 +285,47 @@ def test_the_progress_read_carries_the_status_gpu_step_and_reads_nvml_for_a_stal
     )
     assert rows[1].gpu is not None and (rows[1].gpu.index, rows[1].gpu.utilization_pct) == (1, 97)
     assert rows[0].gpu_step is None and rows[0].gpu is None
+
+
+def test_with_gpu_coredump_the_culprits_with_unfinished_gpu_work_are_dumped_once_and_named():
+    import types
+
+    from dynprof.watch.engine import WatchConfig, WatchEngine, _name_kernels_of
+
+    calls: list[tuple[str, int]] = []
+
+    def take(node: str, pid: int) -> dict:
+        calls.append((node, pid))
+        return {"kernel": "running spin_kernel(long)<<<(1,1,1),(1,1,1)>>>", "coredump": {"artifact": "/a"}}
+
+    def item(pid: int, done: bool, armed: bool = True) -> dict:
+        return {
+            "pid": pid,
+            "host": "vm",
+            "line": f"GPU 0 busy (pid {pid})",
+            "kernel": "not named",
+            "gpu_step": {"step": 6, "done": done, "coredump_armed": armed},
+        }
+
+    engine = WatchEngine(WatchConfig(job="j", gpu_coredump=True), types.SimpleNamespace(gpu_coredump=take))
+    # GIVEN a culprit behind unfinished GPU work, one whose work finished, one not armed
+    items = [item(11, done=False), item(12, done=True), item(13, done=False, armed=False)]
+    _name_kernels_of(engine, items)
+    # THEN only the first is dumped, and its kernel is in its evidence and its line
+    assert calls == [("vm", 11)]
+    assert items[0]["kernel"] == "running spin_kernel(long)<<<(1,1,1),(1,1,1)>>>"
+    assert items[0]["line"].endswith("; its GPU ran spin_kernel(long)<<<(1,1,1),(1,1,1)>>>")
+    assert items[0]["coredump"] == {"artifact": "/a"}
+    assert items[1]["kernel"] == items[2]["kernel"] == "not named"
+    # AND a later verdict of the same process says the same without a second dump
+    again = [item(11, done=False)]
+    _name_kernels_of(engine, again)
+    assert calls == [("vm", 11)] and again[0]["kernel"] == items[0]["kernel"]
+    # AND a watch whose source cannot dump (the sidecars') says where it can be done
+    remote = WatchEngine(WatchConfig(job="j", gpu_coredump=True), types.SimpleNamespace())
+    far = [item(21, done=False)]
+    _name_kernels_of(remote, far)
+    assert (
+        "dumps GPUs on its own node only" in far[0]["kernel"]
+        and "dynprof gpu-coredump --pid 21 --yes" in far[0]["kernel"]
+    )
