@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import time
 import uuid
 from typing import Any
@@ -58,6 +59,16 @@ from dynprof.registry import AgentRecord
 from dynprof.result import Result
 
 POLL_S = 0.1
+
+
+_SAMPLE_GROUP = re.compile(r"sample-[0-9a-f]{12}")
+
+
+def _sample_groups(text: str) -> list[str]:
+    groups = [g.strip() for g in text.split(",") if g.strip()]
+    if len(groups) > 64 or not all(_SAMPLE_GROUP.fullmatch(g) for g in groups):
+        raise argparse.ArgumentTypeError("at most 64 sample groups, each sample- and 12 hex digits")
+    return groups
 
 
 def _activities(text: str) -> list[str]:
@@ -116,6 +127,21 @@ class StartCommand(JobCommand):
         )
         parser.add_argument("--no-wait", action="store_true", help="return once the request is accepted")
         parser.add_argument(
+            "--sample-keep",
+            type=bounded_int(1, 64),
+            metavar="N",
+            help="this trace is a watch's straggler sample: its group is named sample-..., and this job's older "
+            "sample traces in this node's store are deleted but the newest N-1 samples and --keep-groups "
+            "(nothing else is ever deleted)",
+        )
+        parser.add_argument(
+            "--keep-groups",
+            type=_sample_groups,
+            default=[],
+            metavar="G,G",
+            help="with --sample-keep: sample groups to keep whatever their age (those that named a straggler)",
+        )
+        parser.add_argument(
             "--timeout",
             type=seconds,
             metavar="SEC",
@@ -148,6 +174,15 @@ class StartCommand(JobCommand):
         align = len(records) > 1 and duration == 0 and all(s.step_hook_installed and s.step > 0 for s in statuses)
         at_step = args.at_step or 0
         group_id = uuid.uuid4().hex[:12]
+        if args.sample_keep:
+            from dynprof.watch.straggler import SAMPLE_GROUP_PREFIX, prune_sample_traces
+
+            group_id = SAMPLE_GROUP_PREFIX + group_id
+            job = args.job or (records[0].job_id if records else None)
+            if job:
+                gone = prune_sample_traces(job, args.sample_keep - 1, set(args.keep_groups))
+                if gone:
+                    messages.append(f"deleted {len(gone)} older straggler-sample trace(s) of job {job}")
         options = pb.TraceOptions(
             record_shapes=args.record_shapes,
             with_stack=args.with_stack,

@@ -222,6 +222,8 @@ ACTIONS: dict[str, Action] = {
             max_duration="float",
             no_wait="bool",
             timeout="float",
+            sample_keep="int",
+            keep_groups="strs",
         ),
         "timeout",
         600.0,

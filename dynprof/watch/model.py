@@ -418,3 +418,4 @@ class StragglerReport:
     at_step: int | None = None  # the step every rank's trace started at; None: none was armed
     check: str = ""  # the straggler rule's own line (what it measured, its noise threshold)
     traces: list[str] = field(default_factory=list)  # trace artifacts it wrote in this machine's store (local samples)
+    groups: list[str] = field(default_factory=list)  # its trace groups on the nodes (sidecar samples)

@@ -334,10 +334,15 @@ def sample_stragglers(
     limit_s: float = SAMPLE_LIMIT_S,
     with_stack: bool = True,
     keep: Path | None = None,
+    keep_groups: Sequence[str] = (),
 ) -> StragglerReport:
     """One sampled trace of ``steps`` steps of every rank of ``job`` on ``nodes``, analysed for
     a straggler. Never raises: what went wrong is the report's ``note``. ``keep``: copy the
     traces there and leave them (default: a temporary directory, removed).
+
+    On each node the traces are a sample's (``dynprof start --sample-keep``): the node deletes
+    its older samples' traces but the latest :data:`KEEP_SAMPLES` and ``keep_groups`` (those
+    of samples that named a straggler); the report's ``groups`` are this sample's.
 
     ``nodes`` are the sidecars the user named: :class:`~dynprof.job.discovery.Node` objects (the
     watch's own), or full addresses ``HOST[:PORT]`` as the user wrote them. Never a display
@@ -366,7 +371,10 @@ def sample_stragglers(
             "no_wait": True,
             "timeout": START_ARM_TIMEOUT_S,
             "max_duration": min(MAX_TRACE_DURATION_S, max(10.0, limit_s)),
+            "sample_keep": KEEP_SAMPLES,
         }
+        if keep_groups:
+            start_options["keep_groups"] = list(keep_groups)[-64:]
         if with_stack:
             start_options["with_stack"] = True
         armed = arm_at_one_step(
@@ -381,6 +389,13 @@ def sample_stragglers(
             progress=_Quiet(),
         )
         report.at_step = armed.at_step
+        report.groups = sorted(
+            {
+                str(a.result["group_id"])
+                for a in armed.answers
+                if a.ok and isinstance(a.result, dict) and isinstance(a.result.get("group_id"), str)
+            }
+        )[:256]
         if armed.at_step is None:
             report.note = "; ".join(armed.messages) or "no rank of the job has stepped"
             return report
@@ -453,6 +468,38 @@ KEEP_SAMPLES = 3
 """The sampled traces a watch leaves in the store it traces into: those of its latest
 ``KEEP_SAMPLES`` samples, and those of every sample that named a straggler (its verdict lists
 them); the others' are deleted once they are older than that."""
+
+
+SAMPLE_GROUP_PREFIX = "sample-"
+"""The trace group of a watch's straggler sample taken through the sidecars begins with this
+(``dynprof start --sample-keep``): the node prunes those samples, and only those."""
+
+
+def prune_sample_traces(
+    job: str, keep_newest: int, keep_groups: set[str], in_store: store.ArtifactStore | None = None
+) -> list[str]:
+    """Delete this store's straggler-sample traces of ``job`` (trace artifacts whose group
+    begins with :data:`SAMPLE_GROUP_PREFIX`) but those of the newest ``keep_newest`` sample
+    groups and of ``keep_groups``; the paths deleted. What cannot be deleted stays (logged)."""
+    where = in_store or store.ArtifactStore()
+    by_group: dict[str, list[store.Artifact]] = {}
+    for art in where.list(job=job, kind="trace"):
+        options = art.manifest.get("options")
+        group = options.get("group_id") if isinstance(options, dict) else None
+        if isinstance(group, str) and group.startswith(SAMPLE_GROUP_PREFIX) and art.root is not None:
+            by_group.setdefault(group, []).append(art)
+    newest = sorted(by_group, key=lambda g: max(a.created_at for a in by_group[g]), reverse=True)
+    removed: list[str] = []
+    for group in newest[max(0, keep_newest) :]:
+        if group in keep_groups:
+            continue
+        for art in by_group[group]:
+            try:
+                if where.remove(art.path):
+                    removed.append(str(art.path))
+            except (DynprofError, OSError) as exc:
+                log.warning("dynprof: a straggler-sample trace could not be deleted: %s", exc)
+    return removed
 
 
 class SampleTraces:
@@ -582,9 +629,15 @@ def straggler_hook(
     """The watch engine's straggler hook: ``hook(job)`` takes one sample of the job on ``nodes``,
     the very node objects the watch reads progress from (never their display labels)."""
     chosen = list(nodes)
+    named: list[str] = []  # the sample groups (every node's) of samples that named a straggler
 
     def hook(job: str) -> StragglerReport | None:
-        return sample_stragglers(chosen, job, client, steps=steps, limit_s=limit_s, with_stack=with_stack)
+        report = sample_stragglers(
+            chosen, job, client, steps=steps, limit_s=limit_s, with_stack=with_stack, keep_groups=named[-64:]
+        )
+        if report.verdict is not None:
+            named.extend(g for g in report.groups if g not in named)
+        return report
 
     return hook
 

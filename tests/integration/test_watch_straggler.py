@@ -82,6 +82,28 @@ def test_even_job_gets_no_verdict_and_zero_scores(nodes, spawn):
     assert report.scores == {(name_a, 0): 0.0, (name_b, 1): 0.0}, report.note
     assert "no straggler" in report.note and "noise threshold" in report.note, report.note
 
+    # AND each node holds that sample's traces, in groups marked as samples
+    def sample_traces(sim) -> set[str]:
+        return {str(m.parent) for m in sim.artifacts.rglob("manifest.json") if '"sample-' in m.read_text()}
+
+    first = {n: sample_traces(nodes[n]) for n in ("a", "b")}
+    assert all(first.values()) and len(report.groups) == 2, (first, report.groups)
+    assert all(g.startswith("sample-") for g in report.groups)
+    # WHEN a watch that keeps one sample samples again
+    import dynprof.watch.straggler as st
+
+    keep = st.KEEP_SAMPLES
+    st.KEEP_SAMPLES = 1
+    try:
+        again = sample_stragglers([a.address, b.address], "watch-even", _client(nodes), steps=3)
+    finally:
+        st.KEEP_SAMPLES = keep
+    # THEN each node deleted the first sample's traces before tracing the second's
+    assert again.scores, again.note
+    for n in ("a", "b"):
+        now = sample_traces(nodes[n])
+        assert now and not (now & first[n]), (n, first[n], now)
+
 
 def test_a_job_that_is_not_there_is_a_note_not_an_exception(nodes):
     # GIVEN two sidecars and no job named "watch-none" on them

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from dynprof import errors
 from dynprof.store import ArtifactStore
-from dynprof.watch.straggler import KEEP_SAMPLES, SampleTraces, sample_local_stragglers
+from dynprof.watch.straggler import KEEP_SAMPLES, SampleTraces, prune_sample_traces, sample_local_stragglers
 
 
 def trace_artifact(store: ArtifactStore, rank: int, group: str) -> str:
@@ -37,6 +37,32 @@ def test_only_the_latest_samples_and_those_that_named_a_straggler_keep_their_tra
     # and the store lists what is left, the trace written by hand among it
     listed = {str(a.path) for a in store.list(kind="trace")}
     assert listed == {other, *(p for i in kept for p in samples[i])}
+
+
+def test_a_node_keeps_its_newest_samples_and_those_named_and_deletes_no_other_trace():
+    # GIVEN a node's store with a trace by hand, one of another job, and 6 samples of 2 ranks
+    # (groups sample-<12 hex>, oldest first), the second of which named a straggler
+    import time
+
+    store = ArtifactStore()
+    by_hand = trace_artifact(store, 0, "0123456789ab")
+    other_job_writer = store.create("trace", job="k", rank=0, options={"group_id": "sample-ffffffffffff"})
+    other_job_writer.write_json("trace.json", {"traceEvents": []})
+    other_job = str(other_job_writer.finish("complete").path)
+    groups = [f"sample-{i:012x}" for i in range(6)]
+    samples = []
+    for g in groups:
+        samples.append([trace_artifact(store, r, g) for r in (0, 1)])
+        time.sleep(0.002)  # created_at orders them
+    # WHEN a new sample prunes before it starts, keeping 2 older ones and the named one
+    removed = prune_sample_traces("j", 2, {groups[1]}, store)
+    # THEN the newest two samples and the named one stay; the others are gone, nothing else touched
+    left = {i for i, paths in enumerate(samples) if all(Path(p).is_dir() for p in paths)}
+    assert left == {1, 4, 5}
+    assert sorted(removed) == sorted(p for i in (0, 2, 3) for p in samples[i])
+    assert Path(by_hand).is_dir() and Path(other_job).is_dir()
+    # AND pruning again deletes nothing more
+    assert prune_sample_traces("j", 2, {groups[1]}, store) == []
 
 
 def test_a_path_outside_the_store_is_never_deleted(tmp_path):
