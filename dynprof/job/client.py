@@ -46,7 +46,7 @@ from dynprof import __version__
 from dynprof.errors import ArtifactError
 from dynprof.job.discovery import Node
 from dynprof.units import human_bytes
-from dynprof.untrusted import count_json_values, loads_json
+from dynprof.untrusted import MANIFEST_MAX_BYTES, count_json_values, loads_json
 
 API_VERSION = 1
 DEFAULT_MAX_IN_FLIGHT = 64
@@ -62,6 +62,10 @@ MAX_LISTING_PROGRESS_BYTES = 16 * 1024 * 1024  # a progress document: ~500 bytes
 # JSON values one answer may hold (counted before it is decoded): the answers of real nodes
 # hold thousands (ps, ls) to a few hundred thousand (stacks of many threads, NCCL entries).
 MAX_ANSWER_VALUES = 500_000
+# An artifact's manifest, as a fetch asks for it: a store's manifest is read up to 1 MiB
+# (untrusted.MANIFEST_MAX_BYTES); JSON's escapes may double it, plus the envelope.
+MAX_MANIFEST_ANSWER_BYTES = 2 * MANIFEST_MAX_BYTES + 64 * 1024
+MAX_MANIFEST_ANSWER_VALUES = 100_000
 MAX_SMALL_ANSWER_VALUES = 20_000
 # What one command holds of all its nodes' answers together (the bytes read, the JSON values
 # decoded), whatever each node answers within its own bound: 64 nodes at 16 to 80 MiB and
@@ -593,10 +597,18 @@ class SidecarClient:
             return list(pool.map(lambda n: self.action(n, name, options, timeout, budget.share()), nodes))
 
     def artifact(self, node: Node, artifact_id: str) -> dict[str, Any]:
+        """An artifact's manifest, as the node's store has it (``{"id", "manifest"}``): at most
+        :data:`MAX_MANIFEST_ANSWER_BYTES`, so that a fetch's many manifests in flight stay small."""
         check_artifact_id(artifact_id)
         deadline = time.monotonic() + self.timeout
         doc = self._call_json(
-            node, "GET", "/api/v1/artifacts/" + quote(artifact_id), None, deadline, MAX_ANSWER_BYTES, MAX_ANSWER_VALUES
+            node,
+            "GET",
+            "/api/v1/artifacts/" + quote(artifact_id) + "?manifest=1",
+            None,
+            deadline,
+            MAX_MANIFEST_ANSWER_BYTES,
+            MAX_MANIFEST_ANSWER_VALUES,
         )
         if not isinstance(doc.get("manifest"), dict):
             raise NodeFailure(f"not a dynprof sidecar: the artifact {artifact_id} of {node} has no manifest")

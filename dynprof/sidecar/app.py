@@ -21,7 +21,8 @@ requests are logged to stderr, one line each, without the token, at most
     POST /api/v1/actions/<name>                     {"options": {...}, "timeout": s} -> the action's answer
     GET  /api/v1/agents                             JSON, as `dynprof ps --json`
     GET  /api/v1/artifacts?job=&kind=&limit=        JSON, as `dynprof ls --json`
-    GET  /api/v1/artifacts/<id>                     JSON manifest and rendered summary
+    GET  /api/v1/artifacts/<id>?manifest=1          JSON manifest and rendered summary (manifest=1: the
+                                                     manifest alone)
     GET  /api/v1/artifacts/<id>/files/<name>        a file of the artifact (only files its manifest lists)
     GET  /api/v1/progress?job=&fresh=1              each rank's progress (dynprof.progress document);
                                                      fresh=1: read now, not the last poll
@@ -227,8 +228,10 @@ class RefusalLog:
         self._dropped = 0
 
     def refused(self, status: int, why: str, method: str, path: str, remote: str | None) -> None:
-        where = _printable(path.split("?", 1)[0])[:200]
-        self.say(f"dynprof serve: refused {status} ({why}): {_printable(method)[:16]} {where} from {remote or '?'}")
+        where = safetext.one_line(path.split("?", 1)[0], 200)
+        self.say(
+            f"dynprof serve: refused {status} ({why}): {safetext.one_line(method, 16)} {where} from {remote or '?'}"
+        )
 
     def say(self, line: str) -> None:
         """One line (made printable), under the same rate limit as the refusals."""
@@ -243,7 +246,7 @@ class RefusalLog:
                 self._dropped += 1
             else:
                 self._logged += 1
-                lines.append(_printable(line))
+                lines.append(safetext.one_line(line, None))
         if lines:
             stream = self._stream or sys.__stderr__ or sys.stderr
             try:
@@ -251,10 +254,6 @@ class RefusalLog:
                 stream.flush()
             except (OSError, ValueError):
                 pass
-
-
-def _printable(text: str) -> str:
-    return "".join(c if c.isprintable() and c not in "\r\n" else "?" for c in text)
 
 
 class _StrictJSONError(ValueError):
@@ -583,6 +582,8 @@ def create_app(
 
     def api_artifact(artifact_id: str) -> Response:
         art = _get(artifact_id)
+        if request.args.get("manifest") == "1":  # what a fetch needs, and no more
+            return jsonify({"id": art.id, "manifest": art.manifest})
         summary, text = views.render(art)
         return jsonify({"id": art.id, "manifest": art.manifest, "contents": summary, "text": text})
 

@@ -154,6 +154,21 @@ def test_an_oversized_answer_is_refused(server, monkeypatch):
     assert not answer.answered and "refused" in (answer.error or "")
 
 
+def test_an_artifact_manifest_is_asked_for_alone_and_a_huge_answer_to_it_is_refused(server):
+    script, node, _ = server
+    aid = "j/h/rank0/trace/20260101T000000.000000Z-1"
+    # GIVEN a node that answers a manifest request with 3 MiB (a manifest is at most 1 MiB)
+    script.replies = [(200, {}, json.dumps({"id": aid, "manifest": {"pad": "x" * (3 << 20)}}).encode())]
+    with pytest.raises(NodeFailure) as e:
+        SidecarClient(TOKEN, timeout=5).artifact(node, aid)
+    # THEN it is refused by its size, and the request asked for the manifest alone
+    assert "the answer is over 2.1 MiB" in e.value.reason, e.value.reason
+    assert script.seen[0]["path"].endswith("?manifest=1")
+    # AND a manifest of the usual size is taken
+    script.replies = [(200, {}, json.dumps({"id": aid, "manifest": {"kind": "trace"}}).encode())]
+    assert SidecarClient(TOKEN, timeout=5).artifact(node, aid)["manifest"] == {"kind": "trace"}
+
+
 def test_a_silent_node_times_out_and_a_closed_port_is_refused(server):
     script, node, _ = server
     script.replies = [120.0]  # the node answers only after two minutes

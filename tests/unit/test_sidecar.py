@@ -35,6 +35,17 @@ def test_page_and_api_list_artifacts(store):
     assert "notes.txt" in page
 
 
+def test_a_fetch_asks_for_the_manifest_alone_and_the_client_bounds_that_answer(store):
+    from dynprof.job import client as jc
+
+    client = create_app(store).test_client()
+    (art,) = store.list()
+    doc = client.get(f"/api/v1/artifacts/{art.id}?manifest=1").get_json()
+    assert set(doc) == {"id", "manifest"} and doc["manifest"]["status"] == "complete"
+    # what a fetch holds per manifest in flight: far under the 80 MiB of an action's answer
+    assert jc.MAX_MANIFEST_ANSWER_BYTES <= 4 << 20 < jc.MAX_ANSWER_BYTES
+
+
 def test_file_download_only_for_listed_files(store):
     client = create_app(store).test_client()
     (art,) = store.list()
@@ -257,6 +268,20 @@ def test_refusal_log_lines_carry_no_token_and_are_rate_limited(store):
     client.get("/api/v1/info")
     assert "7 more refused request(s) not logged" in out.getvalue()
     assert out.getvalue().splitlines()[-1].startswith("dynprof serve: refused 401 (missing token)")
+
+
+def test_refusal_log_lines_escape_what_a_client_sent_with_the_one_sanitiser():
+    import io
+
+    from dynprof.sidecar.app import RefusalLog
+
+    # GIVEN a refused request whose method and path carry a newline, an escape and a bidi override
+    out = io.StringIO()
+    RefusalLog(out).refused(401, "missing token", "GE\nT", "/x\x1b[31m\u202eevil\nforged line", "127.0.0.1")
+    # THEN it is one line, each of them escaped as everywhere else (never a bare "?")
+    (line,) = out.getvalue().splitlines()
+    assert "\\x1b" in line and "\\u202e" in line and "\\n" in line, line
+    assert line.startswith("dynprof serve: refused 401 (missing token): GE\\nT /x"), line
 
 
 def test_aliases_of_this_node_pass_the_host_check(store, monkeypatch):
