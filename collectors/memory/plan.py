@@ -495,3 +495,36 @@ def render_text(doc: dict[str, Any]) -> str:
     if not doc.get("exact", True):
         lines.append("  (not exact: too many distinct block sizes; the search kept a spread of its states)")
     return "\n".join(lines)
+
+
+KIND = "memory-plan"
+PLAN_FILE = "plan.json"
+MAX_PLAN_FILE_BYTES = 64 << 20
+
+
+def render_artifact(artifact: Any) -> tuple[dict[str, Any], str]:
+    """Summary and text of a ``memory-plan`` artifact (``dynprof show``, the sidecar's page): the
+    plan as ``dynprof memory plan`` printed it, re-derived from the measurement it saved (read
+    with :func:`from_json`'s checks) for the budget or saving it was asked for."""
+    doc = artifact.read_json(PLAN_FILE, MAX_PLAN_FILE_BYTES)
+    if not isinstance(doc, dict) or not isinstance(doc.get("measurement"), dict):
+        raise ArtifactError(f"{PLAN_FILE} holds no measurement")
+    m = from_json(doc["measurement"])
+    raw = doc.get("asked")
+    asked: dict[str, Any] = raw if isinstance(raw, dict) else {}
+    budget, save = asked.get("budget_bytes"), asked.get("save_bytes")
+    if isinstance(budget, int) and not isinstance(budget, bool) and budget >= 0:
+        plan = make_plan(m, budget=budget)
+    elif isinstance(save, int) and not isinstance(save, bool) and save >= 0:
+        plan = make_plan(m, save=save)
+    else:
+        raise ArtifactError(f"{PLAN_FILE} says neither the budget nor the saving that was asked for")
+    chosen = plan.get("plan") or {}
+    summary = {
+        "status": plan["status"],
+        "budget_bytes": plan["budget_bytes"],
+        "modules": list(chosen.get("modules") or [])[:64],
+        "predicted_peak_bytes": chosen.get("predicted_peak_bytes"),
+        "measured_peak_bytes": m.peak_bytes,
+    }
+    return summary, render_text(plan)

@@ -41,15 +41,42 @@ def parse_budget(text: str) -> tuple[int | None, float | None]:
         ) from None
 
 
-def plan_document(measurement: dict[str, Any], budget: str | None, save: str | None) -> dict[str, Any]:
+def asked_bytes(measurement: dict[str, Any], budget: str | None, save: str | None) -> dict[str, int]:
+    """The budget or the saving asked for, in bytes of this measurement: ``{"budget_bytes": N}``
+    or ``{"save_bytes": N}`` (a percentage is of the measured peak)."""
     m = from_json(measurement)
     if budget is not None:
         size, fraction = parse_budget(budget)
-        target = size if size is not None else int(m.peak_bytes * (fraction or 0))
-        return make_plan(m, budget=target)
+        return {"budget_bytes": size if size is not None else int(m.peak_bytes * (fraction or 0))}
     size, fraction = parse_budget(save or "")
-    amount = size if size is not None else int(m.peak_bytes * (fraction or 0))
-    return make_plan(m, save=amount)
+    return {"save_bytes": size if size is not None else int(m.peak_bytes * (fraction or 0))}
+
+
+def plan_document(measurement: dict[str, Any], budget: str | None, save: str | None) -> dict[str, Any]:
+    m = from_json(measurement)
+    asked = asked_bytes(measurement, budget, save)
+    if "budget_bytes" in asked:
+        return make_plan(m, budget=asked["budget_bytes"])
+    return make_plan(m, save=asked["save_bytes"])
+
+
+def save_plan(record: Any, measurement: dict[str, Any], args: argparse.Namespace) -> str:
+    """Keep the measurement and what was asked as a ``memory-plan`` artifact; its path."""
+    from collectors.memory.plan import KIND, PLAN_FILE
+    from dynprof.store import ArtifactStore
+
+    asked = asked_bytes(measurement, args.budget, args.save)
+    writer = ArtifactStore().create(
+        KIND,
+        job=record.job_id,
+        host=record.host or None,
+        rank=record.rank,
+        pid=record.pid,
+        options={"budget": args.budget, "save": args.save},
+    )
+    with writer:
+        writer.write_json(PLAN_FILE, {"schema": 1, "measurement": measurement, "asked": asked})
+        return str(writer.finish("complete", summary=asked).path)
 
 
 def collect(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
@@ -81,6 +108,7 @@ def collect(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
     replies = parallel(ask, records)
     results: list[dict[str, Any]] = []
     failures: list[errors.DynprofError] = []
+    save_errors: list[str] = []
     for record, reply in zip(records, replies):
         res: dict[str, Any] = {"pid": record.pid, "rank": record.rank, "job": record.job_id}
         if isinstance(reply, errors.DynprofError):
@@ -113,6 +141,11 @@ def collect(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
                 failures.append(err)
             else:
                 res.update(status="ok", plan=plan)
+                try:
+                    res["artifact"] = save_plan(record, doc, args)
+                except (OSError, errors.DynprofError) as exc:
+                    res["artifact"] = None
+                    save_errors.append(f"pid {record.pid}: the plan was not saved: {exc}")
         results.append(res)
     failed = [r for r in results if r["status"] != "ok"]
     code = 0
@@ -121,7 +154,7 @@ def collect(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
         code = codes.pop() if len(codes) == 1 else 1
     if len(results) == 1 and failures and not getattr(args, "json", False):
         raise failures[0]
-    return {"schema": 1, "results": results}, code
+    return {"schema": 1, "results": results, "notes": save_errors}, code
 
 
 def render(doc: dict[str, Any]) -> str:
@@ -132,7 +165,8 @@ def render(doc: dict[str, Any]) -> str:
         if r["status"] != "ok":
             rows.append([who, r["pid"], "failed", r["error"]])
             continue
-        parts.append(f"{who}, pid {r['pid']}:\n" + render_text(r["plan"]))
+        kept = f"\n(kept in {r['artifact']}: `dynprof show` it)" if r.get("artifact") else ""
+        parts.append(f"{who}, pid {r['pid']}:\n" + render_text(r["plan"]) + kept)
     if rows:
         parts.append(table(rows, ["rank", "pid", "status", "result"]))
         parts.extend(f"  what to do: {r['help']}" for r in doc["results"] if r["status"] != "ok" and r.get("help"))

@@ -109,7 +109,7 @@ class MemoryCommand(JobCommand):
             if args.history_start is not None or args.history_stop:
                 raise errors.UsageError("dynprof memory plan takes no --history-start/--history-stop")
             doc, code = _memory_plan.collect(args)
-            return MemoryPlanResults(doc=doc, exit_code=code)
+            return MemoryPlanResults(doc=doc, exit_code=code, messages=list(doc.get("notes") or []))
         if args.budget is not None or args.save is not None:
             raise errors.UsageError(
                 "--budget and --save are options of `dynprof memory plan`",

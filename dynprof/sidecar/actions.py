@@ -86,6 +86,7 @@ class Action:
     own_default_timeout: bool = True  # the command's --timeout has a default of its own
     fans_out: bool = False  # takes ``hosts`` (the command's --hosts): a job-wide view through the sidecars
     failed_exit: int = 1  # the exit code of "could not run" (healthcheck: 3; 1 and 2 are verdicts there)
+    leading: tuple[str, ...] = ()  # the command's own positional words first (memory-plan: ``memory plan``)
 
 
 @dataclass(frozen=True)
@@ -250,6 +251,16 @@ ACTIONS: dict[str, Action] = {
         changes_jobs=True,
         fans_out=True,
     ),
+    # one optimizer step measured in each target (hooks for that step only), and the plan
+    "memory-plan": Action(
+        "memory",
+        _opts(**_TARGETS, budget="str", save="str", timeout="float"),
+        "timeout",
+        300.0,
+        3600.0,
+        changes_jobs=True,
+        leading=("plan",),
+    ),
     "nccl": Action(
         "nccl",
         _opts(**_TARGETS, only_active="bool", no_stack_traces="bool", timeout="float"),
@@ -369,7 +380,7 @@ def argv_for(
         raise ActionError(f"unknown action {name!r}; known: {', '.join(sorted(ACTIONS))}")
     if not isinstance(params, dict):
         raise ActionError("the options must be a JSON object")
-    argv = [action.command]
+    argv = [action.command, *action.leading]
     params = dict(params)
     hosts = params.pop(HOSTS, None)
     if hosts is not None:

@@ -46,6 +46,14 @@ def test_memory_plan_measures_the_next_step_and_leaves_nothing_behind(spawn, cli
     assert plan["status"] == "fits" and len(plan["plan"]["modules"]) == 2
     assert "blocks.3" not in plan["plan"]["modules"]
     assert plan["plan"]["predicted_peak_bytes"] == m["peak_bytes"] - 2 * block
+    # AND the plan is kept as a memory-plan artifact that `dynprof show` renders as it was printed
+    shown = cli("show", row["artifact"])
+    assert shown.returncode == 0, shown.stderr
+    assert "memory-plan artifact" in shown.stdout and "plan: checkpoint 2 module(s): blocks." in shown.stdout, (
+        shown.stdout
+    )
+    shown_json = json.loads(cli("show", row["artifact"], "--json").stdout)
+    assert shown_json["contents"]["status"] == "fits" and len(shown_json["contents"]["modules"]) == 2, shown_json
 
     # AND after it, the process has no forward hook, no saved-tensor hook, grad mode on
     probe.write_text("")

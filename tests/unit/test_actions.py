@@ -51,6 +51,14 @@ def test_options_become_one_flag_each_and_unknown_ones_are_refused():
         "--json",
     ]
     assert argv_for("stacks", {"pid": [1, 2]}) == ["stacks", "--pid=1,2", "--json"]
+    # an action of a command's own subcommand: its words first
+    assert argv_for("memory-plan", {"pid": [7], "budget": "60%"}) == [
+        "memory",
+        "plan",
+        "--pid=7",
+        "--budget=60%",
+        "--json",
+    ]
     for name, params in (
         ("ps", {"output": "x"}),
         ("start", {"steps": "3"}),
@@ -245,6 +253,7 @@ SAMPLES: dict[str, Any] = {"int": 1, "float": 1.5, "str": "x", "bool": True, "in
 NAMED_SAMPLES: dict[str, Any] = {
     "activities": ["cpu"],
     "skip": ["disk_free"],
+    "keep_groups": ["sample-0123456789ab"],
     # fractions between 0 and 1
     **dict.fromkeys(("fail_below", "warn_below", "peer_fail", "peer_warn"), 0.5),
 }
@@ -279,7 +288,7 @@ def row_problems(name: str, action: actions.Action) -> list[str]:
         # a command that must be told its targets (one of --job, --pid, --all) gets --all
         base = [] if key in ("job", "pid", "all") or "all" not in action.options else ["--all"]
         try:
-            parsed = parse_options(action.command, command, [*base, *actions._flag(opt, key, sample)])
+            parsed = parse_options(action.command, command, [*action.leading, *base, *actions._flag(opt, key, sample)])
             value = getattr(parsed, arg.dest)
         except errors.DynprofError as exc:
             problems.append(f"{name}.{key}: {opt.flag} refuses a {opt.kind} ({sample!r}): {exc.message}")
