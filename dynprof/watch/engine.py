@@ -345,9 +345,6 @@ class WatchEngine:
                 )
             ]
 
-    def _name_kernels(self, items: list[dict[str, Any]]) -> None:
-        _name_kernels_of(self, items)
-
     # -- one round ----------------------------------------------------------------------------
     def poll(self, fresh: bool = False) -> tuple[list[tuple[str, RankProgress]], dict[str, str]]:
         """Every node's ranks of the job; ``fresh``: read now, not the nodes' last polls."""
@@ -537,7 +534,8 @@ class WatchEngine:
         conclusion = decision.conclusion + _health_clause(evidence.get("healthcheck"))
         gpu = gpu_side.evidence(decision.kind, decision.culprits, [*rows, *after_rows])
         if gpu and self.config.gpu_coredump and decision.kind == "hang":
-            self._name_kernels(gpu)
+            waiting = {(st.node, st.pid) for st in decision.states if st.state == "waiting-gpu"}
+            _name_kernels_of(self, gpu, waiting)
         if gpu:  # what each culprit's GPU is doing (dynprof/watch/gpu_side.py)
             evidence["gpu"] = gpu
             conclusion += gpu_side.clause(gpu)
@@ -711,17 +709,22 @@ def _rank_row(node: str, r: RankProgress) -> dict[str, Any]:
     }
 
 
-def _name_kernels_of(engine: WatchEngine, items: list[dict[str, Any]]) -> None:
-    """With ``--gpu-coredump``: dump the GPU of each culprit whose step's GPU work has not
-    finished and whose driver is armed, once per process, and put the kernels it ran into its
-    ``gpu`` evidence (``kernel``, ``coredump``) and its line."""
+def _name_kernels_of(
+    engine: WatchEngine, items: list[dict[str, Any]], waiting_gpu: set[tuple[str, int]] | frozenset[Any] = frozenset()
+) -> None:
+    """With ``--gpu-coredump``: dump the GPU of each culprit whose driver is armed and that waits
+    for its GPU (``waiting_gpu``: (node, pid) of the ranks in a blocking CUDA call) or whose step's
+    GPU work has not finished, once per process, and put the kernels it ran into its ``gpu``
+    evidence (``kernel``, ``coredump``) and its line."""
     take = getattr(engine.source, "gpu_coredump", None)
     for item in items:
         step = item.get("gpu_step") or {}
         pid = item.get("pid")
-        if not isinstance(pid, int) or step.get("done") is not False or not step.get("coredump_armed"):
+        if not isinstance(pid, int) or not step.get("coredump_armed"):
             continue
         key = (str(item.get("host")), pid)
+        if step.get("done") is not False and key not in waiting_gpu:
+            continue  # its GPU finished what it was given and the rank does not wait for it
         found = engine._gpu_dumps.get(key)
         if found is None:
             if take is None:

@@ -317,6 +317,12 @@ def test_with_gpu_coredump_the_culprits_with_unfinished_gpu_work_are_dumped_once
     assert items[0]["line"].endswith("; its GPU ran spin_kernel(long)<<<(1,1,1),(1,1,1)>>>")
     assert items[0]["coredump"] == {"artifact": "/a"}
     assert items[1]["kernel"] == items[2]["kernel"] == "not named"
+    # AND a rank whose marked step finished but that waits for its GPU in a blocking call (its
+    # endless kernel queued after the step's marker) is dumped too
+    waits = [item(14, done=True)]
+    _name_kernels_of(engine, waits, {("vm", 14)})
+    assert calls == [("vm", 11), ("vm", 14)] and waits[0]["kernel"].startswith("running ")
+    calls.remove(("vm", 14))
     # AND a later verdict of the same process says the same without a second dump
     again = [item(11, done=False)]
     _name_kernels_of(engine, again)
