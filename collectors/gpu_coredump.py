@@ -501,8 +501,7 @@ def trigger(
         os.close(fd)
     say(f"GPU core dump of process {target.pid} requested; waiting for {target.file_pattern}")
     deadline = clock() + timeout
-    last: tuple[str, int] | None = None
-    stable_since = 0.0
+    newest, size, whole = "", 0, None
     while clock() < deadline:
         fresh = [p for p in _matches(target.file_pattern) if p not in before]
         if fresh:
@@ -510,19 +509,62 @@ def trigger(
             try:
                 size = os.path.getsize(newest)
             except OSError:
-                size = -1
-            if last == (newest, size) and size > 0:
-                if clock() - stable_since >= 1.0:
-                    return newest
-            else:
-                last, stable_since = (newest, size), clock()
+                size = 0
+            # The driver writes the ELF header first (with where its section headers will be),
+            # pauses while it reads the GPU, then writes the rest; the section headers come last.
+            whole = dump_length(newest)
+            if whole is not None and size >= whole:
+                return newest
         time.sleep(0.2)
+    if newest:
+        said = f"{size} of the {whole} bytes its header announces" if whole else f"{size} bytes, no ELF header yet"
+        raise TriggerError(
+            f"the GPU core dump of process {target.pid} ({newest}) was not finished within {timeout:g} s ({said})",
+            help="A large GPU takes longer to dump: raise --timeout; the driver goes on writing it.",
+            kind="timeout",
+        )
     raise TriggerError(
         f"no GPU core dump of process {target.pid} appeared at {target.file_pattern} within {timeout:g} s",
         help="A large GPU takes longer to dump: raise --timeout. The process's CUDA_COREDUMP_FILE says where "
         "the driver writes.",
         kind="timeout",
     )
+
+
+def dump_length(path: str) -> int | None:
+    """The length a dump being written will have, from its ELF header and, once they are there,
+    its section headers (the end of the header table or of the last section, whichever is
+    later); None while the header is not there or not an ELF64 one."""
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(_EHDR.size)
+            if len(head) < _EHDR.size or head[:4] != b"\x7fELF" or head[4] != 2 or head[5] != 1:
+                return None
+            fields = _EHDR.unpack(head)
+            shoff, shentsize, shnum = int(fields[6]), int(fields[11]), int(fields[12])
+            if shoff == 0 or shentsize < _SHDR.size:
+                return None
+            fh.seek(shoff)
+            first = fh.read(_SHDR.size)
+            if len(first) < _SHDR.size:
+                return shoff + max(1, shnum) * shentsize
+            if shnum == 0:  # more than 0xff00 sections: the first header holds the count
+                shnum = int(_SHDR.unpack(first)[5])
+            if shnum <= 0 or shnum > 1 << 24:
+                return None
+            table_end = shoff + shnum * shentsize
+            fh.seek(shoff)
+            table = fh.read(shnum * shentsize)
+    except OSError:
+        return None
+    if len(table) < shnum * shentsize:
+        return table_end
+    end = table_end
+    for i in range(shnum):
+        _name, kind, _flags, _addr, offset, size, *_rest = _SHDR.unpack_from(table, i * shentsize)
+        if kind != 8:  # SHT_NOBITS takes no room in the file
+            end = max(end, int(offset) + int(size))
+    return end
 
 
 def _matches(pattern: str) -> list[str]:

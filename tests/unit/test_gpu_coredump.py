@@ -1,7 +1,7 @@
 """Reading a CUDA GPU core dump (collectors/gpu_coredump.py) and taking one through the driver's
 pipe: on synthetic dumps built in cudacoredump.h's layout (tests/unit/_cudacore.py), damaged
 and crafted ones, and a stand-in driver that reads a real named pipe. The real dump of an H200
-is read in tests/gpu/test_gpu_coredump.py."""
+is read in tests/gpu/test_gpu_coredump_device.py."""
 
 from __future__ import annotations
 
@@ -149,7 +149,9 @@ def test_the_pipe_and_dump_paths_come_from_the_process_environment_expanded(tmp_
 
 
 def _driver(pipe: str, dump_path: str, data: bytes, got: list[int]) -> threading.Thread:
-    """A stand-in for the CUDA driver: reads the pipe; on a write, writes a dump in two parts."""
+    """A stand-in for the CUDA driver: reads the pipe; on a write, writes a dump in two parts, with
+    a pause after the ELF header longer than a second (an H200's driver paused so, and a dump
+    read then was cut at 68 KiB of 87 MB)."""
 
     def run() -> None:
         fd = os.open(pipe, os.O_RDONLY)
@@ -161,7 +163,7 @@ def _driver(pipe: str, dump_path: str, data: bytes, got: list[int]) -> threading
         with open(dump_path, "wb") as fh:
             fh.write(data[:100])
             fh.flush()
-            time.sleep(0.3)
+            time.sleep(1.5)
             fh.write(data[100:])
 
     t = threading.Thread(target=run, daemon=True)
@@ -186,6 +188,39 @@ def test_a_write_into_the_pipe_makes_the_driver_dump_and_the_finished_dump_is_re
     assert path == str(tmp_path / "core.1.1764000000")
     assert len(gc.read_dump(path, demangle=list).grids) == 2
     assert "requested" in said[0]
+
+
+def test_the_length_a_dump_will_have_comes_from_its_header_and_section_table(tmp_path):
+    data = cc.dump()
+    whole = _write(tmp_path, data)
+    assert gc.dump_length(str(whole)) == len(data)
+    # while only the ELF header is there, at least the end of its section header table
+    head = _write(tmp_path, data[:100], "head")
+    assert gc.dump_length(str(head)) is not None and gc.dump_length(str(head)) > 100
+    # not an ELF file, or a truncated header: no length yet
+    assert gc.dump_length(str(_write(tmp_path, b"\x7fEL", "short"))) is None
+    assert gc.dump_length(str(_write(tmp_path, b"x" * 200, "text"))) is None
+    assert gc.dump_length(str(tmp_path / "absent")) is None
+
+
+def test_a_dump_the_driver_does_not_finish_within_the_timeout_is_not_returned(tmp_path):
+    pipe = tmp_path / "corepipe"
+    os.mkfifo(pipe, 0o600)
+    reader = os.open(pipe, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        now = [0.0]
+
+        def clock() -> float:
+            now[0] += 0.5
+            if now[0] == 1.0:  # the driver starts the dump and stops after its header
+                _write(tmp_path, cc.dump()[:100], "c.1")
+            return now[0]
+
+        target = gc.Armed(pid=1, pipe=str(pipe), file_pattern=str(tmp_path / "c.*"), host="h")
+        with pytest.raises(gc.TriggerError, match=r"was not finished within 5 s \(100 of the \d+ bytes"):
+            gc.trigger(target, timeout=5, clock=clock)
+    finally:
+        os.close(reader)
 
 
 def test_a_pipe_that_is_missing_not_a_fifo_or_unread_is_refused(tmp_path):

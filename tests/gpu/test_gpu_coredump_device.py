@@ -3,13 +3,14 @@ one GPU, rank 1 blocks in ``.item()`` behind an endless kernel (``torch.cuda._sl
 `dynprof watch --gpu-coredump` dumps its GPU through the driver's pipe and names the kernel in
 the verdict. Where cuda-gdb is on PATH, it reads the same dump and must name the same kernel.
 
-Run on a GPU machine: ``pytest -m gpu tests/gpu/test_gpu_coredump.py -s``; ``DYNPROF_GPU_KEEP``
-(a folder) keeps the dump.
+Run on a GPU machine: ``pytest -m gpu tests/gpu/test_gpu_coredump_device.py -s``; ``DYNPROF_GPU_KEEP``
+(a folder) keeps the dump, gzipped.
 """
 
 from __future__ import annotations
 
 import glob
+import gzip
 import json
 import os
 import shutil
@@ -67,8 +68,9 @@ def test_the_watch_names_the_kernel_a_hung_rank_waits_behind(spawn, cli, run, dy
     dumps = glob.glob(str(dynprof_dirs["artifacts"] / "**" / "gpucore.nvcudmp"), recursive=True)
     if keep:
         os.makedirs(keep, exist_ok=True)
-        for n, path in enumerate(dumps):
-            shutil.copy(path, os.path.join(keep, f"{job}-{n}.nvcudmp"))
+        for n, path in enumerate(dumps):  # an H200's dump is ~87 MB, mostly zeros: kept gzipped
+            with open(path, "rb") as src, gzip.open(os.path.join(keep, f"{job}-{n}.nvcudmp.gz"), "wb") as dst:
+                shutil.copyfileobj(src, dst)
         with open(os.path.join(keep, f"{job}-watch.txt"), "w") as f:
             f.write(out.stdout + "\n--- stderr\n" + out.stderr)
     # THEN one hang, rank 1, and its GPU evidence names the endless kernel with its launch
