@@ -413,11 +413,14 @@ def how_to_apply(m: Measurement, modules: list[str]) -> dict[str, str]:
             "                               check_fn=lambda m: id(m) in ids)"
         ),
         "hugging face": (
-            "# gradient_checkpointing_enable() checkpoints every layer. Where the layers are\n"
-            "# GradientCheckpointingLayer (recent transformers), enable it, then turn it off on\n"
-            "# the layers not chosen; elsewhere, leave it off and wrap the chosen layers as with\n"
+            "# Enabling checkpointing checkpoints every layer. Where the layers are\n"
+            "# GradientCheckpointingLayer (recent transformers), enable it, then turn it off\n"
+            "# on the layers not chosen; elsewhere, leave it off and wrap the chosen layers as with\n"
             "# torch.utils.checkpoint above.\n"
-            "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})\n"
+            "if hasattr(model, 'activation_checkpointing_enable'):  # transformers 5.x\n"
+            "    model.activation_checkpointing_enable({'use_reentrant': False})\n"
+            "else:\n"
+            "    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})\n"
             f"CHECKPOINT = {{{names}}}\n"
             "for name, mod in model.named_modules():\n"
             "    layer = any(c.__name__ == 'GradientCheckpointingLayer' for c in type(mod).__mro__)\n"
