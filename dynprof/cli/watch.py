@@ -301,9 +301,10 @@ class VerdictPrinter:
             return
         age = f"{stall.age_s:.1f} s ago" if stall.age_s is not None else "never"
         state = "STALLED" if stall.stalled else "ok"
+        confirm = f"; a hang to be confirmed, looking again in {tick.confirm_in_s:.0f} s" if tick.confirm_in_s else ""
         print(
             f"dynprof: watch: {state}: {tick.ranks} rank(s), last step {stall.last_step} {age} "
-            f"(stall after {stall.stall_after_s:.0f} s)",
+            f"(stall after {stall.stall_after_s:.0f} s){confirm}",
             file=sys.stderr,
             flush=True,
         )

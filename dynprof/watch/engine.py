@@ -49,6 +49,7 @@ DEFAULT_INTERVAL_S = 5.0
 DEFAULT_LOOK_INTERVAL_S = 3.0
 DEFAULT_STACKS_TIMEOUT_S = 10.0
 DEFAULT_HOOK_TIMEOUT_S = 30.0
+ONCE_CONFIRM_LOOKS = 2  # --once: looks again at most this many times to confirm a hang it found
 MAX_STACKS_EVIDENCE_GROUPS = 50
 FLIGHT_RECORDER_OFF = "not on for this job (`dynprof run --flight-recorder`)"
 """The flight-recorder note of a verdict on a job whose ranks record nothing (a source's answer
@@ -238,6 +239,7 @@ class Episode:
     waiting_key: tuple[Any, ...] | None = None
     waiting_since: float | None = None
     next_look_at: float = 0.0  # after a verdict, the next look waits (the ranks are not paused for nothing)
+    confirm_at: float | None = None  # the last look's decision was pending: it can be confirmed then
 
 
 @dataclass
@@ -267,6 +269,9 @@ class Tick:
     artifact: str | None = None
     ended: bool = False
     note: str = ""
+    # A look found a hang still to be confirmed: it can be called this many seconds from now
+    # (``--once`` looks again then, instead of ending with nothing said).
+    confirm_in_s: float | None = None
 
 
 class WatchEngine:
@@ -314,6 +319,15 @@ class WatchEngine:
             tick = self.tick(force_look=once)
             if self.on_tick is not None:
                 self.on_tick(tick)
+            # One check that found a hang still to be confirmed (every rank waits for its GPU;
+            # the only culprits move) looks again once it can be: it says what it found.
+            looks = 0
+            while once and tick.confirm_in_s is not None and looks < ONCE_CONFIRM_LOOKS and not self._stop.is_set():
+                looks += 1
+                self._sleep(tick.confirm_in_s)
+                tick = self.tick(force_look=True)
+                if self.on_tick is not None:
+                    self.on_tick(tick)
             if once or tick.ended:
                 break
             self._sleep(max(0.0, self.config.interval_s - (time.monotonic() - started)))
@@ -414,7 +428,13 @@ class WatchEngine:
             self.episode = Episode(detected_at=now, started_at=started)
         if now < self.episode.next_look_at and not force_look:
             return Tick(len(rows), failed, stall, note="stalled; looked at already")
+        self.episode.confirm_at = None
         verdict, artifact = self._look_and_decide(rows, gone, failed, stall)
+        confirm_at = self.episode.confirm_at if self.episode is not None else None
+        if verdict is None and confirm_at is not None:
+            wait = max(0.0, confirm_at - self.clock())
+            note = f"stalled; a hang to be confirmed in {wait:.1f} s"
+            return Tick(len(rows), failed, stall, note=note, confirm_in_s=wait)
         return Tick(len(rows), failed, stall, verdict=verdict, artifact=artifact)
 
     def _set_stalled(self, value: bool) -> None:
@@ -498,6 +518,7 @@ class WatchEngine:
                 if more:
                     health.update(self._healthcheck(more))
         if decision.kind == "pending":
+            episode.confirm_at = looked + max(0.0, confirm - (waited or 0.0))
             return None, None
         # Said (or to be said again only if it changes): look again in half a stall time, not
         # every round: each look reads every rank's stacks twice.

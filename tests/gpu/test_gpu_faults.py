@@ -41,20 +41,23 @@ def _free_port() -> str:
         return str(s.getsockname()[1])
 
 
-def _start(spawn, job: str, fault: str, *extra: str) -> list[int]:
+def _start(spawn, job: str, fault: str, *extra: str, env_extra: dict[str, str] | None = None) -> list[int]:
     """Rank 0's and rank 1's pids, once each is where the test wants it."""
     port = _free_port()
     targets = []
     for rank in range(2):
         env = {"RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
         env["DYNPROF_JOB_ID"] = job
+        env.update(env_extra or {})
         args = ["-m", "dynprof", "run", "-q", "--", sys.executable, PROGRAM, "--fault", fault, *extra]
         targets.append(spawn(args, under_run=False, env=env))
     return [t.ready_pids(timeout=240)[0] for t in targets]
 
 
-def _watch_once(cli, job: str) -> tuple[int, list[dict], str]:
-    out = cli("watch", "--job", job, "--once", "--json", "--stall-after", "3", "--look-interval", "1", timeout=300)
+def _watch_once(cli, job: str, stall_after: str = "3") -> tuple[int, list[dict], str]:
+    out = cli(
+        "watch", "--job", job, "--once", "--json", "--stall-after", stall_after, "--look-interval", "1", timeout=300
+    )
     events = [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
     return out.returncode, [e["verdict"] for e in events if "verdict" in e], out.stderr
 
@@ -102,6 +105,51 @@ def test_busy_phases_on_the_gpu_are_not_a_hang(spawn, cli, fault, run):
         # THEN never a hang
         assert rc != 20, err
     assert "hang" not in kinds
+
+
+@pytest.mark.parametrize("run", RUNS)
+def test_every_rank_waiting_for_its_gpu_is_a_hang_on_the_devices(spawn, cli, run):
+    # GIVEN every rank blocked behind its own endless kernel, in .item()
+    job = f"gpuallitem{run}"
+    _start(spawn, job, "item", "--at-step", "5", "--fault-rank", "-1")
+    time.sleep(4.0)
+    # WHEN the watch looks once
+    rc, verdicts, err = _watch_once(cli, job)
+    # THEN one hang on the devices: every rank named, each waiting for its GPU in the copy
+    assert rc == 20 and len(verdicts) == 1, err
+    v = verdicts[0]
+    t = v["evidence"]["timing"]
+    print(
+        f"\nVERDICT-ROW all-ranks-item run={run} kind={v['kind']} detection_s={t['detection_s']} verdict_s={t['verdict_s']}"
+    )
+    print(v["conclusion"])
+    assert v["kind"] == "hang"
+    assert "every rank waits for its GPU" in v["conclusion"] and "the hang is on the devices" in v["conclusion"]
+    assert sorted(c["rank"] for c in v["culprits"]) == [0, 1]
+    for r in v["ranks"]:
+        assert r["state"].startswith("waiting for its GPU in a device-to-host copy"), r
+
+
+@pytest.mark.parametrize("run", RUNS)
+def test_torch_compile_warm_up_on_the_gpu_is_not_a_hang(spawn, cli, run):
+    # GIVEN two ranks in their first step under torch.compile (max-autotune, Inductor's caches
+    # off): tens of seconds of compiling and autotuning kernels on the GPU before any step
+    job = f"gpubusycompile{run}"
+    _start(spawn, job, "compile", env_extra={"TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1"})
+    time.sleep(6.0)  # past the stall time below
+    # WHEN the watch looks once, three times over, during the warm-up
+    kinds = []
+    for _ in range(3):
+        rc, verdicts, err = _watch_once(cli, job, stall_after="5")
+        kinds += [v["kind"] for v in verdicts]
+        print(f"\nVERDICT-ROW busy-compile run={run} rc={rc} kinds={[v['kind'] for v in verdicts]}")
+        for v in verdicts:
+            print(v["conclusion"])
+        # THEN never a hang
+        assert rc != 20, err
+    assert "hang" not in kinds
+    # AND the looks were made during the warm-up: the job was seen stalled before its first step
+    assert "busy" in kinds, kinds
 
 
 STRAGGLERS = {

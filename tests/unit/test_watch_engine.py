@@ -417,3 +417,54 @@ def test_a_rank_whose_agent_never_answered_this_watch_is_said_with_its_last_step
     # and the printed table says it is not known
     (line,) = [ln for ln in render_verdict_text(verdict).splitlines() if ln.startswith("  3 ")]
     assert line.split()[:4] == ["3", "node-2", "?", "-"], line
+
+
+class SpinningSource(FakeSource):
+    """Ranks 0-2 wait in all_reduce; rank 3 spins in Python (its stack changes at every read):
+    the only culprit moves, so the hang waits to be confirmed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stuck = True
+        self._last = self.t  # its last step
+
+    def stacks(self, job: str, native: dict[str, list[int]]) -> StacksRead:
+        read = super().stacks(job, native)
+        line = 10 + self.stack_reads
+        for p in read.stacks.processes:
+            if p.rank == 3:
+                p.threads[0].frames[:] = [Frame("spin", "/job/train.py", line), Frame("main", "/job/train.py", 9)]
+        return read
+
+
+def test_once_looks_again_to_confirm_a_hang_instead_of_saying_nothing():
+    # GIVEN a stalled job whose only culprit moves (confirmed after half the 5 s stall time)
+    source = SpinningSource()
+    slept: list[float] = []
+
+    def sleep(s: float) -> None:
+        slept.append(s)
+        source.t += s
+
+    said: list[Verdict] = []
+    ticks = []
+    config = WatchConfig(job="j", interval_s=1.0, stall_after_s=5.0, look_interval_s=0.0)
+    engine = WatchEngine(
+        config,
+        source,
+        on_verdict=lambda v, p: said.append(v),
+        on_tick=ticks.append,
+        clock=lambda: source.t,
+        sleep=sleep,
+    )
+    for _ in range(8):  # the stall begins
+        source.t += 1.0
+    # WHEN the watch checks once
+    engine.run(once=True)
+    # THEN its first look left the hang to be confirmed, it looked again when it could be,
+    # and said the hang, naming the spinning rank
+    assert ticks[0].verdict is None and ticks[0].confirm_in_s is not None, ticks[0]
+    assert "to be confirmed" in ticks[0].note
+    assert slept and slept[0] == ticks[0].confirm_in_s
+    assert [v.kind for v in said] == ["hang"], [v.conclusion for v in said]
+    assert [(c.rank, c.host) for c in said[0].culprits] == [(3, "node-2")]

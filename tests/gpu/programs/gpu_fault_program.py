@@ -9,8 +9,10 @@ Faults that block the rank behind a GPU kernel that spins for minutes (``torch.c
 Stragglers, every step: ``gpu-compute`` (extra matmuls), ``host-launch`` (thousands of tiny
 kernels), ``h2d-input`` (a large pageable batch copied in), ``data-loading`` (a slow loader).
 Busy phases that are not hangs (on every rank): ``checkpoint`` (CUDA tensors saved for
-``--busy-seconds``), ``eval`` (an evaluation loop of that length), ``compile`` (torch.compile's
-first step). ``none``: an even job. The GPU's side of a hang (the step's CUDA event):
+``--busy-seconds``), ``eval`` (an evaluation loop of that length), ``compile`` (the first step of
+a deeper model under ``torch.compile(mode="max-autotune-no-cudagraphs")``, Inductor's caches off:
+tens of seconds of compiling and autotuning on the GPU; READY is said before it begins).
+``--fault-rank -1``: every rank does the fault (every rank blocked behind its own endless kernel). ``none``: an even job. The GPU's side of a hang (the step's CUDA event):
 ``step-behind-kernel`` (the endless kernel is queued before the optimizer step, whose work then
 never finishes, and ``.item()`` waits for it), ``host-sleep`` (the step's work finished and
 synchronized, then the rank sleeps on the host).
@@ -113,13 +115,18 @@ def main() -> int:
     rank = dist.get_rank()
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
-    faulty = rank == args.fault_rank
+    faulty = args.fault_rank < 0 or rank == args.fault_rank
     w = args.width
-    model = torch.nn.Sequential(torch.nn.Linear(w, w), torch.nn.ReLU(), torch.nn.Linear(w, w)).to(device)
+    layers: list[torch.nn.Module] = [torch.nn.Linear(w, w), torch.nn.ReLU(), torch.nn.Linear(w, w)]
+    if args.fault == "compile":  # a deeper model, so that compiling and autotuning it takes a while
+        for _ in range(12):
+            layers += [torch.nn.LayerNorm(w), torch.nn.Linear(w, 2 * w), torch.nn.GELU(), torch.nn.Linear(2 * w, w)]
+    model = torch.nn.Sequential(*layers).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     step_fn = model
     if args.fault == "compile":
-        step_fn = torch.compile(model)  # type: ignore[assignment]
+        step_fn = torch.compile(model, mode="max-autotune-no-cudagraphs")  # type: ignore[assignment]
+        ready()  # before the first step: the warm-up is what the watch looks at
     delay = 0.03 if (args.fault == "data-loading" and faulty) else 0.0
     loader = torch.utils.data.DataLoader(SlowData(1 << 30, w, delay), batch_size=1, num_workers=0)
     batches = iter(loader)
@@ -168,7 +175,7 @@ def main() -> int:
                 with torch.no_grad():
                     while time.monotonic() < until:
                         model(x).sum().item()
-            else:
+            elif args.fault != "compile":
                 ready()
         reduce_gradients(model)
         opt.step()
