@@ -35,6 +35,17 @@ BLOCKING = {
 }
 
 
+def _row(*lines: str) -> None:
+    """Print a row of the verdict table (and what it said); with ``DYNPROF_GPU_ROWS`` set, also
+    append it to that file (pytest-xdist workers' output is not shown)."""
+    text = "\n".join(lines)
+    print("\n" + text)
+    rows = os.environ.get("DYNPROF_GPU_ROWS")
+    if rows:
+        with open(rows, "a") as f:
+            f.write(text + "\n")
+
+
 def _free_port() -> str:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -76,8 +87,10 @@ def test_a_rank_blocked_behind_its_gpu_is_named_waiting_for_its_gpu(spawn, cli, 
     assert rc == 20 and len(verdicts) == 1, err
     v = verdicts[0]
     t = v["evidence"]["timing"]
-    print(f"\nVERDICT-ROW {fault} run={run} kind={v['kind']} detection_s={t['detection_s']} verdict_s={t['verdict_s']}")
-    print(v["conclusion"])
+    _row(
+        f"VERDICT-ROW {fault} run={run} kind={v['kind']} detection_s={t['detection_s']} verdict_s={t['verdict_s']}",
+        v["conclusion"],
+    )
     assert v["kind"] == "hang"
     assert [(c["rank"], c["host"]) for c in v["culprits"]] == [(1, detect().host)]
     assert f"waits for its GPU in {call} ({op} at " in v["conclusion"], v["conclusion"]
@@ -99,9 +112,10 @@ def test_busy_phases_on_the_gpu_are_not_a_hang(spawn, cli, fault, run):
     for _ in range(3):
         rc, verdicts, err = _watch_once(cli, job)
         kinds += [v["kind"] for v in verdicts]
-        print(f"\nVERDICT-ROW busy-{fault} run={run} rc={rc} kinds={[v['kind'] for v in verdicts]}")
-        for v in verdicts:
-            print(v["conclusion"])
+        _row(
+            f"VERDICT-ROW busy-{fault} run={run} rc={rc} kinds={[v['kind'] for v in verdicts]}",
+            *[v["conclusion"] for v in verdicts],
+        )
         # THEN never a hang
         assert rc != 20, err
     assert "hang" not in kinds
@@ -119,10 +133,10 @@ def test_every_rank_waiting_for_its_gpu_is_a_hang_on_the_devices(spawn, cli, run
     assert rc == 20 and len(verdicts) == 1, err
     v = verdicts[0]
     t = v["evidence"]["timing"]
-    print(
-        f"\nVERDICT-ROW all-ranks-item run={run} kind={v['kind']} detection_s={t['detection_s']} verdict_s={t['verdict_s']}"
+    _row(
+        f"VERDICT-ROW all-ranks-item run={run} kind={v['kind']} detection_s={t['detection_s']} verdict_s={t['verdict_s']}",
+        v["conclusion"],
     )
-    print(v["conclusion"])
     assert v["kind"] == "hang"
     assert "every rank waits for its GPU" in v["conclusion"] and "the hang is on the devices" in v["conclusion"]
     assert sorted(c["rank"] for c in v["culprits"]) == [0, 1]
@@ -142,9 +156,10 @@ def test_torch_compile_warm_up_on_the_gpu_is_not_a_hang(spawn, cli, run):
     for _ in range(3):
         rc, verdicts, err = _watch_once(cli, job, stall_after="5")
         kinds += [v["kind"] for v in verdicts]
-        print(f"\nVERDICT-ROW busy-compile run={run} rc={rc} kinds={[v['kind'] for v in verdicts]}")
-        for v in verdicts:
-            print(v["conclusion"])
+        _row(
+            f"VERDICT-ROW busy-compile run={run} rc={rc} kinds={[v['kind'] for v in verdicts]}",
+            *[v["conclusion"] for v in verdicts],
+        )
         # THEN never a hang
         assert rc != 20, err
     assert "hang" not in kinds
@@ -180,8 +195,10 @@ def test_gpu_stragglers_are_named_with_their_cause_and_an_even_job_names_none(sp
             f.write(result.stdout)
         _keep_traces(data, os.path.join(keep, job))
     s = data["straggler"]
-    print(f"\nVERDICT-ROW straggler-{fault} run={run} rank={s and s['rank']} cause={s and s.get('cause')}")
-    print(s["reason"] if s else data["straggler_check"])
+    _row(
+        f"VERDICT-ROW straggler-{fault} run={run} rank={s and s['rank']} cause={s and s.get('cause')}",
+        s["reason"] if s else data["straggler_check"],
+    )
     # THEN the ranks' traces say the one GPU they share (its UUID, from each trace's manifest)
     devices = {r["device"] for r in data["ranks"]}
     assert len(devices) == 1 and str(next(iter(devices))).startswith("GPU-"), data["ranks"]
@@ -246,8 +263,7 @@ def test_the_verdict_says_whether_the_hung_ranks_gpu_work_finished(spawn, cli, f
     # and the hang's verdict says what rank 1's GPU does, in its conclusion and evidence
     assert rc == 20 and len(verdicts) == 1, err
     v = verdicts[0]
-    print(f"\nVERDICT-ROW gpu-side-{fault} run={run} kind={v['kind']} marked_step={g.step} done={g.done}")
-    print(v["conclusion"])
+    _row(f"VERDICT-ROW gpu-side-{fault} run={run} kind={v['kind']} marked_step={g.step} done={g.done}", v["conclusion"])
     assert v["kind"] == "hang"
     assert [(c["rank"], c["host"]) for c in v["culprits"]] == [(1, detect().host)]
     (item,) = v["evidence"]["gpu"]
