@@ -51,6 +51,9 @@ def install(agent: Agent) -> None:
                 device_uuid=gpu.device_uuid,
                 note=gpu.note,
                 coredump_armed=gpu.coredump_armed,
+                probed=gpu.probed,
+                probe_done=gpu.probe_done,
+                probe_age_s=gpu.probe_age_s,
             ),
         )
 

@@ -15,12 +15,23 @@ marked, so on steps of 1 ms the record's ~11 us (measured on an H200) is paid on
 capture it records nothing. Without CUDA it costs one ``torch.cuda.is_initialized()`` call per step
 (``scripts/bench_gpu_step.py`` measures both). Any failure turns the marker off for the
 process, with one log line; the training step never sees it.
+
+**The progress probe.** Once the rank has not stepped for ``PROBE_AFTER_S``, each status answer
+reports the probe recorded at the previous answer (``probe_done``: the GPU finished everything
+queued on the device's default stream before it; ``probe_age_s``) and records a new one there:
+a rank whose main thread spins in a CUDA wait while its GPU finishes work is busy (an evaluation
+loop that syncs at every batch), one whose GPU has not finished work queued seconds ago waits for
+its GPU. Only where the marked steps run on the default stream (which no CUDA graph capture can
+use), and only from a thread whose CUDA stream-capture mode is relaxed (``_capture_relaxed``), so
+that nothing the agent's thread calls can invalidate a capture of the job's own threads.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +40,48 @@ log = logging.getLogger("dynprof.agent")
 
 MAX_KNOWN_OPTIMIZERS = 256
 MIN_GAP_S = 0.010  # at most one record per this much wall time (see the module's docstring)
+PROBE_AFTER_S = 2.0  # the progress probe runs once the last marked step is this old
+CAPTURE_MODE_RELAXED = 2  # cudaStreamCaptureModeRelaxed (driver_types.h)
+
+_thread_state = threading.local()
+_cudart_lib: list[Any] = []  # [the process's libcudart, or None], found once
+
+
+def _cudart() -> Any:
+    """The CUDA runtime library this process already loaded (never loads one), or None."""
+    if not _cudart_lib:
+        lib = None
+        try:
+            with open("/proc/self/maps") as maps:
+                paths = {line.split()[-1] for line in maps if "libcudart.so" in line and "/" in line}
+            for path in sorted(paths):
+                try:
+                    lib = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+                    break
+                except OSError:
+                    continue
+        except OSError:
+            lib = None
+        _cudart_lib.append(lib)
+    return _cudart_lib[0]
+
+
+def _capture_relaxed() -> bool:
+    """Put this thread's CUDA stream-capture mode to relaxed, once per thread: then no CUDA call
+    it makes is refused, or invalidates a capture, because another thread of the job captures a
+    CUDA graph in the default (global) mode. False where it could not be done."""
+    done = getattr(_thread_state, "relaxed", None)
+    if done is None:
+        done = False
+        try:
+            lib = _cudart()
+            if lib is not None:
+                mode = ctypes.c_int(CAPTURE_MODE_RELAXED)
+                done = lib.cudaThreadExchangeStreamCaptureMode(ctypes.byref(mode)) == 0
+        except Exception:
+            done = False
+        _thread_state.relaxed = done
+    return bool(done)
 
 
 @dataclass(slots=True)
@@ -43,6 +96,9 @@ class GpuStepLook:
     device_uuid: str = ""
     note: str = ""
     coredump_armed: bool = False  # the driver's user-triggered GPU core dump is armed here
+    probed: bool = False  # a progress probe is reported (see the module's docstring)
+    probe_done: bool = False
+    probe_age_s: float = 0.0
 
 
 class GpuStepMarker:
@@ -53,8 +109,11 @@ class GpuStepMarker:
         self.enabled = True
         self.off_reason = ""
         self._events: list[Any] = []  # two torch.cuda.Event, made at the first step on CUDA
-        # [step, time.monotonic() of the record, device index] of each event, mutated in place
-        self._marks: list[list[Any]] = [[0, 0.0, -1], [0, 0.0, -1]]
+        # [step, time.monotonic() of the record, device index, on the default stream] of each
+        # event, mutated in place
+        self._marks: list[list[Any]] = [[0, 0.0, -1, False], [0, 0.0, -1, False]]
+        self._probe: Any = None  # the progress probe's event, made at its first record
+        self._probe_at: float | None = None  # time.monotonic() of its last record
         self._slot = -1  # the event recorded last; -1: none yet
         self._last_record = float("-inf")  # time.monotonic() of the last record (MIN_GAP_S apart at least)
         self._on_cuda: dict[int, bool] = {}  # id(optimizer) -> its parameters are on CUDA
@@ -87,6 +146,7 @@ class GpuStepMarker:
             mark[1] = now
             self._last_record = now
             mark[2] = stream.device_index
+            mark[3] = stream.cuda_stream == 0  # the device's default (legacy) stream
             self._slot = slot
         except Exception as exc:  # the training step must never see our failure
             self._turn_off("recording", exc)
@@ -116,14 +176,35 @@ class GpuStepMarker:
         slot = self._slot
         if slot < 0 or not self._events:
             return GpuStepLook(False, note="no optimizer step on CUDA yet")
-        step, at, device = self._marks[slot]
+        step, at, device, on_default = self._marks[slot]
         try:
+            relaxed = _capture_relaxed()
             done = bool(self._events[slot].query())
             uuid = self._uuid(torch, device)
+            found = GpuStepLook(True, int(step), done, max(0.0, self._clock() - at), int(device), uuid)
+            if relaxed and on_default and self._clock() - at >= PROBE_AFTER_S:
+                self._run_probe(torch, int(device), found)
+            else:
+                self._probe_at = None  # stepping again (or no probe here): a new stall starts afresh
         except Exception as exc:
             self._turn_off("querying", exc)
             return GpuStepLook(False, note=f"off for this process: {self.off_reason}"[:300])
-        return GpuStepLook(True, int(step), done, max(0.0, self._clock() - at), int(device), uuid)
+        return found
+
+    def _run_probe(self, torch: Any, device: int, found: GpuStepLook) -> None:
+        """Report the last probe into ``found``, then record a new one on the device's default
+        stream (see the module's docstring)."""
+        cuda = torch.cuda
+        now = self._clock()
+        if self._probe is not None and self._probe_at is not None:
+            found.probed = True
+            found.probe_done = bool(self._probe.query())
+            found.probe_age_s = max(0.0, now - self._probe_at)
+        if self._probe is None:
+            self._probe = cuda.Event()
+        with cuda.device(device):
+            self._probe.record(cuda.default_stream(device))
+        self._probe_at = now
 
     def device_identity(self, torch: Any) -> dict[str, Any] | None:
         """The CUDA device of the latest marked step, ``{"index", "uuid"}`` (the UUID names the

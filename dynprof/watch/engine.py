@@ -456,6 +456,11 @@ class WatchEngine:
         wait = self.config.look_interval_s - (self.clock() - look_started)
         if wait > 0:
             self._sleep(wait)
+        # read now: the CPU a rank spent is measured across the look, which the nodes' last polls
+        # (every few seconds) may not span; and each CUDA rank's progress probe says whether its
+        # GPU finished what was queued before the look (dynprof/agent/_gpu_step.py)
+        after_rows, _ = self.poll(fresh=True)
+        after = {(node, r.pid): r for node, r in after_rows}
         native: dict[str, list[int]] = {}
         seen_first = _by_process(first.stacks)
         in_collective = {key: _in_python_collective(p) for key, p in seen_first.items()}
@@ -466,17 +471,19 @@ class WatchEngine:
                 continue
             if r.agent == "unresponsive":
                 native.setdefault(node, []).append(r.pid)
-            elif others_wait and not in_collective.get((node, r.pid), False) and candidates < MAX_NATIVE_CANDIDATES:
+            elif (
+                not in_collective.get((node, r.pid), False)
+                and candidates < MAX_NATIVE_CANDIDATES
+                and (others_wait or _gpu_behind(after.get((node, r.pid))))
+            ):
                 # read natively the ranks that do not wait with the others (the culprits to be):
                 # where one is in C (a CUDA synchronize behind a long kernel) is its native frame.
-                # Not when no rank waits (all busy): a native read costs a node far more.
+                # When no rank waits, only those whose GPU has not finished work queued a while
+                # ago (all ranks behind their GPUs: a hang on the devices): a native read costs
+                # a node far more, and a busy phase needs none.
                 candidates += 1
                 native.setdefault(node, []).append(r.pid)
         second = self.source.stacks(self.config.job, native)
-        # read now: the CPU a rank spent is measured across the two samples, which the nodes'
-        # last polls (every few seconds) may not span
-        after_rows, _ = self.poll(fresh=True)
-        after = {(node, r.pid): r for node, r in after_rows}
         first_by = _by_process(first.stacks)
         second_by = _by_process(second.stacks)
         unread = {**first.failures, **second.failures, **second.stacks.failures}
@@ -698,6 +705,12 @@ class WatchEngine:
 
 
 MAX_NATIVE_CANDIDATES = 64  # ranks read natively in one look for not waiting with the others
+GPU_BEHIND_S = 1.0  # a rank's GPU is behind when work queued this long ago has not finished
+
+
+def _gpu_behind(row: RankProgress | None) -> bool:
+    """Its agent's progress probe says its GPU has not finished work queued a while ago."""
+    return row is not None and row.gpu_step is not None and row.gpu_step.gpu_behind(GPU_BEHIND_S)
 
 
 def _in_python_collective(p: ProcessStacks | None) -> bool:

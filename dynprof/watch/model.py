@@ -100,6 +100,10 @@ class GpuStep:
     device: int | None = None  # the CUDA device index in the process
     device_uuid: str = ""  # "GPU-...", "" if unknown
     coredump_armed: bool = False  # the driver's user-triggered GPU core dump is armed in it
+    # The agent's progress probe (dynprof/agent/_gpu_step.py), once the rank has not stepped for a
+    # while: whether the GPU finished what was queued on its default stream ``probe_age_s`` ago.
+    probe_done: bool | None = None  # None: no probe reported
+    probe_age_s: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -109,7 +113,12 @@ class GpuStep:
             "device": self.device,
             "device_uuid": self.device_uuid,
             "coredump_armed": self.coredump_armed,
+            "probe": None if self.probe_done is None else {"done": self.probe_done, "age_s": self.probe_age_s},
         }
+
+    def gpu_behind(self, at_least_s: float) -> bool:
+        """The GPU has not finished work queued at least ``at_least_s`` ago (the probe says so)."""
+        return self.probe_done is False and self.probe_age_s >= at_least_s
 
     @classmethod
     def from_json(cls, d: Any) -> GpuStep | None:
@@ -121,6 +130,12 @@ class GpuStep:
         age = _float(d.get("age_s"))
         if step is None or not isinstance(done, bool) or age is None or not 0.0 <= age <= 1e9:
             return None
+        probe = d.get("probe")
+        probe_done, probe_age = None, 0.0
+        if isinstance(probe, dict) and isinstance(probe.get("done"), bool):
+            p_age = _float(probe.get("age_s"))
+            if p_age is not None and 0.0 <= p_age <= 1e9:
+                probe_done, probe_age = probe["done"], p_age
         return cls(
             step=step,
             done=done,
@@ -128,6 +143,8 @@ class GpuStep:
             device=_bounded_int(d.get("device"), 0, MAX_GPU_DEVICE),
             device_uuid=_text(d.get("device_uuid"), 100) or "",
             coredump_armed=d.get("coredump_armed") is True,
+            probe_done=probe_done,
+            probe_age_s=probe_age,
         )
 
 

@@ -137,6 +137,7 @@ def _gpu_step(status: object) -> GpuStep | None:
             "device": int(g.device),
             "device_uuid": str(g.device_uuid),
             "coredump_armed": bool(g.coredump_armed),
+            "probe": {"done": bool(g.probe_done), "age_s": float(g.probe_age_s)} if g.probed else None,
         }
     )
 

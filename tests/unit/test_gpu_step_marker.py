@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from dynprof.agent import _core_handlers
-from dynprof.agent._gpu_step import MIN_GAP_S, GpuStepMarker
+from dynprof.agent._gpu_step import MIN_GAP_S, PROBE_AFTER_S, GpuStepMarker
 from dynprof.agent._steps import StepTracker
 from dynprof.proto import pb
 
@@ -86,7 +86,9 @@ class FakeCuda:
     def __init__(self, initialized: bool = True, capturing: bool = False) -> None:
         self.initialized = initialized
         self.capturing = capturing
-        self.stream = types.SimpleNamespace(device_index=1)
+        self.stream = types.SimpleNamespace(device_index=1, cuda_stream=0)  # the default stream
+        self.default = types.SimpleNamespace(device_index=1, cuda_stream=0, name="default")
+        self.devices_entered: list[int] = []
 
     def is_initialized(self) -> bool:
         return self.initialized
@@ -99,6 +101,15 @@ class FakeCuda:
 
     def get_device_properties(self, device: int) -> Any:
         return types.SimpleNamespace(uuid="3f1c0000-aaaa-bbbb-cccc-000000000001")
+
+    def default_stream(self, device: int) -> Any:
+        return self.default
+
+    def device(self, device: int) -> Any:
+        import contextlib
+
+        self.devices_entered.append(device)
+        return contextlib.nullcontext()
 
 
 class FakeClock:
@@ -209,3 +220,67 @@ def test_a_failing_event_turns_the_marker_off_with_one_log_line_and_never_reache
     assert len(lines) == 1 and "illegal memory access" in lines[0]
     look = tracker.gpu.look(None)
     assert look.recorded is False and look.note.startswith("off for this process: recording its CUDA event failed")
+
+
+def _stalled_marker(monkeypatch: pytest.MonkeyPatch, relaxed: bool = True, side_stream: bool = False) -> Any:
+    """A marker whose last step (step 5, on device 1) was marked, then no step for 3 s."""
+    from dynprof.agent import _gpu_step
+
+    monkeypatch.setattr(_gpu_step, "_capture_relaxed", lambda: relaxed)
+    FakeEvent.made = 0
+    cuda = FakeCuda()
+    if side_stream:
+        cuda.stream = types.SimpleNamespace(device_index=1, cuda_stream=0x7F00)
+    fake = types.SimpleNamespace(cuda=cuda)
+    clock = FakeClock()
+    marker = GpuStepMarker(clock=clock)
+    marker.mark(fake, _optimizer(True), 5)
+    return marker, fake, clock
+
+
+def test_a_rank_that_stopped_stepping_gets_a_progress_probe_on_its_default_stream(monkeypatch):
+    # GIVEN a rank on CUDA whose last step was marked, and no step since
+    marker, fake, clock = _stalled_marker(monkeypatch)
+    # WHEN it is looked at before PROBE_AFTER_S has passed
+    clock.now += PROBE_AFTER_S / 2
+    look = marker.look(fake)
+    # THEN no probe: a rank that steps costs nothing more
+    assert look.probed is False and marker._probe is None
+    # WHEN it is looked at once that time has passed
+    clock.now += PROBE_AFTER_S
+    look = marker.look(fake)
+    # THEN a probe is recorded on the device's default stream (on its device), none reported yet
+    assert look.probed is False
+    assert marker._probe.recorded_on == [fake.cuda.default] and fake.cuda.devices_entered == [1]
+    # WHEN the next look comes 1.5 s later, the GPU still busy with what was queued before
+    clock.now += 1.5
+    look = marker.look(fake)
+    # THEN it says the probe has not finished after 1.5 s, and records the next one
+    assert (look.probed, look.probe_done, look.probe_age_s) == (True, False, 1.5)
+    assert len(marker._probe.recorded_on) == 2
+    # WHEN the GPU gets through its queue
+    marker._probe.finished = True
+    clock.now += 0.5
+    look = marker.look(fake)
+    # THEN the next look says so; and the status carries it
+    assert (look.probed, look.probe_done, look.probe_age_s) == (True, True, 0.5)
+    # WHEN the rank steps again
+    clock.now += 1.0
+    marker.mark(fake, _optimizer(True), 6)
+    look = marker.look(fake)
+    # THEN no probe is reported, and a later stall starts afresh
+    assert look.probed is False and marker._probe_at is None
+
+
+@pytest.mark.parametrize("relaxed, side_stream", [(False, False), (True, True)], ids=["capture-mode", "side-stream"])
+def test_no_probe_without_a_relaxed_capture_mode_or_off_the_default_stream(monkeypatch, relaxed, side_stream):
+    # GIVEN a stalled rank whose agent thread could not relax its capture mode, or whose steps
+    # run on a side stream (which a CUDA graph capture could be using)
+    marker, fake, clock = _stalled_marker(monkeypatch, relaxed=relaxed, side_stream=side_stream)
+    # WHEN it is looked at twice, long after its last step
+    for _ in range(2):
+        clock.now += 2 * PROBE_AFTER_S
+        look = marker.look(fake)
+    # THEN no probe was recorded, and the marker is still on
+    assert look.probed is False and marker._probe is None and marker.enabled
+    assert look.recorded is True and look.step == 5

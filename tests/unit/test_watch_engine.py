@@ -468,3 +468,91 @@ def test_once_looks_again_to_confirm_a_hang_instead_of_saying_nothing():
     assert slept and slept[0] == ticks[0].confirm_in_s
     assert [v.kind for v in said] == ["hang"], [v.conclusion for v in said]
     assert [(c.rank, c.host) for c in said[0].culprits] == [(3, "node-2")]
+
+
+class BehindGpuSource(FakeSource):
+    """Every rank stopped at the same line of the program, its main thread spinning (CPU) in a
+    CUDA device-to-host copy (the recorded H200 stacks of tests/data/gpu_stacks/item.json) when
+    read natively; each agent's progress probe says whether its GPU finished what was queued."""
+
+    def __init__(self, gpu_behind: bool) -> None:
+        super().__init__()
+        self.stuck = True
+        self._last = self.t
+        self.gpu_behind = gpu_behind
+        self.native_asked: list[dict[str, list[int]]] = []
+        from tests.unit.test_watch_detect import _gpu_stack
+
+        self.native_frames = _gpu_stack("item")
+        self.python_frames = [f for f in self.native_frames if not f.native]
+
+    def progress(self, job: str, fresh: bool = False) -> list[NodeRead]:
+        from dynprof.watch.model import GpuStep
+
+        reads = super().progress(job, fresh)
+        for read in reads:
+            for r in read.progress.ranks if read.progress else []:
+                r.cpu_s = 5.0 + self.t  # the CUDA runtime's wait spins
+                r.gpu_step = GpuStep(step=self.step, done=True, age_s=self.t - self._last, device=0)
+                r.gpu_step.probe_done, r.gpu_step.probe_age_s = (not self.gpu_behind), 2.0
+        return reads
+
+    def stacks(self, job: str, native: dict[str, list[int]]) -> StacksRead:
+        self.native_asked.append({n: list(p) for n, p in native.items()})
+        read = super().stacks(job, native)
+        for p in read.stacks.processes:
+            natively = p.pid in native.get(p.host or "", []) or any(p.pid in pids for pids in native.values())
+            p.threads[0].frames[:] = self.native_frames if natively else self.python_frames
+        return read
+
+
+def _once(source: FakeSource) -> tuple[list[Verdict], list[Any]]:
+    said: list[Verdict] = []
+    ticks: list[Any] = []
+    config = WatchConfig(job="j", interval_s=1.0, stall_after_s=5.0, look_interval_s=0.0)
+
+    def sleep(s: float) -> None:
+        source.t += s
+
+    engine = WatchEngine(
+        config,
+        source,
+        on_verdict=lambda v, p: said.append(v),
+        on_tick=ticks.append,
+        clock=lambda: source.t,
+        sleep=sleep,
+    )
+    for _ in range(8):
+        source.t += 1.0
+    engine.run(once=True)
+    return said, ticks
+
+
+def test_every_rank_behind_its_gpu_is_read_natively_and_called_a_hang_on_the_devices():
+    # GIVEN every rank spinning in a CUDA copy while its GPU has not finished work queued 2 s ago
+    source = BehindGpuSource(gpu_behind=True)
+    # WHEN the watch checks once
+    said, ticks = _once(source)
+    # THEN every rank was read natively (no rank waits in a collective), the hang was left to be
+    # confirmed, then said: on the devices, each rank waiting for its GPU in the copy
+    assert source.native_asked[0] == {} and sorted(p for pids in source.native_asked[1].values() for p in pids) == [
+        100,
+        101,
+        102,
+        103,
+    ]
+    assert ticks[0].confirm_in_s is not None
+    assert [v.kind for v in said] == ["hang"], [v.conclusion for v in said]
+    assert "every rank waits for its GPU" in said[0].conclusion and "the hang is on the devices" in said[0].conclusion
+    assert all(r["state"].startswith("waiting for its GPU in a device-to-host copy") for r in said[0].ranks)
+
+
+def test_ranks_whose_gpus_keep_up_are_busy_and_not_read_natively():
+    # GIVEN the same stacks, but each GPU finishes what is queued (an evaluation loop that syncs
+    # at every batch spins in the same copy)
+    source = BehindGpuSource(gpu_behind=False)
+    # WHEN the watch checks once
+    said, _ = _once(source)
+    # THEN no native read, and the job is busy, not hung
+    assert all(asked == {} for asked in source.native_asked)
+    assert [v.kind for v in said] == ["busy"], [v.conclusion for v in said]
