@@ -263,10 +263,14 @@ class LiveTensorBytes:
     What it does not see: memory an operator allocates and frees inside itself (a kernel's
     workspace) and storages made before that are not ``known`` (constant unless freed).
     ``peak`` is the highest ``current`` after any operator; with ``on_op`` the caller gets each
-    level instead and keeps its own peak. Used by the measurement, and as the CPU's "real peak"
-    of a run (scripts/bench_memory_plan.py, the tests)."""
+    level instead and keeps its own peak. With ``device``, only storages on that device count.
+    Used by the measurement, and as the CPU's "real peak" of a run (scripts/bench_memory_plan.py,
+    the tests)."""
 
-    def __init__(self, known: Iterable[Any] = (), on_op: Callable[[int], None] | None = None) -> None:
+    def __init__(
+        self, known: Iterable[Any] = (), on_op: Callable[[int], None] | None = None, device: Any = None
+    ) -> None:
+        self.device = device  # count only storages on this device (None: all)
         self.current = 0
         self.peak = 0
         self.ops = 0
@@ -286,6 +290,8 @@ class LiveTensorBytes:
 
         try:
             st = t.untyped_storage()
+            if self.device is not None and st.device != self.device:
+                return
             key = int(st._cdata)
             size = int(st.nbytes())
         except Exception:
@@ -515,7 +521,10 @@ class StepMeasurement:
         self._amp = _autocast_nested
         if self._cuda is None:
             self._calibrate()
-        self._meter = LiveTensorBytes(known, on_op=self._on_op)
+        # on CUDA, the measured device's storages only (the CPU's scalars are not its memory)
+        self._meter = LiveTensorBytes(
+            known, on_op=self._on_op, device=torch.device(self._device) if self._cuda else None
+        )
         self._meter.on_new = self._on_new
         self._plain, self._cached = [0], [0]
         self._recalibrate()
