@@ -1,31 +1,35 @@
 #!/usr/bin/env python3
 """Check the memory plan's predictions against real runs: three models, one plan each.
 
-For each model (a decoder-only transformer, a ViT, a ResNet; synthetic data), on CUDA (or the
-CPU with --device cpu, small sizes):
+For each model (a decoder-only transformer, a ViT-B/16, a ResNet-50 with torchvision's layout;
+synthetic data; bf16 autocast and AdamW with foreach, as on CUDA by default):
 
-1. train a few steps, then measure one with :func:`collectors.memory.plan_capture.measure_step`;
+1. train two steps, take the real peak of a third, then measure one with
+   :func:`collectors.memory.plan_capture.measure_step` (``reset_peak``: this is the
+   benchmark's own process);
 2. plan for a budget of --budget-fraction (0.6) of the measured peak;
-3. run again with the chosen modules wrapped in ``torch.utils.checkpoint`` (non-reentrant),
-   and again with every block wrapped;
-4. print the measured peak before, the predicted peak, the real peak after, the budget, the
-   predicted and real step-time increase, and, for the plan and for checkpointing every
-   block, the memory saved per added millisecond.
+3. run again with the chosen modules wrapped in ``torch.utils.checkpoint`` (non-reentrant, the
+   plan's recipe), and again with every block wrapped: the real peaks;
+4. time the three configurations in turn, --steps rounds (medians);
+5. print the acceptance table: peak before, budget, predicted and real peak after, the error,
+   under the budget or not, predicted and real added step time, the error, and the memory saved
+   per added millisecond (real) for the plan and for checkpointing every block; then every
+   block's predicted and real peak and time.
 
-Needs only torch (and dynprof from this checkout). Peaks are ``torch.cuda.max_memory_allocated``
-after ``reset_peak_memory_stats`` (this is the benchmark's own process); step times are the
-median of --steps steps, synchronised. On the CPU the peak is the measurement's own sum
-(parameters, gradients, optimizer state, saved tensors) and the "real" peak after is measured
-the same way with checkpointing on, which the saved-tensor hooks see through
-``torch.utils.checkpoint``'s own.
+The real peak is ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats`` on CUDA;
+on the CPU it is the live tensor bytes after every operator (:class:`LiveTensorBytes`, run
+alone), and step times are this process's CPU time with one torch thread (a shared machine's
+other load does not count; the CPU's times are still noisy, its memory is not). Needs only
+torch (and dynprof from this checkout).
 
-    python scripts/bench_memory_plan.py --out /tmp/plan.json            # H200: < 3 minutes
-    python scripts/bench_memory_plan.py --device cpu --out /tmp/plan.json
+    python3 scripts/bench_memory_plan.py --out /tmp/plan.json               # CUDA, sized for an H200
+    python3 scripts/bench_memory_plan.py --device cpu --out /tmp/plan.json  # small models, ~30 s
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -40,7 +44,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint as cp
 
 from collectors.memory.plan import from_json, make_plan, predict
-from collectors.memory.plan_capture import find_blocks, measure_step
+from collectors.memory.plan_capture import LiveTensorBytes, find_blocks, measure_step
 
 GIB = 1024**3
 
@@ -114,41 +118,44 @@ class Bottleneck(torch.nn.Module):
         self.bn2 = torch.nn.BatchNorm2d(width)
         self.conv3 = torch.nn.Conv2d(width, cout, 1, bias=False)
         self.bn3 = torch.nn.BatchNorm2d(cout)
-        self.down = (
+        self.relu = torch.nn.ReLU(inplace=True)
+        self.downsample = (
             torch.nn.Sequential(torch.nn.Conv2d(cin, cout, 1, stride, bias=False), torch.nn.BatchNorm2d(cout))
             if stride != 1 or cin != cout
             else None
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.relu(self.bn1(self.conv1(x)))
-        y = F.relu(self.bn2(self.conv2(y)))
+        y = self.relu(self.bn1(self.conv1(x)))
+        y = self.relu(self.bn2(self.conv2(y)))
         y = self.bn3(self.conv3(y))
-        return F.relu(y + (self.down(x) if self.down is not None else x))
+        return self.relu(y + (self.downsample(x) if self.downsample is not None else x))
 
 
 class ResNet(torch.nn.Module):
+    """torchvision's ResNet layout and names (conv1, bn1, layer1..layer4 of bottlenecks, fc)."""
+
     def __init__(self, depths: tuple[int, ...], classes: int, base: int = 64) -> None:
         super().__init__()
-        self.stem = torch.nn.Sequential(
-            torch.nn.Conv2d(3, base, 7, 2, 3, bias=False),
-            torch.nn.BatchNorm2d(base),
-            torch.nn.ReLU(),
-            torch.nn.MaxPool2d(3, 2, 1),
-        )
-        stages, cin = [], base
+        self.conv1 = torch.nn.Conv2d(3, base, 7, 2, 3, bias=False)
+        self.bn1 = torch.nn.BatchNorm2d(base)
+        self.relu = torch.nn.ReLU(inplace=True)
+        self.maxpool = torch.nn.MaxPool2d(3, 2, 1)
+        cin = base
         for i, n in enumerate(depths):
             width = base * 2**i
             blocks = []
             for j in range(n):
                 blocks.append(Bottleneck(cin, width, 2 if (j == 0 and i > 0) else 1))
                 cin = width * 4
-            stages.append(torch.nn.Sequential(*blocks))
-        self.stages = torch.nn.Sequential(*stages)
-        self.head = torch.nn.Linear(cin, classes)
+            self.add_module(f"layer{i + 1}", torch.nn.Sequential(*blocks))
+        self.fc = torch.nn.Linear(cin, classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.stages(self.stem(x)).mean((2, 3)))
+        x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
+        for i in range(1, 5):
+            x = getattr(self, f"layer{i}")(x)
+        return self.fc(x.mean((2, 3)))
 
 
 def build(name: str, device: torch.device, small: bool) -> tuple[torch.nn.Module, Any, Any]:
@@ -156,17 +163,17 @@ def build(name: str, device: torch.device, small: bool) -> tuple[torch.nn.Module
     classes = 10 if small else 1000
     model: torch.nn.Module
     if name == "decoder":
-        vocab, d, heads, layers, batch, seq = (256, 64, 4, 4, 4, 128) if small else (32000, 2048, 16, 24, 4, 4096)
+        vocab, d, heads, layers, batch, seq = (512, 128, 4, 8, 4, 256) if small else (32000, 2048, 16, 24, 4, 4096)
         model = Decoder(vocab, d, heads, layers)
         ids = torch.randint(0, vocab, (batch, seq + 1), device=device)
         return model, lambda: ids[:, :-1], lambda out: F.cross_entropy(out.flatten(0, 1).float(), ids[:, 1:].flatten())
     if name == "vit":
-        image, patch, d, heads, layers, batch = (32, 8, 32, 4, 4, 16) if small else (224, 16, 768, 12, 12, 256)
+        image, patch, d, heads, layers, batch = (64, 8, 96, 4, 6, 16) if small else (224, 16, 768, 12, 12, 256)
         model = ViT(image, patch, d, heads, layers, classes)
         x = torch.randn(batch, 3, image, image, device=device)
         y = torch.randint(0, classes, (batch,), device=device)
         return model, lambda: x, lambda out: F.cross_entropy(out.float(), y)
-    depths, image, batch, base = ((1, 1, 1, 1), 32, 4, 8) if small else ((3, 4, 6, 3), 224, 256, 64)
+    depths, image, batch, base = ((3, 4, 6, 3), 128, 8, 8) if small else ((3, 4, 6, 3), 224, 256, 64)
     model = ResNet(depths, classes, base)
     x = torch.randn(batch, 3, image, image, device=device)
     y = torch.randint(0, classes, (batch,), device=device)
@@ -191,20 +198,44 @@ def unwrap(restore: list[tuple[torch.nn.Module, Any]]) -> None:
         mod.forward = fwd  # type: ignore[method-assign]
 
 
-def run_steps(step: Any, device: torch.device, steps: int) -> tuple[int, float]:
-    """(peak bytes over the steps, median step seconds)."""
-    times = []
+def known_tensors(model: torch.nn.Module, opt: Any) -> list[torch.Tensor]:
+    """What lives before a step: parameters, gradients, optimizer state."""
+    out = [p for p in model.parameters()] + [p.grad for p in model.parameters() if p.grad is not None]
+    for per in opt.state.values():
+        out += [v for v in per.values() if isinstance(v, torch.Tensor)]
+    return out
+
+
+def real_peak(step: Any, device: torch.device, model: torch.nn.Module, opt: Any) -> int:
+    """One step's real peak: the CUDA allocator's (reset before it), or on the CPU the live
+    tensor bytes after each operator (:class:`LiveTensorBytes`, run alone: no plan hooks)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
-    for _ in range(steps):
-        t0 = time.perf_counter()
         step()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - t0)
-    peak = int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else 0
-    return peak, statistics.median(times)
+        torch.cuda.synchronize(device)
+        return int(torch.cuda.max_memory_allocated(device))
+    with LiveTensorBytes(known_tensors(model, opt)) as live:
+        step()
+    live.close()
+    return live.peak
+
+
+def clock(device: torch.device) -> Any:
+    """The step timer: wall time on CUDA (synchronised); on the CPU, this process's CPU time
+    (one torch thread: a shared machine's other load does not count)."""
+    return time.perf_counter if device.type == "cuda" else time.process_time
+
+
+def timed(step: Any, device: torch.device) -> float:
+    now = clock(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = now()
+    step()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return now() - t0
 
 
 def bench(name: str, device: torch.device, args: argparse.Namespace) -> dict[str, Any]:
@@ -212,11 +243,12 @@ def bench(name: str, device: torch.device, args: argparse.Namespace) -> dict[str
     small = device.type != "cuda"
     model, batch, loss_of = build(name, device, small)
     model.to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+    # foreach: what AdamW uses on CUDA by default (its temporaries are part of the peak)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    amp_on = device.type == "cuda" or args.cpu_amp
 
     def step() -> None:
-        with amp:
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp_on):
             loss = loss_of(model(batch()))
         loss.backward()
         opt.step()
@@ -224,121 +256,178 @@ def bench(name: str, device: torch.device, args: argparse.Namespace) -> dict[str
 
     for _ in range(2):  # warm up: the optimizer state exists, kernels are chosen
         step()
-    base_peak, base_s = run_steps(step, device, args.steps)
-    doc = measure_step(model, opt, step, reset_peak=True, overhead_of=base_s)
+    base_peak = real_peak(step, device, model, opt)
+    t0 = time.perf_counter()
+    doc = measure_step(model, opt, step, reset_peak=True, clock=clock(device))
+    measure_s = time.perf_counter() - t0
     m = from_json(doc)
     budget = int(m.peak_bytes * args.budget_fraction)
     plan = make_plan(m, budget=budget)
     chosen = set(plan["plan"]["modules"]) if plan["plan"] else set()
     every = {n for n, _ in find_blocks([model])}
+    pred_plan = predict(m, chosen)
     pred_every = predict(m, every)
 
-    def real(names: set[str]) -> tuple[int, float]:
+    def peak_of(names: set[str]) -> int:
         restore = checkpointed(model, names)
         try:
             step()
-            if device.type == "cuda":
-                return run_steps(step, device, args.steps)
-            after = from_json(measure_step(model, opt, step))
-            _, seconds = run_steps(step, device, args.steps)
-            return after.peak_bytes, seconds
+            return real_peak(step, device, model, opt)
         finally:
             unwrap(restore)
 
-    measured_peak = m.peak_bytes if device.type != "cuda" else base_peak
-    plan_peak, plan_s = real(chosen) if chosen else (measured_peak, base_s)
-    every_peak, every_s = real(every)
+    plan_peak = peak_of(chosen) if chosen else base_peak
+    every_peak = peak_of(every)
+    # step times: the three configurations in turn, round after round (a load that drifts
+    # weighs on all three alike); the medians
+    runs: dict[str, list[float]] = {"base": [], "plan": [], "every": []}
+    for _ in range(args.steps):
+        for key, names in (("base", set()), ("plan", chosen), ("every", every)):
+            restore = checkpointed(model, names)
+            try:
+                runs[key].append(timed(step, device))
+            finally:
+                unwrap(restore)
+    base_s, plan_s, every_s = (statistics.median(runs[k]) for k in ("base", "plan", "every"))
 
     def per_ms(saved: float, added_s: float) -> float | None:
         return round(saved / GIB / (added_s * 1000), 6) if added_s > 0 else None
 
+    def err(real: float, predicted: float | None) -> float | None:
+        return round((real - predicted) / predicted, 4) if predicted else None
+
     p = plan["plan"] or {}
+    predicted = pred_plan["predicted_peak_bytes"] if chosen else None
     out = {
         "model": name,
         "device": str(device),
         "blocks": len(m.blocks),
+        "block_names": [b.name for b in m.blocks],
         "measured_peak_bytes": m.peak_bytes,
-        "peak_over_steps_bytes": base_peak if device.type == "cuda" else None,
+        "peak_before_bytes": base_peak,
         "budget_bytes": budget,
+        "margin_bytes": plan["margin_bytes"],
         "status": plan["status"],
         "chosen": sorted(chosen),
-        "predicted_peak_bytes": p.get("predicted_peak_bytes"),
-        "real_peak_after_bytes": plan_peak,
-        "under_budget": plan_peak <= budget,
-        "prediction_error": round((plan_peak - p["predicted_peak_bytes"]) / plan_peak, 4) if p else None,
+        "predicted_peak_bytes": predicted,
+        "real_peak_after_bytes": plan_peak if chosen else None,
+        "under_budget": plan_peak <= budget if chosen else None,
+        "peak_error": err(plan_peak, predicted) if chosen else None,
         "step_s_before": round(base_s, 6),
         "measured_step_s": m.step_s,
-        "predicted_added_step_s": p.get("added_step_s"),
-        "real_added_step_s": round(plan_s - base_s, 6),
-        "plan_gib_saved_per_added_ms_predicted": per_ms(m.peak_bytes - p["predicted_peak_bytes"], p["added_step_s"])
-        if p
-        else None,
-        "plan_gib_saved_per_added_ms_real": per_ms(measured_peak - plan_peak, plan_s - base_s),
+        "measure_s": round(measure_s, 3),
+        "predicted_added_step_s": p.get("added_step_s") if chosen else None,
+        "real_added_step_s": round(plan_s - base_s, 6) if chosen else None,
+        "step_error": err(plan_s - base_s, p.get("added_step_s")) if chosen else None,
+        "plan_gib_saved_per_added_ms_real": per_ms(base_peak - plan_peak, plan_s - base_s) if chosen else None,
         "every_block_predicted_peak_bytes": pred_every["predicted_peak_bytes"],
         "every_block_real_peak_bytes": every_peak,
+        "every_block_peak_error": err(every_peak, pred_every["predicted_peak_bytes"]),
         "every_block_predicted_added_step_s": round(pred_every["added_step_s"], 6),
         "every_block_real_added_step_s": round(every_s - base_s, 6),
-        "every_block_gib_saved_per_added_ms_predicted": per_ms(
-            m.peak_bytes - pred_every["predicted_peak_bytes"], pred_every["added_step_s"]
-        ),
-        "every_block_gib_saved_per_added_ms_real": per_ms(measured_peak - every_peak, every_s - base_s),
+        "every_block_step_error": err(every_s - base_s, pred_every["added_step_s"]),
+        "every_block_gib_saved_per_added_ms_real": per_ms(base_peak - every_peak, every_s - base_s),
         "floor_bytes": plan["floor_bytes"],
     }
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
     return out
 
 
-def g(b: int | None) -> str:
-    if b is None:
-        return "-"
-    return f"{b / GIB:.2f} GiB" if b >= GIB else f"{b / 1024**2:.2f} MiB"
+def size(b: int | None, unit: int) -> str:
+    return "-" if b is None else f"{b / unit:.2f}"
 
 
 def ms(s: float | None) -> str:
-    return f"{s * 1000:+.1f} ms" if s is not None else "-"
+    return "-" if s is None else f"{s * 1000:+.1f}"
+
+
+def pct(x: float | None) -> str:
+    return "-" if x is None else f"{x * 100:+.1f} %"
+
+
+def table(results: list[dict[str, Any]], device: torch.device) -> str:
+    """The acceptance table: one row per model; then checkpointing every block beside it."""
+    unit, uname = (GIB, "GiB") if device.type == "cuda" else (1024**2, "MiB")
+    rows = [
+        f"| model | peak before ({uname}) | budget | predicted | real after | peak error | under budget "
+        f"| added step predicted / real (ms) | step error | {uname} saved per added ms: plan / every block (real) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+
+    def rate(x: float | None) -> str:
+        return "-" if x is None else f"{x * GIB / unit:.4g}"
+
+    for r in results:
+        label = f"{r['model']}, {r['blocks']} blocks ({len(r['chosen'])} chosen)"
+        if r["status"] == "unreachable":
+            label += f"; unreachable, floor {size(r['floor_bytes'], unit)}"
+        under = "-" if r["under_budget"] is None else ("yes" if r["under_budget"] else "NO")
+        rows.append(
+            f"| {label} | {size(r['peak_before_bytes'], unit)} | {size(r['budget_bytes'], unit)} "
+            f"| {size(r['predicted_peak_bytes'], unit)} | {size(r['real_peak_after_bytes'], unit)} "
+            f"| {pct(r['peak_error'])} | {under} "
+            f"| {ms(r['predicted_added_step_s'])} / {ms(r['real_added_step_s'])} | {pct(r['step_error'])} "
+            f"| {rate(r['plan_gib_saved_per_added_ms_real'])} / {rate(r['every_block_gib_saved_per_added_ms_real'])} |"
+        )
+    rows += [
+        "",
+        f"| every block checkpointed | predicted peak ({uname}) | real peak | peak error "
+        "| added step predicted / real (ms) | step error |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in results:
+        rows.append(
+            f"| {r['model']} | {size(r['every_block_predicted_peak_bytes'], unit)} "
+            f"| {size(r['every_block_real_peak_bytes'], unit)} | {pct(r['every_block_peak_error'])} "
+            f"| {ms(r['every_block_predicted_added_step_s'])} / {ms(r['every_block_real_added_step_s'])} "
+            f"| {pct(r['every_block_step_error'])} |"
+        )
+    return "\n".join(rows)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (small models)")
-    parser.add_argument("--out", required=True, help="where to write the JSON summary")
+    parser.add_argument("--device", default="cuda", help="cuda (default; sized for an H200) or cpu (small models)")
+    parser.add_argument("--out", default="", help="also write the JSON summary there")
     parser.add_argument("--budget-fraction", type=float, default=0.6, help="the budget, as a fraction of the peak")
-    parser.add_argument("--steps", type=int, default=3, help="steps timed per run (median)")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per configuration (median)")
     parser.add_argument("--models", default="decoder,vit,resnet")
+    parser.add_argument("--cpu-amp", action="store_true", help="on the CPU, bf16 autocast as on CUDA (slow)")
     args = parser.parse_args(argv)
     if not 0 < args.budget_fraction < 1:
         parser.error("--budget-fraction must be between 0 and 1")
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("CUDA is not available here; use --device cpu")
+    if device.type == "cpu":
+        torch.set_num_threads(1)
     results = []
     t0 = time.perf_counter()
     for name in args.models.split(","):
         r = bench(name.strip(), device, args)
         results.append(r)
-        print(f"{r['model']} ({r['blocks']} blocks, {len(r['chosen'])} chosen, {r['status']}):")
+        gc.collect()  # the model and its optimizer are gone with bench()'s frame
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
         print(
-            f"  peak before {g(r['measured_peak_bytes'])}, budget {g(r['budget_bytes'])}, predicted "
-            f"{g(r['predicted_peak_bytes'])}, real after {g(r['real_peak_after_bytes'])} "
-            f"({'under' if r['under_budget'] else 'OVER'} budget; error {r['prediction_error']})"
+            f"{r['model']}: {r['blocks']} blocks ({', '.join(r['block_names'][:3])}, ...), {r['status']}, "
+            f"chosen {', '.join(r['chosen']) or 'none'}; measured in {r['measure_s']} s",
+            flush=True,
         )
-        print(
-            f"  step {r['step_s_before'] * 1000:.1f} ms; added: predicted {ms(r['predicted_added_step_s'])}, "
-            f"real {ms(r['real_added_step_s'])}"
-        )
-        print(
-            f"  GiB saved per added ms: plan {r['plan_gib_saved_per_added_ms_predicted']} predicted / "
-            f"{r['plan_gib_saved_per_added_ms_real']} real; every block "
-            f"{r['every_block_gib_saved_per_added_ms_predicted']} predicted / "
-            f"{r['every_block_gib_saved_per_added_ms_real']} real (peak {g(r['every_block_real_peak_bytes'])})"
-        )
-        sys.stdout.flush()
-    summary = {"schema": 1, "device": str(device), "seconds": round(time.perf_counter() - t0, 1), "models": results}
+    summary: dict[str, Any] = {
+        "schema": 2,
+        "device": str(device),
+        "torch": torch.__version__,
+        "seconds": round(time.perf_counter() - t0, 1),
+        "models": results,
+    }
     if device.type == "cuda":
         summary["gpu"] = torch.cuda.get_device_name(device)
-    Path(args.out).write_text(json.dumps(summary, indent=2) + "\n")
-    print(f"summary written to {args.out} ({summary['seconds']} s)")
+    print()
+    print(table(results, device))
+    if args.out:
+        Path(args.out).write_text(json.dumps(summary, indent=2) + "\n")
+        print(f"summary written to {args.out}")
+    print(f"({summary['seconds']} s in all)")
     return 0
 
 

@@ -1,28 +1,33 @@
 """The memory plan: which blocks to recompute in backward to bring a step's peak under a budget.
 
 The input is one measured step (:mod:`.plan_capture`, in the training process): each block's
-freeable saved-tensor bytes and forward time, the step's peak and its parts. The plan is the
-set of blocks whose checkpointing brings the peak under the budget (or saves the asked bytes)
-at the least added recompute time, found exactly by dynamic programming over the blocks in
-forward order (a 0/1 knapsack whose state is the bytes freed so far).
+freeable saved-tensor bytes, recompute time and events, the step's memory *timeline* (its
+highest level between block events), the peak and its parts. The plan is the set of blocks
+whose checkpointing brings the predicted peak under the budget less a margin (or saves the
+asked bytes) at the least added recompute time, found by dynamic programming over the blocks
+in forward order.
 
-**The predicted peak.** Checkpointing a set S frees the blocks' freeable bytes at the start of
-backward; in backward, each checkpointed block k recomputes its forward and holds its saved
-tensors again while its own backward runs, when the blocks after it are done with (their
-bytes gone, their gradients there) and the chosen blocks before it still freed. So (see
-:func:`saved_by`)
+**The predicted peak** (:func:`peak_with`). Checkpointing block j takes its freeable bytes out
+of every timeline segment from its forward end to its backward start (less, while autocast is
+on, its cached parameter casts; and bytes that others saved too only from when they are done
+with them). At its backward start it recomputes: from the level measured there, less the
+chosen blocks' bytes held then, it rises by what its forward rose up to its last saved tensor
+(where a non-reentrant checkpoint stops recomputing). The predicted peak is the highest of all,
+plus what the allocator's peak held beyond the levels seen (``untracked_bytes``). On the CPU
+harness it is the real peak to the byte (scripts/bench_memory_plan.py --device cpu).
 
-    predicted peak = peak - min(F(S), min over k in S of F(S before k) + relief(k))
+**The margin** (:func:`margin_bytes`): 1 % of the peak above parameters, gradients and optimizer
+state, and on CUDA how far the measured levels strayed from the allocator's count.
 
-which is what the plan is held to, and never under the parameters, gradients and optimizer
-state. Recompute time is the blocks' measured forward time.
+**The floor.** The least predicted peak any set of blocks reaches, and never under parameters,
+gradients and optimizer state. A budget under it gets that answer with the options beyond
+recomputation and what each would save.
 
-**The floor.** Every block checkpointed, by the same rule; and never under parameters,
-gradients and optimizer state: no set of blocks goes lower. A budget under it gets that
-answer with the options beyond recomputation and what each would save.
+Recompute time is each block's measured forward up to its last saved tensor.
 
 This module needs no torch: the CLI plans from the agent's answer, the benchmark in-process.
-:func:`from_json` is the one decoder of a measurement, bounded (it comes from a process).
+:func:`from_json` is the one decoder of a measurement, bounded (it comes from a process); it
+reads the first schema too (no timeline: the rule it was planned with is rebuilt from it).
 """
 
 from __future__ import annotations
@@ -33,9 +38,18 @@ from typing import Any
 
 from dynprof.errors import ArtifactError
 
-SCHEMA = 1
+SCHEMA = 2
 PLAN_SCHEMA = 1
 MAX_BLOCKS = 4096
+MAX_SEGMENTS = 4 * MAX_BLOCKS + 64
+MAX_LATE = 64
+# The share of the peak above parameters, gradients and optimizer state that a plan keeps under
+# the budget beyond its predicted peak. On the CPU harness (scripts/bench_memory_plan.py --device
+# cpu, and a Hugging Face Llama) predictions matched the real peak to the byte, or were short
+# by at most 0.02 % (a Llama's RMSNorm output held a little longer); 1 % leaves room for what one
+# measured step cannot see: a kernel's workspace where the peak statistic cannot be reset, a
+# step whose shapes differ.
+MARGIN = 0.01
 MAX_FRONT = 200_000  # DP states kept; beyond it a spread of them is kept (and the plan says it is not exact)
 MAX_BYTES = 1 << 60
 RUNNERS_UP = 3
@@ -51,6 +65,19 @@ class Block:
     calls: int = 1
     parameter_bytes: int = 0
     checkpointed: bool = False
+    cast_bytes: int = 0  # of the freeable bytes: autocast's parameter casts (its cache holds them in forward)
+    recompute_s: float | None = None  # the forward up to its last saved tensor (None: forward_s)
+    recompute_bytes: int = 0  # how far its recompute rises over the level it starts from
+    forward_end: int = 0  # the timeline segment from which its freeable bytes are held
+    backward_start: int = 0  # the segment its backward (and recompute) begins
+    backward_start_bytes: int = 0  # the level when its backward begins
+    # (segment, bytes): what its checkpoint frees only from that segment on (others saved it too)
+    late_freeable: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def seconds(self) -> float:
+        """What checkpointing it adds to a step: its recompute."""
+        return self.forward_s if self.recompute_s is None else self.recompute_s
 
 
 @dataclass
@@ -67,13 +94,18 @@ class Measurement:
     temporary_bytes: int
     step_s: float
     typical_step_s: float | None = None
-    peak_includes_gradients: bool = False  # the peak counts every gradient (the CPU's sum)
+    peak_includes_gradients: bool = False  # schema 1 on the CPU: the peak counted every gradient
     notes: list[str] = field(default_factory=list)
     error: str = ""
+    # per segment: (highest level with autocast off, highest level while autocast's cache is on)
+    timeline: list[tuple[int, int]] = field(default_factory=list)
+    untracked_bytes: int = 0  # the peak beyond the highest level seen after an operator
+    drift_bytes: int = 0  # how far the levels strayed from the allocator's count between events
+    schema: int = SCHEMA
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "schema": SCHEMA,
+            "schema": self.schema,
             "device": self.device,
             "blocks": [
                 {
@@ -81,13 +113,23 @@ class Measurement:
                     "class": b.cls,
                     "saved_bytes": b.saved_bytes,
                     "freeable_bytes": b.freeable_bytes,
+                    "cast_bytes": b.cast_bytes,
                     "forward_s": b.forward_s,
+                    "recompute_s": b.recompute_s,
+                    "recompute_bytes": b.recompute_bytes,
+                    "forward_end": b.forward_end,
+                    "backward_start": b.backward_start,
+                    "backward_start_bytes": b.backward_start_bytes,
+                    "late_freeable": [list(x) for x in b.late_freeable],
                     "calls": b.calls,
                     "parameter_bytes": b.parameter_bytes,
                     "checkpointed": b.checkpointed,
                 }
                 for b in self.blocks
             ],
+            "timeline": [list(t) for t in self.timeline],
+            "untracked_bytes": self.untracked_bytes,
+            "drift_bytes": self.drift_bytes,
             "peak_bytes": self.peak_bytes,
             "peak_source": self.peak_source,
             "activation_bytes": self.activation_bytes,
@@ -126,17 +168,35 @@ def _str(doc: dict[str, Any], key: str, limit: int = 500) -> str:
 
 
 def from_json(doc: Any) -> Measurement:
-    """The measurement in ``doc`` (from an agent, a file, a sidecar), checked and bounded."""
+    """The measurement in ``doc`` (from an agent, a file, a sidecar), checked and bounded.
+
+    Schema 1 (dynprof before the timeline) is read too: its blocks' timeline is made up by the
+    rule it was planned with (every block held at the peak, each recompute when the blocks
+    after it are done with)."""
     if not isinstance(doc, dict):
         raise ArtifactError("memory plan measurement: not a JSON object")
-    if doc.get("schema") != SCHEMA:
+    schema = doc.get("schema")
+    if schema not in (1, SCHEMA) or isinstance(schema, bool):
         raise ArtifactError(
-            f"memory plan measurement: schema {str(doc.get('schema'))[:20]!r}, this dynprof reads {SCHEMA}",
+            f"memory plan measurement: schema {str(schema)[:20]!r}, this dynprof reads 1 and {SCHEMA}",
             help="Use the same dynprof version for the CLI and the job.",
         )
     raw_blocks = doc.get("blocks")
     if not isinstance(raw_blocks, list) or len(raw_blocks) > MAX_BLOCKS:
         raise ArtifactError(f"memory plan measurement: blocks is not a list of at most {MAX_BLOCKS}")
+    raw_timeline = doc.get("timeline", []) if schema == SCHEMA else []
+    if not isinstance(raw_timeline, list) or len(raw_timeline) > MAX_SEGMENTS:
+        raise ArtifactError(f"memory plan measurement: timeline is not a list of at most {MAX_SEGMENTS}")
+    timeline: list[tuple[int, int]] = []
+    for seg in raw_timeline:
+        if (
+            not isinstance(seg, list)
+            or len(seg) != 2
+            or any(isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_BYTES for v in seg)
+        ):
+            raise ArtifactError("memory plan measurement: a timeline segment is not two byte counts")
+        timeline.append((seg[0], seg[1]))
+    segments = len(timeline)
     blocks = []
     for b in raw_blocks:
         if not isinstance(b, dict):
@@ -144,23 +204,41 @@ def from_json(doc: Any) -> Measurement:
         calls = b.get("calls", 1)
         if isinstance(calls, bool) or not isinstance(calls, int) or not 0 <= calls <= 1_000_000:
             raise ArtifactError("memory plan measurement: a block's calls is not a count")
-        blocks.append(
-            Block(
-                name=_str(b, "name", 300),
-                cls=_str(b, "class", 200),
-                saved_bytes=_int(b, "saved_bytes"),
-                freeable_bytes=_int(b, "freeable_bytes"),
-                forward_s=_float(b, "forward_s"),
-                calls=calls,
-                parameter_bytes=_int(b, "parameter_bytes", 0),
-                checkpointed=bool(b.get("checkpointed", False)),
-            )
+        recompute = b.get("recompute_s")
+        block = Block(
+            name=_str(b, "name", 300),
+            cls=_str(b, "class", 200),
+            saved_bytes=_int(b, "saved_bytes"),
+            freeable_bytes=_int(b, "freeable_bytes"),
+            forward_s=_float(b, "forward_s"),
+            calls=calls,
+            parameter_bytes=_int(b, "parameter_bytes", 0),
+            checkpointed=bool(b.get("checkpointed", False)),
         )
+        if schema == SCHEMA:
+            block.cast_bytes = min(_int(b, "cast_bytes", 0), block.freeable_bytes)
+            block.recompute_s = None if recompute is None else _float(b, "recompute_s")
+            block.recompute_bytes = _int(b, "recompute_bytes", 0)
+            block.forward_end = min(_int(b, "forward_end"), segments)
+            block.backward_start = min(_int(b, "backward_start"), segments)
+            block.backward_start_bytes = _int(b, "backward_start_bytes", 0)
+            late = b.get("late_freeable", [])
+            if not isinstance(late, list) or len(late) > MAX_LATE:
+                raise ArtifactError(f"memory plan measurement: late_freeable is not a list of at most {MAX_LATE}")
+            for x in late:
+                if (
+                    not isinstance(x, list)
+                    or len(x) != 2
+                    or any(isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_BYTES for v in x)
+                ):
+                    raise ArtifactError("memory plan measurement: a late_freeable entry is not a segment and bytes")
+                block.late_freeable.append((min(x[0], segments), x[1]))
+        blocks.append(block)
     notes = doc.get("notes", [])
     if not isinstance(notes, list) or not all(isinstance(n, str) for n in notes):
         raise ArtifactError("memory plan measurement: notes is not a list of text")
     typical = doc.get("typical_step_s")
-    return Measurement(
+    m = Measurement(
         device=_str(doc, "device", 40),
         blocks=blocks,
         peak_bytes=_int(doc, "peak_bytes"),
@@ -176,167 +254,315 @@ def from_json(doc: Any) -> Measurement:
         peak_includes_gradients=doc.get("peak_includes_gradients") is True,
         notes=[n[:500] for n in notes[:50]],
         error=_str(doc, "error"),
+        timeline=timeline,
+        untracked_bytes=_int(doc, "untracked_bytes", 0) if schema == SCHEMA else 0,
+        drift_bytes=_int(doc, "drift_bytes", 0) if schema == SCHEMA else 0,
+        schema=schema,
+    )
+    if schema == 1:
+        _legacy_timeline(m)
+    return m
+
+
+def _legacy_timeline(m: Measurement) -> None:
+    """A schema-1 measurement's timeline, by the rule it was planned with: one segment at the
+    peak with every block held; then backward, last block first, block k's recompute when the
+    blocks after it are done with (their freeable bytes gone, their gradients there, unless the
+    peak counted them) and the chosen before it still held."""
+    n = len(m.blocks)
+    m.timeline = [(m.peak_bytes, 0)] + [(0, 0)] * n
+    for i, b in enumerate(m.blocks):
+        after = m.blocks[i + 1 :]
+        grads = 0 if m.peak_includes_gradients else sum(a.parameter_bytes for a in after)
+        relief = sum(a.freeable_bytes for a in after) - grads
+        b.forward_end = 0
+        b.backward_start = n - i
+        b.backward_start_bytes = max(0, m.peak_bytes - relief)
+        b.recompute_bytes = b.freeable_bytes
+
+
+# -- the predicted peak ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Choice:
+    blocks: tuple[int, ...]  # indices into the candidates, in forward order
+    freed: int  # sum of the candidates' freeable bytes
+    cost: float  # sum of their recompute seconds
+    peak: int  # the predicted peak with them checkpointed (:func:`peak_with`)
+
+
+@dataclass
+class Candidates:
+    """The blocks a plan may choose (not checkpointed already, freeing something), in forward
+    order, with the timeline: what :func:`peak_with` and :func:`solve` work on."""
+
+    index: list[int]  # into Measurement.blocks
+    freeable: list[int]
+    casts: list[int]
+    seconds: list[float]
+    forward_end: list[int]
+    backward_start: list[int]
+    recompute_peak: list[int]  # the level its recompute would reach, all its bytes held before it
+    late: list[list[tuple[int, int]]]  # (segment, bytes) freed from then on (see Block.late_freeable)
+    timeline: list[tuple[int, int]]
+    untracked: int
+    static: int
+
+
+def candidates(m: Measurement) -> Candidates:
+    idx = [i for i, b in enumerate(m.blocks) if not b.checkpointed and b.freeable_bytes > 0 and b.calls > 0]
+    bs = [m.blocks[i] for i in idx]
+    return Candidates(
+        index=idx,
+        freeable=[b.freeable_bytes for b in bs],
+        casts=[b.cast_bytes for b in bs],
+        seconds=[b.seconds for b in bs],
+        forward_end=[b.forward_end for b in bs],
+        backward_start=[b.backward_start for b in bs],
+        recompute_peak=[b.backward_start_bytes + max(b.recompute_bytes, b.freeable_bytes) for b in bs],
+        late=[list(b.late_freeable) for b in bs],
+        timeline=list(m.timeline),
+        untracked=m.untracked_bytes,
+        static=_static(m),
     )
 
 
-# -- the solver --------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Choice:
-    blocks: tuple[int, ...]  # indices into the items, in forward order
-    freed: int  # sum of the items' bytes
-    cost: float  # sum of the items' seconds
-    saved: int  # what the choice takes off the peak (see :func:`saved_by`)
+def peak_with(c: Candidates, chosen: Sequence[int]) -> int:
+    """The predicted peak of the step with the candidates ``chosen`` checkpointed.
+
+    Checkpointing block j takes its freeable bytes out of every segment from its forward end to
+    its backward start (less, while autocast's cache is on, the parameter casts it saved: the
+    cache holds them until autocast exits). At its backward start it recomputes: from the level
+    measured there less the chosen blocks' bytes held then (its own among them), it rises by
+    what its forward rose up to its last saved tensor. The highest of all, plus what the
+    allocator's peak held beyond the levels seen after each operator (``untracked``), never
+    under parameters, gradients and optimizer state."""
+    n = len(c.timeline)
+    plain = [0] * (n + 1)
+    cached = [0] * (n + 1)
+    for j in chosen:
+        lo, hi = c.forward_end[j], c.backward_start[j]
+        if lo < hi:
+            plain[lo] += c.freeable[j]
+            plain[hi] -= c.freeable[j]
+            cached[lo] += c.freeable[j] - c.casts[j]
+            cached[hi] -= c.freeable[j] - c.casts[j]
+        for start, size in c.late[j]:
+            if start < hi:
+                plain[start] += size
+                plain[hi] -= size
+                cached[start] += size
+                cached[hi] -= size
+    best = 0
+    held_plain = held_cached = 0
+    held_at: list[int] = []
+    for i, (lp, lc) in enumerate(c.timeline):
+        held_plain += plain[i]
+        held_cached += cached[i]
+        held_at.append(held_plain)
+        if lp:
+            best = max(best, lp - held_plain)
+        if lc:
+            best = max(best, lc - held_cached)
+    for k in chosen:
+        i = c.backward_start[k] - 1
+        held = held_at[i] if 0 <= i < n else 0
+        best = max(best, c.recompute_peak[k] - held)
+    return max(best + c.untracked, c.static)
 
 
-def saved_by(items: Sequence[tuple[int, float]], relief: Sequence[int], chosen: Sequence[int]) -> int:
-    """What checkpointing ``chosen`` takes off the peak.
+def _prefix_lengths(c: Candidates) -> tuple[list[int], bool]:
+    """For each segment, how many candidates (in forward order) are held in it if all are
+    chosen, and whether each segment's held set is a prefix of the forward order (a chain of
+    blocks, backward in reverse: then :func:`solve` is exact)."""
+    n = len(c.timeline)
+    count = [0] * (n + 1)
+    for j in range(len(c.freeable)):
+        lo, hi = c.forward_end[j], c.backward_start[j]
+        if lo < hi:
+            count[lo] += 1
+            count[hi] -= 1
+    out = []
+    held = 0
+    for i in range(n):
+        held += count[i]
+        out.append(held)
+    # forward ends in forward order and backward starts in reverse: every held set is a prefix
+    fe, bs = c.forward_end, c.backward_start
+    exact = all(fe[j] <= fe[j + 1] and bs[j] >= bs[j + 1] for j in range(len(fe) - 1))
+    return out, exact
 
-    At the start of backward the chosen blocks' bytes are gone: ``F(S)``. Backward then runs
-    the blocks last to first; when it reaches a chosen block k, k recomputes and holds its bytes
-    again, while the chosen blocks before k are still freed (``F(S before k)``) and the blocks
-    after k are done with (``relief[k]``: their bytes, less the gradients they left). So the
-    peak comes down by ``min(F(S), min over k in S of F(S before k) + relief[k])``."""
-    order = sorted(chosen)
-    total = sum(items[i][0] for i in order)
-    best = total
-    before = 0
-    for k in order:
-        best = min(best, before + relief[k])
-        before += items[k][0]
-    return best
 
+def solve(c: Candidates, target: int, keep: int = 1 + RUNNERS_UP) -> tuple[list[Choice], bool]:
+    """The cheapest sets of candidates whose :func:`peak_with` is at most ``target``, cheapest
+    first (at most ``keep``), and whether the search was exact.
 
-def solve(
-    items: Sequence[tuple[int, float]],
-    need: int,
-    relief: Sequence[int] | None = None,
-    keep: int = 1 + RUNNERS_UP,
-) -> tuple[list[Choice], bool]:
-    """The cheapest sets of ``items`` (bytes, seconds; in forward order) whose
-    :func:`saved_by` is at least ``need``, cheapest first (at most ``keep``), and whether the
-    answer is exact.
-
-    A 0/1 knapsack by dynamic programming over the blocks in forward order: the state is the
-    bytes freed so far (capped where no constraint asks for more), each keeping its ``keep``
-    cheapest sets; block k may join a set only when the bytes freed before it reach
-    ``need - relief[k]`` (so that its recompute does not lift the peak over the budget), and
-    a set is a plan when it frees ``need`` in all. States that free less for more time than
-    ``keep`` others are dropped."""
-    n = len(items)
-    relief = list(relief) if relief is not None else [0] * n
-    if need <= 0:
-        return [Choice((), 0, 0.0, 0)], True
-    gates = [need - relief[k] for k in range(n)]
-    cap = max([need, *gates])
-    exact = True
-    front: dict[int, list[tuple[float, tuple[int, ...]]]] = {0: [(0.0, ())]}
-    for k, (b, c) in enumerate(items):
-        if b <= 0:
-            continue
-        add: dict[int, list[tuple[float, tuple[int, ...]]]] = {}
-        for freed, states in front.items():
-            if freed < gates[k]:
+    Dynamic programming over the candidates in forward order. Each segment's constraint is a
+    lower bound on the bytes freed by the chosen candidates held in it: with the blocks in a
+    chain (backward in reverse order), those are the chosen among the first m, so the state
+    after deciding the first m is the bytes they free (with autocast's casts, and without),
+    capped where no constraint asks for more; a segment whose held set is the first m is
+    checked there, a candidate's recompute when it is taken. States that `keep` others beat
+    (they free at least as much of both for no more time) are dropped. Every answer is checked
+    against :func:`peak_with`."""
+    n = len(c.freeable)
+    t = target - c.untracked
+    if c.static > target:
+        return [], True
+    prefix, exact = _prefix_lengths(c)
+    need_plain = [0] * (n + 1)  # bytes the first m must free
+    need_cached = [0] * (n + 1)
+    for i, (lp, lc) in enumerate(c.timeline):
+        m = prefix[i]
+        need_plain[m] = max(need_plain[m], lp - t)
+        need_cached[m] = max(need_cached[m], lc - t)
+    # taking candidate k: the chosen before it must free this much (its own bytes are held too)
+    gate = [c.recompute_peak[k] - t - c.freeable[k] for k in range(n)]
+    cap_p = max([0, *need_plain, *(g for g in gate)])
+    cap_c = max([0, *need_cached])
+    front: dict[tuple[int, int], list[tuple[float, tuple[int, ...]]]] = {(0, 0): [(0.0, ())]}
+    for m in range(n + 1):
+        front = {k: v for k, v in front.items() if k[0] >= need_plain[m] and k[1] >= need_cached[m]}
+        if m == n or not front:
+            break
+        f, fc, sec = c.freeable[m], c.freeable[m] - c.casts[m], c.seconds[m]
+        add: dict[tuple[int, int], list[tuple[float, tuple[int, ...]]]] = {}
+        for (fp, fcc), states in front.items():
+            if fp < gate[m]:
                 continue
-            nf = min(cap, freed + b)
-            for cost, chosen in states:
-                add.setdefault(nf, []).append((cost + c, (*chosen, k)))
+            key = (min(cap_p, fp + f), min(cap_c, fcc + fc))
+            add.setdefault(key, []).extend((cost + sec, (*chosen, m)) for cost, chosen in states)
         for key, states in add.items():
             front[key] = sorted(front.get(key, []) + states)[:keep]
-        # a state is dropped when `keep` states free at least as much for no more time
-        better: list[float] = []  # the costs of the states above, cheapest `keep`
-        pruned: dict[int, list[tuple[float, tuple[int, ...]]]] = {}
-        for key in sorted(front, reverse=True):
-            limit = better[keep - 1] if len(better) >= keep else float("inf")
-            states = [st for st in front[key] if st[0] <= limit]
-            if states:
-                pruned[key] = states
-                better = sorted(better + [st[0] for st in states])[:keep]
-        front = pruned
+        front = _prune(front, keep)
         if len(front) > MAX_FRONT:
             exact = False
             keys = sorted(front)
             front = {key: front[key] for key in keys[:: len(keys) // MAX_FRONT + 1]}
     found = []
-    for freed, states in front.items():
-        if freed < need:
-            continue
+    for states in front.values():
         for cost, chosen in states:
-            saved = saved_by(items, relief, chosen)
-            if saved >= need:
-                found.append(Choice(chosen, sum(items[i][0] for i in chosen), cost, saved))
-    found.sort(key=lambda ch: (ch.cost, -ch.saved, len(ch.blocks), ch.blocks))
+            peak = peak_with(c, chosen)
+            if peak <= target:
+                found.append(Choice(chosen, sum(c.freeable[i] for i in chosen), cost, peak))
+    found.sort(key=lambda ch: (ch.cost, ch.peak, len(ch.blocks), ch.blocks))
     return found[:keep], exact
 
 
-# -- the plan ----------------------------------------------------------------------------------
-def _block_items(m: Measurement) -> list[int]:
-    return [i for i, b in enumerate(m.blocks) if not b.checkpointed and b.freeable_bytes > 0]
-
-
-def _relief(m: Measurement, idx: list[int]) -> list[int]:
-    """For each candidate: the bytes of every block after it (done with when backward reaches
-    it), less the gradients of their parameters (allocated by then, where the peak was
-    measured before they were)."""
-    out = []
-    for i in idx:
-        after = m.blocks[i + 1 :]
-        grads = 0 if m.peak_includes_gradients else sum(b.parameter_bytes for b in after)
-        out.append(sum(b.freeable_bytes for b in after) - grads)
+def _prune(
+    front: dict[tuple[int, int], list[tuple[float, tuple[int, ...]]]], keep: int
+) -> dict[tuple[int, int], list[tuple[float, tuple[int, ...]]]]:
+    """Drop the states that ``keep`` others beat: as many bytes freed of both kinds or more, for
+    no more time. A sweep by the first kind, descending, over a Fenwick tree indexed by the
+    second kind (descending) whose nodes keep their ``keep`` cheapest costs."""
+    if len(front) <= 1:
+        return front
+    seconds = sorted({k[1] for k in front}, reverse=True)
+    rank = {v: i + 1 for i, v in enumerate(seconds)}
+    size = len(seconds)
+    tree: list[list[float]] = [[] for _ in range(size + 1)]
+    out: dict[tuple[int, int], list[tuple[float, tuple[int, ...]]]] = {}
+    keys = sorted(front, reverse=True)
+    i = 0
+    while i < len(keys):
+        # states of equal first kind are judged against those strictly ahead and each other
+        j = i
+        while j < len(keys) and keys[j][0] == keys[i][0]:
+            j += 1
+        group = keys[i:j]
+        for key in group:
+            r = rank[key[1]]
+            better: list[float] = []
+            x = r
+            while x > 0:
+                better = sorted(better + tree[x])[:keep]
+                x -= x & -x
+            limit = better[keep - 1] if len(better) >= keep else float("inf")
+            states = [st for st in front[key] if st[0] <= limit]
+            if states:
+                out[key] = states
+        for key in group:
+            if key not in out:
+                continue
+            x = rank[key[1]]
+            costs = [st[0] for st in out[key]]
+            while x <= size:
+                tree[x] = sorted(tree[x] + costs)[:keep]
+                x += x & -x
+        i = j
     return out
 
 
+# -- the plan ----------------------------------------------------------------------------------
 def _static(m: Measurement) -> int:
     return m.parameter_bytes + m.gradient_bytes + m.optimizer_state_bytes
 
 
+def margin_bytes(m: Measurement) -> int:
+    """What a plan keeps under the budget beyond its predicted peak: :data:`MARGIN` of the peak
+    above parameters, gradients and optimizer state, and the most the measured levels strayed
+    from the allocator's own count between two block events (on CUDA: rounding, memory no
+    operator returned; none on the CPU, where the levels are the live tensor bytes)."""
+    return int(MARGIN * max(0, m.peak_bytes - _static(m))) + m.drift_bytes
+
+
 def floor_bytes(m: Measurement) -> int:
-    """The lowest peak checkpointing can reach: every block checkpointed (each recomputed in
-    its turn), and never under what the parameters, gradients and optimizer state hold."""
-    idx = _block_items(m)
-    items = [(m.blocks[i].freeable_bytes, 0.0) for i in idx]
-    saved = saved_by(items, _relief(m, idx), range(len(idx))) if idx else 0
-    return max(m.peak_bytes - saved, _static(m))
+    """The lowest predicted peak checkpointing reaches: the least :func:`peak_with` over the
+    sets of candidates (found by bisection with :func:`solve`; every candidate checkpointed
+    where that is lower), never under what parameters, gradients and optimizer state hold."""
+    c = candidates(m)
+    n = len(c.freeable)
+    every = peak_with(c, range(n)) if n else max(m.peak_bytes, c.static)
+    lo, hi = c.static, min(every, peak_with(c, ()))
+    if n == 0 or lo >= hi:
+        return max(hi, c.static)
+    step = max(64, (hi - lo) // 4096)
+    while hi - lo > step:
+        mid = (lo + hi) // 2
+        got, _ = solve(c, mid, keep=1)
+        if got:
+            hi = got[0].peak
+        else:
+            lo = mid + 1
+    return hi
 
 
 def predict(m: Measurement, modules: set[str]) -> dict[str, Any]:
     """The predicted peak and added step time of checkpointing exactly ``modules`` (blocks of
     ``m`` by name; others are ignored), by the rule the plan is held to."""
-    idx = [i for i in _block_items(m) if m.blocks[i].name in modules]
-    every = _block_items(m)
-    relief = dict(zip(every, _relief(m, every)))
-    items = {i: (m.blocks[i].freeable_bytes, m.blocks[i].forward_s) for i in every}
-    chosen = list(range(len(idx)))
-    saved = saved_by([items[i] for i in idx], [relief[i] for i in idx], chosen) if idx else 0
+    c = candidates(m)
+    chosen = [j for j, i in enumerate(c.index) if m.blocks[i].name in modules]
     return {
-        "modules": [m.blocks[i].name for i in idx],
-        "predicted_peak_bytes": max(m.peak_bytes - saved, _static(m)),
-        "added_step_s": round(sum(m.blocks[i].forward_s for i in idx), 6),
+        "modules": [m.blocks[c.index[j]].name for j in chosen],
+        "predicted_peak_bytes": peak_with(c, chosen),
+        "added_step_s": round(sum(c.seconds[j] for j in chosen), 6),
     }
 
 
 def make_plan(m: Measurement, budget: int | None = None, save: int | None = None) -> dict[str, Any]:
     """The plan's document (``--json``): the chosen blocks, the predicted peak and step-time
-    increase, the runners-up, the floor, and how to apply it."""
+    increase, the runners-up, the floor, and how to apply it.
+
+    The plan aims under ``budget`` less a margin (:func:`margin_bytes`): the predicted peak
+    of the chosen set is at most ``budget - margin``."""
     if (budget is None) == (save is None):
         raise ValueError("give exactly one of budget and save")
     need = (m.peak_bytes - budget) if budget is not None else int(save or 0)
     target = budget if budget is not None else m.peak_bytes - need
-    idx = _block_items(m)
-    items = [(m.blocks[i].freeable_bytes, m.blocks[i].forward_s) for i in idx]
-    # the static part (parameters, gradients, optimizer state) is a floor no plan goes under
-    reachable = need if m.peak_bytes - need >= _static(m) else m.peak_bytes + 1
-    choices, exact = solve(items, reachable, _relief(m, idx))
+    margin = margin_bytes(m)
+    c = candidates(m)
     step = m.typical_step_s or m.step_s
-    static = _static(m)
+    if need <= 0:
+        choices, exact = [Choice((), 0, 0.0, m.peak_bytes)], True
+    else:
+        choices, exact = solve(c, target - margin)
 
     def describe(ch: Choice) -> dict[str, Any]:
-        names = [m.blocks[idx[i]].name for i in ch.blocks]
+        names = [m.blocks[c.index[i]].name for i in ch.blocks]
         return {
             "modules": names,
             "freed_bytes": ch.freed,
-            "saved_bytes": ch.saved,
-            # never under what the optimizer step holds whatever is recomputed
-            "predicted_peak_bytes": max(m.peak_bytes - ch.saved, static),
+            "saved_bytes": max(0, m.peak_bytes - ch.peak),
+            "predicted_peak_bytes": ch.peak,
             "added_step_s": round(ch.cost, 6),
             "added_step_fraction": round(ch.cost / step, 4) if step else None,
         }
@@ -347,14 +573,15 @@ def make_plan(m: Measurement, budget: int | None = None, save: int | None = None
         "measurement": m.to_json(),
         "budget_bytes": target,
         "need_bytes": max(need, 0),
+        "margin_bytes": margin,
         "exact": exact,
         "floor_bytes": floor,
-        "candidates": len(idx),
+        "candidates": len(c.index),
     }
     if choices:
         doc["status"] = "fits" if choices[0].blocks else "fits-already"
         doc["plan"] = describe(choices[0])
-        doc["runners_up"] = [describe(c) for c in choices[1:]]
+        doc["runners_up"] = [describe(ch) for ch in choices[1:]]
         doc["apply"] = how_to_apply(m, doc["plan"]["modules"])
     else:
         doc["status"] = "unreachable"
@@ -393,7 +620,7 @@ def beyond_recompute(m: Measurement, floor: int, target: int) -> list[dict[str, 
 
 def how_to_apply(m: Measurement, modules: list[str]) -> dict[str, str]:
     """How to checkpoint exactly ``modules`` in the usual frameworks."""
-    names = ", ".join(repr(n) for n in modules[:64]) + (", ..." if len(modules) > 64 else "")
+    names = ", ".join(repr(n) for n in modules[:MAX_BLOCKS])
     classes = sorted({b.cls for b in m.blocks if b.name in set(modules)})
     return {
         "torch.utils.checkpoint": (
@@ -402,7 +629,8 @@ def how_to_apply(m: Measurement, modules: list[str]) -> dict[str, str]:
             "for name, mod in model.named_modules():\n"
             "    if name in CHECKPOINT:\n"
             "        fwd = mod.forward\n"
-            "        mod.forward = lambda *a, _f=fwd, **k: cp.checkpoint(_f, *a, use_reentrant=False, **k)"
+            "        mod.forward = lambda *a, _f=fwd, **k: cp.checkpoint(_f, *a, use_reentrant=False, **k)\n"
+            "# (a Hugging Face model: train it with use_cache=False, or its KV cache keeps what each recompute makes)"
         ),
         "fsdp checkpoint_wrapper": (
             "from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (\n"
@@ -464,6 +692,13 @@ def render_text(doc: dict[str, Any]) -> str:
     for n in m.get("notes") or []:
         lines.append(f"  note: {n}")
     lines.append(f"budget {hb(doc['budget_bytes'])}: needs {hb(doc['need_bytes'])} off the peak")
+    margin = doc.get("margin_bytes")
+    if margin:
+        drift = m.get("drift_bytes") or 0
+        lines.append(
+            f"  the plan aims {hb(margin)} under it: 1 % of the peak above parameters, gradients and optimizer state"
+            + (f", and {hb(drift)} the measured levels strayed from the allocator's count" if drift else "")
+        )
     plan = doc.get("plan")
     if doc["status"] == "fits-already":
         lines.append("the step's peak is under the budget already: nothing to checkpoint")
@@ -476,6 +711,7 @@ def render_text(doc: dict[str, Any]) -> str:
         lines.append(
             f"  predicted peak {hb(plan['predicted_peak_bytes'])}, step time +{plan['added_step_s'] * 1000:.1f} ms"
             + (f" (+{frac * 100:.1f} %)" if frac is not None else "")
+            + ": each block's forward again, up to its last saved tensor"
         )
         for r in doc.get("runners_up") or []:
             lines.append(
@@ -487,7 +723,7 @@ def render_text(doc: dict[str, Any]) -> str:
         lines.append("  (--json has the same for FSDP's checkpoint_wrapper, Hugging Face and DeepSpeed)")
     else:
         lines.append(
-            f"no set of blocks reaches the budget: the floor with every block recomputed is {hb(doc['floor_bytes'])}"
+            f"no set of blocks reaches the budget: the least any reaches (the floor) is {hb(doc['floor_bytes'])}"
         )
         for o in doc.get("beyond") or []:
             figure = o.get("saves_bytes", o.get("saves_bytes_with_8_ranks"))

@@ -4,18 +4,22 @@
 it afterwards:
 
 - a forward pre-hook and a forward hook on each candidate block (the modules a user would wrap
-  in a checkpoint: the children of a ``ModuleList``/``Sequential`` that are themselves modules
-  with submodules, such as transformer layers and ResNet blocks), which time its forward and
-  say which block is running;
+  in a checkpoint, at the finest repeated level: transformer layers, ResNet bottlenecks), which
+  time its forward and say which block is running;
 - ``torch.autograd.graph.saved_tensors_hooks`` (pushed on the training thread, popped there)
-  whose pack hook counts the bytes each block saves for backward. Storages are counted once:
-  a storage saved twice, a view of a saved storage, and the parameters' storages are not new
-  activations. The pack hook returns the tensor itself, so autograd keeps what it would have
-  kept.
+  whose pack hook counts the bytes each block saves for backward and whose unpack hook marks
+  where each block's backward begins. Storages are counted once: a storage saved twice, a view
+  of a saved storage, and the parameters' storages are not new activations. Autograd keeps the
+  tensor itself (with the saving block's index beside it);
+- a ``TorchDispatchMode`` (:class:`LiveTensorBytes`) that follows the bytes of live tensor
+  storages after every operator, forward, backward and optimizer step, cut into segments at
+  each block event: the step's memory timeline.
 
-A storage is *freeable* by checkpointing block B when every save of it happened inside B's
-forward and it is not one of B's inputs (a checkpoint keeps its inputs). What no block can
-free (the inputs between blocks, what the embedding, the head and the loss save) is the
+A storage is *freeable* by checkpointing block B when it was made during B's forward and only
+B saved it (not an input of B: a checkpoint keeps its inputs; not a buffer or a table made
+before). One that others saved too (the next block, as its input; an operator outside the
+blocks) is freed by B's checkpoint only once they are done with it. What no block can free
+(the inputs between blocks, what the embedding, the head and the loss save) is the
 unrecomputable rest.
 
 Nothing here runs unless a plan is asked for; :func:`measure_step` is the in-process entry
@@ -33,7 +37,7 @@ from typing import Any
 
 MAX_BLOCKS = 4096
 MAX_MODULES = 1_000_000
-SCHEMA = 1
+SCHEMA = 2
 
 # Module classes whose instances are already checkpointed: their saved tensors are not seen.
 _CHECKPOINT_WRAPPERS = ("CheckpointWrapper", "CheckpointModule", "CheckpointFunction")
@@ -54,8 +58,12 @@ def find_blocks(roots: Iterable[Any]) -> list[tuple[str, Any]]:
     """The candidate blocks of ``roots``: (qualified name, module), outermost first.
 
     A block is a child of a ``ModuleList`` or ``Sequential`` that has submodules itself and
-    owns parameters, in a container of two such children or more; a block's own descendants are not candidates (the plan's blocks are
-    disjoint). With none found, the roots' direct children that own parameters are the blocks."""
+    owns parameters, in a container of two such children or more (transformer layers, ViT
+    encoder layers). A block that is itself such a container (a ResNet stage: a ``Sequential``
+    of bottlenecks) is replaced by the blocks inside it, at the finest level a user would wrap
+    (``layer3.0`` .. ``layer3.5``; a container of one block gives that block); a block's own
+    descendants are not candidates, so the plan's blocks are disjoint. With none found, the
+    roots' direct children that own parameters are the blocks."""
     import torch
 
     containers = (torch.nn.ModuleList, torch.nn.Sequential)
@@ -65,20 +73,31 @@ def find_blocks(roots: Iterable[Any]) -> list[tuple[str, Any]]:
     def has_params(m: Any) -> bool:
         return any(True for _ in m.parameters())
 
+    def is_block(child: Any) -> bool:
+        return any(True for _ in child.children()) and has_params(child)
+
+    def add(qual: str, block: Any, depth: int) -> None:
+        inner = [(n, c) for n, c in block.named_children() if is_block(c)] if isinstance(block, containers) else []
+        if inner and depth <= 64:
+            # a container of blocks: the blocks inside it are the units to wrap
+            for name, child in inner:
+                if id(child) not in seen:
+                    seen.add(id(child))
+                    add(f"{qual}.{name}", child, depth + 1)
+            return
+        if len(out) < MAX_BLOCKS:
+            out.append((qual, block))
+
     def walk(prefix: str, m: Any, depth: int) -> None:
         if len(out) >= MAX_BLOCKS or depth > 64 or id(m) in seen:
             return
         seen.add(id(m))
-
-        def is_block(child: Any) -> bool:
-            return any(True for _ in child.children()) and has_params(child)
-
         repeated = isinstance(m, containers) and sum(1 for c in m.children() if is_block(c)) >= 2
         for name, child in m.named_children():
             qual = f"{prefix}.{name}" if prefix else name
             if repeated and is_block(child) and id(child) not in seen:
                 seen.add(id(child))
-                out.append((qual, child))
+                add(qual, child, depth + 1)
                 if len(out) >= MAX_BLOCKS:
                     return
             else:
@@ -173,11 +192,239 @@ class MeasurementRefused(Exception):
     """The step cannot be measured right (compiled, sharded): the reason, for the user."""
 
 
-class StepMeasurement:
-    """Hooks for one step: :meth:`start` before it, :meth:`stop` after it, :meth:`result` then."""
+# -- live tensor bytes ---------------------------------------------------------------------------
+_FRESH: dict[Any, tuple[bool, ...]] = {}  # op -> which of its returns are new storages (not views)
 
-    def __init__(self, roots: list[Any], optimizers: list[Any], reset_peak: bool = False) -> None:
+
+def _fresh_returns(func: Any) -> tuple[bool, ...]:
+    got = _FRESH.get(func)
+    if got is None:
+        try:
+            got = tuple(r.alias_info is None for r in func._schema.returns)
+        except Exception:
+            got = ()
+        if len(_FRESH) < 100_000:
+            _FRESH[func] = got
+    return got
+
+
+_MODE_CLASS: Any = None
+
+
+def _mode_class() -> Any:
+    """The dispatch mode behind :class:`LiveTensorBytes` (defined when first needed: importing
+    this module does not import torch)."""
+    global _MODE_CLASS
+    if _MODE_CLASS is None:
+        import torch
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        class _LiveBytesMode(TorchDispatchMode):  # type: ignore[misc,no-untyped-call]
+            def __init__(self, meter: LiveTensorBytes) -> None:
+                super().__init__()  # type: ignore[no-untyped-call]
+                self.meter = meter
+
+            def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+                out = func(*args, **(kwargs or {}))
+                meter = self.meter
+                if meter.active:
+                    try:
+                        fresh = _fresh_returns(func)
+                        if len(fresh) == 1:
+                            if fresh[0]:
+                                meter._add_any(out)
+                        else:
+                            for is_new, item in zip(fresh, out if isinstance(out, (tuple, list)) else ()):
+                                if is_new:
+                                    meter._add_any(item)
+                        meter.ops += 1
+                        if meter.on_op is not None:
+                            meter.on_op(meter.current)
+                        elif meter.current > meter.peak:
+                            meter.peak = meter.current
+                    except Exception as exc:
+                        meter.error = meter.error or f"live bytes: {type(exc).__name__}: {exc}"
+                return out
+
+        _MODE_CLASS = _LiveBytesMode
+        del torch
+    return _MODE_CLASS
+
+
+class LiveTensorBytes:
+    """The bytes of tensor storages alive, op by op, while entered (on this thread, and on the
+    autograd threads its backward runs on, which inherit the dispatch mode).
+
+    A ``TorchDispatchMode`` sees every operator's outputs after autograd and autocast (the
+    backward's and the optimizer's included); each output that is a new storage (not a view,
+    not an in-place result: the operator's schema says) is counted until the storage dies (a
+    weak reference's callback). ``known`` tensors (parameters, gradients, optimizer state alive
+    before) are counted from the start and their deaths too (``zero_grad`` frees gradients).
+    What it does not see: memory an operator allocates and frees inside itself (a kernel's
+    workspace) and storages made before that are not ``known`` (constant unless freed).
+    ``peak`` is the highest ``current`` after any operator; with ``on_op`` the caller gets each
+    level instead and keeps its own peak. With ``device``, only storages on that device count.
+    Used by the measurement, and as the CPU's "real peak" of a run (scripts/bench_memory_plan.py,
+    the tests)."""
+
+    def __init__(
+        self, known: Iterable[Any] = (), on_op: Callable[[int], None] | None = None, device: Any = None
+    ) -> None:
+        self.device = device  # count only storages on this device (None: all)
+        self.current = 0
+        self.peak = 0
+        self.ops = 0
+        self.error = ""
+        self.on_op = on_op
+        self.on_new: Callable[[int, int], None] | None = None  # each storage counted from now: (address, bytes)
+        self.active = False
+        self._live: dict[int, Any] = {}
+        self._lock = threading.RLock()
+        self._mode: Any = None
+        for t in known:
+            self.add(t)
+
+    def add(self, t: Any) -> None:
+        """Count the storage of tensor ``t`` from now until it dies (once, however many views)."""
+        import weakref
+
+        try:
+            st = t.untyped_storage()
+            if self.device is not None and st.device != self.device:
+                return
+            key = int(st._cdata)
+            size = int(st.nbytes())
+        except Exception:
+            return
+        if size <= 0:
+            return
+        with self._lock:
+            if key in self._live:
+                return
+
+            def gone(_ref: Any, key: int = key, size: int = size) -> None:
+                with self._lock:
+                    if self._live.pop(key, None) is not None:
+                        self.current -= size
+
+            self._live[key] = weakref.ref(st, gone)
+            self.current += size
+            if self.current > self.peak:
+                self.peak = self.current
+        if self.on_new is not None:
+            self.on_new(int(st.data_ptr()), size)
+
+    def _add_any(self, item: Any) -> None:
+        if isinstance(item, (list, tuple)):
+            for x in item:
+                self._add_any(x)
+        elif item is not None and hasattr(item, "untyped_storage"):
+            self.add(item)
+
+    def __enter__(self) -> LiveTensorBytes:
+        self._mode = _mode_class()(self)
+        self._mode.__enter__()
+        self.active = True
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.active = False
+        mode, self._mode = self._mode, None
+        if mode is not None:
+            mode.__exit__(*exc)
+
+    def close(self) -> None:
+        """Stop counting (the weak references go; no callback runs after)."""
+        self.active = False
+        with self._lock:
+            self._live.clear()
+
+
+def _autocast_nested() -> bool:
+    """Whether this thread is inside an autocast context, so its cache of parameter casts is
+    alive (it is cleared when the outermost context exits). ``torch.is_autocast_enabled`` does
+    not say it: it is false inside autocast's own kernels, which exclude its dispatch key."""
+    import torch
+
+    depth = int(torch.autocast_increment_nesting())
+    torch.autocast_decrement_nesting()
+    return depth > 1
+
+
+def _is_param_cast(t: Any) -> bool:
+    """Whether ``t`` is autocast's copy of a parameter (``_to_copy`` of a leaf that requires
+    grad, or a view of one, as ``linear`` saves ``weight.t()``): autocast keeps such casts in
+    its cache until its context exits, checkpoint or not."""
+    base = getattr(t, "_base", None)
+    fn = getattr(t if base is None else base, "grad_fn", None)
+    if fn is None or type(fn).__name__ != "ToCopyBackward0":
+        return False
+    try:
+        nxt = fn.next_functions
+        return len(nxt) == 1 and nxt[0][0] is not None and type(nxt[0][0]).__name__ == "AccumulateGrad"
+    except Exception:
+        return False
+
+
+MAX_SEGMENTS = 4 * MAX_BLOCKS + 64
+MAX_STORAGES = 5_000_000  # storages whose birth and release are kept (then no more: less is freed)
+MAX_LATE = 64  # late-freed groups per block kept (the earliest; the rest count as not freed)
+
+
+class _Saved:
+    """What the saved-tensor hook hands autograd: the tensor, and the block whose forward saved
+    it (-1: none), so that backward's first unpack of a block's own tensor marks where that
+    block's backward (and a checkpoint's recompute of it) begins."""
+
+    __slots__ = ("measurement", "owner", "tensor")
+
+    def __init__(self, owner: int, tensor: Any, measurement: StepMeasurement) -> None:
+        self.owner = owner
+        self.tensor = tensor
+        self.measurement = measurement
+
+    def __del__(self) -> None:
+        # autograd let go of it (its node ran, or the graph is gone)
+        try:
+            self.measurement._let_go(self.owner, self.tensor)
+        except Exception:
+            pass
+
+
+# Beyond this share of the step's highest level, a process peak the step did not raise is not
+# this step's (it is noted, and this much is taken as the step's unseen part).
+UNTRACKED_CAP = 0.05
+
+
+class StepMeasurement:
+    """Hooks for one step: :meth:`start` before it, :meth:`stop` after it, :meth:`result` then.
+
+    Besides each block's saved bytes and forward time, it records the step's memory *timeline*:
+    the live bytes after every operator (:class:`LiveTensorBytes`; on CUDA set right against
+    ``memory_allocated`` at every block event), cut into segments at each block's forward
+    start, forward end and backward start (the first time backward unpacks a tensor the block
+    saved), each segment keeping its highest level, apart for the operators run while autocast
+    (and so its cache of parameter casts) is on. With it, :mod:`.plan` predicts the peak of any
+    set of checkpointed blocks: a block's freeable bytes are missing from the segments between
+    its forward end and its backward start, and its recompute (at its backward start) rises by
+    what its forward rose up to its last saved tensor (where a non-reentrant checkpoint stops
+    recomputing). Autograd letting go of a tensor that a block saved too (another saver done
+    with it) begins a segment as well.
+
+    ``reset_peak`` (the caller's own process only; the agent never does): on CUDA the peak
+    statistic is reset at every event, so each segment holds the allocator's own highest level,
+    kernels' workspaces included. Without it, what the process's peak holds beyond the highest
+    level seen is the measurement's ``untracked_bytes``, which the plan adds everywhere."""
+
+    def __init__(
+        self,
+        roots: list[Any],
+        optimizers: list[Any],
+        reset_peak: bool = False,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
         self.roots = roots
+        self.clock = clock or time.perf_counter  # the CPU's timer of blocks (CUDA: events)
         self.optimizers = optimizers
         self.reset_peak = reset_peak
         self.blocks = find_blocks(roots)
@@ -191,18 +438,44 @@ class StepMeasurement:
             for name, m in self.blocks
             if type(m).__name__ in _CHECKPOINT_WRAPPERS or getattr(m, "gradient_checkpointing", False)
         }
+        n = len(self.blocks)
         self._handles: list[Any] = []
         self._hooks_ctx: Any = None
         self._stack: list[int] = []
         self._owners: dict[tuple[int, int], set[int]] = {}  # storage -> blocks that saved it (-1: none)
+        self._casts: set[tuple[int, int]] = set()  # saved storages that are autocast's parameter casts
         self._inputs: list[set[tuple[int, int]]] = [set() for _ in self.blocks]
-        self._fwd: list[float] = [0.0] * len(self.blocks)
-        self._calls: list[int] = [0] * len(self.blocks)
-        self._first: list[int] = [len(self.blocks)] * len(self.blocks)  # forward order of first calls
+        self._fwd: list[float] = [0.0] * n
+        self._recompute: list[float] = [0.0] * n
+        self._calls: list[int] = [0] * n
+        self._first: list[int] = [n] * n  # forward order of first calls
         self._order: list[int] = []
-        self._events: list[list[Any]] = [[] for _ in self.blocks]
-        self._t0: list[float] = [0.0] * len(self.blocks)
+        self._events: list[list[Any]] = [[] for _ in self.blocks]  # CUDA: [start, last save, end] per call
+        self._t0: list[float] = [0.0] * n
+        self._last_save: list[Any] = [None] * n
         self._param_keys: set[tuple[int, int]] = set()
+        # the timeline: per segment, the highest level of operators run with autocast off / on
+        self._plain: list[int] = [0]
+        self._cached: list[int] = [0]
+        self._hook_s = 0.0
+        self._per_op_s = 0.0
+        self._offset = 0
+        self._calibrated = False
+        self._drift = 0
+        self._amp: Callable[[], bool] = lambda: False
+        self._blk_max = 0
+        self._fwd_base: list[int] = [0] * n
+        self._rise: list[int] = [0] * n
+        self._fwd_end: list[int] = [-1] * n
+        self._bwd_start: list[int] = [-1] * n
+        self._fwd_start: list[int] = [-1] * n
+        self._born: dict[tuple[int, int], int] = {}  # storage -> the segment it was made in
+        self._saved_born: dict[tuple[int, int], int] = {}  # the same, for the saved ones, read when saved
+        # (storage, saver) -> the segment that began when autograd let go of the saver's copy
+        self._released: dict[tuple[tuple[int, int], int], int] = {}
+        self._bwd_level: list[int] = [0] * n
+        self._meter: LiveTensorBytes | None = None
+        self._meter_entered = False
         self._cuda: Any = None
         self._device = "cpu"
         self._peak_before = 0
@@ -218,6 +491,8 @@ class StepMeasurement:
     def start(self) -> None:
         import torch
 
+        self._thread = threading.get_ident()  # the thread whose hooks these are (stop() checks it)
+        known = []
         for root in self.roots:
             for p in root.parameters():
                 key = _storage(p)
@@ -225,12 +500,35 @@ class StepMeasurement:
                     self._param_keys.add(key)
                 if p.device.type == "cuda":
                     self._device = str(p.device)
+                known.append(p)
+                if p.grad is not None:
+                    known.append(p.grad)
+        for opt in self.optimizers:
+            for per in list((getattr(opt, "state", {}) or {}).values()):
+                if isinstance(per, dict):
+                    known.extend(v for v in per.values() if isinstance(v, torch.Tensor))
+            for group in getattr(opt, "param_groups", []) or []:
+                for p in group.get("params", []) if isinstance(group, dict) else []:
+                    known.append(p)
+                    if getattr(p, "grad", None) is not None:
+                        known.append(p.grad)
         if self._device.startswith("cuda"):
             self._cuda = torch.cuda
             dev = torch.device(self._device)
             if self.reset_peak:
                 torch.cuda.reset_peak_memory_stats(dev)
             self._peak_before = int(torch.cuda.max_memory_allocated(dev))
+        self._amp = _autocast_nested
+        if self._cuda is None:
+            self._calibrate()
+        # on CUDA, the measured device's storages only (the CPU's scalars are not its memory)
+        self._meter = LiveTensorBytes(
+            known, on_op=self._on_op, device=torch.device(self._device) if self._cuda else None
+        )
+        self._meter.on_new = self._on_new
+        self._plain, self._cached = [0], [0]
+        self._recalibrate()
+        self._plain = [self._level()]
         for index, (_name, module) in enumerate(self.blocks):
             if _name in self.skipped:
                 continue
@@ -238,7 +536,8 @@ class StepMeasurement:
             self._handles.append(module.register_forward_hook(self._post(index), always_call=True))
         self._hooks_ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks_ctx.__enter__()
-        self._thread = threading.get_ident()
+        self._meter.__enter__()
+        self._meter_entered = True
         self.started = True
         self._step_t0 = time.perf_counter()
 
@@ -248,26 +547,177 @@ class StepMeasurement:
             return
         self.stopped = True
         self.step_s = time.perf_counter() - getattr(self, "_step_t0", time.perf_counter())
+        meter = self._meter
+        if meter is not None:
+            meter.active = False  # from here on the mode only passes operators through
+            if self.started:
+                self._recalibrate()  # the last segment's peak, where it may be read
+        on_thread = threading.get_ident() == self._thread
         ctx, self._hooks_ctx = self._hooks_ctx, None
-        if ctx is not None and threading.get_ident() != self._thread:
-            # The hooks are the training thread's (autograd keeps them per thread): popping
-            # here would pop another thread's. They stop counting (self.stopped) instead.
-            ctx = None
-        if ctx is not None:
-            try:
-                ctx.__exit__(None, None, None)
-            except Exception as exc:
-                self.error = self.error or f"could not pop the saved-tensor hooks: {exc}"
+        entered, self._meter_entered = self._meter_entered, False
+        if on_thread:
+            self._pop(meter if entered else None, ctx)
+        elif entered or ctx is not None:
+            # The mode and the hooks are the training thread's (kept per thread): popping them
+            # here would pop this thread's. They only pass things through now, and the
+            # training thread pops them after its next optimizer step.
+            self._pop_later(meter if entered else None, ctx)
         handles, self._handles = self._handles, []
         for h in handles:
             try:
                 h.remove()
             except Exception:
                 pass
+        if meter is not None:
+            self.error = self.error or meter.error
+            meter.close()
+
+    def _pop(self, meter: LiveTensorBytes | None, ctx: Any) -> None:
+        """Pop the dispatch mode and the saved-tensor hooks, on the thread that pushed them,
+        each only when it is on top (another pushed after it is left alone)."""
+        import torch
+        from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+        if meter is not None and meter._mode is not None:
+            try:
+                if _get_current_dispatch_mode() is meter._mode:
+                    meter.__exit__(None, None, None)
+                else:
+                    self.error = self.error or "another dispatch mode was pushed over the measurement's; left"
+            except Exception as exc:
+                self.error = self.error or f"could not pop the dispatch mode: {exc}"
+        if ctx is not None:
+            try:
+                top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+                if top is not None and top[0] == self._pack:
+                    ctx.__exit__(None, None, None)
+                else:
+                    self.error = self.error or "other saved-tensor hooks were pushed over the measurement's; left"
+            except Exception as exc:
+                self.error = self.error or f"could not pop the saved-tensor hooks: {exc}"
+
+    def _pop_later(self, meter: LiveTensorBytes | None, ctx: Any) -> None:
+        handle: list[Any] = []
+
+        def after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+            if threading.get_ident() != self._thread:
+                return
+            while handle:
+                handle.pop().remove()
+            self._pop(meter, ctx)
+
+        try:
+            from torch.optim.optimizer import register_optimizer_step_post_hook
+
+            handle.append(register_optimizer_step_post_hook(after_step))
+        except Exception as exc:
+            self.error = self.error or f"could not arrange to pop the hooks: {exc}"
+
+    # -- the timeline --------------------------------------------------------------------------
+    def _level(self) -> int:
+        meter = self._meter
+        return self._offset + (meter.current if meter is not None else 0)
+
+    def _recalibrate(self) -> None:
+        """On CUDA, set the level right against the allocator's count (what no operator's
+        outputs show: persistent workspaces, storages freed that were made before); how far it
+        had drifted since the last event is kept (the plan's margin). Where the peak statistic
+        may be reset (the caller's own process), the allocator's peak since the last event is
+        the closing segment's highest level, kernels' workspaces included, and is reset."""
+        if self._cuda is None or self._meter is None:
+            return
+        try:
+            stats = self._cuda.memory_stats(self._device)
+            allocated = int(stats.get("allocated_bytes.all.current", 0))
+            offset = allocated - self._meter.current
+            if self._calibrated:
+                self._drift = max(self._drift, abs(offset - self._offset))
+            self._calibrated = True
+            self._offset = offset
+            if self.reset_peak:
+                seg = len(self._plain) - 1
+                high = int(stats.get("allocated_bytes.all.peak", 0))
+                if self._plain[seg] >= self._cached[seg]:
+                    self._plain[seg] = max(self._plain[seg], high)
+                else:
+                    self._cached[seg] = max(self._cached[seg], high)
+                self._cuda.reset_peak_memory_stats(self._device)
+        except Exception as exc:
+            self.error = self.error or f"allocator statistics: {exc}"
+
+    def _on_op(self, current: int) -> None:
+        level = self._offset + current
+        seg = len(self._plain) - 1
+        if level > self._plain[seg] or level > self._cached[seg]:  # autocast asked only then
+            if self._amp():
+                if level > self._cached[seg]:
+                    self._cached[seg] = level
+            elif level > self._plain[seg]:
+                self._plain[seg] = level
+        if level > self._blk_max:
+            self._blk_max = level
+
+    def _on_new(self, address: int, size: int) -> None:
+        if len(self._born) < MAX_STORAGES:
+            self._born[(address, size)] = len(self._plain) - 1
+
+    def _event(self) -> int:
+        """A new segment begins (at a block's forward start or end, or backward start): its index."""
+        if len(self._plain) >= MAX_SEGMENTS:
+            self.error = self.error or "the step has too many block events; its timeline is cut"
+            return len(self._plain) - 1
+        self._recalibrate()
+        level = self._level()
+        if self._amp():
+            self._plain.append(0)
+            self._cached.append(level)
+        else:
+            self._plain.append(level)
+            self._cached.append(0)
+        return len(self._plain) - 1
+
+    def _stamp(self) -> Any:
+        if self._cuda is not None:
+            ev = self._cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return self._cpu_now()
+
+    def _cpu_now(self) -> float:
+        """The CPU clock less what the measurement itself has cost so far (its saved-tensor hook,
+        and each operator's trip through the dispatch mode, as calibrated at the start), so that a
+        block's time is what it costs without the measurement."""
+        ops = self._meter.ops if self._meter is not None else 0
+        return self.clock() - self._hook_s - ops * self._per_op_s
+
+    def _calibrate(self) -> None:
+        """On the CPU: what one operator's trip through the dispatch mode costs (the median of
+        five rounds of 64 small additions, with the mode and without)."""
+        import statistics
+
+        import torch
+
+        a = torch.zeros(4)
+        rounds = []
+        probe = LiveTensorBytes(on_op=lambda current: None)
+        for _ in range(5):
+            t0 = self.clock()
+            for _ in range(64):
+                torch.add(a, 1)
+            t1 = self.clock()
+            with probe:
+                for _ in range(64):
+                    torch.add(a, 1)
+            t2 = self.clock()
+            rounds.append(((t2 - t1) - (t1 - t0)) / 64)
+        probe.close()
+        self._per_op_s = max(0.0, statistics.median(rounds))
 
     # -- hooks (on the training thread, during the measured step) ----------------------------
     def _pre(self, index: int) -> Callable[..., None]:
         def pre(module: Any, args: Any, kwargs: Any) -> None:
+            if self.stopped:
+                return
             try:
                 self._stack.append(index)
                 if not self._calls[index]:
@@ -278,12 +728,16 @@ class StepMeasurement:
                     key = _storage(a) if _is_tensor(a) else None
                     if key is not None:
                         self._inputs[index].add(key)
+                seg = self._event()
+                if self._fwd_start[index] < 0:
+                    self._fwd_start[index] = seg
+                self._fwd_base[index] = self._level()
+                self._blk_max = self._fwd_base[index]
+                self._last_save[index] = None
                 if self._cuda is not None:
-                    ev = self._cuda.Event(enable_timing=True)
-                    ev.record()
-                    self._events[index].append(ev)
+                    self._events[index].append([self._stamp(), None, None])
                 else:
-                    self._t0[index] = time.perf_counter()
+                    self._t0[index] = self._cpu_now()
             except Exception as exc:
                 self.error = self.error or f"forward pre-hook: {exc}"
 
@@ -291,15 +745,23 @@ class StepMeasurement:
 
     def _post(self, index: int) -> Callable[..., None]:
         def post(module: Any, args: Any, output: Any) -> None:
+            if self.stopped:
+                return
             try:
                 if self._stack and self._stack[-1] == index:
                     self._stack.pop()
                 if self._cuda is not None:
-                    ev = self._cuda.Event(enable_timing=True)
-                    ev.record()
-                    self._events[index].append(ev)
+                    if self._events[index]:
+                        call = self._events[index][-1]
+                        call[1] = self._last_save[index]
+                        call[2] = self._stamp()
                 else:
-                    self._fwd[index] += time.perf_counter() - self._t0[index]
+                    now = self._cpu_now()
+                    self._fwd[index] += max(0.0, now - self._t0[index])
+                    last = self._last_save[index]
+                    if last is not None:
+                        self._recompute[index] += max(0.0, last - self._t0[index])
+                self._fwd_end[index] = self._event()
             except Exception as exc:
                 self.error = self.error or f"forward hook: {exc}"
 
@@ -308,23 +770,68 @@ class StepMeasurement:
     def _pack(self, t: Any) -> Any:
         if self.stopped:
             return t
+        entered = self.clock() if self._cuda is None else 0.0
+        owner = self._stack[-1] if self._stack else -1
         try:
             self._packs += 1
+            if owner >= 0:
+                # a non-reentrant checkpoint's recompute stops at the block's last save
+                rise = self._blk_max - self._fwd_base[owner]
+                if rise > self._rise[owner]:
+                    self._rise[owner] = rise
+                self._last_save[owner] = self._stamp()
             key = _storage(t)
             if key is not None and key not in self._param_keys:
-                owner = self._stack[-1] if self._stack else -1
+                if key not in self._owners:
+                    # its birth, read now while it is alive (its address may serve another later)
+                    self._saved_born[key] = self._born.get(key, -1)
                 self._owners.setdefault(key, set()).add(owner)
+                if owner >= 0 and _is_param_cast(t) and self._amp():
+                    import torch
+
+                    if torch.is_autocast_cache_enabled():
+                        self._casts.add(key)
         except Exception as exc:
             self.error = self.error or f"pack hook: {exc}"
-        return t
+        if self._cuda is None:
+            self._hook_s += self.clock() - entered
+        # what autograd keeps is the tensor itself, with the block that saved it beside it
+        return _Saved(owner, t, self)
 
-    def _unpack(self, t: Any) -> Any:
+    def _unpack(self, packed: Any) -> Any:
+        if not isinstance(packed, _Saved):
+            return packed
+        t = packed.tensor
+        if self.stopped:
+            return t
         if self._backward_alloc < 0 and self._cuda is not None:
             try:
                 self._backward_alloc = int(self._cuda.memory_allocated(self._device))
             except Exception:
                 self._backward_alloc = 0
+        try:
+            k = packed.owner
+            if k >= 0 and self._bwd_start[k] < 0:
+                # the first tensor of this block's own backward: where a checkpoint recomputes it
+                self._bwd_start[k] = self._event()
+                self._bwd_level[k] = self._level()
+        except Exception as exc:
+            self.error = self.error or f"unpack hook: {exc}"
         return t
+
+    def _let_go(self, owner: int, t: Any) -> None:
+        """Autograd released a tensor that ``owner`` saved. When a block saved it too, the block's
+        checkpoint frees it from now on: a segment begins here."""
+        if self.stopped or not self.started:
+            return
+        key = _storage(t)
+        owners = self._owners.get(key) if key is not None else None
+        if key is None or not owners or not any(o >= 0 and o != owner for o in owners):
+            return
+        if all(self._bwd_start[o] >= 0 for o in owners if o >= 0):
+            return  # every block that saved it is in its backward already
+        if len(self._released) < MAX_STORAGES:
+            self._released[(key, owner)] = self._event()
 
     # -- the answer --------------------------------------------------------------------------
     def result(self) -> dict[str, Any]:
@@ -332,10 +839,22 @@ class StepMeasurement:
         import torch
 
         n = len(self.blocks)
+        segments = len(self._plain)
         freeable = [0] * n
         saved = [0] * n
+        casts = [0] * n
+        late: list[dict[int, int]] = [{} for _ in range(n)]
         outside = 0
         activation = 0
+        fe = [x if x >= 0 else segments for x in self._fwd_end]
+        bs = [x if x >= 0 else segments for x in self._bwd_start]
+
+        def made_in(o: int, key: tuple[int, int]) -> bool:
+            # made during block o's forward, so its checkpoint does not keep it (not an input, a
+            # buffer, a table made before: those live on whatever is recomputed)
+            born = self._saved_born.get(key, -1)
+            return o >= 0 and 0 <= self._fwd_start[o] <= born < fe[o] and key not in self._inputs[o]
+
         for key, owners in self._owners.items():
             size = key[1]
             activation += size
@@ -343,17 +862,33 @@ class StepMeasurement:
                 (owner,) = owners
                 if owner >= 0:
                     saved[owner] += size
-                    if key not in self._inputs[owner]:
-                        freeable[owner] += size
-                        continue
+            makers = [o for o in owners if made_in(o, key)]
+            if len(makers) == 1:
+                k = makers[0]
+                if len(owners) == 1:
+                    freeable[k] += size
+                    if key in self._casts:
+                        casts[k] += size
+                    continue
+                # others saved it too (a next block as its input, an operator outside the
+                # blocks): checkpointing k frees it only once they are done with it
+                done = max(self._released.get((key, o), segments) for o in owners if o != k)
+                start = max(done, fe[k])
+                if start < bs[k]:
+                    late[k][start] = late[k].get(start, 0) + size
             outside += size
         if self._cuda is not None:
-            for i, evs in enumerate(self._events):
-                total = 0.0
-                for a, b in zip(evs[0::2], evs[1::2]):
-                    b.synchronize()
-                    total += a.elapsed_time(b) / 1000.0
+            for i, calls in enumerate(self._events):
+                total = recompute = 0.0
+                for start, last, end in calls:
+                    if end is None:
+                        continue
+                    end.synchronize()
+                    total += start.elapsed_time(end) / 1000.0
+                    if last is not None:
+                        recompute += start.elapsed_time(last) / 1000.0
                 self._fwd[i] = total
+                self._recompute[i] = recompute
         seen: set[tuple[int, int]] = set()
         grad_sized: set[tuple[str, int]] = set()
         params = grads = state = 0
@@ -383,6 +918,8 @@ class StepMeasurement:
         for root in self.roots:
             for p in root.parameters():  # parameters no optimizer steps (frozen) hold memory too
                 params += count(p)
+        timeline = [[self._plain[i], self._cached[i]] for i in range(segments)]
+        tracked_peak = max((max(a, b) for a, b in timeline), default=0)
         doc: dict[str, Any] = {
             "schema": SCHEMA,
             "device": self._device,
@@ -392,7 +929,15 @@ class StepMeasurement:
                     "class": type(m).__name__,
                     "saved_bytes": saved[i],
                     "freeable_bytes": freeable[i],
+                    "cast_bytes": casts[i],
                     "forward_s": round(self._fwd[i], 9),
+                    "recompute_s": round(min(self._recompute[i], self._fwd[i]), 9),
+                    "recompute_bytes": max(self._rise[i], freeable[i]),
+                    "forward_end": self._fwd_end[i] if self._fwd_end[i] >= 0 else segments,
+                    "backward_start": self._bwd_start[i] if self._bwd_start[i] >= 0 else segments,
+                    "backward_start_bytes": self._bwd_level[i],
+                    # bytes its checkpoint frees from a later segment on (others saved them too)
+                    "late_freeable": [[seg, b] for seg, b in sorted(late[i].items())[:MAX_LATE]],
                     "calls": self._calls[i],
                     "parameter_bytes": sum(p.numel() * p.element_size() for p in m.parameters()),
                     "checkpointed": name in self.skipped,
@@ -400,32 +945,57 @@ class StepMeasurement:
                 # in the order of their first forward call (backward runs them in reverse)
                 for i, (name, m) in sorted(enumerate(self.blocks), key=lambda x: (self._first[x[0]], x[0]))
             ],
+            "timeline": timeline,
             "activation_bytes": activation,
             "unrecomputable_activation_bytes": outside,
             "parameter_bytes": params,
             "gradient_bytes": grads,
             "optimizer_state_bytes": state,
             "saved_tensors": self._packs,
+            "operators": self._meter.ops if self._meter is not None else 0,
+            "operator_overhead_s": round(self._per_op_s, 9),
             "step_s": round(self.step_s, 6),
             "notes": list(self.notes),
             "error": self.error,
         }
         if self._cuda is not None:
             dev = torch.device(self._device)
-            peak = int(torch.cuda.max_memory_allocated(dev))
+            if self.reset_peak:
+                # reset at every event: each segment holds the allocator's own peak in it
+                peak = tracked_peak
+                source = "torch.cuda.max_memory_allocated during the step, segment by segment"
+                untracked = 0
+            else:
+                process = int(torch.cuda.max_memory_allocated(dev))
+                # what the allocator's peak holds beyond the highest level seen after an
+                # operator: memory allocated and freed inside one (a kernel's workspace)
+                untracked = max(0, process - tracked_peak)
+                if process > self._peak_before:
+                    source = "torch.cuda.max_memory_allocated during the step"
+                else:
+                    source = "the step's levels and the process's torch.cuda.max_memory_allocated (the step did not raise it)"
+                if untracked > UNTRACKED_CAP * tracked_peak:
+                    doc["notes"].append(
+                        f"the process's peak ({process} bytes) is {untracked} bytes above this step's highest level: "
+                        "it was set outside this step (a larger batch, an evaluation?); the plan uses this step's levels"
+                    )
+                    untracked = int(UNTRACKED_CAP * tracked_peak)
+                peak = tracked_peak + untracked
+                doc["process_peak_bytes"] = process
             doc["peak_bytes"] = peak
-            doc["peak_source"] = (
-                "torch.cuda.max_memory_allocated during the step"
-                if self.reset_peak or peak > self._peak_before
-                else "torch.cuda.max_memory_allocated of the process (the step did not raise it)"
-            )
+            doc["peak_source"] = source
             doc["allocated_at_backward_bytes"] = max(self._backward_alloc, 0)
             doc["temporary_bytes"] = max(0, peak - params - grads - state - activation)
+            doc["untracked_bytes"] = untracked
+            # the most the level followed op by op strayed from the allocator's count between
+            # two events (rounding, memory no operator returned): the plan's margin
+            doc["drift_bytes"] = self._drift
         else:
-            doc["peak_bytes"] = params + grads + state + activation
-            doc["peak_source"] = "parameters + gradients + optimizer state + saved-tensor bytes (CPU)"
-            doc["peak_includes_gradients"] = True
-            doc["temporary_bytes"] = 0
+            doc["peak_bytes"] = tracked_peak
+            doc["peak_source"] = "live tensor bytes after each operator (CPU)"
+            doc["temporary_bytes"] = max(0, tracked_peak - params - grads - state - activation)
+            doc["untracked_bytes"] = 0
+            doc["drift_bytes"] = 0
         return doc
 
 
@@ -436,7 +1006,12 @@ def _is_tensor(x: Any) -> bool:
 
 
 def measure_step(
-    model: Any, optimizer: Any, step: Callable[[], Any], reset_peak: bool = False, overhead_of: float | None = None
+    model: Any,
+    optimizer: Any,
+    step: Callable[[], Any],
+    reset_peak: bool = False,
+    overhead_of: float | None = None,
+    clock: Callable[[], float] | None = None,
 ) -> dict[str, Any]:
     """Run ``step()`` once with the measurement's hooks and return the measurement's document.
 
@@ -444,10 +1019,12 @@ def measure_step(
     ``reset_peak`` resets the CUDA peak statistic first (the caller's own process only: the
     agent never does). ``overhead_of``: a typical step's seconds, to report the measured
     step's extra cost against. Raises :class:`MeasurementRefused` when the step cannot be
-    measured right; every hook is removed whether the step raises or not."""
+    measured right; every hook is removed whether the step raises or not. ``clock`` times the
+    blocks on the CPU (``time.perf_counter`` unless given; a benchmark on a shared machine may
+    pass ``time.process_time``)."""
     roots = list(model) if isinstance(model, (list, tuple)) else [model]
     optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
-    m = StepMeasurement(roots, optimizers, reset_peak=reset_peak)
+    m = StepMeasurement(roots, optimizers, reset_peak=reset_peak, clock=clock)
     try:
         m.start()
         step()
