@@ -17,13 +17,20 @@ capture it records nothing. Without CUDA it costs one ``torch.cuda.is_initialize
 process, with one log line; the training step never sees it.
 
 **The progress probe.** Once the rank has not stepped for ``PROBE_AFTER_S``, each status answer
-reports the probe recorded at the previous answer (``probe_done``: the GPU finished everything
-queued on the device's default stream before it; ``probe_age_s``) and records a new one there:
+reports the probe recorded after the previous answer (``probe_done``: the GPU finished everything
+queued on the device's default stream before it; ``probe_age_s``) and asks for a new one there:
 a rank whose main thread spins in a CUDA wait while its GPU finishes work is busy (an evaluation
 loop that syncs at every batch), one whose GPU has not finished work queued seconds ago waits for
-its GPU. Only where the marked steps run on the default stream (which no CUDA graph capture can
-use), and only from a thread whose CUDA stream-capture mode is relaxed (``_capture_relaxed``), so
-that nothing the agent's thread calls can invalidate a capture of the job's own threads.
+its GPU. The record is made by a thread of its own (``_Prober``), never by the agent's: on an H200
+(driver 580, CUDA 13) ``cudaEventCreate`` and ``cudaEventRecord`` on any stream do not return
+while another thread of the process is in a copy between host and device (``.item()``, ``.cpu()``,
+a pageable ``.to()``) behind a kernel that does not end, where ``cudaEventQuery`` and
+``cudaStreamQuery`` return at once. A record still pending is itself the answer: the device has
+not let the process queue anything for that long (reported not done, aged from the record's
+start). Only where the marked steps run on the default stream (which no CUDA graph capture can
+use), and only from threads whose CUDA stream-capture mode is relaxed (``_capture_relaxed``): an
+event query from another thread during a global-mode capture failed 3324 of 3326 captures on
+that H200; with the querying thread relaxed, 0 of 1087.
 """
 
 from __future__ import annotations
@@ -112,8 +119,7 @@ class GpuStepMarker:
         # [step, time.monotonic() of the record, device index, on the default stream] of each
         # event, mutated in place
         self._marks: list[list[Any]] = [[0, 0.0, -1, False], [0, 0.0, -1, False]]
-        self._probe: Any = None  # the progress probe's event, made at its first record
-        self._probe_at: float | None = None  # time.monotonic() of its last record
+        self._prober = _Prober(clock)
         self._slot = -1  # the event recorded last; -1: none yet
         self._last_record = float("-inf")  # time.monotonic() of the last record (MIN_GAP_S apart at least)
         self._on_cuda: dict[int, bool] = {}  # id(optimizer) -> its parameters are on CUDA
@@ -183,28 +189,17 @@ class GpuStepMarker:
             uuid = self._uuid(torch, device)
             found = GpuStepLook(True, int(step), done, max(0.0, self._clock() - at), int(device), uuid)
             if relaxed and on_default and self._clock() - at >= PROBE_AFTER_S:
-                self._run_probe(torch, int(device), found)
+                reported = self._prober.report()
+                if reported is not None:
+                    found.probed = True
+                    found.probe_done, found.probe_age_s = reported
+                self._prober.request(torch, int(device))
             else:
-                self._probe_at = None  # stepping again (or no probe here): a new stall starts afresh
+                self._prober.reset()  # stepping again (or no probe here): a new stall starts afresh
         except Exception as exc:
             self._turn_off("querying", exc)
             return GpuStepLook(False, note=f"off for this process: {self.off_reason}"[:300])
         return found
-
-    def _run_probe(self, torch: Any, device: int, found: GpuStepLook) -> None:
-        """Report the last probe into ``found``, then record a new one on the device's default
-        stream (see the module's docstring)."""
-        cuda = torch.cuda
-        now = self._clock()
-        if self._probe is not None and self._probe_at is not None:
-            found.probed = True
-            found.probe_done = bool(self._probe.query())
-            found.probe_age_s = max(0.0, now - self._probe_at)
-        if self._probe is None:
-            self._probe = cuda.Event()
-        with cuda.device(device):
-            self._probe.record(cuda.default_stream(device))
-        self._probe_at = now
 
     def device_identity(self, torch: Any) -> dict[str, Any] | None:
         """The CUDA device of the latest marked step, ``{"index", "uuid"}`` (the UUID names the
@@ -232,3 +227,72 @@ class GpuStepMarker:
         self.enabled = False
         self.off_reason = f"{doing} its CUDA event failed: {type(exc).__name__}: {exc}"[:300]
         log.warning("dynprof: the GPU step marker is off for this process: %s", self.off_reason)
+
+
+class _Prober:
+    """The progress probe's event, recorded on a daemon thread of its own (see the module's
+    docstring): asked for by the agent's thread, which never waits for it."""
+
+    def __init__(self, clock: Any) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._wanted = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._torch: Any = None
+        self._device = -1
+        self._event: Any = None
+        self._recorded_at: float | None = None  # clock() when the event's last record returned
+        self._recording_since: float | None = None  # a record under way since then
+        self.off_reason = ""
+
+    def request(self, torch: Any, device: int) -> None:
+        """Ask for a new record (none while one is under way). Never blocks."""
+        with self._lock:
+            if self.off_reason or self._recording_since is not None:
+                return
+            self._torch, self._device = torch, device
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="dynprof-gpu-probe", daemon=True)
+                self._thread.start()
+        self._wanted.set()
+
+    def report(self) -> tuple[bool, float] | None:
+        """(done, age_s) of the probe: a record under way is not done, aged from its start; None
+        before the first record of this stall. Never blocks (``cudaEventQuery`` returns at once)."""
+        with self._lock:
+            since, event, at = self._recording_since, self._event, self._recorded_at
+        now = self._clock()
+        if since is not None:
+            return False, max(0.0, now - since)
+        if event is None or at is None:
+            return None
+        return bool(event.query()), max(0.0, now - at)
+
+    def reset(self) -> None:
+        with self._lock:
+            self._recorded_at = None
+
+    def _run(self) -> None:
+        relaxed = _capture_relaxed()  # this thread's own capture mode
+        while True:
+            self._wanted.wait()
+            self._wanted.clear()
+            with self._lock:
+                if not relaxed:
+                    self.off_reason = "this thread's CUDA stream-capture mode could not be relaxed"
+                    return
+                self._recording_since = self._clock()
+                torch, device = self._torch, self._device
+            try:
+                cuda = torch.cuda
+                event = self._event if self._event is not None else cuda.Event()
+                with cuda.device(device):
+                    event.record(cuda.default_stream(device))
+                with self._lock:
+                    self._event, self._recorded_at, self._recording_since = event, self._clock(), None
+            except Exception as exc:  # the probe is off; the marker and the job go on
+                with self._lock:
+                    self._recording_since = None
+                    self.off_reason = f"recording failed: {type(exc).__name__}: {exc}"[:300]
+                log.warning("dynprof: the GPU progress probe is off for this process: %s", self.off_reason)
+                return

@@ -6,6 +6,8 @@ failure turns the marker off with one log line and never reaches the training st
 from __future__ import annotations
 
 import logging
+import threading
+import time
 import types
 from typing import Any
 
@@ -238,6 +240,30 @@ def _stalled_marker(monkeypatch: pytest.MonkeyPatch, relaxed: bool = True, side_
     return marker, fake, clock
 
 
+def _recorded(marker: GpuStepMarker, records: int) -> Any:
+    """The probe's event once the probe's thread has recorded it ``records`` times."""
+    deadline = time.monotonic() + 60.0  # a bound on a hang, not a timing
+    prober = marker._prober
+    while time.monotonic() < deadline:
+        with prober._lock:
+            event, busy = prober._event, prober._recording_since is not None
+        if event is not None and len(event.recorded_on) >= records and not busy:
+            return event
+        time.sleep(0.005)
+    raise AssertionError(f"the probe's thread made no record {records} (off: {prober.off_reason!r})")
+
+
+class BlockingEvent(FakeEvent):
+    """A record that does not return until released (the driver holds it while another thread
+    copies between host and device behind a kernel that does not end)."""
+
+    release = threading.Event()
+
+    def record(self, stream: Any) -> None:
+        BlockingEvent.release.wait(60)
+        super().record(stream)
+
+
 def test_a_rank_that_stopped_stepping_gets_a_progress_probe_on_its_default_stream(monkeypatch):
     # GIVEN a rank on CUDA whose last step was marked, and no step since
     marker, fake, clock = _stalled_marker(monkeypatch)
@@ -245,42 +271,75 @@ def test_a_rank_that_stopped_stepping_gets_a_progress_probe_on_its_default_strea
     clock.now += PROBE_AFTER_S / 2
     look = marker.look(fake)
     # THEN no probe: a rank that steps costs nothing more
-    assert look.probed is False and marker._probe is None
+    assert look.probed is False and marker._prober._thread is None
     # WHEN it is looked at once that time has passed
     clock.now += PROBE_AFTER_S
     look = marker.look(fake)
-    # THEN a probe is recorded on the device's default stream (on its device), none reported yet
+    # THEN a probe is recorded on the device's default stream (on its device) by the probe's own
+    # thread; none is reported yet
     assert look.probed is False
-    assert marker._probe.recorded_on == [fake.cuda.default] and fake.cuda.devices_entered == [1]
+    probe = _recorded(marker, 1)
+    assert probe.recorded_on == [fake.cuda.default] and fake.cuda.devices_entered == [1]
+    assert marker._prober._thread is not None and marker._prober._thread.name == "dynprof-gpu-probe"
     # WHEN the next look comes 1.5 s later, the GPU still busy with what was queued before
     clock.now += 1.5
     look = marker.look(fake)
-    # THEN it says the probe has not finished after 1.5 s, and records the next one
+    # THEN it says the probe has not finished after 1.5 s, and asks for the next one
     assert (look.probed, look.probe_done, look.probe_age_s) == (True, False, 1.5)
-    assert len(marker._probe.recorded_on) == 2
+    _recorded(marker, 2)
     # WHEN the GPU gets through its queue
-    marker._probe.finished = True
+    probe.finished = True
     clock.now += 0.5
     look = marker.look(fake)
-    # THEN the next look says so; and the status carries it
+    # THEN the next look says so
     assert (look.probed, look.probe_done, look.probe_age_s) == (True, True, 0.5)
     # WHEN the rank steps again
+    _recorded(marker, 3)
     clock.now += 1.0
     marker.mark(fake, _optimizer(True), 6)
     look = marker.look(fake)
     # THEN no probe is reported, and a later stall starts afresh
-    assert look.probed is False and marker._probe_at is None
+    assert look.probed is False and marker._prober._recorded_at is None
+
+
+def test_a_probe_record_that_does_not_return_never_holds_the_agent_and_reads_as_behind(monkeypatch):
+    # GIVEN a stalled rank whose probe record does not return (another thread copies behind a
+    # kernel that does not end)
+    marker, fake, clock = _stalled_marker(monkeypatch)
+    fake.cuda.Event = BlockingEvent
+    BlockingEvent.release.clear()
+    try:
+        clock.now += PROBE_AFTER_S
+        # WHEN the agent is asked for its status again and again
+        first = marker.look(fake)
+        deadline = time.monotonic() + 60.0
+        while marker._prober._recording_since is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        clock.now += 3.0
+        looks = [marker.look(fake) for _ in range(3)]
+        # THEN every look answers (the agent's thread never waits for the record), and says the
+        # GPU has not taken the probe for 3 s: behind
+        assert first.probed is False
+        assert all((lk.probed, lk.probe_done, lk.probe_age_s) == (True, False, 3.0) for lk in looks)
+        assert marker._prober._thread.is_alive()
+    finally:
+        BlockingEvent.release.set()
+    # WHEN the record returns at last
+    _recorded(marker, 1)
+    # THEN the next look reports that record
+    look = marker.look(fake)
+    assert look.probed is True and look.probe_done is False and look.probe_age_s == 0.0
 
 
 @pytest.mark.parametrize("relaxed, side_stream", [(False, False), (True, True)], ids=["capture-mode", "side-stream"])
 def test_no_probe_without_a_relaxed_capture_mode_or_off_the_default_stream(monkeypatch, relaxed, side_stream):
-    # GIVEN a stalled rank whose agent thread could not relax its capture mode, or whose steps
-    # run on a side stream (which a CUDA graph capture could be using)
+    # GIVEN a stalled rank whose threads could not relax their capture mode, or whose steps run
+    # on a side stream (which a CUDA graph capture could be using)
     marker, fake, clock = _stalled_marker(monkeypatch, relaxed=relaxed, side_stream=side_stream)
     # WHEN it is looked at twice, long after its last step
     for _ in range(2):
         clock.now += 2 * PROBE_AFTER_S
         look = marker.look(fake)
     # THEN no probe was recorded, and the marker is still on
-    assert look.probed is False and marker._probe is None and marker.enabled
+    assert look.probed is False and marker._prober._event is None and marker.enabled
     assert look.recorded is True and look.step == 5
