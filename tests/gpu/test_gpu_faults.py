@@ -130,7 +130,7 @@ def test_every_rank_waiting_for_its_gpu_is_a_hang_on_the_devices(spawn, cli, run
     # WHEN the watch looks once
     rc, verdicts, err = _watch_once(cli, job)
     # THEN one hang on the devices: every rank named, each waiting for its GPU in the copy
-    assert rc == 20 and len(verdicts) == 1, err
+    assert rc == 20 and len(verdicts) == 1, (err, [(v["kind"], v["conclusion"], v["ranks"]) for v in verdicts])
     v = verdicts[0]
     t = v["evidence"]["timing"]
     _row(
