@@ -474,7 +474,7 @@ class WatchEngine:
             elif (
                 not in_collective.get((node, r.pid), False)
                 and candidates < MAX_NATIVE_CANDIDATES
-                and (others_wait or _gpu_behind(after.get((node, r.pid))))
+                and (others_wait or _gpu_behind(after.get((node, r.pid)), self.config.look_interval_s))
             ):
                 # read natively the ranks that do not wait with the others (the culprits to be):
                 # where one is in C (a CUDA synchronize behind a long kernel) is its native frame.
@@ -708,9 +708,12 @@ MAX_NATIVE_CANDIDATES = 64  # ranks read natively in one look for not waiting wi
 GPU_BEHIND_S = 1.0  # a rank's GPU is behind when work queued this long ago has not finished
 
 
-def _gpu_behind(row: RankProgress | None) -> bool:
-    """Its agent's progress probe says its GPU has not finished work queued a while ago."""
-    return row is not None and row.gpu_step is not None and row.gpu_step.gpu_behind(GPU_BEHIND_S)
+def _gpu_behind(row: RankProgress | None, look_interval_s: float) -> bool:
+    """Its agent's progress probe says its GPU has not finished work queued a while ago: the
+    probe asked at the look's start, read about ``look_interval_s`` later, is not done after
+    half that (at most GPU_BEHIND_S)."""
+    limit = min(GPU_BEHIND_S, 0.5 * look_interval_s)
+    return row is not None and row.gpu_step is not None and row.gpu_step.gpu_behind(limit)
 
 
 def _in_python_collective(p: ProcessStacks | None) -> bool:

@@ -475,11 +475,12 @@ class BehindGpuSource(FakeSource):
     CUDA device-to-host copy (the recorded H200 stacks of tests/data/gpu_stacks/item.json) when
     read natively; each agent's progress probe says whether its GPU finished what was queued."""
 
-    def __init__(self, gpu_behind: bool) -> None:
+    def __init__(self, gpu_behind: bool, probe_age_s: float = 2.0) -> None:
         super().__init__()
         self.stuck = True
         self._last = self.t
         self.gpu_behind = gpu_behind
+        self.probe_age_s = probe_age_s
         self.native_asked: list[dict[str, list[int]]] = []
         from tests.unit.test_watch_detect import _gpu_stack
 
@@ -494,7 +495,7 @@ class BehindGpuSource(FakeSource):
             for r in read.progress.ranks if read.progress else []:
                 r.cpu_s = 5.0 + self.t  # the CUDA runtime's wait spins
                 r.gpu_step = GpuStep(step=self.step, done=True, age_s=self.t - self._last, device=0)
-                r.gpu_step.probe_done, r.gpu_step.probe_age_s = (not self.gpu_behind), 2.0
+                r.gpu_step.probe_done, r.gpu_step.probe_age_s = (not self.gpu_behind), self.probe_age_s
         return reads
 
     def stacks(self, job: str, native: dict[str, list[int]]) -> StacksRead:
@@ -506,10 +507,10 @@ class BehindGpuSource(FakeSource):
         return read
 
 
-def _once(source: FakeSource) -> tuple[list[Verdict], list[Any]]:
+def _once(source: FakeSource, look_interval_s: float = 0.0) -> tuple[list[Verdict], list[Any]]:
     said: list[Verdict] = []
     ticks: list[Any] = []
-    config = WatchConfig(job="j", interval_s=1.0, stall_after_s=5.0, look_interval_s=0.0)
+    config = WatchConfig(job="j", interval_s=1.0, stall_after_s=5.0, look_interval_s=look_interval_s)
 
     def sleep(s: float) -> None:
         source.t += s
@@ -556,3 +557,16 @@ def test_ranks_whose_gpus_keep_up_are_busy_and_not_read_natively():
     # THEN no native read, and the job is busy, not hung
     assert all(asked == {} for asked in source.native_asked)
     assert [v.kind for v in said] == ["busy"], [v.conclusion for v in said]
+
+
+def test_a_probe_asked_at_the_looks_start_counts_once_half_the_look_interval_has_passed():
+    # GIVEN looks 1 s apart (the probe asked at the look's start is read about 1 s later)
+    # WHEN each rank's probe is unfinished after 0.6 s, or after 0.4 s only
+    behind = BehindGpuSource(gpu_behind=True, probe_age_s=0.6)
+    said_behind, _ = _once(behind, look_interval_s=1.0)
+    early = BehindGpuSource(gpu_behind=True, probe_age_s=0.4)
+    said_early, _ = _once(early, look_interval_s=1.0)
+    # THEN the first are read natively and called a hang on the devices; the second are not read
+    assert [v.kind for v in said_behind] == ["hang"], [v.conclusion for v in said_behind]
+    assert all(asked == {} for asked in early.native_asked)
+    assert [v.kind for v in said_early] == ["busy"], [v.conclusion for v in said_early]
