@@ -593,7 +593,7 @@ def _culprit_text(culprits: Sequence[RankState], others: str | None) -> str:
     for group in _groups(culprits, lambda s: (s.state, s.where)):
         verb = _phrase(group[0], others)
         if len(group) > 1:
-            verb = verb.replace("is ", "are ", 1).replace("waits ", "wait ", 1)
+            verb = verb.replace("is ", "are ", 1).replace("waits ", "wait ", 1).replace(" its GPU ", " their GPUs ", 1)
         parts.append(f"{ranks_text(group)} {verb}{_since(group)}")
     return "; ".join(parts)
 

@@ -545,6 +545,7 @@ def test_every_rank_behind_its_gpu_is_read_natively_and_called_a_hang_on_the_dev
     assert ticks[0].confirm_in_s is not None
     assert [v.kind for v in said] == ["hang"], [v.conclusion for v in said]
     assert "every rank waits for its GPU" in said[0].conclusion and "the hang is on the devices" in said[0].conclusion
+    assert "ranks 2-3 on node-2 wait for their GPUs in a device-to-host copy" in said[0].conclusion, said[0].conclusion
     assert all(r["state"].startswith("waiting for its GPU in a device-to-host copy") for r in said[0].ranks)
 
 
