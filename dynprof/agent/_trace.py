@@ -26,7 +26,14 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from collectors.torch_trace import KIND, TRACE_FILE, WRITING_AT_EXIT, TraceOptions, TraceSession
+from collectors.torch_trace import (
+    KIND,
+    TRACE_FILE,
+    TRACE_UNCOMPRESSED_FILE,
+    WRITING_AT_EXIT,
+    TraceOptions,
+    TraceSession,
+)
 from dynprof.agent._mainthread import call_soon_in_main_thread
 from dynprof.agent._safety import WATCH, UnsafeReason, in_optimizer_step, other_profiler_active, unsafe_reason
 from dynprof.agent._server import CommandError
@@ -769,8 +776,9 @@ class TraceController:
                 if session is None:
                     raise RuntimeError("the trace being written is gone")
                 writer = self._create_writer(session, req)
-            with contextlib.suppress(OSError):
-                os.unlink(writer.path / TRACE_FILE)
+            for name in (TRACE_FILE, TRACE_UNCOMPRESSED_FILE):  # the write's files, half written
+                with contextlib.suppress(OSError):
+                    os.unlink(writer.path / name)
             path = str(writer.finish("failed", error=error).path)
         except Exception as exc:
             log.info("recording the unfinished trace at exit failed", exc_info=True)
