@@ -402,6 +402,48 @@ def test_healthz_and_clean_stop(sidecar):
     assert "stopped serving" in side.stderr() and "Traceback" not in side.stderr()
 
 
+def test_a_loopback_sidecar_links_to_no_other_loopback_address(sidecar):
+    # GIVEN another service of this machine listening on 127.0.0.9, counting its connections
+    listener = socket.socket()
+    listener.bind(("127.0.0.9", 0))
+    listener.listen(64)
+    listener.settimeout(0.2)
+    port = listener.getsockname()[1]
+    accepted: list[socket.socket] = []
+    done = threading.Event()
+
+    def accept() -> None:
+        while not done.is_set():
+            try:
+                accepted.append(listener.accept()[0])
+            except OSError:
+                continue
+
+    acceptor = threading.Thread(target=accept, daemon=True)
+    acceptor.start()
+    # AND a sidecar bound to 127.0.0.1 (job-wide, so it runs link tests)
+    side = sidecar()
+    try:
+        # WHEN a token holder asks it for link tests toward that listener, as either rank
+        answers = [
+            side.action(
+                "link-test", {"rank": rank, "world": 2, "store_host": "127.0.0.9", "store_port": port, "limit": 5}
+            )
+            for rank in (0, 1)
+        ]
+    finally:
+        done.set()
+        acceptor.join(10)
+        listener.close()
+        for conn in accepted:
+            conn.close()
+    # THEN both are refused, saying why, and nothing connected to the listener
+    for code, answer in answers:
+        assert code == 400, answer
+        assert "127.0.0.9" in answer["error"] and "loopback" in answer["error"], answer
+    assert accepted == []
+
+
 # -- TLS --------------------------------------------------------------------------------------------
 def test_tls_with_a_self_signed_certificate(sidecar, tmp_path, cli):
     openssl = shutil.which("openssl")
