@@ -9,6 +9,7 @@ in a real headless Chromium (over the DevTools protocol on a pipe: no extra pack
 
 from __future__ import annotations
 
+import ast
 import fcntl
 import http.client
 import json
@@ -31,6 +32,7 @@ from urllib.parse import quote
 
 import pytest
 
+from dynprof.safetext import one_line
 from dynprof.sidecar.app import REFUSAL_LOG_BURST, REFUSAL_LOG_WINDOW_S
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -637,6 +639,75 @@ def test_page_buttons_trace_and_show_merged_stacks(sidecar, train, browser, dynp
     assert "main (" in frames and "train_program.py" in frames, frames
     # AND no request the page made was refused (token cookie and CSRF value were enough)
     assert "refused" not in side.stderr(), side.stderr()
+
+
+HOSTILE_NAMES = "tests/integration/programs/hostile_names_program.py"
+
+
+def _string_constants(path: Path) -> dict[str, str]:
+    """A program's top-level string constants (read, not imported: no torch here)."""
+    tree = ast.parse(path.read_text())
+    return {
+        node.targets[0].id: node.value.value
+        for node in tree.body
+        if isinstance(node, ast.Assign)
+        and isinstance(node.targets[0], ast.Name)
+        and isinstance(node.value, ast.Constant)
+        and isinstance(node.value.value, str)
+    }
+
+
+# Characters that must never reach the page raw: a newline forges a line (of a frame list, of a
+# cell's text), an escape sequence and bidirectional overrides make text read as it is not.
+RAW = ("\n", "\r", "\x1b", "\u202e", "\u2066")
+
+
+def test_page_script_shows_a_nodes_hostile_text_as_escaped_text(sidecar, spawn, browser):
+    # GIVEN a rank whose job id, host, phase and stepping function's name hold a newline, a
+    # right-to-left override, an escape sequence and markup
+    job = "job\n<script>window.__pwned=3</script>\u202e\x1b[31m"
+    host = "node\nrank 1 is fine\u2066\x1b[2J"
+    target = spawn([HOSTILE_NAMES], env={"DYNPROF_JOB_ID": job, "DYNPROF_HOST": host})
+    (pid,) = target.ready_pids()
+    side = sidecar()
+    browser.goto(f"http://127.0.0.1:{side.port}/?token={TOKEN}")
+    section = "document.querySelector('section.job')"
+
+    # WHEN its page takes its stacks, lists its ranks and its artifacts (the script renders each
+    # answer, then refreshes the ranks' rows and the artifacts table from the JSON API)
+    shown = {}
+    for action in ("stacks", "ps", "ls"):
+        browser.eval(f"{section}.setAttribute('data-state', '')")
+        browser.eval(f"{section}.querySelector('button[data-action={action}]').click()")
+        browser.wait_for(f"{section}.getAttribute('data-state') === 'done'")
+        # the answer as shown, but its <pre> blocks (their newlines are dynprof's own)
+        shown[action] = browser.eval(
+            f"(function () {{ var box = {section}.querySelector('.result').cloneNode(true);"
+            " box.querySelectorAll('pre').forEach(function (p) { p.remove(); }); return box.textContent; })()"
+        )
+        assert f"{action}: exit 0" in shown[action], shown[action]
+        if action == "stacks":
+            shown["frames"] = browser.eval(f"{section}.querySelector('.result .group pre').textContent")
+    shown["cells"] = browser.eval("Array.from(document.querySelectorAll('td')).map(td => td.textContent).join('|')")
+    shown["state"] = browser.eval(f"document.querySelector(\"tr[data-pid='{pid}'] td.state\").textContent")
+
+    # THEN no script or handler from the text ran, and no raw newline, escape or override
+    # reached the page: each is shown as its escape, as the server-rendered rows show it
+    assert browser.eval("window.__pwned === undefined")
+    assert browser.eval("document.querySelectorAll('section.job script, section.job img, section.job b').length") == 0
+    for name, text in shown.items():
+        raw = [c for c in RAW if c in text and not (c == "\n" and name == "frames")]
+        assert not raw, (name, raw, text[:2000])
+    # AND a frame's newline forges no line of the merged stacks
+    lines = shown["frames"].split("\n")
+    assert not [line for line in lines if line.startswith("rank 0 is fine")], lines
+    # AND the script's escapes are dynprof.safetext.one_line's, character for character: the
+    # function's name in the frames, the phase refreshed from the JSON API, the host in ps
+    names = _string_constants(ROOT / HOSTILE_NAMES)
+    function, phase = names["FUNCTION"], names["PHASE"]
+    assert one_line(function) in shown["frames"], (one_line(function), shown["frames"])
+    assert f"(in phase {one_line(phase)})" in shown["state"], (one_line(phase), shown["state"])
+    assert one_line(host) in shown["ps"], (one_line(host), shown["ps"])
 
 
 # -- job-wide: the page asks its own sidecar, which asks the other nodes' -----------------------------
