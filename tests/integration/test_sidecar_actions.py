@@ -446,6 +446,35 @@ def test_a_loopback_sidecar_links_to_no_other_loopback_address(sidecar):
     assert accepted == []
 
 
+def _catches(pid: int, signum: int) -> bool:
+    """Whether process ``pid`` has a handler for ``signum`` (SigCgt of /proc/PID/status)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigCgt:"):
+            return bool(int(line.split()[1], 16) & (1 << (signum - 1)))
+    raise AssertionError(f"no SigCgt for pid {pid}")
+
+
+def test_a_rank_killed_by_sigterm_leaves_no_record_once_the_sidecar_has_polled(sidecar, spawn, dynprof_dirs):
+    # GIVEN a node's sidecar (polling its ranks' progress, every 2 s by default) and a rank of
+    # a job, whose SIGTERM is left as the job had it: dynprof installs no handler for it
+    side = sidecar()
+    target = spawn([PROGRAM, "--step-sleep", "0.01"], env={"DYNPROF_JOB_ID": JOB})
+    (pid,) = target.ready_pids()
+    agents = dynprof_dirs["run"] / "agents"
+    assert (agents / f"{pid}.json").exists() and (agents / f"{pid}.sock").exists()
+    assert not _catches(pid, signal.SIGTERM)
+
+    # WHEN the rank is killed by SIGTERM, and no dynprof command runs on the node
+    os.kill(pid, signal.SIGTERM)
+
+    # THEN the sidecar's next poll removes its record and socket (a far deadline: a hang detector)
+    deadline = time.monotonic() + 120
+    while (agents / f"{pid}.json").exists() or (agents / f"{pid}.sock").exists():
+        assert time.monotonic() < deadline, f"the record of {pid} is still there: {side.stderr()}"
+        time.sleep(0.1)
+    assert side.proc.poll() is None
+
+
 # -- TLS --------------------------------------------------------------------------------------------
 def test_tls_with_a_self_signed_certificate(sidecar, tmp_path, cli):
     openssl = shutil.which("openssl")
