@@ -12,9 +12,11 @@ Readers: :func:`read_trace` and :func:`summarize` (used by ``dynprof show`` and 
 from __future__ import annotations
 
 import contextlib
+import gzip
 import json
 import math
 import os
+import shutil
 import time
 import warnings
 from collections import defaultdict
@@ -26,6 +28,9 @@ from typing import IO, Any
 from dynprof.safetext import one_line
 
 TRACE_FILE = "trace.json.gz"
+# torch writes the uncompressed trace here (in the artifact's temporary directory) and dynprof
+# compresses it into TRACE_FILE; it is removed once compressed, or when the write is given up.
+TRACE_UNCOMPRESSED_FILE = "trace.json.uncompressed"
 # TraceState.last_artifact_status while the job exits and its trace is being written (then
 # last_artifact is where the artifact will be).
 WRITING_AT_EXIT = "writing-at-exit"
@@ -150,9 +155,24 @@ class TraceSession:
         self.stop_pause_s = time.perf_counter() - t0
 
     def export(self, path: Path) -> dict[str, Any]:
-        """Write the gzipped Chrome trace to ``path``; return manifest summary fields."""
+        """Write the gzipped Chrome trace to ``path``; return manifest summary fields.
+
+        Given a ``.gz`` name, torch writes the uncompressed trace to a temporary file of its own
+        in ``$TMPDIR``, which a write cut off by the job's exit leaves behind. So dynprof asks
+        torch for the uncompressed trace beside ``path`` (TRACE_UNCOMPRESSED_FILE, in the
+        artifact's temporary directory) and compresses it itself, as torch does."""
         t0 = time.perf_counter()
-        self.prof.export_chrome_trace(str(path))  # torch gzips when the name ends in .gz
+        if path.name.endswith(".gz"):
+            plain = path.with_name(TRACE_UNCOMPRESSED_FILE)
+            try:
+                self.prof.export_chrome_trace(str(plain))
+                with open(plain, "rb") as fin, gzip.open(path, "wb") as fout:
+                    shutil.copyfileobj(fin, fout, 1 << 20)
+            finally:
+                with contextlib.suppress(OSError):
+                    plain.unlink()
+        else:
+            self.prof.export_chrome_trace(str(path))
         export_s = time.perf_counter() - t0
         return {
             "trace_file": TRACE_FILE,

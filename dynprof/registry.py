@@ -37,17 +37,24 @@ _last_prune: dict[Path, float] = {}
 
 def process_start_ticks(pid: int) -> int | None:
     """Start time of ``pid`` in clock ticks since boot (field 22 of /proc/PID/stat)."""
+    return _stat(pid)[1]
+
+
+def _stat(pid: int) -> tuple[bytes | None, int | None]:
+    """``pid``'s state letter (field 3 of /proc/PID/stat: R, S, Z...) and start time in clock
+    ticks since boot (field 22); None for what cannot be read."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as fh:
             data = fh.read()
     except OSError:
-        return None
+        return None, None
     # The command name (field 2) may hold spaces and parentheses: split after the last ')'.
     rest = data[data.rfind(b")") + 2 :].split()
+    state = rest[0] if rest else None
     try:
-        return int(rest[19])
+        return state, int(rest[19])
     except (IndexError, ValueError):
-        return None
+        return state, None
 
 
 @dataclass
@@ -123,13 +130,18 @@ class AgentRecord:
             raise ValueError("bad extra")
 
     def is_alive(self) -> bool:
+        """The record's process runs: it exists, is the same process (its start time), and
+        has not exited (a zombie, which its parent has not reaped yet, has: no agent is left
+        in it, and its record and socket may go)."""
         try:
             os.kill(self.pid, 0)
         except ProcessLookupError:
             return False
         except PermissionError:
             pass
-        ticks = process_start_ticks(self.pid)
+        state, ticks = _stat(self.pid)
+        if state in (b"Z", b"X"):
+            return False
         return ticks is None or self.start_ticks is None or ticks == self.start_ticks
 
 

@@ -592,6 +592,91 @@ def case_forged(h: Harness) -> list[Case]:
     return cases
 
 
+FETCH_NODES = 64
+FETCH_ID = "hostile/node/rank0/stacks/20260101T000000.000000Z-1"
+
+
+def manifest_at_the_bound(values: int, size: int) -> bytes:
+    """An artifact's manifest answer (``?manifest=1``) within ``size`` bytes and ``values`` JSON
+    values that costs the most to decode: one object of distinct keys (keys are not counted as
+    values) with short distinct strings (about 14 MiB decoded for 2 MiB and 99 000 values). It
+    lists one file, so that a fetch asks for it (and holds the manifest meanwhile)."""
+    files = [{"name": "stacks.json", "size": 1000, "sha256": "0" * 64}]
+    head = json.dumps({"id": FETCH_ID, "manifest": {"kind": "stacks", "files": files, "pad": "PAD"}}).encode()
+    pairs = []
+    room = size - len(head) - 2
+    for i in range(values - 20):
+        pair = f'"{i:06x}":"{i:08x}"'.encode()
+        room -= len(pair) + 1
+        if room < 0:
+            break
+        pairs.append(pair)
+    return head.replace(b'"PAD"', b"{" + b",".join(pairs) + b"}")
+
+
+def fetch_node(manifest: bytes, listing: bytes, hold_s: float) -> Behaviour:
+    """A node that lists one artifact (``listing``), answers its manifest with ``manifest`` and
+    drips its file for ``hold_s`` seconds before it hangs up: a fetch holds the manifest of
+    every node at once meanwhile."""
+
+    def reply(h: BaseHTTPRequestHandler) -> None:
+        if "/files/" in h.path:
+            h.send_response(200)
+            h.send_header("Content-Type", "application/octet-stream")
+            h.send_header("Content-Length", "1000")
+            h.end_headers()
+            end = time.monotonic() + hold_s
+            while time.monotonic() < end:
+                h.wfile.write(b"x")
+                h.wfile.flush()
+                time.sleep(0.5)
+            h.close_connection = True
+            return
+        body = manifest if "manifest=1" in h.path else listing
+        _json_reply(body)(h)
+
+    return reply
+
+
+def case_fetch(h: Harness, name: str, listing_bytes: int = 0) -> Case:
+    """``ls --fetch`` across FETCH_NODES nodes, each answering its artifact's manifest at the
+    per-manifest bound (about 2 MiB and 100 000 JSON values); with ``listing_bytes``, each
+    node's ls answer is that large too (long rows around the one artifact)."""
+    from dynprof.job.client import MAX_MANIFEST_ANSWER_BYTES, MAX_MANIFEST_ANSWER_VALUES
+
+    row: dict[str, Any] = {"id": FETCH_ID, "path": "/x/" + FETCH_ID, "kind": "stacks", "status": "complete"}
+    listing = envelope({"artifacts": [{**row, "pad": "PAD"}]}, action="ls")
+    if listing_bytes:  # the listing at its bound too: the same costliest shape, in its one row
+        from dynprof.job.client import MAX_ANSWER_VALUES
+
+        pad = manifest_at_the_bound(MAX_ANSWER_VALUES - 1000, listing_bytes)
+        listing = listing.replace(b'"PAD"', pad[pad.index(b'"pad": ') + 7 : -2])
+    else:
+        listing = listing.replace(b'"PAD"', b"null")
+    manifest = manifest_at_the_bound(MAX_MANIFEST_ANSWER_VALUES - 1000, MAX_MANIFEST_ANSWER_BYTES - 4096)
+    behaviour = fetch_node(manifest, listing, hold_s=6.0)
+    servers = [h.fake(behaviour) for _ in range(FETCH_NODES)]
+    c = Case(name, inputs=FETCH_NODES, allowed=_allowed(*servers))
+    dest = h.work / f"fetched-{time.monotonic_ns()}"
+    hosts = ",".join(s.address for s in servers)
+    run = h.cli(["ls", "--hosts", hosts, "--fetch", str(dest), "--json", "--node-timeout", "30"])
+    c.runs.append(run)
+    try:
+        doc = json.loads(run.stdout)
+        fetched = doc.get("fetched") or []
+        errors_ = [str(f.get("error") or "") for f in fetched]
+        cut = sum(e.startswith("cut: ") for e in errors_)
+        c.note = f"exit {run.exit_code}: {len(fetched)} fetch row(s), {cut} node(s) cut"
+        first_cut = next((e for e in errors_ if e.startswith("cut: ")), "")
+        c.note += f" ({first_cut[:70]}...)" if first_cut else ""
+    except (ValueError, AttributeError):
+        c.note = _note(run)
+    for s in servers:
+        s.close()
+    h.servers = [s for s in h.servers if s not in servers]
+    return c
+
+
 CASES: dict[str, Callable[[Harness], list[Case]]] = {
     "drip": lambda h: [case_fake(h, "drip: 1 byte / 0.5 s of body", drip_body)],
     "drip-headers": lambda h: [case_fake(h, "drip: 1 byte / 0.5 s of headers", drip_headers)],
@@ -650,6 +735,10 @@ CASES: dict[str, Callable[[Harness], list[Case]]] = {
     "redirect": lambda h: [case_redirect(h)],
     "names": lambda h: [case_names(h)],
     "forged": case_forged,
+    "fetch-manifests": lambda h: [case_fetch(h, f"fetch: {FETCH_NODES} manifests at the bound (ls --fetch)")],
+    "fetch-manifests-listings": lambda h: [
+        case_fetch(h, f"fetch: {FETCH_NODES} manifests and listings at the bound", listing_bytes=15 << 20)
+    ],
 }
 
 

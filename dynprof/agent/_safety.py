@@ -56,16 +56,34 @@ def in_backward() -> bool:
         return False
 
 
+_RETURNING = threading.local()
+
+
+@contextlib.contextmanager
+def returning(frame: Any) -> Iterator[None]:
+    """Inside this block, ``frame`` (on the calling thread's stack, whose return a one-shot
+    profile or trace function is handling) counts as gone: its code, ``finally`` blocks
+    included, has run, and only its return is left. A step boundary taken when a
+    ``torch.compile`` wrapper returns is outside the compiled region."""
+    previous = getattr(_RETURNING, "frame", None)
+    _RETURNING.frame = frame
+    try:
+        yield
+    finally:
+        _RETURNING.frame = previous
+
+
 def _on_stack(skip: int, matches: Callable[[Any], bool]) -> bool:
     """True when a frame of the calling thread's Python stack (from ``skip`` frames up, at most
-    _MAX_FRAMES of them) ``matches``."""
+    _MAX_FRAMES of them) ``matches``; a frame that is :func:`returning` does not count."""
     try:
         frame: Any = sys._getframe(skip + 1)
     except ValueError:
         return False
+    gone = getattr(_RETURNING, "frame", None)
     depth = 0
     while frame is not None and depth < _MAX_FRAMES:
-        if matches(frame.f_code):
+        if frame is not gone and matches(frame.f_code):
             return True
         frame = frame.f_back
         depth += 1

@@ -26,6 +26,7 @@ from typing import Any
 
 from dynprof.agent._gpu_step import GpuStepMarker
 from dynprof.agent._mainthread import call_soon_in_main_thread
+from dynprof.agent._safety import returning
 
 log = logging.getLogger("dynprof.agent")
 
@@ -47,9 +48,15 @@ class StepTracker:
     created mid-run (a second training stage, a k-fold loop, a second HF ``Trainer``) goes on
     counting from where the previous one left off (its very first step joins the iteration
     in progress, unless it replaced the optimizers that stepped there: they are gone, or it
-    steps again before any other does, and then that first step began an iteration). Optimizer steps that run inside a ``torch.compile``d region are counted as
-    one step each (Dynamo traces the hook into the compiled frame, where it only stores a
-    constant into :data:`COMPILED_STEPS`; no listener runs there, and nothing breaks the graph).
+    steps again before any other does, and then that first step began an iteration).
+
+    Optimizer steps that run inside a ``torch.compile``d region are counted as one step each:
+    Dynamo traces the hook into the compiled frame, where it only stores a constant into
+    :data:`COMPILED_STEPS` (nothing breaks the graph); Dynamo replays that store on the training
+    thread after the compiled code has run, and the replay counts the step there. While a
+    capture listens, the boundary is taken when the outermost ``torch.compile`` wrapper on that
+    thread returns (back in the training loop, as an eager step's boundary is taken when the
+    optimizer's step returns), never inside the compiled region.
     """
 
     def __init__(self) -> None:
@@ -59,7 +66,16 @@ class StepTracker:
         self.step_time_s = 0.0  # exponential mean of step durations
         self._recent = [0.0] * RECENT_STEPS  # the latest step durations, for typical_step_s
         self.optimizer_steps = 0  # every optimizer step seen, eager ones
-        self._folded_compiled = 0
+        self._folded_compiled = COMPILED_STEPS.count  # counts of another tracker's time are not ours
+        self._fold_lock = threading.Lock()  # the training thread and status readers both fold
+        # Step boundaries handed to listeners elsewhere than at a step's end (a compiled step
+        # whose compile wrapper could not be waited for): the spans around each are not one
+        # whole iteration, and the trace's manifest says how many there were.
+        self.inexact_boundaries = 0
+        # The wait for a compile wrapper's return (thread, cancel, its frame), and the wrapper
+        # frame found to hold several compiled steps (a compiled loop), while it runs.
+        self._compiled_wait: tuple[int, Callable[[], None], Any] | None = None
+        self._many_steps_wrapper: Any = None
         self.hook_installed = False
         self.hook_thread_id: int | None = None
         self.on_install: Callable[[], None] | None = None
@@ -95,14 +111,82 @@ class StepTracker:
         return self.optimizer_steps + COMPILED_STEPS.count
 
     def fold_compiled(self) -> bool:
-        """Count optimizer steps made inside compiled regions. True if the step advanced."""
-        compiled = COMPILED_STEPS.count
-        if compiled == self._folded_compiled:
-            return False
-        self.step += compiled - self._folded_compiled
-        self._folded_compiled = compiled
-        self.last_step_at = self.last_progress_at = time.time()
-        return True
+        """Count optimizer steps made inside compiled regions. True if the step advanced.
+
+        The replay of each compiled step folds it at once on the training thread; other
+        threads (status, the hang watchdog) call this too, for counts made before the hook's
+        callback was in place. Each count is folded exactly once, whoever gets there first."""
+        with self._fold_lock:
+            compiled = COMPILED_STEPS.count
+            if compiled == self._folded_compiled:
+                return False
+            self.step += compiled - self._folded_compiled
+            self._folded_compiled = compiled
+            self.last_step_at = self.last_progress_at = time.time()
+            return True
+
+    def _compiled_step(self) -> None:
+        """A compiled optimizer step has just run: Dynamo replayed the hook's store on the
+        training thread, after the compiled code and before its frame returns.
+
+        While a capture listens, the step's boundary waits for the innermost ``torch.compile``
+        wrapper around it to return (the training loop goes on there, outside the compiled
+        region). A wrapper that holds several steps (a compiled loop) is not waited for: when
+        a second step replays before it returned, the wait is given up and that wrapper's
+        steps get their boundaries at once, inside it. Such boundaries, and one not taken,
+        are counted in ``inexact_boundaries``."""
+        try:
+            self.fold_compiled()
+            self._time_step(time.monotonic())
+            if not self._listeners:
+                self._many_steps_wrapper = None
+                return
+            thread = threading.get_ident()
+            self.hook_thread_id = thread
+            target = _innermost_compile_wrapper(sys._getframe(1))
+            pending = self._compiled_wait
+            if pending is not None:
+                # The previous compiled step's boundary was not taken: its wrapper has not
+                # returned (it holds this step too), or its profile slot was taken over.
+                self._compiled_wait = None
+                wait_thread, cancel, waited = pending
+                if wait_thread == thread:
+                    cancel()
+                if waited is target:
+                    self._many_steps_wrapper = target
+                self.inexact_boundaries += 1
+            many = self._many_steps_wrapper
+            if many is not None and many is not target:
+                self._many_steps_wrapper = many = None  # that wrapper has returned
+            if target is None or target is many:
+                self._inexact_boundary()
+                return
+
+            def boundary() -> None:
+                self._compiled_wait = None
+                self._notify(self.step)
+
+            waiting = _when_returns(target, boundary)
+            if waiting is None:
+                self._inexact_boundary()
+                return
+            self._compiled_wait = (thread, waiting, target)
+        except Exception:  # the training step must never see our failure
+            self._compiled_wait = None
+            log.exception("compiled step hook failed")
+
+    def _inexact_boundary(self) -> None:
+        """A compiled step's boundary, taken where the step's replay runs (inside the compiled
+        frame): the trace's start and stop there wait for a safe point."""
+        self.inexact_boundaries += 1
+        self._notify(self.step)
+
+    def _time_step(self, mono: float) -> None:
+        if self._last_mono:
+            dt = mono - self._last_mono
+            self.step_time_s = dt if not self.step_time_s else 0.9 * self.step_time_s + 0.1 * dt
+            self._recent[self.step % RECENT_STEPS] = dt
+        self._last_mono = mono
 
     # -- the hook ----------------------------------------------------------------------------
     def _hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -161,12 +245,7 @@ class StepTracker:
             self.step += 1 + missed
             count = self.step
             self.gpu.mark(_TORCH[0], optimizer, count)
-            mono = time.monotonic()
-            if self._last_mono:
-                dt = mono - self._last_mono
-                self.step_time_s = dt if not self.step_time_s else 0.9 * self.step_time_s + 0.1 * dt
-                self._recent[self.step % RECENT_STEPS] = dt
-            self._last_mono = mono
+            self._time_step(time.monotonic())
             self.last_step_at = now
             if self._listeners:
                 if _on_autograd_worker_thread() and self._notify_from_main_thread(count):
@@ -219,6 +298,7 @@ class StepTracker:
             )
             return
         _TORCH[0] = getattr(module, "torch", None) or sys.modules.get("torch")
+        _ON_COMPILED_STEP[0] = self._compiled_step
         self._handle = register(_traceable_hook(self._eager_step))
         self.hook_installed = True
         log.info("optimizer step hook installed")
@@ -242,6 +322,8 @@ class StepTracker:
             except Exception:
                 log.exception("removing the step hook failed")
             self._handle = None
+        if _ON_COMPILED_STEP[0] == self._compiled_step:
+            _ON_COMPILED_STEP[0] = None
         self.hook_installed = False
 
 
@@ -251,9 +333,10 @@ class _CompiledStepCounter(ModuleType):
     Inside a frame that Dynamo compiles, the step hook stores the constant ``True`` into
     ``COMPILED_STEPS.step``. Dynamo records that store as a side effect of the frame and
     replays it, after the compiled graph has run, as a plain ``STORE_ATTR`` on this module,
-    which runs this ``__setattr__`` eagerly: one count per compiled optimizer step. The hook
-    never reads a value there, so the compiled frame holds no guard on the count (no recompile)
-    and no graph break; the compiled graph itself is unchanged.
+    which runs this ``__setattr__`` eagerly, on the training thread: one count per compiled
+    optimizer step, then the step tracker's callback. The hook never reads a value there, so
+    the compiled frame holds no guard on the count (no recompile) and no graph break; the
+    compiled graph itself is unchanged.
     """
 
     count = 0
@@ -261,9 +344,14 @@ class _CompiledStepCounter(ModuleType):
     def __setattr__(self, name: str, value: Any) -> None:
         cls = type(self)
         cls.count += 1
+        callback = _ON_COMPILED_STEP[0]
+        if callback is not None:
+            callback()
 
 
 COMPILED_STEPS = _CompiledStepCounter("dynprof_compiled_steps")
+# The installed StepTracker's _compiled_step, run by each replayed compiled step.
+_ON_COMPILED_STEP: list[Callable[[], None] | None] = [None]
 # torch, as torch.optim.optimizer imported it: found through that module when the hook is
 # registered (torch is still initialising then), read when the hook runs.
 _TORCH: list[Any] = [None]
@@ -297,6 +385,7 @@ def _traceable_hook(eager_step: Callable[[Any], None]) -> Callable[[Any, Any, An
 
 
 _OPTIMIZER_FILE = "torch/optim/optimizer.py"
+_DYNAMO_PATH = "/torch/_dynamo/"  # torch.compile's wrappers (eval_frame.py's compile_wrapper)
 # The Python entry points of a backward pass (``loss.backward()``, ``torch.autograd.backward``,
 # ``torch.autograd.grad`` and the engine call they share).
 _BACKWARD_FILES = ("torch/_tensor.py", "torch/autograd/__init__.py", "torch/autograd/graph.py")
@@ -343,10 +432,9 @@ def _after_optimizer_range(callback: Callable[[], None]) -> bool:
     returns, and a profiler may start or stop only there. Only while a capture listens (never
     on the idle path): find the frame to wait for (the outermost frame of the optimizer's step
     wrapper, or of the backward call on this thread) and run the callback when that frame
-    returns, from a one-shot profile function, or, when the thread already has one (torch's
-    profiler recording Python stacks, cProfile), a one-shot trace function on that frame alone.
-    Returns False (the caller runs the callback now) when neither is free, or the frame is not
-    on this thread's stack (a backward that runs the hook on an autograd worker thread).
+    returns (see :func:`_when_returns`). Returns False (the caller runs the callback now) when
+    the frame is not on this thread's stack (a backward that runs the hook on an autograd
+    worker thread), or no way to wait for it is free.
     """
     frame: Any = sys._getframe(1)
     while frame is not None and frame.f_code.co_filename == __file__:
@@ -371,10 +459,34 @@ def _after_optimizer_range(callback: Callable[[], None]) -> bool:
             depth += 1
         if target is None:
             return False
+    return _when_returns(target, callback) is not None
+
+
+def _innermost_compile_wrapper(frame: Any) -> Any:
+    """The innermost frame of torch.compile's own Python code (``torch/_dynamo/``: the
+    ``compile_wrapper`` that a ``torch.compile``d function or method runs in) from ``frame``
+    outwards, or None."""
+    depth = 0
+    while frame is not None and depth < _MAX_FRAMES:
+        if _DYNAMO_PATH in frame.f_code.co_filename.replace("\\", "/"):
+            return frame
+        frame = frame.f_back
+        depth += 1
+    return None
+
+
+def _when_returns(target: Any, callback: Callable[[], None]) -> Callable[[], None] | None:
+    """Run ``callback`` when ``target`` (a frame of this thread) returns, from a one-shot
+    profile function, or, when the thread already has one (torch's profiler recording Python
+    stacks, cProfile), a one-shot trace function on that frame alone. Returns a function that
+    cancels the wait (on this thread), or None when neither slot is free. The callback sees
+    ``target`` as gone: the stack checks of :mod:`._safety` skip it (its code has run, its
+    ``finally`` blocks too: only its return is left)."""
 
     def _run() -> None:
         try:
-            callback()
+            with returning(target):
+                callback()
         except Exception:
             log.exception("step boundary callback failed")
 
@@ -386,10 +498,14 @@ def _after_optimizer_range(callback: Callable[[], None]) -> bool:
             sys.setprofile(None)
             _run()
 
+        def _cancel_profile() -> None:
+            if sys.getprofile() is _on_event:
+                sys.setprofile(None)
+
         sys.setprofile(_on_event)
-        return True
+        return _cancel_profile
     if sys.gettrace() is not None:
-        return False
+        return None
 
     def _on_call(frame: Any, event: str, arg: Any) -> None:
         return None  # no other frame is traced
@@ -402,10 +518,16 @@ def _after_optimizer_range(callback: Callable[[], None]) -> bool:
         _run()
         return None
 
+    def _cancel_trace() -> None:
+        if sys.gettrace() is _on_call:
+            sys.settrace(None)
+        if target.f_trace is _on_target:
+            target.f_trace = None
+
     target.f_trace_lines = False
     target.f_trace = _on_target
     sys.settrace(_on_call)
-    return True
+    return _cancel_trace
 
 
 class _PostImportFinder(importlib.abc.MetaPathFinder):

@@ -26,7 +26,14 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from collectors.torch_trace import KIND, TRACE_FILE, WRITING_AT_EXIT, TraceOptions, TraceSession
+from collectors.torch_trace import (
+    KIND,
+    TRACE_FILE,
+    TRACE_UNCOMPRESSED_FILE,
+    WRITING_AT_EXIT,
+    TraceOptions,
+    TraceSession,
+)
 from dynprof.agent._mainthread import call_soon_in_main_thread
 from dynprof.agent._safety import WATCH, UnsafeReason, in_optimizer_step, other_profiler_active, unsafe_reason
 from dynprof.agent._server import CommandError
@@ -43,7 +50,6 @@ MAX_STEPS = 1_000_000
 MAX_AT_STEP = 2**62
 # A start or stop that lands somewhere unsafe is retried this often (main thread only).
 SAFE_POINT_RETRY_S = 0.005
-COMPILED_STEP_POLL_S = 0.005
 # A duration-mode trace of a loop whose steps take at most this long starts and ends at step
 # boundaries (each span then one iteration); with longer steps it starts at once (the request
 # is served within ~100 ms) and the manifest marks its first span partial.
@@ -146,6 +152,8 @@ class TraceController:
         self._last_partial = False
         self._span_marks: list[int] = []  # StepTracker.all_optimizer_steps() at each span boundary
         self._spans_omitted = 0  # spans past the first MAX_SPANS_DESCRIBED, counted, not described
+        self._inexact_at_start = 0  # StepTracker.inexact_boundaries when the trace started
+        self._stop_wait_why = ""  # why the stop due at a step boundary waited for a safe point
         self._optimizer_waits = 0
         WATCH.on_foreign_prepare = self._on_foreign_profiler
 
@@ -219,7 +227,6 @@ class TraceController:
             self._timer(max_s, self._on_cap)
             if step_aligned:
                 self.steps.add_listener(self._on_boundary)
-                self._start_compiled_step_poller()
             elif not call_soon_in_main_thread(self._start_at_safe_point):
                 self._reset_to_idle("the main thread's pending-call queue is full")
                 raise CommandError(pb.INTERNAL, "could not reach the main thread; try again")
@@ -372,6 +379,8 @@ class TraceController:
         self.state = "tracing"
         self._span_marks = [self.steps.all_optimizer_steps()]
         self._spans_omitted = 0
+        self._inexact_at_start = self.steps.inexact_boundaries
+        self._stop_wait_why = ""
         req = self.req
         if req.duration_s:
             self._timer(req.duration_s, lambda: self._request_stop_locked("duration"))
@@ -401,26 +410,16 @@ class TraceController:
                 self._last_partial = False
                 if self._end_at_safe_point(why):
                     return  # the last span ends at this boundary
+                if not self._stop_wait_why and self._deferred_reason is not None:
+                    self._stop_wait_why = (
+                        f"step {step}'s boundary was not a safe point to stop ({self._deferred_reason.text})"
+                    )
                 self.stop_requested = why
                 if not self._stop_deferred:
                     self._stop_deferred = True
                     self._retry_on_main_thread(self._stop_at_safe_point)
             # A new span (also while a stop waits for a safe point: spans stay one iteration).
             self.session.step()
-
-    def _start_compiled_step_poller(self) -> None:
-        """Optimizer steps inside a torch.compile region call no listener (Dynamo replays only
-        the counter). While a trace is armed or running, a poller turns new compiled steps into
-        boundaries on the main thread, through the pending-call queue."""
-
-        def poll() -> None:
-            while self.state in ("armed", "tracing"):
-                time.sleep(COMPILED_STEP_POLL_S)
-                if self.steps.fold_compiled():
-                    step = self.steps.step
-                    call_soon_in_main_thread(lambda step=step: self._on_boundary(step))  # type: ignore[misc]
-
-        threading.Thread(target=poll, name="dynprof-trace-steps", daemon=True).start()
 
     def _retry_on_main_thread(self, fn: Any) -> None:
         """Run ``fn`` on the main thread soon, through the pending-call queue.
@@ -538,6 +537,7 @@ class TraceController:
             else:
                 omitted += 1
         per_span = [b - a for a, b in itertools.pairwise(marks)]
+        inexact = max(0, self.steps.inexact_boundaries - self._inexact_at_start)
         return {
             "span": "iteration",  # ProfilerStep#N: training iteration N, boundary to boundary
             "first_span_partial": self._first_partial,
@@ -545,6 +545,13 @@ class TraceController:
             "last_span_partial": not at_boundary,
             "optimizer_steps_per_span": per_span,
             "optimizer_steps_per_span_omitted": omitted,
+            # Boundaries of compiled optimizer steps taken inside their compiled region (or
+            # not taken): the spans on either side are not exactly one iteration each.
+            "inexact_span_boundaries": inexact,
+            "inexact_span_boundaries_why": _INEXACT_WHY if inexact else "",
+            # A stop due at a step boundary that was not a safe point ends at a later one
+            # (more spans than asked) or where the training thread is (last span partial).
+            "stop_waited_why": self._stop_wait_why,
         }
 
     def _on_foreign_profiler(self) -> None:
@@ -769,8 +776,9 @@ class TraceController:
                 if session is None:
                     raise RuntimeError("the trace being written is gone")
                 writer = self._create_writer(session, req)
-            with contextlib.suppress(OSError):
-                os.unlink(writer.path / TRACE_FILE)
+            for name in (TRACE_FILE, TRACE_UNCOMPRESSED_FILE):  # the write's files, half written
+                with contextlib.suppress(OSError):
+                    os.unlink(writer.path / name)
             path = str(writer.finish("failed", error=error).path)
         except Exception as exc:
             log.info("recording the unfinished trace at exit failed", exc_info=True)
@@ -796,6 +804,13 @@ class TraceController:
             log.warning("warning: the trace written at exit failed (%s): %s", error, path)
         else:
             log.warning("warning: the trace in progress when the job exited was lost: %s", error or "unknown error")
+
+
+_INEXACT_WHY = (
+    "a compiled optimizer step ran inside a torch.compile wrapper that also held other steps (a compiled "
+    "loop), or its wrapper's return could not be waited for (the thread's profile and trace functions were "
+    "both in use): its boundary was taken inside the compiled region, or not taken"
+)
 
 
 def _profiler_active_error() -> CommandError:

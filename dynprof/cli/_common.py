@@ -36,6 +36,7 @@ from dynprof.output import printable as printable
 from dynprof.output import printable_lines as printable_lines
 from dynprof.output import table as table
 from dynprof.registry import AgentRecord, list_records, read_record
+from dynprof.safetext import one_line
 from dynprof.units import human_age as human_age
 from dynprof.units import human_bytes as human_bytes
 
@@ -103,12 +104,13 @@ def resolve_agents(args: argparse.Namespace) -> list[AgentRecord]:
     if getattr(args, "job", None):
         matching = [r for r in records if r.job_id == args.job]
         if not matching:
-            jobs = sorted({r.job_id or "-" for r in records})
+            # Job ids are what the jobs' environments said: each shown as one printable line.
+            jobs = sorted({one_line(r.job_id or "-", 200) for r in records})
             raise errors.DynprofError(
                 f"no agent of job {args.job!r} on this node",
                 help=(
-                    f"Attach agents to its processes: `dynprof attach --job {args.job}`, or add --attach to this "
-                    "command. " + (("Jobs with agents here: " + ", ".join(jobs)) if jobs else "")
+                    f"Attach agents to its processes: `dynprof attach --job {one_line(args.job, 200)}`, or add "
+                    "--attach to this command. " + (("Jobs with agents here: " + ", ".join(jobs)) if jobs else "")
                 ).strip(),
             )
         chosen = select_workers(matching)

@@ -335,7 +335,8 @@ def read_rank_dumps(
     from dynprof.job.fetch import manifest_files, read_json_file
 
     try:
-        files = manifest_files(client.artifact(node, artifact_id)["manifest"])
+        with client.manifest(node, artifact_id) as doc:
+            files = manifest_files(doc["manifest"])
     except NodeFailure as exc:
         notes.append(f"{label}: its dumps cannot be read: {exc.reason}")
         return []

@@ -207,8 +207,9 @@ class ServeCommand:
             type=host_arg,
             default=[],
             metavar="NAME",
-            help="a node that this sidecar's link tests may reach, besides this Slurm allocation's nodes and this "
-            "machine (a sidecar bound to loopback reaches loopback only); repeatable",
+            help="a node that this sidecar's link tests may reach, besides its own address, this Slurm allocation's "
+            "nodes and this machine's names (a sidecar bound to loopback reaches loopback addresses only, no other "
+            "127.x address than its own unless allowed here); repeatable",
         )
         parser.add_argument(
             "--cacert",

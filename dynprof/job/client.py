@@ -24,6 +24,7 @@ person can act on, never an exception out of here. Files are streamed to disk.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import heapq
 import http.client
@@ -35,7 +36,7 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -76,6 +77,14 @@ MAX_SMALL_ANSWER_VALUES = 20_000
 # not cut because a small one answered first). See AnswerBudget.
 TOTAL_ANSWER_BYTES = 192 * 1024 * 1024
 TOTAL_ANSWER_VALUES = 3_000_000
+# What a command holds of artifacts' manifests together (a fetch holds one per node while it
+# copies that node's files; the NCCL dumps' reader one per node while it reads its list): each
+# manifest is read up to MAX_MANIFEST_ANSWER_BYTES and MAX_MANIFEST_ANSWER_VALUES, and a value
+# of a crafted one costs up to ~150 bytes decoded (distinct keys, short strings), so 64 nodes at
+# that bound held 1.2 GB. Honest manifests are a few KiB to a few hundred (a trace's spans:
+# 10 000 values); 64 such fit many times over. See ManifestBudget.
+TOTAL_MANIFEST_BYTES = 32 * 1024 * 1024
+TOTAL_MANIFEST_VALUES = 1_000_000
 MAX_FILE_BYTES = 64 * 1024**3
 MAX_MESSAGES = 200
 MAX_RETRY_AFTER_S = 30.0
@@ -161,6 +170,23 @@ class AnswerBudget:
         )
 
 
+class ManifestBudget(AnswerBudget):
+    """The manifests one command holds at once (:data:`TOTAL_MANIFEST_BYTES`), shared by its
+    ``holders`` (the requests in flight at once); each share is given back when its manifest is
+    dropped (:meth:`AnswerShare.done`)."""
+
+    def __init__(self, holders: int) -> None:
+        super().__init__(holders, TOTAL_MANIFEST_BYTES, TOTAL_MANIFEST_VALUES)
+
+    def reason(self, what: str, node: Node) -> str:
+        total = human_bytes(self.total_bytes) if what == "bytes" else f"{self.total_values} JSON values"
+        return (
+            f"cut: the artifact manifests this command holds at once are held to {total} together, and the "
+            f"manifest of {node} needed more than was left for it; fetch from fewer nodes at a time (--hosts, "
+            "--max-in-flight)"
+        )
+
+
 class AnswerShare:
     """One node's draw on an :class:`AnswerBudget` while its answer is read and decoded."""
 
@@ -170,6 +196,7 @@ class AnswerShare:
         self.values = 0
         self._pool_bytes = 0
         self._pool_values = 0
+        self._kept = (0, 0)  # what keep() counted, until done()
 
     def take_bytes(self, amount: int) -> bool:
         """Room for ``amount`` more bytes of this answer; False (nothing taken) when none is left."""
@@ -196,6 +223,15 @@ class AnswerShare:
     def keep(self) -> None:
         """The answer is kept: count what it holds."""
         self.budget._count(self.bytes, self.values)
+        self._kept = (self.bytes, self.values)
+
+    def done(self) -> None:
+        """The answer kept is dropped: what it held is no longer counted, and what it drew from
+        the pool goes back."""
+        kept_bytes, kept_values = self._kept
+        self.budget._count(-kept_bytes, -kept_values)
+        self._kept = (0, 0)
+        self.release()
 
 
 @dataclass(frozen=True)
@@ -355,6 +391,9 @@ class SidecarClient:
         self.total_values = TOTAL_ANSWER_VALUES if total_values is None else total_values
         self.shared_by = 1
         self.last_budget: AnswerBudget | None = None  # the last action_all's, as it ended
+        # The artifact manifests this client's command holds at once (``manifest``), whichever
+        # of its threads reads them.
+        self.manifests = ManifestBudget(self.max_in_flight)
 
     def _alone(self) -> AnswerShare:
         return AnswerBudget(self.shared_by, self.total_bytes, self.total_values, pooled=False).share()
@@ -596,23 +635,42 @@ class SidecarClient:
         with ThreadPoolExecutor(max_workers=min(self.max_in_flight, len(nodes))) as pool:
             return list(pool.map(lambda n: self.action(n, name, options, timeout, budget.share()), nodes))
 
-    def artifact(self, node: Node, artifact_id: str) -> dict[str, Any]:
+    def artifact(self, node: Node, artifact_id: str, share: AnswerShare | None = None) -> dict[str, Any]:
         """An artifact's manifest, as the node's store has it (``{"id", "manifest"}``): at most
-        :data:`MAX_MANIFEST_ANSWER_BYTES`, so that a fetch's many manifests in flight stay small."""
+        :data:`MAX_MANIFEST_ANSWER_BYTES`, drawn on ``share`` of :attr:`manifests` (the
+        command's total; a manifest past what is left is cut: :class:`NodeFailure` with
+        ``cut``). Without a share it is counted while it is read only: a caller that holds it
+        does so with :meth:`manifest`, which counts it until the caller is done with it."""
         check_artifact_id(artifact_id)
-        deadline = time.monotonic() + self.timeout
-        doc = self._call_json(
-            node,
-            "GET",
-            "/api/v1/artifacts/" + quote(artifact_id) + "?manifest=1",
-            None,
-            deadline,
-            MAX_MANIFEST_ANSWER_BYTES,
-            MAX_MANIFEST_ANSWER_VALUES,
-        )
+        own = share is None
+        drawn = self.manifests.share() if share is None else share
+        try:
+            doc = self._call_json(
+                node,
+                "GET",
+                "/api/v1/artifacts/" + quote(artifact_id) + "?manifest=1",
+                None,
+                time.monotonic() + self.timeout,
+                MAX_MANIFEST_ANSWER_BYTES,
+                MAX_MANIFEST_ANSWER_VALUES,
+                drawn,
+            )
+        finally:
+            if own:
+                drawn.done()
         if not isinstance(doc.get("manifest"), dict):
             raise NodeFailure(f"not a dynprof sidecar: the artifact {artifact_id} of {node} has no manifest")
         return doc
+
+    @contextlib.contextmanager
+    def manifest(self, node: Node, artifact_id: str) -> Iterator[dict[str, Any]]:
+        """``with client.manifest(node, id) as doc:`` the artifact's manifest (``artifact``),
+        counted in the command's total of manifests held at once until the block ends."""
+        share = self.manifests.share()
+        try:
+            yield self.artifact(node, artifact_id, share)
+        finally:
+            share.done()
 
     def download(
         self, node: Node, artifact_id: str, name: str, dest: Path, size: int, sha256: str, timeout: float

@@ -111,43 +111,60 @@ def fetch_one(client: SidecarClient, dest: Path, node: Node, artifact_id: Any, b
         check_artifact_id(artifact_id)
         target = dest / artifact_id
         row["path"] = str(target)
-        manifest = client.artifact(node, artifact_id)["manifest"]
-        checked = manifest_files(manifest)
-        existing = target / store.MANIFEST
-        if existing.is_file() and same_manifest(existing, manifest):
-            row["files"] = len(checked)
-            row["already_there"] = True
-            return row
-        cap = file_limit(artifact_id)
-        over = next(((name, size) for name, size, _ in checked if size > cap), None)
-        if over is not None:
-            raise NodeFailure(
-                f"its manifest claims {over[0]} is {human_bytes(over[1])}, over the {human_bytes(cap)} a file of "
-                f"a {artifact_id.split('/')[3]} artifact holds: not fetched"
-            )
-        claimed = sum(size for _, size, _ in checked)
-        if claimed > budget.limit:
-            raise NodeFailure(
-                f"its manifest claims {human_bytes(claimed)}, over the store's limit of "
-                f"{human_bytes(budget.limit)} (DYNPROF_ARTIFACT_MAX_BYTES): not fetched"
-            )
-        if not budget.take(claimed):
-            raise NodeFailure(
-                f"its {human_bytes(claimed)} would take this fetch past the store's limit of "
-                f"{human_bytes(budget.limit)} in all (DYNPROF_ARTIFACT_MAX_BYTES): not fetched"
-            )
-        make_private_dirs(dest, target)
-        for name, size, sha in checked:
-            client.download(node, artifact_id, name, target / name, size, sha, FETCH_TIMEOUT_S)
-            row["files"] += 1
-        store.write_file_atomically(target, store.MANIFEST, (jsontext.dumps(manifest, indent=2) + "\n").encode())
+        # The manifest is held (and counted in the command's total of manifests held at once)
+        # while this artifact's files are copied.
+        with client.manifest(node, artifact_id) as doc:
+            _copy(client, node, artifact_id, doc["manifest"], target, dest, budget, row)
     except NodeFailure as exc:
         row["error"] = exc.reason
+        if exc.cut:
+            row["cut"] = True
     except ArtifactError as exc:
         row["error"] = f"cannot write under {dest}: {exc.message}"
     except OSError as exc:
         row["error"] = f"cannot write under {dest}: {exc.strerror or exc}"
     return row
+
+
+def _copy(
+    client: SidecarClient,
+    node: Node,
+    artifact_id: str,
+    manifest: dict[str, Any],
+    target: Path,
+    dest: Path,
+    budget: Budget,
+    row: dict[str, Any],
+) -> None:
+    checked = manifest_files(manifest)
+    existing = target / store.MANIFEST
+    if existing.is_file() and same_manifest(existing, manifest):
+        row["files"] = len(checked)
+        row["already_there"] = True
+        return
+    cap = file_limit(artifact_id)
+    over = next(((name, size) for name, size, _ in checked if size > cap), None)
+    if over is not None:
+        raise NodeFailure(
+            f"its manifest claims {over[0]} is {human_bytes(over[1])}, over the {human_bytes(cap)} a file of "
+            f"a {artifact_id.split('/')[3]} artifact holds: not fetched"
+        )
+    claimed = sum(size for _, size, _ in checked)
+    if claimed > budget.limit:
+        raise NodeFailure(
+            f"its manifest claims {human_bytes(claimed)}, over the store's limit of "
+            f"{human_bytes(budget.limit)} (DYNPROF_ARTIFACT_MAX_BYTES): not fetched"
+        )
+    if not budget.take(claimed):
+        raise NodeFailure(
+            f"its {human_bytes(claimed)} would take this fetch past the store's limit of "
+            f"{human_bytes(budget.limit)} in all (DYNPROF_ARTIFACT_MAX_BYTES): not fetched"
+        )
+    make_private_dirs(dest, target)
+    for name, size, sha in checked:
+        client.download(node, artifact_id, name, target / name, size, sha, FETCH_TIMEOUT_S)
+        row["files"] += 1
+    store.write_file_atomically(target, store.MANIFEST, (jsontext.dumps(manifest, indent=2) + "\n").encode())
 
 
 def same_manifest(path: Path, manifest: dict[str, Any]) -> bool:

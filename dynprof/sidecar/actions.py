@@ -133,6 +133,21 @@ def _is_loopback_host(host: str) -> bool:
 
 
 MIN_LINK_PORT = 1024  # a link test's rendezvous is never on a privileged port
+_WILDCARDS = ("0.0.0.0", "::", "")
+_LOOPBACK_NAMES = ("127.0.0.1", "::1", "localhost")  # the standard loopback addresses and name
+
+
+def own_addresses(bind: str) -> frozenset[str]:
+    """The addresses of this machine at which a sidecar bound to ``bind`` listens: that
+    address; for a wildcard bind (every address), also the standard loopback addresses and
+    ``localhost``; for 127.0.0.1 or ::1, also ``localhost``. Never any other 127.x address:
+    other services of the machine listen there."""
+    key = _host_key(bind)
+    if key in _WILDCARDS:
+        return frozenset(_LOOPBACK_NAMES)
+    if key in _LOOPBACK_NAMES:
+        return frozenset({key, "localhost"})
+    return frozenset({key})
 
 
 @dataclass(frozen=True)
@@ -140,10 +155,12 @@ class LinkPolicy:
     """Where this sidecar's ``link-test`` may reach, and where it listens.
 
     Rank 0's rendezvous listens on ``bind`` (the sidecar's own ``--host``) only; a peer's
-    ``store_host`` must be one of ``peers`` (the Slurm allocation's nodes, this machine's names,
-    ``serve --allow-peer``), or, for a sidecar bound to loopback, a loopback address (nothing
-    else can reach it). Ports are unprivileged (1024-65535). A sidecar without a policy (``serve
-    --no-job-wide``) runs no link test at all."""
+    ``store_host`` must be one of the sidecar's own addresses (:func:`own_addresses`: where a
+    rendezvous of this machine listens) or of ``peers`` (the Slurm allocation's nodes, this
+    machine's names, ``serve --allow-peer``); a sidecar bound to loopback reaches loopback
+    addresses only (nothing else can reach it). Any other address of this machine (127.0.0.9,
+    say) is another service's, not a peer. Ports are unprivileged (1024-65535). A sidecar
+    without a policy (``serve --no-job-wide``) runs no link test at all."""
 
     bind: str
     peers: frozenset[str] = frozenset()
@@ -175,18 +192,20 @@ class LinkPolicy:
             return f"link-test: 'store_port' must be {MIN_LINK_PORT}-65535 (no privileged port)"
         if not isinstance(store_host, str):
             return None  # the command's parser refuses it
+        key = _host_key(store_host)
+        allowed = key in own_addresses(self.bind) or key in self.peers
         if self.loopback_only:
-            if not _is_loopback_host(store_host):
+            if not _is_loopback_host(store_host) or not allowed:
                 return (
-                    f"link-test: this sidecar is bound to loopback ({self.bind}): 'store_host' must be a "
-                    f"loopback address, not {store_host[:80]!r}"
+                    f"link-test: this sidecar is bound to loopback ({self.bind}): 'store_host' must be its own "
+                    f"loopback address or an allowed peer's (serve --allow-peer), not {store_host[:80]!r}"
                 )
             return None
-        if _is_loopback_host(store_host) or _host_key(store_host) in self.peers:
+        if allowed:
             return None
         return (
-            f"link-test: {store_host[:80]!r} is not a node this sidecar may reach (the Slurm allocation's "
-            "nodes, this machine, dynprof serve --allow-peer)"
+            f"link-test: {store_host[:80]!r} is not a node this sidecar may reach (its own address, the Slurm "
+            "allocation's nodes, this machine's name, dynprof serve --allow-peer)"
         )
 
 

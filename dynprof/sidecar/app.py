@@ -743,7 +743,10 @@ def _job_section(job: str, rows: list[dict[str, Any]], read_only: bool, job_wide
         else ""
     )
     return (
-        f"<section class=job data-job='{html.escape(job)}' data-pids='{pids}'>"
+        # The job id percent-encoded: the page's script sends it back exactly (the page's last
+        # pass, _shown, would turn its raw controls and overrides into escapes it cannot match).
+        f"<section class=job data-job='{html.escape(quote(job, safe='', errors='backslashreplace'))}' "
+        f"data-pids='{pids}'>"
         f"<h3>{title} <small>{len(rows)} process(es)</small></h3>"
         f"<table><tr><th>RANK</th><th>ROLE</th><th>HOST</th><th>PID</th><th>STEP</th><th>STATE</th><th>AGE</th><th>COMMAND</th></tr>"
         f"{body}</table>{nodes}<div class=acts>"

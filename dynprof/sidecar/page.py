@@ -5,7 +5,11 @@ The script only calls the sidecar's own API (``connect-src 'self'``): ``POST
 /api/v1/actions/NAME`` with the page's CSRF value in ``X-Dynprof-CSRF`` (the cookie alone is
 never enough), then shows the answer: exit code, messages, links to the artifacts, and for
 stacks the merged view (ranks grouped by main-thread stack, the odd ones named). Everything
-that came from a job (frames, messages, names) is set as text, never as HTML.
+that came from a job (frames, messages, names) is set as text, never as HTML, and first made
+one printable line by ``oneLine``, the script's copy of :func:`dynprof.safetext.one_line`
+(newlines, controls, bidirectional overrides and every other character Python does not call
+printable shown as the same escapes, cut at the same length), as the server-rendered rows are:
+a row the script refreshes from the JSON API escapes its text exactly as the server does.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
 
-from dynprof.safetext import one_line
+from dynprof.safetext import CUT, MAX_LINE, one_line
 from dynprof.sidecar.progress import MIN_STALL_AFTER_S, STALL_STEP_FACTOR
 from dynprof.sidecar.progress import stall_after_s as _stall_after_s
 from dynprof.units import human_age
@@ -163,14 +167,59 @@ PAGE_JS = r"""
   "use strict";
   var csrf = document.querySelector("meta[name=dynprof-csrf]").content;
   var storeRoot = document.querySelector("meta[name=dynprof-store]").content;
+  var MAX_LINE = @MAX_LINE@, CUT = "@CUT@";
+  var STATUSES = ["complete", "partial", "failed"];
+  // What Python's str.isprintable() refuses (Unicode's Other and Separator categories; the
+  // space excepted), the bidirectional marks included (they are format characters).
+  var UNSAFE = /[\p{C}\p{Z}]/u;
+  var SHORT = {"\n": "\\n", "\r": "\\r", "\t": "\\t"};
+
+  function hex(n, width) {
+    var h = n.toString(16);
+    while (h.length < width) { h = "0" + h; }
+    return h;
+  }
+
+  function escapeChar(ch) {
+    if (SHORT[ch]) { return SHORT[ch]; }
+    var code = ch.codePointAt(0);
+    if (code >= 0xDC80 && code <= 0xDCFF) { return "\\x" + hex(code - 0xDC00, 2); }
+    if (code < 0x100) { return "\\x" + hex(code, 2); }
+    if (code < 0x10000) { return "\\u" + hex(code, 4); }
+    return "\\U" + hex(code, 8);
+  }
+
+  // dynprof.safetext.one_line: a node's text as one printable line, cut at MAX_LINE.
+  function oneLine(value) {
+    var chars = Array.from(String(value));
+    var out = [], size = 0;
+    for (var i = 0; i < chars.length; i += 1) {
+      var ch = chars[i];
+      var piece = (ch === " " || !UNSAFE.test(ch)) ? ch : escapeChar(ch);
+      var width = piece === ch ? 1 : piece.length;
+      if (size + width > MAX_LINE) { return out.join("") + CUT + "(+" + (chars.length - i) + ")"; }
+      out.push(piece);
+      size += width;
+    }
+    return out.join("");
+  }
+
+  // Lines of dynprof's own (frames, messages): each one printable line, joined by newlines.
+  function lines(values) {
+    return document.createTextNode(values.map(oneLine).join("\n"));
+  }
 
   function el(tag, attrs, children) {
     var node = document.createElement(tag);
     Object.keys(attrs || {}).forEach(function (k) { node.setAttribute(k, attrs[k]); });
     (children || []).forEach(function (c) {
-      node.appendChild(typeof c === "string" ? document.createTextNode(c) : c);
+      node.appendChild(typeof c === "string" ? document.createTextNode(oneLine(c)) : c);
     });
     return node;
+  }
+
+  function statusClass(status) {
+    return STATUSES.indexOf(status) >= 0 ? status : "";
   }
 
   function artifactId(path) {
@@ -200,7 +249,7 @@ PAGE_JS = r"""
         head.push(el("strong", {"class": "failed"}, [" \u2190 odd one out" + odd]));
       }
       if (grp.diverges_at) { head.push(" \u2014 departs at " + frameText(grp.diverges_at)); }
-      var frames = el("pre", {}, [(grp.frames || []).map(frameText).join("\n")]);
+      var frames = el("pre", {}, [lines((grp.frames || []).map(frameText))]);
       var details = el("details", {}, [el("summary", {}, ["main-thread stack"]), frames]);
       box.appendChild(el("div", {"class": "group" + (grp.outlier ? " outlier" : ""), "data-group": String(i)},
                          [el("div", {}, head), details]));
@@ -283,7 +332,7 @@ PAGE_JS = r"""
     }
     if (action === "stacks" && answer.result) { box.appendChild(stacksView(answer.result)); }
     if ((answer.messages || []).length) {
-      box.appendChild(el("pre", {"class": "messages"}, [answer.messages.join("\n")]));
+      box.appendChild(el("pre", {"class": "messages"}, [lines(answer.messages)]));
     }
   }
 
@@ -301,10 +350,10 @@ PAGE_JS = r"""
       body.agents.forEach(function (a) {
         var row = document.querySelector("tr[data-pid='" + Number(a.pid) + "']");
         if (!row) { return; }
-        row.querySelector("td.step").textContent = a.step === null || a.step === undefined ? "-" : String(a.step);
-        row.querySelector("td.state").textContent = String(a.state) + (a.phase ? " (in phase " + a.phase + ")" : "");
+        row.querySelector("td.step").textContent = a.step === null || a.step === undefined ? "-" : oneLine(a.step);
+        row.querySelector("td.state").textContent = oneLine(String(a.state) + (a.phase ? " (in phase " + a.phase + ")" : ""));
         var role = row.querySelector("td.role");
-        if (role) { role.textContent = a.role ? String(a.role) : "-"; }
+        if (role) { role.textContent = a.role ? oneLine(a.role) : "-"; }
       });
     });
   }
@@ -317,9 +366,11 @@ PAGE_JS = r"""
       var tbody = document.getElementById("artifacts");
       tbody.textContent = "";
       body.artifacts.forEach(function (a) {
-        var link = el("a", {href: "/artifact/" + a.id.split("/").map(encodeURIComponent).join("/")}, [a.id]);
-        tbody.appendChild(el("tr", {}, [el("td", {}, [link]), el("td", {}, [a.kind]),
-          el("td", {"class": a.status}, [a.status]), el("td", {}, [a.created_at]), el("td", {}, [humanBytes(a.bytes)])]));
+        var link = el("a", {href: "/artifact/" + String(a.id).split("/").map(encodeURIComponent).join("/")},
+                      [String(a.id)]);
+        tbody.appendChild(el("tr", {}, [el("td", {}, [link]), el("td", {}, [String(a.kind)]),
+          el("td", {"class": statusClass(a.status)}, [String(a.status)]), el("td", {}, [String(a.created_at)]),
+          el("td", {}, [humanBytes(a.bytes)])]));
       });
     });
   }
@@ -348,7 +399,7 @@ PAGE_JS = r"""
         var state = r.agent !== "up" ? "agent down" : (age === null ? "starting" : (age > limit ? "stalled" : "stepping"));
         row.querySelector("td.live-step").textContent = String(Number(r.step) || 0);
         row.querySelector("td.live-age").textContent = age === null ? "-" : ageText(age) + " ago";
-        row.querySelector("td.live-agent").textContent = String(r.agent);
+        row.querySelector("td.live-agent").textContent = oneLine(r.agent);
         var cell = row.querySelector("td.live-state");
         cell.textContent = state;
         cell.className = "live-state " + state.replace(" ", "-");
@@ -357,7 +408,8 @@ PAGE_JS = r"""
   }
 
   function act(section, action) {
-    var job = section.getAttribute("data-job");
+    var job = section.getAttribute("data-job") || "";
+    try { job = decodeURIComponent(job); } catch (e) { /* not percent-encoded: as it is */ }
     var options = {};
     if (job) { options.job = job; } else {
       options.pid = section.getAttribute("data-pids").split(",").map(Number);
@@ -389,7 +441,7 @@ PAGE_JS = r"""
       return Promise.all([refreshArtifacts(), refreshAgents()]);
     }).catch(function (err) {
       box.textContent = "";
-      box.appendChild(el("div", {"class": "head failed"}, [action + ": " + err]));
+      box.appendChild(el("div", {"class": "head failed"}, [action + ": " + String(err)]));
     }).then(function () { section.setAttribute("data-state", "done"); });
   }
 
@@ -401,4 +453,4 @@ PAGE_JS = r"""
     });
   });
 })();
-"""
+""".replace("@MAX_LINE@", str(MAX_LINE)).replace("@CUT@", CUT)

@@ -99,6 +99,20 @@ def test_an_item_bomb_under_the_byte_cap_is_refused_for_ls_too(harness: Any) -> 
     assert case.runs[0].exit_code == 12 and "JSON values: refused" in case.runs[0].stderr
 
 
+def test_a_fetch_from_64_nodes_with_manifests_at_their_bound_holds_a_bounded_total(harness: Any) -> None:
+    # GIVEN 64 nodes that each list one artifact and answer its manifest at the per-manifest
+    # bound (2 MiB, 99 000 JSON values of the costliest shape), and take their time with its file
+    # WHEN `ls --fetch` copies their artifacts
+    case = hn.case_fetch(harness, "fetch")
+    # THEN the CLI stays far below the gigabyte those manifests would hold together, and the
+    # nodes past the command's total of manifests are cut, each named with the reason
+    _clean(case)
+    doc = json.loads(case.runs[0].stdout)
+    cut = [f for f in doc["fetched"] if f.get("cut")]
+    assert cut and all(f["error"].startswith("cut: the artifact manifests") for f in cut), doc["fetched"][:3]
+    assert len({f["node"] for f in cut}) == len(cut)
+
+
 def test_escapes_in_an_answer_do_not_reach_the_terminal(harness: Any) -> None:
     body = hn.envelope(
         {"agents": [{"pid": 1, "rank": 0, "job_id": "\x1b]0;pwned\x07", "host": "\x1b[2J"}]},

@@ -50,6 +50,49 @@ def test_a_forged_frame_name_gives_one_line_in_show_and_on_the_page(cli):
     assert "\\x1b[2J\\u202e" in detail.get_data(as_text=True)
 
 
+def _forge_record(pid: int, job_id: str) -> None:
+    from dynprof.paths import agents_dir
+
+    directory = agents_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    record = {
+        "pid": pid,
+        "ppid": os.getpid(),
+        "host": "node\u202e",
+        "rank": 0,
+        "local_rank": 0,
+        "world_size": 1,
+        "job_id": job_id,
+        "cmdline": ["python", "train\x1b[2J.py"],
+        "python_version": "3",
+        "torch_version": None,
+        "dynprof_version": "0",
+        "started_at": time.time(),
+        "start_ticks": None,
+        "socket": str(directory / f"{pid}.sock"),
+        "log": "",
+        "activation": "run",
+    }
+    (directory / f"{pid}.json").write_text(json.dumps(record))
+
+
+def test_the_job_ids_named_when_none_matches_are_one_line_each(cli):
+    # GIVEN an agent's registration record whose job id holds a newline and an escape sequence
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        _forge_record(child.pid, "j\nrank 0 is fine\x1b[2J\u202e")
+        # WHEN a command asks for another job
+        shown = cli("stacks", "--job", "other", timeout=120)
+    finally:
+        child.kill()
+        child.wait()
+    # THEN it names the jobs it has, each on its own one line, escaped
+    assert shown.returncode != 0
+    assert not [line for line in shown.stderr.split("\n") if line.startswith("rank 0 is fine")], shown.stderr
+    assert "\x1b" not in shown.stderr and "\u202e" not in shown.stderr
+    assert "Jobs with agents here: j\\nrank 0 is fine\\x1b[2J\\u202e" in shown.stderr, shown.stderr
+
+
 def test_ps_shows_a_forged_job_id_on_one_line(cli):
     # GIVEN an agent's registration record whose job id holds a newline and an escape sequence
     from dynprof.paths import agents_dir

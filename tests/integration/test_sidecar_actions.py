@@ -9,6 +9,7 @@ in a real headless Chromium (over the DevTools protocol on a pipe: no extra pack
 
 from __future__ import annotations
 
+import ast
 import fcntl
 import http.client
 import json
@@ -31,6 +32,7 @@ from urllib.parse import quote
 
 import pytest
 
+from dynprof.safetext import one_line
 from dynprof.sidecar.app import REFUSAL_LOG_BURST, REFUSAL_LOG_WINDOW_S
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -402,6 +404,77 @@ def test_healthz_and_clean_stop(sidecar):
     assert "stopped serving" in side.stderr() and "Traceback" not in side.stderr()
 
 
+def test_a_loopback_sidecar_links_to_no_other_loopback_address(sidecar):
+    # GIVEN another service of this machine listening on 127.0.0.9, counting its connections
+    listener = socket.socket()
+    listener.bind(("127.0.0.9", 0))
+    listener.listen(64)
+    listener.settimeout(0.2)
+    port = listener.getsockname()[1]
+    accepted: list[socket.socket] = []
+    done = threading.Event()
+
+    def accept() -> None:
+        while not done.is_set():
+            try:
+                accepted.append(listener.accept()[0])
+            except OSError:
+                continue
+
+    acceptor = threading.Thread(target=accept, daemon=True)
+    acceptor.start()
+    # AND a sidecar bound to 127.0.0.1 (job-wide, so it runs link tests)
+    side = sidecar()
+    try:
+        # WHEN a token holder asks it for link tests toward that listener, as either rank
+        answers = [
+            side.action(
+                "link-test", {"rank": rank, "world": 2, "store_host": "127.0.0.9", "store_port": port, "limit": 5}
+            )
+            for rank in (0, 1)
+        ]
+    finally:
+        done.set()
+        acceptor.join(10)
+        listener.close()
+        for conn in accepted:
+            conn.close()
+    # THEN both are refused, saying why, and nothing connected to the listener
+    for code, answer in answers:
+        assert code == 400, answer
+        assert "127.0.0.9" in answer["error"] and "loopback" in answer["error"], answer
+    assert accepted == []
+
+
+def _catches(pid: int, signum: int) -> bool:
+    """Whether process ``pid`` has a handler for ``signum`` (SigCgt of /proc/PID/status)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigCgt:"):
+            return bool(int(line.split()[1], 16) & (1 << (signum - 1)))
+    raise AssertionError(f"no SigCgt for pid {pid}")
+
+
+def test_a_rank_killed_by_sigterm_leaves_no_record_once_the_sidecar_has_polled(sidecar, spawn, dynprof_dirs):
+    # GIVEN a node's sidecar (polling its ranks' progress, every 2 s by default) and a rank of
+    # a job, whose SIGTERM is left as the job had it: dynprof installs no handler for it
+    side = sidecar()
+    target = spawn([PROGRAM, "--step-sleep", "0.01"], env={"DYNPROF_JOB_ID": JOB})
+    (pid,) = target.ready_pids()
+    agents = dynprof_dirs["run"] / "agents"
+    assert (agents / f"{pid}.json").exists() and (agents / f"{pid}.sock").exists()
+    assert not _catches(pid, signal.SIGTERM)
+
+    # WHEN the rank is killed by SIGTERM, and no dynprof command runs on the node
+    os.kill(pid, signal.SIGTERM)
+
+    # THEN the sidecar's next poll removes its record and socket (a far deadline: a hang detector)
+    deadline = time.monotonic() + 120
+    while (agents / f"{pid}.json").exists() or (agents / f"{pid}.sock").exists():
+        assert time.monotonic() < deadline, f"the record of {pid} is still there: {side.stderr()}"
+        time.sleep(0.1)
+    assert side.proc.poll() is None
+
+
 # -- TLS --------------------------------------------------------------------------------------------
 def test_tls_with_a_self_signed_certificate(sidecar, tmp_path, cli):
     openssl = shutil.which("openssl")
@@ -595,6 +668,75 @@ def test_page_buttons_trace_and_show_merged_stacks(sidecar, train, browser, dynp
     assert "main (" in frames and "train_program.py" in frames, frames
     # AND no request the page made was refused (token cookie and CSRF value were enough)
     assert "refused" not in side.stderr(), side.stderr()
+
+
+HOSTILE_NAMES = "tests/integration/programs/hostile_names_program.py"
+
+
+def _string_constants(path: Path) -> dict[str, str]:
+    """A program's top-level string constants (read, not imported: no torch here)."""
+    tree = ast.parse(path.read_text())
+    return {
+        node.targets[0].id: node.value.value
+        for node in tree.body
+        if isinstance(node, ast.Assign)
+        and isinstance(node.targets[0], ast.Name)
+        and isinstance(node.value, ast.Constant)
+        and isinstance(node.value.value, str)
+    }
+
+
+# Characters that must never reach the page raw: a newline forges a line (of a frame list, of a
+# cell's text), an escape sequence and bidirectional overrides make text read as it is not.
+RAW = ("\n", "\r", "\x1b", "\u202e", "\u2066")
+
+
+def test_page_script_shows_a_nodes_hostile_text_as_escaped_text(sidecar, spawn, browser):
+    # GIVEN a rank whose job id, host, phase and stepping function's name hold a newline, a
+    # right-to-left override, an escape sequence and markup
+    job = "job\n<script>window.__pwned=3</script>\u202e\x1b[31m"
+    host = "node\nrank 1 is fine\u2066\x1b[2J"
+    target = spawn([HOSTILE_NAMES], env={"DYNPROF_JOB_ID": job, "DYNPROF_HOST": host})
+    (pid,) = target.ready_pids()
+    side = sidecar()
+    browser.goto(f"http://127.0.0.1:{side.port}/?token={TOKEN}")
+    section = "document.querySelector('section.job')"
+
+    # WHEN its page takes its stacks, lists its ranks and its artifacts (the script renders each
+    # answer, then refreshes the ranks' rows and the artifacts table from the JSON API)
+    shown = {}
+    for action in ("stacks", "ps", "ls"):
+        browser.eval(f"{section}.setAttribute('data-state', '')")
+        browser.eval(f"{section}.querySelector('button[data-action={action}]').click()")
+        browser.wait_for(f"{section}.getAttribute('data-state') === 'done'")
+        # the answer as shown, but its <pre> blocks (their newlines are dynprof's own)
+        shown[action] = browser.eval(
+            f"(function () {{ var box = {section}.querySelector('.result').cloneNode(true);"
+            " box.querySelectorAll('pre').forEach(function (p) { p.remove(); }); return box.textContent; })()"
+        )
+        assert f"{action}: exit 0" in shown[action], shown[action]
+        if action == "stacks":
+            shown["frames"] = browser.eval(f"{section}.querySelector('.result .group pre').textContent")
+    shown["cells"] = browser.eval("Array.from(document.querySelectorAll('td')).map(td => td.textContent).join('|')")
+    shown["state"] = browser.eval(f"document.querySelector(\"tr[data-pid='{pid}'] td.state\").textContent")
+
+    # THEN no script or handler from the text ran, and no raw newline, escape or override
+    # reached the page: each is shown as its escape, as the server-rendered rows show it
+    assert browser.eval("window.__pwned === undefined")
+    assert browser.eval("document.querySelectorAll('section.job script, section.job img, section.job b').length") == 0
+    for name, text in shown.items():
+        raw = [c for c in RAW if c in text and not (c == "\n" and name == "frames")]
+        assert not raw, (name, raw, text[:2000])
+    # AND a frame's newline forges no line of the merged stacks
+    lines = shown["frames"].split("\n")
+    assert not [line for line in lines if line.startswith("rank 0 is fine")], lines
+    # AND the script's escapes are dynprof.safetext.one_line's, character for character: the
+    # function's name in the frames, the phase refreshed from the JSON API, the host in ps
+    names = _string_constants(ROOT / HOSTILE_NAMES)
+    function, phase = names["FUNCTION"], names["PHASE"]
+    assert one_line(function) in shown["frames"], (one_line(function), shown["frames"])
+    assert f"(in phase {one_line(phase)})" in shown["state"], (one_line(phase), shown["state"])
+    assert one_line(host) in shown["ps"], (one_line(host), shown["ps"])
 
 
 # -- job-wide: the page asks its own sidecar, which asks the other nodes' -----------------------------

@@ -58,6 +58,31 @@ def test_a_write_longer_than_the_exit_wait_leaves_a_failed_artifact_and_says_so(
     assert [p.name for p in kind_dir.iterdir()] == [Path(listed["path"]).name]
 
 
+def test_a_write_cut_off_by_the_exit_leaves_no_temporary_file_behind(spawn, cli, tmp_path):
+    # GIVEN a loop that exits mid-trace, whose trace write is cut off by the exit after torch
+    # wrote the uncompressed trace and before it was compressed
+    job_tmp = tmp_path / "job-tmp"
+    job_tmp.mkdir()
+    target = spawn(
+        [PROGRAM, "--release-file", str(tmp_path / "never"), "--hold-in", "torch-write"],
+        env={"DYNPROF_TRACE_EXIT_WAIT_S": "1", "TMPDIR": str(job_tmp)},
+    )
+    (pid,) = target.ready_pids()
+    assert cli("start", "--pid", str(pid), "--no-wait").returncode == 0
+
+    # WHEN the job exits
+    target.wait_for_line("EXITING", timeout=60)
+    target.proc.wait(timeout=120)
+
+    # THEN the store holds a failed artifact with its manifest alone
+    (listed,) = _trace_artifacts(cli)
+    assert listed["status"] == "failed"
+    assert [p.name for p in Path(listed["path"]).iterdir()] == ["manifest.json"]
+    # AND the job's temporary directory holds no file of the write (torch's own cache
+    # directories, such as torchinductor_USER, are no concern here)
+    assert [p.name for p in job_tmp.iterdir() if not p.is_dir()] == []
+
+
 def test_a_finished_trace_still_being_written_when_the_job_exits_is_not_lost(spawn, cli, tmp_path):
     # GIVEN a trace of 2 steps that ended by itself, whose write outlasts the exit's wait
     target = spawn(

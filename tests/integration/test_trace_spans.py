@@ -1,12 +1,16 @@
 """Each ProfilerStep# span of a trace is one training iteration, as the manifest says: with
-Python stacks recorded, with optimizers stepped inside backward, and in duration mode (CPU)."""
+Python stacks recorded, with optimizers stepped inside backward, with a compiled model and a
+compiled optimizer step, and in duration mode (CPU)."""
 
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 
-from collectors.torch_trace import check_step_spans, read_trace
+import pytest
+
+from collectors.torch_trace import check_step_spans, profiler_steps, read_trace
 
 SAFETY = "tests/integration/programs/safety_program.py"
 # safety_program.py --depth 2: two blocks of two Linear layers, then one Linear: 10 parameters.
@@ -85,3 +89,63 @@ def test_duration_mode_spans_are_whole_iterations_or_flagged(spawn, cli):
         assert "over the 0.1 s" in why or "not a safe point" in why, summary
     if summary["steps_captured"] >= 10:
         assert not last, summary
+
+
+TIMM_LIKE = "tests/integration/programs/timm_like_program.py"
+# What one iteration of timm_like_program.py runs on its training thread, outside compiled code:
+# the loss, zero_grad (before backward) and the loss's backward node.
+ONE_ITERATION = ("aten::cross_entropy_loss", "Optimizer.zero_grad#AdamW.zero_grad", "NllLossBackward0")
+COMPILED_REGION = "Torch-Compiled Region"
+
+
+def _per_span(trace: dict) -> list[Counter]:
+    """For each ProfilerStep# span: how many of ONE_ITERATION's events and of the compiled
+    regions' runs start in it (on any thread)."""
+    spans = [(s["ts"], s["ts"] + s["dur"]) for s in profiler_steps(trace)]
+    counts = [Counter() for _ in spans]
+    for e in trace["traceEvents"]:
+        name = str(e.get("name", ""))
+        key = COMPILED_REGION if name.startswith(COMPILED_REGION) else name
+        if e.get("ph") != "X" or key not in (*ONE_ITERATION, COMPILED_REGION):
+            continue
+        for i, (a, b) in enumerate(spans):
+            if a <= e.get("ts", 0) < b:
+                counts[i][key] += 1
+    return counts
+
+
+@pytest.mark.parametrize(
+    "style",
+    [
+        pytest.param(("--step-style", "decorator"), id="compiled-model-and-decorated-step"),
+        pytest.param(("--step-style", "method"), id="compiled-model-and-compiled-opt-step"),
+    ],
+)
+def test_compiled_optimizer_step_spans_are_one_iteration_each(spawn, cli, style):
+    # GIVEN a timm-like loop: compiled model, compiled AdamW step over two parameter groups,
+    # a float learning rate its schedule writes after every update
+    target = spawn([TIMM_LIKE, *style])
+    (pid,) = target.ready_pids(timeout=240)
+
+    for _ in range(3):
+        # WHEN three steps are traced (three times in a row: the field saw 3 of 3 go wrong)
+        result = cli("start", "--pid", str(pid), "--steps", "3", "--json")
+        assert result.returncode == 0, result.stdout + result.stderr
+        (res,) = json.loads(result.stdout)["results"]
+        art = Path(res["artifact"])
+        manifest = json.loads((art / "manifest.json").read_text())
+        per_span = _per_span(read_trace(art / "trace.json.gz"))
+
+        # THEN three spans, each one whole iteration: one forward loss, one zero_grad, one
+        # backward, and the same compiled regions (model and optimizer step) in every span
+        summary = manifest["summary"]
+        assert len(per_span) == 3, (per_span, summary)
+        for counts in per_span:
+            assert [counts[name] for name in ONE_ITERATION] == [1, 1, 1], (per_span, summary)
+        assert per_span[0][COMPILED_REGION] > 0, per_span
+        assert len({c[COMPILED_REGION] for c in per_span}) == 1, per_span
+        # AND the manifest says so
+        assert manifest["status"] == "complete"
+        assert summary["steps_captured"] == 3, summary
+        assert (summary["first_span_partial"], summary["last_span_partial"]) == (False, False), summary
+        assert summary["optimizer_steps_per_span"] == [1, 1, 1], summary

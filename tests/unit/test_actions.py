@@ -560,10 +560,24 @@ def test_link_test_peers_are_the_allowed_nodes_and_ports_are_unprivileged():
     # THEN the allocation's nodes, the extra peer and this machine are reachable
     for host in ("gpu02", "GPU03.", "spare-9", "127.0.0.1"):
         assert "--bind=0.0.0.0" in actions.argv_for("link-test", {**LINK, "store_host": host}, links=policy)
-    # AND any other host is refused, as is a privileged port
-    for host in ("10.9.9.9", "gpu04", "evil.example.com"):
+    # AND any other host is refused (another loopback address is another service of this
+    # machine, not this sidecar), as is a privileged port
+    for host in ("10.9.9.9", "gpu04", "evil.example.com", "127.0.0.9", "127.1.2.3"):
         with pytest.raises(actions.ActionError, match="not a node this sidecar may reach"):
             actions.argv_for("link-test", {**LINK, "store_host": host}, links=policy)
     for port in (81, 1023, 0):
         with pytest.raises(actions.ActionError, match="no privileged port"):
             actions.argv_for("link-test", {**LINK, "store_host": "gpu01", "store_port": port}, links=policy)
+
+
+def test_a_loopback_sidecars_peers_are_its_own_address_and_the_allowed_ones():
+    # GIVEN sidecars bound to 127.0.0.1 and to 127.0.0.5, one with 127.0.0.7 allowed as a peer
+    standard = actions.LinkPolicy.for_sidecar("127.0.0.1", env={})
+    other = actions.LinkPolicy.for_sidecar("127.0.0.5", ["127.0.0.7"], env={})
+    # THEN each reaches its own address (localhost names 127.0.0.1) and the allowed peer
+    for policy, host in ((standard, "127.0.0.1"), (standard, "localhost"), (other, "127.0.0.5"), (other, "127.0.0.7")):
+        assert policy.refusal(host, 29720) is None, (policy, host)
+    # AND no other loopback address: another service of this machine listens there
+    for policy, host in ((standard, "127.0.0.9"), (standard, "127.0.0.2"), (other, "127.0.0.1"), (other, "localhost")):
+        why = policy.refusal(host, 29720)
+        assert why is not None and "bound to loopback" in why and host in why, (policy, host)

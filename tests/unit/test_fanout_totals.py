@@ -185,3 +185,106 @@ def test_the_cli_names_the_cut_nodes_in_text_and_json(sidecars, monkeypatch, cap
     listed = text.split("node(s) cut")[1].splitlines()[1 : 1 + len(cut)]
     assert sorted(listed) == sorted(f"  {n.address}" for n in nodes if f"  {n.address}" in listed)
     assert len(set(listed)) == len(cut)
+
+
+ARTIFACT_ID = "j/h/rank0/stacks/20260101T000000.000000Z-1"
+
+
+def artifact_of(node: Node) -> str:
+    """Each node's artifact has an id of its own (its host segment), as on real nodes."""
+    return ARTIFACT_ID.replace("/h/", f"/h{node.host.replace('.', '-')}/")
+
+
+FILE = b'{"threads": []}\n'
+
+
+def manifest_answer(values: int, pad_bytes: int = 0) -> bytes:
+    """An artifact's manifest answer listing FILE, with ``values`` more JSON values (a trace's
+    spans, say) and ``pad_bytes`` of text."""
+    import hashlib
+
+    files = [{"name": "stacks.json", "size": len(FILE), "sha256": hashlib.sha256(FILE).hexdigest()}]
+    manifest = {"kind": "stacks", "files": files, "spans": [1] * values, "text": "x" * pad_bytes}
+    return json.dumps({"id": ARTIFACT_ID, "manifest": manifest}).encode()
+
+
+@pytest.fixture
+def artifact_nodes() -> Iterator[tuple[list[Node], dict[str, Any]]]:
+    """NODES fake sidecars (one server on all of loopback) that each hold ARTIFACT_ID: its
+    manifest is ``state["manifest"]``; its file is served once every node has asked for its
+    manifest (so that a fetch holds all the manifests it kept at once)."""
+    state: dict[str, Any] = {"manifest": manifest_answer(0), "asked": 0, "all_asked": threading.Event()}
+    lock = threading.Lock()
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args: Any) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            if "manifest=1" in self.path:
+                with lock:
+                    state["asked"] += 1
+                    if state["asked"] >= NODES:
+                        state["all_asked"].set()
+                data = state["manifest"]
+            else:
+                state["all_asked"].wait(60)
+                data = FILE
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+    class Server(ThreadingHTTPServer):
+        request_queue_size = 128
+        daemon_threads = True
+
+        def handle_error(self, request: Any, client_address: Any) -> None:
+            pass
+
+    probe = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    port = probe.server_address[1]
+    probe.server_close()
+    httpd = Server(("0.0.0.0", port), Handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield [Node(f"127.0.0.{i + 1}", port) for i in range(NODES)], state
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def test_a_fetch_holds_its_manifests_to_a_total_and_names_the_nodes_cut(artifact_nodes, monkeypatch, tmp_path):
+    from dynprof.job.fetch import fetch
+
+    nodes, state = artifact_nodes
+    # GIVEN 64 nodes whose manifests are 1 MiB each, and a total of 8 MiB of manifests held at once
+    monkeypatch.setattr(fanout, "TOTAL_MANIFEST_BYTES", 8 << 20, raising=False)
+    state["manifest"] = manifest_answer(0, pad_bytes=(1 << 20) - 1024)
+    client = SidecarClient(TOKEN, timeout=60, max_in_flight=NODES)
+    # WHEN their artifacts are fetched, all the manifests held while the files are copied
+    rows = fetch(client, tmp_path / "fetched", [(n, artifact_of(n)) for n in nodes])
+    # THEN the manifests held at once stayed within the total: the nodes past it are cut and
+    # named, each with the reason; every other node's artifact is copied whole
+    cut = [r for r in rows if r.get("cut")]
+    whole = [r for r in rows if not r["error"]]
+    assert cut and whole and len(cut) + len(whole) == NODES, [r["error"] for r in rows if not r.get("cut")]
+    assert len(whole) * len(state["manifest"]) <= 8 << 20
+    assert all(r["error"].startswith("cut: the artifact manifests this command holds at once") for r in cut)
+    assert {r["node"] for r in cut} | {r["node"] for r in whole} == {n.address for n in nodes}
+    assert all(r["files"] == 1 for r in whole)
+    # AND once the fetch is over, nothing is counted as held any more
+    assert (client.manifests.held_bytes, client.manifests.held_values) == (0, 0)
+
+
+def test_honest_manifests_of_many_nodes_are_never_cut(artifact_nodes, tmp_path):
+    from dynprof.job.fetch import fetch
+
+    nodes, state = artifact_nodes
+    # GIVEN 64 nodes whose manifests are a trace's: 10 000 spans described
+    state["manifest"] = manifest_answer(10_000)
+    # WHEN their artifacts are fetched with the default totals
+    rows = fetch(SidecarClient(TOKEN, timeout=60), tmp_path / "fetched", [(n, artifact_of(n)) for n in nodes])
+    # THEN every one is copied
+    assert [r["error"] for r in rows] == [None] * NODES

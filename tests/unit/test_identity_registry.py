@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 from dynprof.cli._common import select_workers
 from dynprof.identity import detect
@@ -69,6 +70,29 @@ def test_records_of_dead_processes_are_cleaned_up(dynprof_dirs):
     write_record(alive)
     assert [r.pid for r in list_records()] == [os.getpid()]
     assert not (dynprof_dirs["run"] / "agents" / f"{dead.pid}.json").exists()
+
+
+def test_the_record_of_an_exited_process_not_yet_reaped_is_cleaned_up(dynprof_dirs):
+    import time
+
+    # GIVEN a record of a process that has exited and that its parent has not reaped (a zombie:
+    # a rank killed by SIGTERM whose launcher has not waited for it yet)
+    zombie = subprocess.Popen([sys.executable, "-c", "pass"])
+    record = _record(zombie.pid)
+    record.start_ticks = process_start_ticks(zombie.pid)
+    write_record(record)
+    try:
+        deadline = time.monotonic() + 60
+        while Path(f"/proc/{zombie.pid}/stat").read_bytes().rpartition(b")")[2].split()[0] != b"Z":
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        # WHEN the records are listed
+        listed = list_records()
+        # THEN it is gone: not listed, its record removed
+        assert zombie.pid not in [r.pid for r in listed]
+        assert not (dynprof_dirs["run"] / "agents" / f"{zombie.pid}.json").exists()
+    finally:
+        zombie.wait()
 
 
 def test_a_record_whose_socket_still_answers_is_not_deleted(dynprof_dirs):
