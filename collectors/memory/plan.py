@@ -10,8 +10,10 @@ in forward order.
 **The predicted peak** (:func:`peak_with`). Checkpointing block j takes its freeable bytes out
 of every timeline segment from its forward end to its backward start (less, while autocast is
 on, its cached parameter casts; and bytes that others saved too only from when they are done
-with them). At its backward start it recomputes: from the level measured there, less the
-chosen blocks' bytes held then, it rises by what its forward rose up to its last saved tensor
+with them), and adds its inputs that the step let go before its backward (a checkpoint keeps
+them to recompute from) from the segment they died in through its backward start's. At its
+backward start it recomputes: from the level measured there, less the chosen blocks' bytes held
+then, plus the inputs kept then, it rises by what its forward rose up to its last saved tensor
 (where a non-reentrant checkpoint stops recomputing). The predicted peak is the highest of all,
 plus what the allocator's peak held beyond the levels seen (``untracked_bytes``). On the CPU
 harness it is the real peak to the byte (scripts/bench_memory_plan.py --device cpu).
@@ -41,8 +43,9 @@ from dynprof.errors import ArtifactError
 SCHEMA = 2
 PLAN_SCHEMA = 1
 MAX_BLOCKS = 4096
-MAX_SEGMENTS = 4 * MAX_BLOCKS + 64
+MAX_SEGMENTS = 5 * MAX_BLOCKS + 64
 MAX_LATE = 64
+MAX_KEPT = 64
 # The share of the peak above parameters, gradients and optimizer state that a plan keeps under
 # the budget beyond its predicted peak. On the CPU harness (scripts/bench_memory_plan.py --device
 # cpu, and a Hugging Face Llama) predictions matched the real peak to the byte, or were short
@@ -73,6 +76,9 @@ class Block:
     backward_start_bytes: int = 0  # the level when its backward begins
     # (segment, bytes): what its checkpoint frees only from that segment on (others saved it too)
     late_freeable: list[tuple[int, int]] = field(default_factory=list)
+    # (segment, bytes, group): its inputs that the step let go before its backward; its checkpoint
+    # keeps them from that segment through its backward's (group: the storage, shared by blocks)
+    kept_inputs: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def seconds(self) -> float:
@@ -121,6 +127,7 @@ class Measurement:
                     "backward_start": b.backward_start,
                     "backward_start_bytes": b.backward_start_bytes,
                     "late_freeable": [list(x) for x in b.late_freeable],
+                    "kept_inputs": [list(x) for x in b.kept_inputs],
                     "calls": b.calls,
                     "parameter_bytes": b.parameter_bytes,
                     "checkpointed": b.checkpointed,
@@ -233,6 +240,19 @@ def from_json(doc: Any) -> Measurement:
                 ):
                     raise ArtifactError("memory plan measurement: a late_freeable entry is not a segment and bytes")
                 block.late_freeable.append((min(x[0], segments), x[1]))
+            kept = b.get("kept_inputs", [])
+            if not isinstance(kept, list) or len(kept) > MAX_KEPT:
+                raise ArtifactError(f"memory plan measurement: kept_inputs is not a list of at most {MAX_KEPT}")
+            for x in kept:
+                if (
+                    not isinstance(x, list)
+                    or len(x) != 3
+                    or any(isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_BYTES for v in x)
+                ):
+                    raise ArtifactError(
+                        "memory plan measurement: a kept_inputs entry is not a segment, bytes and a group"
+                    )
+                block.kept_inputs.append((min(x[0], segments), x[1], x[2]))
         blocks.append(block)
     notes = doc.get("notes", [])
     if not isinstance(notes, list) or not all(isinstance(n, str) for n in notes):
@@ -306,6 +326,8 @@ class Candidates:
     timeline: list[tuple[int, int]]
     untracked: int
     static: int
+    # (segment, bytes, group) its checkpoint keeps from then on (see Block.kept_inputs)
+    kept: list[list[tuple[int, int, int]]] = field(default_factory=list)
 
 
 def candidates(m: Measurement) -> Candidates:
@@ -323,22 +345,49 @@ def candidates(m: Measurement) -> Candidates:
         timeline=list(m.timeline),
         untracked=m.untracked_bytes,
         static=_static(m),
+        kept=[list(b.kept_inputs) for b in bs],
     )
 
 
-def peak_with(c: Candidates, chosen: Sequence[int]) -> int:
+def _kept_ranges(c: Candidates, chosen: Sequence[int]) -> dict[int, tuple[int, int, int]]:
+    """group -> (first segment, last segment, bytes) that the ``chosen`` candidates' checkpoints
+    keep of their inputs: a storage several of them took is kept once, from the segment it
+    died in the step measured until the backward of the last of them to run backward (the
+    latest backward start)."""
+    last = len(c.timeline) - 1
+    out: dict[int, tuple[int, int, int]] = {}
+    for j in chosen:
+        if j >= len(c.kept):
+            continue
+        end = min(c.backward_start[j], last)
+        for seg, size, group in c.kept[j]:
+            got = out.get(group)
+            out[group] = (seg, end, size) if got is None else (min(got[0], seg), max(got[1], end), got[2])
+    return out
+
+
+def peak_with(c: Candidates, chosen: Sequence[int], where: dict[str, int] | None = None) -> int:
     """The predicted peak of the step with the candidates ``chosen`` checkpointed.
 
     Checkpointing block j takes its freeable bytes out of every segment from its forward end to
     its backward start (less, while autocast's cache is on, the parameter casts it saved: the
-    cache holds them until autocast exits). At its backward start it recomputes: from the level
-    measured there less the chosen blocks' bytes held then (its own among them), it rises by
-    what its forward rose up to its last saved tensor. The highest of all, plus what the
-    allocator's peak held beyond the levels seen after each operator (``untracked``), never
-    under parameters, gradients and optimizer state."""
+    cache holds them until autocast exits). It keeps its inputs that the step let go before its
+    backward (nothing saved them: a LayerNorm that saves a float32 copy of a bf16 input), from
+    the segment they died in through its backward's segment. At its backward start it
+    recomputes: from the level measured there less the chosen blocks' bytes held then (its own
+    among them), with the inputs kept then, it rises by what its forward rose up to its last
+    saved tensor. The highest of all, plus what the allocator's peak held beyond the levels
+    seen after each operator (``untracked``), never under parameters, gradients and optimizer
+    state.
+
+    ``where``, when given, is filled with where that highest level is: the ``segment``, the
+    candidate whose ``recompute`` it is (-1: none), the level ``measured`` there, the bytes the
+    chosen ``freed`` and ``kept`` there, and ``autocast`` (1: the level of operators run while
+    autocast's cache was on)."""
     n = len(c.timeline)
     plain = [0] * (n + 1)
     cached = [0] * (n + 1)
+    kept = [0] * (n + 1)
     for j in chosen:
         lo, hi = c.forward_end[j], c.backward_start[j]
         if lo < hi:
@@ -352,21 +401,44 @@ def peak_with(c: Candidates, chosen: Sequence[int]) -> int:
                 plain[hi] -= size
                 cached[start] += size
                 cached[hi] -= size
+    for first, last, size in _kept_ranges(c, chosen).values():
+        if first <= last:
+            kept[first] += size
+            kept[last + 1] -= size
     best = 0
-    held_plain = held_cached = 0
+    held_plain = held_cached = held_kept = 0
     held_at: list[int] = []
+    kept_at: list[int] = []
     for i, (lp, lc) in enumerate(c.timeline):
         held_plain += plain[i]
         held_cached += cached[i]
+        held_kept += kept[i]
         held_at.append(held_plain)
-        if lp:
-            best = max(best, lp - held_plain)
-        if lc:
-            best = max(best, lc - held_cached)
+        kept_at.append(held_kept)
+        if lp and lp - held_plain + held_kept > best:
+            best = lp - held_plain + held_kept
+            if where is not None:
+                where.update(segment=i, recompute=-1, measured=lp, freed=held_plain, kept=held_kept, autocast=0)
+        if lc and lc - held_cached + held_kept > best:
+            best = lc - held_cached + held_kept
+            if where is not None:
+                where.update(segment=i, recompute=-1, measured=lc, freed=held_cached, kept=held_kept, autocast=1)
     for k in chosen:
         i = c.backward_start[k] - 1
         held = held_at[i] if 0 <= i < n else 0
-        best = max(best, c.recompute_peak[k] - held)
+        # the inputs kept while it recomputes: its own, and those of the chosen before it
+        more = kept_at[min(i + 1, n - 1)] if n else 0
+        if c.recompute_peak[k] - held + more > best:
+            best = c.recompute_peak[k] - held + more
+            if where is not None:
+                where.update(
+                    segment=c.backward_start[k],
+                    recompute=k,
+                    measured=c.recompute_peak[k],
+                    freed=held,
+                    kept=more,
+                    autocast=0,
+                )
     return max(best + c.untracked, c.static)
 
 
@@ -392,6 +464,37 @@ def _prefix_lengths(c: Candidates) -> tuple[list[int], bool]:
     return out, exact
 
 
+def _kept_rule(c: Candidates) -> tuple[list[int], list[int], bool]:
+    """For each candidate, the bytes of its inputs its checkpoint keeps and the segment they
+    die in (the first; ``len(c.timeline)`` where none), and whether :func:`solve` counts them
+    as :func:`peak_with` does. The search counts a candidate's kept inputs in every segment from
+    its forward end through its backward's, less in the segments before they die while it is
+    the last candidate held; a storage kept by several candidates for each of them, and
+    inputs that outlive the next candidate's forward from its forward end: more than
+    :func:`peak_with` holds (the search is then not exact, never too lenient)."""
+    n = len(c.freeable)
+    segments = len(c.timeline)
+    kept = [0] * n
+    since = [segments] * n
+    exact = True
+    users: dict[int, int] = {}
+    for j in range(min(n, len(c.kept))):
+        for seg, size, group in c.kept[j]:
+            kept[j] += size
+            if since[j] != segments and seg != since[j]:
+                exact = False
+            since[j] = min(since[j], seg)
+            users[group] = users.get(group, 0) + 1
+    if any(u > 1 for u in users.values()):
+        exact = False
+    for j in range(n - 1):
+        if kept[j] and since[j] > c.forward_end[j + 1]:
+            exact = False
+    if any(kept[j] > c.freeable[j] - c.casts[j] for j in range(n)):
+        exact = False  # a state may shrink: where it was capped, the search counts less than it frees
+    return kept, since, exact
+
+
 def solve(c: Candidates, target: int, keep: int = 1 + RUNNERS_UP) -> tuple[list[Choice], bool]:
     """The cheapest sets of candidates whose :func:`peak_with` is at most ``target``, cheapest
     first (at most ``keep``), and whether the search was exact.
@@ -399,26 +502,50 @@ def solve(c: Candidates, target: int, keep: int = 1 + RUNNERS_UP) -> tuple[list[
     Dynamic programming over the candidates in forward order. Each segment's constraint is a
     lower bound on the bytes freed by the chosen candidates held in it: with the blocks in a
     chain (backward in reverse order), those are the chosen among the first m, so the state
-    after deciding the first m is the bytes they free (with autocast's casts, and without),
-    capped where no constraint asks for more; a segment whose held set is the first m is
-    checked there, a candidate's recompute when it is taken. States that `keep` others beat
-    (they free at least as much of both for no more time) are dropped. Every answer is checked
-    against :func:`peak_with`."""
+    after deciding the first m is the bytes they free less the inputs they keep (with
+    autocast's casts, and without), capped where no constraint asks for more; a segment whose
+    held set is the first m is checked there; a candidate's recompute and its backward's
+    segment (where its inputs are still kept, its bytes no longer freed) when it is taken; the
+    segments from its forward end to its inputs' death (freed, not kept yet) when it is
+    decided (:func:`_kept_rule`). States that `keep` others beat (they free at least as much of
+    both for no more time) are dropped. Every answer is checked against :func:`peak_with`."""
     n = len(c.freeable)
     t = target - c.untracked
     if c.static > target:
         return [], True
     prefix, exact = _prefix_lengths(c)
-    need_plain = [0] * (n + 1)  # bytes the first m must free
-    need_cached = [0] * (n + 1)
+    kept, since, kept_exact = _kept_rule(c)
+    exact = exact and kept_exact
+    none = -MAX_BYTES * 4  # no constraint
+    need_plain = [none] * (n + 1)  # bytes the first m must free (less the inputs they keep)
+    need_cached = [none] * (n + 1)
+    # the segments from candidate j's forward end to its inputs' death, j the last held: the
+    # first j+1 must free this much, j's inputs not kept yet
+    before_plain = [none] * n
+    before_cached = [none] * n
     for i, (lp, lc) in enumerate(c.timeline):
         m = prefix[i]
-        need_plain[m] = max(need_plain[m], lp - t)
-        need_cached[m] = max(need_cached[m], lc - t)
-    # taking candidate k: the chosen before it must free this much (its own bytes are held too)
-    gate = [c.recompute_peak[k] - t - c.freeable[k] for k in range(n)]
-    cap_p = max([0, *need_plain, *(g for g in gate)])
-    cap_c = max([0, *need_cached])
+        j = m - 1
+        if 0 <= j < n and kept[j] and c.forward_end[j] <= i < since[j]:
+            before_plain[j] = max(before_plain[j], lp - t)
+            before_cached[j] = max(before_cached[j], lc - t)
+        else:
+            need_plain[m] = max(need_plain[m], lp - t)
+            need_cached[m] = max(need_cached[m], lc - t)
+    # taking candidate k: the chosen before it must free this much (its own bytes are held too,
+    # its inputs kept) for its recompute, and for its backward's segment (its inputs still kept)
+    gate = [c.recompute_peak[k] - t - c.freeable[k] + kept[k] for k in range(n)]
+    gate_cached = [none] * n
+    for k in range(n):
+        b = c.backward_start[k]
+        if kept[k] and 0 <= b < len(c.timeline):
+            lp, lc = c.timeline[b]
+            if lp:
+                gate[k] = max(gate[k], lp - t + kept[k])
+            if lc:
+                gate_cached[k] = lc - t + kept[k]
+    cap_p = max([0, *need_plain, *gate, *before_plain])
+    cap_c = max([0, *need_cached, *gate_cached, *before_cached])
     front: dict[tuple[int, int], list[tuple[float, tuple[int, ...]]]] = {(0, 0): [(0.0, ())]}
     for m in range(n + 1):
         front = {k: v for k, v in front.items() if k[0] >= need_plain[m] and k[1] >= need_cached[m]}
@@ -427,10 +554,12 @@ def solve(c: Candidates, target: int, keep: int = 1 + RUNNERS_UP) -> tuple[list[
         f, fc, sec = c.freeable[m], c.freeable[m] - c.casts[m], c.seconds[m]
         add: dict[tuple[int, int], list[tuple[float, tuple[int, ...]]]] = {}
         for (fp, fcc), states in front.items():
-            if fp < gate[m]:
+            if fp < gate[m] or fcc < gate_cached[m] or fp + f < before_plain[m] or fcc + fc < before_cached[m]:
                 continue
-            key = (min(cap_p, fp + f), min(cap_c, fcc + fc))
+            key = (min(cap_p, fp + f - kept[m]), min(cap_c, fcc + fc - kept[m]))
             add.setdefault(key, []).extend((cost + sec, (*chosen, m)) for cost, chosen in states)
+        # not taking it: its segments before its inputs' death as measured, less the chosen before
+        front = {k: v for k, v in front.items() if k[0] >= before_plain[m] and k[1] >= before_cached[m]}
         for key, states in add.items():
             front[key] = sorted(front.get(key, []) + states)[:keep]
         front = _prune(front, keep)
@@ -531,10 +660,27 @@ def predict(m: Measurement, modules: set[str]) -> dict[str, Any]:
     ``m`` by name; others are ignored), by the rule the plan is held to."""
     c = candidates(m)
     chosen = [j for j, i in enumerate(c.index) if m.blocks[i].name in modules]
+    where: dict[str, int] = {}
+    peak = peak_with(c, chosen, where)
+    at: dict[str, Any] = {}
+    if where:
+        k = where["recompute"]
+        at = {
+            "segment": where["segment"],
+            "recompute_of": m.blocks[c.index[k]].name if k >= 0 else None,
+            "autocast": bool(where["autocast"]),
+            "measured_bytes": where["measured"],
+            "freed_bytes": where["freed"],
+            "kept_input_bytes": where["kept"],
+            "untracked_bytes": c.untracked,
+        }
     return {
         "modules": [m.blocks[c.index[j]].name for j in chosen],
-        "predicted_peak_bytes": peak_with(c, chosen),
+        "predicted_peak_bytes": peak,
         "added_step_s": round(sum(c.seconds[j] for j in chosen), 6),
+        # where the predicted peak is: measured there, less freed, plus kept, plus untracked
+        # (none when parameters, gradients and optimizer state are the floor)
+        "peak_at": at if at and peak > c.static else None,
     }
 
 

@@ -20,7 +20,10 @@ B saved it (not an input of B: a checkpoint keeps its inputs; not a buffer or a 
 before). One that others saved too (the next block, as its input; an operator outside the
 blocks) is freed by B's checkpoint only once they are done with it. What no block can free
 (the inputs between blocks, what the embedding, the head and the loss save) is the
-unrecomputable rest.
+unrecomputable rest. An input of B that the step lets go before B's backward (nothing saved
+it: under CUDA autocast a LayerNorm saves a float32 copy of its bf16 input) is one that B's
+checkpoint *keeps*: its death begins a segment, from which the checkpoint would hold it until
+B's backward.
 
 Nothing here runs unless a plan is asked for; :func:`measure_step` is the in-process entry
 point (a model, an optimizer and a callable that runs one step), the agent drives the same
@@ -225,8 +228,17 @@ def _mode_class() -> Any:
                 self.meter = meter
 
             def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-                out = func(*args, **(kwargs or {}))
                 meter = self.meter
+                if meter.cut:
+                    # a storage the caller follows died since the last operator: before this one
+                    meter.cut = False
+                    on_cut = meter.on_cut
+                    if on_cut is not None and meter.active:
+                        try:
+                            on_cut()
+                        except Exception as exc:
+                            meter.error = meter.error or f"live bytes: {type(exc).__name__}: {exc}"
+                out = func(*args, **(kwargs or {}))
                 if meter.active:
                     try:
                         fresh = _fresh_returns(func)
@@ -277,6 +289,12 @@ class LiveTensorBytes:
         self.error = ""
         self.on_op = on_op
         self.on_new: Callable[[int, int], None] | None = None  # each storage counted from now: (address, bytes)
+        # each counted storage that died: (address, bytes), from the weak reference's callback (the
+        # memory may not be released yet: nothing but bookkeeping there); it may set ``cut``, and
+        # ``on_cut`` is then called before the next operator (the memory released by then)
+        self.on_free: Callable[[int, int], None] | None = None
+        self.on_cut: Callable[[], object] | None = None
+        self.cut = False
         self.active = False
         self._live: dict[int, Any] = {}
         self._lock = threading.RLock()
@@ -294,6 +312,7 @@ class LiveTensorBytes:
                 return
             key = int(st._cdata)
             size = int(st.nbytes())
+            address = int(st.data_ptr())
         except Exception:
             return
         if size <= 0:
@@ -302,17 +321,33 @@ class LiveTensorBytes:
             if key in self._live:
                 return
 
-            def gone(_ref: Any, key: int = key, size: int = size) -> None:
+            def gone(_ref: Any, key: int = key, size: int = size, address: int = address) -> None:
                 with self._lock:
-                    if self._live.pop(key, None) is not None:
-                        self.current -= size
+                    if self._live.pop(key, None) is None:
+                        return
+                    self.current -= size
+                on_free = self.on_free
+                if on_free is not None and self.active:
+                    try:
+                        on_free(address, size)
+                    except Exception as exc:
+                        self.error = self.error or f"live bytes: {type(exc).__name__}: {exc}"
 
             self._live[key] = weakref.ref(st, gone)
             self.current += size
             if self.current > self.peak:
                 self.peak = self.current
         if self.on_new is not None:
-            self.on_new(int(st.data_ptr()), size)
+            self.on_new(address, size)
+
+    def counts(self, t: Any) -> bool:
+        """Whether the storage of tensor ``t`` is counted now (so its death will be seen)."""
+        try:
+            key = int(t.untyped_storage()._cdata)
+        except Exception:
+            return False
+        with self._lock:
+            return key in self._live
 
     def _add_any(self, item: Any) -> None:
         if isinstance(item, (list, tuple)):
@@ -366,9 +401,10 @@ def _is_param_cast(t: Any) -> bool:
         return False
 
 
-MAX_SEGMENTS = 4 * MAX_BLOCKS + 64
+MAX_SEGMENTS = 5 * MAX_BLOCKS + 64
 MAX_STORAGES = 5_000_000  # storages whose birth and release are kept (then no more: less is freed)
 MAX_LATE = 64  # late-freed groups per block kept (the earliest; the rest count as not freed)
+MAX_KEPT = 64  # inputs per block that its checkpoint would keep (the first; see StepMeasurement)
 
 
 class _Saved:
@@ -445,6 +481,13 @@ class StepMeasurement:
         self._owners: dict[tuple[int, int], set[int]] = {}  # storage -> blocks that saved it (-1: none)
         self._casts: set[tuple[int, int]] = set()  # saved storages that are autocast's parameter casts
         self._inputs: list[set[tuple[int, int]]] = [set() for _ in self.blocks]
+        # a block input's storage -> the blocks that took it, until it dies
+        self._input_of: dict[tuple[int, int], set[int]] = {}
+        # per block: (segment, bytes, group) of its inputs that died before its backward (a
+        # checkpoint of it keeps them until then); group numbers the storage, shared by its blocks
+        self._kept: list[list[tuple[int, int, int]]] = [[] for _ in self.blocks]
+        self._kept_groups = 0
+        self._deaths: list[tuple[int, list[int]]] = []  # (bytes, blocks) died since the last event
         self._fwd: list[float] = [0.0] * n
         self._recompute: list[float] = [0.0] * n
         self._calls: list[int] = [0] * n
@@ -526,6 +569,8 @@ class StepMeasurement:
             known, on_op=self._on_op, device=torch.device(self._device) if self._cuda else None
         )
         self._meter.on_new = self._on_new
+        self._meter.on_free = self._on_free
+        self._meter.on_cut = self._event
         self._plain, self._cached = [0], [0]
         self._recalibrate()
         self._plain = [self._level()]
@@ -661,20 +706,49 @@ class StepMeasurement:
         if len(self._born) < MAX_STORAGES:
             self._born[(address, size)] = len(self._plain) - 1
 
+    def _on_free(self, address: int, size: int) -> None:
+        """A storage died. When it was an input of blocks whose backward has not begun, a
+        checkpoint of any of them would have kept it until its backward (a non-reentrant
+        checkpoint keeps its inputs to recompute from): a segment begins before the next
+        operator (or at the next block event), from which those blocks' checkpoints hold it.
+        Called from the storage's weak reference, before its memory is released: the segment
+        is not begun here, where the allocator's count still holds it."""
+        if self.stopped or not self.started:
+            return
+        users = self._input_of.pop((address, size), None)
+        if not users:
+            return
+        waiting = sorted(j for j in users if self._bwd_start[j] < 0 and len(self._kept[j]) < MAX_KEPT)
+        if waiting and self._meter is not None:
+            self._deaths.append((size, waiting))
+            self._meter.cut = True
+
     def _event(self) -> int:
-        """A new segment begins (at a block's forward start or end, or backward start): its index."""
+        """A new segment begins (at a block's forward start or end, or backward start, when
+        autograd lets go of a tensor a block saved too, before the first operator after a block
+        input died): its index."""
         if len(self._plain) >= MAX_SEGMENTS:
             self.error = self.error or "the step has too many block events; its timeline is cut"
-            return len(self._plain) - 1
-        self._recalibrate()
-        level = self._level()
-        if self._amp():
-            self._plain.append(0)
-            self._cached.append(level)
         else:
-            self._plain.append(level)
-            self._cached.append(0)
-        return len(self._plain) - 1
+            self._recalibrate()
+            level = self._level()
+            if self._amp():
+                self._plain.append(0)
+                self._cached.append(level)
+            else:
+                self._plain.append(level)
+                self._cached.append(0)
+        seg = len(self._plain) - 1
+        if self._meter is not None:
+            self._meter.cut = False
+        while self._deaths:
+            # block inputs that died since the last event or operator: kept from here
+            size, waiting = self._deaths.pop(0)
+            group = self._kept_groups
+            self._kept_groups += 1
+            for j in waiting:
+                self._kept[j].append((seg, size, group))
+        return seg
 
     def _stamp(self) -> Any:
         if self._cuda is not None:
@@ -728,6 +802,15 @@ class StepMeasurement:
                     key = _storage(a) if _is_tensor(a) else None
                     if key is not None:
                         self._inputs[index].add(key)
+                        # followed only where its death will be seen (one the meter counts)
+                        meter = self._meter
+                        if (
+                            key not in self._param_keys
+                            and meter is not None
+                            and meter.counts(a)
+                            and len(self._input_of) < MAX_STORAGES
+                        ):
+                            self._input_of.setdefault(key, set()).add(index)
                 seg = self._event()
                 if self._fwd_start[index] < 0:
                     self._fwd_start[index] = seg
@@ -938,6 +1021,9 @@ class StepMeasurement:
                     "backward_start_bytes": self._bwd_level[i],
                     # bytes its checkpoint frees from a later segment on (others saved them too)
                     "late_freeable": [[seg, b] for seg, b in sorted(late[i].items())[:MAX_LATE]],
+                    # its inputs that died before its backward: its checkpoint keeps them from
+                    # that segment through its backward's (group: the storage, shared by blocks)
+                    "kept_inputs": [[seg, b, g] for seg, b, g in self._kept[i][:MAX_KEPT]],
                     "calls": self._calls[i],
                     "parameter_bytes": sum(p.numel() * p.element_size() for p in m.parameters()),
                     "checkpointed": name in self.skipped,
