@@ -437,18 +437,18 @@ class SpinningSource(FakeSource):
         return read
 
 
-def test_once_looks_again_to_confirm_a_hang_instead_of_saying_nothing():
-    # GIVEN a stalled job whose only culprit moves (confirmed after half the 5 s stall time)
-    source = SpinningSource()
+def _once(source: FakeSource, look_interval_s: float = 0.0) -> tuple[list[Verdict], list[Any], list[float]]:
+    """``watch --once`` over ``source`` once its stall has lasted 8 s: what it said, its ticks
+    and the sleeps it took (on the source's clock)."""
+    said: list[Verdict] = []
+    ticks: list[Any] = []
     slept: list[float] = []
+    config = WatchConfig(job="j", interval_s=1.0, stall_after_s=5.0, look_interval_s=look_interval_s)
 
     def sleep(s: float) -> None:
         slept.append(s)
         source.t += s
 
-    said: list[Verdict] = []
-    ticks = []
-    config = WatchConfig(job="j", interval_s=1.0, stall_after_s=5.0, look_interval_s=0.0)
     engine = WatchEngine(
         config,
         source,
@@ -457,10 +457,17 @@ def test_once_looks_again_to_confirm_a_hang_instead_of_saying_nothing():
         clock=lambda: source.t,
         sleep=sleep,
     )
-    for _ in range(8):  # the stall begins
+    for _ in range(8):
         source.t += 1.0
-    # WHEN the watch checks once
     engine.run(once=True)
+    return said, ticks, slept
+
+
+def test_once_looks_again_to_confirm_a_hang_instead_of_saying_nothing():
+    # GIVEN a stalled job whose only culprit moves (confirmed after half the 5 s stall time)
+    source = SpinningSource()
+    # WHEN the watch checks once
+    said, ticks, slept = _once(source)
     # THEN its first look left the hang to be confirmed, it looked again when it could be,
     # and said the hang, naming the spinning rank
     assert ticks[0].verdict is None and ticks[0].confirm_in_s is not None, ticks[0]
@@ -507,33 +514,11 @@ class BehindGpuSource(FakeSource):
         return read
 
 
-def _once(source: FakeSource, look_interval_s: float = 0.0) -> tuple[list[Verdict], list[Any]]:
-    said: list[Verdict] = []
-    ticks: list[Any] = []
-    config = WatchConfig(job="j", interval_s=1.0, stall_after_s=5.0, look_interval_s=look_interval_s)
-
-    def sleep(s: float) -> None:
-        source.t += s
-
-    engine = WatchEngine(
-        config,
-        source,
-        on_verdict=lambda v, p: said.append(v),
-        on_tick=ticks.append,
-        clock=lambda: source.t,
-        sleep=sleep,
-    )
-    for _ in range(8):
-        source.t += 1.0
-    engine.run(once=True)
-    return said, ticks
-
-
 def test_every_rank_behind_its_gpu_is_read_natively_and_called_a_hang_on_the_devices():
     # GIVEN every rank spinning in a CUDA copy while its GPU has not finished work queued 2 s ago
     source = BehindGpuSource(gpu_behind=True)
     # WHEN the watch checks once
-    said, ticks = _once(source)
+    said, ticks, _ = _once(source)
     # THEN every rank was read natively (no rank waits in a collective), the hang was left to be
     # confirmed, then said: on the devices, each rank waiting for its GPU in the copy
     assert source.native_asked[0] == {} and sorted(p for pids in source.native_asked[1].values() for p in pids) == [
@@ -554,7 +539,7 @@ def test_ranks_whose_gpus_keep_up_are_busy_and_not_read_natively():
     # at every batch spins in the same copy)
     source = BehindGpuSource(gpu_behind=False)
     # WHEN the watch checks once
-    said, _ = _once(source)
+    said, _, _ = _once(source)
     # THEN no native read, and the job is busy, not hung
     assert all(asked == {} for asked in source.native_asked)
     assert [v.kind for v in said] == ["busy"], [v.conclusion for v in said]
@@ -564,9 +549,9 @@ def test_a_probe_asked_at_the_looks_start_counts_once_half_the_look_interval_has
     # GIVEN looks 1 s apart (the probe asked at the look's start is read about 1 s later)
     # WHEN each rank's probe is unfinished after 0.6 s, or after 0.4 s only
     behind = BehindGpuSource(gpu_behind=True, probe_age_s=0.6)
-    said_behind, _ = _once(behind, look_interval_s=1.0)
+    said_behind, _, _ = _once(behind, look_interval_s=1.0)
     early = BehindGpuSource(gpu_behind=True, probe_age_s=0.4)
-    said_early, _ = _once(early, look_interval_s=1.0)
+    said_early, _, _ = _once(early, look_interval_s=1.0)
     # THEN the first are read natively and called a hang on the devices; the second are not read
     assert [v.kind for v in said_behind] == ["hang"], [v.conclusion for v in said_behind]
     assert all(asked == {} for asked in early.native_asked)
