@@ -49,6 +49,10 @@ MAX_KNOWN_OPTIMIZERS = 256
 MIN_GAP_S = 0.010  # at most one record per this much wall time (see the module's docstring)
 PROBE_AFTER_S = 2.0  # the progress probe runs once the last marked step is this old
 CAPTURE_MODE_RELAXED = 2  # cudaStreamCaptureModeRelaxed (driver_types.h)
+NOT_RELAXED = (
+    "not queried: this thread's CUDA stream-capture mode could not be set to relaxed (no libcudart "
+    "loaded in the process), and a query could fail a CUDA graph capture of the job's"
+)
 
 _thread_state = threading.local()
 _cudart_lib: list[Any] = []  # [the process's libcudart, or None], found once
@@ -183,12 +187,15 @@ class GpuStepMarker:
         if slot < 0 or not self._events:
             return GpuStepLook(False, note="no optimizer step on CUDA yet")
         step, at, device, on_default = self._marks[slot]
+        if not _capture_relaxed():
+            # A CUDA call from this thread could fail a graph capture of the job's (see the
+            # module's docstring): without a relaxed capture mode, the event is not queried.
+            return GpuStepLook(False, note=NOT_RELAXED)
         try:
-            relaxed = _capture_relaxed()
             done = bool(self._events[slot].query())
             uuid = self._uuid(torch, device)
             found = GpuStepLook(True, int(step), done, max(0.0, self._clock() - at), int(device), uuid)
-            if relaxed and on_default and self._clock() - at >= PROBE_AFTER_S:
+            if on_default and self._clock() - at >= PROBE_AFTER_S:
                 reported = self._prober.report()
                 if reported is not None:
                     found.probed = True
