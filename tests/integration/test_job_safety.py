@@ -134,8 +134,10 @@ def test_a_job_running_its_own_profiler_is_never_crashed(spawn, cli):
     assert [line for line in _foreign_lines(target.lines) if _shape(line) not in own_lines] == []
 
 
-def test_steps_keep_counting_across_a_recreated_optimizer_and_the_watchdog_stays_quiet(spawn, cli):
-    # GIVEN a job that creates a fresh optimizer every 10 steps, under a 3 s hang watchdog
+def test_steps_keep_counting_across_a_recreated_optimizer_and_the_watchdog_stays_quiet(spawn, cli, tmp_path):
+    # GIVEN a job that creates a fresh optimizer every 10 steps, under a 3 s hang watchdog, and
+    # stops after its 45th step (in a marked phase) until the test lets it go on
+    park = tmp_path / "go-on"
     target = spawn(
         [
             "-m",
@@ -155,14 +157,20 @@ def test_steps_keep_counting_across_a_recreated_optimizer_and_the_watchdog_stays
             "0.05",
             "--max-steps",
             "60",
+            "--park-at",
+            "45",
+            "--park-file",
+            str(park),
         ],
         under_run=False,
     )
     (pid,) = target.ready_pids()
 
-    # WHEN it has trained 45 steps (four optimizers)
-    target.wait_for_line("LOSS 45 ", timeout=60)
+    # WHEN it has trained 45 steps (four optimizers), and is read then (its step count is not a
+    # race with a loaded machine: it waits), then trains on to the end
+    target.wait_for_line("PARKED 45", timeout=60)
     listing = cli("ps", "--json", "--timeout", "10")
+    park.write_text("")
     target.wait_for_line("DONE", timeout=60)
     assert listing.returncode == 0, listing.stderr
     ps = json.loads(listing.stdout)

@@ -13,7 +13,8 @@
 
 Prints ``READY <pid>`` after the first step, ``LOSS <step> <value>`` every step (exact repr, to
 compare runs with and without dynprof), ``JOBTRACE <n>`` when its own profiler wrote a trace,
-and ``DONE <steps>`` at the end.
+and ``DONE <steps>`` at the end. With ``--park-at N --park-file PATH`` it stops after step N,
+says ``PARKED N`` and waits (inside ``dynprof.phase("parked")``: no hang) until PATH exists.
 """
 
 from __future__ import annotations
@@ -38,6 +39,17 @@ class Block(torch.nn.Module):
         return x + self.b(torch.tanh(self.a(x)))
 
 
+def park(path: str, step: int) -> None:
+    """Stop stepping until ``path`` exists (at most 120 s), in a marked phase."""
+    import dynprof
+
+    os.write(1, f"PARKED {step}\n".encode())
+    with dynprof.phase("parked"):
+        until = time.monotonic() + 120
+        while not os.path.exists(path) and time.monotonic() < until:
+            time.sleep(0.02)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument(
@@ -52,6 +64,8 @@ def main() -> int:
     parser.add_argument("--recreate-every", type=int, default=20)
     parser.add_argument("--step-sleep", type=float, default=0.0)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--park-at", type=int, default=0)
+    parser.add_argument("--park-file", default="")
     args = parser.parse_args()
 
     torch.manual_seed(0)
@@ -128,6 +142,8 @@ def main() -> int:
             os.write(1, f"READY {os.getpid()}\n".encode())
         if args.step_sleep:
             time.sleep(args.step_sleep)
+        if args.park_at and step == args.park_at:
+            park(args.park_file, step)
     if prof is not None:
         prof.stop()
     print(f"DONE {step}", flush=True)
