@@ -403,6 +403,7 @@ def _is_param_cast(t: Any) -> bool:
 
 MAX_SEGMENTS = 5 * MAX_BLOCKS + 64
 MAX_STORAGES = 5_000_000  # storages whose birth and release are kept (then no more: less is freed)
+MIN_OWN_SHARE = 0.05  # a block's CPU time is at least this share of its time under the measurement
 MAX_LATE = 64  # late-freed groups per block kept (the earliest; the rest count as not freed)
 MAX_KEPT = 64  # inputs per block that its checkpoint would keep (the first; see StepMeasurement)
 
@@ -495,6 +496,7 @@ class StepMeasurement:
         self._order: list[int] = []
         self._events: list[list[Any]] = [[] for _ in self.blocks]  # CUDA: [start, last save, end] per call
         self._t0: list[float] = [0.0] * n
+        self._t0_raw: list[float] = [0.0] * n  # the clock itself at the block's start
         self._last_save: list[Any] = [None] * n
         self._param_keys: set[tuple[int, int]] = set()
         # the timeline: per segment, the highest level of operators run with autocast off / on
@@ -821,6 +823,7 @@ class StepMeasurement:
                     self._events[index].append([self._stamp(), None, None])
                 else:
                     self._t0[index] = self._cpu_now()
+                    self._t0_raw[index] = self.clock()
             except Exception as exc:
                 self.error = self.error or f"forward pre-hook: {exc}"
 
@@ -840,10 +843,15 @@ class StepMeasurement:
                         call[2] = self._stamp()
                 else:
                     now = self._cpu_now()
-                    self._fwd[index] += max(0.0, now - self._t0[index])
+                    own = now - self._t0[index]
+                    # What the meter's cost leaves of the block's time, never under a share of
+                    # what it took measured: the calibration is noisy on a loaded machine, and
+                    # no block is free to recompute.
+                    floor = MIN_OWN_SHARE * max(0.0, self.clock() - self._t0_raw[index])
+                    self._fwd[index] += max(own, floor)
                     last = self._last_save[index]
                     if last is not None:
-                        self._recompute[index] += max(0.0, last - self._t0[index])
+                        self._recompute[index] += max(last - self._t0[index], 0.0) if own > floor else floor
                 self._fwd_end[index] = self._event()
             except Exception as exc:
                 self.error = self.error or f"forward hook: {exc}"

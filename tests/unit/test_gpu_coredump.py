@@ -117,7 +117,12 @@ def test_counts_a_crafted_header_claims_are_bounded(tmp_path):
 
 # -- taking one ------------------------------------------------------------------------------------
 def _sleeper(env: dict[str, str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env={**os.environ, **env})
+    """A process started with ``env``, returned once it runs Python: before its exec, its
+    /proc/PID/environ is still the test's own (seen on a loaded machine)."""
+    code = "import sys, time; print('up', flush=True); time.sleep(60)"
+    proc = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, **env}, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline() == "up\n"
+    return proc
 
 
 def test_a_process_not_armed_is_refused_with_how_to_arm_it():

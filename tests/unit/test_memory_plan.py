@@ -231,6 +231,28 @@ def train_step(model, opt, x):
     return step
 
 
+def test_a_block_is_never_free_to_recompute_when_the_meters_cost_is_overestimated(monkeypatch):
+    # GIVEN a measurement whose calibration says each operator's trip through the meter costs far
+    # more than it does (a loaded machine: the calibration rounds and the step run at other speeds)
+    from collectors.memory import plan_capture
+
+    def overestimated(self) -> None:
+        self._per_op_s = 1.0
+
+    monkeypatch.setattr(plan_capture.StepMeasurement, "_calibrate", overestimated)
+    torch.manual_seed(0)
+    model = MLP(4, 16)
+    opt = torch.optim.Adam(model.parameters())
+    step = train_step(model, opt, torch.randn(3, 4))
+    step()
+    # WHEN one step is measured
+    doc = measure_step(model, opt, step)
+    # THEN every block still has a forward and a recompute time above 0 (at least a share of what
+    # it took measured), never 0: a plan would take it as free to recompute
+    for b in doc["blocks"]:
+        assert b["forward_s"] > 0 and b["recompute_s"] > 0, b
+
+
 def test_the_measurement_counts_what_each_block_saves_by_hand():
     # GIVEN an MLP of 3 blocks Linear(4,16) -> ReLU -> Linear(16,4), a head, batch 3, float32
     torch.manual_seed(0)
