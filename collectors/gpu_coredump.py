@@ -388,6 +388,7 @@ def demangle_names(names: list[str]) -> list[str]:
 ARM_VARIABLE = "CUDA_ENABLE_USER_TRIGGERED_COREDUMP"
 PIPE_VARIABLE = "CUDA_COREDUMP_PIPE"
 FILE_VARIABLE = "CUDA_COREDUMP_FILE"
+FLAGS_VARIABLE = "CUDA_COREDUMP_GENERATION_FLAGS"
 DEFAULT_PIPE = "corepipe.cuda.%h.%p"  # the driver's defaults, in the process's working directory
 DEFAULT_FILE = "core_%t_%h_%p.nvcudmp"
 TRIGGER_BYTES = 64 * 1024  # what was written into the pipe on the H200 (it dumped in under 1 s)
@@ -436,6 +437,7 @@ class Armed:
     pipe: str
     file_pattern: str  # the dump's path with %t as '*'
     host: str
+    flags: tuple[str, ...] = ()  # its CUDA_COREDUMP_GENERATION_FLAGS
 
 
 def armed(pid: int) -> Armed:
@@ -456,7 +458,8 @@ def armed(pid: int) -> Armed:
         pipe = os.path.join(cwd, pipe)
     if not os.path.isabs(dump):
         dump = os.path.join(cwd, dump)
-    return Armed(pid=pid, pipe=pipe, file_pattern=dump, host=host)
+    flags = tuple(f.strip() for f in env.get(FLAGS_VARIABLE, "").split(",") if f.strip())
+    return Armed(pid=pid, pipe=pipe, file_pattern=dump, host=host, flags=flags)
 
 
 def trigger(
@@ -518,9 +521,18 @@ def trigger(
         time.sleep(0.2)
     if newest:
         said = f"{size} of the {whole} bytes its header announces" if whole else f"{size} bytes, no ELF header yet"
+        help_text = "A large GPU takes longer to dump: raise --timeout; the driver goes on writing it."
+        if "skip_global_memory" in target.flags and "skip_constbank_memory" not in target.flags:
+            help_text = (
+                "Its CUDA_COREDUMP_GENERATION_FLAGS skip global memory but not the constant banks: on an H200 "
+                "(driver 580) such a dump stops after its header while a kernel runs. Add skip_constbank_memory "
+                "(`dynprof run --gpu-coredump` sets both)."
+            )
+        elif not os.path.exists(f"/proc/{target.pid}"):
+            said += f"; process {target.pid} exited before its driver finished"
         raise TriggerError(
             f"the GPU core dump of process {target.pid} ({newest}) was not finished within {timeout:g} s ({said})",
-            help="A large GPU takes longer to dump: raise --timeout; the driver goes on writing it.",
+            help=help_text,
             kind="timeout",
         )
     raise TriggerError(

@@ -9,6 +9,7 @@ import gzip
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import threading
@@ -206,6 +207,46 @@ def test_the_length_a_dump_will_have_comes_from_its_header_and_section_table(tmp
     assert gc.dump_length(str(_write(tmp_path, b"\x7fEL", "short"))) is None
     assert gc.dump_length(str(_write(tmp_path, b"x" * 200, "text"))) is None
     assert gc.dump_length(str(tmp_path / "absent")) is None
+
+
+def _gone_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+@pytest.mark.parametrize(
+    "case, flags, why",
+    [
+        ("alive", ("skip_abort", "skip_global_memory", "skip_constbank_memory"), "raise --timeout"),
+        ("alive", ("skip_abort", "skip_global_memory"), "but not the constant banks.*add skip_constbank_memory"),
+        ("exited", (), "exited before its driver finished"),
+    ],
+)
+def test_a_dump_the_driver_does_not_finish_says_why_it_may_have_stopped(tmp_path, case, flags, why):
+    # GIVEN a driver that stops after the dump's header, in a process that lives or has exited
+    pipe = tmp_path / "corepipe"
+    os.mkfifo(pipe, 0o600)
+    reader = os.open(pipe, os.O_RDONLY | os.O_NONBLOCK)
+    pid = 1 if case == "alive" else _gone_pid()
+    try:
+        now = [0.0]
+
+        def clock() -> float:
+            now[0] += 0.5
+            if now[0] == 1.0:
+                _write(tmp_path, cc.dump()[:100], "c.1")
+            return now[0]
+
+        target = gc.Armed(pid=pid, pipe=str(pipe), file_pattern=str(tmp_path / "c.*"), host="h", flags=flags)
+        # WHEN the trigger waits for it; THEN the error says how far it got and the likely cause
+        with pytest.raises(gc.TriggerError) as err:
+            gc.trigger(target, timeout=5, clock=clock)
+        said = f"{err.value} {err.value.help}"
+        assert "was not finished within 5 s (100 of the" in said
+        assert re.search(why, said, re.IGNORECASE | re.DOTALL), said
+    finally:
+        os.close(reader)
 
 
 def test_a_dump_the_driver_does_not_finish_within_the_timeout_is_not_returned(tmp_path):

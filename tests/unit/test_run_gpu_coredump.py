@@ -30,7 +30,11 @@ def test_gpu_coredump_arms_the_driver_with_its_pipe_and_dumps_in_private_directo
     assert env["CUDA_COREDUMP_PIPE"] == f"{pipe_dir}/corepipe.cuda.%h.%p"
     assert env["CUDA_COREDUMP_FILE"].startswith(str(dynprof_dirs["artifacts"] / "job1"))
     assert env["CUDA_COREDUMP_FILE"].endswith("/.gpu-coredump/core.cuda.%h.%p.%t")
-    assert "skip_abort" in env["CUDA_COREDUMP_GENERATION_FLAGS"].split(",")
+    flags = env["CUDA_COREDUMP_GENERATION_FLAGS"].split(",")
+    assert "skip_abort" in flags
+    # and the constant banks are skipped with global memory (with global memory alone skipped,
+    # driver 580 stops the dump after its header while a kernel runs)
+    assert {"skip_global_memory", "skip_constbank_memory"} <= set(flags)
     assert stat.S_IMODE(pipe_dir.stat().st_mode) == 0o700
 
 
@@ -39,6 +43,14 @@ def test_gpu_coredump_keeps_what_the_user_set_and_says_so(dynprof_dirs, capsys):
     _run_gpu.apply(_args(gpu_coredump=True), env)
     assert env["CUDA_COREDUMP_FILE"] == "/scratch/core.%p" and env["CUDA_ENABLE_USER_TRIGGERED_COREDUMP"] == "1"
     assert "kept your CUDA_COREDUMP_FILE=/scratch/core.%p" in capsys.readouterr().err
+
+
+def test_user_flags_that_stop_a_dump_after_its_header_are_kept_and_warned_about(dynprof_dirs, capsys):
+    env = {"DYNPROF_JOB_ID": "job1", "CUDA_COREDUMP_GENERATION_FLAGS": "skip_abort,skip_global_memory"}
+    _run_gpu.apply(_args(gpu_coredump=True), env)
+    assert env["CUDA_COREDUMP_GENERATION_FLAGS"] == "skip_abort,skip_global_memory"
+    err = capsys.readouterr().err
+    assert "kept your CUDA_COREDUMP_GENERATION_FLAGS" in err and "add skip_constbank_memory" in err
 
 
 def test_without_the_option_nothing_is_set():
