@@ -767,7 +767,6 @@ def beyond_recompute(m: Measurement, floor: int, target: int) -> list[dict[str, 
 def how_to_apply(m: Measurement, modules: list[str]) -> dict[str, str]:
     """How to checkpoint exactly ``modules`` in the usual frameworks."""
     names = ", ".join(repr(n) for n in modules[:MAX_BLOCKS])
-    classes = sorted({b.cls for b in m.blocks if b.name in set(modules)})
     return {
         "torch.utils.checkpoint": (
             "import torch.utils.checkpoint as cp\n"
@@ -802,9 +801,18 @@ def how_to_apply(m: Measurement, modules: list[str]) -> dict[str, str]:
             "        mod.gradient_checkpointing = False"
         ),
         "deepspeed": (
-            '"activation_checkpointing": {"partition_activations": false, "contiguous_memory_optimization": false}\n'
-            f"# and call deepspeed.checkpointing.checkpoint(layer, x) in the forward of {', '.join(classes) or 'the chosen blocks'} "
-            f"for the chosen modules only ({len(modules)} of them)"
+            "# After deepspeed.initialize (or deepspeed.init_distributed); ds_config is your DeepSpeed\n"
+            "# config (a dict or its path), whose activation_checkpointing section this reads, e.g.\n"
+            '# "activation_checkpointing": {"partition_activations": false, "cpu_checkpointing": false}.\n'
+            "# DeepSpeed's checkpoint is reentrant: a Hugging Face model must train with use_cache=False\n"
+            "# (its recompute would read the KV cache its forward filled: wrong gradients).\n"
+            "import deepspeed\n"
+            "deepspeed.checkpointing.configure(None, deepspeed_config=ds_config)\n"
+            f"CHECKPOINT = {{{names}}}\n"
+            "for name, mod in model.named_modules():\n"
+            "    if name in CHECKPOINT:\n"
+            "        fwd = mod.forward\n"
+            "        mod.forward = lambda *a, _f=fwd, **k: deepspeed.checkpointing.checkpoint(_f, *a, **k)"
         ),
     }
 

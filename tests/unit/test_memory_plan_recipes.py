@@ -8,6 +8,9 @@ the first projection, not the last); the others run once."""
 
 from __future__ import annotations
 
+import sys
+import types
+
 import pytest
 import torch
 
@@ -106,3 +109,53 @@ def test_each_recipe_checkpoints_the_chosen_layers_and_no_other(chosen_and_recip
     assert renamed.keys() == want_grads.keys()
     for name, g in want_grads.items():
         torch.testing.assert_close(renamed[name], g, rtol=1e-5, atol=1e-6)
+
+
+def _deepspeed_stand_in() -> tuple[types.ModuleType, list[object]]:
+    """A stand-in for ``deepspeed`` where it is not installed: ``checkpointing.configure`` records
+    its config, ``checkpointing.checkpoint`` is reentrant and passes keyword arguments on as
+    positional ones, as DeepSpeed's does (0.19.8, read and run: its reentrant function gave the
+    same loss and gradients as this test's plain step with use_cache=False)."""
+    configured: list[object] = []
+
+    def checkpoint(function, *args, **kwargs):  # type: ignore[no-untyped-def]
+        keys, count = tuple(kwargs), len(args)
+
+        def run(*all_args):  # type: ignore[no-untyped-def]
+            return function(*all_args[:count], **dict(zip(keys, all_args[count:])))
+
+        return torch.utils.checkpoint.checkpoint(run, *args, *kwargs.values(), use_reentrant=True)
+
+    checkpointing = types.SimpleNamespace(
+        configure=lambda mpu, deepspeed_config=None: configured.append(deepspeed_config), checkpoint=checkpoint
+    )
+    return types.ModuleType("deepspeed"), [checkpointing, configured]
+
+
+def test_the_deepspeed_recipe_checkpoints_the_chosen_layers_with_the_users_config(chosen_and_recipes, monkeypatch):
+    chosen, recipes = chosen_and_recipes
+    recipe = recipes["deepspeed"]
+    # GIVEN DeepSpeed (a stand-in with its reentrant checkpoint) and the user's config
+    module, (checkpointing, configured) = _deepspeed_stand_in()
+    module.checkpointing = checkpointing  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "deepspeed", module)
+    ds_config = {"activation_checkpointing": {"partition_activations": False}}
+    plain = _model()
+    plain.config.use_cache = False
+    want_loss, want_grads = _step(plain)
+    # WHEN the recipe is pasted, the model trained as it says (use_cache=False)
+    assert "use_cache=False" in recipe
+    model = _model()
+    model.config.use_cache = False
+    inner = [layer.self_attn.q_proj for layer in model.model.layers]
+    exec(recipe, {"model": model, "ds_config": ds_config})
+    # THEN DeepSpeed's checkpointing is configured from the user's config
+    assert configured == [ds_config]
+    # AND exactly the chosen layers recompute, with the same loss and gradients
+    runs = _runs_per_layer(model, inner)
+    assert runs == [2 if f"model.layers.{i}" in chosen else 1 for i in range(LAYERS)], (chosen, runs)
+    loss, grads = _step(model)
+    assert loss == pytest.approx(want_loss, rel=1e-6)
+    assert grads.keys() == want_grads.keys()
+    for name, g in want_grads.items():
+        torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-6)
