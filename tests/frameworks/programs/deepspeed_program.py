@@ -21,6 +21,7 @@ def main() -> int:
     p = parser(__doc__ or "")
     p.add_argument("--zero", type=int, choices=[0, 1, 2], default=2)
     p.add_argument("--width", type=int, default=64)
+    p.add_argument("--local_rank", type=int, default=0)  # DeepSpeed's launcher passes it
     args = p.parse_args()
     import deepspeed
 
