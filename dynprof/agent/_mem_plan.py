@@ -97,6 +97,16 @@ class MemoryPlanner:
             roots = find_models(optimizers)
             scan_s = time.perf_counter() - t0
             if not roots:
+                if "deepspeed" in sys.modules:
+                    # ZeRO stages 1 and 2 step fp32 partitions flattened from the parameters
+                    # (seen with DeepSpeed 0.19.8): the model is not found from them.
+                    raise CommandError(
+                        pb.UNSUPPORTED,
+                        "no nn.Module holds the optimizers' parameters: this process runs DeepSpeed, whose ZeRO "
+                        "optimizer steps flattened partitions of the parameters, not the model's own",
+                        "The memory plan does not measure a DeepSpeed ZeRO job. Measure an eager run of the same "
+                        "model without DeepSpeed (one GPU, a smaller config) and apply the plan's DeepSpeed recipe.",
+                    )
                 raise CommandError(
                     pb.UNSUPPORTED,
                     "no nn.Module holds the optimizers' parameters",

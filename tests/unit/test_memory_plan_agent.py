@@ -4,6 +4,7 @@ boundaries, busy and bad requests, refusal of what it cannot measure right."""
 from __future__ import annotations
 
 import json
+import sys
 import threading
 import types
 import weakref
@@ -88,6 +89,26 @@ def test_bad_tokens_and_unmeasurable_jobs_are_refused_with_the_reason():
     with pytest.raises(CommandError) as refused:
         planner.handle(pb.MemoryPlanRequest(token="c"))
     assert refused.value.code == pb.UNSUPPORTED and "torch.compile" in refused.value.message
+    assert steps._listeners == ()
+
+
+@pytest.mark.parametrize("deepspeed", [False, True])
+def test_an_optimizer_over_tensors_no_module_holds_is_refused_and_deepspeed_named(monkeypatch, deepspeed):
+    # GIVEN a job whose optimizer steps flat copies of the parameters (as DeepSpeed ZeRO 1-2 does)
+    model = torch.nn.Sequential(Block(), Block())
+    flat = torch.nn.Parameter(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    planner, steps, opt = setup(model)
+    opt.param_groups[0]["params"] = [flat]
+    if deepspeed:
+        monkeypatch.setitem(sys.modules, "deepspeed", types.ModuleType("deepspeed"))
+    else:
+        monkeypatch.delitem(sys.modules, "deepspeed", raising=False)
+    # WHEN a plan is asked; THEN it is refused, with DeepSpeed named where the process runs it
+    with pytest.raises(CommandError) as refused:
+        planner.handle(pb.MemoryPlanRequest(token="z"))
+    assert refused.value.code == pb.UNSUPPORTED
+    assert "no nn.Module holds the optimizers' parameters" in refused.value.message
+    assert ("DeepSpeed, whose ZeRO optimizer steps flattened partitions" in refused.value.message) == deepspeed
     assert steps._listeners == ()
 
 
