@@ -100,6 +100,31 @@ def test_a_rank_blocked_behind_its_gpu_is_named_waiting_for_its_gpu(spawn, cli, 
 
 
 @pytest.mark.parametrize("run", RUNS)
+def test_a_rank_waiting_in_nccl_work_behind_its_gpu_is_named_waiting_for_its_gpu(spawn, cli, run):
+    # GIVEN rank 1 waiting on the host (TORCH_NCCL_BLOCKING_WAIT=1) for an all-reduce in its own
+    # one-member NCCL group, behind an endless kernel; rank 0 waiting in gloo's all_reduce
+    job = f"gpunccl{run}"
+    _start(spawn, job, "nccl-wait", "--at-step", "5", env_extra={"TORCH_NCCL_BLOCKING_WAIT": "1"})
+    time.sleep(4.0)
+    # WHEN the watch looks once
+    rc, verdicts, err = _watch_once(cli, job)
+    # THEN one hang, rank 1, waiting for its GPU in an NCCL call, not moving
+    assert rc == 20 and len(verdicts) == 1, err
+    v = verdicts[0]
+    t = v["evidence"]["timing"]
+    _row(
+        f"VERDICT-ROW nccl-wait run={run} kind={v['kind']} detection_s={t['detection_s']} verdict_s={t['verdict_s']}",
+        v["conclusion"],
+    )
+    assert v["kind"] == "hang"
+    assert [(c["rank"], c["host"]) for c in v["culprits"]] == [(1, detect().host)]
+    assert "waits for its GPU in an NCCL call" in v["conclusion"], v["conclusion"]
+    assert "moving" not in v["conclusion"]
+    (row,) = [r for r in v["ranks"] if r["rank"] == 1]
+    assert row["state"].startswith("waiting for its GPU in "), row
+
+
+@pytest.mark.parametrize("run", RUNS)
 @pytest.mark.parametrize("fault", ["checkpoint", "eval"])
 def test_busy_phases_on_the_gpu_are_not_a_hang(spawn, cli, fault, run):
     # GIVEN every rank in a busy phase on the GPU (CUDA tensors saved, an evaluation loop)

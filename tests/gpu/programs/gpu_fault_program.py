@@ -5,7 +5,10 @@ The gradients are copied to the CPU and all-reduced with gloo (two ranks cannot 
 in NCCL), so the ranks that do not fault wait for the faulty one in ``all_reduce``.
 
 Faults that block the rank behind a GPU kernel that spins for minutes (``torch.cuda._sleep``):
-``item``, ``cpu``, ``tolist``, ``cuda-sync``, ``event-sync``, ``stream-sync``, ``h2d-pageable``.
+``item``, ``cpu``, ``tolist``, ``cuda-sync``, ``event-sync``, ``stream-sync``, ``h2d-pageable``, and
+``nccl-wait``: an all-reduce in the rank's own one-member NCCL group (two ranks cannot share a GPU
+in one NCCL communicator; one each can), waited for with ``TORCH_NCCL_BLOCKING_WAIT=1`` set, so
+the host waits inside PyTorch's NCCL work.
 Stragglers, every step: ``gpu-compute`` (extra matmuls), ``host-launch`` (thousands of tiny
 kernels), ``h2d-input`` (a large pageable batch copied in), ``data-loading`` (a slow loader).
 Busy phases that are not hangs (on every rank): ``checkpoint`` (CUDA tensors saved for
@@ -30,7 +33,7 @@ import time
 import torch
 import torch.distributed as dist
 
-BLOCKING = ("item", "cpu", "tolist", "cuda-sync", "event-sync", "stream-sync", "h2d-pageable")
+BLOCKING = ("item", "cpu", "tolist", "cuda-sync", "event-sync", "stream-sync", "h2d-pageable", "nccl-wait")
 GPU_SIDE = ("step-behind-kernel", "host-sleep")
 SPIN_CYCLES = int(4e12)  # torch.cuda._sleep: tens of minutes on any GPU of today
 
@@ -39,8 +42,9 @@ def ready() -> None:
     print(f"READY {os.getpid()}", flush=True)
 
 
-def block_behind_kernel(fault: str, model: torch.nn.Module, device: torch.device) -> None:
-    """Queue an endless kernel, then wait for the GPU in the way ``fault`` names."""
+def block_behind_kernel(fault: str, model: torch.nn.Module, device: torch.device, own: object = None) -> None:
+    """Queue an endless kernel, then wait for the GPU in the way ``fault`` names (``own``: the
+    rank's own NCCL group, for ``nccl-wait``)."""
     probe = torch.ones(4, device=device)
     torch.cuda._sleep(SPIN_CYCLES)
     ready()
@@ -62,6 +66,8 @@ def block_behind_kernel(fault: str, model: torch.nn.Module, device: torch.device
         host = torch.ones(1 << 20)  # pageable: the copy waits for the stream, then copies
         host.to(device)
         torch.cuda.current_stream(device).synchronize()
+    elif fault == "nccl-wait":
+        dist.all_reduce(probe, group=own, async_op=True).wait()  # type: ignore[union-attr]
 
 
 def stuck_after_step(fault: str, opt: torch.optim.Optimizer, device: torch.device, seconds: float) -> None:
@@ -116,6 +122,15 @@ def main() -> int:
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
     faulty = args.fault_rank < 0 or rank == args.fault_rank
+    own = None
+    if args.fault == "nccl-wait":  # every rank makes every group, in order; each uses its own
+        for r in range(dist.get_world_size()):
+            group = dist.new_group([r], backend="nccl")
+            if r == rank:
+                own = group
+        warm = torch.ones(4, device=device)
+        dist.all_reduce(warm, group=own)  # the communicator is made now, not behind the kernel
+        torch.cuda.synchronize(device)
     w = args.width
     layers: list[torch.nn.Module] = [torch.nn.Linear(w, w), torch.nn.ReLU(), torch.nn.Linear(w, w)]
     if args.fault == "compile":  # a deeper model, so that compiling and autotuning it takes a while
@@ -159,7 +174,7 @@ def main() -> int:
         elif step == args.at_step:
             if args.fault in BLOCKING:
                 if faulty:
-                    block_behind_kernel(args.fault, model, device)
+                    block_behind_kernel(args.fault, model, device, own)
                 else:
                     ready()
             elif args.fault == "checkpoint":
