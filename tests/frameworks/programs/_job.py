@@ -13,6 +13,10 @@ import argparse
 import os
 import random
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 def parser(description: str) -> argparse.ArgumentParser:
@@ -37,6 +41,19 @@ def seed_everything(seed: int, threads: int) -> None:
     random.seed(seed)
     torch.manual_seed(seed)
     torch.set_num_threads(threads)
+
+
+def mlp(width: int) -> torch.nn.Sequential:
+    """The small MLP several programs train: width -> 2*width -> width -> 1, ReLUs between."""
+    import torch
+
+    return torch.nn.Sequential(
+        torch.nn.Linear(width, width * 2),
+        torch.nn.ReLU(),
+        torch.nn.Linear(width * 2, width),
+        torch.nn.ReLU(),
+        torch.nn.Linear(width, 1),
+    )
 
 
 class Pacer:

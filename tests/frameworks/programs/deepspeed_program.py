@@ -14,7 +14,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import torch
 import torch.distributed as dist
-from _job import Pacer, parser, seed_everything
+from _job import Pacer, mlp, parser, seed_everything
 
 
 def main() -> int:
@@ -28,13 +28,7 @@ def main() -> int:
     deepspeed.init_distributed(dist_backend="gloo")
     rank = dist.get_rank()
     seed_everything(0, args.threads)
-    model = torch.nn.Sequential(
-        torch.nn.Linear(args.width, args.width * 2),
-        torch.nn.ReLU(),
-        torch.nn.Linear(args.width * 2, args.width),
-        torch.nn.ReLU(),
-        torch.nn.Linear(args.width, 1),
-    )
+    model = mlp(args.width)
     config = {
         "train_micro_batch_size_per_gpu": 32,
         "gradient_accumulation_steps": 1,

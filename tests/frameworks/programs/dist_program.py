@@ -10,7 +10,7 @@ import sys
 
 import torch
 import torch.distributed as dist
-from _job import Pacer, parser, seed_everything
+from _job import Pacer, mlp, parser, seed_everything
 
 
 def main() -> int:
@@ -21,13 +21,7 @@ def main() -> int:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     seed_everything(0, args.threads)
-    model = torch.nn.Sequential(
-        torch.nn.Linear(args.width, args.width * 2),
-        torch.nn.ReLU(),
-        torch.nn.Linear(args.width * 2, args.width),
-        torch.nn.ReLU(),
-        torch.nn.Linear(args.width, 1),
-    )
+    model = mlp(args.width)
     if args.mode == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 

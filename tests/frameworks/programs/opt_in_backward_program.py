@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 
 import torch
-from _job import Pacer, parser, seed_everything
+from _job import Pacer, mlp, parser, seed_everything
 
 
 def main() -> int:
@@ -15,13 +15,7 @@ def main() -> int:
     p.add_argument("--width", type=int, default=64)
     args = p.parse_args()
     seed_everything(0, args.threads)
-    model = torch.nn.Sequential(
-        torch.nn.Linear(args.width, args.width * 2),
-        torch.nn.ReLU(),
-        torch.nn.Linear(args.width * 2, args.width),
-        torch.nn.ReLU(),
-        torch.nn.Linear(args.width, 1),
-    )
+    model = mlp(args.width)
     optimizers = {p: torch.optim.Adam([p], lr=1e-3) for p in model.parameters()}
 
     def step_in_backward(param: torch.Tensor) -> None:
