@@ -16,6 +16,7 @@ from datetime import datetime
 from pathlib import Path
 
 from collectors.torch_trace import profiler_steps, read_trace
+from dynprof.agent._trace import ALIGN_DURATION_MAX_STEP_S
 
 PROGRAM = "tests/integration/programs/safety_program.py"
 JOB_LINE = re.compile(r"^(READY \d+|LOSS \d+ \S+|JOBTRACE \d+|DONE \d+)$")
@@ -46,8 +47,14 @@ def _trace_steps(res: dict) -> list[int]:
 
 
 def test_duration_traces_of_a_checkpointing_loop_start_and_stop_outside_backward(spawn, cli, dynprof_dirs):
-    # GIVEN activation checkpointing: most of each step is backward running Python recomputation
-    target = spawn([PROGRAM, "--mode", "checkpoint", "--width", "128", "--depth", "16"])
+    # GIVEN activation checkpointing, each block's backward also sleeping 10 ms in Python: most
+    # of every step is backward, and a step (over 160 ms) is longer than the 0.1 s a --duration
+    # trace waits for a step boundary, so its start and stop come at arbitrary moments on any
+    # machine (on a fast one, 27 ms steps put every start and stop on a boundary, never in backward)
+    assert 16 * 0.01 > ALIGN_DURATION_MAX_STEP_S
+    target = spawn(
+        [PROGRAM, "--mode", "checkpoint", "--width", "128", "--depth", "16", "--backward-sleep", "0.01"]
+    )
     (pid,) = target.ready_pids()
 
     # WHEN duration traces are requested at arbitrary moments: ten, and more (up to 40) until

@@ -2,6 +2,8 @@
 
     --mode checkpoint         activation checkpointing: backward runs Python (the recomputation),
                               so a start or stop requested at any moment often lands in backward
+                              (with --backward-sleep S, each block's backward also sleeps S seconds
+                              in Python: most of every step is then backward, on any machine)
     --mode opt-in-backward    PyTorch's "optimizer step in backward" recipe: one optimizer per
                               parameter, stepped from post-accumulate-grad hooks (step boundaries
                               are inside backward)
@@ -39,6 +41,20 @@ class Block(torch.nn.Module):
         return x + self.b(torch.tanh(self.a(x)))
 
 
+class SlowBackward(torch.autograd.Function):
+    """Identity whose backward sleeps in Python: a backward that takes long on any machine."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, seconds: float) -> torch.Tensor:
+        ctx.seconds = seconds
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        time.sleep(ctx.seconds)
+        return grad, None
+
+
 def park(path: str, step: int) -> None:
     """Stop stepping until ``path`` exists (at most 120 s), in a marked phase."""
     import dynprof
@@ -63,6 +79,7 @@ def main() -> int:
     parser.add_argument("--depth", type=int, default=12)
     parser.add_argument("--recreate-every", type=int, default=20)
     parser.add_argument("--step-sleep", type=float, default=0.0)
+    parser.add_argument("--backward-sleep", type=float, default=0.0)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--park-at", type=int, default=0)
     parser.add_argument("--park-file", default="")
@@ -117,6 +134,8 @@ def main() -> int:
         h = inp
         for layer in model[:-1]:
             h = checkpoint(layer, h, use_reentrant=False) if args.mode == "checkpoint" else layer(h)
+            if args.backward_sleep:
+                h = SlowBackward.apply(h, args.backward_sleep)
         return model[-1](h)
 
     optimizer_step = opt.step if opt is not None else None
