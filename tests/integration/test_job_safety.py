@@ -52,9 +52,7 @@ def test_duration_traces_of_a_checkpointing_loop_start_and_stop_outside_backward
     # trace waits for a step boundary, so its start and stop come at arbitrary moments on any
     # machine (on a fast one, 27 ms steps put every start and stop on a boundary, never in backward)
     assert 16 * 0.01 > ALIGN_DURATION_MAX_STEP_S
-    target = spawn(
-        [PROGRAM, "--mode", "checkpoint", "--width", "128", "--depth", "16", "--backward-sleep", "0.01"]
-    )
+    target = spawn([PROGRAM, "--mode", "checkpoint", "--width", "128", "--depth", "16", "--backward-sleep", "0.01"])
     (pid,) = target.ready_pids()
 
     # WHEN duration traces are requested at arbitrary moments: ten, and more (up to 40) until
