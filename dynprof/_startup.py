@@ -17,21 +17,16 @@ def enabled() -> bool:
     return os.environ.get("DYNPROF", "").strip().lower() not in ("", "0", "false", "no", "off")
 
 
-# Helper interpreters that multiprocessing starts for itself: never training processes.
-_SERVICES = ("multiprocessing.resource_tracker", "multiprocessing.forkserver", "multiprocessing.semaphore_tracker")
-
-
-def is_multiprocessing_service(argv: list[str] | None = None) -> bool:
-    argv = list(getattr(sys, "orig_argv", sys.argv) if argv is None else argv)
-    return "-c" in argv and any(service in arg for arg in argv for service in _SERVICES)
-
-
 def autostart(activation: str) -> None:
     global _started
-    if _started or not enabled() or is_multiprocessing_service():
+    if _started or not enabled():
         return
-    _started = True
     try:
+        from dynprof.roles import is_multiprocessing_service
+
+        if is_multiprocessing_service():
+            return
+        _started = True
         from dynprof.agent import start
 
         start(activation=activation)

@@ -254,3 +254,12 @@ def role_from_proc(
     from dynprof.identity import detect
 
     return TRAINER if detect(env).rank is not None else OTHER
+
+
+# Helper interpreters that multiprocessing starts for itself: never training processes.
+_SERVICES = ("multiprocessing.resource_tracker", "multiprocessing.forkserver", "multiprocessing.semaphore_tracker")
+
+
+def is_multiprocessing_service(argv: list[str] | None = None) -> bool:
+    argv = list(getattr(sys, "orig_argv", sys.argv) if argv is None else argv)
+    return "-c" in argv and any(service in arg for arg in argv for service in _SERVICES)

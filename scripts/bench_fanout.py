@@ -422,7 +422,7 @@ def time_poll(cluster: Cluster, count: int, client: Any) -> Run:
     """One poll cycle of the watch: every node's progress, all at once."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from dynprof.job.discovery import parse_node
+    from dynprof.nodes import parse_node
     from dynprof.watch.model import NodeProgress
 
     nodes = [parse_node(n.address) for n in cluster.nodes[:count]]
@@ -454,7 +454,7 @@ def _try(fn: Any, arg: Any) -> Any:
 
 def time_look(cluster: Cluster, count: int, client: Any, gap: float) -> Run:
     """The watch's look: two job-wide stacks samples, ``gap`` seconds apart (not counted)."""
-    from dynprof.job.discovery import parse_node
+    from dynprof.nodes import parse_node
 
     nodes = [parse_node(n.address) for n in cluster.nodes[:count]]
     wall = cpu = node_cpu = 0.0
@@ -490,7 +490,7 @@ def time_verdict(cluster: Cluster, count: int, client: Any, gap: float) -> Run |
 
     if importlib.util.find_spec("dynprof.watch.engine") is None:
         return None
-    from dynprof.job.discovery import parse_node
+    from dynprof.nodes import parse_node
     from dynprof.watch.engine import SidecarSource, WatchConfig, WatchEngine
 
     nodes = [parse_node(n.address) for n in cluster.nodes[:count]]

@@ -34,7 +34,7 @@ CHILD = """
 import resource, sys
 sys.path.insert(0, {root!r})
 from dynprof.job.client import SidecarClient
-from dynprof.job.discovery import Node
+from dynprof.nodes import Node
 from dynprof.untrusted import loads_json
 from dynprof.job.fetch import read_json_file
 method, port, size, sha = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]

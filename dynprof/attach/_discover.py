@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dynprof import _startup, roles
+from dynprof import roles
 from dynprof.attach import _elf
 from dynprof.identity import detect
 
@@ -124,13 +124,13 @@ def find_job_processes(job: str, proc: Path = Path("/proc")) -> JobSearch:
         for p in candidates
         if p.role != roles.WORKER
         and not _same_rank_child(p, by_pid)
-        and not _startup.is_multiprocessing_service(p.cmdline)
+        and not roles.is_multiprocessing_service(p.cmdline)
     }
     found: list[JobProcess] = []
     skipped: list[tuple[JobProcess, str]] = []
     ranked = any(p.has_rank_variable for p in candidates)
     for p in sorted(candidates, key=lambda p: (p.rank if p.rank is not None else -1, p.pid)):
-        if _startup.is_multiprocessing_service(p.cmdline):
+        if roles.is_multiprocessing_service(p.cmdline):
             skipped.append((p, "a multiprocessing helper"))
         elif p.role == roles.WORKER:
             skipped.append((p, f"started by multiprocessing in process {p.ppid} of the job (a DataLoader worker)"))

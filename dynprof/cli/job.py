@@ -32,11 +32,12 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from dynprof import errors
 from dynprof.cli._common import add_json, printable
 from dynprof.cli._node_args import add_many_node_args, nodes_requested
-from dynprof.job.discovery import Node
+from dynprof.nodes import Node
 from dynprof.result import Result
 
 if TYPE_CHECKING:  # the HTTP client is imported only where nodes are asked
-    from dynprof.job.client import NodeAnswer, SidecarClient
+    from dynprof.job.client import SidecarClient
+    from dynprof.nodes import NodeAnswer
 
 NODES_FAILED_EXIT = errors.NodesFailed.exit_code
 MAX_MESSAGES_SHOWN = 20

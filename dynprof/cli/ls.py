@@ -26,7 +26,7 @@ from dynprof.cli.job import (
     node_messages,
     with_fetch,
 )
-from dynprof.job.discovery import Node
+from dynprof.nodes import Node
 from dynprof.result import Result
 from dynprof.store import ArtifactStore
 

@@ -45,7 +45,7 @@ from dynprof.cli.job import (
     node_messages,
     with_fetch,
 )
-from dynprof.job.discovery import Node
+from dynprof.nodes import Node
 from dynprof.registry import AgentRecord, read_record
 from dynprof.result import Result
 from dynprof.units import human_bytes
@@ -153,8 +153,9 @@ class NcclCommand(JobCommand):
         and all are analysed together."""
         from collectors import flight_recorder as fr
         from dynprof.job.answers import as_list, node_labels
-        from dynprof.job.client import NodeAnswer, NodeFailure
+        from dynprof.job.client import NodeFailure
         from dynprof.job.fetch import Budget, artifact_ids
+        from dynprof.nodes import NodeAnswer
 
         client = self.client(args)
         answers = client.action_all(nodes, "nccl", forward_options("nccl", args), timeout=args.timeout + 5.0)

@@ -28,7 +28,7 @@ from dynprof.cli.job import (
     forward_options,
     node_messages,
 )
-from dynprof.job.discovery import Node
+from dynprof.nodes import Node
 from dynprof.registry import list_records
 from dynprof.result import Result
 

@@ -25,7 +25,7 @@ from typing import Any, NoReturn
 
 from dynprof import errors, jsontext
 from dynprof.cli import COMMANDS
-from dynprof.job.discovery import Node, parse_hosts
+from dynprof.nodes import Node, parse_hosts
 from dynprof.result import Result, error_json
 from dynprof.sidecar.actions import ACTIONS, MAX_OUTPUT_BYTES, ActionCommand
 

@@ -37,7 +37,7 @@ from dynprof.cli._common import (
     seconds,
 )
 from dynprof.cli.job import JobCommand
-from dynprof.job.discovery import Node
+from dynprof.nodes import Node
 from dynprof.registry import AgentRecord, read_record
 from dynprof.result import Result
 

@@ -53,7 +53,7 @@ from dynprof.cli.job import (
 )
 from dynprof.client import AgentClient
 from dynprof.job.align import ALIGN_LEAD_S, ALIGN_RETRIES, aligned_steps, alignment_step, boundary_offsets
-from dynprof.job.discovery import Node
+from dynprof.nodes import Node
 from dynprof.proto import pb
 from dynprof.registry import AgentRecord
 from dynprof.result import Result

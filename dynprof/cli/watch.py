@@ -32,7 +32,8 @@ from typing import Any
 from dynprof import errors
 from dynprof.cli._common import add_json, positive_float, printable, printable_lines, seconds
 from dynprof.cli._node_args import add_many_node_args, nodes_requested
-from dynprof.job.discovery import Node, add_node_args
+from dynprof.job.discovery import add_node_args
+from dynprof.nodes import Node
 
 HELP = __doc__
 HANG_EXIT = 20

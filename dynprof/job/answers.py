@@ -9,8 +9,7 @@ from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the HTTP client is imported only where nodes are asked
-    from dynprof.job.client import NodeAnswer
-    from dynprof.job.discovery import Node
+    from dynprof.nodes import Node, NodeAnswer
 
 
 def rows(answer: NodeAnswer, key: str) -> list[dict[str, Any]]:

@@ -38,14 +38,13 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
 from dynprof import __version__
 from dynprof.errors import ArtifactError
-from dynprof.job.discovery import Node
+from dynprof.nodes import CommandError, Node, NodeAnswer
 from dynprof.units import human_bytes
 from dynprof.untrusted import MANIFEST_MAX_BYTES, count_json_values, loads_json
 
@@ -232,60 +231,6 @@ class AnswerShare:
         self.budget._count(-kept_bytes, -kept_values)
         self._kept = (0, 0)
         self.release()
-
-
-@dataclass(frozen=True)
-class CommandError:
-    """The error a node's command stopped on, as its sidecar's answer carries it (``error``)."""
-
-    type: str
-    message: str
-    help: str
-    exit_code: int
-
-
-@dataclass
-class NodeAnswer:
-    """One node's answer to an action, or why there is none (``error`` set, ``answered`` False)."""
-
-    node: Node
-    answered: bool
-    host: str | None = None
-    exit_code: int | None = None
-    result: Any = None
-    messages: list[str] = field(default_factory=list)
-    error: str | None = None
-    elapsed_s: float = 0.0
-    dynprof_version: str | None = None
-    failure: CommandError | None = None  # the command ran and stopped on this error
-    status: int | None = None  # without an answer: the HTTP status the node refused with, if any
-    cut: bool = False  # without an answer: it was dropped, the command's total for all nodes being reached
-
-    @property
-    def ok(self) -> bool:
-        return self.answered and self.exit_code == 0
-
-    def command_error(self) -> str | None:
-        """The command's own error, when it ran and failed: the answer's structured ``error``,
-        else (a command that ended with an exit code of its own) its last stderr line."""
-        if not self.answered or self.exit_code == 0:
-            return None
-        if self.failure is not None:
-            return self.failure.message
-        return self.messages[-1] if self.messages else None
-
-    def summary(self, label: str) -> dict[str, Any]:
-        return {
-            "node": label,
-            "host": self.host,
-            "ok": self.ok,
-            "answered": self.answered,
-            "error": self.error or self.command_error(),
-            "cut": self.cut,
-            "exit_code": self.exit_code,
-            "elapsed_s": round(self.elapsed_s, 3),
-            "messages": self.messages,  # what the command wrote on stderr there
-        }
 
 
 def tls_context(cacert: str) -> ssl.SSLContext:

@@ -17,7 +17,6 @@ import queue
 import re
 import shutil
 import socket
-import stat
 import subprocess
 import sys
 import threading
@@ -26,103 +25,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dynprof import errors
+from dynprof.nodes import DEFAULT_PORT, Node, parse_hosts, parse_node, read_hostfile, sidecar_port
 
-DEFAULT_PORT = 8787
 MAX_NODES = 65536
-MAX_HOSTFILE_BYTES = 16 * 1024 * 1024
-
-
-@dataclass(frozen=True, order=True)
-class Node:
-    host: str
-    port: int = DEFAULT_PORT
-
-    @property
-    def address(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"{host}:{self.port}"
-
-    def __str__(self) -> str:
-        return self.address
-
-
-_PORT = re.compile(r"[0-9]{1,5}")
-_NOT_IN_A_NAME = frozenset("/?#@[]\\%")
-
-
-def parse_node(text: str) -> Node:
-    """``HOST``, ``HOST:PORT``, ``[V6]`` or ``[V6]:PORT``.
-
-    Whatever names the node (an option, a host file, an action's ``hosts``, a line of the job's
-    store) is checked here: a port of ASCII digits 1-65535, a host of printable characters
-    without blanks or URL syntax, an IPv6 address in brackets that is one. Anything else is a
-    :class:`~dynprof.errors.UsageError`, never a failure further down."""
-    if not isinstance(text, str):
-        raise errors.UsageError("a node name must be text")
-    text = text.strip()
-    if not text:
-        raise errors.UsageError("an empty node name")
-    shown = ascii(text[:80])
-    host, port_text = text, ""
-    if text.startswith("["):
-        end = text.find("]")
-        if end < 0:
-            raise errors.UsageError(f"bad node address {shown}: no closing ]")
-        host, rest = text[1:end], text[end + 1 :]
-        if rest:
-            if not rest.startswith(":"):
-                raise errors.UsageError(f"bad node address {shown}")
-            port_text = rest[1:]
-        if not _is_ipv6(host):
-            raise errors.UsageError(f"bad node address {shown}: not an IPv6 address in []")
-    elif text.count(":") == 1:
-        host, port_text = text.split(":", 1)
-    elif ":" in text and not _is_ipv6(text):
-        raise errors.UsageError(f"bad node address {shown}: write an IPv6 address as [ADDRESS]:PORT")
-    port = DEFAULT_PORT
-    if text.endswith(":") or port_text:
-        if not _PORT.fullmatch(port_text) or not 1 <= int(port_text) <= 65535:
-            raise errors.UsageError(f"bad port in {shown}: 1-65535")
-        port = int(port_text)
-    if ":" in host:
-        return Node(host, port)  # an IPv6 address, checked above
-    if not host or len(host) > 253 or any(c.isspace() or not c.isprintable() or c in _NOT_IN_A_NAME for c in host):
-        raise errors.UsageError(f"bad node name {host[:80]!a}")
-    return Node(host, port)
-
-
-def _is_ipv6(text: str) -> bool:
-    try:
-        ipaddress.IPv6Address(text)
-    except ValueError:
-        return False
-    return text.isascii() and text.isprintable()
-
-
-def parse_hosts(text: str) -> list[Node]:
-    return [parse_node(part) for part in text.split(",") if part.strip()]
-
-
-def read_hostfile(path: str) -> list[Node]:
-    """One node per line (``HOST[:PORT]``; MPI-style ``HOST slots=8`` is read as ``HOST``);
-    blank lines and ``#`` comments are skipped."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO must not block the command
-    except OSError as exc:
-        raise errors.UsageError(f"cannot read the host file {path}: {exc.strerror}") from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise errors.UsageError(f"the host file {path} is not a regular file")
-    with os.fdopen(fd, "rb") as fh:
-        data = fh.read(MAX_HOSTFILE_BYTES + 1)
-    if len(data) > MAX_HOSTFILE_BYTES:
-        raise errors.UsageError(f"the host file {path} is over {MAX_HOSTFILE_BYTES} bytes")
-    nodes = []
-    for line in data.decode("utf-8", "replace").splitlines():
-        line = line.split("#", 1)[0].strip()
-        if line:
-            nodes.append(parse_node(line.split()[0]))
-    return nodes
 
 
 # -- Slurm ------------------------------------------------------------------------------------
@@ -231,16 +136,6 @@ def _check_host_names(hosts: list[str]) -> None:
     for host in hosts:
         if any(c.isspace() or c in "/?#@:[]" or not c.isprintable() for c in host) or len(host) > 253:
             raise errors.UsageError(f"bad node name {host[:80]!r} in the Slurm node list")
-
-
-def sidecar_port() -> int:
-    """The port of the sidecars named by Slurm (host names only): ``DYNPROF_SIDECAR_PORT``, else 8787."""
-    text = os.environ.get("DYNPROF_SIDECAR_PORT", "")
-    if not text:
-        return DEFAULT_PORT
-    if not _PORT.fullmatch(text) or not 1 <= int(text) <= 65535:
-        raise errors.UsageError(f"DYNPROF_SIDECAR_PORT={text[:40]!a}: a port 1-65535")
-    return int(text)
 
 
 def _run_slurm_tool(cmd: list[str]) -> str:

@@ -23,8 +23,8 @@ from typing import Any
 from dynprof import jsontext, store, untrusted
 from dynprof.errors import ArtifactError
 from dynprof.job.answers import rows
-from dynprof.job.client import NodeAnswer, NodeFailure, SidecarClient, check_artifact_id, check_file_name
-from dynprof.job.discovery import Node
+from dynprof.job.client import NodeFailure, SidecarClient, check_artifact_id, check_file_name
+from dynprof.nodes import Node, NodeAnswer
 from dynprof.units import human_bytes
 
 FETCH_TIMEOUT_S = 600.0

@@ -21,8 +21,8 @@ from typing import Any, Protocol
 from dynprof import roles
 from dynprof.job.align import ALIGN_LEAD_S, ALIGN_RETRIES, MAX_STEP_NUMBER, alignment_step, step_time_of_ms
 from dynprof.job.answers import int_or_none, rank_key, rows
-from dynprof.job.client import NodeAnswer, SidecarClient
-from dynprof.job.discovery import Node
+from dynprof.job.client import SidecarClient
+from dynprof.nodes import Node, NodeAnswer
 
 # How far ahead the common start step is put: the fan-out round trip (ps, then start) is
 # measured, doubled, and added to the single-node lead; each retry after a node found the

@@ -54,7 +54,7 @@ from typing import Any
 
 from dynprof import __version__, errors, jsontext
 from dynprof.identity import detect
-from dynprof.job.discovery import Node
+from dynprof.nodes import Node
 from dynprof.result import Result, error_json
 
 log = logging.getLogger("dynprof.sidecar")
@@ -434,7 +434,7 @@ def _hosts_args(name: str, action: Action, hosts: Any, fanout: FanoutConfig | No
     """``--hosts=A,B`` (and ``--cacert``) for a job-wide action; every node checked as the CLI's
     own --hosts would check it."""
     from dynprof import errors
-    from dynprof.job.discovery import parse_node
+    from dynprof.nodes import parse_node
 
     if not action.fans_out:
         raise ActionError(f"{name}: unknown option 'hosts' ({name} runs on this node only)")

@@ -127,7 +127,7 @@ class SidecarSource:
     def __init__(
         self,
         client: Any,  # a dynprof.job.client.SidecarClient
-        nodes: Sequence[Any],  # dynprof.job.discovery.Node
+        nodes: Sequence[Any],  # dynprof.nodes.Node
         flight_recorder: FlightRecorder | None = None,
         stacks_timeout: float = DEFAULT_STACKS_TIMEOUT_S,
     ) -> None:

@@ -51,9 +51,9 @@ from dynprof import store, untrusted
 from dynprof.errors import DynprofError
 from dynprof.job.answers import node_labels
 from dynprof.job.client import SidecarClient
-from dynprof.job.discovery import Node, parse_node
 from dynprof.job.fetch import fetch_by_path
 from dynprof.job.start import PS_TIMEOUT_S, START_ARM_TIMEOUT_S, arm_at_one_step, follow_traces
+from dynprof.nodes import Node, parse_node
 from dynprof.watch.model import Culprit, StragglerReport, Verdict
 
 log = logging.getLogger("dynprof.watch.straggler")
@@ -344,7 +344,7 @@ def sample_stragglers(
     its older samples' traces but the latest :data:`KEEP_SAMPLES` and ``keep_groups`` (those
     of samples that named a straggler); the report's ``groups`` are this sample's.
 
-    ``nodes`` are the sidecars the user named: :class:`~dynprof.job.discovery.Node` objects (the
+    ``nodes`` are the sidecars the user named: :class:`~dynprof.nodes.Node` objects (the
     watch's own), or full addresses ``HOST[:PORT]`` as the user wrote them. Never a display
     label: ``host`` alone stands for ``host:8787``, and the token would go there. Ranks and
     culprits are named by :func:`~dynprof.job.answers.node_labels` of these nodes (the names

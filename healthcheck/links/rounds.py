@@ -29,8 +29,7 @@ from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from dynprof.job.client import NodeAnswer
-from dynprof.job.discovery import Node
+from dynprof.nodes import Node, NodeAnswer
 from healthcheck.links.scheme import DEFAULT_THRESHOLD, Group, LinkSearch
 
 LINKS_SCHEMA = "dynprof.healthcheck.links"

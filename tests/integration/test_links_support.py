@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from dynprof.job.discovery import Node
+from dynprof.nodes import Node
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "links-test-token-0123456789abcdef"

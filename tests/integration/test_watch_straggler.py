@@ -10,7 +10,7 @@ import test_fanout
 
 from dynprof.job.answers import node_labels
 from dynprof.job.client import SidecarClient
-from dynprof.job.discovery import parse_node
+from dynprof.nodes import parse_node
 from dynprof.watch.model import Verdict
 from dynprof.watch.straggler import report_json, sample_stragglers, straggler_hook
 

@@ -376,7 +376,7 @@ def test_a_result_is_answered_as_strict_json_and_bounded(monkeypatch):
 def test_a_dynprof_error_is_answered_structured_and_the_client_reads_it():
     # GIVEN a command that stops on a DynprofError
     from dynprof.job.client import _answer
-    from dynprof.job.discovery import Node
+    from dynprof.nodes import Node
 
     def collect(args):
         raise errors.NoAgent("no agent of job 'j' on this node")

@@ -20,8 +20,8 @@ from collectors.stacks import Frame, ProcessStacks, ThreadStack, group_processes
 from dynprof.cli.job import NODES_FAILED_EXIT, exit_code
 from dynprof.job import client as fanout
 from dynprof.job.answers import node_labels
-from dynprof.job.client import NodeAnswer, NodeFailure, SidecarClient, check_artifact_id, check_file_name
-from dynprof.job.discovery import Node
+from dynprof.job.client import NodeFailure, SidecarClient, check_artifact_id, check_file_name
+from dynprof.nodes import Node, NodeAnswer
 
 TOKEN = "unit-test-token-0123456789"
 GOOD = {

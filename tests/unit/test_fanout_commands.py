@@ -9,8 +9,7 @@ from typing import Any
 import pytest
 
 from dynprof.cli import _node_args, job, main
-from dynprof.job.client import CommandError, NodeAnswer
-from dynprof.job.discovery import Node
+from dynprof.nodes import CommandError, Node, NodeAnswer
 
 
 class FakeNodes:

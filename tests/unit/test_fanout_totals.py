@@ -16,7 +16,7 @@ import pytest
 from dynprof.cli import main
 from dynprof.job import client as fanout
 from dynprof.job.client import AnswerBudget, SidecarClient
-from dynprof.job.discovery import Node
+from dynprof.nodes import Node
 from dynprof.untrusted import count_json_values
 
 TOKEN = "unit-test-token-0123456789"

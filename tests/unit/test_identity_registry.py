@@ -134,7 +134,7 @@ def test_alignment_step_covers_the_lead_time_of_the_fastest_rank():
 
 
 def test_multiprocessing_service_interpreters_get_no_agent():
-    from dynprof._startup import is_multiprocessing_service
+    from dynprof.roles import is_multiprocessing_service
 
     tracker = ["/usr/bin/python3", "-B", "-c", "from multiprocessing.resource_tracker import main;main(8)"]
     spawned = ["/usr/bin/python3", "-c", "from multiprocessing.spawn import spawn_main; spawn_main(tracker_fd=9)"]

@@ -6,8 +6,7 @@ import json
 import threading
 from typing import Any
 
-from dynprof.job.client import NodeAnswer
-from dynprof.job.discovery import Node
+from dynprof.nodes import Node, NodeAnswer
 from healthcheck.links.rounds import (
     CODE_FAILED,
     CODE_HUNG,

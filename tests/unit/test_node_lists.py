@@ -9,10 +9,11 @@ from typing import Any
 
 import pytest
 
-from dynprof import errors
+from dynprof import errors, nodes
 from dynprof.cli import main
 from dynprof.job import discovery
-from dynprof.job.discovery import Node, expand_nodelist
+from dynprof.job.discovery import expand_nodelist
+from dynprof.nodes import Node
 
 
 @pytest.mark.parametrize(
@@ -203,11 +204,11 @@ def test_hostfile_that_is_not_a_regular_file(tmp_path: Path) -> None:
     fifo = tmp_path / "hosts"
     os.mkfifo(fifo)
     with pytest.raises(errors.UsageError, match="not a regular file"):
-        discovery.read_hostfile(str(fifo))  # refused at once, not waited on
+        nodes.read_hostfile(str(fifo))  # refused at once, not waited on
     with pytest.raises(errors.UsageError, match="not a regular file"):
-        discovery.read_hostfile(str(tmp_path))
+        nodes.read_hostfile(str(tmp_path))
     with pytest.raises(errors.UsageError, match="cannot read the host file"):
-        discovery.read_hostfile(str(tmp_path / "missing"))
+        nodes.read_hostfile(str(tmp_path / "missing"))
 
 
 def test_scontrol_show_hostnames_for_lists_this_parser_refuses(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -256,18 +257,18 @@ def test_one_node_selectors_with_discovered_nodes_are_refused(monkeypatch: pytes
 def test_odd_node_names_and_ports_are_usage_errors(text: str, tmp_path: Path) -> None:
     # WHEN such a name is given in --hosts, a host file, or an action's hosts (all parse_node)
     with pytest.raises(errors.UsageError):
-        discovery.parse_node(text)
+        nodes.parse_node(text)
     hostfile = tmp_path / "hosts"
     hostfile.write_text(text + "\n")
     # THEN it is a usage error wherever it comes from, never a traceback
     with pytest.raises(errors.UsageError):
-        discovery.read_hostfile(str(hostfile))
+        nodes.read_hostfile(str(hostfile))
 
 
 def test_ipv6_and_plain_names_still_parse() -> None:
-    assert discovery.parse_node("[::1]:9000") == Node("::1", 9000)
-    assert discovery.parse_node("::1") == Node("::1", 8787)
-    assert discovery.parse_node("node-1.cluster:81") == Node("node-1.cluster", 81)
+    assert nodes.parse_node("[::1]:9000") == Node("::1", 9000)
+    assert nodes.parse_node("::1") == Node("::1", 8787)
+    assert nodes.parse_node("node-1.cluster:81") == Node("node-1.cluster", 81)
 
 
 def _job_nodes(world: int, regs: list[tuple[int, str]]) -> Any:

@@ -15,7 +15,7 @@ import pytest
 import dynprof.cli.stacks
 from collectors.stacks import Frame, ProcessStacks, ThreadStack, readers
 from dynprof.cli import job, main
-from dynprof.job.client import NodeAnswer
+from dynprof.nodes import NodeAnswer
 
 C10D = "/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py"
 WAITING = [Frame("all_reduce", C10D, 2806), Frame("train_step", "/job/train.py", 40), Frame("main", "/job/train.py", 9)]

@@ -13,8 +13,7 @@ from dynprof import errors
 from dynprof.cli import job as job_cli
 from dynprof.cli import watch as watch_cli
 from dynprof.cli.nccl import NcclCommand
-from dynprof.job.client import CommandError, NodeAnswer
-from dynprof.job.discovery import Node
+from dynprof.nodes import CommandError, Node, NodeAnswer
 from dynprof.registry import AgentRecord
 from dynprof.store import ArtifactStore
 from dynprof.watch.engine import FLIGHT_RECORDER_OFF

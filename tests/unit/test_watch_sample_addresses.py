@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from dynprof.cli import main
-from dynprof.job.discovery import DEFAULT_PORT
+from dynprof.nodes import DEFAULT_PORT
 
 TOKEN = "s3cret-token-for-the-sidecars"
 

@@ -1,0 +1,63 @@
+"""The import contracts of pyproject.toml cover the whole package.
+
+``lint-imports`` checks the contracts as written; these tests check that what they are written
+over is all there is: a new top-level module of ``dynprof/`` lands in the floor contract (or is
+named here, with its reason), and a new subpackage in a layer.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+tomllib = pytest.importorskip("tomllib", reason="reading pyproject.toml needs Python 3.11 or later")
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Top-level modules of dynprof/ that are not the floor, and why.
+NOT_FLOOR = {
+    "dynprof": "the package itself: its __init__ re-exports the public API (dynprof.phase)",
+    "dynprof.__main__": "`python -m dynprof`: the CLI's entry point",
+    "dynprof._startup": "the start-up hook that starts the agent: it belongs to the agent",
+}
+# Subpackages of dynprof/ in no layer, and why.
+NOT_LAYERED = {
+    "dynprof._bootstrap": "the sitecustomize that `dynprof run` puts on PYTHONPATH: it only calls the start-up hook",
+    "dynprof.proto": "the generated wire module: in the floor contract",
+}
+
+
+def _contracts() -> dict[str, dict[str, Any]]:
+    doc = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    return {c["name"]: c for c in doc["tool"]["importlinter"]["contracts"]}
+
+
+def _layered(contract: dict[str, Any]) -> set[str]:
+    return {name.strip() for layer in contract["layers"] for name in layer.replace(":", "|").split("|")}
+
+
+def test_every_top_level_module_is_in_the_floor_contract_or_named_with_a_reason() -> None:
+    # GIVEN the floor contract and the top-level modules on disk
+    floor = next(c for c in _contracts().values() if c["name"] == "The floor imports no layer")
+    on_disk = {"dynprof." + p.stem if p.stem != "__init__" else "dynprof" for p in (ROOT / "dynprof").glob("*.py")}
+
+    # THEN each is in the floor or named as not being it, and the contract names nothing gone
+    assert on_disk - set(NOT_FLOOR) == set(floor["source_modules"]) - {"dynprof.proto"}
+    assert set(NOT_FLOOR) <= on_disk
+
+
+def test_every_subpackage_is_in_a_layer_and_the_floor_forbids_every_layer() -> None:
+    # GIVEN the layers contract
+    contracts = _contracts()
+    layers = next(c for c in contracts.values() if c["type"] == "layers")
+    floor = contracts["The floor imports no layer"]
+    subpackages = {"dynprof." + p.parent.name for p in (ROOT / "dynprof").glob("*/__init__.py")}
+    subpackages |= {"dynprof._bootstrap"}
+    roots = {"collectors", "healthcheck"}
+
+    # THEN every subpackage and the other root packages are in a layer (or named), and the
+    # floor may import none of the layers
+    assert subpackages - set(NOT_LAYERED) | roots == _layered(layers)
+    assert set(floor["forbidden_modules"]) == _layered(layers)
