@@ -9,14 +9,18 @@ the error in the row.
 
 from __future__ import annotations
 
+import sys
+import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from dynprof import errors, roles
 from dynprof.client import AgentClient
-from dynprof.registry import AgentRecord
+from dynprof.output import printable
+from dynprof.registry import AgentRecord, list_records, read_record
+from dynprof.safetext import one_line
 
 MAX_ASKED_AT_ONCE = 32
 
@@ -114,3 +118,102 @@ def agent_rows(records: list[AgentRecord], timeout: float) -> list[dict[str, Any
             )
         rows.append(row)
     return rows
+
+
+# -- which agents a request targets ---------------------------------------------------------
+def select_workers(records: Sequence[AgentRecord]) -> list[AgentRecord]:
+    """The training processes among ``records``, job by job (see ``dynprof.roles``): the
+    trainers, or where none is known to train yet, the processes that are neither launchers
+    (torchrun, accelerate launch, a Python wrapper of the script) nor DataLoader workers."""
+    by_job: dict[str | None, list[AgentRecord]] = {}
+    for r in records:
+        by_job.setdefault(r.job_id, []).append(r)
+    kept: list[AgentRecord] = []
+    for group in by_job.values():
+        kept.extend(roles.targets(group))
+    kept.sort(key=lambda r: (r.job_id or "", r.rank if r.rank is not None else -1, r.pid))
+    return kept
+
+
+def resolve(pids: Sequence[int] | None = None, job: str | None = None) -> list[AgentRecord]:
+    """The agent records of processes ``pids``, else of job ``job``'s trainers on this node, else
+    of every training process here (``--pid`` / ``--job`` / ``--all``), with a precise error
+    when none match."""
+    if pids:
+        records = []
+        for pid in pids:
+            errors.probe_pid(pid)
+            record = read_record(pid)
+            if record is None or not record.is_alive():
+                raise errors.NoAgent(
+                    f"process {pid} has no dynprof agent{_describe_pid(pid)}",
+                    help=f"Attach one: `dynprof attach {pid}`, or add --attach to this command; or "
+                    + errors.LAUNCH_WITH_AGENT_HELP,
+                )
+            records.append(record)
+        return records
+    records = refresh_records(list_records())
+    if job:
+        matching = [r for r in records if r.job_id == job]
+        if not matching:
+            # Job ids are what the jobs' environments said: each shown as one printable line.
+            jobs = sorted({one_line(r.job_id or "-", 200) for r in records})
+            raise errors.DynprofError(
+                f"no agent of job {job!r} on this node",
+                help=(
+                    f"Attach agents to its processes: `dynprof attach --job {one_line(job, 200)}`, or add "
+                    "--attach to this command. " + (("Jobs with agents here: " + ", ".join(jobs)) if jobs else "")
+                ).strip(),
+            )
+        chosen = select_workers(matching)
+        _note_left_out(job, matching, chosen)
+        return chosen
+    if not records:
+        raise errors.NoAgent("no dynprof agent is running on this node (for this user)")
+    return select_workers(records)
+
+
+_ROLE_NOTES = {
+    roles.LAUNCHER: "a launcher",
+    roles.WORKER: "a DataLoader worker",
+    roles.OTHER: "no optimizer step yet",
+    roles.TRAINER: "a trainer",
+}
+
+
+# What _note_left_out has said in this process: a long-lived one (a sidecar hosting a watch,
+# which reads the job's stacks and flight recorder at every look) says each once.
+_SAID_LEFT_OUT: set[tuple[str, tuple[tuple[int, str], ...]]] = set()
+_SAID_LEFT_OUT_LOCK = threading.Lock()
+_MAX_SAID_LEFT_OUT = 1024
+
+
+def _note_left_out(job: str, matching: Sequence[AgentRecord], chosen: Sequence[AgentRecord]) -> None:
+    """Say which processes of the job --job does not target, and why (their role): once per
+    process for the same processes in the same roles (a watch's every look selects again)."""
+    kept = {r.pid for r in chosen}
+    left = [r for r in matching if r.pid not in kept]
+    if not left:
+        return
+    role_of = roles.job_roles(matching)
+    key = (job, tuple(sorted((r.pid, role_of[r.pid]) for r in left)))
+    with _SAID_LEFT_OUT_LOCK:
+        if key in _SAID_LEFT_OUT:
+            return
+        if len(_SAID_LEFT_OUT) >= _MAX_SAID_LEFT_OUT:
+            _SAID_LEFT_OUT.clear()
+        _SAID_LEFT_OUT.add(key)
+    print(
+        f"dynprof: job {printable(job)}: not targeting {len(left)} process(es) that are not trainers: "
+        + ", ".join(f"pid {r.pid} ({_ROLE_NOTES[role_of[r.pid]]})" for r in left),
+        file=sys.stderr,
+    )
+
+
+def _describe_pid(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as fh:
+            comm = fh.read().strip()
+    except OSError:
+        return ""
+    return f" ({comm})"

@@ -18,7 +18,6 @@ for each other group names the frame where it departs from the largest one.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import stat
 import time
@@ -26,32 +25,18 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from collectors.stacks import Budget, Source, Stacks, merge, render_merged, render_process
+from collectors.stacks.collect import METHODS, StacksRequest, collect
 from dynprof import errors
 from dynprof.cli._common import (
     add_targets,
-    parallel,
     path_arg,
     printable,
     printable_lines,
-    resolve_agents,
     seconds,
 )
 from dynprof.cli.job import JobCommand
 from dynprof.nodes import Node
-from dynprof.registry import AgentRecord, read_record
 from dynprof.result import Result
-
-METHODS = ("auto", "py-spy", "pystack", "agent")
-
-
-@dataclass
-class Target:
-    pid: int
-    record: AgentRecord | None
-
-    @property
-    def rank(self) -> int | None:
-        return self.record.rank if self.record is not None else None
 
 
 def read_stacks_file(path: str, budget: Budget) -> Stacks:
@@ -143,42 +128,14 @@ class StacksCommand(JobCommand):
         return super().collect(args)
 
     def collect_local(self, args: argparse.Namespace) -> Result:
-        chosen = [x for x in (args.pid, args.job, args.all, args.core) if x]
-        if len(chosen) != 1:
-            raise errors.UsageError(
-                "give exactly one of --pid, --job, --all or --core", help="See `dynprof stacks --help`."
-            )
-        if args.executable and not args.core:
-            raise errors.UsageError("--executable goes with --core")
-        from collectors.stacks import ProcessStacks
-
-        t0 = time.monotonic()
-        failures: dict[str, str] = {}
-        if args.core:
-            processes = [self._core(args)]
-        else:
-            targets = self._targets(args)
-            results = parallel(lambda t: self._capture(t, args), targets)
-            processes = [r for r in results if isinstance(r, ProcessStacks)]
-            failed = [(t, r) for t, r in zip(targets, results) if not isinstance(r, ProcessStacks)]
-            for t, exc in failed:
-                if not isinstance(exc, errors.DynprofError):
-                    raise exc
-                failures[f"pid {t.pid}" if t.rank is None else f"rank {t.rank} (pid {t.pid})"] = exc.message
-            if not processes:
-                # Nothing read: the error of the first target says what to do.
-                raise failed[0][1]
-        elapsed = time.monotonic() - t0
-        stacks = merge([Source(Stacks(processes, failures=failures))])
-        artifact = None if args.no_save else self._save(args, processes, failures)
-        path = str(artifact.path) if artifact else None
+        got = collect(request_from_args(args))
         return StacksResult(
-            doc={**stacks.to_json(), "artifact": path, "elapsed_s": round(elapsed, 3)},
-            exit_code=1 if failures else 0,
-            stacks=stacks,
+            doc={**got.stacks.to_json(), "artifact": got.artifact, "elapsed_s": round(got.elapsed_s, 3)},
+            exit_code=1 if got.stacks.failures else 0,
+            stacks=got.stacks,
             full=args.full,
-            elapsed_s=elapsed,
-            artifact=path,
+            elapsed_s=got.elapsed_s,
+            artifact=got.artifact,
         )
 
     def collect_merge(self, args: argparse.Namespace) -> Result:
@@ -328,133 +285,6 @@ class StacksCommand(JobCommand):
             lines.append(f"\n{len(s.processes)} process(es) read on {result.nodes_answered} of {result.nodes} node(s)")
         return "\n".join(lines)
 
-    # -- targets -------------------------------------------------------------------------------
-    def _targets(self, args: argparse.Namespace) -> list[Target]:
-        if args.pid:
-            targets = []
-            for pid in dict.fromkeys(args.pid):
-                errors.probe_pid(pid)  # dead pid or zombie (3), another user's (4)
-                record = read_record(pid)
-                if record is not None and (record.pid != pid or not record.is_alive()):
-                    record = None
-                targets.append(Target(pid, record))
-            return targets
-        return [Target(r.pid, r) for r in resolve_agents(args)]
-
-    # -- one process -------------------------------------------------------------------------
-    def _capture(self, target: Target, args: argparse.Namespace) -> Any:
-        from collectors.stacks import readers
-
-        pid = target.pid
-        attempts: list[str] = []
-        refusal: str | None = None
-        if args.method != "agent":
-            refusal = readers.ptrace_refusal(pid)
-            if refusal is None:
-                capture = {"py-spy": readers.capture_py_spy, "pystack": readers.capture_pystack}
-                order = (
-                    [args.method]
-                    if args.method != "auto"
-                    else (["pystack", "py-spy"] if args.native else ["py-spy", "pystack"])
-                )
-                for name in order:
-                    try:
-                        result = capture[name](pid, native=args.native, locals=args.locals, timeout=args.timeout)
-                    except readers.CaptureError as exc:
-                        attempts.append(f"{exc.method} failed: {exc.reason}")
-                        continue
-                    return self._finish(result, target, attempts)
-            else:
-                attempts.append(refusal)
-        if target.record is not None and args.method in ("auto", "agent"):
-            try:
-                result = self._from_agent(target, args)
-            except errors.DynprofError as exc:
-                gone = errors.process_gone(pid)
-                if gone is not None:
-                    raise errors.ProcessNotFound(f"process {pid} {gone} while its stacks were being read") from None
-                if args.method == "agent":
-                    raise  # the agent's own error (no agent, timed out...) says it best
-                attempts.append(f"the agent could not answer: {exc.message}")
-            else:
-                if args.native:
-                    result.notes.append("native frames are not available from inside the process")
-                result = self._finish(result, target, attempts)
-                if refusal is not None:
-                    result.fallback_help = errors.PermissionDenied.default_help
-                return result
-        raise self._classify(pid, refusal, attempts, target.record is not None, args)
-
-    def _finish(self, result: Any, target: Target, attempts: list[str]) -> Any:
-        rec = target.record
-        if rec is not None:
-            result.rank, result.job, result.host = rec.rank, rec.job_id, rec.host
-        else:
-            import socket
-
-            result.host = socket.gethostname()
-        if attempts:
-            result.fallback_reason = "; ".join(attempts)
-        return result
-
-    def _from_agent(self, target: Target, args: argparse.Namespace) -> Any:
-        import os
-        import tempfile
-
-        from collectors.stacks import ProcessStacks
-        from dynprof.client import AgentClient
-        from dynprof.proto import pb
-
-        assert target.record is not None
-        client = AgentClient.for_record(target.record, timeout=min(args.timeout, 10.0))
-        from dynprof.paths import run_dir
-
-        # In the run directory: the agent writes only into dynprof's own places.
-        with tempfile.TemporaryDirectory(prefix="stacks-", dir=run_dir()) as tmp:
-            out = os.path.join(tmp, f"{target.pid}.json")
-            client.request(dump_stacks=pb.DumpStacksRequest(all_threads=True, locals=args.locals, output_path=out))
-            try:
-                with open(out) as fh:
-                    return ProcessStacks.from_json(json.load(fh))
-            except (OSError, ValueError, RecursionError, errors.ArtifactError) as exc:
-                raise errors.AgentError(
-                    f"the agent of process {target.pid} left an unreadable stack dump: {type(exc).__name__}",
-                    help=f"See the agent's log ({target.record.log or 'dynprof ps'}); "
-                    "`--method py-spy` reads the stacks from outside.",
-                ) from None
-
-    def _classify(
-        self, pid: int, refusal: str | None, attempts: list[str], has_agent: bool, args: argparse.Namespace
-    ) -> errors.DynprofError:
-        from collectors.stacks import readers
-
-        detail = "; ".join(attempts)
-        gone = errors.process_gone(pid)
-        if gone is not None:
-            # The readers' own messages ("Failed to get process executable name") say nothing useful.
-            return errors.ProcessNotFound(f"process {pid} {gone} while its stacks were being read")
-        if refusal is not None:
-            hint = (
-                ""
-                if has_agent
-                else (
-                    " With the dynprof agent in the process, dynprof would ask it instead (attaching one "
-                    "needs ptrace too): " + errors.LAUNCH_WITH_AGENT_HELP
-                )
-            )
-            return errors.PtraceRefused(
-                f"cannot read the stacks of pid {pid}: {detail}", help=errors.PermissionDenied.default_help + hint
-            )
-        if args.method == "agent" and not has_agent:
-            return errors.NoAgent(f"process {pid} has no dynprof agent to ask (--method agent)")
-        if readers.looks_like_python(pid) is False:
-            return errors.NotPython(f"process {pid} ({_comm(pid)}) is not a Python process: {detail}")
-        return errors.DynprofError(
-            f"cannot read the stacks of pid {pid}: {detail}",
-            help="Try --method pystack or --method py-spy, or a longer --timeout; "
-            "check that py-spy and pystack are installed (`pip install py-spy pystack`).",
-        )
-
     def _save_merged(self, args: argparse.Namespace, stacks: Stacks) -> Any:
         from collectors.stacks import KIND, write_request_artifact
         from dynprof.store import ArtifactStore
@@ -465,56 +295,18 @@ class StacksCommand(JobCommand):
         summary = write_request_artifact(writer, stacks.processes, stacks.failures)
         return writer.finish("partial" if stacks.failures else "complete", summary=summary)
 
-    # -- core files ------------------------------------------------------------------------------
-    def _core(self, args: argparse.Namespace) -> Any:
-        import os
-        import stat
 
-        from collectors.stacks import readers
-
-        for what, path in (("core file", args.core), ("executable", args.executable)):
-            if not path:
-                continue
-            try:
-                mode = os.stat(path).st_mode
-            except OSError as exc:
-                raise errors.DynprofError(f"no {what} {path}: {exc.strerror or exc}") from None
-            if not stat.S_ISREG(mode):
-                # pystack would block on a FIFO, or read a device for ever.
-                raise errors.DynprofError(f"{what} {path} is not a regular file")
-        try:
-            return readers.capture_core(
-                args.core, args.executable, native=args.native, locals=args.locals, timeout=max(args.timeout, 120.0)
-            )
-        except readers.CaptureError as exc:
-            raise errors.DynprofError(
-                f"cannot read core file {args.core}: {exc.reason}",
-                help="Give the Python executable that produced it with --executable; the core must come from "
-                "a Python process and the shared libraries it used must be present here.",
-            ) from None
-
-    # -- artifact ------------------------------------------------------------------------------
-    def _save(self, args: argparse.Namespace, processes: list[Any], failures: dict[str, str]) -> Any:
-        from collectors.stacks import KIND, write_request_artifact
-        from dynprof.store import ArtifactStore
-
-        jobs = {p.job for p in processes if p.job}
-        job = args.job or (jobs.pop() if len(jobs) == 1 else None)
-        options = {
-            "native": args.native,
-            "locals": args.locals,
-            "method": args.method,
-            "targets": [p.pid for p in processes],
-            "core": args.core,
-        }
-        writer = ArtifactStore().create(KIND, job=job, options=options)
-        summary = write_request_artifact(writer, processes, failures)
-        return writer.finish("partial" if failures else "complete", summary=summary)
-
-
-def _comm(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/comm") as fh:
-            return fh.read().strip()
-    except OSError:
-        return "?"
+def request_from_args(args: argparse.Namespace) -> StacksRequest:
+    """The options of `dynprof stacks` (this node's processes, or a core file) as the kind's request."""
+    return StacksRequest(
+        pids=tuple(args.pid or ()),
+        job=args.job,
+        all=bool(args.all),
+        core=args.core,
+        executable=args.executable,
+        native=args.native,
+        locals=args.locals,
+        method=args.method,
+        timeout=args.timeout,
+        save=not args.no_save,
+    )

@@ -386,25 +386,25 @@ class LocalSource:
 
     def stacks(self, job: str, native: dict[str, list[int]]) -> Any:
         from collectors.stacks import Source, Stacks
-        from dynprof.cli.stacks import StacksCommand
+        from collectors.stacks.collect import StacksRequest, collect
         from dynprof.watch.engine import StacksRead, merged_with_native
 
-        command = StacksCommand()
         failures: dict[str, str] = {}
 
-        def read(argv: list[str]) -> Stacks:
+        def read(request: StacksRequest) -> Stacks:
             try:
-                result = command.collect_local(
-                    _parse(command, [*argv, "--no-save", "--timeout", str(self.stacks_timeout)])
-                )
+                return collect(request).stacks
             except errors.DynprofError as exc:
                 failures[f"node {self.host}"] = exc.message
                 return Stacks([])
-            return result.stacks  # type: ignore[attr-defined,no-any-return]
 
-        plain = read(["--job", job])
+        plain = read(StacksRequest(job=job, save=False, timeout=self.stacks_timeout))
         pids = native.get(self.host) or []
-        natives = read(["--pid", ",".join(str(p) for p in pids), "--native"]) if pids else Stacks([])
+        natives = (
+            read(StacksRequest(pids=tuple(pids), native=True, save=False, timeout=self.stacks_timeout))
+            if pids
+            else Stacks([])
+        )
         merged = merged_with_native([Source(plain, node=self.host)], [Source(natives, node=self.host)] if pids else [])
         return StacksRead(merged, failures)
 

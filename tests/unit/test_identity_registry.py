@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from dynprof.cli._common import select_workers
+from dynprof.agents import select_workers
 from dynprof.identity import detect
 from dynprof.job.align import alignment_step
 from dynprof.proto import pb

@@ -8,7 +8,7 @@ import pytest
 
 import dynprof
 from dynprof import _phase, roles
-from dynprof.cli._common import select_workers
+from dynprof.agents import select_workers
 from dynprof.registry import AgentRecord
 
 
@@ -254,17 +254,17 @@ def test_a_helper_started_by_multiprocessing_does_not_make_its_parent_a_launcher
 def test_the_processes_left_out_of_a_job_are_named_once_per_process(capsys):
     # GIVEN a job of a launcher and its trainer, selected again and again (a watch's every look
     # reads the stacks twice and the flight recorder once)
-    from dynprof.cli import _common
+    from dynprof import agents
 
     launcher, trainer = _record(7001, rank=None, job="once-job"), _record(7002, ppid=7001, rank=0, job="once-job")
     launcher.role, trainer.role = roles.LAUNCHER, roles.TRAINER
 
     # WHEN the job's targets are chosen three times, then once more with a new process left out
     for _ in range(3):
-        _common._note_left_out("once-job", [launcher, trainer], [trainer])
+        agents._note_left_out("once-job", [launcher, trainer], [trainer])
     first = capsys.readouterr().err
     worker = _record(7003, ppid=7002, rank=None, role=roles.WORKER, job="once-job")
-    _common._note_left_out("once-job", [launcher, trainer, worker], [trainer])
+    agents._note_left_out("once-job", [launcher, trainer, worker], [trainer])
     second = capsys.readouterr().err
 
     # THEN the launcher is named once, and the new set of processes left out once again

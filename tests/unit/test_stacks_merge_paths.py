@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+import collectors.stacks.collect
 import dynprof.cli.stacks
 from collectors.stacks import Frame, ProcessStacks, ThreadStack, readers
 from dynprof.cli import job, main
@@ -82,7 +83,8 @@ def test_local_node_answers_and_files_are_grouped_by_one_merge(
         calls.append(len(sources))
         return real(sources, by_host)
 
-    monkeypatch.setattr(dynprof.cli.stacks, "merge", spy)
+    monkeypatch.setattr(dynprof.cli.stacks, "merge", spy)  # the files' and the nodes' paths
+    monkeypatch.setattr(collectors.stacks.collect, "merge", spy)  # the kind's own, reading this node
     pid_list = ",".join(map(str, four_processes))
 
     # WHEN they are read here, answered by a node, and merged from a file
