@@ -331,29 +331,22 @@ def node_source(args: argparse.Namespace, nodes: list[Node]) -> Any:
     # A poll holds every node's progress and then its stacks: the client's total is shared
     # among those answers (one per node each, native stacks more for a few).
     client.shared_by = 2 * max(1, len(nodes))
-    forward = {
-        "token_file": getattr(args, "token_file", None),
-        "cacert": getattr(args, "cacert", None),
-        "node_timeout": getattr(args, "node_timeout", 10.0),
-        "max_in_flight": getattr(args, "max_in_flight", 64),
-    }
 
     def flight_recorder(job: str) -> tuple[dict[str, Any] | None, str | None]:
-        from dynprof.cli.nccl import NcclCommand
+        from collectors.flight_recorder.collect import NcclRequest
+        from dynprof.job.nccl import collect_nodes
 
-        command = NcclCommand()
-        ns = _parse(command, ["--job", job, "--timeout", str(FLIGHT_RECORDER_TIMEOUT_S)])
-        for key, value in forward.items():
-            setattr(ns, key, value)
-        result = command.collect_nodes(ns, nodes)
-        doc = result.to_json()
-        if doc.get("recorder_off"):
+        # A client of its own: the dumps read back are not among the poll's shared answers.
+        got = collect_nodes(client_for(args), nodes, NcclRequest(job=job, timeout=FLIGHT_RECORDER_TIMEOUT_S))
+        if got.recorder_off:
             from dynprof.watch.engine import FLIGHT_RECORDER_OFF
 
             return None, FLIGHT_RECORDER_OFF
-        if doc.get("analysis") is None:
-            return None, "; ".join(result.messages[:5])[:1000] or "no flight recorder dump (is it on?)"
-        return doc["analysis"], None
+        if got.analysis is None:
+            from dynprof.cli.job import node_messages
+
+            return None, "; ".join(node_messages(got.answers)[:5])[:1000] or "no flight recorder dump (is it on?)"
+        return got.analysis, None
 
     return SidecarSource(client, nodes, flight_recorder=flight_recorder)
 
@@ -409,18 +402,17 @@ class LocalSource:
         return StacksRead(merged, failures)
 
     def flight_recorder(self, job: str) -> tuple[dict[str, Any] | None, str | None]:
-        from dynprof.cli.nccl import NcclCommand
+        from collectors.flight_recorder import collect as nccl
 
-        command = NcclCommand()
         try:
-            result = command.collect_local(_parse(command, ["--job", job, "--timeout", str(FLIGHT_RECORDER_TIMEOUT_S)]))
+            got = nccl.collect(nccl.NcclRequest(job=job, timeout=FLIGHT_RECORDER_TIMEOUT_S))
         except errors.Unsupported:
             from dynprof.watch.engine import FLIGHT_RECORDER_OFF
 
             return None, FLIGHT_RECORDER_OFF  # every rank said so (and no artifact was written)
         except errors.DynprofError as exc:
             return None, exc.message[:1000]
-        return result.to_json().get("analysis"), None
+        return got.analysis, None
 
     def gpu_coredump(self, node: str, pid: int) -> dict[str, Any]:
         """Dump process ``pid``'s GPU and name what it ran (``dynprof gpu-coredump``): its

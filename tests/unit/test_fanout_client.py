@@ -373,7 +373,7 @@ def test_fetch_of_a_file_longer_than_its_manifest_says_stops_reading(server, tmp
 def test_nccl_dumps_are_read_back_from_each_node_s_artifact_checked(server):
     import hashlib
 
-    from dynprof.cli.nccl import read_rank_dumps
+    from dynprof.job.nccl import read_rank_dumps
 
     # GIVEN a node's nccl artifact with one good dump, one that is not JSON, one nested too deep
     script, node, _ = server
@@ -438,7 +438,7 @@ def test_a_fetch_stops_at_the_store_limit_in_all(server, tmp_path, monkeypatch):
 def test_nccl_dumps_over_the_limit_are_refused_per_rank_before_they_are_read(server):
     import hashlib
 
-    from dynprof.cli.nccl import MAX_DUMP_BYTES, read_rank_dumps
+    from dynprof.job.nccl import MAX_DUMP_BYTES, read_rank_dumps
 
     # GIVEN a node's nccl artifact whose manifest claims a dump over the limit for rank 0
     script, node, _ = server
@@ -460,8 +460,8 @@ def test_nccl_dumps_over_the_limit_are_refused_per_rank_before_they_are_read(ser
 def test_nccl_dumps_past_the_total_are_named_and_not_read(server):
     import hashlib
 
-    from dynprof.cli.nccl import read_rank_dumps
     from dynprof.job.fetch import Budget
+    from dynprof.job.nccl import read_rank_dumps
 
     # GIVEN two ranks' dumps, and room for one of them in all
     script, node, _ = server
@@ -482,8 +482,8 @@ def test_nccl_dumps_past_the_total_are_named_and_not_read(server):
 
 
 def test_a_local_dump_over_the_limit_is_that_rank_s_failure(tmp_path, monkeypatch):
+    from collectors.flight_recorder import collect as nccl
     from dynprof import errors
-    from dynprof.cli import nccl
 
     # GIVEN a rank's dump, as its agent wrote it, one byte over the limit
     monkeypatch.setattr(nccl, "MAX_DUMP_BYTES", 100)

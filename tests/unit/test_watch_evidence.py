@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
+from collectors.flight_recorder import collect as nccl
 from dynprof import errors
 from dynprof.cli import job as job_cli
 from dynprof.cli import watch as watch_cli
-from dynprof.cli.nccl import NcclCommand
 from dynprof.nodes import CommandError, Node, NodeAnswer
 from dynprof.registry import AgentRecord
 from dynprof.store import ArtifactStore
@@ -56,18 +56,16 @@ class RecorderOffNodes:
 
 def test_a_job_without_the_recorder_leaves_no_nccl_artifact(monkeypatch):
     # GIVEN two ranks of a job whose agents both answer that the flight recorder is off
-    command = NcclCommand()
-    monkeypatch.setattr(command, "_targets", lambda args: [(101, _record(101, 0)), (102, _record(102, 1))])
+    monkeypatch.setattr(nccl, "_targets", lambda request: [(101, _record(101, 0)), (102, _record(102, 1))])
 
-    def refuse(pid: int, record: Any, writer: Any, args: Any) -> Any:
+    def refuse(pid: int, record: Any, writer: Any, request: Any) -> Any:
         raise _off(pid)
 
-    monkeypatch.setattr(command, "_dump", refuse)
-    args = watch_cli._parse(command, ["--job", "frjob"])
+    monkeypatch.setattr(nccl, "_dump", refuse)
 
     # WHEN their dumps are asked for (as the watch does at every hang verdict)
     with pytest.raises(errors.Unsupported) as raised:
-        command.collect_local(args)
+        nccl.collect(nccl.NcclRequest(job="frjob"))
 
     # THEN the user is told why, and nothing is left in the store: no empty `failed` artifact
     assert "flight recorder is off" in raised.value.message
@@ -78,16 +76,15 @@ def test_a_job_without_the_recorder_leaves_no_nccl_artifact(monkeypatch):
 
 def test_a_rank_failing_otherwise_still_leaves_its_failed_artifact(monkeypatch):
     # GIVEN one rank whose dump fails for another reason than the recorder being off
-    command = NcclCommand()
-    monkeypatch.setattr(command, "_targets", lambda args: [(101, _record(101, 0))])
+    monkeypatch.setattr(nccl, "_targets", lambda request: [(101, _record(101, 0))])
 
-    def broken(pid: int, record: Any, writer: Any, args: Any) -> Any:
+    def broken(pid: int, record: Any, writer: Any, request: Any) -> Any:
         raise errors.DynprofError(f"pid {pid}: its dump cannot be read")
 
-    monkeypatch.setattr(command, "_dump", broken)
+    monkeypatch.setattr(nccl, "_dump", broken)
     # WHEN
     with pytest.raises(errors.DynprofError):
-        command.collect_local(watch_cli._parse(command, ["--job", "frjob"]))
+        nccl.collect(nccl.NcclRequest(job="frjob"))
     # THEN the attempt is recorded, with its error
     (art,) = ArtifactStore().list(kind="nccl")
     assert art.manifest["status"] == "failed" and "cannot be read" in art.manifest["error"]
@@ -95,10 +92,10 @@ def test_a_rank_failing_otherwise_still_leaves_its_failed_artifact(monkeypatch):
 
 def test_this_node_s_watch_says_the_recorder_is_off_for_the_job(monkeypatch):
     # GIVEN this node's ranks all answering that the recorder is off
-    def refuse(self: Any, args: Any) -> Any:
+    def refuse(request: Any) -> Any:
         raise _off(101)
 
-    monkeypatch.setattr(NcclCommand, "collect_local", refuse)
+    monkeypatch.setattr(nccl, "collect", refuse)
     # WHEN the watch reads the flight recorder
     analysis, note = watch_cli.LocalSource(host="h").flight_recorder("frjob")
     # THEN its verdict says the recorder is not on, and how to have it

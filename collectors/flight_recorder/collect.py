@@ -1,0 +1,234 @@
+"""Dump the NCCL flight recorder of this node's ranks and analyse them together: the nccl kind's
+one capture policy, whoever asks (``dynprof nccl``, the sidecar's ``nccl`` action, the watch).
+
+    >>> got = collect(NcclRequest(job="j1"))                 # doctest: +SKIP
+    >>> got.analysis["process_groups"][0]["verdict"], got.artifact   # doctest: +SKIP
+
+Each rank's agent asks torch for its dump; a rank whose agent cannot answer (its main thread
+holds the GIL, or it has no agent) is asked through torch's own dump pipe, which needs no
+Python. One artifact holds every rank's dump and the analysis. A rank's dump is read up to
+:data:`MAX_DUMP_BYTES`; a larger one is that rank's failure, named with its size.
+
+Not imported by ``collectors.flight_recorder`` itself: the agent, which imports that package,
+never loads this policy.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from collectors import flight_recorder as fr
+from dynprof import errors, untrusted
+from dynprof.agents import parallel, resolve
+from dynprof.arguments import MAX_PID, MAX_SECONDS
+from dynprof.registry import AgentRecord, read_record
+from dynprof.units import human_bytes
+
+MAX_DUMP_BYTES = 64 * 1024 * 1024
+"""The largest rank's dump read (on this node or back from a node): its parsed form takes a few
+times its size in memory."""
+DEFAULT_TIMEOUT_S = 15.0
+
+
+@dataclass(frozen=True)
+class NcclRequest:
+    """Whose recorders: exactly one of ``pids``, ``job`` (its trainers on this node) or ``all``;
+    what: only the collectives not yet completed (``only_active``), with or without the Python
+    stacks of each collective's caller (``stack_traces``); ``timeout`` per rank. Checked when
+    made: a bad request raises :class:`~dynprof.errors.UsageError`."""
+
+    pids: tuple[int, ...] = ()
+    job: str | None = None
+    all: bool = False
+    only_active: bool = False
+    stack_traces: bool = True
+    timeout: float = DEFAULT_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        if len([x for x in (self.pids, self.job, self.all) if x]) != 1:
+            raise errors.UsageError("give exactly one of --pid, --job or --all", help="See `dynprof nccl --help`.")
+        if not 0 < self.timeout <= MAX_SECONDS:
+            raise errors.UsageError(f"a timeout of {self.timeout:g} s: more than 0, at most {MAX_SECONDS:g}")
+        if any(not 0 < pid <= MAX_PID for pid in self.pids):
+            raise errors.UsageError(f"a process id is 1-{MAX_PID}")
+
+    def options(self) -> dict[str, Any]:
+        """The request as the sidecar's ``nccl`` action takes it (the options it leaves unset out)."""
+        out: dict[str, Any] = {"timeout": self.timeout}
+        if self.pids:
+            out["pid"] = list(self.pids)
+        if self.job:
+            out["job"] = self.job
+        if self.all:
+            out["all"] = True
+        if self.only_active:
+            out["only_active"] = True
+        if not self.stack_traces:
+            out["no_stack_traces"] = True
+        return out
+
+
+@dataclass
+class Collected:
+    """The analysis of every rank dumped (``analysis``), the artifact holding the dumps, what
+    is worth saying besides (``notes``: a rank dumped through the pipe, a rank not dumped),
+    and whether some rank could not be dumped (``partial``)."""
+
+    analysis: dict[str, Any]
+    artifact: str
+    artifact_id: str
+    elapsed_s: float
+    ranks: list[int] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    partial: bool = False
+
+
+def collect(request: NcclRequest) -> Collected:
+    """Dump the recorders ``request`` names into one artifact and analyse them.
+
+    Raises :class:`~dynprof.errors.Unsupported` when no rank records (the job runs without the
+    recorder; nothing is kept), or the first rank's error when no rank could be dumped."""
+    from dynprof.store import ArtifactStore
+
+    targets = _targets(request)
+    jobs = {r.job_id for _, r in targets if r is not None and r.job_id}
+    job = request.job or (jobs.pop() if len(jobs) == 1 else None)
+    t0 = time.monotonic()
+    writer = ArtifactStore().create(
+        fr.KIND,
+        job=job,
+        options={
+            "targets": [pid for pid, _ in targets],
+            "only_active": request.only_active,
+            "stack_traces": request.stack_traces,
+        },
+    )
+    try:
+        results = parallel(lambda t: _dump(t[0], t[1], writer, request), targets)
+        per_rank: dict[int, dict[str, Any]] = {}
+        notes: list[str] = []
+        problems: list[tuple[int, errors.DynprofError]] = []
+        for (pid, _record), res in zip(targets, results):
+            if isinstance(res, errors.DynprofError):
+                problems.append((pid, res))
+                continue
+            if isinstance(res, Exception):
+                raise res
+            rank, doc, note = res
+            per_rank[rank] = doc
+            if note:
+                notes.append(note)
+        if not per_rank:
+            not_enabled: list[errors.DynprofError] = [e for _, e in problems if isinstance(e, errors.Unsupported)]
+            first = (not_enabled or [e for _, e in problems])[0]
+            if len(not_enabled) == len(problems):
+                writer.abort("the flight recorder is off")  # no rank records: nothing to keep
+            else:
+                writer.finish("failed", error=first.message)
+            raise first
+        analysis = fr.analyze(per_rank)
+        for pid, exc in problems:
+            notes.append(f"pid {pid}: no dump: {exc.message}")
+        writer.write_json("analysis.json", analysis)
+        writer.write_text("analysis.txt", fr.render_analysis(analysis) + "".join(f"note: {n}\n" for n in notes))
+        summary = {
+            "ranks": sorted(per_rank),
+            "notes": notes,
+            "verdicts": [pg["verdict"] for pg in analysis["process_groups"]],
+            "hung": [pg["process_group"] for pg in analysis["process_groups"] if pg["hung"]],
+        }
+        art = writer.finish("partial" if problems else "complete", summary=summary)
+    except BaseException as exc:
+        if writer.finished is None and writer.aborted is None:
+            writer.finish("failed", error=f"{type(exc).__name__}: {exc}")
+        raise
+    return Collected(
+        analysis=analysis,
+        artifact=str(art.path),
+        artifact_id=art.id,
+        elapsed_s=time.monotonic() - t0,
+        ranks=sorted(per_rank),
+        notes=notes,
+        partial=bool(problems),
+    )
+
+
+def _targets(request: NcclRequest) -> list[tuple[int, AgentRecord | None]]:
+    if request.pids:
+        out: list[tuple[int, AgentRecord | None]] = []
+        for pid in dict.fromkeys(request.pids):
+            errors.probe_pid(pid)
+            record = read_record(pid)
+            out.append((pid, record if record is not None and record.is_alive() else None))
+        return out
+    return [(r.pid, r) for r in resolve(job=request.job)]
+
+
+def _dump(pid: int, record: AgentRecord | None, writer: Any, request: NcclRequest) -> Any:
+    from dynprof.client import AgentClient
+    from dynprof.proto import pb
+
+    rank = record.rank if record is not None else None
+    if rank is None:
+        rank = _environ_rank(pid)
+    stem = f"rank{rank}-pid{pid}" if rank is not None else f"pid{pid}"
+    reason = "no dynprof agent"
+    if record is not None:
+        path = writer.file_path(f"{stem}.json")
+        try:
+            AgentClient.for_record(record, timeout=request.timeout).request(
+                flight_recorder_dump=pb.FlightRecorderDumpRequest(
+                    output_path=str(path),
+                    include_stack_traces=request.stack_traces,
+                    only_active=request.only_active,
+                )
+            )
+        except errors.Unsupported:
+            raise
+        except errors.DynprofError as exc:
+            reason = exc.message
+        else:
+            return (rank if rank is not None else pid, _read_dump(path.parent, path.name, pid), None)
+    if rank is None:
+        raise errors.DynprofError(f"pid {pid}: cannot tell its rank ({reason}), so cannot find its dump pipe")
+    try:
+        raw, where = fr.dump_through_pipe(pid, rank, timeout=request.timeout)
+    except fr.NotEnabled as exc:
+        raise errors.Unsupported(str(exc), help=errors.FLIGHT_RECORDER_HELP) from None
+    except fr.DumpError as exc:
+        raise errors.DynprofError(f"pid {pid}: {reason}; and through torch's pipe: {exc}") from None
+    writer.write_bytes(f"{stem}.raw", raw)
+    doc = {
+        "schema": fr.SCHEMA,
+        "schema_version": fr.SCHEMA_VERSION,
+        "method": "pipe",
+        "pid": pid,
+        "rank": rank,
+        "dumps": {"nccl": fr.load_dump_bytes(raw)},
+        "source": where,
+    }
+    writer.write_json(f"{stem}.json", doc)
+    return (rank, doc, f"rank {rank}: dumped through torch's pipe ({reason})")
+
+
+def _environ_rank(pid: int) -> int | None:
+    try:
+        value = fr.process_environ(pid).get("RANK")
+    except OSError:
+        return None
+    return int(value) if value and value.isdigit() else None
+
+
+def _read_dump(directory: Any, name: str, pid: int) -> Any:
+    """A rank's dump as its agent wrote it, refused over MAX_DUMP_BYTES (that rank's failure)."""
+    try:
+        data = untrusted.read_bytes_in(directory, name, MAX_DUMP_BYTES)
+        return untrusted.loads_json(data, f"the dump of pid {pid}")
+    except errors.ArtifactError as exc:
+        raise errors.DynprofError(
+            f"pid {pid}: its dump cannot be read: {exc.message}",
+            help=f"A dump is read up to {human_bytes(MAX_DUMP_BYTES)}: leave out the stacks (--no-stack-traces) "
+            "or the completed collectives (--only-active), or record fewer (`dynprof run --flight-recorder N`).",
+        ) from None

@@ -1,0 +1,136 @@
+"""The NCCL flight recorders of a whole job: every node's sidecar dumps its ranks' recorders
+into one artifact (its ``nccl`` action, :func:`collectors.flight_recorder.collect.collect`
+there); each rank's dump is read back from those artifacts, checked against their manifests,
+and all are analysed together. ``dynprof nccl --hosts`` and the watch call :func:`collect_nodes`.
+
+A rank's dump is read up to 64 MiB; at most :data:`MAX_DUMPS_TOTAL_BYTES` of dumps are read
+back from all nodes together.
+"""
+
+from __future__ import annotations
+
+import re
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from collectors import flight_recorder as fr
+from collectors.flight_recorder.collect import MAX_DUMP_BYTES, NcclRequest
+from dynprof import errors
+from dynprof.job.answers import as_list, node_labels
+from dynprof.nodes import Node, NodeAnswer
+from dynprof.units import human_bytes
+
+if TYPE_CHECKING:
+    from dynprof.job.client import SidecarClient
+
+MAX_DUMPS_TOTAL_BYTES = 2 * 1024**3
+"""The most bytes of dumps read back from all nodes together."""
+ACTION_MARGIN_S = 5.0  # a node's answer may take this much past the request's own timeout
+_DUMP_FILE = re.compile(r"rank(\d{1,9})-pid\d{1,9}\.json")
+
+
+@dataclass
+class NodesCollected:
+    """The nodes' answers (and how output names each node), the analysis of every rank's dump
+    read back (``None`` when none was), on which node each rank was dumped, the notes, and
+    whether every node answered that its ranks do not record (``recorder_off``)."""
+
+    answers: list[NodeAnswer]
+    labels: dict[Node, str]
+    analysis: dict[str, Any] | None
+    where: dict[int, str] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    recorder_off: bool = False
+
+
+def collect_nodes(client: SidecarClient, nodes: list[Node], request: NcclRequest) -> NodesCollected:
+    """Ask every node's sidecar for ``request`` and analyse the dumps of all nodes together."""
+    from dynprof.job.client import NodeFailure
+    from dynprof.job.fetch import Budget, artifact_ids
+
+    answers = client.action_all(nodes, "nccl", request.options(), timeout=request.timeout + ACTION_MARGIN_S)
+    labels = node_labels(nodes)
+    notes: list[str] = []
+    for a in answers:
+        result = a.result if isinstance(a.result, dict) else {}
+        notes.extend(f"{labels[a.node]}: {str(n)[:2000]}" for n in as_list(result.get("notes")))
+    ids = artifact_ids(client, answers, "nccl", request.job)
+    per_rank: dict[int, dict[str, Any]] = {}
+    where: dict[int, str] = {}
+    readable: list[tuple[NodeAnswer, str]] = []
+    for a in answers:
+        artifact_id = ids.get(a.node.address)
+        if isinstance(artifact_id, NodeFailure):
+            notes.append(f"{labels[a.node]}: its dumps cannot be read: {artifact_id.reason}")
+        elif artifact_id is not None:
+            readable.append((a, artifact_id))
+    # Each node's dumps are read in turn; the nodes in parallel. Notes are kept per node, in node order.
+    node_notes: list[list[str]] = [[] for _ in readable]
+    budget = Budget(MAX_DUMPS_TOTAL_BYTES)
+
+    def read(i: int) -> list[tuple[int, dict[str, Any]]]:
+        a, artifact_id = readable[i]
+        return read_rank_dumps(client, a.node, artifact_id, node_notes[i], labels[a.node], budget)
+
+    with ThreadPoolExecutor(max_workers=max(1, min(client.max_in_flight, len(readable)))) as pool:
+        dumps = list(pool.map(read, range(len(readable))))
+    for (a, _), found, more in zip(readable, dumps, node_notes):
+        label = labels[a.node]
+        notes.extend(more)
+        for rank, dump in found:
+            if rank in per_rank:
+                notes.append(f"rank {rank} dumped on {where[rank]} and on {label}: the one of {where[rank]} kept")
+                continue
+            per_rank[rank], where[rank] = dump, label
+    analysis: dict[str, Any] | None = None
+    if per_rank:
+        try:
+            analysis = fr.analyze(per_rank)
+        except (TypeError, ValueError, AttributeError, KeyError) as exc:
+            notes.append(f"the dumps could not be analysed together: {type(exc).__name__}: {exc}")
+    # No node's ranks record (each answered that the recorder is off): the job runs without it.
+    refused = [a.failure for a in answers if a.answered and a.failure is not None]
+    recorder_off = not per_rank and bool(refused) and len(refused) == len(answers)
+    recorder_off = recorder_off and all(f.type == errors.Unsupported.__name__ for f in refused)
+    return NodesCollected(answers, labels, analysis, where, notes, recorder_off)
+
+
+def read_rank_dumps(
+    client: SidecarClient, node: Node, artifact_id: str, notes: list[str], label: str, budget: Any = None
+) -> list[tuple[int, dict[str, Any]]]:
+    """The ranks' dumps (``rank<R>-pid<P>.json``) of one node's nccl artifact. A dump that its
+    manifest says is over MAX_DUMP_BYTES (or past what ``budget`` leaves), or that does not
+    check out, is a note naming it, and the others are still read."""
+    from dynprof.job.client import NodeFailure
+    from dynprof.job.fetch import manifest_files, read_json_file
+
+    try:
+        with client.manifest(node, artifact_id) as doc:
+            files = manifest_files(doc["manifest"])
+    except NodeFailure as exc:
+        notes.append(f"{label}: its dumps cannot be read: {exc.reason}")
+        return []
+    out = []
+    for name, size, sha in files:
+        match = _DUMP_FILE.fullmatch(name)
+        if match is None:
+            continue
+        rank = int(match.group(1))
+        if size <= MAX_DUMP_BYTES and budget is not None and not budget.take(size):
+            notes.append(
+                f"{label}: rank {rank}: {artifact_id}/{name}: not read, past the "
+                f"{human_bytes(budget.limit)} of dumps read back in all"
+            )
+            continue
+        try:
+            doc = read_json_file(client, node, artifact_id, name, size, sha, MAX_DUMP_BYTES, f"{name} of {label}")
+        except NodeFailure as exc:
+            notes.append(f"{label}: {exc.reason}")
+            continue
+        except errors.ArtifactError as exc:
+            notes.append(f"{label}: {exc.message}")
+            continue
+        if isinstance(doc, dict):
+            out.append((rank, doc))
+    return out

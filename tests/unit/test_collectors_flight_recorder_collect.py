@@ -1,0 +1,60 @@
+"""The nccl kind's request: checked when made, and the same request whichever way it comes (the
+CLI's options on this node, or the sidecar's ``nccl`` action that the job-wide path and the watch
+send to every node)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from collectors.flight_recorder.collect import NcclRequest
+from dynprof import errors
+from dynprof.cli.nccl import NcclCommand, request_from_args
+from dynprof.sidecar.actions import ACTIONS, argv_for
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(add_help=False)
+    NcclCommand().prepare_parser(parser)
+    return parser.parse_args(argv)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "said"),
+    [
+        ({}, "exactly one of --pid, --job or --all"),
+        ({"job": "j", "all": True}, "exactly one of --pid, --job or --all"),
+        ({"job": "j", "timeout": 0.0}, "a timeout of 0 s"),
+        ({"job": "j", "timeout": 10.0**6}, "at most 86400"),
+        ({"pids": (0,)}, "a process id is 1-"),
+        ({"pids": (2**23,)}, "a process id is 1-"),
+    ],
+)
+def test_a_request_that_cannot_be_run_is_refused_when_made(kwargs, said):
+    # WHEN a request names no target, two, or a bound out of range
+    with pytest.raises(errors.UsageError) as refused:
+        NcclRequest(**kwargs)
+    # THEN it is a usage error that says which
+    assert said in refused.value.message
+
+
+@pytest.mark.parametrize(
+    "request_",
+    [
+        NcclRequest(job="j1"),
+        NcclRequest(pids=(11, 12), only_active=True, timeout=3.5),
+        NcclRequest(all=True, stack_traces=False),
+    ],
+)
+def test_the_action_options_of_a_request_are_the_same_request_on_the_node(request_):
+    # GIVEN a request as the job-wide path and the watch send it to each node
+    options = request_.options()
+
+    # WHEN a node's sidecar turns them into the command's arguments and the command reads them
+    argv = argv_for("nccl", options)
+    on_the_node = request_from_args(_parse(argv[1:]))
+
+    # THEN every option is one the action takes, and the node runs exactly the same request
+    assert set(options) <= set(ACTIONS["nccl"].options)
+    assert on_the_node == request_
