@@ -23,9 +23,12 @@ from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from dynprof.safetext import one_line
+
+if TYPE_CHECKING:
+    from dynprof.registry import AgentRecord
 
 TRACE_FILE = "trace.json.gz"
 # torch writes the uncompressed trace here (in the artifact's temporary directory) and dynprof
@@ -506,3 +509,34 @@ def render_artifact(artifact: Any) -> tuple[dict[str, Any], str]:
         for row in summary["gpu_kernels"]:
             lines.append(f"{row['name'][:48]:<48} {row['count']:>7} {row['total_us'] / 1000:>10.3f}")
     return summary, "\n".join(one_line(line) for line in lines)
+
+
+# -- a request's trace, as the store holds it (what `dynprof start` and `stop` read back) --
+def target_row(record: AgentRecord, start_step: int) -> dict[str, Any]:
+    """A process's row of a trace request's ``targets`` and ``results``."""
+    return {"pid": record.pid, "rank": record.rank, "job": record.job_id, "start_step": start_step}
+
+
+def result_from_store(record: AgentRecord, group_id: str, at_step: int) -> dict[str, Any] | None:
+    """The trace artifact this request's group left for ``record``'s process, if any."""
+    try:
+        from dynprof.store import ArtifactStore
+
+        found = [
+            a
+            for a in ArtifactStore().list(kind="trace")
+            if a.manifest.get("pid") == record.pid and (a.manifest.get("options") or {}).get("group_id") == group_id
+        ]
+    except Exception:
+        return None
+    if not found:
+        return None
+    art = found[0]  # newest first
+    summary = art.manifest.get("summary") or {}
+    return {
+        **target_row(record, int(summary.get("start_step") or at_step)),
+        "status": art.status,
+        "artifact": str(art.path),
+        "error": art.manifest.get("error")
+        or (f"the process exited; stopped by {summary.get('stopped_by')}" if art.status != "complete" else None),
+    }

@@ -13,7 +13,7 @@ import socket
 import sys
 
 from dynprof import errors
-from dynprof.cli.run import RUN_OPTIONS
+from dynprof.cli._run_options import RUN_OPTIONS
 
 MAX_ENTRIES = 1_000_000
 

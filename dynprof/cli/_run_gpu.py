@@ -23,7 +23,7 @@ import socket
 import sys
 
 from dynprof import errors
-from dynprof.cli.run import RUN_OPTIONS
+from dynprof.cli._run_options import RUN_OPTIONS
 
 GENERATION_FLAGS = (
     "skip_abort,skip_nonrelocated_elf_images,skip_global_memory,skip_shared_memory,skip_local_memory,"

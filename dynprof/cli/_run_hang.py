@@ -7,7 +7,7 @@ import math
 
 from dynprof import errors
 from dynprof.cli._common import seconds
-from dynprof.cli.run import RUN_OPTIONS
+from dynprof.cli._run_options import RUN_OPTIONS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

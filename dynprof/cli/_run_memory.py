@@ -7,7 +7,7 @@ import argparse
 from collectors.memory.policy import PolicyError, parse_policy
 from dynprof import errors
 from dynprof.cli._common import MAX_SECONDS, bounded_int, nonnegative_float
-from dynprof.cli.run import RUN_OPTIONS
+from dynprof.cli._run_options import RUN_OPTIONS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -9,7 +9,7 @@ from typing import Any
 from dynprof import errors
 from dynprof.attach import METHODS, AttachOptions, AttachResult, attach, find_job_processes
 from dynprof.cli._common import MAX_SECONDS, add_json, parse_pid, positive_float, printable
-from dynprof.cli.run import RUN_OPTIONS, RunOption, _load_run_options
+from dynprof.cli._run_options import RUN_OPTIONS, RunOption, load_run_options
 from dynprof.result import Result, error_json
 
 # `dynprof run` options that also apply to a running process (the flight recorder does not:
@@ -18,7 +18,7 @@ ATTACH_RUN_OPTIONS = ("dynprof.cli._run_memory", "dynprof.cli._run_hang")
 
 
 def _run_options() -> list[RunOption]:
-    _load_run_options()
+    load_run_options()
     wanted = {name for name in ATTACH_RUN_OPTIONS}
     return [opt for opt in RUN_OPTIONS if opt[0].__module__ in wanted]
 

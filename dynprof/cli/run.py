@@ -18,30 +18,13 @@ import shutil
 import socket
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import dynprof
 from dynprof import errors
+from dynprof.cli._run_options import RUN_OPTIONS, load_run_options
 
 BOOTSTRAP_DIR = Path(dynprof.__file__).resolve().parent / "_bootstrap"
-
-# Other features add their `dynprof run` options here: (add_arguments, apply_to_environment).
-# apply_to_environment(args, env) validates its options and sets the variables the agent reads.
-RunOption = tuple[Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace, dict[str, str]], None]]
-RUN_OPTIONS: list[RunOption] = []
-
-
-def _load_run_options() -> None:
-    # Imported for their side effect of appending to RUN_OPTIONS; missing ones are skipped.
-    import importlib
-
-    for name in ("dynprof.cli._run_hang", "dynprof.cli._run_memory", "dynprof.cli._run_flight", "dynprof.cli._run_gpu"):
-        try:
-            importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name != name:
-                raise
 
 
 def generated_job_id() -> str:
@@ -73,7 +56,7 @@ class RunCommand:
     """
 
     def prepare_parser(self, parser: argparse.ArgumentParser) -> None:
-        _load_run_options()
+        load_run_options()
         parser.add_argument("--job-id", help="job id for `--job` selection (default: the scheduler's, or generated)")
         parser.add_argument("--quiet", "-q", action="store_true", help="do not print the job id banner")
         for add, _ in RUN_OPTIONS:

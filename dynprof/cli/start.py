@@ -21,7 +21,7 @@ import time
 import uuid
 from typing import Any
 
-from collectors.torch_trace import WRITING_AT_EXIT
+from collectors.torch_trace import WRITING_AT_EXIT, result_from_store, target_row
 from dynprof import errors
 from dynprof.cli._common import (
     MAX_SECONDS,
@@ -243,7 +243,7 @@ class StartCommand(JobCommand):
                 "group_id": group_id,
                 "at_step": at_step,
                 "state": "armed",
-                "targets": [_target(r, started[r.pid].start_step) for r in records],
+                "targets": [target_row(r, started[r.pid].start_step) for r in records],
             }
             return JobResult(doc, 0, messages, context={"requested": requested})
         if not steps and not duration:
@@ -374,7 +374,7 @@ class StartCommand(JobCommand):
                 elif s.state == "idle" and s.group_id == group_id:
                     if s.last_artifact:
                         done = {
-                            **_target(record, s.start_step),
+                            **target_row(record, s.start_step),
                             "status": s.last_artifact_status or "failed",
                             "artifact": s.last_artifact,
                             "error": s.last_error or None,
@@ -387,7 +387,7 @@ class StartCommand(JobCommand):
                 ):
                     # it ran, and the job's exit is writing it now
                     done = {
-                        **_target(record, s.start_step),
+                        **target_row(record, s.start_step),
                         "status": WRITING_AT_EXIT,
                         "artifact": s.last_artifact,
                         "error": None,
@@ -414,7 +414,7 @@ class StartCommand(JobCommand):
                     "group_id": group_id,
                     "state": "tracing" if active else "ended",
                     "targets": [
-                        _target(r, s.start_step)
+                        target_row(r, s.start_step)
                         for (r, _), s in zip(pending, states)
                         if not isinstance(s, Exception) and s.state == "tracing"
                     ],
@@ -454,7 +454,7 @@ class StartCommand(JobCommand):
                         # The process is gone (it exited, or was killed): a trace it flushed on
                         # the way out is in the store under this request's group.
                         results[record.pid] = result_from_store(record, group_id, at_step) or {
-                            **_target(record, at_step),
+                            **target_row(record, at_step),
                             "status": "failed",
                             "artifact": None,
                             "error": f"lost contact with the process before it wrote a trace: {st}",
@@ -463,7 +463,7 @@ class StartCommand(JobCommand):
                     t = st.trace
                     if t.group_id == group_id and t.state == "idle":
                         results[record.pid] = {
-                            **_target(record, t.start_step),
+                            **target_row(record, t.start_step),
                             "status": t.last_artifact_status or "failed",
                             "artifact": t.last_artifact or None,
                             "error": t.last_error or None,
@@ -501,31 +501,6 @@ class StartCommand(JobCommand):
         return {"group_id": group_id, "results": [results[r.pid] for r in records]}
 
 
-def result_from_store(record: AgentRecord, group_id: str, at_step: int) -> dict[str, Any] | None:
-    """The trace artifact this request's group left for ``record``'s process, if any."""
-    try:
-        from dynprof.store import ArtifactStore
-
-        found = [
-            a
-            for a in ArtifactStore().list(kind="trace")
-            if a.manifest.get("pid") == record.pid and (a.manifest.get("options") or {}).get("group_id") == group_id
-        ]
-    except Exception:
-        return None
-    if not found:
-        return None
-    art = found[0]  # newest first
-    summary = art.manifest.get("summary") or {}
-    return {
-        **_target(record, int(summary.get("start_step") or at_step)),
-        "status": art.status,
-        "artifact": str(art.path),
-        "error": art.manifest.get("error")
-        or (f"the process exited; stopped by {summary.get('stopped_by')}" if art.status != "complete" else None),
-    }
-
-
 def _alive(pid: int) -> bool:
     """The process exists and has not exited (a zombie, not yet reaped by its parent, has)."""
     try:
@@ -540,10 +515,6 @@ def _alive(pid: int) -> bool:
     except OSError:
         return True  # no /proc here: kill(0) said it exists
     return state not in ([b"Z"], [b"X"])
-
-
-def _target(record: AgentRecord, start_step: int) -> dict[str, Any]:
-    return {"pid": record.pid, "rank": record.rank, "job": record.job_id, "start_step": start_step}
 
 
 def _check(statuses: list[Any], records: list[AgentRecord]) -> list[Any]:

@@ -10,7 +10,7 @@ import argparse
 import time
 from typing import Any
 
-from collectors.torch_trace import WRITING_AT_EXIT
+from collectors.torch_trace import WRITING_AT_EXIT, result_from_store
 from dynprof import errors
 from dynprof.cli._common import (
     Progress,
@@ -22,7 +22,6 @@ from dynprof.cli._common import (
     seconds,
 )
 from dynprof.cli.job import JobCommand, JobResult
-from dynprof.cli.start import result_from_store
 from dynprof.client import AgentClient
 from dynprof.proto import pb
 from dynprof.result import Result
