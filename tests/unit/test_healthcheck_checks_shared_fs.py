@@ -137,7 +137,7 @@ def test_a_probe_never_started_is_unknown():
 def test_a_flood_of_output_is_bounded():
     # GIVEN a child writing megabytes before its report
     probe = SharedFsProbe(
-        "/mnt/data", 5.0, argv=["/bin/sh", "-c", f"head -c 3000000 /dev/zero | tr '\\0' x; printf '\\n%s\\n' '{{}}'"]
+        "/mnt/data", 5.0, argv=["/bin/sh", "-c", "head -c 3000000 /dev/zero | tr '\\0' x; printf '\\n%s\\n' '{}'"]
     ).start()
     result = probe.result(MOUNTS)
     # THEN only a bounded tail is kept, and an empty report is no report
