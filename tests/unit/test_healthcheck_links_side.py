@@ -54,7 +54,7 @@ def side_of(**kwargs) -> SideResult:
 
 
 def test_a_good_answer_is_read_into_the_result(worker):
-    script, seen = worker
+    script, _ = worker
     script[0] = answer(GOOD)
     result = side_of(pattern="sendrecv", size_bytes=65536, iters=10)
     assert (result.status, result.rank, result.world) == ("ok", 1, 2)
