@@ -14,7 +14,7 @@ estimate therefore takes the fan-out's own cost per node from the runs, not the 
 
     python scripts/bench_preflight.py --nodes 8,16,32,64 --level quick
 
-:class:`SimFleet` is also what tests/integration/test_healthcheck_fleet.py starts its nodes with
+:class:`SimFleet` is also what tests/integration/test_healthcheck_fleet_simulated.py starts its nodes with
 (``slow`` nodes run in a cgroup limited to a small share of one CPU).
 """
 

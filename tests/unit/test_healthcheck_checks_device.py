@@ -16,6 +16,10 @@ from healthcheck.checks.device import (
     check_row_remap,
     check_temperature,
     not_read,
+    passive_device_checks,
+    result,
+    row,
+    verdict,
 )
 from healthcheck.readings import DeviceProcess, DeviceReadings, NvLinkReading
 from healthcheck.result import Status
@@ -195,3 +199,68 @@ def test_other_processes_on_the_device_warn_but_our_own_do_not():
     result = check_processes(readings(processes=procs), "nvml", own_pids=frozenset({200}))
     assert result.status is Status.WARN and result.value == 1 and "100" in result.reason
     assert check_processes(readings(processes=procs[1:]), "nvml", frozenset({200})).status is Status.PASS
+
+
+# -- the decision table -----------------------------------------------------------------------
+def test_the_first_row_that_holds_decides():
+    # GIVEN a table whose second and third rows both hold
+    rows = [
+        row(False, Status.FAIL, "never"),
+        row(True, Status.WARN, "second"),
+        row(True, Status.PASS, "third"),
+    ]
+    # WHEN judged
+    got = verdict(readings(), "some_check", rows)
+    # THEN the second row's verdict is given, on the device read
+    assert (got.name, got.status, got.reason, got.device) == ("some_check", Status.WARN, "second", 3)
+
+
+def test_a_rows_own_fields_replace_the_shared_ones_and_none_drops_one():
+    rows = [row(True, Status.FAIL, "bad", value=9, expected=None, action="drain")]
+    got = verdict(readings(), "c", rows, value=1, expected=">= 2", unit="W")
+    assert (got.value, got.expected, got.unit, got.action) == (9, None, "W", "drain")
+
+
+def test_a_table_where_no_row_holds_is_a_programming_error():
+    with pytest.raises(AssertionError, match="no row of the decision table holds"):
+        verdict(readings(), "broken_check", [row(False, Status.PASS, "x")])
+
+
+def test_result_is_about_the_device_read():
+    got = result(readings(), "c", Status.PASS, "ok", value=1)
+    assert (got.device, got.value) == (3, 1)
+
+
+def test_not_read_is_none_when_every_field_is_there():
+    assert not_read(readings(temperature_c=40), "temperature", ["temperature_c"], "nvml") is None
+
+
+def test_not_read_names_every_missing_field_and_each_error_once():
+    r = readings(errors={"temperature_c": "NVML: Unknown Error", "sm_clock_mhz": "NVML: Unknown Error"})
+    got = not_read(r, "c", ["temperature_c", "sm_clock_mhz"], "nvml")
+    assert got.status is Status.UNKNOWN
+    assert got.reason == "could not read temperature_c, sm_clock_mhz: NVML: Unknown Error"
+
+
+def test_passive_device_checks_run_every_check_but_the_pcie_link_once():
+    got = passive_device_checks(readings(), "nvml")
+    names = [r.name for r in got]
+    assert len(names) == len(set(names)) == 9
+    assert not any("pcie" in n for n in names), "the PCIe link needs a loaded reading"
+    assert all(r.device == 3 for r in got)
+
+
+def test_passive_device_checks_on_a_device_with_nothing_read_never_pass():
+    # GIVEN readings where nothing could be read
+    got = passive_device_checks(readings(), "smi:ppu-smi")
+    # THEN no check passes on missing data
+    assert not [r.name for r in got if r.status is Status.PASS]
+
+
+def test_passive_device_checks_pass_our_own_pids_and_the_peers_links_through():
+    r = readings(processes=[DeviceProcess(pid=4242)], nvlinks=[NvLinkReading(0, True)])
+    got = {x.name: x for x in passive_device_checks(r, "nvml", peer_nvlinks=4, own_pids=frozenset({4242}))}
+    nvlink = next(x for name, x in got.items() if name.startswith("nvlink"))
+    processes = next(x for name, x in got.items() if "process" in name)
+    assert nvlink.status is Status.FAIL, "1 active link where peers have 4"
+    assert processes.status is Status.PASS, "our own process is not another user's"

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from healthcheck.links.scheme import LinkSearch, first_round, judge
+from healthcheck.links.scheme import LinkSearch, first_round, judge, median_of_others, pair_up
 
 
 def simulate(
@@ -125,3 +125,36 @@ def test_medians_of_others_match_the_plain_median():
     for size in range(0, 40):
         figures = [None if rng.random() < 0.2 else round(rng.uniform(0, 5), 1) for _ in range(size)]
         assert medians_of_others(figures) == [median_of_others(figures, i) for i in range(size)]
+
+
+@pytest.mark.parametrize(
+    ("nodes", "groups"),
+    [
+        ([4, 7, 9, 2], [(4, 7), (9, 2)]),
+        ([4, 7, 9], [(4, 7, 9)]),
+        ([5], []),
+        ([], []),
+    ],
+)
+def test_pair_up_pairs_in_order_and_an_odd_last_node_joins_the_last_pair(nodes, groups):
+    # GIVEN the nodes left to test, in the order given
+    # THEN consecutive pairs; a lone node cannot be tested with nobody
+    assert pair_up(nodes) == groups
+
+
+def test_the_median_of_the_others_leaves_out_the_node_itself_and_missing_figures():
+    figures = [10.0, None, 30.0, 100.0]
+    assert median_of_others(figures, 0) == 65.0  # 30 and 100
+    assert median_of_others(figures, 1) == 30.0  # 10, 30 and 100
+    assert median_of_others([5.0, None], 0) is None, "nobody else measured"
+
+
+def test_a_missing_figure_is_slow_whatever_the_others():
+    slow, refs = judge([None, 50.0, 50.0])
+    assert slow == [True, False, False]
+    assert refs[0] == 50.0
+
+
+def test_references_given_replace_the_median_of_the_others():
+    slow, refs = judge([50.0, 50.0], threshold=0.1, references=[100.0, 50.0])
+    assert slow == [True, False] and refs == [100.0, 50.0]

@@ -390,3 +390,49 @@ def test_link_findings_drain_the_isolated_node_and_warn_about_the_undecided_ones
     assert doc["links"]["schema"] == "dynprof.healthcheck.links"
     assert "link-slow busbw" in doc["drain_commands"][0]
     assert "links: 2 round(s)" in fleet.render_table(result)
+
+
+# -- the peer comparison on its own ----------------------------------------------------------------
+def fig(node_index: int, value: float, device: int | None = 0, group: str = "NVIDIA H200 140GiB") -> fleet.Figure:
+    return fleet.Figure(node_index, "gemm_bf16", "gemm_bf16_tflops", device, value, "TFLOP/s", group)
+
+
+def test_compare_peers_names_a_figure_below_the_fleet_median_by_the_threshold():
+    # GIVEN three nodes' GEMM figures, one node 20 % under the others
+    figures = [fig(0, 660.0), fig(1, 650.0), fig(2, 520.0)]
+    # WHEN compared with a 10 % threshold
+    findings, groups = fleet.compare_peers(figures, threshold=0.10)
+    # THEN that node is peer-slow against the median of the nodes, with its ratio
+    [(index, reason)] = findings
+    assert (index, reason.code, reason.median, reason.nodes) == (2, fleet.PEER_SLOW, 650.0, 3)
+    assert reason.ratio == round(520.0 / 650.0, 4)
+    [row] = groups
+    assert (row.compared, row.slow, row.nodes, row.per_device) == (True, 1, 3, True)
+
+
+def test_compare_peers_takes_each_nodes_median_first():
+    # GIVEN one node with many devices: it counts once in the fleet median
+    figures = [fig(0, 100.0, device=d) for d in range(8)] + [fig(1, 600.0), fig(2, 610.0)]
+    findings, groups = fleet.compare_peers(figures)
+    assert groups[0].median == 600.0
+    assert {i for i, _ in findings} == {0}
+
+
+def test_fewer_nodes_than_the_minimum_are_not_compared_and_the_summary_says_why():
+    findings, groups = fleet.compare_peers([fig(0, 10.0), fig(1, 600.0)])
+    assert findings == []
+    assert groups[0].compared is False
+    assert "at least 3 make a median" in groups[0].to_json()["why"]
+
+
+def test_figures_of_different_groups_or_scope_are_not_compared_with_each_other():
+    figures = [fig(0, 600.0), fig(1, 600.0), fig(2, 600.0), fig(3, 100.0, group="NVIDIA A100 80GiB")]
+    figures += [fig(4, 100.0, device=None)]
+    findings, groups = fleet.compare_peers(figures)
+    assert findings == []
+    assert len(groups) == 3
+
+
+def test_a_zero_median_compares_nothing():
+    findings, groups = fleet.compare_peers([fig(0, 0.0), fig(1, 0.0), fig(2, 0.0)])
+    assert findings == [] and groups[0].compared is False

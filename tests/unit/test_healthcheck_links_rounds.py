@@ -12,6 +12,10 @@ from healthcheck.links.rounds import (
     CODE_HUNG,
     CODE_SLOW,
     LINKS_SCHEMA,
+    GroupResult,
+    LinkFinding,
+    LinkReport,
+    median_figure,
     run_link_rounds,
 )
 
@@ -128,3 +132,36 @@ def test_a_round_whose_sides_never_answer_ends_at_its_limit(monkeypatch):
         release.set()
     # THEN the rounds returned and node 3 is named hung
     assert [(f.node, f.code) for f in report.findings] == [(NODES[3].address, CODE_HUNG)]
+
+
+def group(status: str, busbw: float | None) -> GroupResult:
+    return GroupResult(round=1, members=(0, 1), nodes=["a", "b"], hosts=["a", "b"], status=status, busbw_gbps=busbw)
+
+
+def test_median_figure_is_the_median_of_the_healthy_tests_only():
+    # GIVEN two rounds with healthy, slow and hung tests
+    report = LinkReport(["a", "b"], "gloo", "sendrecv", 1024, 0.2, None, 30.0)
+    report.rounds = [
+        [group("ok", 40.0), group("slow", 5.0), group("hung", None)],
+        [group("ok", 60.0), group("ok", 50.0)],
+    ]
+    # THEN only the healthy tests count
+    assert median_figure(report) == 50.0
+
+
+def test_median_figure_of_a_report_without_healthy_tests_is_none():
+    report = LinkReport(["a"], "gloo", "sendrecv", 1024, 0.2, None, 30.0)
+    report.rounds = [[group("hung", None)]]
+    assert median_figure(report) is None
+
+
+def test_a_report_is_ok_until_it_has_a_finding_and_its_json_rounds_figures():
+    report = LinkReport(["a", "b"], "gloo", "sendrecv", 1024, 0.2, None, 30.0)
+    report.rounds, report.round_wall_s = [[group("ok", 12.345678)]], [1.23456]
+    assert report.ok
+    doc = report.to_json()
+    assert (doc["schema"], doc["ok"]) == (LINKS_SCHEMA, True)
+    assert doc["rounds"][0]["groups"][0]["busbw_gbps"] == 12.3457
+    assert doc["rounds"][0]["wall_s"] == 1.235
+    report.findings.append(LinkFinding("a", "a:8787", CODE_SLOW, True, 1.0, 12.0, None, [], "slow"))
+    assert not report.ok and report.to_json()["findings"][0]["code"] == CODE_SLOW
