@@ -78,6 +78,8 @@ def read_json_file(path: Path, what: str) -> Any:
             raw = fh.read(MAX_JSON_BYTES + 1)
     except OSError as exc:
         raise BaselineError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
+    except ValueError:  # a NUL byte in the path: no file can have that name
+        raise BaselineError(f"cannot read {what} {str(path)!a}: a path cannot hold a NUL byte") from None
     if len(raw) > MAX_JSON_BYTES:
         raise BaselineError(f"{what} {path} is larger than {MAX_JSON_BYTES >> 20} MiB")
     try:

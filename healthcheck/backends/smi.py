@@ -301,12 +301,17 @@ class SmiBackend:
             for r in rows.values():
                 r.errors.update({attr: exc.message for attr, _, _ in queried})
             return rows
+        listed: set[int] = set()
         for row in out:
             if not row or not row[0].strip().isdigit() or int(row[0]) not in rows:
                 continue
+            listed.add(int(row[0]))
             r = rows[int(row[0])]
             for (attr, query, parse), cell in zip(queried, row[1:], strict=False):
                 self._set(r, attr, query, cell, parse)
+        for i, r in rows.items():
+            if i not in listed:  # gone from the tool's list since the check began: say so, never blank
+                r.errors.update({attr: f"{self.tool} did not list device {i} again" for attr, _, _ in queried})
         return rows
 
     def watch_xid(self) -> bool:

@@ -150,6 +150,15 @@ class ProcState:
     wchan: str = ""
 
 
+# Where the NVIDIA driver's own functions wait: nv*/_nv* (the kernel module's), uvm* (unified memory).
+_DRIVER_WCHAN_PREFIXES = ("nv", "_nv", "uvm")
+
+
+def _in_gpu_driver(p: ProcState) -> bool:
+    wchan = p.wchan.lower()
+    return wchan.startswith(_DRIVER_WCHAN_PREFIXES) or "nvidia" in wchan or "nvidia" in p.name.lower()
+
+
 def check_process_states(zombies: list[ProcState], stuck: list[ProcState]) -> CheckResult:
     """``stuck``: processes in D state on two readings apart (not a passing I/O wait)."""
     name = "host_processes"
@@ -157,7 +166,7 @@ def check_process_states(zombies: list[ProcState], stuck: list[ProcState]) -> Ch
         "zombies": len(zombies),
         "stuck_in_d_state": [{"pid": p.pid, "name": p.name, "wchan": p.wchan} for p in stuck[:20]],
     }
-    driver_stuck = [p for p in stuck if "nv" in p.wchan.lower() or "nvidia" in p.name.lower()]
+    driver_stuck = [p for p in stuck if _in_gpu_driver(p)]
     if driver_stuck:
         return CheckResult(
             name,

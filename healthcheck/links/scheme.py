@@ -23,7 +23,7 @@ The search (:class:`LinkSearch`):
   is slow; fast: it was transient), and members left untested in round 2 (not enough fast
   partners) are paired with cleared nodes.
 
-With one bad node among n >= 4 nodes it is named in <= 2 rounds (tests/unit/test_links_scheme.py
+With one bad node among n >= 4 nodes it is named in <= 2 rounds (tests/unit/test_healthcheck_links_scheme.py
 proves it for every position and n = 4..1024). With two bad nodes in different groups both
 are named in 2 rounds as long as fast groups outnumber slow ones (else the medians are
 slow themselves and only the baseline can judge). Limits of links alone: with **2 nodes**

@@ -292,12 +292,6 @@ def test_a_device_the_backend_never_listed_has_counter_errors_not_values(tool):
     assert end.errors["reset_required"] == "nvidia-smi did not list device 5 again"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: healthcheck.backends.smi.SmiBackend.read_counters gives a device that the end query no "
-    "longer lists an empty reading without any error (its 'did not list device N again' error is only "
-    "reached for an index never listed), so the reason is lost",
-)
 def test_a_device_missing_from_the_counter_query_has_errors_not_values(tool):
     fields = {"reset_status.reset_required": "No", "reset_status.drain_and_reset_recommended": "No"}
     fake = tool(FakeTool([device(0, **fields), device(1, **fields)]))

@@ -183,11 +183,6 @@ def test_load_baselines_without_files_or_shipped_ones_is_empty():
     assert load_baselines(None, shipped=False) == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: healthcheck.baseline.read_json_file lets the ValueError of os.stat on a path with a NUL "
-    "byte escape (it catches OSError only), though it promises a BaselineError for any unreadable path",
-)
 def test_a_path_with_a_nul_byte_is_a_baseline_error():
     with pytest.raises(BaselineError):
         load_baselines(["bad\0name.json"], shipped=False)

@@ -122,12 +122,6 @@ def test_the_details_list_at_most_twenty_stuck_processes():
     assert result.value == 50 and len(result.details["stuck_in_d_state"]) == 20
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: healthcheck.checks.host.check_process_states takes any wchan containing 'nv' for the GPU "
-    "driver, so a process stuck in the kernel's page-cache invalidation (NFS) is failed and drained as "
-    "'stuck in the GPU driver' instead of warned",
-)
 def test_a_wchan_that_merely_contains_nv_is_not_the_gpu_driver():
     stuck = [ProcState(8, "rsync", "D", 1, "invalidate_inode_pages2_range")]
     assert check_process_states([], stuck).status is Status.WARN
