@@ -15,13 +15,10 @@ returns once the trace is active.
 from __future__ import annotations
 
 import argparse
-import os
 import re
-import time
-import uuid
 from typing import Any
 
-from collectors.torch_trace import WRITING_AT_EXIT, result_from_store, target_row
+from collectors.torch_trace.collect import TraceRequest
 from dynprof import errors
 from dynprof.cli._common import (
     MAX_SECONDS,
@@ -30,10 +27,9 @@ from dynprof.cli._common import (
     Progress,
     add_attach_flag,
     add_targets,
+    attach_first,
     bounded_int,
-    parallel,
     printable,
-    resolve_agents,
     seconds,
 )
 from dynprof.cli.job import (
@@ -51,15 +47,8 @@ from dynprof.cli.job import (
     who,
     with_fetch,
 )
-from dynprof.client import AgentClient
-from dynprof.job.align import ALIGN_LEAD_S, ALIGN_RETRIES, aligned_steps, alignment_step, boundary_offsets
 from dynprof.nodes import Node
-from dynprof.proto import pb
-from dynprof.registry import AgentRecord
 from dynprof.result import Result
-
-POLL_S = 0.1
-
 
 _SAMPLE_GROUP = re.compile(r"sample-[0-9a-f]{12}")
 
@@ -149,121 +138,13 @@ class StartCommand(JobCommand):
         )
 
     def collect_local(self, args: argparse.Namespace) -> Result:
-        if args.at_step is not None and args.duration is not None:
-            raise errors.UsageError("--at-step applies to step mode, not to --duration")
-        records = resolve_agents(args)
-        clients = [AgentClient.for_record(r, timeout=5.0) for r in records]
-        statuses = _check(parallel(lambda c: c.status(), clients), records)
-        steps = args.steps or 0
-        duration = args.duration or 0.0
-        messages: list[str] = []
-        if not args.pid and not duration and len(records) > 1:
-            # Among the processes of a job, those that never stepped an optimizer (a launcher,
-            # data-loader workers started with spawn) would wait for a step that never comes.
-            stepping = [s.step > 0 for s in statuses]
-            if any(stepping) and not all(stepping):
-                skipped = [r.pid for r, ok in zip(records, stepping) if not ok]
-                messages.append(
-                    f"skipping {len(skipped)} process(es) that have not stepped an optimizer "
-                    f"(a launcher or data-loader worker?): pid {', '.join(map(str, skipped))}"
-                )
-                keep = [i for i, ok in enumerate(stepping) if ok]
-                records = [records[i] for i in keep]
-                clients = [clients[i] for i in keep]
-                statuses = [statuses[i] for i in keep]
-        align = len(records) > 1 and duration == 0 and all(s.step_hook_installed and s.step > 0 for s in statuses)
-        at_step = args.at_step or 0
-        group_id = uuid.uuid4().hex[:12]
-        if args.sample_keep:
-            from dynprof.watch.straggler import SAMPLE_GROUP_PREFIX, prune_sample_traces
+        from collectors.torch_trace.collect import collect
 
-            group_id = SAMPLE_GROUP_PREFIX + group_id
-            job = args.job or (records[0].job_id if records else None)
-            if job:
-                gone = prune_sample_traces(job, args.sample_keep - 1, set(args.keep_groups))
-                if gone:
-                    messages.append(f"deleted {len(gone)} older straggler-sample trace(s) of job {job}")
-        options = pb.TraceOptions(
-            record_shapes=args.record_shapes,
-            with_stack=args.with_stack,
-            profile_memory=args.profile_memory,
-            with_flops=args.with_flops,
-            with_modules=args.with_modules,
-            activities=args.activities,
-        )
-        lead = ALIGN_LEAD_S
-        # Attached processes count steps from their attach: align them by boundary times.
-        by_time = align and not args.at_step and any(r.activation == "attach" for r in records)
-        for attempt in range(ALIGN_RETRIES):
-            per_process = [at_step] * len(records)
-            if align and not args.at_step:
-                offsets = boundary_offsets(statuses) if by_time else None
-                if offsets is not None:
-                    per_process = aligned_steps(statuses, offsets, lead)
-                    at_step = per_process[0]
-                else:
-                    at_step = alignment_step(statuses, lead)
-                    per_process = [at_step] * len(records)
-            requests = [
-                pb.StartTraceRequest(
-                    steps=steps,
-                    duration_s=duration,
-                    at_step=k,
-                    options=options,
-                    max_duration_s=args.max_duration or 0.0,
-                    group_id=group_id,
-                )
-                for k in per_process
-            ]
-            replies = parallel(lambda cr: cr[0].request(start_trace=cr[1]), list(zip(clients, requests)))
-            failures = [(r, x) for r, x in zip(records, replies) if isinstance(x, Exception)]
-            if not failures:
-                break
-            _cancel(clients, replies)
-            passed = [x for _, x in failures if getattr(x, "code", None) == pb.STEP_PASSED]
-            if passed and not args.at_step and attempt + 1 < ALIGN_RETRIES:
-                lead *= 4
-                statuses = _check(parallel(lambda c: c.status(), clients), records)
-                continue
-            raise failures[0][1]
-        started = {r.pid: reply.trace_started.trace for r, reply in zip(records, replies)}
-        where = f"at step {at_step}" if at_step else ("at the next step boundary" if steps else "now")
-        if len(set(per_process)) > 1:
-            where = (
-                "at the same step boundary (by each process's own step count: "
-                + ", ".join(f"pid {r.pid} after {k}" for r, k in zip(records, per_process))
-                + ")"
-            )
-        what = f"{steps} steps" if steps else (f"{duration:g} s" if duration else "until `dynprof stop`")
-        requested = (
-            f"dynprof: trace of {what} requested from {len(records)} process(es), starting {where} (group {group_id})"
-        )
-        if args.no_wait:
-            doc = {
-                "group_id": group_id,
-                "at_step": at_step,
-                "state": "armed",
-                "targets": [target_row(r, started[r.pid].start_step) for r in records],
-            }
-            return JobResult(doc, 0, messages, context={"requested": requested})
-        if not steps and not duration:
-            doc = self._wait_active(args, clients, records, group_id)
-            sel = (
-                f"--job {args.job}"
-                if args.job
-                else ("--all" if args.all else "--pid " + ",".join(str(r.pid) for r in records))
-            )
-            n_active = len(doc["targets"])
-            active = (
-                f"dynprof: tracing in {n_active} process(es); end it with `dynprof stop {sel}`"
-                if n_active
-                else "dynprof: the trace already ended: the process(es) exited while tracing"
-            )
-            code = 0 if all(r["artifact"] and r["status"] != "failed" for r in doc.get("results", [])) else 1
-            return JobResult(doc, code, messages, context={"requested": requested, "active": active})
-        doc = self._wait_done(args, clients, records, group_id, steps, at_step)
-        code = 0 if all(r["status"] == "complete" for r in doc["results"]) else 1
-        return JobResult(doc, code, messages, context={"requested": requested})
+        if args.attach:
+            attach_first(args)
+        got = collect(request_from_args(args), Progress(enabled=not getattr(args, "json", False)))
+        context = {"requested": got.requested, **({"active": got.active} if got.active is not None else {})}
+        return JobResult(got.doc, got.exit_code, got.messages, context=context)
 
     def collect_nodes(self, args: argparse.Namespace, nodes: list[Node]) -> Result:
         """Steps mode: one start step for every rank of every node (:mod:`dynprof.job.start`),
@@ -352,182 +233,6 @@ class StartCommand(JobCommand):
                 lines.append(printable(f"{who}: failed: {res['error']}"))
         return "\n".join(lines)
 
-    def _wait_active(
-        self, args: argparse.Namespace, clients: list[AgentClient], records: list[AgentRecord], group_id: str
-    ) -> dict[str, Any]:
-        deadline = time.monotonic() + (args.timeout or 120.0)
-        progress = Progress(enabled=not getattr(args, "json", False))
-        ended: dict[int, dict[str, Any]] = {}  # pid -> the trace it already wrote
-        while True:
-            pending = [(r, c) for r, c in zip(records, clients) if r.pid not in ended]
-            states = parallel(lambda rc: rc[1].status().trace, pending)
-            active = [s for s in states if not isinstance(s, Exception) and s.state == "tracing"]
-            failed = []
-            for (record, _), s in zip(pending, states):
-                # A trace that started and ended between two looks (a job that exits mid-trace):
-                # once the process is gone, its trace is in the store; an idle agent names it.
-                done: dict[str, Any] | None = None
-                if isinstance(s, Exception):
-                    if _alive(record.pid):
-                        continue  # its agent stopped answering during its exit: looked at again
-                    done = result_from_store(record, group_id, 0)
-                elif s.state == "idle" and s.group_id == group_id:
-                    if s.last_artifact:
-                        done = {
-                            **target_row(record, s.start_step),
-                            "status": s.last_artifact_status or "failed",
-                            "artifact": s.last_artifact,
-                            "error": s.last_error or None,
-                        }
-                elif (
-                    s.state == "exporting"
-                    and s.group_id == group_id
-                    and s.last_artifact_status == WRITING_AT_EXIT
-                    and s.last_artifact
-                ):
-                    # it ran, and the job's exit is writing it now
-                    done = {
-                        **target_row(record, s.start_step),
-                        "status": WRITING_AT_EXIT,
-                        "artifact": s.last_artifact,
-                        "error": None,
-                    }
-                else:
-                    continue
-                if done is not None:
-                    ended[record.pid] = done
-                else:
-                    failed.append((record, s))
-            if failed:
-                progress.done()
-                record, s = failed[0]
-                raise (
-                    s
-                    if isinstance(s, Exception)
-                    else errors.AgentError(
-                        f"pid {record.pid}: the trace did not start: {s.last_error or 'unknown reason'}"
-                    )
-                )
-            if len(active) + len(ended) == len(records):
-                progress.done()
-                doc: dict[str, Any] = {
-                    "group_id": group_id,
-                    "state": "tracing" if active else "ended",
-                    "targets": [
-                        target_row(r, s.start_step)
-                        for (r, _), s in zip(pending, states)
-                        if not isinstance(s, Exception) and s.state == "tracing"
-                    ],
-                }
-                if ended:
-                    doc["results"] = [ended[r.pid] for r in records if r.pid in ended]
-                return doc
-            if time.monotonic() > deadline:
-                progress.done()
-                raise errors.Timeout(
-                    f"the trace was not active after {args.timeout or 120:g} s",
-                    help="Check that the process is stepping (`dynprof ps`); the request stays "
-                    "armed until the hard cap.",
-                )
-            progress.update(f"waiting for the trace to start: {len(active)}/{len(records)} active")
-            time.sleep(POLL_S)
-
-    def _wait_done(
-        self,
-        args: argparse.Namespace,
-        clients: list[AgentClient],
-        records: list[AgentRecord],
-        group_id: str,
-        steps: int,
-        at_step: int,
-    ) -> dict[str, Any]:
-        deadline = time.monotonic() + args.timeout if args.timeout else None
-        progress = Progress(enabled=not getattr(args, "json", False))
-        results: dict[int, dict[str, Any]] = {}
-        try:
-            while len(results) < len(records):
-                pending = [(r, c) for r, c in zip(records, clients) if r.pid not in results]
-                states = parallel(lambda rc: rc[1].status(), pending)
-                parts = []
-                for (record, _), st in zip(pending, states):
-                    if isinstance(st, Exception):
-                        # The process is gone (it exited, or was killed): a trace it flushed on
-                        # the way out is in the store under this request's group.
-                        results[record.pid] = result_from_store(record, group_id, at_step) or {
-                            **target_row(record, at_step),
-                            "status": "failed",
-                            "artifact": None,
-                            "error": f"lost contact with the process before it wrote a trace: {st}",
-                        }
-                        continue
-                    t = st.trace
-                    if t.group_id == group_id and t.state == "idle":
-                        results[record.pid] = {
-                            **target_row(record, t.start_step),
-                            "status": t.last_artifact_status or "failed",
-                            "artifact": t.last_artifact or None,
-                            "error": t.last_error or None,
-                        }
-                        continue
-                    label = f"rank {record.rank}" if record.rank is not None else f"pid {record.pid}"
-                    if t.state == "armed":
-                        parts.append(f"{label}: armed, at step {st.step}, starts after {t.start_step}")
-                    elif steps:
-                        parts.append(f"{label}: {t.state} {t.steps_done}/{steps} steps")
-                    else:
-                        parts.append(f"{label}: {t.state}")
-                if parts:
-                    # The states come from the processes: shown escaped, like all text from them.
-                    progress.update(
-                        printable("; ".join(parts[:4]) + (f"; +{len(parts) - 4} more" if len(parts) > 4 else ""))
-                    )
-                if len(results) == len(records):
-                    break
-                if deadline is not None and time.monotonic() > deadline:
-                    progress.done()
-                    raise errors.Timeout(
-                        f"gave up waiting after {args.timeout:g} s; the trace continues and ends by itself",
-                        help="Find its artifact later with `dynprof ls --kind trace`.",
-                    )
-                time.sleep(POLL_S)
-        except KeyboardInterrupt:
-            progress.done()
-            parallel(lambda c: c.request(stop_trace=pb.StopTraceRequest()), clients)
-            raise errors.DynprofError(
-                "interrupted: asked the processes to stop the trace early",
-                help="The partial traces are listed by `dynprof ls --kind trace`.",
-            ) from None
-        progress.done()
-        return {"group_id": group_id, "results": [results[r.pid] for r in records]}
-
-
-def _alive(pid: int) -> bool:
-    """The process exists and has not exited (a zombie, not yet reaped by its parent, has)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        pass  # another user's: it exists
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read(4096).rpartition(b")")[2].split()[:1]
-    except OSError:
-        return True  # no /proc here: kill(0) said it exists
-    return state not in ([b"Z"], [b"X"])
-
-
-def _check(statuses: list[Any], records: list[AgentRecord]) -> list[Any]:
-    for st in statuses:
-        if isinstance(st, Exception):
-            raise st
-    return statuses
-
-
-def _cancel(clients: list[AgentClient], replies: list[Any]) -> None:
-    accepted = [c for c, r in zip(clients, replies) if not isinstance(r, Exception)]
-    parallel(lambda c: c.request(stop_trace=pb.StopTraceRequest()), accepted)
-
 
 def _as_is_line(r: dict[str, Any]) -> str:
     return f"{r.get('status', 'tracing')}: {r.get('artifact') or r.get('error') or r.get('state') or ''}"
@@ -550,3 +255,26 @@ def _render_nodes(doc: dict[str, Any], steps: int) -> str:
     text.artifacts([], doc.get("fetched"))
     text.footer(doc)
     return text.value()
+
+
+def request_from_args(args: argparse.Namespace) -> TraceRequest:
+    """The options of `dynprof start` on this node as the trace kind's request."""
+    return TraceRequest(
+        pids=tuple(args.pid or ()),
+        job=args.job,
+        all=bool(args.all),
+        steps=args.steps or 0,
+        duration=args.duration or 0.0,
+        at_step=args.at_step or 0,
+        record_shapes=args.record_shapes,
+        with_stack=args.with_stack,
+        profile_memory=args.profile_memory,
+        with_flops=args.with_flops,
+        with_modules=args.with_modules,
+        activities=tuple(args.activities),
+        max_duration=args.max_duration or 0.0,
+        no_wait=args.no_wait,
+        timeout=args.timeout,
+        sample_keep=args.sample_keep or 0,
+        keep_groups=tuple(args.keep_groups),
+    )

@@ -206,17 +206,16 @@ def sample_every_of(args: argparse.Namespace) -> float | None:
 
 def local_straggler_of(source: Any) -> Any:
     """The engine's straggler hook over this node's agents (a :class:`LocalSource`): each sample
-    is ``dynprof start --job J --steps N --with-stack`` on them, by the command's own local path,
-    its traces analysed in this machine's store (and pruned there)."""
+    is a trace of N steps with stacks on them (the trace kind's own start, as ``dynprof start
+    --job J --steps N --with-stack`` runs it), its traces analysed in this machine's store."""
     from dynprof.watch.straggler import MAX_TRACE_DURATION_S, local_straggler_hook
 
     def trace(job: str, steps: int, limit_s: float) -> dict[str, Any]:
-        from dynprof.cli.start import StartCommand
+        from collectors.torch_trace.collect import TraceRequest, collect
 
-        command = StartCommand()
-        argv = ["--job", job, "--steps", str(steps), "--with-stack", "--json"]
-        argv += ["--max-duration", f"{min(MAX_TRACE_DURATION_S, max(10.0, limit_s)):g}", "--timeout", f"{limit_s:g}"]
-        return command.collect_local(_parse(command, argv)).to_json()
+        cap = min(MAX_TRACE_DURATION_S, max(10.0, limit_s))
+        request = TraceRequest(job=job, steps=steps, with_stack=True, max_duration=cap, timeout=limit_s)
+        return collect(request).doc
 
     return local_straggler_hook(source.host, trace)
 
@@ -349,12 +348,6 @@ def node_source(args: argparse.Namespace, nodes: list[Node]) -> Any:
         return got.analysis, None
 
     return SidecarSource(client, nodes, flight_recorder=flight_recorder)
-
-
-def _parse(command: Any, argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(add_help=False)
-    command.prepare_parser(parser)
-    return parser.parse_args(argv)
 
 
 class LocalSource:

@@ -1,7 +1,7 @@
 """A trace of N steps on every rank of every node, all from the same step.
 
 :func:`arm_at_one_step` reads every rank's step (``ps`` on every node), picks the smallest step
-every rank still reaches (:mod:`dynprof.job.align`), arms every node at it (``start --no-wait
+every rank still reaches (:mod:`collectors.torch_trace.align`), arms every node at it (``start --no-wait
 --at-step S``), and when a node finds that step already passed, cancels the others and arms
 again further ahead. :func:`follow_traces` then follows each armed rank through its node's
 ``ps`` (its trace group, start step and outcome) until its trace is written, its node stops
@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, Protocol
 
+from collectors.torch_trace.align import ALIGN_LEAD_S, ALIGN_RETRIES, MAX_STEP_NUMBER, alignment_step, step_time_of_ms
 from dynprof import roles
-from dynprof.job.align import ALIGN_LEAD_S, ALIGN_RETRIES, MAX_STEP_NUMBER, alignment_step, step_time_of_ms
 from dynprof.job.answers import int_or_none, rank_key, rows
 from dynprof.job.client import SidecarClient
 from dynprof.nodes import Node, NodeAnswer

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from collectors.torch_trace.align import aligned_steps, boundary_offsets
 from dynprof import errors
 from dynprof.attach import _elf, _preflight, choose_method, find_job_processes
 from dynprof.attach._bootstrap import THREAD_NAME, bootstrap_source, payload
-from dynprof.job.align import aligned_steps, boundary_offsets
 from dynprof.proto import pb
 
 ROOT = Path(__file__).resolve().parent.parent.parent

@@ -7,9 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from collectors.torch_trace.align import alignment_step
 from dynprof.agents import select_workers
 from dynprof.identity import detect
-from dynprof.job.align import alignment_step
 from dynprof.proto import pb
 from dynprof.registry import AgentRecord, list_records, process_start_ticks, write_record
 
@@ -146,7 +146,7 @@ def test_multiprocessing_service_interpreters_get_no_agent():
 def test_alignment_takes_no_crafted_step_time_for_a_pace():
     from types import SimpleNamespace
 
-    from dynprof.job.align import boundary_offsets
+    from collectors.torch_trace.align import boundary_offsets
 
     for crafted in (5e-324, 1e-320, float("nan"), float("inf"), -1.0, 0.0):
         # GIVEN a process whose step time is no measurement, beside one at 100 ms a step

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from collectors.torch_trace.samples import prune_sample_traces
 from dynprof import errors
 from dynprof.store import ArtifactStore
-from dynprof.watch.straggler import KEEP_SAMPLES, SampleTraces, prune_sample_traces, sample_local_stragglers
+from dynprof.watch.straggler import KEEP_SAMPLES, SampleTraces, sample_local_stragglers
 
 
 def trace_artifact(store: ArtifactStore, rank: int, group: str) -> str:

@@ -1,0 +1,412 @@
+"""Start a torch.profiler trace in this node's processes, and follow it: the trace kind's one
+policy for a start, whoever asks (``dynprof start``, the sidecar's ``start`` action, the watch's
+straggler samples on this node).
+
+    >>> started = collect(TraceRequest(job="j1", steps=5))       # doctest: +SKIP
+    >>> [r["artifact"] for r in started.doc["results"]]           # doctest: +SKIP
+
+Several processes of a job stepping an optimizer start at one common step (by each process's
+own step count when some were attached: aligned by their step boundaries' times). A process
+that never stepped is left out of a step-mode trace of a job, and said so.
+
+Not imported by ``collectors.torch_trace`` itself: the agent, which imports that package, never
+loads this policy.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from collectors.torch_trace import WRITING_AT_EXIT, result_from_store, target_row
+from collectors.torch_trace.align import ALIGN_LEAD_S, ALIGN_RETRIES, aligned_steps, alignment_step, boundary_offsets
+from collectors.torch_trace.samples import SAMPLE_GROUP_PREFIX, prune_sample_traces
+from dynprof import errors
+from dynprof.agents import parallel, resolve
+from dynprof.arguments import MAX_PID, MAX_SECONDS, MAX_STEP_NUMBER, MAX_TRACE_STEPS
+from dynprof.client import AgentClient
+from dynprof.output import printable
+from dynprof.proto import pb
+from dynprof.registry import AgentRecord
+
+POLL_S = 0.1
+ACTIVITIES = ("cpu", "cuda", "xpu")
+MAX_SAMPLE_KEEP = 64
+DEFAULT_ACTIVE_WAIT_S = 120.0  # an open-ended trace is waited for until active, this long unless given
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    """Which processes: exactly one of ``pids``, ``job`` (its trainers on this node) or ``all``.
+    How long: ``steps`` optimizer steps (from ``at_step``, else the next boundary), or
+    ``duration`` seconds, or neither (until `dynprof stop`). What torch.profiler records (the
+    ``record_shapes`` ... ``activities`` options), the agent's hard cap (``max_duration``),
+    whether to wait (``no_wait``; ``timeout``: how long), and for a watch's straggler sample
+    (``sample_keep``) the older samples of the job this node keeps (``keep_groups``). Checked
+    when made: a bad request raises :class:`~dynprof.errors.UsageError`."""
+
+    pids: tuple[int, ...] = ()
+    job: str | None = None
+    all: bool = False
+    steps: int = 0
+    duration: float = 0.0
+    at_step: int = 0
+    record_shapes: bool = False
+    with_stack: bool = False
+    profile_memory: bool = False
+    with_flops: bool = False
+    with_modules: bool = False
+    activities: tuple[str, ...] = ()
+    max_duration: float = 0.0
+    no_wait: bool = False
+    timeout: float | None = None
+    sample_keep: int = 0
+    keep_groups: tuple[str, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if len([x for x in (self.pids, self.job, self.all) if x]) != 1:
+            raise errors.UsageError("give exactly one of --pid, --job or --all", help="See `dynprof start --help`.")
+        if self.steps and self.duration:
+            raise errors.UsageError("give --steps or --duration, not both")
+        if self.at_step and self.duration:
+            raise errors.UsageError("--at-step applies to step mode, not to --duration")
+        if not 0 <= self.steps <= MAX_TRACE_STEPS:
+            raise errors.UsageError(f"--steps is 1..{MAX_TRACE_STEPS:,}")
+        if not 0 <= self.at_step <= MAX_STEP_NUMBER:
+            raise errors.UsageError(f"--at-step is 1..{MAX_STEP_NUMBER}")
+        for name, value in (("--duration", self.duration), ("--max-duration", self.max_duration)):
+            if not 0 <= value <= MAX_SECONDS:
+                raise errors.UsageError(f"{name} {value:g}: at most {MAX_SECONDS:g} s")
+        if self.timeout is not None and not 0 < self.timeout <= MAX_SECONDS:
+            raise errors.UsageError(f"a timeout of {self.timeout:g} s: more than 0, at most {MAX_SECONDS:g}")
+        if any(not 0 < pid <= MAX_PID for pid in self.pids):
+            raise errors.UsageError(f"a process id is 1-{MAX_PID}")
+        bad = [a for a in self.activities if a not in ACTIVITIES]
+        if bad:
+            raise errors.UsageError(f"unknown activity {bad[0][:40]!a} (choose from {', '.join(ACTIVITIES)})")
+        if not 0 <= self.sample_keep <= MAX_SAMPLE_KEEP:
+            raise errors.UsageError(f"--sample-keep is 1..{MAX_SAMPLE_KEEP}")
+
+
+@dataclass
+class Started:
+    """The trace's document (``group_id``, ``targets`` armed or active, ``results`` written),
+    the exit code it means (0: every trace complete), what is worth saying besides
+    (``messages``), and the lines a person reads: what was requested, and how to end an
+    open-ended trace (``active``)."""
+
+    doc: dict[str, Any]
+    exit_code: int
+    messages: list[str]
+    requested: str
+    active: str | None = None
+
+
+class ProgressLine(Protocol):
+    """Where a start says what the processes are doing while it waits (one line, rewritten)."""
+
+    def update(self, text: str) -> None: ...
+
+    def done(self) -> None: ...
+
+
+class _Quiet:
+    def update(self, text: str) -> None:
+        pass
+
+    def done(self) -> None:
+        pass
+
+
+def collect(request: TraceRequest, progress: ProgressLine | None = None) -> Started:
+    """Start the trace ``request`` asks for in each process it names, and (unless ``no_wait``)
+    follow it: until every trace is written (steps or duration), or active (an open-ended one,
+    ended by `dynprof stop`). ``progress`` is told what the processes do meanwhile."""
+    progress = progress or _Quiet()
+    records = resolve(pids=request.pids, job=request.job)
+    clients = [AgentClient.for_record(r, timeout=5.0) for r in records]
+    statuses = _check(parallel(lambda c: c.status(), clients), records)
+    steps = request.steps
+    duration = request.duration
+    messages: list[str] = []
+    if not request.pids and not duration and len(records) > 1:
+        # Among the processes of a job, those that never stepped an optimizer (a launcher,
+        # data-loader workers started with spawn) would wait for a step that never comes.
+        stepping = [s.step > 0 for s in statuses]
+        if any(stepping) and not all(stepping):
+            skipped = [r.pid for r, ok in zip(records, stepping) if not ok]
+            messages.append(
+                f"skipping {len(skipped)} process(es) that have not stepped an optimizer "
+                f"(a launcher or data-loader worker?): pid {', '.join(map(str, skipped))}"
+            )
+            keep = [i for i, ok in enumerate(stepping) if ok]
+            records = [records[i] for i in keep]
+            clients = [clients[i] for i in keep]
+            statuses = [statuses[i] for i in keep]
+    align = len(records) > 1 and duration == 0 and all(s.step_hook_installed and s.step > 0 for s in statuses)
+    at_step = request.at_step or 0
+    group_id = uuid.uuid4().hex[:12]
+    if request.sample_keep:
+        group_id = SAMPLE_GROUP_PREFIX + group_id
+        job = request.job or (records[0].job_id if records else None)
+        if job:
+            gone = prune_sample_traces(job, request.sample_keep - 1, set(request.keep_groups))
+            if gone:
+                messages.append(f"deleted {len(gone)} older straggler-sample trace(s) of job {job}")
+    options = pb.TraceOptions(
+        record_shapes=request.record_shapes,
+        with_stack=request.with_stack,
+        profile_memory=request.profile_memory,
+        with_flops=request.with_flops,
+        with_modules=request.with_modules,
+        activities=list(request.activities),
+    )
+    lead = ALIGN_LEAD_S
+    # Attached processes count steps from their attach: align them by boundary times.
+    by_time = align and not request.at_step and any(r.activation == "attach" for r in records)
+    for attempt in range(ALIGN_RETRIES):
+        per_process = [at_step] * len(records)
+        if align and not request.at_step:
+            offsets = boundary_offsets(statuses) if by_time else None
+            if offsets is not None:
+                per_process = aligned_steps(statuses, offsets, lead)
+                at_step = per_process[0]
+            else:
+                at_step = alignment_step(statuses, lead)
+                per_process = [at_step] * len(records)
+        requests = [
+            pb.StartTraceRequest(
+                steps=steps,
+                duration_s=duration,
+                at_step=k,
+                options=options,
+                max_duration_s=request.max_duration,
+                group_id=group_id,
+            )
+            for k in per_process
+        ]
+        replies = parallel(lambda cr: cr[0].request(start_trace=cr[1]), list(zip(clients, requests)))
+        failures = [(r, x) for r, x in zip(records, replies) if isinstance(x, Exception)]
+        if not failures:
+            break
+        _cancel(clients, replies)
+        passed = [x for _, x in failures if getattr(x, "code", None) == pb.STEP_PASSED]
+        if passed and not request.at_step and attempt + 1 < ALIGN_RETRIES:
+            lead *= 4
+            statuses = _check(parallel(lambda c: c.status(), clients), records)
+            continue
+        raise failures[0][1]
+    started = {r.pid: reply.trace_started.trace for r, reply in zip(records, replies)}
+    where = f"at step {at_step}" if at_step else ("at the next step boundary" if steps else "now")
+    if len(set(per_process)) > 1:
+        where = (
+            "at the same step boundary (by each process's own step count: "
+            + ", ".join(f"pid {r.pid} after {k}" for r, k in zip(records, per_process))
+            + ")"
+        )
+    what = f"{steps} steps" if steps else (f"{duration:g} s" if duration else "until `dynprof stop`")
+    requested = (
+        f"dynprof: trace of {what} requested from {len(records)} process(es), starting {where} (group {group_id})"
+    )
+    if request.no_wait:
+        doc: dict[str, Any] = {
+            "group_id": group_id,
+            "at_step": at_step,
+            "state": "armed",
+            "targets": [target_row(r, started[r.pid].start_step) for r in records],
+        }
+        return Started(doc, 0, messages, requested)
+    if not steps and not duration:
+        doc = _wait_active(request, clients, records, group_id, progress)
+        sel = (
+            f"--job {request.job}"
+            if request.job
+            else ("--all" if request.all else "--pid " + ",".join(str(r.pid) for r in records))
+        )
+        n_active = len(doc["targets"])
+        active = (
+            f"dynprof: tracing in {n_active} process(es); end it with `dynprof stop {sel}`"
+            if n_active
+            else "dynprof: the trace already ended: the process(es) exited while tracing"
+        )
+        code = 0 if all(r["artifact"] and r["status"] != "failed" for r in doc.get("results", [])) else 1
+        return Started(doc, code, messages, requested, active)
+    doc = _wait_done(request, clients, records, group_id, steps, at_step, progress)
+    code = 0 if all(r["status"] == "complete" for r in doc["results"]) else 1
+    return Started(doc, code, messages, requested)
+
+
+def _wait_active(
+    request: TraceRequest, clients: list[AgentClient], records: list[AgentRecord], group_id: str, progress: ProgressLine
+) -> dict[str, Any]:
+    deadline = time.monotonic() + (request.timeout or 120.0)
+    ended: dict[int, dict[str, Any]] = {}  # pid -> the trace it already wrote
+    while True:
+        pending = [(r, c) for r, c in zip(records, clients) if r.pid not in ended]
+        states = parallel(lambda rc: rc[1].status().trace, pending)
+        active = [s for s in states if not isinstance(s, Exception) and s.state == "tracing"]
+        failed = []
+        for (record, _), s in zip(pending, states):
+            # A trace that started and ended between two looks (a job that exits mid-trace):
+            # once the process is gone, its trace is in the store; an idle agent names it.
+            done: dict[str, Any] | None = None
+            if isinstance(s, Exception):
+                if _alive(record.pid):
+                    continue  # its agent stopped answering during its exit: looked at again
+                done = result_from_store(record, group_id, 0)
+            elif s.state == "idle" and s.group_id == group_id:
+                if s.last_artifact:
+                    done = {
+                        **target_row(record, s.start_step),
+                        "status": s.last_artifact_status or "failed",
+                        "artifact": s.last_artifact,
+                        "error": s.last_error or None,
+                    }
+            elif (
+                s.state == "exporting"
+                and s.group_id == group_id
+                and s.last_artifact_status == WRITING_AT_EXIT
+                and s.last_artifact
+            ):
+                # it ran, and the job's exit is writing it now
+                done = {
+                    **target_row(record, s.start_step),
+                    "status": WRITING_AT_EXIT,
+                    "artifact": s.last_artifact,
+                    "error": None,
+                }
+            else:
+                continue
+            if done is not None:
+                ended[record.pid] = done
+            else:
+                failed.append((record, s))
+        if failed:
+            progress.done()
+            record, s = failed[0]
+            raise (
+                s
+                if isinstance(s, Exception)
+                else errors.AgentError(f"pid {record.pid}: the trace did not start: {s.last_error or 'unknown reason'}")
+            )
+        if len(active) + len(ended) == len(records):
+            progress.done()
+            doc: dict[str, Any] = {
+                "group_id": group_id,
+                "state": "tracing" if active else "ended",
+                "targets": [
+                    target_row(r, s.start_step)
+                    for (r, _), s in zip(pending, states)
+                    if not isinstance(s, Exception) and s.state == "tracing"
+                ],
+            }
+            if ended:
+                doc["results"] = [ended[r.pid] for r in records if r.pid in ended]
+            return doc
+        if time.monotonic() > deadline:
+            progress.done()
+            raise errors.Timeout(
+                f"the trace was not active after {request.timeout or 120:g} s",
+                help="Check that the process is stepping (`dynprof ps`); the request stays armed until the hard cap.",
+            )
+        progress.update(f"waiting for the trace to start: {len(active)}/{len(records)} active")
+        time.sleep(POLL_S)
+
+
+def _wait_done(
+    request: TraceRequest,
+    clients: list[AgentClient],
+    records: list[AgentRecord],
+    group_id: str,
+    steps: int,
+    at_step: int,
+    progress: ProgressLine,
+) -> dict[str, Any]:
+    deadline = time.monotonic() + request.timeout if request.timeout else None
+    results: dict[int, dict[str, Any]] = {}
+    try:
+        while len(results) < len(records):
+            pending = [(r, c) for r, c in zip(records, clients) if r.pid not in results]
+            states = parallel(lambda rc: rc[1].status(), pending)
+            parts = []
+            for (record, _), st in zip(pending, states):
+                if isinstance(st, Exception):
+                    # The process is gone (it exited, or was killed): a trace it flushed on
+                    # the way out is in the store under this request's group.
+                    results[record.pid] = result_from_store(record, group_id, at_step) or {
+                        **target_row(record, at_step),
+                        "status": "failed",
+                        "artifact": None,
+                        "error": f"lost contact with the process before it wrote a trace: {st}",
+                    }
+                    continue
+                t = st.trace
+                if t.group_id == group_id and t.state == "idle":
+                    results[record.pid] = {
+                        **target_row(record, t.start_step),
+                        "status": t.last_artifact_status or "failed",
+                        "artifact": t.last_artifact or None,
+                        "error": t.last_error or None,
+                    }
+                    continue
+                label = f"rank {record.rank}" if record.rank is not None else f"pid {record.pid}"
+                if t.state == "armed":
+                    parts.append(f"{label}: armed, at step {st.step}, starts after {t.start_step}")
+                elif steps:
+                    parts.append(f"{label}: {t.state} {t.steps_done}/{steps} steps")
+                else:
+                    parts.append(f"{label}: {t.state}")
+            if parts:
+                # The states come from the processes: shown escaped, like all text from them.
+                progress.update(
+                    printable("; ".join(parts[:4]) + (f"; +{len(parts) - 4} more" if len(parts) > 4 else ""))
+                )
+            if len(results) == len(records):
+                break
+            if deadline is not None and time.monotonic() > deadline:
+                progress.done()
+                raise errors.Timeout(
+                    f"gave up waiting after {request.timeout:g} s; the trace continues and ends by itself",
+                    help="Find its artifact later with `dynprof ls --kind trace`.",
+                )
+            time.sleep(POLL_S)
+    except KeyboardInterrupt:
+        progress.done()
+        parallel(lambda c: c.request(stop_trace=pb.StopTraceRequest()), clients)
+        raise errors.DynprofError(
+            "interrupted: asked the processes to stop the trace early",
+            help="The partial traces are listed by `dynprof ls --kind trace`.",
+        ) from None
+    progress.done()
+    return {"group_id": group_id, "results": [results[r.pid] for r in records]}
+
+
+def _alive(pid: int) -> bool:
+    """The process exists and has not exited (a zombie, not yet reaped by its parent, has)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        pass  # another user's: it exists
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read(4096).rpartition(b")")[2].split()[:1]
+    except OSError:
+        return True  # no /proc here: kill(0) said it exists
+    return state not in ([b"Z"], [b"X"])
+
+
+def _check(statuses: list[Any], records: list[AgentRecord]) -> list[Any]:
+    for st in statuses:
+        if isinstance(st, Exception):
+            raise st
+    return statuses
+
+
+def _cancel(clients: list[AgentClient], replies: list[Any]) -> None:
+    accepted = [c for c, r in zip(clients, replies) if not isinstance(r, Exception)]
+    parallel(lambda c: c.request(stop_trace=pb.StopTraceRequest()), accepted)
