@@ -28,8 +28,7 @@ def fake_gdb(tmp_path: Path, output: str, body: str = "") -> str:
     (tmp_path / "out.txt").write_text(output)
     script = tmp_path / "gdb"
     script.write_text(
-        f'#!/bin/sh\nfor a in "$@"; do printf "%s\\n" "$a"; done > {tmp_path}/argv.txt\n'
-        f"{body}cat {tmp_path}/out.txt\n"
+        f'#!/bin/sh\nfor a in "$@"; do printf "%s\\n" "$a"; done > {tmp_path}/argv.txt\n{body}cat {tmp_path}/out.txt\n'
     )
     script.chmod(script.stat().st_mode | stat.S_IXUSR)
     return str(script)
