@@ -94,7 +94,7 @@ def test_a_refused_mem_open_is_ptrace_refused_with_the_kernel_setting_named(monk
 
     monkeypatch.setattr(_preflight.os, "open", refuse)
     # WHEN / THEN exit 11, saying why and how to allow it
-    with pytest.raises(errors.PtraceRefused, match="ptrace of process .* was refused") as info:
+    with pytest.raises(errors.PtraceRefused, match=r"ptrace of process .* was refused") as info:
         _preflight.check_process(os.getpid())
     assert info.value.exit_code == 11
     assert "CAP_SYS_PTRACE" in str(info.value) and info.value.help == _preflight.PTRACE_HELP
@@ -134,7 +134,7 @@ def test_gdb_symbols_of_this_process_are_all_there():
 
 
 def test_gdb_symbols_of_a_process_without_python_name_what_is_missing(not_python):
-    with pytest.raises(errors.NotPython, match="lacks the C functions attach calls: .*Py_AddPendingCall"):
+    with pytest.raises(errors.NotPython, match=r"lacks the C functions attach calls: .*Py_AddPendingCall"):
         _preflight.gdb_symbols(not_python.pid)
 
 
