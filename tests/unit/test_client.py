@@ -107,7 +107,9 @@ def test_the_request_carries_the_protocol_version_and_the_reply_is_returned(agen
 
 def test_a_reply_of_another_type_is_a_protocol_error(agent):
     path = agent(lambda r: _reply(r, pong=pb.Pong()))  # type: ignore[operator]
-    with pytest.raises(errors.AgentError, match="answered pong to status .expected status.: a protocol error") as info:
+    with pytest.raises(
+        errors.AgentError, match=r"answered pong to status \(expected status\): a protocol error"
+    ) as info:
         AgentClient(pid=5, sock_path=path, timeout=5).status()
     assert "dynprof --version" in info.value.help
 
@@ -135,7 +137,7 @@ def test_an_error_reply_raises_or_is_returned_as_asked(agent):
 
 def test_an_agent_that_does_not_answer_in_time_is_a_timeout_that_points_at_stacks(agent):
     path = agent(lambda r: None)  # type: ignore[operator]
-    with pytest.raises(errors.Timeout, match="did not answer within 0.05 s") as info:
+    with pytest.raises(errors.Timeout, match=r"did not answer within 0\.05 s") as info:
         AgentClient(pid=77, sock_path=path, timeout=0.05).status()
     assert "dynprof stacks --pid 77" in info.value.help
 
