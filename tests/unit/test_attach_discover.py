@@ -6,8 +6,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -20,6 +22,22 @@ WRAPPER = (
     f"c = subprocess.Popen([sys.executable, '-c', {PARK!r}], stdin=subprocess.PIPE); "
     "print(c.pid, flush=True); sys.stdin.read(); c.stdin.close(); c.wait()"
 )
+
+
+def wait_exec_done(pid: int, env: dict[str, str] | None) -> None:
+    """Wait until ``pid``'s new command line and environment can be read from /proc: the exec
+    that Popen waited for closes its error pipe a moment before the kernel sets them up."""
+    wanted = [f"{k}={v}".encode() for k, v in (env or {}).items()]
+    for _ in range(500):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            environ, cmdline = [], b""
+        if cmdline and all(w in environ for w in wanted):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"pid {pid} did not finish its exec")
 
 
 @pytest.fixture
@@ -41,6 +59,7 @@ def start() -> Iterator[object]:
             env={**os.environ, **env},
         )
         children.append(child)
+        wait_exec_done(child.pid, env)
         return child
 
     yield _start
@@ -87,6 +106,7 @@ def test_a_wrapper_that_runs_the_script_as_its_child_is_a_launcher(job, start):
     wrapper = start({"DYNPROF_JOB_ID": job}, code=WRAPPER)  # type: ignore[operator]
     assert wrapper.stdout is not None
     child_pid = int(wrapper.stdout.readline())
+    wait_exec_done(child_pid, {"DYNPROF_JOB_ID": job})
     try:
         # WHEN the job is searched
         search = find_job_processes(job)
@@ -106,6 +126,7 @@ def test_a_child_that_shares_its_parents_rank_is_left_out_as_a_worker(job, start
     rank0 = start({"DYNPROF_JOB_ID": job, "RANK": "0"}, code=WRAPPER)  # type: ignore[operator]
     assert rank0.stdout is not None
     child_pid = int(rank0.stdout.readline())
+    wait_exec_done(child_pid, {"DYNPROF_JOB_ID": job, "RANK": "0"})
     try:
         search = find_job_processes(job)
         # THEN rank 0 is found, its child is left out with a reason that names rank 0's process

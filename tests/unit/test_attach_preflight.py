@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,10 +16,27 @@ from dynprof import errors
 from dynprof.attach import _preflight
 
 
+def wait_exec_done(pid: int, env: dict[str, str] | None) -> None:
+    """Wait until ``pid``'s new command line and environment can be read from /proc: the exec
+    that Popen waited for closes its error pipe a moment before the kernel sets them up."""
+    wanted = [f"{k}={v}".encode() for k, v in (env or {}).items()]
+    for _ in range(500):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            environ, cmdline = [], b""
+        if cmdline and all(w in environ for w in wanted):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"pid {pid} did not finish its exec")
+
+
 @pytest.fixture
 def not_python() -> Iterator[subprocess.Popen[bytes]]:
     """A live process that runs no Python (``sleep``)."""
     child = subprocess.Popen(["sleep", "30"])
+    wait_exec_done(child.pid, None)
     try:
         yield child
     finally:
@@ -38,6 +56,7 @@ def python_child() -> Iterator[object]:
             env={**os.environ, **(env or {})},
         )
         children.append(child)
+        wait_exec_done(child.pid, env)
         return child
 
     yield start
