@@ -178,7 +178,6 @@ def test_stop_runs_every_exit_callback_last_first_even_after_one_fails():
     agent = dynprof.agent.start()
     assert agent is not None and agent.wait_ready(10)
     ran: list[str] = []
-    agent.exit_callbacks[:] = []
     agent.exit_callbacks.append(lambda: ran.append("first"))
     agent.exit_callbacks.append(lambda: 1 / 0)  # type: ignore[func-returns-value]
     agent.exit_callbacks.append(lambda: ran.append("last"))
