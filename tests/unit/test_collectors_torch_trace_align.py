@@ -1,4 +1,4 @@
-"""dynprof.job.align: one start step that every process still reaches, from untrusted step times."""
+"""collectors.torch_trace.align: one start step that every process still reaches, from untrusted step times."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from types import SimpleNamespace as S
 
 import pytest
 
-from dynprof.job.align import (
+from collectors.torch_trace.align import (
     MAX_MARGIN_STEPS,
     MAX_STEP_NUMBER,
     MIN_STEP_TIME_S,
