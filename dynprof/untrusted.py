@@ -90,13 +90,11 @@ def max_gzip_ratio() -> int:
 # -- names and paths ----------------------------------------------------------------------------
 def check_name(name: object) -> str:
     """``name`` if it is a plain file name inside a directory, else :class:`ArtifactError`."""
-    if (
-        not isinstance(name, str)
-        or name in ("", ".", "..")
-        or "/" in name
-        or "\x00" in name
-        or len(name.encode("utf-8", "surrogateescape")) > 255
-    ):
+    try:
+        unusable = isinstance(name, str) and len(name.encode("utf-8", "surrogateescape")) > 255
+    except UnicodeEncodeError:  # a lone surrogate no file name holds (a manifest's "\ud800")
+        unusable = True
+    if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\x00" in name or unusable:
         raise ArtifactError(f"refused file name {str(name)[:80]!r}: not a plain name inside the artifact")
     return name
 

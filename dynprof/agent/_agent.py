@@ -313,9 +313,13 @@ class Agent:
 
             self._load_extensions()
             assert self._sock is not None and self.record is not None
-            self._server = ControlServer(self._sock, self.record.socket, self.handlers)
+            server = ControlServer(self._sock, self.record.socket, self.handlers)
+            self._server = server
+            if self._stopped:  # stop() ran while the extensions loaded, and closed the bare socket
+                server.close()
+                return
             self._ready.set()
-            self._server.serve_forever()
+            server.serve_forever()
         except BaseException:
             log.exception("the agent's server thread failed; the job continues without it")
         finally:

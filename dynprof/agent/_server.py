@@ -21,6 +21,7 @@ neither.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import socket
@@ -140,8 +141,8 @@ class ControlServer:
             try:
                 conn, _ = sock.accept()
             except OSError as exc:
-                if self._closing:
-                    return
+                if self._closing or exc.errno == errno.EBADF:
+                    return  # closed (by the agent's stop): nothing will ever be accepted again
                 # Out of file descriptors, say: note it and give the process a moment.
                 self.noise.note("accept failed", str(exc))
                 time.sleep(0.05)

@@ -98,7 +98,9 @@ class StepTracker:
 
     def remove_listener(self, listener: BoundaryListener) -> None:
         with self._lock:
-            self._listeners = tuple(x for x in self._listeners if x is not listener)
+            # By equality, as add_listener checks: a bound method read again (self.method) is a new
+            # object equal to the one added, and must remove it.
+            self._listeners = tuple(x for x in self._listeners if x != listener)
 
     def typical_step_s(self) -> float:
         """The median of the latest step durations (one slow step, such as the one a trace's

@@ -115,11 +115,6 @@ def test_listeners_are_called_at_each_boundary_with_the_step_and_only_then():
     assert seen == [1, 2] and tracker.step == 3
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: StepTracker.add_listener compares listeners by equality but remove_listener by identity, "
-    "so a bound method given again (remove_listener(self._on_boundary)) is never removed",
-)
 def test_a_listener_given_again_as_a_bound_method_is_removed():
     # GIVEN a listener that is a bound method, added once
     class Capture:

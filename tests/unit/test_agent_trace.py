@@ -124,12 +124,6 @@ def test_a_stop_before_the_start_step_cancels_the_trace(controller):
     assert controller._timers == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: TraceController removes its listener with steps.remove_listener(self._on_boundary), a new "
-    "bound method that StepTracker.remove_listener (identity) never matches: the listener stays on every "
-    "later optimizer step",
-)
 def test_a_cancelled_trace_leaves_no_listener_on_the_step_hook(controller):
     # GIVEN an armed trace, cancelled
     controller.handle_start(pb.StartTraceRequest(steps=3, at_step=20))

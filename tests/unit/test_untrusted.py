@@ -43,11 +43,6 @@ def test_a_name_that_is_not_plain_is_refused(name):
         check_name(name)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: dynprof.untrusted.check_name lets UnicodeEncodeError escape for a name holding a lone "
-    "surrogate outside U+DC80..U+DCFF (a manifest's JSON \\ud800), instead of refusing it with ArtifactError",
-)
 def test_a_name_with_a_lone_surrogate_from_json_is_refused_as_an_artifact_error():
     with pytest.raises(ArtifactError):
         check_name("\ud800")
