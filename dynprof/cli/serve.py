@@ -227,12 +227,12 @@ class ServeCommand:
             help="read every rank's progress from its agent every S seconds, for /api/progress and /metrics "
             f"(default 2; at least {MIN_PROGRESS_EVERY_S:g}; 0: read only when asked)",
         )
-        from dynprof.cli.watch import add_serve_watch_args
+        from dynprof.cli._watching import add_serve_watch_args
 
         add_serve_watch_args(parser)
 
     def run(self, args: argparse.Namespace) -> int:
-        from dynprof.cli.watch import check_hosted_watch, start_hosted_watch
+        from dynprof.cli._watching import check_hosted_watch, start_hosted_watch
 
         check_hosted_watch(args)
         if bool(args.certfile) != bool(args.keyfile):

@@ -61,3 +61,13 @@ def test_every_subpackage_is_in_a_layer_and_the_floor_forbids_every_layer() -> N
     # floor may import none of the layers
     assert subpackages - set(NOT_LAYERED) | roots == _layered(layers)
     assert set(floor["forbidden_modules"]) == _layered(layers)
+
+
+def test_every_cli_command_is_in_the_independence_contract() -> None:
+    # GIVEN the commands the CLI dispatches to, and the contract over them
+    from dynprof.cli import COMMANDS
+
+    contract = _contracts()["The CLI's commands import none of each other"]
+
+    # THEN each command's module is one of the contract's, and the contract names no other
+    assert {f"dynprof.cli.{module}" for _, module, _ in COMMANDS} == set(contract["modules"])

@@ -104,7 +104,7 @@ def _forged_lines(text: str) -> list[str]:
 
 def test_the_watch_verdict_text_keeps_a_forged_frame_name_on_its_line():
     # GIVEN a verdict whose frame name, job and hosts hold a newline and terminal escapes
-    from dynprof.cli.watch import render_verdict
+    from dynprof.cli._watching import render_verdict
     from dynprof.watch.render import render_verdict_text
 
     # WHEN it is rendered as the watch prints it and as `dynprof show` shows it

@@ -1,0 +1,426 @@
+"""The watch as the CLI runs it: its options, where it reads (this node's agents, or the nodes'
+sidecars), how a verdict is printed and handed on. ``dynprof watch`` and ``dynprof serve --watch``
+(the sidecar hosting the watch) both run it from here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import sys
+import threading
+import time
+from typing import Any
+
+from dynprof import errors
+from dynprof.cli._common import printable, printable_lines, seconds
+from dynprof.job.discovery import add_node_args
+from dynprof.nodes import Node
+
+# Each rank's dump: a rank whose agent does not answer (stopped, holding the GIL) is given up on
+# after this, and the others' dumps say what it missed.
+FLIGHT_RECORDER_TIMEOUT_S = 3.0
+HEALTHCHECK_TIMEOUT_S = 120.0
+EVENT_SCHEMA = "dynprof.watch.event"
+EVENT_VERSION = 1
+
+
+def add_watch_options(parser: argparse.ArgumentParser | Any) -> None:
+    """The watch's own options (``dynprof watch`` and ``dynprof serve --watch``)."""
+    parser.add_argument(
+        "--interval", type=seconds, default=5.0, metavar="SEC", help="read the progress every SEC (default 5)"
+    )
+    parser.add_argument(
+        "--stall-after",
+        type=seconds,
+        metavar="SEC",
+        help="a job that makes no step for SEC is stalled (default: the larger of 60 s and 20x its median step time)",
+    )
+    parser.add_argument(
+        "--look-interval",
+        type=seconds,
+        default=3.0,
+        metavar="SEC",
+        help="seconds between the two stack samples of a look (default 3)",
+    )
+    parser.add_argument(
+        "--confirm-after",
+        type=seconds,
+        metavar="SEC",
+        help="a hang whose only culprits are ranks that still move (CPU, changing stack) is called once the "
+        "others have waited SEC in the same collective (default: half the stall time)",
+    )
+    parser.add_argument(
+        "--on-verdict",
+        metavar="CMD",
+        help="run CMD (with /bin/sh) on each verdict: the verdict's JSON on its stdin, DYNPROF_VERDICT_FILE, "
+        "DYNPROF_VERDICT_KIND and DYNPROF_VERDICT_JOB in its environment; its failure is reported, never fatal",
+    )
+    parser.add_argument(
+        "--on-verdict-timeout",
+        type=seconds,
+        default=30.0,
+        metavar="SEC",
+        help="kill --on-verdict CMD past SEC (default 30)",
+    )
+    parser.add_argument(
+        "--sample-every",
+        type=nonnegative_seconds,
+        default=None,
+        metavar="SEC",
+        help="every SEC take an aligned trace of a couple of steps on every rank (through the sidecars, or this "
+        "node's agents without node options) and run analyze's straggler rule (default 600: about 0.1 %% of "
+        "training time, docs/watch-stragglers.md; 0: never)",
+    )
+    parser.add_argument(
+        "--no-healthcheck", action="store_true", help="do not run the involved nodes' quick healthcheck on a hang"
+    )
+    parser.add_argument("--no-save", action="store_true", help="print the verdicts only; do not save artifacts")
+    parser.add_argument(
+        "--gpu-coredump",
+        action="store_true",
+        help="on a hang, dump the GPU of each culprit on this node whose step's GPU work has not finished, to name "
+        "the kernel it runs (started with `dynprof run --gpu-coredump`); the dump ENDS that rank's GPU work",
+    )
+
+
+def config_of(args: argparse.Namespace) -> Any:
+    from dynprof.watch.engine import WatchConfig
+
+    return WatchConfig(
+        job=args.job,
+        interval_s=args.interval,
+        stall_after_s=args.stall_after,
+        look_interval_s=args.look_interval,
+        confirm_s=args.confirm_after,
+        healthcheck=not args.no_healthcheck,
+        save=not args.no_save,
+        sample_every_s=sample_every_of(args),
+        gpu_coredump=bool(getattr(args, "gpu_coredump", False)),
+    )
+
+
+def nonnegative_seconds(text: str) -> float:
+    from dynprof.arguments import parse_float
+
+    return parse_float(text, 0.0, 7 * 86400.0, what="seconds (0 <= SEC <= 604800)")
+
+
+def sample_every_of(args: argparse.Namespace) -> float | None:
+    """The straggler sample's interval (through the sidecars, or this node's agents without node
+    options); 0: never."""
+    from dynprof.watch.straggler import SAMPLE_EVERY_S
+
+    every = getattr(args, "sample_every", None)
+    if every is None:
+        return SAMPLE_EVERY_S
+    return every or None
+
+
+def local_straggler_of(source: Any) -> Any:
+    """The engine's straggler hook over this node's agents (a :class:`LocalSource`): each sample
+    is a trace of N steps with stacks on them (the trace kind's own start, as ``dynprof start
+    --job J --steps N --with-stack`` runs it), its traces analysed in this machine's store."""
+    from dynprof.watch.straggler import MAX_TRACE_DURATION_S, local_straggler_hook
+
+    def trace(job: str, steps: int, limit_s: float) -> dict[str, Any]:
+        from collectors.torch_trace.collect import TraceRequest, collect
+
+        cap = min(MAX_TRACE_DURATION_S, max(10.0, limit_s))
+        request = TraceRequest(job=job, steps=steps, with_stack=True, max_duration=cap, timeout=limit_s)
+        return collect(request).doc
+
+    return local_straggler_hook(source.host, trace)
+
+
+def straggler_of(source: Any) -> Any:
+    """The engine's straggler hook over the sidecars of ``source`` (a
+    :class:`~dynprof.watch.engine.SidecarSource`): the same node objects, client and token that
+    read the progress, so a sample goes to exactly the addresses the user named."""
+    from dynprof.watch.straggler import straggler_hook
+
+    return straggler_hook(source.client, source.node_list)
+
+
+# -- what the watch says ---------------------------------------------------------------------------
+class VerdictPrinter:
+    """Prints each verdict (text, or one JSON document a line), runs the hook, and puts a
+    progress line on stderr each round."""
+
+    def __init__(self, as_json: bool, hook: str | None, hook_timeout: float, out: Any = None) -> None:
+        self.as_json = as_json
+        self.hook = hook
+        self.hook_timeout = hook_timeout
+        self.out = out
+        self.hangs = 0
+        self.ticks: list[Any] = []
+        self._told_no_ranks = False
+
+    def verdict(self, verdict: Any, path: str | None) -> None:
+        from dynprof.watch.engine import run_hook
+
+        if verdict.kind == "hang":
+            self.hangs += 1
+        hook: dict[str, Any] | None = None
+        if self.hook and (verdict.kind != "ok" or path):
+            result = run_hook(self.hook, verdict, path, self.hook_timeout)
+            hook = {"ok": result.ok, "exit_code": result.exit_code, "message": result.message}
+            if not result.ok:
+                print(f"dynprof: warning: {printable(result.message)}", file=sys.stderr)
+        out = self.out or sys.stdout
+        if self.as_json:
+            doc = {
+                "schema": EVENT_SCHEMA,
+                "schema_version": EVENT_VERSION,
+                "event": "verdict",
+                "verdict": verdict.to_json(),
+                "artifact": path,
+                "hook": hook,
+            }
+            print(json.dumps(doc, default=str), file=out, flush=True)
+        else:
+            print(render_verdict(verdict, path), file=out, flush=True)
+
+    def sample(self, report: Any) -> None:
+        """What one straggler sample found: a ``straggler_sample`` event with --json, and a line
+        on stderr (whatever it found: a straggler, none, or why nothing was decided)."""
+        from dynprof.watch.straggler import report_json, sample_line
+
+        if self.as_json:
+            doc = {
+                "schema": EVENT_SCHEMA,
+                "schema_version": EVENT_VERSION,
+                "event": "straggler_sample",
+                "sample": report_json(report),
+            }
+            print(json.dumps(doc, default=str), file=self.out or sys.stdout, flush=True)
+        print(f"dynprof: watch: {printable(sample_line(report))}", file=sys.stderr, flush=True)
+
+    def tick(self, tick: Any) -> None:
+        self.ticks.append(tick)
+        del self.ticks[:-2]
+        for node, why in sorted(tick.nodes_unanswered.items()):
+            print(f"dynprof: node {printable(node)}: {printable(why)}", file=sys.stderr)
+        if tick.ended:
+            print(f"dynprof: watch: {printable(tick.note)}; stopping", file=sys.stderr)
+            return
+        if tick.ranks == 0:
+            if not self._told_no_ranks:
+                print(f"dynprof: watch: {printable(tick.note)} yet (waiting for ranks with an agent)", file=sys.stderr)
+                self._told_no_ranks = True
+            return
+        stall = tick.stall
+        if stall is None:
+            return
+        age = f"{stall.age_s:.1f} s ago" if stall.age_s is not None else "never"
+        state = "STALLED" if stall.stalled else "ok"
+        confirm = f"; a hang to be confirmed, looking again in {tick.confirm_in_s:.0f} s" if tick.confirm_in_s else ""
+        print(
+            f"dynprof: watch: {state}: {tick.ranks} rank(s), last step {stall.last_step} {age} "
+            f"(stall after {stall.stall_after_s:.0f} s){confirm}",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def render_verdict(verdict: Any, path: str | None) -> str:
+    """A verdict for people: the conclusion, the times, the culprits, every rank in a table."""
+    from dynprof.watch.render import render_verdict_text
+
+    text = render_verdict_text(verdict)
+    if path:
+        text += f"\nartifact {path}"
+    return printable_lines(text)
+
+
+# -- where the watch reads -------------------------------------------------------------------------
+def node_source(args: argparse.Namespace, nodes: list[Node]) -> Any:
+    """The nodes' sidecars, with the flight recorder read by ``nccl``'s own job-wide path."""
+    from dynprof.cli.job import client_for
+    from dynprof.watch.engine import SidecarSource
+
+    client = client_for(args)
+    # A poll holds every node's progress and then its stacks: the client's total is shared
+    # among those answers (one per node each, native stacks more for a few).
+    client.shared_by = 2 * max(1, len(nodes))
+
+    def flight_recorder(job: str) -> tuple[dict[str, Any] | None, str | None]:
+        from collectors.flight_recorder.collect import NcclRequest
+        from dynprof.job.nccl import collect_nodes
+
+        # A client of its own: the dumps read back are not among the poll's shared answers.
+        got = collect_nodes(client_for(args), nodes, NcclRequest(job=job, timeout=FLIGHT_RECORDER_TIMEOUT_S))
+        if got.recorder_off:
+            from dynprof.watch.engine import FLIGHT_RECORDER_OFF
+
+            return None, FLIGHT_RECORDER_OFF
+        if got.analysis is None:
+            from dynprof.cli.job import node_messages
+
+            return None, "; ".join(node_messages(got.answers)[:5])[:1000] or "no flight recorder dump (is it on?)"
+        return got.analysis, None
+
+    return SidecarSource(client, nodes, flight_recorder=flight_recorder)
+
+
+class LocalSource:
+    """This node's agents: read directly (no sidecar), stacks and dumps by the commands' own
+    local paths."""
+
+    def __init__(self, host: str | None = None, stacks_timeout: float = 10.0) -> None:
+        from dynprof.identity import detect
+
+        self.host = host or detect().host or socket.gethostname()
+        self.stacks_timeout = stacks_timeout
+
+    def nodes(self) -> list[str]:
+        return [self.host]
+
+    def progress(self, job: str, fresh: bool = False) -> list[Any]:  # always read now
+        from dynprof.registry import list_records
+        from dynprof.watch.engine import NodeRead
+        from dynprof.watch.progress import read_progress
+
+        return [NodeRead(self.host, read_progress(list_records(), self.host, job, timeout=1.0))]
+
+    def stacks(self, job: str, native: dict[str, list[int]]) -> Any:
+        from collectors.stacks import Source, Stacks
+        from collectors.stacks.collect import StacksRequest, collect
+        from dynprof.watch.engine import StacksRead, merged_with_native
+
+        failures: dict[str, str] = {}
+
+        def read(request: StacksRequest) -> Stacks:
+            try:
+                return collect(request).stacks
+            except errors.DynprofError as exc:
+                failures[f"node {self.host}"] = exc.message
+                return Stacks([])
+
+        plain = read(StacksRequest(job=job, save=False, timeout=self.stacks_timeout))
+        pids = native.get(self.host) or []
+        natives = (
+            read(StacksRequest(pids=tuple(pids), native=True, save=False, timeout=self.stacks_timeout))
+            if pids
+            else Stacks([])
+        )
+        merged = merged_with_native([Source(plain, node=self.host)], [Source(natives, node=self.host)] if pids else [])
+        return StacksRead(merged, failures)
+
+    def flight_recorder(self, job: str) -> tuple[dict[str, Any] | None, str | None]:
+        from collectors.flight_recorder import collect as nccl
+
+        try:
+            got = nccl.collect(nccl.NcclRequest(job=job, timeout=FLIGHT_RECORDER_TIMEOUT_S))
+        except errors.Unsupported:
+            from dynprof.watch.engine import FLIGHT_RECORDER_OFF
+
+            return None, FLIGHT_RECORDER_OFF  # every rank said so (and no artifact was written)
+        except errors.DynprofError as exc:
+            return None, exc.message[:1000]
+        return got.analysis, None
+
+    def gpu_coredump(self, node: str, pid: int) -> dict[str, Any]:
+        """Dump process ``pid``'s GPU and name what it ran (``dynprof gpu-coredump``): its
+        ``kernel`` line and ``coredump`` facts, or why it is not named."""
+        from collectors import gpu_coredump as gc
+
+        try:
+            got = gc.take(pid, timeout=60.0)
+        except gc.TriggerError as exc:
+            return {"kernel": f"not named: {exc.message}"[:1000]}
+        dump = got.get("dump")
+        if not dump:
+            return {"kernel": f"not named: the dump ({got['artifact']}) cannot be read: {got.get('error')}"[:1000]}
+        running = dump["running"]
+        facts = {"artifact": got["artifact"], "dump_s": got["dump_s"], "running": running[:16]}
+        if not running:
+            return {"kernel": "no kernel was running on its GPU when it was dumped", "coredump": facts}
+        more = f" and {len(running) - 3} more" if len(running) > 3 else ""
+        return {"kernel": "running " + "; ".join(running[:3]) + more, "coredump": facts}
+
+    def healthcheck(self, nodes: list[str], job: str | None = None) -> dict[str, dict[str, Any]]:
+        """``dynprof healthcheck --level quick`` in a child process: it may touch the GPUs, which
+        must leave no CUDA state in the watch (nor in the sidecar that hosts it)."""
+        import os
+        import subprocess
+
+        from dynprof.watch.engine import healthcheck_summary
+
+        env = dict(os.environ)
+        env.pop("DYNPROF", None)  # a tool, not a job: no agent in it
+        cmd = [sys.executable, "-m", "dynprof", "healthcheck", "--level", "quick", "--no-save", "--json"]
+        if job:
+            cmd += ["--job", job]  # the job's own ranks hold the devices: not "other processes"
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=HEALTHCHECK_TIMEOUT_S, env=env)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return {self.host: {"verdict": "could not run", "error": str(exc)[:1000], "problems": []}}
+        try:
+            doc = json.loads(done.stdout[: 16 << 20])
+        except ValueError:
+            tail = done.stderr.strip().splitlines()[-1:] or [f"exit {done.returncode}"]
+            return {self.host: {"verdict": "could not run", "error": tail[0][:1000], "problems": []}}
+        return {self.host: healthcheck_summary(doc)}
+
+
+# -- serve --watch ----------------------------------------------------------------------------------
+def add_serve_watch_args(parser: argparse.ArgumentParser) -> None:
+    """``dynprof serve --watch --job J [node options]``: the sidecar hosts the watch."""
+    group = parser.add_argument_group("hosted watch (`dynprof watch` inside the sidecar; see docs/watch.md)")
+    group.add_argument("--watch", action="store_true", help="watch --job JOB from this sidecar (verdicts in its log)")
+    group.add_argument("--job", metavar="JOB", help="with --watch: the job to watch")
+    add_watch_options(group)
+    add_node_args(group)  # type: ignore[arg-type]
+
+
+def check_hosted_watch(args: argparse.Namespace) -> None:
+    """``serve``'s watch options make sense together (before anything is bound)."""
+    if not getattr(args, "watch", False):
+        if getattr(args, "job", None):
+            raise errors.UsageError("--job goes with --watch")
+        return
+    if not args.job:
+        raise errors.UsageError("--watch needs --job JOB", help="`dynprof serve --watch --job JOB [--hosts ...]`")
+    if len(args.job) > 200:
+        raise errors.UsageError("--job takes at most 200 characters")
+
+
+def start_hosted_watch(args: argparse.Namespace, token: str) -> Any:
+    """The engine of ``serve --watch``, started on a daemon thread; None without --watch.
+    With node options it reads the nodes' sidecars with this sidecar's token, else this node."""
+    check_hosted_watch(args)
+    if not getattr(args, "watch", False):
+        return None
+    from dynprof.job.client import SidecarClient, tls_context
+    from dynprof.job.discovery import resolve_nodes
+    from dynprof.watch.engine import SidecarSource, WatchEngine
+
+    nodes = resolve_nodes(args)
+    if nodes is not None:
+        tls = tls_context(args.cacert) if args.cacert else None
+        client = SidecarClient(token, tls=tls)
+        client.shared_by = 2 * max(1, len(nodes))  # as node_source's: progress and stacks of every node
+        source: Any = SidecarSource(client, nodes)
+        straggler = straggler_of(source)
+    else:
+        source = LocalSource()
+        straggler = local_straggler_of(source)
+    printer = VerdictPrinter(False, args.on_verdict, args.on_verdict_timeout, out=sys.stderr)
+    engine = WatchEngine(
+        config_of(args), source, on_verdict=printer.verdict, straggler=straggler, on_sample=printer.sample
+    )
+
+    def loop() -> None:
+        while True:
+            try:
+                engine.run()
+                return
+            except Exception as exc:  # a bug in a round must not end the watch (nor the sidecar)
+                print(f"dynprof: watch: a round failed: {type(exc).__name__}: {printable(exc)}", file=sys.stderr)
+                time.sleep(args.interval)
+
+    threading.Thread(target=loop, name="dynprof-watch", daemon=True).start()
+    print(f"dynprof: watching job {printable(args.job)}", file=sys.stderr)
+    return engine
