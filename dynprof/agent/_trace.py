@@ -392,11 +392,16 @@ class TraceController:
             if self._transitioning:
                 return
             if self.state == "armed":
-                if step >= self.start_step and not self._begin(first_step=step + 1):
+                if step < self.start_step:
+                    return
+                if self._begin(first_step=step + 1):
+                    self._first_partial = False  # it starts at this boundary
+                else:
                     self._first_partial = True  # it starts later, where the main thread is
                     why = self._deferred_reason.text if self._deferred_reason is not None else "a start under way"
                     self._partial_why = f"step {step}'s boundary was not a safe point to start ({why})"
-                    self._retry_on_main_thread(self._start_at_safe_point)
+                    if self._aligned:  # an unaligned start retries on the main thread already
+                        self._retry_on_main_thread(self._start_at_safe_point)
                 return
             if self.state != "tracing" or self.session is None:
                 return
@@ -453,6 +458,10 @@ class TraceController:
             self._first_partial = self.steps.hook_installed  # not at a step boundary
             if self._inside_optimizer_step() or not self._begin(first_step=first):
                 self._retry_on_main_thread(self._start_at_safe_point)
+                if self.steps.hook_installed:
+                    # The next step boundary is a safe point too: a job whose backward runs
+                    # Python (activation checkpointing) may take every pending call inside it.
+                    self.steps.add_listener(self._on_boundary)
                 return
             if self.state == "tracing" and self.steps.hook_installed:
                 self.steps.add_listener(self._on_boundary)
