@@ -204,3 +204,34 @@ def test_an_export_is_finished_by_whoever_claims_it_first():
     assert export.claim("export") is True
     assert export.claim("exit") is False
     assert export.claim("export") is True and export.owner == "export"
+
+
+def test_an_unaligned_start_that_finds_no_safe_point_also_starts_at_the_next_boundary(controller, monkeypatch):
+    # GIVEN a duration trace armed while steps do not flow (it starts where the main thread is)
+    retries: list[Any] = []
+    monkeypatch.setattr(_trace, "call_soon_in_main_thread", lambda fn: True)  # queued, run by hand
+    monkeypatch.setattr(controller, "_retry_on_main_thread", retries.append)
+    controller.handle_start(pb.StartTraceRequest(duration_s=1.0))
+    assert controller.state == "armed" and not controller._aligned
+    began: list[int | None] = []
+    monkeypatch.setattr(controller, "_begin", lambda first_step: began.append(first_step) or False)
+
+    # WHEN the main thread's attempt finds no safe point (it landed in backward, say)
+    controller._start_at_safe_point()
+
+    # THEN it retries there, and the next step boundary listens for it too
+    assert retries == [controller._start_at_safe_point]
+    assert controller._on_boundary in controller.steps._listeners
+
+    # WHEN that boundary comes and is safe
+    def begin(first_step: int | None) -> bool:
+        began.append(first_step)
+        controller.state = "tracing"
+        return True
+
+    monkeypatch.setattr(controller, "_begin", begin)
+    controller._on_boundary(11)
+
+    # THEN the trace starts there, after step 11, its first span a whole step
+    assert began[-1] == 12 and controller._first_partial is False
+    assert retries == [controller._start_at_safe_point]  # no second retry chain
