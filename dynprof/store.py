@@ -19,7 +19,7 @@ directory is refused. A root owned by another user, or open to writes by others,
 for writing (and, open to writes, for reading too); so is every directory below it that is not
 the root owner's. Nothing inside the store is reached through a link: the walks open each
 directory relative to its parent with ``O_NOFOLLOW``, and deletions and renames are relative
-to directory descriptors.
+to directory descriptors (:mod:`dynprof.nofollow`).
 
 Every file in a store is untrusted input (docs/security.md): manifests are read with size and
 depth limits and checked field by field; a bad one is reported and skipped, never fatal to a
@@ -46,7 +46,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import IO, Any
 
-from dynprof import __version__, jsontext, untrusted
+from dynprof import __version__, jsontext, nofollow, untrusted
 from dynprof.errors import ArtifactError, MissingFile, StoreError
 from dynprof.paths import artifact_dir
 from dynprof.units import parse_size
@@ -70,8 +70,9 @@ TEMP_MARKER = ".dynprof-writing"
 LOCK = ".lock"
 MAX_LEGACY_ENTRIES = 100_000
 """Entries looked at, at most, to tell whether an unmarked directory is an earlier dynprof's store."""
+_ARTIFACT_LEVEL = 4
+"""Directories above an artifact's: ``job/host/rank/kind``."""
 _SAFE = re.compile(r"[^A-Za-z0-9_.@+-]")
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _RANK_SEGMENT = re.compile(r"rank-?\d+|node")
 _ARTIFACT_NAME = re.compile(r"\d{8}T\d{6}\.\d{6}Z-\d+(?:-\d+)?")
 _TEMP_NAME = re.compile(r"\..+\.tmp")
@@ -130,140 +131,6 @@ def artifact_modes() -> tuple[int, int]:
     return mode, mode & 0o666
 
 
-def _make_dirs(path: Path, mode: int) -> None:
-    """Create ``path`` and its missing parents, each with exactly ``mode`` (umask aside).
-    Directories that already exist are left as they are."""
-    missing = []
-    p = path
-    while not os.path.lexists(p):
-        missing.append(p)
-        if p.parent == p:
-            break
-        p = p.parent
-    for d in reversed(missing):
-        try:
-            os.mkdir(d, mode)
-        except FileExistsError:
-            continue
-        os.chmod(d, mode)
-
-
-def _disk_usage(path: Path) -> int:
-    """Bytes of the data files directly in ``path`` (artifacts are flat; the manifest aside),
-    links not followed: what is on disk, not what a manifest claims."""
-    total = 0
-    with contextlib.suppress(OSError), os.scandir(path) as it:
-        for entry in it:
-            with contextlib.suppress(OSError):
-                if entry.name != MANIFEST and entry.is_file(follow_symlinks=False):
-                    total += entry.stat(follow_symlinks=False).st_size
-    return total
-
-
-# -- walking the store without following links ---------------------------------------------------
-def _dir_problem(st: os.stat_result, owner: int) -> str | None:
-    """Why a directory may not be part of a store owned by ``owner`` (None: it may)."""
-    if not stat.S_ISDIR(st.st_mode):
-        return "not a directory"
-    if st.st_uid != owner:
-        return f"owned by uid {st.st_uid}, not by the store's owner (uid {owner})"
-    if st.st_mode & 0o022:
-        return f"writable by others (mode {stat.S_IMODE(st.st_mode):04o})"
-    return None
-
-
-def _child_dir(dir_fd: int, name: str, owner: int) -> int | None:
-    """A descriptor of the subdirectory ``name`` if it belongs to the store: a directory (never
-    reached through a link), the owner's, not writable by others. None otherwise, or if it vanished."""
-    try:
-        fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
-    except OSError:
-        return None
-    try:
-        ok = _dir_problem(os.fstat(fd), owner) is None
-    except OSError:
-        ok = False
-    if not ok:
-        os.close(fd)
-        return None
-    return fd
-
-
-def _entries(dir_fd: int) -> builtins.list[tuple[str, bool, bool]]:
-    """``(name, is a directory, is a link)`` of each entry, links not followed, sorted by name;
-    entries that vanish while they are looked at are left out."""
-    found = []
-    try:
-        with os.scandir(dir_fd) as it:
-            for entry in it:
-                try:
-                    found.append((entry.name, entry.is_dir(follow_symlinks=False), entry.is_symlink()))
-                except OSError:
-                    continue
-    except OSError:
-        return []
-    return sorted(found)
-
-
-def _walk(
-    dir_fd: int, owner: int, prefix: tuple[str, ...] = ()
-) -> Iterator[tuple[tuple[str, ...], str, bool, bool, int]]:
-    """Each entry at the artifact level (``job/host/rank/kind/NAME``) as ``(parents, name, is a
-    directory, is a link, descriptor of its kind directory)``. Only directories that belong to the
-    store are entered (:func:`_child_dir`); hidden ones above the artifact level are not."""
-    for name, is_dir, is_link in _entries(dir_fd):
-        if len(prefix) == 4:
-            yield prefix, name, is_dir, is_link, dir_fd
-            continue
-        if not is_dir or is_link or name.startswith("."):
-            continue
-        fd = _child_dir(dir_fd, name, owner)
-        if fd is None:
-            continue
-        try:
-            yield from _walk(fd, owner, (*prefix, name))
-        finally:
-            os.close(fd)
-
-
-def _rmtree_at(dir_fd: int, name: str) -> None:
-    """Remove the directory ``name`` of ``dir_fd`` and everything in it, relative to directory
-    descriptors: a link met on the way is removed, never followed; a ``name`` that is a link is
-    left alone. Errors are ignored (what cannot be removed stays)."""
-    try:
-        fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
-    except OSError:
-        return
-    try:
-        for entry, is_dir, is_link in _entries(fd):
-            if is_dir and not is_link:
-                _rmtree_at(fd, entry)
-            else:
-                with contextlib.suppress(OSError):
-                    os.unlink(entry, dir_fd=fd)
-    except RecursionError:
-        return
-    finally:
-        os.close(fd)
-    with contextlib.suppress(OSError):
-        os.rmdir(name, dir_fd=dir_fd)
-
-
-def _lstat_at(dir_fd: int, name: str) -> os.stat_result | None:
-    try:
-        return os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-    except OSError:
-        return None
-
-
-def _write_new_file(dir_fd: int, name: str, data: bytes, mode: int) -> None:
-    """Create ``name`` in ``dir_fd``: new (``O_EXCL``), never through a link, exactly ``mode``."""
-    fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=dir_fd)
-    with os.fdopen(fd, "wb") as fh:
-        os.fchmod(fh.fileno(), mode)
-        fh.write(data)
-
-
 def write_file_atomically(directory: Path, name: str, data: bytes) -> Path:
     """Write ``directory/name`` whole, as the store writes a manifest: under a temporary name
     (new, never through a link, the store's file mode), then renamed over ``name``, so that a
@@ -272,12 +139,12 @@ def write_file_atomically(directory: Path, name: str, data: bytes) -> Path:
     untrusted.check_name(name)
     _, file_mode = artifact_modes()
     tmp = f".{name}.{owner_tag()}.tmp"
-    dir_fd = os.open(directory, _DIR_FLAGS)
+    dir_fd = os.open(directory, nofollow.DIR_FLAGS)
     try:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp, dir_fd=dir_fd)
         try:
-            _write_new_file(dir_fd, tmp, data, file_mode)
+            nofollow.write_new_file(dir_fd, tmp, data, file_mode)
             os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
         except BaseException:
             with contextlib.suppress(OSError):
@@ -298,7 +165,7 @@ def _looks_like_store(dir_fd: int, owner: int) -> bool:
 
     def walk(fd: int, depth: int) -> bool:
         nonlocal budget, ranks
-        for name, is_dir, is_link in _entries(fd):
+        for name, is_dir, is_link in nofollow.entries(fd):
             budget -= 1
             if budget < 0:
                 return False
@@ -318,7 +185,7 @@ def _looks_like_store(dir_fd: int, owner: int) -> bool:
                     continue
             elif name.startswith("."):
                 return False
-            child = _child_dir(fd, name, owner)
+            child = nofollow.child_dir(fd, name, owner)
             if child is None:
                 return False
             try:
@@ -329,23 +196,6 @@ def _looks_like_store(dir_fd: int, owner: int) -> bool:
         return True
 
     return walk(dir_fd, 0) and ranks > 0
-
-
-def _unsafe_ancestor(path: Path) -> str | None:
-    """Why a directory above the store lets another user replace it (None: none does). An
-    ancestor must be ours or root's, and one that others may write must be sticky (``/tmp``)
-    or ours."""
-    uid = os.geteuid()
-    for parent in Path(os.path.realpath(path)).parents:
-        try:
-            st = os.lstat(parent)
-        except OSError:
-            continue
-        if st.st_uid not in (uid, 0):
-            return f"{parent} belongs to uid {st.st_uid}"
-        if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX and st.st_uid != uid:
-            return f"{parent} is writable by others"
-    return None
 
 
 def _check_type(manifest: dict[str, Any], key: str, types: tuple[type, ...], required: bool = False) -> None:
@@ -597,7 +447,7 @@ class ArtifactWriter:
         if self.finished is None and self.aborted is None:
             self.aborted = reason
             with contextlib.suppress(OSError, ArtifactError), self.store._kind_dir(self.parents) as kind_fd:
-                _rmtree_at(kind_fd, self.path.name)
+                nofollow.rmtree_at(kind_fd, self.path.name)
 
     def _publish(self, status: str, summary: dict[str, Any] | None, error: str | None) -> None:
         dir_mode, file_mode = artifact_modes()
@@ -617,11 +467,11 @@ class ArtifactWriter:
         )
         text = jsontext.dumps(self.manifest, indent=2, default=str) + "\n"
         with self.store._kind_dir(self.parents) as kind_fd:
-            tmp_fd = os.open(self.path.name, _DIR_FLAGS, dir_fd=kind_fd)
+            tmp_fd = os.open(self.path.name, nofollow.DIR_FLAGS, dir_fd=kind_fd)
             try:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(MANIFEST + ".tmp", dir_fd=tmp_fd)
-                _write_new_file(tmp_fd, MANIFEST + ".tmp", text.encode(), file_mode)
+                nofollow.write_new_file(tmp_fd, MANIFEST + ".tmp", text.encode(), file_mode)
                 os.replace(MANIFEST + ".tmp", MANIFEST, src_dir_fd=tmp_fd, dst_dir_fd=tmp_fd)
                 os.fchmod(tmp_fd, dir_mode)
             finally:
@@ -699,7 +549,7 @@ class ArtifactStore:
         is followed."""
         root = self.root
         if write:
-            unsafe = _unsafe_ancestor(root)
+            unsafe = nofollow.unsafe_ancestor(root)
             if unsafe is not None:
                 raise StoreRefused(
                     f"refused to write the artifact store {root}: {unsafe}, so another user could replace the store",
@@ -708,7 +558,7 @@ class ArtifactStore:
             try:
                 if create and not os.path.lexists(root):
                     # The store itself (and, for the default path, ~/.local/share/dynprof) is private.
-                    _make_dirs(root, artifact_modes()[0])
+                    nofollow.make_dirs(root, artifact_modes()[0])
             except OSError as exc:
                 raise StoreError(f"cannot create the artifact store {root}: {exc.strerror}") from None
         try:
@@ -738,7 +588,7 @@ class ArtifactStore:
                 help="Point DYNPROF_ARTIFACT_DIR at a store of your own (a new path, or an empty directory).",
             )
         if self._read_marker(fd, st.st_uid) is None:
-            names = [n for n, _, _ in _entries(fd) if n != LOCK and not n.startswith(STORE_MARKER)]
+            names = [n for n, _, _ in nofollow.entries(fd) if n != LOCK and not n.startswith(STORE_MARKER)]
             if names and not _looks_like_store(fd, st.st_uid):
                 shown = ", ".join(repr(n)[1:-1] for n in names[:5]) + (", ..." if len(names) > 5 else "")
                 raise StoreRefused(
@@ -797,7 +647,7 @@ class ArtifactStore:
         tmp = f"{STORE_MARKER}.{owner_tag()}.tmp"
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp, dir_fd=fd)
-        _write_new_file(fd, tmp, data + b"\n", artifact_modes()[1])
+        nofollow.write_new_file(fd, tmp, data + b"\n", artifact_modes()[1])
         try:
             os.link(tmp, STORE_MARKER, src_dir_fd=fd, dst_dir_fd=fd, follow_symlinks=False)
         except FileExistsError:
@@ -843,7 +693,7 @@ class ArtifactStore:
                         except FileExistsError:
                             pass
                     try:
-                        child = os.open(seg, _DIR_FLAGS, dir_fd=fd)
+                        child = os.open(seg, nofollow.DIR_FLAGS, dir_fd=fd)
                     except FileNotFoundError:
                         raise StoreError(f"{where} vanished") from None
                     except OSError:
@@ -855,7 +705,7 @@ class ArtifactStore:
                     fd = child
                     if made:
                         os.fchmod(fd, dir_mode)
-                    problem = _dir_problem(os.fstat(fd), uid)
+                    problem = nofollow.dir_problem(os.fstat(fd), uid)
                     if problem is not None:
                         raise StoreRefused(
                             f"{where} is {problem}: refused",
@@ -901,7 +751,7 @@ class ArtifactStore:
                 name = f"{stamp}-{pid}"
                 final = name
                 n = 1
-                while _lstat_at(kind_fd, final) is not None:
+                while nofollow.lstat_at(kind_fd, final) is not None:
                     n += 1
                     final = f"{name}-{n}"
                 # The writer's pid (and pid namespace) is in the name, so a directory left by a
@@ -909,19 +759,19 @@ class ArtifactStore:
                 tmp = f".{final}.{owner_tag()}.tmp"
                 os.mkdir(tmp, 0o700, dir_fd=kind_fd)
                 try:
-                    tmp_fd = os.open(tmp, _DIR_FLAGS, dir_fd=kind_fd)
+                    tmp_fd = os.open(tmp, nofollow.DIR_FLAGS, dir_fd=kind_fd)
                 except OSError:
-                    _rmtree_at(kind_fd, tmp)
+                    nofollow.rmtree_at(kind_fd, tmp)
                     raise
                 try:
                     os.fchmod(tmp_fd, 0o700)
                     marker = json.dumps(
                         {"schema": "dynprof.temporary", "owner": owner_tag(), "created_at": utcnow_iso()}
                     )
-                    _write_new_file(tmp_fd, TEMP_MARKER, marker.encode() + b"\n", 0o600)
+                    nofollow.write_new_file(tmp_fd, TEMP_MARKER, marker.encode() + b"\n", 0o600)
                 except OSError:
                     os.close(tmp_fd)
-                    _rmtree_at(kind_fd, tmp)
+                    nofollow.rmtree_at(kind_fd, tmp)
                     raise
                 else:
                     os.close(tmp_fd)
@@ -958,13 +808,13 @@ class ArtifactStore:
         now = time.time()
         here = _safe(socket.gethostname())
         ns_here = str(_pid_namespace())
-        for parents, name, is_dir, is_link, kind_fd in _walk(root_fd, owner):
+        for parents, name, is_dir, is_link, kind_fd in nofollow.walk(root_fd, owner, _ARTIFACT_LEVEL):
             if not (is_dir and not is_link and _TEMP_NAME.fullmatch(name)):
                 continue
-            st = _lstat_at(kind_fd, name)
-            if st is None or _dir_problem(st, owner) is not None:
+            st = nofollow.lstat_at(kind_fd, name)
+            if st is None or nofollow.dir_problem(st, owner) is not None:
                 continue
-            mark = _lstat_at(kind_fd, f"{name}/{TEMP_MARKER}")
+            mark = nofollow.lstat_at(kind_fd, f"{name}/{TEMP_MARKER}")
             if mark is None or not stat.S_ISREG(mark.st_mode) or mark.st_uid != owner:
                 continue
             path = self.root.joinpath(*parents, name)
@@ -977,7 +827,10 @@ class ArtifactStore:
             ours = parents[1] == here and ns == ns_here
             if not stale and owner_pid is not None and ours and age > DEAD_OWNER_GRACE_S:
                 stale = not _pid_alive(owner_pid)
-            yield TempDir(path, owner_pid, age, _disk_usage(path), stale, self.root), kind_fd
+            yield (
+                TempDir(path, owner_pid, age, nofollow.disk_usage(path, exclude=(MANIFEST,)), stale, self.root),
+                kind_fd,
+            )
 
     def temporaries(self) -> builtins.list[TempDir]:
         """Temporary directories of artifacts being written, and stale ones left by dead writers."""
@@ -995,7 +848,7 @@ class ArtifactStore:
         removed, live = [], []
         for t, kind_fd in self._temporaries_at(root_fd):
             if t.stale:
-                _rmtree_at(kind_fd, t.path.name)
+                nofollow.rmtree_at(kind_fd, t.path.name)
                 removed.append(t.path)
             else:
                 live.append(t)
@@ -1014,26 +867,26 @@ class ArtifactStore:
     def _scan_at(self, root_fd: int) -> tuple[builtins.list[Artifact], builtins.list[BadArtifact]]:
         owner = os.fstat(root_fd).st_uid
         found, bad = [], []
-        for parents, name, is_dir, is_link, kind_fd in _walk(root_fd, owner):
+        for parents, name, is_dir, is_link, kind_fd in nofollow.walk(root_fd, owner, _ARTIFACT_LEVEL):
             if name.startswith("."):  # temporaries (in-progress) and other hidden entries
                 continue
             path = self.root.joinpath(*parents, name)
             if is_link:
                 bad.append(BadArtifact(path, "a symbolic link: not followed", self.root))
                 continue
-            st = _lstat_at(kind_fd, name) if is_dir else None
+            st = nofollow.lstat_at(kind_fd, name) if is_dir else None
             if st is None:
                 continue
-            problem = _dir_problem(st, owner)
+            problem = nofollow.dir_problem(st, owner)
             if problem is not None:
                 bad.append(BadArtifact(path, f"{problem}: refused", self.root))
                 continue
-            if _lstat_at(kind_fd, f"{name}/{MANIFEST}") is None:
+            if nofollow.lstat_at(kind_fd, f"{name}/{MANIFEST}") is None:
                 continue  # not an artifact (or it vanished)
             try:
                 found.append(Artifact.load(path, root=self.root))
             except ArtifactError as exc:
-                if _lstat_at(kind_fd, name) is not None:  # still there: damaged, not removed meanwhile
+                if nofollow.lstat_at(kind_fd, name) is not None:  # still there: damaged, not removed meanwhile
                     bad.append(BadArtifact(path, exc.message, self.root))
         return found, bad
 
@@ -1077,7 +930,7 @@ class ArtifactStore:
             fd = os.dup(root_fd)
             try:
                 for seg in parts:
-                    st = _lstat_at(fd, seg)
+                    st = nofollow.lstat_at(fd, seg)
                     if st is None:
                         return None
                     if stat.S_ISLNK(st.st_mode):
@@ -1085,13 +938,13 @@ class ArtifactStore:
                             f"{ref[:200]!r} in {self.root} is reached through a symbolic link: refused",
                             help="Nothing in the store is read through a link; list artifacts with `dynprof ls`.",
                         )
-                    child = _child_dir(fd, seg, owner)
+                    child = nofollow.child_dir(fd, seg, owner)
                     if child is None:
-                        problem = _dir_problem(st, owner) or "not usable"
+                        problem = nofollow.dir_problem(st, owner) or "not usable"
                         raise ArtifactError(f"{ref[:200]!r} in {self.root}: {seg} is {problem}: refused")
                     os.close(fd)
                     fd = child
-                if _lstat_at(fd, MANIFEST) is None:
+                if nofollow.lstat_at(fd, MANIFEST) is None:
                     return None
             finally:
                 os.close(fd)
@@ -1157,10 +1010,10 @@ class ArtifactStore:
                 fcntl.flock(lock, fcntl.LOCK_EX)
                 try:
                     with self._kind_dir(parts[:4]) as kind_fd:
-                        st = _lstat_at(kind_fd, parts[4])
+                        st = nofollow.lstat_at(kind_fd, parts[4])
                         if st is None or not stat.S_ISDIR(st.st_mode):
                             return False
-                        _rmtree_at(kind_fd, parts[4])
+                        nofollow.rmtree_at(kind_fd, parts[4])
                 except (OSError, ArtifactError):
                     return False
         return True
@@ -1186,7 +1039,7 @@ class ArtifactStore:
                 swept, live = self._sweep_at(root_fd)
                 removed += swept
                 total = sum(t.size for t in live)
-                arts = [(a, _disk_usage(a.path)) for a in self._scan_at(root_fd)[0]]
+                arts = [(a, nofollow.disk_usage(a.path, exclude=(MANIFEST,))) for a in self._scan_at(root_fd)[0]]
                 total += sum(size for _, size in arts)
                 for art, size in sorted(arts, key=lambda item: item[0].created_at):
                     if total <= self.max_bytes:
@@ -1197,7 +1050,7 @@ class ArtifactStore:
                     if parts is None or len(parts) != 5:
                         continue
                     with contextlib.suppress(OSError, ArtifactError), self._kind_dir(parts[:4]) as kind_fd:
-                        _rmtree_at(kind_fd, parts[4])
+                        nofollow.rmtree_at(kind_fd, parts[4])
                     total -= size
                     removed.append(art.path)
         return removed
@@ -1220,10 +1073,10 @@ def open_temporary_dir(directory: Path | str) -> int | None:
     uid = os.geteuid()
     try:
         with ArtifactStore(root)._kind_dir(tuple(parents)) as kind_fd:
-            fd = _child_dir(kind_fd, directory.name, uid)
+            fd = nofollow.child_dir(kind_fd, directory.name, uid)
             if fd is None:
                 return None
-            mark = _lstat_at(fd, TEMP_MARKER)
+            mark = nofollow.lstat_at(fd, TEMP_MARKER)
             if mark is None or not stat.S_ISREG(mark.st_mode) or mark.st_uid != uid:
                 os.close(fd)
                 return None
