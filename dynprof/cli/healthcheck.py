@@ -14,7 +14,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import threading
@@ -26,6 +25,7 @@ from dynprof import errors
 from dynprof.cli._common import Progress
 from dynprof.cli._node_args import add_many_node_args, nodes_requested
 from dynprof.errors import DynprofError
+from dynprof.procs import stop_group
 from dynprof.result import Result
 from healthcheck import cli, fleet
 from healthcheck.baseline import learn, read_results
@@ -94,6 +94,7 @@ MAX_SRUN_OUTPUT_BYTES = 512 * 1024 * 1024
 MAX_TASK_VALUES = 200_000
 SRUN_START_S = 60.0  # srun's own start on top of each node's wait
 SRUN_END_GRACE_S = 10.0  # srun's own end, once every task has answered
+SRUN_STOP_GRACE_S = 10.0  # srun's end once sent SIGTERM (it stops its tasks), and again after SIGKILL
 
 
 def _fraction(text: str) -> float:
@@ -621,15 +622,15 @@ def collect_srun(args: argparse.Namespace) -> FleetResult:
                     decided_at = time.monotonic()
                 if decided_at is not None and (sink.flooded() or time.monotonic() - decided_at > SRUN_END_GRACE_S):
                     stopped = True
-                    _end_group(proc)
+                    stop_group(proc, SRUN_STOP_GRACE_S)
                     break
                 if time.monotonic() >= deadline:
                     timed_out = True
-                    _end_group(proc)
+                    stop_group(proc, SRUN_STOP_GRACE_S)
                     break
     finally:
         if proc.poll() is None:
-            _end_group(proc)
+            stop_group(proc, SRUN_STOP_GRACE_S)
     for r in readers:
         r.join(10)
     progress.done()
@@ -644,17 +645,3 @@ def collect_srun(args: argparse.Namespace) -> FleetResult:
     elif proc.returncode not in (0, 1, 2, 3) and stderr_tail:
         messages.insert(0, f"healthcheck: srun exited {proc.returncode}: {stderr_tail[-1]}")
     return FleetResult(report, args.drain_command, args.failures_only, messages)
-
-
-def _end_group(proc: subprocess.Popen[bytes]) -> None:
-    """SIGTERM srun (it stops its tasks), then SIGKILL its group if it lingers."""
-    for sig, grace in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
-        try:
-            os.killpg(proc.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            return
-        try:
-            proc.wait(timeout=grace)
-            return
-        except subprocess.TimeoutExpired:
-            continue

@@ -55,6 +55,7 @@ from typing import Any
 from dynprof import __version__, errors, jsontext
 from dynprof.identity import detect
 from dynprof.nodes import Node
+from dynprof.procs import kill_group
 from dynprof.result import Result, error_json
 
 log = logging.getLogger("dynprof.sidecar")
@@ -723,18 +724,18 @@ def _run_child(
     try:
         out, err = proc.communicate(request, timeout=limit)
     except subprocess.TimeoutExpired:
-        _kill_group(proc)
+        kill_group(proc)
         proc.communicate()
         return failed(errors.Timeout(f"{name} ran past {limit:g} s; it and its process group were killed"))
     except BaseException:
-        _kill_group(proc)
+        kill_group(proc)
         proc.wait()
         raise
     finally:
         if proc.poll() is None:  # pragma: no cover - communicate() returned with the child alive
-            _kill_group(proc)
+            kill_group(proc)
             proc.wait()
-        _kill_group(proc)  # workers the child left behind in its group
+        kill_group(proc)  # workers the child left behind in its group
         with _children_lock:
             _children.discard(proc)
     if _closing and proc.returncode < 0:
@@ -811,12 +812,5 @@ def kill_children() -> int:
         _closing = True
         running = list(_children)
     for proc in running:
-        _kill_group(proc)
+        kill_group(proc)
     return len(running)
-
-
-def _kill_group(proc: subprocess.Popen[str]) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import select
-import signal
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dynprof.procs import kill_group
 from healthcheck.result import CheckResult, Status
 from healthcheck.timeouts import did_not_return
 
@@ -155,10 +155,7 @@ class SharedFsProbe:
     def _abandon(self) -> None:
         """Kill the child and do not wait for it (it may be stuck in the filesystem)."""
         assert self.proc is not None
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except OSError:
-            pass
+        kill_group(self.proc)
         self.proc.poll()
 
     def result(self, mounts_text: str | None = None) -> CheckResult:

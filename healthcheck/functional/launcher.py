@@ -7,10 +7,10 @@ the check (with those after it) is "unknown", never "pass".
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
-import signal
 import socket
 import subprocess
 import sys
@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dynprof.procs import kill_group
 from healthcheck.functional.measurement import Measurement
 
 # Startup: interpreter, torch import, CUDA context.
@@ -199,14 +200,9 @@ def run_workers(
 
 
 def _kill(proc: subprocess.Popen[str]) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    try:
+    kill_group(proc)
+    with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        pass
 
 
 def _supervise(workers: list[_Worker], plan: LevelPlan, scale: float, progress: Callable[[str], None] | None) -> None:

@@ -12,13 +12,13 @@ from __future__ import annotations
 import json
 import math
 import os
-import signal
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from typing import Any
 
+from dynprof.procs import kill_group
 from healthcheck.links.worker import LINK_SIDE_SCHEMA
 
 MAX_WORKER_OUTPUT = 64 * 1024
@@ -57,13 +57,6 @@ def _number(doc: dict[str, Any], key: str) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
         return None
     return float(value)
-
-
-def _kill_group(proc: subprocess.Popen[bytes]) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def run_side(
@@ -117,7 +110,7 @@ def run_side(
     try:
         out, err = proc.communicate(timeout=limit_s)
     except subprocess.TimeoutExpired:
-        _kill_group(proc)
+        kill_group(proc)
         proc.communicate()
         return SideResult(
             "hung",
@@ -128,7 +121,7 @@ def run_side(
             error=f"the link test did not end within its limit of {limit_s:g} s; its processes were killed",
         )
     finally:
-        _kill_group(proc)  # whatever the worker left in its group
+        kill_group(proc)  # whatever the worker left in its group
         if proc.poll() is None:
             proc.kill()
             proc.wait()
