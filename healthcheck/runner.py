@@ -33,6 +33,7 @@ from healthcheck.checks.ib_counters import IB_ROOT, IbPortCounters, check_ib_cou
 from healthcheck.checks.shared_fs import SharedFsProbe, start_probes
 from healthcheck.checks.xid import check_kernel_log_xids, check_live_xids
 from healthcheck.compare import DeviceMeasurement, Thresholds, judge, needs_retry
+from healthcheck.functional.launcher import HOST_FUNCTIONAL_CHECKS
 from healthcheck.pci import normalize_bus_id
 from healthcheck.readings import DeviceReadings
 from healthcheck.report import DeviceSummary, Report
@@ -74,8 +75,6 @@ FUNCTIONAL_CHECKS = (
 )
 HOST_CHECKS = ("disk_free", "shm_size", "host_memory", "host_processes", "ib_ports", "ib_counters", "shared_fs")
 SHARED_FS_ENV = "DYNPROF_HEALTHCHECK_SHARED_FS"
-# The host's own figures at standard and full (healthcheck.functional.cpu), on every node.
-HOST_FUNCTIONAL_CHECKS = ("host_gemm_fp32", "host_memory_bandwidth")
 ALL_CHECKS = PASSIVE_CHECKS + FUNCTIONAL_CHECKS + HOST_CHECKS + HOST_FUNCTIONAL_CHECKS
 
 

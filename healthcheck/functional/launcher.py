@@ -82,7 +82,8 @@ def level_plan(level: str) -> LevelPlan:
 
 
 PER_DEVICE_CHECKS = ("gemm_bf16", "memory_bandwidth", "host_transfer", "memory_pattern")
-# The host's own figures (healthcheck.functional.cpu): one worker on the CPU device, every node.
+# The host's own figures (healthcheck.functional.cpu), at standard and full: one worker on the
+# CPU device, on every node. The one list of them (healthcheck.runner imports it).
 HOST_FUNCTIONAL_CHECKS = ("host_gemm_fp32", "host_memory_bandwidth")
 
 
