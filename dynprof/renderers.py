@@ -27,13 +27,13 @@ RENDERERS: dict[str, str] = {
     "memory-plan": "collectors.memory.plan:render_artifact",
     "host-memory": "collectors.host_memory:render_artifact",
     "nccl": "collectors.flight_recorder:render_artifact",
-    "analysis": "collectors.trace_analysis:render_artifact",
+    "analysis": "collectors.trace_analysis.render:render_artifact",
     "verdict": "dynprof.watch.render:render_artifact",
 }
 # kind -> "module:function" returning an HTML fragment (self-contained, no script) that the web
 # page shows above the text summary.
 HTML_RENDERERS: dict[str, str] = {
-    "analysis": "collectors.trace_analysis:render_html",
+    "analysis": "collectors.trace_analysis.html:render_html",
     "verdict": "dynprof.watch.html:render_html",
 }
 

@@ -12,7 +12,7 @@ Two cases:
 For each case it reports wall time, CPU time (user + system, the child and its worker
 processes) and peak memory (the largest summed RSS of the child process that runs the tool and
 its worker processes, sampled every 50 ms) for:
-  dynprof   collectors.trace_analysis: analyze_ranks + combine (the work of `dynprof analyze`)
+  dynprof   collectors.trace_analysis: rank.analyze_ranks + job.combine (the work of `dynprof analyze`)
   hta       hta.TraceAnalysis(trace_dir=...) + get_temporal_breakdown + get_comm_comp_overlap
             + get_gpu_kernel_breakdown (visualize=False)
 HTA is optional (`pip install HolisticTraceAnalysis`; it is not a dynprof dependency); without
@@ -160,10 +160,11 @@ def write_trace(path: Path, rank: int, world: int, target_bytes: int, slow: bool
 # -- running each tool in a child, measuring it ----------------------------------------------------
 DYNPROF_CHILD = """
 import json, sys, time
-from collectors import trace_analysis as ta
+from collectors.trace_analysis.job import combine
+from collectors.trace_analysis.rank import RankInput, analyze_ranks
 paths = json.loads(sys.argv[1]); workers = int(sys.argv[2]) or None
 t0 = time.perf_counter()
-out = ta.combine(ta.analyze_ranks([ta.RankInput(p, max_bytes=8 * 1024**3) for p in paths], workers=workers))
+out = combine(analyze_ranks([RankInput(p, max_bytes=8 * 1024**3) for p in paths], workers=workers))
 dt = time.perf_counter() - t0
 g = out["ranks"][0]["gpu"]
 print(json.dumps({"seconds": dt, "ranks": len(out["ranks"]), "steps": len(out["common_steps"]),

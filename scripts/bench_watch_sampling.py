@@ -212,11 +212,11 @@ def lost_in(ends: list[float], spans: list[tuple[float, float]], margin: float) 
 
 def traced_step_ms(keep: Path) -> float | None:
     """The mean step time in the sampled traces (every rank's)."""
-    from collectors import trace_analysis as ta
     from collectors.torch_trace import TRACE_FILE
+    from collectors.trace_analysis.rank import RankInput, analyze_ranks
 
-    items = [ta.RankInput(path=str(p)) for p in keep.rglob(TRACE_FILE)]
-    ranks = [r for r in ta.analyze_ranks(items, workers=1) if "error" not in r]
+    items = [RankInput(path=str(p)) for p in keep.rglob(TRACE_FILE)]
+    ranks = [r for r in analyze_ranks(items, workers=1) if "error" not in r]
     times = [s["step_ms"] for r in ranks for s in r["steps"]]
     return statistics.fmean(times) if times else None
 

@@ -52,7 +52,8 @@ class AnalyzeCommand:
         add_json(parser)
 
     def collect(self, args: argparse.Namespace) -> Result:
-        from collectors import trace_analysis as ta
+        from collectors.trace_analysis.artifact import KIND
+        from collectors.trace_analysis.job import compare
 
         if args.top < 1:
             raise errors.UsageError("--top must be 1 or more")
@@ -65,7 +66,7 @@ class AnalyzeCommand:
                 raise errors.UsageError("give either ARTIFACT... or --compare A B, not both")
             a_label, a = self._analysis_of(store, args, args.compare[0], max_bytes)
             b_label, b = self._analysis_of(store, args, args.compare[1], max_bytes)
-            return Comparison(ta.compare(a, b, top=args.top), a_label, b_label)
+            return Comparison(compare(a, b, top=args.top), a_label, b_label)
         if args.artifacts and (args.job or args.group):
             raise errors.UsageError("give either ARTIFACT... or --job/--group, not both")
         if not args.artifacts and not args.job and not args.group:
@@ -74,7 +75,7 @@ class AnalyzeCommand:
             )
         if args.artifacts:
             arts = [store.get(ref) for ref in args.artifacts]
-            if len(arts) == 1 and arts[0].kind == ta.KIND:
+            if len(arts) == 1 and arts[0].kind == KIND:
                 return Analysis(args, _load(arts[0]), f"saved analysis {arts[0].id}", arts[0], loaded=True)
             label = ", ".join(a.id for a in arts)
         else:
@@ -93,13 +94,13 @@ class AnalyzeCommand:
         return Analysis(args, data, label, saved)
 
     def render(self, result: Result) -> str:
-        from collectors import trace_analysis as ta
+        from collectors.trace_analysis.render import render_compare_text, render_text
 
         if isinstance(result, Comparison):
-            return printable_lines(ta.render_compare_text(result.comparison, result.a_label, result.b_label))
+            return printable_lines(render_compare_text(result.comparison, result.a_label, result.b_label))
         assert isinstance(result, Analysis)
         data = result.data
-        text = printable(f"analysis of {result.label}") + "\n" + printable_lines(ta.render_text(data, top=result.top))
+        text = printable(f"analysis of {result.label}") + "\n" + printable_lines(render_text(data, top=result.top))
         if data.get("elapsed_s") is not None and not result.loaded:
             text += f"\n\nanalysed in {data['elapsed_s']:.2f} s"
             text += f"; saved as {result.saved.id}" if result.saved else ""
@@ -108,14 +109,14 @@ class AnalyzeCommand:
     def _analysis_of(
         self, store: ArtifactStore, args: argparse.Namespace, ref: str, max_bytes: int
     ) -> tuple[str, dict[str, Any]]:
-        from collectors import trace_analysis as ta
+        from collectors.trace_analysis.artifact import KIND
 
         arts = group_artifacts(store, ref, args.job)
         if arts:
             label = f"group {ref}"
         else:
             art = store.get(ref)
-            if art.kind == ta.KIND:
+            if art.kind == KIND:
                 return f"analysis {art.id}", _load(art)
             arts = [art]
             label = f"trace {art.id}"
@@ -186,17 +187,18 @@ def _check_traces(arts: list[Artifact]) -> list[Artifact]:
 
 
 def analyse(arts: list[Artifact], top: int, workers: int | None, max_bytes: int) -> dict[str, Any]:
-    from collectors import trace_analysis as ta
     from collectors.torch_trace import TRACE_FILE
+    from collectors.trace_analysis.job import combine
+    from collectors.trace_analysis.rank import RankInput, analyze_ranks, device_of
 
     items = [
-        ta.RankInput(
+        RankInput(
             path=str(a.file(TRACE_FILE)),
             rank=a.manifest.get("rank"),
             host=a.manifest.get("host"),
             artifact=a.id,
             max_bytes=max_bytes,
-            device=ta.device_of(a.manifest),
+            device=device_of(a.manifest),
         )
         for a in arts
     ]
@@ -204,21 +206,21 @@ def analyse(arts: list[Artifact], top: int, workers: int | None, max_bytes: int)
         {"artifact": a.id, "rank": a.manifest.get("rank"), "host": a.manifest.get("host"), "group_id": group_of(a)}
         for a in arts
     ]
-    return ta.combine(ta.analyze_ranks(items, workers=workers), top=top, sources=sources)
+    return combine(analyze_ranks(items, workers=workers), top=top, sources=sources)
 
 
 def save(store: ArtifactStore, arts: list[Artifact], data: dict[str, Any]) -> Artifact:
-    from collectors import trace_analysis as ta
+    from collectors.trace_analysis.artifact import ANALYSIS_FILE, KIND
 
     jobs = {a.manifest.get("job") for a in arts}
     groups = sorted({group_of(a) for a in arts if group_of(a)})
     writer = store.create(
-        ta.KIND,
+        KIND,
         job=str(next(iter(jobs))) if len(jobs) == 1 and None not in jobs else None,
         options={"group_id": groups[0] if len(groups) == 1 else None, "sources": [a.id for a in arts]},
     )
     with writer:
-        writer.write_json(ta.ANALYSIS_FILE, data)
+        writer.write_json(ANALYSIS_FILE, data)
         s = data.get("straggler")
         return writer.finish(
             "complete",
@@ -232,11 +234,12 @@ def save(store: ArtifactStore, arts: list[Artifact], data: dict[str, Any]) -> Ar
 
 
 def _load(art: Artifact) -> dict[str, Any]:
-    from collectors import trace_analysis as ta
+    from collectors.trace_analysis.artifact import load_analysis
+    from collectors.trace_analysis.reader import TraceError
 
     try:
-        return ta.load_analysis(art)
-    except ta.TraceError as exc:
+        return load_analysis(art)
+    except TraceError as exc:
         raise errors.ArtifactError(str(exc)) from None
 
 

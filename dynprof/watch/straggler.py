@@ -6,8 +6,8 @@ DIR`` and then ``dynprof analyze`` go, through the same public functions: every 
 one common step (:func:`dynprof.job.start.arm_at_one_step`), each rank's trace followed until
 written (:func:`dynprof.job.start.follow_traces`), the traces copied back and checked against
 their manifests (:func:`dynprof.job.fetch.fetch_by_path`), then each rank's trace reduced and
-the job's analysis combined (:mod:`collectors.trace_analysis`: ``analyze_ranks``, ``combine``,
-whose ``detect_straggler`` decides). It returns a
+the job's analysis combined (:func:`collectors.trace_analysis.rank.analyze_ranks`,
+:func:`collectors.trace_analysis.job.combine`, whose ``detect_straggler`` decides). It returns a
 :class:`~dynprof.watch.model.StragglerReport`: a score per (node, rank) and, when the rule
 names a straggler, a ``straggler`` :class:`~dynprof.watch.model.Verdict` naming its rank, its
 node and the cause class.
@@ -128,7 +128,7 @@ def category_excess(straggler_row: dict[str, Any], others: list[dict[str, Any]])
 def top_python_excess(mine: dict[str, Any], rest: list[dict[str, Any]], steps: int) -> tuple[str, float] | None:
     """The Python function (``with_stack`` traces) whose time outside operators per step grew
     most over the other ranks' mean, innermost of those within 5 % of the most."""
-    from collectors.trace_analysis import short_function
+    from collectors.trace_analysis.job import short_function
 
     table = mine.get("python_outside")
     if not isinstance(table, dict) or not table:
@@ -203,11 +203,12 @@ def _read_manifest(path: Path) -> dict[str, Any] | None:
 def analyse_fetched(
     fetched: list[dict[str, Any]], label_of: dict[str, str]
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """The job's analysis (``collectors.trace_analysis.combine``) of fetched trace artifacts
+    """The job's analysis (``collectors.trace_analysis.job.combine``) of fetched trace artifacts
     (rows of :func:`dynprof.job.fetch.fetch`), each rank named by its node as the watch names
     it (``label_of``: node address -> name); and the per-rank reductions behind it."""
-    from collectors import trace_analysis as ta
     from collectors.torch_trace import TRACE_FILE
+    from collectors.trace_analysis.job import combine
+    from collectors.trace_analysis.rank import RankInput, analyze_ranks, device_of
 
     items = []
     node_host: dict[tuple[str, Any], Any] = {}
@@ -222,16 +223,16 @@ def analyse_fetched(
         host = label_of.get(str(row.get("node")), str(row.get("node")))
         node_host[(host, rank)] = manifest.get("host")
         items.append(
-            ta.RankInput(
+            RankInput(
                 path=str(path / TRACE_FILE),
                 rank=rank,
                 host=host,
                 artifact=str(row.get("id")),
-                device=ta.device_of(manifest),
+                device=device_of(manifest),
             )
         )
-    ranks = ta.analyze_ranks(items, workers=1)
-    analysis = ta.combine(ranks, top=10)
+    ranks = analyze_ranks(items, workers=1)
+    analysis = combine(ranks, top=10)
     for r in analysis["ranks"]:
         r["node_host"] = node_host.get((r["host"], r["rank"]))
     return analysis, [r for r in ranks if "error" not in r]

@@ -193,9 +193,9 @@ def _trace_text() -> str:
 
 
 def _analysis_text() -> str:
-    from collectors import trace_analysis
+    from collectors.trace_analysis.render import render_text
 
-    return trace_analysis.render_text({"ranks": [], "errors": [{"rank": 0, "error": FORGED}]})
+    return render_text({"ranks": [], "errors": [{"rank": 0, "error": FORGED}]})
 
 
 def _flight_recorder_text() -> str:

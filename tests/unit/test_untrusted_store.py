@@ -493,12 +493,12 @@ def test_a_trace_that_compresses_well_but_plausibly_is_read_whole():
 
 
 def test_analyze_refuses_a_gzip_bomb_by_its_compression_ratio(tmp_path):
-    from collectors import trace_analysis as ta
+    from collectors.trace_analysis.reader import TraceError, iter_trace
 
     # GIVEN a trace file that is a 4 MiB gzip bomb
     path = tmp_path / "trace.json.gz"
     path.write_bytes(spaces_gzip(b'{"traceEvents": [', 4096, b"]}"))
 
     # WHEN it is read for analysis THEN it is refused for its ratio, as a trace error
-    with pytest.raises(ta.TraceError, match="compression ratio"):
-        list(ta.iter_trace(path))
+    with pytest.raises(TraceError, match="compression ratio"):
+        list(iter_trace(path))

@@ -1,10 +1,13 @@
-"""Inline SVG for an analysis: a per-rank stacked bar of the step breakdown and one step's
-timeline per rank. No script, no external resource: the page works offline."""
+"""An analysis as HTML for the web page: the straggler verdict and inline SVG, a per-rank stacked
+bar of the step breakdown and one step's timeline per rank. No script, no external resource:
+the page works offline. Every value is escaped where it is put."""
 
 from __future__ import annotations
 
 import html
 from typing import Any
+
+from collectors.trace_analysis.artifact import load_analysis
 
 COLORS = {
     "ops": "#4e79a7",
@@ -167,3 +170,8 @@ def analysis_html(analysis: dict[str, Any]) -> str:
         + timeline_svg(analysis)
         + "</div>"
     )
+
+
+def render_html(artifact: Any) -> str:
+    """Self-contained HTML (inline SVG, no script) of an analysis artifact, for the web page."""
+    return analysis_html(load_analysis(artifact))
