@@ -341,28 +341,19 @@ class LocalSource:
         return {"kernel": "running " + "; ".join(running[:3]) + more, "coredump": facts}
 
     def healthcheck(self, nodes: list[str], job: str | None = None) -> dict[str, dict[str, Any]]:
-        """``dynprof healthcheck --level quick`` in a child process: it may touch the GPUs, which
-        must leave no CUDA state in the watch (nor in the sidecar that hosts it)."""
-        import os
-        import subprocess
+        """This node's quick healthcheck, through the kind's own entry point
+        (:func:`healthcheck.collect.collect`): it runs in a child process, killed past its time,
+        since it may touch the GPUs, which must leave no CUDA state in the watch (nor in the
+        sidecar that hosts it)."""
+        from dynprof.watch.evidence import report_summary
+        from healthcheck.collect import HealthcheckRequest, collect
 
-        from dynprof.watch.evidence import healthcheck_summary
-
-        env = dict(os.environ)
-        env.pop("DYNPROF", None)  # a tool, not a job: no agent in it
-        cmd = [sys.executable, "-m", "dynprof", "healthcheck", "--level", "quick", "--no-save", "--json"]
-        if job:
-            cmd += ["--job", job]  # the job's own ranks hold the devices: not "other processes"
         try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=HEALTHCHECK_TIMEOUT_S, env=env)
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            return {self.host: {"verdict": "could not run", "error": str(exc)[:1000], "problems": []}}
-        try:
-            doc = json.loads(done.stdout[: 16 << 20])
-        except ValueError:
-            tail = done.stderr.strip().splitlines()[-1:] or [f"exit {done.returncode}"]
-            return {self.host: {"verdict": "could not run", "error": tail[0][:1000], "problems": []}}
-        return {self.host: healthcheck_summary(doc)}
+            # the job's own ranks hold the devices: not "other processes"
+            report = collect(HealthcheckRequest(level="quick", job=job or None, timeout=HEALTHCHECK_TIMEOUT_S))
+        except errors.DynprofError as exc:
+            return {self.host: {"verdict": "could not run", "error": exc.message[:1000], "problems": []}}
+        return {self.host: report_summary(report)}
 
 
 # -- serve --watch ----------------------------------------------------------------------------------

@@ -14,8 +14,9 @@ from collectors.stacks import ProcessStacks, Stacks
 from dynprof.watch import detect
 from dynprof.watch.model import RankProgress
 
-if TYPE_CHECKING:  # for the annotation only: the engine imports this module
+if TYPE_CHECKING:  # for the annotations only: the engine imports this module
     from dynprof.watch.engine import WatchEngine
+    from healthcheck.fleet import NodeReport
 
 MAX_STACKS_EVIDENCE_GROUPS = 50
 
@@ -40,6 +41,25 @@ def healthcheck_summary(doc: Any) -> dict[str, Any]:
         "verdict": str(doc.get("verdict") or "?")[:40],
         "exit_code": doc.get("exit_code") if isinstance(doc.get("exit_code"), int) else None,
         "counts": doc.get("counts") if isinstance(doc.get("counts"), dict) else {},
+        "problems": problems[:50],
+    }
+
+
+def report_summary(report: NodeReport) -> dict[str, Any]:
+    """:func:`healthcheck_summary` of a report already decoded (this node's, as
+    :func:`healthcheck.collect.collect` returns it): the same document."""
+    from healthcheck.result import Status, verdict
+
+    shown = (Status.FAIL, Status.WARN, Status.UNKNOWN)
+    problems = [
+        {"name": c.name[:100], "status": c.status.value[:20], "device": c.device, "reason": c.reason[:300]}
+        for c in report.checks
+        if c.status in shown
+    ]
+    return {
+        "verdict": verdict(report.exit_code)[:40],
+        "exit_code": report.exit_code,
+        "counts": {s.value: sum(1 for c in report.checks if c.status is s) for s in Status},
         "problems": problems[:50],
     }
 

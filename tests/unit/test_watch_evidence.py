@@ -4,7 +4,6 @@ nothing written) and the healthcheck of the job's nodes (its own ranks are no ot
 from __future__ import annotations
 
 import argparse
-import os
 from typing import Any
 
 import pytest
@@ -122,25 +121,41 @@ def test_the_nodes_watch_says_the_recorder_is_off_for_the_job_and_checks_health_
 
 
 def test_this_node_s_watch_runs_the_healthcheck_for_the_job(monkeypatch):
-    # GIVEN the healthcheck child's command line recorded
-    ran: list[list[str]] = []
+    # GIVEN the healthcheck kind's requests recorded (each still run, in its child process)
+    from healthcheck import collect as hc_collect
 
-    class Done:
-        returncode, stdout, stderr = 0, '{"verdict": "healthy", "checks": []}', ""
+    asked: list[hc_collect.HealthcheckRequest] = []
+    real = hc_collect.collect
 
-    def run(cmd: list[str], **kwargs: Any) -> Done:
-        ran.append(cmd)
-        assert "DYNPROF" not in kwargs["env"]
-        return Done()
+    def recording(request: hc_collect.HealthcheckRequest) -> Any:
+        asked.append(request)
+        return real(request)
 
-    monkeypatch.setattr("subprocess.run", run)
+    monkeypatch.setattr(hc_collect, "collect", recording)
     # WHEN the watch checks this node for job frjob
     health = watch_cli.LocalSource(host="h").healthcheck(["h"], "frjob")
-    # THEN the healthcheck is told the job (its ranks are its own processes)
-    (cmd,) = ran
-    assert cmd[cmd.index("--job") + 1] == "frjob"
+    # THEN the quick healthcheck is told the job (its ranks are its own processes), and what it
+    # found is kept under this node's name
+    assert [(r.level, r.job) for r in asked] == [("quick", "frjob")]
     assert set(health) == {"h"}
-    assert os.environ.get("DYNPROF_ARTIFACT_DIR")  # the isolated store of the tests
+    assert health["h"]["verdict"] in ("healthy", "warning", "unhealthy", "could not run")
+    assert sum(health["h"]["counts"].values()) >= 1
+
+
+def test_this_node_s_healthcheck_that_cannot_run_is_said_with_why(monkeypatch):
+    # GIVEN a healthcheck that ends without a report
+    from healthcheck import collect as hc_collect
+
+    def broken(request: hc_collect.HealthcheckRequest) -> Any:
+        raise errors.Timeout(f"the healthcheck ran past {request.timeout:g} s and was killed")
+
+    monkeypatch.setattr(hc_collect, "collect", broken)
+    # WHEN the watch checks this node
+    health = watch_cli.LocalSource(host="h").healthcheck(["h"], None)
+    # THEN the node's evidence says it could not run, and why
+    assert health == {
+        "h": {"verdict": "could not run", "error": "the healthcheck ran past 120 s and was killed", "problems": []}
+    }
 
 
 def test_with_gpu_coredump_the_culprits_with_unfinished_gpu_work_are_dumped_once_and_named():
@@ -198,6 +213,32 @@ def _report(*checks: Any) -> Any:
     from healthcheck.report import Report
 
     return Report(level="quick", backend="nvml", started_at="2026-01-01T00:00:00Z", duration_s=1.0, checks=list(checks))
+
+
+def test_a_decoded_report_is_summed_up_as_the_report_s_document_is():
+    # GIVEN a node's report with a failing, a warning, an unknown and a passing check
+    from healthcheck.fleet import NodeReport
+    from healthcheck.result import CheckResult, Status
+
+    report = _report(
+        CheckResult("xid_errors", Status.FAIL, "Xid 79 on GPU 3: fallen off the bus", device=3, action="drain"),
+        CheckResult("clock_events", Status.WARN, "thermal slowdown", device=1),
+        CheckResult("ib_ports", Status.UNKNOWN, "no InfiniBand port readable"),
+        CheckResult("disk_free", Status.PASS, "120 GiB free"),
+    )
+    doc = report.to_json()
+    # WHEN it is summed up decoded (this node's, from the kind's entry point) and as a document
+    # (a node's sidecar answer)
+    decoded = evidence.report_summary(NodeReport.from_json(doc))
+    # THEN both say the same: its verdict, its counts and the checks that did not pass
+    assert decoded == evidence.healthcheck_summary(doc)
+    assert decoded["verdict"] == "unhealthy" and decoded["exit_code"] == 2
+    assert decoded["counts"] == {"pass": 1, "warn": 1, "fail": 1, "unknown": 1, "skipped": 0}
+    assert [(p["name"], p["device"]) for p in decoded["problems"]] == [
+        ("xid_errors", 3),
+        ("clock_events", 1),
+        ("ib_ports", None),
+    ]
 
 
 def test_what_is_not_a_report_is_unreadable_and_long_text_is_cut():
