@@ -13,6 +13,7 @@ from dynprof import jsontext
 from dynprof.arguments import bounded_int, nonnegative_float, parse_float, path_arg, positive_float
 from dynprof.errors import ArtifactError, DynprofError
 from healthcheck.baseline import learn, read_results
+from healthcheck.collect import job_pids
 from healthcheck.compare import Thresholds
 from healthcheck.report import Report, render_prometheus, render_table, write_atomically
 from healthcheck.result import EXIT_COULD_NOT_RUN
@@ -220,18 +221,6 @@ def options_from_args(args: argparse.Namespace) -> Options:
         counter_window_s=getattr(args, "counter_window", 0.0),
         job_pids=job_pids(getattr(args, "job", None)),
     )
-
-
-def job_pids(job: str | None) -> frozenset[int]:
-    """The pids of the live processes of ``job`` with dynprof agents on this node (this user's)."""
-    if not job:
-        return frozenset()
-    from dynprof.registry import list_records
-
-    try:
-        return frozenset(r.pid for r in list_records(clean=False) if r.job_id == job)
-    except OSError:
-        return frozenset()
 
 
 def save_artifact(report: Report, table_text: str) -> str:

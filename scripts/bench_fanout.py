@@ -491,7 +491,8 @@ def time_verdict(cluster: Cluster, count: int, client: Any, gap: float) -> Run |
     if importlib.util.find_spec("dynprof.watch.engine") is None:
         return None
     from dynprof.nodes import parse_node
-    from dynprof.watch.engine import SidecarSource, WatchConfig, WatchEngine
+    from dynprof.watch.engine import WatchConfig, WatchEngine
+    from dynprof.watch.sources import SidecarSource
 
     nodes = [parse_node(n.address) for n in cluster.nodes[:count]]
     verdicts: list[Any] = []

@@ -136,7 +136,7 @@ def local_straggler_of(source: Any) -> Any:
 
 def straggler_of(source: Any) -> Any:
     """The engine's straggler hook over the sidecars of ``source`` (a
-    :class:`~dynprof.watch.engine.SidecarSource`): the same node objects, client and token that
+    :class:`~dynprof.watch.sources.SidecarSource`): the same node objects, client and token that
     read the progress, so a sample goes to exactly the addresses the user named."""
     from dynprof.watch.straggler import straggler_hook
 
@@ -158,7 +158,7 @@ class VerdictPrinter:
         self._told_no_ranks = False
 
     def verdict(self, verdict: Any, path: str | None) -> None:
-        from dynprof.watch.engine import run_hook
+        from dynprof.watch.hook import run_hook
 
         if verdict.kind == "hang":
             self.hangs += 1
@@ -238,7 +238,7 @@ def render_verdict(verdict: Any, path: str | None) -> str:
 def node_source(args: argparse.Namespace, nodes: list[Node]) -> Any:
     """The nodes' sidecars, with the flight recorder read by ``nccl``'s own job-wide path."""
     from dynprof.cli.job import client_for
-    from dynprof.watch.engine import SidecarSource
+    from dynprof.watch.sources import SidecarSource
 
     client = client_for(args)
     # A poll holds every node's progress and then its stacks: the client's total is shared
@@ -252,7 +252,7 @@ def node_source(args: argparse.Namespace, nodes: list[Node]) -> Any:
         # A client of its own: the dumps read back are not among the poll's shared answers.
         got = collect_nodes(client_for(args), nodes, NcclRequest(job=job, timeout=FLIGHT_RECORDER_TIMEOUT_S))
         if got.recorder_off:
-            from dynprof.watch.engine import FLIGHT_RECORDER_OFF
+            from dynprof.watch.sources import FLIGHT_RECORDER_OFF
 
             return None, FLIGHT_RECORDER_OFF
         if got.analysis is None:
@@ -279,15 +279,15 @@ class LocalSource:
 
     def progress(self, job: str, fresh: bool = False) -> list[Any]:  # always read now
         from dynprof.registry import list_records
-        from dynprof.watch.engine import NodeRead
         from dynprof.watch.progress import read_progress
+        from dynprof.watch.sources import NodeRead
 
         return [NodeRead(self.host, read_progress(list_records(), self.host, job, timeout=1.0))]
 
     def stacks(self, job: str, native: dict[str, list[int]]) -> Any:
         from collectors.stacks import Source, Stacks
         from collectors.stacks.collect import StacksRequest, collect
-        from dynprof.watch.engine import StacksRead, merged_with_native
+        from dynprof.watch.sources import StacksRead, merged_with_native
 
         failures: dict[str, str] = {}
 
@@ -314,7 +314,7 @@ class LocalSource:
         try:
             got = nccl.collect(nccl.NcclRequest(job=job, timeout=FLIGHT_RECORDER_TIMEOUT_S))
         except errors.Unsupported:
-            from dynprof.watch.engine import FLIGHT_RECORDER_OFF
+            from dynprof.watch.sources import FLIGHT_RECORDER_OFF
 
             return None, FLIGHT_RECORDER_OFF  # every rank said so (and no artifact was written)
         except errors.DynprofError as exc:
@@ -341,28 +341,19 @@ class LocalSource:
         return {"kernel": "running " + "; ".join(running[:3]) + more, "coredump": facts}
 
     def healthcheck(self, nodes: list[str], job: str | None = None) -> dict[str, dict[str, Any]]:
-        """``dynprof healthcheck --level quick`` in a child process: it may touch the GPUs, which
-        must leave no CUDA state in the watch (nor in the sidecar that hosts it)."""
-        import os
-        import subprocess
+        """This node's quick healthcheck, through the kind's own entry point
+        (:func:`healthcheck.collect.collect`): it runs in a child process, killed past its time,
+        since it may touch the GPUs, which must leave no CUDA state in the watch (nor in the
+        sidecar that hosts it)."""
+        from dynprof.watch.evidence import report_summary
+        from healthcheck.collect import HealthcheckRequest, collect
 
-        from dynprof.watch.engine import healthcheck_summary
-
-        env = dict(os.environ)
-        env.pop("DYNPROF", None)  # a tool, not a job: no agent in it
-        cmd = [sys.executable, "-m", "dynprof", "healthcheck", "--level", "quick", "--no-save", "--json"]
-        if job:
-            cmd += ["--job", job]  # the job's own ranks hold the devices: not "other processes"
         try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=HEALTHCHECK_TIMEOUT_S, env=env)
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            return {self.host: {"verdict": "could not run", "error": str(exc)[:1000], "problems": []}}
-        try:
-            doc = json.loads(done.stdout[: 16 << 20])
-        except ValueError:
-            tail = done.stderr.strip().splitlines()[-1:] or [f"exit {done.returncode}"]
-            return {self.host: {"verdict": "could not run", "error": tail[0][:1000], "problems": []}}
-        return {self.host: healthcheck_summary(doc)}
+            # the job's own ranks hold the devices: not "other processes"
+            report = collect(HealthcheckRequest(level="quick", job=job or None, timeout=HEALTHCHECK_TIMEOUT_S))
+        except errors.DynprofError as exc:
+            return {self.host: {"verdict": "could not run", "error": exc.message[:1000], "problems": []}}
+        return {self.host: report_summary(report)}
 
 
 # -- serve --watch ----------------------------------------------------------------------------------
@@ -395,7 +386,8 @@ def start_hosted_watch(args: argparse.Namespace, token: str) -> Any:
         return None
     from dynprof.job.client import SidecarClient, tls_context
     from dynprof.job.discovery import resolve_nodes
-    from dynprof.watch.engine import SidecarSource, WatchEngine
+    from dynprof.watch.engine import WatchEngine
+    from dynprof.watch.sources import SidecarSource
 
     nodes = resolve_nodes(args)
     if nodes is not None:

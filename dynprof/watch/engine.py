@@ -13,10 +13,13 @@ it to ``on_verdict`` (printing, the user's hook) and does not say it again while
 lasts, unless the verdict changes (other culprits, busy becoming a hang); when progress
 resumes it says that once. It never acts on the job.
 
-Where the engine reads is a :class:`WatchSource`: :class:`SidecarSource` (the nodes'
-sidecars), or one the face builds on this node's agents (``dynprof watch`` without nodes,
-``dynprof serve --watch``); the flight recorder and the healthcheck come from callables the
-face hands in, the commands that already read them.
+Where the engine reads is a :class:`~dynprof.watch.sources.WatchSource`:
+:class:`~dynprof.watch.sources.SidecarSource` (the nodes' sidecars), or one the face builds on
+this node's agents (``dynprof watch`` without nodes, ``dynprof serve --watch``); the flight
+recorder and the healthcheck come from callables the face hands in, the commands that already
+read them. What a verdict keeps of what it read is shaped in :mod:`dynprof.watch.evidence`, its
+conclusion's healthcheck clause and its artifact in :mod:`dynprof.watch.conclusion`, and the
+user's ``--on-verdict`` hook runs in :mod:`dynprof.watch.hook`.
 """
 
 from __future__ import annotations
@@ -27,207 +30,28 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any
 
-from collectors.stacks import Budget, ProcessStacks, Source, Stacks, from_json, merge
+from collectors.stacks import ProcessStacks, Stacks
 from dynprof import errors
 from dynprof.watch import detect, gpu_side
-from dynprof.watch.model import (
-    VERDICT_KIND,
-    Culprit,
-    NodeProgress,
-    RankProgress,
-    StragglerReport,
-    Verdict,
-    WatchGauges,
-)
+from dynprof.watch.conclusion import health_clause, write_verdict
+from dynprof.watch.evidence import by_process, failure_of, fr_summary, name_kernels_of, rank_row, stacks_evidence
+from dynprof.watch.model import RankProgress, StragglerReport, Verdict, WatchGauges
+from dynprof.watch.sources import WatchSource
 
 log = logging.getLogger("dynprof.watch")
 
 DEFAULT_INTERVAL_S = 5.0
 DEFAULT_LOOK_INTERVAL_S = 3.0
-DEFAULT_STACKS_TIMEOUT_S = 10.0
-DEFAULT_HOOK_TIMEOUT_S = 30.0
 ONCE_CONFIRM_LOOKS = 2  # --once: looks again at most this many times to confirm a hang it found
-MAX_STACKS_EVIDENCE_GROUPS = 50
-FLIGHT_RECORDER_OFF = "not on for this job (`dynprof run --flight-recorder`)"
-"""The flight-recorder note of a verdict on a job whose ranks record nothing (a source's answer
-when every rank said the recorder is off; no artifact is written then)."""
 
-
-# -- what the engine reads -----------------------------------------------------------------------
-@dataclass
-class NodeRead:
-    """One node's progress document, or why there is none."""
-
-    node: str  # the node's label (as output names it)
-    progress: NodeProgress | None
-    error: str | None = None
-
-
-@dataclass
-class StacksRead:
-    """One sample of the job's stacks: merged, each process's ``host`` its node's label."""
-
-    stacks: Stacks
-    failures: dict[str, str] = field(default_factory=dict)
-
-
-class WatchSource(Protocol):
-    """Where a watch reads: progress, stacks, and the evidence of a hang."""
-
-    def nodes(self) -> list[str]: ...
-
-    def progress(self, job: str, fresh: bool = False) -> list[NodeRead]: ...
-
-    def stacks(self, job: str, native: dict[str, list[int]]) -> StacksRead: ...
-
-    def flight_recorder(self, job: str) -> tuple[dict[str, Any] | None, str | None]: ...
-
-    def healthcheck(self, nodes: list[str], job: str | None = None) -> dict[str, dict[str, Any]]:
-        """Each node's quick healthcheck; the processes of ``job`` there are its own, not others
-        holding its devices."""
-        ...
-
-
-FlightRecorder = Callable[[str], tuple[dict[str, Any] | None, str | None]]
 Straggler = Callable[[str], StragglerReport | None]
 """``straggler(job)``: one sampled straggler check of the job, on the nodes the face built it for
 (the very node objects its source reads: the engine never hands it node labels to re-parse)."""
 
 
-def healthcheck_summary(doc: Any) -> dict[str, Any]:
-    """What a verdict keeps of a node's healthcheck report: its verdict and the checks that
-    did not pass (Xid, ECC, clocks, NVLink, InfiniBand, ...)."""
-    if not isinstance(doc, dict):
-        return {"verdict": "unreadable", "problems": []}
-    problems = []
-    for check in doc.get("checks") or []:
-        if isinstance(check, dict) and check.get("status") in ("fail", "warn", "unknown"):
-            problems.append(
-                {
-                    "name": str(check.get("name"))[:100],
-                    "status": str(check.get("status"))[:20],
-                    "device": check.get("device") if isinstance(check.get("device"), (int, str)) else None,
-                    "reason": str(check.get("reason") or "")[:300],
-                }
-            )
-    return {
-        "verdict": str(doc.get("verdict") or "?")[:40],
-        "exit_code": doc.get("exit_code") if isinstance(doc.get("exit_code"), int) else None,
-        "counts": doc.get("counts") if isinstance(doc.get("counts"), dict) else {},
-        "problems": problems[:50],
-    }
-
-
-class SidecarSource:
-    """The nodes' sidecars: ``GET /api/progress`` and the ``stacks`` and ``healthcheck`` actions."""
-
-    def __init__(
-        self,
-        client: Any,  # a dynprof.job.client.SidecarClient
-        nodes: Sequence[Any],  # dynprof.nodes.Node
-        flight_recorder: FlightRecorder | None = None,
-        stacks_timeout: float = DEFAULT_STACKS_TIMEOUT_S,
-    ) -> None:
-        from dynprof.job.answers import node_labels
-
-        self.client = client
-        self.node_list = list(nodes)
-        self.labels = node_labels(self.node_list)
-        self.by_label = {label: node for node, label in self.labels.items()}
-        self._flight_recorder = flight_recorder
-        self.stacks_timeout = stacks_timeout
-
-    def nodes(self) -> list[str]:
-        return [self.labels[n] for n in self.node_list]
-
-    def progress(self, job: str, fresh: bool = False) -> list[NodeRead]:
-        from dynprof.job.client import NodeFailure
-
-        def one(node: Any) -> NodeRead:
-            label = self.labels[node]
-            try:
-                return NodeRead(label, NodeProgress.from_json(self.client.progress(node, job, fresh=fresh)))
-            except NodeFailure as exc:
-                return NodeRead(label, None, exc.reason)
-            except errors.ArtifactError as exc:
-                return NodeRead(label, None, f"not a progress document: {exc.message}")
-
-        workers = max(1, min(self.client.max_in_flight, len(self.node_list)))
-        with ThreadPoolExecutor(max_workers=workers) as pool:
-            return list(pool.map(one, self.node_list))
-
-    def stacks(self, job: str, native: dict[str, list[int]]) -> StacksRead:
-        plain = {"job": job, "no_save": True, "timeout": self.stacks_timeout}
-        calls: list[tuple[Any, dict[str, Any]]] = [(n, plain) for n in self.node_list]
-        for label, pids in native.items():
-            node = self.by_label.get(label)
-            if node is not None and pids:
-                calls.append(
-                    (node, {"pid": sorted(set(pids)), "native": True, "no_save": True, "timeout": self.stacks_timeout})
-                )
-        workers = max(1, min(self.client.max_in_flight, len(calls)))
-        with ThreadPoolExecutor(max_workers=workers) as pool:
-            answers = list(
-                pool.map(lambda c: self.client.action(c[0], "stacks", c[1], timeout=self.stacks_timeout + 5.0), calls)
-            )
-        plain_sources: list[Source] = []
-        native_sources: list[Source] = []
-        failures: dict[str, str] = {}
-        budget = Budget()
-        for (node, options), answer in zip(calls, answers):
-            label = self.labels[node]
-            if not answer.answered:
-                failures[f"node {label}"] = answer.error or "no answer"
-                continue
-            try:
-                found = from_json(answer.result, budget)
-            except errors.ArtifactError as exc:
-                failures[f"node {label}"] = answer.command_error() or exc.message
-                continue
-            (native_sources if options.get("native") else plain_sources).append(Source(found, node=label))
-        return StacksRead(merged_with_native(plain_sources, native_sources), failures)
-
-    def flight_recorder(self, job: str) -> tuple[dict[str, Any] | None, str | None]:
-        if self._flight_recorder is None:
-            return None, "the flight recorder is not read by this watch"
-        return self._flight_recorder(job)
-
-    def healthcheck(self, nodes: list[str], job: str | None = None) -> dict[str, dict[str, Any]]:
-        chosen = [self.by_label[n] for n in nodes if n in self.by_label]
-        if not chosen:
-            return {}
-        options: dict[str, Any] = {"level": "quick", "no_save": True, **({"job": job} if job else {})}
-        answers = self.client.action_all(chosen, "healthcheck", options, timeout=120.0)
-        out: dict[str, dict[str, Any]] = {}
-        for node, answer in zip(chosen, answers):
-            label = self.labels[node]
-            if not answer.answered:
-                out[label] = {"verdict": "no answer", "error": answer.error, "problems": []}
-            elif answer.failure is not None and not isinstance(answer.result, dict):
-                out[label] = {"verdict": "could not run", "error": answer.failure.message, "problems": []}
-            else:
-                out[label] = healthcheck_summary(answer.result)
-        return out
-
-
-def merged_with_native(plain: Sequence[Source], native: Sequence[Source]) -> Stacks:
-    """THE merge of one sample: the native reads replace the plain reads of the same processes."""
-    replaced = {(s.node, p.pid) for s in native for p in s.stacks.processes}
-    sources = [
-        Source(
-            Stacks([p for p in s.stacks.processes if (s.node, p.pid) not in replaced], failures=s.stacks.failures),
-            node=s.node,
-            host=s.host,
-        )
-        for s in plain
-    ]
-    return merge([*sources, *native], by_host=True)
-
-
-# -- the verdicts ---------------------------------------------------------------------------------
 @dataclass
 class Episode:
     """One stall, from when the watch saw it until progress resumes."""
@@ -462,7 +286,7 @@ class WatchEngine:
         after_rows, _ = self.poll(fresh=True)
         after = {(node, r.pid): r for node, r in after_rows}
         native: dict[str, list[int]] = {}
-        seen_first = _by_process(first.stacks)
+        seen_first = by_process(first.stacks)
         in_collective = {key: _in_python_collective(p) for key, p in seen_first.items()}
         others_wait = any(in_collective.values())
         candidates = 0
@@ -484,8 +308,8 @@ class WatchEngine:
                 candidates += 1
                 native.setdefault(node, []).append(r.pid)
         second = self.source.stacks(self.config.job, native)
-        first_by = _by_process(first.stacks)
-        second_by = _by_process(second.stacks)
+        first_by = by_process(first.stacks)
+        second_by = by_process(second.stacks)
         unread = {**first.failures, **second.failures, **second.stacks.failures}
         looks = []
         for node, r in rows:
@@ -497,7 +321,7 @@ class WatchEngine:
                     after=after.get(where),
                     first=first_by.get(where),
                     second=second_by.get(where),
-                    unread=_failure_of(unread, node, r),
+                    unread=failure_of(unread, node, r),
                 )
             )
         for node, r in gone:
@@ -556,14 +380,14 @@ class WatchEngine:
             },
         }
         if decision.kind == "hang":
-            evidence["flight_recorder"] = {"analysis": _fr_summary(fr_analysis), "note": fr_note}
+            evidence["flight_recorder"] = {"analysis": fr_summary(fr_analysis), "note": fr_note}
             if health is not None:
                 evidence["healthcheck"] = health
-        conclusion = decision.conclusion + _health_clause(evidence.get("healthcheck"))
+        conclusion = decision.conclusion + health_clause(evidence.get("healthcheck"))
         gpu = gpu_side.evidence(decision.kind, decision.culprits, [*rows, *after_rows])
         if gpu and self.config.gpu_coredump and decision.kind == "hang":
             waiting = {(st.node, st.pid) for st in decision.states if st.state == "waiting-gpu"}
-            _name_kernels_of(self, gpu, waiting)
+            name_kernels_of(self, gpu, waiting)
         if gpu:  # what each culprit's GPU is doing (dynprof/watch/gpu_side.py)
             evidence["gpu"] = gpu
             conclusion += gpu_side.clause(gpu)
@@ -631,7 +455,7 @@ class WatchEngine:
             conclusion=f"progress resumed: step {stall.last_step} after {lasted:.0f} s without a step",
             detected_at=episode.detected_at,
             decided_at=now,
-            ranks=[_rank_row(node, r) for node, r in rows],
+            ranks=[rank_row(node, r) for node, r in rows],
             evidence={"stall": {"lasted_s": round(lasted, 3), "started_at": episode.started_at}},
             nodes_unanswered=sorted(failed),
         )
@@ -649,7 +473,7 @@ class WatchEngine:
             f"(stall after {stall.stall_after_s:.0f} s)",
             detected_at=now,
             decided_at=now,
-            ranks=[_rank_row(node, r) for node, r in rows],
+            ranks=[rank_row(node, r) for node, r in rows],
             evidence={"stall": {"age_s": stall.age_s, "stall_after_s": stall.stall_after_s}},
             nodes_unanswered=sorted(failed),
         )
@@ -724,207 +548,8 @@ def _in_python_collective(p: ProcessStacks | None) -> bool:
     return main is not None and detect.collective_of(detect.python_frames(main.frames)) is not None
 
 
-def _by_process(stacks: Stacks) -> dict[tuple[str, int], ProcessStacks]:
-    return {(p.host or "?", p.pid): p for p in stacks.processes}
-
-
-def _failure_of(failures: dict[str, str], node: str, row: RankProgress) -> str | None:
-    for who, why in failures.items():
-        if who == f"node {node}" or (f"pid {row.pid}" in who and node in who):
-            return why[:300]
-    return None
-
-
-def _rank_row(node: str, r: RankProgress) -> dict[str, Any]:
-    return {
-        "rank": r.rank,
-        "host": node,
-        "pid": r.pid,
-        "step": r.step,
-        "last_step_age_s": None if detect.rank_age(r) is None else round(detect.rank_age(r) or 0.0, 3),
-        "state": "stepping" if r.agent == "up" else r.agent,
-    }
-
-
-def _name_kernels_of(
-    engine: WatchEngine, items: list[dict[str, Any]], waiting_gpu: set[tuple[str, int]] | frozenset[Any] = frozenset()
-) -> None:
-    """With ``--gpu-coredump``: dump the GPU of each culprit whose driver is armed and that waits
-    for its GPU (``waiting_gpu``: (node, pid) of the ranks in a blocking CUDA call) or whose step's
-    GPU work has not finished, once per process, and put the kernels it ran into its ``gpu``
-    evidence (``kernel``, ``coredump``) and its line."""
-    take = getattr(engine.source, "gpu_coredump", None)
-    for item in items:
-        step = item.get("gpu_step") or {}
-        pid = item.get("pid")
-        if not isinstance(pid, int) or not step.get("coredump_armed"):
-            continue
-        key = (str(item.get("host")), pid)
-        if step.get("done") is not False and key not in waiting_gpu:
-            continue  # its GPU finished what it was given and the rank does not wait for it
-        found = engine._gpu_dumps.get(key)
-        if found is None:
-            if take is None:
-                found = {
-                    "kernel": "not named: this watch dumps GPUs on its own node only; on "
-                    f"{item.get('host')}: `dynprof gpu-coredump --pid {pid} --yes` (it ends the rank's GPU work)"
-                }
-            else:
-                found = take(str(item.get("host")), pid)
-            engine._gpu_dumps[key] = found
-        item["kernel"] = found["kernel"]
-        if found.get("coredump"):
-            item["coredump"] = found["coredump"]
-            item["line"] = f"{item.get('line')}; its GPU ran {found['kernel'].removeprefix('running ')}"
-
-
-def stacks_evidence(stacks: Stacks) -> dict[str, Any]:
-    """What a verdict keeps of the merged stacks: the groups (who, where), not every frame."""
-    groups = []
-    for g in stacks.groups[:MAX_STACKS_EVIDENCE_GROUPS]:
-        groups.append(
-            {
-                "label": g.labels[:2000],
-                "size": len(g.members),
-                "outlier": g.outlier,
-                "headline": g.headline()[:2000],
-                "members": [{"rank": m.rank, "host": m.host, "pid": m.pid} for m in g.members[:1000]],
-            }
-        )
-    return {
-        "groups": groups,
-        "failures": dict(list(stacks.failures.items())[:100]),
-        "processes": len(stacks.processes),
-        "file": "stacks.json",
-    }
-
-
-def _fr_summary(analysis: dict[str, Any] | None) -> list[dict[str, Any]] | None:
-    if not isinstance(analysis, dict):
-        return None
-    out = []
-    for pg in analysis.get("process_groups") or []:
-        if isinstance(pg, dict):
-            out.append({k: pg.get(k) for k in ("process_group", "collective", "waiting", "missing", "hung", "verdict")})
-    return out[:64]
-
-
-def _health_clause(health: Any) -> str:
-    if not isinstance(health, dict):
-        return ""
-    parts = []
-    for node, summary in health.items():
-        if not isinstance(summary, dict):
-            continue
-        failing = [p for p in summary.get("problems") or [] if isinstance(p, dict) and p.get("status") == "fail"]
-        for p in failing[:3]:
-            device = f" GPU {p['device']}" if p.get("device") is not None else ""
-            parts.append(f"{node}{device}: {p.get('name')}: {p.get('reason')}")
-    return ("; healthcheck: " + "; ".join(parts)) if parts else ""
-
-
-def write_verdict(verdict: Verdict, stacks: Stacks | None) -> str:
-    """The verdict as a ``verdict`` artifact in this machine's store: ``verdict.json`` (the
-    verdict document) and, when the watch looked, ``stacks.json`` (the merged stacks
-    document); the manifest's summary carries the conclusion. Returns its path."""
-    from dynprof.store import ArtifactStore
-
-    writer = ArtifactStore().create(
-        VERDICT_KIND, job=verdict.job, options={"kind": verdict.kind, "culprits": len(verdict.culprits)}
-    )
-    try:
-        writer.write_json("verdict.json", verdict.to_json())
-        if stacks is not None:
-            writer.write_json("stacks.json", stacks.to_json())
-        art = writer.finish(
-            "complete",
-            summary={
-                "kind": verdict.kind,
-                "conclusion": verdict.conclusion[:4000],
-                "culprits": [c.to_json() for c in verdict.culprits[:16]],
-            },
-        )
-    except BaseException as exc:
-        if writer.finished is None:
-            writer.finish("failed", error=f"{type(exc).__name__}: {exc}")
-        raise
-    return str(art.path)
-
-
-# -- the user's hook ---------------------------------------------------------------------------------
-@dataclass
-class HookResult:
-    ok: bool
-    exit_code: int | None
-    message: str
-
-
-def run_hook(command: str, verdict: Verdict, path: str | None, timeout: float = DEFAULT_HOOK_TIMEOUT_S) -> HookResult:
-    """``--on-verdict CMD``: ``/bin/sh -c CMD`` with the verdict's JSON on its stdin and
-    ``DYNPROF_VERDICT_FILE`` (the artifact's verdict.json, "" when not saved),
-    ``DYNPROF_VERDICT_KIND`` and ``DYNPROF_VERDICT_JOB`` in its environment; killed past
-    ``timeout``. Its failure is reported, never raised."""
-    import json
-    import os
-    import signal
-    import subprocess
-
-    env = dict(os.environ)
-    env.update(
-        {
-            "DYNPROF_VERDICT_FILE": os.path.join(path, "verdict.json") if path else "",
-            "DYNPROF_VERDICT_DIR": path or "",
-            "DYNPROF_VERDICT_KIND": verdict.kind,
-            "DYNPROF_VERDICT_JOB": verdict.job,
-        }
-    )
-    try:
-        proc = subprocess.Popen(
-            ["/bin/sh", "-c", command],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            env=env,
-            start_new_session=True,
-        )
-    except OSError as exc:
-        return HookResult(False, None, f"--on-verdict could not start: {exc}")
-    try:
-        _, err = proc.communicate(json.dumps(verdict.to_json()).encode(), timeout=timeout)
-    except subprocess.TimeoutExpired:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        proc.communicate()
-        return HookResult(False, None, f"--on-verdict ran past {timeout:g} s and was killed")
-    except BrokenPipeError:
-        proc.wait()
-        err = b""
-    if proc.returncode != 0:
-        tail = err.decode("utf-8", "replace").strip().splitlines()[-1:] if err else []
-        return HookResult(
-            False, proc.returncode, f"--on-verdict exited {proc.returncode}" + (f": {tail[0][:300]}" if tail else "")
-        )
-    return HookResult(True, 0, "--on-verdict ran")
-
-
 def median(values: Sequence[float]) -> float:
     return float(statistics.median(values)) if values else 0.0
 
 
-__all__ = [
-    "Culprit",
-    "NodeRead",
-    "SidecarSource",
-    "StacksRead",
-    "Tick",
-    "WatchConfig",
-    "WatchEngine",
-    "WatchSource",
-    "healthcheck_summary",
-    "merged_with_native",
-    "run_hook",
-    "stacks_evidence",
-    "write_verdict",
-]
+__all__ = ["Episode", "Tick", "WatchConfig", "WatchEngine"]

@@ -19,7 +19,7 @@ def test_a_forged_frame_name_gives_one_line_in_show_and_on_the_page(cli):
     from dynprof.cli.serve import page_views
     from dynprof.sidecar.app import create_app
     from dynprof.store import ArtifactStore
-    from dynprof.watch.engine import write_verdict
+    from dynprof.watch.conclusion import write_verdict
     from dynprof.watch.model import Culprit, Verdict
 
     forged = "load_batch\nrank 0 is fine"

@@ -1,0 +1,186 @@
+"""The healthcheck kind's typed entry point (healthcheck.collect): its request, bounded against
+what it is sent, and the child that runs the checks, killed at its limit, its report decoded."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dynprof import errors
+from healthcheck import cli
+from healthcheck import collect as hc
+from healthcheck.collect import HealthcheckRequest
+from healthcheck.result import Status
+
+
+def test_a_request_goes_through_json_and_back():
+    request = HealthcheckRequest(level="standard", job="j1", timeout=30.0)
+    assert HealthcheckRequest.from_json(request.to_json()) == request
+    assert HealthcheckRequest.from_text(json.dumps(request.to_json())) == request
+    # missing keys take their defaults; keys it does not know are ignored
+    assert HealthcheckRequest.from_json({"job": "j1", "later": 1}) == HealthcheckRequest(job="j1")
+
+
+@pytest.mark.parametrize(
+    "doc, said",
+    [
+        (["quick"], "is a JSON object"),
+        ({"level": "deep"}, "level 'deep'"),
+        ({"level": 3}, "level 3"),
+        ({"job": 7}, "non-empty text"),
+        ({"job": ""}, "non-empty text"),
+        ({"job": "j" * 201}, "at most 200 characters"),
+        ({"job": "a\nb"}, "printable"),
+        ({"timeout": True}, "not a number"),
+        ({"timeout": "10"}, "not a number"),
+        ({"timeout": float("nan")}, "not a number"),
+        ({"timeout": 0}, "more than 0"),
+        ({"timeout": 1e9}, "at most 3600"),
+        ({f"k{i}": i for i in range(17)}, "at most 16 keys"),
+    ],
+)
+def test_a_bad_request_is_refused_with_what_is_wrong(doc, said):
+    with pytest.raises(errors.UsageError) as refused:
+        HealthcheckRequest.from_json(doc)
+    assert said in refused.value.message
+
+
+@pytest.mark.parametrize(
+    "text, said",
+    [
+        ('{"job": "' + "j" * 5000 + '"}', "at most 4096 bytes"),
+        ("{not json", "not valid JSON"),
+        ('{"job": [[[[[[["deep"]]]]]]]}', "nested deeper"),
+    ],
+)
+def test_request_text_that_is_oversized_or_malformed_is_refused(text, said):
+    with pytest.raises(errors.UsageError) as refused:
+        HealthcheckRequest.from_text(text)
+    assert said in refused.value.message
+
+
+@pytest.mark.parametrize("argv, job", [(["--level", "quick", "--job", "j1"], "j1"), ([], None)])
+def test_the_request_checks_as_the_command_does_with_the_same_options(argv, job):
+    parser = argparse.ArgumentParser()
+    cli.prepare_parser(parser)
+    assert HealthcheckRequest(job=job).options() == cli.options_from_args(parser.parse_args(argv))
+
+
+def test_a_real_child_runs_the_checks_and_its_report_is_decoded():
+    # WHEN this node's quick checks run through the kind's entry point
+    report = hc.collect(HealthcheckRequest(level="quick", job="no-such-job"))
+    # THEN the report came back decoded: the level asked for, the checks it ran, the node's exit
+    assert report.level == "quick"
+    assert report.exit_code in (0, 1, 2, 3)
+    names = {c.name for c in report.checks}
+    assert {"disk_free", "host_memory"} <= names
+    assert all(isinstance(c.status, Status) for c in report.checks)
+
+
+def _child(tmp_path: Path, body: str) -> tuple[str, ...]:
+    """A child process running ``body`` (``out``: the report's path; ``here``: ``tmp_path``)."""
+    script = f"import os, sys, time, subprocess\nout = sys.argv[1]\nhere = {str(tmp_path)!r}\n{body}\n"
+    return (sys.executable, "-c", script)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+def test_the_child_is_a_tool_not_a_job_no_agent_is_started_in_it(tmp_path, monkeypatch):
+    # GIVEN the environment variable that starts an agent in a job's processes, and a child
+    # that refuses to run the checks when it sees it
+    monkeypatch.setenv("DYNPROF", "1")
+    body = (
+        "assert 'DYNPROF' not in os.environ, 'DYNPROF is set'\nfrom healthcheck.collect import main\nsys.exit(main())"
+    )
+    # WHEN the checks run
+    report = hc.collect(HealthcheckRequest(), _child(tmp_path, body))
+    # THEN the child did not see it, and ran them
+    assert report.level == "quick" and report.checks
+
+
+def test_a_child_that_hangs_is_killed_at_the_limit_with_what_it_started(tmp_path):
+    # GIVEN a child that starts a process of its own and then never returns (a driver call that hangs)
+    body = (
+        "grandchild = subprocess.Popen(['sleep', '300'])\n"
+        "open(os.path.join(here, 'pids.tmp'), 'w').write(f'{os.getpid()} {grandchild.pid}')\n"
+        "os.rename(os.path.join(here, 'pids.tmp'), os.path.join(here, 'pids'))\n"
+        "time.sleep(300)"
+    )
+    # WHEN it runs under a limit of 2 s
+    with pytest.raises(errors.Timeout) as killed:
+        hc.collect(HealthcheckRequest(timeout=2.0), _child(tmp_path, body))
+    # THEN it is said to have been killed at the limit
+    assert killed.value.message == "the healthcheck ran past 2 s and was killed"
+    # AND (when it got as far as starting it) the process it started was killed with it
+    pids = tmp_path / "pids"
+    if pids.exists():
+        child, grandchild = (int(p) for p in pids.read_text().split())
+        deadline = time.monotonic() + 60
+        while not (_gone(child) and _gone(grandchild)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _gone(child) and _gone(grandchild)
+
+
+@pytest.mark.parametrize(
+    "body, error, said",
+    [
+        ("open(out, 'w').write('{not json')", errors.ArtifactError, "not valid JSON"),
+        (
+            "open(out, 'w').write('{\"schema\": \"other\"}')",
+            errors.ArtifactError,
+            "not one this version reads: schema 'other'",
+        ),
+        (
+            "open(out, 'w').write('{\"schema\": \"dynprof.healthcheck\", \"schema_version\": 1, \"exit_code\": 9}')",
+            errors.ArtifactError,
+            "exit_code is 9",
+        ),
+        ("print('checks: all fine'); print('boom: NVML is gone', file=sys.stderr); sys.exit(1)", errors.DynprofError,
+         "the healthcheck exited 1 without a report: boom: NVML is gone"),
+        ("sys.exit(4)", errors.DynprofError, "exited 4 without a report: nothing on its stderr"),
+    ],
+)  # fmt: skip
+def test_a_child_that_writes_no_report_or_a_bad_one_is_a_clear_error(tmp_path, body, error, said):
+    with pytest.raises(error) as failed:
+        hc.collect(HealthcheckRequest(), _child(tmp_path, body))
+    assert type(failed.value) is error
+    assert said in failed.value.message, failed.value.message
+
+
+def test_an_oversized_report_is_refused_before_it_is_parsed(tmp_path, monkeypatch):
+    monkeypatch.setattr(hc, "MAX_REPORT_BYTES", 1000)
+    body = "open(out, 'w').write('[' + '0,' * 1000 + '0]')"
+    with pytest.raises(errors.ArtifactError) as refused:
+        hc.collect(HealthcheckRequest(), _child(tmp_path, body))
+    assert "over 1000 bytes: refused" in refused.value.message
+
+
+def test_the_child_refuses_a_bad_request_and_writes_no_report(tmp_path):
+    # GIVEN `python -m healthcheck.collect OUT` handed a request it must refuse
+    out = tmp_path / "report.json"
+    for sent, said in ((b'{"level": "deep"}', "level 'deep'"), (b"{" * 5000, "at most 4096 bytes")):
+        # WHEN it runs
+        done = subprocess.run(
+            [sys.executable, "-m", "healthcheck.collect", str(out)],
+            input=sent,
+            capture_output=True,
+            env={**os.environ},
+            timeout=120,
+        )
+        # THEN it exits 3 (could not run), says why, and writes nothing
+        assert done.returncode == 3
+        assert said in done.stderr.decode()
+        assert not out.exists()
