@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from collectors.memory.collect import MemoryPlanRequest, MemoryRequest
 from dynprof import errors
@@ -99,19 +101,13 @@ class MemoryCommand(JobCommand):
         return super().collect(args)
 
     def collect_local(self, args: argparse.Namespace) -> Result:
-        from collectors.memory.collect import collect, collect_plan
-
         if getattr(args, "what", None) == "plan":
             if args.history_start is not None or args.history_stop:
                 raise errors.UsageError("dynprof memory plan takes no --history-start/--history-stop")
             plan_request = plan_request_from_args(args)
             if args.attach:
                 attach_first(args)
-            got = collect_plan(plan_request)
-            if len(got.results) == 1 and got.failures and not getattr(args, "json", False):
-                raise got.failures[0]
-            doc = {"schema": 1, "results": got.results, "notes": got.notes}
-            return MemoryPlanResults(doc=doc, exit_code=got.exit_code, messages=list(got.notes))
+            return self.collect_plan_request(plan_request, raise_single=not getattr(args, "json", False))
         if args.budget is not None or args.save is not None:
             raise errors.UsageError(
                 "--budget and --save are options of `dynprof memory plan`",
@@ -122,10 +118,34 @@ class MemoryCommand(JobCommand):
         request = request_from_args(args)
         if args.attach:
             attach_first(args)
+        return self.collect_request(request, raise_single=not getattr(args, "json", False))
+
+    def collect_request(self, request: MemoryRequest, raise_single: bool = False) -> Result:
+        """This node's answer to ``request`` (``raise_single``: one process only, and it
+        failed: its error, as the text view says it)."""
+        from collectors.memory.collect import collect
+
         got = collect(request)
-        if len(got.results) == 1 and got.failures and not getattr(args, "json", False):
+        if raise_single and len(got.results) == 1 and got.failures:
             raise got.failures[0]
         return MemoryResults(doc={"results": got.results}, exit_code=got.exit_code, history=request.history)
+
+    def collect_plan_request(self, request: MemoryPlanRequest, raise_single: bool = False) -> Result:
+        """This node's plans for ``request`` (``raise_single`` as :meth:`collect_request`)."""
+        from collectors.memory.collect import collect_plan
+
+        got = collect_plan(request)
+        if raise_single and len(got.results) == 1 and got.failures:
+            raise got.failures[0]
+        doc = {"schema": 1, "results": got.results, "notes": got.notes}
+        return MemoryPlanResults(doc=doc, exit_code=got.exit_code, messages=list(got.notes))
+
+    def action_requests(self) -> dict[str, tuple[Callable[[dict[str, Any]], Any], Callable[[Any], Result]]]:
+        """The sidecar's ``memory`` and ``memory-plan`` actions, read as the kind's requests."""
+        return {
+            "memory": (MemoryRequest.from_json, self.collect_request),
+            "memory-plan": (MemoryPlanRequest.from_json, self.collect_plan_request),
+        }
 
     def render(self, result: Result) -> str:
         if isinstance(result, MemoryPlanResults):
