@@ -10,7 +10,7 @@ a :class:`~dynprof.result.Result`: the answer carries its ``to_json()`` (what th
 travels as a structured ``error`` (type, message, help, exit code). Nothing printed is parsed.
 
 An action whose kind has a request (:class:`ActionCommand` ``decode``/``collect_request``:
-``stacks``, ``nccl``, ``memory``, ``memory-plan``) and that runs in this process skips the
+``stacks``, ``nccl``, ``start``, ``memory``, ``memory-plan``) and that runs in this process skips the
 argument list: its options, checked here as for any action, are read by the request's own
 ``from_json`` and the kind collects it; a value the request refuses is the command's usage error,
 as a value its parser refuses is.

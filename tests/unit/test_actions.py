@@ -611,13 +611,15 @@ def test_the_real_table_reads_requests_for_the_kinds_that_have_them():
     from collectors.flight_recorder.collect import NcclRequest
     from collectors.memory.collect import MemoryPlanRequest, MemoryRequest
     from collectors.stacks.collect import StacksRequest
+    from collectors.torch_trace.collect import TraceRequest
     from dynprof.cli.sidecar_actions import action_commands
 
     table = action_commands()
-    # GIVEN the table `dynprof serve` hands the sidecar: memory, memory-plan, stacks, nccl decode requests
+    # GIVEN the table `dynprof serve` hands the sidecar: memory, memory-plan, stacks, nccl, start decode requests
     assert table["memory"].decode == MemoryRequest.from_json
     assert table["memory-plan"].decode == MemoryPlanRequest.from_json
     assert table["nccl"].decode == NcclRequest.from_json
+    assert table["start"].decode == TraceRequest.from_json
     assert table["stacks"].decode is not None
     assert table["stacks"].decode({"job": "j", "full": True}) == StacksRequest(job="j")
     assert table["ps"].decode is None and table["healthcheck"].decode is None
@@ -628,6 +630,7 @@ def test_the_real_table_reads_requests_for_the_kinds_that_have_them():
         ("memory", {"job": "j", "stacks": "cpp"}, "--stacks 'cpp'"),
         ("stacks", {"job": "j", "method": "gdb"}, "unknown method 'gdb'"),
         ("nccl", {"pid": [1], "all": True}, "exactly one of --pid, --job or --all"),
+        ("start", {"job": "j", "steps": 2, "duration": 1.0}, "not both"),
     ):
         answer = run_action(name, options, commands=table)
         # THEN it is the command's usage error (2), answered, as when the parser refused it
