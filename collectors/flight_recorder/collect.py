@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from collectors import flight_recorder as fr
 from dynprof import errors, untrusted
 from dynprof.agents import parallel, resolve
 from dynprof.arguments import MAX_PID, MAX_SECONDS
 from dynprof.registry import AgentRecord, read_record
+from dynprof.requests import read_options
 from dynprof.units import human_bytes
 
 MAX_DUMP_BYTES = 64 * 1024 * 1024
@@ -53,6 +54,32 @@ class NcclRequest:
             raise errors.UsageError(f"a timeout of {self.timeout:g} s: more than 0, at most {MAX_SECONDS:g}")
         if any(not 0 < pid <= MAX_PID for pid in self.pids):
             raise errors.UsageError(f"a process id is 1-{MAX_PID}")
+
+    OPTIONS: ClassVar[dict[str, str]] = {
+        "pid": "ints",
+        "job": "str",
+        "all": "bool",
+        "only_active": "bool",
+        "no_stack_traces": "bool",
+        "timeout": "float",
+    }
+
+    @classmethod
+    def from_json(cls, doc: Any) -> NcclRequest:
+        """The request of a JSON object of the ``nccl`` action's options (:meth:`to_json`)."""
+        o = read_options(doc, cls.OPTIONS, "nccl")
+        return cls(
+            pids=tuple(o.get("pid", ())),
+            job=o.get("job"),
+            all=o.get("all", False),
+            only_active=o.get("only_active", False),
+            stack_traces=not o.get("no_stack_traces", False),
+            timeout=o.get("timeout", DEFAULT_TIMEOUT_S),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        """The request as the ``nccl`` action's options (:meth:`options`)."""
+        return self.options()
 
     def options(self) -> dict[str, Any]:
         """The request as the sidecar's ``nccl`` action takes it (the options it leaves unset out)."""

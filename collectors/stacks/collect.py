@@ -22,7 +22,7 @@ import stat
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from collectors.stacks import readers
 from collectors.stacks.artifact import write_request_artifact
@@ -32,6 +32,7 @@ from dynprof import errors
 from dynprof.agents import parallel, resolve
 from dynprof.arguments import MAX_PID, MAX_SECONDS
 from dynprof.registry import AgentRecord, read_record
+from dynprof.requests import read_options
 
 METHODS = ("auto", "py-spy", "pystack", "agent")
 DEFAULT_TIMEOUT_S = 15.0
@@ -72,6 +73,53 @@ class StacksRequest:
             raise errors.UsageError(f"a timeout of {self.timeout:g} s: more than 0, at most {MAX_SECONDS:g}")
         if any(not 0 < pid <= MAX_PID for pid in self.pids):
             raise errors.UsageError(f"a process id is 1-{MAX_PID}")
+
+    OPTIONS: ClassVar[dict[str, str]] = {
+        "pid": "ints",
+        "job": "str",
+        "all": "bool",
+        "native": "bool",
+        "locals": "bool",
+        "method": "str",
+        "timeout": "float",
+        "no_save": "bool",
+    }
+
+    @classmethod
+    def from_json(cls, doc: Any) -> StacksRequest:
+        """The request of a JSON object of the ``stacks`` action's options (:meth:`to_json`).
+        A core file is never named in JSON: it is a file of the machine that reads it."""
+        o = read_options(doc, cls.OPTIONS, "stacks")
+        return cls(
+            pids=tuple(o.get("pid", ())),
+            job=o.get("job"),
+            all=o.get("all", False),
+            native=o.get("native", False),
+            locals=o.get("locals", False),
+            method=o.get("method", "auto"),
+            timeout=o.get("timeout", DEFAULT_TIMEOUT_S),
+            save=not o.get("no_save", False),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        """The request as the ``stacks`` action's options (a core file's request has none)."""
+        if self.core:
+            raise errors.UsageError("a core file is read on its own machine: its request is not sent as JSON")
+        out: dict[str, Any] = {"timeout": self.timeout}
+        if self.pids:
+            out["pid"] = list(self.pids)
+        if self.job:
+            out["job"] = self.job
+        if self.all:
+            out["all"] = True
+        for key in ("native", "locals"):
+            if getattr(self, key):
+                out[key] = True
+        if self.method != "auto":
+            out["method"] = self.method
+        if not self.save:
+            out["no_save"] = True
+        return out
 
     def options(self, pids: list[int]) -> dict[str, Any]:
         """The request as the artifact's manifest records it (``pids``: the processes read)."""

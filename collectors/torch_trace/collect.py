@@ -16,10 +16,11 @@ loads this policy.
 from __future__ import annotations
 
 import os
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 from collectors.torch_trace import WRITING_AT_EXIT, result_from_store, target_row
 from collectors.torch_trace.align import ALIGN_LEAD_S, ALIGN_RETRIES, aligned_steps, alignment_step, boundary_offsets
@@ -31,10 +32,12 @@ from dynprof.client import AgentClient
 from dynprof.output import printable
 from dynprof.proto import pb
 from dynprof.registry import AgentRecord
+from dynprof.requests import read_options
 
 POLL_S = 0.1
 ACTIVITIES = ("cpu", "cuda", "xpu")
 MAX_SAMPLE_KEEP = 64
+_SAMPLE_GROUP = re.compile(SAMPLE_GROUP_PREFIX + r"[0-9a-f]{12}")
 DEFAULT_ACTIVE_WAIT_S = 120.0  # an open-ended trace is waited for until active, this long unless given
 
 
@@ -89,6 +92,81 @@ class TraceRequest:
             raise errors.UsageError(f"unknown activity {bad[0][:40]!a} (choose from {', '.join(ACTIVITIES)})")
         if not 0 <= self.sample_keep <= MAX_SAMPLE_KEEP:
             raise errors.UsageError(f"--sample-keep is 1..{MAX_SAMPLE_KEEP}")
+        if len(self.keep_groups) > MAX_SAMPLE_KEEP or not all(
+            isinstance(g, str) and _SAMPLE_GROUP.fullmatch(g) for g in self.keep_groups
+        ):
+            raise errors.UsageError(
+                f"--keep-groups: at most {MAX_SAMPLE_KEEP} sample groups, each sample- and 12 hex digits"
+            )
+
+    OPTIONS: ClassVar[dict[str, str]] = {
+        "pid": "ints",
+        "job": "str",
+        "all": "bool",
+        "steps": "int",
+        "duration": "float",
+        "at_step": "int",
+        "record_shapes": "bool",
+        "with_stack": "bool",
+        "profile_memory": "bool",
+        "with_flops": "bool",
+        "with_modules": "bool",
+        "activities": "strs",
+        "max_duration": "float",
+        "no_wait": "bool",
+        "timeout": "float",
+        "sample_keep": "int",
+        "keep_groups": "strs",
+    }
+    _SWITCHES = ("record_shapes", "with_stack", "profile_memory", "with_flops", "with_modules", "no_wait")
+
+    @classmethod
+    def from_json(cls, doc: Any) -> TraceRequest:
+        """The request of a JSON object of the ``start`` action's options (:meth:`to_json`). A
+        number given is a real one (``steps``, ``at_step``, ``sample_keep`` at least 1,
+        ``duration`` and ``max_duration`` more than 0): leaving it out is how to leave it unset."""
+        o = read_options(doc, cls.OPTIONS, "start")
+        for key in ("steps", "at_step", "sample_keep", "duration", "max_duration"):
+            if key in o and o[key] <= 0:
+                raise errors.UsageError(f"start: option {key!r} must be more than 0 (leave it out to leave it unset)")
+        # a list item may hold several names, comma-separated, as the command line's value does
+        activities = [a.strip().lower() for item in o.get("activities", ()) for a in item.split(",") if a.strip()]
+        groups = [g.strip() for item in o.get("keep_groups", ()) for g in item.split(",") if g.strip()]
+        return cls(
+            pids=tuple(o.get("pid", ())),
+            job=o.get("job"),
+            all=o.get("all", False),
+            steps=o.get("steps", 0),
+            duration=o.get("duration", 0.0),
+            at_step=o.get("at_step", 0),
+            activities=tuple(activities),
+            max_duration=o.get("max_duration", 0.0),
+            timeout=o.get("timeout"),
+            sample_keep=o.get("sample_keep", 0),
+            keep_groups=tuple(groups),
+            **{key: o.get(key, False) for key in cls._SWITCHES},
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        """The request as the ``start`` action's options (those left unset out)."""
+        out: dict[str, Any] = {}
+        if self.pids:
+            out["pid"] = list(self.pids)
+        if self.job:
+            out["job"] = self.job
+        if self.all:
+            out["all"] = True
+        for key in ("steps", "duration", "at_step", "max_duration", "sample_keep"):
+            if getattr(self, key):
+                out[key] = getattr(self, key)
+        out.update({key: True for key in self._SWITCHES if getattr(self, key)})
+        if self.activities:
+            out["activities"] = list(self.activities)
+        if self.keep_groups:
+            out["keep_groups"] = list(self.keep_groups)
+        if self.timeout is not None:
+            out["timeout"] = self.timeout
+        return out
 
 
 @dataclass

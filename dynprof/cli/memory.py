@@ -3,25 +3,23 @@
 from __future__ import annotations
 
 import argparse
-import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from collectors.memory.collect import MemoryPlanRequest, MemoryRequest
 from dynprof import errors
 from dynprof.cli._common import (
     MAX_HISTORY_EVENTS,
     add_attach_flag,
     add_targets,
+    attach_first,
     bounded_int,
     human_bytes,
-    parallel,
-    resolve_agents,
     seconds,
     table,
 )
 from dynprof.cli.job import JobCommand
-from dynprof.client import AgentClient
-from dynprof.proto import pb
 from dynprof.result import Result
 
 
@@ -104,12 +102,12 @@ class MemoryCommand(JobCommand):
 
     def collect_local(self, args: argparse.Namespace) -> Result:
         if getattr(args, "what", None) == "plan":
-            from dynprof.cli import _memory_plan
-
             if args.history_start is not None or args.history_stop:
                 raise errors.UsageError("dynprof memory plan takes no --history-start/--history-stop")
-            doc, code = _memory_plan.collect(args)
-            return MemoryPlanResults(doc=doc, exit_code=code, messages=list(doc.get("notes") or []))
+            plan_request = plan_request_from_args(args)
+            if args.attach:
+                attach_first(args)
+            return self.collect_plan_request(plan_request, raise_single=not getattr(args, "json", False))
         if args.budget is not None or args.save is not None:
             raise errors.UsageError(
                 "--budget and --save are options of `dynprof memory plan`",
@@ -117,52 +115,43 @@ class MemoryCommand(JobCommand):
             )
         if args.history_start is not None and args.history_start <= 0:
             raise errors.UsageError("--history-start N needs N > 0 events", help="Use --history-stop to stop.")
-        records = resolve_agents(args)
-        history = args.history_start is not None or args.history_stop
-        if history:
-            message: Any = pb.MemoryHistoryRequest(
-                enable=not args.history_stop, max_entries=args.history_start or 0, stacks=args.stacks
-            )
-            command, timeout = "memory_history", 30.0
-        else:
-            message, command, timeout = pb.MemorySnapshotRequest(), "memory_snapshot", args.timeout
+        request = request_from_args(args)
+        if args.attach:
+            attach_first(args)
+        return self.collect_request(request, raise_single=not getattr(args, "json", False))
 
-        def ask(record: Any) -> Any:
-            return AgentClient.for_record(record, timeout=timeout).request(**{command: message})
+    def collect_request(self, request: MemoryRequest, raise_single: bool = False) -> Result:
+        """This node's answer to ``request`` (``raise_single``: one process only, and it
+        failed: its error, as the text view says it)."""
+        from collectors.memory.collect import collect
 
-        replies = parallel(ask, records)
-        results: list[dict[str, Any]] = []
-        failures: list[errors.DynprofError] = []
-        for record, reply in zip(records, replies):
-            res: dict[str, Any] = {"pid": record.pid, "rank": record.rank, "job": record.job_id}
-            if isinstance(reply, errors.DynprofError):
-                res.update(status="failed", error=reply.message, help=reply.help, exit_code=reply.exit_code)
-                failures.append(reply)
-            elif isinstance(reply, Exception):
-                raise reply
-            elif history:
-                res.update(status="ok", memory_history=reply.ack.detail)
-            else:
-                res.update(
-                    status=reply.artifact.status,
-                    artifact=reply.artifact.path,
-                    summary=json.loads(reply.artifact.summary_json or "{}"),
-                )
-            results.append(res)
-        failed = [r for r in results if r["status"] not in ("ok", "complete")]
-        code = 0
-        if failed:
-            codes = {r.get("exit_code", 1) for r in failed}
-            code = codes.pop() if len(codes) == 1 else 1
-        if len(results) == 1 and failures and not getattr(args, "json", False):
-            raise failures[0]
-        return MemoryResults(doc={"results": results}, exit_code=code, history=bool(history))
+        got = collect(request)
+        if raise_single and len(got.results) == 1 and got.failures:
+            raise got.failures[0]
+        return MemoryResults(doc={"results": got.results}, exit_code=got.exit_code, history=request.history)
+
+    def collect_plan_request(self, request: MemoryPlanRequest, raise_single: bool = False) -> Result:
+        """This node's plans for ``request`` (``raise_single`` as :meth:`collect_request`)."""
+        from collectors.memory.collect import collect_plan
+
+        got = collect_plan(request)
+        if raise_single and len(got.results) == 1 and got.failures:
+            raise got.failures[0]
+        doc = {"schema": 1, "results": got.results, "notes": got.notes}
+        return MemoryPlanResults(doc=doc, exit_code=got.exit_code, messages=list(got.notes))
+
+    def action_requests(self) -> dict[str, tuple[Callable[[dict[str, Any]], Any], Callable[[Any], Result]]]:
+        """The sidecar's ``memory`` and ``memory-plan`` actions, read as the kind's requests."""
+        return {
+            "memory": (MemoryRequest.from_json, self.collect_request),
+            "memory-plan": (MemoryPlanRequest.from_json, self.collect_plan_request),
+        }
 
     def render(self, result: Result) -> str:
         if isinstance(result, MemoryPlanResults):
-            from dynprof.cli import _memory_plan
+            from dynprof.cli._memory_plan import render
 
-            return _memory_plan.render(result.doc)
+            return render(result.doc)
         if not isinstance(result, MemoryResults):
             return super().render(result)  # the job-wide answer, rank by rank
         results = result.doc["results"]
@@ -188,3 +177,28 @@ class MemoryCommand(JobCommand):
             if r["status"] not in ("ok", "complete") and r.get("help"):
                 lines.append(f"  what to do: {r['help']}")
         return "\n".join(lines)
+
+
+def request_from_args(args: argparse.Namespace) -> MemoryRequest:
+    """The options of `dynprof memory` (a snapshot, or history on or off) as the kind's request."""
+    return MemoryRequest(
+        pids=tuple(args.pid or ()),
+        job=args.job,
+        all=bool(args.all),
+        history_start=args.history_start,
+        history_stop=bool(args.history_stop),
+        stacks=args.stacks,
+        timeout=args.timeout,
+    )
+
+
+def plan_request_from_args(args: argparse.Namespace) -> MemoryPlanRequest:
+    """The options of `dynprof memory plan` as the kind's request."""
+    return MemoryPlanRequest(
+        pids=tuple(args.pid or ()),
+        job=args.job,
+        all=bool(args.all),
+        budget=args.budget,
+        save=args.save,
+        timeout=args.timeout,
+    )

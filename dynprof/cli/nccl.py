@@ -17,6 +17,8 @@ Over many nodes (--hosts), at most 2 GiB of dumps are read back in all.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
+from typing import Any
 
 from collectors.flight_recorder.collect import NcclRequest
 from dynprof.cli._common import (
@@ -61,11 +63,15 @@ class NcclCommand(JobCommand):
         )
 
     def collect_local(self, args: argparse.Namespace) -> Result:
-        from collectors.flight_recorder.collect import collect
-
+        request = request_from_args(args)
         if args.attach:
             attach_first(args)
-        request = request_from_args(args)
+        return self.collect_request(request)
+
+    def collect_request(self, request: NcclRequest) -> Result:
+        """This node's answer to ``request``: the analysis of its ranks' dumps, and the artifact."""
+        from collectors.flight_recorder.collect import collect
+
         got = collect(request)
         # The artifact's id under the store: `nccl --hosts` reads every rank's dump from it
         # through each node's sidecar and analyses the dumps of all nodes together.
@@ -77,6 +83,10 @@ class NcclCommand(JobCommand):
             "notes": got.notes,
         }
         return JobResult(doc, 1 if got.partial else 0, context={"ranks": len(got.ranks), "elapsed_s": got.elapsed_s})
+
+    def action_requests(self) -> dict[str, tuple[Callable[[dict[str, Any]], Any], Callable[[Any], Result]]]:
+        """The sidecar's ``nccl`` action read as the kind's request."""
+        return {"nccl": (NcclRequest.from_json, self.collect_request)}
 
     def collect_nodes(self, args: argparse.Namespace, nodes: list[Node]) -> Result:
         """Each node dumps its ranks' flight recorders into one artifact; every rank's dump is

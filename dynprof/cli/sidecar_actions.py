@@ -83,7 +83,11 @@ def action_commands(names: Iterable[str] = ACTIONS) -> dict[str, ActionCommand]:
         command = load_command(command_name)
         parse = functools.partial(parse_options, command_name, command)
         if hasattr(command, "collect_local"):
-            table[name] = ActionCommand(parse, command.collect_local, command.collect_nodes)
+            requests = command.action_requests() if hasattr(command, "action_requests") else {}
+            decode, collect_request = requests.get(name, (None, None))
+            table[name] = ActionCommand(
+                parse, command.collect_local, command.collect_nodes, decode=decode, collect_request=collect_request
+            )
         else:
             table[name] = ActionCommand(parse, command.collect)
     return table

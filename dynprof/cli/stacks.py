@@ -21,6 +21,7 @@ import argparse
 import os
 import stat
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -128,15 +129,32 @@ class StacksCommand(JobCommand):
         return super().collect(args)
 
     def collect_local(self, args: argparse.Namespace) -> Result:
-        got = collect(request_from_args(args))
+        return self.collect_request(request_from_args(args), full=args.full)
+
+    def collect_request(self, request: StacksRequest, full: bool = False) -> Result:
+        """This node's answer to ``request`` (``full``: the text view prints every dump)."""
+        got = collect(request)
         return StacksResult(
             doc={**got.stacks.to_json(), "artifact": got.artifact, "elapsed_s": round(got.elapsed_s, 3)},
             exit_code=1 if got.stacks.failures else 0,
             stacks=got.stacks,
-            full=args.full,
+            full=full,
             elapsed_s=got.elapsed_s,
             artifact=got.artifact,
         )
+
+    def action_requests(self) -> dict[str, tuple[Callable[[dict[str, Any]], Any], Callable[[Any], Result]]]:
+        """The sidecar's ``stacks`` action read as the kind's request (``full`` is the text
+        view's, not the request's: an action answers the document, which it does not change)."""
+
+        def decode(options: dict[str, Any]) -> StacksRequest:
+            options = dict(options)
+            full = options.pop("full", None)
+            if full is not None and not isinstance(full, bool):
+                raise errors.UsageError("stacks: option 'full' must be true or false")
+            return StacksRequest.from_json(options)
+
+        return {"stacks": (decode, self.collect_request)}
 
     def collect_merge(self, args: argparse.Namespace) -> Result:
         """``--merge FILE...``: the no-sidecar path over many nodes (each node ran

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import re
+from collections.abc import Callable
 from typing import Any
 
 from collectors.torch_trace.collect import TraceRequest
@@ -138,13 +139,22 @@ class StartCommand(JobCommand):
         )
 
     def collect_local(self, args: argparse.Namespace) -> Result:
-        from collectors.torch_trace.collect import collect
-
+        request = request_from_args(args)
         if args.attach:
             attach_first(args)
-        got = collect(request_from_args(args), Progress(enabled=not getattr(args, "json", False)))
+        return self.collect_request(request, Progress(enabled=not getattr(args, "json", False)))
+
+    def collect_request(self, request: TraceRequest, progress: Progress | None = None) -> Result:
+        """This node's start of ``request``, followed (``progress``: where it says so meanwhile)."""
+        from collectors.torch_trace.collect import collect
+
+        got = collect(request, progress)
         context = {"requested": got.requested, **({"active": got.active} if got.active is not None else {})}
         return JobResult(got.doc, got.exit_code, got.messages, context=context)
+
+    def action_requests(self) -> dict[str, tuple[Callable[[dict[str, Any]], Any], Callable[[Any], Result]]]:
+        """The sidecar's ``start`` action read as the trace kind's request."""
+        return {"start": (TraceRequest.from_json, self.collect_request)}
 
     def collect_nodes(self, args: argparse.Namespace, nodes: list[Node]) -> Result:
         """Steps mode: one start step for every rank of every node (:mod:`dynprof.job.start`),

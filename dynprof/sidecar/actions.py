@@ -9,6 +9,12 @@ a :class:`~dynprof.result.Result`: the answer carries its ``to_json()`` (what th
 ``--json`` prints), its exit code and its messages; a :class:`~dynprof.errors.DynprofError`
 travels as a structured ``error`` (type, message, help, exit code). Nothing printed is parsed.
 
+An action whose kind has a request (:class:`ActionCommand` ``decode``/``collect_request``:
+``stacks``, ``nccl``, ``start``, ``memory``, ``memory-plan``) and that runs in this process skips the
+argument list: its options, checked here as for any action, are read by the request's own
+``from_json`` and the kind collects it; a value the request refuses is the command's usage error,
+as a value its parser refuses is.
+
 The sidecar imports no CLI module: ``dynprof serve`` hands it the commands
 (:class:`ActionCommand`: the command's parser and its ``collect`` functions), and a child
 process runs :data:`CHILD_MODULE`, named here as a string only.
@@ -102,6 +108,11 @@ class ActionCommand:
     parse: Callable[[list[str]], argparse.Namespace]
     collect_local: Callable[[argparse.Namespace], Result]
     collect_nodes: Callable[[argparse.Namespace, list[Node]], Result] | None = None
+    # The action's kind has a request: on this node, its options are read by the request's
+    # from_json (``decode``; a refused value is a UsageError) and the kind collects it
+    # (``collect_request``), with no argv in between.
+    decode: Callable[[dict[str, Any]], Any] | None = None
+    collect_request: Callable[[Any], Result] | None = None
 
 
 HOSTS = "hosts"  # the one option outside Action.options (see the module docstring)
@@ -547,7 +558,7 @@ def run_action(
             release()
         raise
     started = time.monotonic()
-    outcome = _outcome(name, action, argv, job_wide, limit, release, fanout, commands or {})
+    outcome = _outcome(name, action, argv, job_wide, limit, release, fanout, commands or {}, params)
     return {
         "api": API_VERSION,
         "action": name,
@@ -570,8 +581,10 @@ def _outcome(
     release: Callable[[], Any] | None,
     fanout: FanoutConfig | None,
     commands: Mapping[str, ActionCommand],
+    params: dict[str, Any] | None = None,
 ) -> Outcome:
-    """Parse ``argv`` with the command's parser, then run it where the action runs."""
+    """Parse ``argv`` with the command's parser, then run it where the action runs; in this
+    process, a command with a request reads it from ``params`` instead (its ``decode``)."""
     in_child = action.in_subprocess or job_wide
     released = False
     try:
@@ -583,6 +596,17 @@ def _outcome(
                     help="Start the sidecar with `dynprof serve`, which hands it the CLI's commands.",
                 )
             )
+        decode, collect_request = command.decode, command.collect_request
+        if not in_child and decode is not None and collect_request is not None:
+            try:
+                request = decode(dict(params or {}))
+            except errors.DynprofError as exc:
+                return answered_error(exc)
+            except Exception as exc:  # a bug in a request's decoder must not take the sidecar down
+                log.error("dynprof serve: reading the options of %s failed", name, exc_info=exc)
+                return failed(errors.DynprofError(f"internal error: {type(exc).__name__}: {exc}"))
+            released = True  # from here on, the command's thread gives the slot back when it ends
+            return _run_bounded(name, lambda: collect_request(request), limit + SUBPROCESS_GRACE_S, release)
         try:
             args = command.parse(argv[1:])
         except errors.DynprofError as exc:

@@ -552,3 +552,64 @@ def test_a_loopback_sidecars_peers_are_its_own_address_and_the_allowed_ones():
     for policy, host in ((standard, "127.0.0.9"), (standard, "127.0.0.2"), (other, "127.0.0.1"), (other, "localhost")):
         why = policy.refusal(host, 29720)
         assert why is not None and "bound to loopback" in why and host in why, (policy, host)
+
+
+# -- actions whose kind has a request ----------------------------------------------------------------
+def test_an_action_with_a_request_is_read_by_its_from_json_and_collected_without_argv():
+    # GIVEN a command that reads its action's options as a request, and whose parser must not run
+    seen: list[Any] = []
+
+    def parse(argv):
+        raise AssertionError(f"parsed {argv}")
+
+    def collect_request(request):
+        seen.append(request)
+        return Result({"asked": request})
+
+    table = {
+        "memory": actions.ActionCommand(
+            parse, lambda args: Result({}), decode=lambda options: dict(options), collect_request=collect_request
+        )
+    }
+    # WHEN the action runs on this node
+    answer = run_action("memory", {"job": "j", "history_start": 10}, timeout=20, commands=table)
+    # THEN the request is what the options say (the action's limit given as its timeout)
+    assert answer["exit_code"] == 0 and answer["error"] is None, answer
+    assert seen == [{"job": "j", "history_start": 10, "timeout": 20.0}]
+
+
+def test_the_real_table_reads_requests_for_the_kinds_that_have_them():
+    from collectors.flight_recorder.collect import NcclRequest
+    from collectors.memory.collect import MemoryPlanRequest, MemoryRequest
+    from collectors.stacks.collect import StacksRequest
+    from collectors.torch_trace.collect import TraceRequest
+    from dynprof.cli.sidecar_actions import action_commands
+
+    table = action_commands()
+    # GIVEN the table `dynprof serve` hands the sidecar: memory, memory-plan, stacks, nccl, start decode requests
+    assert table["memory"].decode == MemoryRequest.from_json
+    assert table["memory-plan"].decode == MemoryPlanRequest.from_json
+    assert table["nccl"].decode == NcclRequest.from_json
+    assert table["start"].decode == TraceRequest.from_json
+    assert table["stacks"].decode is not None
+    assert table["stacks"].decode({"job": "j", "full": True}) == StacksRequest(job="j")
+    assert table["ps"].decode is None and table["healthcheck"].decode is None
+    # WHEN a request its kind refuses is sent (no target; a plan without a budget; an unknown stack mode)
+    for name, options, said in (
+        ("memory", {}, "exactly one of --pid, --job or --all"),
+        ("memory-plan", {"job": "j"}, "needs --budget SIZE or --save SIZE"),
+        ("memory", {"job": "j", "stacks": "cpp"}, "--stacks 'cpp'"),
+        ("stacks", {"job": "j", "method": "gdb"}, "unknown method 'gdb'"),
+        ("nccl", {"pid": [1], "all": True}, "exactly one of --pid, --job or --all"),
+        ("start", {"job": "j", "steps": 2, "duration": 1.0}, "not both"),
+    ):
+        answer = run_action(name, options, commands=table)
+        # THEN it is the command's usage error (2), answered, as when the parser refused it
+        assert answer["exit_code"] == 2 and answer["error"]["type"] == "UsageError", answer
+        assert said in answer["error"]["message"], answer
+    # AND a value of the wrong type is still refused before anything runs (HTTP 400)
+    with pytest.raises(actions.ActionError, match="'history_start' must be an integer"):
+        run_action("memory", {"job": "j", "history_start": "5"}, commands=table)
+    # AND a request that is run answers as the command does: a process that is gone is named
+    answer = run_action("memory", {"pid": [2**22]}, commands=table)
+    assert answer["exit_code"] != 0 and str(2**22) in answer["error"]["message"], answer

@@ -58,3 +58,27 @@ def test_the_action_options_of_a_request_are_the_same_request_on_the_node(reques
     # THEN every option is one the action takes, and the node runs exactly the same request
     assert set(options) <= set(ACTIONS["nccl"].options)
     assert on_the_node == request_
+
+
+@pytest.mark.parametrize(
+    "request_", [NcclRequest(job="j1"), NcclRequest(pids=(3, 4), only_active=True, stack_traces=False, timeout=2.5)]
+)
+def test_a_request_reads_back_from_its_json(request_):
+    assert NcclRequest.from_json(request_.to_json()) == request_
+
+
+@pytest.mark.parametrize(
+    ("doc", "said"),
+    [
+        ({"job": "j", "output_path": "/tmp/x"}, "unknown option 'output_path'"),
+        ({"pid": "12"}, "a list of integers"),
+        ({"pid": [12, 2**40]}, "a process id is 1-"),
+        ({"job": "j", "timeout": True}, "a finite number"),
+        ({"job": "j", "only_active": "no"}, "true or false"),
+        (None, "must be a JSON object"),
+    ],
+)
+def test_a_hostile_document_is_a_usage_error(doc, said):
+    with pytest.raises(errors.UsageError) as refused:
+        NcclRequest.from_json(doc)
+    assert said in refused.value.message

@@ -66,3 +66,38 @@ def test_a_process_that_is_gone_is_named_by_its_pid():
         collect(StacksRequest(pids=(pid,), save=False))
     # THEN the error names it
     assert str(pid) in gone.value.message
+
+
+@pytest.mark.parametrize(
+    "request_",
+    [
+        StacksRequest(job="j1"),
+        StacksRequest(pids=(7, 8), native=True, locals=True, method="py-spy", timeout=3.0, save=False),
+    ],
+)
+def test_a_request_reads_back_from_its_json(request_):
+    assert StacksRequest.from_json(request_.to_json()) == request_
+
+
+@pytest.mark.parametrize(
+    ("doc", "said"),
+    [
+        ({"core": "/etc/shadow"}, "unknown option 'core'"),
+        ({"job": "j", "executable": "/bin/sh"}, "unknown option 'executable'"),
+        ({"job": ["j"]}, "'job' must be a string"),
+        ({"job": "j", "method": "x" * 5000}, "at most 4096 characters"),
+        ({"pid": [1] * 2000}, "a list of 1 to"),
+        ({"job": "j", "timeout": -2}, "a timeout of -2 s"),
+        ({"job": "j", "native": 1}, "true or false"),
+        (["job", "j"], "must be a JSON object"),
+    ],
+)
+def test_a_hostile_document_is_a_usage_error(doc, said):
+    with pytest.raises(errors.UsageError) as refused:
+        StacksRequest.from_json(doc)
+    assert said in refused.value.message
+
+
+def test_a_core_files_request_is_not_sent_as_json():
+    with pytest.raises(errors.UsageError, match="core file"):
+        StacksRequest(core="core.1").to_json()

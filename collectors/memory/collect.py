@@ -1,0 +1,380 @@
+"""Snapshots, allocator history and step plans of this node's processes: the memory kind's one
+capture policy, whoever asks (``dynprof memory``, ``dynprof memory plan``, the sidecar's
+``memory`` and ``memory-plan`` actions).
+
+    >>> got = collect(MemoryRequest(job="j1"))                          # doctest: +SKIP
+    >>> [r["artifact"] for r in got.results], got.exit_code             # doctest: +SKIP
+    >>> planned = collect_plan(MemoryPlanRequest(pids=(42,), budget="60%"))   # doctest: +SKIP
+
+Each process's agent answers: a snapshot is one ``memory`` artifact per process; history is
+turned on (the next N allocator events) or off; a plan measures the next optimizer step in the
+process and says which blocks to recompute to fit a budget, kept as a ``memory-plan`` artifact.
+One row per process, whatever happened to it (``status``: ``ok``/``complete``, or ``failed``
+with the error, its help and its exit code).
+
+Not imported by ``collectors.memory`` itself: the agent, which imports that package, never
+loads this policy.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from collectors.memory.plan import from_json as measurement_from_json
+from collectors.memory.plan import make_plan
+from dynprof import errors
+from dynprof.agents import parallel, resolve
+from dynprof.arguments import MAX_HISTORY_EVENTS, MAX_PID, MAX_SECONDS
+from dynprof.registry import AgentRecord
+from dynprof.requests import read_options
+
+DEFAULT_TIMEOUT_S = 300.0
+HISTORY_TIMEOUT_S = 30.0  # turning history on or off answers at once
+STACKS = ("python", "all")
+POLL_S = 0.2
+MAX_MEASUREMENT_BYTES = 8 * 1024 * 1024
+
+_TARGETS = {"pid": "ints", "job": "str", "all": "bool"}
+
+
+def _check_targets(pids: tuple[int, ...], job: str | None, all_: bool, command: str) -> None:
+    if len([x for x in (pids, job, all_) if x]) != 1:
+        raise errors.UsageError("give exactly one of --pid, --job or --all", help=f"See `dynprof {command} --help`.")
+    if any(isinstance(pid, bool) or not isinstance(pid, int) or not 0 < pid <= MAX_PID for pid in pids):
+        raise errors.UsageError(f"a process id is 1-{MAX_PID}")
+
+
+def _check_timeout(timeout: float) -> None:
+    if not 0 < timeout <= MAX_SECONDS:
+        raise errors.UsageError(f"a timeout of {timeout:g} s: more than 0, at most {MAX_SECONDS:g}")
+
+
+def _targets_json(pids: tuple[int, ...], job: str | None, all_: bool) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if pids:
+        out["pid"] = list(pids)
+    if job:
+        out["job"] = job
+    if all_:
+        out["all"] = True
+    return out
+
+
+@dataclass(frozen=True)
+class MemoryRequest:
+    """Whose memory: exactly one of ``pids``, ``job`` (its trainers on this node) or ``all``.
+    What: a snapshot (the default, each waited for ``timeout`` seconds), or history turned on
+    for the next ``history_start`` allocator events (with ``stacks`` python or all), or turned
+    off (``history_stop``). Checked when made: a bad request raises
+    :class:`~dynprof.errors.UsageError`."""
+
+    pids: tuple[int, ...] = ()
+    job: str | None = None
+    all: bool = False
+    history_start: int | None = None
+    history_stop: bool = False
+    stacks: str = "python"
+    timeout: float = DEFAULT_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        _check_targets(self.pids, self.job, self.all, "memory")
+        if self.history_start is not None and self.history_stop:
+            raise errors.UsageError("give --history-start or --history-stop, not both")
+        if self.history_start is not None and not 0 < self.history_start <= MAX_HISTORY_EVENTS:
+            raise errors.UsageError(
+                f"--history-start N needs 1 <= N <= {MAX_HISTORY_EVENTS}", help="Use --history-stop to stop."
+            )
+        if self.stacks not in STACKS:
+            raise errors.UsageError(f"--stacks {self.stacks[:40]!a}: one of {', '.join(STACKS)}")
+        _check_timeout(self.timeout)
+
+    @property
+    def history(self) -> bool:
+        return self.history_start is not None or self.history_stop
+
+    OPTIONS: ClassVar[dict[str, str]] = {
+        **_TARGETS,
+        "history_start": "int",
+        "history_stop": "bool",
+        "stacks": "str",
+        "timeout": "float",
+    }
+
+    @classmethod
+    def from_json(cls, doc: Any) -> MemoryRequest:
+        """The request of a JSON object of the ``memory`` action's options (:meth:`to_json`)."""
+        o = read_options(doc, cls.OPTIONS, "memory")
+        return cls(
+            pids=tuple(o.get("pid", ())),
+            job=o.get("job"),
+            all=o.get("all", False),
+            history_start=o.get("history_start"),
+            history_stop=o.get("history_stop", False),
+            stacks=o.get("stacks", "python"),
+            timeout=o.get("timeout", DEFAULT_TIMEOUT_S),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        out = {**_targets_json(self.pids, self.job, self.all), "timeout": self.timeout}
+        if self.history_start is not None:
+            out["history_start"] = self.history_start
+        if self.history_stop:
+            out["history_stop"] = True
+        if self.stacks != "python":
+            out["stacks"] = self.stacks
+        return out
+
+
+@dataclass
+class Collected:
+    """One row per process (``results``), the exit code they mean (0: every one answered;
+    else the failures' common code, or 1), the errors of the processes that failed
+    (``failures``, in order) and what is worth saying besides (``notes``)."""
+
+    results: list[dict[str, Any]]
+    exit_code: int
+    failures: list[errors.DynprofError] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def _failed_row(res: dict[str, Any], exc: errors.DynprofError) -> None:
+    res.update(status="failed", error=exc.message, help=exc.help, exit_code=exc.exit_code)
+
+
+def _exit_code(results: list[dict[str, Any]], ok: tuple[str, ...]) -> int:
+    failed = [r for r in results if r["status"] not in ok]
+    if not failed:
+        return 0
+    codes = {r.get("exit_code", 1) for r in failed}
+    return codes.pop() if len(codes) == 1 else 1
+
+
+def collect(request: MemoryRequest) -> Collected:
+    """A snapshot of each process ``request`` names, or its history turned on or off."""
+    from dynprof.client import AgentClient
+    from dynprof.proto import pb
+
+    records = resolve(pids=request.pids, job=request.job)
+    if request.history:
+        message: Any = pb.MemoryHistoryRequest(
+            enable=not request.history_stop, max_entries=request.history_start or 0, stacks=request.stacks
+        )
+        command, timeout = "memory_history", HISTORY_TIMEOUT_S
+    else:
+        message, command, timeout = pb.MemorySnapshotRequest(), "memory_snapshot", request.timeout
+
+    def ask(record: AgentRecord) -> Any:
+        return AgentClient.for_record(record, timeout=timeout).request(**{command: message})
+
+    replies = parallel(ask, records)
+    results: list[dict[str, Any]] = []
+    failures: list[errors.DynprofError] = []
+    for record, reply in zip(records, replies):
+        res: dict[str, Any] = {"pid": record.pid, "rank": record.rank, "job": record.job_id}
+        if isinstance(reply, errors.DynprofError):
+            _failed_row(res, reply)
+            failures.append(reply)
+        elif isinstance(reply, Exception):
+            raise reply
+        elif request.history:
+            res.update(status="ok", memory_history=reply.ack.detail)
+        else:
+            res.update(
+                status=reply.artifact.status,
+                artifact=reply.artifact.path,
+                summary=json.loads(reply.artifact.summary_json or "{}"),
+            )
+        results.append(res)
+    return Collected(results, _exit_code(results, ("ok", "complete")), failures)
+
+
+# -- plans ---------------------------------------------------------------------------------------
+def parse_budget(text: str) -> tuple[int | None, float | None]:
+    """``SIZE`` (bytes, K/M/G/T) or ``P%`` (of the measured peak): (bytes, fraction)."""
+    from dynprof.units import parse_size
+
+    raw = text.strip()
+    if raw.endswith("%"):
+        try:
+            value = float(raw[:-1])
+        except ValueError:
+            value = -1.0
+        if not 0 < value < 100:
+            raise errors.UsageError(
+                f"--budget {text[:80]!r}: a percentage must be between 0 and 100", help="Write e.g. 60% or 40G."
+            )
+        return None, value / 100.0
+    try:
+        return parse_size(raw), None
+    except errors.DynprofError as exc:
+        raise errors.UsageError(
+            f"--budget/--save {text[:80]!r}: {exc.message[:200]}", help="Write e.g. 40G, 512M or 60%."
+        ) from None
+    except OverflowError:  # more digits than a float holds
+        raise errors.UsageError(
+            f"--budget/--save {text[:80]!r}: not a size", help="Write e.g. 40G, 512M or 60%."
+        ) from None
+
+
+@dataclass(frozen=True)
+class MemoryPlanRequest:
+    """Whose next optimizer step to measure: exactly one of ``pids``, ``job`` or ``all``; what
+    to plan for: exactly one of ``budget`` (the peak the step must fit in: ``40G``, or ``60%`` of
+    the measured peak) or ``save`` (the bytes to take off the peak); how long to wait for the
+    step (``timeout``). Checked when made: a bad request raises
+    :class:`~dynprof.errors.UsageError`."""
+
+    pids: tuple[int, ...] = ()
+    job: str | None = None
+    all: bool = False
+    budget: str | None = None
+    save: str | None = None
+    timeout: float = DEFAULT_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        _check_targets(self.pids, self.job, self.all, "memory")
+        if self.budget is None and self.save is None:
+            raise errors.UsageError(
+                "dynprof memory plan needs --budget SIZE or --save SIZE",
+                help="Say what the step's peak must fit in (--budget 40G, --budget 60%) or how much to save "
+                "(--save 8G).",
+            )
+        if self.budget is not None and self.save is not None:
+            raise errors.UsageError("give --budget or --save, not both")
+        parse_budget(self.budget if self.budget is not None else self.save or "")
+        _check_timeout(self.timeout)
+
+    OPTIONS: ClassVar[dict[str, str]] = {**_TARGETS, "budget": "str", "save": "str", "timeout": "float"}
+
+    @classmethod
+    def from_json(cls, doc: Any) -> MemoryPlanRequest:
+        """The request of a JSON object of the ``memory-plan`` action's options (:meth:`to_json`)."""
+        o = read_options(doc, cls.OPTIONS, "memory-plan")
+        return cls(
+            pids=tuple(o.get("pid", ())),
+            job=o.get("job"),
+            all=o.get("all", False),
+            budget=o.get("budget"),
+            save=o.get("save"),
+            timeout=o.get("timeout", DEFAULT_TIMEOUT_S),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        out = {**_targets_json(self.pids, self.job, self.all), "timeout": self.timeout}
+        if self.budget is not None:
+            out["budget"] = self.budget
+        if self.save is not None:
+            out["save"] = self.save
+        return out
+
+    def asked_bytes(self, measurement: dict[str, Any]) -> dict[str, int]:
+        """The budget or the saving asked for, in bytes of this measurement: ``{"budget_bytes": N}``
+        or ``{"save_bytes": N}`` (a percentage is of the measured peak)."""
+        m = measurement_from_json(measurement)
+        if self.budget is not None:
+            size, fraction = parse_budget(self.budget)
+            return {"budget_bytes": size if size is not None else int(m.peak_bytes * (fraction or 0))}
+        size, fraction = parse_budget(self.save or "")
+        return {"save_bytes": size if size is not None else int(m.peak_bytes * (fraction or 0))}
+
+    def plan(self, measurement: dict[str, Any]) -> dict[str, Any]:
+        """The plan of ``measurement`` for what this request asks."""
+        m = measurement_from_json(measurement)
+        asked = self.asked_bytes(measurement)
+        if "budget_bytes" in asked:
+            return make_plan(m, budget=asked["budget_bytes"])
+        return make_plan(m, save=asked["save_bytes"])
+
+
+def save_plan(record: AgentRecord, measurement: dict[str, Any], request: MemoryPlanRequest) -> str:
+    """Keep the measurement and what was asked as a ``memory-plan`` artifact; its path."""
+    from collectors.memory.plan import KIND, PLAN_FILE
+    from dynprof.store import ArtifactStore
+
+    asked = request.asked_bytes(measurement)
+    writer = ArtifactStore().create(
+        KIND,
+        job=record.job_id,
+        host=record.host or None,
+        rank=record.rank,
+        pid=record.pid,
+        options={"budget": request.budget, "save": request.save},
+    )
+    with writer:
+        writer.write_json(PLAN_FILE, {"schema": 1, "measurement": measurement, "asked": asked})
+        return str(writer.finish("complete", summary=asked).path)
+
+
+def collect_plan(request: MemoryPlanRequest) -> Collected:
+    """Measure the next step of each process ``request`` names and plan it; each plan kept as an
+    artifact (a plan that could not be kept is a note, its row still ``ok``)."""
+    from dynprof.client import AgentClient
+    from dynprof.proto import pb
+    from dynprof.untrusted import loads_json
+
+    records = resolve(pids=request.pids, job=request.job)
+    token = f"{os.getpid()}-{time.monotonic_ns()}"
+    deadline = time.monotonic() + request.timeout
+
+    def ask(record: AgentRecord) -> Any:
+        client = AgentClient.for_record(record, timeout=10.0)
+        while True:
+            reply = client.request(memory_plan=pb.MemoryPlanRequest(token=token))
+            state = reply.artifact.status
+            if state in ("complete", "failed"):
+                return reply.artifact
+            if time.monotonic() > deadline:
+                raise errors.Timeout(
+                    f"pid {record.pid}: no training step within {request.timeout:g} s (state: {state})",
+                    help="The job must be stepping its optimizer; raise --timeout for long steps. The "
+                    "measurement is dropped by the agent if its step does not come.",
+                )
+            time.sleep(POLL_S)
+
+    replies = parallel(ask, records)
+    results: list[dict[str, Any]] = []
+    failures: list[errors.DynprofError] = []
+    save_errors: list[str] = []
+    for record, reply in zip(records, replies):
+        res: dict[str, Any] = {"pid": record.pid, "rank": record.rank, "job": record.job_id}
+        if isinstance(reply, errors.DynprofError):
+            _failed_row(res, reply)
+            failures.append(reply)
+        elif isinstance(reply, Exception):
+            raise reply
+        else:
+            text = reply.summary_json or "{}"
+            try:
+                if len(text) > MAX_MEASUREMENT_BYTES:
+                    raise errors.ArtifactError(
+                        f"pid {record.pid}: the measurement is over {MAX_MEASUREMENT_BYTES} bytes"
+                    )
+                doc = loads_json(text, f"pid {record.pid}'s memory plan measurement", max_values=1_000_000)
+                if not isinstance(doc, dict):
+                    raise errors.ArtifactError(f"pid {record.pid}: the measurement is not a JSON object")
+                plan = request.plan(doc) if reply.status == "complete" else None
+            except errors.ArtifactError as exc:
+                _failed_row(res, exc)
+                failures.append(exc)
+                results.append(res)
+                continue
+            if reply.status != "complete":
+                err = errors.AgentError(
+                    f"pid {record.pid}: the measurement failed: {str(doc.get('error', '?'))[:500]}",
+                    help="See the agent log in the dynprof runtime directory (logs/PID.log).",
+                )
+                _failed_row(res, err)
+                failures.append(err)
+            else:
+                res.update(status="ok", plan=plan)
+                try:
+                    res["artifact"] = save_plan(record, doc, request)
+                except (OSError, errors.DynprofError) as exc:
+                    res["artifact"] = None
+                    save_errors.append(f"pid {record.pid}: the plan was not saved: {exc}")
+        results.append(res)
+    return Collected(results, _exit_code(results, ("ok",)), failures, save_errors)

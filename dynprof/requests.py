@@ -1,0 +1,77 @@
+"""Reading a kind's request from JSON: the bounded, checked decoder every ``<Kind>Request.from_json``
+uses, whoever sends the document (the sidecar's action options, a saved request).
+
+    >>> read_options({"job": "j1", "pid": 7}, {"job": "str", "pid": "ints"}, "memory")
+    {'job': 'j1', 'pid': [7]}
+
+A document is a JSON object of options, each of a kind: ``bool``, ``int``, ``float`` (an integer
+is a number too), ``str``, ``ints`` or ``strs`` (a list, or one item standing for a list of one).
+``None`` is an option left unset. An unknown key, a value of the wrong type, a string over
+:data:`MAX_TEXT` characters (or holding NUL) or a list over :data:`MAX_ITEMS` items is a
+:class:`~dynprof.errors.UsageError`; nothing in the document is trusted further than that.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from dynprof import errors
+
+MAX_TEXT = 4096
+MAX_ITEMS = 1024
+KINDS = ("bool", "int", "float", "str", "ints", "strs")
+
+
+def read_options(doc: Any, spec: Mapping[str, str], what: str) -> dict[str, Any]:
+    """The options of ``doc`` that ``spec`` (``{name: kind}``) knows, checked; unset ones left out."""
+    if not isinstance(doc, dict):
+        raise errors.UsageError(f"{what}: the options must be a JSON object")
+    out: dict[str, Any] = {}
+    for key, value in doc.items():
+        kind = spec.get(key) if isinstance(key, str) else None
+        if kind is None:
+            known = ", ".join(sorted(spec))
+            raise errors.UsageError(f"{what}: unknown option {str(key)[:80]!r}; known: {known}")
+        if value is not None:
+            out[key] = _value(what, key, kind, value)
+    return out
+
+
+def _value(what: str, key: str, kind: str, value: Any) -> Any:
+    def bad(must: str) -> errors.UsageError:
+        return errors.UsageError(f"{what}: option {key!r} must be {must}")
+
+    if kind == "bool":
+        if not isinstance(value, bool):
+            raise bad("true or false")
+        return value
+    if kind == "int":
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise bad("an integer")
+        return value
+    if kind == "float":
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise bad("a finite number")
+        return float(value)
+    if kind == "str":
+        return _text(value, bad)
+    if kind in ("ints", "strs"):
+        items = value if isinstance(value, list) else [value]
+        if not items or len(items) > MAX_ITEMS:
+            raise bad(f"a list of 1 to {MAX_ITEMS} items")
+        if kind == "ints":
+            if any(isinstance(v, bool) or not isinstance(v, int) for v in items):
+                raise bad("a list of integers")
+            return list(items)
+        return [_text(v, lambda _: bad("a list of strings")) for v in items]
+    raise bad("of a known kind")  # a table error of the request
+
+
+def _text(value: Any, bad: Any) -> str:
+    if not isinstance(value, str):
+        raise bad("a string")
+    if len(value) > MAX_TEXT or "\x00" in value:
+        raise bad(f"a string of at most {MAX_TEXT} characters, without NUL")
+    return value
