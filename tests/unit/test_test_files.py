@@ -57,7 +57,6 @@ ALLOWED: dict[str, str] = {
     "collectors/memory/reader.py": TO_WRITE + "test_memory_snapshot.py",
     "collectors/memory/render.py": TO_WRITE + "test_memory_snapshot.py",
     "collectors/memory/summary.py": TO_WRITE + "test_memory_snapshot.py, test_collectors_memory_advice.py",
-    "collectors/stacks/_pystack_dump.py": TO_WRITE + "integration test_stacks.py (native stacks of real processes)",
     "collectors/torch_trace/__init__.py": TO_WRITE + "test_trace_warnings.py, test_trace_kineto_quiet.py",
     "collectors/torch_trace/collect.py": TO_WRITE + "integration test_trace.py",
 }
