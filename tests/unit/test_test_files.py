@@ -49,7 +49,6 @@ ALLOWED: dict[str, str] = {
     "dynprof/cli/start.py": TO_WRITE + "test_cli.py, test_fanout_commands.py, integration test_trace.py",
     "dynprof/job/nccl.py": TO_WRITE + "test_job_client.py, integration test_nccl.py",
     "dynprof/job/start.py": TO_WRITE + "test_fanout_commands.py",
-    "dynprof/sidecar/progress.py": TO_WRITE + "test_sidecar_metrics.py, test_sidecar_page.py",
     "dynprof/sidecar/server.py": TO_WRITE + "test_sidecar_app.py",
     "collectors/_analysis_html.py": TO_WRITE + "test_collectors_trace_analysis.py",
     "collectors/memory/capture.py": TO_WRITE + "test_memory_snapshot.py",
