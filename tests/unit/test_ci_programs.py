@@ -17,12 +17,12 @@ PROGRAMS = {
     "promtool": "the shipped alert rules and scrape config (tests/unit/test_deploy_prometheus.py)",
     "chromium": "the sidecar and analyze pages in a browser (test_analyze_page, test_sidecar_actions)",
     "openssl": "TLS sidecars (test_sidecar_actions, test_hostile_sidecar_http, test_job_client)",
-    "gdb": "attach to Python < 3.14 (test_attach, test_bad_targets, test_roles_under_launchers)",
+    "gdb": "attach to Python < 3.14 (test_attach_processes, test_bad_targets, test_roles_under_launchers)",
     "gcore": "core files of hung ranks (test_stacks)",
     "ip": "link tests across network namespaces (test_links_support)",
     "tc": "link tests with a slowed link (test_links_support)",
     "taskset": "link tests pinned to CPUs (test_links_support)",
-    "setpriv": "other users' processes (test_attach, test_stacks)",
+    "setpriv": "other users' processes (test_attach_processes, test_stacks)",
     "runuser": "a serve run as another user (test_serve_abuse)",
 }
 

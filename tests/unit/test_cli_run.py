@@ -1,0 +1,71 @@
+"""`dynprof run`: the environment the command is started in (the agent's start-up hook first on
+PYTHONPATH, one job id for all ranks: the user's, the scheduler's or a generated one), and what
+it refuses before it replaces itself with the command."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+
+import pytest
+
+from dynprof.cli import main
+from dynprof.cli.run import BOOTSTRAP_DIR, RunCommand, build_environment, generated_job_id
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    RunCommand().prepare_parser(parser)
+    return parser.parse_args([*argv, "--", "python", "train.py"])
+
+
+def test_the_start_up_hook_goes_first_on_pythonpath_once():
+    env = build_environment(_args(), {"PYTHONPATH": f"/mine{os.pathsep}{BOOTSTRAP_DIR}{os.pathsep}"})
+    assert env["DYNPROF"] == "1"
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(BOOTSTRAP_DIR), "/mine"]
+    assert (BOOTSTRAP_DIR.parent / "__init__.py").is_file()
+    assert env["DYNPROF_HOME"] == str(BOOTSTRAP_DIR.parent.parent)
+
+
+@pytest.mark.parametrize(
+    ("argv", "base", "job"),
+    [
+        (["--job-id", "mine"], {"SLURM_JOB_ID": "7", "DYNPROF_JOB_ID": "set"}, "mine"),
+        ([], {"DYNPROF_JOB_ID": "set", "SLURM_JOB_ID": "7"}, "set"),
+        ([], {"SLURM_JOB_ID": "7", "TORCHELASTIC_RUN_ID": "elastic"}, "7"),
+        ([], {"TORCHELASTIC_RUN_ID": "elastic"}, "elastic"),
+    ],
+)
+def test_the_job_id_is_the_users_then_the_schedulers(argv, base, job):
+    assert build_environment(_args(*argv), base)["DYNPROF_JOB_ID"] == job
+
+
+def test_without_any_id_one_is_generated_from_host_and_pid():
+    job = build_environment(_args(), {"TORCHELASTIC_RUN_ID": "none"})["DYNPROF_JOB_ID"]
+    assert job.startswith(socket.gethostname().split(".")[0] + "-") and job.endswith(f"-{os.getpid()}")
+    assert generated_job_id().endswith(f"-{os.getpid()}")
+
+
+def test_the_callers_environment_is_kept_and_not_changed():
+    base = {"KEEP": "1"}
+    env = build_environment(_args(), base)
+    assert env["KEEP"] == "1" and base == {"KEEP": "1"}
+
+
+def test_no_command_is_a_usage_error(capsys):
+    assert main(["run", "--"]) == 2
+    assert "no command given" in capsys.readouterr().err
+
+
+def test_an_unknown_command_is_a_usage_error(capsys):
+    assert main(["run", "--", "no-such-command-dynprof-test"]) == 2
+    assert "command not found: no-such-command-dynprof-test" in capsys.readouterr().err
+
+
+def test_a_run_dir_too_long_for_sockets_is_refused_before_the_command_runs(monkeypatch, tmp_path, capsys):
+    long_dir = tmp_path / ("d" * 100)
+    monkeypatch.setenv("DYNPROF_RUN_DIR", str(long_dir))
+    assert main(["run", "--", "true"]) == 1
+    err = capsys.readouterr().err
+    assert "too long a path" in err and "DYNPROF_RUN_DIR" in err
