@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import math
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -25,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from dynprof import errors, jsontext
+from dynprof.procs import kill_group
 from dynprof.untrusted import loads_json
 from healthcheck.fleet import NodeReport, ReportError
 from healthcheck.runner import LEVELS, Options
@@ -142,10 +142,7 @@ def collect(request: HealthcheckRequest, command: tuple[str, ...] = CHILD) -> No
             try:
                 proc.communicate(jsontext.dumps(request.to_json()).encode(), timeout=request.timeout)
             except subprocess.TimeoutExpired:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
+                kill_group(proc)
                 proc.wait()
                 raise errors.Timeout(
                     f"the healthcheck ran past {request.timeout:g} s and was killed",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dynprof.procs import kill_group
 from dynprof.watch.model import Verdict
 
 DEFAULT_HOOK_TIMEOUT_S = 30.0
@@ -23,7 +24,6 @@ def run_hook(command: str, verdict: Verdict, path: str | None, timeout: float = 
     ``timeout``. Its failure is reported, never raised."""
     import json
     import os
-    import signal
     import subprocess
 
     env = dict(os.environ)
@@ -49,10 +49,7 @@ def run_hook(command: str, verdict: Verdict, path: str | None, timeout: float = 
     try:
         _, err = proc.communicate(json.dumps(verdict.to_json()).encode(), timeout=timeout)
     except subprocess.TimeoutExpired:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+        kill_group(proc)
         proc.communicate()
         return HookResult(False, None, f"--on-verdict ran past {timeout:g} s and was killed")
     except BrokenPipeError:
