@@ -78,8 +78,8 @@ def test_kill_group_of_a_group_that_is_not_ours_sends_nothing(monkeypatch):
 
 
 def test_kill_group_sends_the_signal_asked_for():
-    proc = start_group("trap 'echo hup; exit 5' HUP; echo ready; while :; do sleep 1; done")
-    assert kill_group(proc, signal.SIGHUP) is True
+    proc = start_group("trap 'echo hup; exit 5' USR1; echo ready; while :; do sleep 1; done")
+    assert kill_group(proc, signal.SIGUSR1) is True
     assert proc.wait() == 5
     assert rest_of_output(proc) == "hup\n"
 
