@@ -613,3 +613,26 @@ def test_the_real_table_reads_requests_for_the_kinds_that_have_them():
     # AND a request that is run answers as the command does: a process that is gone is named
     answer = run_action("memory", {"pid": [2**22]}, commands=table)
     assert answer["exit_code"] != 0 and str(2**22) in answer["error"]["message"], answer
+
+
+def test_each_request_read_from_json_takes_exactly_its_actions_options():
+    """A kind's request (``OPTIONS``, what its ``from_json`` reads) and the sidecar's action
+    table are written in two places: they must name the same options with the same kinds, or a
+    body the sidecar accepts would be refused by the request (or the other way round)."""
+    from collectors.flight_recorder.collect import NcclRequest
+    from collectors.memory.collect import MemoryPlanRequest, MemoryRequest
+    from collectors.stacks.collect import StacksRequest
+    from collectors.torch_trace.collect import TraceRequest
+
+    text_only = {"stacks": {"full"}}  # changes only how the text is printed: no part of the request
+    for name, request in (
+        ("stacks", StacksRequest),
+        ("nccl", NcclRequest),
+        ("start", TraceRequest),
+        ("memory", MemoryRequest),
+        ("memory-plan", MemoryPlanRequest),
+    ):
+        table = {
+            key: opt.kind for key, opt in actions.ACTIONS[name].options.items() if key not in text_only.get(name, set())
+        }
+        assert dict(request.OPTIONS) == table, name
