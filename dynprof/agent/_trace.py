@@ -150,6 +150,7 @@ class TraceController:
         self._first_partial = False
         self._partial_why = ""  # why the first span does not start at a step boundary
         self._last_partial = False
+        self._last_partial_why = ""  # why the last span does not end at a step boundary
         self._span_marks: list[int] = []  # StepTracker.all_optimizer_steps() at each span boundary
         self._spans_omitted = 0  # spans past the first MAX_SPANS_DESCRIBED, counted, not described
         self._inexact_at_start = 0  # StepTracker.inexact_boundaries when the trace started
@@ -217,6 +218,7 @@ class TraceController:
             self.last_status = ""
             self._aligned = step_aligned
             self._first_partial = self._last_partial = False
+            self._last_partial_why = ""
             self._partial_why = self._unaligned_why(msg, flowing) if not step_aligned else ""
             self._span_marks = []
             self._spans_omitted = 0
@@ -516,8 +518,17 @@ class TraceController:
             # The next step boundary ends it (the last span one whole iteration); if none
             # comes soon, the main thread does.
             grace = max(STOP_GRACE_MIN_S, STOP_GRACE_STEPS * self.steps.typical_step_s())
+            self._last_partial_why = (
+                f"no step boundary came within {grace:.2g} s of the stop (3 typical steps, at least "
+                f"{STOP_GRACE_MIN_S:g} s): it ends where the training thread was"
+            )
             self._timer(grace, self._stop_without_boundary)
             return
+        self._last_partial_why = (
+            "the steps had stopped when the stop came: it ends where the training thread was"
+            if self._aligned
+            else "the trace did not start at a step boundary, so it ends where the training thread is"
+        )
         if self.session.thread_id == threading.main_thread().ident:
             call_soon_in_main_thread(self._stop_at_safe_point)
         # Otherwise the next step boundary on the tracing thread ends it.
@@ -552,6 +563,9 @@ class TraceController:
             "first_span_partial": self._first_partial,
             "first_span_partial_why": self._partial_why if self._first_partial else "",
             "last_span_partial": not at_boundary,
+            "last_span_partial_why": ""
+            if at_boundary
+            else (self._last_partial_why or "it ended where the training thread was"),
             "optimizer_steps_per_span": per_span,
             "optimizer_steps_per_span_omitted": omitted,
             # Boundaries of compiled optimizer steps taken inside their compiled region (or
@@ -572,6 +586,7 @@ class TraceController:
                 log.warning("the job started its own torch.profiler: dynprof's trace ends here (partial)")
                 self.stop_requested = "job-profiler"
                 self._last_partial = True
+                self._last_partial_why = "the job started its own torch.profiler: dynprof's trace ended there"
                 self._end("job-profiler")
                 return
             # Another thread: Kineto is about to be taken over, and dynprof's profiler can only
@@ -733,6 +748,7 @@ class TraceController:
         session, req = self.session, self.req
         assert session is not None
         self.stop_requested = "exit"
+        self._last_partial_why = "the process exited while it traced"
         spans = self._span_fields(at_boundary=False)
         self.steps.remove_listener(self._on_boundary)
         self._cancel_timers()

@@ -235,3 +235,40 @@ def test_an_unaligned_start_that_finds_no_safe_point_also_starts_at_the_next_bou
     # THEN the trace starts there, after step 11, its first span a whole step
     assert began[-1] == 12 and controller._first_partial is False
     assert retries == [controller._start_at_safe_point]  # no second retry chain
+
+
+def _tracing(controller: _trace.TraceController, monkeypatch: pytest.MonkeyPatch, *, aligned: bool) -> list[float]:
+    """The controller as while a trace runs (no profiler): its timers recorded, not started."""
+    controller.state = "tracing"
+    controller.session = types.SimpleNamespace(thread_id=-1, stop_requested_at=0.0)  # type: ignore[assignment]
+    controller._aligned = aligned
+    monkeypatch.setattr(controller, "_steps_flowing", lambda: True)
+    timers: list[float] = []
+    monkeypatch.setattr(controller, "_timer", lambda seconds, fn: timers.append(seconds))
+    return timers
+
+
+def test_a_stop_that_finds_no_boundary_in_its_grace_says_so_in_the_manifest(controller, monkeypatch):
+    # GIVEN a trace that started at a step boundary, its steps flowing
+    timers = _tracing(controller, monkeypatch, aligned=True)
+    # WHEN it is asked to stop: it waits for the next boundary, at most its grace
+    controller._request_stop("duration")
+    assert timers == [_trace.STOP_GRACE_MIN_S]  # no typical step yet: the floor
+    # THEN a stop at that boundary has a whole last span and no reason given
+    at_boundary = controller._span_fields(at_boundary=True)
+    assert at_boundary["last_span_partial"] is False and at_boundary["last_span_partial_why"] == ""
+    # AND one where none came in time says so, with the grace it waited
+    partial = controller._span_fields(at_boundary=False)
+    assert partial["last_span_partial"] is True
+    assert "no step boundary came within 0.5 s of the stop" in partial["last_span_partial_why"]
+
+
+def test_a_stop_of_an_unaligned_trace_says_why_its_last_span_is_partial(controller, monkeypatch):
+    # GIVEN a trace that did not start at a step boundary
+    timers = _tracing(controller, monkeypatch, aligned=False)
+    # WHEN it is asked to stop: no grace is waited (its spans were never aligned)
+    controller._request_stop("duration")
+    assert timers == []
+    # THEN its last span's reason names the start
+    why = controller._span_fields(at_boundary=False)["last_span_partial_why"]
+    assert "did not start at a step boundary" in why
