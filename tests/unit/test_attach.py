@@ -140,25 +140,6 @@ def test_attached_ranks_are_aligned_by_boundary_time_not_by_counter():
     assert boundary_offsets([_status(3, 0.0, 0.0), _status(5, 0.0, 0.0)]) is None
 
 
-def test_attach_flag_needs_pid_or_job(capsys):
-    from dynprof.cli import main
-
-    # GIVEN --attach with --all (which selects processes that already have agents)
-    code = main(["start", "--all", "--attach", "--steps", "1"])
-    # THEN it is a usage error that says what --attach works with
-    assert code == 2
-    assert "--attach needs --pid or --job" in capsys.readouterr().err
-
-
-def test_attach_usage_errors(capsys):
-    from dynprof.cli import main
-
-    assert main(["attach"]) == 2
-    assert "give either PIDs or --job JOB" in capsys.readouterr().err
-    assert main(["attach", "1", "--memory-history", "lots"]) == 2
-    assert "--memory-history" in capsys.readouterr().err
-
-
 def test_an_attach_result_describes_itself_for_a_person():
     from dynprof.attach import AttachResult
 

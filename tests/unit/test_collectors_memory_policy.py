@@ -1,15 +1,12 @@
-"""History policies: parsing, names, and the options `dynprof run` turns into variables."""
+"""History policies: parsing, names, and the agent's reading of the variables that `dynprof run`
+sets (the options themselves: test_cli_run_memory.py)."""
 
 from __future__ import annotations
-
-import argparse
 
 import pytest
 
 from collectors.memory.policy import DEFAULT_POLICY, OFF, HistoryPolicy, PolicyError, parse_policy
-from dynprof import errors
 from dynprof.agent._ext_memory import MemoryOptions
-from dynprof.cli import _run_memory
 
 
 @pytest.mark.parametrize(
@@ -54,75 +51,6 @@ def test_default_is_auto_with_a_half_percent_budget_and_a_bounded_ring():
     assert DEFAULT_POLICY.mode == "auto" and DEFAULT_POLICY.budget == 0.005 and DEFAULT_POLICY.stacks == "python"
     assert 0 < DEFAULT_POLICY.max_entries <= 1_000_000
     assert not OFF.enabled and HistoryPolicy("state").enabled
-
-
-def _run_args(*argv: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    _run_memory.add_arguments(parser)
-    return parser.parse_args(list(argv))
-
-
-def test_run_options_set_the_variables_the_agent_reads():
-    # GIVEN every memory option of `dynprof run`
-    args = _run_args(
-        "--memory-history",
-        "all-stacks:3000",
-        "--memory-oom-interval",
-        "5",
-        "--memory-oom-max",
-        "2",
-        "--host-memory-fraction",
-        "0.8",
-        "--host-memory-limit",
-        "2G",
-    )
-    env: dict[str, str] = {}
-
-    # WHEN they are applied
-    _run_memory.apply(args, env)
-
-    # THEN the agent's options read back the same values
-    opts = MemoryOptions.from_env(env)
-    assert opts.history.describe() == "all:3000"
-    assert opts.oom_interval_s == 5.0 and opts.oom_max == 2
-    assert opts.host_fraction == 0.8 and opts.host_limit_bytes == 2 * 2**30
-
-
-def test_no_options_leave_the_environment_alone():
-    env: dict[str, str] = {}
-    _run_memory.apply(_run_args(), env)
-    assert env == {}
-    assert MemoryOptions.from_env(env).history == DEFAULT_POLICY
-
-
-@pytest.mark.parametrize(
-    "argv",
-    [
-        ["--memory-history", "many"],
-        ["--host-memory-fraction", "1.5"],
-        ["--host-memory-fraction", "x"],
-        ["--host-memory-limit", "lots"],
-    ],
-)
-def test_bad_run_options_are_usage_errors(argv):
-    with pytest.raises(errors.UsageError):
-        _run_memory.apply(_run_args(*argv), {})
-
-
-@pytest.mark.parametrize(
-    "argv",
-    [
-        ["--memory-oom-max", "-1"],
-        ["--memory-oom-max", "99999999999999999999"],
-        ["--memory-oom-interval", "nan"],
-        ["--memory-oom-interval", "-1"],
-    ],
-)
-def test_bad_run_numbers_are_refused_by_the_parser(argv, capsys):
-    with pytest.raises(SystemExit) as info:
-        _run_args(*argv)
-    assert info.value.code == 2
-    assert f"argument {argv[0]}" in capsys.readouterr().err
 
 
 def test_bad_variables_fall_back_to_defaults():

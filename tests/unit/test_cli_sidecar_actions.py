@@ -1,0 +1,276 @@
+"""dynprof.cli.sidecar_actions: the CLI's commands as the sidecar's actions run them. The command
+table `dynprof serve` hands the sidecar, each command's own parser (refusals as usage errors,
+never an exit or a print), one action's answer, and the child process's entry point (run here
+in-process: its request on stdin, its answer on stdout), against requests that are wrong on
+purpose."""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+
+import pytest
+
+from dynprof import errors
+from dynprof.cli import sidecar_actions as sa
+from dynprof.cli.ls import LsCommand
+from dynprof.cli.start import StartCommand
+from dynprof.result import Result
+from dynprof.sidecar.actions import ACTIONS, ActionCommand
+
+
+# -- commands and their parsers ---------------------------------------------------------------------
+def test_a_command_is_loaded_by_its_subcommand_name():
+    assert isinstance(sa.load_command("ls"), LsCommand)
+    assert type(sa.load_command("gpu-coredump")).__name__ == "GpuCoredumpCommand"
+    with pytest.raises(KeyError):
+        sa.load_command("gpu_coredump")  # the module's name is not the subcommand's
+    with pytest.raises(KeyError):
+        sa.load_command("../ls")
+
+
+def test_the_parser_is_the_commands_own():
+    parser = sa.command_parser("ls", sa.load_command("ls"))
+    assert parser.prog == "dynprof ls"
+    assert parser.parse_args(["--job", "j"]).job == "j"
+
+
+def test_options_are_parsed_without_a_print(capsys):
+    args = sa.parse_options("ls", sa.load_command("ls"), ["--job", "j", "--json"])
+    assert args.job == "j" and args.json is True
+    assert capsys.readouterr() == ("", "")
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["--limit", "-3"], "ls: argument --limit"),
+        (["--bogus"], "ls: unrecognized arguments: --bogus"),
+        (["--job"], "ls: argument --job: expected one argument"),
+    ],
+)
+def test_a_refused_value_is_a_usage_error_with_nothing_printed(argv, said, capsys):
+    with pytest.raises(errors.UsageError) as info:
+        sa.parse_options("ls", sa.load_command("ls"), argv)
+    assert info.value.message.startswith(said)
+    assert "error:" not in info.value.message and "usage:" not in info.value.message
+    assert info.value.help == "See `dynprof ls --help`."
+    assert info.value.exit_code == 2
+    assert capsys.readouterr() == ("", "")
+
+
+def test_healthchecks_refusal_keeps_its_own_usage_code():
+    # healthcheck's 2 means "unhealthy": its usage error is 3, "could not run"
+    with pytest.raises(errors.UsageError) as info:
+        sa.parse_options("healthcheck", sa.load_command("healthcheck"), ["--level", "thorough"])
+    assert info.value.exit_code == 3 and info.value.message.startswith("healthcheck: argument --level")
+
+
+# -- the table ----------------------------------------------------------------------------------------
+def test_the_table_has_every_action_each_with_its_commands_entry_points():
+    table = sa.action_commands()
+    assert set(table) == set(ACTIONS)
+    assert all(isinstance(command, ActionCommand) for command in table.values())
+    # a job-level command: its local and job-wide answers
+    assert table["ls"].collect_local.__func__ is LsCommand.collect_local
+    assert table["ls"].collect_nodes.__func__ is LsCommand.collect_nodes
+    assert table["ls"].decode is None and table["ls"].collect_request is None
+    # a kind with a request: read from JSON and collected without argv
+    assert table["start"].decode.__func__ is StartCommand.action_requests(StartCommand())["start"][0].__func__
+    assert table["start"].collect_request.__func__ is StartCommand.collect_request
+    # a command that is not job-level: its collect, on this node only
+    assert table["healthcheck"].collect_nodes is None
+    assert table["healthcheck"].collect_local.__func__ is type(sa.load_command("healthcheck")).collect
+
+
+def test_an_actions_parser_is_its_commands_with_the_actions_command_name():
+    table = sa.action_commands(["memory-plan"])
+    assert list(table) == ["memory-plan"]
+    with pytest.raises(errors.UsageError) as info:
+        table["memory-plan"].parse(["--bogus"])
+    assert info.value.message.startswith("memory: ")
+
+
+def test_an_unknown_action_is_a_key_error():
+    with pytest.raises(KeyError):
+        sa.action_commands(["rm"])
+
+
+# -- one answer ---------------------------------------------------------------------------------------
+def test_an_answer_is_the_commands_json_result(dynprof_dirs):
+    answer = sa.answer("ls", ["ls", "--job", "j"], job_wide=False)
+    assert answer["error"] is None and answer["exit_code"] == 0 and answer["messages"] == []
+    assert answer["result"]["artifacts"] == []
+
+
+def test_a_refused_option_is_answered_as_a_structured_error():
+    answer = sa.answer("ls", ["ls", "--limit", "x"], job_wide=False)
+    assert answer["result"] is None and answer["exit_code"] == 2 and answer["messages"] == []
+    assert answer["error"]["type"] == "UsageError" and answer["error"]["message"].startswith("ls: argument --limit")
+
+
+def test_a_command_of_this_node_only_is_never_job_wide():
+    answer = sa.answer("healthcheck", ["healthcheck"], job_wide=True)
+    assert answer["exit_code"] == 2
+    assert answer["error"]["message"] == "healthcheck runs on this node only"
+
+
+class Recorder:
+    """A table of one action whose entry points record what they were given."""
+
+    def __init__(self, result: Result | Exception) -> None:
+        self.result = result
+        self.calls: list[tuple[str, object]] = []
+
+    def table(self, names):
+        def parse(argv):
+            return sa.parse_options("ls", LsCommand(), argv)
+
+        def local(args):
+            self.calls.append(("local", args.job))
+            print("the command's own chatter")
+            if isinstance(self.result, Exception):
+                raise self.result
+            return self.result
+
+        def nodes(args, node_list):
+            self.calls.append(("nodes", [str(n) for n in node_list]))
+            return self.result
+
+        return {name: ActionCommand(parse, local, nodes) for name in names}
+
+
+def test_a_job_wide_answer_asks_the_hosts_it_was_given(monkeypatch):
+    recorder = Recorder(Result({"ok": 1}, 12, ["node b: refused"]))
+    monkeypatch.setattr(sa, "action_commands", recorder.table)
+    answer = sa.answer("ls", ["ls", "--job", "j", "--hosts", "node-a,node-b:9000"], job_wide=True)
+    assert recorder.calls == [("nodes", ["node-a:8787", "node-b:9000"])]
+    assert answer == {"result": {"ok": 1}, "exit_code": 12, "messages": ["node b: refused"], "error": None}
+
+
+def test_a_job_wide_answer_without_hosts_asks_no_node(monkeypatch):
+    recorder = Recorder(Result({}))
+    monkeypatch.setattr(sa, "action_commands", recorder.table)
+    sa.answer("ls", ["ls", "--job", "j"], job_wide=True)
+    assert recorder.calls == [("nodes", [])]
+
+
+def test_a_dynprof_error_of_the_command_is_the_answers_error(monkeypatch):
+    recorder = Recorder(errors.NoAgent("no agent of job 'j'", help="attach one"))
+    monkeypatch.setattr(sa, "action_commands", recorder.table)
+    answer = sa.answer("ls", ["ls", "--job", "j"], job_wide=False)
+    assert answer == {
+        "result": None,
+        "exit_code": 5,
+        "messages": [],
+        "error": {"type": "NoAgent", "message": "no agent of job 'j'", "help": "attach one", "exit_code": 5},
+    }
+
+
+# -- the child's request ------------------------------------------------------------------------------
+def test_a_request_is_read_as_it_was_written():
+    doc = {"action": "memory-plan", "argv": ["memory", "plan", "--job=j"], "job_wide": True}
+    assert sa.read_request(json.dumps(doc)) == doc
+    assert sa.read_request(json.dumps({"action": "ls", "argv": ["ls"]}))["job_wide"] is False
+
+
+@pytest.mark.parametrize("job_wide", ["true", 1, "yes", None, [True]])
+def test_only_true_is_job_wide(job_wide):
+    request = sa.read_request(json.dumps({"action": "ls", "argv": ["ls"], "job_wide": job_wide}))
+    assert request["job_wide"] is False
+
+
+@pytest.mark.parametrize(
+    ("text", "said"),
+    [
+        ("x" * (sa.MAX_REQUEST_CHARS + 1), "over 1 MiB"),
+        ('["ls"]', "no known action"),
+        ('{"action": "rm", "argv": ["rm"]}', "no known action"),
+        ('{"action": "ls"}', "argv is not a list of strings"),
+        ('{"action": "ls", "argv": []}', "argv is not a list of strings"),
+        ('{"action": "ls", "argv": "ls"}', "argv is not a list of strings"),
+        ('{"action": "ls", "argv": ["ls", 3]}', "argv is not a list of strings"),
+        ('{"action": "ls", "argv": ["ps", "--all"]}', "argv is not the action's command"),
+        ('{"action": "memory-plan", "argv": ["plan"]}', "argv is not the action's command"),
+    ],
+)
+def test_a_malformed_request_is_refused_with_why(text, said):
+    with pytest.raises(ValueError) as info:
+        sa.read_request(text)
+    assert str(info.value) == said
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=TypeError,
+    reason="read_request looks an unhashable action up in ACTIONS: a TypeError (a traceback), not the "
+    "ValueError its caller turns into a message",
+)
+@pytest.mark.parametrize("action", [{"ls": 1}, ["ls"]])
+def test_an_unhashable_action_is_refused_with_why(action):
+    with pytest.raises(ValueError) as info:
+        sa.read_request(json.dumps({"action": action, "argv": ["ls"]}))
+    assert str(info.value) == "no known action"
+
+
+@pytest.mark.parametrize("text", ["", "{", "nul\x00", '{"action": "ls", "argv": ["ls"]} trailing'])
+def test_text_that_is_not_json_is_a_value_error(text):
+    with pytest.raises(ValueError):
+        sa.read_request(text)
+
+
+# -- the child ------------------------------------------------------------------------------------------
+def _child(monkeypatch, capsys, text: str) -> tuple[int, str, str]:
+    monkeypatch.setattr(sys, "stdin", io.StringIO(text))
+    code = sa.main()
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_the_child_writes_one_json_answer_and_the_commands_prints_go_to_stderr(monkeypatch, capsys):
+    recorder = Recorder(Result({"artifacts": ["a\x1b"]}, 0, ["warning"]))
+    monkeypatch.setattr(sa, "action_commands", recorder.table)
+    code, out, err = _child(monkeypatch, capsys, json.dumps({"action": "ls", "argv": ["ls", "--job=j7"]}))
+    assert code == 0
+    assert json.loads(out) == {
+        "result": {"artifacts": ["a\x1b"]},
+        "exit_code": 0,
+        "messages": ["warning"],
+        "error": None,
+    }
+    assert "the command's own chatter" in err and "chatter" not in out
+    assert recorder.calls == [("local", "j7")]
+    assert sys.stdout is not sys.stderr  # put back
+
+
+def test_the_child_answers_a_real_command(monkeypatch, capsys, dynprof_dirs):
+    code, out, _ = _child(monkeypatch, capsys, json.dumps({"action": "ls", "argv": ["ls", "--job=j"]}))
+    assert code == 0 and json.loads(out)["result"]["artifacts"] == []
+
+
+def test_a_bad_request_ends_the_child_with_2_and_a_line(monkeypatch, capsys):
+    code, out, err = _child(monkeypatch, capsys, '{"action": "rm -rf", "argv": ["rm"]}')
+    assert (code, out) == (2, "")
+    assert err == "dynprof: bad action request: no known action\n"
+
+
+def test_an_answer_over_the_bound_is_refused_as_an_error(monkeypatch, capsys):
+    # GIVEN a command whose answer is 4 MiB, over a bound of 3 MiB
+    recorder = Recorder(Result({"big": "x" * (4 << 20)}))
+    monkeypatch.setattr(sa, "action_commands", recorder.table)
+    monkeypatch.setattr(sa, "MAX_OUTPUT_BYTES", 3 << 20)
+    code, out, _ = _child(monkeypatch, capsys, json.dumps({"action": "ls", "argv": ["ls"]}))
+    doc = json.loads(out)
+    assert code == 0 and doc["result"] is None and doc["exit_code"] == 1
+    assert doc["error"]["message"] == "the answer of ls is over 3 MiB: refused"
+    assert "--job" in doc["error"]["help"]
+
+
+def test_an_answer_is_strict_json_even_of_odd_values(monkeypatch, capsys):
+    recorder = Recorder(Result({"nan": float("nan"), "set": {1}}))
+    monkeypatch.setattr(sa, "action_commands", recorder.table)
+    code, out, _ = _child(monkeypatch, capsys, json.dumps({"action": "ls", "argv": ["ls"]}))
+    assert code == 0
+    doc = json.loads(out, parse_constant=lambda name: pytest.fail(f"non-standard JSON constant {name}"))
+    assert doc["error"] is None and doc["result"]["nan"] is None

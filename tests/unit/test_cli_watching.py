@@ -1,0 +1,582 @@
+"""dynprof.cli._watching: the watch as `dynprof watch` and `dynprof serve --watch` run it. Its
+options and the engine's configuration they make, what the printer says of verdicts, samples and
+rounds (text, JSON lines, the --on-verdict hook), this node's source (each read through its
+kind's own entry point, replaced here), the sidecars' source, and the hosted watch's checks and
+start (with the engine replaced: no thread is left polling)."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import sys
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from collectors.stacks import Frame, ProcessStacks, Stacks, ThreadStack
+from dynprof import errors
+from dynprof.cli import _watching
+from dynprof.nodes import Node, NodeAnswer
+from dynprof.watch import straggler
+from dynprof.watch.detect import Stall
+from dynprof.watch.engine import Tick
+from dynprof.watch.hook import HookResult
+from dynprof.watch.model import Culprit, StragglerReport, Verdict
+from dynprof.watch.sources import FLIGHT_RECORDER_OFF, SidecarSource
+
+ESC = "\x1b[2J"
+
+
+def _parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="w")
+    parser.add_argument("--job")
+    _watching.add_watch_options(parser)
+    return parser.parse_args(list(argv))
+
+
+def _serve_args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="s")
+    _watching.add_serve_watch_args(parser)
+    parser.add_argument("--cacert")
+    return parser.parse_args(list(argv))
+
+
+def _verdict(kind: str = "hang", job: str = "j") -> Verdict:
+    return Verdict(
+        kind=kind,
+        job=job,
+        conclusion="rank 1 stopped",
+        detected_at=1.0,
+        decided_at=2.0,
+        culprits=[Culprit(rank=1, host="node-b", where="step (t.py:3)", why="stopped (SIGSTOP)")],
+    )
+
+
+# -- options ---------------------------------------------------------------------------------------
+def test_the_defaults_make_the_engines_configuration():
+    config = _watching.config_of(_parse("--job", "j"))
+    assert config.job == "j" and config.interval_s == 5.0 and config.look_interval_s == 3.0
+    assert config.stall_after_s is None and config.confirm_s is None
+    assert config.healthcheck is True and config.save is True and config.gpu_coredump is False
+    assert config.sample_every_s == straggler.SAMPLE_EVERY_S
+
+
+def test_every_option_reaches_the_configuration():
+    args = _parse(
+        "--job",
+        "j",
+        "--interval",
+        "2",
+        "--stall-after",
+        "90",
+        "--look-interval",
+        "1.5",
+        "--confirm-after",
+        "40",
+        "--sample-every",
+        "120",
+        "--no-healthcheck",
+        "--no-save",
+        "--gpu-coredump",
+    )
+    config = _watching.config_of(args)
+    assert (config.interval_s, config.stall_after_s, config.look_interval_s, config.confirm_s) == (2.0, 90.0, 1.5, 40.0)
+    assert config.sample_every_s == 120.0
+    assert config.healthcheck is False and config.save is False and config.gpu_coredump is True
+    assert args.on_verdict_timeout == 30.0 and args.on_verdict is None
+
+
+def test_a_namespace_without_gpu_coredump_does_not_dump():
+    args = _parse("--job", "j", "--gpu-coredump")
+    del args.gpu_coredump
+    assert _watching.config_of(args).gpu_coredump is False
+
+
+def test_sample_every_zero_is_never():
+    assert _watching.sample_every_of(argparse.Namespace(sample_every=0.0)) is None
+    assert _watching.sample_every_of(argparse.Namespace(sample_every=None)) == straggler.SAMPLE_EVERY_S
+    assert _watching.sample_every_of(argparse.Namespace()) == straggler.SAMPLE_EVERY_S
+    assert _watching.sample_every_of(argparse.Namespace(sample_every=30.0)) == 30.0
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="--sample-every's help says '0: never', but nonnegative_seconds refuses 0 (parse_float's low bound is open)",
+)
+def test_sample_every_zero_is_accepted_by_the_parser():
+    assert _parse("--job", "j", "--sample-every", "0").sample_every == 0.0
+
+
+@pytest.mark.parametrize("text", ["-1", "604801", "nan", "inf", "soon"])
+def test_nonnegative_seconds_refuses_what_is_not_a_time(text):
+    with pytest.raises(argparse.ArgumentTypeError):
+        _watching.nonnegative_seconds(text)
+
+
+def test_nonnegative_seconds_takes_a_week_at_most():
+    assert _watching.nonnegative_seconds("604800") == 604800.0
+    assert _watching.nonnegative_seconds("0.25") == 0.25
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--interval", "0"],
+        ["--interval", "nan"],
+        ["--stall-after", "-5"],
+        ["--look-interval", "x"],
+        ["--on-verdict-timeout", "inf"],
+        ["--sample-every", "-1"],
+    ],
+)
+def test_bad_times_are_usage_errors(argv, capsys):
+    with pytest.raises(SystemExit) as info:
+        _parse("--job", "j", *argv)
+    assert info.value.code == 2
+    assert argv[0] in capsys.readouterr().err
+
+
+# -- the printer -------------------------------------------------------------------------------------
+def test_a_verdict_as_text_is_the_rendering_with_its_artifact():
+    out = io.StringIO()
+    printer = _watching.VerdictPrinter(False, None, 30.0, out=out)
+    printer.verdict(_verdict(), "/store/w/1")
+    text = out.getvalue()
+    assert text.startswith("HANG job j: rank 1 stopped\n")
+    assert "culprit rank 1 on node-b: step (t.py:3): stopped (SIGSTOP)" in text
+    assert text.endswith("\nartifact /store/w/1\n")
+    assert printer.hangs == 1
+
+
+def test_a_verdict_as_json_is_one_event_line():
+    out = io.StringIO()
+    printer = _watching.VerdictPrinter(True, None, 30.0, out=out)
+    printer.verdict(_verdict(kind="straggler"), None)
+    [line] = out.getvalue().splitlines()
+    doc = json.loads(line)
+    assert doc["schema"] == "dynprof.watch.event" and doc["schema_version"] == 1 and doc["event"] == "verdict"
+    assert doc["verdict"]["kind"] == "straggler" and doc["artifact"] is None and doc["hook"] is None
+    assert printer.hangs == 0  # only hangs count
+
+
+def test_the_printer_writes_to_stdout_by_default(capsys):
+    _watching.VerdictPrinter(False, None, 30.0).verdict(_verdict(), None)
+    assert capsys.readouterr().out.startswith("HANG job j")
+
+
+def test_the_verdict_text_escapes_what_the_nodes_said():
+    text = _watching.render_verdict(_verdict(job=f"j{ESC}\nx"), f"/store/{ESC}")
+    assert "\x1b" not in text and "\\x1b[2J" in text
+    assert text.splitlines()[0] == "HANG job j\\x1b[2J\\nx: rank 1 stopped"
+    assert text.splitlines()[-1] == "artifact /store/\\x1b[2J"
+
+
+@pytest.fixture
+def hooks(monkeypatch):
+    calls = []
+    answer = {"result": HookResult(True, 0, "ran")}
+
+    def run_hook(command, verdict, path, timeout):
+        calls.append((command, verdict.kind, path, timeout))
+        return answer["result"]
+
+    monkeypatch.setattr("dynprof.watch.hook.run_hook", run_hook)
+    return SimpleNamespace(calls=calls, answer=answer)
+
+
+def test_the_hook_runs_on_each_verdict_and_its_answer_is_in_the_event(hooks):
+    out = io.StringIO()
+    printer = _watching.VerdictPrinter(True, "notify.sh", 12.0, out=out)
+    printer.verdict(_verdict(), "/store/w/1")
+    assert hooks.calls == [("notify.sh", "hang", "/store/w/1", 12.0)]
+    assert json.loads(out.getvalue())["hook"] == {"ok": True, "exit_code": 0, "message": "ran"}
+
+
+def test_an_ok_verdict_without_an_artifact_runs_no_hook(hooks):
+    out = io.StringIO()
+    printer = _watching.VerdictPrinter(True, "notify.sh", 12.0, out=out)
+    printer.verdict(_verdict(kind="ok"), None)
+    assert hooks.calls == []
+    printer.verdict(_verdict(kind="ok"), "/store/w/2")  # one saved: the hook hears of it
+    assert [c[2] for c in hooks.calls] == ["/store/w/2"]
+
+
+def test_a_failed_hook_is_a_warning_never_fatal(hooks, capsys):
+    hooks.answer["result"] = HookResult(False, 3, f"--on-verdict exited 3: {ESC}")
+    out = io.StringIO()
+    _watching.VerdictPrinter(False, "notify.sh", 12.0, out=out).verdict(_verdict(), None)
+    err = capsys.readouterr().err
+    assert err == "dynprof: warning: --on-verdict exited 3: \\x1b[2J\n"
+    assert out.getvalue().startswith("HANG job j")
+
+
+def _report(**kw) -> StragglerReport:
+    return StragglerReport(sampled_at=5.0, steps=2, **kw)
+
+
+def test_a_sample_is_a_line_on_stderr_and_with_json_an_event(capsys):
+    out = io.StringIO()
+    _watching.VerdictPrinter(True, None, 30.0, out=out).sample(_report(at_step=40, check="no straggler: spread 2 %"))
+    doc = json.loads(out.getvalue())
+    assert doc["event"] == "straggler_sample" and doc["sample"]["at_step"] == 40 and doc["sample"]["steps"] == 2
+    assert capsys.readouterr().err == "dynprof: watch: straggler sample at step 40: none (spread 2 %)\n"
+
+
+def test_a_sample_as_text_is_only_the_line(capsys):
+    out = io.StringIO()
+    _watching.VerdictPrinter(False, None, 30.0, out=out).sample(_report(note=f"one rank {ESC}"))
+    assert out.getvalue() == ""
+    assert capsys.readouterr().err == "dynprof: watch: straggler sample: nothing decided (one rank \\x1b[2J)\n"
+
+
+def _stall(stalled=False, age=12.34, last_step=41, after=60.0) -> Stall:
+    return Stall(stalled=stalled, age_s=age, stall_after_s=after, first_step=False, last_step=last_step, ranks=2)
+
+
+def test_a_round_says_its_state_on_stderr(capsys):
+    printer = _watching.VerdictPrinter(False, None, 30.0, out=io.StringIO())
+    printer.tick(Tick(ranks=2, nodes_unanswered={}, stall=_stall()))
+    printer.tick(Tick(ranks=2, nodes_unanswered={}, stall=_stall(stalled=True, age=None), confirm_in_s=14.6))
+    assert capsys.readouterr().err.splitlines() == [
+        "dynprof: watch: ok: 2 rank(s), last step 41 12.3 s ago (stall after 60 s)",
+        "dynprof: watch: STALLED: 2 rank(s), last step 41 never (stall after 60 s); a hang to be confirmed, "
+        "looking again in 15 s",
+    ]
+
+
+def test_nodes_that_did_not_answer_are_named_sorted_and_escaped(capsys):
+    printer = _watching.VerdictPrinter(False, None, 30.0, out=io.StringIO())
+    printer.tick(Tick(ranks=1, nodes_unanswered={"z:1": "refused", f"a{ESC}": "timed out"}, stall=None))
+    assert capsys.readouterr().err.splitlines() == ["dynprof: node a\\x1b[2J: timed out", "dynprof: node z:1: refused"]
+
+
+def test_waiting_for_ranks_is_said_once(capsys):
+    printer = _watching.VerdictPrinter(False, None, 30.0, out=io.StringIO())
+    for _ in range(3):
+        printer.tick(Tick(ranks=0, nodes_unanswered={}, stall=None, note="no rank of job j"))
+    assert capsys.readouterr().err == "dynprof: watch: no rank of job j yet (waiting for ranks with an agent)\n"
+
+
+def test_an_ended_round_says_why_and_nothing_else(capsys):
+    printer = _watching.VerdictPrinter(False, None, 30.0, out=io.StringIO())
+    printer.tick(Tick(ranks=2, nodes_unanswered={}, stall=_stall(), ended=True, note="every rank exited"))
+    assert capsys.readouterr().err == "dynprof: watch: every rank exited; stopping\n"
+
+
+def test_the_printer_keeps_the_last_two_rounds():
+    printer = _watching.VerdictPrinter(False, None, 30.0, out=io.StringIO())
+    ticks = [Tick(ranks=1, nodes_unanswered={}, stall=None) for _ in range(4)]
+    for tick in ticks:
+        printer.tick(tick)
+    assert printer.ticks == ticks[-2:]
+
+
+# -- this node's source ------------------------------------------------------------------------------
+def test_the_local_source_is_this_node():
+    source = _watching.LocalSource(host="node-x", stacks_timeout=4.0)
+    assert source.nodes() == ["node-x"] and source.stacks_timeout == 4.0
+    assert _watching.LocalSource().host  # detected (or the hostname): never empty
+
+
+def test_the_local_progress_reads_this_nodes_agents_now():
+    [read] = _watching.LocalSource(host="node-x").progress("no-such-job")
+    assert read.node == "node-x" and read.error is None
+    assert read.progress.host == "node-x" and read.progress.ranks == []
+
+
+def _process(pid: int, function: str, native: bool = False) -> ProcessStacks:
+    frames = [Frame(function=function, file="/t.py", line=3)]
+    return ProcessStacks(
+        pid=pid, method="py-spy", native=native, threads=[ThreadStack(tid=pid, main=True, frames=frames)]
+    )
+
+
+def test_the_local_stacks_are_read_plain_then_natively_for_the_asked_pids(monkeypatch):
+    requests = []
+
+    def collect(request):
+        requests.append(request)
+        if request.native:
+            return SimpleNamespace(stacks=Stacks([_process(pid, "cudaSync", native=True) for pid in request.pids]))
+        return SimpleNamespace(stacks=Stacks([_process(10, "step"), _process(11, "step")]))
+
+    monkeypatch.setattr("collectors.stacks.collect.collect", collect)
+    read = _watching.LocalSource(host="h", stacks_timeout=7.0).stacks("j", {"h": [11], "other": [99]})
+    plain, native = requests
+    assert (plain.job, plain.save, plain.timeout, plain.native) == ("j", False, 7.0, False)
+    assert (native.pids, native.native, native.save) == ((11,), True, False)
+    by_pid = {p.pid: p for p in read.stacks.processes}
+    assert set(by_pid) == {10, 11} and by_pid[11].native and not by_pid[10].native
+    assert read.failures == {}
+
+
+def test_local_stacks_that_fail_are_named_by_node(monkeypatch):
+    def collect(request):
+        raise errors.NoAgent(f"no agent {ESC}")
+
+    monkeypatch.setattr("collectors.stacks.collect.collect", collect)
+    read = _watching.LocalSource(host="h").stacks("j", {})
+    assert read.stacks.processes == [] and read.failures == {"node h": f"no agent {ESC}"}
+
+
+@pytest.mark.parametrize(
+    ("outcome", "expected"),
+    [
+        (errors.Unsupported("recorder off"), (None, FLIGHT_RECORDER_OFF)),
+        (errors.Timeout("x" * 3000), (None, "x" * 1000)),
+        (SimpleNamespace(analysis={"verdict": "rank 3 behind"}), ({"verdict": "rank 3 behind"}, None)),
+    ],
+)
+def test_the_local_flight_recorder(monkeypatch, outcome, expected):
+    asked = []
+
+    def collect(request):
+        asked.append(request)
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    monkeypatch.setattr("collectors.flight_recorder.collect.collect", collect)
+    assert _watching.LocalSource(host="h").flight_recorder("j") == expected
+    assert asked[0].job == "j" and asked[0].timeout == _watching.FLIGHT_RECORDER_TIMEOUT_S
+
+
+def _take(answer):
+    def take(pid, timeout=60.0):
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    return take
+
+
+def test_a_gpu_coredump_names_the_running_kernels(monkeypatch):
+    running = [f"k{i}" for i in range(20)]
+    got = {"artifact": "/store/gc", "dump_s": 1.5, "dump": {"running": running}}
+    monkeypatch.setattr("collectors.gpu_coredump.take", _take(got))
+    said = _watching.LocalSource(host="h").gpu_coredump("h", 5)
+    assert said["kernel"] == "running k0; k1; k2 and 17 more"
+    assert said["coredump"] == {"artifact": "/store/gc", "dump_s": 1.5, "running": running[:16]}
+
+
+def test_a_gpu_coredump_with_nothing_running_says_so(monkeypatch):
+    monkeypatch.setattr(
+        "collectors.gpu_coredump.take", _take({"artifact": "/a", "dump_s": 1.0, "dump": {"running": []}})
+    )
+    said = _watching.LocalSource(host="h").gpu_coredump("h", 5)
+    assert said["kernel"] == "no kernel was running on its GPU when it was dumped" and said["coredump"]["running"] == []
+
+
+def test_a_gpu_coredump_that_cannot_be_taken_or_read_names_no_kernel(monkeypatch):
+    from collectors.gpu_coredump import TriggerError
+
+    monkeypatch.setattr("collectors.gpu_coredump.take", _take(TriggerError("not started with --gpu-coredump")))
+    assert _watching.LocalSource(host="h").gpu_coredump("h", 5) == {
+        "kernel": "not named: not started with --gpu-coredump"
+    }
+    monkeypatch.setattr("collectors.gpu_coredump.take", _take({"artifact": "/a", "dump": None, "error": "truncated"}))
+    assert _watching.LocalSource(host="h").gpu_coredump("h", 5) == {
+        "kernel": "not named: the dump (/a) cannot be read: truncated"
+    }
+
+
+def test_the_local_healthcheck_is_quick_and_its_failure_could_not_run(monkeypatch):
+    asked = []
+
+    def collect(request):
+        asked.append(request)
+        if request.job == "bad":
+            raise errors.Unsupported("no NVML " + "y" * 2000)
+        return "report"
+
+    monkeypatch.setattr("healthcheck.collect.collect", collect)
+    monkeypatch.setattr("dynprof.watch.evidence.report_summary", lambda report: {"verdict": "healthy", "of": report})
+    source = _watching.LocalSource(host="h")
+    assert source.healthcheck(["h"], job="") == {"h": {"verdict": "healthy", "of": "report"}}
+    assert (asked[0].level, asked[0].job, asked[0].timeout) == ("quick", None, _watching.HEALTHCHECK_TIMEOUT_S)
+    failed = source.healthcheck(["h"], job="bad")["h"]
+    assert failed["verdict"] == "could not run" and failed["problems"] == []
+    assert failed["error"].startswith("no NVML") and len(failed["error"]) == 1000
+
+
+def test_the_local_straggler_sample_is_the_trace_kinds_own_start(monkeypatch):
+    hooked = {}
+    monkeypatch.setattr(
+        straggler, "local_straggler_hook", lambda host, trace: hooked.update(host=host, trace=trace) or "hook"
+    )
+    asked = []
+    monkeypatch.setattr(
+        "collectors.torch_trace.collect.collect",
+        lambda request: asked.append(request) or SimpleNamespace(doc={"ok": 1}),
+    )
+    assert _watching.local_straggler_of(_watching.LocalSource(host="node-x")) == "hook"
+    assert hooked["host"] == "node-x"
+    assert hooked["trace"]("j", 3, 5.0) == {"ok": 1}
+    hooked["trace"]("j", 2, 9999.0)
+    short, long = asked
+    assert (short.job, short.steps, short.with_stack, short.timeout, short.max_duration) == ("j", 3, True, 5.0, 10.0)
+    assert long.max_duration == straggler.MAX_TRACE_DURATION_S and long.timeout == 9999.0
+
+
+def test_the_sidecars_straggler_sample_uses_the_sources_client_and_nodes(monkeypatch):
+    monkeypatch.setattr(straggler, "straggler_hook", lambda client, nodes: (client, nodes))
+    source = SimpleNamespace(client="client", node_list=["a", "b"])
+    assert _watching.straggler_of(source) == ("client", ["a", "b"])
+
+
+# -- the sidecars' source ----------------------------------------------------------------------------
+@pytest.fixture
+def node_args(tmp_path):
+    token = tmp_path / "token"
+    token.write_text("t" * 32 + "\n")
+    token.chmod(0o600)
+    return argparse.Namespace(token_file=str(token), cacert=None, node_timeout=10.0, max_in_flight=8)
+
+
+def test_the_node_source_shares_the_clients_total_among_the_polls(node_args):
+    nodes = [Node("a", 8787), Node("b", 8787), Node("c", 8787)]
+    source = _watching.node_source(node_args, nodes)
+    assert isinstance(source, SidecarSource)
+    assert source.client.shared_by == 6 and source.node_list == nodes
+    assert source.client.token == "t" * 32 and source.client.timeout == 10.0
+
+
+def test_the_node_source_needs_the_sidecars_token(node_args, monkeypatch):
+    monkeypatch.delenv("DYNPROF_TOKEN_FILE", raising=False)
+    node_args.token_file = None
+    with pytest.raises(errors.UsageError):
+        _watching.node_source(node_args, [Node("a", 8787)])
+
+
+@pytest.mark.parametrize(
+    ("got", "expected"),
+    [
+        (SimpleNamespace(recorder_off=True, analysis=None, answers=[]), (None, FLIGHT_RECORDER_OFF)),
+        (SimpleNamespace(recorder_off=False, analysis=[{"pg": 0}], answers=[]), ([{"pg": 0}], None)),
+        (
+            SimpleNamespace(recorder_off=False, analysis=None, answers=[]),
+            (None, "no flight recorder dump (is it on?)"),
+        ),
+        (
+            SimpleNamespace(
+                recorder_off=False,
+                analysis=None,
+                answers=[NodeAnswer(Node("a", 8787), False, error=f"refused {ESC}")],
+            ),
+            (None, "node a:8787: refused \\x1b[2J"),
+        ),
+    ],
+)
+def test_the_node_sources_flight_recorder_is_nccls_job_wide_read(node_args, monkeypatch, got, expected):
+    asked = []
+
+    def collect_nodes(client, nodes, request):
+        asked.append((client, nodes, request))
+        return got
+
+    monkeypatch.setattr("dynprof.job.nccl.collect_nodes", collect_nodes)
+    nodes = [Node("a", 8787)]
+    source = _watching.node_source(node_args, nodes)
+    assert source._flight_recorder("j") == expected
+    [(client, asked_nodes, request)] = asked
+    # a client of its own, not the polls' shared one
+    assert client is not source.client and client.shared_by != source.client.shared_by
+    assert asked_nodes == nodes and request.job == "j" and request.timeout == _watching.FLIGHT_RECORDER_TIMEOUT_S
+
+
+# -- serve --watch ---------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["--job", "j"], "--job goes with --watch"),
+        (["--watch"], "--watch needs --job JOB"),
+        (["--watch", "--job", "j" * 201], "--job takes at most 200 characters"),
+    ],
+)
+def test_the_hosted_watchs_options_are_checked(argv, said):
+    with pytest.raises(errors.UsageError) as info:
+        _watching.check_hosted_watch(_serve_args(*argv))
+    assert info.value.message == said
+
+
+def test_options_that_make_sense_pass_the_check():
+    _watching.check_hosted_watch(_serve_args())
+    _watching.check_hosted_watch(_serve_args("--watch", "--job", "j" * 200))
+    _watching.check_hosted_watch(argparse.Namespace())  # a serve without the watch's options at all
+
+
+def test_no_watch_starts_nothing():
+    assert _watching.start_hosted_watch(_serve_args(), "t" * 32) is None
+
+
+class FakeEngine:
+    made: list[FakeEngine] = []
+
+    def __init__(self, config, source, on_verdict, straggler, on_sample) -> None:
+        self.config, self.source, self.on_verdict, self.straggler, self.on_sample = (
+            config,
+            source,
+            on_verdict,
+            straggler,
+            on_sample,
+        )
+        self.runs = 0
+        self.done = threading.Event()
+        FakeEngine.made.append(self)
+
+    def run(self) -> None:
+        self.runs += 1
+        if self.runs == 1:
+            raise RuntimeError(f"bug {ESC}")  # a bug in a round
+        self.done.set()
+
+
+@pytest.fixture
+def fake_engine(monkeypatch):
+    FakeEngine.made = []
+    monkeypatch.setattr("dynprof.watch.engine.WatchEngine", FakeEngine)
+    return FakeEngine
+
+
+def _wait(event: threading.Event) -> None:
+    deadline = time.monotonic() + 30
+    while not event.is_set() and time.monotonic() < deadline:
+        event.wait(0.05)
+    assert event.is_set(), "the watch thread did not run again"
+
+
+def test_the_hosted_watch_on_this_node_runs_on_and_survives_a_failed_round(fake_engine, capsys):
+    args = _serve_args("--watch", "--job", f"j{ESC}", "--interval", "0.01", "--on-verdict", "n.sh")
+    engine = _watching.start_hosted_watch(args, "t" * 32)
+    assert engine is fake_engine.made[0]
+    _wait(engine.done)
+    assert engine.runs == 2
+    assert isinstance(engine.source, _watching.LocalSource)
+    assert engine.config.job == f"j{ESC}" and engine.config.interval_s == 0.01
+    printer = engine.on_verdict.__self__
+    assert printer.as_json is False and printer.hook == "n.sh" and printer.out is sys.stderr
+    err = capsys.readouterr().err
+    assert "dynprof: watching job j\\x1b[2J" in err
+    assert "dynprof: watch: a round failed: RuntimeError: bug \\x1b[2J" in err
+
+
+def test_the_hosted_watch_over_nodes_reads_their_sidecars_with_this_token(fake_engine, capsys):
+    token = "s" * 32
+    engine = _watching.start_hosted_watch(
+        _serve_args("--watch", "--job", "j", "--hosts", "node-a,node-b:9000", "--interval", "0.01"), token
+    )
+    _wait(engine.done)
+    source = engine.source
+    assert isinstance(source, SidecarSource)
+    assert [str(n) for n in source.node_list] == ["node-a:8787", "node-b:9000"]
+    assert source.client.shared_by == 4 and source.client.token == token and source.client.tls is None
+    assert engine.straggler is not None and engine.on_sample == engine.on_verdict.__self__.sample
+
+
+def test_the_hosted_watch_checks_its_options_before_starting(fake_engine):
+    with pytest.raises(errors.UsageError):
+        _watching.start_hosted_watch(_serve_args("--watch"), "t" * 32)
+    assert fake_engine.made == []
