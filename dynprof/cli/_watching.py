@@ -17,6 +17,7 @@ from dynprof import errors
 from dynprof.cli._common import printable, printable_lines, seconds
 from dynprof.job.discovery import add_node_args
 from dynprof.nodes import Node
+from dynprof.watch.signals import all_signals, sample_event
 
 # Each rank's dump: a rank whose agent does not answer (stopped, holding the GIL) is given up on
 # after this, and the others' dumps say what it missed.
@@ -64,15 +65,8 @@ def add_watch_options(parser: argparse.ArgumentParser | Any) -> None:
         metavar="SEC",
         help="kill --on-verdict CMD past SEC (default 30)",
     )
-    parser.add_argument(
-        "--sample-every",
-        type=nonnegative_seconds,
-        default=None,
-        metavar="SEC",
-        help="every SEC take an aligned trace of a couple of steps on every rank (through the sidecars, or this "
-        "node's agents without node options) and run analyze's straggler rule (default 600: about 0.1 %% of "
-        "training time, docs/watch-stragglers.md; 0: never)",
-    )
+    for signal in all_signals():  # each sampled signal's interval (the straggler's --sample-every)
+        parser.add_argument(signal.flag, type=nonnegative_seconds, default=None, metavar="SEC", help=signal.help)
     parser.add_argument(
         "--no-healthcheck", action="store_true", help="do not run the involved nodes' quick healthcheck on a hang"
     )
@@ -96,7 +90,6 @@ def config_of(args: argparse.Namespace) -> Any:
         confirm_s=args.confirm_after,
         healthcheck=not args.no_healthcheck,
         save=not args.no_save,
-        sample_every_s=sample_every_of(args),
         gpu_coredump=bool(getattr(args, "gpu_coredump", False)),
     )
 
@@ -107,40 +100,21 @@ def nonnegative_seconds(text: str) -> float:
     return parse_float(text, 0.0, 7 * 86400.0, what="seconds (0 <= SEC <= 604800)")
 
 
-def sample_every_of(args: argparse.Namespace) -> float | None:
-    """The straggler sample's interval (through the sidecars, or this node's agents without node
-    options); 0: never."""
-    from dynprof.watch.straggler import SAMPLE_EVERY_S
-
-    every = getattr(args, "sample_every", None)
-    if every is None:
-        return SAMPLE_EVERY_S
-    return every or None
+def every_of(args: argparse.Namespace) -> dict[str, float | None]:
+    """Each sampled signal's interval, by its name: its option's, else its default; 0: never."""
+    every: dict[str, float | None] = {}
+    for signal in all_signals():
+        given = getattr(args, signal.dest, None)
+        every[signal.name] = signal.every_s if given is None else (given or None)
+    return every
 
 
-def local_straggler_of(source: Any) -> Any:
-    """The engine's straggler hook over this node's agents (a :class:`LocalSource`): each sample
-    is a trace of N steps with stacks on them (the trace kind's own start, as ``dynprof start
-    --job J --steps N --with-stack`` runs it), its traces analysed in this machine's store."""
-    from dynprof.watch.straggler import MAX_TRACE_DURATION_S, local_straggler_hook
+def samplers_of(args: argparse.Namespace, source: Any) -> list[Any]:
+    """The engine's samplers over ``source`` (the nodes' sidecars, or this node's agents): every
+    signal's, at the intervals the options say."""
+    from dynprof.watch.sampler import samplers_for
 
-    def trace(job: str, steps: int, limit_s: float) -> dict[str, Any]:
-        from collectors.torch_trace.collect import TraceRequest, collect
-
-        cap = min(MAX_TRACE_DURATION_S, max(10.0, limit_s))
-        request = TraceRequest(job=job, steps=steps, with_stack=True, max_duration=cap, timeout=limit_s)
-        return collect(request).doc
-
-    return local_straggler_hook(source.host, trace)
-
-
-def straggler_of(source: Any) -> Any:
-    """The engine's straggler hook over the sidecars of ``source`` (a
-    :class:`~dynprof.watch.sources.SidecarSource`): the same node objects, client and token that
-    read the progress, so a sample goes to exactly the addresses the user named."""
-    from dynprof.watch.straggler import straggler_hook
-
-    return straggler_hook(source.client, source.node_list)
+    return samplers_for(source, every_of(args))
 
 
 # -- what the watch says ---------------------------------------------------------------------------
@@ -183,19 +157,18 @@ class VerdictPrinter:
             print(render_verdict(verdict, path), file=out, flush=True)
 
     def sample(self, report: Any) -> None:
-        """What one straggler sample found: a ``straggler_sample`` event with --json, and a line
+        """What one sample of a signal found (a :class:`~dynprof.watch.sampler.SignalReport`): an
+        event ``<signal>_sample`` with --json (the straggler's: ``straggler_sample``), and a line
         on stderr (whatever it found: a straggler, none, or why nothing was decided)."""
-        from dynprof.watch.straggler import report_json, sample_line
-
         if self.as_json:
             doc = {
                 "schema": EVENT_SCHEMA,
                 "schema_version": EVENT_VERSION,
-                "event": "straggler_sample",
-                "sample": report_json(report),
+                "event": sample_event(report.signal),
+                "sample": report.to_json(),
             }
             print(json.dumps(doc, default=str), file=self.out or sys.stdout, flush=True)
-        print(f"dynprof: watch: {printable(sample_line(report))}", file=sys.stderr, flush=True)
+        print(f"dynprof: watch: {printable(report.line())}", file=sys.stderr, flush=True)
 
     def tick(self, tick: Any) -> None:
         self.ticks.append(tick)
@@ -395,13 +368,15 @@ def start_hosted_watch(args: argparse.Namespace, token: str) -> Any:
         client = SidecarClient(token, tls=tls)
         client.shared_by = 2 * max(1, len(nodes))  # as node_source's: progress and stacks of every node
         source: Any = SidecarSource(client, nodes)
-        straggler = straggler_of(source)
     else:
         source = LocalSource()
-        straggler = local_straggler_of(source)
     printer = VerdictPrinter(False, args.on_verdict, args.on_verdict_timeout, out=sys.stderr)
     engine = WatchEngine(
-        config_of(args), source, on_verdict=printer.verdict, straggler=straggler, on_sample=printer.sample
+        config_of(args),
+        source,
+        on_verdict=printer.verdict,
+        samplers=samplers_of(args, source),
+        on_sample=printer.sample,
     )
 
     def loop() -> None:

@@ -33,9 +33,8 @@ from dynprof.cli._watching import (
     VerdictPrinter,
     add_watch_options,
     config_of,
-    local_straggler_of,
     node_source,
-    straggler_of,
+    samplers_of,
 )
 
 HELP = __doc__
@@ -72,13 +71,12 @@ class WatchCommand:
         nodes = nodes_requested(args)
         source = node_source(args, nodes) if nodes is not None else LocalSource()
         printer = VerdictPrinter(args.json, args.on_verdict, args.on_verdict_timeout)
-        straggler = straggler_of(source) if nodes is not None else local_straggler_of(source)
         engine = WatchEngine(
             config_of(args),
             source,
             on_verdict=printer.verdict,
             on_tick=printer.tick,
-            straggler=straggler,
+            samplers=samplers_of(args, source),
             on_sample=printer.sample,
         )
         timer: threading.Timer | None = None

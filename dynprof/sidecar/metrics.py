@@ -8,8 +8,9 @@ is the reference; the names are what ``scripts/deploy/dynprof-alerts.yml`` and t
 Per rank of a job on this node (labels ``job_id``, ``host``, ``rank``): steps (counter), a
 step-time histogram (10 buckets), seconds since the last step, agent up; per job: artifacts
 in the node's store by kind (counter, cached ``CAPTURE_TTL_S``), the stall time; with a hosted
-watch: stalled, straggler score, verdicts. Labels are bounded: never a pid or a command line,
-and valid text (:func:`text_label`).
+watch: stalled, each sampled signal's gauges per rank (its row of
+:data:`dynprof.watch.signals.SIGNALS`: the straggler score), verdicts. Labels are bounded: never
+a pid or a command line, and valid text (:func:`text_label`).
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from dynprof.renderers import RENDERERS
 from dynprof.safetext import valid_text
 from dynprof.sidecar.progress import STEP_BUCKETS, BookView, ProgressBook
 from dynprof.store import ArtifactStore
-from dynprof.watch.model import VERDICT_KIND, VERDICT_KINDS, WatchGauges
+from dynprof.watch.model import VERDICT_KIND, WatchGauges, verdict_kinds
+from dynprof.watch.signals import SIGNALS, all_signals
 
 # generate_latest writes the classic text format (legacy names, no UTF-8 names): version 0.0.4,
 # which every Prometheus reads (the library's "latest", 1.0.0, labels the same text with a version
@@ -40,9 +42,9 @@ CAPTURE_TTL_S = 15.0  # the store is scanned at most once in this time
 CAPTURE_KINDS = tuple(sorted({*RENDERERS, "healthcheck", VERDICT_KIND}))
 MAX_WATCH_JOBS = 256
 MAX_LABEL = 200  # characters of a label value (a job id, a host name)
-MAX_SCORES_PER_JOB = 4096
+MAX_SCORES_PER_JOB = 4096  # series of one gauge of a signal, per job
 SERIES_PER_RANK = 1 + (len(STEP_BUCKETS) + 1 + 2) + 1 + 1  # steps, histogram, since step, agent up
-SERIES_PER_RANK_WITH_WATCH = SERIES_PER_RANK + 1  # the straggler score
+SERIES_PER_RANK_WITH_WATCH = SERIES_PER_RANK + sum(len(s.gauges) for s in SIGNALS)  # the signals' gauges
 
 
 def rank_label(rank: int | None) -> str:
@@ -181,11 +183,11 @@ class SidecarCollector(Collector):
         stalled = GaugeMetricFamily(
             "dynprof_watch_stalled", "1 when no rank of the job advanced for its stall time.", labels=["job_id"]
         )
-        score = GaugeMetricFamily(
-            "dynprof_watch_straggler_score",
-            "The rank's straggler score from the watch's last sampled trace (0: not a straggler).",
-            labels=["job_id", "host", "rank"],
-        )
+        ranked = [  # each signal's gauges per rank, by their rows (the straggler's score)
+            (signal.name, gauge.name, GaugeMetricFamily(gauge.metric, gauge.help, labels=["job_id", "host", "rank"]))
+            for signal in all_signals()
+            for gauge in signal.gauges
+        ]
         verdicts = CounterMetricFamily(
             "dynprof_watch_verdicts", "Verdicts the watch wrote, by kind.", labels=["job_id", "kind"]
         )
@@ -200,17 +202,19 @@ class SidecarCollector(Collector):
             job = text_label(g.job)
             seen.add(job)
             stalled.add_metric([job], 1.0 if g.stalled else 0.0)
-            scored: set[tuple[str, str]] = set()
-            for (host, rank), value in sorted(g.straggler_scores.items())[:MAX_SCORES_PER_JOB]:
-                key = (text_label(host), text_label(rank))
-                if key not in scored:
-                    scored.add(key)
-                    score.add_metric([job, *key], float(value))
-            for kind in VERDICT_KINDS:
+            for signal, gauge, family in ranked:
+                scored: set[tuple[str, str]] = set()
+                for (host, rank), value in sorted(g.rank_values(signal, gauge).items())[:MAX_SCORES_PER_JOB]:
+                    key = (text_label(host), text_label(rank))
+                    if key not in scored:
+                        scored.add(key)
+                        family.add_metric([job, *key], float(value))
+            for kind in verdict_kinds():
                 if kind in g.verdicts:
                     verdicts.add_metric([job, kind], float(g.verdicts[kind]))
         yield stalled
-        yield score
+        for _, _, family in ranked:
+            yield family
         yield verdicts
 
 

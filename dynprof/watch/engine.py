@@ -13,6 +13,11 @@ it to ``on_verdict`` (printing, the user's hook) and does not say it again while
 lasts, unless the verdict changes (other culprits, busy becoming a hang); when progress
 resumes it says that once. It never acts on the job.
 
+Beside the polls it runs its samplers (:mod:`dynprof.watch.sampler`), each on its schedule and
+its own thread: the straggler's sampled trace is the first (:mod:`dynprof.watch.straggler`). A
+sample's gauges are kept for ``/metrics``, its verdict is published as the loop's are, and its
+report handed to ``on_sample``; the engine knows no signal by name.
+
 Where the engine reads is a :class:`~dynprof.watch.sources.WatchSource`:
 :class:`~dynprof.watch.sources.SidecarSource` (the nodes' sidecars), or one the face builds on
 this node's agents (``dynprof watch`` without nodes, ``dynprof serve --watch``); the flight
@@ -31,15 +36,19 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from collectors.stacks import ProcessStacks, Stacks
 from dynprof import errors
 from dynprof.watch import detect, gpu_side
 from dynprof.watch.conclusion import health_clause, write_verdict
 from dynprof.watch.evidence import by_process, failure_of, fr_summary, name_kernels_of, rank_row, stacks_evidence
-from dynprof.watch.model import RankProgress, StragglerReport, Verdict, WatchGauges
+from dynprof.watch.model import RankProgress, RankValues, Verdict, WatchGauges
+from dynprof.watch.sampler import Sampler, SignalReport
 from dynprof.watch.sources import WatchSource
+
+if TYPE_CHECKING:
+    from dynprof.watch.straggler import StragglerReport
 
 log = logging.getLogger("dynprof.watch")
 
@@ -47,9 +56,11 @@ DEFAULT_INTERVAL_S = 5.0
 DEFAULT_LOOK_INTERVAL_S = 3.0
 ONCE_CONFIRM_LOOKS = 2  # --once: looks again at most this many times to confirm a hang it found
 
-Straggler = Callable[[str], StragglerReport | None]
+Straggler = Callable[[str], "StragglerReport | None"]
 """``straggler(job)``: one sampled straggler check of the job, on the nodes the face built it for
-(the very node objects its source reads: the engine never hands it node labels to re-parse)."""
+(the very node objects its source reads: the engine never hands it node labels to re-parse).
+Handed to the engine as ``straggler=``, it runs as the straggler's sampler every
+``WatchConfig.sample_every_s``; the faces hand their samplers as ``samplers=``."""
 
 
 @dataclass
@@ -73,13 +84,25 @@ class WatchConfig:
     stall_after_s: float | None = None  # None: the larger of 60 s and 20x the median step time
     look_interval_s: float = DEFAULT_LOOK_INTERVAL_S
     confirm_s: float | None = None  # None: half the stall time
-    sample_every_s: float | None = None  # the straggler sample; None: never
+    sample_every_s: float | None = None  # the interval of a straggler hook handed as ``straggler=``; None: never
     healthcheck: bool = True
     save: bool = True
     moving_cpu_s: float = detect.MOVING_CPU_S
     # on a hang, dump the GPU of each culprit whose step's GPU work has not finished, to name the
     # kernel it runs (the driver's user-triggered core dump; it ends that rank's GPU work)
     gpu_coredump: bool = False
+
+
+@dataclass
+class _Scheduled:
+    """A sampler, when its last sample started, and its sample in flight."""
+
+    sampler: Sampler
+    last_at: float
+    thread: threading.Thread | None = None
+
+    def running(self) -> bool:
+        return self.thread is not None and self.thread.is_alive()
 
 
 @dataclass
@@ -110,14 +133,19 @@ class WatchEngine:
         straggler: Straggler | None = None,
         clock: Callable[[], float] = time.time,
         sleep: Callable[[float], None] | None = None,
-        on_sample: Callable[[StragglerReport], None] | None = None,
+        on_sample: Callable[[SignalReport], None] | None = None,
+        samplers: Sequence[Sampler] = (),
     ) -> None:
         self.config = config
         self.source = source
         self.on_verdict = on_verdict
         self.on_tick = on_tick
-        self.straggler = straggler
-        self.on_sample = on_sample
+        self.on_sample = on_sample  # each sample's report (a SignalReport)
+        chosen = list(samplers)
+        if straggler is not None:
+            from dynprof.watch.straggler import StragglerSampler
+
+            chosen.insert(0, StragglerSampler(straggler, config.sample_every_s, clock=clock))
         self.clock = clock
         self._stop = threading.Event()
         self._sleep = sleep or (lambda s: self._stop.wait(s) and None)
@@ -126,9 +154,9 @@ class WatchEngine:
         self.verdicts: list[Verdict] = []
         self.counts: dict[str, int] = {}
         self.stalled = False
-        self.straggler_scores: dict[tuple[str, int], float] = {}
-        self._last_sample = clock()
-        self._sample_thread: threading.Thread | None = None
+        # each sampler's gauges from its last sample: name -> gauge -> (host, rank) -> value
+        self.signal_gauges: dict[str, dict[str, RankValues]] = {}
+        self._scheduled = [_Scheduled(sampler, clock()) for sampler in chosen]
         self._lock = threading.Lock()
         self._gpu_dumps: dict[tuple[str, int], dict[str, Any]] = {}  # (node, pid) -> what its dump named
 
@@ -159,16 +187,22 @@ class WatchEngine:
             self.wait_for_sample()
         return self.verdicts
 
+    @property
+    def samplers(self) -> list[Sampler]:
+        """The samplers this engine runs, each on its schedule."""
+        return [s.sampler for s in self._scheduled]
+
     def sampling(self) -> bool:
-        """Whether a straggler sample is in flight (it runs beside the progress polls)."""
-        thread = self._sample_thread
-        return thread is not None and thread.is_alive()
+        """Whether a sample is in flight (samples run beside the progress polls)."""
+        return any(s.running() for s in self._scheduled)
 
     def wait_for_sample(self, timeout: float | None = None) -> bool:
-        """Wait for the sample in flight, if any; whether none is left in flight."""
-        thread = self._sample_thread
-        if thread is not None:
-            thread.join(timeout)
+        """Wait for the samples in flight, if any; whether none is left in flight."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for s in self._scheduled:
+            thread = s.thread
+            if thread is not None:
+                thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
         return not self.sampling()
 
     def gauges(self) -> list[WatchGauges]:
@@ -178,8 +212,8 @@ class WatchEngine:
                 WatchGauges(
                     job=self.config.job,
                     stalled=self.stalled,
-                    straggler_scores=dict(self.straggler_scores),
                     verdicts=dict(self.counts),
+                    signals=self.signal_gauges,
                 )
             ]
 
@@ -233,7 +267,7 @@ class WatchEngine:
         if not rows:
             note = "no rank of the job on any node that answered"
             return Tick(0, failed, None, note=note)
-        self._maybe_sample_straggler(now)
+        self._maybe_sample(now)
         stall = detect.check_stall([r for _, r in rows], self.config.stall_after_s)
         if not stall.stalled and not force_look:
             tick = Tick(len(rows), failed, stall)
@@ -496,29 +530,33 @@ class WatchEngine:
                 log.warning("dynprof watch: on_verdict failed: %s", exc)
         return path
 
-    def _maybe_sample_straggler(self, now: float) -> None:
-        """Start a straggler sample when one is due, on its own thread: the progress polls (and
-        the stall detection) go on while the ranks are traced, fetched and analysed."""
-        every = self.config.sample_every_s
-        if self.straggler is None or not every or now - self._last_sample < every or self.episode is not None:
+    def _maybe_sample(self, now: float) -> None:
+        """Start each sample that is due, on its own thread: the progress polls (and the stall
+        detection) go on while the ranks are sampled. None starts during a stall."""
+        if self.episode is not None:
             return
-        if self.sampling():  # one at a time; the next is due an interval after this one started
-            return
-        self._last_sample = now
-        self._sample_thread = threading.Thread(target=self._sample, name="dynprof-watch-sample", daemon=True)
-        self._sample_thread.start()
+        for scheduled in self._scheduled:
+            every = scheduled.sampler.every_s
+            if not every or now - scheduled.last_at < every:
+                continue
+            if scheduled.running():  # one at a time; the next is due an interval after this one started
+                continue
+            scheduled.last_at = now
+            scheduled.thread = threading.Thread(
+                target=self._sample, args=(scheduled.sampler,), name="dynprof-watch-sample", daemon=True
+            )
+            scheduled.thread.start()
 
-    def _sample(self) -> None:
-        assert self.straggler is not None
+    def _sample(self, sampler: Sampler) -> None:
         try:
-            report = self.straggler(self.config.job)
-        except Exception as exc:  # a failed sample is said, the watch goes on
-            log.warning("dynprof watch: the straggler sample failed: %s", exc)
-            report = StragglerReport(sampled_at=self.clock(), steps=0, note=f"the sample failed: {exc}"[:2000])
+            report: SignalReport | None = sampler.sample(self.config.job)
+        except Exception as exc:  # a sampler says its failures; one that raises is logged, the watch goes on
+            log.warning("dynprof watch: the %s sample failed: %s", sampler.name, exc)
+            return
         if report is None:
             return
         with self._lock:
-            self.straggler_scores = dict(report.scores)
+            self.signal_gauges[sampler.name] = {name: dict(values) for name, values in report.gauges().items()}
         if report.verdict is not None:
             self._publish(report.verdict, None)
         if self.on_sample is not None:

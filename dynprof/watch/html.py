@@ -16,19 +16,25 @@ from typing import Any
 
 from dynprof.safetext import one_line
 from dynprof.watch.model import Verdict
+from dynprof.watch.signals import rank_columns, signal_of_kind
 
 VERDICT_FILE = "verdict.json"
 MAX_VERDICT_BYTES = 32 * 1024 * 1024
 MAX_RANK_ROWS = 2000
 MAX_EVIDENCE_CHARS = 20_000
 
-_KIND_LABEL = {
+_KIND_LABEL = {  # the watch's own kinds; a sampled signal's verdict is headed by its row's label
     "hang": "Hang",
     "busy": "Busy, not hung",
-    "straggler": "Straggler",
     "agent-down": "Agents down",
     "ok": "No finding",
 }
+
+
+def kind_label(kind: str) -> str:
+    """The heading of a verdict of ``kind`` (its own name when none is known)."""
+    signal = signal_of_kind(kind)
+    return _KIND_LABEL.get(kind) or (signal.label if signal is not None and signal.label else kind)
 
 
 def _e(value: Any) -> str:
@@ -48,7 +54,7 @@ def load_verdict(artifact: Any) -> Verdict:
 
 def verdict_html(v: Verdict) -> str:
     """The HTML fragment of a verdict."""
-    label = _KIND_LABEL.get(v.kind, v.kind)
+    label = kind_label(v.kind)
     parts = [
         f"<section class='verdict {html.escape(v.kind)}'>",
         f"<h2>{html.escape(label)}: job {_e(v.job)}</h2>",
@@ -67,7 +73,7 @@ def verdict_html(v: Verdict) -> str:
     if v.ranks:
         shown = v.ranks[:MAX_RANK_ROWS]
         keys = ["rank", "host", "step", "last_step_age_s", "state"]
-        extra = [k for k in ("step_ms", "work_ms", "collective_ms", "score") if any(k in r for r in shown)]
+        extra = [k for k in rank_columns() if any(k in r for r in shown)]  # the signals' own columns
         head = "".join(f"<th>{html.escape(k.upper())}</th>" for k in keys + extra)
         rows = "".join("<tr>" + "".join(f"<td>{_e(r.get(k))}</td>" for k in keys + extra) + "</tr>" for r in shown)
         more = f"<p>... {len(v.ranks) - len(shown)} more rank(s)</p>" if len(v.ranks) > len(shown) else ""

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dynprof.errors import ArtifactError
+from dynprof.watch.signals import STRAGGLER, all_signals
 
 PROGRESS_SCHEMA = "dynprof.progress"
 PROGRESS_VERSION = 1
@@ -40,9 +41,21 @@ MAX_EVIDENCE_KEYS = 64
 AGENT_STATES = ("up", "unresponsive", "error", "gone")
 # What a verdict says. "hang": ranks wait for others that do not come; "busy": no rank stepped
 # for the stall time but they are doing something that is not a step (checkpoint, evaluation,
-# compilation, data loading), so no hang; "straggler": one rank holds the others back;
-# "agent-down": ranks the watch cannot read; "ok": nothing to say.
-VERDICT_KINDS = ("hang", "busy", "straggler", "agent-down", "ok")
+# compilation, data loading), so no hang; then each sampled signal's own kind (its row of
+# dynprof.watch.signals.SIGNALS: "straggler", one rank holds the others back); "agent-down":
+# ranks the watch cannot read; "ok": nothing to say.
+_LOOK_KINDS = ("hang", "busy")
+_OTHER_KINDS = ("agent-down", "ok")
+
+
+def verdict_kinds() -> tuple[str, ...]:
+    """Every kind a verdict may be: the watch's own and its signals' (read when asked)."""
+    kinds = [s.verdict_kind for s in all_signals() if s.verdict_kind]
+    return (*_LOOK_KINDS, *dict.fromkeys(kinds), *_OTHER_KINDS)
+
+
+VERDICT_KINDS = verdict_kinds()
+"""The kinds a verdict may be, with the signals of :data:`~dynprof.watch.signals.SIGNALS`."""
 
 
 def _text(value: Any, limit: int = MAX_TEXT) -> str | None:
@@ -345,7 +358,7 @@ class Culprit:
 class Verdict:
     """What the watch decided about a job, and the evidence."""
 
-    kind: str  # one of VERDICT_KINDS
+    kind: str  # one of verdict_kinds()
     job: str
     conclusion: str  # one paragraph for people, naming culprit rank(s), host(s) and the evidence
     detected_at: float  # when the watch saw the stall (watch's clock)
@@ -355,7 +368,8 @@ class Verdict:
     # decided the rank is doing: "waiting in all_reduce", "stopped", "moving", ...).
     ranks: list[dict[str, Any]] = field(default_factory=list)
     # Named pieces of evidence, each a JSON object: "stacks" (a stacks document or its summary),
-    # "flight_recorder", "healthcheck" (per host), "straggler", "samples". Free-form but bounded.
+    # "flight_recorder", "healthcheck" (per host), a signal's own ("straggler"), "samples". Free-form
+    # but bounded.
     evidence: dict[str, Any] = field(default_factory=dict)
     nodes_unanswered: list[str] = field(default_factory=list)
 
@@ -378,7 +392,7 @@ class Verdict:
     def from_json(cls, doc: Any) -> Verdict:
         d = _check_schema(doc, VERDICT_SCHEMA, VERDICT_VERSION, "verdict")
         kind = d.get("kind")
-        if kind not in VERDICT_KINDS:
+        if kind not in verdict_kinds():
             raise ArtifactError(f"verdict of unknown kind {str(kind)[:40]!r}")
         culprits_in = d.get("culprits")
         culprits = (
@@ -412,27 +426,45 @@ class Verdict:
         )
 
 
-@dataclass(slots=True)
+RankValues = dict[tuple[str, int], float]
+"""A gauge's value per (host, rank)."""
+
+
+@dataclass(slots=True, init=False)
 class WatchGauges:
     """What a watch hosted by a sidecar (``serve --watch``) exports on its ``/metrics``, per job."""
 
     job: str
-    stalled: bool = False  # no rank advanced for the stall time (whatever the verdict said of it)
-    straggler_scores: dict[tuple[str, int], float] = field(default_factory=dict)  # (host, rank) -> score
-    verdicts: dict[str, int] = field(default_factory=dict)  # verdict kind -> verdicts written so far
+    stalled: bool  # no rank advanced for the stall time (whatever the verdict said of it)
+    verdicts: dict[str, int]  # verdict kind -> verdicts written so far
+    # Each signal's gauges from its last sample, by name: signal -> gauge -> (host, rank) -> value
+    # (the names of dynprof.watch.signals.SIGNALS).
+    signals: dict[str, dict[str, RankValues]]
+
+    def __init__(
+        self,
+        job: str,
+        stalled: bool = False,
+        straggler_scores: RankValues | None = None,
+        verdicts: dict[str, int] | None = None,
+        signals: dict[str, dict[str, RankValues]] | None = None,
+    ) -> None:
+        self.job = job
+        self.stalled = stalled
+        self.verdicts = dict(verdicts or {})
+        self.signals = {name: {g: dict(v) for g, v in gauges.items()} for name, gauges in (signals or {}).items()}
+        if straggler_scores is not None:  # the straggler's score by its name of before signals
+            self.signals.setdefault(_STRAGGLER, {})[_SCORE] = dict(straggler_scores)
+
+    def rank_values(self, signal: str, gauge: str) -> RankValues:
+        """A signal's gauge, per (host, rank); empty when it has none."""
+        return self.signals.get(signal, {}).get(gauge, {})
+
+    @property
+    def straggler_scores(self) -> RankValues:
+        """The straggler signal's ``score`` gauge: (host, rank) -> score."""
+        return self.rank_values(_STRAGGLER, _SCORE)
 
 
-@dataclass(slots=True)
-class StragglerReport:
-    """What one sampled job-wide trace said of stragglers (the watch's live straggler check)."""
-
-    sampled_at: float
-    steps: int  # steps traced
-    scores: dict[tuple[str, int], float] = field(default_factory=dict)  # (host, rank) -> score, 0: none
-    verdict: Verdict | None = None  # kind "straggler" naming rank, host and cause class; None: none found
-    note: str = ""  # why nothing was decided (one rank only, the trace failed, ...)
-    cost_s: float = 0.0  # wall seconds the sample took (tracing, fetching, analysis)
-    at_step: int | None = None  # the step every rank's trace started at; None: none was armed
-    check: str = ""  # the straggler rule's own line (what it measured, its noise threshold)
-    traces: list[str] = field(default_factory=list)  # trace artifacts it wrote in this machine's store (local samples)
-    groups: list[str] = field(default_factory=list)  # its trace groups on the nodes (sidecar samples)
+_STRAGGLER = STRAGGLER.name
+_SCORE = STRAGGLER.gauges[0].name

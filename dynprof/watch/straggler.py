@@ -8,9 +8,14 @@ written (:func:`dynprof.job.start.follow_traces`), the traces copied back and ch
 their manifests (:func:`dynprof.job.fetch.fetch_by_path`), then each rank's trace reduced and
 the job's analysis combined (:func:`collectors.trace_analysis.rank.analyze_ranks`,
 :func:`collectors.trace_analysis.job.combine`, whose ``detect_straggler`` decides). It returns a
-:class:`~dynprof.watch.model.StragglerReport`: a score per (node, rank) and, when the rule
-names a straggler, a ``straggler`` :class:`~dynprof.watch.model.Verdict` naming its rank, its
-node and the cause class.
+:class:`StragglerReport`: a score per (node, rank) and, when the rule names a straggler, a
+``straggler`` :class:`~dynprof.watch.model.Verdict` naming its rank, its node and the cause
+class.
+
+It is the watch's first sampled signal (its row is :data:`dynprof.watch.signals.STRAGGLER`):
+:func:`sampler_for` is its :class:`~dynprof.watch.sampler.Sampler` for the watch's source, and
+a :class:`StragglerReport` its :class:`~dynprof.watch.sampler.SignalReport` (the ``score``
+gauge per rank, the verdict, its ``straggler_sample`` event and stderr line).
 
 The score of a rank is its work outside collectives per step in excess of the median of the
 other ranks' work, as a fraction of the job's median step time (``excess_ms /
@@ -44,6 +49,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -54,14 +60,16 @@ from dynprof.job.client import SidecarClient
 from dynprof.job.fetch import fetch_by_path
 from dynprof.job.start import PS_TIMEOUT_S, START_ARM_TIMEOUT_S, arm_at_one_step, follow_traces
 from dynprof.nodes import Node, parse_node
-from dynprof.watch.model import Culprit, StragglerReport, Verdict
+from dynprof.watch.model import Culprit, RankValues, Verdict
+from dynprof.watch.signals import STRAGGLER
+from dynprof.watch.sources import SidecarSource
 
 log = logging.getLogger("dynprof.watch.straggler")
 
 SAMPLE_STEPS = 2
 SAMPLE_LIMIT_S = 120.0
 """How long one sample may take in all (arming, tracing, fetching, analysis)."""
-SAMPLE_EVERY_S = 600.0
+SAMPLE_EVERY_S = STRAGGLER.every_s
 """The default interval between samples (``--sample-every``): one sample costs the ranks about
 half a second to a second of training (scripts/bench_watch_sampling.py measures it), so one
 every ten minutes is under 0.2 % of the job's time, inside the 0.5 % budget."""
@@ -76,7 +84,39 @@ _COLLECTIVE_NAMES = re.compile(
 """Names of collectives (ops, kernels, torch.distributed's own functions): where the others wait,
 never what holds a straggler's extra time."""
 
+
+@dataclass(slots=True)
+class StragglerReport:
+    """What one sampled job-wide trace said of stragglers (the watch's live straggler check): the
+    straggler signal's :class:`~dynprof.watch.sampler.SignalReport`."""
+
+    sampled_at: float
+    steps: int  # steps traced
+    scores: RankValues = field(default_factory=dict)  # (host, rank) -> score, 0: none
+    verdict: Verdict | None = None  # kind "straggler" naming rank, host and cause class; None: none found
+    note: str = ""  # why nothing was decided (one rank only, the trace failed, ...)
+    cost_s: float = 0.0  # wall seconds the sample took (tracing, fetching, analysis)
+    at_step: int | None = None  # the step every rank's trace started at; None: none was armed
+    check: str = ""  # the straggler rule's own line (what it measured, its noise threshold)
+    traces: list[str] = field(default_factory=list)  # trace artifacts it wrote in this machine's store (local samples)
+    groups: list[str] = field(default_factory=list)  # its trace groups on the nodes (sidecar samples)
+
+    @property
+    def signal(self) -> str:
+        return STRAGGLER.name
+
+    def gauges(self) -> dict[str, RankValues]:
+        return {STRAGGLER.gauges[0].name: self.scores}
+
+    def to_json(self) -> dict[str, Any]:
+        return report_json(self)
+
+    def line(self) -> str:
+        return sample_line(self)
+
+
 HookType = Callable[[str], StragglerReport | None]
+"""``hook(job)``: one sampled straggler check of the job, on the nodes it was made for."""
 
 
 class _Quiet:
@@ -609,6 +649,49 @@ def straggler_hook(
         return report
 
     return hook
+
+
+class StragglerSampler:
+    """The straggler signal as the watch's engine runs it
+    (:class:`~dynprof.watch.sampler.Sampler`): every ``every_s``, ``hook(job)`` (one sample, of
+    :func:`straggler_hook` or :func:`local_straggler_hook`); a hook that raises is said as a
+    sample that failed."""
+
+    name = STRAGGLER.name
+
+    def __init__(self, hook: HookType, every_s: float | None, clock: Callable[[], float] = time.time) -> None:
+        self.hook = hook
+        self.every_s = every_s
+        self.clock = clock
+
+    def sample(self, job: str) -> StragglerReport | None:
+        try:
+            return self.hook(job)
+        except Exception as exc:  # a failed sample is said, the watch goes on
+            log.warning("dynprof watch: the straggler sample failed: %s", exc)
+            return StragglerReport(sampled_at=self.clock(), steps=0, note=f"the sample failed: {exc}"[:2000])
+
+
+def local_trace(job: str, steps: int, limit_s: float) -> dict[str, Any]:
+    """A :data:`LocalTrace` of this node's agents: a trace of ``steps`` steps with stacks on them
+    (the trace kind's own start, as ``dynprof start --job J --steps N --with-stack`` runs it),
+    written in this machine's store, waited for."""
+    from collectors.torch_trace.collect import TraceRequest, collect
+
+    cap = min(MAX_TRACE_DURATION_S, max(10.0, limit_s))
+    request = TraceRequest(job=job, steps=steps, with_stack=True, max_duration=cap, timeout=limit_s)
+    return collect(request).doc
+
+
+def sampler_for(source: Any, every_s: float | None) -> StragglerSampler:
+    """The straggler's sampler for a watch's source (the factory of its row in
+    :data:`~dynprof.watch.signals.SIGNALS`): over a :class:`~dynprof.watch.sources.SidecarSource`,
+    through the same node objects, client and token that read the progress, so a sample goes to
+    exactly the addresses the user named; else over this node's agents (``source.host`` names
+    its ranks), its traces analysed in this machine's store."""
+    if isinstance(source, SidecarSource):
+        return StragglerSampler(straggler_hook(source.client, source.node_list), every_s)
+    return StragglerSampler(local_straggler_hook(source.host, local_trace), every_s)
 
 
 def report_json(report: StragglerReport) -> dict[str, Any]:

@@ -12,9 +12,10 @@ from collectors.stacks import Source as StacksSource
 from dynprof.renderers import render
 from dynprof.store import ArtifactStore
 from dynprof.watch.engine import WatchConfig, WatchEngine
-from dynprof.watch.model import NodeProgress, RankProgress, StragglerReport, Verdict
+from dynprof.watch.model import NodeProgress, RankProgress, Verdict
 from dynprof.watch.render import render_verdict_text
 from dynprof.watch.sources import NodeRead, StacksRead
+from dynprof.watch.straggler import StragglerReport
 
 DIST = "/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py"
 

@@ -3,8 +3,14 @@ the score and verdict from an analysis document."""
 
 from __future__ import annotations
 
-from dynprof.watch.model import StragglerReport
-from dynprof.watch.straggler import category_excess, cause_class, sample_line, straggler_verdict, what_holds
+from dynprof.watch.straggler import (
+    StragglerReport,
+    category_excess,
+    cause_class,
+    sample_line,
+    straggler_verdict,
+    what_holds,
+)
 
 
 def _row(rank, host, ops, outside, coll, step=100.0):
