@@ -75,8 +75,18 @@ def gdb_calls_refused() -> str:
         child.wait()
 
 
+# The end-to-end families start real processes (training programs, torch, sidecars, servers):
+# tests/integration, tests/frameworks and tests/gpu carry the `e2e` marker, so
+# `pytest -m "not e2e"` is the unit suite alone (seconds per file, no process started).
+E2E_DIRS = tuple(ROOT / "tests" / name for name in ("integration", "frameworks", "gpu"))
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
+        if Path(item.path).is_relative_to(E2E_DIRS[0].parent) and any(
+            Path(item.path).is_relative_to(folder) for folder in E2E_DIRS
+        ):
+            item.add_marker(pytest.mark.e2e)
         if "gpu" in item.keywords and cuda_device_count() < 1:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU: run on the GPU machine (pytest -m gpu)"))
         if "multi_gpu" in item.keywords and cuda_device_count() < 2:

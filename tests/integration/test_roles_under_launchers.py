@@ -220,10 +220,11 @@ def test_torchrun_launcher_and_ranks_workers(spawn_group, cli):
 
 
 def test_a_phase_marked_evaluation_is_not_a_hang_but_an_unmarked_stall_is(spawn_group, cli):
-    # GIVEN a loop under a 1 s watchdog that evaluates for 4 s inside dynprof.phase("eval"),
-    # then trains, then stalls without a mark
+    # GIVEN a loop under a 4 s watchdog that evaluates for 12 s inside dynprof.phase("eval"),
+    # then trains, then stalls without a mark (4 s: a training step of this loop starved on a
+    # loaded machine stays far below it, so the only dump is the stall's)
     target = spawn_group(
-        ["-m", "dynprof", "run", "-q", "--hang-timeout", "1", "--", sys.executable, PHASE, "--eval-seconds", "4"],
+        ["-m", "dynprof", "run", "-q", "--hang-timeout", "4", "--", sys.executable, PHASE, "--eval-seconds", "12"],
         under_run=False,
     )
 
