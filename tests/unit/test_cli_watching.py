@@ -23,10 +23,10 @@ from dynprof.cli import _watching
 from dynprof.nodes import Node, NodeAnswer
 from dynprof.watch import straggler
 from dynprof.watch.detect import Stall
-from dynprof.watch.engine import Tick
+from dynprof.watch.engine import Tick, WatchEngine
 from dynprof.watch.hook import HookResult
-from dynprof.watch.model import Culprit, Verdict
-from dynprof.watch.sources import FLIGHT_RECORDER_OFF, SidecarSource
+from dynprof.watch.model import Culprit, NodeProgress, RankProgress, Verdict
+from dynprof.watch.sources import FLIGHT_RECORDER_OFF, NodeRead, SidecarSource
 from dynprof.watch.straggler import StragglerReport, StragglerSampler
 
 ESC = "\x1b[2J"
@@ -105,12 +105,57 @@ def test_sample_every_zero_is_never():
     assert _watching.every_of(argparse.Namespace(sample_every=30.0)) == {"straggler": 30.0}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="--sample-every's help says '0: never', but nonnegative_seconds refuses 0 (parse_float's low bound is open)",
-)
 def test_sample_every_zero_is_accepted_by_the_parser():
     assert _parse("--job", "j", "--sample-every", "0").sample_every == 0.0
+    assert _serve_args("--watch", "--job", "j", "--sample-every", "0").sample_every == 0.0
+    assert _watching.every_of(_parse("--job", "j", "--sample-every", "0")) == {"straggler": None}
+
+
+class SteppingSource:
+    """This node with two ranks that step every poll."""
+
+    host = "node-x"
+
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def nodes(self) -> list[str]:
+        return [self.host]
+
+    def progress(self, job: str, fresh: bool = False) -> list[NodeRead]:
+        rows = [
+            RankProgress(
+                job=job,
+                rank=r,
+                world_size=2,
+                pid=100 + r,
+                host=self.host,
+                step=int(self.t),
+                last_step_at=self.t,
+                last_step_age_s=0.0,
+                step_time_s=0.1,
+                polled_at=self.t,
+            )
+            for r in (0, 1)
+        ]
+        return [NodeRead(self.host, NodeProgress(host=self.host, time=self.t, poll_every_s=1.0, ranks=rows))]
+
+
+@pytest.mark.parametrize(("every", "samples"), [("0", 0), ("600", 3)])
+def test_a_watch_told_sample_every_0_never_samples(monkeypatch, every, samples):
+    # GIVEN the watch's samplers as `dynprof watch --job j --sample-every N` builds them on this node
+    sampled: list[str] = []
+    monkeypatch.setattr(straggler, "local_straggler_hook", lambda host, trace: lambda job: sampled.append(job))
+    source = SteppingSource()
+    samplers = _watching.samplers_of(_parse("--job", "j", "--sample-every", every), source)
+    engine = WatchEngine(_watching.config_of(_parse("--job", "j")), source, clock=lambda: source.t, samplers=samplers)
+    # WHEN three rounds run, each 700 s after the last (past the interval every time)
+    for _ in range(3):
+        source.t += 700.0
+        assert engine.tick().verdict is None
+        assert engine.wait_for_sample(timeout=30)
+    # THEN with 0 no sample was taken; with 600 one each round
+    assert sampled == ["j"] * samples
 
 
 @pytest.mark.parametrize("text", ["-1", "604801", "nan", "inf", "soon"])
@@ -591,6 +636,14 @@ def test_the_hosted_watch_over_nodes_reads_their_sidecars_with_this_token(fake_e
     assert isinstance(sampler, StragglerSampler) and sampler.every_s == straggler.SAMPLE_EVERY_S
     assert sampler.hook.__qualname__.startswith("straggler_hook.")
     assert engine.on_sample == engine.on_verdict.__self__.sample
+
+
+def test_the_hosted_watch_told_sample_every_0_never_samples(fake_engine):
+    engine = _watching.start_hosted_watch(
+        _serve_args("--watch", "--job", "j", "--interval", "0.01", "--sample-every", "0"), "t" * 32
+    )
+    _wait(engine.done)
+    assert [(s.name, s.every_s) for s in engine.samplers] == [("straggler", None)]
 
 
 def test_the_hosted_watch_checks_its_options_before_starting(fake_engine):
