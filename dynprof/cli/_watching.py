@@ -95,9 +95,10 @@ def config_of(args: argparse.Namespace) -> Any:
 
 
 def nonnegative_seconds(text: str) -> float:
+    """A sampled signal's interval: 0 (never sample) up to a week."""
     from dynprof.arguments import parse_float
 
-    return parse_float(text, 0.0, 7 * 86400.0, what="seconds (0 <= SEC <= 604800)")
+    return parse_float(text, 0.0, 7 * 86400.0, low_open=False, what="seconds (0 <= SEC <= 604800)")
 
 
 def every_of(args: argparse.Namespace) -> dict[str, float | None]:

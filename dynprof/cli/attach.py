@@ -82,7 +82,8 @@ def attach_many(pids: list[int], options: AttachOptions) -> list[AttachResult | 
 
 
 def said(pid: int, result: AttachResult | errors.DynprofError, many: bool) -> str | None:
-    """What a person is told of one pid (with several, an error too: it does not end the command)."""
+    """What a person is told of one pid (with several, or a job's, an error too: it does not end
+    the command)."""
     if isinstance(result, AttachResult):
         return result.describe()
     if not many:
@@ -163,7 +164,9 @@ class AttachCommand:
         gone = {pid for pid, r in zip(pids, results) if args.job and _exited(pid, r)}
         if not args.json:
             # The log and socket paths come from the target's bootstrap: shown escaped (by emit).
-            messages += [m for pid, r in zip(pids, results) if (m := said(pid, r, len(pids) > 1)) is not None]
+            # A job's process that fails does not end the command (even its only one): its error is said here.
+            many = len(pids) > 1 or bool(args.job)
+            messages += [m for pid, r in zip(pids, results) if (m := said(pid, r, many)) is not None]
             messages += [f"job {args.job}: pid {pid} exited meanwhile (gone, not a failure)" for pid in sorted(gone)]
         failures = [r for pid, r in zip(pids, results) if isinstance(r, errors.DynprofError) and pid not in gone]
         report["processes"] = [

@@ -267,54 +267,58 @@ class ServeCommand:
             )
         token, source = resolve_token(args.token, args.token_file)
         fanout, own_file = (None, None) if args.no_job_wide else _fanout_config(token, source, args.cacert)
-        from dynprof.identity import detect
-        from dynprof.sidecar.actions import LinkPolicy
-        from dynprof.sidecar.progress import ProgressBook
+        # The token file written for the job-wide actions (own_file) is removed however this ends: a
+        # server that stops, or one that never started (a port in use, a bad node option).
+        try:
+            from dynprof.identity import detect
+            from dynprof.sidecar.actions import LinkPolicy
+            from dynprof.sidecar.progress import ProgressBook
 
-        book = ProgressBook(detect().host, args.progress_every, stall_after=args.stall_after)
-        hosted: list[Any] = []  # the hosted watch (--watch), once it started: its gauges go to /metrics
-        app = create_app(
-            progress=book,
-            watch_gauges=(lambda: hosted[0].gauges() if hosted else []) if args.watch else None,
-            commands=action_commands(),
-            views=page_views(),
-            token=token,
-            host=args.host,
-            max_actions=args.max_actions,
-            read_only=args.read_only,
-            extra_hosts=args.allow_host,
-            fanout=fanout,
-            links=None if fanout is None else LinkPolicy.for_sidecar(args.host, args.allow_peer),
-        )
-        server = build_server(app, args.host, args.port, args.threads, args.certfile, args.keyfile)
-        warnings = risk_warnings(args.host, tls=bool(args.certfile), token_in_argv=source == "--token")
-        try:
-            server.prepare()  # binds
-        except OSError as exc:
-            raise errors.DynprofError(
-                f"cannot listen on {args.host}:{args.port}: {exc}", help="Choose another --port."
-            ) from None
-        watch = start_hosted_watch(args, token)
-        if watch is not None:
-            hosted.append(watch)
-        said = [f"dynprof: warning: {warning}" for warning in warnings]
-        said.append(f"dynprof: serving on {_url(args.host, args.port, token, tls=bool(args.certfile))}")
-        raised = f", raised from {before}" if limit != before else ""
-        said.append(
-            f"dynprof: at most {connection_cap(args.threads, limit)} connections at once "
-            f"(open-file limit {limit}{raised}; --threads {args.threads})"
-        )
-        if source != "generated":
-            said.append(f"dynprof: token from {source}")
-        sys.stderr.write("".join(line + "\n" for line in said))  # one write: a reader sees all of it or none
-        sys.stderr.flush()
-        book.start()
-        try:
-            return _serve_until_signalled(server)
-        finally:
-            book.stop()
+            book = ProgressBook(detect().host, args.progress_every, stall_after=args.stall_after)
+            hosted: list[Any] = []  # the hosted watch (--watch), once it started: its gauges go to /metrics
+            app = create_app(
+                progress=book,
+                watch_gauges=(lambda: hosted[0].gauges() if hosted else []) if args.watch else None,
+                commands=action_commands(),
+                views=page_views(),
+                token=token,
+                host=args.host,
+                max_actions=args.max_actions,
+                read_only=args.read_only,
+                extra_hosts=args.allow_host,
+                fanout=fanout,
+                links=None if fanout is None else LinkPolicy.for_sidecar(args.host, args.allow_peer),
+            )
+            server = build_server(app, args.host, args.port, args.threads, args.certfile, args.keyfile)
+            warnings = risk_warnings(args.host, tls=bool(args.certfile), token_in_argv=source == "--token")
+            try:
+                server.prepare()  # binds
+            except OSError as exc:
+                raise errors.DynprofError(
+                    f"cannot listen on {args.host}:{args.port}: {exc}", help="Choose another --port."
+                ) from None
+            watch = start_hosted_watch(args, token)
             if watch is not None:
-                watch.stop()
+                hosted.append(watch)
+            said = [f"dynprof: warning: {warning}" for warning in warnings]
+            said.append(f"dynprof: serving on {_url(args.host, args.port, token, tls=bool(args.certfile))}")
+            raised = f", raised from {before}" if limit != before else ""
+            said.append(
+                f"dynprof: at most {connection_cap(args.threads, limit)} connections at once "
+                f"(open-file limit {limit}{raised}; --threads {args.threads})"
+            )
+            if source != "generated":
+                said.append(f"dynprof: token from {source}")
+            sys.stderr.write("".join(line + "\n" for line in said))  # one write: a reader sees all of it or none
+            sys.stderr.flush()
+            book.start()
+            try:
+                return _serve_until_signalled(server)
+            finally:
+                book.stop()
+                if watch is not None:
+                    watch.stop()
+        finally:
             if own_file:
                 with contextlib.suppress(OSError):
                     os.unlink(own_file)

@@ -140,7 +140,8 @@ def read_request(text: str) -> dict[str, Any]:
     if len(text) > MAX_REQUEST_CHARS:
         raise ValueError("over 1 MiB")
     doc = json.loads(text)
-    if not isinstance(doc, dict) or doc.get("action") not in ACTIONS:
+    # an action that is not a string (a list, an object) is no known action, not a TypeError
+    if not isinstance(doc, dict) or not isinstance(doc.get("action"), str) or doc["action"] not in ACTIONS:
         raise ValueError("no known action")
     argv = doc.get("argv")
     if not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv):

@@ -289,15 +289,14 @@ def test_a_job_process_that_fails_and_lives_is_a_failure(fake, monkeypatch, caps
     assert "exited meanwhile" not in err
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="with --job and one process found, said() is asked with many=False: the process's error "
-    "is neither said nor raised, and the command exits 8 saying only what it found",
-)
 def test_the_one_process_of_a_job_that_fails_says_why(fake, capsys):
-    fake(fails={os.getpid(): errors.AgentError("agent did not start")}, job=_job("j1", [os.getpid()]))
+    fake(
+        fails={os.getpid(): errors.AgentError("agent did not start", help="see its log")}, job=_job("j1", [os.getpid()])
+    )
     assert main(["attach", "--job", "j1"]) == 8
-    assert "agent did not start" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"dynprof: pid {os.getpid()}: error: agent did not start\n  what to do: see its log" in err
+    assert "exited meanwhile" not in err
 
 
 # -- _exited ----------------------------------------------------------------------------------------

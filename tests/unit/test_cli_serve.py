@@ -300,11 +300,6 @@ def test_a_port_in_use_is_said(capsys, monkeypatch):
     assert "serving on" not in err
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="serve writes its job-wide token file before it binds, and removes it only once serving: "
-    "a port in use leaves serve-PID.token in the run directory",
-)
 def test_a_serve_that_cannot_bind_leaves_no_token_file(capsys, monkeypatch, dynprof_dirs):
     monkeypatch.setattr(actions, "_closing", False)
     with socket.socket() as busy:
@@ -312,6 +307,17 @@ def test_a_serve_that_cannot_bind_leaves_no_token_file(capsys, monkeypatch, dynp
         busy.listen(1)
         assert main(["serve", "--port", str(busy.getsockname()[1]), "--progress-every", "0"]) == 1
     assert "cannot listen on" in capsys.readouterr().err
+    assert not list(dynprof_dirs["run"].glob("serve-*.token"))
+
+
+def test_a_serve_that_cannot_use_its_certificate_leaves_no_token_file(capsys, monkeypatch, dynprof_dirs, tmp_path):
+    # the server is built (and refuses the certificate) after the token file is written
+    monkeypatch.setattr(actions, "_closing", False)
+    cert = tmp_path / "c.pem"
+    cert.write_text("not a certificate")
+    argv = ["--port", str(_free_port()), "--certfile", str(cert), "--keyfile", str(tmp_path / "k.pem")]
+    assert main(["serve", *argv, "--progress-every", "0"]) == 2
+    assert "cannot use the certificate" in capsys.readouterr().err
     assert not list(dynprof_dirs["run"].glob("serve-*.token"))
 
 

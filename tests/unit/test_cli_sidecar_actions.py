@@ -201,12 +201,6 @@ def test_a_malformed_request_is_refused_with_why(text, said):
     assert str(info.value) == said
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=TypeError,
-    reason="read_request looks an unhashable action up in ACTIONS: a TypeError (a traceback), not the "
-    "ValueError its caller turns into a message",
-)
 @pytest.mark.parametrize("action", [{"ls": 1}, ["ls"]])
 def test_an_unhashable_action_is_refused_with_why(action):
     with pytest.raises(ValueError) as info:
@@ -251,6 +245,13 @@ def test_the_child_answers_a_real_command(monkeypatch, capsys, dynprof_dirs):
 
 def test_a_bad_request_ends_the_child_with_2_and_a_line(monkeypatch, capsys):
     code, out, err = _child(monkeypatch, capsys, '{"action": "rm -rf", "argv": ["rm"]}')
+    assert (code, out) == (2, "")
+    assert err == "dynprof: bad action request: no known action\n"
+
+
+@pytest.mark.parametrize("action", [{"ls": 1}, ["ls"], 7, None])
+def test_a_request_whose_action_is_not_a_name_ends_the_child_with_2_and_a_line(monkeypatch, capsys, action):
+    code, out, err = _child(monkeypatch, capsys, json.dumps({"action": action, "argv": ["ls"]}))
     assert (code, out) == (2, "")
     assert err == "dynprof: bad action request: no known action\n"
 

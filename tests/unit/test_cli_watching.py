@@ -1,8 +1,9 @@
 """dynprof.cli._watching: the watch as `dynprof watch` and `dynprof serve --watch` run it. Its
-options and the engine's configuration they make, what the printer says of verdicts, samples and
-rounds (text, JSON lines, the --on-verdict hook), this node's source (each read through its
-kind's own entry point, replaced here), the sidecars' source, and the hosted watch's checks and
-start (with the engine replaced: no thread is left polling)."""
+options and the engine's configuration and samplers they make (the straggler's, over this node's
+agents or the nodes' sidecars; 0: never), what the printer says of verdicts, samples and rounds
+(text, JSON lines, the --on-verdict hook), this node's source (each read through its kind's own
+entry point, replaced here), the sidecars' source, and the hosted watch's checks and start (with
+the engine replaced: no thread is left polling)."""
 
 from __future__ import annotations
 
@@ -22,10 +23,11 @@ from dynprof.cli import _watching
 from dynprof.nodes import Node, NodeAnswer
 from dynprof.watch import straggler
 from dynprof.watch.detect import Stall
-from dynprof.watch.engine import Tick
+from dynprof.watch.engine import Tick, WatchEngine
 from dynprof.watch.hook import HookResult
-from dynprof.watch.model import Culprit, StragglerReport, Verdict
-from dynprof.watch.sources import FLIGHT_RECORDER_OFF, SidecarSource
+from dynprof.watch.model import Culprit, NodeProgress, RankProgress, Verdict
+from dynprof.watch.sources import FLIGHT_RECORDER_OFF, NodeRead, SidecarSource
+from dynprof.watch.straggler import StragglerReport, StragglerSampler
 
 ESC = "\x1b[2J"
 
@@ -61,7 +63,8 @@ def test_the_defaults_make_the_engines_configuration():
     assert config.job == "j" and config.interval_s == 5.0 and config.look_interval_s == 3.0
     assert config.stall_after_s is None and config.confirm_s is None
     assert config.healthcheck is True and config.save is True and config.gpu_coredump is False
-    assert config.sample_every_s == straggler.SAMPLE_EVERY_S
+    # the straggler samples at its default interval (the engine's samplers, not its configuration)
+    assert _watching.every_of(_parse("--job", "j")) == {"straggler": straggler.SAMPLE_EVERY_S}
 
 
 def test_every_option_reaches_the_configuration():
@@ -84,7 +87,7 @@ def test_every_option_reaches_the_configuration():
     )
     config = _watching.config_of(args)
     assert (config.interval_s, config.stall_after_s, config.look_interval_s, config.confirm_s) == (2.0, 90.0, 1.5, 40.0)
-    assert config.sample_every_s == 120.0
+    assert _watching.every_of(args) == {"straggler": 120.0}
     assert config.healthcheck is False and config.save is False and config.gpu_coredump is True
     assert args.on_verdict_timeout == 30.0 and args.on_verdict is None
 
@@ -96,18 +99,63 @@ def test_a_namespace_without_gpu_coredump_does_not_dump():
 
 
 def test_sample_every_zero_is_never():
-    assert _watching.sample_every_of(argparse.Namespace(sample_every=0.0)) is None
-    assert _watching.sample_every_of(argparse.Namespace(sample_every=None)) == straggler.SAMPLE_EVERY_S
-    assert _watching.sample_every_of(argparse.Namespace()) == straggler.SAMPLE_EVERY_S
-    assert _watching.sample_every_of(argparse.Namespace(sample_every=30.0)) == 30.0
+    assert _watching.every_of(argparse.Namespace(sample_every=0.0)) == {"straggler": None}
+    assert _watching.every_of(argparse.Namespace(sample_every=None)) == {"straggler": straggler.SAMPLE_EVERY_S}
+    assert _watching.every_of(argparse.Namespace()) == {"straggler": straggler.SAMPLE_EVERY_S}
+    assert _watching.every_of(argparse.Namespace(sample_every=30.0)) == {"straggler": 30.0}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="--sample-every's help says '0: never', but nonnegative_seconds refuses 0 (parse_float's low bound is open)",
-)
 def test_sample_every_zero_is_accepted_by_the_parser():
     assert _parse("--job", "j", "--sample-every", "0").sample_every == 0.0
+    assert _serve_args("--watch", "--job", "j", "--sample-every", "0").sample_every == 0.0
+    assert _watching.every_of(_parse("--job", "j", "--sample-every", "0")) == {"straggler": None}
+
+
+class SteppingSource:
+    """This node with two ranks that step every poll."""
+
+    host = "node-x"
+
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def nodes(self) -> list[str]:
+        return [self.host]
+
+    def progress(self, job: str, fresh: bool = False) -> list[NodeRead]:
+        rows = [
+            RankProgress(
+                job=job,
+                rank=r,
+                world_size=2,
+                pid=100 + r,
+                host=self.host,
+                step=int(self.t),
+                last_step_at=self.t,
+                last_step_age_s=0.0,
+                step_time_s=0.1,
+                polled_at=self.t,
+            )
+            for r in (0, 1)
+        ]
+        return [NodeRead(self.host, NodeProgress(host=self.host, time=self.t, poll_every_s=1.0, ranks=rows))]
+
+
+@pytest.mark.parametrize(("every", "samples"), [("0", 0), ("600", 3)])
+def test_a_watch_told_sample_every_0_never_samples(monkeypatch, every, samples):
+    # GIVEN the watch's samplers as `dynprof watch --job j --sample-every N` builds them on this node
+    sampled: list[str] = []
+    monkeypatch.setattr(straggler, "local_straggler_hook", lambda host, trace: lambda job: sampled.append(job))
+    source = SteppingSource()
+    samplers = _watching.samplers_of(_parse("--job", "j", "--sample-every", every), source)
+    engine = WatchEngine(_watching.config_of(_parse("--job", "j")), source, clock=lambda: source.t, samplers=samplers)
+    # WHEN three rounds run, each 700 s after the last (past the interval every time)
+    for _ in range(3):
+        source.t += 700.0
+        assert engine.tick().verdict is None
+        assert engine.wait_for_sample(timeout=30)
+    # THEN with 0 no sample was taken; with 600 one each round
+    assert sampled == ["j"] * samples
 
 
 @pytest.mark.parametrize("text", ["-1", "604801", "nan", "inf", "soon"])
@@ -412,7 +460,9 @@ def test_the_local_straggler_sample_is_the_trace_kinds_own_start(monkeypatch):
         "collectors.torch_trace.collect.collect",
         lambda request: asked.append(request) or SimpleNamespace(doc={"ok": 1}),
     )
-    assert _watching.local_straggler_of(_watching.LocalSource(host="node-x")) == "hook"
+    [sampler] = _watching.samplers_of(_parse("--job", "j"), _watching.LocalSource(host="node-x"))
+    assert isinstance(sampler, StragglerSampler) and sampler.hook == "hook"
+    assert sampler.every_s == straggler.SAMPLE_EVERY_S
     assert hooked["host"] == "node-x"
     assert hooked["trace"]("j", 3, 5.0) == {"ok": 1}
     hooked["trace"]("j", 2, 9999.0)
@@ -423,8 +473,12 @@ def test_the_local_straggler_sample_is_the_trace_kinds_own_start(monkeypatch):
 
 def test_the_sidecars_straggler_sample_uses_the_sources_client_and_nodes(monkeypatch):
     monkeypatch.setattr(straggler, "straggler_hook", lambda client, nodes: (client, nodes))
-    source = SimpleNamespace(client="client", node_list=["a", "b"])
-    assert _watching.straggler_of(source) == ("client", ["a", "b"])
+    client = object()
+    source = SidecarSource(client, [Node("a", 8787), Node("b", 9000)])
+    [sampler] = _watching.samplers_of(_parse("--job", "j", "--sample-every", "30"), source)
+    # the very client and node objects the progress is read through
+    assert sampler.hook[0] is client and sampler.hook[1] is source.node_list
+    assert isinstance(sampler, StragglerSampler) and sampler.every_s == 30.0
 
 
 # -- the sidecars' source ----------------------------------------------------------------------------
@@ -515,12 +569,12 @@ def test_no_watch_starts_nothing():
 class FakeEngine:
     made: list[FakeEngine] = []
 
-    def __init__(self, config, source, on_verdict, straggler, on_sample) -> None:
-        self.config, self.source, self.on_verdict, self.straggler, self.on_sample = (
+    def __init__(self, config, source, on_verdict, samplers, on_sample) -> None:
+        self.config, self.source, self.on_verdict, self.samplers, self.on_sample = (
             config,
             source,
             on_verdict,
-            straggler,
+            samplers,
             on_sample,
         )
         self.runs = 0
@@ -556,6 +610,10 @@ def test_the_hosted_watch_on_this_node_runs_on_and_survives_a_failed_round(fake_
     assert engine.runs == 2
     assert isinstance(engine.source, _watching.LocalSource)
     assert engine.config.job == f"j{ESC}" and engine.config.interval_s == 0.01
+    # the straggler's sample over this node's agents, at its default interval
+    [sampler] = engine.samplers
+    assert isinstance(sampler, StragglerSampler) and sampler.every_s == straggler.SAMPLE_EVERY_S
+    assert sampler.hook.__qualname__.startswith("local_straggler_hook.")
     printer = engine.on_verdict.__self__
     assert printer.as_json is False and printer.hook == "n.sh" and printer.out is sys.stderr
     err = capsys.readouterr().err
@@ -573,7 +631,19 @@ def test_the_hosted_watch_over_nodes_reads_their_sidecars_with_this_token(fake_e
     assert isinstance(source, SidecarSource)
     assert [str(n) for n in source.node_list] == ["node-a:8787", "node-b:9000"]
     assert source.client.shared_by == 4 and source.client.token == token and source.client.tls is None
-    assert engine.straggler is not None and engine.on_sample == engine.on_verdict.__self__.sample
+    # the straggler's sample over the same sidecars, and the samples printed by the verdicts' printer
+    [sampler] = engine.samplers
+    assert isinstance(sampler, StragglerSampler) and sampler.every_s == straggler.SAMPLE_EVERY_S
+    assert sampler.hook.__qualname__.startswith("straggler_hook.")
+    assert engine.on_sample == engine.on_verdict.__self__.sample
+
+
+def test_the_hosted_watch_told_sample_every_0_never_samples(fake_engine):
+    engine = _watching.start_hosted_watch(
+        _serve_args("--watch", "--job", "j", "--interval", "0.01", "--sample-every", "0"), "t" * 32
+    )
+    _wait(engine.done)
+    assert [(s.name, s.every_s) for s in engine.samplers] == [("straggler", None)]
 
 
 def test_the_hosted_watch_checks_its_options_before_starting(fake_engine):
