@@ -1,4 +1,9 @@
-"""What a check says: a status per check and device, and the exit code of a whole run.
+"""What a check says: a status per check and device, the decision table that says it, and the
+exit code of a whole run.
+
+A check that judges what it read says its verdict as a decision table (:func:`decide`): rows of
+condition, status and message (:func:`row`), the first that holds decides; the fields every row
+shares (value, expected, unit, details) are given once.
 
 Exit codes are a stable contract (documented in docs/healthcheck.md):
 
@@ -14,6 +19,7 @@ Exit codes are a stable contract (documented in docs/healthcheck.md):
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -61,6 +67,37 @@ class CheckResult:
         data = asdict(self)
         data["status"] = self.status.value
         return data
+
+
+@dataclass(frozen=True)
+class Row:
+    """One row of a check's decision table: when ``when`` holds, the check says ``status`` and
+    ``message``, with ``fields`` (value, expected, unit, action, details) over the shared ones."""
+
+    when: bool
+    status: Status
+    message: str
+    fields: Mapping[str, Any]
+
+
+def row(when: bool, status: Status, message: str, **fields: Any) -> Row:
+    return Row(when, status, message, fields)
+
+
+# The condition of a table's last row.
+OTHERWISE = True
+
+
+def decide(name: str, rows: Sequence[Row], *, device: int | None = None, **shared: Any) -> CheckResult:
+    """The result of check ``name`` (on ``device``, None: the node) that the first row that
+    holds gives (the last row's condition is ``OTHERWISE``). The ``shared`` fields go with every
+    row; a row's own fields replace them (``expected=None`` drops the shared one)."""
+    for candidate in rows:
+        if candidate.when:
+            return CheckResult(
+                name, candidate.status, candidate.message, device=device, **{**shared, **candidate.fields}
+            )
+    raise AssertionError(f"{name}: no row of the decision table holds")
 
 
 def exit_code(results: list[CheckResult]) -> int:

@@ -33,7 +33,7 @@ from healthcheck.checks.ib_counters import IB_ROOT, IbPortCounters, check_ib_cou
 from healthcheck.checks.shared_fs import SharedFsProbe, start_probes
 from healthcheck.checks.xid import check_kernel_log_xids, check_live_xids
 from healthcheck.compare import DeviceMeasurement, Thresholds, judge, needs_retry
-from healthcheck.functional.launcher import HOST_FUNCTIONAL_CHECKS
+from healthcheck.functional.table import HOST_FUNCTIONAL_CHECKS, Scope, checks_of, find, result_names, row_of_result
 from healthcheck.pci import normalize_bus_id
 from healthcheck.readings import DeviceReadings
 from healthcheck.report import DeviceSummary, Report
@@ -64,15 +64,9 @@ PASSIVE_CHECKS = (
     "xid_kernel_log",
     "xid_live",
 )
-FUNCTIONAL_CHECKS = (
-    "gemm_bf16",
-    "clocks_under_load",
-    "memory_bandwidth",
-    "h2d_bandwidth",
-    "d2h_bandwidth",
-    "memory_pattern",
-    "allreduce",
-)
+# The functional checks' results, from their rows (healthcheck.functional.table); the host's
+# own figures are HOST_FUNCTIONAL_CHECKS.
+FUNCTIONAL_CHECKS = result_names(Scope.DEVICE, Scope.NODE)
 HOST_CHECKS = ("disk_free", "shm_size", "host_memory", "host_processes", "ib_ports", "ib_counters", "shared_fs")
 SHARED_FS_ENV = "DYNPROF_HEALTHCHECK_SHARED_FS"
 ALL_CHECKS = PASSIVE_CHECKS + FUNCTIONAL_CHECKS + HOST_CHECKS + HOST_FUNCTIONAL_CHECKS
@@ -420,16 +414,15 @@ class _Run:
 
     def functional(self, baselines: list[Baseline]) -> bool:
         """Run the functional checks; True if they also judged the PCIe links (under load)."""
-        from healthcheck.functional.launcher import PER_DEVICE_CHECKS, level_plan, run_workers
+        from healthcheck.functional.launcher import level_plan, run_workers
 
         assert self.backend is not None
         source = self.backend.name
         count = visible_cuda_count(len(self.readings))
-        skip = self.o.skip
-        per_device = [c for c in PER_DEVICE_CHECKS if not self._skipped(c)]
-        checks = list(per_device)
-        if count > 1 and "allreduce" not in skip:
-            checks.append("allreduce")
+        level = self.o.level
+        checks = [c.name for c in checks_of(Scope.DEVICE, level) if not self._skipped(c.name)]
+        if count > 1:
+            checks += [c.name for c in checks_of(Scope.NODE, level) if not self._skipped(c.name)]
         if not checks or count == 0:
             return False
         plan = level_plan(self.o.level)
@@ -453,14 +446,15 @@ class _Run:
         for outcome in outcomes:
             r = reading_of.get(outcome.local_rank)
             index = r.index if r is not None else outcome.local_rank
-            if outcome.check == "allreduce":
+            row = find(outcome.check)
+            if row is not None and row.scope is Scope.NODE:
                 if outcome.local_rank != 0:
                     continue
                 index_or_none: int | None = None
             else:
                 index_or_none = index
             if outcome.error is not None:
-                names = {"host_transfer": ["h2d_bandwidth", "d2h_bandwidth"]}.get(outcome.check, [outcome.check])
+                names = row.result_names if row is not None else (outcome.check,)
                 for name in names:
                     self.add(
                         CheckResult(
@@ -523,7 +517,10 @@ class _Run:
         """Repeat each slow measurement once (all flagged devices together); keep the better value."""
         from healthcheck.functional.launcher import run_workers
 
-        check_of = {"h2d_bandwidth": "host_transfer", "d2h_bandwidth": "host_transfer"}
+        def check_of(result: str) -> str:
+            row = row_of_result(result)
+            return row.name if row is not None else result
+
         ordinal_of = {r.index: o for o, r in reading_of.items() if r is not None}
         node_retry = [item for item, _ in retry if item.device is None]
         device_retry = [item for item, _ in retry if item.device is not None]
@@ -533,12 +530,13 @@ class _Run:
             ordinals = sorted(
                 {ordinal_of.get(item.device, item.device) for item in device_retry if item.device is not None}
             )
-            checks = sorted({check_of.get(item.measurement.check, item.measurement.check) for item in device_retry})
+            checks = sorted({check_of(item.measurement.check) for item in device_retry})
             outcomes, _ = run_workers(ordinals, checks, plan, timeout_scale=self.o.timeout_scale)
             self._merge(device_retry, outcomes, ordinal_of)
         if node_retry:
             count = visible_cuda_count(len(self.readings))
-            outcomes, _ = run_workers(list(range(count)), ["allreduce"], plan, timeout_scale=self.o.timeout_scale)
+            checks = sorted({check_of(item.measurement.check) for item in node_retry})
+            outcomes, _ = run_workers(list(range(count)), checks, plan, timeout_scale=self.o.timeout_scale)
             self._merge(node_retry, [o for o in outcomes if o.local_rank == 0], None)
         self.timed("retry", t0)
 
@@ -561,7 +559,7 @@ class _Run:
         other functional figures (no shipped baseline: the job-wide peer comparison uses them)."""
         from healthcheck.functional.launcher import level_plan, run_workers
 
-        checks = [c for c in HOST_FUNCTIONAL_CHECKS if c not in self.o.skip]
+        checks = [c.name for c in checks_of(Scope.HOST, self.o.level) if not self._skipped(c.name)]
         if not checks:
             return
         t0 = time.monotonic()
@@ -581,8 +579,9 @@ class _Run:
         self.add(judge(items, {}, self.o.thresholds))
 
     def _skipped(self, check: str) -> bool:
-        aliases = {"host_transfer": {"h2d_bandwidth", "d2h_bandwidth"}}
-        names = aliases.get(check, {check})
+        """Whether ``--skip`` names ``check`` or, for a functional check, any of its results."""
+        row = find(check)
+        names = set(row.result_names) if row is not None else {check}
         return bool(names & self.o.skip)
 
     def devices_summary(self, baselines: list[Baseline]) -> list[DeviceSummary]:
@@ -660,7 +659,8 @@ def run(options: Options, progress: Callable[[str], None] | None = None) -> Repo
         state.read_devices()
         state.passive()
         state.kernel_log()
-        pcie_judged = options.level != "quick" and state.functional(baselines)
+        # The functional checks run at the levels their rows name (none at quick).
+        pcie_judged = state.functional(baselines)
         if not pcie_judged and not state._skipped("pcie_link"):
             state.pcie_quick()
         state.counters_at_end()
@@ -685,8 +685,7 @@ def run(options: Options, progress: Callable[[str], None] | None = None) -> Repo
         _, why = state.probe(backend.close, f"{backend.name}: closing")
         if why is not None:
             state.timings["close_did_not_return"] = options.probe_timeout_s
-    if options.level != "quick":
-        state.host_functional()
+    state.host_functional()
     for name, what, call, started in host_calls:
         limit = options.probe_timeout_s
         try:

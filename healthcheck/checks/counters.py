@@ -7,14 +7,13 @@ at ``standard``/``full``, so the window then covers the devices under load), and
 difference. The readings at the end are ``end``; a device whose end reading is missing (its
 read did not return) is ``unknown``, never ``pass``.
 
-Each check is a decision table (:func:`healthcheck.checks.device.verdict`).
+Each check is a decision table (:func:`healthcheck.result.decide`).
 """
 
 from __future__ import annotations
 
-from healthcheck.checks.device import OTHERWISE, result, row, verdict
 from healthcheck.readings import NVLINK_COUNTERS, DeviceReadings
-from healthcheck.result import CheckResult, Status
+from healthcheck.result import OTHERWISE, CheckResult, Status, decide, row
 
 # NVML_GPU_RECOVERY_ACTION_* -> (what it means, the action dynprof asks for; None: nothing to do).
 RECOVERY_ACTIONS: dict[int, tuple[str, str | None]] = {
@@ -36,18 +35,20 @@ def _missing(r: DeviceReadings, name: str, fields: list[str], source: str) -> Ch
     if any(getattr(r, f) is not None for f in fields):
         return None
     if all(f in r.not_exposed for f in fields):
-        return result(r, name, Status.SKIPPED, f"not exposed by {source.removeprefix('smi:')}")
+        return CheckResult(name, Status.SKIPPED, f"not exposed by {source.removeprefix('smi:')}", device=r.index)
     if all(f in r.not_supported or f in r.not_exposed for f in fields):
-        return result(r, name, Status.SKIPPED, "not supported by this device or driver")
+        return CheckResult(name, Status.SKIPPED, "not supported by this device or driver", device=r.index)
     errors = sorted({r.errors[f] for f in fields if f in r.errors})
     reason = "; ".join(errors) if errors else f"not available through {source}"
-    return result(r, name, Status.UNKNOWN, f"could not read {' or '.join(fields)}: {reason}")
+    return CheckResult(name, Status.UNKNOWN, f"could not read {' or '.join(fields)}: {reason}", device=r.index)
 
 
 def _end_missing(r: DeviceReadings, end: DeviceReadings | None, name: str, why: str | None) -> CheckResult | None:
     if end is not None:
         return None
-    return result(r, name, Status.UNKNOWN, f"the reading at the end of the check is missing: {why or 'not taken'}")
+    return CheckResult(
+        name, Status.UNKNOWN, f"the reading at the end of the check is missing: {why or 'not taken'}", device=r.index
+    )
 
 
 def check_recovery_action(
@@ -69,8 +70,7 @@ def check_recovery_action(
         actions = [x.recovery_action for x in readings if x.recovery_action is not None]
         worst = max(actions, key=lambda a: (_SEVERITY[RECOVERY_ACTIONS.get(a, ("", "drain"))[1]], a))
         meaning, action = RECOVERY_ACTIONS.get(worst, (f"action {worst}, not known to dynprof", "drain"))
-        return verdict(
-            r,
+        return decide(
             name,
             [
                 row(
@@ -89,11 +89,11 @@ def check_recovery_action(
             value=meaning,
             expected="none",
             details={"recovery_action": worst, "readings": actions, "field": "NVML_FI_DEV_GET_GPU_RECOVERY_ACTION"},
+            device=r.index,
         )
     reset = any(bool(x.reset_required) for x in readings)
     drain = any(bool(x.drain_and_reset_recommended) for x in readings)
-    return verdict(
-        r,
+    return decide(
         name,
         [
             row(drain, Status.FAIL, "the driver recommends drain and reset", value="drain and reset", action="drain"),
@@ -113,6 +113,7 @@ def check_recovery_action(
             "drain_and_reset_recommended": [x.drain_and_reset_recommended for x in readings],
             "field": "reset status",
         },
+        device=r.index,
     )
 
 
@@ -134,12 +135,14 @@ def check_pcie_replay(
         return gone
     assert end is not None
     if end.pcie_replay_count is None:
-        return result(
-            r, name, Status.UNKNOWN, f"could not read the counter again: {end.errors.get('pcie_replay_count', '?')}"
+        return CheckResult(
+            name,
+            Status.UNKNOWN,
+            f"could not read the counter again: {end.errors.get('pcie_replay_count', '?')}",
+            device=r.index,
         )
     delta = end.pcie_replay_count - r.pcie_replay_count
-    return verdict(
-        r,
+    return decide(
         name,
         [
             row(
@@ -163,6 +166,7 @@ def check_pcie_replay(
         value=delta,
         expected="0",
         details={"start": r.pcie_replay_count, "end": end.pcie_replay_count, "window_s": round(window_s, 3)},
+        device=r.index,
     )
 
 
@@ -176,21 +180,23 @@ def check_nvlink_errors(
     """NVLink replay, recovery and CRC errors that increase during the check fail (reset)."""
     name = "nvlink_errors"
     if "nvlinks" in r.not_supported:
-        return result(r, name, Status.SKIPPED, "no NVLink on this device")
+        return CheckResult(name, Status.SKIPPED, "no NVLink on this device", device=r.index)
     if "nvlink_counters" in r.not_exposed:
-        return result(r, name, Status.SKIPPED, f"not exposed by {source.removeprefix('smi:')}")
+        return CheckResult(name, Status.SKIPPED, f"not exposed by {source.removeprefix('smi:')}", device=r.index)
     if r.nvlinks is None:
         reason = r.errors.get("nvlinks") or f"not available through {source}"
-        return result(r, name, Status.UNKNOWN, f"could not read the NVLinks: {reason}")
+        return CheckResult(name, Status.UNKNOWN, f"could not read the NVLinks: {reason}", device=r.index)
     active = [link for link in r.nvlinks if link.active]
     if not active:
-        return result(r, name, Status.SKIPPED, "no NVLink is active (see nvlink)")
+        return CheckResult(name, Status.SKIPPED, "no NVLink is active (see nvlink)", device=r.index)
     unread = [link.link for link in active if not link.counters()]
     if len(unread) == len(active):
         if "nvlink_counters" in r.not_supported:
-            return result(r, name, Status.SKIPPED, "NVLink error counters not supported by this device or driver")
+            return CheckResult(
+                name, Status.SKIPPED, "NVLink error counters not supported by this device or driver", device=r.index
+            )
         reason = r.errors.get("nvlink_counters") or f"not available through {source}"
-        return result(r, name, Status.UNKNOWN, f"could not read the NVLink error counters: {reason}")
+        return CheckResult(name, Status.UNKNOWN, f"could not read the NVLink error counters: {reason}", device=r.index)
     gone = _end_missing(r, end, name, end_error)
     if gone:
         return gone
@@ -214,8 +220,7 @@ def check_nvlink_errors(
         rising += [f"link {link.link} {k.removesuffix('_errors')} +{d}" for k, d in deltas.items() if d > 0]
         backwards += [f"link {link.link} {k}" for k, d in deltas.items() if d < 0]
     totals = {k: sum(link.counters().get(k, 0) for link in active) for k in NVLINK_COUNTERS}
-    return verdict(
-        r,
+    return decide(
         name,
         [
             row(
@@ -240,6 +245,7 @@ def check_nvlink_errors(
         ],
         expected="0",
         details={"deltas": per_link, "totals_at_start": totals, "window_s": round(window_s, 3)},
+        device=r.index,
     )
 
 

@@ -1,13 +1,11 @@
 """Passive checks of one accelerator, judged from its :class:`DeviceReadings`.
 
-Each check reads what it needs, then says its verdict as a decision table (:func:`verdict`):
-rows of condition, status and message, the first that holds decides; the fields every row
-shares (value, expected, unit, details) are given once."""
+Each check reads what it needs, then says its verdict as a decision table
+(:func:`healthcheck.result.decide`, on the device read: :func:`verdict`)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from healthcheck.readings import (
@@ -18,7 +16,7 @@ from healthcheck.readings import (
     DeviceReadings,
     clock_reason_names,
 )
-from healthcheck.result import CheckResult, Status
+from healthcheck.result import OTHERWISE, CheckResult, Row, Status, decide, row
 
 # Used when the device does not report its own slowdown threshold.
 DEFAULT_SLOWDOWN_C = 87
@@ -27,37 +25,14 @@ TEMPERATURE_MARGIN_C = 5
 RETIRED_PAGES_LIMIT = 60
 
 
-@dataclass(frozen=True)
-class Row:
-    """One row of a check's decision table: when ``when`` holds, the check says ``status`` and
-    ``message``, with ``fields`` (value, expected, unit, action, details) over the shared ones."""
-
-    when: bool
-    status: Status
-    message: str
-    fields: Mapping[str, Any]
-
-
-def row(when: bool, status: Status, message: str, **fields: Any) -> Row:
-    return Row(when, status, message, fields)
-
-
-OTHERWISE = True
-
-
 def result(r: DeviceReadings, name: str, status: Status, message: str, **fields: Any) -> CheckResult:
     """A result of check ``name`` on device ``r``."""
     return CheckResult(name, status, message, device=r.index, **fields)
 
 
 def verdict(r: DeviceReadings, name: str, rows: Sequence[Row], **shared: Any) -> CheckResult:
-    """The result of the first row that holds (the last row's condition is ``OTHERWISE``). The
-    ``shared`` fields go with every row; a row's own fields replace them (``expected=None``
-    drops the shared one)."""
-    for candidate in rows:
-        if candidate.when:
-            return result(r, name, candidate.status, candidate.message, **{**shared, **candidate.fields})
-    raise AssertionError(f"{name}: no row of the decision table holds")
+    """The decision table's result (:func:`healthcheck.result.decide`) on device ``r``."""
+    return decide(name, rows, device=r.index, **shared)
 
 
 def not_read(r: DeviceReadings, name: str, fields: Iterable[str], source: str) -> CheckResult | None:

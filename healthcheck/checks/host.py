@@ -1,7 +1,8 @@
 """Host checks: disk, /dev/shm, memory, stuck processes, InfiniBand / RoCE ports.
 
 Each check has a ``read_*`` function that looks at the machine and a ``check_*`` function that
-judges what was read, so the judgement is tested without the machine.
+judges what was read, so the judgement is tested without the machine. A judgement is a decision
+table (:func:`healthcheck.result.decide`).
 """
 
 from __future__ import annotations
@@ -13,34 +14,24 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from healthcheck.result import CheckResult, Status
+from healthcheck.result import OTHERWISE, CheckResult, Status, decide, row
 
 GIB = 1024**3
 
 
 # -- disk ---------------------------------------------------------------------------------------
 def check_disk(path: str, total: int, free: int, min_free_gib: float) -> CheckResult:
-    name = "disk_free"
-    value = round(free / GIB, 1)
-    details = {"path": path, "total_bytes": total, "free_bytes": free}
-    expected = f">= {min_free_gib:g} GiB"
-    if free < min_free_gib * GIB / 4 or free < GIB // 2:
-        return CheckResult(
-            name,
-            Status.FAIL,
-            f"{path}: almost full",
-            value=value,
-            unit="GiB",
-            expected=expected,
-            action="drain",
-            details=details,
-        )
-    if free < min_free_gib * GIB:
-        return CheckResult(
-            name, Status.WARN, f"{path}: low on space", value=value, unit="GiB", expected=expected, details=details
-        )
-    return CheckResult(
-        name, Status.PASS, f"{path}: enough free space", value=value, unit="GiB", expected=expected, details=details
+    return decide(
+        "disk_free",
+        [
+            row(free < min_free_gib * GIB / 4 or free < GIB // 2, Status.FAIL, f"{path}: almost full", action="drain"),
+            row(free < min_free_gib * GIB, Status.WARN, f"{path}: low on space"),
+            row(OTHERWISE, Status.PASS, f"{path}: enough free space"),
+        ],
+        value=round(free / GIB, 1),
+        unit="GiB",
+        expected=f">= {min_free_gib:g} GiB",
+        details={"path": path, "total_bytes": total, "free_bytes": free},
     )
 
 
@@ -63,23 +54,23 @@ def check_shm(total: int | None) -> CheckResult:
         return CheckResult(
             name, Status.FAIL, "/dev/shm is missing: NCCL and DataLoader workers need it", action="drain"
         )
-    value = round(total / GIB, 2)
-    if total < SHM_FAIL_BYTES:
-        return CheckResult(
-            name,
-            Status.FAIL,
-            "/dev/shm is tiny (containers default to 64 MiB): NCCL and DataLoader workers fail; "
-            "docker run --shm-size / Kubernetes emptyDir medium: Memory",
-            value=value,
-            unit="GiB",
-            expected=">= 8 GiB",
-            action="drain",
-        )
-    if total < SHM_WARN_BYTES:
-        return CheckResult(
-            name, Status.WARN, "/dev/shm is small for multi-GPU jobs", value=value, unit="GiB", expected=">= 8 GiB"
-        )
-    return CheckResult(name, Status.PASS, "/dev/shm is large enough", value=value, unit="GiB", expected=">= 8 GiB")
+    return decide(
+        name,
+        [
+            row(
+                total < SHM_FAIL_BYTES,
+                Status.FAIL,
+                "/dev/shm is tiny (containers default to 64 MiB): NCCL and DataLoader workers fail; "
+                "docker run --shm-size / Kubernetes emptyDir medium: Memory",
+                action="drain",
+            ),
+            row(total < SHM_WARN_BYTES, Status.WARN, "/dev/shm is small for multi-GPU jobs"),
+            row(OTHERWISE, Status.PASS, "/dev/shm is large enough"),
+        ],
+        value=round(total / GIB, 2),
+        unit="GiB",
+        expected=">= 8 GiB",
+    )
 
 
 def read_shm() -> CheckResult:
@@ -94,39 +85,23 @@ def read_shm() -> CheckResult:
 
 # -- memory ----------------------------------------------------------------------------------
 def check_memory(total: int, available: int) -> CheckResult:
-    name = "host_memory"
-    value = round(available / GIB, 1)
     share = available / total if total else 0.0
-    details = {"total_bytes": total, "available_bytes": available}
-    if share < 0.05 or available < 2 * GIB:
-        return CheckResult(
-            name,
-            Status.FAIL,
-            f"only {share:.0%} of host memory available",
-            value=value,
-            unit="GiB",
-            expected=">= 10 %",
-            action="drain",
-            details=details,
-        )
-    if share < 0.10:
-        return CheckResult(
-            name,
-            Status.WARN,
-            f"{share:.0%} of host memory available",
-            value=value,
-            unit="GiB",
-            expected=">= 10 %",
-            details=details,
-        )
-    return CheckResult(
-        name,
-        Status.PASS,
-        f"{share:.0%} of host memory available",
-        value=value,
+    return decide(
+        "host_memory",
+        [
+            row(
+                share < 0.05 or available < 2 * GIB,
+                Status.FAIL,
+                f"only {share:.0%} of host memory available",
+                action="drain",
+            ),
+            row(share < 0.10, Status.WARN, f"{share:.0%} of host memory available"),
+            row(OTHERWISE, Status.PASS, f"{share:.0%} of host memory available"),
+        ],
+        value=round(available / GIB, 1),
         unit="GiB",
         expected=">= 10 %",
-        details=details,
+        details={"total_bytes": total, "available_bytes": available},
     )
 
 
@@ -167,35 +142,35 @@ def check_process_states(zombies: list[ProcState], stuck: list[ProcState]) -> Ch
         "stuck_in_d_state": [{"pid": p.pid, "name": p.name, "wchan": p.wchan} for p in stuck[:20]],
     }
     driver_stuck = [p for p in stuck if _in_gpu_driver(p)]
-    if driver_stuck:
-        return CheckResult(
-            name,
-            Status.FAIL,
-            f"{len(driver_stuck)} processes stuck in the GPU driver (D state: "
-            + ", ".join(f"{p.pid} {p.name} in {p.wchan or '?'}" for p in driver_stuck[:4])
-            + ")",
-            value=len(stuck),
-            action="drain",
-            details=details,
-        )
-    if stuck:
-        return CheckResult(
-            name,
-            Status.WARN,
-            f"{len(stuck)} processes stuck in D state (" + ", ".join(f"{p.pid} {p.name}" for p in stuck[:4]) + ")",
-            value=len(stuck),
-            details=details,
-        )
-    if len(zombies) >= ZOMBIE_WARN:
-        parents = sorted({p.ppid for p in zombies})[:8]
-        return CheckResult(
-            name,
-            Status.WARN,
-            f"{len(zombies)} zombie processes (parents {parents})",
-            value=len(zombies),
-            details=details,
-        )
-    return CheckResult(name, Status.PASS, f"no stuck processes, {len(zombies)} zombies", value=0, details=details)
+    parents = sorted({p.ppid for p in zombies})[:8]
+    return decide(
+        name,
+        [
+            row(
+                bool(driver_stuck),
+                Status.FAIL,
+                f"{len(driver_stuck)} processes stuck in the GPU driver (D state: "
+                + ", ".join(f"{p.pid} {p.name} in {p.wchan or '?'}" for p in driver_stuck[:4])
+                + ")",
+                value=len(stuck),
+                action="drain",
+            ),
+            row(
+                bool(stuck),
+                Status.WARN,
+                f"{len(stuck)} processes stuck in D state (" + ", ".join(f"{p.pid} {p.name}" for p in stuck[:4]) + ")",
+                value=len(stuck),
+            ),
+            row(
+                len(zombies) >= ZOMBIE_WARN,
+                Status.WARN,
+                f"{len(zombies)} zombie processes (parents {parents})",
+                value=len(zombies),
+            ),
+            row(OTHERWISE, Status.PASS, f"no stuck processes, {len(zombies)} zombies", value=0),
+        ],
+        details=details,
+    )
 
 
 def _proc_states() -> dict[int, ProcState]:
@@ -270,35 +245,31 @@ def check_ib_ports(ports: list[IbPort]) -> list[CheckResult]:
             "rate": p.rate,
             "link_layer": p.link_layer,
         }
-        if "ACTIVE" not in p.state:
-            results.append(
-                CheckResult(
-                    name,
-                    Status.WARN,
-                    f"{label} is {p.state.split(':')[-1].strip()} ({p.phys_state.split(':')[-1].strip()})",
-                    value=p.state,
-                    expected="ACTIVE",
-                    details=details,
-                )
+        fastest = best.get(p.link_layer, 0.0)
+        results.append(
+            decide(
+                name,
+                [
+                    row(
+                        "ACTIVE" not in p.state,
+                        Status.WARN,
+                        f"{label} is {p.state.split(':')[-1].strip()} ({p.phys_state.split(':')[-1].strip()})",
+                        value=p.state,
+                        expected="ACTIVE",
+                    ),
+                    row(
+                        p.rate_gbps is not None and p.rate_gbps < fastest,
+                        Status.WARN,
+                        f"{label} runs at {p.rate}, slower than its peers",
+                        unit="Gb/s",
+                        expected=f"{fastest:g} Gb/s",
+                    ),
+                    row(OTHERWISE, Status.PASS, f"{label} active at {p.rate}", unit="Gb/s"),
+                ],
+                value=p.rate_gbps,
+                details=details,
             )
-        elif p.rate_gbps is not None and p.rate_gbps < best.get(p.link_layer, 0.0):
-            results.append(
-                CheckResult(
-                    name,
-                    Status.WARN,
-                    f"{label} runs at {p.rate}, slower than its peers",
-                    value=p.rate_gbps,
-                    unit="Gb/s",
-                    expected=f"{best[p.link_layer]:g} Gb/s",
-                    details=details,
-                )
-            )
-        else:
-            results.append(
-                CheckResult(
-                    name, Status.PASS, f"{label} active at {p.rate}", value=p.rate_gbps, unit="Gb/s", details=details
-                )
-            )
+        )
     return results
 
 

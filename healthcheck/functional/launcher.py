@@ -24,6 +24,7 @@ from typing import Any
 
 from dynprof.procs import kill_group
 from healthcheck.functional.measurement import Measurement
+from healthcheck.functional.table import CHECKS, Scope, find
 
 # Startup: interpreter, torch import, CUDA context.
 STARTUP_TIMEOUT_S = 120.0
@@ -31,60 +32,18 @@ STARTUP_TIMEOUT_S = 120.0
 
 @dataclass
 class LevelPlan:
+    """The parameters and time limits of the functional checks at one level, by check name."""
+
     params: dict[str, dict[str, Any]]
     timeouts: dict[str, float]
 
 
 def level_plan(level: str) -> LevelPlan:
-    """Sizes and timeouts of the functional checks at ``level`` (``standard`` or ``full``)."""
-    if level == "full":
-        return LevelPlan(
-            params={
-                "gemm_bf16": {"n": 8192, "warmup_s": 5.0, "measure_s": 20.0, "repeats": 5},
-                "memory_bandwidth": {"size_bytes": 4 * 1024**3, "warmup_s": 1.0, "iters": 400},
-                "host_transfer": {"size_bytes": 1024**3, "iters": 20},
-                "memory_pattern": {"fraction": 0.9},
-                # The same message size as standard, so the baseline applies; more iterations.
-                "allreduce": {"size_bytes": 256 * 1024**2, "warmup": 5, "iters": 100},
-                "host_gemm_fp32": {"n": 1024, "measure_s": 2.0, "repeats": 5},
-                "host_memory_bandwidth": {"size_bytes": 256 * 1024**2, "iters": 8, "repeats": 5},
-            },
-            timeouts={
-                "host_gemm_fp32": 60,
-                "host_memory_bandwidth": 60,
-                "gemm_bf16": 180,
-                "memory_bandwidth": 120,
-                "host_transfer": 120,
-                "memory_pattern": 300,
-                "allreduce": 300,
-            },
-        )
-    return LevelPlan(
-        params={
-            "gemm_bf16": {"n": 8192, "warmup_s": 1.0, "measure_s": 2.0, "repeats": 3},
-            "memory_bandwidth": {"size_bytes": 2 * 1024**3, "warmup_s": 0.2, "iters": 100},
-            "host_transfer": {"size_bytes": 512 * 1024**2, "iters": 20},
-            "memory_pattern": {"fraction": 0.5},
-            "allreduce": {"size_bytes": 256 * 1024**2, "warmup": 5, "iters": 20},
-            "host_gemm_fp32": {"n": 1024, "measure_s": 1.0, "repeats": 5},
-            "host_memory_bandwidth": {"size_bytes": 128 * 1024**2, "iters": 2, "repeats": 5},
-        },
-        timeouts={
-            "gemm_bf16": 60,
-            "memory_bandwidth": 30,
-            "host_transfer": 30,
-            "memory_pattern": 60,
-            "allreduce": 120,
-            "host_gemm_fp32": 30,
-            "host_memory_bandwidth": 30,
-        },
-    )
-
-
-PER_DEVICE_CHECKS = ("gemm_bf16", "memory_bandwidth", "host_transfer", "memory_pattern")
-# The host's own figures (healthcheck.functional.cpu), at standard and full: one worker on the
-# CPU device, on every node. The one list of them (healthcheck.runner imports it).
-HOST_FUNCTIONAL_CHECKS = ("host_gemm_fp32", "host_memory_bandwidth")
+    """Sizes and timeouts of the functional checks at ``level`` (``full``; any other level gets
+    ``standard``'s), read from their rows."""
+    at = "full" if level == "full" else "standard"
+    rows = [c for c in CHECKS if at in c.levels]
+    return LevelPlan(params={c.name: c.params(at) for c in rows}, timeouts={c.name: c.timeout(at) for c in rows})
 
 
 @dataclass
@@ -159,8 +118,11 @@ def run_workers(
     env.pop("TORCHELASTIC_RUN_ID", None)
     workdir = Path(tempfile.mkdtemp(prefix="dynprof-healthcheck-"))
     params: dict[str, dict[str, Any]] = {c: dict(plan.params.get(c, {})) for c in checks}
-    if "allreduce" in checks:
-        params["allreduce"]["init_timeout_s"] = plan.timeouts.get("allreduce", 120) * timeout_scale
+    for c in checks:
+        row = find(c)
+        if row is not None and row.scope is Scope.NODE:
+            # The workers' rendezvous waits as long as the check may take.
+            params[c]["init_timeout_s"] = plan.timeouts.get(c, 120) * timeout_scale
     spec = {
         "checks": checks,
         "params": params,

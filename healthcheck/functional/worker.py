@@ -3,8 +3,9 @@
 Started by :mod:`healthcheck.functional.launcher` as ``python -m healthcheck.functional.worker
 SPEC_JSON`` with ``LOCAL_RANK``/``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` set. It
 writes one JSON object a line on stdout: ``ready``, then ``start`` and ``result`` (or
-``error``) for each check, then ``done``. The launcher enforces each check's timeout by
-killing the worker, so nothing here needs to guard against a hung device.
+``error``) for each check, then ``done``. Each check runs by its row
+(:mod:`healthcheck.functional.table`). The launcher enforces each check's timeout by killing
+the worker, so nothing here needs to guard against a hung device.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from typing import Any
 
 import torch
 
-from healthcheck.functional.bench import gemm, host_transfer, memory_bandwidth, memory_pattern
 from healthcheck.functional.measurement import Measurement
+from healthcheck.functional.table import Target, check_named, find
 
 
 def emit(event: str, **fields: Any) -> None:
@@ -102,33 +103,8 @@ def device_identity(device: torch.device) -> dict[str, Any]:
 def run_check(
     check: str, device: torch.device, params: dict[str, Any], sampler: NvmlSampler, lock_path: str | None
 ) -> list[Measurement]:
-    if check == "gemm_bf16":
-        return [gemm(device, sample=sampler.clocks, **params)]
-    if check == "memory_bandwidth":
-        return [memory_bandwidth(device, **params)]
-    if check == "host_transfer":
-        return host_transfer(device, sample=sampler.pcie, **params)
-    if check == "memory_pattern":
-        return [memory_pattern(device, **params)]
-    if check == "host_gemm_fp32":
-        from healthcheck.functional.cpu import host_gemm
-
-        return [host_gemm(**params)]
-    if check == "host_memory_bandwidth":
-        from healthcheck.functional.cpu import host_memory_bandwidth
-
-        return [host_memory_bandwidth(**params)]
-    if check == "allreduce":
-        import torch.distributed as dist
-
-        from healthcheck.allreduce import allreduce_busbw, init_process_group
-
-        init_process_group(device, params.pop("init_timeout_s", 120))
-        try:
-            return [allreduce_busbw(device, **params)]
-        finally:
-            dist.destroy_process_group()
-    raise ValueError(f"unknown check {check!r}")
+    """Run ``check`` by its row (a name no row has is a ``ValueError``)."""
+    return check_named(check).run(Target(device, sampler), params)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -147,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     sampler = NvmlSampler(identity.get("uuid"))
     for check in spec["checks"]:
         params = dict(spec.get("params", {}).get(check, {}))
-        lock = spec.get("transfer_lock") if check == "host_transfer" else None
+        row = find(check)
+        lock = spec.get("transfer_lock") if row is not None and row.one_at_a_time else None
         with exclusive(lock):
             emit("start", check=check)
             try:

@@ -18,11 +18,10 @@ from healthcheck.checks.device import (
     not_read,
     passive_device_checks,
     result,
-    row,
     verdict,
 )
 from healthcheck.readings import DeviceProcess, DeviceReadings, NvLinkReading
-from healthcheck.result import Status
+from healthcheck.result import Status, row
 
 
 def readings(**fields) -> DeviceReadings:

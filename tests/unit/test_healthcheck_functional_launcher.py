@@ -13,13 +13,12 @@ import pytest
 
 from healthcheck.functional import launcher
 from healthcheck.functional.launcher import (
-    HOST_FUNCTIONAL_CHECKS,
-    PER_DEVICE_CHECKS,
     CheckOutcome,
     LevelPlan,
     level_plan,
     run_workers,
 )
+from healthcheck.functional.table import HOST_FUNCTIONAL_CHECKS, PER_DEVICE_CHECKS
 
 READY = {"event": "ready", "pid": 4242, "name": "Fake GPU", "uuid": "GPU-fake"}
 

@@ -13,9 +13,12 @@ from healthcheck.result import (
     EXIT_HEALTHY,
     EXIT_UNHEALTHY,
     EXIT_WARNING,
+    OTHERWISE,
     CheckResult,
     Status,
+    decide,
     exit_code,
+    row,
     verdict,
 )
 
@@ -110,3 +113,28 @@ def test_the_actions_are_drain_reset_and_warn():
 def test_status_values_are_the_json_words():
     assert [s.value for s in Status] == ["pass", "warn", "fail", "unknown", "skipped"]
     assert Status("fail") is Status.FAIL
+
+
+# -- the decision table -------------------------------------------------------------------------
+def test_decide_gives_the_first_row_that_holds_with_the_shared_fields():
+    # GIVEN a table whose second and third rows both hold, with fields shared by every row
+    rows = [
+        row(False, Status.FAIL, "never", action="drain"),
+        row(True, Status.WARN, "second", expected=None),
+        row(OTHERWISE, Status.PASS, "third"),
+    ]
+    # WHEN judged on the node (no device)
+    got = decide("some_check", rows, value=3, expected=">= 4", unit="GiB", details={"path": "/"})
+    # THEN the second row decides: its own fields replace the shared ones, the rest are kept
+    assert (got.name, got.status, got.reason, got.device) == ("some_check", Status.WARN, "second", None)
+    assert (got.value, got.expected, got.unit, got.action, got.details) == (3, None, "GiB", None, {"path": "/"})
+
+
+def test_decide_on_a_device_names_it():
+    got = decide("c", [row(OTHERWISE, Status.PASS, "ok")], device=5)
+    assert (got.device, got.status) == (5, Status.PASS)
+
+
+def test_a_table_where_no_row_holds_is_a_programming_error():
+    with pytest.raises(AssertionError, match="c: no row of the decision table holds"):
+        decide("c", [row(False, Status.PASS, "x")])
