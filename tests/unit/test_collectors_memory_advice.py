@@ -1,4 +1,4 @@
-"""OOM advice and attribution: rules against real H200 snapshots (tests/data), each piece of
+"""OOM advice: rules against real H200 snapshots (tests/data), each piece of
 advice carrying the figure that triggered it, and size classes that account for every byte."""
 
 from __future__ import annotations
@@ -9,9 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from collectors.memory import capture
 from collectors.memory.advice import advise, size_classes
-from collectors.memory.capture import job_attribution
 from collectors.memory.reader import load_snapshot
 from collectors.memory.summary import summarize_snapshot
 
@@ -119,33 +117,6 @@ def test_a_local_holding_much_of_the_memory_is_named_and_not_called_activations(
 def test_no_figures_no_advice():
     assert advise({}) == []
     assert advise({"devices": [], "totals": {}, "top_sites": []}) == []
-
-
-def test_attribution_counts_parameters_gradients_state_and_frame_tensors_once():
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        # CPU tensors are never counted (they hold no device memory): the walk still runs
-        model = torch.nn.Linear(4, 4)
-        opt = torch.optim.Adam(model.parameters())
-        model(torch.randn(2, 4)).sum().backward()
-        opt.step()
-        big = torch.zeros(8)  # noqa: F841 - a local the walk must look at
-        out = job_attribution(__import__("sys")._getframe(), [opt])
-        assert out["parameters_bytes"] == 0 and out["frame_tensors_bytes"] == 0 and out["complete"]
-        assert out["tensors_looked_at"] >= 2 + 2 + 4  # params, grads, Adam's exp_avg/exp_avg_sq
-        return
-    pytest.skip("the CUDA case runs in tests/gpu/test_memory_auto_gpu.py")
-
-
-def test_attribution_is_bounded(monkeypatch):
-    pytest.importorskip("torch")
-    monkeypatch.setattr(capture, "MAX_TENSORS", 3)
-    import torch
-
-    params = [torch.nn.Parameter(torch.zeros(1)) for _ in range(10)]
-    opt = torch.optim.SGD(params, lr=0.1)
-    out = job_attribution(None, [opt])
-    assert not out["complete"] and out["tensors_looked_at"] <= 10
 
 
 @pytest.mark.parametrize("policy", ["auto", "off"])

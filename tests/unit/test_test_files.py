@@ -29,8 +29,6 @@ TO_WRITE = "no unit file yet, to write; tested so far in "
 
 # Module (path from the repository's root) -> why its unit test file is not at the rule's name.
 ALLOWED: dict[str, str] = {
-    "dynprof/cli/memory.py": BEING_CHANGED,
-    "collectors/host_memory.py": BEING_CHANGED,
     # Its rule name, test_sidecar_actions.py, is also the integration file's name; the unit
     # tests (tests/unit/test_actions.py) move to it with that change.
     "dynprof/sidecar/actions.py": BEING_CHANGED,
@@ -39,11 +37,6 @@ ALLOWED: dict[str, str] = {
     "dynprof/job/nccl.py": TO_WRITE + "test_job_client.py, integration test_nccl.py",
     "dynprof/job/start.py": TO_WRITE + "test_fanout_commands.py",
     "dynprof/sidecar/server.py": TO_WRITE + "test_sidecar_app.py",
-    "collectors/memory/capture.py": TO_WRITE + "test_memory_snapshot.py",
-    "collectors/memory/plan_capture.py": TO_WRITE + "test_collectors_memory_plan.py, test_memory_plan_*.py",
-    "collectors/memory/reader.py": TO_WRITE + "test_memory_snapshot.py",
-    "collectors/memory/render.py": TO_WRITE + "test_memory_snapshot.py",
-    "collectors/memory/summary.py": TO_WRITE + "test_memory_snapshot.py, test_collectors_memory_advice.py",
     "collectors/torch_trace/__init__.py": TO_WRITE + "test_trace_warnings.py, test_trace_kineto_quiet.py",
 }
 
