@@ -31,9 +31,6 @@ TO_WRITE = "no unit file yet, to write; tested so far in "
 ALLOWED: dict[str, str] = {
     "dynprof/cli/memory.py": BEING_CHANGED,
     "collectors/host_memory.py": BEING_CHANGED,
-    # Its rule name, test_sidecar_actions.py, is also the integration file's name; the unit
-    # tests (tests/unit/test_actions.py) move to it with that change.
-    "dynprof/sidecar/actions.py": BEING_CHANGED,
     # -- No unit file of their own yet: still to write. Until then their tests are where each
     # comment says (tests/unit unless named as integration).
     "dynprof/cli/_common.py": TO_WRITE + "through the commands: test_cli.py, test_bad_input.py",
@@ -43,17 +40,14 @@ ALLOWED: dict[str, str] = {
     + "test_attach.py (its flag and usage errors), integration test_attach_processes.py",
     "dynprof/cli/memory_report.py": TO_WRITE + "test_memory_snapshot.py, test_bad_input.py",
     "dynprof/cli/serve.py": TO_WRITE + "test_sidecar_app.py, integration test_serve_abuse.py",
-    "dynprof/cli/sidecar_actions.py": TO_WRITE + "test_actions.py, integration test_sidecar_actions.py",
+    "dynprof/cli/sidecar_actions.py": TO_WRITE
+    + "test_sidecar_actions.py, integration test_sidecar_actions_processes.py",
     "dynprof/cli/start.py": TO_WRITE + "test_cli.py, test_fanout_commands.py, integration test_trace.py",
-    "dynprof/job/nccl.py": TO_WRITE + "test_job_client.py, integration test_nccl.py",
-    "dynprof/job/start.py": TO_WRITE + "test_fanout_commands.py",
-    "dynprof/sidecar/server.py": TO_WRITE + "test_sidecar_app.py",
     "collectors/memory/capture.py": TO_WRITE + "test_memory_snapshot.py",
     "collectors/memory/plan_capture.py": TO_WRITE + "test_collectors_memory_plan.py, test_memory_plan_*.py",
     "collectors/memory/reader.py": TO_WRITE + "test_memory_snapshot.py",
     "collectors/memory/render.py": TO_WRITE + "test_memory_snapshot.py",
     "collectors/memory/summary.py": TO_WRITE + "test_memory_snapshot.py, test_collectors_memory_advice.py",
-    "collectors/torch_trace/__init__.py": TO_WRITE + "test_trace_warnings.py, test_trace_kineto_quiet.py",
 }
 
 
