@@ -15,8 +15,8 @@ import pytest
 PROGRAMS = {
     "prometheus": "a real Prometheus scrapes a sidecar (tests/integration/test_prometheus.py)",
     "promtool": "the shipped alert rules and scrape config (tests/unit/test_deploy_prometheus.py)",
-    "chromium": "the sidecar and analyze pages in a browser (test_analyze_page, test_sidecar_actions)",
-    "openssl": "TLS sidecars (test_sidecar_actions, test_hostile_sidecar_http, test_job_client)",
+    "chromium": "the sidecar and analyze pages in a browser (test_analyze_page, test_sidecar_actions_processes)",
+    "openssl": "TLS sidecars (test_sidecar_actions_processes, test_hostile_sidecar_http, test_job_client)",
     "gdb": "attach to Python < 3.14 (test_attach_processes, test_bad_targets, test_roles_under_launchers)",
     "gcore": "core files of hung ranks (test_stacks)",
     "ip": "link tests across network namespaces (test_links_support)",
