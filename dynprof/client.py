@@ -6,6 +6,7 @@ import itertools
 import os
 import socket
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,19 +32,28 @@ _ERROR_CLASSES: dict[int, type[errors.DynprofError]] = {
 
 
 # The reply each command calls for. A reply of any other type (an agent of another version, or
-# something else listening on the socket) is a protocol error, never taken for an answer.
-_EXPECTED_REPLY: dict[str, str] = {
+# something else listening on the socket) is a protocol error, never taken for an answer. A
+# command of the wire (a field of Request's ``command``) answers with the artifact it wrote
+# (``ArtifactWritten``), as a capture does, unless it is named here with its own reply.
+_OWN_REPLY: dict[str, str] = {
     "ping": "pong",
     "status": "status",
     "start_trace": "trace_started",
     "stop_trace": "trace_stopped",
-    "dump_stacks": "artifact",
-    "memory_snapshot": "artifact",
     "memory_history": "ack",
-    "memory_plan": "artifact",
-    "flight_recorder_dump": "artifact",
     "discover_nodes": "job_nodes",
 }
+ARTIFACT_REPLY = "artifact"
+
+
+def expected_replies(commands: Iterable[str]) -> dict[str, str]:
+    """The reply each of ``commands`` (the wire's command names) calls for."""
+    return {name: _OWN_REPLY.get(name, ARTIFACT_REPLY) for name in commands}
+
+
+_EXPECTED_REPLY: dict[str, str] = expected_replies(
+    field.name for field in pb.Request.DESCRIPTOR.oneofs_by_name["command"].fields
+)
 
 
 def expected_reply(command: str) -> str:

@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
-"""Write docs/cli.md from the real argument parser, so the reference cannot drift.
+"""Write docs/cli.md from the real argument parser, and the sidecar's action table of docs/api.md
+from the real action rows (``dynprof.sidecar.actions.ACTIONS``), so the references cannot drift.
 
-python scripts/gen_cli_reference.py           # rewrite docs/cli.md
-python scripts/gen_cli_reference.py --check   # exit 1 if docs/cli.md is stale
+python scripts/gen_cli_reference.py           # rewrite docs/cli.md and docs/api.md's action table
+python scripts/gen_cli_reference.py --check   # exit 1 if either is stale
 """
 
 from __future__ import annotations
@@ -15,6 +16,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 OUT = ROOT / "docs" / "cli.md"
+API = ROOT / "docs" / "api.md"
+ACTIONS_BEGIN = (
+    "<!-- the action table: generated from dynprof.sidecar.actions.ACTIONS by scripts/gen_cli_reference.py; "
+    "do not edit by hand -->"
+)
+ACTIONS_END = "<!-- end of the action table -->"
 
 
 def render() -> str:
@@ -42,19 +49,56 @@ def render() -> str:
     return "\n".join(parts)
 
 
+def render_actions() -> str:
+    """The sidecar's action table (docs/api.md, "Actions"): one row per action, as the sidecar
+    takes it: its command, its options (an action that carries a kind's request takes the
+    request's ``OPTIONS``), that request, whether it acts on jobs, whether it takes ``hosts``, its time limits."""
+    from dynprof.sidecar.actions import ACTIONS
+
+    def yes(flag: bool) -> str:
+        return "yes" if flag else "no"
+
+    rows = [
+        "| action | CLI | options | the kind's request | acts on jobs | job-wide (`hosts`) | default / max timeout (s) |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for name, action in ACTIONS.items():
+        cli = "`" + " ".join(["dynprof", action.command, *action.leading]) + "`"
+        if action.in_subprocess:
+            cli += " (in a child process)"
+        options = ", ".join(f"`{key}`" for key in action.options)
+        request = f"`{action.request.__name__}`" if action.request is not None else "-"
+        limits = f"{action.default_timeout_s:g} / {action.max_timeout_s:g}"
+        rows.append(
+            f"| `{name}` | {cli} | {options} | {request} | {yes(action.changes_jobs)} | {yes(action.fans_out)} "
+            f"| {limits} |"
+        )
+    return "\n".join(rows)
+
+
+def render_api(text: str) -> str:
+    """``text`` (docs/api.md) with its action table, between its two markers, rewritten."""
+    head, begin, rest = text.partition(ACTIONS_BEGIN)
+    _, end, tail = rest.partition(ACTIONS_END)
+    if not begin or not end:
+        raise SystemExit(f"{API}: the action table's markers are missing ({ACTIONS_BEGIN!r}, {ACTIONS_END!r})")
+    return f"{head}{ACTIONS_BEGIN}\n{render_actions()}\n{ACTIONS_END}{tail}"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--check", action="store_true")
     args = ap.parse_args(argv)
-    text = render()
+    outputs = {OUT: render(), API: render_api(API.read_text())}
     if args.check:
-        if not OUT.exists() or OUT.read_text() != text:
-            print(f"{OUT} is stale: run python scripts/gen_cli_reference.py", file=sys.stderr)
-            return 1
-        return 0
+        stale = [path for path, text in outputs.items() if not path.exists() or path.read_text() != text]
+        for path in stale:
+            print(f"{path} is stale: run python scripts/gen_cli_reference.py", file=sys.stderr)
+        return 1 if stale else 0
     OUT.parent.mkdir(exist_ok=True)
-    OUT.write_text(text)
-    print(f"wrote {OUT}")
+    for path, text in outputs.items():
+        path.write_text(text)
+        print(f"wrote {path}")
     return 0
 
 

@@ -56,8 +56,8 @@ class NcclRequest:
             raise errors.UsageError(f"a process id is 1-{MAX_PID}")
 
     OPTIONS: ClassVar[dict[str, str]] = {
-        "pid": "ints",
         "job": "str",
+        "pid": "ints",
         "all": "bool",
         "only_active": "bool",
         "no_stack_traces": "bool",

@@ -38,7 +38,7 @@ STACKS = ("python", "all")
 POLL_S = 0.2
 MAX_MEASUREMENT_BYTES = 8 * 1024 * 1024
 
-_TARGETS = {"pid": "ints", "job": "str", "all": "bool"}
+_TARGETS = {"job": "str", "pid": "ints", "all": "bool"}
 
 
 def _check_targets(pids: tuple[int, ...], job: str | None, all_: bool, command: str) -> None:

@@ -75,8 +75,8 @@ class StacksRequest:
             raise errors.UsageError(f"a process id is 1-{MAX_PID}")
 
     OPTIONS: ClassVar[dict[str, str]] = {
-        "pid": "ints",
         "job": "str",
+        "pid": "ints",
         "all": "bool",
         "native": "bool",
         "locals": "bool",

@@ -100,8 +100,8 @@ class TraceRequest:
             )
 
     OPTIONS: ClassVar[dict[str, str]] = {
-        "pid": "ints",
         "job": "str",
+        "pid": "ints",
         "all": "bool",
         "steps": "int",
         "duration": "float",

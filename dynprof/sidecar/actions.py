@@ -2,8 +2,9 @@
 
 An action is a CLI command (``ps``, ``start``, ``stacks``, ...) and a JSON object of options.
 Only the options listed for the action exist (:data:`ACTIONS`; a unit test holds every row to
-the command's parser); each becomes one ``--flag=value`` and is parsed by the command's own
-parser, so the sidecar accepts exactly what the CLI accepts. Nothing else can be named: no
+the command's parser; an action that carries a kind's request, ``Action.request``, takes that
+request's ``OPTIONS``, its row made from them); each becomes one ``--flag=value`` and is
+parsed by the command's own parser, so the sidecar accepts exactly what the CLI accepts. Nothing else can be named: no
 output path, no ``--attach``, no file of the sidecar's machine. The command then answers with
 a :class:`~dynprof.result.Result`: the answer carries its ``to_json()`` (what the CLI's
 ``--json`` prints), its exit code and its messages; a :class:`~dynprof.errors.DynprofError`
@@ -56,8 +57,12 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar, Protocol
 
+from collectors.flight_recorder.collect import NcclRequest
+from collectors.memory.collect import MemoryPlanRequest, MemoryRequest
+from collectors.stacks.collect import StacksRequest
+from collectors.torch_trace.collect import TraceRequest
 from dynprof import __version__, errors, jsontext
 from dynprof.identity import detect
 from dynprof.nodes import Node
@@ -81,6 +86,13 @@ class Option:
     kind: str  # "str", "int", "float", "bool", "ints" (list of integers), "strs"
 
 
+class Request(Protocol):
+    """A kind's request as an action carries it: ``OPTIONS`` (``{name: kind}``, what its
+    ``from_json`` reads; :mod:`dynprof.requests`) are the action's options."""
+
+    OPTIONS: ClassVar[dict[str, str]]
+
+
 @dataclass(frozen=True)
 class Action:
     command: str
@@ -94,6 +106,10 @@ class Action:
     fans_out: bool = False  # takes ``hosts`` (the command's --hosts): a job-wide view through the sidecars
     failed_exit: int = 1  # the exit code of "could not run" (healthcheck: 3; 1 and 2 are verdicts there)
     leading: tuple[str, ...] = ()  # the command's own positional words first (memory-plan: ``memory plan``)
+    # The kind's request the action carries (its options are the request's OPTIONS, plus
+    # ``text_options``: how the command prints, no part of the request); None: no request.
+    request: type[Request] | None = None
+    text_options: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -225,41 +241,36 @@ def _opts(**kinds: str) -> dict[str, Option]:
     return {name: Option("--" + name.replace("_", "-"), kind) for name, kind in kinds.items()}
 
 
+def _request_action(
+    command: str, request: type[Request], *, text_options: dict[str, str] | None = None, **row: Any
+) -> Action:
+    """The row of an action that carries a kind's request: its options are the request's
+    ``OPTIONS`` (one table, the kind's), then ``text_options``, each a flag of its name."""
+    text = text_options or {}
+    return Action(command, _opts(**request.OPTIONS, **text), request=request, text_options=tuple(text), **row)
+
+
 _TARGETS = {"job": "str", "pid": "ints", "all": "bool"}
 
 ACTIONS: dict[str, Action] = {
     "ps": Action("ps", _opts(job="str", timeout="float"), "timeout", 10.0, 60.0, fans_out=True),
     "ls": Action("ls", _opts(job="str", kind="str", limit="int", all="bool"), fans_out=True),
-    "stacks": Action(
+    # `full` is how the text is printed: the document an action answers is the same
+    "stacks": _request_action(
         "stacks",
-        _opts(**_TARGETS, native="bool", locals="bool", method="str", timeout="float", no_save="bool", full="bool"),
-        "timeout",
-        15.0,
-        300.0,
+        StacksRequest,
+        text_options={"full": "bool"},
+        timeout_option="timeout",
+        default_timeout_s=15.0,
+        max_timeout_s=300.0,
         fans_out=True,
     ),
-    "start": Action(
+    "start": _request_action(
         "start",
-        _opts(
-            **_TARGETS,
-            steps="int",
-            duration="float",
-            at_step="int",
-            record_shapes="bool",
-            with_stack="bool",
-            profile_memory="bool",
-            with_flops="bool",
-            with_modules="bool",
-            activities="strs",
-            max_duration="float",
-            no_wait="bool",
-            timeout="float",
-            sample_keep="int",
-            keep_groups="strs",
-        ),
-        "timeout",
-        600.0,
-        3600.0,
+        TraceRequest,
+        timeout_option="timeout",
+        default_timeout_s=600.0,
+        max_timeout_s=3600.0,
         changes_jobs=True,
         own_default_timeout=False,
         fans_out=True,
@@ -273,31 +284,31 @@ ACTIONS: dict[str, Action] = {
         changes_jobs=True,
         fans_out=True,
     ),
-    "memory": Action(
+    "memory": _request_action(
         "memory",
-        _opts(**_TARGETS, history_start="int", history_stop="bool", stacks="str", timeout="float"),
-        "timeout",
-        300.0,
-        3600.0,
+        MemoryRequest,
+        timeout_option="timeout",
+        default_timeout_s=300.0,
+        max_timeout_s=3600.0,
         changes_jobs=True,
         fans_out=True,
     ),
     # one optimizer step measured in each target (hooks for that step only), and the plan
-    "memory-plan": Action(
+    "memory-plan": _request_action(
         "memory",
-        _opts(**_TARGETS, budget="str", save="str", timeout="float"),
-        "timeout",
-        300.0,
-        3600.0,
+        MemoryPlanRequest,
+        timeout_option="timeout",
+        default_timeout_s=300.0,
+        max_timeout_s=3600.0,
         changes_jobs=True,
         leading=("plan",),
     ),
-    "nccl": Action(
+    "nccl": _request_action(
         "nccl",
-        _opts(**_TARGETS, only_active="bool", no_stack_traces="bool", timeout="float"),
-        "timeout",
-        15.0,
-        300.0,
+        NcclRequest,
+        timeout_option="timeout",
+        default_timeout_s=15.0,
+        max_timeout_s=300.0,
         changes_jobs=True,
         fans_out=True,
     ),

@@ -69,6 +69,23 @@ def test_each_command_has_its_one_expected_reply():
         expected_reply("launch")
 
 
+def test_every_command_of_the_wire_expects_a_reply_of_the_wire_and_captures_their_artifact():
+    from dynprof.client import _OWN_REPLY, expected_replies
+
+    # GIVEN the wire's commands and replies
+    commands = [f.name for f in pb.Request.DESCRIPTOR.oneofs_by_name["command"].fields]
+    replies = {f.name for f in pb.Reply.DESCRIPTOR.oneofs_by_name["result"].fields}
+    # THEN each command expects one reply the wire has, and a command named with its own reply is one of the wire's
+    assert {expected_reply(name) for name in commands} <= replies
+    assert set(_OWN_REPLY) <= set(commands)
+    # AND the captures answer with the artifact they wrote, the others with their own reply
+    artifact = {name for name in commands if expected_reply(name) == "artifact"}
+    assert artifact == {"dump_stacks", "memory_snapshot", "memory_plan", "flight_recorder_dump"}
+    assert expected_reply("memory_history") == "ack" and expected_reply("discover_nodes") == "job_nodes"
+    # AND a new capture's command (a new field of Request) needs no row: it answers with its artifact
+    assert expected_replies(["gc_pauses", "ping"]) == {"gc_pauses": "artifact", "ping": "pong"}
+
+
 @pytest.mark.parametrize(
     ("code", "cls"),
     [

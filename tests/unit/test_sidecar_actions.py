@@ -187,15 +187,16 @@ def test_hosts_is_never_among_the_options_the_fan_out_forwards():
     for name, action in actions.ACTIONS.items():
         assert "hosts" not in action.options, name
         assert "hostfile" not in action.options and "token_file" not in action.options, name
-    assert {n for n, a in actions.ACTIONS.items() if a.fans_out} == {
-        "ps",
-        "ls",
-        "stacks",
-        "start",
-        "stop",
-        "memory",
-        "nccl",
-    }
+    # AND the actions that fan out are those whose command has a job-wide half (collect_nodes),
+    # but an action of a command's own subcommand (memory-plan: `memory plan`), which runs on
+    # this node only: a row that says it fans out and cannot, or forgot to, is caught
+    from dynprof.cli.sidecar_actions import action_commands
+
+    job_wide = {name for name, command in action_commands().items() if command.collect_nodes is not None}
+    fans_out = {n for n, a in actions.ACTIONS.items() if a.fans_out}
+    assert fans_out == {n for n in job_wide if not actions.ACTIONS[n].leading}
+    assert {"ps", "ls", "stacks", "start", "stop", "memory", "nccl"} <= fans_out
+    assert not {"memory-plan", "healthcheck", "link-test"} & fans_out
 
 
 def test_a_job_wide_action_runs_in_a_child_with_the_sidecars_token_file(monkeypatch):
@@ -616,23 +617,18 @@ def test_the_real_table_reads_requests_for_the_kinds_that_have_them():
 
 
 def test_each_request_read_from_json_takes_exactly_its_actions_options():
-    """A kind's request (``OPTIONS``, what its ``from_json`` reads) and the sidecar's action
-    table are written in two places: they must name the same options with the same kinds, or a
-    body the sidecar accepts would be refused by the request (or the other way round)."""
-    from collectors.flight_recorder.collect import NcclRequest
-    from collectors.memory.collect import MemoryPlanRequest, MemoryRequest
-    from collectors.stacks.collect import StacksRequest
-    from collectors.torch_trace.collect import TraceRequest
+    """A kind's request (``OPTIONS``, what its ``from_json`` reads) is the one table of its
+    action's options: the row is made from it (``Action.request``), so every action whose
+    command reads a request must carry that request in its row, with the same options and
+    kinds, or a body the sidecar accepts would be refused by the request (or the other way round)."""
+    from dynprof.cli.sidecar_actions import action_commands
 
-    text_only = {"stacks": {"full"}}  # changes only how the text is printed: no part of the request
-    for name, request in (
-        ("stacks", StacksRequest),
-        ("nccl", NcclRequest),
-        ("start", TraceRequest),
-        ("memory", MemoryRequest),
-        ("memory-plan", MemoryPlanRequest),
-    ):
-        table = {
-            key: opt.kind for key, opt in actions.ACTIONS[name].options.items() if key not in text_only.get(name, set())
-        }
-        assert dict(request.OPTIONS) == table, name
+    table = action_commands()
+    with_requests = {name for name, command in table.items() if command.decode is not None}
+    assert with_requests == {name for name, action in actions.ACTIONS.items() if action.request is not None}
+    assert {"stacks", "nccl", "start", "memory", "memory-plan"} <= with_requests
+    for name in with_requests:
+        action = actions.ACTIONS[name]
+        assert action.request is not None
+        kinds = {key: opt.kind for key, opt in action.options.items() if key not in action.text_options}
+        assert dict(action.request.OPTIONS) == kinds, name
