@@ -123,13 +123,6 @@ def summarize_snapshot(snapshot: dict[str, Any], top: int = 10) -> dict[str, Any
                 entry["blocks"] += 1
                 entry["devices"].add(d["device"])
 
-    for d in devices.values():
-        inactive = d["inactive_bytes"]
-        # External fragmentation: how much of the cached free memory is unusable for one
-        # allocation as large as all of it (0: one free block; near 1: scattered crumbs).
-        d["fragmentation"] = round(1 - d["largest_inactive_block"] / inactive, 4) if inactive else 0.0
-        d["cached_free_fraction"] = round(inactive / d["reserved_bytes"], 4) if d["reserved_bytes"] else 0.0
-
     live.sort(key=lambda item: item[0], reverse=True)
     largest = [
         {
@@ -177,6 +170,14 @@ def summarize_snapshot(snapshot: dict[str, Any], top: int = 10) -> dict[str, Any
                     }
                 )
         dev(index)  # a device with history but no segments still appears
+
+    # Every device, those seen in the history only included (after empty_cache(), say).
+    for d in devices.values():
+        inactive = d["inactive_bytes"]
+        # External fragmentation: how much of the cached free memory is unusable for one
+        # allocation as large as all of it (0: one free block; near 1: scattered crumbs).
+        d["fragmentation"] = round(1 - d["largest_inactive_block"] / inactive, 4) if inactive else 0.0
+        d["cached_free_fraction"] = round(inactive / d["reserved_bytes"], 4) if d["reserved_bytes"] else 0.0
 
     return {
         "schema": SUMMARY_SCHEMA,

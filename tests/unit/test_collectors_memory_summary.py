@@ -120,11 +120,6 @@ def test_a_device_without_cached_free_memory_has_no_fragmentation():
     assert [d["device"] for d in s["devices"]] == [0, 1]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a device seen in the history only is added after the fragmentation figures are computed, "
-    "so it has none (and format_summary, which reads them, fails on it)",
-)
 def test_a_device_seen_in_the_history_only_has_every_figure():
     # After torch.cuda.empty_cache() a device can have recorded history and no segment left.
     s = summarize_snapshot({"segments": [], "device_traces": [[{"action": "alloc", "size": 1, "time_us": 5}]]})
