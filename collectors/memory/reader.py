@@ -77,6 +77,18 @@ def _counting(op: Any) -> Any:
     return run
 
 
+class _WholeReads(io.BytesIO):
+    """The pickle's bytes for the pure-Python unpickler: a read that the data cannot fill is
+    the end of a cut-short file (EOFError, "truncated"), as the C unpickler says, where the
+    pure-Python one would index past the short read (a 1-byte file: IndexError)."""
+
+    def read(self, size: int | None = -1) -> bytes:
+        data = super().read(size)
+        if size is not None and size > 0 and len(data) < size:
+            raise EOFError("the pickle ends early")
+        return data
+
+
 class _SnapshotUnpickler(pickle._Unpickler):
     """Unpickles plain data only: a snapshot is dicts, lists, strings and numbers. Any other
     class reference is refused, so opening a file does not run code from it.
@@ -175,7 +187,7 @@ def _unpickle(data: bytes) -> Any:
                     f"it needs more than {budget >> 20} MiB of memory to load, far more than a snapshot "
                     "of its size takes"
                 ) from None
-    return _SnapshotUnpickler(io.BytesIO(data), len(data)).load()
+    return _SnapshotUnpickler(_WholeReads(data), len(data)).load()
 
 
 def load_snapshot(path: Path | str) -> dict[str, Any]:

@@ -178,7 +178,8 @@ def test_the_keys_named_of_a_foreign_dict_are_at_most_six():
 
 
 @pytest.mark.parametrize(
-    ("cut", "path"), [(1, "fast"), (2, "fast"), (2, "slow"), (30, "fast"), (30, "slow"), (-1, "fast"), (-1, "slow")]
+    ("cut", "path"),
+    [(1, "fast"), (1, "slow"), (2, "fast"), (2, "slow"), (30, "fast"), (30, "slow"), (-1, "fast"), (-1, "slow")],
 )
 def test_a_truncated_pickle_is_said_to_be_cut_short(monkeypatch, cut, path):
     if path == "slow":
