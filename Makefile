@@ -10,7 +10,7 @@ demo: setup
 	$(PYTHON) scripts/demo.py
 
 test: setup
-	$(PYTHON) -m pytest -q --durations=30
+	$(PYTHON) -m pytest -q -n 4 --dist loadgroup --durations=30
 
 test-gpu:
 	$(PYTHON) -m pytest -q -m gpu

@@ -81,7 +81,32 @@ def gdb_calls_refused() -> str:
 E2E_DIRS = tuple(ROOT / "tests" / name for name in ("integration", "frameworks", "gpu"))
 
 
+# The longest tests and families (each over 20 s, most of it waiting: a 150 s link round, four
+# ~100 s watch phases, Prometheus's scrapes; from `make test`'s --durations), run first: on
+# xdist's workers (`make test`) they overlap the many short ones, where started last they would
+# be the run's tail. Prefixes of node ids, in this order; every other test keeps its place.
+# tests/unit/test_suite_order.py holds each prefix to a test that exists.
+LONG_FIRST = (
+    "tests/integration/test_links.py::",
+    "tests/integration/test_watch_faults.py::test_busy_phases_longer_than_the_stall_time_are_not_called_a_hang",
+    "tests/integration/test_watch_cli.py::test_watch_sample_every_on_this_nodes_agents",
+    "tests/integration/test_prometheus.py::",
+    "tests/integration/test_healthcheck_fleet_simulated.py::",
+    "tests/integration/test_watch_faults.py::",
+    "tests/frameworks/test_distributed.py::",
+    "tests/integration/test_job_safety.py::",
+    "tests/integration/test_roles_under_launchers.py::",
+    "tests/frameworks/",
+)
+
+
+def long_first_rank(nodeid: str) -> int:
+    """Where a test goes in the run: its LONG_FIRST index, or after all of them."""
+    return next((i for i, prefix in enumerate(LONG_FIRST) if nodeid.startswith(prefix)), len(LONG_FIRST))
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    items.sort(key=lambda item: long_first_rank(item.nodeid))  # stable: the rest keep their order
     for item in items:
         if Path(item.path).is_relative_to(E2E_DIRS[0].parent) and any(
             Path(item.path).is_relative_to(folder) for folder in E2E_DIRS
