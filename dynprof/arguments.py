@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 from typing import Any
 
 MAX_SECONDS = 86_400.0  # one day: no wait, trace or timeout dynprof offers is longer
@@ -23,8 +24,15 @@ def _number_text(text: str) -> str:
     return ascii(shown)[1:-1]
 
 
+# What a person types for a whole number: ASCII digits with an optional sign (int() would also
+# take "1_000" and other scripts' digits, which no command documents).
+_INTEGER = re.compile(r"[+-]?[0-9]+")
+
+
 def parse_int(text: str, low: int, high: int, what: str = "an integer") -> int:
     try:
+        if not _INTEGER.fullmatch(text.strip()):
+            raise ValueError(text)
         value = int(text.strip(), 10)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{_number_text(text)!r} is not {what}") from None

@@ -32,7 +32,7 @@ def test_parse_int_takes_base_10_in_range_with_spaces_around():
     assert parse_int("100", 0, 100) == 100
 
 
-@pytest.mark.parametrize("text", ["0x10", "1.5", "", "ten", "1e3"])
+@pytest.mark.parametrize("text", ["0x10", "1.5", "", "ten", "1e3", "1_000", "\u0663", "\uff15", "1 2"])
 def test_parse_int_refuses_what_is_not_a_base_10_integer(text):
     with pytest.raises(Bad, match="is not an integer"):
         parse_int(text, 0, 10**6)
