@@ -23,6 +23,9 @@ The modules, in the order the work flows:
                    (:func:`load_analysis`).
 :mod:`.render`     text: the analysis, a comparison, an artifact's summary for ``dynprof show``.
 :mod:`.html`       HTML: the verdict and the SVG charts for the web page.
+:mod:`.collect`    the kind's collection from the artifact store, whoever asks
+                   (:class:`AnalysisRequest`, :func:`collect`: find the traces, analyse,
+                   save; :func:`collect_comparison`); not imported here.
 
 The names other packages use are here too.
 """

@@ -4,13 +4,16 @@ ways to name traces, --compare, and its errors."""
 
 from __future__ import annotations
 
+import argparse
 import gzip
 import json
 
 import pytest
 
 from collectors.trace_analysis.artifact import SCHEMA_VERSION
+from collectors.trace_analysis.collect import AnalysisRequest
 from dynprof.cli import main
+from dynprof.cli.analyze import AnalyzeCommand, request_from_args
 from tests.unit._trace_analysis_cases import copy_traces
 
 
@@ -144,3 +147,47 @@ def test_traces_over_the_size_limit_are_refused_with_exit_1(store_with, capsys):
     assert "no trace could be analysed" in error["message"]
     assert "more than 10240 bytes once decompressed" in error["message"]
     assert "--max-trace-bytes" in captured.err
+
+
+# -- the request the options make ---------------------------------------------------------------
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(add_help=False)
+    AnalyzeCommand().prepare_parser(parser)
+    return parser.parse_args(argv)
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--job", "j1"], AnalysisRequest(job="j1", max_bytes=7 * 1024**2)),
+        (
+            ["--group", "abc", "--job", "j1", "--top", "4", "--workers", "2", "--no-save"],
+            AnalysisRequest(group="abc", job="j1", top=4, workers=2, max_bytes=7 * 1024**2, save=False),
+        ),
+        (["a1", "a2", "--max-trace-bytes", "10K"], AnalysisRequest(artifacts=("a1", "a2"), max_bytes=10 * 1024)),
+        (["--compare", "g1", "g2", "--json"], AnalysisRequest(compare=("g1", "g2"), max_bytes=7 * 1024**2)),
+    ],
+)
+def test_the_options_become_the_kind_s_request(monkeypatch, argv, expected):
+    # GIVEN a trace size limit in the environment
+    monkeypatch.setenv("DYNPROF_MAX_TRACE_BYTES", "7M")
+    # THEN the options are the request, the limit the option's or else the environment's
+    assert request_from_args(_parse(argv)) == expected
+
+
+def test_with_json_the_ranks_not_analysed_are_in_the_document_not_on_stderr(store_with, capsys):
+    # GIVEN one rank's trace is truncated
+    store = store_with("slow1")
+    (victim,) = [a for a in store.list(kind="trace") if a.manifest["rank"] == 0]
+    data = victim.file("trace.json.gz").read_bytes()
+    victim.file("trace.json.gz").write_bytes(gzip.compress(gzip.decompress(data)[:5000]))
+
+    # WHEN the job is analysed as JSON
+    rc = main(["analyze", "--job", "fixture-slow1", "--no-save", "--json"])
+
+    # THEN the damaged rank is in the document's errors, and nothing is said on stderr
+    captured = capsys.readouterr()
+    assert rc == 0
+    doc = json.loads(captured.out)
+    assert [e["rank"] for e in doc["errors"]] == [0]
+    assert "not analysed" not in captured.err
