@@ -42,12 +42,12 @@ def apply(args: argparse.Namespace, env: dict[str, str]) -> None:
         raise errors.UsageError(f"--flight-recorder takes 1..{MAX_ENTRIES} entries, not {entries}")
     from collectors import flight_recorder as fr
     from dynprof.paths import ensure_private_dir, run_dir
-    from dynprof.store import ArtifactStore, _safe
+    from dynprof.store import ArtifactStore, safe_segment
 
     job = env.get("DYNPROF_JOB_ID") or "nojob"
     host = socket.gethostname()
-    pipe_dir = run_dir() / "flight" / _safe(job)
-    dump_dir = ArtifactStore().private_dir(_safe(job), _safe(host), ".flight-recorder")
+    pipe_dir = run_dir() / "flight" / safe_segment(job)
+    dump_dir = ArtifactStore().private_dir(safe_segment(job), safe_segment(host), ".flight-recorder")
     try:
         ensure_private_dir(pipe_dir.parent)
         ensure_private_dir(pipe_dir)

@@ -57,14 +57,14 @@ def apply(args: argparse.Namespace, env: dict[str, str]) -> None:
     if not getattr(args, "gpu_coredump", False):
         return
     from dynprof.paths import ensure_private_dir, run_dir
-    from dynprof.store import ArtifactStore, _safe
+    from dynprof.store import ArtifactStore, safe_segment
 
     job = env.get("DYNPROF_JOB_ID") or "nojob"
-    pipe_dir = run_dir() / "gpu-coredump" / _safe(job)
+    pipe_dir = run_dir() / "gpu-coredump" / safe_segment(job)
     try:
         ensure_private_dir(pipe_dir.parent)
         ensure_private_dir(pipe_dir)
-        dump_dir = ArtifactStore().private_dir(_safe(job), _safe(socket.gethostname()), ".gpu-coredump")
+        dump_dir = ArtifactStore().private_dir(safe_segment(job), safe_segment(socket.gethostname()), ".gpu-coredump")
     except (OSError, errors.DynprofError) as exc:
         raise errors.DynprofError(
             f"cannot create the GPU core dump directories: {exc}",

@@ -1,31 +1,7 @@
-"""The artifact store: one self-describing directory per capture.
-
-Layout under the store root (``DYNPROF_ARTIFACT_DIR``)::
-
-    <job>/<host>/<rank>/<kind>/<UTC time>-<pid>/
-        manifest.json      schema version, kind, job, host, rank, pid, times, options,
-                           files (size, sha256), status, summary
-        <files...>
-
-An artifact is written under a hidden temporary name (``.<name>.<pid>@<pidns>.tmp``, holding
-dynprof's own ``.dynprof-writing`` marker) in the same directory and renamed into place once its
-manifest is written, so a reader never sees a half-written artifact as finished. The store keeps
-its total size under a cap by deleting the oldest finished artifacts first.
-
-The store only ever deletes what it provably created. Its root holds a ``.dynprof-store``
-marker, written when dynprof creates the root or adopts an empty directory (or one laid out as
-an earlier dynprof's store, every entry ``job/host/rank/kind/ID``); any other non-empty
-directory is refused. A root owned by another user, or open to writes by others, is refused
-for writing (and, open to writes, for reading too); so is every directory below it that is not
-the root owner's. Nothing inside the store is reached through a link: the walks open each
-directory relative to its parent with ``O_NOFOLLOW``, and deletions and renames are relative
-to directory descriptors (:mod:`dynprof.nofollow`).
-
-Every file in a store is untrusted input (docs/security.md): manifests are read with size and
-depth limits and checked field by field; a bad one is reported and skipped, never fatal to a
-listing. Artifacts are private by default (directories 0700, files 0600);
-``DYNPROF_ARTIFACT_MODE`` (e.g. ``0750``) shares a store on purpose. The temporary directory of
-a capture that fails is removed by its writer, and ones left by a process that died are swept.
+"""The store itself (:class:`ArtifactStore`): its root (marked, ours, private), the layout
+``<job>/<host>/<rank>/<kind>/<ID>`` under it, and what is done there: an artifact's directory
+created (:meth:`ArtifactStore.create`), artifacts listed, found and removed, stale temporaries
+swept and the size kept under its cap. See :mod:`dynprof.store` for the rules it keeps.
 """
 
 from __future__ import annotations
@@ -33,7 +9,6 @@ from __future__ import annotations
 import builtins
 import contextlib
 import fcntl
-import hashlib
 import json
 import os
 import re
@@ -41,32 +16,27 @@ import socket
 import stat
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
-from dynprof import __version__, jsontext, nofollow, untrusted
-from dynprof.errors import ArtifactError, MissingFile, StoreError
+from dynprof import __version__, nofollow, untrusted
+from dynprof.errors import ArtifactError, StoreError
 from dynprof.paths import artifact_dir
+from dynprof.store.artifact import Artifact, BadArtifact
+from dynprof.store.manifest import MANIFEST, SCHEMA, SCHEMA_VERSION, utcnow_iso
+from dynprof.store.owner import owner_tag, pid_alive, pid_namespace
+from dynprof.store.writer import TEMP_MARKER, ArtifactWriter, TempDir, artifact_modes
 from dynprof.units import parse_size
 
-MANIFEST = "manifest.json"
-SCHEMA = "dynprof.artifact"
-SCHEMA_VERSION = 1
-STATUSES = ("complete", "partial", "failed")
 DEFAULT_MAX_BYTES = 20 * 1024**3
-DEFAULT_DIR_MODE = 0o700
 STALE_TMP_AFTER_S = 3600.0
 """A temporary directory this old is stale even when its writer's pid still runs."""
 DEAD_OWNER_GRACE_S = 5.0
-MAX_MANIFEST_FILES = 10_000
 STORE_MARKER = ".dynprof-store"
 """The file at a store's root that says dynprof made (or adopted) it."""
 STORE_SCHEMA = "dynprof.store"
 STORE_FORMAT_VERSION = 1
-TEMP_MARKER = ".dynprof-writing"
-"""The file inside an artifact's temporary directory that says dynprof's writer made it."""
 LOCK = ".lock"
 MAX_LEGACY_ENTRIES = 100_000
 """Entries looked at, at most, to tell whether an unmarked directory is an earlier dynprof's store."""
@@ -87,72 +57,11 @@ class StoreRefused(ArtifactError):
     default_help = NOT_A_STORE_HELP
 
 
-def _safe(segment: str) -> str:
+def safe_segment(segment: str) -> str:
+    """``segment`` as one directory name of the store: characters other than letters, digits and
+    ``_.@+-`` made ``_``, no leading or trailing dot, at most 100 characters."""
     segment = _SAFE.sub("_", segment).strip(".") or "_"
     return segment[:100]
-
-
-def utcnow_iso() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def artifact_modes() -> tuple[int, int]:
-    """(directory mode, file mode) of new artifacts: 0700/0600, or ``DYNPROF_ARTIFACT_MODE``.
-
-    ``DYNPROF_ARTIFACT_MODE`` is an octal directory mode such as ``0750`` (group may read) or
-    ``0755`` (everyone may read); files get the same bits without execute. The owner always
-    keeps rwx."""
-    env = os.environ.get("DYNPROF_ARTIFACT_MODE", "").strip()
-    if not env:
-        return DEFAULT_DIR_MODE, DEFAULT_DIR_MODE & 0o666
-    try:
-        mode = int(env.removeprefix("0o"), 8)
-    except ValueError:
-        raise ArtifactError(
-            f"DYNPROF_ARTIFACT_MODE={env!r} is not an octal mode",
-            help="Write it like 0700 (private, the default), 0750 (group may read) or 0755.",
-        ) from None
-    if not 0 <= mode <= 0o777:
-        raise ArtifactError(f"DYNPROF_ARTIFACT_MODE={env!r} is out of range", help="Write it like 0700, 0750 or 0755.")
-    if mode & 0o022:
-        raise ArtifactError(
-            f"DYNPROF_ARTIFACT_MODE={env!r} lets others write into the store",
-            help="A store is shared for reading only: write it like 0750 or 0755.",
-        )
-    mode |= 0o700
-    return mode, mode & 0o666
-
-
-def write_file_atomically(directory: Path, name: str, data: bytes) -> Path:
-    """Write ``directory/name`` whole, as the store writes a manifest: under a temporary name
-    (new, never through a link, the store's file mode), then renamed over ``name``, so that a
-    reader sees the old file or the new one, never half of one. ``directory`` itself is not
-    reached through a link."""
-    untrusted.check_name(name)
-    _, file_mode = artifact_modes()
-    tmp = f".{name}.{owner_tag()}.tmp"
-    dir_fd = os.open(directory, nofollow.DIR_FLAGS)
-    try:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp, dir_fd=dir_fd)
-        try:
-            nofollow.write_new_file(dir_fd, tmp, data, file_mode)
-            os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp, dir_fd=dir_fd)
-            raise
-    finally:
-        os.close(dir_fd)
-    return directory / name
 
 
 def _looks_like_store(dir_fd: int, owner: int) -> bool:
@@ -196,341 +105,6 @@ def _looks_like_store(dir_fd: int, owner: int) -> bool:
         return True
 
     return walk(dir_fd, 0) and ranks > 0
-
-
-def _check_type(manifest: dict[str, Any], key: str, types: tuple[type, ...], required: bool = False) -> None:
-    if key not in manifest:
-        if required:
-            raise ArtifactError(f"field {key!r} is missing")
-        return
-    value = manifest[key]
-    if isinstance(value, bool) and bool not in types:
-        raise ArtifactError(f"field {key!r} is a bool")
-    if not isinstance(value, types):
-        raise ArtifactError(f"field {key!r} is a {type(value).__name__}")
-
-
-def validate_manifest(manifest: Any) -> dict[str, Any]:
-    """Check a manifest read from disk field by field; :class:`ArtifactError` names what is wrong."""
-    if not isinstance(manifest, dict):
-        raise ArtifactError(f"a JSON {type(manifest).__name__}, not an object")
-    if manifest.get("schema") != SCHEMA:
-        raise ArtifactError("not a dynprof manifest (no schema dynprof.artifact)")
-    _check_type(manifest, "kind", (str,), required=True)
-    _check_type(manifest, "status", (str,), required=True)
-    _check_type(manifest, "files", (list,), required=True)
-    _check_type(manifest, "created_at", (str,), required=True)
-    for key in ("job", "host", "finished_at", "error", "dynprof_version"):
-        _check_type(manifest, key, (str, type(None)))
-    for key in ("rank", "pid", "schema_version", "world_size", "local_rank"):
-        _check_type(manifest, key, (int, type(None)))
-    for key in ("options", "summary"):
-        _check_type(manifest, key, (dict, type(None)))
-    if len(manifest["kind"]) > 100 or len(manifest["status"]) > 100:
-        raise ArtifactError("field 'kind' or 'status' is too long")
-    files = manifest["files"]
-    if len(files) > MAX_MANIFEST_FILES:
-        raise ArtifactError(f"lists {len(files)} files, over {MAX_MANIFEST_FILES}")
-    for entry in files:
-        if not isinstance(entry, dict):
-            raise ArtifactError("a 'files' entry is not an object")
-        untrusted.check_name(entry.get("name"))
-        size = entry.get("size")
-        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-            raise ArtifactError(f"file {entry['name']!r} has no valid size")
-        if not isinstance(entry.get("sha256"), str):
-            raise ArtifactError(f"file {entry['name']!r} has no sha256")
-    return manifest
-
-
-def _id_under(path: Path, root: Path | None) -> str:
-    """An artifact's id: its path under the store's root (the full path outside it)."""
-    if root is not None:
-        with contextlib.suppress(ValueError):
-            return str(path.relative_to(root))
-    return str(path)
-
-
-@dataclass
-class BadArtifact:
-    """A directory in the store whose manifest could not be used, and why."""
-
-    path: Path
-    reason: str
-    root: Path | None = None
-
-    @property
-    def id(self) -> str:
-        return _id_under(self.path, self.root)
-
-
-@dataclass
-class TempDir:
-    """The temporary directory of an artifact being written (or left by a writer that died)."""
-
-    path: Path
-    owner_pid: int | None
-    age_s: float
-    size: int
-    stale: bool
-    root: Path | None = None
-
-    @property
-    def id(self) -> str:
-        return _id_under(self.path, self.root)
-
-    @property
-    def kind(self) -> str:
-        return self.path.parent.name
-
-    @property
-    def rank(self) -> str:
-        seg = self.path.parent.parent.name
-        return seg[4:] if seg.startswith("rank") else "-"
-
-
-@dataclass
-class Artifact:
-    """A finished artifact on disk, as described by its (validated) manifest."""
-
-    path: Path
-    manifest: dict[str, Any]
-    root: Path | None = None
-
-    @property
-    def id(self) -> str:
-        return _id_under(self.path, self.root)
-
-    @property
-    def kind(self) -> str:
-        return str(self.manifest.get("kind", "?"))
-
-    @property
-    def status(self) -> str:
-        return str(self.manifest.get("status", "?"))
-
-    @property
-    def created_at(self) -> str:
-        return str(self.manifest.get("created_at", ""))
-
-    @property
-    def files(self) -> builtins.list[dict[str, Any]]:
-        files = self.manifest.get("files")
-        return files if isinstance(files, builtins.list) else []
-
-    @property
-    def size(self) -> int:
-        return sum(int(f.get("size", 0)) for f in self.files)
-
-    def file(self, name: str) -> Path:
-        return self.path / name
-
-    # Readers of the artifact's files: a plain name, no link followed, with size limits.
-    def open(self, name: str) -> IO[bytes]:
-        return untrusted.open_in(self.path, name)
-
-    def read_bytes(self, name: str, max_bytes: int = untrusted.JSON_MAX_BYTES) -> bytes:
-        return untrusted.read_bytes_in(self.path, name, max_bytes)
-
-    def read_text(self, name: str, max_bytes: int = untrusted.TEXT_MAX_BYTES) -> str:
-        return untrusted.read_text_in(self.path, name, max_bytes)
-
-    def read_json(self, name: str, max_bytes: int = untrusted.JSON_MAX_BYTES) -> Any:
-        return untrusted.read_json_in(self.path, name, max_bytes)
-
-    def has_file(self, name: str) -> bool:
-        try:
-            untrusted.stat_in(self.path, name)
-        except ArtifactError:
-            return False
-        return True
-
-    @classmethod
-    def load(cls, path: Path, root: Path | None = None) -> Artifact:
-        path = Path(path)
-        if path.name == MANIFEST:
-            path = path.parent
-        manifest_path = path / MANIFEST
-        try:
-            if not os.path.lexists(manifest_path):
-                raise ArtifactError(
-                    f"{path} is not a dynprof artifact (no {MANIFEST})",
-                    help="List artifacts with `dynprof ls`.",
-                )
-        except (OSError, ValueError) as exc:  # a name too long, a NUL byte
-            raise ArtifactError(f"{str(path)[:200]} is not a dynprof artifact: {exc}") from None
-        if root is not None and not untrusted.is_inside(root, path):
-            raise ArtifactError(f"{path} resolves outside the store {root}: refused")
-        data = untrusted.read_bytes_in(path, MANIFEST, untrusted.MANIFEST_MAX_BYTES)
-        try:
-            manifest = validate_manifest(untrusted.loads_json(data, str(manifest_path)))
-        except ArtifactError as exc:
-            raise ArtifactError(
-                f"bad manifest {manifest_path}: {exc.message}", help="The artifact is damaged; remove it."
-            ) from None
-        return cls(path=path, manifest=manifest, root=root)
-
-    def verify(self) -> builtins.list[str]:
-        """Check every listed file's size and sha256; return the problems found.
-
-        Only files inside the artifact's directory are looked at, never through a link."""
-        problems = []
-        for entry in self.files:
-            name = entry["name"]
-            try:
-                with self.open(name) as fh:
-                    size = os.fstat(fh.fileno()).st_size
-                    if size != entry["size"]:
-                        problems.append(f"{name}: size {size} != {entry['size']}")
-                        continue
-                    digest = hashlib.sha256()
-                    for block in iter(lambda: fh.read(1 << 20), b""):
-                        digest.update(block)
-            except MissingFile:
-                problems.append(f"{name}: missing")
-                continue
-            except ArtifactError as exc:
-                problems.append(f"{name}: {exc.message}")
-                continue
-            except OSError as exc:
-                problems.append(f"{name}: {exc.strerror}")
-                continue
-            if digest.hexdigest() != entry["sha256"]:
-                problems.append(f"{name}: sha256 mismatch")
-        return problems
-
-
-@dataclass
-class ArtifactWriter:
-    """An artifact being written. Add files into :attr:`path`, then :meth:`finish`.
-
-    If writing fails (no space left, ...) the writer raises :class:`StoreError` and leaves no
-    temporary directory behind: :meth:`finish` with ``"failed"`` records the reason in a
-    manifest when there is room for one, and otherwise removes everything."""
-
-    store: ArtifactStore
-    path: Path
-    final_path: Path
-    manifest: dict[str, Any]
-    _files: builtins.list[str] = field(default_factory=list)
-    finished: Artifact | None = None
-    aborted: str | None = None
-    parents: tuple[str, ...] = ()
-    """``(job, host, rank, kind)`` segments of its directory under the store's root."""
-
-    def file_path(self, name: str) -> Path:
-        """Path for a file the caller writes itself; it is listed in the manifest at finish."""
-        if "/" in name or name in ("", ".", "..", MANIFEST):
-            raise ArtifactError(f"invalid artifact file name {name!r}")
-        if name not in self._files:
-            self._files.append(name)
-        return self.path / name
-
-    def write_bytes(self, name: str, data: bytes) -> Path:
-        p = self.file_path(name)
-        try:
-            p.write_bytes(data)
-        except OSError as exc:
-            with contextlib.suppress(OSError):
-                p.unlink()  # give back what the partial file took
-            raise StoreError(f"cannot write {name} of the artifact in {self.path.parent}: {exc.strerror}") from None
-        return p
-
-    def write_text(self, name: str, text: str) -> Path:
-        return self.write_bytes(name, text.encode())
-
-    def write_json(self, name: str, obj: Any) -> Path:
-        return self.write_text(name, jsontext.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
-
-    def abort(self, reason: str = "aborted") -> None:
-        """Remove the temporary directory and everything in it."""
-        if self.finished is None and self.aborted is None:
-            self.aborted = reason
-            with contextlib.suppress(OSError, ArtifactError), self.store._kind_dir(self.parents) as kind_fd:
-                nofollow.rmtree_at(kind_fd, self.path.name)
-
-    def _publish(self, status: str, summary: dict[str, Any] | None, error: str | None) -> None:
-        dir_mode, file_mode = artifact_modes()
-        files = []
-        for name in self._files:
-            p = self.path / name
-            if p.is_symlink() or not p.is_file():
-                continue
-            os.chmod(p, file_mode)
-            files.append({"name": name, "size": p.stat().st_size, "sha256": sha256_file(p)})
-        self.manifest.update(
-            status=status,
-            finished_at=utcnow_iso(),
-            files=files,
-            summary=summary or self.manifest.get("summary") or {},
-            error=error,
-        )
-        text = jsontext.dumps(self.manifest, indent=2, default=str) + "\n"
-        with self.store._kind_dir(self.parents) as kind_fd:
-            tmp_fd = os.open(self.path.name, nofollow.DIR_FLAGS, dir_fd=kind_fd)
-            try:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(MANIFEST + ".tmp", dir_fd=tmp_fd)
-                nofollow.write_new_file(tmp_fd, MANIFEST + ".tmp", text.encode(), file_mode)
-                os.replace(MANIFEST + ".tmp", MANIFEST, src_dir_fd=tmp_fd, dst_dir_fd=tmp_fd)
-                os.fchmod(tmp_fd, dir_mode)
-            finally:
-                os.close(tmp_fd)
-            os.rename(self.path.name, self.final_path.name, src_dir_fd=kind_fd, dst_dir_fd=kind_fd)
-            # Finished: its temporary marker goes (a sweep never looks at a finished artifact).
-            with contextlib.suppress(OSError):
-                os.unlink(f"{self.final_path.name}/{TEMP_MARKER}", dir_fd=kind_fd)
-
-    def finish(
-        self,
-        status: str = "complete",
-        *,
-        summary: dict[str, Any] | None = None,
-        error: str | None = None,
-    ) -> Artifact:
-        if self.finished is not None:
-            return self.finished
-        if self.aborted is not None:
-            raise StoreError(f"the artifact in {self.path.parent} was not written: {self.aborted}")
-        if status not in STATUSES:
-            raise ValueError(f"status must be one of {STATUSES}")
-        try:
-            self._publish(status, summary, error)
-        except (OSError, ArtifactError) as exc:
-            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-            if status == "failed" and os.path.isdir(self.path):
-                # Room for a manifest that says why, without the (partial) files?
-                for name in self._files:
-                    with contextlib.suppress(OSError):
-                        (self.path / name).unlink()
-                self._files = []
-                with contextlib.suppress(OSError, ArtifactError):
-                    self._publish(status, summary, f"{error or 'failed'} (files removed: {reason})")
-            if not os.path.isdir(self.final_path) or not os.path.lexists(self.final_path / MANIFEST):
-                self.abort(reason)
-                raise StoreError(f"cannot write the artifact in {self.path.parent}: {reason}") from None
-        artifact = Artifact(path=self.final_path, manifest=self.manifest, root=self.store.root)
-        self.finished = artifact
-        with contextlib.suppress(OSError, ArtifactError):
-            self.store.enforce_cap(keep=self.final_path)
-        return artifact
-
-    def __enter__(self) -> ArtifactWriter:
-        return self
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if self.finished is None and self.aborted is None:
-            if exc is not None:
-                self.finish("failed", error=f"{type(exc).__name__}: {exc}")
-            else:
-                self.finish("complete")
-
-    def __del__(self) -> None:
-        # A writer dropped unfinished (its capture raised and nobody called finish) takes its
-        # temporary directory with it.
-        with contextlib.suppress(Exception):
-            if self.finished is None and self.aborted is None:
-                self.abort("dropped unfinished")
 
 
 class ArtifactStore:
@@ -742,7 +316,7 @@ class ArtifactStore:
         now = time.time()
         stamp = datetime.fromtimestamp(now, timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
         rank_seg = f"rank{rank}" if rank is not None else "node"
-        parents = (_safe(job or "nojob"), _safe(host), rank_seg, _safe(kind))
+        parents = (safe_segment(job or "nojob"), safe_segment(host), rank_seg, safe_segment(kind))
         parent = self.root.joinpath(*parents)
         with contextlib.suppress(OSError, ArtifactError):
             self.sweep_stale()
@@ -806,8 +380,8 @@ class ArtifactStore:
         owner's, a directory at the artifact level, no link), with its kind directory's descriptor."""
         owner = os.fstat(root_fd).st_uid
         now = time.time()
-        here = _safe(socket.gethostname())
-        ns_here = str(_pid_namespace())
+        here = safe_segment(socket.gethostname())
+        ns_here = str(pid_namespace())
         for parents, name, is_dir, is_link, kind_fd in nofollow.walk(root_fd, owner, _ARTIFACT_LEVEL):
             if not (is_dir and not is_link and _TEMP_NAME.fullmatch(name)):
                 continue
@@ -826,7 +400,7 @@ class ArtifactStore:
             # A dead owner is known only for a writer on this host, in this pid namespace.
             ours = parents[1] == here and ns == ns_here
             if not stale and owner_pid is not None and ours and age > DEAD_OWNER_GRACE_S:
-                stale = not _pid_alive(owner_pid)
+                stale = not pid_alive(owner_pid)
             yield (
                 TempDir(path, owner_pid, age, nofollow.disk_usage(path, exclude=(MANIFEST,)), stale, self.root),
                 kind_fd,
@@ -1083,25 +657,3 @@ def open_temporary_dir(directory: Path | str) -> int | None:
             return fd
     except (OSError, ArtifactError):
         return None
-
-
-def _pid_namespace() -> int:
-    try:
-        return os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        return 0
-
-
-def owner_tag() -> str:
-    """``PID@PIDNS`` of this process: what a temporary directory's name records of its writer."""
-    return f"{os.getpid()}@{_pid_namespace()}"
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True  # another user's process: alive
-    return True

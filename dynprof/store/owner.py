@@ -1,0 +1,28 @@
+"""Which process writes: what the name of an artifact's temporary directory records of its
+writer (``PID@PIDNS``), and whether a writer of this host and pid namespace still runs."""
+
+from __future__ import annotations
+
+import os
+
+
+def pid_namespace() -> int:
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def owner_tag() -> str:
+    """``PID@PIDNS`` of this process: what a temporary directory's name records of its writer."""
+    return f"{os.getpid()}@{pid_namespace()}"
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # another user's process: alive
+    return True
