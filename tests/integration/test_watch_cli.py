@@ -206,17 +206,25 @@ def test_watch_sample_every_on_this_nodes_agents_keeps_only_the_latest_samples_t
     assert out.returncode == 0, out.stderr
     samples = [json.loads(line)["sample"] for line in out.stdout.splitlines() if '"straggler_sample"' in line]
     traced = [s for s in samples if s["traces"]]
-    # THEN the traces of every sample but the latest few are gone from the store, those of the
+    # THEN the traces of every sample but the latest few are gone from the store (but those of a
+    # sample that named a straggler: on a loaded machine one rank's 50 ms sleep can overshoot by
+    # a tenth, a real straggler by the rule, and its traces are kept as evidence), those of the
     # latest are there, and the store holds no more of the job's traces than those
     assert len(traced) >= KEEP_PLUS_ONE, ([s["note"] for s in samples], out.stderr[-3000:])
-    assert all(s["verdict"] is None for s in traced), [s["verdict"]["conclusion"] for s in traced if s["verdict"]]
-    for s in traced[:-3]:
-        assert not any(Path(p).exists() for p in s["traces"]), s["traces"]
+    older = traced[:-3]
+    assert any(s["verdict"] is None for s in older), [s["verdict"]["conclusion"] for s in older]
+    for s in older:
+        if s["verdict"] is None:
+            assert not any(Path(p).exists() for p in s["traces"]), s["traces"]
+        else:
+            assert all(Path(p).is_dir() for p in s["traces"]), (s["verdict"]["conclusion"], s["traces"])
     for s in traced[-2:]:
         assert all(Path(p).is_dir() for p in s["traces"]), s["traces"]
     listed = json.loads(cli("ls", "--job", "wlocal-even", "--kind", "trace", "--json").stdout)["artifacts"]
-    # 2 traces for each of the latest 3 samples, and for one more that was in flight as the watch stopped
-    assert len(listed) <= 2 * 4, listed
+    # 2 traces for each of the latest 3 samples, for one more that was in flight as the watch
+    # stopped, and for each older one that named a straggler
+    named = sum(1 for s in older if s["verdict"] is not None)
+    assert len(listed) <= 2 * (4 + named), listed
     print(f"\nWATCH-LOCAL-PRUNE samples={len(samples)} traced={len(traced)} traces_left={len(listed)}")
 
 
