@@ -30,10 +30,11 @@ _INTEGER = re.compile(r"[+-]?[0-9]+")
 
 
 def parse_int(text: str, low: int, high: int, what: str = "an integer") -> int:
+    digits = text.strip()
     try:
-        if not _INTEGER.fullmatch(text.strip()):
+        if not _INTEGER.fullmatch(digits):
             raise ValueError(text)
-        value = int(text.strip(), 10)
+        value = int(digits, 10)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{_number_text(text)!r} is not {what}") from None
     if not low <= value <= high:

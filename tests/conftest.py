@@ -108,9 +108,7 @@ def long_first_rank(nodeid: str) -> int:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: long_first_rank(item.nodeid))  # stable: the rest keep their order
     for item in items:
-        if Path(item.path).is_relative_to(E2E_DIRS[0].parent) and any(
-            Path(item.path).is_relative_to(folder) for folder in E2E_DIRS
-        ):
+        if any(Path(item.path).is_relative_to(folder) for folder in E2E_DIRS):
             item.add_marker(pytest.mark.e2e)
         if "gpu" in item.keywords and cuda_device_count() < 1:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU: run on the GPU machine (pytest -m gpu)"))
