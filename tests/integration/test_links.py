@@ -22,8 +22,7 @@ from dynprof.job.client import SidecarClient
 from healthcheck.links.rounds import CODE_HUNG, CODE_SLOW, LinkReport, run_link_rounds
 
 # One network (10.213.0.0/24, its bridge and namespaces) and fixed store ports: these cases never
-# run beside each other on two xdist workers.
-pytestmark = pytest.mark.xdist_group("links-netns")
+# run beside each other on two xdist workers (ONE_WORKER_MODULES, tests/conftest.py).
 
 LINK_TEST = [sys.executable, "-m", "dynprof", "link-test"]
 FAR_DEADLINE_S = 600.0  # a hang detector, not a measurement

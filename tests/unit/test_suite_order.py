@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import LONG_FIRST, ROOT, long_first_rank
+from tests.conftest import LONG_FIRST, ONE_WORKER_MODULES, ROOT, long_first_rank, one_worker_group
 
 
 def _test_names(path: Path) -> set[str]:
@@ -48,3 +48,24 @@ def test_long_tests_come_first_in_the_listed_order_and_the_rest_keep_theirs():
         "tests/unit/test_a.py::test_one",
         "tests/unit/test_a.py::test_two",
     ]
+
+
+@pytest.mark.parametrize("module", ONE_WORKER_MODULES)
+def test_every_one_worker_module_exists_and_shares_a_setup_or_a_resource(module):
+    # A renamed file would silently run on several workers again (its module fixtures made twice).
+    path = ROOT / module
+    assert path.is_file(), module
+    assert one_worker_group(f"{module}::test_x") == module
+
+
+def test_a_framework_case_is_one_family_and_other_tests_are_alone():
+    group = one_worker_group
+    a = group("tests/frameworks/test_torch_loops.py::TestTorchLoops::test_trace[checkpoint]")
+    b = group("tests/frameworks/test_torch_loops.py::TestTorchLoops::test_stacks[checkpoint]")
+    other_case = group("tests/frameworks/test_torch_loops.py::TestTorchLoops::test_trace[opt_in_backward]")
+    other_class = group("tests/frameworks/test_torch_loops.py::TestOwnProfiler::test_trace[checkpoint]")
+    assert a == b == "tests/frameworks/test_torch_loops.py::TestTorchLoops[checkpoint]"
+    assert len({a, other_case, other_class}) == 3
+    assert group("tests/frameworks/test_torch_loops.py::test_plain") is None
+    assert group("tests/unit/test_cli.py::test_help[ps]") is None
+    assert group("tests/integration/test_watch_faults.py::test_busy[eval]") is None
