@@ -8,6 +8,8 @@ import html
 from typing import Any
 
 from collectors.trace_analysis.artifact import load_analysis
+from collectors.trace_analysis.rank import CPU_CATEGORIES as CPU_CATS
+from collectors.trace_analysis.rank import GPU_CATEGORIES as GPU_CATS
 
 COLORS = {
     "ops": "#4e79a7",
@@ -39,8 +41,6 @@ LANES = [
     ("gpu_comm", "GPU comm", "#e15759"),
     ("gpu_memcpy", "GPU memcpy", "#edc948"),
 ]
-CPU_CATS = ("ops", "collective", "collective_wait", "outside_ops")
-GPU_CATS = ("compute", "comm_overlap", "comm", "memcpy", "idle")
 WIDTH = 760
 LEFT = 110
 

@@ -438,7 +438,7 @@ def compare(a: dict[str, Any], b: dict[str, Any], top: int = 10) -> dict[str, An
             }
             for n in set(ra) | set(rb)
         ]
-        rows.sort(key=lambda r: abs(r["delta_ms"]), reverse=True)
+        rows.sort(key=lambda r: (-abs(r["delta_ms"]), r["name"]))  # equal moves: by name, the same every run
         return rows[:top]
 
     return {

@@ -100,3 +100,13 @@ def test_render_html_draws_an_analysis_artifact_and_refuses_another_document(tmp
     assert render_html(good.finish("complete")) == analysis_html(analysis)
     with pytest.raises(TraceError, match="is not a dynprof analysis"):
         render_html(bad.finish("complete"))
+
+
+def test_every_category_of_the_analysis_has_a_colour_and_a_label():
+    # The page draws the categories the analysis computes: a new one without its colour or label
+    # would be drawn unnamed.
+    from collectors.trace_analysis.html import COLORS, LABELS
+    from collectors.trace_analysis.rank import CPU_CATEGORIES, GPU_CATEGORIES
+
+    for category in (*CPU_CATEGORIES, *GPU_CATEGORIES):
+        assert category in COLORS and category in LABELS, category

@@ -226,3 +226,18 @@ def test_compare_gives_each_category_s_change_and_what_moved_most():
     assert len(result["ops"]) == 2 and result["kernels"] == []
     assert abs(result["ops"][0]["delta_ms"]) >= abs(result["ops"][1]["delta_ms"])
     assert result["straggler"]["a"]["rank"] == 1 and result["straggler"]["b"] is None
+
+
+def test_compare_orders_operators_that_moved_equally_by_name():
+    # GIVEN two analyses whose operators moved by the same amount, listed in different orders
+    def side(rows):
+        return {"ranks": [], "top_ops": [{"name": n, "ms_per_step_per_rank": v} for n, v in rows], "top_kernels": []}
+
+    a = side([("zeta", 1.0), ("alpha", 1.0), ("mid", 1.0), ("big", 1.0)])
+    b = side([("mid", 3.0), ("big", 5.0), ("alpha", 3.0), ("zeta", 3.0)])
+
+    # WHEN they are compared
+    ops = compare(a, b)["ops"]
+
+    # THEN the largest move comes first, and equal moves follow by name, not by set order
+    assert [o["name"] for o in ops] == ["big", "alpha", "mid", "zeta"]
