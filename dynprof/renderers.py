@@ -12,30 +12,19 @@ import logging
 from typing import Any
 
 from dynprof import errors
+from dynprof.kinds import html_renderers, renderers
 from dynprof.store import Artifact
 
 log = logging.getLogger("dynprof.renderers")
 
-# kind -> "module:function" rendering an artifact's contents. The function takes the Artifact
-# and returns (summary dict for --json, text for people). A kind without a row (healthcheck:
-# its manifest's summary says the verdict) shows its manifest and files only.
-RENDERERS: dict[str, str] = {
-    "trace": "collectors.torch_trace:render_artifact",
-    "stacks": "collectors.stacks:render_artifact",
-    "hang": "collectors.stacks:render_artifact",
-    "memory": "collectors.memory.render:render_artifact",
-    "memory-plan": "collectors.memory.plan:render_artifact",
-    "host-memory": "collectors.host_memory:render_artifact",
-    "nccl": "collectors.flight_recorder:render_artifact",
-    "analysis": "collectors.trace_analysis.render:render_artifact",
-    "verdict": "dynprof.watch.render:render_artifact",
-}
+# kind -> "module:function" rendering an artifact's contents (the rows of dynprof.kinds that have
+# a renderer). The function takes the Artifact and returns (summary dict for --json, text for
+# people). A kind without a renderer (healthcheck: its manifest's summary says the verdict) shows
+# its manifest and files only.
+RENDERERS: dict[str, str] = renderers()
 # kind -> "module:function" returning an HTML fragment (self-contained, no script) that the web
 # page shows above the text summary.
-HTML_RENDERERS: dict[str, str] = {
-    "analysis": "collectors.trace_analysis.html:render_html",
-    "verdict": "dynprof.watch.html:render_html",
-}
+HTML_RENDERERS: dict[str, str] = html_renderers()
 
 
 def render(artifact: Artifact) -> tuple[dict[str, Any] | None, str]:

@@ -1,9 +1,12 @@
 #!/usr/bin/env python3
-"""Write docs/cli.md from the real argument parser, and the sidecar's action table of docs/api.md
-from the real action rows (``dynprof.sidecar.actions.ACTIONS``), so the references cannot drift.
+"""Write docs/cli.md from the real argument parser, the sidecar's action table of docs/api.md
+from the real action rows (``dynprof.sidecar.actions.ACTIONS``), and the module list of the
+import contract "The CLI's commands import none of each other" in pyproject.toml from the
+commands of the kinds' table (``dynprof.kinds``, read as ``dynprof.cli.COMMANDS``), so none of
+them can drift.
 
-python scripts/gen_cli_reference.py           # rewrite docs/cli.md and docs/api.md's action table
-python scripts/gen_cli_reference.py --check   # exit 1 if either is stale
+python scripts/gen_cli_reference.py           # rewrite docs/cli.md, docs/api.md's action table and the contract's list
+python scripts/gen_cli_reference.py --check   # exit 1 if any is stale
 """
 
 from __future__ import annotations
@@ -22,6 +25,11 @@ ACTIONS_BEGIN = (
     "do not edit by hand -->"
 )
 ACTIONS_END = "<!-- end of the action table -->"
+PYPROJECT = ROOT / "pyproject.toml"
+CONTRACT_BEGIN = (
+    "  # the command modules: generated from dynprof.kinds by scripts/gen_cli_reference.py; do not edit by hand"
+)
+CONTRACT_END = "  # end of the command modules"
 
 
 def render() -> str:
@@ -85,11 +93,34 @@ def render_api(text: str) -> str:
     return f"{head}{ACTIONS_BEGIN}\n{render_actions()}\n{ACTIONS_END}{tail}"
 
 
+def render_contract_modules() -> str:
+    """The modules of the CLI's independence contract: every command's, sorted, one a line."""
+    from dynprof.cli import COMMANDS
+
+    return "\n".join(f'  "dynprof.cli.{module}",' for module in sorted({module for _, module, _ in COMMANDS}))
+
+
+def render_pyproject(text: str) -> str:
+    """``text`` (pyproject.toml) with the independence contract's modules, between their two
+    markers, rewritten."""
+    head, begin, rest = text.partition(CONTRACT_BEGIN + "\n")
+    _, end, tail = rest.partition(CONTRACT_END + "\n")
+    if not begin or not end:
+        raise SystemExit(
+            f"{PYPROJECT}: the command modules' markers are missing ({CONTRACT_BEGIN!r}, {CONTRACT_END!r})"
+        )
+    return f"{head}{begin}{render_contract_modules()}\n{end}{tail}"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--check", action="store_true")
     args = ap.parse_args(argv)
-    outputs = {OUT: render(), API: render_api(API.read_text())}
+    outputs = {
+        OUT: render(),
+        API: render_api(API.read_text()),
+        PYPROJECT: render_pyproject(PYPROJECT.read_text()),
+    }
     if args.check:
         stale = [path for path, text in outputs.items() if not path.exists() or path.read_text() != text]
         for path in stale:

@@ -24,6 +24,7 @@ from typing import Any
 from dynprof import __version__, roles
 from dynprof.agent._steps import StepTracker
 from dynprof.identity import Identity, detect
+from dynprof.kinds import agent_extensions
 from dynprof.paths import MAX_SOCKET_PATH, agents_dir, logs_dir
 from dynprof.registry import (
     AgentRecord,
@@ -36,17 +37,11 @@ from dynprof.registry import (
 
 log = logging.getLogger("dynprof.agent")
 
-# Modules that add capabilities to the agent. Each has ``install(agent)``; it may register
-# command handlers (agent.handlers[name] = fn) and exit callbacks. A module that is missing
-# or fails to install is logged and skipped: the rest of the agent still works.
-EXTENSIONS = (
-    "dynprof.agent._ext_trace",
-    "dynprof.agent._ext_stacks",
-    "dynprof.agent._ext_memory",
-    "dynprof.agent._ext_hang",
-    "dynprof.agent._ext_flight",
-    "dynprof.agent._ext_job_store",
-)
+# Modules that add capabilities to the agent (the rows of dynprof.kinds that have one, in their
+# order). Each has ``install(agent)``; it may register command handlers (agent.handlers[name] =
+# fn) and exit callbacks. A module that is missing or fails to install is logged and skipped:
+# the rest of the agent still works.
+EXTENSIONS = agent_extensions()
 
 
 class _OneLineFormatter(logging.Formatter):

@@ -19,30 +19,13 @@ from typing import Protocol
 
 from dynprof import __version__
 from dynprof.errors import DynprofError
+from dynprof.kinds import commands
 from dynprof.output import silence_stdout
 from dynprof.result import Result
 
-# (subcommand name, module under dynprof.cli, class name), in the order `--help` lists them.
-COMMANDS: list[tuple[str, str, str]] = [
-    ("run", "run", "RunCommand"),
-    ("ps", "ps", "PsCommand"),
-    ("nodes", "nodes", "NodesCommand"),
-    ("attach", "attach", "AttachCommand"),
-    ("start", "start", "StartCommand"),
-    ("stop", "stop", "StopCommand"),
-    ("stacks", "stacks", "StacksCommand"),
-    ("nccl", "nccl", "NcclCommand"),
-    ("gpu-coredump", "gpu_coredump", "GpuCoredumpCommand"),
-    ("memory", "memory", "MemoryCommand"),
-    ("memory-report", "memory_report", "MemoryReportCommand"),
-    ("healthcheck", "healthcheck", "HealthcheckCommand"),
-    ("link-test", "link_test", "LinkTestCommand"),
-    ("ls", "ls", "LsCommand"),
-    ("show", "show", "ShowCommand"),
-    ("analyze", "analyze", "AnalyzeCommand"),
-    ("watch", "watch", "WatchCommand"),
-    ("serve", "serve", "ServeCommand"),
-]
+# (subcommand name, module under dynprof.cli, class name), in the order `--help` lists them: the
+# rows of dynprof.kinds that have a command.
+COMMANDS: tuple[tuple[str, str, str], ...] = commands()
 
 
 class Command(Protocol):

@@ -2,11 +2,13 @@
 
 ``lint-imports`` checks the contracts as written; these tests check that what they are written
 over is all there is: a new top-level module of ``dynprof/`` lands in the floor contract (or is
-named here, with its reason), and a new subpackage in a layer.
+named here, with its reason), a new subpackage in a layer, and the CLI's independence contract
+names the commands of the kinds' table (``scripts/gen_cli_reference.py`` writes it from them).
 """
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -75,10 +77,52 @@ def test_every_subpackage_is_in_a_layer_and_the_floor_forbids_every_layer() -> N
 
 
 def test_every_cli_command_is_in_the_independence_contract() -> None:
-    # GIVEN the commands the CLI dispatches to, and the contract over them
+    # GIVEN the commands the CLI dispatches to (the rows of dynprof.kinds with a command), and the
+    # contract over them (written from those rows by scripts/gen_cli_reference.py)
     from dynprof.cli import COMMANDS
 
     contract = _contracts()["The CLI's commands import none of each other"]
 
     # THEN each command's module is one of the contract's, and the contract names no other
     assert {f"dynprof.cli.{module}" for _, module, _ in COMMANDS} == set(contract["modules"])
+
+
+def _generator() -> Any:
+    spec = importlib.util.spec_from_file_location("gen_cli_reference", ROOT / "scripts" / "gen_cli_reference.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_independence_contract_is_written_from_the_commands():
+    # GIVEN pyproject.toml as committed, and its generator
+    gen = _generator()
+    text = (ROOT / "pyproject.toml").read_text()
+
+    # THEN the contract's list is the generated one
+    assert gen.render_pyproject(text) == text, "pyproject.toml is stale: run python scripts/gen_cli_reference.py"
+
+
+def test_a_command_the_contract_lacks_is_caught(monkeypatch):
+    # GIVEN a new command in the table that pyproject.toml's contract does not list yet
+    import dynprof.cli
+
+    gen = _generator()
+    text = (ROOT / "pyproject.toml").read_text()
+    monkeypatch.setattr(dynprof.cli, "COMMANDS", (*dynprof.cli.COMMANDS, ("gc", "gc", "GcCommand")))
+
+    # WHEN the contract is written THEN it differs from the committed one by that module, in its
+    # sorted place, and the rest of the file is as it was
+    regenerated = gen.render_pyproject(text)
+    assert regenerated != text
+    contract = {c["name"]: c for c in tomllib.loads(regenerated)["tool"]["importlinter"]["contracts"]}
+    modules = contract["The CLI's commands import none of each other"]["modules"]
+    assert modules == sorted(
+        {*_contracts()["The CLI's commands import none of each other"]["modules"], "dynprof.cli.gc"}
+    )
+    assert regenerated.replace('  "dynprof.cli.gc",\n', "") == text
+
+    # AND a file whose markers are gone is refused, not silently left as it is
+    with pytest.raises(SystemExit, match="markers"):
+        gen.render_pyproject(text.replace(gen.CONTRACT_END, ""))
