@@ -67,7 +67,7 @@ def render_actions() -> str:
         return "yes" if flag else "no"
 
     rows = [
-        "| action | CLI | options | the kind's request | acts on jobs | job-wide (`hosts`) | default / max timeout (s) |",
+        "| action | CLI | options | its request | acts on jobs | job-wide (`hosts`) | default / max timeout (s) |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for name, action in ACTIONS.items():

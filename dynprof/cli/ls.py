@@ -10,6 +10,7 @@ entries in it) is refused with the reason; nothing outside the store is walked.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from dynprof.cli.job import (
     node_messages,
     with_fetch,
 )
+from dynprof.node_requests import MAX_LIMIT, LsRequest
 from dynprof.nodes import Node
 from dynprof.result import Result
 from dynprof.store import ArtifactStore
@@ -43,16 +45,21 @@ class LsCommand(JobCommand):
         parser.add_argument("--job", help="only this job's artifacts")
         parser.add_argument("--kind", help="only this kind (trace, stacks, memory, healthcheck, ...)")
         parser.add_argument(
-            "--limit", type=bounded_int(0, 10**9), default=0, help="show at most this many (default: all)"
+            "--limit", type=bounded_int(0, MAX_LIMIT), default=0, help="show at most this many (default: all)"
         )
         parser.add_argument("--all", action="store_true", help="also list artifacts still being written")
 
     def collect_local(self, args: argparse.Namespace) -> Result:
+        return self.collect_request(request_from_args(args), name_skipped=not getattr(args, "json", False))
+
+    def collect_request(self, request: LsRequest, name_skipped: bool = False) -> Result:
+        """This node's artifacts, as ``request`` asks (``name_skipped``: the text view names the
+        entries it skipped on stderr; the JSON document lists them)."""
         store = ArtifactStore()
-        arts, bad = store.scan(job=args.job, kind=args.kind)
-        if args.limit:
-            arts = arts[: args.limit]
-        temps = store.temporaries() if args.all else []
+        arts, bad = store.scan(job=request.job, kind=request.kind)
+        if request.limit:
+            arts = arts[: request.limit]
+        temps = store.temporaries() if request.all else []
         doc = {
             "root": str(store.root),
             "artifacts": [
@@ -74,15 +81,17 @@ class LsCommand(JobCommand):
             "stale": [str(t.path) for t in temps if t.stale],
             "bad": [{"path": str(b.path), "reason": b.reason} for b in bad],
         }
-        # The JSON document lists the bad entries; the text names them on stderr.
-        messages = (
-            [] if getattr(args, "json", False) else [f"skipped {printable(b.id)}: {printable(b.reason)}" for b in bad]
-        )
+        messages = [f"skipped {printable(b.id)}: {printable(b.reason)}" for b in bad] if name_skipped else []
         rows = [
             (t.id, t.kind, "stale" if t.stale else "writing", t.rank, f"{t.age_s:.0f} s ago", human_bytes(t.size))
             for t in temps
         ]
         return JobResult(doc, 0, messages, context={"temporaries": rows})
+
+    def action_requests(self) -> dict[str, tuple[Callable[[dict[str, Any]], Any], Callable[[Any], Result]]]:
+        """The sidecar's ``ls`` action read as its request (an action answers JSON: nothing is
+        named on stderr)."""
+        return {"ls": (LsRequest.from_json, self.collect_request)}
 
     def collect_nodes(self, args: argparse.Namespace, nodes: list[Node]) -> Result:
         from dynprof.job.answers import node_labels, rows
@@ -130,6 +139,11 @@ class LsCommand(JobCommand):
             table(rows + temps, ["ID", "KIND", "STATUS", "RANK", "CREATED", "SIZE"])
             + f"\n\n{len(arts)} artifact(s) in {printable(doc['root'])}"
         )
+
+
+def request_from_args(args: argparse.Namespace) -> LsRequest:
+    """The options of `dynprof ls` on this node as its request."""
+    return LsRequest(job=args.job, kind=args.kind, limit=args.limit, all=bool(args.all))
 
 
 def _render_nodes(doc: dict[str, Any]) -> str:

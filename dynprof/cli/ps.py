@@ -13,6 +13,7 @@ DataLoader workers have no agent. Commands given ``--job`` target the trainers.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from typing import Any
 
 from dynprof import errors
@@ -28,6 +29,7 @@ from dynprof.cli.job import (
     forward_options,
     node_messages,
 )
+from dynprof.node_requests import PS_TIMEOUT_S, PsRequest
 from dynprof.nodes import Node
 from dynprof.registry import list_records
 from dynprof.result import Result
@@ -40,17 +42,30 @@ class PsCommand(JobCommand):
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--job", help="only this job's agents")
-        parser.add_argument("--timeout", type=seconds, default=1.0, help="seconds to wait for each agent (default 1)")
+        parser.add_argument(
+            "--timeout",
+            type=seconds,
+            default=PS_TIMEOUT_S,
+            help=f"seconds to wait for each agent (default {PS_TIMEOUT_S:g})",
+        )
 
     def collect_local(self, args: argparse.Namespace) -> Result:
+        return self.collect_request(request_from_args(args))
+
+    def collect_request(self, request: PsRequest) -> Result:
+        """This node's agents, as ``request`` asks."""
         records = list_records()
-        if args.job:
-            records = [r for r in records if r.job_id == args.job]
-        rows = agent_rows(records, args.timeout)
+        if request.job:
+            records = [r for r in records if r.job_id == request.job]
+        rows = agent_rows(records, request.timeout)
         failed = [r for r in rows if r["state"] == "error"]
         code = errors.AgentError.exit_code if failed else 0
         messages = [f"agent of pid {r['pid']}: {printable(r['error'])}" for r in failed]
-        return JobResult({"agents": rows}, code, messages, context={"job": args.job})
+        return JobResult({"agents": rows}, code, messages, context={"job": request.job})
+
+    def action_requests(self) -> dict[str, tuple[Callable[[dict[str, Any]], Any], Callable[[Any], Result]]]:
+        """The sidecar's ``ps`` action read as its request."""
+        return {"ps": (PsRequest.from_json, self.collect_request)}
 
     def collect_nodes(self, args: argparse.Namespace, nodes: list[Node]) -> Result:
         from dynprof.job.answers import node_labels, rank_key, rows
@@ -136,3 +151,8 @@ def _render_nodes(doc: dict[str, Any]) -> str:
     text.print(f"\n{len(rows)} agent(s) on {answered_count(doc)} node(s)")
     text.footer(doc)
     return text.value()
+
+
+def request_from_args(args: argparse.Namespace) -> PsRequest:
+    """The options of `dynprof ps` on this node as its request."""
+    return PsRequest(job=args.job, timeout=args.timeout)

@@ -8,21 +8,24 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 from typing import Any
 
 from collectors.torch_trace import WRITING_AT_EXIT, result_from_store
 from dynprof import errors
+from dynprof.agents import resolve
 from dynprof.cli._common import (
     Progress,
     add_attach_flag,
     add_targets,
+    attach_first,
     parallel,
     printable,
-    resolve_agents,
     seconds,
 )
 from dynprof.cli.job import JobCommand, JobResult
 from dynprof.client import AgentClient
+from dynprof.node_requests import STOP_TIMEOUT_S, StopRequest
 from dynprof.proto import pb
 from dynprof.result import Result
 
@@ -36,10 +39,22 @@ class StopCommand(JobCommand):
         add_targets(parser)
         add_attach_flag(parser)
         parser.add_argument("--no-wait", action="store_true", help="do not wait for the artifact")
-        parser.add_argument("--timeout", type=seconds, default=120.0, help="seconds to wait for the artifacts")
+        parser.add_argument("--timeout", type=seconds, default=STOP_TIMEOUT_S, help="seconds to wait for the artifacts")
 
     def collect_local(self, args: argparse.Namespace) -> Result:
-        records = resolve_agents(args)
+        request = request_from_args(args)
+        if args.attach:
+            attach_first(args)
+        return self.collect_request(request, Progress(enabled=not getattr(args, "json", False)))
+
+    def action_requests(self) -> dict[str, tuple[Callable[[dict[str, Any]], Any], Callable[[Any], Result]]]:
+        """The sidecar's ``stop`` action read as its request."""
+        return {"stop": (StopRequest.from_json, self.collect_request)}
+
+    def collect_request(self, request: StopRequest, progress: Progress | None = None) -> Result:
+        """This node's stop of ``request``'s traces, each followed until written unless
+        ``no_wait`` (``progress``: where it says so meanwhile)."""
+        records = resolve(pids=list(request.pids) or None, job=request.job)
         clients = [AgentClient.for_record(r) for r in records]
         replies = parallel(lambda c: c.request(stop_trace=pb.StopTraceRequest()), clients)
         at_exit: dict[int, str | None] = {}  # pid -> where its trace is being written at exit
@@ -69,9 +84,10 @@ class StopCommand(JobCommand):
                     at_exit[record.pid] = trace.last_artifact or None
         if not stopping:
             return JobResult({"results": results}, 1, context={"none_stopping": True})
-        if not args.no_wait:
-            progress = Progress(enabled=not getattr(args, "json", False))
-            deadline = time.monotonic() + args.timeout
+        if not request.no_wait:
+            if progress is None:
+                progress = Progress(enabled=False)
+            deadline = time.monotonic() + request.timeout
             pending = list(stopping)
             while pending:
                 states = parallel(lambda p: p[1].status().trace, pending)
@@ -120,7 +136,7 @@ class StopCommand(JobCommand):
                     if time.monotonic() > deadline:
                         progress.done()
                         raise errors.Timeout(
-                            f"the trace of {len(pending)} process(es) was not written within {args.timeout:g} s",
+                            f"the trace of {len(pending)} process(es) was not written within {request.timeout:g} s",
                             help="See `dynprof ps` and `dynprof ls`.",
                         )
                     progress.update(f"stopping: waiting for {len(pending)} artifact(s)")
@@ -152,3 +168,10 @@ class StopCommand(JobCommand):
             who = f"rank {res['rank']} (pid {res['pid']})" if res["rank"] is not None else f"pid {res['pid']}"
             lines.append(printable(f"{who}: {res['status']}: {res['artifact'] or res['error'] or ''}".rstrip(": ")))
         return "\n".join(lines)
+
+
+def request_from_args(args: argparse.Namespace) -> StopRequest:
+    """The options of `dynprof stop` on this node as its request."""
+    return StopRequest(
+        pids=tuple(args.pid or ()), job=args.job, all=bool(args.all), no_wait=args.no_wait, timeout=args.timeout
+    )

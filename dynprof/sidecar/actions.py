@@ -10,11 +10,12 @@ a :class:`~dynprof.result.Result`: the answer carries its ``to_json()`` (what th
 ``--json`` prints), its exit code and its messages; a :class:`~dynprof.errors.DynprofError`
 travels as a structured ``error`` (type, message, help, exit code). Nothing printed is parsed.
 
-An action whose kind has a request (:class:`ActionCommand` ``decode``/``collect_request``:
-``stacks``, ``nccl``, ``start``, ``memory``, ``memory-plan``) and that runs in this process skips the
-argument list: its options, checked here as for any action, are read by the request's own
-``from_json`` and the kind collects it; a value the request refuses is the command's usage error,
-as a value its parser refuses is.
+An action that carries a request (:class:`ActionCommand` ``decode``/``collect_request``: ``ps``,
+``ls``, ``stacks``, ``nccl``, ``start``, ``stop``, ``memory``, ``memory-plan``) and that runs in
+this process skips the argument list: its options, checked here as for any action, are read by
+the request's own ``from_json`` and the command or kind collects it; a value the request refuses
+is the command's usage error, as a value its parser refuses is. The job-wide form (``hosts``)
+and the actions without a request (``healthcheck``, ``link-test``) go through the argument list.
 
 The sidecar imports no CLI module: ``dynprof serve`` hands it the commands
 (:class:`ActionCommand`: the command's parser and its ``collect`` functions), and a child
@@ -65,6 +66,7 @@ from collectors.stacks.collect import StacksRequest
 from collectors.torch_trace.collect import TraceRequest
 from dynprof import __version__, errors, jsontext
 from dynprof.identity import detect
+from dynprof.node_requests import LsRequest, PsRequest, StopRequest
 from dynprof.nodes import Node
 from dynprof.procs import kill_group
 from dynprof.result import Result, error_json
@@ -250,11 +252,11 @@ def _request_action(
     return Action(command, _opts(**request.OPTIONS, **text), request=request, text_options=tuple(text), **row)
 
 
-_TARGETS = {"job": "str", "pid": "ints", "all": "bool"}
-
 ACTIONS: dict[str, Action] = {
-    "ps": Action("ps", _opts(job="str", timeout="float"), "timeout", 10.0, 60.0, fans_out=True),
-    "ls": Action("ls", _opts(job="str", kind="str", limit="int", all="bool"), fans_out=True),
+    "ps": _request_action(
+        "ps", PsRequest, timeout_option="timeout", default_timeout_s=10.0, max_timeout_s=60.0, fans_out=True
+    ),
+    "ls": _request_action("ls", LsRequest, fans_out=True),
     # `full` is how the text is printed: the document an action answers is the same
     "stacks": _request_action(
         "stacks",
@@ -275,12 +277,12 @@ ACTIONS: dict[str, Action] = {
         own_default_timeout=False,
         fans_out=True,
     ),
-    "stop": Action(
+    "stop": _request_action(
         "stop",
-        _opts(**_TARGETS, no_wait="bool", timeout="float"),
-        "timeout",
-        120.0,
-        3600.0,
+        StopRequest,
+        timeout_option="timeout",
+        default_timeout_s=120.0,
+        max_timeout_s=3600.0,
         changes_jobs=True,
         fans_out=True,
     ),

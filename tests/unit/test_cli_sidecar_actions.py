@@ -16,6 +16,7 @@ from dynprof import errors
 from dynprof.cli import sidecar_actions as sa
 from dynprof.cli.ls import LsCommand
 from dynprof.cli.start import StartCommand
+from dynprof.node_requests import LsRequest
 from dynprof.result import Result
 from dynprof.sidecar.actions import ACTIONS, ActionCommand
 
@@ -75,7 +76,12 @@ def test_the_table_has_every_action_each_with_its_commands_entry_points():
     # a job-level command: its local and job-wide answers
     assert table["ls"].collect_local.__func__ is LsCommand.collect_local
     assert table["ls"].collect_nodes.__func__ is LsCommand.collect_nodes
-    assert table["ls"].decode is None and table["ls"].collect_request is None
+    # ls carries its request: read from JSON and collected by the command, without argv
+    assert table["ls"].decode == LsRequest.from_json
+    assert table["ls"].collect_request.__func__ is LsCommand.collect_request
+    # an action without a request: its options go through the command's parser
+    assert table["healthcheck"].decode is None and table["healthcheck"].collect_request is None
+    assert table["link-test"].decode is None and table["link-test"].collect_request is None
     # a kind with a request: read from JSON and collected without argv
     assert table["start"].decode.__func__ is StartCommand.action_requests(StartCommand())["start"][0].__func__
     assert table["start"].collect_request.__func__ is StartCommand.collect_request

@@ -50,3 +50,24 @@ def test_results_read_as_one_line_per_process():
 def test_when_nothing_stops_the_text_is_the_errors():
     result = JobResult({"results": [{"error": "pid 3: no trace running"}]}, 1, context={"none_stopping": True})
     assert StopCommand().render(result) == "pid 3: no trace running"
+
+
+def test_the_sidecars_stop_action_answers_what_stop_json_prints(capsys):
+    from dynprof.cli.sidecar_actions import action_commands
+    from dynprof.sidecar.actions import run_action
+
+    # GIVEN the agent of this process, running no trace, and the command table `dynprof serve` hands the sidecar
+    dynprof.agent.start()
+    table = action_commands(["stop"])
+    # WHEN stop runs as an action (its options read as the request) and as the CLI with --json
+    answer = run_action("stop", {"pid": [os.getpid()], "no_wait": True}, commands=table)
+    assert main(["stop", "--pid", str(os.getpid()), "--no-wait", "--json"]) == 1
+    # THEN the answer is what the CLI printed: this process, not running a trace, exit 1
+    assert answer["exit_code"] == 1 and answer["error"] is None
+    assert answer["result"] == json.loads(capsys.readouterr().out)
+    [row] = answer["result"]["results"]
+    assert row["pid"] == os.getpid() and row["status"] == "not-running"
+    # AND a job no agent here runs is answered with the CLI's error, its code and its document
+    answer = run_action("stop", {"job": "no-such-job"}, commands=table)
+    code = main(["stop", "--job", "no-such-job", "--json"])
+    assert answer["exit_code"] == code != 0 and answer["result"] == json.loads(capsys.readouterr().out)

@@ -594,7 +594,12 @@ def test_the_real_table_reads_requests_for_the_kinds_that_have_them():
     assert table["start"].decode == TraceRequest.from_json
     assert table["stacks"].decode is not None
     assert table["stacks"].decode({"job": "j", "full": True}) == StacksRequest(job="j")
-    assert table["ps"].decode is None and table["healthcheck"].decode is None
+    # AND ps, ls, stop decode theirs; the actions run in a child process have none
+    from dynprof.node_requests import LsRequest, PsRequest, StopRequest
+
+    assert table["ps"].decode == PsRequest.from_json and table["ls"].decode == LsRequest.from_json
+    assert table["stop"].decode == StopRequest.from_json
+    assert table["healthcheck"].decode is None and table["link-test"].decode is None
     # WHEN a request its kind refuses is sent (no target; a plan without a budget; an unknown stack mode)
     for name, options, said in (
         ("memory", {}, "exactly one of --pid, --job or --all"),
@@ -603,6 +608,8 @@ def test_the_real_table_reads_requests_for_the_kinds_that_have_them():
         ("stacks", {"job": "j", "method": "gdb"}, "unknown method 'gdb'"),
         ("nccl", {"pid": [1], "all": True}, "exactly one of --pid, --job or --all"),
         ("start", {"job": "j", "steps": 2, "duration": 1.0}, "not both"),
+        ("ls", {"limit": -3}, "ls: argument --limit: -3 is out of range"),
+        ("stop", {}, "stop: one of the arguments --pid --job --all is required"),
     ):
         answer = run_action(name, options, commands=table)
         # THEN it is the command's usage error (2), answered, as when the parser refused it
