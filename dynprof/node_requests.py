@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 
 from dynprof import errors
 from dynprof.arguments import MAX_PID, MAX_SECONDS, parse_int, parse_pid
-from dynprof.requests import read_options
+from dynprof.requests import TARGETS, read_options
 
 PS_TIMEOUT_S = 1.0  # seconds to wait for each agent
 STOP_TIMEOUT_S = 120.0  # seconds to wait for the artifacts
@@ -145,9 +145,7 @@ class StopRequest:
         _check_timeout(self.timeout)
 
     OPTIONS: ClassVar[dict[str, str]] = {
-        "job": "str",
-        "pid": "ints",
-        "all": "bool",
+        **TARGETS,
         "no_wait": "bool",
         "timeout": "float",
     }

@@ -22,6 +22,9 @@ from dynprof import errors
 MAX_TEXT = 4096
 MAX_ITEMS = 1024
 KINDS = ("bool", "int", "float", "str", "ints", "strs")
+# The options that name the processes a request acts on, as every command that takes them lists
+# them: a job, process ids, or every agent of this node.
+TARGETS: dict[str, str] = {"job": "str", "pid": "ints", "all": "bool"}
 
 
 def read_options(doc: Any, spec: Mapping[str, str], what: str) -> dict[str, Any]:

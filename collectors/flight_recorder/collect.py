@@ -24,7 +24,7 @@ from dynprof import errors, untrusted
 from dynprof.agents import parallel, resolve
 from dynprof.arguments import MAX_PID, MAX_SECONDS
 from dynprof.registry import AgentRecord, read_record
-from dynprof.requests import read_options
+from dynprof.requests import TARGETS, read_options
 from dynprof.units import human_bytes
 
 MAX_DUMP_BYTES = 64 * 1024 * 1024
@@ -56,9 +56,7 @@ class NcclRequest:
             raise errors.UsageError(f"a process id is 1-{MAX_PID}")
 
     OPTIONS: ClassVar[dict[str, str]] = {
-        "job": "str",
-        "pid": "ints",
-        "all": "bool",
+        **TARGETS,
         "only_active": "bool",
         "no_stack_traces": "bool",
         "timeout": "float",

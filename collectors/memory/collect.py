@@ -30,15 +30,13 @@ from dynprof import errors
 from dynprof.agents import parallel, resolve
 from dynprof.arguments import MAX_HISTORY_EVENTS, MAX_PID, MAX_SECONDS
 from dynprof.registry import AgentRecord
-from dynprof.requests import read_options
+from dynprof.requests import TARGETS, read_options
 
 DEFAULT_TIMEOUT_S = 300.0
 HISTORY_TIMEOUT_S = 30.0  # turning history on or off answers at once
 STACKS = ("python", "all")
 POLL_S = 0.2
 MAX_MEASUREMENT_BYTES = 8 * 1024 * 1024
-
-_TARGETS = {"job": "str", "pid": "ints", "all": "bool"}
 
 
 def _check_targets(pids: tuple[int, ...], job: str | None, all_: bool, command: str) -> None:
@@ -97,7 +95,7 @@ class MemoryRequest:
         return self.history_start is not None or self.history_stop
 
     OPTIONS: ClassVar[dict[str, str]] = {
-        **_TARGETS,
+        **TARGETS,
         "history_start": "int",
         "history_stop": "bool",
         "stacks": "str",
@@ -248,7 +246,7 @@ class MemoryPlanRequest:
         parse_budget(self.budget if self.budget is not None else self.save or "")
         _check_timeout(self.timeout)
 
-    OPTIONS: ClassVar[dict[str, str]] = {**_TARGETS, "budget": "str", "save": "str", "timeout": "float"}
+    OPTIONS: ClassVar[dict[str, str]] = {**TARGETS, "budget": "str", "save": "str", "timeout": "float"}
 
     @classmethod
     def from_json(cls, doc: Any) -> MemoryPlanRequest:

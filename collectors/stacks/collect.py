@@ -32,7 +32,7 @@ from dynprof import errors
 from dynprof.agents import parallel, resolve
 from dynprof.arguments import MAX_PID, MAX_SECONDS
 from dynprof.registry import AgentRecord, read_record
-from dynprof.requests import read_options
+from dynprof.requests import TARGETS, read_options
 
 METHODS = ("auto", "py-spy", "pystack", "agent")
 DEFAULT_TIMEOUT_S = 15.0
@@ -75,9 +75,7 @@ class StacksRequest:
             raise errors.UsageError(f"a process id is 1-{MAX_PID}")
 
     OPTIONS: ClassVar[dict[str, str]] = {
-        "job": "str",
-        "pid": "ints",
-        "all": "bool",
+        **TARGETS,
         "native": "bool",
         "locals": "bool",
         "method": "str",

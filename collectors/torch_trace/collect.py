@@ -32,7 +32,7 @@ from dynprof.client import AgentClient
 from dynprof.output import printable
 from dynprof.proto import pb
 from dynprof.registry import AgentRecord
-from dynprof.requests import read_options
+from dynprof.requests import TARGETS, read_options
 
 POLL_S = 0.1
 ACTIVITIES = ("cpu", "cuda", "xpu")
@@ -100,9 +100,7 @@ class TraceRequest:
             )
 
     OPTIONS: ClassVar[dict[str, str]] = {
-        "job": "str",
-        "pid": "ints",
-        "all": "bool",
+        **TARGETS,
         "steps": "int",
         "duration": "float",
         "at_step": "int",

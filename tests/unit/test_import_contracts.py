@@ -8,11 +8,12 @@ names the commands of the kinds' table (``scripts/gen_cli_reference.py`` writes 
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.unit._scripts import load_script
 
 tomllib = pytest.importorskip("tomllib", reason="reading pyproject.toml needs Python 3.11 or later")
 
@@ -88,11 +89,7 @@ def test_every_cli_command_is_in_the_independence_contract() -> None:
 
 
 def _generator() -> Any:
-    spec = importlib.util.spec_from_file_location("gen_cli_reference", ROOT / "scripts" / "gen_cli_reference.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("gen_cli_reference")
 
 
 def test_the_independence_contract_is_written_from_the_commands():

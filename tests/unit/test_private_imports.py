@@ -2,21 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 from types import ModuleType
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "check_private_imports.py"
+from tests.unit._scripts import load_script
 
 
 def load_checker() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("check_private_imports", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("check_private_imports")
 
 
 def write(root: Path, files: dict[str, str]) -> None:

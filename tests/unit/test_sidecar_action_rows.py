@@ -4,7 +4,6 @@ the rows (scripts/gen_cli_reference.py)."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -12,6 +11,7 @@ import pytest
 
 from dynprof import errors
 from dynprof.sidecar import actions
+from tests.unit._scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 SAMPLES: dict[str, Any] = {"int": 1, "float": 1.5, "str": "60%", "bool": True, "ints": [1], "strs": ["x"]}
@@ -94,11 +94,7 @@ def test_a_new_kinds_row_gets_its_options_from_its_request(monkeypatch):
 
 
 def _generator() -> Any:
-    spec = importlib.util.spec_from_file_location("gen_cli_reference", ROOT / "scripts" / "gen_cli_reference.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("gen_cli_reference")
 
 
 def test_the_api_docs_action_table_is_the_rows():
