@@ -314,13 +314,16 @@ FALSE_ALARMS = ["checkpoint", "eval", "slow-first", "slow-warmup"]
 
 def _no_hang_through_a_phase(sim_nodes: dict[str, Any], spawn: Any, fault: str, phase_s: float, tmp_path: Path) -> None:
     job = f"wf-{fault}"
+    end_file = tmp_path / "end"
     args = [
         "--fault",
         fault,
         "--phase-seconds",
         f"{phase_s:g}",
         "--max-seconds",
-        f"{phase_s + 40:g}",
+        f"{phase_s + 150:g}",  # a bound only: the job ends when the test says so (end_file)
+        "--end-file",
+        str(end_file),
         "--out",
         str(tmp_path),
     ]
@@ -332,9 +335,11 @@ def _no_hang_through_a_phase(sim_nodes: dict[str, Any], spawn: Any, fault: str, 
             (t.wait_for_line("FAULT", timeout=120) if before_first else t.ready_pids(timeout=120))
         if watch is None:
             watch = Watch(sim_nodes, job, max_seconds=phase_s + 120)
-        # WHEN the watch runs through the phase and after it, until the job ends
+        # WHEN the watch runs through the phase, sees the steps resume, and the job then ends
+        watch.wait_for("ok", timeout=phase_s + 120)
+        end_file.touch()
         for t in targets:
-            t.wait_for_line("DONE", timeout=phase_s + 150)
+            t.wait_for_line("DONE", timeout=120)
         watch.wait_end(timeout=90)
 
         # THEN it said what the ranks were doing (busy), never a hang, and saw progress resume
@@ -345,7 +350,6 @@ def _no_hang_through_a_phase(sim_nodes: dict[str, Any], spawn: Any, fault: str, 
         assert hangs == [], [v["conclusion"] for v in hangs]
         assert busy, [v["conclusion"] for v in watch.verdicts()] + watch.stderr[-20:]
         assert "moving" in busy[0]["conclusion"] and busy[0]["culprits"] == []
-        assert watch.verdicts("ok"), "no verdict says the job resumed"
     finally:
         if watch is not None:
             watch.stop()

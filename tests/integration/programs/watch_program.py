@@ -40,12 +40,22 @@ def say(word: str) -> None:
     os.write(1, f"{word} {os.getpid()}\n".encode())
 
 
+BURN_SLICE_S = 0.01
+BURN_REST_S = 0.03
+
+
 def burn(seconds: float) -> int:
-    """CPU work in Python for ``seconds``."""
+    """CPU work in Python for ``seconds`` of wall time, a quarter of it on the CPU: 10 ms slices
+    of work, 30 ms apart. The watch calls a rank that spends 0.1 CPU-s between its two looks
+    (1.5 s apart here) moving; a quarter of a core is several times that, and four ranks that
+    burn together do not take a whole 2-core machine from the tests beside them."""
     end = time.monotonic() + seconds
     n = 0
     while time.monotonic() < end:
-        n += sum(i * i for i in range(2000)) % 7
+        slice_end = min(end, time.monotonic() + BURN_SLICE_S)
+        while time.monotonic() < slice_end:
+            n += sum(i * i for i in range(2000)) % 7
+        time.sleep(max(0.0, min(BURN_REST_S, end - time.monotonic())))
     return n
 
 
@@ -103,6 +113,7 @@ def save_checkpoint(path: str, seconds: float) -> None:
             fh.flush()
             os.fsync(fh.fileno())
             fh.seek(0)  # keep the file small: the shard is rewritten, not grown
+            time.sleep(0.1)  # a slow file system: ~10 MiB/s, far above the watch's 1 MiB a look
     os.unlink(path)
 
 
@@ -142,6 +153,7 @@ def main() -> int:
     parser.add_argument("--phase-seconds", type=float, default=20.0)
     parser.add_argument("--step-sleep", type=float, default=0.05)
     parser.add_argument("--max-seconds", type=float, default=120.0)
+    parser.add_argument("--end-file", default="", help="every rank ends at the step after this file exists")
     parser.add_argument("--out", default="/tmp", help="where checkpoint shards are written")
     args = parser.parse_args()
 
@@ -201,7 +213,8 @@ def main() -> int:
             evaluate(model, x, args.phase_seconds)
         time.sleep(args.step_sleep)
         # Every rank ends at the same step (one that ends alone breaks its peers' collectives).
-        past = torch.tensor([1.0 if time.monotonic() >= deadline else 0.0])
+        end = time.monotonic() >= deadline or bool(args.end_file and os.path.exists(args.end_file))
+        past = torch.tensor([1.0 if end else 0.0])
         dist.all_reduce(past, op=dist.ReduceOp.MAX)
         if past.item() > 0:
             break
