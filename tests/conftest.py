@@ -6,7 +6,6 @@ import functools
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -16,6 +15,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from tests._ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 PROGRAMS = ROOT / "tests" / "integration" / "programs"
@@ -441,9 +442,7 @@ def hang_job(spawn: object) -> object:
     sleep, gil, ...) never enters. Returns the ranks' pids once both are in place."""
 
     def _start(job: str, hold: str = "sleep", run_args: list[str] | tuple[str, ...] = ()) -> list[int]:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = str(s.getsockname()[1])
+        port = str(free_port())
         targets = []
         for rank in (0, 1):
             env = {

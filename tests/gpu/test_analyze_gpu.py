@@ -4,10 +4,11 @@ pytest -m gpu tests/gpu/test_analyze_gpu.py -s, which also prints the table)."""
 from __future__ import annotations
 
 import json
-import socket
 import sys
 
 import pytest
+
+from tests._ports import free_port
 
 PROGRAM = "tests/integration/programs/straggler_program.py"
 pytestmark = [pytest.mark.gpu, pytest.mark.multi_gpu]
@@ -16,9 +17,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.multi_gpu]
 def test_nccl_rank_with_extra_compute_is_named_and_categories_add_up(spawn, cli):
     # GIVEN a 2-rank NCCL job (one GPU per rank) where rank 1 runs 20 extra 4096x4096 matmuls
     # per step
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
+    port = str(free_port())
     targets = []
     for rank in (0, 1):
         env = {

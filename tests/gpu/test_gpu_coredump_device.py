@@ -14,7 +14,6 @@ import gzip
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ import time
 import pytest
 
 from dynprof.identity import detect
+from tests._ports import free_port
 
 pytestmark = [pytest.mark.gpu, pytest.mark.ptrace]
 PROGRAM = "tests/gpu/programs/gpu_fault_program.py"
@@ -29,9 +29,7 @@ RUNS = range(int(os.environ.get("DYNPROF_GPU_RUNS", "1")))
 
 
 def _free_port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
+    return str(free_port())
 
 
 @pytest.mark.parametrize("run", RUNS)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import time
 
@@ -20,6 +19,7 @@ import pytest
 
 from dynprof.identity import detect
 from dynprof.watch.gpu_side import KERNEL_NOT_ARMED
+from tests._ports import free_port
 
 pytestmark = [pytest.mark.gpu, pytest.mark.ptrace]
 PROGRAM = "tests/gpu/programs/gpu_fault_program.py"
@@ -51,9 +51,7 @@ def _row(*lines: str) -> None:
 
 
 def _free_port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
+    return str(free_port())
 
 
 def _start(spawn, job: str, fault: str, *extra: str, env_extra: dict[str, str] | None = None) -> list[int]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import time
 from pathlib import Path
@@ -13,15 +12,10 @@ from pathlib import Path
 import pytest
 
 from collectors.flight_recorder import dump_through_pipe, load_dump_bytes
+from tests._ports import free_port as _free_port
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multi_gpu, pytest.mark.ptrace]
 HANG = "tests/integration/programs/hang_program.py"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture

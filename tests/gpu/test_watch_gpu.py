@@ -6,22 +6,16 @@ rank, on this node, with its native frame. Run on a GPU machine: pytest -m gpu t
 from __future__ import annotations
 
 import json
-import socket
 import sys
 import time
 
 import pytest
 
 from dynprof.identity import detect
+from tests._ports import free_port as _free_port
 
 pytestmark = [pytest.mark.gpu, pytest.mark.ptrace]
 PROGRAM = "tests/integration/programs/cuda_wait_program.py"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_the_watch_names_the_rank_in_a_cuda_wait_with_its_native_frame(spawn, cli):

@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from tests._ports import free_port
+
 PROGRAM = "tests/integration/programs/straggler_program.py"
 
 
@@ -17,9 +19,7 @@ def two_rank_job(spawn):
     rank under `dynprof run` with DYNPROF_JOB_ID set; returns once both ranks have stepped."""
 
     def _start(job: str, *program_args: str) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = str(s.getsockname()[1])
+        port = str(free_port())
         targets = []
         for rank in (0, 1):
             env = {

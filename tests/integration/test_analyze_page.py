@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -20,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from dynprof.cli import main
+from tests._ports import free_port
 
 TRACES = Path(__file__).resolve().parents[1] / "unit" / "data" / "traces"
 
@@ -35,9 +35,7 @@ def analysis_page(dynprof_dirs, tmp_path, capsys) -> Iterator[str]:
     shutil.copytree(TRACES / "slow1", dynprof_dirs["artifacts"], dirs_exist_ok=True)
     assert main(["analyze", "--job", "fixture-slow1"]) == 0
     art_id = re.search(r"saved as (\S+)", capsys.readouterr().out).group(1)  # type: ignore[union-attr]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     token = "analysis-page-test-token-0123"
     token_file = tmp_path / "token"
     token_file.write_text(token)

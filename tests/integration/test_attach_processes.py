@@ -6,7 +6,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -17,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from collectors.torch_trace import profiler_steps, read_trace
+from tests._ports import free_port as _free_port
 
 PROGRAM = "tests/integration/programs/attach_program.py"
 ROOT = Path(__file__).resolve().parent.parent.parent
@@ -140,12 +140,6 @@ def test_gil_held_in_c_is_refused_with_the_stack_then_attaches_when_it_returns(
     assert _record(dynprof_dirs["run"], pid) is not None
     again, out = _attach(cli, str(pid))
     assert again.returncode == 0 and out["processes"][0]["status"] == "already"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.mark.gdb_calls

@@ -16,6 +16,7 @@ import pytest
 pytest.importorskip("torch")
 
 from dynprof.job import discovery
+from tests._ports import free_port
 
 TRAIN = "tests/integration/programs/train_program.py"
 # How long discovery may wait for each agent's answer in the timed call: far longer than the
@@ -27,9 +28,7 @@ ALLOW = ("--allow-hosts", "127.0.0.1:9100,127.0.0.1:9101")
 
 
 def _free_port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
+    return str(free_port())
 
 
 def _two_node_job(spawn: Any, job: str, run_dirs: list[Path], extra: list[str] = ()) -> list[Any]:  # type: ignore[assignment]

@@ -23,16 +23,11 @@ from typing import Any
 import pytest
 
 from collectors.torch_trace import profiler_steps, read_trace
+from tests._ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 HANG = "tests/integration/programs/hang_program.py"
 STRAGGLER = "tests/integration/programs/straggler_program.py"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def token_file(directory: Path, token: str) -> Path:

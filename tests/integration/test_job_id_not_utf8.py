@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,8 @@ import urllib.request
 from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
+
+from tests._ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 TOKEN = "hostile-text-token-0123456789abcdef"
@@ -82,9 +83,7 @@ def test_a_job_id_that_is_not_utf8_fails_neither_the_sidecar_nor_the_jobs_output
     token = tmp_path / "token"
     token.write_text(TOKEN + "\n")
     token.chmod(0o600)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     bad = _job(b"bad\xff", tmp_path / "bad.err")
     good = _job(b"good", tmp_path / "good.err")
     with open(tmp_path / "serve.err", "wb") as log:

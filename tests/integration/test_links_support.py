@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from dynprof.nodes import Node
+from tests._ports import free_port as _free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "links-test-token-0123456789abcdef"
@@ -42,12 +43,6 @@ def netns_usable() -> str | None:
     except (subprocess.SubprocessError, OSError) as exc:
         return f"`ip netns add` is not permitted here: {exc}"
     return None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _wait_listening(

@@ -11,6 +11,7 @@ from dynprof.sidecar.app import create_app
 from dynprof.store import ArtifactStore
 from dynprof.watch.model import NodeProgress
 from dynprof.watch.progress import read_progress
+from tests._ports import free_port
 
 
 def _wait(pred, timeout: float = 60.0):
@@ -67,7 +68,6 @@ def test_progress_refuses_an_overlong_job_name(tmp_path):
 def test_the_sidecars_poller_keeps_a_stopped_ranks_last_step(spawn, tmp_path):
     # GIVEN a real sidecar polling every 0.5 s, and a rank of a job that then stops (SIGSTOP)
     import json
-    import socket
     import subprocess
     import sys
     import urllib.request
@@ -80,9 +80,7 @@ def test_the_sidecars_poller_keeps_a_stopped_ranks_last_step(spawn, tmp_path):
     token = tmp_path / "token"
     token.write_text("progress-poller-token-0123456789\n")
     token.chmod(0o600)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "DYNPROF_TOKEN_FILE"}
     with open(tmp_path / "serve.log", "wb") as log:
         serve = subprocess.Popen(

@@ -9,7 +9,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,8 @@ from typing import Any
 
 import pytest
 
+from tests._ports import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 RULES = ROOT / "scripts" / "deploy" / "prometheus" / "dynprof-alerts.yml"
 PROMETHEUS = shutil.which("prometheus")
@@ -29,12 +30,6 @@ TOKEN = "prometheus-test-token-0123456789"
 pytestmark = pytest.mark.skipif(
     PROMETHEUS is None, reason="prometheus is not installed (Debian: apt install prometheus)"
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_for(

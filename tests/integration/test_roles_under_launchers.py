@@ -11,13 +11,13 @@ import json
 import os
 import shutil
 import signal
-import socket
 import sys
 import time
 
 import pytest
 
 from dynprof.store import ArtifactStore
+from tests._ports import free_port
 
 PROGRAMS = "tests/integration/programs"
 TRAIN = f"{PROGRAMS}/train_program.py"
@@ -186,9 +186,7 @@ def test_spawned_workers_slow_to_import_are_not_dumped_before_they_know_they_are
 def test_torchrun_launcher_and_ranks_workers(spawn_group, cli):
     # GIVEN torchrun with 2 gloo ranks on this node, each with a spawned DataLoader worker,
     # under a watchdog that waits for the first step
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
+    port = str(free_port())
     target = spawn_group(
         ["-m", "dynprof", "run", "-q", "--job-id", "trjob", "--hang-first-step-timeout", "1",
          "--hang-timeout", "30", "--", sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",

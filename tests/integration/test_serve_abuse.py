@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 
 from dynprof.store import MANIFEST, ArtifactStore
+from tests._ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 SECRET = "dynprof-secret-" + hashlib.sha256(b"outside the store (integration)").hexdigest()[:16]
@@ -147,12 +148,6 @@ def hostile() -> Iterator[dict[str, object]]:
         yield {"base": base, "store": store, "ids": ids, "token": token, "token_file": token_file}
     finally:
         shutil.rmtree(base, ignore_errors=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Server:

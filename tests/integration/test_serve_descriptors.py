@@ -18,16 +18,12 @@ from pathlib import Path
 
 import pytest
 
+from tests._ports import free_port as _free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 LIMIT = 256
 FLOOD = 320  # more connections than descriptors
 HANG_BOUND_S = 60.0  # only bounds a hang: the test polls until /healthz answers, or this passes
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _healthz(port: int) -> bool:

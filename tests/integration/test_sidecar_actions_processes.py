@@ -34,17 +34,12 @@ import pytest
 
 from dynprof.safetext import one_line
 from dynprof.sidecar.app import REFUSAL_LOG_BURST, REFUSAL_LOG_WINDOW_S
+from tests._ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 PROGRAM = "tests/integration/programs/train_program.py"
 TOKEN = "sidecar-actions-test-token-0123456789"
 JOB = "httpjob"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Sidecar:

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests._ports import free_port
 
 pytest.importorskip("torch")
 
@@ -23,9 +24,7 @@ def test_stacks_of_each_node_merged(spawn: Any, cli: Any, tmp_path: Path) -> Non
     run_dirs = [Path(tempfile.mkdtemp(prefix="dpm-", dir="/tmp")) for _ in range(2)]
     targets: list[Any] = []
     try:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = str(s.getsockname()[1])
+        port = str(free_port())
         for rank in (0, 1):
             env = {
                 "RANK": str(rank),

@@ -90,8 +90,11 @@ def test_duration_mode_spans_are_whole_iterations_or_flagged(spawn, cli):
     # AND its end: at a boundary, or (a step on a loaded machine slower than the stop's grace of
     # three typical steps) partial, and then the manifest says that no boundary came in time
     assert bool(summary["last_span_partial_why"]) == last, summary
+    # (a trace whose start was not at a boundary ends where the training thread is, and says so)
     if summary["steps_captured"] >= 10 and last:
-        assert "no step boundary came within" in summary["last_span_partial_why"], summary
+        why = summary["last_span_partial_why"]
+        unaligned = first and "did not start at a step boundary" in why
+        assert "no step boundary came within" in why or unaligned, summary
 
 
 TIMM_LIKE = "tests/integration/programs/timm_like_program.py"

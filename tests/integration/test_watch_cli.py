@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -13,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from dynprof.identity import detect
+from tests._ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -61,9 +61,7 @@ def test_watch_of_a_job_without_agents_says_what_it_can_still_do(cli):
 
 def _port_and_token(directory: Path, token: str) -> tuple[int, Path]:
     """A free loopback port (nothing listens on it once returned), and a token file of mode 0600."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
+    port = free_port()
     path = directory / "token"
     path.write_text(token + "\n")
     path.chmod(0o600)
@@ -177,9 +175,7 @@ KEEP_PLUS_ONE = 4  # enough samples that some are older than the latest 3 the wa
 
 
 def _local_job(spawn, job: str, ranks: int, args: list[str]) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
+    port = str(free_port())
     targets = []
     for rank in range(ranks):
         env = {
@@ -237,9 +233,7 @@ def test_watch_names_the_rank_that_ran_out_of_data_whatever_its_number(spawn, cl
     # GIVEN a 2-rank job on this node whose rank `short` runs out of batches a step early: it
     # waits in the barrier after its loop, the other rank in the next step's all_reduce
     job = f"wuneven{short}"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
+    port = str(free_port())
     targets = []
     for rank in (0, 1):
         env = {"RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}

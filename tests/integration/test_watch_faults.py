@@ -33,6 +33,8 @@ from typing import Any
 
 import pytest
 
+from tests._ports import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 PROGRAM = "tests/integration/programs/watch_program.py"
 SCALE = float(os.environ.get("DYNPROF_WATCH_SCALE", "1"))
@@ -40,12 +42,6 @@ STALL_S = 6.0 * SCALE
 PHASE_S = 3 * STALL_S
 FAULT_AT = 8
 TOKEN = "watch-faults-token-0123456789"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

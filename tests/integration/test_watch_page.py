@@ -7,7 +7,6 @@ must stay text."""
 from __future__ import annotations
 
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ import test_analyze_page
 from dynprof.store import ArtifactStore
 from dynprof.watch.html import VERDICT_FILE
 from dynprof.watch.model import Culprit, Verdict
+from tests._ports import free_port as _free_port
 
 PROGRAM = "tests/integration/programs/straggler_program.py"
 HOSTILE = "<img src=x onerror=\"document.title='pwned'\"><b id=injected>bold</b>"
@@ -28,12 +28,6 @@ needs_chromium = pytest.mark.skipif(
     test_analyze_page._chromium() is None,
     reason="no Chromium here: install Debian's (apt-get install chromium) or set DYNPROF_TEST_CHROMIUM",
 )
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import threading
 import types
 from collections.abc import Iterator
@@ -15,6 +14,7 @@ from dynprof.agent._pg_watch import ProcessGroupWatch
 from dynprof.agent._server import CommandError
 from dynprof.identity import Identity
 from dynprof.proto import pb
+from tests._ports import free_port
 
 
 class _Steps:
@@ -39,9 +39,7 @@ def _agent() -> Any:
 @pytest.fixture
 def process_group(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     dist = pytest.importorskip("torch.distributed")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(port))
     dist.init_process_group("gloo", rank=0, world_size=1)

@@ -20,6 +20,7 @@ from dynprof import errors
 from dynprof.cli import main
 from dynprof.cli import serve as serve_cli
 from dynprof.sidecar import actions
+from tests._ports import free_port as _free_port
 
 TOKEN = "k" * 24
 
@@ -282,10 +283,6 @@ def test_a_server_that_ends_by_itself_ends_the_command(no_children):
 
 
 # -- the command, on 127.0.0.1 ---------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_a_port_in_use_is_said(capsys, monkeypatch):

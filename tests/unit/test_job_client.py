@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import ssl
 import subprocess
 import threading
@@ -22,6 +21,7 @@ from dynprof.job import client as fanout
 from dynprof.job.answers import node_labels
 from dynprof.job.client import NodeFailure, SidecarClient, check_artifact_id, check_file_name
 from dynprof.nodes import Node, NodeAnswer
+from tests._ports import free_port
 
 TOKEN = "unit-test-token-0123456789"
 GOOD = {
@@ -176,18 +176,14 @@ def test_a_silent_node_times_out_and_a_closed_port_is_refused(server):
     answer = SidecarClient(TOKEN, timeout=0.5).action(node, "ps", {})
     assert not answer.answered and (answer.error or "").startswith("timed out after")
     assert time.monotonic() - t0 < 60  # it gave up at its timeout, without waiting for the node
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        closed = Node("127.0.0.1", s.getsockname()[1])
+    closed = Node("127.0.0.1", free_port())
     answer = SidecarClient(TOKEN, timeout=2).action(closed, "ps", {})
     assert answer.error == f"connection refused: is `dynprof serve` running on {closed}?"
 
 
 def test_many_nodes_answer_in_order_and_the_exit_code_says_one_failed(server):
     _, node, _ = server
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        closed = Node("127.0.0.1", s.getsockname()[1])
+    closed = Node("127.0.0.1", free_port())
     answers = SidecarClient(TOKEN, timeout=30, max_in_flight=2).action_all([node, closed, node], "ps", {})
     assert [a.answered for a in answers] == [True, False, True]
     assert exit_code(answers) == NODES_FAILED_EXIT == 12
