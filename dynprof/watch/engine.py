@@ -261,7 +261,9 @@ class WatchEngine:
         gone = [(node, r) for (node, pid), r in self.seen.items() if (node, pid) not in here and node in live_nodes]
         for node, r in rows:
             self.seen[(node, r.pid)] = r
-        if self.seen and not rows and not failed:
+        if self.seen and not failed and all(_exited(r) for _, r in rows):
+            # No rank left, or only the rows a node keeps a while of ranks that exited: a job
+            # that ended (done or crashed) is not a hang.
             self._set_stalled(False)
             return Tick(0, failed, None, ended=True, note="every rank of the job is gone")
         if not rows:
@@ -317,8 +319,12 @@ class WatchEngine:
         # read now: the CPU a rank spent is measured across the look, which the nodes' last polls
         # (every few seconds) may not span; and each CUDA rank's progress probe says whether its
         # GPU finished what was queued before the look (dynprof/agent/_gpu_step.py)
-        after_rows, _ = self.poll(fresh=True)
+        after_rows, after_failed = self.poll(fresh=True)
         after = {(node, r.pid): r for node, r in after_rows}
+        if not after_failed and all(_exited(after.get((node, r.pid))) for node, r in rows):
+            # Every rank exited during the look (a job ends some seconds after its last step):
+            # the next round ends the watch; no verdict on a job that is no more.
+            return None, None
         native: dict[str, list[int]] = {}
         seen_first = by_process(first.stacks)
         in_collective = {key: _in_python_collective(p) for key, p in seen_first.items()}
@@ -568,6 +574,12 @@ class WatchEngine:
 
 MAX_NATIVE_CANDIDATES = 64  # ranks read natively in one look for not waiting with the others
 GPU_BEHIND_S = 1.0  # a rank's GPU is behind when work queued this long ago has not finished
+
+
+def _exited(row: RankProgress | None) -> bool:
+    """The rank's process exited (or its row is no more), as its node saw it: an agent that
+    answers is not exited, whatever its pid means on that node (another pid namespace)."""
+    return row is None or (row.agent != "up" and row.process_state in ("gone", "zombie", "dead"))
 
 
 def _gpu_behind(row: RankProgress | None, look_interval_s: float) -> bool:

@@ -256,6 +256,55 @@ def test_the_job_ending_ends_the_watch():
     assert tick.ended and engine.run() == []
 
 
+def _exited_rows(source: FakeSource, job: str) -> list[NodeRead]:
+    """What the nodes keep a while of a job whose ranks all exited: rows in state gone."""
+    reads = FakeSource.progress(source, job)
+    for read in reads:
+        assert read.progress is not None
+        for r in read.progress.ranks:
+            r.agent, r.process_state = "gone", "gone"
+    return reads
+
+
+def test_a_job_whose_ranks_all_exited_ends_the_watch_while_the_nodes_still_list_them():
+    # GIVEN a job seen stepping, then every rank exited; the nodes keep the ranks' rows a while
+    source = FakeSource()
+    engine, said = engine_for(source)
+    engine.tick()
+    source.stuck = True
+    source.progress = lambda job, fresh=False: _exited_rows(source, job)  # type: ignore[method-assign]
+    # WHEN the watch goes on past the stall time
+    ticks = [engine.tick() for _ in range(8)]
+    # THEN it ends at once, and a job that ended is no hang
+    assert ticks[0].ended, [t.note for t in ticks]
+    assert said == [] and source.stack_reads == 0
+
+
+def test_ranks_that_exit_during_the_look_are_no_hang():
+    # GIVEN a job that stopped stepping (its ranks on their way out, slow to exit)
+    source = FakeSource()
+    engine, said = engine_for(source)
+    for _ in range(2):
+        engine.tick()
+    source.stuck = True
+    alive = source.progress
+
+    def progress(job: str, fresh: bool = False) -> list[NodeRead]:
+        # every rank has exited by the look's own read (a fresh one)
+        return _exited_rows(source, job) if fresh else alive(job)
+
+    source.progress = progress  # type: ignore[method-assign]
+    # WHEN the watch looks at the stalled job
+    ticks = [engine.tick() for _ in range(10)]
+    looked = source.stack_reads
+    source.progress = lambda job, fresh=False: _exited_rows(source, job)  # type: ignore[method-assign]
+    last = engine.tick()
+    # THEN it looked, but said nothing of a job that is gone, and ends with its next round
+    assert looked > 0, [t.note for t in ticks]
+    assert [v.kind for v, _ in said] == []
+    assert last.ended
+
+
 def test_verdict_files_are_private(tmp_path):
     # GIVEN / WHEN a verdict written by the engine
     source = FakeSource()
