@@ -60,7 +60,7 @@ def burn(seconds: float) -> int:
 
 
 class WarmDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
-    """Items whose first few take the workers ``warm_s`` of CPU (an index being built)."""
+    """Items whose first takes its worker ``warm_s`` (an index being built, a quarter of a core)."""
 
     def __init__(self, warm_s: float, width: int) -> None:
         self.warm_s = warm_s
@@ -70,7 +70,7 @@ class WarmDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
         return 1 << 20
 
     def __getitem__(self, i: int) -> torch.Tensor:
-        if i < 2 and self.warm_s:
+        if i == 0 and self.warm_s:
             warm_up(self.warm_s)
         return torch.randn(self.width)
 
@@ -125,7 +125,8 @@ def evaluate(model: torch.nn.Module, x: torch.Tensor, seconds: float) -> float:
         while True:
             for _ in range(20):
                 total += float(model(x).sum())
-                burn(0.01)
+                burn(BURN_SLICE_S)
+                time.sleep(BURN_REST_S)  # the batch's rest of the time: its data, its device
             # the metric, and whether any rank is past the end: every rank stops at the same batch
             t = torch.tensor([total, 1.0 if time.monotonic() >= end else 0.0])
             dist.all_reduce(t)
