@@ -735,12 +735,6 @@ def test_page_script_shows_a_nodes_hostile_text_as_escaped_text(sidecar, spawn, 
 
 
 # -- job-wide: the page asks its own sidecar, which asks the other nodes' -----------------------------
-def _cli_fans_out() -> bool:
-    proc = subprocess.run([sys.executable, "-m", "dynprof", "ps", "--help"], capture_output=True, text=True, cwd=ROOT)
-    return "--hosts" in proc.stdout
-
-
-@pytest.mark.skipif(not _cli_fans_out(), reason="this dynprof's CLI has no --hosts fan-out yet")
 def test_job_wide_view_through_one_sidecar(sidecar, spawn, browser, tmp_path):
     # GIVEN two "nodes" on this machine: each a sidecar with its own run dir and store, and one
     # rank of job JOB; and a third address where nothing answers
