@@ -50,7 +50,8 @@ def add_watch_options(parser: argparse.ArgumentParser | Any) -> None:
         type=seconds,
         metavar="SEC",
         help="a hang whose only culprits are ranks that still move (CPU, changing stack) is called once the "
-        "others have waited SEC in the same collective (default: half the stall time)",
+        "others have waited SEC in the same collective; one where every rank waits for its GPU, or where no "
+        "rank moves, once the ranks have stayed SEC where they were (default: half the stall time)",
     )
     parser.add_argument(
         "--on-verdict",

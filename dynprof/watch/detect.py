@@ -52,7 +52,9 @@ culprit of a **hang** wherever the others are. When the only culprits are ranks 
 rank that spins, or saves a checkpoint alone while the others wait), the hang is called only
 once the waiting ranks have been seen waiting in the same place for ``confirm_s`` (the engine
 keeps that time across looks): a rank that saves alone for a few seconds while others wait at
-a barrier is not a hang.
+a barrier is not a hang. So is a hang where no rank waits in a collective and none moves: one
+look without CPU is also what a node starved of CPU shows, so the same ranks must still be in
+the same places ``confirm_s`` later.
 """
 
 from __future__ import annotations
@@ -747,7 +749,20 @@ def decide(
     if moving:
         return Decision("busy", f"{head}: {_busy_text(states)}", [], states, fr_text)
     text = f"{head}, and no rank moves: {_culprit_text(states, None)}{fr_clause}"
-    return Decision("hang", text, [_culprit(s, s.detail or s.state) for s in states][:MAX_CULPRITS], states, fr_text)
+    culprits = [_culprit(s, s.detail or s.state) for s in states][:MAX_CULPRITS]
+    if waiting_for_s is None or waiting_for_s < confirm_s:
+        # One look of a few seconds in which no rank spent CPU is also what a CPU-starved node
+        # shows (a busy phase's DataLoader workers behind another job's processes): the same
+        # ranks, still where they were, once ``confirm_s`` has passed, are a hang.
+        return Decision(
+            "pending",
+            f"{text}; not called a hang yet (seen for {waiting_for_s or 0:.0f} s of the {confirm_s:.0f} s asked)",
+            culprits,
+            states,
+            fr_text,
+            waiting_key=_waiting_key(states),
+        )
+    return Decision("hang", text, culprits, states, fr_text, _waiting_key(states))
 
 
 # Collectives that end a phase (every rank meets there once its loop is done): a rank waiting in

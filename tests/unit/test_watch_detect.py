@@ -535,3 +535,24 @@ def test_ranks_that_left_the_loop_together_are_named_together():
     assert decision.conclusion.startswith(
         "ranks 0-1 on n wait in barrier at main (/job/train.py:208) since step 100: they left the loop"
     ), decision.conclusion
+
+
+WAIT_FOR_BATCH = (py("get", "/usr/lib/python3.11/queue.py", 180), py("next_batch", "/job/data.py", 20), py("main"))
+
+
+def test_no_rank_moving_outside_a_collective_is_a_hang_only_once_confirmed():
+    # GIVEN every rank in the same place outside any collective, no CPU spent across the look
+    # (a deadlock on a dead worker's queue; or a busy phase's workers starved of CPU for a while)
+    looks = [look(r, "node-1" if r < 2 else "node-2", WAIT_FOR_BATCH) for r in range(4)]
+    # WHEN the watch decides after one look, then with the same ranks seen there for the confirm time
+    first = detect.decide(looks, STALL, None, 0.0, confirm_s=30.0)
+    later = detect.decide(looks, STALL, None, 31.0, confirm_s=30.0)
+    # THEN one look is not yet a hang; the same ranks still there past the confirm time are
+    assert [s.state for s in first.states] == ["parked"] * 4
+    assert first.kind == "pending" and "no rank moves" in first.conclusion, first.conclusion
+    assert "not called a hang yet" in first.conclusion
+    assert first.waiting_key is not None and len(first.waiting_key) == 4
+    assert later.kind == "hang" and "no rank moves" in later.conclusion and len(later.culprits) == 4
+    # AND a rank that moved meanwhile makes it busy, never a hang
+    moved = [*looks[:3], look(3, "node-2", WAIT_FOR_BATCH, cpu_delta=1.0)]
+    assert detect.decide(moved, STALL, None, 31.0, confirm_s=30.0).kind == "busy"

@@ -583,3 +583,33 @@ def test_a_probe_asked_at_the_looks_start_counts_once_half_the_look_interval_has
     assert [v.kind for v in said_behind] == ["hang"], [v.conclusion for v in said_behind]
     assert all(asked == {} for asked in early.native_asked)
     assert [v.kind for v in said_early] == ["busy"], [v.conclusion for v in said_early]
+
+
+class AllParkedSource(FakeSource):
+    """Every rank stalled at the same line outside any collective, spending no CPU (a deadlock
+    on a dead worker's queue, or workers starved for a look)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stuck = True
+        self._last = self.t
+
+    def stacks(self, job: str, native: dict[str, list[int]]) -> StacksRead:
+        read = super().stacks(job, native)
+        for p in read.stacks.processes:
+            p.threads[0].frames[:] = [Frame("load_next_batch", "/job/data.py", 88), Frame("main", "/job/train.py", 9)]
+        return read
+
+
+def test_no_rank_moving_is_called_a_hang_once_confirmed_by_a_second_look():
+    # GIVEN a stalled job whose ranks all sit in the same place, no CPU spent
+    source = AllParkedSource()
+    # WHEN the watch checks once
+    said, ticks, slept = _once(source)
+    # THEN its first look left the hang to be confirmed (one look may be a starved node), it
+    # looked again after the confirm time, and said it: every rank named
+    assert ticks[0].verdict is None and ticks[0].confirm_in_s is not None, ticks[0]
+    assert slept and slept[0] == ticks[0].confirm_in_s
+    assert [v.kind for v in said] == ["hang"], [v.conclusion for v in said]
+    assert "no rank moves" in said[0].conclusion
+    assert sorted(c.rank for c in said[0].culprits if c.rank is not None) == [0, 1, 2, 3]

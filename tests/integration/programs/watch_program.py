@@ -45,15 +45,17 @@ BURN_REST_S = 0.03
 
 
 def burn(seconds: float) -> int:
-    """CPU work in Python for ``seconds`` of wall time, a quarter of it on the CPU: 10 ms slices
-    of work, 30 ms apart. The watch calls a rank that spends 0.1 CPU-s between its two looks
-    (1.5 s apart here) moving; a quarter of a core is several times that, and four ranks that
-    burn together do not take a whole 2-core machine from the tests beside them."""
+    """CPU work in Python for ``seconds`` of wall time, a quarter of it on the CPU: slices of
+    10 ms of CPU (of this thread's CPU time, not of the clock: a process behind others on a
+    loaded machine still spends it), 30 ms apart. The watch calls a rank that spends 0.1 CPU-s
+    between its two looks (1.5 s apart here) moving; a quarter of a core is several times that,
+    and four ranks that burn together do not take a whole 2-core machine from the tests beside
+    them."""
     end = time.monotonic() + seconds
     n = 0
     while time.monotonic() < end:
-        slice_end = min(end, time.monotonic() + BURN_SLICE_S)
-        while time.monotonic() < slice_end:
+        slice_end = time.thread_time() + BURN_SLICE_S
+        while time.thread_time() < slice_end and time.monotonic() < end:
             n += sum(i * i for i in range(2000)) % 7
         time.sleep(max(0.0, min(BURN_REST_S, end - time.monotonic())))
     return n
