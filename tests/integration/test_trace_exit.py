@@ -3,14 +3,34 @@
 from __future__ import annotations
 
 import json
-import threading
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 from collectors.torch_trace import profiler_steps, read_trace
 
+ROOT = Path(__file__).resolve().parents[2]
 PROGRAM = "tests/integration/programs/exit_while_writing_program.py"
 TRAIN = "tests/integration/programs/train_program.py"
+
+
+def _connected(pid: int, timeout: float) -> bool:
+    """Whether process ``pid`` (a dynprof command) opened a socket (to an agent) within
+    ``timeout``: the command opens none before it asks one."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            links = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+        except OSError:  # an fd closed meanwhile, or the command ended
+            links = []
+            if not os.path.exists(f"/proc/{pid}"):
+                return False
+        if any(link.startswith("socket:") for link in links):
+            return True
+        time.sleep(0.02)
+    return False
 
 
 def _dynprof_lines(target) -> list[str]:
@@ -150,9 +170,24 @@ def test_stop_during_the_jobs_exit_says_where_the_trace_is_being_written(spawn, 
     assert where
     assert f"pid {pid}: the job is exiting and its trace is being written at exit to {where}" in quick.stderr
 
-    # WHEN it is stopped again, waiting, and the write then finishes
-    threading.Timer(1.0, lambda: release.write_text("go\n")).start()
-    waited = cli("stop", "--pid", str(pid))
+    # WHEN it is stopped again, waiting, and the write then finishes (once that stop has
+    # reached the agent: a loaded machine may take seconds to start the command)
+    waiting = subprocess.Popen(
+        [sys.executable, "-m", "dynprof", "stop", "--pid", str(pid)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=str(ROOT),
+    )
+    try:
+        assert _connected(waiting.pid, timeout=60), "the waiting stop never connected to the agent"
+        release.write_text("go\n")
+        out, err = waiting.communicate(timeout=120)
+    finally:
+        if waiting.poll() is None:
+            waiting.kill()
+            waiting.communicate()
+    waited = subprocess.CompletedProcess(waiting.args, waiting.returncode, out, err)
 
     # THEN it names the partial trace, written where it said
     assert waited.returncode == 0, waited.stdout + waited.stderr
