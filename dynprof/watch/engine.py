@@ -261,11 +261,16 @@ class WatchEngine:
         gone = [(node, r) for (node, pid), r in self.seen.items() if (node, pid) not in here and node in live_nodes]
         for node, r in rows:
             self.seen[(node, r.pid)] = r
-        if self.seen and not failed and all(_exited(r) for _, r in rows):
-            # No rank left, or only the rows a node keeps a while of ranks that exited: a job
-            # that ended (done or crashed) is not a hang.
+        if self.seen and not rows and not failed:
             self._set_stalled(False)
             return Tick(0, failed, None, ended=True, note="every rank of the job is gone")
+        if rows and all(_exited(r) for _, r in rows):
+            # Only the rows a node keeps a while of ranks that exited: a job that ended (done or
+            # crashed) is neither a hang nor progress. The watch waits, saying nothing, until the
+            # nodes forget them (it ends) or a launcher starts the ranks again (it goes on).
+            self._set_stalled(False)
+            self.episode = None
+            return Tick(0, failed, None, note="every rank of the job exited")
         if not rows:
             note = "no rank of the job on any node that answered"
             return Tick(0, failed, None, note=note)

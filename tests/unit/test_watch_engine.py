@@ -266,7 +266,7 @@ def _exited_rows(source: FakeSource, job: str) -> list[NodeRead]:
     return reads
 
 
-def test_a_job_whose_ranks_all_exited_ends_the_watch_while_the_nodes_still_list_them():
+def test_a_job_whose_ranks_all_exited_is_neither_a_hang_nor_progress():
     # GIVEN a job seen stepping, then every rank exited; the nodes keep the ranks' rows a while
     source = FakeSource()
     engine, said = engine_for(source)
@@ -275,9 +275,18 @@ def test_a_job_whose_ranks_all_exited_ends_the_watch_while_the_nodes_still_list_
     source.progress = lambda job, fresh=False: _exited_rows(source, job)  # type: ignore[method-assign]
     # WHEN the watch goes on past the stall time
     ticks = [engine.tick() for _ in range(8)]
-    # THEN it ends at once, and a job that ended is no hang
-    assert ticks[0].ended, [t.note for t in ticks]
+    # THEN it says so, looks at nothing and says no verdict (no hang; no "progress resumed")
+    assert all(t.note == "every rank of the job exited" and not t.ended for t in ticks), [t.note for t in ticks]
     assert said == [] and source.stack_reads == 0
+    # AND a launcher that starts the ranks again is watched on (an elastic restart)
+    source.stuck = False
+    source.progress = lambda job, fresh=False: FakeSource.progress(source, job)  # type: ignore[method-assign]
+    assert engine.tick().ranks == 4 and said == []
+    # AND once the nodes forget the rows of a job that ended, the watch ends
+    source.progress = lambda job, fresh=False: [  # type: ignore[method-assign]
+        NodeRead(n, NodeProgress(host=n, time=0.0, poll_every_s=1.0)) for n in ("node-1", "node-2")
+    ]
+    assert engine.tick().ended
 
 
 def test_ranks_that_exit_during_the_look_are_no_hang():
@@ -299,10 +308,10 @@ def test_ranks_that_exit_during_the_look_are_no_hang():
     looked = source.stack_reads
     source.progress = lambda job, fresh=False: _exited_rows(source, job)  # type: ignore[method-assign]
     last = engine.tick()
-    # THEN it looked, but said nothing of a job that is gone, and ends with its next round
+    # THEN it looked, but said nothing of a job that is gone (nor after)
     assert looked > 0, [t.note for t in ticks]
     assert [v.kind for v, _ in said] == []
-    assert last.ended
+    assert last.note == "every rank of the job exited" and last.verdict is None
 
 
 def test_verdict_files_are_private(tmp_path):
