@@ -65,30 +65,42 @@ def test_duration_mode_spans_are_whole_iterations_or_flagged(spawn, cli):
     target = spawn([SAFETY, "--mode", "plain", "--depth", "2", "--step-sleep", "0.002"])
     (pid,) = target.ready_pids()
 
-    # WHEN a second is traced (hundreds of steps; a third of one held a single partial span
-    # once, on a machine loaded enough to leave the loop no CPU for that long)
-    check, manifest = _traced(cli, pid, "--duration", "1")
+    # WHEN two seconds are traced (hundreds of steps here; on a machine loaded enough to slow
+    # the traced loop to a few steps a second, a trace may hold only partial spans: it is
+    # checked all the same, and the loop is traced again, up to three times in all, until one
+    # holds a span it does not flag)
+    wholes: list[list[int]] = []
+    for _ in range(3):
+        check, manifest = _traced(cli, pid, "--duration", "2")
+        wholes.append(_check_duration_spans(check, manifest["summary"]))
+        if wholes[-1]:
+            break
 
-    # THEN the manifest says what each span holds
-    summary = manifest["summary"]
+    # THEN a trace held spans not flagged partial, each one whole iteration
+    assert wholes[-1] and set(wholes[-1]) == {1}, wholes
+
+
+def _check_duration_spans(check: dict, summary: dict) -> list[int]:
+    """The checks of one duration-mode trace; the optimizer steps of each span it does not
+    flag partial (each must be 1)."""
+    # the manifest says what each span holds
     assert summary["stopped_by"] == "duration"
     assert summary["span"] == "iteration"
     assert summary["optimizer_steps_per_span"] == check["per_span"], check
-    # AND every span it does not flag partial is one whole iteration: one optimizer step
+    # every span it does not flag partial is one whole iteration: one optimizer step
     first, last = summary["first_span_partial"], summary["last_span_partial"]
     whole = check["per_span"][1 if first else 0 : len(check["per_span"]) - (1 if last else 0)]
-    assert whole and set(whole) == {1}, (check, first, last)
+    assert set(whole) <= {1}, (check, first, last)
     if not (first or last):
         assert check["straddling"] == 0, check
-    # AND a loop of short steps (a few ms; a heavily loaded machine may make them longer than
-    # the 100 ms that duration mode aligns to) starts and ends at step boundaries
-    # (or, where the start found the steps slower than that, or the boundary unsafe, the manifest
-    # says so in words)
+    # a loop of short steps (a few ms; a heavily loaded machine may make them longer than the
+    # 100 ms that duration mode aligns to) starts and ends at step boundaries (or, where the
+    # start found the steps slower than that, or the boundary unsafe, the manifest says so)
     assert bool(summary["first_span_partial_why"]) == first, summary
     if summary["steps_captured"] >= 10 and first:
         why = summary["first_span_partial_why"]
         assert "over the 0.1 s" in why or "not a safe point" in why, summary
-    # AND its end: at a boundary, or (a step on a loaded machine slower than the stop's grace of
+    # its end: at a boundary, or (a step on a loaded machine slower than the stop's grace of
     # three typical steps) partial, and then the manifest says that no boundary came in time
     assert bool(summary["last_span_partial_why"]) == last, summary
     # (a trace whose start was not at a boundary ends where the training thread is, and says so)
@@ -96,6 +108,7 @@ def test_duration_mode_spans_are_whole_iterations_or_flagged(spawn, cli):
         why = summary["last_span_partial_why"]
         unaligned = first and "did not start at a step boundary" in why
         assert "no step boundary came within" in why or unaligned, summary
+    return list(whole)
 
 
 TIMM_LIKE = "tests/integration/programs/timm_like_program.py"
