@@ -151,6 +151,9 @@ def rank_age(row: RankProgress) -> float | None:
     return None
 
 
+EXITED_STATES = ("gone", "zombie", "dead")  # a process state whose rank has exited
+
+
 @dataclass(slots=True)
 class Stall:
     stalled: bool
@@ -163,7 +166,7 @@ class Stall:
 
 def check_stall(rows: Sequence[RankProgress], stall_after: float | None = None) -> Stall:
     """Whether no rank of ``rows`` (one job, every node) advanced for the stall time."""
-    live = [r for r in rows if r.process_state not in ("gone", "zombie", "dead")]
+    live = [r for r in rows if r.process_state not in EXITED_STATES]
     limit = stall_after if stall_after is not None else default_stall_after(live)
     ages = [a for a in (rank_age(r) for r in live) if a is not None]
     age = min(ages) if ages else None
@@ -427,7 +430,7 @@ def classify(look: RankLook, moving_cpu_s: float = MOVING_CPU_S) -> RankState:
         stack_key=_py_key(frames),
         frames=frames,
     )
-    if after is None or last.process_state in ("gone", "zombie", "dead"):
+    if after is None or last.process_state in EXITED_STATES:
         state.state = "gone"
         state.detail = "the process is gone"
         return state

@@ -328,7 +328,7 @@ class WatchEngine:
         after = {(node, r.pid): r for node, r in after_rows}
         if not after_failed and all(_exited(after.get((node, r.pid))) for node, r in rows):
             # Every rank exited during the look (a job ends some seconds after its last step):
-            # the next round ends the watch; no verdict on a job that is no more.
+            # no verdict on a job that is no more; the next round says that its ranks exited.
             return None, None
         native: dict[str, list[int]] = {}
         seen_first = by_process(first.stacks)
@@ -584,7 +584,7 @@ GPU_BEHIND_S = 1.0  # a rank's GPU is behind when work queued this long ago has 
 def _exited(row: RankProgress | None) -> bool:
     """The rank's process exited (or its row is no more), as its node saw it: an agent that
     answers is not exited, whatever its pid means on that node (another pid namespace)."""
-    return row is None or (row.agent != "up" and row.process_state in ("gone", "zombie", "dead"))
+    return row is None or (row.agent != "up" and row.process_state in detect.EXITED_STATES)
 
 
 def _gpu_behind(row: RankProgress | None, look_interval_s: float) -> bool:
