@@ -13,7 +13,15 @@ from dynprof import jsontext
 from dynprof.arguments import bounded_int, nonnegative_float, parse_float, path_arg, positive_float
 from dynprof.errors import ArtifactError, DynprofError
 from healthcheck.baseline import learn, read_results
-from healthcheck.collect import job_pids
+from healthcheck.collect import (
+    BACKENDS,
+    MAX_DEVICES,
+    MAX_DISK_GIB,
+    MAX_TIMEOUT_SCALE,
+    MAX_XID_WINDOW_MIN,
+    HealthcheckRequest,
+    job_pids,
+)
 from healthcheck.compare import Thresholds
 from healthcheck.report import Report, render_prometheus, render_table, write_atomically
 from healthcheck.result import EXIT_COULD_NOT_RUN
@@ -45,10 +53,6 @@ def _fraction(text: str) -> float:
     return parse_float(text, 0.0, 1.0, low_open=False, what="a fraction between 0 and 1")
 
 
-MAX_TIMEOUT_SCALE = 100.0
-MAX_DISK_GIB = 1_000_000.0
-MAX_XID_WINDOW_MIN = 525_600.0  # a year
-MAX_DEVICES = 4096
 MAX_PROBE_TIMEOUT_S = 600.0
 MAX_COUNTER_WINDOW_S = 600.0
 
@@ -80,7 +84,7 @@ def prepare_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--level", choices=LEVELS, default="quick", help="how much to check (default: quick)")
     parser.add_argument(
         "--backend",
-        choices=("auto", "nvml", "smi"),
+        choices=BACKENDS,
         default="auto",
         help="how to read the devices (default: NVML, else an smi tool)",
     )
@@ -241,29 +245,41 @@ def check(args: argparse.Namespace) -> tuple[Report, str | None, list[str]]:
     Returns the report, the artifact's path (None when not saved) and what to say on stderr
     (one line each, without the ``dynprof `` prefix). Progress goes only to a person watching
     (a terminal): never into a log, a pipe or an answer."""
-    show_progress = not args.quiet and sys.stderr.isatty()
+    return check_options(options_from_args(args), no_save=args.no_save, prometheus=args.prometheus, quiet=args.quiet)
+
+
+def check_request(request: HealthcheckRequest) -> tuple[Report, str | None, list[str]]:
+    """:func:`check` for a request (the sidecar's ``healthcheck`` action): its checks, in this
+    process, saved as an artifact unless ``no_save``; no progress, no Prometheus file."""
+    return check_options(request.options(), no_save=request.no_save, prometheus=None, quiet=True)
+
+
+def check_options(
+    options: Options, *, no_save: bool, prometheus: str | None, quiet: bool
+) -> tuple[Report, str | None, list[str]]:
+    show_progress = not quiet and sys.stderr.isatty()
 
     def progress(text: str) -> None:
         if show_progress:
             sys.stderr.write("\r\033[K" + text)
             sys.stderr.flush()
 
-    report = run(options_from_args(args), progress=progress)
+    report = run(options, progress=progress)
     if show_progress:
         sys.stderr.write("\r\033[K")
     messages: list[str] = []
     artifact: str | None = None
-    if not args.no_save:
+    if not no_save:
         try:
             artifact = save_artifact(report, render_table(report))
         except (ArtifactError, OSError) as exc:
             messages.append(f"healthcheck: results not saved: {exc}")
-    if args.prometheus:
+    if prometheus:
         try:
-            write_atomically(args.prometheus, render_prometheus(report))
+            write_atomically(prometheus, render_prometheus(report))
         except OSError as exc:
             raise DynprofError(
-                f"cannot write the Prometheus file {args.prometheus}: {exc.strerror or exc}",
+                f"cannot write the Prometheus file {prometheus}: {exc.strerror or exc}",
                 help="Point --prometheus at a writable file (the node exporter's textfile directory).",
             ) from None
     return report, artifact, messages

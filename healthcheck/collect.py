@@ -21,13 +21,14 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from dynprof import errors, jsontext
 from dynprof.procs import kill_group
 from dynprof.untrusted import loads_json
+from healthcheck.compare import Thresholds
 from healthcheck.fleet import NodeReport, ReportError
-from healthcheck.runner import LEVELS, Options
+from healthcheck.runner import ALL_CHECKS, LEVELS, Options
 
 DEFAULT_TIMEOUT_S = 120.0
 MAX_TIMEOUT_S = 3600.0
@@ -40,20 +41,61 @@ STDERR_TAIL_BYTES = 4096
 EXIT_NO_REPORT = 3  # the child's exit when it wrote no report (the healthcheck's "could not run")
 
 
+BACKENDS = ("auto", "nvml", "smi")
+MAX_TIMEOUT_SCALE = 100.0
+MAX_DISK_GIB = 1_000_000.0
+MAX_XID_WINDOW_MIN = 525_600.0  # a year
+MAX_DEVICES = 4096
+
+
 @dataclass(frozen=True)
 class HealthcheckRequest:
     """What to check on this node: the ``level`` (``quick``: passive, seconds; ``standard``,
     ``full``), the ``job`` whose processes here are its own (not counted as others holding the
-    devices), and the ``timeout`` past which the child running the checks is killed. Checked
-    when made: a bad request raises :class:`~dynprof.errors.UsageError`."""
+    devices), how the devices are read (``backend``) and how many there must be
+    (``expect_devices``), the checks to ``skip``, the thresholds of ``dynprof healthcheck`` (same
+    names, same defaults), whether to save the report as an artifact (``no_save``), and the
+    ``timeout`` past which the child running the checks is killed (:func:`collect`). Checked when
+    made, as the command's parser checks its flags: a bad request raises
+    :class:`~dynprof.errors.UsageError`.
+
+    ``OPTIONS`` are what the sidecar's ``healthcheck`` action takes (its row is made from them);
+    ``timeout`` is not among them: there, the action's own limit bounds the child."""
 
     level: str = "quick"
     job: str | None = None
     timeout: float = DEFAULT_TIMEOUT_S
+    backend: str = "auto"
+    expect_devices: int | None = None
+    skip: tuple[str, ...] = ()
+    timeout_scale: float = 1.0
+    fail_below: float = 0.90
+    warn_below: float = 0.95
+    peer_fail: float = 0.08
+    peer_warn: float = 0.05
+    min_disk_gib: float = 10.0
+    xid_window: float = 60.0  # minutes
+    no_save: bool = False
+
+    OPTIONS: ClassVar[dict[str, str]] = {
+        "level": "str",
+        "backend": "str",
+        "expect_devices": "int",
+        "skip": "strs",
+        "timeout_scale": "float",
+        "no_save": "bool",
+        "fail_below": "float",
+        "warn_below": "float",
+        "peer_fail": "float",
+        "peer_warn": "float",
+        "min_disk_gib": "float",
+        "xid_window": "float",
+        "job": "str",
+    }
 
     def __post_init__(self) -> None:
         if not isinstance(self.level, str) or self.level not in LEVELS:
-            raise errors.UsageError(f"level {ascii(self.level)[:40]}: one of {', '.join(LEVELS)}")
+            raise errors.UsageError(f"--level {ascii(self.level)[:40]}: one of {', '.join(LEVELS)}")
         if self.job is not None:
             if not isinstance(self.job, str) or not self.job:
                 raise errors.UsageError("a job is a non-empty text")
@@ -61,27 +103,70 @@ class HealthcheckRequest:
                 raise errors.UsageError(f"a job takes at most {MAX_JOB_CHARS} characters")
             if not self.job.isprintable():
                 raise errors.UsageError("a job's name is printable text")
-        timeout = self.timeout
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout):
-            raise errors.UsageError(f"a timeout of {ascii(timeout)[:40]}: not a number of seconds")
-        if not 0 < timeout <= MAX_TIMEOUT_S:
-            raise errors.UsageError(f"a timeout of {timeout:g} s: more than 0, at most {MAX_TIMEOUT_S:g}")
+        _number("a timeout", self.timeout, MAX_TIMEOUT_S, open_low=True)
+        if not isinstance(self.backend, str) or self.backend not in BACKENDS:
+            raise errors.UsageError(f"--backend {ascii(self.backend)[:40]}: one of {', '.join(BACKENDS)}")
+        devices = self.expect_devices
+        if devices is not None and (
+            isinstance(devices, bool) or not isinstance(devices, int) or not 0 <= devices <= MAX_DEVICES
+        ):
+            raise errors.UsageError(f"--expect-devices {ascii(devices)[:40]}: an integer from 0 to {MAX_DEVICES}")
+        if not isinstance(self.skip, tuple) or any(not isinstance(n, str) for n in self.skip):
+            raise errors.UsageError("--skip is a list of check names")
+        unknown = sorted(set(self.skip) - set(ALL_CHECKS))
+        if unknown:
+            raise errors.UsageError(f"unknown checks {ascii(unknown)[:200]}; known: {', '.join(ALL_CHECKS)}")
+        _number("--timeout-scale", self.timeout_scale, MAX_TIMEOUT_SCALE, open_low=True)
+        for name in ("fail_below", "warn_below", "peer_fail", "peer_warn"):
+            _number("--" + name.replace("_", "-"), getattr(self, name), 1.0)
+        _number("--min-disk-gib", self.min_disk_gib, MAX_DISK_GIB)
+        _number("--xid-window", self.xid_window, MAX_XID_WINDOW_MIN)
+        if not isinstance(self.no_save, bool):
+            raise errors.UsageError("--no-save is true or false")
 
     def to_json(self) -> dict[str, Any]:
-        return {"level": self.level, "job": self.job, "timeout": self.timeout}
+        return {
+            "level": self.level,
+            "job": self.job,
+            "timeout": self.timeout,
+            "backend": self.backend,
+            "expect_devices": self.expect_devices,
+            "skip": list(self.skip),
+            "timeout_scale": self.timeout_scale,
+            "fail_below": self.fail_below,
+            "warn_below": self.warn_below,
+            "peer_fail": self.peer_fail,
+            "peer_warn": self.peer_warn,
+            "min_disk_gib": self.min_disk_gib,
+            "xid_window": self.xid_window,
+            "no_save": self.no_save,
+        }
 
     @classmethod
     def from_json(cls, doc: Any) -> HealthcheckRequest:
-        """The request of a JSON document (what the child reads); unknown keys are ignored, a
-        missing one takes its default; anything else wrong is a :class:`~dynprof.errors.UsageError`."""
+        """The request of a JSON document (what the child and the sidecar's action read): a
+        missing or null key takes its default; an unknown key, or anything else wrong, is a
+        :class:`~dynprof.errors.UsageError`."""
         if not isinstance(doc, dict):
             raise errors.UsageError("a healthcheck request is a JSON object")
         if len(doc) > MAX_REQUEST_KEYS:
             raise errors.UsageError(f"a healthcheck request has at most {MAX_REQUEST_KEYS} keys, not {len(doc)}")
-        level = doc.get("level", "quick")
-        job = doc.get("job")
-        timeout = doc.get("timeout", DEFAULT_TIMEOUT_S)
-        return cls(level=level, job=job, timeout=timeout)
+        known = (*cls.OPTIONS, "timeout")
+        for key in doc:
+            if key not in known:
+                raise errors.UsageError(
+                    f"healthcheck: unknown option {str(key)[:80]!r}; known: {', '.join(sorted(known))}"
+                )
+        given = dict(doc)
+        if "skip" in given and given["skip"] is not None:
+            skip = given["skip"]
+            items = skip if isinstance(skip, list) else [skip]
+            if len(items) > len(ALL_CHECKS):
+                raise errors.UsageError(f"--skip names at most {len(ALL_CHECKS)} checks")
+            if any(not isinstance(n, str) for n in items):
+                raise errors.UsageError("--skip is a list of check names")
+            given["skip"] = tuple(sorted(set(items)))
+        return cls(**{k: v for k, v in given.items() if v is not None})
 
     @classmethod
     def from_text(cls, data: bytes | str) -> HealthcheckRequest:
@@ -96,8 +181,27 @@ class HealthcheckRequest:
         return cls.from_json(doc)
 
     def options(self) -> Options:
-        """The runner's options: those of ``dynprof healthcheck --level LEVEL [--job JOB]``."""
-        return Options(level=self.level, job_pids=job_pids(self.job))
+        """The runner's options: those of ``dynprof healthcheck`` with the same flags."""
+        return Options(
+            level=self.level,
+            backend=self.backend,
+            expect_devices=self.expect_devices,
+            min_disk_gib=self.min_disk_gib,
+            xid_window_s=self.xid_window * 60,
+            thresholds=Thresholds(self.fail_below, self.warn_below, self.peer_fail, self.peer_warn),
+            skip=set(self.skip),
+            timeout_scale=self.timeout_scale,
+            job_pids=job_pids(self.job),
+        )
+
+
+def _number(name: str, value: Any, high: float, *, open_low: bool = False) -> None:
+    """``value`` is a finite number from 0 (excluded when ``open_low``) to ``high``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise errors.UsageError(f"{name} of {ascii(value)[:40]}: not a number")
+    if value > high or value < 0 or (open_low and value == 0):
+        low = "more than 0" if open_low else "at least 0"
+        raise errors.UsageError(f"{name} of {value:g}: {low}, at most {high:g}")
 
 
 def job_pids(job: str | None) -> frozenset[int]:

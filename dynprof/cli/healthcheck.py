@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ from dynprof.procs import stop_group
 from dynprof.result import Result
 from healthcheck import cli, fleet
 from healthcheck.baseline import learn, read_results
+from healthcheck.collect import HealthcheckRequest
 from healthcheck.report import Report, render_table
 from healthcheck.result import EXIT_COULD_NOT_RUN
 
@@ -242,6 +244,10 @@ class HealthcheckCommand:
             exc.exit_code = EXIT_COULD_NOT_RUN
             raise
 
+    def action_requests(self) -> dict[str, tuple[Callable[[dict[str, Any]], Any], Callable[[Any], Result]]]:
+        """The sidecar's ``healthcheck`` action read as the kind's request."""
+        return {"healthcheck": (decode_request, collect_request)}
+
     def render(self, result: Result) -> str:
         if isinstance(result, FleetResult):
             if result.drain_kind:
@@ -257,6 +263,27 @@ class HealthcheckCommand:
 def _check(args: argparse.Namespace) -> HealthReport:
     report, artifact, messages = cli.check(args)
     return HealthReport(report, artifact, args.failures_only, messages)
+
+
+def decode_request(options: dict[str, Any]) -> HealthcheckRequest:
+    """The sidecar's ``healthcheck`` action read as the kind's request; a value it refuses is
+    the healthcheck's usage error (exit 3: 1 and 2 are the node's health)."""
+    try:
+        return HealthcheckRequest.from_json(options)
+    except DynprofError as exc:
+        error = errors.UsageError(f"healthcheck: {exc.message}", help="See `dynprof healthcheck --help`.")
+        error.exit_code = EXIT_COULD_NOT_RUN
+        raise error from None
+
+
+def collect_request(request: HealthcheckRequest) -> HealthReport:
+    """This node's checks for ``request``, saved as an artifact unless it says not to."""
+    try:
+        report, artifact, messages = cli.check_request(request)
+    except DynprofError as exc:
+        exc.exit_code = EXIT_COULD_NOT_RUN
+        raise
+    return HealthReport(report, artifact, False, messages)
 
 
 def _learn(args: argparse.Namespace) -> LearnedBaseline:

@@ -7,18 +7,14 @@ action (healthcheck.links.rounds); it can be run by hand on two nodes to test th
 from __future__ import annotations
 
 import argparse
-import math
-import time
+from collections.abc import Callable
 from typing import Any
 
-from dynprof.errors import DynprofError, Timeout, UsageError
+from dynprof.errors import DynprofError, Timeout
 from dynprof.result import Result
-from healthcheck.links.side import BACKENDS, PATTERNS, SideResult, run_side
+from healthcheck.links.side import BACKENDS, PATTERNS, LinkTestRequest, SideResult, run_side
 
 LINK_TEST_SCHEMA = "dynprof.link_test"
-MAX_LINK_SIZE = 1024**3  # per exchange; sent in pieces of 64 MiB, so a side holds ~128 MiB at most
-MIN_STORE_PORT = 1024
-MAX_LIMIT_S = 900.0
 
 
 class LinkSide(Result):
@@ -66,39 +62,39 @@ class LinkTestCommand:
         parser.add_argument("--json", action="store_true", help="print the JSON document")
 
     def collect(self, args: argparse.Namespace) -> Result:
-        def bad(what: str) -> UsageError:
-            return UsageError(f"link-test: {what}", help="See `dynprof link-test --help`.")
+        request = LinkTestRequest(
+            rank=args.rank,
+            world=args.world,
+            store_host=args.store_host,
+            store_port=args.store_port,
+            backend=args.backend,
+            pattern=args.pattern,
+            size=args.size,
+            iters=args.iters,
+            warmup=args.warmup,
+            limit=args.limit,
+            start_at=args.start_at,
+            bind=args.bind,
+        )
+        return self.collect_request(request)
 
-        if not args.store_host or len(args.store_host) > 255 or any(c.isspace() for c in args.store_host):
-            raise bad("--store-host names rank 0's node")
-        if args.world not in (2, 3) or not 0 <= args.rank < args.world:
-            raise bad("--world is 2 or 3 and --rank within it")
-        if not MIN_STORE_PORT <= args.store_port <= 65535:
-            raise bad(f"--store-port is {MIN_STORE_PORT}-65535 (no privileged port)")
-        if args.bind is not None and (not args.bind or len(args.bind) > 255 or any(c.isspace() for c in args.bind)):
-            raise bad("--bind names an address of this node")
-        if not 4 <= args.size <= MAX_LINK_SIZE:
-            raise bad(f"--size is 4 bytes to {MAX_LINK_SIZE >> 30} GiB")
-        if not 1 <= args.iters <= 10_000 or not 0 <= args.warmup <= 1000:
-            raise bad("--iters is 1-10000 and --warmup 0-1000")
-        if not 0 < args.limit <= MAX_LIMIT_S:
-            raise bad(f"--limit is over 0 and at most {MAX_LIMIT_S:g} s")
-        if not math.isfinite(args.start_at) or args.start_at < 0 or args.start_at > time.time() + MAX_LIMIT_S:
-            raise bad("--start-at is epoch seconds within --limit from now (or 0)")
+    def collect_request(self, request: LinkTestRequest) -> Result:
+        """This node's side of the link test ``request`` (the sidecar's ``link-test`` action)."""
         try:
+            assert request.store_host is not None  # checked when the request was made
             side = run_side(
-                rank=args.rank,
-                world=args.world,
-                store_host=args.store_host,
-                store_port=args.store_port,
-                backend=args.backend,
-                pattern=args.pattern,
-                size_bytes=args.size,
-                iters=args.iters,
-                warmup=args.warmup,
-                limit_s=args.limit,
-                start_at=args.start_at,
-                bind=args.bind,
+                rank=request.rank,
+                world=request.world,
+                store_host=request.store_host,
+                store_port=request.store_port,
+                backend=request.backend,
+                pattern=request.pattern,
+                size_bytes=request.size,
+                iters=request.iters,
+                warmup=request.warmup,
+                limit_s=request.limit,
+                start_at=request.start_at,
+                bind=request.bind,
             )
         except OSError as exc:
             raise DynprofError(f"link-test could not start its worker: {exc}") from None
@@ -106,6 +102,10 @@ class LinkTestCommand:
         if side.status == "hung":
             result.exit_code = Timeout.exit_code
         return result
+
+    def action_requests(self) -> dict[str, tuple[Callable[[dict[str, Any]], Any], Callable[[Any], Result]]]:
+        """The sidecar's ``link-test`` action read as its request."""
+        return {"link-test": (LinkTestRequest.from_json, self.collect_request)}
 
     def render(self, result: Result) -> str:
         assert isinstance(result, LinkSide)

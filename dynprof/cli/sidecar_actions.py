@@ -5,10 +5,12 @@
 ``collect_local`` / ``collect_nodes``), so that the sidecar imports no CLI module.
 
 Run as ``python -m dynprof.cli.sidecar_actions``, it is the child process of an action that
-runs apart from the sidecar (healthcheck; job-wide actions): it reads one request from stdin,
-``{"action": NAME, "argv": [NAME, "--flag=value", ...], "job_wide": bool}``, calls the
-command's ``collect_local(args)``, or ``collect_nodes(args, nodes)`` for a job-wide one, and
-writes the :class:`~dynprof.result.Result` on stdout as one JSON object:
+runs apart from the sidecar (healthcheck, link-test; job-wide actions): it reads one request from
+stdin, ``{"action": NAME, "options": {...}, "hosts": [HOST[:PORT], ...] or null, "cacert": FILE
+or null}`` (the options the sidecar checked), reads the options as the kind's request and
+collects it (``collect_request``), or, job-wide, as the command's flags and calls
+``collect_nodes(args, nodes)``, and writes the :class:`~dynprof.result.Result` on stdout as one
+JSON object:
 ``{"result": to_json(), "exit_code", "messages", "error": null or {type, message, help,
 exit_code}}``. Nothing the command renders is written.
 """
@@ -20,14 +22,14 @@ import functools
 import importlib
 import json
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any, NoReturn
 
 from dynprof import errors, jsontext
 from dynprof.cli import COMMANDS
 from dynprof.nodes import Node, parse_hosts
 from dynprof.result import Result, error_json
-from dynprof.sidecar.actions import ACTIONS, MAX_OUTPUT_BYTES, ActionCommand
+from dynprof.sidecar.actions import ACTIONS, MAX_OUTPUT_BYTES, ActionCommand, Option
 
 MAX_REQUEST_CHARS = 1024 * 1024
 
@@ -54,9 +56,14 @@ class _Refused(Exception):
         self.message = message
 
 
-def parse_options(name: str, command: Any, argv: list[str]) -> argparse.Namespace:
-    """``argv`` parsed by the command's own parser; a refused value is a usage error with the
-    command's own usage exit code (2; healthcheck's 3), and nothing is printed."""
+def parse_options(
+    action: str, command: Any, options: dict[str, Any], hosts: Sequence[str] | None, cacert: str | None
+) -> argparse.Namespace:
+    """Action ``action``'s checked ``options`` (job-wide: its ``hosts``, and the CA file to
+    trust) read by its command's own parser, each option as its flag; a refused value is a usage
+    error with the command's own usage exit code (2; healthcheck's 3), and nothing is printed."""
+    spec = ACTIONS[action]
+    name = spec.command
     parser = command_parser(name, command)
 
     def refuse(status: int = 0, message: str | None = None) -> NoReturn:
@@ -67,7 +74,7 @@ def parse_options(name: str, command: Any, argv: list[str]) -> argparse.Namespac
     parser.print_usage = lambda file=None: None  # type: ignore[method-assign]
     parser.exit = refuse  # type: ignore[method-assign]
     try:
-        return parser.parse_args(argv)
+        return parser.parse_args(flags(action, options, hosts, cacert))
     except _Refused as exc:
         message = exc.message.removeprefix(f"{parser.prog}: error: ")
         error = errors.UsageError(f"{name}: {message}", help=f"See `dynprof {name} --help`.")
@@ -75,36 +82,59 @@ def parse_options(name: str, command: Any, argv: list[str]) -> argparse.Namespac
         raise error from None
 
 
+def flags(action: str, options: dict[str, Any], hosts: Sequence[str] | None, cacert: str | None) -> list[str]:
+    """The command's arguments (without its name) for action ``action``'s options: each one
+    ``--flag=value``, a single argument, so a value is never read as another flag."""
+    spec = ACTIONS[action]
+    out = list(spec.leading)
+    if hosts is not None:
+        out.append(f"--hosts={','.join(hosts)}")
+        if cacert:
+            out.append(f"--cacert={cacert}")
+    for key, value in options.items():
+        opt = spec.options.get(key) or Option("--" + key.replace("_", "-"), "str")
+        if value is None or value is False:
+            continue
+        if value is True:
+            out.append(opt.flag)
+        elif isinstance(value, list):
+            out.append(f"{opt.flag}={','.join(str(v) for v in value)}")
+        elif isinstance(value, float):
+            out.append(f"{opt.flag}={value!r}")
+        else:
+            out.append(f"{opt.flag}={value}")
+    out.append("--json")
+    return out
+
+
 def action_commands(names: Iterable[str] = ACTIONS) -> dict[str, ActionCommand]:
     """The commands of the sidecar's actions ``names``, by action name."""
     table: dict[str, ActionCommand] = {}
     for name in names:
-        command_name = ACTIONS[name].command
-        command = load_command(command_name)
-        parse = functools.partial(parse_options, command_name, command)
-        if hasattr(command, "collect_local"):
-            requests = command.action_requests() if hasattr(command, "action_requests") else {}
-            decode, collect_request = requests.get(name, (None, None))
-            table[name] = ActionCommand(
-                parse, command.collect_local, command.collect_nodes, decode=decode, collect_request=collect_request
-            )
-        else:
-            table[name] = ActionCommand(parse, command.collect)
+        command = load_command(ACTIONS[name].command)
+        parse = functools.partial(parse_options, name, command)
+        requests = command.action_requests() if hasattr(command, "action_requests") else {}
+        decode, collect_request = requests.get(name, (None, None))
+        local = command.collect_local if hasattr(command, "collect_local") else command.collect
+        nodes = getattr(command, "collect_nodes", None) if hasattr(command, "collect_local") else None
+        table[name] = ActionCommand(parse, local, nodes, decode=decode, collect_request=collect_request)
     return table
 
 
-def answer(name: str, argv: list[str], job_wide: bool) -> dict[str, Any]:
+def answer(name: str, options: dict[str, Any], hosts: list[str] | None, cacert: str | None) -> dict[str, Any]:
     """Run one action's command; its Result (or the error it stopped on) as the child's answer."""
     try:
         command = action_commands([name])[name]
-        args = command.parse(argv[1:])
-        if job_wide:
+        if hosts is not None:
             if command.collect_nodes is None:
                 raise errors.UsageError(f"{name} runs on this node only")
+            args = command.parse(options, hosts, cacert)
             nodes: list[Node] = parse_hosts(getattr(args, "hosts", None) or "")
             result: Result = command.collect_nodes(args, nodes)
+        elif command.decode is not None and command.collect_request is not None:
+            result = command.collect_request(command.decode(options))
         else:
-            result = command.collect_local(args)
+            result = command.collect_local(command.parse(options, None, None))
     except errors.DynprofError as exc:
         return {"result": None, "exit_code": exc.exit_code, "messages": [], "error": error_json(exc)}
     return {"result": result.to_json(), "exit_code": result.exit_code, "messages": result.messages, "error": None}
@@ -119,7 +149,7 @@ def main() -> int:
     out = sys.stdout
     sys.stdout = sys.stderr  # whatever the command prints stays out of the answer
     try:
-        doc = answer(request["action"], request["argv"], request["job_wide"])
+        doc = answer(request["action"], request["options"], request["hosts"], request["cacert"])
     finally:
         sys.stdout = out
     text = jsontext.dumps(doc, default=str)
@@ -143,12 +173,16 @@ def read_request(text: str) -> dict[str, Any]:
     # an action that is not a string (a list, an object) is no known action, not a TypeError
     if not isinstance(doc, dict) or not isinstance(doc.get("action"), str) or doc["action"] not in ACTIONS:
         raise ValueError("no known action")
-    argv = doc.get("argv")
-    if not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv):
-        raise ValueError("argv is not a list of strings")
-    if argv[0] != ACTIONS[doc["action"]].command:
-        raise ValueError("argv is not the action's command")
-    return {"action": doc["action"], "argv": argv, "job_wide": doc.get("job_wide") is True}
+    options = doc.get("options")
+    if not isinstance(options, dict) or not all(isinstance(k, str) for k in options):
+        raise ValueError("options is not a JSON object")
+    hosts = doc.get("hosts")
+    if hosts is not None and (not isinstance(hosts, list) or not hosts or not all(isinstance(h, str) for h in hosts)):
+        raise ValueError("hosts is not a list of HOST[:PORT]")
+    cacert = doc.get("cacert")
+    if cacert is not None and not isinstance(cacert, str):
+        raise ValueError("cacert is not a file name")
+    return {"action": doc["action"], "options": options, "hosts": hosts, "cacert": cacert}
 
 
 if __name__ == "__main__":

@@ -1,21 +1,20 @@
 """The actions a node's sidecar takes on request: the CLI's own commands, called for their result.
 
 An action is a CLI command (``ps``, ``start``, ``stacks``, ...) and a JSON object of options.
-Only the options listed for the action exist (:data:`ACTIONS`; a unit test holds every row to
-the command's parser; an action that carries a kind's request, ``Action.request``, takes that
-request's ``OPTIONS``, its row made from them); each becomes one ``--flag=value`` and is
-parsed by the command's own parser, so the sidecar accepts exactly what the CLI accepts. Nothing else can be named: no
-output path, no ``--attach``, no file of the sidecar's machine. The command then answers with
-a :class:`~dynprof.result.Result`: the answer carries its ``to_json()`` (what the CLI's
+Only the options listed for the action exist (:data:`ACTIONS`; each action carries a kind's
+request, ``Action.request``, and takes that request's ``OPTIONS``, its row made from them; a
+unit test holds every row to the command's parser). Each value is checked here for its kind
+(:func:`check_options`), then read by the request's own ``from_json`` (the command's
+``decode``), so a value the request refuses is the command's usage error, as a value its parser
+refuses is. Nothing else can be named: no output path, no ``--attach``, no file of the
+sidecar's machine. The kind then collects the request, and the command answers with a
+:class:`~dynprof.result.Result`: the answer carries its ``to_json()`` (what the CLI's
 ``--json`` prints), its exit code and its messages; a :class:`~dynprof.errors.DynprofError`
-travels as a structured ``error`` (type, message, help, exit code). Nothing printed is parsed.
-
-An action that carries a request (:class:`ActionCommand` ``decode``/``collect_request``: ``ps``,
-``ls``, ``stacks``, ``nccl``, ``start``, ``stop``, ``memory``, ``memory-plan``) and that runs in
-this process skips the argument list: its options, checked here as for any action, are read by
-the request's own ``from_json`` and the command or kind collects it; a value the request refuses
-is the command's usage error, as a value its parser refuses is. The job-wide form (``hosts``)
-and the actions without a request (``healthcheck``, ``link-test``) go through the argument list.
+travels as a structured ``error`` (type, message, help, exit code). Nothing printed is parsed,
+and the sidecar builds no argument list: an action that runs in a child process hands it the
+checked options as JSON (:meth:`Checked.to_json`). The job-wide form (``hosts``) merges the
+nodes' answers with the command's ``collect_nodes``, which reads the command's own options:
+there the CLI maps each option to its flag (``ActionCommand.parse``).
 
 The sidecar imports no CLI module: ``dynprof serve`` hands it the commands
 (:class:`ActionCommand`: the command's parser and its ``collect`` functions), and a child
@@ -56,7 +55,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
@@ -70,6 +69,8 @@ from dynprof.node_requests import LsRequest, PsRequest, StopRequest
 from dynprof.nodes import Node
 from dynprof.procs import kill_group
 from dynprof.result import Result, error_json
+from healthcheck.collect import HealthcheckRequest
+from healthcheck.links.side import LinkTestRequest
 
 log = logging.getLogger("dynprof.sidecar")
 
@@ -118,12 +119,14 @@ class Action:
 class ActionCommand:
     """A CLI command as an action runs it, handed to the sidecar by ``dynprof serve``.
 
-    ``parse`` is the command's own parser (the arguments without the command's name); it raises
-    a :class:`~dynprof.errors.DynprofError` (a usage error, with the command's usage exit code)
-    for a value it refuses, and never exits. ``collect_local`` answers on this node's agents;
+    ``parse`` reads the action's checked options (and, job-wide, its ``hosts`` and the CA file
+    to trust) as the command's own parser reads its flags: the CLI maps each option to its flag,
+    the sidecar never builds an argument list. It raises a
+    :class:`~dynprof.errors.DynprofError` (a usage error, with the command's usage exit code) for
+    a value it refuses, and never exits. ``collect_local`` answers on this node's agents;
     ``collect_nodes`` (job-level commands) on the given nodes, through their sidecars."""
 
-    parse: Callable[[list[str]], argparse.Namespace]
+    parse: Callable[[dict[str, Any], Sequence[str] | None, str | None], argparse.Namespace]
     collect_local: Callable[[argparse.Namespace], Result]
     collect_nodes: Callable[[argparse.Namespace, list[Node]], Result] | None = None
     # The action's kind has a request: on this node, its options are read by the request's
@@ -314,50 +317,22 @@ ACTIONS: dict[str, Action] = {
         changes_jobs=True,
         fans_out=True,
     ),
-    "healthcheck": Action(
+    "healthcheck": _request_action(
         "healthcheck",
-        _opts(
-            level="str",
-            backend="str",
-            expect_devices="int",
-            skip="strs",
-            timeout_scale="float",
-            no_save="bool",
-            fail_below="float",
-            warn_below="float",
-            peer_fail="float",
-            peer_warn="float",
-            min_disk_gib="float",
-            xid_window="float",
-            job="str",
-        ),
-        None,
-        900.0,
-        900.0,
+        HealthcheckRequest,
+        default_timeout_s=900.0,
+        max_timeout_s=900.0,
         in_subprocess=True,
         changes_jobs=True,
         failed_exit=3,
     ),
     # one node's side of a link test between nodes (healthcheck.links): in a child, which runs
     # the torch.distributed worker in a process group of its own, killed past --limit
-    "link-test": Action(
+    "link-test": _request_action(
         "link-test",
-        _opts(
-            rank="int",
-            world="int",
-            store_host="str",
-            store_port="int",
-            backend="str",
-            pattern="str",
-            size="int",
-            iters="int",
-            warmup="int",
-            limit="float",
-            start_at="float",
-        ),
-        None,
-        120.0,
-        900.0,
+        LinkTestRequest,
+        default_timeout_s=120.0,
+        max_timeout_s=900.0,
         in_subprocess=True,
         changes_jobs=True,
     ),
@@ -394,7 +369,7 @@ class ActionSlots:
     def run(self, name: str, params: dict[str, Any] | None = None, timeout: float | None = None) -> dict[str, Any]:
         """:func:`run_action` in a free slot; :class:`ActionsBusy` when there is none. The
         request is checked first, so a bad one is refused (ActionError) even when all are busy."""
-        argv_for(name, dict(params or {}), self.fanout, self.links)
+        check_options(name, dict(params or {}), self.fanout, self.links)
         if not self._sem.acquire(blocking=False):
             raise ActionsBusy(f"all {self.limit} action slots are busy")
         return run_action(
@@ -413,52 +388,66 @@ def effective_timeout(name: str, timeout: float | None) -> float:
     return float(min(timeout, action.max_timeout_s))
 
 
-def argv_for(
+@dataclass(frozen=True)
+class Checked:
+    """An action's request once checked: its ``options`` (each of its kind; unset ones left
+    out), and for a job-wide one the nodes (``hosts``) and the CA file its child trusts."""
+
+    options: dict[str, Any]
+    hosts: tuple[str, ...] | None = None
+    cacert: str | None = None
+
+    def to_json(self, name: str) -> dict[str, Any]:
+        """The request a child process reads (:data:`CHILD_MODULE`)."""
+        hosts = list(self.hosts) if self.hosts is not None else None
+        return {"action": name, "options": self.options, "hosts": hosts, "cacert": self.cacert}
+
+
+def check_options(
     name: str, params: dict[str, Any], fanout: FanoutConfig | None = None, links: LinkPolicy | None = None
-) -> list[str]:
-    """The CLI argument list for action ``name`` with ``params``; :class:`ActionError` on an
-    unknown action or option, or a value of the wrong type. ``hosts`` needs ``fanout``;
-    ``link-test`` needs ``links`` (and obeys it: its peer, its port, where it listens)."""
+) -> Checked:
+    """Action ``name``'s options ``params``, checked; :class:`ActionError` on an unknown action
+    or option, or a value of the wrong type. ``hosts`` needs ``fanout``; ``link-test`` needs
+    ``links`` (and obeys it: its peer, its port; it listens where the policy says, ``bind``)."""
     action = ACTIONS.get(name)
     if action is None:
         raise ActionError(f"unknown action {name!r}; known: {', '.join(sorted(ACTIONS))}")
     if not isinstance(params, dict):
         raise ActionError("the options must be a JSON object")
-    argv = [action.command, *action.leading]
     params = dict(params)
     hosts = params.pop(HOSTS, None)
-    if hosts is not None:
-        argv.extend(_hosts_args(name, action, hosts, fanout))
+    checked_hosts = _check_hosts(name, action, hosts, fanout) if hosts is not None else None
+    options: dict[str, Any] = {}
     for key, value in params.items():
         opt = action.options.get(key) if isinstance(key, str) else None
         if opt is None:
             known = ", ".join(sorted(action.options))
             raise ActionError(f"{name}: unknown option {str(key)[:80]!r}; known: {known}")
-        argv.extend(_flag(opt, key, value))
+        checked = _checked(opt, key, value)
+        if checked is not None:
+            options[key] = checked
     if name == LINK_TEST:
-        argv.extend(_link_args(params, links))
-    argv.append("--json")
-    return argv
+        options["bind"] = _link_bind(params, links)
+    cacert = fanout.cacert if checked_hosts is not None and fanout is not None else None
+    return Checked(options, checked_hosts, cacert or None)
 
 
 LINK_TEST = "link-test"
 
 
-def _link_args(params: dict[str, Any], links: LinkPolicy | None) -> list[str]:
-    """``--bind`` (where rank 0's rendezvous listens: the sidecar's own address) for a link
-    test that ``links`` allows; :class:`ActionError` for one it does not."""
+def _link_bind(params: dict[str, Any], links: LinkPolicy | None) -> str:
+    """Where rank 0's rendezvous listens (the sidecar's own address) for a link test that
+    ``links`` allows; :class:`ActionError` for one it does not."""
     if links is None:
         raise ActionError("this sidecar does not reach other nodes (dynprof serve --no-job-wide): it runs no link test")
     why = links.refusal(params.get("store_host"), params.get("store_port"))
     if why:
         raise ActionError(why)
-    return [f"--bind={links.bind}"]
+    return links.bind
 
 
-def _hosts_args(name: str, action: Action, hosts: Any, fanout: FanoutConfig | None) -> list[str]:
-    """``--hosts=A,B`` (and ``--cacert``) for a job-wide action; every node checked as the CLI's
-    own --hosts would check it."""
-    from dynprof import errors
+def _check_hosts(name: str, action: Action, hosts: Any, fanout: FanoutConfig | None) -> tuple[str, ...]:
+    """The nodes of a job-wide action, each checked as the CLI's own --hosts would check it."""
     from dynprof.nodes import parse_node
 
     if not action.fans_out:
@@ -476,30 +465,31 @@ def _hosts_args(name: str, action: Action, hosts: Any, fanout: FanoutConfig | No
             raise ActionError(f"option 'hosts': {exc.message}") from None
     if fanout is None:
         raise ActionError("this sidecar does not reach other nodes (dynprof serve --no-job-wide): drop 'hosts'")
-    argv = [f"--hosts={','.join(h.strip() for h in hosts)}"]
-    if fanout.cacert:
-        argv.append(f"--cacert={fanout.cacert}")
-    return argv
+    return tuple(h.strip() for h in hosts)
 
 
-def _flag(opt: Option, key: str, value: Any) -> list[str]:
+def _checked(opt: Option, key: str, value: Any) -> Any:
+    """``value`` if it is of the option's kind (None: left unset; a list kind takes one item
+    for a list of one); :class:`ActionError` if not."""
+
     def bad(what: str) -> ActionError:
         return ActionError(f"option {key!r} must be {what}")
 
     if value is None:
-        return []
+        return None
     if opt.kind == "bool":
         if not isinstance(value, bool):
             raise bad("true or false")
-        return [opt.flag] if value else []
+        return value
     if opt.kind == "int":
         if isinstance(value, bool) or not isinstance(value, int):
             raise bad("an integer")
         text = str(value)
     elif opt.kind == "float":
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise bad("a number")
-        text = repr(float(value))
+        value = float(value)
+        text = repr(value)
     elif opt.kind == "str":
         if not isinstance(value, str):
             raise bad("a string")
@@ -509,12 +499,13 @@ def _flag(opt: Option, key: str, value: Any) -> list[str]:
         want = int if opt.kind == "ints" else str
         if not items or any(isinstance(v, bool) or not isinstance(v, want) for v in items):
             raise bad("a list of " + ("integers" if want is int else "strings"))
+        value = list(items)
         text = ",".join(str(v) for v in items)
     else:  # pragma: no cover - a table error
         raise bad("known")
     if len(text) > MAX_PARAM_CHARS or "\x00" in text:
         raise bad(f"at most {MAX_PARAM_CHARS} characters, without NUL")
-    return [f"{opt.flag}={text}"]  # one argument: a value can never be read as another flag
+    return value
 
 
 @dataclass
@@ -564,14 +555,13 @@ def run_action(
             elif not isinstance(own, bool) and isinstance(own, (int, float)):
                 params[action.timeout_option] = effective_timeout(name, own)
                 limit = max(limit, params[action.timeout_option])
-        argv = argv_for(name, params, fanout, links)
-        job_wide = params.get(HOSTS) is not None
+        checked = check_options(name, params, fanout, links)
     except BaseException:
         if release is not None:
             release()
         raise
     started = time.monotonic()
-    outcome = _outcome(name, action, argv, job_wide, limit, release, fanout, commands or {}, params)
+    outcome = _outcome(name, action, checked, limit, release, fanout, commands or {})
     return {
         "api": API_VERSION,
         "action": name,
@@ -588,16 +578,16 @@ def run_action(
 def _outcome(
     name: str,
     action: Action,
-    argv: list[str],
-    job_wide: bool,
+    checked: Checked,
     limit: float,
     release: Callable[[], Any] | None,
     fanout: FanoutConfig | None,
     commands: Mapping[str, ActionCommand],
-    params: dict[str, Any] | None = None,
 ) -> Outcome:
-    """Parse ``argv`` with the command's parser, then run it where the action runs; in this
-    process, a command with a request reads it from ``params`` instead (its ``decode``)."""
+    """Read the options as the command does (its request's ``decode``; job-wide, its parser),
+    a refused value answered as the command's usage error; then run it where the action runs:
+    in a child process (``in_subprocess``, job-wide), else on a thread of this one."""
+    job_wide = checked.hosts is not None
     in_child = action.in_subprocess or job_wide
     released = False
     try:
@@ -610,29 +600,25 @@ def _outcome(
                 )
             )
         decode, collect_request = command.decode, command.collect_request
-        if not in_child and decode is not None and collect_request is not None:
-            try:
-                request = decode(dict(params or {}))
-            except errors.DynprofError as exc:
-                return answered_error(exc)
-            except Exception as exc:  # a bug in a request's decoder must not take the sidecar down
-                log.error("dynprof serve: reading the options of %s failed", name, exc_info=exc)
-                return failed(errors.DynprofError(f"internal error: {type(exc).__name__}: {exc}"))
-            released = True  # from here on, the command's thread gives the slot back when it ends
-            return _run_bounded(name, lambda: collect_request(request), limit + SUBPROCESS_GRACE_S, release)
+        run: Callable[[], Result]
         try:
-            args = command.parse(argv[1:])
+            if job_wide or decode is None or collect_request is None:
+                args = command.parse(dict(checked.options), checked.hosts, checked.cacert)
+                collect_local = command.collect_local
+                run = lambda: collect_local(args)  # noqa: E731
+            else:
+                request = decode(dict(checked.options))
+                run = lambda: collect_request(request)  # noqa: E731
         except errors.DynprofError as exc:
             return answered_error(exc)
-        except Exception as exc:  # a bug in a command's parser must not take the sidecar down
-            log.error("dynprof serve: parsing the options of %s failed", name, exc_info=exc)
+        except Exception as exc:  # a bug in a command's reader must not take the sidecar down
+            log.error("dynprof serve: reading the options of %s failed", name, exc_info=exc)
             return failed(errors.DynprofError(f"internal error: {type(exc).__name__}: {exc}"))
         if in_child:
             env = {"DYNPROF_TOKEN_FILE": fanout.token_file} if job_wide and fanout else None
-            return _run_child(name, argv, job_wide, limit, env, action.failed_exit)
+            return _run_child(name, checked, limit, env, action.failed_exit)
         released = True  # from here on, the command's thread gives the slot back when it ends
-        collect_local = command.collect_local
-        return _run_bounded(name, lambda: collect_local(args), limit + SUBPROCESS_GRACE_S, release)
+        return _run_bounded(name, run, limit + SUBPROCESS_GRACE_S, release)
     finally:
         if not released and release is not None:
             release()
@@ -730,20 +716,19 @@ def _run_bounded(name: str, call: Callable[[], Result], limit: float, release: C
 # -- child processes -----------------------------------------------------------------------------
 def _run_child(
     name: str,
-    argv: list[str],
-    job_wide: bool,
+    checked: Checked,
     timeout: float,
     extra_env: dict[str, str] | None = None,
     failed_exit: int = 1,
 ) -> Outcome:
     """``python -m CHILD_MODULE`` in a new session, asked (on its stdin) to run the action with
-    ``argv``; it answers the command's Result as JSON on its stdout. Past ``timeout`` plus the
+    the ``checked`` options (:meth:`Checked.to_json`); it answers the command's Result as JSON on its stdout. Past ``timeout`` plus the
     grace period, the whole process group is killed (a healthcheck's own workers too)."""
     env = dict(os.environ)
     env.pop("DYNPROF", None)  # the child is a tool, not a job: no agent in it
     env.update(extra_env or {})
     limit = timeout + SUBPROCESS_GRACE_S
-    request = json.dumps({"action": name, "argv": argv, "job_wide": job_wide})
+    request = json.dumps(checked.to_json(name))
     with _children_lock:
         if _closing:
             return failed(errors.Timeout("the sidecar is stopping"))

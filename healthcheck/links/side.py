@@ -16,8 +16,9 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
+from dynprof import errors
 from dynprof.procs import kill_group
 from healthcheck.links.worker import LINK_SIDE_SCHEMA
 
@@ -25,6 +26,109 @@ MAX_WORKER_OUTPUT = 64 * 1024
 WORKER_MODULE = "healthcheck.links.worker"
 BACKENDS = ("auto", "gloo", "nccl")
 PATTERNS = ("sendrecv", "allreduce")
+
+
+MAX_LINK_SIZE = 1024**3  # per exchange; sent in pieces of 64 MiB, so a side holds ~128 MiB at most
+MIN_STORE_PORT = 1024
+MAX_LIMIT_S = 900.0
+
+
+@dataclass(frozen=True)
+class LinkTestRequest:
+    """One node's side of a link test: rank ``rank`` of ``world`` (2: a pair, 3: a ring), rank
+    0's rendezvous at ``store_host:store_port``, the exchange (``backend``, ``pattern``, ``size``
+    bytes, ``iters`` timed after ``warmup``), the side's hard ``limit`` (s) and the epoch second
+    the timed iterations ``start_at`` (0: at once). ``bind``: where rank 0's rendezvous listens
+    (None: every address); the sidecar sets it to its own address, a caller never does, so it is
+    not among ``OPTIONS`` (what the sidecar's ``link-test`` action takes). Checked when made: a
+    bad request raises :class:`~dynprof.errors.UsageError`.
+
+        >>> LinkTestRequest(rank=1, world=2, store_host="gpu01").store_port
+        29720
+    """
+
+    rank: int = 0
+    world: int = 2
+    store_host: str | None = None
+    store_port: int = 29720
+    backend: str = "auto"
+    pattern: str = "sendrecv"
+    size: int = 64 * 1024 * 1024
+    iters: int = 10
+    warmup: int = 2
+    limit: float = 60.0
+    start_at: float = 0.0
+    bind: str | None = None
+
+    OPTIONS: ClassVar[dict[str, str]] = {
+        "rank": "int",
+        "world": "int",
+        "store_host": "str",
+        "store_port": "int",
+        "backend": "str",
+        "pattern": "str",
+        "size": "int",
+        "iters": "int",
+        "warmup": "int",
+        "limit": "float",
+        "start_at": "float",
+    }
+
+    def __post_init__(self) -> None:
+        def bad(what: str) -> errors.UsageError:
+            return errors.UsageError(f"link-test: {what}", help="See `dynprof link-test --help`.")
+
+        host = self.store_host
+        if not isinstance(host, str) or not host or len(host) > 255 or any(c.isspace() for c in host):
+            raise bad("--store-host names rank 0's node")
+        if (
+            not (_whole(self.world) and _whole(self.rank))
+            or self.world not in (2, 3)
+            or not 0 <= self.rank < self.world
+        ):
+            raise bad("--world is 2 or 3 and --rank within it")
+        if not _whole(self.store_port) or not MIN_STORE_PORT <= self.store_port <= 65535:
+            raise bad(f"--store-port is {MIN_STORE_PORT}-65535 (no privileged port)")
+        bind = self.bind
+        if bind is not None and (
+            not isinstance(bind, str) or not bind or len(bind) > 255 or any(c.isspace() for c in bind)
+        ):
+            raise bad("--bind names an address of this node")
+        if self.backend not in BACKENDS:
+            raise bad(f"--backend is one of {', '.join(BACKENDS)}")
+        if self.pattern not in PATTERNS:
+            raise bad(f"--pattern is one of {', '.join(PATTERNS)}")
+        if not _whole(self.size) or not 4 <= self.size <= MAX_LINK_SIZE:
+            raise bad(f"--size is 4 bytes to {MAX_LINK_SIZE >> 30} GiB")
+        if (
+            not (_whole(self.iters) and _whole(self.warmup))
+            or not 1 <= self.iters <= 10_000
+            or not 0 <= self.warmup <= 1000
+        ):
+            raise bad("--iters is 1-10000 and --warmup 0-1000")
+        if not _finite(self.limit) or not 0 < self.limit <= MAX_LIMIT_S:
+            raise bad(f"--limit is over 0 and at most {MAX_LIMIT_S:g} s")
+        if not _finite(self.start_at) or self.start_at < 0 or self.start_at > time.time() + MAX_LIMIT_S:
+            raise bad("--start-at is epoch seconds within --limit from now (or 0)")
+
+    @classmethod
+    def from_json(cls, doc: Any) -> LinkTestRequest:
+        """The request of the sidecar's action options (``OPTIONS``, and ``bind`` the sidecar
+        adds); an unknown option or a value of the wrong type is a UsageError."""
+        from dynprof.requests import read_options
+
+        return cls(**read_options(doc, {**cls.OPTIONS, "bind": "str"}, "link-test"))
+
+    def to_json(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in (*self.OPTIONS, "bind")}
+
+
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass

@@ -14,11 +14,14 @@ import pytest
 
 from dynprof import errors
 from dynprof.cli import sidecar_actions as sa
+from dynprof.cli.healthcheck import collect_request, decode_request
+from dynprof.cli.link_test import LinkTestCommand
 from dynprof.cli.ls import LsCommand
 from dynprof.cli.start import StartCommand
 from dynprof.node_requests import LsRequest
 from dynprof.result import Result
 from dynprof.sidecar.actions import ACTIONS, ActionCommand
+from healthcheck.links.side import LinkTestRequest
 
 
 # -- commands and their parsers ---------------------------------------------------------------------
@@ -38,22 +41,48 @@ def test_the_parser_is_the_commands_own():
 
 
 def test_options_are_parsed_without_a_print(capsys):
-    args = sa.parse_options("ls", sa.load_command("ls"), ["--job", "j", "--json"])
+    args = sa.parse_options("ls", sa.load_command("ls"), {"job": "j"}, None, None)
     assert args.job == "j" and args.json is True
     assert capsys.readouterr() == ("", "")
 
 
+def test_each_option_is_one_flag_of_the_command():
+    assert sa.flags("start", {"job": "j", "steps": 3, "record_shapes": True, "with_stack": False}, None, None) == [
+        "--job=j",
+        "--steps=3",
+        "--record-shapes",
+        "--json",
+    ]
+    assert sa.flags("stacks", {"pid": [1, 2], "timeout": 5.0}, None, None) == ["--pid=1,2", "--timeout=5.0", "--json"]
+    # an action of a command's own subcommand: its words first
+    assert sa.flags("memory-plan", {"pid": [7], "budget": "60%"}, None, None) == [
+        "plan",
+        "--pid=7",
+        "--budget=60%",
+        "--json",
+    ]
+    # job-wide: the nodes and the CA file first; a value that looks like a flag stays a value
+    assert sa.flags("ps", {"job": "--all"}, ("node-1", "[::1]:8787"), "/etc/ca.pem") == [
+        "--hosts=node-1,[::1]:8787",
+        "--cacert=/etc/ca.pem",
+        "--job=--all",
+        "--json",
+    ]
+    args = sa.parse_options("ps", sa.load_command("ps"), {"job": "--all"}, ("node-1",), None)
+    assert args.job == "--all" and args.hosts == "node-1"
+
+
 @pytest.mark.parametrize(
-    ("argv", "said"),
+    ("options", "said"),
     [
-        (["--limit", "-3"], "ls: argument --limit"),
-        (["--bogus"], "ls: unrecognized arguments: --bogus"),
-        (["--job"], "ls: argument --job: expected one argument"),
+        ({"limit": -3}, "ls: argument --limit"),
+        ({"limit": "x"}, "ls: argument --limit"),
+        ({"bogus": 1}, "ls: unrecognized arguments: --bogus=1"),
     ],
 )
-def test_a_refused_value_is_a_usage_error_with_nothing_printed(argv, said, capsys):
+def test_a_refused_value_is_a_usage_error_with_nothing_printed(options, said, capsys):
     with pytest.raises(errors.UsageError) as info:
-        sa.parse_options("ls", sa.load_command("ls"), argv)
+        sa.parse_options("ls", sa.load_command("ls"), options, None, None)
     assert info.value.message.startswith(said)
     assert "error:" not in info.value.message and "usage:" not in info.value.message
     assert info.value.help == "See `dynprof ls --help`."
@@ -64,7 +93,7 @@ def test_a_refused_value_is_a_usage_error_with_nothing_printed(argv, said, capsy
 def test_healthchecks_refusal_keeps_its_own_usage_code():
     # healthcheck's 2 means "unhealthy": its usage error is 3, "could not run"
     with pytest.raises(errors.UsageError) as info:
-        sa.parse_options("healthcheck", sa.load_command("healthcheck"), ["--level", "thorough"])
+        sa.parse_options("healthcheck", sa.load_command("healthcheck"), {"level": "thorough"}, None, None)
     assert info.value.exit_code == 3 and info.value.message.startswith("healthcheck: argument --level")
 
 
@@ -79,9 +108,10 @@ def test_the_table_has_every_action_each_with_its_commands_entry_points():
     # ls carries its request: read from JSON and collected by the command, without argv
     assert table["ls"].decode == LsRequest.from_json
     assert table["ls"].collect_request.__func__ is LsCommand.collect_request
-    # an action without a request: its options go through the command's parser
-    assert table["healthcheck"].decode is None and table["healthcheck"].collect_request is None
-    assert table["link-test"].decode is None and table["link-test"].collect_request is None
+    # every action carries its kind's request: the healthcheck's and the link test's too
+    assert table["healthcheck"].decode is decode_request and table["healthcheck"].collect_request is collect_request
+    assert table["link-test"].decode == LinkTestRequest.from_json
+    assert table["link-test"].collect_request.__func__ is LinkTestCommand.collect_request
     # a kind with a request: read from JSON and collected without argv
     assert table["start"].decode.__func__ is StartCommand.action_requests(StartCommand())["start"][0].__func__
     assert table["start"].collect_request.__func__ is StartCommand.collect_request
@@ -94,7 +124,7 @@ def test_an_actions_parser_is_its_commands_with_the_actions_command_name():
     table = sa.action_commands(["memory-plan"])
     assert list(table) == ["memory-plan"]
     with pytest.raises(errors.UsageError) as info:
-        table["memory-plan"].parse(["--bogus"])
+        table["memory-plan"].parse({"bogus": 1}, None, None)
     assert info.value.message.startswith("memory: ")
 
 
@@ -105,19 +135,31 @@ def test_an_unknown_action_is_a_key_error():
 
 # -- one answer ---------------------------------------------------------------------------------------
 def test_an_answer_is_the_commands_json_result(dynprof_dirs):
-    answer = sa.answer("ls", ["ls", "--job", "j"], job_wide=False)
+    answer = sa.answer("ls", {"job": "j"}, None, None)
     assert answer["error"] is None and answer["exit_code"] == 0 and answer["messages"] == []
     assert answer["result"]["artifacts"] == []
 
 
 def test_a_refused_option_is_answered_as_a_structured_error():
-    answer = sa.answer("ls", ["ls", "--limit", "x"], job_wide=False)
+    answer = sa.answer("ls", {"limit": "x"}, None, None)
     assert answer["result"] is None and answer["exit_code"] == 2 and answer["messages"] == []
-    assert answer["error"]["type"] == "UsageError" and answer["error"]["message"].startswith("ls: argument --limit")
+    assert answer["error"]["type"] == "UsageError"
+    assert answer["error"]["message"] == "ls: option 'limit' must be an integer"
+
+
+def test_a_refused_healthcheck_option_is_its_could_not_run():
+    answer = sa.answer("healthcheck", {"level": "thorough"}, None, None)
+    assert answer["exit_code"] == 3 and answer["error"]["type"] == "UsageError"
+    assert answer["error"]["message"].startswith("healthcheck: --level 'thorough'")
+
+
+def test_a_refused_link_test_is_answered_before_any_worker_starts():
+    answer = sa.answer("link-test", {"rank": 1, "store_host": "gpu01", "store_port": 22}, None, None)
+    assert answer["exit_code"] == 2 and "no privileged port" in answer["error"]["message"]
 
 
 def test_a_command_of_this_node_only_is_never_job_wide():
-    answer = sa.answer("healthcheck", ["healthcheck"], job_wide=True)
+    answer = sa.answer("healthcheck", {}, ["node-1"], None)
     assert answer["exit_code"] == 2
     assert answer["error"]["message"] == "healthcheck runs on this node only"
 
@@ -130,8 +172,8 @@ class Recorder:
         self.calls: list[tuple[str, object]] = []
 
     def table(self, names):
-        def parse(argv):
-            return sa.parse_options("ls", LsCommand(), argv)
+        def parse(options, hosts, cacert):
+            return sa.parse_options("ls", LsCommand(), options, hosts, cacert)
 
         def local(args):
             self.calls.append(("local", args.job))
@@ -150,22 +192,37 @@ class Recorder:
 def test_a_job_wide_answer_asks_the_hosts_it_was_given(monkeypatch):
     recorder = Recorder(Result({"ok": 1}, 12, ["node b: refused"]))
     monkeypatch.setattr(sa, "action_commands", recorder.table)
-    answer = sa.answer("ls", ["ls", "--job", "j", "--hosts", "node-a,node-b:9000"], job_wide=True)
+    answer = sa.answer("ls", {"job": "j"}, ["node-a", "node-b:9000"], None)
     assert recorder.calls == [("nodes", ["node-a:8787", "node-b:9000"])]
     assert answer == {"result": {"ok": 1}, "exit_code": 12, "messages": ["node b: refused"], "error": None}
 
 
-def test_a_job_wide_answer_without_hosts_asks_no_node(monkeypatch):
+def test_a_job_wide_answer_trusts_the_ca_file_it_was_given(monkeypatch):
+    seen = []
     recorder = Recorder(Result({}))
-    monkeypatch.setattr(sa, "action_commands", recorder.table)
-    sa.answer("ls", ["ls", "--job", "j"], job_wide=True)
-    assert recorder.calls == [("nodes", [])]
+    table = recorder.table
+
+    def spy(names):
+        commands = table(names)
+        for name, command in commands.items():
+            parse = command.parse
+            commands[name] = ActionCommand(
+                lambda o, h, c, parse=parse: seen.append(parse(o, h, c)) or seen[-1],
+                command.collect_local,
+                command.collect_nodes,
+            )
+        return commands
+
+    monkeypatch.setattr(sa, "action_commands", spy)
+    sa.answer("ls", {"job": "j"}, ["node-a"], "/etc/ca.pem")
+    assert recorder.calls == [("nodes", ["node-a:8787"])]
+    assert seen[0].cacert == "/etc/ca.pem" and seen[0].job == "j"
 
 
 def test_a_dynprof_error_of_the_command_is_the_answers_error(monkeypatch):
     recorder = Recorder(errors.NoAgent("no agent of job 'j'", help="attach one"))
     monkeypatch.setattr(sa, "action_commands", recorder.table)
-    answer = sa.answer("ls", ["ls", "--job", "j"], job_wide=False)
+    answer = sa.answer("ls", {"job": "j"}, None, None)
     assert answer == {
         "result": None,
         "exit_code": 5,
@@ -176,15 +233,15 @@ def test_a_dynprof_error_of_the_command_is_the_answers_error(monkeypatch):
 
 # -- the child's request ------------------------------------------------------------------------------
 def test_a_request_is_read_as_it_was_written():
-    doc = {"action": "memory-plan", "argv": ["memory", "plan", "--job=j"], "job_wide": True}
+    doc = {"action": "memory-plan", "options": {"job": "j"}, "hosts": ["node-1"], "cacert": "/etc/ca.pem"}
     assert sa.read_request(json.dumps(doc)) == doc
-    assert sa.read_request(json.dumps({"action": "ls", "argv": ["ls"]}))["job_wide"] is False
-
-
-@pytest.mark.parametrize("job_wide", ["true", 1, "yes", None, [True]])
-def test_only_true_is_job_wide(job_wide):
-    request = sa.read_request(json.dumps({"action": "ls", "argv": ["ls"], "job_wide": job_wide}))
-    assert request["job_wide"] is False
+    # no hosts: this node's answer
+    assert sa.read_request(json.dumps({"action": "ls", "options": {}})) == {
+        "action": "ls",
+        "options": {},
+        "hosts": None,
+        "cacert": None,
+    }
 
 
 @pytest.mark.parametrize(
@@ -192,13 +249,14 @@ def test_only_true_is_job_wide(job_wide):
     [
         ("x" * (sa.MAX_REQUEST_CHARS + 1), "over 1 MiB"),
         ('["ls"]', "no known action"),
-        ('{"action": "rm", "argv": ["rm"]}', "no known action"),
-        ('{"action": "ls"}', "argv is not a list of strings"),
-        ('{"action": "ls", "argv": []}', "argv is not a list of strings"),
-        ('{"action": "ls", "argv": "ls"}', "argv is not a list of strings"),
-        ('{"action": "ls", "argv": ["ls", 3]}', "argv is not a list of strings"),
-        ('{"action": "ls", "argv": ["ps", "--all"]}', "argv is not the action's command"),
-        ('{"action": "memory-plan", "argv": ["plan"]}', "argv is not the action's command"),
+        ('{"action": "rm", "options": {}}', "no known action"),
+        ('{"action": "ls"}', "options is not a JSON object"),
+        ('{"action": "ls", "options": []}', "options is not a JSON object"),
+        ('{"action": "ls", "options": "--all"}', "options is not a JSON object"),
+        ('{"action": "ls", "options": {}, "hosts": []}', "hosts is not a list of HOST[:PORT]"),
+        ('{"action": "ls", "options": {}, "hosts": "node-1"}', "hosts is not a list of HOST[:PORT]"),
+        ('{"action": "ls", "options": {}, "hosts": ["node-1", 3]}', "hosts is not a list of HOST[:PORT]"),
+        ('{"action": "ls", "options": {}, "hosts": ["n"], "cacert": 1}', "cacert is not a file name"),
     ],
 )
 def test_a_malformed_request_is_refused_with_why(text, said):
@@ -210,11 +268,11 @@ def test_a_malformed_request_is_refused_with_why(text, said):
 @pytest.mark.parametrize("action", [{"ls": 1}, ["ls"]])
 def test_an_unhashable_action_is_refused_with_why(action):
     with pytest.raises(ValueError) as info:
-        sa.read_request(json.dumps({"action": action, "argv": ["ls"]}))
+        sa.read_request(json.dumps({"action": action, "options": {}}))
     assert str(info.value) == "no known action"
 
 
-@pytest.mark.parametrize("text", ["", "{", "nul\x00", '{"action": "ls", "argv": ["ls"]} trailing'])
+@pytest.mark.parametrize("text", ["", "{", "nul\x00", '{"action": "ls", "options": {}} trailing'])
 def test_text_that_is_not_json_is_a_value_error(text):
     with pytest.raises(ValueError):
         sa.read_request(text)
@@ -231,7 +289,7 @@ def _child(monkeypatch, capsys, text: str) -> tuple[int, str, str]:
 def test_the_child_writes_one_json_answer_and_the_commands_prints_go_to_stderr(monkeypatch, capsys):
     recorder = Recorder(Result({"artifacts": ["a\x1b"]}, 0, ["warning"]))
     monkeypatch.setattr(sa, "action_commands", recorder.table)
-    code, out, err = _child(monkeypatch, capsys, json.dumps({"action": "ls", "argv": ["ls", "--job=j7"]}))
+    code, out, err = _child(monkeypatch, capsys, json.dumps({"action": "ls", "options": {"job": "j7"}}))
     assert code == 0
     assert json.loads(out) == {
         "result": {"artifacts": ["a\x1b"]},
@@ -245,19 +303,19 @@ def test_the_child_writes_one_json_answer_and_the_commands_prints_go_to_stderr(m
 
 
 def test_the_child_answers_a_real_command(monkeypatch, capsys, dynprof_dirs):
-    code, out, _ = _child(monkeypatch, capsys, json.dumps({"action": "ls", "argv": ["ls", "--job=j"]}))
+    code, out, _ = _child(monkeypatch, capsys, json.dumps({"action": "ls", "options": {"job": "j"}}))
     assert code == 0 and json.loads(out)["result"]["artifacts"] == []
 
 
 def test_a_bad_request_ends_the_child_with_2_and_a_line(monkeypatch, capsys):
-    code, out, err = _child(monkeypatch, capsys, '{"action": "rm -rf", "argv": ["rm"]}')
+    code, out, err = _child(monkeypatch, capsys, '{"action": "rm -rf", "options": {}}')
     assert (code, out) == (2, "")
     assert err == "dynprof: bad action request: no known action\n"
 
 
 @pytest.mark.parametrize("action", [{"ls": 1}, ["ls"], 7, None])
 def test_a_request_whose_action_is_not_a_name_ends_the_child_with_2_and_a_line(monkeypatch, capsys, action):
-    code, out, err = _child(monkeypatch, capsys, json.dumps({"action": action, "argv": ["ls"]}))
+    code, out, err = _child(monkeypatch, capsys, json.dumps({"action": action, "options": {}}))
     assert (code, out) == (2, "")
     assert err == "dynprof: bad action request: no known action\n"
 
@@ -267,7 +325,7 @@ def test_an_answer_over_the_bound_is_refused_as_an_error(monkeypatch, capsys):
     recorder = Recorder(Result({"big": "x" * (4 << 20)}))
     monkeypatch.setattr(sa, "action_commands", recorder.table)
     monkeypatch.setattr(sa, "MAX_OUTPUT_BYTES", 3 << 20)
-    code, out, _ = _child(monkeypatch, capsys, json.dumps({"action": "ls", "argv": ["ls"]}))
+    code, out, _ = _child(monkeypatch, capsys, json.dumps({"action": "ls", "options": {}}))
     doc = json.loads(out)
     assert code == 0 and doc["result"] is None and doc["exit_code"] == 1
     assert doc["error"]["message"] == "the answer of ls is over 3 MiB: refused"
@@ -277,7 +335,7 @@ def test_an_answer_over_the_bound_is_refused_as_an_error(monkeypatch, capsys):
 def test_an_answer_is_strict_json_even_of_odd_values(monkeypatch, capsys):
     recorder = Recorder(Result({"nan": float("nan"), "set": {1}}))
     monkeypatch.setattr(sa, "action_commands", recorder.table)
-    code, out, _ = _child(monkeypatch, capsys, json.dumps({"action": "ls", "argv": ["ls"]}))
+    code, out, _ = _child(monkeypatch, capsys, json.dumps({"action": "ls", "options": {}}))
     assert code == 0
     doc = json.loads(out, parse_constant=lambda name: pytest.fail(f"non-standard JSON constant {name}"))
     assert doc["error"] is None and doc["result"]["nan"] is None

@@ -10,8 +10,14 @@ import pytest
 
 from collectors.stacks.collect import StacksRequest, collect
 from dynprof import errors
+from dynprof.cli.sidecar_actions import flags
 from dynprof.cli.stacks import StacksCommand, request_from_args
-from dynprof.sidecar.actions import argv_for
+from dynprof.sidecar.actions import check_options
+
+
+def _flags(name: str, options: dict) -> list[str]:
+    """The command's arguments for the action's options, as the CLI maps them (each one flag)."""
+    return flags(name, check_options(name, options).options, None, None)
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -52,7 +58,7 @@ def test_a_request_that_cannot_be_run_is_refused_when_made(kwargs, said):
 )
 def test_the_sidecar_s_stacks_action_becomes_the_request_its_options_say(options, expected):
     # WHEN a node's sidecar turns an action's options into the command's arguments
-    request = request_from_args(_parse(argv_for("stacks", options)[1:]))
+    request = request_from_args(_parse(_flags("stacks", options)))
     # THEN the kind is asked exactly that
     assert request == expected
 

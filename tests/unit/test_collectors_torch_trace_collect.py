@@ -9,8 +9,14 @@ import pytest
 
 from collectors.torch_trace.collect import TraceRequest
 from dynprof import errors
+from dynprof.cli.sidecar_actions import flags
 from dynprof.cli.start import StartCommand, request_from_args
-from dynprof.sidecar.actions import argv_for
+from dynprof.sidecar.actions import check_options
+
+
+def _flags(name: str, options: dict) -> list[str]:
+    """The command's arguments for the action's options, as the CLI maps them (each one flag)."""
+    return flags(name, check_options(name, options).options, None, None)
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -31,7 +37,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 )
 def test_the_start_action_s_options_are_the_request_both_ways(options):
     # WHEN a node's sidecar turns the action's options into the command's arguments, or reads them as JSON
-    from_cli = request_from_args(_parse(argv_for("start", options)[1:]))
+    from_cli = request_from_args(_parse(_flags("start", options)))
     from_json = TraceRequest.from_json(options)
     # THEN the kind is asked the same, and the request writes itself back as options of that request
     assert from_json == from_cli

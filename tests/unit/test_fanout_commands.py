@@ -219,7 +219,9 @@ def test_a_sidecar_action_never_fans_out_again():
     def collect_nodes(args, nodes):
         raise AssertionError("a sidecar's action fanned out")
 
-    table = {"ps": ActionCommand(lambda argv: argparse.Namespace(), lambda args: Result({"agents": []}), collect_nodes)}
+    table = {
+        "ps": ActionCommand(lambda o, h, c: argparse.Namespace(), lambda args: Result({"agents": []}), collect_nodes)
+    }
     # WHEN the sidecar runs ps as an action (as the fan-out asks a node: without hosts)
     answer = run_action("ps", {}, commands=table)
     # THEN it answers with this node's agents only: the node-side call is collect_local

@@ -24,8 +24,34 @@ def test_a_request_goes_through_json_and_back():
     request = HealthcheckRequest(level="standard", job="j1", timeout=30.0)
     assert HealthcheckRequest.from_json(request.to_json()) == request
     assert HealthcheckRequest.from_text(json.dumps(request.to_json())) == request
-    # missing keys take their defaults; keys it does not know are ignored
-    assert HealthcheckRequest.from_json({"job": "j1", "later": 1}) == HealthcheckRequest(job="j1")
+    # missing keys take their defaults
+    assert HealthcheckRequest.from_json({"job": "j1"}) == HealthcheckRequest(job="j1")
+    # every option of `dynprof healthcheck` the sidecar's action takes goes through too
+    full = HealthcheckRequest(
+        level="standard",
+        job="j1",
+        backend="smi",
+        expect_devices=8,
+        skip=("disk_free", "xid_live"),
+        timeout_scale=2.0,
+        fail_below=0.8,
+        warn_below=0.9,
+        peer_fail=0.1,
+        peer_warn=0.07,
+        min_disk_gib=0.0,
+        xid_window=30.0,
+        no_save=True,
+    )
+    assert HealthcheckRequest.from_json(full.to_json()) == full
+    options = full.options()
+    assert (options.level, options.backend, options.expect_devices, options.skip) == (
+        "standard",
+        "smi",
+        8,
+        {"disk_free", "xid_live"},
+    )
+    assert options.xid_window_s == 1800.0 and options.timeout_scale == 2.0 and options.min_disk_gib == 0.0
+    assert (options.thresholds.fail_below, options.thresholds.peer_warn) == (0.8, 0.07)
 
 
 @pytest.mark.parametrize(
@@ -44,6 +70,18 @@ def test_a_request_goes_through_json_and_back():
         ({"timeout": 0}, "more than 0"),
         ({"timeout": 1e9}, "at most 3600"),
         ({f"k{i}": i for i in range(17)}, "at most 16 keys"),
+        ({"job": "j1", "later": 1}, "unknown option 'later'"),
+        ({"backend": "dcgm"}, "--backend 'dcgm'"),
+        ({"expect_devices": -1}, "--expect-devices -1"),
+        ({"expect_devices": True}, "--expect-devices True"),
+        ({"skip": ["no_such_check"]}, "unknown checks ['no_such_check']"),
+        ({"skip": [3]}, "--skip is a list of check names"),
+        ({"timeout_scale": 0}, "--timeout-scale of 0: more than 0"),
+        ({"fail_below": 1.5}, "--fail-below of 1.5: at least 0, at most 1"),
+        ({"peer_warn": -0.1}, "--peer-warn of -0.1"),
+        ({"min_disk_gib": float("inf")}, "--min-disk-gib of inf: not a number"),
+        ({"xid_window": 1e9}, "--xid-window of 1e+09"),
+        ({"no_save": "yes"}, "--no-save is true or false"),
     ],
 )
 def test_a_bad_request_is_refused_with_what_is_wrong(doc, said):

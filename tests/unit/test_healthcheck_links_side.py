@@ -166,3 +166,41 @@ def test_hostile_fields_of_an_answer_are_dropped_or_cut(worker):
     assert (result.algbw_gbps, result.seconds, result.late_s) == (None, None, None)
     assert (result.size_bytes, result.iters) == (None, None)
     assert len(result.backend) == 20 and len(result.pattern) <= 20 and len(result.interface) == 40
+
+
+# -- the request of one side ------------------------------------------------------------------------
+def test_a_link_test_request_goes_through_json_and_back():
+    from healthcheck.links.side import LinkTestRequest
+
+    request = LinkTestRequest(rank=1, world=3, store_host="gpu01", store_port=29800, size=4096, bind="10.0.0.2")
+    assert LinkTestRequest.from_json(request.to_json()) == request
+    # the action's options are the request's fields but bind, which only the sidecar sets
+    assert set(LinkTestRequest.OPTIONS) == set(request.to_json()) - {"bind"}
+
+
+@pytest.mark.parametrize(
+    ("doc", "said"),
+    [
+        ({"rank": 1}, "--store-host names rank 0's node"),
+        ({"store_host": "a b"}, "--store-host names rank 0's node"),
+        ({"store_host": "n", "world": 4}, "--world is 2 or 3"),
+        ({"store_host": "n", "rank": 2}, "--world is 2 or 3 and --rank within it"),
+        ({"store_host": "n", "store_port": 80}, "no privileged port"),
+        ({"store_host": "n", "backend": "mpi"}, "--backend is one of auto, gloo, nccl"),
+        ({"store_host": "n", "pattern": "alltoall"}, "--pattern is one of sendrecv, allreduce"),
+        ({"store_host": "n", "size": 1 << 31}, "--size is 4 bytes to 1 GiB"),
+        ({"store_host": "n", "iters": 0}, "--iters is 1-10000"),
+        ({"store_host": "n", "limit": 0}, "--limit is over 0"),
+        ({"store_host": "n", "start_at": 1e12}, "--start-at is epoch seconds"),
+        ({"store_host": "n", "bind": ""}, "--bind names an address"),
+        ({"store_host": "n", "rank": True}, "option 'rank' must be an integer"),
+        ({"store_host": "n", "command": "sh"}, "unknown option 'command'"),
+    ],
+)
+def test_a_bad_link_test_request_is_refused_with_what_is_wrong(doc, said):
+    from dynprof import errors
+    from healthcheck.links.side import LinkTestRequest
+
+    with pytest.raises(errors.UsageError) as refused:
+        LinkTestRequest.from_json(doc)
+    assert said in refused.value.message

@@ -23,16 +23,17 @@ from dynprof.cli.stop import StopCommand
 from dynprof.cli.stop import request_from_args as stop_from_args
 from dynprof.node_requests import MAX_LIMIT, LsRequest, PsRequest, StopRequest
 from dynprof.requests import MAX_ITEMS, MAX_TEXT
-from dynprof.sidecar.actions import argv_for, run_action
+from dynprof.sidecar.actions import check_options, run_action
 
 COMMANDS: dict[str, Any] = {"ps": PsCommand, "ls": LsCommand, "stop": StopCommand}
 FROM_ARGS: dict[str, Any] = {"ps": ps_from_args, "ls": ls_from_args, "stop": stop_from_args}
 REQUESTS: dict[str, Any] = {"ps": PsRequest, "ls": LsRequest, "stop": StopRequest}
 
 
+
 def _parsed(name: str, options: dict[str, Any]) -> argparse.Namespace:
     """The command's own parser given the arguments the action's options become."""
-    return sa.parse_options(name, COMMANDS[name](), argv_for(name, options)[1:])
+    return sa.parse_options(name, COMMANDS[name](), check_options(name, options).options, None, None)
 
 
 def _parser_refusal(name: str, options: dict[str, Any]) -> errors.UsageError:

@@ -83,11 +83,11 @@ def test_a_new_kinds_row_gets_its_options_from_its_request(monkeypatch):
         "duration": ("--duration", "float"),
     }
     assert row.request is GcRequest and row.text_options == () and row.fans_out
-    assert actions.argv_for("gc", {"job": "j", "duration": 5}) == ["gc", "--job=j", "--duration=5.0", "--json"]
+    assert actions.check_options("gc", {"job": "j", "duration": 5}).options == {"job": "j", "duration": 5.0}
     with pytest.raises(actions.ActionError, match="unknown option 'generation'"):
-        actions.argv_for("gc", {"job": "j", "generation": 2})
+        actions.check_options("gc", {"job": "j", "generation": 2})
     with pytest.raises(actions.ActionError, match="'duration' must be a number"):
-        actions.argv_for("gc", {"job": "j", "duration": "5"})
+        actions.check_options("gc", {"job": "j", "duration": "5"})
     # AND a text option (how the command prints) is taken after the request's, and is no part of it
     text = actions._request_action("gc", GcRequest, text_options={"full": "bool"})
     assert list(text.options) == ["job", "pid", "all", "duration", "full"] and text.text_options == ("full",)

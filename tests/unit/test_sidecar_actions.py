@@ -22,54 +22,47 @@ from dynprof.sidecar.actions import (
     ActionError,
     ActionsBusy,
     ActionSlots,
-    argv_for,
+    check_options,
     effective_timeout,
     run_action,
 )
 
 
-def stub_table(collect_local: Any = None, seen: list[list[str]] | None = None, collect_nodes: Any = None):
-    """A command table whose every action parses by recording its arguments, and answers with
-    ``collect_local`` (default: an empty result)."""
+def stub_table(collect_local: Any = None, seen: list[dict[str, Any]] | None = None, collect_nodes: Any = None):
+    """A command table whose every action parses by recording the options it is given, and
+    answers with ``collect_local`` (default: an empty result)."""
 
-    def parse(argv: list[str]) -> argparse.Namespace:
+    def parse(options: dict[str, Any], hosts: Any, cacert: Any) -> argparse.Namespace:
         if seen is not None:
-            seen.append(argv)
-        return argparse.Namespace(argv=argv)
+            seen.append(options)
+        return argparse.Namespace(options=options)
 
     local = collect_local or (lambda args: Result({}))
     return {name: ActionCommand(parse, local, collect_nodes) for name in actions.ACTIONS}
 
 
-def test_options_become_one_flag_each_and_unknown_ones_are_refused():
-    assert argv_for("start", {"job": "j", "steps": 3, "record_shapes": True, "with_stack": False}) == [
-        "start",
-        "--job=j",
-        "--steps=3",
-        "--record-shapes",
-        "--json",
-    ]
-    assert argv_for("stacks", {"pid": [1, 2]}) == ["stacks", "--pid=1,2", "--json"]
-    # an action of a command's own subcommand: its words first
-    assert argv_for("memory-plan", {"pid": [7], "budget": "60%"}) == [
-        "memory",
-        "plan",
-        "--pid=7",
-        "--budget=60%",
-        "--json",
-    ]
+def test_options_are_checked_for_their_kind_and_unknown_ones_are_refused():
+    checked = check_options("start", {"job": "j", "steps": 3, "record_shapes": True, "with_stack": False})
+    # every option given stays itself (false too: the request reads it); none becomes a flag
+    assert checked.options == {"job": "j", "steps": 3, "record_shapes": True, "with_stack": False}
+    assert checked.hosts is None and checked.cacert is None
+    # a list kind takes one item for a list of one; a float takes an integer; null is unset
+    assert check_options("stacks", {"pid": 7, "timeout": 5, "job": None}).options == {"pid": [7], "timeout": 5.0}
+    assert check_options("memory-plan", {"pid": [7], "budget": "60%"}).options == {"pid": [7], "budget": "60%"}
     for name, params in (
         ("ps", {"output": "x"}),
         ("start", {"steps": "3"}),
         ("start", {"steps": True}),
         ("stacks", {"pid": ["1"]}),
         ("stacks", {"pid": []}),
+        ("stacks", {"timeout": float("nan")}),
         ("ps", {"job": "a\x00b"}),
         ("ps", {"job": "x" * 5000}),
+        ("healthcheck", {"skip": [1]}),
         ("nope", {}),
     ):
         with pytest.raises(ActionError):
-            argv_for(name, params)
+            check_options(name, params)
 
 
 def test_timeouts_are_capped_per_action():
@@ -120,14 +113,14 @@ def test_a_bad_request_is_refused_before_taking_a_slot():
 
 
 def test_an_own_timeout_option_is_capped_too():
-    seen: list[list[str]] = []
+    seen: list[dict[str, Any]] = []
     table = stub_table(seen=seen)
     run_action("ps", {"timeout": 1e9}, commands=table)
-    assert f"--timeout={actions.ACTIONS['ps'].max_timeout_s!r}" in seen[0]
+    assert seen[0]["timeout"] == actions.ACTIONS["ps"].max_timeout_s
     run_action("ps", {}, commands=table)
-    assert not any(a.startswith("--timeout") for a in seen[1])  # the command's own default stands
+    assert "timeout" not in seen[1]  # the command's own default stands
     run_action("start", {"pid": [1]}, commands=table)
-    assert "--timeout=600.0" in seen[2]  # start waits for ever by itself: never over HTTP
+    assert seen[2]["timeout"] == 600.0  # start waits for ever by itself: never over HTTP
 
 
 def test_stopping_kills_running_children_and_starts_no_more(monkeypatch):
@@ -140,9 +133,7 @@ def test_stopping_kills_running_children_and_starts_no_more(monkeypatch):
     monkeypatch.setattr(actions.subprocess, "Popen", popen)
     monkeypatch.setattr(actions, "_closing", False)
     answers = []
-    worker = threading.Thread(
-        target=lambda: answers.append(actions._run_child("healthcheck", ["healthcheck", "--json"], False, 60))
-    )
+    worker = threading.Thread(target=lambda: answers.append(actions._run_child("healthcheck", actions.Checked({}), 60)))
     worker.start()
     deadline = time.monotonic() + 60
     while not actions._children:
@@ -156,29 +147,31 @@ def test_stopping_kills_running_children_and_starts_no_more(monkeypatch):
     # new child starts
     assert answers and answers[0].exit_code == 9 and "stopped" in answers[0].messages[0]
     assert time.monotonic() - t0 < 300
-    assert actions._run_child("healthcheck", ["healthcheck"], False, 60).exit_code == 9
+    assert actions._run_child("healthcheck", actions.Checked({}), 60).exit_code == 9
     assert not actions._children
 
 
 # -- job-wide actions: `hosts` ----------------------------------------------------------------------
-def test_hosts_become_the_commands_own_hosts_flag():
+def test_hosts_are_checked_and_travel_apart_from_the_options():
     from dynprof.sidecar.actions import FanoutConfig
 
     fanout = FanoutConfig("/run/token", cacert="/etc/ca.pem")
-    assert argv_for("stacks", {"job": "j", "hosts": ["node-1", "node-2:9000", "[::1]:8787"]}, fanout) == [
-        "stacks",
-        "--hosts=node-1,node-2:9000,[::1]:8787",
-        "--cacert=/etc/ca.pem",
-        "--job=j",
-        "--json",
-    ]
+    checked = check_options("stacks", {"job": "j", "hosts": ["node-1", " node-2:9000", "[::1]:8787"]}, fanout)
+    assert checked.options == {"job": "j"} and checked.cacert == "/etc/ca.pem"
+    assert checked.hosts == ("node-1", "node-2:9000", "[::1]:8787")
+    assert checked.to_json("stacks") == {
+        "action": "stacks",
+        "options": {"job": "j"},
+        "hosts": ["node-1", "node-2:9000", "[::1]:8787"],
+        "cacert": "/etc/ca.pem",
+    }
     for bad in (["a b"], ["a,b"], [], "node-1", [1], ["node:99999"], ["x/y"]):
         with pytest.raises(ActionError, match="hosts"):
-            argv_for("ps", {"hosts": bad}, fanout)
+            check_options("ps", {"hosts": bad}, fanout)
     with pytest.raises(ActionError, match="does not reach other nodes"):
-        argv_for("ps", {"hosts": ["node-1"]}, None)
+        check_options("ps", {"hosts": ["node-1"]}, None)
     with pytest.raises(ActionError, match="this node only"):
-        argv_for("healthcheck", {"hosts": ["node-1"]}, fanout)
+        check_options("healthcheck", {"hosts": ["node-1"]}, fanout)
 
 
 def test_hosts_is_never_among_the_options_the_fan_out_forwards():
@@ -204,8 +197,8 @@ def test_a_job_wide_action_runs_in_a_child_with_the_sidecars_token_file(monkeypa
 
     calls = []
 
-    def child(name, argv, job_wide, timeout, extra_env=None, failed_exit=1):
-        calls.append((argv, job_wide, timeout, extra_env))
+    def child(name, checked, timeout, extra_env=None, failed_exit=1):
+        calls.append((checked, timeout, extra_env))
         return actions.Outcome(0, {"nodes": [], "agents": []})
 
     monkeypatch.setattr(actions, "_run_child", child)
@@ -213,8 +206,8 @@ def test_a_job_wide_action_runs_in_a_child_with_the_sidecars_token_file(monkeypa
     slots = ActionSlots(1, FanoutConfig("/run/dynprof/token"), commands=in_process)
     answer = slots.run("ps", {"job": "j", "hosts": ["node-1", "node-2"]}, timeout=20)
     assert answer["exit_code"] == 0 and answer["result"] == {"nodes": [], "agents": []}
-    ((argv, job_wide, timeout, env),) = calls
-    assert argv == ["ps", "--hosts=node-1,node-2", "--job=j", "--timeout=20.0", "--json"] and job_wide
+    ((checked, timeout, env),) = calls
+    assert checked.options == {"job": "j", "timeout": 20.0} and checked.hosts == ("node-1", "node-2")
     assert env == {"DYNPROF_TOKEN_FILE": "/run/dynprof/token"} and timeout == 20.0
     assert slots._sem.acquire(blocking=False)  # the slot was given back
 
@@ -258,9 +251,9 @@ def row_problems(name: str, action: actions.Action) -> list[str]:
         if choices:
             sample = choices[:1] if opt.kind == "strs" else choices[0]
         # a command that must be told its targets (one of --job, --pid, --all) gets --all
-        base = [] if key in ("job", "pid", "all") or "all" not in action.options else ["--all"]
+        base = {} if key in ("job", "pid", "all") or "all" not in action.options else {"all": True}
         try:
-            parsed = parse_options(action.command, command, [*action.leading, *base, *actions._flag(opt, key, sample)])
+            parsed = parse_options(name, command, {**base, key: actions._checked(opt, key, sample)}, None, None)
             value = getattr(parsed, arg.dest)
         except errors.DynprofError as exc:
             problems.append(f"{name}.{key}: {opt.flag} refuses a {opt.kind} ({sample!r}): {exc.message}")
@@ -435,7 +428,7 @@ def test_a_child_writes_the_result_as_json(dynprof_dirs):
 
     writer = ArtifactStore().create("trace", job="j", rank=0)
     writer.finish("complete")
-    outcome = actions._run_child("ls", ["ls", "--job=j", "--json"], False, 120)
+    outcome = actions._run_child("ls", actions.Checked({"job": "j"}), 120)
     # THEN the child's answer is the listing
     assert outcome.exit_code == 0 and outcome.messages == [] and outcome.error is None, outcome
     assert [a["kind"] for a in outcome.result["artifacts"]] == ["trace"]
@@ -516,13 +509,13 @@ def test_a_sidecar_bound_to_loopback_links_only_over_loopback_and_listens_there(
     # GIVEN a sidecar bound to loopback: a peer elsewhere is refused
     for host in ("10.9.9.9", "node-7", "0.0.0.0"):
         with pytest.raises(actions.ActionError, match="bound to loopback"):
-            actions.argv_for("link-test", {**LINK, "store_host": host}, links=policy)
+            actions.check_options("link-test", {**LINK, "store_host": host}, links=policy)
     # THEN a loopback peer runs, and rank 0's rendezvous listens on the sidecar's address only
-    argv = actions.argv_for("link-test", {**LINK, "rank": 0, "store_host": "127.0.0.1"}, links=policy)
-    assert "--bind=127.0.0.1" in argv and argv[-1] == "--json"
+    checked = actions.check_options("link-test", {**LINK, "rank": 0, "store_host": "127.0.0.1"}, links=policy)
+    assert checked.options["bind"] == "127.0.0.1"
     # AND the caller cannot name where it listens
     with pytest.raises(actions.ActionError, match="unknown option 'bind'"):
-        actions.argv_for("link-test", {**LINK, "store_host": "127.0.0.1", "bind": "0.0.0.0"}, links=policy)
+        actions.check_options("link-test", {**LINK, "store_host": "127.0.0.1", "bind": "0.0.0.0"}, links=policy)
 
 
 def test_link_test_peers_are_the_allowed_nodes_and_ports_are_unprivileged():
@@ -531,15 +524,17 @@ def test_link_test_peers_are_the_allowed_nodes_and_ports_are_unprivileged():
     policy = actions.LinkPolicy.for_sidecar("0.0.0.0", ["spare-9"], env=env)
     # THEN the allocation's nodes, the extra peer and this machine are reachable
     for host in ("gpu02", "GPU03.", "spare-9", "127.0.0.1"):
-        assert "--bind=0.0.0.0" in actions.argv_for("link-test", {**LINK, "store_host": host}, links=policy)
+        assert (
+            actions.check_options("link-test", {**LINK, "store_host": host}, links=policy).options["bind"] == "0.0.0.0"
+        )
     # AND any other host is refused (another loopback address is another service of this
     # machine, not this sidecar), as is a privileged port
     for host in ("10.9.9.9", "gpu04", "evil.example.com", "127.0.0.9", "127.1.2.3"):
         with pytest.raises(actions.ActionError, match="not a node this sidecar may reach"):
-            actions.argv_for("link-test", {**LINK, "store_host": host}, links=policy)
+            actions.check_options("link-test", {**LINK, "store_host": host}, links=policy)
     for port in (81, 1023, 0):
         with pytest.raises(actions.ActionError, match="no privileged port"):
-            actions.argv_for("link-test", {**LINK, "store_host": "gpu01", "store_port": port}, links=policy)
+            actions.check_options("link-test", {**LINK, "store_host": "gpu01", "store_port": port}, links=policy)
 
 
 def test_a_loopback_sidecars_peers_are_its_own_address_and_the_allowed_ones():
@@ -560,8 +555,8 @@ def test_an_action_with_a_request_is_read_by_its_from_json_and_collected_without
     # GIVEN a command that reads its action's options as a request, and whose parser must not run
     seen: list[Any] = []
 
-    def parse(argv):
-        raise AssertionError(f"parsed {argv}")
+    def parse(options, hosts, cacert):
+        raise AssertionError(f"parsed {options}")
 
     def collect_request(request):
         seen.append(request)
@@ -599,7 +594,10 @@ def test_the_real_table_reads_requests_for_the_kinds_that_have_them():
 
     assert table["ps"].decode == PsRequest.from_json and table["ls"].decode == LsRequest.from_json
     assert table["stop"].decode == StopRequest.from_json
-    assert table["healthcheck"].decode is None and table["link-test"].decode is None
+    from healthcheck.links.side import LinkTestRequest
+
+    assert table["link-test"].decode == LinkTestRequest.from_json and table["healthcheck"].decode is not None
+    loopback = actions.LinkPolicy.for_sidecar("127.0.0.1", env={})
     # WHEN a request its kind refuses is sent (no target; a plan without a budget; an unknown stack mode)
     for name, options, said in (
         ("memory", {}, "exactly one of --pid, --job or --all"),
@@ -609,9 +607,10 @@ def test_the_real_table_reads_requests_for_the_kinds_that_have_them():
         ("nccl", {"pid": [1], "all": True}, "exactly one of --pid, --job or --all"),
         ("start", {"job": "j", "steps": 2, "duration": 1.0}, "not both"),
         ("ls", {"limit": -3}, "ls: argument --limit: -3 is out of range"),
+        ("link-test", {"rank": 1, "store_host": "127.0.0.1", "size": 2}, "--size is 4 bytes to 1 GiB"),
         ("stop", {}, "stop: one of the arguments --pid --job --all is required"),
     ):
-        answer = run_action(name, options, commands=table)
+        answer = run_action(name, options, commands=table, links=loopback)
         # THEN it is the command's usage error (2), answered, as when the parser refused it
         assert answer["exit_code"] == 2 and answer["error"]["type"] == "UsageError", answer
         assert said in answer["error"]["message"], answer

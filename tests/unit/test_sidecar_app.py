@@ -154,9 +154,9 @@ def _stub_app(store, **kwargs):
     calls = []
 
     def runner(name, options, timeout):
-        from dynprof.sidecar.actions import argv_for
+        from dynprof.sidecar.actions import check_options
 
-        argv_for(name, options)  # the same checks as the real runner
+        check_options(name, options)  # the same checks as the real runner
         calls.append((name, options, timeout))
         return {"api": 1, "action": name, "exit_code": 0, "result": {"ok": True}, "messages": []}
 
