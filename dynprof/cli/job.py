@@ -3,8 +3,9 @@
 ``--slurm``, ``--discover``), on every node's through their sidecars.
 
 A subclass adds its own options (:meth:`JobCommand.add_arguments`) and answers both ways:
-:meth:`collect_local` (what the sidecar's action of the same name runs) and
-:meth:`collect_nodes` (the job-wide answer, merged from the nodes' ``collect_local`` results).
+:meth:`collect_local` (this node's; the sidecar's action of the same name collects the same
+request) and :meth:`collect_job` (the job-wide answer to the action's options, merged from the
+nodes' answers; the CLI's ``--hosts`` and the sidecar's job-wide action both call it).
 The dispatch between them, and the node options, are here once.
 
 Job-wide, each node's sidecar runs the command with the command's own options (one level
@@ -16,7 +17,7 @@ only: never the node options themselves) and the answers merge::
 
 A node that does not answer is named in ``nodes`` and on stderr with its reason; the others
 are still merged. Exit code: 12 when some node did not answer, else the highest exit code of
-the nodes' commands (0 when every node succeeded). The default :meth:`JobCommand.collect_nodes`
+the nodes' commands (0 when every node succeeded). The default :meth:`JobCommand.collect_job`
 merges the nodes' per-rank rows (``results``) in rank order, each with its node.
 """
 
@@ -31,7 +32,12 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from dynprof import errors
 from dynprof.cli._common import add_json, printable
-from dynprof.cli._node_args import add_many_node_args, nodes_requested
+from dynprof.cli._node_args import (
+    DEFAULT_MAX_IN_FLIGHT,
+    DEFAULT_NODE_TIMEOUT_S,
+    add_many_node_args,
+    nodes_requested,
+)
 from dynprof.nodes import Node
 from dynprof.result import Result
 
@@ -53,18 +59,52 @@ class JobResult(Result):
 
 def client_for(args: argparse.Namespace) -> SidecarClient:
     """The sidecars' client, with the token and TLS the options name."""
+    return client_of(args.token_file, args.cacert, args.node_timeout, args.max_in_flight)
+
+
+def client_of(
+    token_file: str | None,
+    cacert: str | None,
+    node_timeout: float = DEFAULT_NODE_TIMEOUT_S,
+    max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+) -> SidecarClient:
+    """The sidecars' client: the token of ``token_file`` (else $DYNPROF_TOKEN_FILE's), TLS
+    trusting ``cacert`` when given."""
     from dynprof.job.client import SidecarClient, tls_context
     from dynprof.tokens import read_token_file
 
-    path = args.token_file or os.environ.get("DYNPROF_TOKEN_FILE") or None
+    path = token_file or os.environ.get("DYNPROF_TOKEN_FILE") or None
     if not path:
         raise errors.UsageError(
             "the sidecars need their access token",
             help="Give --token-file FILE (mode 0600) or set DYNPROF_TOKEN_FILE, as for `dynprof serve`.",
         )
     token = read_token_file(path)
-    tls = tls_context(args.cacert) if args.cacert else None
-    return SidecarClient(token, tls=tls, timeout=args.node_timeout, max_in_flight=args.max_in_flight)
+    tls = tls_context(cacert) if cacert else None
+    return SidecarClient(token, tls=tls, timeout=node_timeout, max_in_flight=max_in_flight)
+
+
+@dataclass(frozen=True)
+class Reach:
+    """How a job-wide answer reaches the nodes, and what it does besides its document: the
+    sidecars' ``client``; ``fetch``, the directory the nodes' artifacts are copied into (the
+    CLI's --fetch; None: not copied); ``progress`` on stderr (a person is watching);
+    ``node_timeout``, the seconds each node has beyond the command's own wait."""
+
+    client: SidecarClient
+    fetch: str | None = None
+    progress: bool = False
+    node_timeout: float = DEFAULT_NODE_TIMEOUT_S
+
+
+def reach_of(args: argparse.Namespace, client: SidecarClient) -> Reach:
+    """The CLI's reach: its --fetch, progress unless --json, its --node-timeout."""
+    return Reach(
+        client,
+        fetch=getattr(args, "fetch", None) or None,
+        progress=not getattr(args, "json", False),
+        node_timeout=getattr(args, "node_timeout", DEFAULT_NODE_TIMEOUT_S),
+    )
 
 
 def forward_options(name: str, args: argparse.Namespace, **override: Any) -> dict[str, Any]:
@@ -138,13 +178,13 @@ def artifacts_of(answers: list[NodeAnswer], labels: dict[Node, str], paths_of: A
 
 
 def maybe_fetch(
-    args: argparse.Namespace, client: SidecarClient, answers: list[NodeAnswer], artifacts: list[dict[str, Any]]
+    reach: Reach, job: str | None, answers: list[NodeAnswer], artifacts: list[dict[str, Any]]
 ) -> list[dict[str, Any]] | None:
-    """With ``--fetch DIR``, the artifacts copied into DIR (one row each); else None. Either
-    way the rows lose their ``node_address`` (not part of the answer)."""
+    """With ``reach.fetch`` (--fetch DIR), the artifacts copied into DIR (one row each); else
+    None. Either way the rows lose their ``node_address`` (not part of the answer)."""
     from dynprof.job.fetch import fetch_by_path
 
-    fetch_dir = getattr(args, "fetch", None)
+    fetch_dir = reach.fetch
     if not fetch_dir:
         for art in artifacts:
             art.pop("node_address", None)
@@ -153,7 +193,7 @@ def maybe_fetch(
     by_node: dict[str, list[str]] = {}
     for art in artifacts:
         by_node.setdefault(art.pop("node_address"), []).append(art["path"])
-    return fetch_by_path(client, Path(fetch_dir), answers, by_node, getattr(args, "job", None))
+    return fetch_by_path(reach.client, Path(fetch_dir), answers, by_node, job)
 
 
 def fetched_doc(fetched: list[dict[str, Any]] | None) -> dict[str, Any]:
@@ -237,11 +277,17 @@ class JobCommand:
         return client_for(args)
 
     def collect_nodes(self, args: argparse.Namespace, nodes: list[Node]) -> Result:
-        """Every node runs the command; their per-rank rows (``results``) merge in rank order."""
-        client = self.client(args)
-        wait = getattr(args, "timeout", None) or default_timeout(self.name)
-        answers = client.action_all(nodes, self.name, forward_options(self.name, args), timeout=wait + 5.0)
-        return per_rank_result(args, client, nodes, answers, ("results",))
+        """The job-wide answer to the command's options: :meth:`collect_job` of the options
+        the nodes are sent (the action's, from ``args``), reached as ``args`` say."""
+        return self.collect_job(forward_options(self.name, args), nodes, reach_of(args, self.client(args)))
+
+    def collect_job(self, options: dict[str, Any], nodes: list[Node], reach: Reach) -> Result:
+        """Every node runs the command with ``options`` (the action's, checked: what the
+        sidecar's job-wide action is given too); their per-rank rows (``results``) merge in
+        rank order."""
+        wait = options.get("timeout") or default_timeout(self.name)
+        answers = reach.client.action_all(nodes, self.name, options, timeout=wait + 5.0)
+        return per_rank_result(reach, options.get("job"), nodes, answers, ("results",))
 
     def render(self, result: Result) -> str:
         """The text of a job-wide answer: one ``rank R on NODE: ...`` line per rank."""
@@ -254,8 +300,8 @@ class JobCommand:
 
 
 def per_rank_result(
-    args: argparse.Namespace,
-    client: SidecarClient,
+    reach: Reach,
+    job: str | None,
     nodes: list[Node],
     answers: list[NodeAnswer],
     keys: tuple[str, ...],
@@ -272,7 +318,7 @@ def per_rank_result(
             results.append(row)
     results.sort(key=rank_key)
     artifacts = artifacts_of(answers, labels, lambda r: [x.get("artifact") for x in rows_of(r, "results")])
-    fetched = maybe_fetch(args, client, answers, artifacts)
+    fetched = maybe_fetch(reach, job, answers, artifacts)
     doc = {**envelope(answers, strip=keys), "results": results, "artifacts": artifacts, **fetched_doc(fetched)}
     return JobResult(doc, with_fetch(exit_code(answers), fetched), node_messages(answers))
 
@@ -285,12 +331,3 @@ def render_per_rank(result: Result, line: Any) -> str:
     text.artifacts([], doc.get("fetched"))
     text.footer(doc)
     return text.value()
-
-
-def run_per_rank(name: str, args: argparse.Namespace, nodes: list[Node]) -> int:
-    """Run command ``name`` on every node and show the per-rank merge (the default job-wide
-    answer), for a command that is not a :class:`JobCommand` yet."""
-    from dynprof.cli import emit
-
-    command: JobCommand = type("PerRankCommand", (JobCommand,), {"name": name})()
-    return emit(command, command.collect_nodes(args, nodes), bool(getattr(args, "json", False)))

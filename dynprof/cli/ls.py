@@ -18,12 +18,12 @@ from dynprof.cli._common import bounded_int, human_bytes, printable, table
 from dynprof.cli.job import (
     JobCommand,
     JobResult,
+    Reach,
     Text,
     answered_count,
     envelope,
     exit_code,
     fetched_doc,
-    forward_options,
     node_messages,
     with_fetch,
 )
@@ -93,12 +93,13 @@ class LsCommand(JobCommand):
         named on stderr)."""
         return {"ls": (LsRequest.from_json, self.collect_request)}
 
-    def collect_nodes(self, args: argparse.Namespace, nodes: list[Node]) -> Result:
+    def collect_job(self, options: dict[str, Any], nodes: list[Node], reach: Reach) -> Result:
         from dynprof.job.answers import node_labels, rows
         from dynprof.job.fetch import fetch
 
-        client = self.client(args)
-        answers = client.action_all(nodes, "ls", forward_options("ls", args), timeout=LS_TIMEOUT_S)
+        request = LsRequest.from_json(options)
+        client = reach.client
+        answers = client.action_all(nodes, "ls", options, timeout=LS_TIMEOUT_S)
         labels = node_labels(nodes)
         found: list[tuple[Node, dict[str, Any]]] = []
         for a in answers:
@@ -106,9 +107,9 @@ class LsCommand(JobCommand):
                 row["node"] = labels[a.node]
                 found.append((a.node, row))
         found.sort(key=lambda nr: str(nr[1].get("created_at") or ""), reverse=True)
-        if args.limit:
-            found = found[: args.limit]  # each node kept its newest; the newest of all remain
-        fetched = fetch(client, Path(args.fetch), [(n, row.get("id")) for n, row in found]) if args.fetch else None
+        if request.limit:
+            found = found[: request.limit]  # each node kept its newest; the newest of all remain
+        fetched = fetch(client, Path(reach.fetch), [(n, row.get("id")) for n, row in found]) if reach.fetch else None
         doc = {
             **envelope(answers, strip=("artifacts",)),
             "artifacts": [row for _, row in found],

@@ -31,6 +31,7 @@ from dynprof.cli._common import (
 from dynprof.cli.job import (
     JobCommand,
     JobResult,
+    Reach,
     Text,
     answered_count,
     artifacts_of,
@@ -88,15 +89,15 @@ class NcclCommand(JobCommand):
         """The sidecar's ``nccl`` action read as the kind's request."""
         return {"nccl": (NcclRequest.from_json, self.collect_request)}
 
-    def collect_nodes(self, args: argparse.Namespace, nodes: list[Node]) -> Result:
+    def collect_job(self, options: dict[str, Any], nodes: list[Node], reach: Reach) -> Result:
         """Each node dumps its ranks' flight recorders into one artifact; every rank's dump is
         read back from those artifacts and all are analysed together (:mod:`dynprof.job.nccl`)."""
         from dynprof.job.nccl import collect_nodes
 
-        client = self.client(args)
-        got = collect_nodes(client, nodes, request_from_args(args))
+        request = NcclRequest.from_json(options)
+        got = collect_nodes(reach.client, nodes, request)
         artifacts = artifacts_of(got.answers, got.labels, lambda r: [r.get("artifact")])
-        fetched = maybe_fetch(args, client, got.answers, artifacts)
+        fetched = maybe_fetch(reach, request.job, got.answers, artifacts)
         code = with_fetch(exit_code(got.answers), fetched)
         if got.analysis is None and code == 0:
             code = 1

@@ -22,11 +22,11 @@ from dynprof.cli._common import human_age, printable, seconds, table
 from dynprof.cli.job import (
     JobCommand,
     JobResult,
+    Reach,
     Text,
     answered_count,
     envelope,
     exit_code,
-    forward_options,
     node_messages,
 )
 from dynprof.node_requests import PS_TIMEOUT_S, PsRequest
@@ -67,11 +67,11 @@ class PsCommand(JobCommand):
         """The sidecar's ``ps`` action read as its request."""
         return {"ps": (PsRequest.from_json, self.collect_request)}
 
-    def collect_nodes(self, args: argparse.Namespace, nodes: list[Node]) -> Result:
+    def collect_job(self, options: dict[str, Any], nodes: list[Node], reach: Reach) -> Result:
         from dynprof.job.answers import node_labels, rank_key, rows
 
-        client = self.client(args)
-        answers = client.action_all(nodes, "ps", forward_options("ps", args), timeout=args.timeout + 1.0)
+        request = PsRequest.from_json(options)
+        answers = reach.client.action_all(nodes, "ps", options, timeout=request.timeout + 1.0)
         labels = node_labels(nodes)
         agents = []
         for a in answers:

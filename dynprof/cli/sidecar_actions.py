@@ -1,15 +1,15 @@
 """The CLI's commands as the sidecar's actions run them.
 
 :func:`action_commands` is the table ``dynprof serve`` hands the sidecar
-(:class:`dynprof.sidecar.actions.ActionCommand` per action: the command's own parser, and its
-``collect_local`` / ``collect_nodes``), so that the sidecar imports no CLI module.
+(:class:`dynprof.sidecar.actions.ActionCommand` per action: the request's reader, and the
+command's ``collect_request`` / ``collect_job``), so that the sidecar imports no CLI module.
 
 Run as ``python -m dynprof.cli.sidecar_actions``, it is the child process of an action that
 runs apart from the sidecar (healthcheck, link-test; job-wide actions): it reads one request from
 stdin, ``{"action": NAME, "options": {...}, "hosts": [HOST[:PORT], ...] or null, "cacert": FILE
 or null}`` (the options the sidecar checked), reads the options as the kind's request and
-collects it (``collect_request``), or, job-wide, as the command's flags and calls
-``collect_nodes(args, nodes)``, and writes the :class:`~dynprof.result.Result` on stdout as one
+collects it (``collect_request``), or, job-wide, calls the command's ``collect_job(options, nodes,
+reach)`` (the same request sent to every node), and writes the :class:`~dynprof.result.Result` on stdout as one
 JSON object:
 ``{"result": to_json(), "exit_code", "messages", "error": null or {type, message, help,
 exit_code}}``. Nothing the command renders is written.
@@ -27,7 +27,7 @@ from typing import Any, NoReturn
 
 from dynprof import errors, jsontext
 from dynprof.cli import COMMANDS
-from dynprof.nodes import Node, parse_hosts
+from dynprof.nodes import Node, parse_node
 from dynprof.result import Result, error_json
 from dynprof.sidecar.actions import ACTIONS, MAX_OUTPUT_BYTES, ActionCommand, Option
 
@@ -111,14 +111,25 @@ def action_commands(names: Iterable[str] = ACTIONS) -> dict[str, ActionCommand]:
     """The commands of the sidecar's actions ``names``, by action name."""
     table: dict[str, ActionCommand] = {}
     for name in names:
-        command = load_command(ACTIONS[name].command)
+        spec = ACTIONS[name]
+        command = load_command(spec.command)
         parse = functools.partial(parse_options, name, command)
         requests = command.action_requests() if hasattr(command, "action_requests") else {}
         decode, collect_request = requests.get(name, (None, None))
         local = command.collect_local if hasattr(command, "collect_local") else command.collect
-        nodes = getattr(command, "collect_nodes", None) if hasattr(command, "collect_local") else None
-        table[name] = ActionCommand(parse, local, nodes, decode=decode, collect_request=collect_request)
+        job = functools.partial(collect_job, command) if hasattr(command, "collect_job") else None
+        table[name] = ActionCommand(parse, local, job, decode=decode, collect_request=collect_request)
     return table
+
+
+def collect_job(command: Any, options: dict[str, Any], hosts: Sequence[str], cacert: str | None) -> Result:
+    """``command``'s job-wide answer for ``hosts`` (HOST[:PORT] each) with the action's
+    ``options``, reaching the nodes' sidecars with the token of $DYNPROF_TOKEN_FILE (the
+    sidecar's own) and, for https, trusting ``cacert``."""
+    from dynprof.cli.job import Reach, client_of
+
+    nodes: list[Node] = [parse_node(h) for h in hosts]
+    return command.collect_job(options, nodes, Reach(client_of(None, cacert)))  # type: ignore[no-any-return]
 
 
 def answer(name: str, options: dict[str, Any], hosts: list[str] | None, cacert: str | None) -> dict[str, Any]:
@@ -126,11 +137,11 @@ def answer(name: str, options: dict[str, Any], hosts: list[str] | None, cacert: 
     try:
         command = action_commands([name])[name]
         if hosts is not None:
-            if command.collect_nodes is None:
+            if command.collect_job is None:
                 raise errors.UsageError(f"{name} runs on this node only")
-            args = command.parse(options, hosts, cacert)
-            nodes: list[Node] = parse_hosts(getattr(args, "hosts", None) or "")
-            result: Result = command.collect_nodes(args, nodes)
+            if command.decode is not None:
+                command.decode(options)  # a value the request refuses: the usage error, as on a node
+            result: Result = command.collect_job(options, hosts, cacert)
         elif command.decode is not None and command.collect_request is not None:
             result = command.collect_request(command.decode(options))
         else:

@@ -35,7 +35,7 @@ from dynprof.cli._common import (
     printable_lines,
     seconds,
 )
-from dynprof.cli.job import JobCommand
+from dynprof.cli.job import JobCommand, Reach
 from dynprof.nodes import Node
 from dynprof.result import Result
 
@@ -200,16 +200,18 @@ class StacksCommand(JobCommand):
             files_read=len(sources),
         )
 
-    def collect_nodes(self, args: argparse.Namespace, nodes: list[Node]) -> Result:
-        """Every node's sidecar reads its own ranks (``stacks`` there, :meth:`collect_local`);
-        their answers are merged as files are, each process named with its node."""
+    def collect_job(self, options: dict[str, Any], nodes: list[Node], reach: Reach) -> Result:
+        """Every node's sidecar reads its own ranks (``stacks`` there, :meth:`collect_local`)
+        with ``options`` (the action's); their answers are merged as files are, each process
+        named with its node."""
         from collectors.stacks import from_json
         from dynprof.cli import job
         from dynprof.job.answers import node_labels
 
-        client = self.client(args)
-        options = job.forward_options("stacks", args)
-        answers = client.action_all(nodes, "stacks", options, timeout=args.timeout + 5.0)
+        decode, _ = self.action_requests()["stacks"]
+        request = decode(options)
+        full = bool(options.get("full"))
+        answers = reach.client.action_all(nodes, "stacks", options, timeout=request.timeout + 5.0)
         labels = node_labels(nodes)
         sources: list[Source] = []
         failures: dict[str, str] = {}
@@ -237,7 +239,7 @@ class StacksCommand(JobCommand):
             key=lambda p: (p.job or "", p.rank if p.rank is not None else 1 << 30, p.host or "", p.pid)
         )
         artifacts = job.artifacts_of(answers, labels, lambda r: [r.get("artifact")])
-        fetched = job.maybe_fetch(args, client, answers, artifacts)
+        fetched = job.maybe_fetch(reach, request.job, answers, artifacts)
         doc = {
             # Each node's processes and groups are in the merged lists (named by node): per_node keeps the rest.
             **job.envelope(answers, strip=("processes", "groups")),
@@ -251,7 +253,7 @@ class StacksCommand(JobCommand):
             messages=job.node_messages(answers),
             stacks=stacks,
             view="nodes",
-            full=args.full,
+            full=full,
             nodes=len(nodes),
             nodes_answered=sum(a.answered for a in answers),
             artifacts=artifacts,

@@ -36,11 +36,11 @@ from dynprof.cli._common import (
 from dynprof.cli.job import (
     JobCommand,
     JobResult,
+    Reach,
     Text,
     envelope,
     exit_code,
     fetched_doc,
-    forward_options,
     maybe_fetch,
     node_messages,
     per_rank_result,
@@ -156,39 +156,38 @@ class StartCommand(JobCommand):
         """The sidecar's ``start`` action read as the trace kind's request."""
         return {"start": (TraceRequest.from_json, self.collect_request)}
 
-    def collect_nodes(self, args: argparse.Namespace, nodes: list[Node]) -> Result:
+    def collect_job(self, options: dict[str, Any], nodes: list[Node], reach: Reach) -> Result:
         """Steps mode: one start step for every rank of every node (:mod:`dynprof.job.start`),
         then each rank's trace followed until written. Duration and open-ended traces go to
-        every node as they are."""
+        every node as they are. ``options``: the action's (what the CLI's flags say)."""
         from dynprof.job import start as job_start
         from dynprof.job.answers import node_labels
 
-        if not args.job and not args.all:
+        if not options.get("job") and not options.get("all"):
             raise errors.UsageError("with --hosts, select the ranks with --job JOB (or --all)")
-        if args.duration is not None and args.at_step is not None:
+        if options.get("duration") is not None and options.get("at_step") is not None:
             raise errors.UsageError("--at-step applies to step mode, not to --duration")
-        client = self.client(args)
-        if not args.steps:
+        request = TraceRequest.from_json(options)
+        client = reach.client
+        if not request.steps:
             # --duration, or until `dynprof stop`: every node starts its ranks as it would alone.
-            wait = args.timeout or job_start.START_WAIT_DEFAULT_S
-            options = forward_options("start", args, timeout=wait)
-            answers = client.action_all(nodes, "start", options, timeout=wait + 5.0)
-            result = per_rank_result(args, client, nodes, answers, ("results", "targets"))
+            wait = options.get("timeout") or job_start.START_WAIT_DEFAULT_S
+            answers = client.action_all(nodes, "start", {**options, "timeout": wait}, timeout=wait + 5.0)
+            result = per_rank_result(reach, request.job, nodes, answers, ("results", "targets"))
             result.context["as_is"] = True
             return result
         labels = node_labels(nodes)
-        progress = Progress(enabled=not getattr(args, "json", False))
-        ps_options = forward_options("ps", args, timeout=job_start.PS_TIMEOUT_S)
+        progress = Progress(enabled=reach.progress)
+        ps_options = {**({"job": request.job} if request.job else {}), "timeout": job_start.PS_TIMEOUT_S}
+        arm_options = {k: v for k, v in options.items() if k != "at_step"}
         armed = job_start.arm_at_one_step(
             client,
             nodes,
             labels,
-            at_step=args.at_step,
-            job=args.job,
-            select_all=args.all,
-            start_options=forward_options(
-                "start", args, at_step=None, no_wait=True, timeout=job_start.START_ARM_TIMEOUT_S
-            ),
+            at_step=options.get("at_step"),
+            job=request.job,
+            select_all=request.all,
+            start_options={**arm_options, "no_wait": True, "timeout": job_start.START_ARM_TIMEOUT_S},
             ps_options=ps_options,
             progress=progress,
         )
@@ -198,9 +197,9 @@ class StartCommand(JobCommand):
             labels,
             armed,
             ps_options=ps_options,
-            no_wait=args.no_wait,
-            timeout=args.timeout,
-            node_timeout=args.node_timeout,
+            no_wait=request.no_wait,
+            timeout=options.get("timeout"),
+            node_timeout=reach.node_timeout,
             progress=progress,
         )
         address = {labels[n]: n.address for n in nodes}
@@ -209,7 +208,7 @@ class StartCommand(JobCommand):
             for r in results
             if isinstance(r.get("artifact"), str) and r["artifact"]
         ]
-        fetched = maybe_fetch(args, client, armed.answers, artifacts)
+        fetched = maybe_fetch(reach, request.job, armed.answers, artifacts)
         code = with_fetch(exit_code(armed.answers), fetched)
         if missed and code == 0:
             code = 1
@@ -223,7 +222,7 @@ class StartCommand(JobCommand):
             **fetched_doc(fetched),
         }
         messages = armed.messages + node_messages(armed.answers)
-        return JobResult(doc, code, messages, context={"steps": args.steps})
+        return JobResult(doc, code, messages, context={"steps": request.steps})
 
     def render(self, result: Result) -> str:
         doc = result.to_json()

@@ -12,12 +12,11 @@ sidecar's machine. The kind then collects the request, and the command answers w
 ``--json`` prints), its exit code and its messages; a :class:`~dynprof.errors.DynprofError`
 travels as a structured ``error`` (type, message, help, exit code). Nothing printed is parsed,
 and the sidecar builds no argument list: an action that runs in a child process hands it the
-checked options as JSON (:meth:`Checked.to_json`). The job-wide form (``hosts``) merges the
-nodes' answers with the command's ``collect_nodes``, which reads the command's own options:
-there the CLI maps each option to its flag (``ActionCommand.parse``).
+checked options as JSON (:meth:`Checked.to_json`). The job-wide form (``hosts``) sends every
+node the same options and merges their answers (the command's ``collect_job``).
 
 The sidecar imports no CLI module: ``dynprof serve`` hands it the commands
-(:class:`ActionCommand`: the command's parser and its ``collect`` functions), and a child
+(:class:`ActionCommand`: the request's reader and the command's ``collect`` functions), and a child
 process runs :data:`CHILD_MODULE`, named here as a string only.
 
 Commands run in this process, on a thread of their own, and return their result: nothing they
@@ -26,13 +25,13 @@ not leave CUDA state in the sidecar; so does ``link-test`` (one side of a link t
 nodes, torch.distributed with gloo or NCCL).
 
 The job-level actions (``ps``, ``ls``, ``stacks``, ``start``, ``stop``, ``memory``, ``nccl``)
-also take ``hosts``, a list of ``HOST[:PORT]``: the command's ``collect_nodes`` then reaches
+also take ``hosts``, a list of ``HOST[:PORT]``: the command's ``collect_job`` then reaches
 those nodes' sidecars (so the page can ask its own sidecar for a job-wide view). It runs in a
 child process too: a job-wide answer merges up to 4096 nodes' answers of up to 64 MiB each,
 which must not stay in the sidecar's heap, and the child (with its connections) can be killed
 past the action's limit, which a thread cannot. ``hosts`` is not among the action's
 ``options``: the fan-out forwards exactly those, so the requests it sends to the nodes never
-carry ``hosts`` again, and a node runs ``collect_local`` (one level only, by construction).
+carry ``hosts`` again, and a node collects on its own (one level only, by construction).
 
 Every action has a hard time limit: the command's own ``--timeout`` (capped per action), plus a
 grace period. A child process still running past it is killed with its whole process group; a
@@ -66,7 +65,6 @@ from collectors.torch_trace.collect import TraceRequest
 from dynprof import __version__, errors, jsontext
 from dynprof.identity import detect
 from dynprof.node_requests import LsRequest, PsRequest, StopRequest
-from dynprof.nodes import Node
 from dynprof.procs import kill_group
 from dynprof.result import Result, error_json
 from healthcheck.collect import HealthcheckRequest
@@ -119,19 +117,17 @@ class Action:
 class ActionCommand:
     """A CLI command as an action runs it, handed to the sidecar by ``dynprof serve``.
 
-    ``parse`` reads the action's checked options (and, job-wide, its ``hosts`` and the CA file
-    to trust) as the command's own parser reads its flags: the CLI maps each option to its flag,
-    the sidecar never builds an argument list. It raises a
-    :class:`~dynprof.errors.DynprofError` (a usage error, with the command's usage exit code) for
-    a value it refuses, and never exits. ``collect_local`` answers on this node's agents;
-    ``collect_nodes`` (job-level commands) on the given nodes, through their sidecars."""
+    ``decode`` reads the action's checked options as the kind's request (a refused value is a
+    :class:`~dynprof.errors.UsageError`, with the command's usage exit code) and
+    ``collect_request`` collects it on this node. ``collect_job`` (job-level commands) answers
+    for the given nodes (``hosts``, HOST[:PORT] each), through their sidecars (trusting the CA
+    file given), with the same options. ``parse`` and ``collect_local`` are the command's own
+    parser, fed the options as its flags (the CLI maps them, the sidecar never builds an
+    argument list), and its answer on this node: for a command without a request."""
 
     parse: Callable[[dict[str, Any], Sequence[str] | None, str | None], argparse.Namespace]
     collect_local: Callable[[argparse.Namespace], Result]
-    collect_nodes: Callable[[argparse.Namespace, list[Node]], Result] | None = None
-    # The action's kind has a request: on this node, its options are read by the request's
-    # from_json (``decode``; a refused value is a UsageError) and the kind collects it
-    # (``collect_request``), with no argv in between.
+    collect_job: Callable[[dict[str, Any], Sequence[str], str | None], Result] | None = None
     decode: Callable[[dict[str, Any]], Any] | None = None
     collect_request: Callable[[Any], Result] | None = None
 
@@ -602,12 +598,12 @@ def _outcome(
         decode, collect_request = command.decode, command.collect_request
         run: Callable[[], Result]
         try:
-            if job_wide or decode is None or collect_request is None:
+            if decode is None or collect_request is None:
                 args = command.parse(dict(checked.options), checked.hosts, checked.cacert)
                 collect_local = command.collect_local
                 run = lambda: collect_local(args)  # noqa: E731
             else:
-                request = decode(dict(checked.options))
+                request = decode(dict(checked.options))  # job-wide too: the nodes read the same
                 run = lambda: collect_request(request)  # noqa: E731
         except errors.DynprofError as exc:
             return answered_error(exc)

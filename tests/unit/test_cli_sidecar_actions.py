@@ -6,6 +6,7 @@ purpose."""
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import sys
@@ -104,7 +105,8 @@ def test_the_table_has_every_action_each_with_its_commands_entry_points():
     assert all(isinstance(command, ActionCommand) for command in table.values())
     # a job-level command: its local and job-wide answers
     assert table["ls"].collect_local.__func__ is LsCommand.collect_local
-    assert table["ls"].collect_nodes.__func__ is LsCommand.collect_nodes
+    assert table["ls"].collect_job.func is sa.collect_job
+    assert isinstance(table["ls"].collect_job.args[0], LsCommand)
     # ls carries its request: read from JSON and collected by the command, without argv
     assert table["ls"].decode == LsRequest.from_json
     assert table["ls"].collect_request.__func__ is LsCommand.collect_request
@@ -116,7 +118,7 @@ def test_the_table_has_every_action_each_with_its_commands_entry_points():
     assert table["start"].decode.__func__ is StartCommand.action_requests(StartCommand())["start"][0].__func__
     assert table["start"].collect_request.__func__ is StartCommand.collect_request
     # a command that is not job-level: its collect, on this node only
-    assert table["healthcheck"].collect_nodes is None
+    assert table["healthcheck"].collect_job is None
     assert table["healthcheck"].collect_local.__func__ is type(sa.load_command("healthcheck")).collect
 
 
@@ -182,14 +184,32 @@ class Recorder:
                 raise self.result
             return self.result
 
-        def nodes(args, node_list):
-            self.calls.append(("nodes", [str(n) for n in node_list]))
-            return self.result
+        recorder = self
 
-        return {name: ActionCommand(parse, local, nodes) for name in names}
+        class JobWide:
+            def collect_job(self, options, node_list, reach):
+                recorder.calls.append(("nodes", [str(n) for n in node_list]))
+                recorder.reach = reach
+                return recorder.result
+
+        job = functools.partial(sa.collect_job, JobWide())
+        return {name: ActionCommand(parse, local, job) for name in names}
 
 
-def test_a_job_wide_answer_asks_the_hosts_it_was_given(monkeypatch):
+@pytest.fixture
+def clients(monkeypatch):
+    """The sidecars' clients a job-wide answer makes: (token file, CA file) each."""
+    made = []
+
+    def client_of(token_file, cacert, *rest):
+        made.append((token_file, cacert))
+        return "a client"
+
+    monkeypatch.setattr("dynprof.cli.job.client_of", client_of)
+    return made
+
+
+def test_a_job_wide_answer_asks_the_hosts_it_was_given(monkeypatch, clients):
     recorder = Recorder(Result({"ok": 1}, 12, ["node b: refused"]))
     monkeypatch.setattr(sa, "action_commands", recorder.table)
     answer = sa.answer("ls", {"job": "j"}, ["node-a", "node-b:9000"], None)
@@ -197,26 +217,21 @@ def test_a_job_wide_answer_asks_the_hosts_it_was_given(monkeypatch):
     assert answer == {"result": {"ok": 1}, "exit_code": 12, "messages": ["node b: refused"], "error": None}
 
 
-def test_a_job_wide_answer_trusts_the_ca_file_it_was_given(monkeypatch):
-    seen = []
+def test_a_job_wide_answer_reaches_the_nodes_with_the_sidecars_token_and_ca_file(monkeypatch, clients):
     recorder = Recorder(Result({}))
-    table = recorder.table
-
-    def spy(names):
-        commands = table(names)
-        for name, command in commands.items():
-            parse = command.parse
-            commands[name] = ActionCommand(
-                lambda o, h, c, parse=parse: seen.append(parse(o, h, c)) or seen[-1],
-                command.collect_local,
-                command.collect_nodes,
-            )
-        return commands
-
-    monkeypatch.setattr(sa, "action_commands", spy)
+    monkeypatch.setattr(sa, "action_commands", recorder.table)
     sa.answer("ls", {"job": "j"}, ["node-a"], "/etc/ca.pem")
     assert recorder.calls == [("nodes", ["node-a:8787"])]
-    assert seen[0].cacert == "/etc/ca.pem" and seen[0].job == "j"
+    # the token of $DYNPROF_TOKEN_FILE (the sidecar gives its own), the CA file it was given,
+    # nothing fetched, no progress
+    assert clients == [(None, "/etc/ca.pem")]
+    assert recorder.reach.client == "a client" and recorder.reach.fetch is None and not recorder.reach.progress
+
+
+def test_a_job_wide_option_the_request_refuses_is_a_usage_error_before_any_node_is_asked(monkeypatch, clients):
+    answer = sa.answer("stacks", {"job": "j", "method": "gdb"}, ["node-a"], None)
+    assert answer["exit_code"] == 2 and "unknown method 'gdb'" in answer["error"]["message"]
+    assert clients == []
 
 
 def test_a_dynprof_error_of_the_command_is_the_answers_error(monkeypatch):

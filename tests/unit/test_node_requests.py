@@ -30,7 +30,6 @@ FROM_ARGS: dict[str, Any] = {"ps": ps_from_args, "ls": ls_from_args, "stop": sto
 REQUESTS: dict[str, Any] = {"ps": PsRequest, "ls": LsRequest, "stop": StopRequest}
 
 
-
 def _parsed(name: str, options: dict[str, Any]) -> argparse.Namespace:
     """The command's own parser given the arguments the action's options become."""
     return sa.parse_options(name, COMMANDS[name](), check_options(name, options).options, None, None)

@@ -180,12 +180,12 @@ def test_hosts_is_never_among_the_options_the_fan_out_forwards():
     for name, action in actions.ACTIONS.items():
         assert "hosts" not in action.options, name
         assert "hostfile" not in action.options and "token_file" not in action.options, name
-    # AND the actions that fan out are those whose command has a job-wide half (collect_nodes),
+    # AND the actions that fan out are those whose command has a job-wide half (collect_job),
     # but an action of a command's own subcommand (memory-plan: `memory plan`), which runs on
     # this node only: a row that says it fans out and cannot, or forgot to, is caught
     from dynprof.cli.sidecar_actions import action_commands
 
-    job_wide = {name for name, command in action_commands().items() if command.collect_nodes is not None}
+    job_wide = {name for name, command in action_commands().items() if command.collect_job is not None}
     fans_out = {n for n, a in actions.ACTIONS.items() if a.fans_out}
     assert fans_out == {n for n in job_wide if not actions.ACTIONS[n].leading}
     assert {"ps", "ls", "stacks", "start", "stop", "memory", "nccl"} <= fans_out
