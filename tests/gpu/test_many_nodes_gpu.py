@@ -3,7 +3,8 @@ sidecar (`dynprof serve`), run directory and artifact store; the CLI acts from a
 with no agents. A job-wide CUDA trace starts at the same step on both ranks; the stacks and
 flight recorders of a hang are merged across the nodes.
 
-Run on the device machine (2 GPUs): ``pytest -m gpu tests/gpu/test_many_nodes_gpu.py -s``
+Run on the device machine: ``pytest -m gpu tests/gpu/test_many_nodes_gpu.py -s`` (the NCCL job
+needs 2 GPUs; on one, two ranks share it, gloo between them).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import test_fanout as sim
 HANG, STRAGGLER, dynprof = sim.HANG, sim.STRAGGLER, sim.dynprof
 nodes = sim.nodes  # the fixture: two sidecars, each its own node
 
-pytestmark = [pytest.mark.gpu, pytest.mark.multi_gpu, pytest.mark.ptrace]
+pytestmark = [pytest.mark.gpu, pytest.mark.ptrace]
 
 
 def nccl_job(spawn, program: str, placement: list, job: str, args: list[str], run_args: tuple[str, ...] = ()):
@@ -42,6 +43,7 @@ def nccl_job(spawn, program: str, placement: list, job: str, args: list[str], ru
     return targets
 
 
+@pytest.mark.multi_gpu
 def test_job_wide_cuda_trace_starts_at_the_same_step_on_both_nodes(nodes, spawn, tmp_path):
     # GIVEN a 2-rank NCCL training job, rank 0 (GPU 0) on node A and rank 1 (GPU 1) on node B
     a, b = nodes["a"], nodes["b"]
@@ -75,6 +77,38 @@ def test_job_wide_cuda_trace_starts_at_the_same_step_on_both_nodes(nodes, spawn,
         assert kernels and nccl
 
 
+def test_job_wide_cuda_trace_over_ranks_sharing_one_gpu(nodes, spawn, tmp_path):
+    """The job-wide start (the command's collect_job, through both sidecars) on a one-GPU
+    machine: two ranks share cuda:0, gloo between them."""
+    a, b = nodes["a"], nodes["b"]
+    targets = sim.split_job(
+        spawn, STRAGGLER, [a, b], "gpu-shared", ["--device", "cuda-shared", "--base-load-ms", "5", "--max-seconds", "120"]
+    )  # fmt: skip
+    for t in targets:
+        t.ready_pids(timeout=180)
+    fetched = tmp_path / "fetched"
+    out = dynprof(
+        "start", "--job", "gpu-shared", "--hosts", nodes["hosts"], "--steps", "3", "--json",
+        "--fetch", str(fetched), token=nodes["token"], timeout=180,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    at = doc["at_step"]
+    assert [(r["rank"], r["start_step"], r["status"]) for r in doc["results"]] == [
+        (0, at, "complete"),
+        (1, at, "complete"),
+    ], doc["results"]
+    assert len(doc["fetched"]) == 2 and not any(f["error"] for f in doc["fetched"]), doc["fetched"]
+    for f in doc["fetched"]:
+        manifest = json.loads((Path(f["path"]) / "manifest.json").read_text())
+        assert manifest["summary"]["start_step"] == at
+        trace = json.loads(gzip.decompress((Path(f["path"]) / "trace.json.gz").read_bytes()))
+        kernels = [e for e in trace["traceEvents"] if e.get("cat") == "kernel"]
+        print(f"\nrank {manifest['rank']} on {manifest['host']}: {len(kernels)} kernels from step {at}")
+        assert kernels
+
+
+@pytest.mark.multi_gpu
 def test_hang_merged_across_nodes_names_where_each_rank_waits(nodes, spawn):
     # GIVEN a 2-rank NCCL job where rank 0 (node A) waits in an all_reduce that rank 1 (node B)
     # never enters, with the flight recorder on

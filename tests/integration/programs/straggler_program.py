@@ -39,7 +39,11 @@ def main() -> int:
     parser.add_argument("--base-load-ms", type=float, default=1.0, help="load_batch time on the other ranks")
     parser.add_argument("--extra-matmuls", type=int, default=0, help="extra matmuls per step on the slow ranks")
     parser.add_argument("--matmul-size", type=int, default=4096)
-    parser.add_argument("--device", default="cpu", help="cpu (gloo) or cuda (nccl, device LOCAL_RANK)")
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="cpu (gloo), cuda (nccl, device LOCAL_RANK) or cuda-shared (every rank on cuda:0, gloo between them)",
+    )
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--max-seconds", type=float, default=120.0)
     args = parser.parse_args()
@@ -50,6 +54,12 @@ def main() -> int:
         torch.cuda.set_device(local)
         device = torch.device("cuda", local)
         dist.init_process_group("nccl", device_id=device)
+    elif args.device == "cuda-shared":
+        # ranks sharing one GPU (NCCL refuses two ranks on one device): gloo all-reduces the
+        # CUDA gradients through the host
+        device = torch.device("cuda", 0)
+        torch.cuda.set_device(0)
+        dist.init_process_group("gloo")
     else:
         device = torch.device("cpu")
         dist.init_process_group("gloo")
