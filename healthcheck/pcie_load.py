@@ -25,6 +25,9 @@ def torch_ordinals(readings: list[DeviceReadings]) -> dict[int, int]:
     return mapping
 
 
+MIN_ROUNDS = 3
+
+
 def loaded_links(
     backend: Backend, readings: list[DeviceReadings], seconds: float = 0.4
 ) -> tuple[dict[int, tuple[int, int]], str | None]:
@@ -63,7 +66,11 @@ def loaded_links(
         if ready is not None:
             ready.wait(timeout=30)
         deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline:
+        rounds = 0
+        # for ``seconds``, and at least MIN_ROUNDS reads however slow the machine (a link
+        # trains up under load: the first read may still show its idle generation)
+        while rounds < MIN_ROUNDS or time.monotonic() < deadline:
+            rounds += 1
             for index in ordinals:
                 gen, width = backend.read_pcie(index)
                 if gen is not None and width is not None:

@@ -104,7 +104,7 @@ def test_a_job_running_its_own_profiler_is_never_crashed(spawn, cli):
         [sys.executable, PROGRAM, "--mode", "own-profiler", "--max-steps", "14"],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=600,  # a deadline for a hung run, not a bound on its speed
     )
     own_lines = {_shape(line) for line in (alone.stdout + alone.stderr).splitlines()}
     target = spawn([PROGRAM, "--mode", "own-profiler", "--step-sleep", "0.02"])
@@ -176,10 +176,10 @@ def test_steps_keep_counting_across_a_recreated_optimizer_and_the_watchdog_stays
 
     # WHEN it has trained 45 steps (four optimizers), and is read then (its step count is not a
     # race with a loaded machine: it waits), then trains on to the end
-    target.wait_for_line("PARKED 45", timeout=60)
+    target.wait_for_line("PARKED 45", timeout=300)
     listing = cli("ps", "--json", "--timeout", "10")
     park.write_text("")
-    target.wait_for_line("DONE", timeout=60)
+    target.wait_for_line("DONE", timeout=300)
     assert listing.returncode == 0, listing.stderr
     ps = json.loads(listing.stdout)
 
@@ -191,24 +191,29 @@ def test_steps_keep_counting_across_a_recreated_optimizer_and_the_watchdog_stays
     assert hangs == [], [(Path(h["path"]) / "manifest.json").read_text()[:3000] for h in hangs]
 
 
+# 60 steps of the plain loop, ended by their count only (never by --max-seconds, which a loaded
+# machine could reach first: the runs would then print different losses)
+PLAIN_60 = ("--mode", "plain", "--max-steps", "60", "--step-sleep", "0.03", "--max-seconds", "3600")
+
+
 def test_traces_leave_the_job_output_and_losses_untouched(spawn, cli):
     # GIVEN the same loop run once without dynprof
     plain = subprocess.run(
-        [sys.executable, PROGRAM, "--mode", "plain", "--max-steps", "60", "--step-sleep", "0.03"],
+        [sys.executable, PROGRAM, *PLAIN_60],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=600,  # a deadline for a hung run, not a bound on its speed: a loaded machine is slow
     )
     assert plain.returncode == 0, plain.stderr
     expected = [line for line in plain.stdout.splitlines() if line.startswith("LOSS")]
 
     # WHEN it runs under dynprof and is traced in step and duration mode
-    target = spawn([PROGRAM, "--mode", "plain", "--max-steps", "60", "--step-sleep", "0.03"])
+    target = spawn([PROGRAM, *PLAIN_60])
     (pid,) = target.ready_pids()
     step_run = cli("start", "--pid", str(pid), "--steps", "3", "--json")
     duration_run = cli("start", "--pid", str(pid), "--duration", "0.3", "--json")
-    target.wait_for_line("DONE", timeout=60)
-    target.proc.wait(timeout=30)
+    target.wait_for_line("DONE", timeout=300)
+    target.proc.wait(timeout=120)
 
     # THEN both traces completed, the losses are bit-identical and the output has nothing foreign
     assert step_run.returncode == 0 and duration_run.returncode == 0, step_run.stderr + duration_run.stderr
