@@ -46,8 +46,10 @@ def netns_usable() -> str | None:
 
 
 def _wait_listening(
-    host: str, port: int, proc: subprocess.Popen[bytes], netns: str | None, timeout: float = 60.0
+    host: str, port: int, proc: subprocess.Popen[bytes], netns: str | None, timeout: float = 180.0
 ) -> None:
+    # a deadline for a sidecar that never listens, not a bound on its start: three sidecars
+    # start at once, each importing dynprof, and a loaded machine took over 60 s for one
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
