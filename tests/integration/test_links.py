@@ -21,8 +21,9 @@ from test_links_support import ROOT, TOKEN, NetnsNodes, SimNodes, netns_usable
 from dynprof.job.client import SidecarClient
 from healthcheck.links.rounds import CODE_HUNG, CODE_SLOW, LinkReport, run_link_rounds
 
-# One network (10.213.0.0/24, its bridge and namespaces) and fixed store ports: these cases never
-# run beside each other on two xdist workers (ONE_WORKER_MODULES, tests/conftest.py).
+# One network (10.213.0.0/24 or the next free one, its bridge and namespaces) and fixed store
+# ports: these cases never run beside each other on two xdist workers (ONE_WORKER_MODULES,
+# tests/conftest.py).
 
 LINK_TEST = [sys.executable, "-m", "dynprof", "link-test"]
 FAR_DEADLINE_S = 600.0  # a hang detector, not a measurement

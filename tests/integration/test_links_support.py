@@ -2,8 +2,9 @@
 
 A node is a `dynprof serve` process with its own DYNPROF_HOST and run directory. On loopback
 all nodes share 127.0.0.1 (distinct ports). In network namespaces (root, `ip`, `tc`), node i
-lives in namespace ``<prefix>i`` with a veth ``eth0`` of address 10.<net>.0.(i+1)/24 whose peer
-is on a bridge of the root namespace (10.<net>.0.254); the orchestrator reaches the sidecars
+lives in namespace ``dpln<net>n<i>`` with a veth ``eth0`` of address 10.<net>.0.(i+1)/24 whose peer
+is on the bridge ``dpln<net>br`` of the root namespace (10.<net>.0.254), <net> the first network
+from 213 that no other run uses (:meth:`NetnsNodes._claim_network`); the orchestrator reaches the sidecars
 over that bridge and the link tests run between the namespaces over it. :meth:`NetnsNodes.shape`
 limits one node's link both ways with ``tbf`` (egress in its namespace, and on its peer in the
 root namespace). Everything is removed by :meth:`close`, which the fixtures always call.
@@ -59,7 +60,11 @@ def _wait_listening(
                 return
         except OSError:
             time.sleep(0.2)
-    raise RuntimeError(f"dynprof serve is not listening on {host}:{port} after {timeout} s")
+    route = subprocess.run(["ip", "route", "get", host], capture_output=True, text=True, timeout=20)
+    raise RuntimeError(
+        f"dynprof serve is not listening on {host}:{port} after {timeout} s"
+        f" (route here: {(route.stdout or route.stderr).strip()!r})"
+    )
 
 
 class SimNodes:
@@ -143,12 +148,11 @@ class SimNodes:
 class NetnsNodes(SimNodes):
     """Sidecars in network namespaces of their own behind one bridge (see the module doc)."""
 
-    def __init__(self, count: int, net: int = 213, prefix: str | None = None, workdir: Path | None = None) -> None:
+    def __init__(self, count: int, net: int = 213, workdir: Path | None = None) -> None:
         super().__init__(count, workdir)
-        tag = os.getpid() % 10000
-        self.prefix = prefix or f"dplk{tag}n"
-        self.bridge = f"dplk{tag}br"
-        self.net = net
+        self.net = net  # the first network tried; start() claims a free one from here
+        self.prefix = ""
+        self.bridge = ""
         self.namespaces: list[str] = []
         self.host_veths: list[str] = []
 
@@ -158,8 +162,29 @@ class NetnsNodes(SimNodes):
     def address(self, i: int) -> str:
         return f"10.{self.net}.0.{i + 1}"
 
+    def _claim_network(self) -> None:
+        """Take the first 10.N.0.0/24 from ``net`` on that nothing else here uses.
+
+        The bridge is named after N, and creating it is the claim (the kernel refuses a second
+        link of one name): two runs at once on one machine take different networks. A network
+        whose address is already on some link (a run killed before its cleanup left its bridge)
+        is passed over: its route would send the orchestrator's connections to that bridge.
+        """
+        for net in range(self.net, min(self.net + 40, 255)):
+            bridge = f"dpln{net}br"
+            made = subprocess.run(["ip", "link", "add", bridge, "type", "bridge"], capture_output=True, timeout=20)
+            if made.returncode != 0:
+                continue  # another run's bridge, live or left behind
+            addresses = subprocess.run(["ip", "-4", "-o", "addr"], capture_output=True, text=True, timeout=20).stdout
+            if f" 10.{net}.0." in addresses:
+                subprocess.run(["ip", "link", "del", bridge], capture_output=True, timeout=20)
+                continue
+            self.net, self.bridge, self.prefix = net, bridge, f"dpln{net}n"
+            return
+        raise RuntimeError(f"no free network among 10.{self.net}..{self.net + 39}.0.0/24 for the link tests")
+
     def start(self) -> NetnsNodes:
-        self._ip("link", "add", self.bridge, "type", "bridge")
+        self._claim_network()
         self._ip("link", "set", self.bridge, "up")
         self._ip("addr", "add", f"10.{self.net}.0.254/24", "dev", self.bridge)
         for i in range(self.count):
@@ -205,4 +230,5 @@ class NetnsNodes(SimNodes):
                 subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=20)
             for veth in self.host_veths:
                 subprocess.run(["ip", "link", "del", veth], capture_output=True, timeout=20)
-            subprocess.run(["ip", "link", "del", self.bridge], capture_output=True, timeout=20)
+            if self.bridge:
+                subprocess.run(["ip", "link", "del", self.bridge], capture_output=True, timeout=20)
