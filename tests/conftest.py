@@ -11,7 +11,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -265,6 +265,22 @@ def dynprof_dirs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[di
     monkeypatch.delenv("DYNPROF_JOB_ID", raising=False)
     yield {"run": run_dir, "artifacts": artifacts}
     shutil.rmtree(run_dir, ignore_errors=True)
+
+
+@pytest.fixture
+def short_dir() -> Iterator[Callable[[str], str]]:
+    """``short_dir(name)``: a new directory under /tmp (a short path, for run dirs whose Unix
+    sockets must fit 107 bytes), removed with everything in it at the test's end. Name it first
+    among a test's fixtures: it is then removed after the targets and sidecars that write there."""
+    made: list[str] = []
+
+    def make(name: str) -> str:
+        made.append(tempfile.mkdtemp(prefix=f"dp-{name}-", dir="/tmp"))
+        return made[-1]
+
+    yield make
+    for path in made:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)

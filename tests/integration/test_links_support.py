@@ -78,6 +78,7 @@ class SimNodes:
         self.token_file.chmod(0o600)
         self.nodes: list[Node] = []
         self.procs: list[subprocess.Popen[bytes]] = []
+        self.run_dirs: list[Path] = []
         self.count = count
 
     def _serve(self, i: int, host: str, port: int, prefix: list[str], extra: tuple[str, ...] = ()) -> None:
@@ -87,7 +88,8 @@ class SimNodes:
         cpus = os.cpu_count() or 1
         if shutil.which("taskset") and cpus > 1:
             prefix = [*prefix, "taskset", "-c", str(i % cpus)]
-        run_dir = Path(tempfile.mkdtemp(prefix=f"dp-lk{i}-", dir="/tmp"))
+        run_dir = Path(tempfile.mkdtemp(prefix=f"dp-lk{i}-", dir="/tmp"))  # short: its sockets
+        self.run_dirs.append(run_dir)
         env = {**os.environ, "DYNPROF_HOST": f"node-{i}", "DYNPROF_RUN_DIR": str(run_dir), "PYTHONUNBUFFERED": "1"}
         env["DYNPROF_ARTIFACT_DIR"] = str(self.workdir / f"store-{i}")
         env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
@@ -143,6 +145,8 @@ class SimNodes:
             except subprocess.TimeoutExpired:
                 pass
         shutil.rmtree(self.workdir, ignore_errors=True)
+        for run_dir in self.run_dirs:
+            shutil.rmtree(run_dir, ignore_errors=True)
 
 
 class NetnsNodes(SimNodes):

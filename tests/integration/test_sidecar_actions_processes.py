@@ -735,12 +735,12 @@ def test_page_script_shows_a_nodes_hostile_text_as_escaped_text(sidecar, spawn, 
 
 
 # -- job-wide: the page asks its own sidecar, which asks the other nodes' -----------------------------
-def test_job_wide_view_through_one_sidecar(sidecar, spawn, browser, tmp_path):
+def test_job_wide_view_through_one_sidecar(short_dir, sidecar, spawn, browser, tmp_path):
     # GIVEN two "nodes" on this machine: each a sidecar with its own run dir and store, and one
     # rank of job JOB; and a third address where nothing answers
     nodes = []
     for name in ("a", "b"):
-        dirs = {"DYNPROF_RUN_DIR": tempfile.mkdtemp(prefix=f"dp-{name}-"), "DYNPROF_ARTIFACT_DIR": str(tmp_path / name)}
+        dirs = {"DYNPROF_RUN_DIR": short_dir(name), "DYNPROF_ARTIFACT_DIR": str(tmp_path / name)}
         target = spawn([PROGRAM, "--step-sleep", "0.01"], env={**dirs, "DYNPROF_JOB_ID": JOB})
         (pid,) = target.ready_pids()
         nodes.append((sidecar(env=dirs), pid, dirs))
@@ -797,12 +797,12 @@ def test_job_wide_view_through_one_sidecar(sidecar, spawn, browser, tmp_path):
         shutil.rmtree(dirs_a["DYNPROF_RUN_DIR"], ignore_errors=True)
 
 
-def test_job_wide_action_answers_each_nodes_error_structured(sidecar, spawn, tmp_path):
+def test_job_wide_action_answers_each_nodes_error_structured(short_dir, sidecar, spawn, tmp_path):
     # GIVEN two "nodes" (each a sidecar with its own run dir and store), a rank of job JOB on
     # the first only
     nodes = []
     for name in ("a", "b"):
-        dirs = {"DYNPROF_RUN_DIR": tempfile.mkdtemp(prefix=f"dp-{name}-"), "DYNPROF_ARTIFACT_DIR": str(tmp_path / name)}
+        dirs = {"DYNPROF_RUN_DIR": short_dir(name), "DYNPROF_ARTIFACT_DIR": str(tmp_path / name)}
         nodes.append((sidecar(env=dirs), dirs))
     (a, dirs_a), (b, dirs_b) = nodes
     target = spawn([PROGRAM, "--step-sleep", "0.01"], env={**dirs_a, "DYNPROF_JOB_ID": JOB})
