@@ -17,19 +17,18 @@ exit_code}}``. Nothing the command renders is written.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import importlib
 import json
 import sys
 from collections.abc import Iterable, Sequence
-from typing import Any, NoReturn
+from typing import Any
 
 from dynprof import errors, jsontext
 from dynprof.cli import COMMANDS
 from dynprof.nodes import Node, parse_node
 from dynprof.result import Result, error_json
-from dynprof.sidecar.actions import ACTIONS, MAX_OUTPUT_BYTES, ActionCommand, Option
+from dynprof.sidecar.actions import ACTIONS, MAX_OUTPUT_BYTES, ActionCommand
 
 MAX_REQUEST_CHARS = 1024 * 1024
 
@@ -42,83 +41,14 @@ def load_command(name: str) -> Any:
     raise KeyError(name)
 
 
-def command_parser(name: str, command: Any) -> argparse.ArgumentParser:
-    """The parser of ``dynprof NAME``, as the CLI builds it."""
-    parser = argparse.ArgumentParser(prog=f"dynprof {name}")
-    command.prepare_parser(parser)
-    return parser
-
-
-class _Refused(Exception):
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-
-
-def parse_options(
-    action: str, command: Any, options: dict[str, Any], hosts: Sequence[str] | None, cacert: str | None
-) -> argparse.Namespace:
-    """Action ``action``'s checked ``options`` (job-wide: its ``hosts``, and the CA file to
-    trust) read by its command's own parser, each option as its flag; a refused value is a usage
-    error with the command's own usage exit code (2; healthcheck's 3), and nothing is printed."""
-    spec = ACTIONS[action]
-    name = spec.command
-    parser = command_parser(name, command)
-
-    def refuse(status: int = 0, message: str | None = None) -> NoReturn:
-        raise _Refused(status, (message or "").strip())
-
-    # argparse's error() prints the usage, then exits with the parser's usage code (the
-    # command may have its own, as healthcheck does): neither happens here.
-    parser.print_usage = lambda file=None: None  # type: ignore[method-assign]
-    parser.exit = refuse  # type: ignore[method-assign]
-    try:
-        return parser.parse_args(flags(action, options, hosts, cacert))
-    except _Refused as exc:
-        message = exc.message.removeprefix(f"{parser.prog}: error: ")
-        error = errors.UsageError(f"{name}: {message}", help=f"See `dynprof {name} --help`.")
-        error.exit_code = exc.status or 2
-        raise error from None
-
-
-def flags(action: str, options: dict[str, Any], hosts: Sequence[str] | None, cacert: str | None) -> list[str]:
-    """The command's arguments (without its name) for action ``action``'s options: each one
-    ``--flag=value``, a single argument, so a value is never read as another flag."""
-    spec = ACTIONS[action]
-    out = list(spec.leading)
-    if hosts is not None:
-        out.append(f"--hosts={','.join(hosts)}")
-        if cacert:
-            out.append(f"--cacert={cacert}")
-    for key, value in options.items():
-        opt = spec.options.get(key) or Option("--" + key.replace("_", "-"), "str")
-        if value is None or value is False:
-            continue
-        if value is True:
-            out.append(opt.flag)
-        elif isinstance(value, list):
-            out.append(f"{opt.flag}={','.join(str(v) for v in value)}")
-        elif isinstance(value, float):
-            out.append(f"{opt.flag}={value!r}")
-        else:
-            out.append(f"{opt.flag}={value}")
-    out.append("--json")
-    return out
-
-
 def action_commands(names: Iterable[str] = ACTIONS) -> dict[str, ActionCommand]:
     """The commands of the sidecar's actions ``names``, by action name."""
     table: dict[str, ActionCommand] = {}
     for name in names:
-        spec = ACTIONS[name]
-        command = load_command(spec.command)
-        parse = functools.partial(parse_options, name, command)
-        requests = command.action_requests() if hasattr(command, "action_requests") else {}
-        decode, collect_request = requests.get(name, (None, None))
-        local = command.collect_local if hasattr(command, "collect_local") else command.collect
+        command = load_command(ACTIONS[name].command)
+        decode, collect_request = command.action_requests()[name]  # every action carries a request
         job = functools.partial(collect_job, command) if hasattr(command, "collect_job") else None
-        table[name] = ActionCommand(parse, local, job, decode=decode, collect_request=collect_request)
+        table[name] = ActionCommand(decode, collect_request, job)
     return table
 
 
@@ -139,13 +69,10 @@ def answer(name: str, options: dict[str, Any], hosts: list[str] | None, cacert: 
         if hosts is not None:
             if command.collect_job is None:
                 raise errors.UsageError(f"{name} runs on this node only")
-            if command.decode is not None:
-                command.decode(options)  # a value the request refuses: the usage error, as on a node
+            command.decode(options)  # a value the request refuses: the usage error, as on a node
             result: Result = command.collect_job(options, hosts, cacert)
-        elif command.decode is not None and command.collect_request is not None:
-            result = command.collect_request(command.decode(options))
         else:
-            result = command.collect_local(command.parse(options, None, None))
+            result = command.collect_request(command.decode(options))
     except errors.DynprofError as exc:
         return {"result": None, "exit_code": exc.exit_code, "messages": [], "error": error_json(exc)}
     return {"result": result.to_json(), "exit_code": result.exit_code, "messages": result.messages, "error": None}

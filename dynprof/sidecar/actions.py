@@ -44,7 +44,6 @@ can never let more than ``max_actions`` run at once.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import math
@@ -121,15 +120,11 @@ class ActionCommand:
     :class:`~dynprof.errors.UsageError`, with the command's usage exit code) and
     ``collect_request`` collects it on this node. ``collect_job`` (job-level commands) answers
     for the given nodes (``hosts``, HOST[:PORT] each), through their sidecars (trusting the CA
-    file given), with the same options. ``parse`` and ``collect_local`` are the command's own
-    parser, fed the options as its flags (the CLI maps them, the sidecar never builds an
-    argument list), and its answer on this node: for a command without a request."""
+    file given), with the same options. No argument list is built on either path."""
 
-    parse: Callable[[dict[str, Any], Sequence[str] | None, str | None], argparse.Namespace]
-    collect_local: Callable[[argparse.Namespace], Result]
+    decode: Callable[[dict[str, Any]], Any]
+    collect_request: Callable[[Any], Result]
     collect_job: Callable[[dict[str, Any], Sequence[str], str | None], Result] | None = None
-    decode: Callable[[dict[str, Any]], Any] | None = None
-    collect_request: Callable[[Any], Result] | None = None
 
 
 HOSTS = "hosts"  # the one option outside Action.options (see the module docstring)
@@ -580,8 +575,8 @@ def _outcome(
     fanout: FanoutConfig | None,
     commands: Mapping[str, ActionCommand],
 ) -> Outcome:
-    """Read the options as the command does (its request's ``decode``; job-wide, its parser),
-    a refused value answered as the command's usage error; then run it where the action runs:
+    """Read the options as the command's request (``decode``; job-wide too: every node reads
+    the same), a refused value answered as the command's usage error; then run it where the action runs:
     in a child process (``in_subprocess``, job-wide), else on a thread of this one."""
     job_wide = checked.hosts is not None
     in_child = action.in_subprocess or job_wide
@@ -595,16 +590,9 @@ def _outcome(
                     help="Start the sidecar with `dynprof serve`, which hands it the CLI's commands.",
                 )
             )
-        decode, collect_request = command.decode, command.collect_request
-        run: Callable[[], Result]
+        collect_request = command.collect_request
         try:
-            if decode is None or collect_request is None:
-                args = command.parse(dict(checked.options), checked.hosts, checked.cacert)
-                collect_local = command.collect_local
-                run = lambda: collect_local(args)  # noqa: E731
-            else:
-                request = decode(dict(checked.options))  # job-wide too: the nodes read the same
-                run = lambda: collect_request(request)  # noqa: E731
+            request = command.decode(dict(checked.options))  # job-wide too: the nodes read the same
         except errors.DynprofError as exc:
             return answered_error(exc)
         except Exception as exc:  # a bug in a command's reader must not take the sidecar down
@@ -614,7 +602,7 @@ def _outcome(
             env = {"DYNPROF_TOKEN_FILE": fanout.token_file} if job_wide and fanout else None
             return _run_child(name, checked, limit, env, action.failed_exit)
         released = True  # from here on, the command's thread gives the slot back when it ends
-        return _run_bounded(name, run, limit + SUBPROCESS_GRACE_S, release)
+        return _run_bounded(name, lambda: collect_request(request), limit + SUBPROCESS_GRACE_S, release)
     finally:
         if not released and release is not None:
             release()

@@ -1,6 +1,7 @@
 """dynprof.cli.sidecar_actions: the CLI's commands as the sidecar's actions run them. The command
-table `dynprof serve` hands the sidecar, each command's own parser (refusals as usage errors,
-never an exit or a print), one action's answer, and the child process's entry point (run here
+table `dynprof serve` hands the sidecar (each action's request and its collector), the tests'
+mapping of an action's options to its command's own flags (tests/unit/_action_flags.py:
+refusals as usage errors, never an exit or a print), one action's answer, and the child process's entry point (run here
 in-process: its request on stdin, its answer on stdout), against requests that are wrong on
 purpose."""
 
@@ -13,6 +14,7 @@ import sys
 
 import pytest
 
+from collectors.memory.collect import MemoryPlanRequest
 from dynprof import errors
 from dynprof.cli import sidecar_actions as sa
 from dynprof.cli.healthcheck import collect_request, decode_request
@@ -23,6 +25,7 @@ from dynprof.node_requests import LsRequest
 from dynprof.result import Result
 from dynprof.sidecar.actions import ACTIONS, ActionCommand
 from healthcheck.links.side import LinkTestRequest
+from tests.unit import _action_flags as af
 
 
 # -- commands and their parsers ---------------------------------------------------------------------
@@ -36,40 +39,40 @@ def test_a_command_is_loaded_by_its_subcommand_name():
 
 
 def test_the_parser_is_the_commands_own():
-    parser = sa.command_parser("ls", sa.load_command("ls"))
+    parser = af.command_parser("ls", sa.load_command("ls"))
     assert parser.prog == "dynprof ls"
     assert parser.parse_args(["--job", "j"]).job == "j"
 
 
 def test_options_are_parsed_without_a_print(capsys):
-    args = sa.parse_options("ls", sa.load_command("ls"), {"job": "j"}, None, None)
+    args = af.parse_options("ls", sa.load_command("ls"), {"job": "j"}, None, None)
     assert args.job == "j" and args.json is True
     assert capsys.readouterr() == ("", "")
 
 
 def test_each_option_is_one_flag_of_the_command():
-    assert sa.flags("start", {"job": "j", "steps": 3, "record_shapes": True, "with_stack": False}, None, None) == [
+    assert af.flags("start", {"job": "j", "steps": 3, "record_shapes": True, "with_stack": False}, None, None) == [
         "--job=j",
         "--steps=3",
         "--record-shapes",
         "--json",
     ]
-    assert sa.flags("stacks", {"pid": [1, 2], "timeout": 5.0}, None, None) == ["--pid=1,2", "--timeout=5.0", "--json"]
+    assert af.flags("stacks", {"pid": [1, 2], "timeout": 5.0}, None, None) == ["--pid=1,2", "--timeout=5.0", "--json"]
     # an action of a command's own subcommand: its words first
-    assert sa.flags("memory-plan", {"pid": [7], "budget": "60%"}, None, None) == [
+    assert af.flags("memory-plan", {"pid": [7], "budget": "60%"}, None, None) == [
         "plan",
         "--pid=7",
         "--budget=60%",
         "--json",
     ]
     # job-wide: the nodes and the CA file first; a value that looks like a flag stays a value
-    assert sa.flags("ps", {"job": "--all"}, ("node-1", "[::1]:8787"), "/etc/ca.pem") == [
+    assert af.flags("ps", {"job": "--all"}, ("node-1", "[::1]:8787"), "/etc/ca.pem") == [
         "--hosts=node-1,[::1]:8787",
         "--cacert=/etc/ca.pem",
         "--job=--all",
         "--json",
     ]
-    args = sa.parse_options("ps", sa.load_command("ps"), {"job": "--all"}, ("node-1",), None)
+    args = af.parse_options("ps", sa.load_command("ps"), {"job": "--all"}, ("node-1",), None)
     assert args.job == "--all" and args.hosts == "node-1"
 
 
@@ -83,7 +86,7 @@ def test_each_option_is_one_flag_of_the_command():
 )
 def test_a_refused_value_is_a_usage_error_with_nothing_printed(options, said, capsys):
     with pytest.raises(errors.UsageError) as info:
-        sa.parse_options("ls", sa.load_command("ls"), options, None, None)
+        af.parse_options("ls", sa.load_command("ls"), options, None, None)
     assert info.value.message.startswith(said)
     assert "error:" not in info.value.message and "usage:" not in info.value.message
     assert info.value.help == "See `dynprof ls --help`."
@@ -94,7 +97,7 @@ def test_a_refused_value_is_a_usage_error_with_nothing_printed(options, said, ca
 def test_healthchecks_refusal_keeps_its_own_usage_code():
     # healthcheck's 2 means "unhealthy": its usage error is 3, "could not run"
     with pytest.raises(errors.UsageError) as info:
-        sa.parse_options("healthcheck", sa.load_command("healthcheck"), {"level": "thorough"}, None, None)
+        af.parse_options("healthcheck", sa.load_command("healthcheck"), {"level": "thorough"}, None, None)
     assert info.value.exit_code == 3 and info.value.message.startswith("healthcheck: argument --level")
 
 
@@ -104,7 +107,6 @@ def test_the_table_has_every_action_each_with_its_commands_entry_points():
     assert set(table) == set(ACTIONS)
     assert all(isinstance(command, ActionCommand) for command in table.values())
     # a job-level command: its local and job-wide answers
-    assert table["ls"].collect_local.__func__ is LsCommand.collect_local
     assert table["ls"].collect_job.func is sa.collect_job
     assert isinstance(table["ls"].collect_job.args[0], LsCommand)
     # ls carries its request: read from JSON and collected by the command, without argv
@@ -117,17 +119,17 @@ def test_the_table_has_every_action_each_with_its_commands_entry_points():
     # a kind with a request: read from JSON and collected without argv
     assert table["start"].decode.__func__ is StartCommand.action_requests(StartCommand())["start"][0].__func__
     assert table["start"].collect_request.__func__ is StartCommand.collect_request
-    # a command that is not job-level: its collect, on this node only
+    # a command that is not job-level: on this node only
     assert table["healthcheck"].collect_job is None
-    assert table["healthcheck"].collect_local.__func__ is type(sa.load_command("healthcheck")).collect
 
 
-def test_an_actions_parser_is_its_commands_with_the_actions_command_name():
+def test_an_action_of_a_subcommand_reads_that_subcommands_request():
     table = sa.action_commands(["memory-plan"])
     assert list(table) == ["memory-plan"]
+    assert table["memory-plan"].decode == MemoryPlanRequest.from_json
     with pytest.raises(errors.UsageError) as info:
-        table["memory-plan"].parse({"bogus": 1}, None, None)
-    assert info.value.message.startswith("memory: ")
+        table["memory-plan"].decode({"bogus": 1})
+    assert "bogus" in info.value.message
 
 
 def test_an_unknown_action_is_a_key_error():
@@ -174,11 +176,8 @@ class Recorder:
         self.calls: list[tuple[str, object]] = []
 
     def table(self, names):
-        def parse(options, hosts, cacert):
-            return sa.parse_options("ls", LsCommand(), options, hosts, cacert)
-
-        def local(args):
-            self.calls.append(("local", args.job))
+        def local(request):
+            self.calls.append(("local", request.job))
             print("the command's own chatter")
             if isinstance(self.result, Exception):
                 raise self.result
@@ -193,7 +192,7 @@ class Recorder:
                 return recorder.result
 
         job = functools.partial(sa.collect_job, JobWide())
-        return {name: ActionCommand(parse, local, job) for name in names}
+        return {name: ActionCommand(LsRequest.from_json, local, job) for name in names}
 
 
 @pytest.fixture

@@ -11,8 +11,8 @@ import pytest
 from collectors.flight_recorder.collect import NcclRequest
 from dynprof import errors
 from dynprof.cli.nccl import NcclCommand, request_from_args
-from dynprof.cli.sidecar_actions import flags
 from dynprof.sidecar.actions import ACTIONS, check_options
+from tests.unit._action_flags import flags
 
 
 def _flags(name: str, options: dict) -> list[str]:

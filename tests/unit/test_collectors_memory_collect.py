@@ -12,9 +12,9 @@ import pytest
 from collectors.memory.collect import MemoryPlanRequest, MemoryRequest, collect, collect_plan, parse_budget
 from dynprof import errors
 from dynprof.cli.memory import MemoryCommand, plan_request_from_args, request_from_args
-from dynprof.cli.sidecar_actions import flags
 from dynprof.requests import MAX_ITEMS, MAX_TEXT
 from dynprof.sidecar.actions import check_options
+from tests.unit._action_flags import flags
 
 
 def _flags(name: str, options: dict) -> list[str]:

@@ -10,9 +10,9 @@ import pytest
 
 from collectors.stacks.collect import StacksRequest, collect
 from dynprof import errors
-from dynprof.cli.sidecar_actions import flags
 from dynprof.cli.stacks import StacksCommand, request_from_args
 from dynprof.sidecar.actions import check_options
+from tests.unit._action_flags import flags
 
 
 def _flags(name: str, options: dict) -> list[str]:

@@ -9,9 +9,9 @@ import pytest
 
 from collectors.torch_trace.collect import TraceRequest
 from dynprof import errors
-from dynprof.cli.sidecar_actions import flags
 from dynprof.cli.start import StartCommand, request_from_args
 from dynprof.sidecar.actions import check_options
+from tests.unit._action_flags import flags
 
 
 def _flags(name: str, options: dict) -> list[str]:

@@ -211,20 +211,17 @@ def test_garbage_from_the_nodes_never_crashes_a_command(monkeypatch, capsys, tmp
 
 def test_a_sidecar_action_never_fans_out_again():
     # GIVEN a job-level command whose job-wide answer must never be reached from a node
-    import argparse
 
     from dynprof.result import Result
     from dynprof.sidecar.actions import ActionCommand, run_action
 
-    def collect_nodes(args, nodes):
+    def collect_nodes(options, hosts, cacert):
         raise AssertionError("a sidecar's action fanned out")
 
-    table = {
-        "ps": ActionCommand(lambda o, h, c: argparse.Namespace(), lambda args: Result({"agents": []}), collect_nodes)
-    }
+    table = {"ps": ActionCommand(lambda options: options, lambda request: Result({"agents": []}), collect_nodes)}
     # WHEN the sidecar runs ps as an action (as the fan-out asks a node: without hosts)
     answer = run_action("ps", {}, commands=table)
-    # THEN it answers with this node's agents only: the node-side call is collect_local
+    # THEN it answers with this node's agents only: the node-side call is its request's collect
     assert answer["exit_code"] == 0 and answer["result"] == {"agents": []}
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -24,6 +23,7 @@ from dynprof.cli.stop import request_from_args as stop_from_args
 from dynprof.node_requests import MAX_LIMIT, LsRequest, PsRequest, StopRequest
 from dynprof.requests import MAX_ITEMS, MAX_TEXT
 from dynprof.sidecar.actions import check_options, run_action
+from tests.unit import _action_flags as af
 
 COMMANDS: dict[str, Any] = {"ps": PsCommand, "ls": LsCommand, "stop": StopCommand}
 FROM_ARGS: dict[str, Any] = {"ps": ps_from_args, "ls": ls_from_args, "stop": stop_from_args}
@@ -32,7 +32,7 @@ REQUESTS: dict[str, Any] = {"ps": PsRequest, "ls": LsRequest, "stop": StopReques
 
 def _parsed(name: str, options: dict[str, Any]) -> argparse.Namespace:
     """The command's own parser given the arguments the action's options become."""
-    return sa.parse_options(name, COMMANDS[name](), check_options(name, options).options, None, None)
+    return af.parse_options(name, COMMANDS[name](), check_options(name, options).options, None, None)
 
 
 def _parser_refusal(name: str, options: dict[str, Any]) -> errors.UsageError:
@@ -170,16 +170,16 @@ def test_a_hostile_document_is_refused_as_a_usage_error(name, doc, said):
 
 
 # -- through the sidecar's action, with the real commands --------------------------------------------
-def test_the_actions_are_read_as_requests_with_no_argv(dynprof_dirs):
-    # GIVEN the real command table, whose parsers must not be reached for these actions
-    asked: list[list[str]] = []
+def test_the_actions_are_read_as_requests_with_no_argv(dynprof_dirs, monkeypatch):
+    # GIVEN the real command table, and no argument parser that may be reached meanwhile
+    asked: list[object] = []
 
-    def refuse_parse(argv: list[str]) -> argparse.Namespace:
-        asked.append(argv)
+    def refuse_parse(self: argparse.ArgumentParser, args: object = None, namespace: object = None) -> None:
+        asked.append(args)
         raise AssertionError("parsed argv")
 
-    real = sa.action_commands(["ps", "ls", "stop"])
-    table = {name: replace(command, parse=refuse_parse) for name, command in real.items()}
+    table = sa.action_commands(["ps", "ls", "stop"])
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_known_args", refuse_parse)
     # WHEN each action runs on this node
     ps = run_action("ps", {"job": "j"}, commands=table)
     ls = run_action("ls", {"limit": 1}, commands=table)

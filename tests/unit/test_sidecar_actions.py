@@ -28,17 +28,17 @@ from dynprof.sidecar.actions import (
 )
 
 
-def stub_table(collect_local: Any = None, seen: list[dict[str, Any]] | None = None, collect_nodes: Any = None):
-    """A command table whose every action parses by recording the options it is given, and
-    answers with ``collect_local`` (default: an empty result)."""
+def stub_table(collect: Any = None, seen: list[dict[str, Any]] | None = None, collect_nodes: Any = None):
+    """A command table whose every action reads its options as the request itself (recording
+    them in ``seen``) and answers with ``collect`` (default: an empty result)."""
 
-    def parse(options: dict[str, Any], hosts: Any, cacert: Any) -> argparse.Namespace:
+    def decode(options: dict[str, Any]) -> dict[str, Any]:
         if seen is not None:
             seen.append(options)
-        return argparse.Namespace(options=options)
+        return options
 
-    local = collect_local or (lambda args: Result({}))
-    return {name: ActionCommand(parse, local, collect_nodes) for name in actions.ACTIONS}
+    local = collect or (lambda request: Result({}))
+    return {name: ActionCommand(decode, local, collect_nodes) for name in actions.ACTIONS}
 
 
 def test_options_are_checked_for_their_kind_and_unknown_ones_are_refused():
@@ -229,7 +229,8 @@ def row_problems(name: str, action: actions.Action) -> list[str]:
     """What is wrong with ``action``'s options against the parser of its command: a flag it
     does not have, or a kind that does not fit (bool is store_true; int, float and str parse
     to their type; a list kind parses, from the comma-joined value the sidecar sends, to a list)."""
-    from dynprof.cli.sidecar_actions import command_parser, load_command, parse_options
+    from dynprof.cli.sidecar_actions import load_command
+    from tests.unit._action_flags import command_parser, parse_options
 
     command = load_command(action.command)
     parser = command_parser(action.command, command)
@@ -379,13 +380,13 @@ def test_a_bug_in_a_command_is_an_internal_error_not_a_crash():
     assert answer["exit_code"] == 1 and answer["error"]["message"] == "internal error: KeyError: 'oops'"
 
 
-def test_the_node_side_of_a_job_level_action_is_collect_local():
+def test_the_node_side_of_a_job_level_action_collects_its_request_here():
     # GIVEN a job-level command WHEN a node runs its action (as the fan-out asks: no hosts)
-    def collect_nodes(args, nodes):
+    def collect_nodes(options, hosts, cacert):
         raise AssertionError("fanned out")
 
     answer = run_action("stacks", {"job": "j"}, commands=stub_table(collect_nodes=collect_nodes))
-    # THEN the node answers from collect_local
+    # THEN the node answers from its request's collect, on this node
     assert answer["exit_code"] == 0 and answer["result"] == {}
 
 
@@ -552,21 +553,14 @@ def test_a_loopback_sidecars_peers_are_its_own_address_and_the_allowed_ones():
 
 # -- actions whose kind has a request ----------------------------------------------------------------
 def test_an_action_with_a_request_is_read_by_its_from_json_and_collected_without_argv():
-    # GIVEN a command that reads its action's options as a request, and whose parser must not run
+    # GIVEN a command that reads its action's options as a request
     seen: list[Any] = []
-
-    def parse(options, hosts, cacert):
-        raise AssertionError(f"parsed {options}")
 
     def collect_request(request):
         seen.append(request)
         return Result({"asked": request})
 
-    table = {
-        "memory": actions.ActionCommand(
-            parse, lambda args: Result({}), decode=lambda options: dict(options), collect_request=collect_request
-        )
-    }
+    table = {"memory": actions.ActionCommand(lambda options: dict(options), collect_request)}
     # WHEN the action runs on this node
     answer = run_action("memory", {"job": "j", "history_start": 10}, timeout=20, commands=table)
     # THEN the request is what the options say (the action's limit given as its timeout)
