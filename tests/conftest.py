@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import shutil
@@ -85,7 +86,8 @@ E2E_DIRS = tuple(ROOT / "tests" / name for name in ("integration", "frameworks",
 # Tests that must run on one xdist worker, one after the other: each family shares a setup made
 # once (a module- or class-scoped fixture: on two workers it would be made twice, and a framework
 # case's jobs run twice), or a machine-wide resource two workers must not use at once (the link
-# tests' network namespaces and fixed ports). A family is a module, or one case of a framework
+# tests' network namespaces and fixed ports; the default sidecar port 8787, which both cases of
+# test_watch_sample_addresses listen on). A family is a module, or one case of a framework
 # class (its class-scoped scenario). The groups are read by node id in the scheduler below:
 # xdist's own `xdist_group` mark no longer groups under pytest 9.2 (it rewrites a node id field
 # pytest stopped reading: pytest-dev/pytest-xdist#1386), and a mark the workers see is out of the
@@ -97,6 +99,7 @@ ONE_WORKER_MODULES = (
     "tests/integration/test_healthcheck_fleet_simulated.py",
     "tests/unit/test_memory_plan_recipes.py",
     "tests/unit/test_sidecar_server.py",
+    "tests/unit/test_watch_sample_addresses.py",
 )
 FRAMEWORKS = "tests/frameworks/"
 
@@ -383,6 +386,10 @@ class Target:
         return [int(line.split()[1]) for line in self.wait_for_line("READY", timeout, count)[:count]]
 
     def stop(self) -> None:
+        """End the target and every process it left in its session (started with
+        ``start_new_session``, so its group is its pid): spawned helpers, multiprocessing's
+        resource tracker and DataLoader workers outlive a terminated parent, and would go on
+        writing to the test's run directory after the test."""
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -390,6 +397,8 @@ class Target:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(timeout=10)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
 
 
 @pytest.fixture

@@ -744,57 +744,54 @@ def test_job_wide_view_through_one_sidecar(short_dir, sidecar, spawn, browser, t
         target = spawn([PROGRAM, "--step-sleep", "0.01"], env={**dirs, "DYNPROF_JOB_ID": JOB})
         (pid,) = target.ready_pids()
         nodes.append((sidecar(env=dirs), pid, dirs))
-    (a, pid_a, dirs_a), (b, pid_b, _) = nodes
+    (a, pid_a, _), (b, pid_b, _) = nodes
     down = f"127.0.0.1:{free_port()}"
     hosts = [f"127.0.0.1:{a.port}", f"127.0.0.1:{b.port}"]
-    try:
-        # WHEN node a is asked for the job's ranks and stacks on both nodes (and one down)
-        code, ps = a.action("ps", {"job": JOB, "hosts": [*hosts, down]}, timeout=30)
-        code_stacks, stacks = a.action("stacks", {"job": JOB, "hosts": hosts}, timeout=60)
+    # WHEN node a is asked for the job's ranks and stacks on both nodes (and one down)
+    code, ps = a.action("ps", {"job": JOB, "hosts": [*hosts, down]}, timeout=30)
+    code_stacks, stacks = a.action("stacks", {"job": JOB, "hosts": hosts}, timeout=60)
 
-        # THEN both ranks are listed, each with its node, and the node down is named
-        assert code == 200, ps
-        assert sorted(r["pid"] for r in ps["result"]["agents"]) == sorted([pid_a, pid_b])
-        by_node = {n["node"]: n for n in ps["result"]["nodes"]}
-        assert by_node[down]["ok"] is False and by_node[down]["error"]
-        assert all(by_node[h]["ok"] for h in hosts)
-        # AND the stacks of both nodes are merged into one grouped view
-        assert code_stacks == 200 and stacks["exit_code"] == 0, stacks
-        members = sorted(m["pid"] for g in stacks["result"]["groups"] for m in g["members"])
-        assert members == sorted([pid_a, pid_b])
-        # AND a job-wide trace asked of node a traces the rank of each node, from one step
-        code, start = a.action("start", {"job": JOB, "steps": 2, "hosts": hosts}, timeout=120)
-        assert code == 200 and start["exit_code"] == 0, start
-        assert sorted(r["pid"] for r in start["result"]["results"]) == sorted([pid_a, pid_b])
-        assert all(r["status"] == "complete" for r in start["result"]["results"]), start["result"]["results"]
-        assert not start["result"]["missed"] and len(start["result"]["artifacts"]) == 2
-        assert len({r["start_step"] for r in start["result"]["results"]}) == 1, start["result"]["results"]
+    # THEN both ranks are listed, each with its node, and the node down is named
+    assert code == 200, ps
+    assert sorted(r["pid"] for r in ps["result"]["agents"]) == sorted([pid_a, pid_b])
+    by_node = {n["node"]: n for n in ps["result"]["nodes"]}
+    assert by_node[down]["ok"] is False and by_node[down]["error"]
+    assert all(by_node[h]["ok"] for h in hosts)
+    # AND the stacks of both nodes are merged into one grouped view
+    assert code_stacks == 200 and stacks["exit_code"] == 0, stacks
+    members = sorted(m["pid"] for g in stacks["result"]["groups"] for m in g["members"])
+    assert members == sorted([pid_a, pid_b])
+    # AND a job-wide trace asked of node a traces the rank of each node, from one step
+    code, start = a.action("start", {"job": JOB, "steps": 2, "hosts": hosts}, timeout=120)
+    assert code == 200 and start["exit_code"] == 0, start
+    assert sorted(r["pid"] for r in start["result"]["results"]) == sorted([pid_a, pid_b])
+    assert all(r["status"] == "complete" for r in start["result"]["results"]), start["result"]["results"]
+    assert not start["result"]["missed"] and len(start["result"]["artifacts"]) == 2
+    assert len({r["start_step"] for r in start["result"]["results"]}) == 1, start["result"]["results"]
 
-        # WHEN the page of node a is asked the same, its field naming both nodes
-        browser.goto(f"http://127.0.0.1:{a.port}/?token={TOKEN}")
-        section = f"document.querySelector('section.job[data-job=\"{JOB}\"]')"
-        browser.eval(f"{section}.querySelector('input.hosts').value = {json.dumps(','.join(hosts))}")
-        browser.eval(f"{section}.querySelector('button[data-action=ps]').click()")
-        browser.wait_for(f"{section}.getAttribute('data-state') === 'done'")
-        # THEN it shows the ranks of both nodes
-        rows = browser.eval(f"Array.from({section}.querySelectorAll('.result table.agents tr')).length")
-        assert rows == 3  # header + one rank per node
-        browser.eval(f"{section}.setAttribute('data-state', '')")
-        browser.eval(f"{section}.querySelector('button[data-action=stacks]').click()")
-        browser.wait_for(f"{section}.getAttribute('data-state') === 'done'")
-        text = browser.eval(f"{section}.querySelector('.result').innerText")
-        assert "stacks: exit 0" in text and f"node 127.0.0.1:{b.port}: ok" in text, text
-        # AND the artifacts of both nodes (the traces taken above) are listed with their node
-        browser.eval(f"{section}.setAttribute('data-state', '')")
-        browser.eval(f"{section}.querySelector('button[data-action=ls]').click()")
-        browser.wait_for(f"{section}.getAttribute('data-state') === 'done'")
-        cells = browser.eval(
-            f"Array.from({section}.querySelectorAll('.result table.listing tr')).slice(1)"
-            ".map(r => [r.cells[0].textContent, r.cells[2].textContent])"
-        )
-        assert sorted(c for c in cells if c[1] == "trace") == sorted([[h, "trace"] for h in hosts]), cells
-    finally:
-        shutil.rmtree(dirs_a["DYNPROF_RUN_DIR"], ignore_errors=True)
+    # WHEN the page of node a is asked the same, its field naming both nodes
+    browser.goto(f"http://127.0.0.1:{a.port}/?token={TOKEN}")
+    section = f"document.querySelector('section.job[data-job=\"{JOB}\"]')"
+    browser.eval(f"{section}.querySelector('input.hosts').value = {json.dumps(','.join(hosts))}")
+    browser.eval(f"{section}.querySelector('button[data-action=ps]').click()")
+    browser.wait_for(f"{section}.getAttribute('data-state') === 'done'")
+    # THEN it shows the ranks of both nodes
+    rows = browser.eval(f"Array.from({section}.querySelectorAll('.result table.agents tr')).length")
+    assert rows == 3  # header + one rank per node
+    browser.eval(f"{section}.setAttribute('data-state', '')")
+    browser.eval(f"{section}.querySelector('button[data-action=stacks]').click()")
+    browser.wait_for(f"{section}.getAttribute('data-state') === 'done'")
+    text = browser.eval(f"{section}.querySelector('.result').innerText")
+    assert "stacks: exit 0" in text and f"node 127.0.0.1:{b.port}: ok" in text, text
+    # AND the artifacts of both nodes (the traces taken above) are listed with their node
+    browser.eval(f"{section}.setAttribute('data-state', '')")
+    browser.eval(f"{section}.querySelector('button[data-action=ls]').click()")
+    browser.wait_for(f"{section}.getAttribute('data-state') === 'done'")
+    cells = browser.eval(
+        f"Array.from({section}.querySelectorAll('.result table.listing tr')).slice(1)"
+        ".map(r => [r.cells[0].textContent, r.cells[2].textContent])"
+    )
+    assert sorted(c for c in cells if c[1] == "trace") == sorted([[h, "trace"] for h in hosts]), cells
 
 
 def test_job_wide_action_answers_each_nodes_error_structured(short_dir, sidecar, spawn, tmp_path):
@@ -804,26 +801,22 @@ def test_job_wide_action_answers_each_nodes_error_structured(short_dir, sidecar,
     for name in ("a", "b"):
         dirs = {"DYNPROF_RUN_DIR": short_dir(name), "DYNPROF_ARTIFACT_DIR": str(tmp_path / name)}
         nodes.append((sidecar(env=dirs), dirs))
-    (a, dirs_a), (b, dirs_b) = nodes
+    (a, dirs_a), (b, _) = nodes
     target = spawn([PROGRAM, "--step-sleep", "0.01"], env={**dirs_a, "DYNPROF_JOB_ID": JOB})
     (pid,) = target.ready_pids()
     hosts = [f"127.0.0.1:{a.port}", f"127.0.0.1:{b.port}"]
-    try:
-        # WHEN node b alone is asked for the job's stacks, and then node a for both nodes'
-        code, alone = b.action("stacks", {"job": JOB, "no_save": True}, timeout=60)
-        code_wide, wide = a.action("stacks", {"job": JOB, "no_save": True, "hosts": hosts}, timeout=60)
-        # THEN node b answers its error structured, as the CLI's --json has it
-        assert code == 200 and alone["exit_code"] != 0, alone
-        assert isinstance(alone["error"]["type"], str) and alone["error"]["type"]  # the DynprofError's class
-        assert alone["result"] == {"error": alone["error"]} and "job" in alone["error"]["message"]
-        assert alone["error"]["exit_code"] == alone["exit_code"] and alone["error"]["message"]
-        # AND the job-wide answer merges node a's rank, and names node b's error from that field
-        assert code_wide == 200, wide
-        members = [m["pid"] for g in wide["result"]["groups"] for m in g["members"]]
-        assert members == [pid], wide["result"]
-        by_node = {n["node"]: n for n in wide["result"]["nodes"]}
-        assert by_node[hosts[0]]["ok"] is True
-        assert by_node[hosts[1]]["ok"] is False and by_node[hosts[1]]["error"] == alone["error"]["message"]
-    finally:
-        for dirs in (dirs_a, dirs_b):
-            shutil.rmtree(dirs["DYNPROF_RUN_DIR"], ignore_errors=True)
+    # WHEN node b alone is asked for the job's stacks, and then node a for both nodes'
+    code, alone = b.action("stacks", {"job": JOB, "no_save": True}, timeout=60)
+    code_wide, wide = a.action("stacks", {"job": JOB, "no_save": True, "hosts": hosts}, timeout=60)
+    # THEN node b answers its error structured, as the CLI's --json has it
+    assert code == 200 and alone["exit_code"] != 0, alone
+    assert isinstance(alone["error"]["type"], str) and alone["error"]["type"]  # the DynprofError's class
+    assert alone["result"] == {"error": alone["error"]} and "job" in alone["error"]["message"]
+    assert alone["error"]["exit_code"] == alone["exit_code"] and alone["error"]["message"]
+    # AND the job-wide answer merges node a's rank, and names node b's error from that field
+    assert code_wide == 200, wide
+    members = [m["pid"] for g in wide["result"]["groups"] for m in g["members"]]
+    assert members == [pid], wide["result"]
+    by_node = {n["node"]: n for n in wide["result"]["nodes"]}
+    assert by_node[hosts[0]]["ok"] is True
+    assert by_node[hosts[1]]["ok"] is False and by_node[hosts[1]]["error"] == alone["error"]["message"]
