@@ -22,6 +22,14 @@ from tests._ports import free_port
 ROOT = Path(__file__).resolve().parent.parent
 PROGRAMS = ROOT / "tests" / "integration" / "programs"
 
+# One OpenMP thread per torch process the suite starts (unless the caller set a count), as
+# torchrun gives each of its workers. The suite runs dozens of torch processes side by side on
+# a few cores: with a thread per core each, their OpenMP threads spin-wait against each other.
+# Measured on a 2-core machine under `stress-ng --cpu 2`, one job-safety test took 18.4 CPU-s
+# with the default and 10.0 CPU-s with one thread. Nothing the suite checks depends on torch's
+# intra-op thread count; the tests that use several threads set it themselves.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 
 # -- capability probes (each tries the capability once) -------------------------------------
 @functools.cache
