@@ -191,29 +191,32 @@ def test_steps_keep_counting_across_a_recreated_optimizer_and_the_watchdog_stays
     assert hangs == [], [(Path(h["path"]) / "manifest.json").read_text()[:3000] for h in hangs]
 
 
-# 60 steps of the plain loop, ended by their count only (never by --max-seconds, which a loaded
-# machine could reach first: the runs would then print different losses)
-PLAIN_60 = ("--mode", "plain", "--max-steps", "60", "--step-sleep", "0.03", "--max-seconds", "3600")
+def test_traces_leave_the_job_output_and_losses_untouched(spawn, cli, tmp_path):
+    # GIVEN a plain loop under dynprof that steps until the test lets it end (a job that ended by
+    # a step count or a clock could end before both traces on a fast machine, or under a slow CLI)
+    stop = tmp_path / "stop"
+    target = spawn(
+        [PROGRAM, "--mode", "plain", "--step-sleep", "0.03", "--max-seconds", "3600", "--stop-file", str(stop)]
+    )
+    (pid,) = target.ready_pids()
 
-
-def test_traces_leave_the_job_output_and_losses_untouched(spawn, cli):
-    # GIVEN the same loop run once without dynprof
+    # WHEN it is traced in step and duration mode, and then ends
+    step_run = cli("start", "--pid", str(pid), "--steps", "3", "--json")
+    duration_run = cli("start", "--pid", str(pid), "--duration", "0.3", "--json")
+    stop.touch()
+    (done,) = target.wait_for_line("DONE", timeout=300)
+    target.proc.wait(timeout=120)
+    # AND the same loop runs as many steps without dynprof, ended by their count
+    steps = int(done.split()[1])
     plain = subprocess.run(
-        [sys.executable, PROGRAM, *PLAIN_60],
+        [sys.executable, PROGRAM, "--mode", "plain", "--max-steps", str(steps), "--max-seconds", "3600"],
         capture_output=True,
         text=True,
         timeout=600,  # a deadline for a hung run, not a bound on its speed: a loaded machine is slow
     )
     assert plain.returncode == 0, plain.stderr
     expected = [line for line in plain.stdout.splitlines() if line.startswith("LOSS")]
-
-    # WHEN it runs under dynprof and is traced in step and duration mode
-    target = spawn([PROGRAM, *PLAIN_60])
-    (pid,) = target.ready_pids()
-    step_run = cli("start", "--pid", str(pid), "--steps", "3", "--json")
-    duration_run = cli("start", "--pid", str(pid), "--duration", "0.3", "--json")
-    target.wait_for_line("DONE", timeout=300)
-    target.proc.wait(timeout=120)
+    assert len(expected) == steps
 
     # THEN both traces completed, the losses are bit-identical and the output has nothing foreign
     assert step_run.returncode == 0 and duration_run.returncode == 0, step_run.stderr + duration_run.stderr

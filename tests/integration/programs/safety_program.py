@@ -17,6 +17,7 @@ Prints ``READY <pid>`` after the first step, ``LOSS <step> <value>`` every step 
 compare runs with and without dynprof), ``JOBTRACE <n>`` when its own profiler wrote a trace,
 and ``DONE <steps>`` at the end. With ``--park-at N --park-file PATH`` it stops after step N,
 says ``PARKED N`` and waits (inside ``dynprof.phase("parked")``: no hang) until PATH exists.
+With ``--stop-file PATH`` it ends at the first step boundary after PATH exists.
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ def main() -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--park-at", type=int, default=0)
     parser.add_argument("--park-file", default="")
+    parser.add_argument("--stop-file", default="")
     args = parser.parse_args()
 
     torch.manual_seed(0)
@@ -145,6 +147,8 @@ def main() -> int:
     deadline = time.monotonic() + args.max_seconds
     step = 0
     while time.monotonic() < deadline and (not args.max_steps or step < args.max_steps):
+        if args.stop_file and os.path.exists(args.stop_file):
+            break
         if args.mode == "recreate" and step and step % args.recreate_every == 0:
             opt = make_optimizer()  # a new stage: a fresh optimizer starts at its own step 1
         loss = torch.nn.functional.mse_loss(forward(x), y)
