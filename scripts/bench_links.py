@@ -26,12 +26,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests" / "integration"))
-
-from test_links_support import TOKEN, NetnsNodes, SimNodes, netns_usable  # noqa: E402
 
 from dynprof.job.client import SidecarClient  # noqa: E402
 from healthcheck.links.rounds import LinkReport, run_link_rounds  # noqa: E402
+from tests.support.links import TOKEN, NetnsNodes, SimNodes, netns_usable  # noqa: E402
 
 
 def pct(values: list[float], q: float) -> float:

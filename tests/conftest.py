@@ -444,6 +444,17 @@ def spawn() -> Iterator[object]:
             t.stop()
 
 
+@pytest.fixture
+def sim_nodes(tmp_path: Path) -> Iterator[dict[str, object]]:
+    """Two simulated nodes, each a `dynprof serve` with its own run directory, store and
+    DYNPROF_HOST: ``{"a": SimNode, "b": SimNode, "token": Path, "hosts": "A,B"}``, node A on
+    127.0.0.1 and node B on localhost (tests/support/nodes.py). Stopped at the test's end."""
+    from tests.support.nodes import two_nodes
+
+    with two_nodes(tmp_path, "sim-nodes-token-0123456789") as nodes:
+        yield nodes
+
+
 def run_cli(*args: str, timeout: float = 120, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """Run ``python -m dynprof ARGS`` as a real subprocess."""
     full_env = dict(os.environ)

@@ -11,25 +11,22 @@ from __future__ import annotations
 
 import gzip
 import json
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
+from tests.support.nodes import dynprof, split_job
 
-import test_fanout as sim
-
-HANG, STRAGGLER, dynprof = sim.HANG, sim.STRAGGLER, sim.dynprof
-nodes = sim.nodes  # the fixture: two sidecars, each its own node
+HANG = "tests/integration/programs/hang_program.py"
+STRAGGLER = "tests/integration/programs/straggler_program.py"
 
 pytestmark = [pytest.mark.gpu, pytest.mark.ptrace]
 
 
 def nccl_job(spawn, program: str, placement: list, job: str, args: list[str], run_args: tuple[str, ...] = ()):
     """Rank i on placement[i]'s node and on GPU i (LOCAL_RANK), NCCL between them."""
-    targets = sim.split_job(
+    targets = split_job(
         spawn,
         program,
         placement,
@@ -44,17 +41,17 @@ def nccl_job(spawn, program: str, placement: list, job: str, args: list[str], ru
 
 
 @pytest.mark.multi_gpu
-def test_job_wide_cuda_trace_starts_at_the_same_step_on_both_nodes(nodes, spawn, tmp_path):
+def test_job_wide_cuda_trace_starts_at_the_same_step_on_both_nodes(sim_nodes, spawn, tmp_path):
     # GIVEN a 2-rank NCCL training job, rank 0 (GPU 0) on node A and rank 1 (GPU 1) on node B
-    a, b = nodes["a"], nodes["b"]
+    a, b = sim_nodes["a"], sim_nodes["b"]
     nccl_job(spawn, STRAGGLER, [a, b], "gpu-fan", ["--device", "cuda", "--base-load-ms", "5", "--max-seconds", "120"])
 
     # WHEN a 3-step trace of every rank is started from here, through both sidecars
     fetched = tmp_path / "fetched"
     t0 = time.monotonic()
     out = dynprof(
-        "start", "--job", "gpu-fan", "--hosts", nodes["hosts"], "--steps", "3", "--json",
-        "--fetch", str(fetched), token=nodes["token"], timeout=180,
+        "start", "--job", "gpu-fan", "--hosts", sim_nodes["hosts"], "--steps", "3", "--json",
+        "--fetch", str(fetched), token=sim_nodes["token"], timeout=180,
     )  # fmt: skip
     took = time.monotonic() - t0
 
@@ -77,19 +74,19 @@ def test_job_wide_cuda_trace_starts_at_the_same_step_on_both_nodes(nodes, spawn,
         assert kernels and nccl
 
 
-def test_job_wide_cuda_trace_over_ranks_sharing_one_gpu(nodes, spawn, tmp_path):
+def test_job_wide_cuda_trace_over_ranks_sharing_one_gpu(sim_nodes, spawn, tmp_path):
     """The job-wide start (the command's collect_job, through both sidecars) on a one-GPU
     machine: two ranks share cuda:0, gloo between them."""
-    a, b = nodes["a"], nodes["b"]
-    targets = sim.split_job(
+    a, b = sim_nodes["a"], sim_nodes["b"]
+    targets = split_job(
         spawn, STRAGGLER, [a, b], "gpu-shared", ["--device", "cuda-shared", "--base-load-ms", "5", "--max-seconds", "120"]
     )  # fmt: skip
     for t in targets:
         t.ready_pids(timeout=180)
     fetched = tmp_path / "fetched"
     out = dynprof(
-        "start", "--job", "gpu-shared", "--hosts", nodes["hosts"], "--steps", "3", "--json",
-        "--fetch", str(fetched), token=nodes["token"], timeout=180,
+        "start", "--job", "gpu-shared", "--hosts", sim_nodes["hosts"], "--steps", "3", "--json",
+        "--fetch", str(fetched), token=sim_nodes["token"], timeout=180,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
@@ -109,10 +106,10 @@ def test_job_wide_cuda_trace_over_ranks_sharing_one_gpu(nodes, spawn, tmp_path):
 
 
 @pytest.mark.multi_gpu
-def test_hang_merged_across_nodes_names_where_each_rank_waits(nodes, spawn):
+def test_hang_merged_across_nodes_names_where_each_rank_waits(sim_nodes, spawn):
     # GIVEN a 2-rank NCCL job where rank 0 (node A) waits in an all_reduce that rank 1 (node B)
     # never enters, with the flight recorder on
-    a, b = nodes["a"], nodes["b"]
+    a, b = sim_nodes["a"], sim_nodes["b"]
     nccl_job(
         spawn, HANG, [a, b], "gpu-hang", ["--backend", "nccl", "--hold", "skip", "--seconds", "300"],
         ("--flight-recorder", "256"),
@@ -121,14 +118,18 @@ def test_hang_merged_across_nodes_names_where_each_rank_waits(nodes, spawn):
 
     # WHEN the stacks of every rank are asked for through both sidecars
     t0 = time.monotonic()
-    out = dynprof("stacks", "--job", "gpu-hang", "--hosts", nodes["hosts"], "--json", token=nodes["token"])
+    out = dynprof("stacks", "--job", "gpu-hang", "--hosts", sim_nodes["hosts"], "--json", token=sim_nodes["token"])
     took = time.monotonic() - t0
 
     # THEN both ranks are read, each with its node, in two groups: rank 0 in the collective wait
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
     print(f"\nmerged stacks of 2 NCCL ranks on 2 nodes: {took:.2f} s")
-    print(dynprof("stacks", "--job", "gpu-hang", "--hosts", nodes["hosts"], "--no-save", token=nodes["token"]).stdout)
+    print(
+        dynprof(
+            "stacks", "--job", "gpu-hang", "--hosts", sim_nodes["hosts"], "--no-save", token=sim_nodes["token"]
+        ).stdout
+    )
     assert [(p["rank"], p["host"]) for p in doc["processes"]] == [(0, "127.0.0.1"), (1, "localhost")]
     groups = {tuple(g["ranks"]): g for g in doc["groups"]}
     assert set(groups) == {(0,), (1,)}
@@ -136,9 +137,9 @@ def test_hang_merged_across_nodes_names_where_each_rank_waits(nodes, spawn):
     assert "wait_for_data" in groups[(1,)]["headline"]
 
     # AND the flight recorders of both nodes, analysed together, name the missing rank
-    nccl = dynprof("nccl", "--job", "gpu-hang", "--hosts", nodes["hosts"], "--json", token=nodes["token"])
+    nccl = dynprof("nccl", "--job", "gpu-hang", "--hosts", sim_nodes["hosts"], "--json", token=sim_nodes["token"])
     assert nccl.returncode == 0, nccl.stderr
     analysis = json.loads(nccl.stdout)["analysis"]
     hung = [pg for pg in analysis["process_groups"] if pg["hung"]]
     assert hung and hung[0]["waiting"] == [0] and hung[0]["missing"] == [1], analysis
-    print(dynprof("nccl", "--job", "gpu-hang", "--hosts", nodes["hosts"], token=nodes["token"]).stdout)
+    print(dynprof("nccl", "--job", "gpu-hang", "--hosts", sim_nodes["hosts"], token=sim_nodes["token"]).stdout)

@@ -5,12 +5,10 @@ without one (CI does not install it)."""
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -20,12 +18,9 @@ import pytest
 
 from dynprof.cli import main
 from tests._ports import free_port
+from tests.support.chromium import chromium, headless
 
 TRACES = Path(__file__).resolve().parents[1] / "unit" / "data" / "traces"
-
-
-def _chromium() -> str | None:
-    return os.environ.get("DYNPROF_TEST_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
 
 
 @pytest.fixture
@@ -74,40 +69,15 @@ def test_sidecar_serves_the_charts_inline(analysis_page):
     assert "<script" not in page and "src=" not in page
 
 
-def _headless(url: str, *extra: str, timeout: float = 90) -> subprocess.CompletedProcess[str]:
-    profile = tempfile.mkdtemp(prefix="dp-chromium-")
-    try:
-        return subprocess.run(
-            [
-                str(_chromium()),
-                "--headless",
-                "--no-sandbox",
-                "--disable-gpu",
-                "--no-first-run",
-                "--disable-background-networking",
-                "--disable-component-update",
-                "--disable-sync",
-                f"--user-data-dir={profile}",
-                *extra,
-                url,
-            ],
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
-    finally:
-        shutil.rmtree(profile, ignore_errors=True)
-
-
 @pytest.mark.skipif(
-    _chromium() is None,
+    chromium() is None,
     reason="no Chromium here: install Debian's (apt-get install chromium) or set DYNPROF_TEST_CHROMIUM",
 )
 def test_chromium_draws_the_analysis_page_offline(analysis_page, tmp_path):
     # WHEN headless Chromium loads the page (no network beyond the sidecar)
-    dom = _headless(analysis_page, "--dump-dom")
+    dom = headless(analysis_page, "--dump-dom")
     shot = tmp_path / "page.png"
-    shot_run = _headless(analysis_page, f"--screenshot={shot}", "--window-size=1000,1400")
+    shot_run = headless(analysis_page, f"--screenshot={shot}", "--window-size=1000,1400")
 
     # THEN the rendered DOM holds both SVG charts, a bar segment per rank for the time outside
     # operators, the timeline lanes, the verdict, and no script; and a screenshot is drawn

@@ -4,7 +4,6 @@ simulated nodes (each rank with its own run directory, host name and sidecar add
 from __future__ import annotations
 
 import json
-import socket
 import sys
 import tempfile
 import time
@@ -17,6 +16,7 @@ pytest.importorskip("torch")
 
 from dynprof.job import discovery
 from tests._ports import free_port
+from tests.support.nodes import sidecar_nodes, split_job, token_file
 
 TRAIN = "tests/integration/programs/train_program.py"
 # How long discovery may wait for each agent's answer in the timed call: far longer than the
@@ -184,90 +184,39 @@ def test_a_stopped_rank_does_not_delay_discovery(
 
 
 def test_a_job_level_command_reaches_every_discovered_node(spawn: Any, cli: Any, tmp_path: Path, parked: Any) -> None:
-    import os
-    import shutil
-    import subprocess
-
     # GIVEN two simulated nodes, each a sidecar on a loopback port with its own run directory,
     # and a 2-rank gloo job split over them whose ranks name their node's sidecar
-    token = tmp_path / "token"
-    token.write_text("discover-test-token-0123456789\n")
-    token.chmod(0o600)
-    sidecars: list[subprocess.Popen[bytes]] = []
-    ranks: list[Any] = []
-    run_dirs = [Path(tempfile.mkdtemp(prefix="dpx-", dir="/tmp")) for _ in range(2)]
-    try:
-        addresses = []
-        for i, run_dir in enumerate(run_dirs):
-            port = _free_port()
-            env = {**os.environ, "DYNPROF_RUN_DIR": str(run_dir), "DYNPROF_HOST": f"node-{i}"}
-            env["DYNPROF_ARTIFACT_DIR"] = str(tmp_path / f"store-{i}")
-            sidecars.append(
-                subprocess.Popen(
-                    [sys.executable, "-m", "dynprof", "serve", "--port", port, "--token-file", str(token)],
-                    env=env,
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.DEVNULL,
-                    start_new_session=True,
-                )
+    token = token_file(tmp_path, "discover-test-token-0123456789")
+    layout = (("node-0", "127.0.0.1"), ("node-1", "127.0.0.1"))
+    with sidecar_nodes(tmp_path, token, layout) as sims:
+        addresses = [sim.address for sim in sims]
+        hold = ["--hold", "sleep", "--seconds", "90"]
+        ranks = split_job(spawn, HANG, sims, "e2e", hold, rank_env=lambda r: {"DYNPROF_SIDECAR": addresses[r]})
+        try:
+            for target in ranks:
+                parked(target.ready_pids(timeout=90)[0])  # rank 0 in its all_reduce, rank 1 in its sleep
+            # WHEN, on node 0, the stacks of the whole job are asked for with --discover
+            out = cli(
+                "stacks",
+                "--job",
+                "e2e",
+                "--discover",
+                "--allow-hosts",
+                ",".join(addresses),
+                "--json",
+                "--no-save",
+                env={"DYNPROF_RUN_DIR": str(sims[0].run_dir), "DYNPROF_TOKEN_FILE": str(token)},
             )
-            addresses.append(f"127.0.0.1:{port}")
-        for address in addresses:
-            deadline = time.monotonic() + 30
-            while True:
-                try:
-                    socket.create_connection(("127.0.0.1", int(address.split(":")[1])), timeout=1).close()
-                    break
-                except OSError:
-                    assert time.monotonic() < deadline, f"no sidecar on {address}"
-                    time.sleep(0.1)
-        master = _free_port()
-        for rank in (0, 1):
-            env = {
-                "RANK": str(rank),
-                "WORLD_SIZE": "2",
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": master,
-                "DYNPROF_JOB_ID": "e2e",
-                "DYNPROF_RUN_DIR": str(run_dirs[rank]),
-                "DYNPROF_HOST": f"node-{rank}",
-                "DYNPROF_SIDECAR": addresses[rank],
-            }
-            args = ["-m", "dynprof", "run", "-q", "--", sys.executable, HANG, "--hold", "sleep", "--seconds", "90"]
-            ranks.append(spawn(args, under_run=False, env=env))
-        for target in ranks:
-            parked(target.ready_pids(timeout=90)[0])  # rank 0 in its all_reduce, rank 1 in its sleep
-        # WHEN, on node 0, the stacks of the whole job are asked for with --discover
-        out = cli(
-            "stacks",
-            "--job",
-            "e2e",
-            "--discover",
-            "--allow-hosts",
-            ",".join(addresses),
-            "--json",
-            "--no-save",
-            env={"DYNPROF_RUN_DIR": str(run_dirs[0]), "DYNPROF_TOKEN_FILE": str(token)},
-        )
-        # THEN both nodes are reached through their sidecars, and each rank is named where it waits
-        assert out.returncode == 0, out.stderr
-        data = json.loads(out.stdout)
-        # (job-wide, a process's host is the node it was read on, as the node list names it: both
-        # sidecars are on this machine, so each is named host:port)
-        assert sorted((p["rank"], p["host"]) for p in data["processes"]) == [(0, addresses[0]), (1, addresses[1])]
-        headlines = {tuple(g["ranks"]): g["headline"] for g in data["groups"]}
-        assert headlines[(0,)].startswith("in all_reduce")
-        assert headlines[(1,)].startswith("in wait_for_data")
-        assert sorted(n["node"] for n in data["nodes"]) == sorted(addresses)
-    finally:
-        for target in ranks:
-            target.stop()  # before their run directories go
-        for proc in sidecars:
-            proc.terminate()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=10)
-        for d in run_dirs:
-            shutil.rmtree(d, ignore_errors=True)
+            # THEN both nodes are reached through their sidecars, and each rank is named where it waits
+            assert out.returncode == 0, out.stderr
+            data = json.loads(out.stdout)
+            # (job-wide, a process's host is the node it was read on, as the node list names it: both
+            # sidecars are on this machine, so each is named host:port)
+            assert sorted((p["rank"], p["host"]) for p in data["processes"]) == [(0, addresses[0]), (1, addresses[1])]
+            headlines = {tuple(g["ranks"]): g["headline"] for g in data["groups"]}
+            assert headlines[(0,)].startswith("in all_reduce")
+            assert headlines[(1,)].startswith("in wait_for_data")
+            assert sorted(n["node"] for n in data["nodes"]) == sorted(addresses)
+        finally:
+            for target in ranks:
+                target.stop()  # before their run directories go

@@ -16,10 +16,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from test_links_support import ROOT, TOKEN, NetnsNodes, SimNodes, netns_usable
 
 from dynprof.job.client import SidecarClient
 from healthcheck.links.rounds import CODE_HUNG, CODE_SLOW, LinkReport, run_link_rounds
+from tests.support.links import ROOT, TOKEN, NetnsNodes, SimNodes, netns_usable
 
 # One network (10.213.0.0/24 or the next free one, its bridge and namespaces) and fixed store
 # ports: these cases never run beside each other on two xdist workers (ONE_WORKER_MODULES,

@@ -35,6 +35,7 @@ import pytest
 from dynprof.safetext import one_line
 from dynprof.sidecar.app import REFUSAL_LOG_BURST, REFUSAL_LOG_WINDOW_S
 from tests._ports import free_port
+from tests.support.chromium import chromium
 
 ROOT = Path(__file__).resolve().parents[2]
 PROGRAM = "tests/integration/programs/train_program.py"
@@ -507,10 +508,6 @@ def test_tls_with_a_self_signed_certificate(sidecar, tmp_path, cli):
 
 
 # -- the page, in a real headless Chromium ----------------------------------------------------------
-def _chromium() -> str | None:
-    return os.environ.get("DYNPROF_TEST_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
-
-
 def _above_ten(fd: int) -> int:
     high = fcntl.fcntl(fd, fcntl.F_DUPFD, 10)
     os.close(fd)
@@ -610,7 +607,7 @@ class Browser:
 
 @pytest.fixture
 def browser() -> Iterator[Browser]:
-    exe = _chromium()
+    exe = chromium()
     if exe is None:
         pytest.skip("no Chromium here: install Debian's (apt-get install chromium) or set DYNPROF_TEST_CHROMIUM")
     b = Browser(exe)

@@ -1,8 +1,9 @@
 """The watch's injected-fault suite: a 4-rank gloo job over two simulated nodes, one fault each.
 
 Each "node" is a `dynprof serve` on a loopback port with its own run directory, store and
-DYNPROF_HOST (as in test_fanout.py); ranks 0-1 run on node A (127.0.0.1), ranks 2-3 on node B
-(localhost). `dynprof watch --hosts A,B --json` runs from a third place with no agents.
+DYNPROF_HOST (tests/support/nodes.py, the ``sim_nodes`` fixture); ranks 0-1 run on node A
+(127.0.0.1), ranks 2-3 on node B (localhost). `dynprof watch --hosts A,B --json` runs from a
+third place with no agents.
 
 Fault cases: the verdict is a hang that names the faulty rank and its node. False-alarm cases
 (a checkpoint that really writes, an evaluation without optimizer steps, a slow first step, a
@@ -18,22 +19,17 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests._ports import free_port
+from tests.support.nodes import SimNode, split_job
 
 ROOT = Path(__file__).resolve().parents[2]
 PROGRAM = "tests/integration/programs/watch_program.py"
@@ -41,95 +37,12 @@ SCALE = float(os.environ.get("DYNPROF_WATCH_SCALE", "1"))
 STALL_S = 6.0 * SCALE
 PHASE_S = 3 * STALL_S
 FAULT_AT = 8
-TOKEN = "watch-faults-token-0123456789"
-
-
-@dataclass
-class SimNode:
-    name: str
-    label: str  # how the watch names it (its host in --hosts)
-    address: str
-    run_dir: Path
-    artifacts: Path
-    proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def env(self) -> dict[str, str]:
-        return {
-            "DYNPROF_RUN_DIR": str(self.run_dir),
-            "DYNPROF_ARTIFACT_DIR": str(self.artifacts),
-            "DYNPROF_HOST": self.name,
-        }
-
-
-def _wait_listening(port: int, proc: subprocess.Popen[bytes], timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, "dynprof serve exited"
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=1):
-                return
-        except OSError:
-            time.sleep(0.1)
-    raise AssertionError(f"dynprof serve is not listening on {port} after {timeout} s")
-
-
-@pytest.fixture
-def sim_nodes(tmp_path: Path) -> Iterator[dict[str, Any]]:
-    token = tmp_path / "token"
-    token.write_text(TOKEN + "\n")
-    token.chmod(0o600)
-    sims: list[SimNode] = []
-    try:
-        for name, host in (("node-a", "127.0.0.1"), ("node-b", "localhost")):
-            port = free_port()
-            run_dir = Path(tempfile.mkdtemp(prefix=f"dw-{name[-1]}-", dir="/tmp"))
-            sim = SimNode(name, host, f"{host}:{port}", run_dir, tmp_path / f"store-{name}")
-            env = {**os.environ, **sim.env, "PYTHONUNBUFFERED": "1"}
-            env.pop("DYNPROF_TOKEN_FILE", None)
-            with open(tmp_path / f"serve-{name}.log", "wb") as log:
-                sim.proc = subprocess.Popen(
-                    [sys.executable, "-m", "dynprof", "serve", "--port", str(port), "--token-file", str(token)],
-                    env=env,
-                    cwd=str(ROOT),
-                    stdout=subprocess.DEVNULL,
-                    stderr=log,
-                    start_new_session=True,
-                )
-            sims.append(sim)
-        for sim in sims:
-            assert sim.proc is not None
-            _wait_listening(int(sim.address.rsplit(":", 1)[1]), sim.proc)
-        yield {"a": sims[0], "b": sims[1], "token": token, "hosts": ",".join(s.address for s in sims)}
-    finally:
-        for sim in sims:
-            if sim.proc is not None:
-                sim.proc.terminate()
-                try:
-                    sim.proc.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    sim.proc.kill()
-                    sim.proc.wait(timeout=10)
-            shutil.rmtree(sim.run_dir, ignore_errors=True)
 
 
 def start_job(spawn: Any, nodes: dict[str, Any], job: str, args: list[str]) -> list[Any]:
     """Ranks 0-1 on node A, 2-3 on node B, each under `dynprof run`."""
-    master = str(free_port())
-    placement = [nodes["a"], nodes["a"], nodes["b"], nodes["b"]]
-    targets = []
-    for rank, sim in enumerate(placement):
-        env = {
-            **sim.env,
-            "RANK": str(rank),
-            "WORLD_SIZE": str(len(placement)),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": master,
-            "DYNPROF_JOB_ID": job,
-        }
-        cmd = ["-m", "dynprof", "run", "-q", "--", sys.executable, PROGRAM, *args]
-        targets.append(spawn(cmd, under_run=False, env=env))
-    return targets
+    a, b = nodes["a"], nodes["b"]
+    return split_job(spawn, PROGRAM, [a, a, b, b], job, args)
 
 
 class Watch:
@@ -218,14 +131,15 @@ class Watch:
                 self.proc.wait(timeout=10)
 
 
-def wait_until_stepped(node: SimNode, job: str, rank: int, timeout: float = 120.0) -> None:
+def wait_until_stepped(node: SimNode, token: Path, job: str, rank: int, timeout: float = 120.0) -> None:
     """Until ``node``'s sidecar (its book, which the watch reads) has seen ``rank`` of ``job``
     take a step."""
     import urllib.request
 
     deadline = time.monotonic() + timeout
     request = urllib.request.Request(
-        f"http://{node.address}/api/v1/progress?job={job}", headers={"Authorization": f"Bearer {TOKEN}"}
+        f"http://{node.address}/api/v1/progress?job={job}",
+        headers={"Authorization": f"Bearer {token.read_text().strip()}"},
     )
     while time.monotonic() < deadline:
         with urllib.request.urlopen(request, timeout=10) as answer:
@@ -271,7 +185,7 @@ def test_the_hang_verdict_names_the_faulty_rank_and_its_node(sim_nodes, spawn, f
         # keeps the last step a stuck agent told, and its node's book may be older than the
         # rank's first step: so, once the book saw one, one more of the watch's reads)
         watch.wait_for_stderr("4 rank(s)", timeout=120)
-        wait_until_stepped(sim_nodes[node], job, rank)
+        wait_until_stepped(sim_nodes[node], sim_nodes["token"], job, rank)
         ticks = len(watch.stderr)
         watch.wait_for_stderr_after(ticks, "4 rank(s)", timeout=120)
         go.touch()

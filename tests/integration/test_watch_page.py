@@ -15,17 +15,17 @@ from collections.abc import Iterator
 from urllib.parse import quote
 
 import pytest
-import test_analyze_page
 
 from dynprof.store import ArtifactStore
 from dynprof.watch.html import VERDICT_FILE
 from dynprof.watch.model import Culprit, Verdict
 from tests._ports import free_port as _free_port
+from tests.support.chromium import chromium, headless
 
 PROGRAM = "tests/integration/programs/straggler_program.py"
 HOSTILE = "<img src=x onerror=\"document.title='pwned'\"><b id=injected>bold</b>"
 needs_chromium = pytest.mark.skipif(
-    test_analyze_page._chromium() is None,
+    chromium() is None,
     reason="no Chromium here: install Debian's (apt-get install chromium) or set DYNPROF_TEST_CHROMIUM",
 )
 
@@ -99,7 +99,7 @@ def test_page_html_holds_live_ranks_and_the_verdict_as_text(page):
 @needs_chromium
 def test_chromium_shows_the_job_s_ranks_steps_and_verdict(page):
     # WHEN headless Chromium loads the page
-    dom = test_analyze_page._headless(page["index"], "--dump-dom")
+    dom = headless(page["index"], "--dump-dom")
 
     # THEN the live table has both ranks of the job with a step, stepping; the verdict's
     # conclusion is listed; the hostile name made no element
@@ -119,7 +119,7 @@ def test_chromium_shows_the_job_s_ranks_steps_and_verdict(page):
 @needs_chromium
 def test_chromium_shows_a_verdict_artifact_s_conclusion_and_culprits(page):
     # WHEN headless Chromium loads the verdict artifact's page
-    dom = test_analyze_page._headless(page["verdict"], "--dump-dom")
+    dom = headless(page["verdict"], "--dump-dom")
 
     # THEN its conclusion comes first, then its culprits, every hostile string as text
     assert dom.returncode == 0, dom.stderr[-2000:]

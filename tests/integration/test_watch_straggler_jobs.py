@@ -1,20 +1,19 @@
 """The watch's live straggler check on real gloo jobs whose ranks are spread over simulated
-nodes, each with its own `dynprof serve` (the fixture of test_fanout.py): one sampled trace
+nodes, each with its own `dynprof serve` (tests/support/nodes.py): one sampled trace
 through the job-wide start, fetch and the straggler rule of `analyze`."""
 
 from __future__ import annotations
 
 import json
 
-import test_fanout
-
 from dynprof.job.answers import node_labels
 from dynprof.job.client import SidecarClient
 from dynprof.nodes import parse_node
 from dynprof.watch.model import Verdict
 from dynprof.watch.straggler import report_json, sample_stragglers, straggler_hook
+from tests.support.nodes import split_job
 
-nodes = test_fanout.nodes  # two sidecars, node A on 127.0.0.1, node B on localhost
+STRAGGLER = "tests/integration/programs/straggler_program.py"
 
 
 def _client(nodes_fixture: dict) -> SidecarClient:
@@ -28,18 +27,18 @@ def _names(*addresses: str) -> list[str]:
     return [labels[n] for n in parsed]
 
 
-def test_rank_30_percent_slower_is_named_with_its_node_and_cause(nodes, spawn):
+def test_rank_30_percent_slower_is_named_with_its_node_and_cause(sim_nodes, spawn):
     # GIVEN a 3-rank gloo job, rank 0 on node A and ranks 1 and 2 on node B; rank 2 loads each
     # batch in 130 ms where the others take 100 ms (its work 30 % longer; the times are long
     # enough that two cores shared by three ranks and two sidecars do not drown the difference)
-    a, b = nodes["a"], nodes["b"]
+    a, b = sim_nodes["a"], sim_nodes["b"]
     args = ["--slow-ranks", "2", "--load-ms", "130", "--base-load-ms", "100", "--max-seconds", "120"]
-    targets = test_fanout.split_job(spawn, test_fanout.STRAGGLER, [a, b, b], "watch-slow", args)
+    targets = split_job(spawn, STRAGGLER, [a, b, b], "watch-slow", args)
     for t in targets:
         t.ready_pids(timeout=120)
 
     # WHEN the watch's straggler hook samples the job through both sidecars
-    hook = straggler_hook(_client(nodes), [parse_node(a.address), parse_node(b.address)])
+    hook = straggler_hook(_client(sim_nodes), [parse_node(a.address), parse_node(b.address)])
     report = hook("watch-slow")
     name_a, name_b = _names(a.address, b.address)
 
@@ -64,16 +63,16 @@ def test_rank_30_percent_slower_is_named_with_its_node_and_cause(nodes, spawn):
     assert report_json(report)["verdict"]["culprits"][0]["host"] == name_b
 
 
-def test_even_job_gets_no_verdict_and_zero_scores(nodes, spawn):
+def test_even_job_gets_no_verdict_and_zero_scores(sim_nodes, spawn):
     # GIVEN a 2-rank gloo job over both nodes whose ranks take the same 100 ms per batch
-    a, b = nodes["a"], nodes["b"]
+    a, b = sim_nodes["a"], sim_nodes["b"]
     args = ["--load-ms", "100", "--base-load-ms", "100", "--max-seconds", "120"]
-    targets = test_fanout.split_job(spawn, test_fanout.STRAGGLER, [a, b], "watch-even", args)
+    targets = split_job(spawn, STRAGGLER, [a, b], "watch-even", args)
     for t in targets:
         t.ready_pids(timeout=120)
 
     # WHEN it is sampled for 3 steps
-    report = sample_stragglers([a.address, b.address], "watch-even", _client(nodes), steps=3)
+    report = sample_stragglers([a.address, b.address], "watch-even", _client(sim_nodes), steps=3)
     name_a, name_b = _names(a.address, b.address)
 
     # THEN no verdict, every rank scores 0, and the rule's noise threshold is the note
@@ -86,7 +85,7 @@ def test_even_job_gets_no_verdict_and_zero_scores(nodes, spawn):
     def sample_traces(sim) -> set[str]:
         return {str(m.parent) for m in sim.artifacts.rglob("manifest.json") if '"sample-' in m.read_text()}
 
-    first = {n: sample_traces(nodes[n]) for n in ("a", "b")}
+    first = {n: sample_traces(sim_nodes[n]) for n in ("a", "b")}
     assert all(first.values()) and len(report.groups) == 2, (first, report.groups)
     assert all(g.startswith("sample-") for g in report.groups)
     # WHEN a watch that keeps one sample samples again
@@ -95,22 +94,22 @@ def test_even_job_gets_no_verdict_and_zero_scores(nodes, spawn):
     keep = st.KEEP_SAMPLES
     st.KEEP_SAMPLES = 1
     try:
-        again = sample_stragglers([a.address, b.address], "watch-even", _client(nodes), steps=3)
+        again = sample_stragglers([a.address, b.address], "watch-even", _client(sim_nodes), steps=3)
     finally:
         st.KEEP_SAMPLES = keep
     # THEN each node deleted the first sample's traces before tracing the second's
     assert again.scores, again.note
     for n in ("a", "b"):
-        now = sample_traces(nodes[n])
+        now = sample_traces(sim_nodes[n])
         assert now and not (now & first[n]), (n, first[n], now)
 
 
-def test_a_job_that_is_not_there_is_a_note_not_an_exception(nodes):
+def test_a_job_that_is_not_there_is_a_note_not_an_exception(sim_nodes):
     # GIVEN two sidecars and no job named "watch-none" on them
-    a, b = nodes["a"], nodes["b"]
+    a, b = sim_nodes["a"], sim_nodes["b"]
 
     # WHEN it is sampled
-    report = sample_stragglers([a.address, b.address], "watch-none", _client(nodes), limit_s=30)
+    report = sample_stragglers([a.address, b.address], "watch-none", _client(sim_nodes), limit_s=30)
 
     # THEN nothing is decided, and the note says why
     assert report.verdict is None and report.scores == {}

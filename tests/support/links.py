@@ -1,4 +1,4 @@
-"""Simulated nodes for the link tests (no tests here) (tests/integration/test_links.py, scripts/bench_links.py).
+"""Simulated nodes for the link tests (tests/integration/test_links.py, scripts/bench_links.py).
 
 A node is a `dynprof serve` process with its own DYNPROF_HOST and run directory. On loopback
 all nodes share 127.0.0.1 (distinct ports). In network namespaces (root, `ip`, `tc`), node i

@@ -19,9 +19,9 @@ PROGRAMS = {
     "openssl": "TLS sidecars (test_sidecar_actions_processes, test_hostile_sidecar_http, test_job_client)",
     "gdb": "attach to Python < 3.14 (test_attach_processes, test_bad_targets, test_roles_under_launchers)",
     "gcore": "core files of hung ranks (test_stacks)",
-    "ip": "link tests across network namespaces (test_links_support)",
-    "tc": "link tests with a slowed link (test_links_support)",
-    "taskset": "link tests pinned to CPUs (test_links_support)",
+    "ip": "link tests across network namespaces (tests/support/links.py)",
+    "tc": "link tests with a slowed link (tests/support/links.py)",
+    "taskset": "link tests pinned to CPUs (tests/support/links.py)",
     "setpriv": "other users' processes (test_attach_processes, test_stacks)",
     "runuser": "a serve run as another user (test_serve_abuse)",
 }
