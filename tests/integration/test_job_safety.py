@@ -18,6 +18,7 @@ from pathlib import Path
 from collectors.torch_trace import profiler_steps, read_trace
 from dynprof.agent._trace import ALIGN_DURATION_MAX_STEP_S
 
+ROOT = Path(__file__).resolve().parents[2]
 PROGRAM = "tests/integration/programs/safety_program.py"
 JOB_LINE = re.compile(r"^(READY \d+|LOSS \d+ \S+|JOBTRACE \d+|DONE \d+)$")
 
@@ -281,18 +282,45 @@ def test_a_trace_that_times_out_while_armed_names_no_older_artifact(spawn, cli):
     assert "within the cap" in res["error"]
 
 
-def test_a_process_that_exits_mid_trace_is_reported_partial_with_its_path(spawn, cli):
-    # GIVEN a loop that ends by itself in about two seconds
-    target = spawn([PROGRAM, "--mode", "plain", "--step-sleep", "0.02", "--max-steps", "80"])
+def test_a_process_that_exits_mid_trace_is_reported_partial_with_its_path(spawn, cli, tmp_path):
+    # GIVEN a loop that ends by itself when the test says so (after the trace has begun: a loop
+    # that ended by a step count could end before a slow CLI asked)
+    stop = tmp_path / "stop"
+    target = spawn(
+        [PROGRAM, "--mode", "plain", "--step-sleep", "0.02", "--max-seconds", "3600", "--stop-file", str(stop)]
+    )
     (pid,) = target.ready_pids()
 
-    # WHEN more steps are requested than it will run
-    result = cli("start", "--pid", str(pid), "--steps", "100000", "--json")
+    # WHEN more steps are requested than it will run, and it ends while they are being traced
+    start = subprocess.Popen(
+        [sys.executable, "-m", "dynprof", "start", "--pid", str(pid), "--steps", "100000", "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=str(ROOT),
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while _state(cli, pid) != "tracing":
+            assert time.monotonic() < deadline and start.poll() is None, start.communicate(timeout=60)
+            time.sleep(0.1)
+        stop.touch()
+        out, err = start.communicate(timeout=300)
+    finally:
+        if start.poll() is None:
+            start.kill()
+            start.wait()
 
     # THEN the CLI names the partial trace the process flushed on its way out
-    res = _result(result.stdout)
-    assert res["status"] == "partial", res
+    res = _result(out)
+    assert res["status"] == "partial", (res, err)
     assert res["artifact"] and Path(res["artifact"]).is_dir()
+
+
+def _state(cli, pid: int) -> str | None:
+    """The agent's trace state of ``pid`` as `dynprof ps` reads it (None: not listed)."""
+    agents = json.loads(cli("ps", "--json").stdout)["agents"]
+    return next((a["state"] for a in agents if a["pid"] == pid), None)
 
 
 def test_a_compiled_optimizer_step_is_counted_and_traced_without_graph_breaks(spawn, cli):
