@@ -64,9 +64,11 @@ def test_rank_30_percent_slower_is_named_with_its_node_and_cause(sim_nodes, spaw
 
 
 def test_even_job_gets_no_verdict_and_zero_scores(sim_nodes, spawn):
-    # GIVEN a 2-rank gloo job over both nodes whose ranks take the same 100 ms per batch
+    # GIVEN a 2-rank gloo job over both nodes whose ranks take the same 300 ms per batch (the
+    # rule's noise threshold is 10 % of the step: at 100 ms, a rank that a busy 2-core machine
+    # kept off the CPU for 26 ms a step was once called a straggler; real steps are longer)
     a, b = sim_nodes["a"], sim_nodes["b"]
-    args = ["--load-ms", "100", "--base-load-ms", "100", "--max-seconds", "120"]
+    args = ["--load-ms", "300", "--base-load-ms", "300", "--max-seconds", "120"]
     targets = split_job(spawn, STRAGGLER, [a, b], "watch-even", args)
     for t in targets:
         t.ready_pids(timeout=120)
