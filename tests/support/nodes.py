@@ -137,18 +137,10 @@ def two_nodes(workdir: Path, token_text: str) -> contextlib.AbstractContextManag
 
 def dynprof(*args: str, token: Path | None = None, timeout: float = 90) -> subprocess.CompletedProcess[str]:
     """``python -m dynprof ARGS`` from here (the test's own run directory and store: no agents),
-    with ``token`` as its DYNPROF_TOKEN_FILE."""
-    env = dict(os.environ)
-    if token is not None:
-        env["DYNPROF_TOKEN_FILE"] = str(token)
-    return subprocess.run(
-        [sys.executable, "-m", "dynprof", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-        cwd=str(ROOT),
-    )
+    with ``token`` as its DYNPROF_TOKEN_FILE (tests/conftest.py's ``run_cli``)."""
+    from tests.conftest import run_cli
+
+    return run_cli(*args, timeout=timeout, env={"DYNPROF_TOKEN_FILE": str(token)} if token is not None else None)
 
 
 def split_job(
