@@ -108,6 +108,9 @@ ONE_WORKER_MODULES = (
     "tests/unit/test_memory_plan_recipes.py",
     "tests/unit/test_sidecar_server.py",
     "tests/unit/test_watch_sample_addresses.py",
+    "tests/integration/test_trace.py",
+    "tests/integration/test_agent.py",
+    "tests/integration/test_sidecar_actions_processes.py",
 )
 FRAMEWORKS = "tests/frameworks/"
 
@@ -409,39 +412,113 @@ class Target:
             os.killpg(self.proc.pid, signal.SIGKILL)
 
 
+def start_target(args: list[str], under_run: bool = True, env: dict[str, str] | None = None) -> Target:
+    """A target process: ``python ARGS``, under `dynprof run` unless ``under_run`` is false, in
+    its own session, with this process's environment and ``env``."""
+    full_env = dict(os.environ)
+    full_env["PYTHONUNBUFFERED"] = "1"
+    if env:
+        full_env.update(env)
+    cmd = (
+        [sys.executable, "-m", "dynprof", "run", "-q", "--", sys.executable, *args]
+        if under_run
+        else [sys.executable, *args]
+    )
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=full_env,
+        cwd=str(ROOT),
+        start_new_session=True,
+    )
+    return Target(proc)
+
+
 @pytest.fixture
 def spawn() -> Iterator[object]:
     """``spawn(args, under_run=True, env=None)`` starts a target; all are reaped at the end."""
     targets: list[Target] = []
 
     def _spawn(args: list[str], under_run: bool = True, env: dict[str, str] | None = None) -> Target:
-        full_env = dict(os.environ)
-        full_env["PYTHONUNBUFFERED"] = "1"
-        if env:
-            full_env.update(env)
-        cmd = (
-            [sys.executable, "-m", "dynprof", "run", "-q", "--", sys.executable, *args]
-            if under_run
-            else [sys.executable, *args]
-        )
-        proc = subprocess.Popen(
-            cmd,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=full_env,
-            cwd=str(ROOT),
-            start_new_session=True,
-        )
-        target = Target(proc)
-        targets.append(target)
-        return target
+        targets.append(start_target(args, under_run, env))
+        return targets[-1]
 
     try:
         yield _spawn
     finally:
         for t in targets:
             t.stop()
+
+
+# -- targets shared by the tests of a module -------------------------------------------------------
+# A torch training process costs 3.5 CPU-s to start (importing torch, then torch._dynamo at its
+# first optimizer) before a test checks anything. Tests that only ask a running loop questions
+# (trace it, refuse a bad request, send it garbage) share one: ``shared_target``. A module that
+# uses it is one worker's family (ONE_WORKER_MODULES; tests/unit/test_suite_order.py checks),
+# or each worker would start its own.
+@pytest.fixture(scope="module")
+def module_dirs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Path]]:
+    """The run dir and store of a module's shared targets (removed after them)."""
+    run_dir = Path(tempfile.mkdtemp(prefix="dp-", dir="/tmp"))
+    artifacts = tmp_path_factory.mktemp("module-store") / "artifacts"
+    yield {"run": run_dir, "artifacts": artifacts}
+    shutil.rmtree(run_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def module_targets(module_dirs: dict[str, Path]) -> Iterator[dict[object, Target]]:
+    started: dict[object, Target] = {}
+    yield started
+    for target in started.values():
+        target.stop()
+
+
+def _idle(target: Target, timeout: float = 60.0) -> None:
+    """Until the agent of ``target`` (its READY pid) traces nothing: a trace an earlier test
+    left running or armed (it failed midway) is stopped, so each test starts from an idle agent."""
+    from dynprof.client import AgentClient
+    from dynprof.proto import pb
+
+    (pid,) = target.ready_pids(timeout=120)
+    client = AgentClient.for_pid(pid, timeout=30)
+    deadline = time.monotonic() + timeout
+    state = client.status().trace.state
+    if state in ("armed", "tracing"):
+        client.request(raise_on_error=False, stop_trace=pb.StopTraceRequest())
+    while state != "idle":
+        assert time.monotonic() < deadline, f"the shared target {pid}'s trace is still {state} after {timeout} s"
+        time.sleep(0.1)
+        state = client.status().trace.state
+
+
+@pytest.fixture
+def shared_target(
+    module_dirs: dict[str, Path],
+    module_targets: dict[object, Target],
+    dynprof_dirs: dict[str, Path],
+    monkeypatch: pytest.MonkeyPatch,
+) -> Callable[..., Target]:
+    """``shared_target(args, under_run=True, env=None)``: the module's running target of those
+    arguments, started by the first test that asks for it and ended after the module's last.
+    Under `dynprof run`, its agent traces nothing when the test gets it. The test's run dir and
+    store (``dynprof_dirs``, the environment its CLI calls see) become the module's, where the
+    target registered and writes."""
+    monkeypatch.setenv("DYNPROF_RUN_DIR", str(module_dirs["run"]))
+    monkeypatch.setenv("DYNPROF_ARTIFACT_DIR", str(module_dirs["artifacts"]))
+    dynprof_dirs.update(module_dirs)
+
+    def get(args: list[str], under_run: bool = True, env: dict[str, str] | None = None) -> Target:
+        key = (tuple(args), under_run, tuple(sorted((env or {}).items())))
+        target = module_targets.get(key)
+        if target is None or target.proc.poll() is not None:
+            target = module_targets[key] = start_target(args, under_run, env)
+        if under_run:
+            _idle(target)
+        return target
+
+    return get
 
 
 @pytest.fixture

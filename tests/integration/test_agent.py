@@ -18,6 +18,9 @@ from dynprof.proto import PROTOCOL_VERSION, pb, recv_frame, send_frame
 
 PROGRAM = "tests/integration/programs/train_program.py"
 ROOT = Path(__file__).resolve().parents[2]
+# The loop that tests which only talk to a process share (the module's ``shared_target``): one
+# under `dynprof run`, one plain python.
+LOOP = [PROGRAM, "--step-sleep", "0.01"]
 
 
 def _agents(cli):
@@ -50,8 +53,8 @@ def test_pth_hook_starts_the_agent_with_DYNPROF_set(spawn, cli):
     assert agents[pid]["step"] > 0
 
 
-def test_pth_hook_does_nothing_without_DYNPROF(spawn, cli):
-    target = spawn([PROGRAM, "--step-sleep", "0.01"], under_run=False)
+def test_pth_hook_does_nothing_without_DYNPROF(shared_target, cli):
+    target = shared_target(LOOP, under_run=False)
     (pid,) = target.ready_pids()
     assert pid not in {a["pid"] for a in _agents(cli)}
 
@@ -99,9 +102,9 @@ def test_records_go_away_at_exit_and_after_a_kill(spawn, cli, dynprof_dirs):
     assert not (agents / f"{pid2}.json").exists() and not (agents / f"{pid2}.sock").exists()
 
 
-def test_agent_survives_malformed_and_oversized_frames(spawn):
+def test_agent_survives_malformed_and_oversized_frames(shared_target):
     # GIVEN an agent
-    target = spawn([PROGRAM, "--step-sleep", "0.01"])
+    target = shared_target(LOOP)
     (pid,) = target.ready_pids()
     client = AgentClient.for_pid(pid)
 
@@ -147,8 +150,8 @@ def test_agent_survives_malformed_and_oversized_frames(spawn):
     assert target.proc.poll() is None
 
 
-def test_agent_ignores_a_client_that_never_sends(spawn):
-    target = spawn([PROGRAM, "--step-sleep", "0.01"])
+def test_agent_ignores_a_client_that_never_sends(shared_target):
+    target = shared_target(LOOP)
     (pid,) = target.ready_pids()
     client = AgentClient.for_pid(pid, timeout=120)
     silent = socket.socket(socket.AF_UNIX)
@@ -162,8 +165,8 @@ def test_agent_ignores_a_client_that_never_sends(spawn):
 
 
 # -- errors people see ----------------------------------------------------------------------------
-def test_no_agent_in_a_plain_process(spawn, cli):
-    target = spawn([PROGRAM, "--step-sleep", "0.01"], under_run=False)
+def test_no_agent_in_a_plain_process(shared_target, cli):
+    target = shared_target(LOOP, under_run=False)
     (pid,) = target.ready_pids()
     result = cli("start", "--pid", str(pid), "--steps", "2")
     assert result.returncode == 5
@@ -188,8 +191,8 @@ def test_process_without_torch_is_reported(spawn, cli):
     assert "torch is not imported" in result.stderr
 
 
-def test_stop_without_a_trace(spawn, cli):
-    target = spawn([PROGRAM, "--step-sleep", "0.01"])
+def test_stop_without_a_trace(shared_target, cli):
+    target = shared_target(LOOP)
     (pid,) = target.ready_pids()
     result = cli("stop", "--pid", str(pid))
     assert result.returncode == 1
@@ -238,10 +241,10 @@ needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to switch 
 
 
 @needs_root
-def test_another_users_process_is_refused_with_a_clear_message(spawn):
+def test_another_users_process_is_refused_with_a_clear_message(shared_target):
     from dynprof.cli import main
 
-    target = spawn([PROGRAM, "--step-sleep", "0.01"])
+    target = shared_target(LOOP)
     (pid,) = target.ready_pids()
     code, err = _as_nobody(lambda: main(["start", "--pid", str(pid), "--steps", "2"]))
     assert code == 4, err

@@ -137,9 +137,10 @@ def sidecar(dynprof_dirs, tmp_path) -> Iterator[Callable[..., Sidecar]]:
 
 
 @pytest.fixture
-def train(spawn) -> int:
-    """The pid of a training loop of job JOB under `dynprof run`, past its first step."""
-    target = spawn([PROGRAM, "--step-sleep", "0.01"], env={"DYNPROF_JOB_ID": JOB})
+def train(shared_target) -> int:
+    """The pid of a training loop of job JOB under `dynprof run`, past its first step, tracing
+    nothing: the module's one (``shared_target``), in the run dir and store this test now uses."""
+    target = shared_target([PROGRAM, "--step-sleep", "0.01"], env={"DYNPROF_JOB_ID": JOB})
     (pid,) = target.ready_pids()
     return pid
 
@@ -626,6 +627,7 @@ def test_page_buttons_trace_and_show_merged_stacks(sidecar, train, browser, dynp
     assert browser.eval(f"{section}.querySelector('td.state').textContent") == "idle"
 
     step_before = int(browser.eval(f"{section}.querySelector('td.step').textContent"))
+    traced_before = set(dynprof_dirs["artifacts"].rglob("trace.json.gz"))  # the module's earlier tests'
 
     # WHEN "Trace" is clicked for 2 steps
     browser.eval(f"{section}.querySelector('input.steps').value = '2'")
@@ -636,7 +638,7 @@ def test_page_buttons_trace_and_show_merged_stacks(sidecar, train, browser, dynp
     head = browser.eval(f"{section}.querySelector('.result .head').textContent")
     assert head.startswith("start: exit 0"), head + str(browser.eval(f"{section}.querySelector('.result').innerText"))
     href = browser.eval(f"{section}.querySelector('.result a.artifact').getAttribute('href')")
-    traces = list(dynprof_dirs["artifacts"].rglob("trace.json.gz"))
+    traces = list(set(dynprof_dirs["artifacts"].rglob("trace.json.gz")) - traced_before)
     assert len(traces) == 1
     art = artifact_id(str(traces[0].parent), dynprof_dirs["artifacts"])
     assert href == "/artifact/" + quote(art)

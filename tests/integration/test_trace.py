@@ -10,6 +10,9 @@ from pathlib import Path
 from collectors.torch_trace import profiler_steps, read_trace
 
 PROGRAM = "tests/integration/programs/train_program.py"
+# The loop the tests that only trace and ask share (the module's ``shared_target``): each gets it
+# with an idle agent, past however many traces the tests before it took.
+LOOP = [PROGRAM, "--step-sleep", "0.005"]
 
 
 def _trace_of(result_json: dict) -> tuple[dict, dict]:
@@ -18,9 +21,9 @@ def _trace_of(result_json: dict) -> tuple[dict, dict]:
     return read_trace(Path(res["artifact"]) / "trace.json.gz"), manifest
 
 
-def test_steps_mode_captures_exactly_n_steps(spawn, cli):
+def test_steps_mode_captures_exactly_n_steps(shared_target, cli):
     # GIVEN a training loop running under `dynprof run`
-    target = spawn([PROGRAM, "--step-sleep", "0.005"])
+    target = shared_target(LOOP)
     (pid,) = target.ready_pids()
 
     # WHEN five steps are traced
@@ -39,9 +42,9 @@ def test_steps_mode_captures_exactly_n_steps(spawn, cli):
     assert trace["distributedInfo"]["world_size"] == 1
 
 
-def test_unbounded_start_then_stop(spawn, cli):
+def test_unbounded_start_then_stop(shared_target, cli):
     # GIVEN a running loop
-    target = spawn([PROGRAM, "--step-sleep", "0.005"])
+    target = shared_target(LOOP)
     (pid,) = target.ready_pids()
 
     # WHEN a trace is started without a bound
@@ -49,7 +52,7 @@ def test_unbounded_start_then_stop(spawn, cli):
     # THEN it returns once the trace is active
     assert started.returncode == 0, started.stderr
     assert "tracing in 1 process" in started.stdout
-    status = json.loads(cli("ps", "--json").stdout)["agents"][0]
+    (status,) = [a for a in json.loads(cli("ps", "--json").stdout)["agents"] if a["pid"] == pid]
     assert status["state"] == "tracing"
 
     # WHEN it is stopped
@@ -117,8 +120,8 @@ def test_duration_mode_for_a_loop_without_optimizer(spawn, cli):
     assert manifest["summary"]["stopped_by"] == "duration"
 
 
-def test_second_start_is_refused_as_busy(spawn, cli):
-    target = spawn([PROGRAM, "--step-sleep", "0.005"])
+def test_second_start_is_refused_as_busy(shared_target, cli):
+    target = shared_target(LOOP)
     (pid,) = target.ready_pids()
     first = cli("start", "--pid", str(pid), "--steps", "100000", "--no-wait")
     assert first.returncode == 0, first.stderr
@@ -153,17 +156,20 @@ def test_trace_is_flushed_as_partial_when_the_process_exits(spawn, cli, dynprof_
     assert len(profiler_steps(read_trace(Path(listing[0]["path"]) / "trace.json.gz"))) >= 1
 
 
-def test_trace_ends_by_itself_at_the_hard_cap_without_the_cli(spawn, cli):
+def test_trace_ends_by_itself_at_the_hard_cap_without_the_cli(shared_target, cli):
     # GIVEN an unbounded trace whose CLI returned at once
-    target = spawn([PROGRAM, "--step-sleep", "0.005"])
+    target = shared_target(LOOP)
     (pid,) = target.ready_pids()
+    before = {a["path"] for a in json.loads(cli("ls", "--kind", "trace", "--json").stdout)["artifacts"]}
     assert cli("start", "--pid", str(pid), "--max-duration", "1", "--no-wait").returncode == 0
 
     # THEN the agent ended it by itself and wrote the artifact
     deadline = time.monotonic() + 120
     listing = []
     while time.monotonic() < deadline and not listing:
-        listing = json.loads(cli("ls", "--kind", "trace", "--json").stdout)["artifacts"]
+        listing = [
+            a for a in json.loads(cli("ls", "--kind", "trace", "--json").stdout)["artifacts"] if a["path"] not in before
+        ]
         time.sleep(0.2)
     assert listing, "no artifact after the cap"
     manifest = json.loads((Path(listing[0]["path"]) / "manifest.json").read_text())
@@ -190,16 +196,16 @@ def test_at_step_starts_after_that_step(spawn, cli):
     assert [s["name"] for s in profiler_steps(trace)] == [f"ProfilerStep#{k + 1}", f"ProfilerStep#{k + 2}"]
 
 
-def test_at_step_in_the_past_is_refused(spawn, cli):
-    target = spawn([PROGRAM, "--step-sleep", "0.005"])
+def test_at_step_in_the_past_is_refused(shared_target, cli):
+    target = shared_target(LOOP)
     (pid,) = target.ready_pids()
     result = cli("start", "--pid", str(pid), "--steps", "2", "--at-step", "1")
     assert result.returncode == 8
     assert "step 1 has passed" in result.stderr
 
 
-def test_all_profiler_options_are_passed_to_torch(spawn, cli):
-    target = spawn([PROGRAM, "--step-sleep", "0.005"])
+def test_all_profiler_options_are_passed_to_torch(shared_target, cli):
+    target = shared_target(LOOP)
     (pid,) = target.ready_pids()
     result = cli(
         "start",

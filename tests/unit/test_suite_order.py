@@ -69,3 +69,25 @@ def test_a_framework_case_is_one_family_and_other_tests_are_alone():
     assert group("tests/frameworks/test_torch_loops.py::test_plain") is None
     assert group("tests/unit/test_cli.py::test_help[ps]") is None
     assert group("tests/integration/test_watch_faults.py::test_busy[eval]") is None
+
+
+def test_every_module_that_shares_a_target_is_one_workers_family():
+    # On several workers, each would start its own "shared" target, and the CPU it saves is spent again.
+    users = sorted(
+        str(path.relative_to(ROOT))
+        for path in (ROOT / "tests").rglob("test_*.py")
+        if "shared_target" in _fixture_names(path)
+    )
+    assert users, "no module uses shared_target: this check would hold nothing"
+    assert [m for m in users if m not in ONE_WORKER_MODULES] == []
+
+
+def _fixture_names(path: Path) -> set[str]:
+    """The parameter names of the module's test functions and fixtures (what they ask for)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    return {
+        arg.arg
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        for arg in node.args.args
+    }
