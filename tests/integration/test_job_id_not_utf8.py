@@ -23,14 +23,27 @@ TOKEN = "hostile-text-token-0123456789abcdef"
 PROGRAM = "tests/integration/programs/train_program.py"
 
 
-def _wait(pred, timeout: float = 120.0, what: str = "condition"):
+def _wait(pred, timeout: float = 120.0, what: str = "condition", seen=lambda: ""):
+    """Until ``pred()`` is true; past the deadline, an error that says ``what`` and ``seen()``."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = pred()
         if value:
             return value
         time.sleep(0.2)
-    raise AssertionError(f"{what} not met before the far deadline")
+    raise AssertionError(f"{what} not met before the far deadline\n{seen()}")
+
+
+def _tails(folder: Path, *names: str) -> str:
+    """The last lines of each log ``names`` in ``folder`` (what the processes said)."""
+    out = []
+    for name in names:
+        try:
+            lines = (folder / name).read_bytes().decode(errors="replace").splitlines()
+        except OSError as exc:
+            lines = [f"(unreadable: {exc})"]
+        out.append(f"--- {name}, last lines:\n" + "\n".join(lines[-15:]))
+    return "\n".join(out)
 
 
 def _environb(**extra: bytes) -> dict[bytes, bytes]:
@@ -112,13 +125,21 @@ def test_a_job_id_that_is_not_utf8_fails_neither_the_sidecar_nor_the_jobs_output
             code, body = _get(port, "/api/progress")
             return json.loads(body) if code == 200 else None
 
+        last: list[dict | None] = [None]
+
         def both_listed() -> dict | None:
-            p = progress()
+            p = last[0] = progress()
             ranks = (p or {}).get("ranks", [])
             good_steps = [r["step"] for r in ranks if r["job"] == "good"]
             return p if len(ranks) == 2 and good_steps and good_steps[0] > 0 else None
 
-        _wait(both_listed, what="both jobs in the sidecar's progress, the good one stepping")
+        def seen() -> str:
+            state = (
+                f"jobs running: bad {bad.poll() is None}, good {good.poll() is None}, sidecar {serve.poll() is None}"
+            )
+            return f"last progress: {last[0]}\n{state}\n" + _tails(tmp_path, "bad.err", "good.err", "serve.err")
+
+        _wait(both_listed, what="both jobs in the sidecar's progress, the good one stepping", seen=seen)
         # WHEN the sidecar's pollers have asked the job's agent for its status ten more times
         polls: set[float] = set()
 
@@ -128,7 +149,7 @@ def test_a_job_id_that_is_not_utf8_fails_neither_the_sidecar_nor_the_jobs_output
                     polls.add(r["polled_at"])
             return len(polls) >= 10
 
-        _wait(ten_polls, what="ten polls of the job's agent")
+        _wait(ten_polls, what="ten polls of the job's agent", seen=seen)
         metrics_code, metrics = _get(port, "/metrics")
         page_code, page = _get(port, "/")
         shown = cli("ps", "--json", timeout=120)
