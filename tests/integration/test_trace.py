@@ -161,6 +161,7 @@ def test_trace_ends_by_itself_at_the_hard_cap_without_the_cli(shared_target, cli
     target = shared_target(LOOP)
     (pid,) = target.ready_pids()
     before = {a["path"] for a in json.loads(cli("ls", "--kind", "trace", "--json").stdout)["artifacts"]}
+    asked_at = time.time()
     assert cli("start", "--pid", str(pid), "--max-duration", "1", "--no-wait").returncode == 0
 
     # THEN the agent ended it by itself and wrote the artifact
@@ -173,8 +174,13 @@ def test_trace_ends_by_itself_at_the_hard_cap_without_the_cli(shared_target, cli
         time.sleep(0.2)
     assert listing, "no artifact after the cap"
     manifest = json.loads((Path(listing[0]["path"]) / "manifest.json").read_text())
-    assert manifest["summary"]["stopped_by"] == "cap"
-    assert manifest["summary"]["profiled_s"] >= 0.9
+    summary = manifest["summary"]
+    assert summary["stopped_by"] == "cap" and summary["profiled_s"] > 0
+    # the cap (1 s from the request) never came early: the stop was due a full second after
+    # the request or later (the trace itself starts at the next step boundary after the
+    # request: on a loaded machine, a fraction of the second later)
+    stop_due = summary["profiled_until"] - summary["stop_waited_s"]
+    assert stop_due >= asked_at + 1.0 - 0.01, (asked_at, summary)
 
 
 def test_at_step_starts_after_that_step(spawn, cli):
