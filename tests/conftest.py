@@ -501,7 +501,9 @@ def shared_target(
     monkeypatch: pytest.MonkeyPatch,
 ) -> Callable[..., Target]:
     """``shared_target(args, under_run=True, env=None)``: the module's running target of those
-    arguments, started by the first test that asks for it and ended after the module's last.
+    arguments, started by the first test that asks for it and ended after the module's last
+    (give it a time limit longer than the module takes on a loaded machine: train_program.py's
+    default --max-seconds of 120 is not).
     Under `dynprof run`, its agent traces nothing when the test gets it. The test's run dir and
     store (``dynprof_dirs``, the environment its CLI calls see) become the module's, where the
     target registered and writes."""
@@ -512,7 +514,10 @@ def shared_target(
     def get(args: list[str], under_run: bool = True, env: dict[str, str] | None = None) -> Target:
         key = (tuple(args), under_run, tuple(sorted((env or {}).items())))
         target = module_targets.get(key)
-        if target is None or target.proc.poll() is not None:
+        if target is None or target.proc.poll() is not None or any(line.startswith("DONE") for line in target.lines):
+            # (a loop that reached its own limit says DONE and exits: the next test gets a new one)
+            if target is not None:
+                target.stop()
             target = module_targets[key] = start_target(args, under_run, env)
         if under_run:
             _idle(target)

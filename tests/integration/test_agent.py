@@ -20,7 +20,7 @@ PROGRAM = "tests/integration/programs/train_program.py"
 ROOT = Path(__file__).resolve().parents[2]
 # The loop that tests which only talk to a process share (the module's ``shared_target``): one
 # under `dynprof run`, one plain python.
-LOOP = [PROGRAM, "--step-sleep", "0.01"]
+LOOP = [PROGRAM, "--step-sleep", "0.01", "--max-seconds", "1800"]
 
 
 def _agents(cli):

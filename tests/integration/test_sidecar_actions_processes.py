@@ -140,7 +140,7 @@ def sidecar(dynprof_dirs, tmp_path) -> Iterator[Callable[..., Sidecar]]:
 def train(shared_target) -> int:
     """The pid of a training loop of job JOB under `dynprof run`, past its first step, tracing
     nothing: the module's one (``shared_target``), in the run dir and store this test now uses."""
-    target = shared_target([PROGRAM, "--step-sleep", "0.01"], env={"DYNPROF_JOB_ID": JOB})
+    target = shared_target([PROGRAM, "--step-sleep", "0.01", "--max-seconds", "1800"], env={"DYNPROF_JOB_ID": JOB})
     (pid,) = target.ready_pids()
     return pid
 

@@ -12,7 +12,7 @@ from collectors.torch_trace import profiler_steps, read_trace
 PROGRAM = "tests/integration/programs/train_program.py"
 # The loop the tests that only trace and ask share (the module's ``shared_target``): each gets it
 # with an idle agent, past however many traces the tests before it took.
-LOOP = [PROGRAM, "--step-sleep", "0.005"]
+LOOP = [PROGRAM, "--step-sleep", "0.005", "--max-seconds", "1800"]
 
 
 def _trace_of(result_json: dict) -> tuple[dict, dict]:

@@ -40,7 +40,10 @@ class _Running:
 
     def ask(self, data: bytes) -> Any:
         with self.connect() as conn:
-            send_frame(conn, data)
+            try:
+                send_frame(conn, data)
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # a server at its limit answers BUSY and hangs up unread: its answer is still there
             reply = pb.Reply()
             reply.ParseFromString(recv_frame(conn))
             return reply
@@ -50,7 +53,12 @@ def _served_within(running: _Running, seconds: float) -> bool:
     """Is a ping answered with a pong within ``seconds`` (BUSY answers retried)?"""
     deadline = time.monotonic() + seconds
     while True:
-        reply = running.ask(_request(ping=pb.Ping()))
+        try:
+            reply = running.ask(_request(ping=pb.Ping()))
+        except ConnectionResetError:
+            # BUSY: the server at its limit hung up with our request unread, which may reset
+            # the connection before its answer is read
+            reply = pb.Reply(error=pb.Error(code=pb.BUSY))
         if reply.HasField("pong"):
             return True
         if reply.error.code != pb.BUSY or time.monotonic() > deadline:
