@@ -354,8 +354,9 @@ def parked() -> object:
 class Target:
     """A child process started for a test, with its output lines collected."""
 
-    def __init__(self, proc: subprocess.Popen[str]) -> None:
+    def __init__(self, proc: subprocess.Popen[str], run_dir: str | None = None) -> None:
         self.proc = proc
+        self.run_dir = run_dir  # its DYNPROF_RUN_DIR, where its agents' logs are
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -392,6 +393,17 @@ class Target:
         except Exception as exc:
             return f"\n(dynprof stacks failed: {exc})"
         return f"\nstacks of pid {self.proc.pid}:\n{found.stdout}{found.stderr}"
+
+    def state(self, pid: int | None = None) -> str:
+        """For a failed call's message: whether the target still runs, its last output lines
+        (its stderr too) and the end of the agent log of ``pid`` (a process of the target; the
+        agent notes there a connection it could not serve)."""
+        parts = [f"\ntarget exit status: {self.proc.poll()}; its last output:", *self.lines[-20:]]
+        if pid is not None and self.run_dir:
+            log = Path(self.run_dir) / "logs" / f"{pid}.log"
+            tail = log.read_text(errors="replace").splitlines()[-30:] if log.exists() else ["(none)"]
+            parts += [f"agent log {log}:", *tail]
+        return "\n".join(parts)
 
     def ready_pids(self, count: int = 1, timeout: float = 60.0) -> list[int]:
         return [int(line.split()[1]) for line in self.wait_for_line("READY", timeout, count)[:count]]
@@ -433,7 +445,7 @@ def start_target(args: list[str], under_run: bool = True, env: dict[str, str] | 
         cwd=str(ROOT),
         start_new_session=True,
     )
-    return Target(proc)
+    return Target(proc, full_env.get("DYNPROF_RUN_DIR"))
 
 
 @pytest.fixture

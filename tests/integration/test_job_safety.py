@@ -85,7 +85,7 @@ def test_step_mode_with_the_optimizer_stepped_inside_backward(spawn, cli):
         result = cli("start", "--pid", str(pid), "--steps", "3", "--json")
 
         # THEN each trace holds three consecutive steps and the job lives on
-        assert result.returncode == 0, result.stdout + result.stderr
+        assert result.returncode == 0, result.stdout + result.stderr + target.state(pid)
         res = _result(result.stdout)
         assert res["status"] == "complete"
         numbers = _trace_steps(res)
