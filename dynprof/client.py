@@ -146,6 +146,12 @@ class AgentClient:
             time.sleep(pause)
             pause = min(pause * 2, _MAX_RETRY_PAUSE_S)
         if reply.request_id != req.request_id:
+            if reply.request_id == 0 and reply.HasField("error"):
+                # The agent could not read our request (it came too slowly, or was not a frame)
+                # and says why: that message, not "another request", is what to show.
+                if raise_on_error:
+                    raise error_from_reply(self.pid, reply.error)
+                return reply
             raise errors.AgentError(f"reply from process {self.pid} answers another request")
         if reply.HasField("error"):
             if raise_on_error:

@@ -6,7 +6,9 @@ accepted connection is read by its own daemon thread under a whole-request deadl
 or silent client holds one slot for at most ``REQUEST_DEADLINE_S`` and blocks nobody else. At
 most ``MAX_CONNECTIONS`` connections are served at once; one more is answered at once with a
 ``BUSY`` error whose ``request_id`` is 0 (its request was never read) and closed, and clients
-retry on that answer. Handlers run one at a time, as they always have.
+retry on that answer (as on the same answer when no thread could be started to serve it).
+A connection is never closed without a reply unless its peer is another user: a failure while
+serving it is answered ``INTERNAL`` for request 0. Handlers run one at a time, as they always have.
 
 A malformed or oversized frame, an unknown command or a protocol version mismatch gets a
 structured error reply or a closed connection. Bad clients are noted in the agent's log file
@@ -150,7 +152,13 @@ class ControlServer:
             try:
                 self._start_connection(conn)
             except Exception as exc:
+                # No thread to serve it (the process is out of threads or memory, say): answer
+                # BUSY for request 0, as at the connection limit, so the client asks again
+                # instead of reading a hang-up.
                 self.noise.note("connection handling failed", f"{type(exc).__name__}: {exc}")
+                self._reply_error(
+                    conn, 0, pb.BUSY, "the agent could not start serving this connection; retry shortly", timeout=0.0
+                )
                 with contextlib.suppress(OSError):
                     conn.close()
 
@@ -180,7 +188,10 @@ class ControlServer:
         try:
             self._handle_connection(conn)
         except Exception as exc:
+            # Every path of _handle_connection that sends a reply catches its own errors, so
+            # nothing was sent: say so (the details go to the agent's log, not to the peer).
             self.noise.note("connection handling failed", f"{type(exc).__name__}: {exc}")
+            self._reply_error(conn, 0, pb.INTERNAL, "the agent failed while serving this connection (see its log)")
         finally:
             with contextlib.suppress(OSError):
                 conn.close()

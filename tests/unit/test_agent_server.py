@@ -217,3 +217,49 @@ def test_close_ends_the_accept_loop_and_removes_the_socket(serve):
     # THEN its thread has ended and the socket file is gone
     assert not running.thread.is_alive()
     assert not os.path.exists(running.path)
+
+
+def test_a_connection_no_thread_can_serve_is_answered_busy_and_the_client_gets_in_later(serve, monkeypatch):
+    # GIVEN a server whose next two connection threads cannot start (a process out of threads)
+    running = serve({"ping": lambda _: ("pong", pb.Pong(dynprof_version="v1"))})
+    failures = [RuntimeError("can't start new thread")] * 2
+    real_start = threading.Thread.start
+
+    def start(thread: threading.Thread) -> None:
+        if thread.name == "dynprof-agent-conn" and failures:
+            raise failures.pop()
+        real_start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+
+    # WHEN a client asks
+    first = running.ask(_request(request_id=5, ping=pb.Ping()))
+
+    # THEN it is not hung up on: BUSY for request 0, the answer clients retry on, and noted
+    assert first.request_id == 0 and first.error.code == pb.BUSY, first
+    assert "could not start serving" in first.error.message
+    assert running.server.noise.counts.get("connection handling failed") == 1
+    # AND once a thread starts again, a client is served (the failed starts took no slot)
+    assert _served_within(running, 30.0)
+    assert not failures
+
+
+def test_a_failure_while_serving_a_connection_is_answered_not_hung_up(serve, monkeypatch, caplog):
+    # GIVEN a server whose connection handling fails before it reads the request
+    running = serve({"ping": lambda _: ("pong", pb.Pong())})
+
+    def broken(_conn: socket.socket) -> int:
+        raise OSError(9, "Bad file descriptor (credentials unreadable)")
+
+    monkeypatch.setattr(ControlServer, "_peer_uid", staticmethod(broken))
+
+    # WHEN a client asks
+    with caplog.at_level(logging.INFO, logger="dynprof.agent"):
+        reply = running.ask(_request(ping=pb.Ping()))
+
+    # THEN it reads an INTERNAL error for request 0 that points at the log; the details are
+    # in the agent's log only
+    assert reply.request_id == 0 and reply.error.code == pb.INTERNAL, reply
+    assert reply.error.message == "the agent failed while serving this connection (see its log)"
+    assert running.server.noise.counts.get("connection handling failed") == 1
+    assert "connection handling failed: OSError: [Errno 9] Bad file descriptor (credentials unreadable)" in caplog.text

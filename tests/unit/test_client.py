@@ -225,3 +225,20 @@ def test_for_pid_of_a_live_agent_uses_its_socket_and_timeout(tmp_path):
 def test_for_pid_of_a_missing_process_is_not_found():
     with pytest.raises(errors.ProcessNotFound):
         AgentClient.for_pid(2**22 + 5)
+
+
+def test_an_error_for_request_0_is_the_agents_word_on_our_unread_request(agent):
+    # GIVEN an agent that could not read the request in time: it answers for request 0
+    path = agent(  # type: ignore[operator]
+        lambda r: pb.Reply(
+            request_id=0, error=pb.Error(code=pb.BAD_REQUEST, message="request not complete within 2 s")
+        ).SerializeToString()
+    )
+    client = AgentClient(pid=6, sock_path=path, timeout=5)
+
+    # WHEN asked, THEN its message is the error (not "answers another request")
+    with pytest.raises(errors.DynprofError, match=r"pid 6: request not complete within 2 s \[BAD_REQUEST\]"):
+        client.status()
+    # AND a caller that takes errors as replies gets the reply
+    reply = client.request(raise_on_error=False, status=pb.StatusRequest())
+    assert reply.request_id == 0 and reply.error.code == pb.BAD_REQUEST
