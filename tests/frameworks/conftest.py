@@ -14,6 +14,15 @@ def _installed(spec: str) -> bool:
     return any(importlib.util.find_spec(name) is not None for name in spec.split("|"))
 
 
+# What pyproject.toml's `frameworks` extra installs; anything else (DeepSpeed) is installed by name.
+FRAMEWORKS_EXTRA = ("transformers", "accelerate", "lightning")
+
+
+def _install_hint(spec: str) -> str:
+    first = spec.split("|")[0]
+    return "pip install -e '.[frameworks]'" if first in FRAMEWORKS_EXTRA else f"pip install {first}"
+
+
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "scenario" not in metafunc.fixturenames or metafunc.cls is None:
         return
@@ -45,5 +54,5 @@ def scenario(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
     case: Case = request.param
     for spec in case.needs:
         if not _installed(spec):
-            pytest.skip(f"{spec.replace('|', ' or ')} is not installed (pip install -e '.[frameworks]')")
+            pytest.skip(f"{spec.replace('|', ' or ')} is not installed ({_install_hint(spec)})")
     return run_scenario(case, tmp_path_factory.mktemp(case.name))
