@@ -282,6 +282,18 @@ def dynprof_dirs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[di
 
 
 @pytest.fixture
+def eager_process(monkeypatch: pytest.MonkeyPatch) -> Callable[..., list[str]]:
+    """The memory plan's measurement in this pytest process as in a job that compiled nothing:
+    other tests of the same worker run torch.compile in-process, and a measured step refuses a
+    process with compiled code (collectors.memory.plan_capture.compiled_code says why)."""
+    import collectors.memory.plan_capture as capture
+
+    real: Callable[..., list[str]] = capture.compiled_code
+    monkeypatch.setattr(capture, "compiled_code", lambda limit=3: [])
+    return real  # for a test that reads dynamo's record itself
+
+
+@pytest.fixture
 def short_dir() -> Iterator[Callable[[str], str]]:
     """``short_dir(name)``: a new directory under /tmp (a short path, for run dirs whose Unix
     sockets must fit 107 bytes), removed with everything in it at the test's end. Name it first

@@ -157,10 +157,17 @@ def _limits(roots: list[Any], optimizers: list[Any], blocks: list[tuple[str, Any
     for root in roots:
         for name, m in root.named_modules():
             cls = type(m).__name__
-            if cls == "OptimizedModule" or hasattr(m, "_orig_mod"):
+            forward = m.__dict__.get("forward")  # an instance attribute: torch.compile(m.forward)?
+            if (
+                cls == "OptimizedModule"
+                or hasattr(m, "_orig_mod")
+                or m.__dict__.get("_compiled_call_impl") is not None  # m.compile(), in place
+                or (forward is not None and hasattr(forward, "_torchdynamo_orig_callable"))
+            ):
                 refuse.append(
                     f"module {name or type(root).__name__} is compiled with torch.compile: its blocks' forward "
-                    "hooks and saved tensors are not seen inside the compiled graph"
+                    "hooks and saved tensors are not seen inside the compiled graph, and hooks added to it would "
+                    "make torch.compile trace it again (other code than the job's own)"
                 )
                 break
             if cls in ("FullyShardedDataParallel", "FSDPModule") or cls.startswith("FSDP"):
@@ -192,7 +199,50 @@ def _limits(roots: list[Any], optimizers: list[Any], blocks: list[tuple[str, Any
 
 
 class MeasurementRefused(Exception):
-    """The step cannot be measured right (compiled, sharded): the reason, for the user."""
+    """The step cannot be measured right (compiled, sharded): the reason, for the user, and
+    what to do instead (``help``, empty for the caller's default)."""
+
+    def __init__(self, message: str, help: str = "") -> None:
+        super().__init__(message)
+        self.help = help
+
+
+COMPILED_HELP = (
+    "Plan from an eager run of the same model: start it with TORCHDYNAMO_DISABLE=1 (or without its "
+    "torch.compile calls) for a few steps and ask there; the plan's blocks are the same modules."
+)
+
+
+def compiled_code(limit: int = 3) -> list[str]:
+    """The code objects torch.compile has compiled in this process (``name (file:line)``, at
+    most ``limit``), empty when it compiled none.
+
+    Why a measured step must not run where any exist: compiled code is guarded on the state it
+    was traced under (a module's hook tables, the dispatch modes and saved-tensor hooks in
+    force). The measurement changes all three for one step, so compiled code that the step
+    reaches would fail its guards and be traced again with the measurement's hooks inside, or
+    fall back to other code: the step would run other kernels than the job's own and its losses
+    could change from then on (seen: 241 of 300 losses differed after a model compiled in
+    place). Eager code is unaffected: the hooks only observe. Read from dynamo's own record of
+    the code it has compiled (a list of weak references, read on the training thread)."""
+    import sys
+
+    convert = sys.modules.get("torch._dynamo.convert_frame")
+    tracker = getattr(convert, "input_codes", None)
+    seen = getattr(tracker, "seen", None)
+    if not isinstance(seen, list):
+        return []
+    out: list[str] = []
+    for ref in list(seen):
+        code = ref() if callable(ref) else None
+        if code is None:
+            continue
+        name = str(getattr(code, "co_name", "?"))
+        where = f"{getattr(code, 'co_filename', '?')}:{getattr(code, 'co_firstlineno', 0)}"
+        out.append(f"{name} ({where})")
+        if len(out) >= limit:
+            break
+    return out
 
 
 # -- live tensor bytes ---------------------------------------------------------------------------
@@ -459,6 +509,8 @@ class StepMeasurement:
         optimizers: list[Any],
         reset_peak: bool = False,
         clock: Callable[[], float] | None = None,
+        time_limit_s: float | None = None,
+        on_end: Callable[[str], None] | None = None,
     ) -> None:
         self.roots = roots
         self.clock = clock or time.perf_counter  # the CPU's timer of blocks (CUDA: events)
@@ -466,8 +518,17 @@ class StepMeasurement:
         self.reset_peak = reset_peak
         self.blocks = find_blocks(roots)
         self.refused, self.notes = _limits(roots, optimizers, self.blocks)
+        compiled = compiled_code()
+        if compiled and not self.refused:
+            self.refused.append(
+                "torch.compile has compiled code in this process ("
+                + ", ".join(compiled)
+                + "): a measured step changes the hooks and modes that compiled code is guarded on, so it would "
+                "be traced again and run other code than the job's own"
+            )
         if self.refused:
-            raise MeasurementRefused("; ".join(self.refused))
+            compiled_refusal = any("torch.compile" in r for r in self.refused)
+            raise MeasurementRefused("; ".join(self.refused), COMPILED_HELP if compiled_refusal else "")
         if not self.blocks:
             raise MeasurementRefused("the model has no blocks to checkpoint (no module with parameters under it)")
         self.skipped = {
@@ -531,6 +592,17 @@ class StepMeasurement:
         self.error = ""
         self.started = False
         self.stopped = False
+        # The measured step ends at its optimizer step; one that does not come ends it at the
+        # first block forward that shows it (without grad, or past ``time_limit_s``), and
+        # ``on_end`` is told why (on the training thread, after every hook is removed).
+        self.time_limit_s = time_limit_s
+        self.on_end = on_end
+        self.ended_early = ""
+        self._step_t0 = time.perf_counter()
+        # what :meth:`freeze` keeps of the job's objects, as plain numbers
+        self._frozen: dict[str, Any] | None = None
+        self._ops = 0
+        self._classes = [type(m).__name__ for _name, m in self.blocks]
 
     # -- life cycle --------------------------------------------------------------------------
     def start(self) -> None:
@@ -794,6 +866,10 @@ class StepMeasurement:
         def pre(module: Any, args: Any, kwargs: Any) -> None:
             if self.stopped:
                 return
+            why = self._not_the_step()
+            if why:
+                self._end_early(why)
+                return
             try:
                 self._stack.append(index)
                 if not self._calls[index]:
@@ -828,6 +904,42 @@ class StepMeasurement:
                 self.error = self.error or f"forward pre-hook: {exc}"
 
         return pre
+
+    def _not_the_step(self) -> str:
+        """Why the forward about to run is not part of the measured step (empty when it is):
+        a forward without grad saves nothing for a backward (an evaluation, or the job past its
+        last optimizer step), and a step past the time limit is not coming to its end."""
+        import torch
+
+        if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
+            # not a checkpoint's recompute in backward, nor a reentrant checkpoint's first
+            # forward (which runs without grad by design)
+            if torch._C._current_graph_task_id() == -1 and not _in_checkpoint():
+                return (
+                    "a forward ran without grad before the step's optimizer step (an evaluation, or the job's "
+                    "training is over); the measurement was removed"
+                )
+        if self.time_limit_s is not None and time.perf_counter() - self._step_t0 > self.time_limit_s:
+            return (
+                f"no optimizer step within {self.time_limit_s:.0f} s of the measured step's start; "
+                "the measurement was removed"
+            )
+        return ""
+
+    def _end_early(self, why: str) -> None:
+        """End the measurement from inside a forward pre-hook, on the training thread (torch
+        iterates a copy of the hook tables there, so the hooks may be removed)."""
+        if self.stopped:
+            return
+        self.ended_early = why
+        self.stop()
+        self.release()
+        on_end = self.on_end
+        if on_end is not None:
+            try:
+                on_end(why)
+            except Exception as exc:
+                self.error = self.error or f"ending the measurement: {exc}"
 
     def _post(self, index: int) -> Callable[..., None]:
         def post(module: Any, args: Any, output: Any) -> None:
@@ -925,10 +1037,86 @@ class StepMeasurement:
             self._released[(key, owner)] = self._event()
 
     # -- the answer --------------------------------------------------------------------------
-    def result(self) -> dict[str, Any]:
-        """The measurement's document (:class:`collectors.memory.plan.Measurement`'s JSON)."""
+    def release(self) -> None:
+        """Let go of every reference to the job's objects (its models, blocks, optimizers and the
+        meter's tensors), on the training thread, once the hooks are off: what is left is plain
+        data and dynprof's own CUDA events."""
+        if self._meter is not None:
+            self._ops = self._meter.ops
+            self._meter = None
+        self.roots = []
+        self.optimizers = []
+        self.blocks = [(name, None) for name, _m in self.blocks]
+
+    def freeze(self) -> None:
+        """Read what the answer needs of the job's objects (the parameters', gradients' and
+        optimizer state's bytes, each block's class and parameter bytes, the allocator's peak)
+        and :meth:`release` them. On the training thread, after :meth:`stop`; :meth:`result`
+        then reads plain data only, on any thread."""
+        if self._frozen is not None:
+            return
         import torch
 
+        seen: set[tuple[int, int]] = set()
+        grad_sized: set[int] = set()
+        params = grads = state = 0
+
+        def count(t: Any) -> int:
+            key = _storage(t)
+            if key is None or key in seen:
+                return 0
+            seen.add(key)
+            return key[1]
+
+        for opt in self.optimizers:
+            for group in getattr(opt, "param_groups", []) or []:
+                for p in group.get("params", []) if isinstance(group, dict) else []:
+                    params += count(p)
+                    if p.grad is not None:
+                        grads += count(p.grad)
+                    elif getattr(p, "requires_grad", False) and id(p) not in grad_sized:
+                        # zeroed (set to None) since backward: its gradient is as large as it
+                        grad_sized.add(id(p))
+                        grads += int(p.numel()) * int(p.element_size())
+            for per in list((getattr(opt, "state", {}) or {}).values()):
+                if isinstance(per, dict):
+                    for v in per.values():
+                        if isinstance(v, torch.Tensor) and v.dim() > 0:
+                            state += count(v)
+        for root in self.roots:
+            for p in root.parameters():  # parameters no optimizer steps (frozen) hold memory too
+                params += count(p)
+        frozen: dict[str, Any] = {
+            "params": params,
+            "grads": grads,
+            "state": state,
+            "classes": self._classes,
+            "block_params": [
+                sum(p.numel() * p.element_size() for p in m.parameters()) if m is not None else 0
+                for _name, m in self.blocks
+            ],
+            "process_peak": 0,
+        }
+        if self._cuda is not None and not self.reset_peak:
+            frozen["process_peak"] = int(torch.cuda.max_memory_allocated(torch.device(self._device)))
+        self._frozen = frozen
+        self.release()
+
+    def _wait_for_events(self, timeout_s: float = 120.0) -> None:
+        """Wait until the GPU has run past every event the measured step recorded (polling:
+        a query never blocks), at most ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        ends = [call[2] for calls in self._events for call in calls if call[2] is not None]
+        while not all(ev.query() for ev in ends):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the GPU did not finish the measured step's work within {timeout_s:.0f} s")
+            time.sleep(0.01)
+
+    def result(self) -> dict[str, Any]:
+        """The measurement's document (:class:`collectors.memory.plan.Measurement`'s JSON).
+        Reads only plain data (after :meth:`freeze`, which it calls first where it was not)."""
+        self.freeze()
+        frozen = self._frozen or {}
         n = len(self.blocks)
         segments = len(self._plain)
         freeable = [0] * n
@@ -969,46 +1157,18 @@ class StepMeasurement:
                     late[k][start] = late[k].get(start, 0) + size
             outside += size
         if self._cuda is not None:
+            self._wait_for_events()
             for i, calls in enumerate(self._events):
                 total = recompute = 0.0
                 for start, last, end in calls:
                     if end is None:
                         continue
-                    end.synchronize()
                     total += start.elapsed_time(end) / 1000.0
                     if last is not None:
                         recompute += start.elapsed_time(last) / 1000.0
                 self._fwd[i] = total
                 self._recompute[i] = recompute
-        seen: set[tuple[int, int]] = set()
-        grad_sized: set[tuple[str, int]] = set()
-        params = grads = state = 0
-
-        def count(t: Any) -> int:
-            key = _storage(t)
-            if key is None or key in seen:
-                return 0
-            seen.add(key)
-            return key[1]
-
-        for opt in self.optimizers:
-            for group in getattr(opt, "param_groups", []) or []:
-                for p in group.get("params", []) if isinstance(group, dict) else []:
-                    params += count(p)
-                    if p.grad is not None:
-                        grads += count(p.grad)
-                    elif getattr(p, "requires_grad", False) and ("grad", id(p)) not in grad_sized:
-                        # zeroed (set to None) since backward: its gradient is as large as it
-                        grad_sized.add(("grad", id(p)))
-                        grads += int(p.numel()) * int(p.element_size())
-            for per in list((getattr(opt, "state", {}) or {}).values()):
-                if isinstance(per, dict):
-                    for v in per.values():
-                        if isinstance(v, torch.Tensor) and v.dim() > 0:
-                            state += count(v)
-        for root in self.roots:
-            for p in root.parameters():  # parameters no optimizer steps (frozen) hold memory too
-                params += count(p)
+        params, grads, state = frozen["params"], frozen["grads"], frozen["state"]
         timeline = [[self._plain[i], self._cached[i]] for i in range(segments)]
         tracked_peak = max((max(a, b) for a, b in timeline), default=0)
         doc: dict[str, Any] = {
@@ -1017,7 +1177,7 @@ class StepMeasurement:
             "blocks": [
                 {
                     "name": name,
-                    "class": type(m).__name__,
+                    "class": frozen["classes"][i],
                     "saved_bytes": saved[i],
                     "freeable_bytes": freeable[i],
                     "cast_bytes": casts[i],
@@ -1033,11 +1193,11 @@ class StepMeasurement:
                     # that segment through its backward's (group: the storage, shared by blocks)
                     "kept_inputs": [[seg, b, g] for seg, b, g in self._kept[i][:MAX_KEPT]],
                     "calls": self._calls[i],
-                    "parameter_bytes": sum(p.numel() * p.element_size() for p in m.parameters()),
+                    "parameter_bytes": frozen["block_params"][i],
                     "checkpointed": name in self.skipped,
                 }
                 # in the order of their first forward call (backward runs them in reverse)
-                for i, (name, m) in sorted(enumerate(self.blocks), key=lambda x: (self._first[x[0]], x[0]))
+                for i, (name, _m) in sorted(enumerate(self.blocks), key=lambda x: (self._first[x[0]], x[0]))
             ],
             "timeline": timeline,
             "activation_bytes": activation,
@@ -1046,21 +1206,20 @@ class StepMeasurement:
             "gradient_bytes": grads,
             "optimizer_state_bytes": state,
             "saved_tensors": self._packs,
-            "operators": self._meter.ops if self._meter is not None else 0,
+            "operators": self._meter.ops if self._meter is not None else self._ops,
             "operator_overhead_s": round(self._per_op_s, 9),
             "step_s": round(self.step_s, 6),
             "notes": list(self.notes),
             "error": self.error,
         }
         if self._cuda is not None:
-            dev = torch.device(self._device)
             if self.reset_peak:
                 # reset at every event: each segment holds the allocator's own peak in it
                 peak = tracked_peak
                 source = "torch.cuda.max_memory_allocated during the step, segment by segment"
                 untracked = 0
             else:
-                process = int(torch.cuda.max_memory_allocated(dev))
+                process = int(frozen["process_peak"])
                 # what the allocator's peak holds beyond the highest level seen after an
                 # operator: memory allocated and freed inside one (a kernel's workspace)
                 untracked = max(0, process - tracked_peak)
@@ -1091,6 +1250,21 @@ class StepMeasurement:
             doc["untracked_bytes"] = 0
             doc["drift_bytes"] = 0
         return doc
+
+
+def _in_checkpoint(depth: int = 48) -> bool:
+    """Whether an activation-checkpointing function is on the calling thread's stack
+    (``torch.utils.checkpoint``, DeepSpeed's ``checkpointing.py``: a file named so)."""
+    import os
+    import sys
+
+    frame = sys._getframe(1)
+    while frame is not None and depth > 0:
+        if "checkpoint" in os.path.basename(frame.f_code.co_filename):
+            return True
+        frame = frame.f_back  # type: ignore[assignment]
+        depth -= 1
+    return False
 
 
 def _is_tensor(x: Any) -> bool:

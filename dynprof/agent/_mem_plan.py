@@ -1,11 +1,28 @@
 """The memory plan's measurement of one step, driven from the agent's step hook.
 
-``memory_plan`` with a new token arms a measurement: the job's models are found from its
-optimizers' parameters (one scan of the garbage collector's objects, on the server thread), and
-a step listener is added. At the next step boundary the listener installs the measurement's
-hooks on the training thread; at the one after, it removes them and itself. The measured step is
-the only one that runs with them; nothing stays installed after it (nor when the agent stops).
-The figures are computed on the server thread when the client asks again with the same token.
+The rule this module keeps: **the agent's threads never touch the job's torch objects.** Its
+modules, parameters, optimizers, tensors and autograd graph belong to the training thread,
+which runs torch's C++ with the GIL released; another thread that reads them, holds the last
+reference to one, or changes a module's hook tables meanwhile can crash the process inside
+libtorch (seen: a NULL object's reference count raised in ``libtorch_python.so`` from the
+agent's thread). So the server thread only keeps plain data about a plan, and everything that
+touches the job's objects runs on the training thread, at its step boundaries or inside the
+measurement's own hooks:
+
+- ``memory_plan`` with a new token (server thread) checks the request and arms a *run*: a
+  token, a time and a step listener. Nothing of the job is read.
+- At the next step boundary (training thread) the listener finds the job's models from its
+  optimizers' parameters (one scan of the garbage collector's objects), checks that the step
+  can be measured right (refusing, with the reason, a model that is compiled, sharded, or in a
+  process where torch.compile compiled code) and installs the measurement's hooks.
+- At the boundary after that (training thread) it removes them, turns everything it measured
+  into plain numbers, and lets go of every reference to the job's objects.
+- A measured step that does not end (the job's last optimizer step is behind it, an
+  evaluation runs forwards without grad, a step far longer than the job's own) ends at the
+  first block forward that shows it, on the training thread, and the client is told why.
+- The server thread answers the client with the plain numbers; on CUDA it waits (polling,
+  bounded) for the events dynprof recorded to complete and reads their times. Those events are
+  dynprof's own objects, which the training thread no longer uses once the step is over.
 """
 
 from __future__ import annotations
@@ -22,17 +39,26 @@ log = logging.getLogger("dynprof.agent")
 
 ARMED_FOR_S = 900.0  # an armed measurement whose step does not come within this is dropped
 MAX_TOKEN = 64
+# The measured step ends at most this long after it began, or this many typical steps (the
+# measurement itself slows a step several times: every operator passes through Python).
+MEASURED_STEP_MIN_S = 120.0
+MEASURED_STEP_TYPICAL = 50.0
 
 
 class PlanRun:
-    def __init__(self, token: str, measurement: Any, typical_step_s: float) -> None:
+    """One plan's state. The server thread reads ``state``, ``error``, ``help``, ``code`` and
+    ``doc`` (plain data); ``measurement`` is the training thread's until the step is over."""
+
+    def __init__(self, token: str, typical_step_s: float) -> None:
         self.token = token
-        self.measurement = measurement
         self.typical_step_s = typical_step_s
         self.state = "armed"  # measuring, stopped, complete, failed
         self.armed_at = time.monotonic()
         self.error = ""
+        self.help = ""
+        self.code = 0  # an error code (pb) when the measurement was refused; 0 otherwise
         self.doc: dict[str, Any] | None = None
+        self.measurement: Any = None
         self.scan_s = 0.0  # finding the models (the garbage collector's objects, GIL held)
 
 
@@ -41,11 +67,12 @@ class MemoryPlanner:
         self.agent = agent
         self.run: PlanRun | None = None
         self.last_measurement: dict[str, Any] | None = None  # the latest complete one, for OOM advice
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # state changes; never held while waiting
         # One bound method, kept: the step tracker removes a listener by identity, and each
         # `self._on_step` is a new object.
         self._listener = self._on_step
 
+    # -- the server thread: plain data only --------------------------------------------------
     def handle(self, request: Any) -> tuple[str, Any]:
         import json
         import sys
@@ -56,100 +83,61 @@ class MemoryPlanner:
         token = str(request.token)
         if not token or len(token) > MAX_TOKEN or not token.isprintable():
             raise CommandError(pb.INVALID_ARGUMENT, f"the token must be 1 to {MAX_TOKEN} printable characters")
+        finish = None
         with self._lock:
             run = self.run
             if run is not None and run.token == token:
                 if run.state == "stopped":
-                    self._finish(run)
-                summary = json.dumps(run.doc) if run.doc is not None else json.dumps({"error": run.error})
-                return "artifact", pb.ArtifactWritten(path="", status=run.state, summary_json=summary)
-            if run is not None and run.state in ("armed", "measuring"):
+                    # its figures are made below, outside the lock (the training thread takes
+                    # it at its step boundaries and must never wait for a CUDA event here)
+                    run.state = finish = "finishing"
+            elif run is not None and run.state in ("armed", "measuring", "stopped", "finishing"):
                 if run.state == "armed" and time.monotonic() - run.armed_at > ARMED_FOR_S:
-                    self._drop(run)
+                    # nothing of the job is held while armed: drop it and arm this one
+                    run.state, run.error = "failed", "the step did not come"
                 else:
                     raise CommandError(
                         pb.BUSY,
                         "a memory plan measurement is already waiting for its step in this process",
                         "Wait for it to finish (one training step), then ask again.",
                     )
-            torch = sys.modules.get("torch")
-            if torch is None:
-                raise CommandError(
-                    pb.NO_TORCH, "this process has not imported torch", "Point dynprof at a training process."
-                )
-            steps = self.agent.steps
-            if not steps.hook_installed:
-                raise CommandError(
-                    pb.UNSUPPORTED,
-                    "the optimizer step hook is not installed in this process, so no step can be measured",
-                    "The job must step a torch.optim optimizer; see the agent log for why the hook is missing.",
-                )
-            optimizers = [o for o in (r() for r in list(steps.optimizers.values())) if o is not None]
-            if not optimizers:
-                raise CommandError(
-                    pb.UNSUPPORTED,
-                    "this process has not stepped an optimizer yet, so its model is not known",
-                    "Ask again once training has made a step.",
-                )
-            from collectors.memory.plan_capture import MeasurementRefused, StepMeasurement, find_models
-
-            t0 = time.perf_counter()
-            roots = find_models(optimizers)
-            scan_s = time.perf_counter() - t0
-            if not roots:
-                if "deepspeed" in sys.modules:
-                    # ZeRO stages 1 and 2 step fp32 partitions flattened from the parameters
-                    # (seen with DeepSpeed 0.19.8): the model is not found from them.
+                run = None
+            else:
+                run = None
+            if run is None:
+                if sys.modules.get("torch") is None:
+                    raise CommandError(
+                        pb.NO_TORCH, "this process has not imported torch", "Point dynprof at a training process."
+                    )
+                steps = self.agent.steps
+                if not steps.hook_installed:
                     raise CommandError(
                         pb.UNSUPPORTED,
-                        "no nn.Module holds the optimizers' parameters: this process runs DeepSpeed, whose ZeRO "
-                        "optimizer steps flattened partitions of the parameters, not the model's own",
-                        "The memory plan does not measure a DeepSpeed ZeRO job. Measure an eager run of the same "
-                        "model without DeepSpeed (one GPU, a smaller config) and apply the plan's DeepSpeed recipe.",
+                        "the optimizer step hook is not installed in this process, so no step can be measured",
+                        "The job must step a torch.optim optimizer; see the agent log for why the hook is missing.",
                     )
-                raise CommandError(
-                    pb.UNSUPPORTED,
-                    "no nn.Module holds the optimizers' parameters",
-                    "The memory plan needs the model as an nn.Module whose parameters the optimizer steps.",
-                )
-            try:
-                measurement = StepMeasurement(roots, optimizers)
-            except MeasurementRefused as exc:
-                raise CommandError(
-                    pb.UNSUPPORTED,
-                    f"the memory plan cannot measure this job right: {exc}",
-                    "Measure an eager, unsharded run of the same model (one GPU, a smaller config) and plan from it.",
-                ) from None
-            run = PlanRun(token, measurement, steps.typical_step_s())
-            run.scan_s = scan_s
-            self.run = run
-            steps.add_listener(self._listener)
-            return "artifact", pb.ArtifactWritten(path="", status="armed", summary_json="{}")
-
-    def _on_step(self, count: int) -> None:
-        # On the training thread, at a step boundary: only start or stop hooks here.
-        run = self.run
-        if run is None:
-            self.agent.steps.remove_listener(self._listener)
-            return
-        try:
-            if run.state == "armed":
-                if time.monotonic() - run.armed_at > ARMED_FOR_S:
-                    self._drop(run)
-                    return
-                run.state = "measuring"
-                run.measurement.start()
-            elif run.state == "measuring":
-                run.measurement.stop()
-                run.state = "stopped"
-                self.agent.steps.remove_listener(self._listener)
-        except Exception as exc:
-            log.exception("memory plan measurement failed")
-            run.measurement.stop()
-            run.state, run.error = "failed", f"{type(exc).__name__}: {exc}"
-            self.agent.steps.remove_listener(self._listener)
+                if not steps.optimizers:  # the agent's own table of weak references, not read through
+                    raise CommandError(
+                        pb.UNSUPPORTED,
+                        "this process has not stepped an optimizer yet, so its model is not known",
+                        "Ask again once training has made a step.",
+                    )
+                self.run = PlanRun(token, steps.typical_step_s())
+                steps.add_listener(self._listener)
+                return "artifact", pb.ArtifactWritten(path="", status="armed", summary_json="{}")
+        if finish:
+            self._finish(run)
+        if run.state == "failed" and run.code:
+            raise CommandError(run.code, run.error, run.help)
+        if run.doc is not None:
+            summary = json.dumps(run.doc)
+        else:
+            summary = json.dumps({"error": run.error, "help": run.help} if run.error else {})
+        state = "measuring" if run.state == "finishing" else run.state
+        return "artifact", pb.ArtifactWritten(path="", status=state, summary_json=summary)
 
     def _finish(self, run: PlanRun) -> None:
+        """The figures of a stopped run, from plain data (and dynprof's own CUDA events)."""
         try:
             doc = run.measurement.result()
             # the median of the latest steps (the measured one among them moves it little)
@@ -164,19 +152,121 @@ class MemoryPlanner:
             run.state, run.error = "failed", f"{type(exc).__name__}: {exc}"
         run.measurement = None
 
-    def _drop(self, run: PlanRun) -> None:
+    # -- the training thread: every touch of the job's objects -----------------------------
+    def _on_step(self, count: int) -> None:
+        # At a step boundary, on the thread that steps.
+        with self._lock:
+            self._step_locked(self.run)
+
+    def _step_locked(self, run: PlanRun | None) -> None:
+        if run is None or run.state not in ("armed", "measuring"):
+            self.agent.steps.remove_listener(self._listener)
+            return
+        try:
+            if run.state == "armed":
+                if time.monotonic() - run.armed_at > ARMED_FOR_S:
+                    self._fail(run, "the step did not come")
+                    return
+                self._begin(run)
+            elif run.state == "measuring":
+                run.measurement.stop()
+                run.measurement.freeze()
+                run.state = "stopped"
+                self.agent.steps.remove_listener(self._listener)
+        except Exception as exc:
+            log.exception("memory plan measurement failed")
+            self._fail(run, f"{type(exc).__name__}: {exc}")
+
+    def _begin(self, run: PlanRun) -> None:
+        from collectors.memory.plan_capture import MeasurementRefused, StepMeasurement, find_models
+        from dynprof.proto import pb
+
+        steps = self.agent.steps
+        optimizers = [o for o in (r() for r in list(steps.optimizers.values())) if o is not None]
+        t0 = time.perf_counter()
+        roots = find_models(optimizers) if optimizers else []
+        run.scan_s = time.perf_counter() - t0
+        if not roots:
+            import sys
+
+            if "deepspeed" in sys.modules:
+                # ZeRO stages 1 and 2 step fp32 partitions flattened from the parameters
+                # (seen with DeepSpeed 0.19.8): the model is not found from them.
+                self._refuse(
+                    run,
+                    pb.UNSUPPORTED,
+                    "no nn.Module holds the optimizers' parameters: this process runs DeepSpeed, whose ZeRO "
+                    "optimizer steps flattened partitions of the parameters, not the model's own",
+                    "The memory plan does not measure a DeepSpeed ZeRO job. Measure an eager run of the same "
+                    "model without DeepSpeed (one GPU, a smaller config) and apply the plan's DeepSpeed recipe.",
+                )
+                return
+            self._refuse(
+                run,
+                pb.UNSUPPORTED,
+                "no nn.Module holds the optimizers' parameters",
+                "The memory plan needs the model as an nn.Module whose parameters the optimizer steps.",
+            )
+            return
+        typical = run.typical_step_s or steps.typical_step_s()
+        limit = max(MEASURED_STEP_MIN_S, MEASURED_STEP_TYPICAL * typical) if typical else MEASURED_STEP_MIN_S
+        try:
+            measurement = StepMeasurement(roots, optimizers, time_limit_s=limit, on_end=self._ended)
+        except MeasurementRefused as exc:
+            self._refuse(
+                run,
+                pb.UNSUPPORTED,
+                f"the memory plan cannot measure this job right: {exc}",
+                exc.help
+                or "Measure an eager, unsharded run of the same model (one GPU, a smaller config) and plan from it.",
+            )
+            return
+        del roots, optimizers
+        run.measurement = measurement
+        run.state = "measuring"
+        measurement.start()
+
+    def _ended(self, why: str) -> None:
+        """The measurement ended itself before the step's end (inside one of its hooks, on the
+        training thread): the step it waited for did not come."""
+        with self._lock:
+            run = self.run
+            if run is None or run.state != "measuring":
+                return
+            self._end_early(run, why)
+
+    def _end_early(self, run: PlanRun, why: str) -> None:
+        log.warning("dynprof: the memory plan measurement ended early: %s", why)
+        run.measurement = None
+        run.state, run.error = "failed", f"the measured step did not end: {why}"
+        run.help = (
+            "The plan measures one whole training step (forward, backward, optimizer step). Ask while the job "
+            "trains, not during an evaluation or after its last step."
+        )
         self.agent.steps.remove_listener(self._listener)
-        if run.measurement is not None:
-            run.measurement.stop()
-        run.state, run.error = "failed", "the step did not come"
+
+    def _refuse(self, run: PlanRun, code: int, message: str, help_text: str) -> None:
+        run.state, run.code, run.error, run.help = "failed", code, message, help_text
+        self.agent.steps.remove_listener(self._listener)
+
+    def _fail(self, run: PlanRun, error: str) -> None:
+        self.agent.steps.remove_listener(self._listener)
+        measurement, run.measurement = run.measurement, None
+        if measurement is not None:
+            try:
+                measurement.stop()
+            except Exception:
+                log.exception("stopping the memory plan measurement failed")
+        run.state, run.error = "failed", error
 
     def at_exit(self) -> None:
+        # The interpreter is ending on the thread that runs the exit handlers (the main one).
         run = self.run
         if run is None:
             return
         try:
             self.agent.steps.remove_listener(self._listener)
-            if run.measurement is not None:
+            if run.measurement is not None and run.state == "measuring":
                 run.measurement.stop()
         except Exception:
             log.exception("stopping the memory plan measurement failed")

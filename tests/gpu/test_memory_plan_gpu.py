@@ -28,7 +28,7 @@ from collectors.memory.plan import from_json, make_plan, predict
 from collectors.memory.plan_capture import measure_step
 from collectors.memory.summary import allocation_site
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("eager_process")]
 
 MIB = 1 << 20
 

@@ -60,7 +60,7 @@ def test_memory_plan_measures_the_next_step_and_leaves_nothing_behind(spawn, cli
     # AND after it, the process has no forward hook, no saved-tensor hook, grad mode on
     probe.write_text("")
     (line,) = target.wait_for_line("HOOKS")
-    assert line == "HOOKS forward=0 saved_tensors=False grad=True", line
+    assert line == "HOOKS forward=0 saved_tensors=False grad=True mode=False", line
 
     # AND the text form names the modules and how to apply them; a budget under the floor says so
     text = cli("memory", "plan", "--pid", str(pid), "--budget", "10%", "--timeout", "60")
@@ -82,3 +82,60 @@ def test_memory_plan_bad_arguments(cli):
     assert res.returncode == 2 and "options of `dynprof memory plan`" in res.stderr
     res = cli("memory", "plan", "--all", "--budget", "4G", "--save", "1G")
     assert res.returncode == 2  # argparse: not allowed together
+
+
+def _losses(lines: list[str]) -> list[str]:
+    return [line.split()[2] for line in lines if line.startswith("LOSS ")]
+
+
+def test_a_model_compiled_in_place_is_refused_and_its_losses_are_unchanged(spawn, cli):
+    # GIVEN the same deterministic loop run twice, its blocks compiled in place (the regional
+    # recipe), once alone and once under dynprof with plans asked while it trains
+    args = [
+        PROGRAM,
+        "--compile",
+        "blocks",
+        "--steps",
+        "150",
+        "--losses",
+        "--step-sleep",
+        "0.05",
+        "--max-seconds",
+        "600",
+    ]
+    plain = spawn(args, under_run=False, env={"PYTHONPATH": str(ROOT)})
+    measured = spawn(args, env={"PYTHONPATH": str(ROOT)})
+    (pid,) = measured.ready_pids()
+
+    # WHEN a plan is asked twice
+    refusals = [cli("memory", "plan", "--pid", str(pid), "--save", "1K", "--timeout", "60") for _ in range(2)]
+
+    # THEN each is refused, naming torch.compile and what to do instead
+    for res in refusals:
+        assert res.returncode != 0, res.stdout + measured.state(pid)
+        assert "torch.compile" in res.stdout + res.stderr and "TORCHDYNAMO_DISABLE=1" in res.stdout + res.stderr
+    # AND the job computes exactly what it computes alone: all 150 losses, bit for bit
+    measured.wait_for_line("DONE", timeout=600)
+    plain.wait_for_line("DONE", timeout=600)
+    a, b = _losses(plain.lines), _losses(measured.lines)
+    assert len(a) == 150 and a == b, (a[:5], b[:5])
+
+
+def test_an_evaluation_after_the_last_step_ends_the_measurement_and_the_cli_says_so(spawn, cli):
+    # GIVEN a job that stops training as soon as a measurement's hooks are on (the plan armed
+    # before its last optimizer step) and then evaluates until it ends
+    target = spawn([PROGRAM, "--eval-when-measured", "--max-seconds", "600"], env={"PYTHONPATH": str(ROOT)})
+    (pid,) = target.ready_pids()
+
+    # WHEN a plan is asked
+    res = cli("memory", "plan", "--pid", str(pid), "--save", "1K", "--timeout", "120")
+
+    # THEN the CLI answers while the job runs: the measured step did not end, and why
+    assert res.returncode != 0, res.stdout
+    out = res.stdout + res.stderr
+    assert "the measured step did not end: a forward ran without grad" in out, out + target.state(pid)
+    assert "no listening dynprof agent" not in out
+    # AND the evaluation runs with nothing of the measurement left on it
+    (line,) = target.wait_for_line("EVAL")
+    assert line == "EVAL forward=0 saved_tensors=False grad=False mode=False", line
+    assert os.path.exists(f"/proc/{pid}")

@@ -17,6 +17,8 @@ from dynprof.agent._server import CommandError
 from dynprof.agent._steps import StepTracker
 from dynprof.proto import pb
 
+pytestmark = pytest.mark.usefixtures("eager_process")
+
 
 class Block(torch.nn.Module):
     def __init__(self) -> None:
@@ -86,9 +88,14 @@ def test_bad_tokens_and_unmeasurable_jobs_are_refused_with_the_reason():
             planner.handle(pb.MemoryPlanRequest(token=token))
         assert bad.value.code == pb.INVALID_ARGUMENT
     compiled = torch.compile(model)  # noqa: F841 (alive: the outermost module of the parameters)
+    # the request is taken (the server thread reads nothing of the job) ...
+    assert planner.handle(pb.MemoryPlanRequest(token="c"))[1].status == "armed"
+    # ... and refused at the step boundary, where the training thread looks at the model
+    steps._notify(1)
     with pytest.raises(CommandError) as refused:
         planner.handle(pb.MemoryPlanRequest(token="c"))
     assert refused.value.code == pb.UNSUPPORTED and "torch.compile" in refused.value.message
+    assert "TORCHDYNAMO_DISABLE=1" in refused.value.help
     assert steps._listeners == ()
 
 
@@ -103,7 +110,10 @@ def test_an_optimizer_over_tensors_no_module_holds_is_refused_and_deepspeed_name
         monkeypatch.setitem(sys.modules, "deepspeed", types.ModuleType("deepspeed"))
     else:
         monkeypatch.delitem(sys.modules, "deepspeed", raising=False)
-    # WHEN a plan is asked; THEN it is refused, with DeepSpeed named where the process runs it
+    # WHEN a plan is asked and the next step boundary comes; THEN it is refused, with DeepSpeed
+    # named where the process runs it
+    planner.handle(pb.MemoryPlanRequest(token="z"))
+    steps._notify(1)
     with pytest.raises(CommandError) as refused:
         planner.handle(pb.MemoryPlanRequest(token="z"))
     assert refused.value.code == pb.UNSUPPORTED
@@ -130,3 +140,98 @@ def test_the_measurement_starts_and_stops_on_the_thread_that_steps():
     # THEN this thread never had the saved-tensor hooks, and the answer is complete
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
     assert planner.handle(pb.MemoryPlanRequest(token="t"))[1].status == "complete"
+
+
+def _torch_calls_of(fn):
+    """Run ``fn`` on a thread of its own (as the agent's server thread runs a handler) and
+    return every call it made into torch: Python functions in torch's files, and C functions
+    or methods of torch's (a tensor's, a module's, an optimizer's)."""
+    seen: list[str] = []
+    out: list[object] = []
+
+    def profile(frame, event, arg):
+        if event == "call" and "/torch/" in frame.f_code.co_filename:
+            seen.append(f"{frame.f_code.co_name} ({frame.f_code.co_filename})")
+        elif event == "c_call":
+            owner = getattr(arg, "__self__", None)
+            module = str(getattr(arg, "__module__", None) or getattr(type(owner), "__module__", "") or "")
+            if module.startswith("torch") or isinstance(owner, (torch.Tensor, torch.nn.Module, torch.optim.Optimizer)):
+                seen.append(f"{getattr(arg, '__qualname__', arg)}")
+
+    def run():
+        sys.setprofile(profile)
+        try:
+            out.append(fn())
+        except BaseException as exc:  # the caller checks
+            out.append(exc)
+        finally:
+            sys.setprofile(None)
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join(120)
+    return seen, out[0] if out else None
+
+
+def test_the_server_thread_never_touches_the_jobs_torch_objects():
+    # GIVEN a job's model and optimizer, and a planner whose requests come on another thread
+    # (the agent's server thread), while this thread (the training thread) steps
+    model = torch.nn.Sequential(Block(), Block(), Block())
+    planner, steps, opt = setup(model)
+    x = torch.randn(3, 4)
+
+    def train_step():
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    # WHEN a plan is armed, measured over one step and answered, each request on its own thread
+    calls, armed = _torch_calls_of(lambda: planner.handle(pb.MemoryPlanRequest(token="s")))
+    steps._notify(1)
+    train_step()
+    steps._notify(2)
+    calls2, done = _torch_calls_of(lambda: planner.handle(pb.MemoryPlanRequest(token="s")))
+
+    # THEN the answer is the whole measurement, and the requests' thread called nothing of torch
+    assert armed[1].status == "armed" and done[1].status == "complete", done
+    assert len(json.loads(done[1].summary_json)["blocks"]) == 3
+    assert calls == [] and calls2 == [], (calls, calls2)
+    # AND the planner holds no reference to the job's model or optimizer once answered
+    assert planner.run.measurement is None
+
+
+def test_a_refusal_is_found_on_the_training_thread_and_told_to_the_next_request():
+    # GIVEN a model compiled in place, and a plan armed from another thread
+    model = torch.nn.Sequential(Block(), Block())
+    model.compile()
+    planner, steps, _opt = setup(model)
+    calls, armed = _torch_calls_of(lambda: planner.handle(pb.MemoryPlanRequest(token="r")))
+    # WHEN the step boundary comes (the training thread looks at the model) and the client asks
+    steps._notify(1)
+    calls2, refused = _torch_calls_of(lambda: planner.handle(pb.MemoryPlanRequest(token="r")))
+    # THEN the refusal names torch.compile, nothing of torch was called off the training thread
+    assert armed[1].status == "armed"
+    assert isinstance(refused, CommandError) and refused.code == pb.UNSUPPORTED
+    assert "compiled with torch.compile" in refused.message
+    assert calls == [] and calls2 == []
+    assert steps._listeners == ()
+
+
+def test_an_evaluation_after_the_last_step_ends_the_measurement_and_the_client_is_told():
+    # GIVEN a plan armed and begun at the job's last step boundary
+    model = torch.nn.Sequential(Block(), Block())
+    planner, steps, _opt = setup(model)
+    planner.handle(pb.MemoryPlanRequest(token="e"))
+    steps._notify(1)
+    assert planner.handle(pb.MemoryPlanRequest(token="e"))[1].status == "measuring"
+    # WHEN the job evaluates instead of stepping again
+    with torch.no_grad():
+        for _ in range(5):
+            model(torch.randn(2, 4))
+    reply = planner.handle(pb.MemoryPlanRequest(token="e"))[1]
+    # THEN the measurement is over, removed, and the answer says why
+    assert reply.status == "failed"
+    doc = json.loads(reply.summary_json)
+    assert "a forward ran without grad" in doc["error"] and "evaluation" in doc["help"]
+    assert hooks(model) == 0 and torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    assert steps._listeners == ()

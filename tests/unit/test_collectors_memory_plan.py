@@ -26,6 +26,8 @@ from collectors.memory.plan_capture import (
 )
 from dynprof.errors import ArtifactError
 
+pytestmark = pytest.mark.usefixtures("eager_process")
+
 F32 = 4
 
 
@@ -462,6 +464,108 @@ def test_a_compiled_model_is_refused_with_the_reason():
     # WHEN a step is measured THEN the measurement refuses, naming torch.compile
     with pytest.raises(MeasurementRefused, match=r"torch\.compile"):
         measure_step(compiled, opt, lambda: None)
+
+
+@pytest.mark.parametrize("form", ["root in place", "block in place", "block forward"])
+def test_every_form_of_a_module_compiled_in_place_is_refused(form):
+    # GIVEN a model compiled in place (model.compile(), or per block: the regional recipe), or a
+    # block whose forward is a compiled function; none of them run yet
+    model = MLP()
+    if form == "root in place":
+        model.compile()
+    elif form == "block in place":
+        for block in model.blocks:
+            block.compile()
+    else:
+        model.blocks[1].forward = torch.compile(model.blocks[1].forward)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    # WHEN a step is measured THEN the measurement refuses before any hook, naming torch.compile
+    with pytest.raises(MeasurementRefused, match=r"compiled with torch\.compile") as refused:
+        measure_step(model, opt, lambda: None)
+    assert "TORCHDYNAMO_DISABLE=1" in refused.value.help
+    assert all(not m._forward_pre_hooks and not m._forward_hooks for m in model.modules())
+
+
+def test_a_process_that_ran_compiled_code_is_refused_naming_the_code(monkeypatch, eager_process):
+    # GIVEN an eager model in a process where torch.compile compiled a function (its loss, say)
+    import collectors.memory.plan_capture as capture
+
+    monkeypatch.setattr(capture, "compiled_code", eager_process)  # dynamo's own record, here
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    @torch.compile(backend="eager")
+    def compiled_loss_of_this_test(y):
+        return (y * y).mean()
+
+    compiled_loss_of_this_test(torch.randn(3))
+
+    # WHEN a step is measured THEN it refuses, naming the compiled code and where it is
+    assert any("compiled_loss_of_this_test" in c for c in capture.compiled_code(limit=100))
+    with pytest.raises(MeasurementRefused, match=r"torch\.compile has compiled code in this process"):
+        measure_step(model, opt, lambda: None)
+
+
+def test_a_forward_without_grad_ends_the_measurement_at_once_and_says_why():
+    # GIVEN a measurement armed on a training thread (the job's last step is behind it)
+    from collectors.memory.plan_capture import StepMeasurement
+
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ended: list[str] = []
+    m = StepMeasurement([model], [opt], on_end=ended.append)
+    m.start()
+    # WHEN the job evaluates (forwards without grad) instead of training
+    with torch.no_grad():
+        for _ in range(3):
+            model(torch.randn(2, 4))
+    # THEN the first forward ended it: no hook, no mode, no saved-tensor hooks left, and why
+    assert len(ended) == 1 and "a forward ran without grad" in ended[0]
+    assert all(not mod._forward_pre_hooks and not mod._forward_hooks for mod in model.modules())
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    assert _get_current_dispatch_mode() is None
+    # AND its references to the job's model and optimizer are gone
+    assert m.roots == [] and m.optimizers == [] and all(b is None for _n, b in m.blocks)
+
+
+def test_a_reentrant_checkpoint_forward_without_grad_is_part_of_the_step():
+    # GIVEN a job whose step checkpoints a block the reentrant way (its forward runs without grad)
+    import torch.utils.checkpoint as cp
+
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(2, 4, requires_grad=True)
+
+    def step():
+        h = cp.checkpoint(model.blocks[0], x, use_reentrant=True)
+        for block in model.blocks[1:]:
+            h = block(h)
+        h.sum().backward()
+        opt.step()
+
+    # WHEN measured THEN the step is measured whole (not ended as an evaluation)
+    doc = measure_step(model, opt, step)
+    assert not doc["error"], doc["error"]
+    assert all(b["calls"] >= 1 for b in doc["blocks"][1:])
+
+
+def test_a_step_past_its_time_limit_ends_at_the_next_block_forward():
+    # GIVEN a measurement whose step may last 0 s (any forward after the start is past it)
+    from collectors.memory.plan_capture import StepMeasurement
+
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ended: list[str] = []
+    m = StepMeasurement([model], [opt], time_limit_s=0.0, on_end=ended.append)
+    m.start()
+    # WHEN a training forward runs
+    model(torch.randn(2, 4)).sum().backward()
+    # THEN the measurement ended there, and says it was the time
+    assert len(ended) == 1 and "no optimizer step within 0 s" in ended[0]
+    assert all(not mod._forward_pre_hooks and not mod._forward_hooks for mod in model.modules())
 
 
 def test_an_already_checkpointed_block_is_left_out_and_said():

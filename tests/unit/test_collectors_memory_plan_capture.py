@@ -28,6 +28,8 @@ from collectors.memory.plan_capture import (
     measure_step,
 )
 
+pytestmark = pytest.mark.usefixtures("eager_process")
+
 F32 = 4
 
 

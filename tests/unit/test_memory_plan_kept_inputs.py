@@ -28,6 +28,8 @@ import torch.utils.checkpoint as cp
 from collectors.memory.plan import from_json, make_plan, predict
 from collectors.memory.plan_capture import LiveTensorBytes, measure_step
 
+pytestmark = pytest.mark.usefixtures("eager_process")
+
 D, DEPTH, BATCH, SEQ = 32, 12, 4, 256
 BF16 = 2
 TOLERANCE = 0.01

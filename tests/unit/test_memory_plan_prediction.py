@@ -20,6 +20,8 @@ import torch.utils.checkpoint as cp
 from collectors.memory.plan import from_json, how_to_apply, make_plan, predict
 from collectors.memory.plan_capture import LiveTensorBytes, find_blocks, measure_step
 
+pytestmark = pytest.mark.usefixtures("eager_process")
+
 TOLERANCE = 0.01
 
 

@@ -17,6 +17,8 @@ import torch
 from collectors.memory.plan import from_json, how_to_apply, make_plan
 from collectors.memory.plan_capture import measure_step
 
+pytestmark = pytest.mark.usefixtures("eager_process")
+
 transformers = pytest.importorskip("transformers")
 
 LAYERS = 4

@@ -51,31 +51,84 @@ def main() -> int:
         default="",
         help="once this file exists, print the hooks left on the model and autograd's saved-tensor hooks",
     )
+    parser.add_argument(
+        "--compile",
+        choices=("none", "model", "blocks"),
+        default="none",
+        help="compile in place: the whole model (model.compile()) or each block (the regional recipe)",
+    )
+    parser.add_argument("--compile-backend", default="eager")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda (the model and its data on that device)")
+    parser.add_argument("--steps", type=int, default=0, help="stop training after this many steps (0: --max-seconds)")
+    parser.add_argument("--losses", action="store_true", help="print each step's loss, exactly (LOSS i float.hex)")
+    parser.add_argument(
+        "--eval-when-measured",
+        action="store_true",
+        help="stop training as soon as a measurement's hooks are on the blocks, and evaluate (forwards "
+        "without grad) until --max-seconds: the measured step never comes",
+    )
     args = parser.parse_args()
     torch.manual_seed(0)
-    model = Model(args.width, args.depth)
+    if args.losses:  # losses compared bit for bit between runs
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+    model = Model(args.width, args.depth).to(args.device)
+    if args.compile == "model":
+        model.compile(backend=args.compile_backend)
+    elif args.compile == "blocks":
+        for block in model.blocks:
+            block.compile(backend=args.compile_backend)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    x = torch.randn(args.batch, args.width)
-    y = torch.randn(args.batch, 1)
+    x = torch.randn(args.batch, args.width, device=args.device)
+    y = torch.randn(args.batch, 1, device=args.device)
     deadline = time.monotonic() + args.max_seconds
     ready = False
+    step = 0
     while time.monotonic() < deadline:
+        if args.steps and step >= args.steps:
+            os.write(1, b"DONE\n")
+            break
+        if args.eval_when_measured and any(b._forward_pre_hooks for b in model.blocks):
+            evaluate(model, x, deadline)
+            break
         loss = torch.nn.functional.mse_loss(model(x), y)
         opt.zero_grad()
         loss.backward()
         opt.step()
+        step += 1
+        if args.losses:
+            os.write(1, f"LOSS {step} {loss.item().hex()}\n".encode())
         if not ready:
             os.write(1, f"READY {os.getpid()}\n".encode())
             ready = True
         if args.probe_file and os.path.exists(args.probe_file):
-            hooks = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
-            saved = torch._C._autograd._top_saved_tensors_default_hooks(False)
-            os.write(
-                1, f"HOOKS forward={hooks} saved_tensors={saved is not None} grad={torch.is_grad_enabled()}\n".encode()
-            )
+            os.write(1, f"HOOKS {hooks_state(model)}\n".encode())
             args.probe_file = ""
         time.sleep(args.step_sleep)
     return 0
+
+
+def hooks_state(model: torch.nn.Module) -> str:
+    """What a measurement could have left: forward hooks, saved-tensor hooks, a dispatch mode."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    hooks = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+    saved = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    mode = _get_current_dispatch_mode()
+    return f"forward={hooks} saved_tensors={saved is not None} grad={torch.is_grad_enabled()} mode={mode is not None}"
+
+
+def evaluate(model: torch.nn.Module, x: torch.Tensor, deadline: float) -> None:
+    """Forwards without grad until ``deadline``, as an evaluation after the job's last optimizer
+    step; after the 50th, what is left on the model (EVAL ...)."""
+    n = 0
+    with torch.no_grad():
+        while time.monotonic() < deadline:
+            model(x)
+            n += 1
+            if n == 50:
+                os.write(1, f"EVAL {hooks_state(model)}\n".encode())
+            time.sleep(0.01)
 
 
 if __name__ == "__main__":
