@@ -236,7 +236,9 @@ class StartCommand(JobCommand):
             lines.append(context["active"])
         for res in doc.get("results", []):
             who = f"rank {res['rank']} (pid {res['pid']})" if res["rank"] is not None else f"pid {res['pid']}"
-            if res["artifact"]:
+            if res.get("note"):  # the trace is still being written (collect.WRITING)
+                lines.append(printable(f"{who}: {res['note']}"))
+            elif res["artifact"]:
                 lines.append(printable(f"{who}: {res['status']}: {res['artifact']}"))
             else:
                 lines.append(printable(f"{who}: failed: {res['error']}"))

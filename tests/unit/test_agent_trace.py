@@ -272,3 +272,18 @@ def test_a_stop_of_an_unaligned_trace_says_why_its_last_span_is_partial(controll
     # THEN its last span's reason names the start
     why = controller._span_fields(at_boundary=False)["last_span_partial_why"]
     assert "did not start at a step boundary" in why
+
+
+def test_a_trace_being_written_says_since_when_and_how_long_it_recorded(controller):
+    from types import SimpleNamespace
+
+    # GIVEN a trace that recorded 40 s and is being written
+    controller.state = "exporting"
+    controller.session = SimpleNamespace(started_at=1000.0, stopped_at=1040.0)
+    # WHEN its state is asked
+    state = controller.state_pb()
+    # THEN it says when the write began and how long the trace recorded
+    assert state.state == "exporting" and state.ending_since == 1040.0 and state.profiled_s == 40.0
+    # and an idle agent says neither
+    controller.state, controller.session = "idle", None
+    assert controller.state_pb().ending_since == 0.0 and controller.state_pb().profiled_s == 0.0
