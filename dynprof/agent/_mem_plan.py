@@ -77,6 +77,9 @@ class MemoryPlanner:
                 raise CommandError(
                     pb.NO_TORCH, "this process has not imported torch", "Point dynprof at a training process."
                 )
+            tracing = _trace_in_progress(self.agent)
+            if tracing:
+                raise CommandError(pb.BUSY, *busy_with_trace(tracing))
             steps = self.agent.steps
             if not steps.hook_installed:
                 raise CommandError(
@@ -126,6 +129,11 @@ class MemoryPlanner:
             steps.add_listener(self._listener)
             return "artifact", pb.ArtifactWritten(path="", status="armed", summary_json="{}")
 
+    def measuring(self) -> str:
+        """``armed`` or ``measuring`` while a measurement waits for or runs its step, else ``""``."""
+        run = self.run
+        return run.state if run is not None and run.state in ("armed", "measuring") else ""
+
     def _on_step(self, count: int) -> None:
         # On the training thread, at a step boundary: only start or stop hooks here.
         run = self.run
@@ -136,6 +144,12 @@ class MemoryPlanner:
             if run.state == "armed":
                 if time.monotonic() - run.armed_at > ARMED_FOR_S:
                     self._drop(run)
+                    return
+                tracing = _trace_in_progress(self.agent)
+                if tracing:  # a trace was asked for at the same moment: it goes first
+                    self.agent.steps.remove_listener(self._listener)
+                    run.measurement = None
+                    run.state, run.error = "failed", busy_with_trace(tracing)[0]
                     return
                 run.state = "measuring"
                 run.measurement.start()
@@ -180,3 +194,20 @@ class MemoryPlanner:
                 run.measurement.stop()
         except Exception:
             log.exception("stopping the memory plan measurement failed")
+
+
+def _trace_in_progress(agent: Any) -> str:
+    """The state of this process's dynprof trace when one is armed or records, else ``""``."""
+    trace = getattr(agent, "trace", None)
+    state = getattr(trace, "state", "")
+    return state if state in ("armed", "tracing") else ""
+
+
+def busy_with_trace(state: str) -> tuple[str, str]:
+    """Why a measurement is refused while a trace is ``state``, and what to do."""
+    return (
+        f"a dynprof trace is {state} in this process: a memory plan measures its step through a dispatch "
+        "mode that runs every operator through Python, so the trace would show each operator of that step "
+        "twice and its time as the job's",
+        "Ask for the memory plan once the trace has ended (`dynprof ps` shows it), or end it with `dynprof stop`.",
+    )

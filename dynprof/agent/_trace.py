@@ -192,6 +192,16 @@ class TraceController:
                 )
             if other_profiler_active():
                 raise _profiler_active_error()
+            planner = getattr(getattr(self.agent, "memory", None), "planner", None)
+            measuring = planner.measuring() if planner is not None else ""
+            if measuring:
+                raise CommandError(
+                    pb.BUSY,
+                    f"a memory plan measurement is {measuring} in this process: it runs every operator of its "
+                    "step through Python (a dispatch mode), so a trace of that step would show each operator twice "
+                    "and its time as the job's",
+                    "Start the trace once the measurement has ended (one training step): ask again.",
+                )
             self.steps.fold_compiled()
             now_step = self.steps.step
             flowing = self._steps_flowing()
