@@ -16,6 +16,8 @@ log) calls it. It is part of the floor: it imports nothing of dynprof.
   printable shown as a visible escape (``\\n``, ``\\x1b``, ``\\u202e``), cut at ``limit``
   characters with a visible mark of what was cut.
 - :func:`lines`: the same, line by line, for text whose newlines are dynprof's own.
+- :func:`shell_word`: text as one word a person can paste into a shell to give it back
+  (a job id in ``dynprof ps --job ...``), every character that is not printable escaped.
 """
 
 from __future__ import annotations
@@ -93,3 +95,33 @@ def lines(text: object, limit: int | None = MAX_LINE) -> str:
     """Like :func:`one_line`, line by line: the newlines of ``text`` kept (they are the
     caller's own), everything else in each line escaped and each line cut at ``limit``."""
     return "\n".join(one_line(line, limit) for line in str(text).split("\n"))
+
+
+_SHELL_PLAIN = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789@%+=:,./_-")
+
+
+def shell_word(value: str) -> str:
+    """``value`` as one word of a POSIX shell command line that gives ``value`` back when
+    pasted: as it is when it needs no quoting, in single quotes when it is printable, else in
+    bash's ``$'...'`` with every other character escaped (``\\x1b``, ``\\u202e``). Bytes that
+    are not UTF-8 are spelled as :func:`valid_text` spells them (``\\xff``, four characters),
+    which is how dynprof records such a job id."""
+    value = valid_text(value)
+    if value and all(ch in _SHELL_PLAIN for ch in value):
+        return value
+    if all(_safe(ch) for ch in value):
+        return "'" + value.replace("'", "'\\''") + "'"
+    out = []
+    for ch in value:
+        code = ord(ch)
+        if ch in "\\'":
+            out.append("\\" + ch)
+        elif _safe(ch):
+            out.append(ch)
+        elif code < 0x80:  # $'\xNN' above 0x7f is a raw byte, not the character
+            out.append(f"\\x{code:02x}")
+        elif code < 0x10000:
+            out.append(f"\\u{code:04x}")
+        else:
+            out.append(f"\\U{code:08x}")
+    return "$'" + "".join(out) + "'"

@@ -229,7 +229,8 @@ def loads_json(
     try:
         obj = json.loads(data)
     except RecursionError:
-        raise ArtifactError(f"{what}: JSON nested too deeply: refused") from None
+        # Deeper than Python's parser follows, so deeper than the cap too: the cap is the limit named.
+        raise ArtifactError(f"{what}: JSON nested deeper than {max_depth} levels: refused") from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise ArtifactError(f"{what}: not valid JSON ({str(exc)[:120]})") from None
     if json_depth_exceeds(obj, max_depth):
@@ -393,7 +394,8 @@ class _TextStream:
             try:
                 obj, end = decoder.raw_decode(self.buf, self.pos)
             except RecursionError:
-                raise ArtifactError(f"{self.what}: JSON nested too deeply: refused") from None
+                limit = JSON_MAX_DEPTH if max_depth is None else max_depth
+                raise ArtifactError(f"{self.what}: JSON nested deeper than {limit} levels: refused") from None
             except ValueError:
                 end = -1
                 obj = None

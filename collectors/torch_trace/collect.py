@@ -38,6 +38,15 @@ POLL_S = 0.1
 ACTIVITIES = ("cpu", "cuda", "xpu")
 MAX_SAMPLE_KEEP = 64
 _SAMPLE_GROUP = re.compile(SAMPLE_GROUP_PREFIX + r"[0-9a-f]{12}")
+# A trace that ends is written by its agent; torch's writer holds the process's interpreter,
+# so the agent cannot answer until it is done (about 5 us per recorded event on a 2-core
+# machine). A process that runs on while its agent is silent is waited for this long at least,
+# plus this much per second the trace recorded, at most the last; then the command says the
+# trace is still being written (status WRITING), never that it failed.
+WRITE_WAIT_MIN_S = 60.0
+WRITE_WAIT_PER_PROFILED_S = 3.0
+WRITE_WAIT_MAX_S = 3600.0
+WRITING = "writing"
 DEFAULT_ACTIVE_WAIT_S = 120.0  # an open-ended trace is waited for until active, this long unless given
 
 
@@ -312,6 +321,8 @@ def collect(request: TraceRequest, progress: ProgressLine | None = None) -> Star
         return Started(doc, code, messages, requested, active)
     doc = _wait_done(request, clients, records, group_id, steps, at_step, progress)
     code = 0 if all(r["status"] == "complete" for r in doc["results"]) else 1
+    if code and all(r["status"] in ("complete", WRITING) for r in doc["results"]):
+        code = errors.Timeout.exit_code  # not failed: still being written when the wait ended
     return Started(doc, code, messages, requested)
 
 
@@ -403,12 +414,29 @@ def _wait_done(
 ) -> dict[str, Any]:
     deadline = time.monotonic() + request.timeout if request.timeout else None
     results: dict[int, dict[str, Any]] = {}
+    seen: dict[int, Any] = {}  # pid -> the last trace state its agent answered
+    silent_since: dict[int, float] = {}  # pid -> since when its live process's agent has not answered
     try:
         while len(results) < len(records):
             pending = [(r, c) for r, c in zip(records, clients) if r.pid not in results]
             states = parallel(lambda rc: rc[1].status(), pending)
             parts = []
             for (record, _), st in zip(pending, states):
+                label = f"rank {record.rank}" if record.rank is not None else f"pid {record.pid}"
+                if isinstance(st, Exception) and _agent_busy(st, record.pid):
+                    # The process runs and its agent does not answer: it is ending the trace
+                    # and writing it (torch's writer holds the interpreter), not lost.
+                    now = time.monotonic()
+                    silent = now - silent_since.setdefault(record.pid, now)
+                    bound = write_wait_s(seen.get(record.pid))
+                    if silent > bound:
+                        results[record.pid] = still_writing(record, at_step, silent, seen.get(record.pid))
+                        continue
+                    parts.append(
+                        f"{label}: ending the trace: its agent is busy writing it "
+                        f"(no answer for {silent:.0f} s; waiting up to {bound:.0f} s)"
+                    )
+                    continue
                 if isinstance(st, Exception):
                     # The process is gone (it exited, or was killed): a trace it flushed on
                     # the way out is in the store under this request's group.
@@ -419,7 +447,10 @@ def _wait_done(
                         "error": f"lost contact with the process before it wrote a trace: {st}",
                     }
                     continue
+                silent_since.pop(record.pid, None)
                 t = st.trace
+                if t.group_id == group_id:
+                    seen[record.pid] = t
                 if t.group_id == group_id and t.state == "idle":
                     results[record.pid] = {
                         **target_row(record, t.start_step),
@@ -428,8 +459,12 @@ def _wait_done(
                         "error": t.last_error or None,
                     }
                     continue
-                label = f"rank {record.rank}" if record.rank is not None else f"pid {record.pid}"
-                if t.state == "armed":
+                if t.state == "exporting" and t.ending_since:
+                    parts.append(
+                        f"{label}: writing the trace ({max(0.0, time.time() - t.ending_since):.0f} s; "
+                        f"{t.profiled_s:.0f} s recorded)"
+                    )
+                elif t.state == "armed":
                     parts.append(f"{label}: armed, at step {st.step}, starts after {t.start_step}")
                 elif steps:
                     parts.append(f"{label}: {t.state} {t.steps_done}/{steps} steps")
@@ -458,6 +493,48 @@ def _wait_done(
         ) from None
     progress.done()
     return {"group_id": group_id, "results": [results[r.pid] for r in records]}
+
+
+def write_wait_s(last: Any) -> float:
+    """How long a live process whose agent is silent is waited for, from the last trace state
+    it answered (None: none yet): proportional to how long the trace recorded, which is what
+    its write takes."""
+    if last is None:
+        return WRITE_WAIT_MIN_S
+    if last.profiled_s:
+        profiled = float(last.profiled_s)
+    elif last.active_since:
+        profiled = max(0.0, time.time() - float(last.active_since))
+    else:
+        profiled = 0.0
+    return min(WRITE_WAIT_MAX_S, WRITE_WAIT_MIN_S + WRITE_WAIT_PER_PROFILED_S * profiled)
+
+
+def still_writing(record: AgentRecord, at_step: int, silent: float, last: Any) -> dict[str, Any]:
+    """A process's result when its agent stayed busy past :func:`write_wait_s` (``last``: the
+    trace state it answered last): the trace is still being written, and where it will appear."""
+    from dynprof.safetext import shell_word
+
+    where = "`dynprof ls --kind trace" + (f" --job {shell_word(record.job_id)}`" if record.job_id else "`")
+    if last is not None and last.state in ("tracing", "exporting"):
+        note = (
+            f"still being written: the process runs and its agent has been busy ending and writing the trace "
+            f"for {silent:.0f} s (the write holds its interpreter); it will be listed by {where} once written"
+        )
+    else:
+        note = (
+            f"no answer from its agent for {silent:.0f} s while the process runs (its interpreter is held); "
+            f"a trace it writes will be listed by {where}"
+        )
+    return {**target_row(record, at_step), "status": WRITING, "artifact": None, "error": None, "note": note}
+
+
+def _agent_busy(exc: Exception, pid: int) -> bool:
+    """``exc`` (from a status request) is an agent that does not answer in time, in a process
+    that still runs: not one that is gone, refused or never was."""
+    if isinstance(exc, (errors.NoAgent, errors.PermissionDenied)):
+        return False
+    return isinstance(exc, (errors.Timeout, errors.Busy)) and _alive(pid)
 
 
 def _alive(pid: int) -> bool:

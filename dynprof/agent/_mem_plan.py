@@ -109,6 +109,9 @@ class MemoryPlanner:
                     raise CommandError(
                         pb.NO_TORCH, "this process has not imported torch", "Point dynprof at a training process."
                     )
+                tracing = _trace_in_progress(self.agent)
+                if tracing:
+                    raise CommandError(pb.BUSY, *busy_with_trace(tracing))
                 steps = self.agent.steps
                 if not steps.hook_installed:
                     raise CommandError(
@@ -152,6 +155,11 @@ class MemoryPlanner:
             run.state, run.error = "failed", f"{type(exc).__name__}: {exc}"
         run.measurement = None
 
+    def measuring(self) -> str:
+        """``armed`` or ``measuring`` while a measurement waits for or runs its step, else ``""``."""
+        run = self.run
+        return run.state if run is not None and run.state in ("armed", "measuring") else ""
+
     # -- the training thread: every touch of the job's objects -----------------------------
     def _on_step(self, count: int) -> None:
         # At a step boundary, on the thread that steps.
@@ -166,6 +174,10 @@ class MemoryPlanner:
             if run.state == "armed":
                 if time.monotonic() - run.armed_at > ARMED_FOR_S:
                     self._fail(run, "the step did not come")
+                    return
+                tracing = _trace_in_progress(self.agent)
+                if tracing:  # a trace was asked for at the same moment: it goes first
+                    self._fail(run, busy_with_trace(tracing)[0])
                     return
                 self._begin(run)
             elif run.state == "measuring":
@@ -270,3 +282,20 @@ class MemoryPlanner:
                 run.measurement.stop()
         except Exception:
             log.exception("stopping the memory plan measurement failed")
+
+
+def _trace_in_progress(agent: Any) -> str:
+    """The state of this process's dynprof trace when one is armed or records, else ``""``."""
+    trace = getattr(agent, "trace", None)
+    state = getattr(trace, "state", "")
+    return state if state in ("armed", "tracing") else ""
+
+
+def busy_with_trace(state: str) -> tuple[str, str]:
+    """Why a measurement is refused while a trace is ``state``, and what to do."""
+    return (
+        f"a dynprof trace is {state} in this process: a memory plan measures its step through a dispatch "
+        "mode that runs every operator through Python, so the trace would show each operator of that step "
+        "twice and its time as the job's",
+        "Ask for the memory plan once the trace has ended (`dynprof ps` shows it), or end it with `dynprof stop`.",
+    )

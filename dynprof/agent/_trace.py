@@ -192,6 +192,16 @@ class TraceController:
                 )
             if other_profiler_active():
                 raise _profiler_active_error()
+            planner = getattr(getattr(self.agent, "memory", None), "planner", None)
+            measuring = planner.measuring() if planner is not None else ""
+            if measuring:
+                raise CommandError(
+                    pb.BUSY,
+                    f"a memory plan measurement is {measuring} in this process: it runs every operator of its "
+                    "step through Python (a dispatch mode), so a trace of that step would show each operator twice "
+                    "and its time as the job's",
+                    "Start the trace once the measurement has ended (one training step): ask again.",
+                )
             self.steps.fold_compiled()
             now_step = self.steps.step
             flowing = self._steps_flowing()
@@ -265,7 +275,15 @@ class TraceController:
             writer = export.writer if export is not None else None
             artifact = str(writer.final_path) if writer is not None else ""
             status = WRITING_AT_EXIT
+        # While the trace is written: since when, and how long it recorded (what the write's
+        # length goes with), so a client can tell a trace being written from a lost agent.
+        ending_since = profiled_s = 0.0
+        if self.state == "exporting" and session is not None and session.stopped_at > 0:
+            ending_since = session.stopped_at
+            profiled_s = max(0.0, session.stopped_at - session.started_at)
         return pb.TraceState(
+            ending_since=ending_since,
+            profiled_s=profiled_s,
             state=self.state,
             start_step=self.start_step,
             steps=req.steps if req is not None else 0,

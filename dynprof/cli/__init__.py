@@ -22,6 +22,7 @@ from dynprof.errors import DynprofError
 from dynprof.kinds import commands
 from dynprof.output import silence_stdout
 from dynprof.result import Result
+from dynprof.safetext import valid_text
 
 # (subcommand name, module under dynprof.cli, class name), in the order `--help` lists them: the
 # rows of dynprof.kinds that have a command.
@@ -117,6 +118,10 @@ def main(argv: list[str] | None = None) -> int:
         if only == "healthcheck" and exc.code == 2:
             return 3
         raise
+    if isinstance(getattr(args, "job", None), str):
+        # A job id given in bytes that are not UTF-8 is the id the agents recorded from the
+        # same bytes (each as \xNN): both spellings select the job.
+        args.job = valid_text(args.job)
     code: int | None = None
     try:
         code = run_command(args._command, args)

@@ -218,7 +218,8 @@ def node_source(args: argparse.Namespace, nodes: list[Node]) -> Any:
     client = client_for(args)
     # A poll holds every node's progress and then its stacks: the client's total is shared
     # among those answers (one per node each, native stacks more for a few).
-    client.shared_by = 2 * max(1, len(nodes))
+    client.shared_by = max(1, len(nodes))
+    client.answers_per_node = 2
 
     def flight_recorder(job: str) -> tuple[dict[str, Any] | None, str | None]:
         from collectors.flight_recorder.collect import NcclRequest
@@ -368,7 +369,8 @@ def start_hosted_watch(args: argparse.Namespace, token: str) -> Any:
     if nodes is not None:
         tls = tls_context(args.cacert) if args.cacert else None
         client = SidecarClient(token, tls=tls)
-        client.shared_by = 2 * max(1, len(nodes))  # as node_source's: progress and stacks of every node
+        client.shared_by = max(1, len(nodes))  # as node_source's: progress and stacks of every node
+        client.answers_per_node = 2
         source: Any = SidecarSource(client, nodes)
     else:
         source = LocalSource()

@@ -92,7 +92,13 @@ DRAIN_KINDS = fleet.DRAIN_KINDS
 REFUSED_STATUSES = frozenset({400, 401, 403, 413, 429})
 # What srun's tasks may print: a node's report is tens of kilobytes.
 MAX_TASK_OUTPUT_BYTES = 4 * 1024 * 1024
+# A node's report is a few hundred to a few thousand lines (indented JSON): a task's lines are
+# bounded too, so short lines (``0: x``) cannot make millions of lines of 4 MiB.
+MAX_TASK_OUTPUT_LINES = 50_000
 MAX_SRUN_OUTPUT_BYTES = 512 * 1024 * 1024
+# Lines that name no task of the allocation (no label, or another task's number): srun with
+# --label prints none; past this many, srun is stopped.
+MAX_UNLABELLED_LINES = 10_000
 MAX_TASK_VALUES = 200_000
 SRUN_START_S = 60.0  # srun's own start on top of each node's wait
 SRUN_END_GRACE_S = 10.0  # srun's own end, once every task has answered
@@ -497,6 +503,8 @@ class TaskOutput:
         self.lines: dict[int, list[str]] = {}
         self.sizes: dict[int, int] = {}
         self.over: set[int] = set()
+        self.over_lines: set[int] = set()  # the tasks of ``over`` cut by their lines, not bytes
+        self.line_counts: dict[int, int] = {}
         self.finished: set[int] = set()
         self.total = 0
         self.unlabelled = 0
@@ -520,8 +528,15 @@ class TaskOutput:
                 n = len(raw) - match.end() + 1
                 size = self.sizes.get(task, 0) + n
                 self.sizes[task] = size
+                count = self.line_counts.get(task, 0) + 1
+                self.line_counts[task] = count
                 if size > MAX_TASK_OUTPUT_BYTES or self.total + n > MAX_SRUN_OUTPUT_BYTES:
                     self.over.add(task)
+                    self.lines.pop(task, None)
+                    continue
+                if count > MAX_TASK_OUTPUT_LINES:
+                    self.over.add(task)
+                    self.over_lines.add(task)
                     self.lines.pop(task, None)
                     continue
                 text = raw[match.end() :].rstrip(b"\r").decode("utf-8", "replace")
@@ -540,16 +555,31 @@ class TaskOutput:
         with self.lock:
             return bool(self.over)
 
-    def outcome(self, task: int, name: str, timed_out: bool) -> fleet.NodeOutcome:
+    def noisy(self) -> bool:
+        """srun printed more lines that name no task than it ever should: it is stopped."""
+        with self.lock:
+            return self.unlabelled > MAX_UNLABELLED_LINES
+
+    def outcome(self, task: int, name: str, timed_out: bool, stopped: bool = False) -> fleet.NodeOutcome:
+        """Task ``task``'s report, or why there is none; ``timed_out``: srun ran past its time
+        limit, ``stopped``: srun was stopped for its output before every task had answered."""
         from dynprof.untrusted import loads_json
 
         label = name
+        if task in self.over_lines:
+            why = f"its task printed over {MAX_TASK_OUTPUT_LINES} lines: refused"
+            return fleet.NodeOutcome(label, name, False, error=why)
         if task in self.over:
             why = f"its task printed over {MAX_TASK_OUTPUT_BYTES >> 20} MiB: refused"
             return fleet.NodeOutcome(label, name, False, error=why)
         text = "\n".join(self.lines.get(task, []))
-        if not text.strip():
-            why = "srun ran past the time limit before its task answered" if timed_out else "its task printed nothing"
+        if not text.strip() or (stopped and task not in self.finished):
+            if timed_out:
+                why = "srun ran past the time limit before its task answered"
+            elif stopped:
+                why = "srun was stopped before its task answered"
+            else:
+                why = "its task printed nothing"
             return fleet.NodeOutcome(label, name, False, error=why)
         try:
             doc = loads_json(text, f"the output of srun task {task}", max_values=MAX_TASK_VALUES)
@@ -633,7 +663,7 @@ def collect_srun(args: argparse.Namespace) -> FleetResult:
     ]
     for r in readers:
         r.start()
-    timed_out = stopped = False
+    timed_out = stopped = noisy = False
     deadline = time.monotonic() + wait
     try:
         # srun is stopped once every task has answered or printed past its bound (a task that
@@ -645,6 +675,10 @@ def collect_srun(args: argparse.Namespace) -> FleetResult:
                 proc.wait(timeout=max(0.0, min(0.5, deadline - time.monotonic())))
                 break
             except subprocess.TimeoutExpired:
+                if sink.noisy():
+                    noisy = True
+                    stop_group(proc, SRUN_STOP_GRACE_S)
+                    break
                 if decided_at is None and sink.decided():
                     decided_at = time.monotonic()
                 if decided_at is not None and (sink.flooded() or time.monotonic() - decided_at > SRUN_END_GRACE_S):
@@ -661,11 +695,17 @@ def collect_srun(args: argparse.Namespace) -> FleetResult:
     for r in readers:
         r.join(10)
     progress.done()
-    outcomes = [sink.outcome(t, host, timed_out) for t, host in enumerate(hosts)]
+    outcomes = [sink.outcome(t, host, timed_out, stopped=noisy) for t, host in enumerate(hosts)]
     report = fleet.judge(outcomes, args.peer_threshold, args.level, time.monotonic() - started, how="srun")
     messages = _summary_messages(report, args.drain_command)
     if timed_out:
         messages.insert(0, f"healthcheck: srun ran past {wait:g} s and was stopped")
+    elif noisy:
+        messages.insert(
+            0,
+            f"healthcheck: srun printed over {MAX_UNLABELLED_LINES} lines that name no task of this allocation "
+            "(is --label among its arguments?): srun was stopped; the nodes that had not answered are named",
+        )
     elif stopped:
         over = ", ".join(hosts[t] for t in sorted(sink.over)) or "none"
         messages.insert(0, f"healthcheck: every task answered or printed past its bound ({over}): srun was stopped")

@@ -48,6 +48,23 @@ def build_environment(args: argparse.Namespace, base: dict[str, str] | None = No
     return env
 
 
+def banner(job: str, cmd: list[str]) -> str:
+    """What ``dynprof run`` says before it runs ``cmd``: the job id as the agents record it
+    (bytes that are not UTF-8 as ``\\xNN``, :func:`dynprof.safetext.valid_text`), and a ``ps``
+    command line that finds it when pasted (:func:`dynprof.safetext.shell_word`)."""
+    from dynprof.safetext import one_line, shell_word, valid_text
+
+    recorded = valid_text(job)
+    lines = [f"dynprof: job {one_line(recorded, None)}: agent enabled for {one_line(' '.join(cmd), None)}"]
+    if recorded != job:
+        lines.append(
+            "dynprof: the job id is not UTF-8: the agents record each byte that is not as \\xNN "
+            "(four characters), and --job takes it so spelled or as the same bytes"
+        )
+    lines.append(f"dynprof: see it with `dynprof ps --job {shell_word(recorded)}`")
+    return "\n".join(lines)
+
+
 class RunCommand:
     """Run a command with the dynprof agent in every Python process it starts.
 
@@ -84,8 +101,7 @@ class RunCommand:
             )
         env = build_environment(args)
         if not args.quiet:
-            print(f"dynprof: job {env['DYNPROF_JOB_ID']}: agent enabled for {' '.join(cmd)}", file=sys.stderr)
-            print(f"dynprof: see it with `dynprof ps --job {env['DYNPROF_JOB_ID']}`", file=sys.stderr)
+            print(banner(env["DYNPROF_JOB_ID"], cmd), file=sys.stderr)
         sys.stdout.flush()
         sys.stderr.flush()
         try:

@@ -57,6 +57,21 @@ def read_stacks_file(path: str, budget: Budget) -> Stacks:
         return read_document(fh, budget)
 
 
+MAX_FAILURES_SHOWN = 10
+
+
+def _failure_lines(failures: dict[str, str]) -> str:
+    """The files (and nodes) that failed and why, one printable line each, for an error that
+    ends a merge: the reason names the limit a file broke (its depth, its size), and the file."""
+    if not failures:
+        return ""
+    shown = sorted(failures.items())[:MAX_FAILURES_SHOWN]
+    lines = [f"\n  {printable(where)}: {printable(why)}" for where, why in shown]
+    if len(failures) > len(shown):
+        lines.append(f"\n  ... and {len(failures) - len(shown)} more")
+    return ":" + "".join(lines)
+
+
 def host_from_file_name(path: str) -> str | None:
     """``stacks.node-5.json`` -> ``node-5``: the node of an answer that does not name it."""
     name = os.path.basename(path)
@@ -175,7 +190,7 @@ class StacksCommand(JobCommand):
                 failures[f"file {path}"] = exc.message
         if not sources:
             raise errors.DynprofError(
-                f"no stacks to merge: none of the {len(args.merge)} file(s) could be read",
+                f"no stacks to merge: none of the {len(args.merge)} file(s) could be read" + _failure_lines(failures),
                 help="Each file must be the output of `dynprof stacks --json` (one per node).",
             )
         try:
@@ -185,7 +200,8 @@ class StacksCommand(JobCommand):
         stacks.failures = {**failures, **stacks.failures}
         if not stacks.processes:
             raise errors.DynprofError(
-                f"no process in the {len(sources)} file(s) read", help="See the failures each node reported."
+                f"no process in the {len(sources)} file(s) read" + _failure_lines(stacks.failures),
+                help="Each file must be the output of `dynprof stacks --json` (one per node).",
             )
         artifact = None if args.no_save else self._save_merged(args, stacks)
         elapsed = time.monotonic() - t0

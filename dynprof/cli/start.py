@@ -236,7 +236,9 @@ class StartCommand(JobCommand):
             lines.append(context["active"])
         for res in doc.get("results", []):
             who = f"rank {res['rank']} (pid {res['pid']})" if res["rank"] is not None else f"pid {res['pid']}"
-            if res["artifact"]:
+            if res.get("note"):  # the trace is still being written (collect.WRITING)
+                lines.append(printable(f"{who}: {res['note']}"))
+            elif res["artifact"]:
                 lines.append(printable(f"{who}: {res['status']}: {res['artifact']}"))
             else:
                 lines.append(printable(f"{who}: failed: {res['error']}"))
@@ -256,7 +258,7 @@ def _render_nodes(doc: dict[str, Any], steps: int) -> str:
         f"trace of {steps} steps on {len(results)} rank(s) of {len(doc['nodes'])} node(s), starting after {where}"
     )
     for r in results:
-        detail = r.get("artifact") or r.get("error") or ""
+        detail = r.get("artifact") or r.get("note") or r.get("error") or ""
         text.print(printable(f"{who(r)} on {r['node']}: from step {r.get('start_step')}: {r.get('status')}: {detail}"))
     for m in doc["missed"]:
         rank = f"rank {m['rank']}" if m.get("rank") is not None else "ranks"

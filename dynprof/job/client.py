@@ -111,9 +111,12 @@ class AnswerBudget:
     Each of the ``nodes`` is sure of ``total / (2 * nodes)`` (its floor); the other half of the
     total is a pool that any node draws on past its floor, while it lasts. With ``pooled``
     False there is no pool and the floor is the whole equal share, ``total / nodes``: for
-    requests made one node at a time, whose answers the caller holds together. A node whose
-    answer needs more than it can get is cut: its answer is dropped (what it drew goes back)
-    and it is named as cut. Thread-safe: the nodes of a command are read at once."""
+    requests made one node at a time, whose answers the caller holds together. A caller that
+    holds ``per_node`` answers of each node at once (the watch: a node's progress and its
+    stacks) shares the total among ``nodes * per_node`` answers; ``nodes`` stays the count of
+    nodes its message names. A node whose answer needs more than it can get is cut: its answer
+    is dropped (what it drew goes back) and it is named as cut. Thread-safe: the nodes of a
+    command are read at once."""
 
     def __init__(
         self,
@@ -121,9 +124,11 @@ class AnswerBudget:
         total_bytes: int = TOTAL_ANSWER_BYTES,
         total_values: int = TOTAL_ANSWER_VALUES,
         pooled: bool = True,
+        per_node: int = 1,
     ) -> None:
-        n = max(1, nodes)
-        self.nodes = n
+        self.nodes = max(1, nodes)
+        self.per_node = max(1, per_node)
+        n = self.nodes * self.per_node  # the answers held at once
         self.total_bytes = total_bytes
         self.total_values = total_values
         self.floor_bytes = total_bytes // (2 * n) if pooled else total_bytes // n
@@ -162,8 +167,9 @@ class AnswerBudget:
 
     def reason(self, what: str, node: Node) -> str:
         total = human_bytes(self.total_bytes) if what == "bytes" else f"{self.total_values} JSON values"
+        each = f" ({self.per_node} each)" if self.per_node > 1 else ""
         return (
-            f"cut: the answers of the {self.nodes} node(s) of this command are held to {total} together, "
+            f"cut: the answers of the {self.nodes} node(s){each} of this command are held to {total} together, "
             f"and the answer of {node} needed more than was left for it; ask fewer nodes at a time "
             "(--hosts), or less of each (e.g. one --job)"
         )
@@ -330,18 +336,22 @@ class SidecarClient:
         self.max_in_flight = max(1, max_in_flight)
         # The bound on what one command keeps of all its nodes' answers (AnswerBudget):
         # ``action_all`` shares it among its nodes; a request made for one node alone
-        # (``action``, ``progress``) may keep ``1 / shared_by`` of it, ``shared_by`` being how
-        # many such answers its caller holds at once (the watch: its nodes).
+        # (``action``, ``progress``) may keep ``1 / (shared_by * answers_per_node)`` of it,
+        # ``shared_by`` being how many nodes' answers its caller holds at once and
+        # ``answers_per_node`` how many of each (the watch: its nodes, their progress and stacks).
         self.total_bytes = TOTAL_ANSWER_BYTES if total_bytes is None else total_bytes
         self.total_values = TOTAL_ANSWER_VALUES if total_values is None else total_values
         self.shared_by = 1
+        self.answers_per_node = 1
         self.last_budget: AnswerBudget | None = None  # the last action_all's, as it ended
         # The artifact manifests this client's command holds at once (``manifest``), whichever
         # of its threads reads them.
         self.manifests = ManifestBudget(self.max_in_flight)
 
     def _alone(self) -> AnswerShare:
-        return AnswerBudget(self.shared_by, self.total_bytes, self.total_values, pooled=False).share()
+        return AnswerBudget(
+            self.shared_by, self.total_bytes, self.total_values, pooled=False, per_node=self.answers_per_node
+        ).share()
 
     # -- one request ------------------------------------------------------------------------
     def _connection(self, node: Node, timeout: float) -> http.client.HTTPConnection:
@@ -541,7 +551,7 @@ class SidecarClient:
     ) -> NodeAnswer:
         """Run action ``name`` on ``node``; ``timeout`` bounds the action on the node, and the
         node then has this client's timeout more to answer. The answer draws on ``share`` (of
-        the command's total), else on ``1 / shared_by`` of it."""
+        the command's total), else on ``1 / (shared_by * answers_per_node)`` of it."""
         started = time.monotonic()
         deadline = started + self.timeout + (timeout or 0.0)
         payload: dict[str, Any] = {"options": options}

@@ -83,6 +83,37 @@ def test_a_task_that_prints_on_and_on_does_not_hold_the_others_until_the_deadlin
     doc = json.loads(out.stdout)
     by_node = {n["node"]: n for n in doc["nodes"]}
     assert all(by_node[n]["answered"] and by_node[n]["checks"] for n in ("c1", "c2")), by_node
-    assert "over 4 MiB" in by_node["c3"]["error"]
+    assert by_node["c3"]["error"] == "its task printed over 50000 lines: refused"
     assert "srun ran past" not in out.stderr, out.stderr
     assert "every task answered or printed past its bound (c3): srun was stopped" in out.stderr
+
+
+def test_tasks_of_one_character_lines_are_cut_by_their_line_bound(tmp_path):
+    # GIVEN four nodes, three of whose tasks print one-character lines until they are stopped
+    # (4 MiB of them would be two million lines a task)
+    # WHEN the preflight runs through srun
+    out = preflight(tmp_path, "t[1-4]", "1=terse,2=terse,3=terse", "--json", "--timeout", "60")
+
+    # THEN each is refused by its line bound, the honest node is its report, and srun was
+    # stopped once every task was decided, not at its deadline
+    doc = json.loads(out.stdout)
+    by_node = {n["node"]: n for n in doc["nodes"]}
+    assert by_node["t1"]["answered"] and by_node["t1"]["checks"], by_node
+    for node in ("t2", "t3", "t4"):
+        assert by_node[node]["error"] == "its task printed over 50000 lines: refused"
+    assert "srun ran past" not in out.stderr, out.stderr
+    assert "every task answered or printed past its bound (t2, t3, t4): srun was stopped" in out.stderr
+
+
+def test_lines_that_name_no_task_stop_srun_with_the_reason(tmp_path):
+    # GIVEN two nodes, one task printing lines without srun's label until it is stopped
+    # WHEN the preflight runs through srun
+    out = preflight(tmp_path, "u[1-2]", "1=unlabelled", "--json", "--timeout", "60")
+
+    # THEN srun is stopped for it, saying why, and the node whose task had not answered is named
+    doc = json.loads(out.stdout)
+    by_node = {n["node"]: n for n in doc["nodes"]}
+    assert "srun printed over 10000 lines that name no task of this allocation" in out.stderr, out.stderr
+    assert "srun ran past" not in out.stderr
+    assert by_node["u2"]["error"] == "srun was stopped before its task answered"
+    assert doc["exit_code"] == 3 and out.returncode == 3

@@ -235,3 +235,37 @@ def test_an_evaluation_after_the_last_step_ends_the_measurement_and_the_client_i
     assert "a forward ran without grad" in doc["error"] and "evaluation" in doc["help"]
     assert hooks(model) == 0 and torch._C._autograd._top_saved_tensors_default_hooks(False) is None
     assert steps._listeners == ()
+
+
+@pytest.mark.parametrize("state", ["armed", "tracing"])
+def test_a_memory_plan_is_refused_while_a_trace_is_armed_or_records(state):
+    # GIVEN a job with a dynprof trace armed (or recording)
+    model = torch.nn.Sequential(Block(), Block())
+    planner, steps, _opt = setup(model)
+    planner.agent.trace = types.SimpleNamespace(state=state)
+    # WHEN a memory plan is asked for
+    with pytest.raises(CommandError) as busy:
+        planner.handle(pb.MemoryPlanRequest(token="a"))
+    # THEN it is busy, saying why, and nothing is armed
+    assert busy.value.code == pb.BUSY and f"a dynprof trace is {state}" in busy.value.message
+    assert "each operator of that step twice" in busy.value.message and "dynprof stop" in busy.value.help
+    assert planner.run is None and steps._listeners == ()
+    # AND once the trace is written (exporting) or idle, the plan is armed
+    planner.agent.trace.state = "exporting"
+    assert planner.handle(pb.MemoryPlanRequest(token="a"))[1].status == "armed"
+
+
+def test_a_measurement_armed_when_a_trace_arms_too_gives_way_at_its_step():
+    # GIVEN a measurement armed, then a trace armed before the measured step came
+    model = torch.nn.Sequential(Block(), Block())
+    planner, steps, _opt = setup(model)
+    planner.agent.trace = types.SimpleNamespace(state="idle")
+    planner.handle(pb.MemoryPlanRequest(token="a"))
+    planner.agent.trace.state = "armed"
+    # WHEN the step boundary comes
+    steps._notify(1)
+    # THEN nothing was installed, and the answer says the trace went first
+    assert hooks(model) == 0 and torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    assert steps._listeners == ()
+    done = planner.handle(pb.MemoryPlanRequest(token="a"))
+    assert done[1].status == "failed" and "a dynprof trace is armed" in json.loads(done[1].summary_json)["error"]

@@ -272,3 +272,33 @@ def test_a_stop_of_an_unaligned_trace_says_why_its_last_span_is_partial(controll
     # THEN its last span's reason names the start
     why = controller._span_fields(at_boundary=False)["last_span_partial_why"]
     assert "did not start at a step boundary" in why
+
+
+def test_a_trace_being_written_says_since_when_and_how_long_it_recorded(controller):
+    from types import SimpleNamespace
+
+    # GIVEN a trace that recorded 40 s and is being written
+    controller.state = "exporting"
+    controller.session = SimpleNamespace(started_at=1000.0, stopped_at=1040.0)
+    # WHEN its state is asked
+    state = controller.state_pb()
+    # THEN it says when the write began and how long the trace recorded
+    assert state.state == "exporting" and state.ending_since == 1040.0 and state.profiled_s == 40.0
+    # and an idle agent says neither
+    controller.state, controller.session = "idle", None
+    assert controller.state_pb().ending_since == 0.0 and controller.state_pb().profiled_s == 0.0
+
+
+@pytest.mark.parametrize("measuring", ["armed", "measuring"])
+def test_a_trace_is_refused_while_a_memory_plan_measures_a_step(controller, measuring):
+    # GIVEN a memory plan measurement waiting for (or running) its step in this process
+    planner = types.SimpleNamespace(measuring=lambda: measuring)
+    controller.agent.memory = types.SimpleNamespace(planner=planner)  # type: ignore[attr-defined]
+    # WHEN a trace is asked for THEN it is busy, saying why a trace of that step would mislead
+    error = _refused(controller, steps=3)
+    assert error.code == pb.BUSY and f"a memory plan measurement is {measuring}" in error.message
+    assert "each operator twice" in error.message and "ask again" in error.help
+    # AND once the measurement has ended, the trace starts
+    planner.measuring = lambda: ""
+    field, reply = controller.handle_start(pb.StartTraceRequest(steps=3))
+    assert field == "trace_started" and reply.trace.state == "armed"

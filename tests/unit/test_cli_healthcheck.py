@@ -8,7 +8,13 @@ import argparse
 import pytest
 
 from dynprof.cli import main
-from dynprof.cli.healthcheck import MAX_TASK_OUTPUT_BYTES, TaskOutput, srun_command
+from dynprof.cli.healthcheck import (
+    MAX_TASK_OUTPUT_BYTES,
+    MAX_TASK_OUTPUT_LINES,
+    MAX_UNLABELLED_LINES,
+    TaskOutput,
+    srun_command,
+)
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -67,6 +73,35 @@ def test_labelled_output_is_split_per_task_and_bounded():
     assert out.outcome(0, "n0", False).report == {"a": 1}
     assert not out.outcome(1, "n1", False).answered
     assert "over 4 MiB" in (out.outcome(2, "n2", False).error or "")
+
+
+def test_a_task_of_short_lines_is_refused_by_its_line_bound_long_before_its_bytes():
+    # GIVEN two tasks: one prints a report, the other short lines on and on
+    out = TaskOutput(2)
+    out.add_lines([b"0: {", b'0:   "a": 1', b"0: }"])
+    out.add_lines([b"1: x"] * (MAX_TASK_OUTPUT_LINES + 1))
+    # THEN the chatty one is over its bound (a few hundred kB, far under 4 MiB), nothing of it
+    # kept, and every task is decided, so srun can be stopped
+    assert 1 in out.over and 1 not in out.lines and out.sizes[1] < MAX_TASK_OUTPUT_BYTES
+    assert out.decided() and out.flooded()
+    assert out.outcome(0, "n0", False).report == {"a": 1}
+    assert out.outcome(1, "n1", False).error == f"its task printed over {MAX_TASK_OUTPUT_LINES} lines: refused"
+
+
+def test_lines_that_name_no_task_are_bounded_and_the_unanswered_tasks_named():
+    # GIVEN a task that answered, one half way through its report, and srun printing lines
+    # that name no task of the allocation
+    out = TaskOutput(3)
+    out.add_lines([b"0: {", b'0:   "a": 1', b"0: }", b"1: {", b'1:   "b":'])
+    out.add_lines([b"no label"] * MAX_UNLABELLED_LINES)
+    assert not out.noisy()
+    # WHEN one more comes
+    out.add_lines([b"7: another allocation's task"])
+    # THEN srun is to be stopped, and the tasks that had not answered say that it was
+    assert out.noisy()
+    assert out.outcome(0, "n0", False, stopped=True).report == {"a": 1}
+    assert out.outcome(1, "n1", False, stopped=True).error == "srun was stopped before its task answered"
+    assert out.outcome(2, "n2", False, stopped=True).error == "srun was stopped before its task answered"
 
 
 def test_options_at_their_defaults_are_not_sent_to_the_sidecars():

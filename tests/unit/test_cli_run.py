@@ -69,3 +69,57 @@ def test_a_run_dir_too_long_for_sockets_is_refused_before_the_command_runs(monke
     assert main(["run", "--", "true"]) == 1
     err = capsys.readouterr().err
     assert "too long a path" in err and "DYNPROF_RUN_DIR" in err
+
+
+def _bash_reads(word: str) -> str:
+    """What bash gives a command for ``word`` pasted onto its command line."""
+    import subprocess
+
+    got = subprocess.run(["bash", "-c", f"printf %s {word}"], capture_output=True, check=True).stdout
+    return os.fsdecode(got)
+
+
+def test_a_job_id_that_is_not_utf8_is_shown_as_recorded_with_a_ps_line_that_finds_it(monkeypatch, capsys):
+    from dynprof.identity import detect
+
+    ran = {}
+    monkeypatch.setattr(os, "execvpe", lambda exe, cmd, env: ran.update(env=env))
+    # GIVEN a job id holding the byte 0xff (os.environ and argv carry it as '\udcff')
+    raw = os.fsdecode(b"bad\xff")
+    # WHEN dynprof run starts a command under it
+    assert main(["run", "--job-id", raw, "--", "true"]) == 0
+    err = capsys.readouterr().err
+    # THEN the banner shows the id as the agents record it, says why, and gives a ps line
+    recorded = detect(ran["env"]).job_id
+    assert recorded == "bad\\xff"
+    assert "dynprof: job bad\\xff: agent enabled for true" in err
+    assert "the job id is not UTF-8" in err and "\udcff" not in err
+    assert "`dynprof ps --job 'bad\\xff'`" in err
+    # and that line, pasted into a shell, selects the recorded job, as the raw bytes do
+    pasted = _bash_reads("'bad\\xff'")
+    seen = []
+    monkeypatch.setattr("dynprof.cli.ps.list_records", lambda: [_record(recorded), _record("other")])
+    monkeypatch.setattr("dynprof.cli.ps.agent_rows", lambda records, timeout: seen.append(records) or [])
+    for spelling in (pasted, raw):
+        main(["ps", "--job", spelling])
+    assert [[r.job_id for r in records] for records in seen] == [[recorded], [recorded]]
+
+
+def _record(job: str):
+    from dynprof.registry import AgentRecord
+
+    return AgentRecord(
+        pid=1, ppid=0, host="h", rank=0, local_rank=0, world_size=1, job_id=job, cmdline=["python"],
+        python_version="3", torch_version=None, dynprof_version="0", started_at=0.0, start_ticks=None,
+        socket="/s", log="/l", activation="run",
+    )  # fmt: skip
+
+
+def test_a_utf8_job_id_keeps_its_plain_banner(monkeypatch, capsys):
+    monkeypatch.setattr(os, "execvpe", lambda exe, cmd, env: None)
+    # GIVEN a plain id WHEN run THEN the banner is the two lines it always was
+    assert main(["run", "--job-id", "j1", "--", "true"]) == 0
+    assert capsys.readouterr().err.splitlines() == [
+        "dynprof: job j1: agent enabled for true",
+        "dynprof: see it with `dynprof ps --job j1`",
+    ]

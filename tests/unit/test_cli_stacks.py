@@ -177,6 +177,28 @@ def test_merge_command_refusals(tmp_path: Path, capsys: Any) -> None:
     assert "--merge reads files" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("size", ["small", "large"])
+def test_a_merge_of_only_deep_files_names_each_file_and_the_depth_limit(tmp_path: Path, capsys: Any, size: str) -> None:
+    # GIVEN a file nested 100 000 levels deep (read at once, or streamed past 1 MiB) and one
+    # that holds no process
+    pad = [{"pid": i, "pad": "x" * 1000} for i in range(1500)] if size == "large" else []
+    deep = tmp_path / "stacks.node-d.json"
+    deep.write_text(
+        json.dumps({**_answer([]), "processes": pad})[:-1] + ', "x": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    )
+    empty = _write(tmp_path / "stacks.node-e.json", _answer([]))
+    # WHEN the deep file alone is merged, then with the empty one
+    assert main(["stacks", "--merge", str(deep), "--no-save"]) == 1
+    alone = capsys.readouterr().err
+    assert main(["stacks", "--merge", str(deep), empty, "--no-save"]) == 1
+    with_empty = capsys.readouterr().err
+    # THEN each error names the file and the limit it broke, not only that nothing was read
+    assert "no stacks to merge: none of the 1 file(s) could be read:" in alone
+    assert "no process in the 1 file(s) read:" in with_empty
+    for err in (alone, with_empty):
+        assert f"  file {deep}: JSON nested deeper than 16 levels: refused" in err
+
+
 def test_gil_and_fallback_lines_name_the_node_when_ranks_are_of_several_nodes() -> None:
     # GIVEN rank 6 of node-b holding the GIL, read through its agent after py-spy failed
     from collectors.stacks import render_merged

@@ -494,7 +494,7 @@ def test_the_node_source_shares_the_clients_total_among_the_polls(node_args):
     nodes = [Node("a", 8787), Node("b", 8787), Node("c", 8787)]
     source = _watching.node_source(node_args, nodes)
     assert isinstance(source, SidecarSource)
-    assert source.client.shared_by == 6 and source.node_list == nodes
+    assert source.client.shared_by == 3 and source.client.answers_per_node == 2 and source.node_list == nodes
     assert source.client.token == "t" * 32 and source.client.timeout == 10.0
 
 
@@ -537,7 +537,7 @@ def test_the_node_sources_flight_recorder_is_nccls_job_wide_read(node_args, monk
     assert source._flight_recorder("j") == expected
     [(client, asked_nodes, request)] = asked
     # a client of its own, not the polls' shared one
-    assert client is not source.client and client.shared_by != source.client.shared_by
+    assert client is not source.client and client.answers_per_node != source.client.answers_per_node
     assert asked_nodes == nodes and request.job == "j" and request.timeout == _watching.FLIGHT_RECORDER_TIMEOUT_S
 
 
@@ -630,7 +630,8 @@ def test_the_hosted_watch_over_nodes_reads_their_sidecars_with_this_token(fake_e
     source = engine.source
     assert isinstance(source, SidecarSource)
     assert [str(n) for n in source.node_list] == ["node-a:8787", "node-b:9000"]
-    assert source.client.shared_by == 4 and source.client.token == token and source.client.tls is None
+    assert source.client.shared_by == 2 and source.client.answers_per_node == 2
+    assert source.client.token == token and source.client.tls is None
     # the straggler's sample over the same sidecars, and the samples printed by the verdicts' printer
     [sampler] = engine.samplers
     assert isinstance(sampler, StragglerSampler) and sampler.every_s == straggler.SAMPLE_EVERY_S

@@ -67,3 +67,143 @@ def test_a_hostile_document_is_a_usage_error(doc, said):
     with pytest.raises(errors.UsageError) as refused:
         TraceRequest.from_json(doc)
     assert said in refused.value.message
+
+
+# -- following a trace to its end ----------------------------------------------------------------
+def _state(state: str, group: str = "g1", **fields):
+    from types import SimpleNamespace
+
+    base = {
+        "state": state, "group_id": group, "start_step": 5, "steps_done": 0, "active_since": 0.0,
+        "ending_since": 0.0, "profiled_s": 0.0, "last_artifact": "", "last_artifact_status": "", "last_error": "",
+    }  # fmt: skip
+    return SimpleNamespace(step=5, trace=SimpleNamespace(**{**base, **fields}))
+
+
+class _Scripted:
+    """An agent's answers to status, one per look (the last repeated); an exception is raised."""
+
+    def __init__(self, answers):
+        self.answers = list(answers)
+
+    def status(self):
+        answer = self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+
+class _Lines:
+    def __init__(self):
+        self.lines = []
+
+    def update(self, text):
+        self.lines.append(text)
+
+    def done(self):
+        pass
+
+
+def _record(pid: int, job: str | None = "j1"):
+    from dynprof.registry import AgentRecord
+
+    return AgentRecord(
+        pid=pid, ppid=1, host="h", rank=0, local_rank=0, world_size=1, job_id=job, cmdline=["python"],
+        python_version="3", torch_version=None, dynprof_version="0", started_at=0.0, start_ticks=None,
+        socket="/s", log="/l", activation="run",
+    )  # fmt: skip
+
+
+@pytest.fixture
+def fast(monkeypatch):
+    from collectors.torch_trace import collect
+
+    monkeypatch.setattr(collect, "POLL_S", 0.0)
+    monkeypatch.setattr(collect, "parallel", lambda fn, items: [_try(fn, i) for i in items])
+    return collect
+
+
+def _try(fn, item):
+    try:
+        return fn(item)
+    except Exception as exc:
+        return exc
+
+
+def _wait(collect, client, record, progress):
+    request = TraceRequest(pids=(record.pid,), steps=10)
+    return collect._wait_done(request, [client], [record], "g1", 10, 5, progress)["results"][0]
+
+
+def test_an_agent_silent_while_it_writes_the_trace_is_waited_for_not_lost(fast):
+    import os
+
+    # GIVEN a live process whose agent traced 10/10 steps, then did not answer while it wrote
+    # the trace, then answered with the trace written
+    silent = errors.Timeout("the agent of process 1 did not answer within 5 s")
+    done = _state("idle", last_artifact="/store/t", last_artifact_status="complete")
+    client = _Scripted([_state("tracing", steps_done=10, active_since=1.0), silent, silent, silent, done])
+    progress = _Lines()
+    # WHEN the start follows it
+    result = _wait(fast, client, _record(os.getpid()), progress)
+    # THEN the trace is complete, and meanwhile it said the agent was writing it, never lost
+    assert result["status"] == "complete" and result["artifact"] == "/store/t"
+    assert any("ending the trace: its agent is busy writing it" in line for line in progress.lines)
+    assert not any("lost" in line for line in progress.lines)
+
+
+def test_an_agent_that_answers_while_writing_shows_how_long_the_write_has_run(fast):
+    import os
+    import time
+
+    # GIVEN an agent writing a trace that recorded 12 s, for 3 s now
+    writing = _state("exporting", steps_done=10, ending_since=time.time() - 3, profiled_s=12.0)
+    done = _state("idle", last_artifact="/store/t", last_artifact_status="complete")
+    progress = _Lines()
+    # WHEN followed THEN the progress says so
+    assert _wait(fast, _Scripted([writing, done]), _record(os.getpid()), progress)["status"] == "complete"
+    assert "rank 0: writing the trace (3 s; 12 s recorded)" in progress.lines
+
+
+def test_past_the_write_bound_the_trace_is_still_being_written_not_failed(fast, monkeypatch):
+    import os
+
+    from dynprof.cli.job import JobResult
+    from dynprof.cli.start import StartCommand
+
+    monkeypatch.setattr(fast, "WRITE_WAIT_MIN_S", 0.0)
+    monkeypatch.setattr(fast, "WRITE_WAIT_PER_PROFILED_S", 0.0)
+    # GIVEN a live process whose agent stopped answering after it traced, and never answers again
+    silent = errors.Timeout("the agent of process 1 did not answer within 5 s")
+    client = _Scripted([_state("tracing", steps_done=10, active_since=1.0), silent])
+    # WHEN the start follows it past its write bound
+    result = _wait(fast, client, _record(os.getpid(), job="j 1"), _Lines())
+    # THEN it is still being written, with where it will appear, and the start says so
+    assert result["status"] == fast.WRITING and result["artifact"] is None and result["error"] is None
+    assert "still being written" in result["note"] and "`dynprof ls --kind trace --job 'j 1'`" in result["note"]
+    text = StartCommand().render(JobResult({"results": [result]}, 9, [], context={}))
+    assert text.startswith("rank 0 (pid ") and "still being written" in text and "failed" not in text
+
+
+def test_a_process_that_is_gone_is_lost_contact(fast, monkeypatch):
+    # GIVEN a process that exited without writing a trace (no such pid, nothing in the store)
+    monkeypatch.setattr(fast, "result_from_store", lambda *a: None)
+    monkeypatch.setattr(fast, "_alive", lambda pid: False)
+    client = _Scripted([errors.Timeout("the agent of process 1 did not answer within 5 s")])
+    # WHEN followed THEN it failed: contact lost
+    result = _wait(fast, client, _record(4_194_303), _Lines())
+    assert result["status"] == "failed" and "lost contact" in result["error"]
+
+
+@pytest.mark.parametrize(
+    ("last", "bound"),
+    [
+        (None, 60.0),
+        (_state("exporting", profiled_s=100.0).trace, 360.0),
+        (_state("exporting", profiled_s=10_000.0).trace, 3600.0),
+    ],
+)
+def test_the_write_bound_grows_with_how_long_the_trace_recorded(last, bound):
+    from collectors.torch_trace.collect import write_wait_s
+
+    assert write_wait_s(last) == bound

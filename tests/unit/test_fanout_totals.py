@@ -160,6 +160,19 @@ def test_requests_for_one_node_at_a_time_keep_an_equal_share():
     assert share.take_values(10) and not share.take_values(1)
 
 
+def test_a_caller_holding_two_answers_per_node_counts_its_nodes_once():
+    # GIVEN the watch's client over 64 nodes: it holds each node's progress and stacks at once
+    client = SidecarClient(TOKEN)
+    client.shared_by, client.answers_per_node = 64, 2
+    # WHEN one node's answer draws on its share
+    share = client._alone()
+    # THEN the total is shared among 128 answers, and a cut names the 64 nodes, not 128
+    assert share.budget.floor_bytes == client.total_bytes // 128
+    assert share.budget.floor_values == client.total_values // 128
+    reason = share.budget.reason("bytes", Node("n1", 8787))
+    assert "the answers of the 64 node(s) (2 each) of this command" in reason and "128" not in reason
+
+
 def test_the_cli_names_the_cut_nodes_in_text_and_json(sidecars, monkeypatch, capsys, tmp_path: Path):
     nodes, answer = sidecars
     # GIVEN 64 nodes answering at a (scaled) per-node bound and a total that holds a few

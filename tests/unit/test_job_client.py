@@ -136,7 +136,7 @@ def test_busy_twice_or_past_the_deadline_is_a_failure(server):
         ((200, {}, json.dumps({**GOOD, "messages": "x"}).encode()), "not a list"),
         ((500, {}, b'{"error": "internal error"}'), "500: the sidecar on"),
         ((413, {}, b""), "413"),
-        ((200, {}, b"[" * 100_000 + b"]" * 100_000), "nested too deeply"),
+        ((200, {}, b"[" * 100_000 + b"]" * 100_000), "nested deeper than 64 levels"),
         ((200, {}, json.dumps({**GOOD, "result": json.loads("[" * 200 + "]" * 200)}).encode()), "nested deeper"),
         ((200, {}, b"\xff\xfe not utf-8"), "not valid JSON"),
         ((401, {}, b"[" * 100_000), "401: wrong token"),

@@ -229,3 +229,26 @@ def test_the_kinds_text_renderers_keep_a_forged_name_on_its_line(render, dynprof
     # THEN no line is the forged one; the name shows its newline as \n
     assert _forged_lines(text) == [], text
     assert "load_batch\\nrank 0 is fine" in text, text
+
+
+@pytest.mark.parametrize(
+    ("value", "word"),
+    [
+        ("j1", "j1"),
+        ("my job", "'my job'"),
+        ("it's", "'it'\\''s'"),
+        ("bad\udcff", "'bad\\xff'"),
+        ("a\x1b[2Jb", "$'a\\x1b[2Jb'"),
+        ("\u202eevil's\\", "$'\\u202eevil\\'s\\\\'"),
+        ("", "''"),
+    ],
+)
+def test_a_shell_word_gives_the_text_back_when_pasted(value, word):
+    import subprocess
+
+    # GIVEN a job id WHEN spelled as a shell word
+    got = safetext.shell_word(value)
+    # THEN it is that word, and bash reads it back as the text dynprof records
+    assert got == word
+    out = subprocess.run(["bash", "-c", f"printf %s {got}"], capture_output=True, check=True).stdout
+    assert out.decode("utf-8") == safetext.valid_text(value)

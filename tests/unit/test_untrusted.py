@@ -134,7 +134,7 @@ def test_loads_json_refuses_malformed_deep_and_too_many_values():
         loads_json(b"\xff\xfe{", "m.json")
     with pytest.raises(ArtifactError, match="nested deeper than 3 levels"):
         loads_json("[[[[1]]]]", "m.json", max_depth=3)
-    with pytest.raises(ArtifactError, match=r"nested (too deeply|deeper)"):
+    with pytest.raises(ArtifactError, match="nested deeper than 64 levels: refused"):
         loads_json("[" * 200_000 + "]" * 200_000, "m.json")
     with pytest.raises(ArtifactError, match="holds over 2 JSON values"):
         loads_json("[1,2,3]", "m.json", max_values=2)

@@ -335,7 +335,7 @@ def test_a_gzip_bomb_is_refused_at_the_cap(monkeypatch):
 @pytest.mark.parametrize(
     ("doc", "message"),
     [
-        (b'{"traceEvents": [' + b"[" * 100_000, "nested too deeply|malformed|over"),
+        (b'{"traceEvents": [' + b"[" * 100_000, "nested deeper than 64 levels|malformed|over"),
         (b'{"traceEvents": [{"ph": "X", "name": "' + b"a" * (20 << 20) + b'"}]}', "over 16777216 characters"),
         (b'{"traceEvents": [1, 2', "malformed"),
         (b"\x00" * 1000, "expected '{'"),

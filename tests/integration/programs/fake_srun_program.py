@@ -4,8 +4,9 @@ Reads ``--ntasks=N`` (or ``--nodes=N``) and ``--label``, ignores srun's other op
 the command (everything from the first argument that is not an option) N times at once, with
 ``SLURM_PROCID``/``SLURM_NODEID`` set; with ``--label`` each task's output line is written as
 ``T: line``, as srun does. ``FAKE_SRUN_TASKS`` makes tasks misbehave instead of running:
-``2=silent,3=garbage,4=flood,5=chatty`` (prints nothing, prints text that is not JSON, prints
-5 MiB, prints short lines until it is stopped).
+``2=silent,3=garbage,4=flood,5=chatty,6=terse,7=unlabelled`` (prints nothing, prints text that
+is not JSON, prints 5 MiB, prints short lines until it is stopped, prints one-character lines
+until it is stopped, prints lines without a label until it is stopped).
 """
 
 from __future__ import annotations
@@ -28,9 +29,9 @@ def main() -> int:
     modes = dict(item.split("=", 1) for item in os.environ.get("FAKE_SRUN_TASKS", "").split(",") if "=" in item)
     lock = threading.Lock()
 
-    def write(task: int, line: str) -> None:
+    def write(task: int, line: str, labelled: bool = True) -> None:
         with lock:
-            sys.stdout.write((f"{task}: " if label else "") + line)
+            sys.stdout.write((f"{task}: " if label and labelled else "") + line)
             sys.stdout.flush()
 
     def run(task: int) -> None:
@@ -43,6 +44,13 @@ def main() -> int:
         if mode == "chatty":
             while True:
                 write(task, "still here\n")
+        if mode == "terse":
+            chunk = f"{task}: x\n" * 64 if label else "x\n" * 64  # 64 labelled lines a write
+            while True:
+                write(task, chunk, labelled=False)
+        if mode == "unlabelled":
+            while True:
+                write(task, "no label\n", labelled=False)
         if mode == "flood":
             for _ in range(5 * 1024):
                 write(task, "x" * 1023 + "\n")
