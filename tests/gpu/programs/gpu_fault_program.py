@@ -11,7 +11,9 @@ sync debug mode; an idiom that ``needs`` NCCL runs in the rank's own one-member 
 ranks cannot share a GPU in one NCCL communicator; one each can), waited for with
 ``TORCH_NCCL_BLOCKING_WAIT=1`` set, so the host waits inside PyTorch's NCCL work.
 Stragglers, every step: ``gpu-compute`` (extra matmuls), ``host-launch`` (thousands of tiny
-kernels), ``h2d-input`` (a large pageable batch copied in), ``data-loading`` (a slow loader).
+kernels), ``h2d-input`` (a large pageable batch copied in), ``data-loading`` (a slow loader),
+``input-pipeline`` (Python work outside operators), ``launch-and-data`` (tiny kernels and a
+slower loader); ``noise`` (every rank up to 1 ms slower a step, at random) is an even job.
 Busy phases that are not hangs (on every rank): ``checkpoint`` (CUDA tensors saved for
 ``--busy-seconds``), ``eval`` (an evaluation loop of that length), ``compile`` (the first step of
 a deeper model under ``torch.compile(mode="max-autotune-no-cudagraphs")``, Inductor's caches off:
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import sys
 import time
 from pathlib import Path
@@ -73,6 +76,14 @@ def stuck_after_step(fault: str, opt: torch.optim.Optimizer, device: torch.devic
         torch.cuda.synchronize(device)
         ready()
         time.sleep(seconds)
+
+
+def augment(width: int) -> float:
+    """Python work on the host, outside any operator (an input pipeline's augmentation)."""
+    total = 0.0
+    for i in range(60_000):
+        total += (i % width) * 1e-9
+    return total
 
 
 def reduce_gradients(model: torch.nn.Module) -> None:
@@ -133,6 +144,8 @@ def main() -> int:
         step_fn = torch.compile(model, mode="max-autotune-no-cudagraphs")  # type: ignore[assignment]
         ready()  # before the first step: the warm-up is what the watch looks at
     delay = 0.03 if (args.fault == "data-loading" and faulty) else 0.0
+    delay = 0.01 if (args.fault == "launch-and-data" and faulty) else delay
+    jitter = random.Random(rank)
     loader = torch.utils.data.DataLoader(SlowData(1 << 30, w, delay), batch_size=1, num_workers=0)
     batches = iter(loader)
     # 256 MiB, pageable, copied in at every step. (It read `64 << 20 // 4` before: `//` binds
@@ -151,9 +164,13 @@ def main() -> int:
         if heavy is not None and faulty and step >= args.at_step // 2:
             for _ in range(60):
                 heavy = torch.mm(heavy, heavy).clamp_(-1, 1)
-        if args.fault == "host-launch" and faulty:
+        if args.fault in ("host-launch", "launch-and-data") and faulty:
             for _ in range(3000):
                 tiny.add_(1.0)
+        if args.fault == "input-pipeline" and faulty:
+            inp = inp + augment(w)
+        if args.fault == "noise":  # every rank: up to 1 ms more or less a step, at random
+            time.sleep(jitter.uniform(0.0, 0.001))
         opt.zero_grad(set_to_none=True)
         step_fn(inp).square().mean().backward()
         if step == args.at_step and args.fault in GPU_SIDE:
