@@ -206,7 +206,7 @@ def detect_straggler(
         )
     s = ok[idx]
     rest = [r for i, r in enumerate(ok) if i != idx]
-    where, cause = _explain(s, rest, s_row, others, n_steps)
+    where, cause, measured = _explain(s, rest, s_row, others, n_steps)
     shared = _contention(s, rest, cause)
     if shared:
         return None, (
@@ -224,6 +224,7 @@ def detect_straggler(
             "host": s_row["host"],
             "reason": reason,
             "cause": cause,
+            **measured,
             "work_ms": s_row["work_ms"],
             "others_work_ms": _r(others_work),
             "others_wait_ms": _r(others_wait),
@@ -292,59 +293,142 @@ def _mib(n: float) -> str:
 
 # What a CPU operator that holds a straggler's extra time says of its cause.
 _DATA_LOADING = re.compile(r"DataLoader|dataloader|__next__|collate", re.IGNORECASE)
-_H2D_OPS = re.compile(r"^(cudaMemcpy|cuMemcpy|aten::copy_|aten::_to_copy|aten::to$|Memcpy HtoD|aten::pin_memory)")
-_LAUNCH_OPS = re.compile(r"^(cudaLaunchKernel|cuLaunchKernel|cudaLaunch|aten::)")
+# The CUDA (or HIP) runtime's and driver's calls, as the trace names them: a kernel launch, a copy.
+_LAUNCH_CALLS = re.compile(r"^(cuda|cu|hip)(LaunchKernel|LaunchCooperativeKernel|LaunchKernelEx|GraphLaunch)")
+_COPY_CALLS = re.compile(r"^(cuda|cu|hip)Memcpy")
+# A rank launches "far more" kernels than its peers when it launches this many times as many, and
+# at least LAUNCH_MORE_MIN more per step: a launch then costs its host for its own launches' sake.
+LAUNCH_RATIO = 2.0
+LAUNCH_MORE_MIN = 20.0
+# A rank copies more than its peers when its bytes per step exceed theirs by this share and at least
+# COPY_MORE_MIN_BYTES: only then is its copy calls' extra time copying; else it waits in them.
+COPY_MORE_FRACTION = 0.10
+COPY_MORE_MIN_BYTES = 1 << 20
+CAUSE_CLASSES = ("GPU compute", "host launch", "host-to-device copy", "data loading", "input pipeline", "CPU operators")
+
+
+def _per_step(r: dict[str, Any], key: str, pattern: re.Pattern[str], n_steps: int) -> float:
+    """ms per step a rank spends in the CPU calls whose names match ``pattern`` (self time)."""
+    return sum(float(v[1]) for name, v in r[key].items() if pattern.match(name)) / n_steps
+
+
+def cause_of(
+    s: dict[str, Any], rest: list[dict[str, Any]], s_row: dict[str, Any], others: list[dict[str, Any]], n_steps: int
+) -> tuple[str, dict[str, float], dict[str, float]]:
+    """The straggler's cause class, from what its trace measures over its peers' mean (ms per step):
+
+    * ``GPU compute``: its own kernels' extra time on the GPU (compute, overlapped or not);
+    * ``host launch``: its extra time in kernel launch calls, when it launches far more kernels per
+      step than its peers (:data:`LAUNCH_RATIO`): the launches are its own work. With as many
+      kernels as its peers, a launch that takes longer waits for a full queue: it is waiting;
+    * ``host-to-device copy``: the GPU's extra time copying, or its copy calls' extra time when it
+      copies more bytes per step than its peers; a copy call that takes longer for no more bytes
+      waits for the kernels queued before it: waiting, not copying;
+    * ``data loading`` / ``input pipeline``: its extra time outside operators (Python, a loader);
+    * ``CPU operators``: its CPU operators' extra time that is neither launching nor copying.
+
+    The class is the largest of these; the waiting the launches and copies hold is measured
+    beside them (``waiting``), never a cause of its own. Returns (class, measures, figures)."""
+    gpu = s_row["gpu"] is not None
+
+    def exc(of: Callable[[dict[str, Any]], float], mine: dict[str, Any], theirs: list[dict[str, Any]]) -> float:
+        return of(mine) - _mean([of(o) for o in theirs])
+
+    launch_exc = exc(lambda r: _per_step(r, "ops", _LAUNCH_CALLS, n_steps), s, rest)
+    copy_exc = exc(lambda r: _per_step(r, "ops", _COPY_CALLS, n_steps), s, rest)
+    my_k, _, _, my_bytes = _work_per_step(s)
+    their_k = _mean([_work_per_step(r)[0] for r in rest])
+    their_bytes = _mean([_work_per_step(r)[3] for r in rest])
+    launches_more = my_k >= LAUNCH_RATIO * their_k and my_k - their_k >= LAUNCH_MORE_MIN
+    copies_more = my_bytes - their_bytes >= max(COPY_MORE_MIN_BYTES, COPY_MORE_FRACTION * their_bytes)
+    launching = max(0.0, launch_exc) if launches_more else 0.0
+    copying = max(0.0, copy_exc) if copies_more else 0.0
+    waiting = max(0.0, launch_exc - launching) + max(0.0, copy_exc - copying)
+    cpu_ops = exc(lambda r: float(r["cpu"]["ops"]), s_row, others) - max(0.0, launch_exc) - max(0.0, copy_exc)
+    outside = exc(lambda r: float(r["cpu"]["outside_ops"]), s_row, others)
+    measures: dict[str, float] = {"CPU operators": cpu_ops, "outside operators": outside}
+    if gpu:
+        compute = exc(
+            lambda r: float(r["gpu"]["compute"] + r["gpu"]["comm_overlap"]) if r["gpu"] else 0.0, s_row, others
+        )
+        device_copy = exc(lambda r: float(r["gpu"]["memcpy"]) if r["gpu"] else 0.0, s_row, others)
+        measures.update(
+            {
+                "GPU compute": compute,
+                "host launch": launching,
+                "host-to-device copy": max(device_copy, copying),
+            }
+        )
+    top = max(measures, key=lambda k: measures[k])
+    figures = {
+        "kernels_per_step": round(my_k, 1),
+        "peers_kernels_per_step": round(their_k, 1),
+        "launch_ms": round(launch_exc, 3),
+        "copy_call_ms": round(copy_exc, 3),
+        "waiting_ms": round(waiting, 3),
+    }
+    rounded = {k: round(v, 3) for k, v in measures.items()}
+    if top == "outside operators":
+        name = _top_excess(s, rest, "python_outside", n_steps)
+        return ("data loading" if name and _DATA_LOADING.search(name[0]) else "input pipeline"), rounded, figures
+    if top == "CPU operators":  # a loader's own annotation (enumerate(DataLoader)...) is an operator too
+        name = _top_excess(s, rest, "ops", n_steps)
+        if name and _DATA_LOADING.search(name[0]):
+            return "data loading", rounded, figures
+    return top, rounded, figures
 
 
 def _explain(
     s: dict[str, Any], rest: list[dict[str, Any]], s_row: dict[str, Any], others: list[dict[str, Any]], n_steps: int
-) -> tuple[str, str]:
-    """What the straggler spends its extra time on: (text for the reason, cause class). The
-    cause is one of "GPU compute", "host launch", "host-to-device copy", "data loading",
-    "input pipeline" (Python outside operators), "CPU operators"."""
-    cats: dict[str, tuple[float, float]] = {}
-    for k in ("ops", "outside_ops"):
-        cats["cpu:" + k] = (s_row["cpu"][k], _mean([o["cpu"][k] for o in others]))
-    if s_row["gpu"] is not None:
-        cats["gpu:memcpy"] = (s_row["gpu"]["memcpy"], _mean([o["gpu"]["memcpy"] if o["gpu"] else 0.0 for o in others]))
-        # compute kernels' whole time, overlapped with communication or not
-        cats["gpu:compute"] = (
-            s_row["gpu"]["compute"] + s_row["gpu"]["comm_overlap"],
-            _mean([o["gpu"]["compute"] + o["gpu"]["comm_overlap"] if o["gpu"] else 0.0 for o in others]),
-        )
-    cat = max(cats, key=lambda k: cats[k][0] - cats[k][1])
-    mine, theirs = cats[cat]
-    if cat == "cpu:outside_ops":
+) -> tuple[str, str, dict[str, Any]]:
+    """What the straggler spends its extra time on: (text for the reason, cause class, the
+    measures behind it), the class from :func:`cause_of`: the reason's words and the class are
+    one computation."""
+    cause, measures, figures = cause_of(s, rest, s_row, others, n_steps)
+    evidence = {"cause_ms": measures, **figures}
+    waits = (
+        f"; {figures['waiting_ms']:.1f} ms/step more in launches and copies that wait for its own kernels"
+        if figures["waiting_ms"] >= 0.1
+        else ""
+    )
+    if cause in ("data loading", "input pipeline"):
         name = _top_excess(s, rest, "python_outside", n_steps)
-        cause = "data loading" if name and _DATA_LOADING.search(name[0]) else "input pipeline"
+        mine, theirs = s_row["cpu"]["outside_ops"], _mean([o["cpu"]["outside_ops"] for o in others])
         if name:
-            return f" ({cause}, outside operators: {short_function(name[0])} {name[1]:.1f} ms/step)", cause
+            return f" ({cause}, outside operators: {short_function(name[0])} {name[1]:.1f} ms/step)", cause, evidence
+        if cause == "data loading":
+            op = _top_excess(s, rest, "ops", n_steps)
+            if op:
+                return f" (data loading, CPU operators: {op[0][:80]} {op[1]:.1f} ms/step)", cause, evidence
         hint = "data loading, Python; trace with --with-stack to name the function"
-        return f" (outside operators {mine:.1f} ms vs {theirs:.1f}: {hint})", cause
-    if cat == "cpu:ops":
-        name = _top_excess(s, rest, "ops", n_steps)
-        op = name[0] if name else ""
-        if _DATA_LOADING.search(op):
-            cause = "data loading"
-        elif _H2D_OPS.match(op):
-            cause = "host-to-device copy"
-        elif _LAUNCH_OPS.match(op) and s_row["gpu"] is not None:
-            cause = "host launch"
-        else:
-            cause = "CPU operators"
-        detail = f": {op[:80]} {name[1]:.1f} ms/step" if name else ""
-        if cause == "host launch":
-            mine_k = sum(int(v[0]) for v in s["kernels"].values()) / n_steps
-            theirs_k = _mean([sum(int(v[0]) for v in r["kernels"].values()) / n_steps for r in rest])
-            detail += f"; {mine_k:.0f} kernels/step vs {theirs_k:.0f}"
-        return f" ({cause}, CPU operators {mine:.1f} vs {theirs:.1f} ms{detail})", cause
-    if cat == "gpu:compute":
-        name = _top_excess(s, rest, "kernels", n_steps)
+        return f" (outside operators {mine:.1f} ms vs {theirs:.1f}: {hint})", cause, evidence
+    if cause == "host launch":
         return (
-            f" (GPU compute {mine:.1f} vs {theirs:.1f} ms{f'; most in {name[0][:80]}' if name else ''})",
-            "GPU compute",
+            f" (host launch: kernel launches +{measures['host launch']:.1f} ms/step; "
+            f"{figures['kernels_per_step']:.0f} kernels/step vs {figures['peers_kernels_per_step']:.0f}{waits})",
+            cause,
+            evidence,
         )
-    return f" (host-to-device copy: GPU memory copies {mine:.1f} vs {theirs:.1f} ms)", "host-to-device copy"
+    if cause == "GPU compute":
+        mine = s_row["gpu"]["compute"] + s_row["gpu"]["comm_overlap"]
+        theirs = _mean([o["gpu"]["compute"] + o["gpu"]["comm_overlap"] if o["gpu"] else 0.0 for o in others])
+        name = _top_excess(s, rest, "kernels", n_steps)
+        most = f"; most in {name[0][:80]}" if name else ""
+        return f" (GPU compute {mine:.1f} vs {theirs:.1f} ms{most}{waits})", cause, evidence
+    if cause == "host-to-device copy":
+        mine, theirs = s_row["gpu"]["memcpy"], _mean([o["gpu"]["memcpy"] if o["gpu"] else 0.0 for o in others])
+        _, _, _, my_bytes = _work_per_step(s)
+        their_bytes = _mean([_work_per_step(r)[3] for r in rest])
+        return (
+            f" (host-to-device copy: GPU memory copies {mine:.1f} vs {theirs:.1f} ms, "
+            f"{_mib(my_bytes)} vs {_mib(their_bytes)} copied per step; copy calls +{figures['copy_call_ms']:.1f} ms)",
+            cause,
+            evidence,
+        )
+    op = _top_excess(s, rest, "ops", n_steps)
+    detail = f": {op[0][:80]} {op[1]:.1f} ms/step" if op else ""
+    mine, theirs = s_row["cpu"]["ops"], _mean([o["cpu"]["ops"] for o in others])
+    return f" (CPU operators {mine:.1f} vs {theirs:.1f} ms{detail}{waits})", cause, evidence
 
 
 def _top_excess(s: dict[str, Any], rest: list[dict[str, Any]], key: str, n_steps: int) -> tuple[str, float] | None:

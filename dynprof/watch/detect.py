@@ -20,11 +20,16 @@ stopped     the process is stopped (SIGSTOP, a debugger): it cannot run at all
 waiting     in a collective (torch.distributed / c10d, gloo, NCCL) in both samples,
             with the same stack, and no CPU spent meanwhile (a CUDA or NCCL wait that
             spins the CPU counts when its native frame says so)
-waiting-gpu its main thread is in a blocking CUDA, cuBLAS/cuDNN or NCCL host call (a copy
-            to or from the device, ``.item()``, a synchronize of the device, a stream or
-            an event), recognised by the library and call family of its native frames and
-            the same Python stack in both samples, whatever CPU its spin costs: it waits
-            for its GPU, it does not move
+waiting-gpu its main thread is inside a GPU library (the driver, the runtime, torch's CUDA
+            parts, NCCL, cuBLAS, cuDNN: decided by the native frame's library, never by its
+            symbol, which a stripped library names by the nearest export) in both samples,
+            with the same Python frames and no step made: a call that did not return across
+            the look; and its GPU's side agrees (work queued and unfinished, or the device
+            busy) or was not read. Whatever CPU its spin costs, it waits for its GPU, it does
+            not move. The call's family (a copy, a synchronize, a launch behind a full queue,
+            or "a call into the CUDA driver" where no symbol says) only words the verdict
+in-gpu-library the same, but its GPU's side disagrees (the device idle, its work done): the
+            call waits on the host (a lock in the library, a peer process), and says both
 in-c        its agent does not answer, it is in C code holding the GIL (py-spy says
             so, or the innermost frames are native), and it does not move
 moving      its Python stack changed between the samples, it spent CPU, or it read or wrote
@@ -60,12 +65,14 @@ the same places ``confirm_s`` later.
 from __future__ import annotations
 
 import os
+import re
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from collectors.stacks import Frame, ProcessStacks, is_library_path, short_path
+from dynprof.watch import gpu_side
 from dynprof.watch.model import MAX_CULPRITS, Culprit, RankProgress
 
 DEFAULT_MIN_STALL_S = 60.0
@@ -126,7 +133,7 @@ NATIVE_WAITS = (
 _DIST_FILE_MARKERS = ("torch/distributed/", "c10d")
 _SYSTEM_LIBS = ("libc.", "libc-", "libpthread", "ld-linux", "libgcc", "libpython", "python", "libffi", "_ctypes")
 
-STATES = ("stopped", "waiting", "waiting-gpu", "in-c", "moving", "parked", "unread", "gone")
+STATES = ("stopped", "waiting", "waiting-gpu", "in-gpu-library", "in-c", "moving", "parked", "unread", "gone")
 
 
 # -- stall -------------------------------------------------------------------------------------------
@@ -235,12 +242,49 @@ def native_frame(frames: Sequence[Frame]) -> Frame | None:
     return next((f for f in frames if f.native and f.function not in ("???", "")), None)
 
 
-# Libraries whose frames are the GPU's host side: the driver, the runtime, torch's CUDA parts,
-# the collective and math libraries. A frame of one of them innermost (under libc and the vDSO,
-# where a spinning wait reads the clock) is a call into the GPU's stack.
-GPU_LIBS = ("libcuda.", "libcudart", "libtorch_cuda", "libc10_cuda", "libnccl", "libcublas", "libcudnn", "libcusparse")
-# Call families that block the host until the device is done, as (symbol fragment, words).
-# Checked in order over every native frame of the stack: the most specific first.
+# -- waiting for the GPU ------------------------------------------------------------------------------
+# A frame is a call into the GPU's host side when its *library* is one: the symbol a stack shows
+# for an address inside a stripped library (libcuda is one) is the nearest exported name, not the
+# call being made, so the symbol decides nothing. The GPU's host side is NVIDIA's CUDA stack (the
+# driver, the runtime, and its math and collective libraries: the shared objects named libcuda*,
+# libcudart, libcublas*, libcudnn*, libcusparse, libcufft, libcurand, libcusolver, libcupti,
+# libnccl, libnvrtc, libnvJitLink, and any library shipped in a CUDA toolkit or an ``nvidia``
+# wheel's folder), AMD's (HIP, RCCL, HSA, rocBLAS, MIOpen), and torch's CUDA parts
+# (libtorch_cuda*, libc10_cuda).
+_GPU_LIBRARY_NAME = re.compile(
+    r"^lib(cuda|cudart|cublas|cudnn|cusparse|cufft|curand|cusolver|cupti|cufile|cutensor|nccl|nvrtc|nvJitLink"
+    r"|nvToolsExt|nvidia-|torch_cuda|c10_cuda|caffe2_nvrtc|amdhip|hiprtc|rccl|hsa-runtime|rocblas|hipblas|MIOpen)"
+)
+_GPU_LIBRARY_DIRS = ("/site-packages/nvidia/", "/dist-packages/nvidia/", "/cuda/lib", "/cuda-", "/rocm/lib")
+# What each library is, in words (the verdict names the library the call is in).
+_GPU_LIBRARY_WORDS = (
+    ("libcudart", "the CUDA runtime"),
+    ("libcuda", "the CUDA driver"),
+    ("libtorch_cuda", "torch's CUDA code"),
+    ("libc10_cuda", "torch's CUDA code"),
+    ("libnccl", "NCCL"),
+    ("librccl", "RCCL"),
+    ("libcublas", "cuBLAS"),
+    ("libcudnn", "cuDNN"),
+    ("libamdhip", "the HIP runtime"),
+)
+
+
+def is_gpu_library(f: Frame) -> bool:
+    """Whether a native frame is in a library of the GPU's host side (by its file, see above)."""
+    path = f.library or f.file or ""
+    return bool(_GPU_LIBRARY_NAME.match(os.path.basename(path))) or any(d in path for d in _GPU_LIBRARY_DIRS)
+
+
+def _library_words(f: Frame) -> str:
+    lib = _lib(f)
+    return next((words for prefix, words in _GPU_LIBRARY_WORDS if lib.startswith(prefix)), lib or "a GPU library")
+
+
+# The call family only words the verdict (what the rank waits in); a rank waits for its GPU by the
+# evidence above, whatever family its symbols suggest. Checked in order over the GPU libraries'
+# named frames, the most specific first: a copy or a synchronize is named by the runtime's and
+# torch's frames (their symbols are exported), the library of a math or collective call by its own.
 _GPU_CALLS = (
     ("MemcpyDtoH", "a device-to-host copy"),
     ("_local_scalar_dense", "a device-to-host copy"),
@@ -255,7 +299,14 @@ _GPU_CALLS = (
     ("nccl", "an NCCL call"),
     ("cublas", "a cuBLAS call"),
     ("cudnn", "a cuDNN call"),
+    ("LaunchKernel", "a kernel launch"),
 )
+# Why a call of a family blocks, where that is not plain from its name.
+_GPU_CALL_WHY = {
+    "a kernel launch": "a launch that does not return waits for a full queue",
+    "a cuBLAS call": "its launches wait for a full queue, or it waits for the device",
+    "a cuDNN call": "its launches wait for a full queue, or it waits for the device",
+}
 # torch's Python bindings, as the program wrote the call.
 _TORCH_BINDINGS = {
     "THPVariable_item": "Tensor.item",
@@ -265,6 +316,11 @@ _TORCH_BINDINGS = {
     "THPVariable_to": "Tensor.to",
     "THPVariable_copy_": "Tensor.copy_",
     "THPVariable_cuda": "Tensor.cuda",
+    "THPVariable_nonzero": "Tensor.nonzero",
+    "THPVariable_bool_scalar": "Tensor.__bool__",
+    "THPVariable_float_scalar": "Tensor.__float__",
+    "THPVariable_integral_scalar": "Tensor.__int__",
+    "THPVariable_index_scalar": "Tensor.__index__",
     "THCPModule_cudaSynchronize": "torch.cuda.synchronize",
     "THCPEvent_synchronize": "Event.synchronize",
     "THCPStream_synchronize": "Stream.synchronize",
@@ -275,38 +331,58 @@ def _lib(f: Frame) -> str:
     return os.path.basename(f.library or f.file or "")
 
 
+def _is_system(f: Frame) -> bool:
+    """libc, the loader, Python itself, the vDSO: where any call's wait ends (a poll, a futex, the
+    clock a spinning wait reads), so they say nothing of whose call it is."""
+    lib = _lib(f)
+    return not lib or lib.startswith(_SYSTEM_LIBS) or "vdso" in lib
+
+
+def _symbol_named(f: Frame) -> bool:
+    return f.function not in ("", "???") and not f.function.startswith("0x")
+
+
 @dataclass(frozen=True, slots=True)
 class GpuWait:
-    """A blocking call into the GPU's host side, as a stack shows it."""
+    """A call into the GPU's host side that a main thread is in, as a stack shows it."""
 
-    call: str  # "a device-to-host copy", "a stream synchronize", ...
+    call: str  # "a device-to-host copy", "a call into the CUDA driver (cuGetProcAddress: ...)", ...
     op: str | None  # the call as the program wrote it ("Tensor.cpu"), when its binding says
     frame: Frame  # the innermost frame of a GPU library that names a symbol
+    library: str = ""  # the innermost GPU library, in words ("the CUDA driver")
 
 
 def gpu_wait_of(frames: Sequence[Frame]) -> GpuWait | None:
-    """The blocking GPU call a main thread is in, from its native frames; None when its
-    innermost frame of a library of the program's is not a GPU library's, or no frame of the
-    stack is a blocking call (a kernel launch is work, not a wait)."""
+    """The call into a GPU library a main thread is in, from its native frames; None when the
+    innermost frame of a library that is not the system's (libc, Python, the vDSO) is not a GPU
+    library's, or Python code is innermost. Whether the rank *waits* is the caller's to judge
+    from the samples and the GPU's side (:func:`classify`); this names the call, honestly when
+    no symbol says what it is."""
     inner = None
     for f in frames:
         if not f.native:
             return None  # Python code innermost: not in a native call
-        lib = _lib(f)
-        if lib.startswith(_SYSTEM_LIBS) or "vdso" in lib or not lib:
+        if _is_system(f):
             continue
         inner = f
         break
-    if inner is None or not _lib(inner).startswith(GPU_LIBS):
+    if inner is None or not is_gpu_library(inner):
         return None
     natives = [f for f in frames if f.native]
+    in_gpu = [f for f in natives if is_gpu_library(f) and _symbol_named(f)]
+    named = in_gpu[0] if in_gpu else inner
     call = None
     for fragment, words in _GPU_CALLS:
-        if any(fragment.lower() in f.function.lower() for f in natives if _lib(f).startswith(GPU_LIBS)):
+        if any(fragment.lower() in f.function.lower() for f in in_gpu):
             call = words
             break
-    if call is None:
-        return None
+    symbol = native_name(named) if _symbol_named(named) else "no symbol"
+    if call is None:  # no symbol names a family: the library and its nearest symbol, said as such
+        call = f"a call into {_library_words(inner)} ({symbol}, the nearest symbol: the call itself is not named)"
+    elif call == "a kernel launch":
+        call = f"a call into {_library_words(named)} ({symbol}: {_GPU_CALL_WHY[call]})"
+    elif call in _GPU_CALL_WHY:
+        call = f"{call} ({symbol} in {_library_words(named)}: {_GPU_CALL_WHY[call]})"
     op = None
     for f in natives:
         name = f.function.split("(")[0].rsplit("::", 1)[-1]
@@ -317,10 +393,7 @@ def gpu_wait_of(frames: Sequence[Frame]) -> GpuWait | None:
         lib_py = next((f for f in frames if not f.native), None)
         if lib_py is not None and is_library_path(lib_py.file) and "torch" in lib_py.file:
             op = f"torch.cuda.{lib_py.function}" if lib_py.file.endswith("cuda/__init__.py") else lib_py.function
-    named = next(
-        (f for f in natives if _lib(f).startswith(GPU_LIBS) and not f.function.startswith(("0x", "???"))), inner
-    )
-    return GpuWait(call=call, op=op, frame=named)
+    return GpuWait(call=call, op=op, frame=named, library=_library_words(inner))
 
 
 def where(f: Frame | None) -> str:
@@ -376,6 +449,7 @@ class RankState:
     stack_key: tuple[Any, ...] = ()  # the Python stack of the second sample (the wait's identity)
     frames: list[Frame] = field(default_factory=list)  # the main thread's stack, innermost first
     gpu_call: str = ""  # waiting-gpu: what it waits in, in words ("a device-to-host copy (Tensor.cpu at train.py:37)")
+    gpu_evidence: str = ""  # waiting-gpu, in-gpu-library: what its GPU's side said ("GPU 0 busy (100 %), ...")
 
     @property
     def who(self) -> str:
@@ -398,6 +472,8 @@ class RankState:
             return f"waiting in {self.collective}"
         if self.state == "waiting-gpu":
             return f"waiting for its GPU in {self.gpu_call}"
+        if self.state == "in-gpu-library":
+            return f"held on the host in {self.gpu_call} (its GPU idle, its work finished)"
         return self.state
 
 
@@ -442,16 +518,9 @@ def classify(look: RankLook, moving_cpu_s: float = MOVING_CPU_S) -> RankState:
     disk_sleep = "disk-sleep" in (before.process_state, last.process_state)
     in_io = disk_sleep or (io_delta is not None and io_delta >= MOVING_IO_BYTES)
     changed = bool(frames1 and frames2) and _py_key(frames1) != _py_key(frames2)
-    gpu = gpu_wait_of(frames2) if frames2 else None
-    if gpu is not None and not changed and collective_of(python_frames(frames2)) is None:
-        # In a blocking call into the GPU (a copy, a synchronize): held by its device, whatever
-        # CPU the driver's spinning wait burns. A collective's Python frame says "waiting" instead.
-        py = user_frame(frames)
-        state.state = "waiting-gpu"
-        state.where = f"{where(py)} [native: {where(gpu.frame)}]" if py is not None else where(gpu.frame)
-        at = f"{short_path(py.file)}:{py.line}" if py is not None else where(gpu.frame)
-        state.gpu_call = f"{gpu.call} ({gpu.op} at {at})" if gpu.op else f"{gpu.call} (at {at})"
-        state.detail = f"waits for its GPU in {state.gpu_call}"
+    held = _held_in_gpu_library(frames1, frames2, changed, before, last)
+    if held is not None:
+        _say_gpu_wait(state, held, frames, gpu_side.agreement(last))
         return state
     c1, c2 = collective_of(frames1), collective_of(frames2)
     native_wait = any(f.native and any(w in f.function for w in NATIVE_WAITS) for f in frames2)
@@ -500,6 +569,55 @@ def classify(look: RankLook, moving_cpu_s: float = MOVING_CPU_S) -> RankState:
         return state
     state.detail = f"stacks unreadable ({look.unread})" if look.unread else "stacks unreadable"
     return state
+
+
+def _has_native(frames: Sequence[Frame]) -> bool:
+    return any(f.native for f in frames)
+
+
+def _held_in_gpu_library(
+    frames1: Sequence[Frame], frames2: Sequence[Frame], changed: bool, before: RankProgress, last: RankProgress
+) -> GpuWait | None:
+    """The GPU call a rank is held in, when its samples show one: its main thread inside a GPU
+    library in both samples (a first sample read in Python only counts by its Python frames,
+    which must be the second's), the same Python frames, no step made meanwhile, and no
+    torch.distributed collective's Python frame (that rank waits in the collective: "waiting").
+    A call that has not returned across the look is one the rank is held in, whatever its
+    symbol: a launch that does not return waits for a full queue, a copy for the work before it."""
+    if changed or not frames1 or not frames2 or last.step != before.step:
+        return None
+    second = gpu_wait_of(frames2)
+    if second is None or collective_of(python_frames(frames2)) is not None:
+        return None
+    if _has_native(frames1) and gpu_wait_of(frames1) is None:
+        return None  # seen natively elsewhere the first time: not one call across the look
+    return second
+
+
+def _say_gpu_wait(state: RankState, held: GpuWait, frames: Sequence[Frame], side: gpu_side.Agreement) -> None:
+    """Put a rank held in a GPU call in its state: ``waiting-gpu`` when its GPU's side agrees (work
+    queued and unfinished, or the device busy) or says nothing (the stack alone, said so);
+    ``in-gpu-library`` when its GPU's side disagrees (the device idle, its work done): the call
+    does not wait for the device, but for something on the host (a lock in the library, a peer
+    process, the OS), and the verdict says both."""
+    py = user_frame(frames)
+    state.where = f"{where(py)} [native: {where(held.frame)}]" if py is not None else where(held.frame)
+    at = f"{short_path(py.file)}:{py.line}" if py is not None else where(held.frame)
+    state.gpu_call = f"{held.call} ({held.op} at {at})" if held.op else f"{held.call} (at {at})"
+    state.gpu_evidence = side.evidence
+    if side.agrees is False:
+        state.state = "in-gpu-library"
+        state.detail = (
+            f"held in {state.gpu_call} across the look, but its GPU has nothing to wait for "
+            f"({side.evidence}): the call waits on the host (a lock in {held.library}, a peer process, the OS), "
+            "not on the device"
+        )
+        return
+    state.state = "waiting-gpu"
+    if side.agrees:
+        state.detail = f"waits for its GPU in {state.gpu_call}; its GPU agrees: {side.evidence}"
+    else:
+        state.detail = f"waits for its GPU in {state.gpu_call}; judged from its stack alone: {side.evidence}"
 
 
 def _holds_gil(p: ProcessStacks | None) -> bool:
@@ -571,6 +689,12 @@ def _phrase(s: RankState, others: str | None) -> str:
     if s.state == "waiting-gpu":
         tail = f", not in the {others} the others wait in" if others else ""
         return f"waits for its GPU in {s.gpu_call}{tail}"
+    if s.state == "in-gpu-library":
+        tail = f", not in the {others} the others wait in" if others else ""
+        return (
+            f"is held in {s.gpu_call}{tail}, but its GPU has nothing to wait for ({s.gpu_evidence}): "
+            "the call waits on the host, not on the device"
+        )
     if s.state == "gone":
         return "is gone (its process exited)"
     return f"cannot be read ({s.detail})"
@@ -647,7 +771,11 @@ def decide(
         main = _groups(waiting, lambda s: s.collective)[0]
         collective = main[0].collective
         main_where = _groups(main, lambda s: s.where)[0][0].where
-        stuck = [s for s in others if s.state in ("stopped", "in-c", "waiting-gpu", "parked", "gone", "unread")]
+        stuck = [
+            s
+            for s in others
+            if s.state in ("stopped", "in-c", "waiting-gpu", "in-gpu-library", "parked", "gone", "unread")
+        ]
         text = (
             _culprit_text(others, collective)
             + f"; {_the_others(len(waiting))} in {collective} "

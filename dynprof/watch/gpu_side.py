@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from dynprof.watch.model import Culprit, GpuReading, RankProgress
@@ -169,6 +170,45 @@ def describe(row: RankProgress) -> str:
     return f"{head}; {done}"
 
 
+@dataclass(frozen=True, slots=True)
+class Agreement:
+    """Whether the GPU's side agrees that a rank held in a GPU library waits for its device.
+
+    ``agrees`` is True when the device has work queued and unfinished (the agent's progress probe,
+    queued at the look's start, not done; or the last step's event not done) or it is busy (NVML
+    above :data:`IDLE_PCT`): a call that does not return then waits behind that work. False when
+    nothing says so and something says the contrary: the device idle, or the probe's work done
+    (a finished last step alone says nothing: work may have been queued since). None when
+    neither was read. ``evidence`` says what was read, in words."""
+
+    agrees: bool | None
+    evidence: str
+
+
+def agreement(row: RankProgress | None) -> Agreement:
+    """What the GPU's side of ``row`` (the look's fresh read) says of a wait for the device."""
+    step = row.gpu_step if row is not None else None
+    g = row.gpu if row is not None else None
+    util = g.utilization_pct if g is not None and g.index is not None else None
+    queued: list[str] = []
+    finished: list[str] = []
+    if step is not None and step.probe_done is not None:
+        probe = f"the work queued {step.probe_age_s:.1f} s ago"
+        (finished if step.probe_done else queued).append(f"{probe} {'finished' if step.probe_done else 'unfinished'}")
+    if step is not None:
+        what = f"its step {step.step}'s work"
+        (finished if step.done else queued).append(f"{what} {'finished' if step.done else 'unfinished'}")
+    busy = util is not None and util > IDLE_PCT
+    device = f"GPU {g.index} {'busy' if busy else 'idle'} ({util} %)" if g is not None and util is not None else None
+    said = ", ".join([*([device] if device else []), *queued, *finished])
+    if queued or busy:
+        return Agreement(True, said)
+    if util is not None or (step is not None and step.probe_done):
+        return Agreement(False, said)
+    why = g.note if g is not None and g.note else "its device not read"
+    return Agreement(None, f"{said + '; ' if said else ''}no reading of its device ({why})")
+
+
 KERNEL_NOT_ARMED = (
     "not named: the GPU core dump is not armed in this rank (start the job with `dynprof run --gpu-coredump`)"
 )
@@ -225,10 +265,12 @@ def clause(items: Sequence[dict[str, Any]]) -> str:
 
 
 __all__ = [
+    "Agreement",
     "KERNEL_ARMED",
     "KERNEL_NOT_ARMED",
     "IDLE_PCT",
     "NO_NVML",
+    "agreement",
     "READ_AFTER_S",
     "clause",
     "kernel",

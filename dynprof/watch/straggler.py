@@ -23,18 +23,16 @@ median step_ms``): 0.3 says the rank makes every step 30 % longer than it would 
 to the straggler the rule names; every other rank scores 0 (so does every rank when the rule
 names none: what is under the noise threshold is not a score).
 
-The cause class comes from the work category the straggler spends its excess in (the
-categories the analysis computes per step):
-
-- ``compute``: CPU operators (``cpu.ops``), or GPU compute kernels (``gpu.compute`` with its
-  part overlapped with communication);
-- ``input pipeline``: outside operators on the CPU (``cpu.outside_ops``: Python, data
-  loading) when the function holding the time looks like data loading (or none is named),
-  host-to-device copies (``gpu.memcpy``);
-- ``host/launch``: the GPU idle (``gpu.idle``: the CPU side late to launch), or CPU time
-  outside operators in a function that is not data loading;
-- ``communication``: the straggler's own communication kernels (``gpu.comm``) longer than the
-  others'.
+The cause class is the analysis's own (:func:`collectors.trace_analysis.job.cause_of`): the
+headline and the reason's detail come from that one computation, from what the straggler's trace
+measures over its peers' mean: its own kernels' extra GPU time is ``GPU compute``; extra time in
+kernel launches while it launches far more kernels than its peers is ``host launch`` (a launch
+that takes longer for as many kernels waits for a full queue: waiting); extra GPU copying, or
+extra time in copy calls while it copies more bytes, is ``host-to-device copy`` (a copy call
+that takes longer for no more bytes waits for the kernels before it: waiting); extra time
+outside operators is ``data loading`` or ``input pipeline``; the rest of its CPU operators'
+extra time is ``CPU operators``. The per-category excess (``category_excess_ms``) and the
+measures behind the class (``cause_ms``) are kept in the evidence.
 
 A sample is bounded (``limit_s``) and never raises: a trace that fails, a node that does not
 answer, an analysis that finds nothing, each is a note in the report.
@@ -75,9 +73,6 @@ half a second to a second of training (scripts/bench_watch_sampling.py measures 
 every ten minutes is under 0.2 % of the job's time, inside the 0.5 % budget."""
 MAX_TRACE_DURATION_S = 300.0
 """The hard cap each agent puts on a sampled trace: it ends by itself past it."""
-CAUSES = ("compute", "communication", "input pipeline", "host/launch")
-_INPUT_NAMES = re.compile(r"load|batch|data|loader|fetch|next|read|collate|sampler|prefetch|shard|decode", re.I)
-
 _COLLECTIVE_NAMES = re.compile(
     r"c10d::|nccl|gloo:|all_?reduce|all_?gather|reduce_?scatter|all_?to_?all|broadcast|barrier|distributed_c10d", re.I
 )
@@ -185,22 +180,15 @@ def top_python_excess(mine: dict[str, Any], rest: list[dict[str, Any]], steps: i
     return short_function(name), excess[name]
 
 
-def cause_class(excess: dict[str, float], function: str | None) -> str:
-    """One of :data:`CAUSES`, from the category the straggler's excess is in (the largest),
-    and the function named there, if any."""
-    if not excess:
-        return "compute"
-    top = max(excess, key=lambda k: excess[k])
-    if top in ("cpu.ops", "gpu.compute"):
-        return "compute"
-    if top == "gpu.comm":
-        return "communication"
-    if top == "gpu.memcpy":
-        return "input pipeline"
-    if top == "gpu.idle":
-        return "input pipeline" if function and _INPUT_NAMES.search(function) else "host/launch"
-    # cpu.outside_ops: Python and data loading; data loading unless a function says otherwise
-    return "host/launch" if function and not _INPUT_NAMES.search(function) else "input pipeline"
+# What a cause's extra time is in, in words, where the analysis names no function or kernel.
+_CAUSE_WORDS = {
+    "GPU compute": "GPU compute kernels",
+    "host launch": "kernel launches",
+    "host-to-device copy": "memory copies",
+    "data loading": "data loading",
+    "input pipeline": "outside operators (Python, data loading)",
+    "CPU operators": "CPU operators",
+}
 
 
 def _named(entry: Any) -> str | None:
@@ -303,17 +291,12 @@ def straggler_verdict(
     steps = len(analysis.get("common_steps") or []) or 1
     named = top_python_excess(reduced, rest, steps) if reduced else None
     function = named[0] if named else None
-    cause = cause_class(excess, function)
-    top_cat = max(excess, key=lambda k: excess[k]) if excess else "work"
-    holds = what_holds(s, function)
-    where = holds or {
-        "cpu.ops": "CPU operators",
-        "cpu.outside_ops": "outside operators (Python, data loading)",
-        "gpu.compute": "GPU compute kernels",
-        "gpu.memcpy": "memory copies",
-        "gpu.idle": "GPU idle (the CPU side late)",
-        "gpu.comm": "communication kernels",
-    }.get(top_cat, top_cat)
+    # one computation: the analysis's class, the same that words its reason
+    from collectors.trace_analysis.job import CAUSE_CLASSES
+
+    cause = s["cause"] if s.get("cause") in CAUSE_CLASSES else "unknown"
+    holds = what_holds(s, function) if cause in ("data loading", "input pipeline", "CPU operators") else None
+    where = holds or _CAUSE_WORDS.get(cause, cause)
     node_host = mine.get("node_host") if mine else None
     on = f"{host}" + (f" ({node_host})" if node_host and node_host != host else "")
     conclusion = (
@@ -325,7 +308,7 @@ def straggler_verdict(
         rank=rank if isinstance(rank, int) else None,
         host=host,
         where=where,
-        why=f"{cause}: {excess_ms:.1f} ms/step of work over the others ({top_cat})",
+        why=f"{cause}: {excess_ms:.1f} ms/step of work over the others",
         since_step=(analysis.get("common_steps") or [None])[0],
     )
     verdict = Verdict(
@@ -351,7 +334,6 @@ def straggler_verdict(
         evidence={
             "straggler": {
                 **s,
-                "analysis_cause": s.get("cause"),
                 "cause": cause,
                 "holds": where,
                 "score": score,

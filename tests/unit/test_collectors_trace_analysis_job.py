@@ -241,3 +241,145 @@ def test_compare_orders_operators_that_moved_equally_by_name():
 
     # THEN the largest move comes first, and equal moves follow by name, not by set order
     assert [o["name"] for o in ops] == ["big", "alpha", "mid", "zeta"]
+
+
+# -- the cause class: one computation from what the trace measures --------------------------------
+# Per-rank summaries (what collectors.trace_analysis.rank reduces a trace to), synthetic: each
+# rank's step is its CPU work plus its wait in the collective, the straggler's extra work made up
+# of the figures a case names; the others wait for it.
+BASE = {
+    "compute": 10.0,  # GPU compute kernels, ms/step
+    "kernels": 23,  # kernels per step
+    "launch": 0.5,  # CPU time in cudaLaunchKernel, ms/step
+    "copy_call": 0.5,  # CPU time in cudaMemcpyAsync, ms/step
+    "memcpy": 0.5,  # GPU time copying, ms/step
+    "bytes": 1 << 20,  # bytes copied per step
+    "outside": 6.0,  # CPU time outside operators, ms/step
+    "cpu_other": 8.0,  # CPU operators' own time, ms/step
+}
+STEPS = 6
+
+
+def _summary(rank: int, wait: float, noise: float = 0.0, has_gpu: bool = True, **figures) -> dict:
+    import random
+
+    f = {**BASE, **figures}
+    jitter = random.Random(rank)
+    steps = []
+    for n in range(STEPS):
+        extra = jitter.uniform(-noise, noise)
+        ops = f["cpu_other"] + f["launch"] + f["copy_call"] + f.get("loader", 0.0)
+        outside = f["outside"] + extra
+        step = ops + outside + wait
+        gpu = None
+        if has_gpu:
+            busy = min(step, f["compute"] + f["memcpy"])
+            gpu = {
+                "compute": f["compute"],
+                "comm_overlap": 0.0,
+                "comm": 0.0,
+                "memcpy": f["memcpy"],
+                "idle": step - busy,
+            }
+        cpu = {"ops": ops, "collective": wait, "collective_wait": 0.0, "outside_ops": outside}
+        steps.append(
+            {"step": 10 + n, "step_ms": step, "cpu": cpu, "gpu": gpu, "work_ms": ops + outside, "collective_ms": wait}
+        )
+    ops_table = {
+        "aten::addmm": (STEPS, f["cpu_other"] * STEPS, f["cpu_other"] * STEPS),
+        "cudaLaunchKernel": (f["kernels"] * STEPS, f["launch"] * STEPS, f["launch"] * STEPS),
+        "cudaMemcpyAsync": (STEPS, f["copy_call"] * STEPS, f["copy_call"] * STEPS),
+    }
+    if f.get("loader"):
+        name = "enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__"
+        ops_table[name] = (STEPS, f["loader"] * STEPS, f["loader"] * STEPS)
+    python = {}
+    if f.get("function"):
+        python[f["function"]] = (f["outside"] * STEPS, f["outside"], 1)
+    python["train.py(9): main"] = (BASE["outside"] * STEPS, 1000.0, 1)
+    return {
+        "rank": rank,
+        "host": "n",
+        "artifact": f"a{rank}",
+        "backend": "gloo",
+        "events": 100,
+        "has_gpu": has_gpu,
+        "steps": steps,
+        "kernels": {"void gemm_kernel<float>": (f["kernels"] * STEPS, f["compute"] * STEPS)} if has_gpu else {},
+        "ops": ops_table,
+        "python_outside": python,
+        "copies": {"count": STEPS, "bytes": f["bytes"] * STEPS},
+        "kernel_threads": f["kernels"] * STEPS * 128,
+        "device": None,
+        "timeline": {},
+        "collectives": {"c10d::allreduce_": wait * STEPS},
+    }
+
+
+def _job(straggler: dict, noise: float = 0.0, has_gpu: bool = True, ranks: int = 4) -> dict:
+    """A job of ``ranks`` ranks whose rank 1 has ``straggler``'s figures; the others wait for it."""
+    mine = _summary(1, 2.0, has_gpu=has_gpu, **straggler)
+    work = mine["steps"][0]["work_ms"]
+    summaries = []
+    for r in range(ranks):
+        if r == 1:
+            summaries.append(mine)
+            continue
+        base = _summary(r, 0.0, noise, has_gpu)
+        wait = max(2.0, work + 2.0 - base["steps"][0]["work_ms"])
+        summaries.append(_summary(r, wait, noise, has_gpu))
+    return combine(summaries)
+
+
+STRAGGLER_CASES = {
+    # its own kernels 25 ms longer; its .item() copy waits 20 ms for them (no more bytes): GPU compute
+    "gpu-compute-behind-a-waiting-copy": ({"compute": 35.0, "copy_call": 20.5}, "GPU compute"),
+    # 503 kernels a step against 23, 6 ms more in launches, their GPU time 1.5 ms: host launch
+    "launch-bound": ({"kernels": 503, "launch": 6.5, "compute": 11.5}, "host launch"),
+    # 256 MiB more copied in from pageable memory: the copy call and the GPU copy both longer
+    "h2d-input": ({"bytes": 257 << 20, "copy_call": 22.0, "memcpy": 18.0}, "host-to-device copy"),
+    # a slower DataLoader (its annotation is an operator)
+    "data-loading": ({"loader": 15.0}, "data loading"),
+    # Python outside operators, in a function of the program's
+    "input-pipeline": ({"outside": 20.0, "function": "augment.py(40): random_crop"}, "input pipeline"),
+    # CPU operators of its own (a CPU-only trace)
+    "cpu-operators": ({"cpu_other": 25.0}, "CPU operators"),
+    # mixes: more compute, and launches that take longer for as many kernels (a full queue): compute
+    "compute-with-launches-behind-a-full-queue": ({"compute": 30.0, "launch": 10.5}, "GPU compute"),
+    # launch-bound with a slower loader beside it: the larger, launching
+    "launch-bound-and-a-slower-loader": ({"kernels": 600, "launch": 12.0, "loader": 5.0}, "host launch"),
+    # a larger copy in and a little more compute: copying
+    "h2d-and-a-little-compute": (
+        {"bytes": 129 << 20, "copy_call": 14.0, "memcpy": 12.0, "compute": 13.0},
+        "host-to-device copy",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(STRAGGLER_CASES))
+def test_a_stragglers_cause_is_what_its_trace_measures(case):
+    # GIVEN a job whose rank 1 does extra work of one kind (or a mix), the others waiting for it
+    figures, cause = STRAGGLER_CASES[case]
+    has_gpu = case != "cpu-operators"
+    # WHEN the job's traces are analysed
+    analysis = _job(figures, has_gpu=has_gpu)
+    # THEN rank 1 is the straggler, with its cause, and the reason's words say the same class
+    s = analysis["straggler"]
+    assert s is not None and s["rank"] == 1, analysis["straggler_check"]
+    assert s["cause"] == cause, (s["cause"], s["cause_ms"], s["reason"])
+    assert f"({cause}" in s["reason"], s["reason"]
+    if case == "gpu-compute-behind-a-waiting-copy":
+        # the copy that waits is measured as waiting, not as copying
+        assert s["cause_ms"]["host-to-device copy"] == 0.0 and s["waiting_ms"] == pytest.approx(20.0)
+        assert "20.0 ms/step more in launches and copies that wait for its own kernels" in s["reason"]
+    if case == "launch-bound":
+        assert "503 kernels/step vs 23" in s["reason"], s["reason"]
+
+
+@pytest.mark.parametrize("noise", [0.0, 1.5])
+def test_an_even_job_and_one_whose_ranks_differ_by_noise_name_no_straggler(noise):
+    # GIVEN four ranks doing the same work, exactly or up to 1.5 ms of noise a step each
+    analysis = _job({}, noise=noise)
+    # THEN no straggler
+    assert analysis["straggler"] is None, analysis["straggler"]
+    assert analysis["straggler_check"].startswith("no straggler"), analysis["straggler_check"]

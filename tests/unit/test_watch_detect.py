@@ -409,19 +409,239 @@ def test_a_rank_blocked_behind_its_gpu_waits_for_its_gpu_whatever_cpu_it_spins(f
     assert state.where.startswith("block_behind_kernel (") and "[native: " in state.where
 
 
-def test_a_rank_launching_kernels_is_not_waiting_for_its_gpu():
-    # GIVEN a native stack innermost in cudaLaunchKernel (work, not a wait)
-    frames = (
-        Frame("???", "", 0, native=True, library="/usr/lib/libcuda.so.580"),
-        Frame("cudaLaunchKernel", "", 0, native=True, library="/usr/lib/libcudart.so.13"),
-        py("forward", "/job/model.py", 12),
+# -- held in a GPU library: decided by the library, the samples and the GPU's side -------------------
+LIBCUDA = "/usr/local/nvidia/lib64/libcuda.so.580.159.04"
+LIBCUDART = "/opt/venv/lib/python3.12/site-packages/nvidia/cu13/lib/libcudart.so.13"
+LIBTORCH_CUDA = "/opt/venv/lib/python3.12/site-packages/torch/lib/libtorch_cuda.so"
+LIBTORCH_PY = "/opt/venv/lib/python3.12/site-packages/torch/lib/libtorch_python.so"
+LIBC = "/usr/lib/x86_64-linux-gnu/libc.so.6"
+TRAIN = (py("train_step", "/job/train.py", 40), py("main", "/job/train.py", 99))
+
+
+def native(function: str, library: str) -> Frame:
+    return Frame(function, "", 0, native=True, library=library)
+
+
+def stripped(n: int, library: str = LIBCUDA) -> list[Frame]:
+    """``n`` frames of a stripped library, as py-spy reads them: addresses, no symbol."""
+    return [native(f"0x7f89a45d{i:04x}", library) for i in range(n)]
+
+
+# What a rank held in a GPU call shows natively, innermost first: every kind of library of the
+# GPU's host side, with the symbols a stripped library gives (the nearest export, or none).
+HELD = {
+    # the issue's case: a launch behind a full queue, the driver naming the nearest export
+    "driver-launch-nearest-export": (
+        [
+            *stripped(6),
+            native("cuLaunchKernel", LIBCUDA),
+            *stripped(2, LIBCUDART),
+            native("cudaLaunchKernel", LIBCUDART),
+        ],
+        "a call into the CUDA driver (cuLaunchKernel: a launch that does not return waits for a full queue)",
+    ),
+    "driver-no-symbol": (
+        [*stripped(9)],
+        "a call into the CUDA driver (no symbol, the nearest symbol: the call itself is not named)",
+    ),
+    "driver-unrelated-export": (
+        [*stripped(4), native("cuGetProcAddress_v2", LIBCUDA)],
+        "a call into the CUDA driver (cuGetProcAddress_v2, the nearest symbol: the call itself is not named)",
+    ),
+    "driver-under-a-futex": (  # a blocking-sync wait caught in libc, inside the driver
+        [
+            native("syscall", LIBC),
+            native("pthread_cond_wait", LIBC),
+            *stripped(3),
+            native("cuEventSynchronize", LIBCUDA),
+        ],
+        "an event synchronize",
+    ),
+    "torch-cuda-copy": (
+        [*stripped(3), native("at::native::copy_kernel_cuda", LIBTORCH_CUDA), native("THPVariable_cpu", LIBTORCH_PY)],
+        "a copy between host and device",
+    ),
+    "torch-cuda-scalar": (
+        [
+            *stripped(5),
+            native("cuMemcpyDtoHAsync_v2", LIBCUDA),
+            native("at::native::_local_scalar_dense_cuda", LIBTORCH_CUDA),
+        ],
+        "a device-to-host copy",
+    ),
+    "nccl": (
+        [*stripped(2), *stripped(3, "/usr/lib/libnccl.so.2.27.3"), native("ncclCommGetAsyncError", "libnccl.so.2")],
+        "an NCCL call",
+    ),
+    "cublas": (
+        [
+            *stripped(4),
+            native("cuLaunchKernel", LIBCUDA),
+            native("cublasLtMatmul", "/nvidia/cublas/lib/libcublasLt.so.13"),
+        ],
+        "a cuBLAS call (cuLaunchKernel in the CUDA driver: its launches wait for a full queue, or it waits for the device)",
+    ),
+    "cudnn": (
+        [*stripped(4), native("cudnnBackendExecute", "/site-packages/nvidia/cudnn/lib/libcudnn_graph.so.9")],
+        "a cuDNN call (cudnnBackendExecute in cuDNN: its launches wait for a full queue, or it waits for the device)",
+    ),
+    "unnamed-library-of-a-cuda-wheel": (
+        [native("0x7f0000001234", "/opt/venv/lib/python3.12/site-packages/nvidia/cu13/lib/libnvfoo.so.13")],
+        "a call into libnvfoo.so.13 (no symbol, the nearest symbol: the call itself is not named)",
+    ),
+}
+
+
+# the call as the program wrote it, where torch's binding says (the others: no binding in the stack)
+HELD_OPS = {"torch-cuda-copy": "Tensor.cpu "}
+
+
+def gpu_busy(step: int = 149, done: bool = True, util: int = 100, probe_done: bool | None = None) -> dict:
+    """The GPU's side of a row: its last step's event (``done``), NVML's utilization, the probe."""
+    from dynprof.watch.model import GpuReading, GpuStep
+
+    return {
+        "gpu_step": GpuStep(step=step, done=done, age_s=14.0, device=0, probe_done=probe_done, probe_age_s=2.0),
+        "gpu": GpuReading(index=0, utilization_pct=util, used_bytes=1 << 30, total_bytes=80 << 30),
+    }
+
+
+@pytest.mark.parametrize("case", sorted(HELD))
+def test_a_rank_held_in_any_gpu_library_while_its_gpu_runs_waits_for_its_gpu_at_once(case):
+    # GIVEN rank 1 inside a GPU library (named or stripped) in both samples, the same Python frames,
+    # no step, its driver spinning (CPU +3.9 s in the look), its GPU busy 100 % with its last step's
+    # work finished (it runs work queued since); ranks 0 and 2 wait in all_reduce
+    frames, call = HELD[case]
+    held = (*frames, *TRAIN)
+    looks = [
+        look(0, "n", ALL_REDUCE),
+        look(2, "n", ALL_REDUCE),
+        look(1, "n", held, held, cpu_delta=3.9, **gpu_busy()),
+    ]
+    # WHEN the watch decides on its first look (no confirmation asked for or given)
+    decision = detect.decide(looks, STALL, waiting_for_s=0.0, confirm_s=30.0)
+    # THEN rank 1 waits for its GPU, in the call's words, and the hang is called at once
+    state = next(s for s in decision.states if s.rank == 1)
+    assert state.state == "waiting-gpu", (state.state, state.detail)
+    said = f"{call} ({HELD_OPS.get(case, '')}at /job/train.py:40)"
+    assert state.gpu_call == said
+    assert state.detail.endswith("its GPU agrees: GPU 0 busy (100 %), its step 149's work finished"), state.detail
+    assert decision.kind == "hang" and [c.rank for c in decision.culprits] == [1]
+    assert f"rank 1 on n waits for its GPU in {said}" in decision.conclusion
+    assert "moving" not in decision.conclusion
+
+
+@pytest.mark.parametrize("gpu", ["unfinished-step", "unfinished-probe", "busy"])
+def test_the_gpu_side_agrees_by_unfinished_work_or_a_busy_device(gpu):
+    # GIVEN a rank held in a stripped driver call, its GPU's side saying it has work in one way
+    side = {
+        "unfinished-step": gpu_busy(done=False, util=0),
+        "unfinished-probe": gpu_busy(done=True, util=0, probe_done=False),
+        "busy": gpu_busy(done=True, util=97),
+    }[gpu]
+    held = (*stripped(5), *TRAIN)
+    # WHEN it is classified
+    state = detect.classify(look(1, "n", held, held, cpu_delta=2.0, **side))
+    # THEN it waits for its GPU, its GPU agreeing
+    assert state.state == "waiting-gpu" and "its GPU agrees: " in state.detail, state.detail
+
+
+def test_a_rank_held_in_a_gpu_library_whose_gpu_is_idle_and_done_says_both():
+    # GIVEN rank 1 in the same driver call in both samples, but its GPU idle (0 %) and its last
+    # step's work finished; ranks 0 and 2 wait in all_reduce
+    held = (*stripped(4), native("cuLaunchKernel", LIBCUDA), *TRAIN)
+    looks = [
+        look(0, "n", ALL_REDUCE),
+        look(2, "n", ALL_REDUCE),
+        look(1, "n", held, held, cpu_delta=0.0, **gpu_busy(util=0, probe_done=True)),
+    ]
+    # WHEN the watch decides
+    decision = detect.decide(looks, STALL, waiting_for_s=0.0, confirm_s=30.0)
+    # THEN rank 1 is the culprit, held on the host in the GPU library, both sides said
+    state = next(s for s in decision.states if s.rank == 1)
+    assert state.state == "in-gpu-library", state.detail
+    assert decision.kind == "hang" and [c.rank for c in decision.culprits] == [1]
+    assert (
+        "rank 1 on n is held in a call into the CUDA driver (cuLaunchKernel: a launch that does not return waits "
+        "for a full queue) (at /job/train.py:40), not in the all_reduce the others wait in, but its GPU has nothing "
+        "to wait for (GPU 0 idle (0 %), the work queued 2.0 s ago finished, its step 149's work finished): the call "
+        "waits on the host, not on the device since step 100"
+    ) in decision.conclusion
+    assert state.row()["state"].startswith("held on the host in a call into the CUDA driver")
+    assert "waits for its GPU" not in decision.conclusion
+
+
+def test_a_rank_held_in_a_gpu_library_with_no_gpu_side_read_says_it_judged_from_its_stack():
+    # GIVEN a rank in a stripped driver call in both samples, no GPU step and no NVML reading
+    held = (*stripped(5), *TRAIN)
+    # WHEN it is classified
+    state = detect.classify(look(1, "n", held, held, cpu_delta=2.0))
+    # THEN it waits for its GPU, and says the GPU's side was not read
+    assert state.state == "waiting-gpu"
+    assert "judged from its stack alone: no reading of its device (its device not read)" in state.detail
+
+
+def test_a_rank_in_libc_poll_is_not_waiting_for_its_gpu():
+    # GIVEN a rank in poll (libc) under Python's select, and one in poll under gloo, in both samples
+    in_select = (
+        native("poll", LIBC),
+        native("0x55d1", "/usr/lib/python3.12/lib-dynload/select.cpython-312.so"),
+        py("select", "/usr/lib/python3.12/selectors.py", 415),
+        *TRAIN,
     )
-    # THEN it is no GPU wait
-    assert detect.gpu_wait_of(frames) is None
-    # nor is a stack whose innermost frame is Python, or a library of the program's
+    in_gloo = (native("poll", LIBC), native("gloo::transport::tcp::Loop::run", "/torch/lib/libgloo.so"), *TRAIN)
+    for frames in (in_select, in_gloo):
+        # WHEN it is classified, its GPU busy
+        state = detect.classify(look(1, "n", frames, frames, cpu_delta=0.0, **gpu_busy()))
+        # THEN it is no GPU wait (parked, where it is)
+        assert detect.gpu_wait_of(frames) is None
+        assert state.state not in ("waiting-gpu", "in-gpu-library"), state.state
+    # nor is a stack whose innermost frame is Python, or a library of the program's over the runtime
     assert detect.gpu_wait_of((py("step"),)) is None
     ext = Frame("spin", "", 0, native=True, library="/usr/lib/libmyext.so")
-    assert detect.gpu_wait_of((ext, Frame("cudaStreamSynchronize", "", 0, native=True, library="libcudart.so"))) is None
+    assert detect.gpu_wait_of((ext, native("cudaStreamSynchronize", "libcudart.so"))) is None
+
+
+def test_a_gpu_call_not_held_across_the_look_is_not_a_wait():
+    # GIVEN a rank in a launch in both samples but at different lines, one whose first sample was
+    # read natively outside any GPU library, and one that made a step in between
+    launch = (*stripped(3), native("cuLaunchKernel", LIBCUDA))
+    at40 = (*launch, *TRAIN)
+    at41 = (*launch, py("train_step", "/job/train.py", 41), TRAIN[1])
+    elsewhere = (native("memcpy", LIBC), native("at::native::add", "/torch/lib/libtorch_cpu.so"), *TRAIN)
+    moved_lines = look(1, "n", at41, at40, cpu_delta=3.0, **gpu_busy())
+    elsewhere_first = look(1, "n", elsewhere, at40, cpu_delta=3.0, **gpu_busy())
+    stepped = look(1, "n", at40, at40, cpu_delta=3.0, **gpu_busy())
+    assert stepped.after is not None
+    stepped.after.step += 1
+    # WHEN each is classified
+    states = [detect.classify(x) for x in (moved_lines, elsewhere_first, stepped)]
+    # THEN none is held in the GPU library: each moves
+    assert [s.state for s in states] == ["moving", "moving", "moving"], [s.detail for s in states]
+
+
+def test_the_library_decides_not_the_symbol():
+    # GIVEN the same symbol in a GPU library and in a library of the program's
+    in_driver = (native("cuLaunchKernel", LIBCUDA), *TRAIN)
+    in_program = (native("cuLaunchKernel", "/job/libmyshim.so"), *TRAIN)
+    # THEN only the first is a call into a GPU library
+    assert detect.gpu_wait_of(in_driver) is not None
+    assert detect.gpu_wait_of(in_program) is None
+    # AND the libraries of the GPU's host side are known by their files, named or in a CUDA folder
+    for lib in (
+        LIBCUDA,
+        LIBCUDART,
+        LIBTORCH_CUDA,
+        "/usr/lib/libc10_cuda.so",
+        "/usr/lib/libnccl.so.2",
+        "libcublas.so.13",
+        "libcublasLt.so.13",
+        "libcudnn_ops.so.9",
+        "/usr/local/cuda-12.4/lib64/libsomething.so",
+    ):
+        assert detect.is_gpu_library(native("x", lib)), lib
+    for lib in (LIBC, "/usr/lib/libcurl.so.4", "/torch/lib/libtorch_cpu.so", "/torch/lib/libgloo.so"):
+        assert not detect.is_gpu_library(native("x", lib)), lib
 
 
 def test_every_rank_waiting_for_its_gpu_is_a_hang_on_the_devices_once_confirmed():

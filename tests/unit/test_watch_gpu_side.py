@@ -285,3 +285,45 @@ def test_the_progress_read_carries_the_status_gpu_step_and_reads_nvml_for_a_stal
     )
     assert rows[1].gpu is not None and (rows[1].gpu.index, rows[1].gpu.utilization_pct) == (1, 97)
     assert rows[0].gpu_step is None and rows[0].gpu is None
+
+
+@pytest.mark.parametrize(
+    ("gpu_step", "gpu", "agrees", "evidence"),
+    [
+        # work queued and unfinished: agrees, whatever NVML says
+        (GpuStep(step=9, done=False, age_s=20.0), IDLE, True, "GPU 1 idle (0 %), its step 9's work unfinished"),
+        # the probe's work unfinished
+        (
+            GpuStep(step=9, done=True, age_s=20.0, probe_done=False, probe_age_s=2.5),
+            None,
+            True,
+            "the work queued 2.5 s ago unfinished, its step 9's work finished",
+        ),
+        # the device busy, its last step's work finished: it runs work queued since
+        (GpuStep(step=9, done=True, age_s=20.0), BUSY, True, "GPU 1 busy (100 %), its step 9's work finished"),
+        # idle, and the step's work finished: disagrees
+        (GpuStep(step=9, done=True, age_s=20.0), IDLE, False, "GPU 1 idle (0 %), its step 9's work finished"),
+        # the probe's work finished, NVML not read: disagrees
+        (
+            GpuStep(step=9, done=True, age_s=20.0, probe_done=True, probe_age_s=2.0),
+            GpuReading(note="no NVML here"),
+            False,
+            "the work queued 2.0 s ago finished, its step 9's work finished",
+        ),
+        # the step's work finished alone says nothing (work may have been queued since)
+        (
+            GpuStep(step=9, done=True, age_s=20.0),
+            GpuReading(note="no NVML here"),
+            None,
+            "its step 9's work finished; no reading of its device (no NVML here)",
+        ),
+        (None, None, None, "no reading of its device (its device not read)"),
+    ],
+)
+def test_the_gpu_side_agrees_with_a_wait_by_its_unfinished_work_or_busy_device(gpu_step, gpu, agrees, evidence):
+    # GIVEN a rank's GPU step and NVML reading
+    row = _row(gpu_step, gpu)
+    # WHEN asked whether they agree that it waits for its device
+    said = gpu_side.agreement(row)
+    # THEN the answer and the evidence read, in words
+    assert (said.agrees, said.evidence) == (agrees, evidence)

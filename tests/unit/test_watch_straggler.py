@@ -6,7 +6,6 @@ from __future__ import annotations
 from dynprof.watch.straggler import (
     StragglerReport,
     category_excess,
-    cause_class,
     sample_line,
     straggler_verdict,
     what_holds,
@@ -24,20 +23,6 @@ def _row(rank, host, ops, outside, coll, step=100.0):
         "work_ms": ops + outside,
         "collective_ms": coll,
     }
-
-
-def test_cause_class_follows_the_category_of_the_excess():
-    # GIVEN excesses in each category
-    # WHEN classed / THEN each category names its cause
-    assert cause_class({"cpu.ops": 20.0, "cpu.outside_ops": 1.0}, None) == "compute"
-    assert cause_class({"cpu.ops": 1.0, "cpu.outside_ops": 20.0}, None) == "input pipeline"
-    assert cause_class({"cpu.ops": 1.0, "cpu.outside_ops": 20.0}, "load_batch (data.py:3)") == "input pipeline"
-    assert cause_class({"cpu.ops": 1.0, "cpu.outside_ops": 20.0}, "log_metrics (train.py:9)") == "host/launch"
-    gpu = {"gpu.compute": 1.0, "gpu.memcpy": 0.0, "gpu.idle": 9.0, "gpu.comm": 0.0}
-    assert cause_class(gpu, None) == "host/launch"
-    assert cause_class({**gpu, "gpu.comm": 30.0}, None) == "communication"
-    assert cause_class({**gpu, "gpu.memcpy": 30.0}, None) == "input pipeline"
-    assert cause_class({**gpu, "gpu.compute": 30.0}, None) == "compute"
 
 
 def test_category_excess_is_over_the_others_mean():
@@ -58,7 +43,14 @@ def test_verdict_scores_the_straggler_and_zero_for_the_others():
     analysis = {
         "ranks": rows,
         "common_steps": [7, 8],
-        "straggler": {"rank": 2, "host": "n2<b>", "reason": "rank 2: ...", "excess_ms": 30.0, "work_ms": 45.0},
+        "straggler": {
+            "rank": 2,
+            "host": "n2<b>",
+            "reason": "rank 2: ...",
+            "excess_ms": 30.0,
+            "work_ms": 45.0,
+            "cause": "input pipeline",
+        },
         "straggler_check": "straggler: rank 2 (30.0 ms/step over the others); noise threshold 10.0 ms",
     }
 
@@ -93,7 +85,7 @@ def test_the_evidence_names_what_holds_the_extra_time_not_the_collective():
         "host": "n2",
         "reason": "rank 2: 45.0 ms/step outside collectives vs 15.0 ms; the others wait in c10d::allreduce_",
         "excess_ms": 30.0,
-        "cause": {"kind": "compute"},
+        "cause": "CPU operators",
         "top": [{"name": "c10d::allreduce_", "ms": 30.0}, {"name": "aten::addmm", "ms": 28.0}],
     }
     analysis = {"ranks": rows, "common_steps": [3, 4], "straggler": straggler, "straggler_check": "straggler: ..."}
@@ -106,7 +98,7 @@ def test_the_evidence_names_what_holds_the_extra_time_not_the_collective():
     (culprit,) = verdict.culprits
     assert culprit.where == "aten::addmm"
     assert verdict.evidence["straggler"]["holds"] == "aten::addmm"
-    assert verdict.evidence["straggler"]["analysis_cause"] == {"kind": "compute"}
+    assert verdict.evidence["straggler"]["cause"] == "CPU operators"
     assert "its extra time is in aten::addmm" in verdict.conclusion
 
     # and with only collectives named, the category says where, never the collective
@@ -129,7 +121,7 @@ def test_the_sample_line_says_what_was_found():
     analysis = {
         "ranks": rows,
         "common_steps": [9, 10],
-        "straggler": {"rank": 1, "host": "n2", "reason": "rank 1: ...", "excess_ms": 30.0},
+        "straggler": {"rank": 1, "host": "n2", "reason": "rank 1: ...", "excess_ms": 30.0, "cause": "input pipeline"},
         "straggler_check": "straggler: rank 1",
     }
     _, verdict, _ = straggler_verdict("j", analysis, [], 1.0)
@@ -144,3 +136,21 @@ def test_the_sample_line_says_what_was_found():
     line = sample_line(found)
     assert line.startswith("straggler sample at step 9: rank 1 on n2 (input pipeline, score 0.30)"), line
     assert sample_line(failed) == "straggler sample: nothing decided (no rank of the job has stepped)"
+
+
+def test_the_headline_cause_is_the_one_the_analysis_measured_in_every_case():
+    # GIVEN the synthetic jobs of the analysis's cause cases (each rank's trace summary)
+    import pytest
+
+    from tests.unit.test_collectors_trace_analysis_job import STRAGGLER_CASES, _job
+
+    for case, (figures, cause) in sorted(STRAGGLER_CASES.items()):
+        analysis = _job(figures, has_gpu=case != "cpu-operators")
+        # WHEN the watch draws its verdict from the analysis
+        _, verdict, _ = straggler_verdict("j", analysis, [], 1000.0)
+        # THEN its headline, its culprit and its detail say the same cause
+        assert verdict is not None, case
+        assert f"is a straggler ({cause})" in verdict.conclusion, (case, verdict.conclusion)
+        assert verdict.culprits[0].why.startswith(f"{cause}: "), case
+        assert f"({cause}" in verdict.evidence["straggler"]["reason"], case
+        assert verdict.evidence["straggler"]["cause_ms"] == pytest.approx(analysis["straggler"]["cause_ms"])

@@ -5,12 +5,15 @@ The gradients are copied to the CPU and all-reduced with gloo (two ranks cannot 
 in NCCL), so the ranks that do not fault wait for the faulty one in ``all_reduce``.
 
 Faults that block the rank behind a GPU kernel that spins for minutes (``torch.cuda._sleep``):
-``item``, ``cpu``, ``tolist``, ``cuda-sync``, ``event-sync``, ``stream-sync``, ``h2d-pageable``, and
-``nccl-wait``: an all-reduce in the rank's own one-member NCCL group (two ranks cannot share a GPU
-in one NCCL communicator; one each can), waited for with ``TORCH_NCCL_BLOCKING_WAIT=1`` set, so
-the host waits inside PyTorch's NCCL work.
+every idiom of scripts/enumerate_gpu_waits.py's ``IDIOMS`` (``--fault NAME``: ``item``, ``cpu``,
+``nonzero``, ``launch-queue-full``, ...), the table the enumeration checks against torch's own
+sync debug mode; an idiom that ``needs`` NCCL runs in the rank's own one-member NCCL group (two
+ranks cannot share a GPU in one NCCL communicator; one each can), waited for with
+``TORCH_NCCL_BLOCKING_WAIT=1`` set, so the host waits inside PyTorch's NCCL work.
 Stragglers, every step: ``gpu-compute`` (extra matmuls), ``host-launch`` (thousands of tiny
-kernels), ``h2d-input`` (a large pageable batch copied in), ``data-loading`` (a slow loader).
+kernels), ``h2d-input`` (a large pageable batch copied in), ``data-loading`` (a slow loader),
+``input-pipeline`` (Python work outside operators), ``launch-and-data`` (tiny kernels and a
+slower loader); ``noise`` (every rank up to 1 ms slower a step, at random) is an even job.
 Busy phases that are not hangs (on every rank): ``checkpoint`` (CUDA tensors saved for
 ``--busy-seconds``), ``eval`` (an evaluation loop of that length), ``compile`` (the first step of
 a deeper model under ``torch.compile(mode="max-autotune-no-cudagraphs")``, Inductor's caches off:
@@ -27,13 +30,18 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-BLOCKING = ("item", "cpu", "tolist", "cuda-sync", "event-sync", "stream-sync", "h2d-pageable", "nccl-wait")
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the checkout: its scripts/ holds the idioms
+from scripts.enumerate_gpu_waits import IDIOMS, Context, idiom
+
+BLOCKING = tuple(i.name for i in IDIOMS)
 GPU_SIDE = ("step-behind-kernel", "host-sleep")
 SPIN_CYCLES = int(4e12)  # torch.cuda._sleep: tens of minutes on any GPU of today
 
@@ -43,31 +51,15 @@ def ready() -> None:
 
 
 def block_behind_kernel(fault: str, model: torch.nn.Module, device: torch.device, own: object = None) -> None:
-    """Queue an endless kernel, then wait for the GPU in the way ``fault`` names (``own``: the
-    rank's own NCCL group, for ``nccl-wait``)."""
-    probe = torch.ones(4, device=device)
+    """Queue an endless kernel, then wait for the GPU in the way the idiom ``fault`` does
+    (``own``: the rank's own NCCL group, for an idiom that needs one)."""
+    way = idiom(fault)
+    assert way is not None, fault
+    c = Context(device=device, probe=torch.ones(4, device=device), model=model, opt=None, own=own)
+    c.opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     torch.cuda._sleep(SPIN_CYCLES)
     ready()
-    if fault == "item":
-        probe.sum().item()
-    elif fault == "cpu":
-        probe.cpu()
-    elif fault == "tolist":
-        probe.tolist()
-    elif fault == "cuda-sync":
-        torch.cuda.synchronize(device)
-    elif fault == "event-sync":
-        event = torch.cuda.Event()
-        event.record()
-        event.synchronize()
-    elif fault == "stream-sync":
-        torch.cuda.current_stream(device).synchronize()
-    elif fault == "h2d-pageable":
-        host = torch.ones(1 << 20)  # pageable: the copy waits for the stream, then copies
-        host.to(device)
-        torch.cuda.current_stream(device).synchronize()
-    elif fault == "nccl-wait":
-        dist.all_reduce(probe, group=own, async_op=True).wait()  # type: ignore[union-attr]
+    way.run(c)
 
 
 def stuck_after_step(fault: str, opt: torch.optim.Optimizer, device: torch.device, seconds: float) -> None:
@@ -84,6 +76,14 @@ def stuck_after_step(fault: str, opt: torch.optim.Optimizer, device: torch.devic
         torch.cuda.synchronize(device)
         ready()
         time.sleep(seconds)
+
+
+def augment(width: int) -> float:
+    """Python work on the host, outside any operator (an input pipeline's augmentation)."""
+    total = 0.0
+    for i in range(60_000):
+        total += (i % width) * 1e-9
+    return total
 
 
 def reduce_gradients(model: torch.nn.Module) -> None:
@@ -123,7 +123,8 @@ def main() -> int:
     torch.cuda.set_device(device)
     faulty = args.fault_rank < 0 or rank == args.fault_rank
     own = None
-    if args.fault == "nccl-wait":  # every rank makes every group, in order; each uses its own
+    way = idiom(args.fault)
+    if way is not None and way.needs == "nccl":  # every rank makes every group, in order; each uses its own
         for r in range(dist.get_world_size()):
             group = dist.new_group([r], backend="nccl")
             if r == rank:
@@ -143,6 +144,8 @@ def main() -> int:
         step_fn = torch.compile(model, mode="max-autotune-no-cudagraphs")  # type: ignore[assignment]
         ready()  # before the first step: the warm-up is what the watch looks at
     delay = 0.03 if (args.fault == "data-loading" and faulty) else 0.0
+    delay = 0.01 if (args.fault == "launch-and-data" and faulty) else delay
+    jitter = random.Random(rank)
     loader = torch.utils.data.DataLoader(SlowData(1 << 30, w, delay), batch_size=1, num_workers=0)
     batches = iter(loader)
     # 256 MiB, pageable, copied in at every step. (It read `64 << 20 // 4` before: `//` binds
@@ -161,9 +164,13 @@ def main() -> int:
         if heavy is not None and faulty and step >= args.at_step // 2:
             for _ in range(60):
                 heavy = torch.mm(heavy, heavy).clamp_(-1, 1)
-        if args.fault == "host-launch" and faulty:
+        if args.fault in ("host-launch", "launch-and-data") and faulty:
             for _ in range(3000):
                 tiny.add_(1.0)
+        if args.fault == "input-pipeline" and faulty:
+            inp = inp + augment(w)
+        if args.fault == "noise":  # every rank: up to 1 ms more or less a step, at random
+            time.sleep(jitter.uniform(0.0, 0.001))
         opt.zero_grad(set_to_none=True)
         step_fn(inp).square().mean().backward()
         if step == args.at_step and args.fault in GPU_SIDE:
