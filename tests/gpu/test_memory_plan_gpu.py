@@ -224,3 +224,37 @@ def test_the_predicted_peak_is_within_10_percent_of_the_real_one_and_under_the_b
     assert figures["plan"][1] <= budget, figures
     for predicted, real in figures.values():
         assert abs(real - predicted) <= 0.10 * predicted, figures
+
+
+def test_a_plan_of_a_cuda_job_under_dynprof_run_answers_and_leaves_the_job_as_it_was(spawn, cli, tmp_path):
+    # GIVEN a CUDA training loop under `dynprof run`
+    from tests.conftest import ROOT
+
+    probe = tmp_path / "probe"
+    program = "tests/integration/programs/plan_program.py"
+    target = spawn(
+        [program, "--device", "cuda", "--width", "256", "--depth", "6", "--batch", "64", "--probe-file", str(probe)]
+        + ["--max-seconds", "600"],
+        env={"PYTHONPATH": str(ROOT)},
+    )
+    (pid,) = target.ready_pids(timeout=240)
+
+    # WHEN plans are asked three times (the figures made from dynprof's CUDA events, off the
+    # training thread, once the GPU ran past them)
+    rows = []
+    for budget in ("50%", "0", "90%"):
+        res = cli("memory", "plan", "--pid", str(pid), "--budget", budget, "--json", "--timeout", "120")
+        assert res.returncode in (0, 1), res.stderr + target.state(pid)
+        (row,) = json.loads(res.stdout)["results"]
+        rows.append(row)
+
+    # THEN each measured the six blocks on the GPU, with GPU times
+    for row in rows:
+        m = row["plan"]["measurement"]
+        assert m["device"].startswith("cuda") and len(m["blocks"]) == 6, m
+        assert all(b["forward_s"] > 0 and b["freeable_bytes"] > 0 for b in m["blocks"]), m["blocks"]
+    # AND the job runs on with nothing of the measurement left on it
+    probe.write_text("")
+    (line,) = target.wait_for_line("HOOKS")
+    assert line == "HOOKS forward=0 saved_tensors=False grad=True mode=False", line
+    assert os.path.exists(f"/proc/{pid}")
