@@ -52,6 +52,35 @@ def disk_usage(path: Path, exclude: tuple[str, ...] = ()) -> int:
     return total
 
 
+MAX_DISK_DEPTH = 32
+"""Levels :func:`disk_blocks` descends, at most (a store is 5 deep, an artifact a few more)."""
+
+
+def disk_blocks(dir_fd: int, name: str, seen: set[tuple[int, int]] | None = None, depth: int = MAX_DISK_DEPTH) -> int:
+    """Bytes on disk (``st_blocks * 512``) of the entry ``name`` of ``dir_fd`` (``"."``: that
+    directory) and, a directory, of everything below it: files, directories and links themselves,
+    never followed. An inode met again (a hard link, in ``seen``) counts once; below ``depth``
+    levels a directory counts itself only; entries that cannot be looked at count nothing."""
+    seen = set() if seen is None else seen
+    st = lstat_at(dir_fd, name)
+    if st is None or (st.st_dev, st.st_ino) in seen:
+        return 0
+    seen.add((st.st_dev, st.st_ino))
+    total = st.st_blocks * 512
+    if not stat.S_ISDIR(st.st_mode) or depth <= 0:
+        return total
+    try:
+        fd = os.open(name, DIR_FLAGS, dir_fd=dir_fd)
+    except OSError:
+        return total
+    try:
+        for entry, _, _ in entries(fd):
+            total += disk_blocks(fd, entry, seen, depth - 1)
+    finally:
+        os.close(fd)
+    return total
+
+
 def dir_problem(st: os.stat_result, owner: int) -> str | None:
     """Why a directory may not be part of a tree owned by ``owner`` (None: it may)."""
     if not stat.S_ISDIR(st.st_mode):

@@ -561,6 +561,27 @@ def sim_nodes(tmp_path: Path) -> Iterator[dict[str, object]]:
         yield nodes
 
 
+@pytest.fixture(scope="session")
+def nobody_site() -> Iterator[tuple[Path, str]]:
+    """(a world-readable copy of dynprof and what it imports, the interpreter user `nobody` runs it
+    with): the checkout itself may be private (a clone in `mktemp -d`). tests/support/other_user.py."""
+    from tests.support.other_user import readable_site
+
+    with readable_site() as site:
+        yield site
+
+
+@pytest.fixture
+def nobody(nobody_site: tuple[Path, str]) -> Iterator[object]:
+    """An ``OtherUser``: runs dynprof as `nobody` in a fresh directory of its own (its run dir and
+    store inside), from the copy of ``nobody_site``. Skips without root (fails under CI without
+    what it needs)."""
+    from tests.support.other_user import other_user
+
+    with other_user(*nobody_site) as user:
+        yield user
+
+
 def run_cli(*args: str, timeout: float = 120, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """Run ``python -m dynprof ARGS`` as a real subprocess."""
     full_env = dict(os.environ)

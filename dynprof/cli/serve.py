@@ -22,6 +22,7 @@ import contextlib
 import ipaddress
 import os
 import secrets
+import select
 import signal
 import sys
 import threading
@@ -351,10 +352,22 @@ def _fanout_config(token: str, source: str, cacert: str | None) -> tuple[Any, st
 
 
 def _serve_until_signalled(server: Any) -> int:
-    """Serve on a thread; SIGINT or SIGTERM only sets a flag, and this thread then stops the
-    server (in-flight requests get SHUTDOWN_TIMEOUT_S to finish)."""
-    stop = threading.Event()
+    """Serve on a thread; SIGINT or SIGTERM only sets a flag and writes a byte to a pipe, and
+    this thread, woken by the pipe, then stops the server (in-flight requests get
+    SHUTDOWN_TIMEOUT_S to finish).
+
+    The handler runs on this thread, between any two of its bytecodes: it takes no lock
+    (``Event.set``, logging and printing do, and the interrupted thread may hold the same one,
+    as ``Event.wait`` does), so a second signal while the first is handled cannot deadlock."""
     failure: list[BaseException] = []
+    signalled: list[int] = []
+    wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+
+    def wake() -> None:
+        try:
+            os.write(wake_w, b"\0")
+        except OSError:  # the pipe is full: it is awake already
+            pass
 
     def serve() -> None:
         try:
@@ -362,17 +375,18 @@ def _serve_until_signalled(server: Any) -> int:
         except BaseException as exc:  # reported below, from the main thread
             failure.append(exc)
         finally:
-            stop.set()
+            wake()
 
     def on_signal(signum: int, frame: Any) -> None:
-        stop.set()
+        signalled.append(signum)
+        wake()
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     worker = threading.Thread(target=serve, name="dynprof-serve", daemon=True)
     worker.start()
     try:
-        while not stop.wait(0.5):
-            pass
+        while not signalled and worker.is_alive():
+            select.select([wake_r], [], [], 1.0)
     finally:
         from dynprof.sidecar.actions import kill_children
 
@@ -381,6 +395,8 @@ def _serve_until_signalled(server: Any) -> int:
         worker.join(SHUTDOWN_TIMEOUT_S + 5)
         for s, handler in previous.items():
             signal.signal(s, handler)
+        os.close(wake_r)
+        os.close(wake_w)
     print("dynprof: stopped serving", file=sys.stderr)
     if failure and not isinstance(failure[0], (KeyboardInterrupt, SystemExit)):
         raise errors.DynprofError(f"the HTTP server failed: {type(failure[0]).__name__}: {failure[0]}")

@@ -61,6 +61,7 @@ from dynprof.registry import list_records
 from dynprof.sidecar.actions import (
     ACTIONS,
     API_VERSION,
+    LINK_TEST,
     ActionCommand,
     ActionError,
     ActionsBusy,
@@ -483,7 +484,15 @@ def create_app(
             abort(404)
 
     def _allowed_actions() -> list[str]:
-        return sorted(n for n, a in ACTIONS.items() if not (read_only and a.changes_jobs))
+        """The actions this sidecar does: none that a read-only one refuses, no link test
+        without a link policy (``--no-job-wide``), none without its command (where given)."""
+        return sorted(
+            n
+            for n, a in ACTIONS.items()
+            if not (read_only and a.changes_jobs)
+            and not (n == LINK_TEST and links is None)
+            and (commands is None or n in commands)
+        )
 
     @app.get("/healthz")
     def healthz() -> Response:

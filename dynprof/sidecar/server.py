@@ -24,7 +24,12 @@ the server. Here:
 - ``Reserve`` keeps a thread free of long requests: at most threads - 1 requests in the app.
 - cheroot's error log is one line per event, no traceback, rate-limited (``RefusalLog``).
 - Open connections are bounded below the open-file limit (``max_connections``, from
-  :func:`connection_cap`): a new one past the cap is closed at once, a connection whose head
+  :func:`connection_cap`): a new one past the cap is closed at once, but for ``HEALTHZ_LANE``
+  of them at a time, kept at most ``PROBE_GRACE_S`` for a whole ``GET /healthz`` and then
+  answered; one whose first bytes are those of another request is closed unanswered at once
+  (plain HTTP: the early answer above). A readiness probe is answered while a flood holds every
+  connection (one of silent clients or of /healthz heads cut short still holds the lane's places,
+  each for ``PROBE_GRACE_S`` at most); a connection whose head
   is not in is closed at ``head_timeout`` whether it sends or not, and one whose client has
   closed before sending a request is closed by the selector itself (no worker). A failed
   accept for want of descriptors (EMFILE, ENFILE, ENOBUFS, ENOMEM) pauses accepting for
@@ -68,11 +73,15 @@ ACCEPT_BACKOFF_S = 0.5  # accepting pauses this long after an accept failed for 
 EPISODE_QUIET_S = 2.0  # a shedding episode ends after this long without a shed connection
 OUT_OF_DESCRIPTORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 MIN_CONNECTIONS = 16
+HEALTHZ_LANE = 8
+"""Connections past the cap kept, at once, for a /healthz (descriptors of :func:`descriptor_reserve`'s 64)."""
+PROBE_GRACE_S = 2.0  # a connection of the /healthz lane whose head is not in by then is closed
 
 
 def descriptor_reserve(threads: int) -> int:
     """Descriptors kept free of connections: the listening socket, the selector, logs, the
-    agents' sockets and the actions' pipes and files (per worker thread)."""
+    agents' sockets, the ``HEALTHZ_LANE`` probes past the cap, and the actions' pipes and files
+    (per worker thread)."""
     return 64 + 8 * threads
 
 
@@ -210,6 +219,7 @@ class _Connection(HTTPConnection):  # type: ignore[misc]
     RequestHandlerClass = _Request
     accepted_at: float | None = None  # when it was accepted (time.monotonic()); None: not yet seen
     served = False  # a worker has read a request of it
+    probe_only = False  # taken past the cap, in the /healthz lane: answered only if it is a /healthz
 
     def __init__(self, server: Any, sock: Any, makefile: Callable[..., Any] = MakeFile) -> None:
         def files(s: Any, mode: str = "r", bufsize: int = 8192) -> Any:
@@ -219,6 +229,9 @@ class _Connection(HTTPConnection):  # type: ignore[misc]
         self._counted = hasattr(server, "held") and server.held(+1)
 
     def close(self) -> None:
+        if self.probe_only:  # its place is free before its client sees the close
+            self.probe_only = False
+            self.server.lane(-1)
         try:
             super().close()
         finally:
@@ -272,7 +285,8 @@ class _Connections(ConnectionManager):  # type: ignore[misc]
     """cheroot's selector loop, held to the sidecar's bounds: an accept that fails for want of
     descriptors pauses accepting (cheroot would raise it out of its loop, which then fails on
     the same pending connection at once, never reaching its expiry: dead for good), and new
-    connections whose head is not in by the head deadline are closed."""
+    connections whose head is not in by the head deadline (the /healthz lane's: by
+    ``PROBE_GRACE_S``) are closed."""
 
     _selector: Any  # cheroot's own (not in its stubs)
 
@@ -300,7 +314,7 @@ class _Connections(ConnectionManager):  # type: ignore[misc]
             if conn is not self.server
             and not conn.served
             and conn.accepted_at is not None
-            and now - conn.accepted_at > self.server.head_timeout
+            and now - conn.accepted_at > (PROBE_GRACE_S if conn.probe_only else self.server.head_timeout)
         ]
         for fd, conn in late:
             self._selector.unregister(fd)
@@ -337,6 +351,7 @@ class SidecarServer(Server):  # type: ignore[misc]
         self.max_connections = max_connections
         self._parking = _Parking(self.put_conn)
         self._held = 0
+        self._lane = 0  # connections in the /healthz lane
         self._held_lock = threading.Lock()
         self._episode: dict[str, Any] | None = None  # a shedding episode under way: its counts
 
@@ -350,6 +365,14 @@ class SidecarServer(Server):  # type: ignore[misc]
         """Count a connection opened (+1) or closed (-1)."""
         with self._held_lock:
             self._held += delta
+        return True
+
+    def lane(self, delta: int) -> bool:
+        """Take (+1: whether a place was free) or give back (-1) a place in the /healthz lane."""
+        with self._held_lock:
+            if delta > 0 and self._lane >= HEALTHZ_LANE:
+                return False
+            self._lane += delta
         return True
 
     @property
@@ -393,9 +416,11 @@ class SidecarServer(Server):  # type: ignore[misc]
         if conn.accepted_at is None:  # new: into the selector, a worker only once its head is in
             conn.accepted_at = now
             if self._held > self.max_connections:
-                self.shed("cap")
-                conn.close()
-                return
+                if self.healthz is None or self.ssl_adapter is not None or not self.lane(+1):
+                    self.shed("cap")
+                    conn.close()
+                    return
+                conn.probe_only = True  # past the cap: kept a moment, for a /healthz only
             self.put_conn(conn)
             return
         if self.ssl_adapter is not None:  # its first bytes (a TLS hello) came: the worker shakes hands
@@ -403,13 +428,21 @@ class SidecarServer(Server):  # type: ignore[misc]
             return
         head = self._peek_head(conn)
         if head is None:  # not all there yet: look again later, holding no worker
-            if now - conn.accepted_at > self.head_timeout or not self._parking.park(conn, now + PARK_S):
+            limit = min(self.head_timeout, PROBE_GRACE_S) if conn.probe_only else self.head_timeout
+            late = now - conn.accepted_at > limit or (conn.probe_only and not self._may_be_healthz(conn))
+            if late or not self._parking.park(conn, now + PARK_S):
+                if conn.probe_only:
+                    self.shed("cap")
                 conn.close()
             return
         if head is _CLOSED:  # the client left before a request: nothing for a worker to do
             conn.close()
             return
         if head and self.healthz is not None and self._answer_healthz(conn, head):
+            return
+        if conn.probe_only:  # past the cap, and not a /healthz: closed unanswered
+            self.shed("cap")
+            conn.close()
             return
         super().process_conn(conn)
 
@@ -432,6 +465,16 @@ class SidecarServer(Server):  # type: ignore[misc]
         if len(data) >= _PEEK_BYTES:
             return b""
         return _CLOSED if _peer_hung_up(conn.socket) else None
+
+    def _may_be_healthz(self, conn: Any) -> bool:
+        """Whether what a connection has sent so far may still become ``GET /healthz``."""
+        try:
+            data: bytes = conn.socket.recv(len(HEALTHZ_REQUEST), socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False
+        return HEALTHZ_REQUEST.startswith(data)
 
     def _answer_healthz(self, conn: Any, head: bytes) -> bool:
         """Answer a whole ``GET /healthz`` already received, without a worker (never blocks)."""

@@ -10,7 +10,10 @@ Layout under the store root (``DYNPROF_ARTIFACT_DIR``)::
 An artifact is written under a hidden temporary name (``.<name>.<pid>@<pidns>.tmp``, holding
 dynprof's own ``.dynprof-writing`` marker) in the same directory and renamed into place once its
 manifest is written, so a reader never sees a half-written artifact as finished. The store keeps
-its total size under a cap by deleting the oldest finished artifacts first.
+what it takes on disk under a cap (the blocks of every file and directory in it, manifests and
+the layout's directories included) by deleting first the finished artifacts it placed first (by
+each artifact directory's change time, which no artifact can claim, not its manifest's
+``created_at``).
 
 The store only ever deletes what it provably created. Its root holds a ``.dynprof-store``
 marker, written when dynprof creates the root or adopts an empty directory (or one laid out as

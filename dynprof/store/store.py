@@ -593,12 +593,30 @@ class ArtifactStore:
         return True
 
     # -- size cap --------------------------------------------------------------------------
-    def enforce_cap(self, keep: Path | None = None) -> builtins.list[Path]:
-        """Delete the oldest finished artifacts until the store fits under ``max_bytes``.
+    def _placed_at(self, art: Artifact) -> int | None:
+        """When ``art``'s directory was last changed in this store (its ``st_ctime_ns``: the
+        rename that put it in place, for a finished artifact), read relative to its kind's
+        directory, never through a link; None when it is gone. No process sets a change time:
+        the ``created_at`` its manifest claims is the artifact's word, this is the store's."""
+        parts = self._relative(art.path)
+        if parts is None or len(parts) != 5:
+            return None
+        try:
+            with self._kind_dir(parts[:4]) as kind_fd:
+                st = nofollow.lstat_at(kind_fd, parts[4])
+        except (OSError, ArtifactError):
+            return None
+        return None if st is None else st.st_ctime_ns
 
-        Sizes are what is on disk (not what manifests claim); stale temporary directories are
-        removed first and live ones count against the cap. Deletions are relative to the
-        artifact's directory, each directory on the way checked: never through a link."""
+    def enforce_cap(self, keep: Path | None = None) -> builtins.list[Path]:
+        """Delete the finished artifacts the store placed first until it fits under ``max_bytes``.
+
+        Sizes are what is on disk: the blocks (``st_blocks``) of every file and directory of
+        the store, manifests, the directories of the layout and live temporaries included, not
+        what manifests claim; stale temporary directories are removed first. The order is the
+        store's own (each artifact directory's change time), not a time an artifact claims.
+        Deletions are relative to the artifact's directory, each directory on the way checked:
+        never through a link."""
         if self.max_bytes <= 0 or not os.path.lexists(self.root):
             return []
         removed: builtins.list[Path] = []
@@ -610,23 +628,27 @@ class ArtifactStore:
             )
             with os.fdopen(fd, "rb") as lock:
                 fcntl.flock(lock, fcntl.LOCK_EX)
-                swept, live = self._sweep_at(root_fd)
-                removed += swept
-                total = sum(t.size for t in live)
-                arts = [(a, nofollow.disk_usage(a.path, exclude=(MANIFEST,))) for a in self._scan_at(root_fd)[0]]
-                total += sum(size for _, size in arts)
-                for art, size in sorted(arts, key=lambda item: item[0].created_at):
+                removed += self._sweep_at(root_fd)[0]
+                total = nofollow.disk_blocks(root_fd, ".")
+                if total <= self.max_bytes:
+                    return removed
+                placed = []
+                for art in self._scan_at(root_fd)[0]:
+                    at = self._placed_at(art)
+                    if at is not None and art.path != keep:
+                        placed.append((at, str(art.path), art))
+                for _, _, art in sorted(placed, key=lambda item: item[:2]):
                     if total <= self.max_bytes:
                         break
-                    if keep is not None and art.path == keep:
-                        continue
                     parts = self._relative(art.path)
                     if parts is None or len(parts) != 5:
                         continue
                     with contextlib.suppress(OSError, ArtifactError), self._kind_dir(parts[:4]) as kind_fd:
+                        size = nofollow.disk_blocks(kind_fd, parts[4])
                         nofollow.rmtree_at(kind_fd, parts[4])
-                    total -= size
-                    removed.append(art.path)
+                        if nofollow.lstat_at(kind_fd, parts[4]) is None:
+                            total -= size
+                            removed.append(art.path)
         return removed
 
 

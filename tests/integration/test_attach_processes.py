@@ -8,9 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -405,61 +403,17 @@ def test_target_exiting_during_attach_exits_3(spawn, dynprof_dirs):
             attach.wait()
 
 
-# -- other users, ptrace refused (root acting as nobody) -------------------------------------------
-@pytest.fixture
-def nobody_dir() -> Iterator[Path]:
-    """A directory that user nobody can read (pytest's tmp_path sits under a 0700 parent)."""
-    path = Path(tempfile.mkdtemp(prefix="dpa-", dir="/tmp"))
-    os.chmod(path, 0o755)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
-@pytest.fixture
-def as_nobody(nobody_dir: Path) -> dict[str, str]:
-    tmp_path = nobody_dir
-    if os.geteuid() != 0 or shutil.which("setpriv") is None:
-        pytest.skip("needs root and setpriv to act as another user")
-    system = Path("/usr/bin/python3")
-    check = f"import sys; assert sys.version_info[:2] == {tuple(sys.version_info[:2])}"
-    if not system.exists() or subprocess.run([str(system), "-c", check], capture_output=True).returncode:
-        pytest.skip("needs a system python3 of the test interpreter's version")
-    site = tmp_path / "site"
-    site.mkdir()
-    import google.protobuf
-    import psutil
-
-    shutil.copytree(Path(google.protobuf.__file__).parent.parent, site / "google")
-    shutil.copytree(Path(psutil.__file__).parent, site / "psutil")
-    for d in (tmp_path, site):
-        os.chmod(d, 0o755)
-    run_dir, arts = tmp_path / "run", tmp_path / "arts"
-    for d in (run_dir, arts):
-        d.mkdir()
-        shutil.chown(d, "nobody")
-    return {
-        "PYTHONPATH": f"{site}:{ROOT}",
-        "DYNPROF_RUN_DIR": str(run_dir),
-        "DYNPROF_ARTIFACT_DIR": str(arts),
-        "PATH": "/usr/bin:/bin",
-        "HOME": str(tmp_path),
-    }
-
-
-def _nobody(cmd: list[str]) -> list[str]:
-    return ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", *cmd]
-
-
-def _start_as_nobody(tmp_path: Path, env: dict[str, str], code: str) -> tuple[subprocess.Popen[str], int]:
-    prog = tmp_path / "nobody_program.py"
+# -- other users, ptrace refused (root acting as nobody: tests/support/other_user.py) -------------
+def _start_as_nobody(nobody, code: str) -> tuple[subprocess.Popen[str], int]:
+    prog = nobody.base / "nobody_program.py"
     prog.write_text(code + "\nimport os, time\nprint('READY', os.getpid(), flush=True)\ntime.sleep(60)\n")
     os.chmod(prog, 0o644)
     proc = subprocess.Popen(
-        _nobody(["/usr/bin/python3", str(prog)]),
+        nobody.argv([nobody.python, str(prog)]),
         stdout=subprocess.PIPE,
         text=True,
-        env={**os.environ, **env},
-        cwd=str(tmp_path),
+        env=nobody.full_env(),
+        cwd=str(nobody.base),
     )
     assert proc.stdout is not None
     line = proc.stdout.readline()
@@ -467,9 +421,9 @@ def _start_as_nobody(tmp_path: Path, env: dict[str, str], code: str) -> tuple[su
     return proc, int(line.split()[1])
 
 
-def test_another_users_process_exits_4(as_nobody, nobody_dir, cli):
+def test_another_users_process_exits_4(nobody, cli):
     # GIVEN a Python process of user nobody
-    proc, pid = _start_as_nobody(nobody_dir, as_nobody, "")
+    proc, pid = _start_as_nobody(nobody, "")
     try:
         # WHEN root attaches to it
         result = cli("attach", str(pid))
@@ -482,19 +436,18 @@ def test_another_users_process_exits_4(as_nobody, nobody_dir, cli):
         proc.wait()
 
 
-def test_ptrace_refused_exits_11_and_names_the_settings(as_nobody, nobody_dir):
-    tmp_path = nobody_dir
+def test_ptrace_refused_exits_11_and_names_the_settings(nobody):
     # GIVEN a process of nobody that made itself non-dumpable (ptrace refused, even to its user)
     code = "import ctypes\nctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0"
-    proc, pid = _start_as_nobody(tmp_path, as_nobody, code)
+    proc, pid = _start_as_nobody(nobody, code)
     try:
         # WHEN nobody, without CAP_SYS_PTRACE, attaches to it
         result = subprocess.run(
-            _nobody(["/usr/bin/python3", "-m", "dynprof", "attach", str(pid)]),
+            nobody.dynprof("attach", str(pid)),
             capture_output=True,
             text=True,
-            env={**os.environ, **as_nobody},
-            cwd=str(tmp_path),
+            env=nobody.full_env(),
+            cwd=str(nobody.base),
             timeout=60,
         )
         # THEN it exits 11, naming the sysctl and the Kubernetes securityContext line

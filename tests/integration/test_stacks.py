@@ -7,7 +7,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -104,72 +103,28 @@ def test_non_python_pid_exits_10(cli):
         proc.wait()
 
 
-# -- another user ---------------------------------------------------------------------------------
-@pytest.fixture
-def nobody():
-    """(directory, environment) for running as `nobody`: readable copies of what dynprof needs."""
-    base = Path(tempfile.mkdtemp(prefix="dp-nobody-", dir="/tmp"))
-    try:
-        yield base, _as_nobody_env(base)
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
-
-
-def _as_nobody_env(tmp_path: Path) -> dict[str, str]:
-    """An interpreter and packages the user `nobody` can read (a copy of what dynprof needs)."""
-    if os.geteuid() != 0 or shutil.which("setpriv") is None:
-        pytest.skip("needs root and setpriv to act as another user")
-    system_python = Path("/usr/bin/python3")
-    if (
-        not system_python.exists()
-        or subprocess.run(
-            [str(system_python), "-c", f"import sys; assert sys.version_info[:2] == {tuple(sys.version_info[:2])}"],
-            capture_output=True,
-        ).returncode
-        != 0
-    ):
-        pytest.skip("needs a system python3 of the test interpreter's version")
-    site = tmp_path / "site"
-    site.mkdir()
-    import google.protobuf
-    import psutil
-
-    shutil.copytree(Path(google.protobuf.__file__).parent.parent, site / "google")
-    shutil.copytree(Path(psutil.__file__).parent, site / "psutil")
-    root = Path(__file__).resolve().parent.parent.parent
-    for d in (tmp_path, site):
-        os.chmod(d, 0o755)
-    run_dir, arts = tmp_path / "run", tmp_path / "arts"
-    for d in (run_dir, arts):
-        d.mkdir()
-        shutil.chown(d, "nobody")
-    return {
-        "PYTHONPATH": f"{site}:{root}",
-        "DYNPROF_RUN_DIR": str(run_dir),
-        "DYNPROF_ARTIFACT_DIR": str(arts),
-        "PATH": "/usr/bin:/bin",
-        "HOME": str(tmp_path),
-    }
-
-
-def _nobody(cmd: list[str], env: dict[str, str], **kw):
-    full = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", *cmd]
-    return full, {**os.environ, **env}
-
-
+# -- another user (root acting as nobody: tests/support/other_user.py) ---------------------------
 def test_another_users_pid_exits_4(nobody, spawn):
-    tmp_path, env = nobody
+    # GIVEN a process of root's
     target = spawn(["-c", "import os,time\nprint('READY', os.getpid(), flush=True)\ntime.sleep(60)"], under_run=False)
     (pid,) = target.ready_pids()
-    cmd, full_env = _nobody(["/usr/bin/python3", "-m", "dynprof", "stacks", "--pid", str(pid)], env)
-    result = subprocess.run(cmd, capture_output=True, text=True, env=full_env, timeout=60, cwd=str(tmp_path))
+    # WHEN user nobody reads its stacks
+    result = subprocess.run(
+        nobody.dynprof("stacks", "--pid", str(pid)),
+        capture_output=True,
+        text=True,
+        env=nobody.full_env(),
+        timeout=60,
+        cwd=str(nobody.base),
+    )
+    # THEN it is refused as another user's, saying who may read it
     assert result.returncode == 4, result.stderr
     assert f"process {pid} belongs to another user" in result.stderr
     assert "same user as the target process, or as root" in result.stderr
 
 
-def _nondumpable_target(tmp_path: Path, env: dict[str, str], under_run: bool) -> tuple[subprocess.Popen[str], int]:
-    prog = tmp_path / "nodump_program.py"
+def _nondumpable_target(nobody, under_run: bool) -> tuple[subprocess.Popen[str], int]:
+    prog = nobody.base / "nodump_program.py"
     prog.write_text(
         "import ctypes, os, time\n"
         "ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0: no ptrace, even by the same user\n"
@@ -180,11 +135,10 @@ def _nondumpable_target(tmp_path: Path, env: dict[str, str], under_run: bool) ->
         "guarded_loop()\n"
     )
     os.chmod(prog, 0o644)
-    inner = ["/usr/bin/python3", str(prog)]
-    argv = ["/usr/bin/python3", "-m", "dynprof", "run", "-q", "--", *inner] if under_run else inner
-    cmd, full_env = _nobody(argv, env)
+    inner = [nobody.python, str(prog)]
+    argv = nobody.dynprof("run", "-q", "--", *inner) if under_run else nobody.argv(inner)
     proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env, cwd=str(tmp_path)
+        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=nobody.full_env(), cwd=str(nobody.base)
     )
     assert proc.stdout is not None
     line = proc.stdout.readline()
@@ -192,7 +146,7 @@ def _nondumpable_target(tmp_path: Path, env: dict[str, str], under_run: bool) ->
     pid = int(line.split()[1])
     if under_run:
         deadline = time.monotonic() + 20
-        while not (Path(env["DYNPROF_RUN_DIR"]) / "agents" / f"{pid}.json").exists():
+        while not (Path(nobody.env["DYNPROF_RUN_DIR"]) / "agents" / f"{pid}.json").exists():
             assert time.monotonic() < deadline, "the agent did not register"
             time.sleep(0.05)
     return proc, pid
@@ -200,12 +154,17 @@ def _nondumpable_target(tmp_path: Path, env: dict[str, str], under_run: bool) ->
 
 def test_ptrace_refused_falls_back_to_the_agent(nobody):
     # GIVEN a process that refuses ptrace (not dumpable) but runs the dynprof agent
-    tmp_path, env = nobody
-    proc, pid = _nondumpable_target(tmp_path, env, under_run=True)
+    proc, pid = _nondumpable_target(nobody, under_run=True)
     try:
         # WHEN its stacks are read by a user without CAP_SYS_PTRACE
-        cmd, full_env = _nobody(["/usr/bin/python3", "-m", "dynprof", "stacks", "--pid", str(pid), "--json"], env)
-        result = subprocess.run(cmd, capture_output=True, text=True, env=full_env, timeout=60, cwd=str(tmp_path))
+        result = subprocess.run(
+            nobody.dynprof("stacks", "--pid", str(pid), "--json"),
+            capture_output=True,
+            text=True,
+            env=nobody.full_env(),
+            timeout=60,
+            cwd=str(nobody.base),
+        )
         # THEN the agent answers, and the output says why and how to fix the first method
         assert result.returncode == 0, result.stderr
         out = json.loads(result.stdout)
@@ -221,14 +180,22 @@ def test_ptrace_refused_falls_back_to_the_agent(nobody):
 
 
 def test_ptrace_refused_without_agent_exits_11(nobody):
-    tmp_path, env = nobody
-    proc, pid = _nondumpable_target(tmp_path, env, under_run=False)
+    # GIVEN a process that refuses ptrace and runs no agent
+    proc, pid = _nondumpable_target(nobody, under_run=False)
     try:
-        cmd, full_env = _nobody(["/usr/bin/python3", "-m", "dynprof", "stacks", "--pid", str(pid)], env)
-        result = subprocess.run(cmd, capture_output=True, text=True, env=full_env, timeout=60, cwd=str(tmp_path))
+        # WHEN its stacks are read by a user without CAP_SYS_PTRACE
+        result = subprocess.run(
+            nobody.dynprof("stacks", "--pid", str(pid)),
+            capture_output=True,
+            text=True,
+            env=nobody.full_env(),
+            timeout=60,
+            cwd=str(nobody.base),
+        )
+        # THEN it exits 11, saying why and how to have an agent to fall back on
         assert result.returncode == 11, result.stderr
         assert "refused" in result.stderr and "CAP_SYS_PTRACE" in result.stderr
-        assert "dynprof run" in result.stderr  # how to have an agent to fall back on
+        assert "dynprof run" in result.stderr
     finally:
         proc.kill()
         proc.wait()

@@ -202,3 +202,31 @@ def test_unsafe_ancestor_names_a_directory_of_another_user_above(tmp_path):
     os.chown(theirs, OTHER_UID, OTHER_UID)
     # THEN it is named
     assert nofollow.unsafe_ancestor(theirs / "store") == f"{theirs} belongs to uid {OTHER_UID}"
+
+
+def test_disk_blocks_counts_files_directories_and_links_once_never_following(tmp_path, dir_fd):
+    # GIVEN a tree: a file, a subdirectory with a file, a hard link to the first file, and a
+    # link to a large file outside the tree
+    (tmp_path / "a").write_bytes(b"x" * 10_000)
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "b").write_bytes(b"y" * 100)
+    os.link(tmp_path / "a", tmp_path / "sub" / "a-again")
+    outside = tmp_path.parent / f"{tmp_path.name}-outside"
+    outside.write_bytes(b"z" * 1_000_000)
+    os.symlink(outside, tmp_path / "link")
+
+    # WHEN its disk use is counted
+    try:
+        total = nofollow.disk_blocks(dir_fd, ".")
+    finally:
+        outside.unlink()
+
+    # THEN it is the blocks of every inode in it once: the directories' too, the link's own
+    def blocks(p: Path) -> int:
+        return p.lstat().st_blocks * 512
+
+    parts = [tmp_path, tmp_path / "a", tmp_path / "sub", tmp_path / "sub" / "b", tmp_path / "link"]
+    assert total == sum(blocks(p) for p in parts)
+    assert total < 1_000_000
+    assert nofollow.disk_blocks(dir_fd, "sub") == sum(blocks(p) for p in parts[1:4])
+    assert nofollow.disk_blocks(dir_fd, "missing") == 0

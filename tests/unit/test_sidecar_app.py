@@ -429,3 +429,22 @@ def test_a_sidecar_without_job_wide_refuses_the_link_test_action(store):
     r = client.post("/api/v1/actions/link-test", json={"options": options}, headers=AUTH)
     # THEN it is a 400 that says why, and nothing runs
     assert r.status_code == 400 and "runs no link test" in r.get_json()["error"]
+    # AND its info does not offer the action, where a sidecar with a link policy does
+    info = client.get("/api/v1/info", headers=AUTH).get_json()
+    assert info["job_wide"] is False and "link-test" not in info["actions"] and "stacks" in info["actions"]
+    from dynprof.sidecar.actions import FanoutConfig, LinkPolicy
+
+    wide = create_app(
+        store, token="t" * 20, fanout=FanoutConfig("/token"), links=LinkPolicy.for_sidecar("127.0.0.1", [])
+    )
+    assert "link-test" in wide.test_client().get("/api/v1/info", headers=AUTH).get_json()["actions"]
+
+
+def test_info_lists_only_the_actions_it_has_commands_for(store):
+    # GIVEN a sidecar handed the commands of two actions only
+    from dynprof.cli.sidecar_actions import action_commands
+
+    given = {n: c for n, c in action_commands().items() if n in ("ps", "stacks")}
+    client = create_app(store, token="t" * 20, commands=given).test_client()
+    # WHEN its info is read THEN it offers those two
+    assert client.get("/api/v1/info", headers=AUTH).get_json()["actions"] == ["ps", "stacks"]

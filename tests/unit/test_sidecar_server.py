@@ -583,6 +583,38 @@ def test_a_connection_past_the_cap_is_closed_at_once_and_said():
     assert "at the cap of 0; new ones are closed" in out.getvalue()
 
 
+def test_past_the_cap_a_healthz_is_still_answered_and_nothing_else_is():
+    app, out = App(), io.StringIO()
+    # GIVEN a server at its cap (of no connection), answering /healthz early
+    with serving(app, max_connections=0, healthz=EARLY, log=RefusalLog(out)) as server:
+        # WHEN more clients than the /healthz lane has places each send part of another request
+        flood = [connect(server) for _ in range(srv.HEALTHZ_LANE + 4)]
+        try:
+            for s in flood:
+                s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n")
+            # THEN each is closed unanswered, and said
+            for s in flood:
+                assert read_all(s) == b""
+            assert wait_for(lambda: "shedding connections" in out.getvalue())
+            # AND a /healthz is answered, again and again
+            for _ in range(3):
+                assert exchange(server, b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n").endswith(b"early")
+        finally:
+            for s in flood:
+                s.close()
+        # WHEN clients fill the lane's places and send nothing THEN they are let go (after the
+        # lane's grace), and a /healthz is answered after them
+        silent = [connect(server) for _ in range(srv.HEALTHZ_LANE)]
+        try:
+            for s in silent:
+                assert read_all(s) == b""
+        finally:
+            for s in silent:
+                s.close()
+        assert exchange(server, b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n").endswith(b"early")
+    assert app.paths == []  # no worker served any of them
+
+
 # -- the early /healthz answer, and the middleware ---------------------------------------------
 def test_the_healthz_answer_is_the_app_s_own_closed_and_undated():
     def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> list[bytes]:

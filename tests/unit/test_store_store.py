@@ -64,27 +64,78 @@ def test_list_filters_and_orders_newest_first(tmp_path):
     assert {x.kind for x in store.list(job="a")} == {"trace", "stacks"}
 
 
+def on_disk(root: Path) -> int:
+    """What ``root`` takes on disk, counted here independently of dynprof: the blocks of every
+    file and directory (``du --apparent-size`` would miss them), each inode once, links not followed."""
+    seen, total = set(), 0
+    for path in [root, *root.rglob("*")]:
+        st = path.lstat()
+        if (st.st_dev, st.st_ino) not in seen:
+            seen.add((st.st_dev, st.st_ino))
+            total += st.st_blocks * 512
+    return total
+
+
+def a_kb_capture(store: ArtifactStore) -> Artifact:
+    writer = store.create("trace", job="j")
+    writer.write_bytes("f", b"x" * 1000)
+    done = writer.finish()
+    time.sleep(0.01)  # the next one is placed later, by the clock of the filesystem
+    return done
+
+
 def test_size_cap_evicts_oldest_first_and_keeps_the_new_one(tmp_path):
-    # GIVEN a store capped at 2.5 KB, holding two 1 KB artifacts
-    store = ArtifactStore(tmp_path, max_bytes=2500)
-    first = store.create("trace", job="j")
-    first.write_bytes("f", b"x" * 1000)
-    first = first.finish()
-    time.sleep(0.002)
-    second = store.create("trace", job="j")
-    second.write_bytes("f", b"x" * 1000)
-    second = second.finish()
-    time.sleep(0.002)
+    # GIVEN a store holding two 1 KB artifacts, capped at what it takes on disk with a third
+    # less a little: every file's and directory's blocks, manifests and layout included
+    store = ArtifactStore(tmp_path / "store")
+    first, second = a_kb_capture(store), a_kb_capture(store)
+    two = on_disk(store.root)
+    store.max_bytes = two + on_disk(second.path) - 1
 
     # WHEN a third is written
-    third = store.create("trace", job="j")
-    third.write_bytes("f", b"x" * 1000)
-    third = third.finish()
+    third = a_kb_capture(store)
 
-    # THEN only the oldest was evicted
-    remaining = {a.path for a in store.list()}
-    assert remaining == {second.path, third.path}
+    # THEN only the oldest was evicted, and the store fits its cap on disk
+    assert {a.path for a in store.list()} == {second.path, third.path}
     assert not first.path.exists()
+    assert on_disk(store.root) <= store.max_bytes
+
+
+def test_the_cap_counts_manifests_and_directories_of_many_small_artifacts(tmp_path):
+    # GIVEN a store capped at 200 KiB
+    store = ArtifactStore(tmp_path / "store", max_bytes=200 * 1024)
+
+    # WHEN 120 small plans are written (a few hundred bytes of files each, several KiB on disk)
+    for _ in range(120):
+        writer = store.create("memory-plan", job="j")
+        writer.write_bytes("plan.json", b"{}" * 100)
+        writer.finish()
+
+    # THEN the store takes at most its cap on disk, newest kept, and still holds artifacts
+    assert on_disk(store.root) <= 200 * 1024
+    assert 0 < len(store.list()) < 120
+
+
+def test_the_cap_evicts_in_the_order_the_store_placed_artifacts_not_the_time_they_claim(tmp_path):
+    # GIVEN a store with an artifact whose manifest, rewritten in place, claims to be from 2099,
+    # and a later one
+    store = ArtifactStore(tmp_path / "store")
+    claims_new = a_kb_capture(store)
+    manifest = json.loads((claims_new.path / "manifest.json").read_text())
+    manifest["created_at"] = "2099-01-01T00:00:00.000000Z"
+    with open(claims_new.path / "manifest.json", "r+") as fh:  # in place: no entry added or renamed
+        fh.write(json.dumps(manifest))
+        fh.truncate()
+    assert Artifact.load(claims_new.path).created_at.startswith("2099")
+    later = a_kb_capture(store)
+    store.max_bytes = on_disk(store.root) + on_disk(later.path) - 1
+
+    # WHEN a third pushes the store over its cap
+    third = a_kb_capture(store)
+
+    # THEN the artifact the store placed first went, whatever it claimed
+    assert not claims_new.path.exists()
+    assert later.path.exists() and third.path.exists()
 
 
 def test_artifact_dir_env_is_honoured(tmp_path, monkeypatch):
