@@ -194,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--depth", type=int, default=6)
     parser.add_argument("--no-sidecar", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--keep", action="store_true", help="keep the run directory (agent logs) and the store")
     args = parser.parse_args(argv)
 
     work = Path(tempfile.mkdtemp(prefix="dp-stress-"))
@@ -283,7 +284,10 @@ def main(argv: list[str] | None = None) -> int:
                 sidecar.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 sidecar.kill()
-        shutil.rmtree(work, ignore_errors=True)
+        if args.keep:
+            print(f"kept: {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
 
     elapsed = time.monotonic() - started
     print(f"\ndevice {args.device}, {args.clients} clients, {args.load} busy processes, {elapsed:.0f} s")
