@@ -451,6 +451,23 @@ def _wait_done(
                 t = st.trace
                 if t.group_id == group_id:
                     seen[record.pid] = t
+                elif t.group_id:
+                    # The agent answers for another request's trace: ours ended between two
+                    # polls and another client's began (the agent keeps only the latest, and
+                    # arms a new trace only once the last one is written). What ours left is in
+                    # the store, under its group.
+                    found = result_from_store(record, group_id, at_step)
+                    if found is not None:
+                        results[record.pid] = found
+                        continue
+                    results[record.pid] = {
+                        **target_row(record, at_step),
+                        "status": "failed",
+                        "artifact": None,
+                        "error": f"the process went on to another trace (group {printable(t.group_id)[:40]}) "
+                        "and this one left no artifact; its agent log says why",
+                    }
+                    continue
                 if t.group_id == group_id and t.state == "idle":
                     results[record.pid] = {
                         **target_row(record, t.start_step),

@@ -207,3 +207,32 @@ def test_the_write_bound_grows_with_how_long_the_trace_recorded(last, bound):
     from collectors.torch_trace.collect import write_wait_s
 
     assert write_wait_s(last) == bound
+
+
+@pytest.mark.parametrize("seen_first", [True, False])
+def test_a_trace_that_ended_before_another_clients_began_is_found_in_the_store(fast, monkeypatch, seen_first):
+    import os
+
+    # GIVEN a trace (group g1) that ended between two polls while another client's (g2) began,
+    # so the agent answers only for g2; g1's artifact is in the store
+    monkeypatch.setattr(
+        fast,
+        "result_from_store",
+        lambda record, group, at: (
+            {"pid": record.pid, "status": "complete", "artifact": f"/store/{group}"} if group == "g1" else None
+        ),
+    )
+    other = _state("tracing", group="g2", steps_done=1)
+    answers = [_state("tracing", steps_done=3), other] if seen_first else [other]
+    # WHEN the start follows g1 (the stress program's clients hung here, with no bound)
+    result = _wait(fast, _Scripted(answers), _record(os.getpid()), _Lines())
+    # THEN it is answered from the store
+    assert result == {"pid": os.getpid(), "status": "complete", "artifact": "/store/g1"}
+
+
+def test_a_trace_that_left_nothing_before_another_began_fails_saying_so(fast, monkeypatch):
+    import os
+
+    monkeypatch.setattr(fast, "result_from_store", lambda *a: None)
+    result = _wait(fast, _Scripted([_state("idle", group="g2")]), _record(os.getpid()), _Lines())
+    assert result["status"] == "failed" and "went on to another trace (group g2)" in result["error"]
