@@ -231,9 +231,14 @@ def all_thread_stacks() -> str:
 
 
 def find_cpu_tensors(
-    limit: int = 20, max_objects: int = 200_000, max_depth: int = 6
+    limit: int = 20, max_objects: int = 200_000, max_depth: int = 6, threads: str = "all"
 ) -> tuple[list[dict[str, Any]], int]:
     """The largest CPU tensors reachable from the threads' frames and ``__main__``'s globals.
+
+    ``threads``: ``"all"`` walks every other thread's frames; ``"own"`` walks only the calling
+    thread's (from its caller up, dynprof's own frames left out). The agent calls it with
+    ``"own"`` on the training thread (:func:`tensors_on_training_thread`): reading another
+    thread's tensors, or its frames' locals, while that thread runs is what the agent never does.
 
     A bounded walk (``max_objects`` objects at most, ``max_depth`` levels) through frame locals,
     dicts, lists, tuples, sets and objects' ``__dict__`` (which covers nn.Modules' parameters and
@@ -255,11 +260,17 @@ def find_cpu_tensors(
     main = sys.modules.get("__main__")
     if main is not None:
         todo.append((vars(main), ("__main__",), 0))
-    for ident, frame in sys._current_frames().items():
-        if ident == me:
+    frames = sys._current_frames()
+    if threads == "own":
+        frames = {me: sys._getframe(1)}
+    for ident, frame in frames.items():
+        if ident == me and threads != "own":
             continue
         f: Any = frame
         while f is not None:
+            if threads == "own" and f.f_code.co_filename.startswith(_OWN_DIRS):
+                f = f.f_back  # dynprof's own frames (the pending call that runs this walk)
+                continue
             label = (
                 f"thread {names.get(ident, ident)}: {f.f_code.co_name}() "
                 f"{Path(f.f_code.co_filename).name}:{f.f_lineno}",
@@ -311,6 +322,47 @@ def find_cpu_tensors(
     return found, visited
 
 
+_OWN_DIRS = tuple(str(Path(__file__).resolve().parent.parent / name) + "/" for name in ("dynprof", "collectors"))
+TENSOR_WAIT_S = 5.0  # how long the watcher waits for the training thread to read its own tensors
+
+
+def tensors_on_training_thread(
+    call_soon: Any, timeout_s: float = TENSOR_WAIT_S
+) -> tuple[list[dict[str, Any]], int, str]:
+    """:func:`find_cpu_tensors` run on the main (training) thread, at its next bytecode boundary,
+    for a caller on another thread: (tensors, objects visited, a note when they could not be read).
+
+    The walk reads tensors and frame locals; on the thread that owns them it races nothing. The
+    caller waits at most ``timeout_s`` (a main thread inside one long C call runs no bytecode);
+    a walk not begun by then is not run. ``call_soon(fn) -> bool`` queues ``fn`` on the main
+    thread (the agent's pending-call queue)."""
+    done = threading.Event()
+    out: list[Any] = []
+    state = {"cancelled": False}
+
+    def walk() -> None:
+        if state["cancelled"]:
+            return
+        try:
+            out.append(find_cpu_tensors(threads="own"))
+        finally:
+            done.set()
+
+    if threading.current_thread() is threading.main_thread():
+        tensors, visited = find_cpu_tensors(threads="own")
+        return tensors, visited, ""
+    if not call_soon(walk):
+        return [], 0, "not read: the main thread's queue of pending calls was full"
+    if not done.wait(timeout_s):
+        state["cancelled"] = True
+        if not done.is_set():
+            return [], 0, f"not read: the training thread ran no Python within {timeout_s:g} s (inside a long call)"
+    if not out:
+        return [], 0, "not read: the walk failed (see the agent log)"
+    tensors, visited = out[0]
+    return tensors, visited, ""
+
+
 def _format_path(path: Any) -> str:
     steps: list[Any] = []
     while len(path) == 2:
@@ -343,8 +395,11 @@ def capture(
     fraction: float,
     cgroup: Cgroup | None,
     options: dict[str, Any] | None = None,
+    tensors_of: Any = None,
 ) -> Any:
-    """Write one ``host-memory`` artifact; return the finished Artifact."""
+    """Write one ``host-memory`` artifact; return the finished Artifact. ``tensors_of()`` gives
+    (tensors, objects visited, note); by default this thread walks every thread's frames (a
+    caller that owns them all); the agent's watcher passes :func:`tensors_on_training_thread` over its pending-call queue."""
     t0 = time.perf_counter()
     writer = store.create(
         KIND, job=job, host=host, rank=rank, options={"trigger": trigger, "fraction": fraction, **(options or {})}
@@ -352,7 +407,11 @@ def capture(
     try:
         stacks = all_thread_stacks()
         t1 = time.perf_counter()
-        tensors, visited = find_cpu_tensors()
+        if tensors_of is None:
+            tensors, visited = find_cpu_tensors()
+            tensors_note = ""
+        else:
+            tensors, visited, tensors_note = tensors_of()
         tensors_s = time.perf_counter() - t1
         status = process_status()
         system = meminfo()
@@ -378,10 +437,11 @@ def capture(
             "cpu_tensor_bytes_found": sum(t["bytes"] for t in tensors),
             "objects_visited": visited,
             "tensor_search_s": round(tensors_s, 4),
+            "tensors_note": tensors_note,
             "threads": stacks.count('" (most recent call last):'),
         }
         writer.write_text(STACKS_FILE, stacks)
-        writer.write_text(TENSORS_FILE, format_tensors(tensors))
+        writer.write_text(TENSORS_FILE, (f"({tensors_note})\n" if tensors_note else "") + format_tensors(tensors))
         summary["capture_s"] = round(time.perf_counter() - t0, 4)
         writer.write_json(SUMMARY_FILE, summary)
         return writer.finish(

@@ -201,6 +201,41 @@ def capture_core(
 
 
 # -- in-process readers (agent side) ------------------------------------------------------------
+_PLAIN = (int, float, complex, bool, type(None), str, bytes)
+
+
+def safe_repr(value: Any, depth: int = 0, budget: list[int] | None = None) -> str:
+    """A local's value as text, read without running any of the job's code: built-in scalars,
+    strings and bytes as ``repr`` gives them, built-in containers (a few items deep), and every
+    other object as ``<TypeName>`` only.
+
+    Why: this runs on the agent's thread while the training thread runs. ``repr`` of a tensor
+    reads its storage (of a CUDA tensor: a copy to the host that waits for the GPU), and ``repr``
+    of any other object runs the job's code (which may read tensors, take its locks, or last
+    long). The agent's threads never touch the job's torch objects; this reads their type."""
+    budget = budget if budget is not None else [200]
+    if budget[0] <= 0:
+        return "…"
+    kind = type(value)
+    if kind in _PLAIN:
+        text = repr(value[:200] if isinstance(value, (str, bytes)) else value)
+    elif kind in (list, tuple, set, frozenset, dict) and depth < 2:
+        parts: list[str] = []
+        if kind is dict:
+            for k, v in list(value.items())[:8]:
+                parts.append(f"{safe_repr(k, depth + 1, budget)}: {safe_repr(v, depth + 1, budget)}")
+        else:
+            parts = [safe_repr(item, depth + 1, budget) for item in list(value)[:8]]
+        more = ", …" if len(value) > len(parts) else ""
+        brackets = "[]" if kind is list else "()" if kind is tuple else "{}"
+        text = f"{brackets[0]}{', '.join(parts)}{more}{brackets[1]}"
+    else:
+        module = getattr(kind, "__module__", "") or ""
+        text = f"<{module + '.' if module not in ('builtins', '') else ''}{kind.__qualname__}>"
+    budget[0] -= len(text)
+    return text
+
+
 def capture_in_process(locals: bool = False, max_depth: int = 256) -> ProcessStacks:
     """Every thread's Python stack, read by the calling thread (the agent's server thread)."""
     import threading
@@ -221,11 +256,7 @@ def capture_in_process(locals: bool = False, max_depth: int = 256) -> ProcessSta
             if locals:
                 loc = {}
                 for k, v in list(f.f_locals.items())[:50]:
-                    try:
-                        text = repr(v)
-                    except Exception as exc:
-                        text = f"<repr failed: {type(exc).__name__}>"
-                    loc[str(k)] = text[:200]
+                    loc[str(k)] = safe_repr(v)[:200]
             frames.append(
                 Frame(
                     function=getattr(code, "co_qualname", code.co_name),

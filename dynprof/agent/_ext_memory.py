@@ -23,7 +23,9 @@ unpickler and the renderers never enter the job.
 
 **Host memory.** A daemon thread wakes every ``DYNPROF_HOST_MEMORY_INTERVAL_S`` seconds,
 reads /proc/self/statm (and the cgroup's memory.stat), and captures once usage passes
-``DYNPROF_HOST_MEMORY_FRACTION`` of the limit. Nothing runs on the training thread.
+``DYNPROF_HOST_MEMORY_FRACTION`` of the limit. Only the search for the largest CPU tensors runs
+on the training thread (a pending call, at most once a capture): the watcher never reads the
+job's tensors itself.
 
 Environment (set by ``dynprof run`` options, see dynprof/cli/_run_memory.py):
 ``DYNPROF_MEMORY_HISTORY`` (off | N | all-stacks[:N] | state), ``DYNPROF_MEMORY_OOM_INTERVAL_S``,
@@ -462,6 +464,7 @@ class HostMemoryWatcher:
     def _run(self) -> None:
         try:
             from collectors import host_memory
+            from dynprof.agent._mainthread import call_soon_in_main_thread
             from dynprof.store import ArtifactStore
 
             cgroup = host_memory.find_cgroup()
@@ -500,6 +503,8 @@ class HostMemoryWatcher:
                         usage=usage,
                         fraction=fraction,
                         cgroup=cgroup,
+                        # the job's tensors are read on its own thread, never this one
+                        tensors_of=lambda: host_memory.tensors_on_training_thread(call_soon_in_main_thread),
                     )
                     sys.stderr.write(
                         f"dynprof: host memory at {usage.fraction * 100:.0f} % of the limit "

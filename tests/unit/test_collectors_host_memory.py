@@ -466,3 +466,45 @@ def test_a_capture_that_fails_leaves_a_failed_artifact_and_raises(tmp_path, monk
         hm.capture(store, trigger="t", job="j", host="h", rank=0, usage=usage, fraction=0.5, cgroup=None)
     (art,) = store.list(kind=KIND)
     assert art.status == "failed" and art.manifest["error"] == "RuntimeError: walk failed"
+
+
+def test_the_watcher_reads_the_jobs_tensors_on_the_training_thread_only(waiting_thread):
+    # GIVEN a main (training) thread holding a tensor in its locals, another thread holding its
+    # own, and a watcher thread that asks for the largest tensors over a stand-in pending-call
+    # queue, which this (main) thread drains as CPython would at a bytecode boundary
+    from collectors.host_memory import tensors_on_training_thread
+
+    mine = torch.zeros(4096, dtype=torch.uint8)
+    queued: list = []
+    got: list = []
+    walked_on: list = []
+
+    def call_soon(fn):
+        queued.append(fn)
+        return True
+
+    def on_thread():
+        got.append(tensors_on_training_thread(call_soon, timeout_s=60))
+
+    watcher = threading.Thread(target=on_thread)
+    watcher.start()
+    while not queued:
+        threading.Event().wait(0.01)
+    walked_on.append(threading.current_thread() is threading.main_thread())
+    queued.pop()()
+    watcher.join(60)
+    # THEN the walk ran here, found this thread's tensor, and none of the other thread's
+    tensors, visited, note = got[0]
+    assert walked_on == [True] and note == "" and visited > 0
+    assert any(t["bytes"] == mine.numel() and " mine" in t["where"] for t in tensors), tensors
+    assert not any("hold()" in t["where"] for t in tensors)
+
+
+def test_a_training_thread_that_runs_no_python_leaves_the_tensors_unread_with_the_reason():
+    from collectors.host_memory import tensors_on_training_thread
+
+    got: list = []
+    t = threading.Thread(target=lambda: got.append(tensors_on_training_thread(lambda fn: True, timeout_s=0.01)))
+    t.start()
+    t.join(60)
+    assert got == [([], 0, "not read: the training thread ran no Python within 0.01 s (inside a long call)")]
