@@ -37,6 +37,7 @@ HISTORY_TIMEOUT_S = 30.0  # turning history on or off answers at once
 STACKS = ("python", "all")
 POLL_S = 0.2
 MAX_MEASUREMENT_BYTES = 8 * 1024 * 1024
+MICRO_BATCH_MAX_BLOCKS = 512  # the micro-batch sizes plan a dozen times: only up to this many blocks
 
 
 def _check_targets(pids: tuple[int, ...], job: str | None, all_: bool, command: str) -> None:
@@ -299,8 +300,15 @@ class MemoryPlanRequest:
         m = measurement_from_json(measurement)
         asked = self.asked_bytes(measurement)
         if "budget_bytes" in asked:
-            return make_plan(m, budget=asked["budget_bytes"])
-        return make_plan(m, save=asked["save_bytes"])
+            plan = make_plan(m, budget=asked["budget_bytes"])
+        else:
+            plan = make_plan(m, save=asked["save_bytes"])
+        if len(m.blocks) <= MICRO_BATCH_MAX_BLOCKS:
+            from collectors.memory.plan_scale import micro_batches
+
+            # which micro-batch fits the same budget, scaled from this step's tokens
+            plan["micro_batches"] = micro_batches(measurement, int(plan["budget_bytes"]))
+        return plan
 
 
 def save_plan(record: AgentRecord, measurement: dict[str, Any], request: MemoryPlanRequest) -> str:

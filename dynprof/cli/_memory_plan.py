@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from collectors.memory.plan import render_text
+from collectors.memory.plan_scale import describe
 from dynprof.cli._common import table
 
 
@@ -21,7 +22,9 @@ def render(doc: dict[str, Any]) -> str:
             parts.append(f"{who}, pid {r['pid']}: " + _undo_text(r))
             continue
         kept = f"\n(kept in {r['artifact']}: `dynprof show` it)" if r.get("artifact") else ""
-        parts.append(f"{who}, pid {r['pid']}:\n" + render_text(r["plan"]) + kept)
+        sizes = r["plan"].get("micro_batches")
+        more = "\n" + "\n".join(describe(sizes)) if sizes else ""
+        parts.append(f"{who}, pid {r['pid']}:\n" + render_text(r["plan"]) + more + kept)
     if rows:
         parts.append(table(rows, ["rank", "pid", "status", "result"]))
         parts.extend(f"  what to do: {r['help']}" for r in doc["results"] if r["status"] != "ok" and r.get("help"))
