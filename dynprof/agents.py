@@ -107,6 +107,7 @@ def agent_rows(records: list[AgentRecord], timeout: float) -> list[dict[str, Any
                 memory_history=status.memory_history,
                 memory_history_detail=status.memory_history_detail or None,
                 last_artifact=status.trace.last_artifact or None,
+                checkpoint=_checkpoint_state(status.checkpoint_json),
                 # what `start --hosts` follows a trace by, node by node
                 trace={
                     "group_id": status.trace.group_id or None,
@@ -118,6 +119,23 @@ def agent_rows(records: list[AgentRecord], timeout: float) -> list[dict[str, Any
             )
         rows.append(row)
     return rows
+
+
+MAX_CHECKPOINT_JSON = 256 * 1024
+
+
+def _checkpoint_state(text: str) -> dict[str, Any] | None:
+    """`dynprof run --checkpoint`'s state as an agent reported it (bounded; None when the job
+    did not ask, or the text is not a JSON object of at most :data:`MAX_CHECKPOINT_JSON` bytes)."""
+    from dynprof.untrusted import loads_json
+
+    if not text or len(text) > MAX_CHECKPOINT_JSON:
+        return None
+    try:
+        doc = loads_json(text, "the agent's checkpoint state", max_values=20_000)
+    except errors.DynprofError:
+        return None
+    return doc if isinstance(doc, dict) else None
 
 
 # -- which agents a request targets ---------------------------------------------------------

@@ -208,6 +208,9 @@ def _plan_advice(summary: dict[str, Any]) -> str:
         if limit <= 0:
             return "the last measured step's plan needs the device's memory, which the OOM did not give"
         budget = limit * 9 // 10
+        scaled = _scaled_to_failing_step(summary, doc, m)
+        if scaled is not None:
+            return scaled[1] + _scaled_plan_text(scaled[0], budget)
         plan = make_plan(m, budget=budget)
         chosen = plan.get("plan")
         if plan["status"] == "fits-already":
@@ -230,3 +233,52 @@ def _plan_advice(summary: dict[str, Any]) -> str:
         )
     except Exception as exc:
         return f"the last measured step's plan could not be made ({type(exc).__name__})"
+
+
+def _scaled_to_failing_step(summary: dict[str, Any], doc: dict[str, Any], m: Any) -> tuple[Any, str] | None:
+    """The last measured step scaled to the failing step's tokens, where the failing frames hold
+    tensors of more tokens than the measured step's first block took (a larger batch or a longer
+    sequence): (the scaled measurement, what it says of the sizes); None otherwise."""
+    from collectors.memory.plan_scale import MAX_SIZE_FACTOR, input_shape, scale, tokens_factor
+
+    shape = input_shape(doc)
+    held = ((summary.get("attribution") or {}).get("frame_tensors")) or []
+    factor = tokens_factor(shape, held if isinstance(held, list) else [])
+    if factor is None or factor <= 1.05 or factor > MAX_SIZE_FACTOR:
+        return None
+    failing = next(
+        (
+            t["shape"]
+            for t in held
+            if isinstance(t, dict) and isinstance(t.get("shape"), list) and len(t["shape"]) == len(shape)
+        ),
+        None,
+    )
+    dims = " x ".join(str(d) for d in (failing or [])[:-1])
+    base = " x ".join(str(d) for d in shape[:-1])
+    return scale(m, factor), (
+        f"the failing step holds {factor:g}x the tokens of the last measured step ({dims} against {base}); "
+        "scaled to it, "
+    )
+
+
+def _scaled_plan_text(m: Any, budget: int) -> str:
+    from collectors.memory.plan import make_plan
+    from collectors.memory.plan_scale import _blocks
+
+    plan = make_plan(m, budget=budget)
+    chosen = plan.get("plan")
+    if plan["status"] == "fits-already":
+        return f"its peak would be {_gib(m.peak_bytes)}, under {_gib(budget)} (90 % of the device): measure it"
+    if plan["status"] == "unreachable" or not chosen:
+        return (
+            f"its peak would be {_gib(m.peak_bytes)}, and no recomputation fits it in {_gib(budget)} (90 % of the "
+            f"device): the floor is {_gib(plan['floor_bytes'])}; reduce the micro-batch or shard the optimizer state"
+        )
+    step = m.typical_step_s or m.step_s
+    frac = f", +{chosen['added_step_s'] / step * 100:.0f} % step time" if step else ""
+    return (
+        f"its peak would be {_gib(m.peak_bytes)}; it fits {_gib(budget)} (90 % of the device) with "
+        f"{_blocks(chosen['modules'])} recomputed (predicted {_gib(chosen['predicted_peak_bytes'])}{frac}); "
+        "`dynprof run --checkpoint auto` applies it"
+    )

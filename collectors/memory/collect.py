@@ -37,6 +37,7 @@ HISTORY_TIMEOUT_S = 30.0  # turning history on or off answers at once
 STACKS = ("python", "all")
 POLL_S = 0.2
 MAX_MEASUREMENT_BYTES = 8 * 1024 * 1024
+MICRO_BATCH_MAX_BLOCKS = 512  # the micro-batch sizes plan a dozen times: only up to this many blocks
 
 
 def _check_targets(pids: tuple[int, ...], job: str | None, all_: bool, command: str) -> None:
@@ -232,9 +233,15 @@ class MemoryPlanRequest:
     budget: str | None = None
     save: str | None = None
     timeout: float = DEFAULT_TIMEOUT_S
+    undo: bool = False  # take back what `dynprof run --checkpoint` applied, instead of a plan
 
     def __post_init__(self) -> None:
         _check_targets(self.pids, self.job, self.all, "memory")
+        if self.undo:
+            if self.budget is not None or self.save is not None:
+                raise errors.UsageError("--undo takes no --budget or --save")
+            _check_timeout(self.timeout)
+            return
         if self.budget is None and self.save is None:
             raise errors.UsageError(
                 "dynprof memory plan needs --budget SIZE or --save SIZE",
@@ -246,7 +253,13 @@ class MemoryPlanRequest:
         parse_budget(self.budget if self.budget is not None else self.save or "")
         _check_timeout(self.timeout)
 
-    OPTIONS: ClassVar[dict[str, str]] = {**TARGETS, "budget": "str", "save": "str", "timeout": "float"}
+    OPTIONS: ClassVar[dict[str, str]] = {
+        **TARGETS,
+        "budget": "str",
+        "save": "str",
+        "timeout": "float",
+        "undo": "bool",
+    }
 
     @classmethod
     def from_json(cls, doc: Any) -> MemoryPlanRequest:
@@ -259,10 +272,13 @@ class MemoryPlanRequest:
             budget=o.get("budget"),
             save=o.get("save"),
             timeout=o.get("timeout", DEFAULT_TIMEOUT_S),
+            undo=o.get("undo", False),
         )
 
     def to_json(self) -> dict[str, Any]:
-        out = {**_targets_json(self.pids, self.job, self.all), "timeout": self.timeout}
+        out: dict[str, Any] = {**_targets_json(self.pids, self.job, self.all), "timeout": self.timeout}
+        if self.undo:
+            out["undo"] = True
         if self.budget is not None:
             out["budget"] = self.budget
         if self.save is not None:
@@ -284,8 +300,15 @@ class MemoryPlanRequest:
         m = measurement_from_json(measurement)
         asked = self.asked_bytes(measurement)
         if "budget_bytes" in asked:
-            return make_plan(m, budget=asked["budget_bytes"])
-        return make_plan(m, save=asked["save_bytes"])
+            plan = make_plan(m, budget=asked["budget_bytes"])
+        else:
+            plan = make_plan(m, save=asked["save_bytes"])
+        if len(m.blocks) <= MICRO_BATCH_MAX_BLOCKS:
+            from collectors.memory.plan_scale import micro_batches
+
+            # which micro-batch fits the same budget, scaled from this step's tokens
+            plan["micro_batches"] = micro_batches(measurement, int(plan["budget_bytes"]))
+        return plan
 
 
 def save_plan(record: AgentRecord, measurement: dict[str, Any], request: MemoryPlanRequest) -> str:
@@ -314,6 +337,8 @@ def collect_plan(request: MemoryPlanRequest) -> Collected:
     from dynprof.proto import pb
     from dynprof.untrusted import loads_json
 
+    if request.undo:
+        return collect_undo(request)
     records = resolve(pids=request.pids, job=request.job)
     token = f"{os.getpid()}-{time.monotonic_ns()}"
     deadline = time.monotonic() + request.timeout
@@ -376,3 +401,56 @@ def collect_plan(request: MemoryPlanRequest) -> Collected:
                     save_errors.append(f"pid {record.pid}: the plan was not saved: {exc}")
         results.append(res)
     return Collected(results, _exit_code(results, ("ok",)), failures, save_errors)
+
+
+def collect_undo(request: MemoryPlanRequest) -> Collected:
+    """Take back, in each process ``request`` names, the blocks ``dynprof run --checkpoint``
+    wrapped: the agent does it at the job's next step boundary, on its training thread; this
+    waits for it (at most ``request.timeout``). A row's ``undo`` is ``undone`` or ``nothing``
+    (nothing was wrapped), its ``checkpoint`` the agent's state after."""
+    from dynprof.client import AgentClient
+    from dynprof.proto import pb
+    from dynprof.untrusted import loads_json
+
+    records = resolve(pids=request.pids, job=request.job)
+    token = f"{os.getpid()}-{time.monotonic_ns()}"
+    deadline = time.monotonic() + request.timeout
+
+    def ask(record: AgentRecord) -> Any:
+        client = AgentClient.for_record(record, timeout=10.0)
+        while True:
+            reply = client.request(memory_plan=pb.MemoryPlanRequest(token=token, undo=True))
+            if reply.artifact.status in ("undone", "nothing"):
+                return reply.artifact
+            if time.monotonic() > deadline:
+                raise errors.Timeout(
+                    f"pid {record.pid}: no step boundary within {request.timeout:g} s to take the checkpointing back",
+                    help="The agent takes it back at the job's next optimizer step; it still will.",
+                )
+            time.sleep(POLL_S)
+
+    results: list[dict[str, Any]] = []
+    failures: list[errors.DynprofError] = []
+    for record, reply in zip(records, parallel(ask, records)):
+        res: dict[str, Any] = {"pid": record.pid, "rank": record.rank, "job": record.job_id}
+        if isinstance(reply, errors.DynprofError):
+            _failed_row(res, reply)
+            failures.append(reply)
+        elif isinstance(reply, Exception):
+            raise reply
+        else:
+            text = reply.summary_json or "{}"
+            try:
+                if len(text) > MAX_MEASUREMENT_BYTES:
+                    raise errors.ArtifactError(
+                        f"pid {record.pid}: the checkpoint state is over {MAX_MEASUREMENT_BYTES} bytes"
+                    )
+                state = loads_json(text, f"pid {record.pid}'s checkpoint state", max_values=100_000)
+            except errors.ArtifactError as exc:
+                _failed_row(res, exc)
+                failures.append(exc)
+                results.append(res)
+                continue
+            res.update(status="ok", undo=reply.status, checkpoint=state if isinstance(state, dict) else None)
+        results.append(res)
+    return Collected(results, _exit_code(results, ("ok",)), failures)

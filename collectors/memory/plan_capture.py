@@ -603,6 +603,7 @@ class StepMeasurement:
         self._frozen: dict[str, Any] | None = None
         self._ops = 0
         self._classes = [type(m).__name__ for _name, m in self.blocks]
+        self._input_shape: list[int] = []  # the first block's first tensor input, when it was first called
 
     # -- life cycle --------------------------------------------------------------------------
     def start(self) -> None:
@@ -872,6 +873,9 @@ class StepMeasurement:
                 return
             try:
                 self._stack.append(index)
+                if not self._order:  # the step's first block: its input's shape scales the plan (plan_scale)
+                    first = next((a for a in (*args, *kwargs.values()) if _is_tensor(a)), None)
+                    self._input_shape = [int(d) for d in first.shape][:8] if first is not None else []
                 if not self._calls[index]:
                     self._first[index] = len(self._order)
                     self._order.append(index)
@@ -1249,6 +1253,7 @@ class StepMeasurement:
             doc["temporary_bytes"] = max(0, tracked_peak - params - grads - state - activation)
             doc["untracked_bytes"] = 0
             doc["drift_bytes"] = 0
+        doc["input_shape"] = list(self._input_shape)
         return doc
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +24,7 @@ def install(agent: Agent) -> None:
         trace = getattr(agent, "trace", None)
         in_phase = _phase.current()
         gpu = steps.gpu.look(sys.modules.get("torch"))
+        checkpoint = getattr(getattr(agent, "memory", None), "checkpoint", None)
         return "status", pb.Status(
             pid=agent.pid,
             step=steps.step,
@@ -42,6 +44,7 @@ def install(agent: Agent) -> None:
             role=agent.role,
             phase=in_phase[0] if in_phase else "",
             phase_since=in_phase[1] if in_phase else 0.0,
+            checkpoint_json=json.dumps(checkpoint.status()) if checkpoint is not None else "",
             gpu_step=pb.GpuStep(
                 recorded=gpu.recorded,
                 step=gpu.step,

@@ -30,7 +30,8 @@ job's tensors itself.
 Environment (set by ``dynprof run`` options, see dynprof/cli/_run_memory.py):
 ``DYNPROF_MEMORY_HISTORY`` (off | N | all-stacks[:N] | state), ``DYNPROF_MEMORY_OOM_INTERVAL_S``,
 ``DYNPROF_MEMORY_OOM_MAX``, ``DYNPROF_HOST_MEMORY_FRACTION`` (0 < f <= 1, or off),
-``DYNPROF_HOST_MEMORY_INTERVAL_S``, ``DYNPROF_HOST_MEMORY_LIMIT`` (bytes, K/M/G suffixes).
+``DYNPROF_HOST_MEMORY_INTERVAL_S``, ``DYNPROF_HOST_MEMORY_LIMIT`` (bytes, K/M/G suffixes),
+``DYNPROF_CHECKPOINT`` (a budget, ``auto``: the memory plan applied, dynprof/agent/_mem_apply.py).
 """
 
 from __future__ import annotations
@@ -158,6 +159,10 @@ class MemoryController:
 
         self.planner = MemoryPlanner(self.agent)
         self.agent.handlers["memory_plan"] = self.planner.handle
+        from dynprof.agent._mem_apply import install as install_checkpoint
+
+        # only a job started with `dynprof run --checkpoint` (DYNPROF_CHECKPOINT) is ever changed
+        self.checkpoint = install_checkpoint(self.agent, _settings.environ())
         self.agent.exit_callbacks.append(self.at_exit)
         self._hook_cuda_init()
         if self.options.host_fraction > 0:
@@ -170,6 +175,9 @@ class MemoryController:
         planner = getattr(self, "planner", None)
         if planner is not None:
             planner.at_exit()
+        checkpoint = getattr(self, "checkpoint", None)
+        if checkpoint is not None:
+            checkpoint.at_exit()
         if self._host is not None:
             self._host.stop()
         if self._finder is not None:

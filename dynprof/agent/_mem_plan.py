@@ -83,6 +83,22 @@ class MemoryPlanner:
         token = str(request.token)
         if not token or len(token) > MAX_TOKEN or not token.isprintable():
             raise CommandError(pb.INVALID_ARGUMENT, f"the token must be 1 to {MAX_TOKEN} printable characters")
+        checkpoint = getattr(getattr(self.agent, "memory", None), "checkpoint", None)
+        if getattr(request, "undo", False):
+            if checkpoint is None:
+                raise CommandError(
+                    pb.UNSUPPORTED,
+                    "this job was not started with `dynprof run --checkpoint`: dynprof recomputes nothing in it",
+                    "Nothing to undo; checkpointing the job's own code does is the job's to change.",
+                )
+            state = checkpoint.request_undo()
+            return "artifact", pb.ArtifactWritten(path="", status=state, summary_json=json.dumps(checkpoint.status()))
+        if checkpoint is not None and checkpoint.busy():
+            raise CommandError(
+                pb.BUSY,
+                "dynprof run --checkpoint is measuring a step of this process",
+                "Ask again in a few steps (`dynprof ps --json` shows its state).",
+            )
         finish = None
         with self._lock:
             run = self.run

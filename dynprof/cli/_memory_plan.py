@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from collectors.memory.plan import render_text
+from collectors.memory.plan_scale import describe
 from dynprof.cli._common import table
 
 
@@ -17,9 +18,21 @@ def render(doc: dict[str, Any]) -> str:
         if r["status"] != "ok":
             rows.append([who, r["pid"], "failed", r["error"]])
             continue
+        if "undo" in r:
+            parts.append(f"{who}, pid {r['pid']}: " + _undo_text(r))
+            continue
         kept = f"\n(kept in {r['artifact']}: `dynprof show` it)" if r.get("artifact") else ""
-        parts.append(f"{who}, pid {r['pid']}:\n" + render_text(r["plan"]) + kept)
+        sizes = r["plan"].get("micro_batches")
+        more = "\n" + "\n".join(describe(sizes)) if sizes else ""
+        parts.append(f"{who}, pid {r['pid']}:\n" + render_text(r["plan"]) + more + kept)
     if rows:
         parts.append(table(rows, ["rank", "pid", "status", "result"]))
         parts.extend(f"  what to do: {r['help']}" for r in doc["results"] if r["status"] != "ok" and r.get("help"))
     return "\n\n".join(parts)
+
+
+def _undo_text(r: dict[str, Any]) -> str:
+    state = r.get("checkpoint") or {}
+    if r["undo"] == "nothing":
+        return f"nothing to take back: dynprof wrapped no block ({state.get('state')}: {state.get('detail')})"
+    return f"checkpointing taken back: {state.get('detail')}"

@@ -18,7 +18,13 @@ def load_run_options() -> None:
     # Imported for their side effect of appending to RUN_OPTIONS; missing ones are skipped.
     import importlib
 
-    for name in ("dynprof.cli._run_hang", "dynprof.cli._run_memory", "dynprof.cli._run_flight", "dynprof.cli._run_gpu"):
+    for name in (
+        "dynprof.cli._run_hang",
+        "dynprof.cli._run_memory",
+        "dynprof.cli._run_checkpoint",
+        "dynprof.cli._run_flight",
+        "dynprof.cli._run_gpu",
+    ):
         try:
             importlib.import_module(name)
         except ModuleNotFoundError as exc:

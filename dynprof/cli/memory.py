@@ -43,6 +43,7 @@ class MemoryCommand(JobCommand):
     dynprof memory --job JOB --history-start 200000    record the next 200000 allocator events
     dynprof memory --all --history-stop                stop recording history
     dynprof memory plan --pid 1234 --budget 60%        measure the next step; what to checkpoint
+    dynprof memory plan --pid 1234 --undo              take back what `dynprof run --checkpoint` applied
 
     Each snapshot is one `memory` artifact per process (see `dynprof show`, `dynprof memory-report`).
     Starting history clears what was recorded before, so the next snapshot shows only what happened
@@ -86,6 +87,12 @@ class MemoryCommand(JobCommand):
             "--save", metavar="SIZE|P%", help="with plan: the bytes to take off the peak (8G, or a percentage)"
         )
         parser.add_argument(
+            "--undo",
+            action="store_true",
+            help="with plan: take back the checkpointing that `dynprof run --checkpoint` applied (at the "
+            "job's next step boundary)",
+        )
+        parser.add_argument(
             "--timeout", type=seconds, default=300.0, help="seconds to wait for each process's snapshot (default 300)"
         )
 
@@ -108,9 +115,9 @@ class MemoryCommand(JobCommand):
             if args.attach:
                 attach_first(args)
             return self.collect_plan_request(plan_request, raise_single=not getattr(args, "json", False))
-        if args.budget is not None or args.save is not None:
+        if args.budget is not None or args.save is not None or args.undo:
             raise errors.UsageError(
-                "--budget and --save are options of `dynprof memory plan`",
+                "--budget, --save and --undo are options of `dynprof memory plan`",
                 help="Run dynprof memory plan --pid PID --budget SIZE.",
             )
         if args.history_start is not None and args.history_start <= 0:
@@ -201,4 +208,5 @@ def plan_request_from_args(args: argparse.Namespace) -> MemoryPlanRequest:
         budget=args.budget,
         save=args.save,
         timeout=args.timeout,
+        undo=bool(args.undo),
     )

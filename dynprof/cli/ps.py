@@ -102,7 +102,7 @@ class PsCommand(JobCommand):
                     r["rank"] if r["rank"] is not None else "-",
                     r["job"] or "-",
                     r["step"] if r.get("step") is not None else "-",
-                    r["state"] + (f" (in phase {r['phase']})" if r.get("phase") else ""),
+                    r["state"] + (f" (in phase {r['phase']})" if r.get("phase") else "") + _checkpoint(r),
                     human_age(r["age_s"]),
                     " ".join(r["cmdline"])[:60],
                 )
@@ -110,6 +110,17 @@ class PsCommand(JobCommand):
             ],
             ["PID", "ROLE", "RANK", "JOB", "STEP", "STATE", "AGE", "COMMAND"],
         )
+
+
+def _checkpoint(row: dict[str, Any]) -> str:
+    """`dynprof run --checkpoint`'s state, as STATE shows it beside the trace's."""
+    c = row.get("checkpoint")
+    if not isinstance(c, dict):
+        return ""
+    state = printable(str(c.get("state")))
+    modules = c.get("modules")
+    n = len(modules) if isinstance(modules, list) else 0
+    return f", checkpoint {state}" + (f" ({n} blocks)" if n else "")
 
 
 def _list(value: Any) -> list[Any]:

@@ -79,8 +79,11 @@ def test_history_results_name_the_policy_now_recording():
 @pytest.mark.parametrize(
     ("argv", "said"),
     [
-        (["memory", "--pid", "1", "--budget", "40G"], "--budget and --save are options of `dynprof memory plan`"),
-        (["memory", "--pid", "1", "--save", "10%"], "--budget and --save are options of `dynprof memory plan`"),
+        (
+            ["memory", "--pid", "1", "--budget", "40G"],
+            "--budget, --save and --undo are options of `dynprof memory plan`",
+        ),
+        (["memory", "--pid", "1", "--save", "10%"], "--budget, --save and --undo are options of `dynprof memory plan`"),
         (
             ["memory", "plan", "--pid", "1", "--budget", "1G", "--history-stop"],
             "dynprof memory plan takes no --history-start/--history-stop",

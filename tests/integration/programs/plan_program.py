@@ -67,6 +67,11 @@ def main() -> int:
         help="stop training as soon as a measurement's hooks are on the blocks, and evaluate (forwards "
         "without grad) until --max-seconds: the measured step never comes",
     )
+    parser.add_argument(
+        "--report-wrapped",
+        action="store_true",
+        help="after each step, print how many blocks run a forward put on the instance (WRAPPED i n)",
+    )
     args = parser.parse_args()
     torch.manual_seed(0)
     if args.losses:  # losses compared bit for bit between runs
@@ -98,6 +103,9 @@ def main() -> int:
         step += 1
         if args.losses:
             os.write(1, f"LOSS {step} {loss.item().hex()}\n".encode())
+        if args.report_wrapped:
+            n = sum(1 for b in model.blocks if "forward" in b.__dict__)
+            os.write(1, f"WRAPPED {step} {n}\n".encode())
         if not ready:
             os.write(1, f"READY {os.getpid()}\n".encode())
             ready = True
