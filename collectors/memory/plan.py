@@ -18,8 +18,12 @@ then, plus the inputs kept then, it rises by what its forward rose up to its las
 plus what the allocator's peak held beyond the levels seen (``untracked_bytes``). On the CPU
 harness it is the real peak to the byte (scripts/bench_memory_plan.py --device cpu).
 
-**The margin** (:func:`margin_bytes`): 1 % of the peak above parameters, gradients and optimizer
-state, and on CUDA how far the measured levels strayed from the allocator's count.
+**The margin** (:func:`margin_bytes`): each uncertainty counted once. 1 % of the peak above
+parameters, gradients and optimizer state, and on CUDA how far the measured levels fell *short*
+of the allocator's count between two block events (memory no operator returned: the levels may
+have been low by it). Levels that went *over* the allocator's count (a storage the meter did not
+follow died) are high already: counted again in the margin, the plan aimed twice under the
+budget for one error (seen: a decoder's 1000 MiB bf16 logits, kept in a variable across steps).
 
 **The floor.** The least predicted peak any set of blocks reaches, and never under parameters,
 gradients and optimizer state. A budget under it gets that answer with the options beyond
@@ -106,7 +110,9 @@ class Measurement:
     # per segment: (highest level with autocast off, highest level while autocast's cache is on)
     timeline: list[tuple[int, int]] = field(default_factory=list)
     untracked_bytes: int = 0  # the peak beyond the highest level seen after an operator
-    drift_bytes: int = 0  # how far the levels strayed from the allocator's count between events
+    drift_bytes: int = 0  # how far the levels fell short of the allocator's count between events
+    drift_over_bytes: int = 0  # how far they went over it (already in the levels: not in the margin)
+    preexisting_bytes: int = 0  # tensors alive at the step's start that Python held (not the model's)
     schema: int = SCHEMA
 
     def to_json(self) -> dict[str, Any]:
@@ -137,6 +143,8 @@ class Measurement:
             "timeline": [list(t) for t in self.timeline],
             "untracked_bytes": self.untracked_bytes,
             "drift_bytes": self.drift_bytes,
+            "drift_over_bytes": self.drift_over_bytes,
+            "preexisting_bytes": self.preexisting_bytes,
             "peak_bytes": self.peak_bytes,
             "peak_source": self.peak_source,
             "activation_bytes": self.activation_bytes,
@@ -277,6 +285,8 @@ def from_json(doc: Any) -> Measurement:
         timeline=timeline,
         untracked_bytes=_int(doc, "untracked_bytes", 0) if schema == SCHEMA else 0,
         drift_bytes=_int(doc, "drift_bytes", 0) if schema == SCHEMA else 0,
+        drift_over_bytes=_int(doc, "drift_over_bytes", 0) if schema == SCHEMA else 0,
+        preexisting_bytes=_int(doc, "preexisting_bytes", 0) if schema == SCHEMA else 0,
         schema=schema,
     )
     if schema == 1:
@@ -628,9 +638,11 @@ def _static(m: Measurement) -> int:
 
 def margin_bytes(m: Measurement) -> int:
     """What a plan keeps under the budget beyond its predicted peak: :data:`MARGIN` of the peak
-    above parameters, gradients and optimizer state, and the most the measured levels strayed
-    from the allocator's own count between two block events (on CUDA: rounding, memory no
-    operator returned; none on the CPU, where the levels are the live tensor bytes)."""
+    above parameters, gradients and optimizer state, and the most the measured levels fell short
+    of the allocator's own count between two block events (on CUDA: memory no operator
+    returned; none on the CPU, where the levels are the live tensor bytes). Levels that went over
+    the allocator's count (``drift_over_bytes``) are in the measured peak already and are not
+    counted again."""
     return int(MARGIN * max(0, m.peak_bytes - _static(m))) + m.drift_bytes
 
 
@@ -851,8 +863,14 @@ def render_text(doc: dict[str, Any]) -> str:
         drift = m.get("drift_bytes") or 0
         lines.append(
             f"  the plan aims {hb(margin)} under it: 1 % of the peak above parameters, gradients and optimizer state"
-            + (f", and {hb(drift)} the measured levels strayed from the allocator's count" if drift else "")
+            + (f", and {hb(drift)} the measured levels fell short of the allocator's count" if drift else "")
         )
+        over = m.get("drift_over_bytes") or 0
+        if over:
+            lines.append(
+                f"  (the measured levels went up to {hb(over)} over the allocator's count: a storage died unseen; "
+                "the predicted peak is that much on the safe side, not counted again in the margin)"
+            )
     plan = doc.get("plan")
     if doc["status"] == "fits-already":
         lines.append("the step's peak is under the budget already: nothing to checkpoint")

@@ -150,6 +150,25 @@ def find_models(optimizers: Iterable[Any], limit: int = MAX_MODULES) -> list[Any
     return roots
 
 
+def live_tensors(limit: int = MAX_MODULES) -> list[Any]:
+    """The tensors alive in this process that Python holds (the garbage collector's objects,
+    once, on the training thread): a loop's variables, a batch, the previous step's outputs.
+    Tensors held by C++ alone (a retained autograd graph) are not among them."""
+    import gc
+
+    import torch
+
+    out = []
+    kinds = (torch.Tensor, torch.nn.Parameter)  # not subclasses: a wrapper's storage is not its memory
+    for obj in gc.get_objects():
+        # type(), not isinstance(): some objects warn when their __class__ is read
+        if type(obj) in kinds and not obj.is_meta:
+            out.append(obj)
+            if len(out) >= limit:
+                break
+    return out
+
+
 def _limits(roots: list[Any], optimizers: list[Any], blocks: list[tuple[str, Any]]) -> tuple[list[str], list[str]]:
     """(reasons the measurement would be wrong: refuse, notes on what is left out of the plan)."""
     refuse: list[str] = []
@@ -567,7 +586,13 @@ class StepMeasurement:
         self._per_op_s = 0.0
         self._offset = 0
         self._calibrated = False
-        self._drift = 0
+        # The allocator's count, (bytes now, highest since a reset), read at every block event to
+        # set the levels right (CUDA's; None on the CPU, where the levels are the live tensor
+        # bytes; a test may give another count)
+        self.allocator: Callable[[], tuple[int, int]] | None = None
+        self._drift = 0  # the most the allocator held beyond the levels seen (they may be low by it)
+        self._drift_over = 0  # the most the levels seen held beyond the allocator's count (high by it)
+        self._preexisting_bytes = 0  # tensors alive at the start that Python held (not the model's)
         self._amp: Callable[[], bool] = lambda: False
         self._blk_max = 0
         self._fwd_base: list[int] = [0] * n
@@ -629,12 +654,20 @@ class StepMeasurement:
                     known.append(p)
                     if getattr(p, "grad", None) is not None:
                         known.append(p.grad)
+        # Every other tensor alive now that Python holds (the previous step's logits and loss
+        # kept in the loop's variables, a batch): counted from the start, so that their deaths
+        # during the step are seen. Unseen, such a death left the level high by its size until
+        # the next block event (a decoder's bf16 logits, kept in a variable across steps, died
+        # inside the head-and-loss segment: the step's peak read 1000 MiB high).
+        preexisting = live_tensors()
         if self._device.startswith("cuda"):
             self._cuda = torch.cuda
             dev = torch.device(self._device)
             if self.reset_peak:
                 torch.cuda.reset_peak_memory_stats(dev)
             self._peak_before = int(torch.cuda.max_memory_allocated(dev))
+        if self._cuda is not None and self.allocator is None:
+            self.allocator = self._cuda_allocated
         self._amp = _autocast_nested
         if self._cuda is None:
             self._calibrate()
@@ -642,6 +675,11 @@ class StepMeasurement:
         self._meter = LiveTensorBytes(
             known, on_op=self._on_op, device=torch.device(self._device) if self._cuda else None
         )
+        before = self._meter.current
+        for t in preexisting:
+            self._meter.add(t)
+        self._preexisting_bytes = self._meter.current - before
+        del preexisting  # the meter follows them by weak reference; none is held here
         self._meter.on_new = self._on_new
         self._meter.on_free = self._on_free
         self._meter.on_cut = self._event
@@ -743,19 +781,23 @@ class StepMeasurement:
         had drifted since the last event is kept (the plan's margin). Where the peak statistic
         may be reset (the caller's own process), the allocator's peak since the last event is
         the closing segment's highest level, kernels' workspaces included, and is reset."""
-        if self._cuda is None or self._meter is None:
+        if self.allocator is None or self._meter is None:
             return
         try:
-            stats = self._cuda.memory_stats(self._device)
-            allocated = int(stats.get("allocated_bytes.all.current", 0))
+            allocated, high = self.allocator()
             offset = allocated - self._meter.current
             if self._calibrated:
-                self._drift = max(self._drift, abs(offset - self._offset))
+                # the allocator holds more than the levels counted: memory no operator returned
+                # was made (the levels since the last event may have been low by it); less: a
+                # storage the meter did not follow died (they were high by it)
+                if offset > self._offset:
+                    self._drift = max(self._drift, offset - self._offset)
+                else:
+                    self._drift_over = max(self._drift_over, self._offset - offset)
             self._calibrated = True
             self._offset = offset
-            if self.reset_peak:
+            if self.reset_peak and self._cuda is not None:
                 seg = len(self._plain) - 1
-                high = int(stats.get("allocated_bytes.all.peak", 0))
                 if self._plain[seg] >= self._cached[seg]:
                     self._plain[seg] = max(self._plain[seg], high)
                 else:
@@ -763,6 +805,11 @@ class StepMeasurement:
                 self._cuda.reset_peak_memory_stats(self._device)
         except Exception as exc:
             self.error = self.error or f"allocator statistics: {exc}"
+
+    def _cuda_allocated(self) -> tuple[int, int]:
+        """The CUDA allocator's count of this device's bytes: (now, highest since its reset)."""
+        stats = self._cuda.memory_stats(self._device)
+        return int(stats.get("allocated_bytes.all.current", 0)), int(stats.get("allocated_bytes.all.peak", 0))
 
     def _on_op(self, current: int) -> None:
         level = self._offset + current
@@ -1095,6 +1142,8 @@ class StepMeasurement:
                 sum(p.numel() * p.element_size() for p in m.parameters()) if m is not None else 0
                 for _name, m in self.blocks
             ],
+            # what makes two blocks the same work: class and parameters' shapes and types
+            "kinds": [block_kind(m) for _name, m in self.blocks],
             "process_peak": 0,
         }
         if self._cuda is not None and not self.reset_peak:
@@ -1168,6 +1217,12 @@ class StepMeasurement:
                         recompute += start.elapsed_time(last) / 1000.0
                 self._fwd[i] = total
                 self._recompute[i] = recompute
+        fwd_s, recompute_s = shared_costs(
+            frozen.get("kinds") or [""] * n,
+            self._calls,
+            self._fwd,
+            [min(r, f) for r, f in zip(self._recompute, self._fwd)],
+        )
         params, grads, state = frozen["params"], frozen["grads"], frozen["state"]
         timeline = [[self._plain[i], self._cached[i]] for i in range(segments)]
         tracked_peak = max((max(a, b) for a, b in timeline), default=0)
@@ -1181,8 +1236,9 @@ class StepMeasurement:
                     "saved_bytes": saved[i],
                     "freeable_bytes": freeable[i],
                     "cast_bytes": casts[i],
-                    "forward_s": round(self._fwd[i], 9),
-                    "recompute_s": round(min(self._recompute[i], self._fwd[i]), 9),
+                    "forward_s": round(fwd_s[i], 9),
+                    "recompute_s": round(recompute_s[i], 9),
+                    "measured_forward_s": round(self._fwd[i], 9),
                     "recompute_bytes": max(self._rise[i], freeable[i]),
                     "forward_end": self._fwd_end[i] if self._fwd_end[i] >= 0 else segments,
                     "backward_start": self._bwd_start[i] if self._bwd_start[i] >= 0 else segments,
@@ -1240,16 +1296,58 @@ class StepMeasurement:
             doc["allocated_at_backward_bytes"] = max(self._backward_alloc, 0)
             doc["temporary_bytes"] = max(0, peak - params - grads - state - activation)
             doc["untracked_bytes"] = untracked
-            # the most the level followed op by op strayed from the allocator's count between
-            # two events (rounding, memory no operator returned): the plan's margin
+            # how far the levels followed op by op fell short of the allocator's count between
+            # two events (memory no operator returned): the plan's margin; and how far they went
+            # over it (a death not seen: the levels were high, the plan on the safe side)
             doc["drift_bytes"] = self._drift
+            doc["drift_over_bytes"] = self._drift_over
         else:
             doc["peak_bytes"] = tracked_peak
             doc["peak_source"] = "live tensor bytes after each operator (CPU)"
             doc["temporary_bytes"] = max(0, tracked_peak - params - grads - state - activation)
             doc["untracked_bytes"] = 0
-            doc["drift_bytes"] = 0
+            doc["drift_bytes"] = self._drift  # none unless a count was given (a test's)
+            doc["drift_over_bytes"] = self._drift_over
+        doc["preexisting_bytes"] = self._preexisting_bytes
         return doc
+
+
+def block_kind(m: Any) -> str:
+    """What makes two blocks the same work: the class and the parameters' shapes and types (a
+    short digest; empty for a block no longer held)."""
+    if m is None:
+        return ""
+    import hashlib
+
+    h = hashlib.sha1(type(m).__qualname__.encode(), usedforsecurity=False)
+    for name, p in m.named_parameters():
+        h.update(f"{name}:{tuple(p.shape)}:{p.dtype};".encode())
+    return h.hexdigest()[:16]
+
+
+def shared_costs(
+    kinds: list[str], calls: list[int], forward_s: list[float], recompute_s: list[float]
+) -> tuple[list[float], list[float]]:
+    """Each block's forward and recompute seconds, the same for equal blocks (same kind, same
+    calls): the median of theirs. One block's time in one step is one sample of a noisy clock
+    (a CPU's other load, a GPU's clocks); equal blocks do the same work, so their median is the
+    better estimate of each, and two plans of one job no longer differ by which of equal blocks
+    happened to be timed high (seen: +36.6 ms and then +49.0 ms for the same budget)."""
+    import statistics
+
+    groups: dict[tuple[str, int], list[int]] = {}
+    for i, kind in enumerate(kinds):
+        if kind:
+            groups.setdefault((kind, calls[i]), []).append(i)
+    fwd, rec = list(forward_s), list(recompute_s)
+    for members in groups.values():
+        if len(members) < 2:
+            continue
+        f = statistics.median(forward_s[i] for i in members)
+        r = statistics.median(recompute_s[i] for i in members)
+        for i in members:
+            fwd[i], rec[i] = f, min(r, f)
+    return fwd, rec
 
 
 def _in_checkpoint(depth: int = 48) -> bool:
