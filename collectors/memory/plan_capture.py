@@ -106,14 +106,46 @@ def find_blocks(roots: Iterable[Any]) -> list[tuple[str, Any]]:
             else:
                 walk(qual, child, depth + 1)
 
-    roots = list(roots)
-    for i, root in enumerate(roots):
-        walk("" if len(roots) == 1 else f"model{i}", root, 0)
+    roots = [unwrapped(r) for r in roots]
+    prefixes = model_prefixes(roots)
+    for root, prefix in zip(roots, prefixes):
+        walk(prefix, root, 0)
     if not out:
-        for i, root in enumerate(roots):
+        for root, prefix in zip(roots, prefixes):
             for name, child in root.named_children():
                 if has_params(child):
-                    out.append((name if len(roots) == 1 else f"model{i}.{name}", child))
+                    out.append((prefix + name, child))
+    # a model's own name is ``Class:``; its blocks' names go on from there without a dot
+    return [(name.replace(":.", ":", 1), m) for name, m in out]
+
+
+WRAPPERS = ("DistributedDataParallel", "DataParallel", "OptimizedModule")
+
+
+def unwrapped(model: Any, depth: int = 8) -> Any:
+    """The model as the user's code built it: DDP's (and DataParallel's) ``module`` and
+    torch.compile's ``_orig_mod`` taken off, so that the plan names its modules as the user's
+    ``model.named_modules()`` does."""
+    while depth > 0 and type(model).__name__ in WRAPPERS:
+        inner = model.__dict__.get("_modules", {}).get("_orig_mod") or model.__dict__.get("_modules", {}).get("module")
+        if inner is None:
+            break
+        model, depth = inner, depth - 1
+    return model
+
+
+def model_prefixes(roots: list[Any]) -> list[str]:
+    """Each model's prefix in the plan's names: none for one model; with several, its class name
+    and a colon (``Generator:layers.0``; a second of the same class ``Generator#2:``). The
+    variable that holds a model is not knowable from here: its class is."""
+    if len(roots) <= 1:
+        return [""] * len(roots)
+    seen: dict[str, int] = {}
+    out = []
+    for root in roots:
+        cls = type(root).__name__
+        seen[cls] = seen.get(cls, 0) + 1
+        out.append(f"{cls}:" if seen[cls] == 1 else f"{cls}#{seen[cls]}:")
     return out
 
 
@@ -211,7 +243,11 @@ def _limits(roots: list[Any], optimizers: list[Any], blocks: list[tuple[str, Any
         if cls in _CHECKPOINT_WRAPPERS or getattr(m, "gradient_checkpointing", False):
             notes.append(f"block {name} is already checkpointed; it is left out of the plan")
     if len(roots) > 1:
-        notes.append(f"{len(roots)} models hold the optimizers' parameters; their blocks are planned together")
+        named = ", ".join(model_prefixes([unwrapped(r) for r in roots])[:8])
+        notes.append(
+            f"{len(roots)} models hold the optimizers' parameters; their blocks are planned together, each named by "
+            f"its class ({named}): the plan cannot know your names for them"
+        )
     if len(optimizers) > 1:
         notes.append(f"{len(optimizers)} optimizers: their parameters, gradients and state are added up")
     return refuse, notes
@@ -592,6 +628,12 @@ class StepMeasurement:
         self.allocator: Callable[[], tuple[int, int]] | None = None
         self._drift = 0  # the most the allocator held beyond the levels seen (they may be low by it)
         self._drift_over = 0  # the most the levels seen held beyond the allocator's count (high by it)
+        self.accumulation = False  # the step accumulates gradients: its first micro-batch measured
+        self._backward_seen = False
+        self._shifted = False
+        self._own_packs: list[int] = [0] * n  # tensors each block's forward saved through our hook
+        self._packs_at: list[int] = [0] * n
+        self._hidden: dict[int, str] = {}  # blocks whose saved tensors another hook took: why
         self._preexisting_bytes = 0  # tensors alive at the start that Python held (not the model's)
         self._amp: Callable[[], bool] = lambda: False
         self._blk_max = 0
@@ -917,7 +959,12 @@ class StepMeasurement:
             if why:
                 self._end_early(why)
                 return
+            if self._calls[index] and self._backward_seen and self._next_micro_batch():
+                self._end_micro_batch()
+                return
             try:
+                self._hidden_by(index)
+                self._packs_at[index] = self._own_packs[index]
                 self._stack.append(index)
                 if not self._calls[index]:
                     self._first[index] = len(self._order)
@@ -951,6 +998,57 @@ class StepMeasurement:
                 self.error = self.error or f"forward pre-hook: {exc}"
 
         return pre
+
+    def _hidden_by(self, index: int) -> None:
+        """Note when block ``index``'s saved tensors will not reach the measurement's hook: other
+        saved-tensor hooks are pushed over it (activation offloading, ``save_on_cpu``; a
+        checkpoint around the block), or a reentrant checkpoint runs its forward without grad."""
+        import torch
+
+        if index in self._hidden:
+            return
+        if not torch.is_grad_enabled():
+            if _in_checkpoint():
+                self._hidden[index] = "checkpointed"
+            return
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        if top is None or top[0] == self._pack:
+            return
+        where = f"{getattr(top[0], '__module__', '')}.{getattr(top[0], '__qualname__', '')}"
+        if "save_on_cpu" in where or "pack_to_cpu" in where:
+            self._hidden[index] = "offloaded"
+        elif "checkpoint" in where:
+            self._hidden[index] = "checkpointed"
+        else:
+            self._hidden[index] = f"hooked ({where[-80:]})"
+
+    def _next_micro_batch(self) -> bool:
+        """Whether a block forward that runs again after a backward began is the next
+        micro-batch of gradient accumulation (not a checkpoint's recompute inside backward)."""
+        import torch
+
+        return (
+            torch._C._current_graph_task_id() == -1
+            and torch.is_grad_enabled()
+            and not torch.is_inference_mode_enabled()
+            and not _in_checkpoint()
+        )
+
+    def _end_micro_batch(self) -> None:
+        """Gradient accumulation: the step's first micro-batch (its forward and backward) is
+        measured; the next one's first block forward ends the measurement here, on the training
+        thread. Later micro-batches have the same shapes and hold every gradient from their
+        start (:meth:`result` adds the gradients made during the first one to the segments
+        before they were made); the optimizer step after the last is not measured."""
+        self.accumulation = True
+        self.notes.append(
+            "gradient accumulation: a block ran forward again after a backward before the optimizer step; the "
+            "first micro-batch was measured (its forward and backward) and the others are taken to be like it "
+            "with every gradient held from their start. The optimizer step after the last micro-batch is not in "
+            "the measurement (its level: parameters, gradients, optimizer state and the optimizer's temporaries)"
+        )
+        self.stop()
+        self.freeze()
 
     def _not_the_step(self) -> str:
         """Why the forward about to run is not part of the measured step (empty when it is):
@@ -1012,6 +1110,13 @@ class StepMeasurement:
                     if last is not None:
                         self._recompute[index] += max(last - self._t0[index], 0.0) if own > floor else floor
                 self._fwd_end[index] = self._event()
+                if self._own_packs[index] == self._packs_at[index] and index not in self._hidden:
+                    # it ran with grad and saved nothing it made through the measurement's hook
+                    # (its inputs at most): another saved-tensor hook took its tensors (a
+                    # checkpoint inside its forward: the plan's own recipe, torch.utils.checkpoint
+                    # called in it)
+                    if _grad_output(output):
+                        self._hidden[index] = "checkpointed"
             except Exception as exc:
                 self.error = self.error or f"forward hook: {exc}"
 
@@ -1024,7 +1129,9 @@ class StepMeasurement:
         owner = self._stack[-1] if self._stack else -1
         try:
             self._packs += 1
-            if owner >= 0:
+            if owner >= 0 and _storage(t) not in self._inputs[owner]:
+                # made in its forward (a checkpoint saves only the block's inputs)
+                self._own_packs[owner] += 1
                 # a non-reentrant checkpoint's recompute stops at the block's last save
                 rise = self._blk_max - self._fwd_base[owner]
                 if rise > self._rise[owner]:
@@ -1054,6 +1161,7 @@ class StepMeasurement:
         t = packed.tensor
         if self.stopped:
             return t
+        self._backward_seen = True
         if self._backward_alloc < 0 and self._cuda is not None:
             try:
                 self._backward_alloc = int(self._cuda.memory_allocated(self._device))
@@ -1106,6 +1214,7 @@ class StepMeasurement:
 
         seen: set[tuple[int, int]] = set()
         grad_sized: set[int] = set()
+        grad_keys: list[tuple[int, int]] = []
         params = grads = state = 0
 
         def count(t: Any) -> int:
@@ -1121,6 +1230,9 @@ class StepMeasurement:
                     params += count(p)
                     if p.grad is not None:
                         grads += count(p.grad)
+                        key = _storage(p.grad)
+                        if key is not None and len(grad_keys) < MAX_STORAGES:
+                            grad_keys.append(key)
                     elif getattr(p, "requires_grad", False) and id(p) not in grad_sized:
                         # zeroed (set to None) since backward: its gradient is as large as it
                         grad_sized.add(id(p))
@@ -1145,6 +1257,7 @@ class StepMeasurement:
             # what makes two blocks the same work: class and parameters' shapes and types
             "kinds": [block_kind(m) for _name, m in self.blocks],
             "process_peak": 0,
+            "grad_keys": grad_keys,
         }
         if self._cuda is not None and not self.reset_peak:
             frozen["process_peak"] = int(torch.cuda.max_memory_allocated(torch.device(self._device)))
@@ -1217,6 +1330,45 @@ class StepMeasurement:
                         recompute += start.elapsed_time(last) / 1000.0
                 self._fwd[i] = total
                 self._recompute[i] = recompute
+        if self.accumulation and not self._shifted:
+            self._shifted = True  # result() may be read twice: the levels are moved once
+            # later micro-batches hold from their start the gradients the first one made
+            for key in frozen.get("grad_keys") or []:
+                born = self._born.get(key, -1)
+                for i in range(min(born, segments)):
+                    if self._plain[i]:
+                        self._plain[i] += key[1]
+                    if self._cached[i]:
+                        self._cached[i] += key[1]
+            # and, in their backward, the incoming gradient of a parameter beside the one held
+            # (accumulated into it: the first micro-batch's backward keeps the incoming one)
+            sizes = [key[1] for key in frozen.get("grad_keys") or []]
+            first = min((b for b in self._bwd_start if b >= 0), default=segments)
+            for i in range(first, segments):
+                if self._plain[i]:
+                    self._plain[i] += max(sizes, default=0)
+                if self._cached[i]:
+                    self._cached[i] += max(sizes, default=0)
+        hidden = {i: why for i, why in self._hidden.items() if 0 <= i < n}
+        for why in sorted(set(hidden.values())):
+            names = [self.blocks[i][0] for i in sorted(hidden) if hidden[i] == why]
+            listed = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+            if why == "offloaded":
+                self.notes.append(
+                    f"the job offloads activations to host memory (torch.autograd.graph.save_on_cpu) in {listed}: "
+                    "their saved tensors are not on the device, the plan sees none of them, and recomputing "
+                    "those blocks would save nothing; they are left out of the plan"
+                )
+            elif why == "checkpointed":
+                self.notes.append(
+                    f"the job checkpoints {listed} already (a checkpoint's saved-tensor hooks took their tensors, "
+                    "or a reentrant checkpoint ran them without grad); they are left out of the plan"
+                )
+            else:
+                self.notes.append(
+                    f"other saved-tensor hooks ({why[7:]}) took the saved tensors of {listed}: they are left out "
+                    "of the plan"
+                )
         fwd_s, recompute_s = shared_costs(
             frozen.get("kinds") or [""] * n,
             self._calls,
@@ -1250,7 +1402,7 @@ class StepMeasurement:
                     "kept_inputs": [[seg, b, g] for seg, b, g in self._kept[i][:MAX_KEPT]],
                     "calls": self._calls[i],
                     "parameter_bytes": frozen["block_params"][i],
-                    "checkpointed": name in self.skipped,
+                    "checkpointed": name in self.skipped or i in hidden,
                 }
                 # in the order of their first forward call (backward runs them in reverse)
                 for i, (name, _m) in sorted(enumerate(self.blocks), key=lambda x: (self._first[x[0]], x[0]))
@@ -1363,6 +1515,14 @@ def _in_checkpoint(depth: int = 48) -> bool:
         frame = frame.f_back  # type: ignore[assignment]
         depth -= 1
     return False
+
+
+def _grad_output(output: Any) -> bool:
+    """Whether a block's output (a tensor, or a tuple or list or dict holding some) requires grad."""
+    if isinstance(output, dict):
+        output = list(output.values())
+    items = output if isinstance(output, (list, tuple)) else [output]
+    return any(getattr(x, "requires_grad", False) for x in items[:64])
 
 
 def _is_tensor(x: Any) -> bool:
