@@ -44,7 +44,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint as cp
 
 from collectors.memory.plan import from_json, make_plan, predict
-from collectors.memory.plan_capture import LiveTensorBytes, find_blocks, measure_step
+from collectors.memory.plan_capture import LiveTensorBytes, find_blocks, live_tensors, measure_step
 
 GIB = 1024**3
 
@@ -215,7 +215,9 @@ def real_peak(step: Any, device: torch.device, model: torch.nn.Module, opt: Any)
         step()
         torch.cuda.synchronize(device)
         return int(torch.cuda.max_memory_allocated(device))
-    with LiveTensorBytes(known_tensors(model, opt)) as live:
+    gc.collect()
+    # every tensor alive (the batch, the last step's outputs), as an allocator and the measurement count
+    with LiveTensorBytes(known_tensors(model, opt) + live_tensors()) as live:
         step()
     live.close()
     return live.peak
@@ -258,6 +260,7 @@ def bench(name: str, device: torch.device, args: argparse.Namespace) -> dict[str
         step()
     base_peak = real_peak(step, device, model, opt)
     t0 = time.perf_counter()
+    gc.collect()
     doc = measure_step(model, opt, step, reset_peak=True, clock=clock(device))
     measure_s = time.perf_counter() - t0
     m = from_json(doc)

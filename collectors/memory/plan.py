@@ -18,8 +18,12 @@ then, plus the inputs kept then, it rises by what its forward rose up to its las
 plus what the allocator's peak held beyond the levels seen (``untracked_bytes``). On the CPU
 harness it is the real peak to the byte (scripts/bench_memory_plan.py --device cpu).
 
-**The margin** (:func:`margin_bytes`): 1 % of the peak above parameters, gradients and optimizer
-state, and on CUDA how far the measured levels strayed from the allocator's count.
+**The margin** (:func:`margin_bytes`): each uncertainty counted once. 1 % of the peak above
+parameters, gradients and optimizer state, and on CUDA how far the measured levels fell *short*
+of the allocator's count between two block events (memory no operator returned: the levels may
+have been low by it). Levels that went *over* the allocator's count (a storage the meter did not
+follow died) are high already: counted again in the margin, the plan aimed twice under the
+budget for one error (seen: a decoder's 1000 MiB bf16 logits, kept in a variable across steps).
 
 **The floor.** The least predicted peak any set of blocks reaches, and never under parameters,
 gradients and optimizer state. A budget under it gets that answer with the options beyond
@@ -106,7 +110,9 @@ class Measurement:
     # per segment: (highest level with autocast off, highest level while autocast's cache is on)
     timeline: list[tuple[int, int]] = field(default_factory=list)
     untracked_bytes: int = 0  # the peak beyond the highest level seen after an operator
-    drift_bytes: int = 0  # how far the levels strayed from the allocator's count between events
+    drift_bytes: int = 0  # how far the levels fell short of the allocator's count between events
+    drift_over_bytes: int = 0  # how far they went over it (already in the levels: not in the margin)
+    preexisting_bytes: int = 0  # tensors alive at the step's start that Python held (not the model's)
     schema: int = SCHEMA
 
     def to_json(self) -> dict[str, Any]:
@@ -137,6 +143,8 @@ class Measurement:
             "timeline": [list(t) for t in self.timeline],
             "untracked_bytes": self.untracked_bytes,
             "drift_bytes": self.drift_bytes,
+            "drift_over_bytes": self.drift_over_bytes,
+            "preexisting_bytes": self.preexisting_bytes,
             "peak_bytes": self.peak_bytes,
             "peak_source": self.peak_source,
             "activation_bytes": self.activation_bytes,
@@ -277,6 +285,8 @@ def from_json(doc: Any) -> Measurement:
         timeline=timeline,
         untracked_bytes=_int(doc, "untracked_bytes", 0) if schema == SCHEMA else 0,
         drift_bytes=_int(doc, "drift_bytes", 0) if schema == SCHEMA else 0,
+        drift_over_bytes=_int(doc, "drift_over_bytes", 0) if schema == SCHEMA else 0,
+        preexisting_bytes=_int(doc, "preexisting_bytes", 0) if schema == SCHEMA else 0,
         schema=schema,
     )
     if schema == 1:
@@ -628,9 +638,11 @@ def _static(m: Measurement) -> int:
 
 def margin_bytes(m: Measurement) -> int:
     """What a plan keeps under the budget beyond its predicted peak: :data:`MARGIN` of the peak
-    above parameters, gradients and optimizer state, and the most the measured levels strayed
-    from the allocator's own count between two block events (on CUDA: rounding, memory no
-    operator returned; none on the CPU, where the levels are the live tensor bytes)."""
+    above parameters, gradients and optimizer state, and the most the measured levels fell short
+    of the allocator's own count between two block events (on CUDA: memory no operator
+    returned; none on the CPU, where the levels are the live tensor bytes). Levels that went over
+    the allocator's count (``drift_over_bytes``) are in the measured peak already and are not
+    counted again."""
     return int(MARGIN * max(0, m.peak_bytes - _static(m))) + m.drift_bytes
 
 
@@ -764,55 +776,112 @@ def beyond_recompute(m: Measurement, floor: int, target: int) -> list[dict[str, 
     ]
 
 
+# The recipes' common part: the chosen modules of one model as the user's code holds it (DDP's
+# ``module``, torch.compile's ``_orig_mod`` taken off), checked to exist: a name that matches
+# nothing raises, never wraps nothing silently.
+_CHOSEN = (
+    "def chosen_modules(model):\n"
+    "    # the model as your code built it: DDP's .module and torch.compile's ._orig_mod taken off\n"
+    "    while type(model).__name__ in ('DistributedDataParallel', 'DataParallel', 'OptimizedModule'):\n"
+    "        model = model._orig_mod if hasattr(model, '_orig_mod') else model.module\n"
+    "    names = {names}\n"
+    "    found = {{n: m for n, m in model.named_modules() if n in names}}\n"
+    "    if set(found) != names:\n"
+    "        raise RuntimeError(f'the memory plan names modules that {{type(model).__name__}} does not have: '\n"
+    "                           f'{{sorted(names - set(found))}}')\n"
+    "    return found\n"
+)
+
+
+def _models(modules: list[str]) -> dict[str, list[str]]:
+    """The chosen modules by model: ``{"": names}`` for one model, else by each model's class
+    name (``Class:path``: the plan cannot know the user's variable names for them)."""
+    out: dict[str, list[str]] = {}
+    for name in modules[:MAX_BLOCKS]:
+        model, sep, path = name.partition(":")
+        out.setdefault(model if sep else "", []).append(path if sep else name)
+    return out
+
+
+def _variable(cls: str) -> str:
+    """A variable name for a model of class ``cls`` (``Discriminator`` -> ``discriminator``)."""
+    out = "".join("_" + c.lower() if c.isupper() and i else c.lower() for i, c in enumerate(cls))
+    out = "".join(c if c.isalnum() or c == "_" else "_" for c in out).split("#")[0]
+    return out if out and out.isidentifier() else "model"
+
+
+def _recipe(modules: list[str], head: str, per_model: str) -> str:
+    """``head``, the chosen-modules check, and ``per_model`` (which uses ``model``) run for each
+    model the modules belong to."""
+    by_model = _models(modules)
+    if list(by_model) in ([""], []):
+        names = "{" + ", ".join(repr(n) for n in by_model.get("", [])) + "}" if by_model else "set()"
+        return head + "CHECKPOINT = " + names + "\n" + _CHOSEN.format(names="CHECKPOINT") + per_model
+    table = ", ".join(f"{cls!r}: {{" + ", ".join(repr(n) for n in names) + "}" for cls, names in by_model.items())
+    variables = ", ".join(_variable(cls.split("#")[0]) for cls in by_model)
+    body = "\n".join("    " + line for line in per_model.rstrip("\n").splitlines())
+    return (
+        head
+        + "# each model's modules under its class name (the plan cannot know your names for the models)\n"
+        + f"CHECKPOINT = {{{table}}}\n"
+        + _CHOSEN.format(names="CHECKPOINT[type(model).__name__]").replace(
+            "    names = CHECKPOINT[type(model).__name__]", "    names = CHECKPOINT.get(type(model).__name__, set())"
+        )
+        + f"for model in ({variables},):  # your models\n"
+        + body
+        + "\n"
+    )
+
+
 def how_to_apply(m: Measurement, modules: list[str]) -> dict[str, str]:
-    """How to checkpoint exactly ``modules`` in the usual frameworks."""
-    names = ", ".join(repr(n) for n in modules[:MAX_BLOCKS])
+    """How to checkpoint exactly ``modules`` in the usual frameworks. Each recipe names the
+    modules as the user's code holds the model (unwrapped from DDP and torch.compile; with
+    several models, each by its class name) and raises when a name matches nothing."""
     return {
-        "torch.utils.checkpoint": (
-            "import torch.utils.checkpoint as cp\n"
-            f"CHECKPOINT = {{{names}}}\n"
-            "for name, mod in model.named_modules():\n"
-            "    if name in CHECKPOINT:\n"
-            "        fwd = mod.forward\n"
-            "        mod.forward = lambda *a, _f=fwd, **k: cp.checkpoint(_f, *a, use_reentrant=False, **k)\n"
-            "# (a Hugging Face model: train it with use_cache=False, or its KV cache keeps what each recompute makes)"
+        "torch.utils.checkpoint": _recipe(
+            modules,
+            "import torch.utils.checkpoint as cp\n",
+            "for name, mod in chosen_modules(model).items():\n"
+            "    fwd = mod.forward\n"
+            "    mod.forward = lambda *a, _f=fwd, **k: cp.checkpoint(_f, *a, use_reentrant=False, **k)\n"
+            "# (a Hugging Face model: train it with use_cache=False, or its KV cache keeps what each recompute makes)\n",
         ),
-        "fsdp checkpoint_wrapper": (
+        "fsdp checkpoint_wrapper": _recipe(
+            modules,
             "from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (\n"
-            "    apply_activation_checkpointing, checkpoint_wrapper)\n"
-            f"CHECKPOINT = {{{names}}}\n"
-            "ids = {id(m) for n, m in model.named_modules() if n in CHECKPOINT}\n"
+            "    apply_activation_checkpointing, checkpoint_wrapper)\n",
+            "ids = {id(m) for m in chosen_modules(model).values()}\n"
             "apply_activation_checkpointing(model, checkpoint_wrapper_fn=checkpoint_wrapper,\n"
-            "                               check_fn=lambda m: id(m) in ids)"
+            "                               check_fn=lambda m, ids=ids: id(m) in ids)\n",
         ),
-        "hugging face": (
+        "hugging face": _recipe(
+            modules,
             "# Enabling checkpointing checkpoints every layer. Where the layers are\n"
             "# GradientCheckpointingLayer (recent transformers), enable it, then turn it off\n"
             "# on the layers not chosen; elsewhere, leave it off and wrap the chosen layers as with\n"
-            "# torch.utils.checkpoint above.\n"
+            "# torch.utils.checkpoint above.\n",
+            "keep = set(chosen_modules(model).values())\n"
             "if hasattr(model, 'activation_checkpointing_enable'):  # transformers 5.x\n"
             "    model.activation_checkpointing_enable({'use_reentrant': False})\n"
             "else:\n"
             "    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})\n"
-            f"CHECKPOINT = {{{names}}}\n"
             "for name, mod in model.named_modules():\n"
             "    layer = any(c.__name__ == 'GradientCheckpointingLayer' for c in type(mod).__mro__)\n"
-            "    if layer and name not in CHECKPOINT:\n"
-            "        mod.gradient_checkpointing = False"
+            "    if layer and mod not in keep:\n"
+            "        mod.gradient_checkpointing = False\n",
         ),
-        "deepspeed": (
+        "deepspeed": _recipe(
+            modules,
             "# After deepspeed.initialize (or deepspeed.init_distributed); ds_config is your DeepSpeed\n"
             "# config (a dict or its path), whose activation_checkpointing section this reads, e.g.\n"
             '# "activation_checkpointing": {"partition_activations": false, "cpu_checkpointing": false}.\n'
             "# DeepSpeed's checkpoint is reentrant: a Hugging Face model must train with use_cache=False\n"
             "# (its recompute would read the KV cache its forward filled: wrong gradients).\n"
             "import deepspeed\n"
-            "deepspeed.checkpointing.configure(None, deepspeed_config=ds_config)\n"
-            f"CHECKPOINT = {{{names}}}\n"
-            "for name, mod in model.named_modules():\n"
-            "    if name in CHECKPOINT:\n"
-            "        fwd = mod.forward\n"
-            "        mod.forward = lambda *a, _f=fwd, **k: deepspeed.checkpointing.checkpoint(_f, *a, **k)"
+            "deepspeed.checkpointing.configure(None, deepspeed_config=ds_config)\n",
+            "for name, mod in chosen_modules(model).items():\n"
+            "    fwd = mod.forward\n"
+            "    mod.forward = lambda *a, _f=fwd, **k: deepspeed.checkpointing.checkpoint(_f, *a, **k)\n",
         ),
     }
 
@@ -851,8 +920,14 @@ def render_text(doc: dict[str, Any]) -> str:
         drift = m.get("drift_bytes") or 0
         lines.append(
             f"  the plan aims {hb(margin)} under it: 1 % of the peak above parameters, gradients and optimizer state"
-            + (f", and {hb(drift)} the measured levels strayed from the allocator's count" if drift else "")
+            + (f", and {hb(drift)} the measured levels fell short of the allocator's count" if drift else "")
         )
+        over = m.get("drift_over_bytes") or 0
+        if over:
+            lines.append(
+                f"  (the measured levels went up to {hb(over)} over the allocator's count: a storage died unseen; "
+                "the predicted peak is that much on the safe side, not counted again in the margin)"
+            )
     plan = doc.get("plan")
     if doc["status"] == "fits-already":
         lines.append("the step's peak is under the budget already: nothing to checkpoint")

@@ -4,6 +4,7 @@ saved-tensor bytes, its clean-up, its decoder against hostile documents."""
 from __future__ import annotations
 
 import copy
+import gc
 import itertools
 import json
 import random
@@ -22,6 +23,7 @@ from collectors.memory.plan_capture import (
     StepMeasurement,
     find_blocks,
     find_models,
+    live_tensors,
     measure_step,
 )
 from dynprof.errors import ArtifactError
@@ -248,6 +250,7 @@ def test_a_block_is_never_free_to_recompute_when_the_meters_cost_is_overestimate
     step = train_step(model, opt, torch.randn(3, 4))
     step()
     # WHEN one step is measured
+    gc.collect()  # the garbage of earlier tests is not this step's
     doc = measure_step(model, opt, step)
     # THEN every block still has a forward and a recompute time above 0 (at least a share of what
     # it took measured), never 0: a plan would take it as free to recompute
@@ -266,6 +269,7 @@ def test_the_measurement_counts_what_each_block_saves_by_hand():
     step()  # Adam's state exists
 
     # WHEN one step is measured
+    gc.collect()  # the garbage of earlier tests is not this step's
     doc = measure_step(model, opt, step)
 
     # THEN each block saved its input (3x4) and the ReLU's output (3x16, read again by the
@@ -291,11 +295,13 @@ def test_the_measurement_counts_what_each_block_saves_by_hand():
 
 
 def known(model, opt):
-    """What lives before a step: parameters, gradients, optimizer state."""
+    """What lives before a step: parameters, gradients, optimizer state, and every other tensor
+    Python holds (the batch, the last step's outputs), as the measurement counts them."""
+    gc.collect()
     out = [*model.parameters()] + [p.grad for p in model.parameters() if p.grad is not None]
     for per in opt.state.values():
         out += [v for v in per.values() if isinstance(v, torch.Tensor)]
-    return out
+    return out + live_tensors()
 
 
 def checkpointed(model, names):
@@ -374,6 +380,7 @@ def test_the_plan_meets_the_budget_or_says_it_cannot():
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     step = train_step(model, opt, torch.randn(32, 8))
     step()
+    gc.collect()  # the garbage of earlier tests is not this step's
     m = from_json(measure_step(model, opt, step))
     for b in m.blocks:
         b.forward_s = b.recompute_s = 0.001  # alike blocks, alike times (measured ones jitter on a busy machine)
@@ -547,6 +554,7 @@ def test_a_reentrant_checkpoint_forward_without_grad_is_part_of_the_step():
         opt.step()
 
     # WHEN measured THEN the step is measured whole (not ended as an evaluation)
+    gc.collect()  # the garbage of earlier tests is not this step's
     doc = measure_step(model, opt, step)
     assert not doc["error"], doc["error"]
     assert all(b["calls"] >= 1 for b in doc["blocks"][1:])

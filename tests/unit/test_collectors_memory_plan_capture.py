@@ -118,11 +118,11 @@ def test_several_models_are_named_apart_and_a_shared_block_is_found_once():
     b = Stack(2)
     b.layers.append(shared)
     assert names(find_blocks([a, b])) == [
-        "model0.layers.0",
-        "model0.layers.1",
-        "model0.layers.2",
-        "model1.layers.0",
-        "model1.layers.1",
+        "Stack:layers.0",
+        "Stack:layers.1",
+        "Stack:layers.2",
+        "Stack#2:layers.0",
+        "Stack#2:layers.1",
     ]
 
 
@@ -204,10 +204,11 @@ def test_checkpointed_blocks_several_models_and_optimizers_are_noted():
     a.layers[1] = CheckpointWrapper()
     opts = [torch.optim.SGD(a.parameters(), lr=0.1), torch.optim.SGD(b.parameters(), lr=0.1)]
     m = StepMeasurement([a, b], opts)
-    assert m.skipped == {"model0.layers.1"}
+    assert m.skipped == {"Stack:layers.1"}
     assert m.notes == [
-        "block model0.layers.1 is already checkpointed; it is left out of the plan",
-        "2 models hold the optimizers' parameters; their blocks are planned together",
+        "block Stack:layers.1 is already checkpointed; it is left out of the plan",
+        "2 models hold the optimizers' parameters; their blocks are planned together, each named by its "
+        "class (Stack:, Stack#2:): the plan cannot know your names for them",
         "2 optimizers: their parameters, gradients and state are added up",
     ]
 

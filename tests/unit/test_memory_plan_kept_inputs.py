@@ -20,13 +20,15 @@ looks at a clock.
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint as cp
 
 from collectors.memory.plan import from_json, make_plan, predict
-from collectors.memory.plan_capture import LiveTensorBytes, measure_step
+from collectors.memory.plan_capture import LiveTensorBytes, live_tensors, measure_step
 
 pytestmark = pytest.mark.usefixtures("eager_process")
 
@@ -98,8 +100,8 @@ def real_peak(model, opt, step, names):
             mod.forward = lambda *a, _f=fwd, **k: cp.checkpoint(_f, *a, use_reentrant=False, **k)
     try:
         step()
-        known = [*model.parameters()] + [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
-        with LiveTensorBytes(known) as live:
+        gc.collect()
+        with LiveTensorBytes(live_tensors()) as live:  # every tensor alive, as the measurement counts
             step()
         live.close()
         return live.peak
@@ -112,6 +114,7 @@ def test_a_block_whose_input_nothing_saves_is_predicted_with_that_input_kept_by_
     # GIVEN the GPU test's model with CUDA autocast's float32 LayerNorm: no block saves its
     # bf16 input, and a plan for 60 % of the measured peak
     model, opt, step = setup(cuda_layer_norm=True)
+    gc.collect()  # the garbage of earlier tests is not this step's
     m = from_json(measure_step(model, opt, step))
     budget = int(m.peak_bytes * 0.6)
     plan = make_plan(m, budget=budget)
@@ -143,6 +146,7 @@ def test_the_measurement_says_which_inputs_a_checkpoint_would_keep(cuda_layer_no
     model, opt, step = setup(cuda_layer_norm=cuda_layer_norm)
 
     # WHEN one step is measured
+    gc.collect()  # the garbage of earlier tests is not this step's
     doc = measure_step(model, opt, step)
 
     # THEN with the float32 LayerNorm each block's checkpoint would keep its bf16 input, one

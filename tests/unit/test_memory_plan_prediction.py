@@ -12,13 +12,15 @@ No test here looks at a clock.
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint as cp
 
 from collectors.memory.plan import from_json, how_to_apply, make_plan, predict
-from collectors.memory.plan_capture import LiveTensorBytes, find_blocks, measure_step
+from collectors.memory.plan_capture import LiveTensorBytes, find_blocks, live_tensors, measure_step
 
 pytestmark = pytest.mark.usefixtures("eager_process")
 
@@ -166,8 +168,8 @@ def real_peak(model, opt, step, names):
             mod.forward = lambda *a, _f=fwd, **k: cp.checkpoint(_f, *a, use_reentrant=False, **k)
     try:
         step()
-        known = [*model.parameters()] + [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
-        with LiveTensorBytes(known) as live:
+        gc.collect()
+        with LiveTensorBytes(live_tensors()) as live:  # every tensor alive, as the measurement counts
             step()
         live.close()
         return live.peak
@@ -180,6 +182,7 @@ def real_peak(model, opt, step, names):
 def test_the_predicted_peak_is_the_real_one_for_the_plan_and_for_every_block(kind):
     # GIVEN a small model's measured step, and a plan for 60 % of its peak
     model, opt, step = setup(kind)
+    gc.collect()  # the garbage of earlier tests is not this step's
     m = from_json(measure_step(model, opt, step))
     budget = int(m.peak_bytes * 0.6)
     plan = make_plan(m, budget=budget)
@@ -210,6 +213,7 @@ def test_a_resnet_is_planned_bottleneck_by_bottleneck_and_the_recipe_names_them(
     # WHEN their blocks are found and a plan is made for the ResNet
     names = [n for n, _ in find_blocks([model])]
     nested_names = [n for n, _ in find_blocks([nested])]
+    gc.collect()  # the garbage of earlier tests is not this step's
     m = from_json(measure_step(model, opt, step))
     plan = make_plan(m, budget=int(m.peak_bytes * 0.6))
 
