@@ -205,8 +205,12 @@ class StepPeak:
 
 
 def known_tensors(roots: Iterable[Any], optimizers: Iterable[Any]) -> list[Any]:
-    """What lives before a step: the models' parameters and gradients, the optimizers' state."""
+    """What lives before a step: the models' parameters and gradients, the optimizers' state,
+    and every other tensor Python holds (counted from the start as the measurement counts them,
+    so the verified peak is read as the predicted one was). On the training thread."""
     import torch
+
+    from collectors.memory.plan_capture import live_tensors
 
     out: list[Any] = []
     for root in roots:
@@ -218,6 +222,7 @@ def known_tensors(roots: Iterable[Any], optimizers: Iterable[Any]) -> list[Any]:
         for per in list((getattr(opt, "state", {}) or {}).values()):
             if isinstance(per, dict):
                 out.extend(v for v in per.values() if isinstance(v, torch.Tensor))
+    out.extend(live_tensors())
     return out
 
 
