@@ -233,8 +233,21 @@ def test_a_plan_of_a_cuda_job_under_dynprof_run_answers_and_leaves_the_job_as_it
     probe = tmp_path / "probe"
     program = "tests/integration/programs/plan_program.py"
     target = spawn(
-        [program, "--device", "cuda", "--width", "256", "--depth", "6", "--batch", "64", "--probe-file", str(probe)]
-        + ["--max-seconds", "600"],
+        [
+            program,
+            "--device",
+            "cuda",
+            "--width",
+            "256",
+            "--depth",
+            "6",
+            "--batch",
+            "64",
+            "--probe-file",
+            str(probe),
+            "--max-seconds",
+            "600",
+        ],
         env={"PYTHONPATH": str(ROOT)},
     )
     (pid,) = target.ready_pids(timeout=240)
