@@ -185,9 +185,9 @@ def test_all_ranks_saving_a_checkpoint_are_busy():
     looks = [look(r, "n", frames, cpu_delta=1.5) for r in range(4)]
     # WHEN
     decision = detect.decide(looks, STALL)
-    # THEN reported as what it is
+    # THEN reported as what it is, with what was measured of it
     assert decision.kind == "busy" and decision.culprits == []
-    assert decision.conclusion == "no step for 80 s: all ranks in write (/job/ckpt.py:12), moving"
+    assert decision.conclusion == "no step for 80 s: all ranks in write (/job/ckpt.py:12), moving (CPU +1.5 s in 3.0 s)"
 
 
 def test_ranks_blocked_writing_a_checkpoint_are_busy_not_parked():
@@ -327,7 +327,9 @@ def test_busy_ranks_in_different_lines_of_one_function_are_said_in_it():
     decision = detect.decide(ranks, STALL)
     # THEN
     assert decision.kind == "busy"
-    assert decision.conclusion == "no step for 80 s: all ranks in evaluate (/job/x.py:113), moving"
+    assert (
+        decision.conclusion == "no step for 80 s: all ranks in evaluate (/job/x.py:113), moving (CPU +2.0 s in 3.0 s)"
+    )
 
 
 def test_a_cuda_synchronize_read_natively_only_the_second_time_is_the_odd_wait():
