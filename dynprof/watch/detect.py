@@ -100,7 +100,11 @@ _COMMUNICATION_NAMESPACES = ("c10d::", "gloo::")
 _COMMUNICATION_API = re.compile(r"torch/distributed/(distributed_c10d|_functional_collectives\w*)\.py$")
 # torch's Python bindings: the frame that called the communication code, not a part of it.
 _BINDINGS_LIBRARY = "libtorch_python"
-_COMMUNICATION_NAMESPACE = re.compile(r"(^|[\s:<(,])(" + "|".join(n[:-2] for n in _COMMUNICATION_NAMESPACES) + r")::")
+# A symbol in one of them: its own namespace, not a template argument (``c10::impl::...<c10d::...>``
+# is the dispatcher's code); torch's bindings put theirs under torch::distributed::.
+_COMMUNICATION_NAMESPACE = re.compile(
+    r"^(torch::distributed::)?(" + "|".join(re.escape(n[:-2]) for n in _COMMUNICATION_NAMESPACES) + r")::"
+)
 _SYSTEM_LIBS = ("libc.", "libc-", "libpthread", "ld-linux", "libgcc", "libpython", "python", "libffi", "_ctypes")
 
 STATES = ("stopped", "waiting", "waiting-gpu", "in-gpu-library", "in-c", "moving", "parked", "unread", "gone")
@@ -200,7 +204,7 @@ def is_communication_frame(f: Frame) -> bool:
     lib = _lib(f)
     if _COMMUNICATION_LIBRARY.match(lib):
         return True
-    return not lib.startswith(_BINDINGS_LIBRARY) and bool(_COMMUNICATION_NAMESPACE.search(f.function))
+    return not lib.startswith(_BINDINGS_LIBRARY) and bool(_COMMUNICATION_NAMESPACE.match(f.function))
 
 
 def _stripped_libraries(frames: Sequence[Frame]) -> set[str]:
@@ -223,13 +227,15 @@ def _communication_call(frames: Sequence[Frame]) -> Frame | None:
 
 
 def collective_of(frames: Sequence[Frame]) -> str | None:
-    """The collective a stack waits in, or None: the innermost frame of torch.distributed's
-    communication API ("all_reduce", "barrier", "wait_tensor", whatever its name), else the call
-    into communication code its native frames show ("c10d::ProcessGroupGloo::AsyncWork::wait",
-    "PMPI_Allreduce", or "a call into libnccl.so.2 (stripped: the call is not named)")."""
-    for f in frames:
-        if in_communication_api(f):
-            return f.function.rsplit(".", 1)[-1]
+    """The collective a stack waits in, or None: the call the program made into communication
+    code, whatever its name. In Python, the outermost frame of torch.distributed's communication
+    API ("all_gather_into_tensor", not the "all_gather_single" it calls; the function without its
+    class, as every reader names it); else the call into communication code its native frames show
+    ("c10d::ProcessGroupGloo::RecvWork::wait", "PMPI_Allreduce", or "a call into libnccl.so.2
+    (stripped: the call is not named)")."""
+    api = [f for f in frames if in_communication_api(f)]
+    if api:
+        return api[-1].function.rsplit(".", 1)[-1]
     call = _communication_call(frames)
     if call is None:
         return None
@@ -566,7 +572,7 @@ def classify(look: RankLook, moving_cpu_s: float = MOVING_CPU_S) -> RankState:
         state.state = "waiting"
         state.collective = c2
         inner = native_frame(frames)
-        if inner is not None and not any(f.function == c2 for f in python_frames(frames)):
+        if inner is not None and not any(in_communication_api(f) for f in frames):
             py = user_frame(frames)  # a wait seen in C only (a CUDA synchronize): its native frame says it
             state.where = f"{where(py)} [native: {where(inner)}]" if py is not None else where(inner)
         return state
