@@ -17,9 +17,11 @@ the verdict, never 0 and never its process's age.
 
 =========== ==========================================================================
 stopped     the process is stopped (SIGSTOP, a debugger): it cannot run at all
-waiting     in a collective (torch.distributed / c10d, gloo, NCCL) in both samples,
-            with the same stack, and no CPU spent meanwhile (a CUDA or NCCL wait that
-            spins the CPU counts when its native frame says so)
+waiting     inside communication code in both samples, the same collective and stack, and no
+            CPU spent meanwhile: in torch.distributed's communication API in Python, or
+            natively in a communication library (NCCL, RCCL, gloo, MPI, UCC, by shared
+            object) or torch's c10d/gloo code (by namespace), whatever the call's name (a wait
+            that spins the CPU, MPI's progress loop, counts when a native frame is inside it)
 waiting-gpu its main thread is inside a GPU library (the driver, the runtime, torch's CUDA
             parts, NCCL, cuBLAS, cuDNN: decided by the native frame's library, never by its
             symbol, which a stripped library names by the nearest export) in both samples,
@@ -40,6 +42,11 @@ parked      the same Python frame in both samples and no CPU: it waits for somet
 unread      no stack could be read, and no CPU spent: nothing says what it does
 =========== ==========================================================================
 
+Every rule states what it measures; :func:`collective_of`, :func:`meets_only`,
+:func:`flight_recorder_reading`, :func:`stall_after_for` and the busy text (what was measured of
+each group) say each one's reason and evidence, and docs/watch.md ("How the watch decides")
+lists them.
+
 **The decision.** Ranks wait in a collective while others do not: a **hang**, whose culprits
 are the ranks that do not wait (a rank that waits for its GPU is one: it is held by its
 device, not by its peers). Every rank waits for its GPU: a hang on the devices (a GPU kernel
@@ -47,12 +54,14 @@ or a collective inside NCCL), called once confirmed like a hang whose culprits m
 the ranks the flight recorder says never enqueued the collective the others wait in, else the
 ranks whose wait differs from the largest group's (another collective, another call site).
 Where the waits are in different places, the evidence of their positions comes first, never a
-rank's number: the ranks in a barrier while the others wait in another collective (they left
-the loop the others are in); with as many ranks in one wait as in another, the ranks with
+rank's number: the ranks in a barrier (any provider's: it carries no data, it only meets the
+others) while the others wait in a collective that carries data (they left the loop the others
+are in); with as many ranks in one wait as in another, the ranks with
 fewer steps (they are behind), and with neither evidence the verdict says every position and
 names no rank.
-No rank waits and every rank moves: **busy** ("no step for 94 s: all ranks in save_checkpoint
-(train.py:210), moving"), never a hang. A rank stopped or stuck in C holding the GIL is a
+No rank waits and some rank moves: **busy** ("no step for 94 s: all ranks in save_checkpoint
+(train.py:210), moving (CPU +1.2-1.5 s in 3.0 s, I/O +8.0 MB)": what was measured of each group),
+never a hang. A rank stopped or stuck in C holding the GIL is a
 culprit of a **hang** wherever the others are. When the only culprits are ranks that move (a
 rank that spins, or saves a checkpoint alone while the others wait), the hang is called only
 once the waiting ranks have been seen waiting in the same place for ``confirm_s`` (the engine
