@@ -817,7 +817,9 @@ def flight_recorder_reading(analysis: dict[str, Any] | None, waiting: Sequence[i
     when nothing tells them apart. Bounded: sizes and texts from the analysis are cut."""
     if not isinstance(analysis, dict):
         return FlightRecorderReading()
-    groups = [pg for pg in (analysis.get("process_groups") or [])[:1024] if isinstance(pg, dict) and pg.get("hung")]
+    listed = analysis.get("process_groups")
+    listed = listed[:1024] if isinstance(listed, list) else []
+    groups = [pg for pg in listed if isinstance(pg, dict) and pg.get("hung")]
     if not groups:
         return FlightRecorderReading()
     seen = set(waiting)

@@ -990,3 +990,14 @@ def test_a_rank_without_a_flight_recorder_dump_is_said_as_such_never_as_missing(
     # AND a rank missing beside it is named alone: a missing rank is evidence, no dump is not
     both = detect.flight_recorder_reading({"process_groups": [_pg([0, 1], missing=[2], no_dump=[3])]})
     assert list(both.culprits) == [2]
+
+
+def test_a_flight_recorder_analysis_of_the_wrong_shape_says_nothing():
+    # GIVEN analyses that are not what the recorder writes (read back from a node: untrusted)
+    for bad in (None, [], {"process_groups": {"0": {}}}, {"process_groups": [1, "x", {"hung": True}]}):
+        # WHEN it is read
+        reading = detect.flight_recorder_reading(bad, [0, 1])  # type: ignore[arg-type]
+        # THEN no rank is named, nothing raises
+        assert reading.culprits == {}
+    hung = {"process_groups": [{"hung": True, "missing": "2", "mismatched": {"rank": 1}, "verdict": "v"}]}
+    assert detect.flight_recorder_reading(hung) == detect.FlightRecorderReading(text="flight recorder: v")
