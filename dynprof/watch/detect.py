@@ -874,6 +874,8 @@ def decide(
     if not states:
         return Decision("busy", f"{head}: no rank could be read", states=states)
     if waiting and others:
+        # Ranks wait for their peers while others do not come: those others hold them, wherever
+        # they are (a rank held by its GPU, a parked or stopped one, one that works elsewhere).
         main = _groups(waiting, lambda s: s.collective)[0]
         collective = main[0].collective
         main_where = _groups(main, lambda s: s.where)[0][0].where
@@ -936,6 +938,8 @@ def decide(
                     )
                 )
                 return Decision("hang", text, [], states, fr_text, _waiting_key(waiting))
+            # A majority in one wait is where the program's ranks are: the ranks elsewhere diverged
+            # (another collective, another call site) and hold them.
             odd = [s for g in groups[1:] for s in g]
             text = (
                 f"{_culprit_text(odd, None)}; {_the_others(len(main))} "
