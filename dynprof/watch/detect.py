@@ -17,9 +17,11 @@ the verdict, never 0 and never its process's age.
 
 =========== ==========================================================================
 stopped     the process is stopped (SIGSTOP, a debugger): it cannot run at all
-waiting     in a collective (torch.distributed / c10d, gloo, NCCL) in both samples,
-            with the same stack, and no CPU spent meanwhile (a CUDA or NCCL wait that
-            spins the CPU counts when its native frame says so)
+waiting     inside communication code in both samples, the same collective and stack, and no
+            CPU spent meanwhile: in torch.distributed's communication API in Python, or
+            natively in a communication library (NCCL, RCCL, gloo, MPI, UCC, by shared
+            object) or torch's c10d/gloo code (by namespace), whatever the call's name (a wait
+            that spins the CPU, MPI's progress loop, counts when a native frame is inside it)
 waiting-gpu its main thread is inside a GPU library (the driver, the runtime, torch's CUDA
             parts, NCCL, cuBLAS, cuDNN: decided by the native frame's library, never by its
             symbol, which a stripped library names by the nearest export) in both samples,
@@ -40,6 +42,11 @@ parked      the same Python frame in both samples and no CPU: it waits for somet
 unread      no stack could be read, and no CPU spent: nothing says what it does
 =========== ==========================================================================
 
+Every rule states what it measures; :func:`collective_of`, :func:`meets_only`,
+:func:`flight_recorder_reading`, :func:`stall_after_for` and the busy text (what was measured of
+each group) say each one's reason and evidence, and docs/watch.md ("How the watch decides")
+lists them.
+
 **The decision.** Ranks wait in a collective while others do not: a **hang**, whose culprits
 are the ranks that do not wait (a rank that waits for its GPU is one: it is held by its
 device, not by its peers). Every rank waits for its GPU: a hang on the devices (a GPU kernel
@@ -47,12 +54,14 @@ or a collective inside NCCL), called once confirmed like a hang whose culprits m
 the ranks the flight recorder says never enqueued the collective the others wait in, else the
 ranks whose wait differs from the largest group's (another collective, another call site).
 Where the waits are in different places, the evidence of their positions comes first, never a
-rank's number: the ranks in a barrier while the others wait in another collective (they left
-the loop the others are in); with as many ranks in one wait as in another, the ranks with
+rank's number: the ranks in a barrier (any provider's: it carries no data, it only meets the
+others) while the others wait in a collective that carries data (they left the loop the others
+are in); with as many ranks in one wait as in another, the ranks with
 fewer steps (they are behind), and with neither evidence the verdict says every position and
 names no rank.
-No rank waits and every rank moves: **busy** ("no step for 94 s: all ranks in save_checkpoint
-(train.py:210), moving"), never a hang. A rank stopped or stuck in C holding the GIL is a
+No rank waits and some rank moves: **busy** ("no step for 94 s: all ranks in save_checkpoint
+(train.py:210), moving (CPU +1.2-1.5 s in 3.0 s, I/O +8.0 MB)": what was measured of each group),
+never a hang. A rank stopped or stuck in C holding the GIL is a
 culprit of a **hang** wherever the others are. When the only culprits are ranks that move (a
 rank that spins, or saves a checkpoint alone while the others wait), the hang is called only
 once the waiting ranks have been seen waiting in the same place for ``confirm_s`` (the engine
@@ -75,77 +84,69 @@ from collectors.stacks import Frame, ProcessStacks, is_library_path, short_path
 from dynprof.watch import gpu_side
 from dynprof.watch.model import MAX_CULPRITS, Culprit, RankProgress
 
-DEFAULT_MIN_STALL_S = 60.0
-STALL_STEP_FACTOR = 20.0
+DEFAULT_MIN_STALL_S = 60.0  # the least stall time (see "stall" below)
+STALL_STEP_FACTOR = 20.0  # the stall time, in the job's median step times
 MOVING_CPU_S = 0.1  # CPU seconds (with children) between the samples that make a rank "moving"
 # Bytes read or written (with children) between the samples that make a rank "moving": far
 # above what its agent's status answers cost (a few kB), a checkpoint's or a loader's writes.
 MOVING_IO_BYTES = 1 << 20
 
-# Python functions of torch.distributed that are collectives (or waits on one).
-COLLECTIVES = frozenset(
-    {
-        "all_reduce",
-        "all_reduce_coalesced",
-        "all_reduce_multigpu",
-        "barrier",
-        "monitored_barrier",
-        "broadcast",
-        "broadcast_object_list",
-        "all_gather",
-        "all_gather_into_tensor",
-        "all_gather_object",
-        "all_gather_coalesced",
-        "_all_gather_base",
-        "reduce",
-        "reduce_scatter",
-        "reduce_scatter_tensor",
-        "_reduce_scatter_base",
-        "all_to_all",
-        "all_to_all_single",
-        "gather",
-        "gather_object",
-        "scatter",
-        "scatter_object_list",
-        "send",
-        "recv",
-        "batch_isend_irecv",
-        "send_object_list",
-        "recv_object_list",
-        "wait",
-    }
+# -- waiting in a collective: decided by where the main thread is, never by a list of calls ----------
+# A rank waits in a collective when its main thread is inside the code that talks to its peers,
+# and that is known by where the code lives, whatever the call is named (a new collective, a
+# custom backend's op, a stripped library's address):
+# - natively, a frame of a communication library, known by its shared object (NCCL, RCCL, gloo,
+#   MPI, UCC: libnccl*, librccl*, libgloo*, libmpi*, libmpich*, libucc*), or of torch's own
+#   communication code linked into libtorch, known by its C++ namespace (c10d::, gloo::: torch's
+#   libraries keep their symbols);
+# - in Python, a frame of torch.distributed's communication API: the process-group API
+#   (torch/distributed/distributed_c10d.py, where every collective, point-to-point call and
+#   barrier is defined) and the functional collectives (torch/distributed/_functional_collectives*.py,
+#   their waits). The rest of torch.distributed (checkpointing, FSDP's bookkeeping, elastic) is
+#   judged by what it does, like any code: a checkpoint writing through it works, it does not wait.
+_COMMUNICATION_LIBRARY = re.compile(r"^lib(nccl|rccl|gloo|mpi|mpich|ucc)([._-]|$)")
+_COMMUNICATION_NAMESPACES = ("c10d::", "gloo::")
+_COMMUNICATION_API = re.compile(r"torch/distributed/(distributed_c10d|_functional_collectives\w*)\.py$")
+# torch's Python bindings: the frame that called the communication code, not a part of it.
+_BINDINGS_LIBRARY = "libtorch_python"
+# A symbol in one of them: its own namespace, not a template argument (``c10::impl::...<c10d::...>``
+# is the dispatcher's code); torch's bindings put theirs under torch::distributed::.
+_COMMUNICATION_NAMESPACE = re.compile(
+    r"^(torch::distributed::)?(" + "|".join(re.escape(n[:-2]) for n in _COMMUNICATION_NAMESPACES) + r")::"
 )
-# Substrings of native symbols that are a collective's wait (gloo, c10d, NCCL, a CUDA sync).
-NATIVE_WAITS = (
-    "gloo::",
-    "c10d::ProcessGroup",
-    "ProcessGroupGloo",
-    "ProcessGroupNCCL",
-    "ncclGroupEnd",
-    "ncclAllReduce",
-    "cudaStreamSynchronize",
-    "cudaEventSynchronize",
-    "cudaDeviceSynchronize",
-    "cuStreamSynchronize",
-    "cuEventSynchronize",
-    "cuCtxSynchronize",
-)
-_DIST_FILE_MARKERS = ("torch/distributed/", "c10d")
 _SYSTEM_LIBS = ("libc.", "libc-", "libpthread", "ld-linux", "libgcc", "libpython", "python", "libffi", "_ctypes")
 
 STATES = ("stopped", "waiting", "waiting-gpu", "in-gpu-library", "in-c", "moving", "parked", "unread", "gone")
 
 
 # -- stall -------------------------------------------------------------------------------------------
+# A job stalls when no rank has made a step for far longer than its steps take: the measure is the
+# job's own rhythm, ``STALL_STEP_FACTOR`` times its median step time (a step 20 times the median is
+# no slow step, while the pauses a healthy job makes between steps, a log flush, a short
+# evaluation, a checkpoint, last a few steps' time), never under ``DEFAULT_MIN_STALL_S`` (a job of
+# fast steps pauses for seconds too: a garbage collection, a DataLoader's refill, a first
+# compilation). The evidence is each rank's mean step time, as its agent measures it; with none
+# known, the floor. The watch and the sidecar (its metrics, its page) use this one rule.
 def median_step_time(rows: Sequence[RankProgress]) -> float:
     """The job's median step time over ranks that know theirs; 0 when none does."""
     times = [r.step_time_s for r in rows if r.step_time_s > 0]
     return float(statistics.median(times)) if times else 0.0
 
 
+def stall_after_for(step_times: Sequence[float], given: float | None = None) -> float:
+    """The stall time of a job whose ranks' step times are ``step_times`` (0: not known):
+    ``given`` (``--stall-after``) when set, else the larger of ``DEFAULT_MIN_STALL_S`` and
+    ``STALL_STEP_FACTOR`` times their median (see above)."""
+    if given is not None:
+        return given
+    known = [t for t in step_times if t > 0]
+    median = float(statistics.median(known)) if known else 0.0
+    return max(DEFAULT_MIN_STALL_S, STALL_STEP_FACTOR * median)
+
+
 def default_stall_after(rows: Sequence[RankProgress]) -> float:
-    """The larger of 60 s and 20x the job's median step time."""
-    return max(DEFAULT_MIN_STALL_S, STALL_STEP_FACTOR * median_step_time(rows))
+    """The stall time of the job of ``rows`` (see :func:`stall_after_for`)."""
+    return stall_after_for([r.step_time_s for r in rows])
 
 
 def rank_age(row: RankProgress) -> float | None:
@@ -199,17 +200,57 @@ def python_frames(frames: Sequence[Frame]) -> list[Frame]:
     return [f for f in frames if not f.native]
 
 
+def in_communication_api(f: Frame) -> bool:
+    """Whether a Python frame is torch.distributed's communication API (see above)."""
+    return not f.native and bool(_COMMUNICATION_API.search(f.file.replace("\\", "/")))
+
+
+def is_communication_frame(f: Frame) -> bool:
+    """Whether a native frame is in communication code (see above): a communication library's
+    shared object, or torch's communication namespaces outside its Python bindings."""
+    if not f.native:
+        return False
+    lib = _lib(f)
+    if _COMMUNICATION_LIBRARY.match(lib):
+        return True
+    return not lib.startswith(_BINDINGS_LIBRARY) and bool(_COMMUNICATION_NAMESPACE.match(f.function))
+
+
+def _stripped_libraries(frames: Sequence[Frame]) -> set[str]:
+    """The libraries of a stack that show an address where a symbol would be: stripped, so the
+    names their other frames show are only the nearest exports, not the calls being made."""
+    return {_lib(f) for f in frames if f.native and not _symbol_named(f)}
+
+
+def _communication_call(frames: Sequence[Frame]) -> Frame | None:
+    """The frame that names the call a stack makes into communication code: the outermost one
+    (the call the program's side made; the frames inside it are the library's own machinery)
+    whose symbol is the call's own (named, in a library not stripped); else the innermost frame
+    of communication code, whose library is all that is known."""
+    comm = [f for f in frames if is_communication_frame(f)]
+    if not comm:
+        return None
+    stripped = _stripped_libraries(frames)
+    named = [f for f in comm if _symbol_named(f) and _lib(f) not in stripped]
+    return named[-1] if named else comm[0]
+
+
 def collective_of(frames: Sequence[Frame]) -> str | None:
-    """The collective a stack waits in ("all_reduce", "barrier", "gloo::allreduce"...), or None."""
-    for f in frames:
-        if f.native:
-            continue
-        if f.function in COLLECTIVES and any(m in f.file for m in _DIST_FILE_MARKERS):
-            return f.function
-    for f in frames:
-        if f.native and any(w in f.function for w in NATIVE_WAITS):
-            return native_name(f)
-    return None
+    """The collective a stack waits in, or None: the call the program made into communication
+    code, whatever its name. In Python, the outermost frame of torch.distributed's communication
+    API ("all_gather_into_tensor", not the "all_gather_single" it calls; the function without its
+    class, as every reader names it); else the call into communication code its native frames show
+    ("c10d::ProcessGroupGloo::RecvWork::wait", "PMPI_Allreduce", or "a call into libnccl.so.2
+    (stripped: the call is not named)")."""
+    api = [f for f in frames if in_communication_api(f)]
+    if api:
+        return api[-1].function.rsplit(".", 1)[-1]
+    call = _communication_call(frames)
+    if call is None:
+        return None
+    if _symbol_named(call) and _lib(call) not in _stripped_libraries(frames):
+        return native_name(call)
+    return f"a call into {_lib(call) or 'a communication library'} (stripped: the call is not named)"
 
 
 def native_name(f: Frame) -> str:
@@ -227,17 +268,21 @@ def user_frame(frames: Sequence[Frame]) -> Frame | None:
 
 
 def native_frame(frames: Sequence[Frame]) -> Frame | None:
-    """The native frame that says where a rank is: a collective's or a CUDA wait where there is
-    one (a spinning wait is caught anywhere in its loop: in the driver, in the vDSO's clock),
-    else the innermost frame of a library of the program's (not libc, not Python's own)."""
+    """The native frame that says where a rank is: the call into communication code where there
+    is one (see :func:`collective_of`), else the innermost named frame of a GPU library (a
+    spinning wait is caught anywhere in its loop: in the driver, in the vDSO's clock, so the
+    library's own frame says whose wait it is), else the innermost named frame of a library of the
+    program's (not libc, not Python's own)."""
+    call = _communication_call(frames)
+    if call is not None:
+        return call
+    gpu = next((f for f in frames if f.native and _symbol_named(f) and is_gpu_library(f)), None)
+    if gpu is not None:
+        return gpu
     for f in frames:
-        if f.native and any(w in f.function for w in NATIVE_WAITS):
-            return f
-    for f in frames:
-        if not f.native or f.function in ("???", "") or f.function.startswith("0x"):
+        if not f.native or not _symbol_named(f):
             continue
-        lib = os.path.basename(f.library or f.file)
-        if not lib.startswith(_SYSTEM_LIBS) and "vdso" not in lib:
+        if not _is_system(f):
             return f
     return next((f for f in frames if f.native and f.function not in ("???", "")), None)
 
@@ -450,6 +495,8 @@ class RankState:
     frames: list[Frame] = field(default_factory=list)  # the main thread's stack, innermost first
     gpu_call: str = ""  # waiting-gpu: what it waits in, in words ("a device-to-host copy (Tensor.cpu at train.py:37)")
     gpu_evidence: str = ""  # waiting-gpu, in-gpu-library: what its GPU's side said ("GPU 0 busy (100 %), ...")
+    io_delta_b: int | None = None  # bytes read and written across the look, its children's included
+    moved_by: tuple[str, ...] = ()  # moving: what it was seen doing ("cpu", "io", "disk", "stack")
 
     @property
     def who(self) -> str:
@@ -502,6 +549,7 @@ def classify(look: RankLook, moving_cpu_s: float = MOVING_CPU_S) -> RankState:
         state="unread",
         where=where(user_frame(frames) or native_frame(frames)),
         cpu_delta_s=cpu_delta,
+        io_delta_b=io_delta,
         span_s=span,
         stack_key=_py_key(frames),
         frames=frames,
@@ -523,7 +571,9 @@ def classify(look: RankLook, moving_cpu_s: float = MOVING_CPU_S) -> RankState:
         _say_gpu_wait(state, held, frames, gpu_side.agreement(last))
         return state
     c1, c2 = collective_of(frames1), collective_of(frames2)
-    native_wait = any(f.native and any(w in f.function for w in NATIVE_WAITS) for f in frames2)
+    # inside communication code natively: a wait that spins the CPU (MPI's progress loop, a
+    # busy-polling transport) still waits
+    native_wait = any(is_communication_frame(f) for f in frames2)
     if c1 is None and c2 is not None and native_wait and not changed and collective_of(python_frames(frames2)) is None:
         # read natively the second time only: the same Python frame, now seen in a native wait
         c1 = c2
@@ -531,7 +581,7 @@ def classify(look: RankLook, moving_cpu_s: float = MOVING_CPU_S) -> RankState:
         state.state = "waiting"
         state.collective = c2
         inner = native_frame(frames)
-        if inner is not None and not any(f.function == c2 for f in python_frames(frames)):
+        if inner is not None and not any(in_communication_api(f) for f in frames):
             py = user_frame(frames)  # a wait seen in C only (a CUDA synchronize): its native frame says it
             state.where = f"{where(py)} [native: {where(inner)}]" if py is not None else where(inner)
         return state
@@ -559,6 +609,16 @@ def classify(look: RankLook, moving_cpu_s: float = MOVING_CPU_S) -> RankState:
         if changed:
             parts.append("stack changed")
         state.detail = "moving (" + ", ".join(parts) + ")"
+        state.moved_by = tuple(
+            kind
+            for kind, seen in (
+                ("cpu", spent),
+                ("io", io_delta is not None and io_delta >= MOVING_IO_BYTES),
+                ("disk", disk_sleep),
+                ("stack", changed),
+            )
+            if seen
+        )
         return state
     if frames:
         state.state = "parked"
@@ -727,23 +787,68 @@ def _culprit_text(culprits: Sequence[RankState], others: str | None) -> str:
     return "; ".join(parts)
 
 
-def flight_recorder_missing(analysis: dict[str, Any] | None) -> tuple[list[int], str | None]:
-    """(ranks the flight recorder says never enqueued the collective the others wait in, its text)."""
+@dataclass(frozen=True, slots=True)
+class FlightRecorderReading:
+    """What the flight recorder says of the collective a job hangs in: the ranks it holds
+    responsible (rank -> why, in words) and its line for the verdict."""
+
+    culprits: dict[int, str] = field(default_factory=dict)
+    text: str | None = None
+
+
+def _ranks_in(value: Any) -> list[int]:
+    return [r for r in value or [] if isinstance(r, int) and not isinstance(r, bool)] if isinstance(value, list) else []
+
+
+def flight_recorder_reading(analysis: dict[str, Any] | None, waiting: Sequence[int] = ()) -> FlightRecorderReading:
+    """The ranks that hold a collective, from the flight recorder's analysis
+    (:func:`collectors.flight_recorder.analyze`). A collective completes only once every rank of
+    its process group has enqueued it, and the recorder numbers each group's collectives in the
+    order every rank enqueues them; so, in a group where some ranks wait in collective #N:
+
+    - a rank whose last enqueued number is below N never enqueued it (``missing``): it holds them;
+    - a rank whose entry #N is another collective or other sizes (``mismatched``) enqueued a
+      different one: the ranks disagree on what #N is, and it is the odd one;
+    - a member with no dump said nothing (``no_dump``): named only when nothing else is, as the
+      rank the recorder could not read, never as one that did not enqueue.
+
+    Of several groups that hang, the one read is the one whose waiting ranks are most of
+    ``waiting`` (the ranks the stacks show waiting): the hang the watch sees; the first listed
+    when nothing tells them apart. Bounded: sizes and texts from the analysis are cut."""
     if not isinstance(analysis, dict):
-        return [], None
-    for pg in analysis.get("process_groups") or []:
-        if not isinstance(pg, dict) or not pg.get("hung"):
-            continue
-        missing = [r for r in pg.get("missing") or [] if isinstance(r, int) and not isinstance(r, bool)]
-        missing += [r for r in pg.get("no_dump") or [] if isinstance(r, int) and not isinstance(r, bool)]
-        collective = str(pg.get("collective") or "?")[:200]
-        if missing:
-            who = ",".join(str(r) for r in sorted(set(missing)))
-            return sorted(
-                set(missing)
-            ), f"flight recorder: missing rank{'s' if len(missing) > 1 else ''} {who} in {collective}"
-        return [], f"flight recorder: {str(pg.get('verdict') or '')[:300]}"
-    return [], None
+        return FlightRecorderReading()
+    listed = analysis.get("process_groups")
+    listed = listed[:1024] if isinstance(listed, list) else []
+    groups = [pg for pg in listed if isinstance(pg, dict) and pg.get("hung")]
+    if not groups:
+        return FlightRecorderReading()
+    seen = set(waiting)
+    pg = max(groups, key=lambda g: len(seen.intersection(_ranks_in(g.get("waiting")))))  # max keeps the first of ties
+    collective = str(pg.get("collective") or "?")[:200]
+    missing = sorted(set(_ranks_in(pg.get("missing"))))
+    mismatched: dict[int, str] = {}
+    for m in (pg.get("mismatched") or [])[:1024] if isinstance(pg.get("mismatched"), list) else []:
+        if isinstance(m, dict) and isinstance(m.get("rank"), int) and not isinstance(m.get("rank"), bool):
+            mismatched[m["rank"]] = str(m.get("collective") or "?")[:200]
+    no_dump = sorted(set(_ranks_in(pg.get("no_dump"))) - set(missing) - set(mismatched))
+    culprits: dict[int, str] = {}
+    parts: list[str] = []
+    if missing:
+        who = ",".join(str(r) for r in missing)
+        parts.append(f"missing rank{'s' if len(missing) > 1 else ''} {who} in {collective}")
+        culprits.update((r, "never enqueued the collective the others wait in (flight recorder)") for r in missing)
+    for r, theirs in sorted(mismatched.items()):
+        parts.append(f"rank {r} enqueued {theirs} where the others wait in {collective}")
+        culprits[r] = f"enqueued {theirs} where the others enqueued {collective} (flight recorder)"
+    if no_dump and not culprits:
+        who = ",".join(str(r) for r in no_dump)
+        parts.append(f"no dump from rank{'s' if len(no_dump) > 1 else ''} {who} while the others wait in {collective}")
+        culprits.update(
+            (r, "gave the flight recorder no dump while the others wait (flight recorder)") for r in no_dump
+        )
+    if not parts:
+        return FlightRecorderReading(text=f"flight recorder: {str(pg.get('verdict') or '')[:300]}")
+    return FlightRecorderReading(culprits, "flight recorder: " + "; ".join(parts))
 
 
 def decide(
@@ -763,19 +868,21 @@ def decide(
     head = f"no first step {age} after start" if stall.first_step else f"no step for {age}"
     waiting = [s for s in states if s.state == "waiting"]
     others = [s for s in states if s.state != "waiting"]
-    fr_missing, fr_text = flight_recorder_missing(flight_recorder)
+    fr = flight_recorder_reading(flight_recorder, [s.rank for s in waiting if s.rank is not None])
+    fr_missing, fr_text = sorted(fr.culprits), fr.text
     fr_clause = f" ({fr_text})" if fr_text else ""
     if not states:
         return Decision("busy", f"{head}: no rank could be read", states=states)
     if waiting and others:
+        # Ranks wait for their peers while others do not come: those others hold them, wherever
+        # they are (a rank held by its GPU, a parked or stopped one, one that works elsewhere).
         main = _groups(waiting, lambda s: s.collective)[0]
         collective = main[0].collective
         main_where = _groups(main, lambda s: s.where)[0][0].where
-        stuck = [
-            s
-            for s in others
-            if s.state in ("stopped", "in-c", "waiting-gpu", "in-gpu-library", "parked", "gone", "unread")
-        ]
+        # A culprit that works (spends CPU, does I/O, its stack changes) may yet reach the
+        # collective: a hang held only by such ranks is called once confirmed. Any other culprit
+        # does not move: nothing it does brings it to the others.
+        stuck = [s for s in others if s.state != "moving"]
         text = (
             _culprit_text(others, collective)
             + f"; {_the_others(len(waiting))} in {collective} "
@@ -804,9 +911,9 @@ def decide(
                 f"{_culprit_text(named, None) if named else 'ranks ' + ','.join(map(str, fr_missing))}"
                 f"; {_the_others(len(rest))} in {main[0].collective} at {main[0].where}{fr_clause}"
             )
-            culprits = [
-                _culprit(s, "never enqueued the collective the others wait in (flight recorder)") for s in named
-            ] or [Culprit(rank=r, host="?", where="?", why="missing (flight recorder)") for r in fr_missing]
+            culprits = [_culprit(s, fr.culprits[s.rank]) for s in named if s.rank is not None] or [
+                Culprit(rank=r, host="?", where="?", why=fr.culprits[r]) for r in fr_missing
+            ]
             return Decision("hang", text, culprits[:MAX_CULPRITS], states, fr_text, _waiting_key(waiting))
         if len(groups) > 1:
             behind = _behind(groups, tied=len(groups[1]) == len(main))
@@ -831,6 +938,8 @@ def decide(
                     )
                 )
                 return Decision("hang", text, [], states, fr_text, _waiting_key(waiting))
+            # A majority in one wait is where the program's ranks are: the ranks elsewhere diverged
+            # (another collective, another call site) and hold them.
             odd = [s for g in groups[1:] for s in g]
             text = (
                 f"{_culprit_text(odd, None)}; {_the_others(len(main))} "
@@ -896,20 +1005,30 @@ def decide(
     return Decision("hang", text, culprits, states, fr_text, _waiting_key(states))
 
 
-# Collectives that end a phase (every rank meets there once its loop is done): a rank waiting in
-# one while the others wait in another collective has left the loop the others are still in.
-PHASE_END_COLLECTIVES = frozenset({"barrier", "monitored_barrier"})
+def meets_only(collective: str | None) -> bool:
+    """Whether a collective only meets the other ranks and carries no data: a barrier, whoever
+    provides it (torch.distributed's ``barrier`` and ``monitored_barrier``, the store's
+    ``_store_based_barrier``, ``MPI_Barrier``, a backend's own ``c10d::...::barrier``). A rank
+    waits in one once the work before it is done, which a collective that carries data (the
+    gradients' all_reduce) does not say."""
+    return collective is not None and "barrier" in collective.lower()
 
 
 def _behind(groups: Sequence[Sequence[RankState]], tied: bool) -> tuple[list[RankState], str] | None:
     """The ranks that hold the others when every rank waits, but in different places, from the
-    evidence of their positions (never their numbers): the ranks in a barrier while every other
-    rank waits in another collective (they left the loop the others are in); else, where as many
-    ranks wait in one place as in another (``tied``), the ranks with the fewest steps (they are
-    behind). None when nothing tells them apart."""
+    evidence of their positions (never their numbers):
+
+    - the ranks in a barrier (:func:`meets_only`) while every other rank waits in a collective that
+      carries data: they finished the work the others are still in (the loop), and the others'
+      collective waits for them to come back to it;
+    - else, where as many ranks wait in one place as in another (``tied``: no majority says where
+      the program's ranks are), the ranks with the fewest steps, every rank's count known: the
+      others made more, so they are behind.
+
+    None when nothing tells them apart."""
     everyone = [s for g in groups for s in g]
-    at_end = [s for s in everyone if s.collective in PHASE_END_COLLECTIVES]
-    inside = [s for s in everyone if s.collective not in PHASE_END_COLLECTIVES]
+    at_end = [s for s in everyone if meets_only(s.collective)]
+    inside = [s for s in everyone if not meets_only(s.collective)]
     if at_end and inside:
         who = "it" if len(at_end) == 1 else "they"
         return at_end, f"{who} left the loop the others are in (a {at_end[0].collective} after it)"
@@ -960,17 +1079,49 @@ def _common_user_frame(states: Sequence[RankState]) -> str | None:
     return where(common) if common is not None else None
 
 
+def _moving_evidence(group: Sequence[RankState]) -> str:
+    """What a group of moving ranks was measured doing across the look, each fact once, with how
+    many of the group showed it where not all did: ``CPU +1.2-1.5 s in 3.0 s``, ``I/O +8.0 MB``,
+    ``in disk I/O (process state D)``, ``stack changed``."""
+    n = len(group)
+
+    def of(ranks: Sequence[RankState], fact: str) -> str:
+        return fact if len(ranks) == n else f"{len(ranks)} of {n}: {fact}"
+
+    def spread(values: Sequence[float], unit: str, fmt: str = ".1f") -> str:
+        lo, hi = min(values), max(values)
+        return f"+{lo:{fmt}}{unit}" if f"{lo:{fmt}}" == f"{hi:{fmt}}" else f"+{lo:{fmt}}-{hi:{fmt}}{unit}"
+
+    parts = []
+    cpu = [s for s in group if "cpu" in s.moved_by and s.cpu_delta_s is not None]
+    if cpu:
+        span = max(s.span_s for s in cpu)
+        parts.append(of(cpu, f"CPU {spread([s.cpu_delta_s or 0.0 for s in cpu], ' s')} in {span:.1f} s"))
+    io = [s for s in group if "io" in s.moved_by and s.io_delta_b is not None]
+    if io:
+        parts.append(of(io, f"I/O {spread([(s.io_delta_b or 0) / 1e6 for s in io], ' MB')}"))
+    disk = [s for s in group if "disk" in s.moved_by]
+    if disk:
+        parts.append(of(disk, "in disk I/O (process state D)"))
+    changed = [s for s in group if "stack" in s.moved_by]
+    if changed:
+        parts.append(of(changed, "stack changed"))
+    return ", ".join(parts)
+
+
 def _busy_text(states: Sequence[RankState]) -> str:
+    """Where the ranks of a job that works at something other than steps are, and what was
+    measured of each (busy: no rank waits for a peer and some rank moves)."""
     if len(states) > 1 and all(s.state == "moving" for s in states):
         shared = _common_user_frame(states)
         outer = {s.where for s in states}
         if shared is not None and len(outer) > 1 and not shared.startswith("<module>"):
-            return f"all ranks in {shared}, moving"
+            return f"all ranks in {shared}, moving ({_moving_evidence(states)})"
     parts = []
     groups = _groups(states, lambda s: (s.state, s.where))
     for group in groups:
         who = "all ranks" if len(group) == len(states) and len(states) > 1 else ranks_text(group)
         state = group[0].state
-        what = "moving" if state == "moving" else state
+        what = f"moving ({_moving_evidence(group)})" if state == "moving" else group[0].describe()
         parts.append(f"{who} in {group[0].where}, {what}")
     return "; ".join(parts)

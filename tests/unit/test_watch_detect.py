@@ -185,9 +185,9 @@ def test_all_ranks_saving_a_checkpoint_are_busy():
     looks = [look(r, "n", frames, cpu_delta=1.5) for r in range(4)]
     # WHEN
     decision = detect.decide(looks, STALL)
-    # THEN reported as what it is
+    # THEN reported as what it is, with what was measured of it
     assert decision.kind == "busy" and decision.culprits == []
-    assert decision.conclusion == "no step for 80 s: all ranks in write (/job/ckpt.py:12), moving"
+    assert decision.conclusion == "no step for 80 s: all ranks in write (/job/ckpt.py:12), moving (CPU +1.5 s in 3.0 s)"
 
 
 def test_ranks_blocked_writing_a_checkpoint_are_busy_not_parked():
@@ -327,7 +327,9 @@ def test_busy_ranks_in_different_lines_of_one_function_are_said_in_it():
     decision = detect.decide(ranks, STALL)
     # THEN
     assert decision.kind == "busy"
-    assert decision.conclusion == "no step for 80 s: all ranks in evaluate (/job/x.py:113), moving"
+    assert (
+        decision.conclusion == "no step for 80 s: all ranks in evaluate (/job/x.py:113), moving (CPU +2.0 s in 3.0 s)"
+    )
 
 
 def test_a_cuda_synchronize_read_natively_only_the_second_time_is_the_odd_wait():
@@ -776,3 +778,226 @@ def test_no_rank_moving_outside_a_collective_is_a_hang_only_once_confirmed():
     # AND a rank that moved meanwhile makes it busy, never a hang
     moved = [*looks[:3], look(3, "node-2", WAIT_FOR_BATCH, cpu_delta=1.0)]
     assert detect.decide(moved, STALL, None, 31.0, confirm_s=30.0).kind == "busy"
+
+
+# -- waiting in a collective: decided by where the main thread is, not by a list of names --------
+# The main thread of rank 0 of a 2-rank gloo job (torch 2.13, CPU) blocked in each call while
+# rank 1 never comes, as py-spy read it natively (tests/data/record_comm_stacks.py).
+COMM_STACKS = Path(__file__).resolve().parents[1] / "data" / "comm_stacks"
+COMM_CASES = {
+    # way: the collective the verdict names (the call the program made into communication code)
+    "all_gather_into_tensor": "all_gather_into_tensor",  # torch 2.13 calls all_gather_single inside it
+    "reduce_scatter": "reduce_scatter",
+    "barrier": "barrier",
+    "monitored_barrier": "monitored_barrier",
+    "recv": "recv",
+    "irecv_wait": "c10d::ProcessGroupGloo::RecvWork::wait",  # work.wait() in the program: C frames only
+    "functional_wait": "wait",  # AsyncCollectiveTensor.wait -> wait_tensor
+    "c10d_op": "c10d::wait_tensor",  # torch.ops._c10d_functional.* called by the program itself
+}
+LOAD = (py("load_next_batch", "/job/data.py", 88), py("main", "/job/train.py", 90))
+
+
+def _comm_stack(way: str) -> list[Frame]:
+    (thread,) = parse_py_spy(json.loads((COMM_STACKS / f"{way}.json").read_text()), pid=1)
+    return list(thread.frames)
+
+
+@pytest.mark.parametrize("way", sorted(COMM_CASES))
+def test_a_rank_in_any_call_into_communication_code_waits_in_a_collective(way):
+    # GIVEN ranks 0-2 blocked in the recorded call (seen in Python only first, then natively),
+    # and rank 3 parked in load_next_batch
+    native = _comm_stack(way)
+    python_only = tuple(f for f in native if not f.native)
+    looks = [look(r, "n", python_only, tuple(native)) for r in range(3)]
+    looks.append(look(3, "n", LOAD))
+    # WHEN
+    decision = detect.decide(looks, STALL)
+    # THEN ranks 0-2 wait in the call, named as the program made it, and rank 3 is the culprit
+    assert [s.state for s in decision.states] == ["waiting", "waiting", "waiting", "parked"], [
+        s.detail for s in decision.states
+    ]
+    assert {s.collective for s in decision.states[:3]} == {COMM_CASES[way]}
+    assert decision.kind == "hang" and [c.rank for c in decision.culprits] == [3]
+    assert decision.states[0].where.startswith("block (/job/comm_wait_program.py:")
+    assert f"the other 3 ranks wait in {COMM_CASES[way]} at block (" in decision.conclusion
+
+
+LIBMPI = "/usr/lib/x86_64-linux-gnu/openmpi/lib/libmpi.so.40"
+LIBOPAL = "/usr/lib/x86_64-linux-gnu/openmpi/lib/libopen-pal.so.40"
+MPI4PY = "/venv/lib/python3.11/site-packages/mpi4py/MPI.cpython-311-x86_64-linux-gnu.so"
+
+
+def mpi_stack(call: str, at: int) -> tuple[Frame, ...]:
+    """A rank in an MPI call from mpi4py, as a native read shows Open MPI: its progress loop
+    (libopen-pal, spinning), the library's own machinery, the call the program made."""
+    return (
+        native("opal_progress", LIBOPAL),
+        native("ompi_request_default_wait_all", LIBMPI),
+        native("ompi_coll_base_allreduce_intra_recursivedoubling", LIBMPI),
+        native(f"P{call}", LIBMPI),
+        native(f"__pyx_pw_6mpi4py_3MPI_9Intracomm_{call[4:]}", MPI4PY),
+        py("sync_grads", "/job/train.py", at),
+        py("main", "/job/train.py", 99),
+    )
+
+
+def test_a_rank_spinning_in_mpi_waits_in_its_collective_not_moves():
+    # GIVEN ranks 0-2 in MPI_Allreduce (Open MPI spins: CPU +2.9 s in the look), rank 3 parked
+    mpi = mpi_stack("MPI_Allreduce", 30)
+    looks = [look(r, "n", mpi, cpu_delta=2.9) for r in range(3)] + [look(3, "n", LOAD)]
+    # WHEN
+    decision = detect.decide(looks, STALL)
+    # THEN they wait in the call the program made, and rank 3 holds them
+    assert [s.state for s in decision.states[:3]] == ["waiting"] * 3
+    assert decision.states[0].collective == "PMPI_Allreduce"
+    assert decision.states[0].where == "sync_grads (/job/train.py:30) [native: PMPI_Allreduce [libmpi.so.40]]"
+    assert decision.kind == "hang" and [c.rank for c in decision.culprits] == [3]
+
+
+def test_a_rank_in_any_barrier_left_the_loop_the_others_are_in():
+    # GIVEN rank 0 in MPI_Barrier after the loop, rank 1 in the loop's MPI_Allreduce, the same step
+    looks = [look(0, "n", mpi_stack("MPI_Barrier", 208)), look(1, "n", mpi_stack("MPI_Allreduce", 30))]
+    # WHEN
+    decision = detect.decide(looks, STALL)
+    # THEN the barrier's rank is named: a barrier carries no data, it only meets the others
+    assert [c.rank for c in decision.culprits] == [0], decision.conclusion
+    assert "it left the loop the others are in (a PMPI_Barrier after it)" in decision.conclusion
+    assert detect.meets_only("_store_based_barrier") and detect.meets_only("c10d::ProcessGroupGloo::barrier")
+    assert not detect.meets_only("all_reduce") and not detect.meets_only(None)
+
+
+LIBNCCL = "/opt/venv/lib/python3.12/site-packages/nvidia/nccl/lib/libnccl.so.2"
+
+
+def test_a_stripped_nccl_is_named_by_the_call_into_it_never_by_its_nearest_export():
+    # GIVEN NCCL's frames as a stripped library shows them (addresses, and an unrelated export)
+    inside = [*stripped(3, LIBNCCL), native("ncclCommGetAsyncError", LIBNCCL)]
+    from_c10d = (*inside, native("c10d::ProcessGroupNCCL::allreduce", LIBTORCH_CUDA), *TRAIN)
+    alone = (*inside, *TRAIN)
+    # WHEN / THEN the call into it is named where torch's code made it, and said unnamed otherwise
+    assert detect.collective_of(from_c10d) == "c10d::ProcessGroupNCCL::allreduce"
+    assert detect.collective_of(alone) == "a call into libnccl.so.2 (stripped: the call is not named)"
+    # AND a rank in _CoalescingManager.wait (torch.distributed, NCCL spinning under it) waits in it
+    coalesced = (*inside, py("_CoalescingManager.wait", DIST, 2620), *TRAIN)
+    looks = [look(r, "n", coalesced, cpu_delta=2.9, **gpu_busy()) for r in range(3)] + [look(3, "n", LOAD)]
+    decision = detect.decide(looks, STALL)
+    assert [s.state for s in decision.states[:3]] == ["waiting"] * 3, [s.detail for s in decision.states]
+    assert decision.states[0].collective == "wait"
+    assert decision.kind == "hang" and [c.rank for c in decision.culprits] == [3]
+
+
+def test_the_rest_of_torch_distributed_is_judged_by_what_it_does():
+    # GIVEN every rank writing a distributed checkpoint in torch.distributed.checkpoint, no CPU,
+    # in disk I/O (a slow file system's write), and the same frames in both samples
+    dcp = (
+        py("_write_files_from_queue", "/venv/lib/python3.11/site-packages/torch/distributed/checkpoint/filesystem.py"),
+        py("save", "/venv/lib/python3.11/site-packages/torch/distributed/checkpoint/state_dict_saver.py"),
+        py("save_checkpoint", "/job/train.py", 210),
+    )
+    looks = [look(r, "n", dcp, process_state="disk-sleep") for r in range(4)]
+    # WHEN
+    decision = detect.decide(looks, STALL)
+    # THEN busy: it is no collective (not the communication API), it works at the disk
+    assert decision.kind == "busy" and [s.state for s in decision.states] == ["moving"] * 4
+    assert detect.collective_of(dcp) is None
+    assert decision.conclusion == (
+        "no step for 80 s: all ranks in save_checkpoint (/job/train.py:210), moving (in disk I/O (process state D))"
+    )
+
+
+def test_a_busy_verdict_says_what_was_measured_of_each_group():
+    # GIVEN ranks in save_checkpoint: two seen in disk I/O, two that wrote 8 MB and spent 0.5 s of CPU
+    frames = (py("save_checkpoint", "/job/train.py", 210),)
+    looks = [look(r, "n", frames, cpu_delta=0.0 if r < 2 else 0.5) for r in range(4)]
+    for lk in looks[:2]:
+        lk.before.process_state = "disk-sleep"
+    for lk in looks[2:]:
+        assert lk.after is not None
+        lk.before.io_bytes, lk.after.io_bytes = 10_000_000, 18_000_000
+    # WHEN
+    decision = detect.decide(looks, STALL)
+    # THEN each fact once, with how many ranks showed it
+    assert decision.conclusion == (
+        "no step for 80 s: all ranks in save_checkpoint (/job/train.py:210), moving "
+        "(2 of 4: CPU +0.5 s in 3.0 s, 2 of 4: I/O +8.0 MB, 2 of 4: in disk I/O (process state D))"
+    )
+
+
+def test_the_stall_rule_is_one_for_the_watch_and_the_sidecar():
+    # GIVEN step times of a few jobs
+    from dynprof.sidecar import progress
+
+    for times in ([], [0.0], [0.5, 0.5], [10.0, 12.0, 0.0], [4.0]):
+        # WHEN / THEN the sidecar's stall time is the watch's
+        assert progress.stall_after_s(list(times), None) == detect.stall_after_for(times)
+        rows = [row(r, step_time_s=t) for r, t in enumerate(times)]
+        assert detect.default_stall_after(rows) == detect.stall_after_for(times)
+    assert detect.stall_after_for([10.0, 12.0, 0.0]) == 220.0
+    assert detect.stall_after_for([0.5], 7.5) == 7.5
+
+
+# -- the flight recorder: the group the watch sees, every kind of evidence it holds ---------------
+def _pg(waiting, missing=(), mismatched=(), no_dump=(), collective="#12 gloo:all_reduce"):
+    return {
+        "hung": True,
+        "waiting": list(waiting),
+        "missing": list(missing),
+        "mismatched": [{"rank": r, "collective": c} for r, c in mismatched],
+        "no_dump": list(no_dump),
+        "collective": collective,
+        "verdict": "...",
+    }
+
+
+def test_the_flight_recorder_group_read_is_the_one_whose_waiting_ranks_the_stacks_see():
+    # GIVEN two hung groups: a side group (ranks 4-5 wait, 6 missing) listed first, and the world
+    # group where ranks 0-2 wait and rank 3 never enqueued #12
+    fr = {"process_groups": [_pg([4, 5], [6], collective="#3 gloo:broadcast"), _pg([0, 1, 2], [3])]}
+    looks = [look(r, "n", ALL_REDUCE) for r in range(4)]
+    # WHEN
+    decision = detect.decide(looks, STALL, flight_recorder=fr)
+    # THEN rank 3 of the group the stacks show waiting, not the first group's rank 6
+    assert [c.rank for c in decision.culprits] == [3], decision.conclusion
+    assert "flight recorder: missing rank 3 in #12 gloo:all_reduce" in decision.conclusion
+
+
+def test_the_flight_recorder_names_a_rank_that_enqueued_another_collective():
+    # GIVEN every rank in all_reduce, the recorder saying rank 2's #12 is a broadcast
+    fr = {"process_groups": [_pg([0, 1, 3], mismatched=[(2, "#12 gloo:broadcast")])]}
+    looks = [look(r, "n", ALL_REDUCE) for r in range(4)]
+    # WHEN
+    decision = detect.decide(looks, STALL, flight_recorder=fr)
+    # THEN rank 2 is named, with what it enqueued
+    assert [c.rank for c in decision.culprits] == [2], decision.conclusion
+    assert decision.culprits[0].why == (
+        "enqueued #12 gloo:broadcast where the others enqueued #12 gloo:all_reduce (flight recorder)"
+    )
+    assert "rank 2 enqueued #12 gloo:broadcast where the others wait in #12 gloo:all_reduce" in decision.conclusion
+
+
+def test_a_rank_without_a_flight_recorder_dump_is_said_as_such_never_as_missing():
+    # GIVEN every rank in all_reduce, and no dump from rank 3 (nothing else in the recorder)
+    fr = {"process_groups": [_pg([0, 1, 2], no_dump=[3])]}
+    looks = [look(r, "n", ALL_REDUCE) for r in range(4)]
+    # WHEN
+    reading = detect.flight_recorder_reading(fr, [0, 1, 2, 3])
+    decision = detect.decide(looks, STALL, flight_recorder=fr)
+    # THEN it is named as the rank the recorder could not read
+    assert reading.culprits == {3: "gave the flight recorder no dump while the others wait (flight recorder)"}
+    assert "flight recorder: no dump from rank 3 while the others wait in #12 gloo:all_reduce" in decision.conclusion
+    assert "missing" not in decision.conclusion
+    # AND a rank missing beside it is named alone: a missing rank is evidence, no dump is not
+    both = detect.flight_recorder_reading({"process_groups": [_pg([0, 1], missing=[2], no_dump=[3])]})
+    assert list(both.culprits) == [2]
+
+
+def test_a_flight_recorder_analysis_of_the_wrong_shape_says_nothing():
+    # GIVEN analyses that are not what the recorder writes (read back from a node: untrusted)
+    for bad in (None, [], {"process_groups": {"0": {}}}, {"process_groups": [1, "x", {"hung": True}]}):
+        # WHEN it is read
+        reading = detect.flight_recorder_reading(bad, [0, 1])  # type: ignore[arg-type]
+        # THEN no rank is named, nothing raises
+        assert reading.culprits == {}
+    hung = {"process_groups": [{"hung": True, "missing": "2", "mismatched": {"rank": 1}, "verdict": "v"}]}
+    assert detect.flight_recorder_reading(hung) == detect.FlightRecorderReading(text="flight recorder: v")
