@@ -261,7 +261,8 @@ def bench(name: str, device: torch.device, args: argparse.Namespace) -> dict[str
     base_peak = real_peak(step, device, model, opt)
     t0 = time.perf_counter()
     gc.collect()
-    doc = measure_step(model, opt, step, reset_peak=True, clock=clock(device))
+    # --as-agent: measured as the agent measures a job (its peak statistic never reset)
+    doc = measure_step(model, opt, step, reset_peak=not args.as_agent, clock=clock(device))
     measure_s = time.perf_counter() - t0
     m = from_json(doc)
     budget = int(m.peak_bytes * args.budget_fraction)
@@ -395,6 +396,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=5, help="timed steps per configuration (median)")
     parser.add_argument("--models", default="decoder,vit,resnet")
     parser.add_argument("--cpu-amp", action="store_true", help="on the CPU, bf16 autocast as on CUDA (slow)")
+    parser.add_argument(
+        "--as-agent",
+        action="store_true",
+        help="measure as the agent does in a job: the allocator's peak statistic is never reset",
+    )
     args = parser.parse_args(argv)
     if not 0 < args.budget_fraction < 1:
         parser.error("--budget-fraction must be between 0 and 1")

@@ -258,3 +258,43 @@ def test_a_plan_of_a_cuda_job_under_dynprof_run_answers_and_leaves_the_job_as_it
     (line,) = target.wait_for_line("HOOKS")
     assert line == "HOOKS forward=0 saved_tensors=False grad=True mode=False", line
     assert os.path.exists(f"/proc/{pid}")
+
+
+@pytest.mark.parametrize("budget", ["70%", "auto"])
+def test_checkpoint_on_a_cuda_job_applies_a_plan_that_fits_and_ps_shows_it(spawn, cli, budget):
+    # GIVEN a CUDA loop with large activations under `dynprof run --checkpoint BUDGET`
+    import sys
+
+    from tests.conftest import ROOT
+
+    program = "tests/integration/programs/plan_program.py"
+    args = [program, "--device", "cuda", "--width", "512", "--depth", "8", "--batch", "4096", "--max-seconds", "600"]
+    target = spawn(
+        ["-m", "dynprof", "run", "-q", "--checkpoint", budget, "--", sys.executable, *args],
+        under_run=False,
+        env={"PYTHONPATH": str(ROOT)},
+    )
+    (pid,) = target.ready_pids(timeout=240)
+    # WHEN it has measured, planned, applied and checked (or said why not)
+    import time
+
+    said = target.wait_for_line(f"dynprof: checkpoint {budget}:", timeout=300)[0]
+    deadline = time.monotonic() + 300
+    while True:
+        ps = cli("ps", "--json")
+        (row,) = [r for r in json.loads(ps.stdout)["agents"] if r["pid"] == pid]
+        c = row["checkpoint"]
+        if c["state"] in ("applied", "fits-already", "unreachable", "refused", "failed") or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    print(f"\nCHECKPOINT-ROW {budget}: {said}\n{json.dumps(c)}")
+    # THEN at 70 % the plan was applied on the GPU and its verified peak is under the budget,
+    # its step time within 25 % of the prediction; `auto` fits the device (nothing to recompute
+    # for a loop this small: said, or applied under the budget)
+    if budget == "70%":
+        assert c["state"] == "applied" and c["modules"], c
+        assert c["verified_peak_bytes"] <= c["budget_bytes"], c
+        assert abs(c["verified_step_s"] - c["predicted_step_s"]) <= 0.25 * c["predicted_step_s"], c
+    else:
+        assert c["state"] in ("applied", "fits-already"), c
+    assert os.path.exists(f"/proc/{pid}")
