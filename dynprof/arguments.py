@@ -12,6 +12,8 @@ import math
 import re
 from typing import Any
 
+from dynprof.units import ascii_float
+
 MAX_SECONDS = 86_400.0  # one day: no wait, trace or timeout dynprof offers is longer
 MAX_TRACE_STEPS = 1_000_000  # well inside the wire's uint32
 MAX_STEP_NUMBER = 2**63 - 1  # an optimizer step number (the wire carries uint64)
@@ -46,7 +48,7 @@ def parse_int(text: str, low: int, high: int, what: str = "an integer") -> int:
 
 def parse_float(text: str, low: float, high: float, low_open: bool = True, what: str = "a number") -> float:
     try:
-        value = float(text)
+        value = ascii_float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{_number_text(text)!r} is not {what}") from None
     if not math.isfinite(value):
@@ -137,6 +139,8 @@ def parse_pid(text: str) -> int:
     """An argparse ``type``: one process id, a base-10 integer in ``1..MAX_PID``."""
     part = text.strip()
     try:
+        if not _INTEGER.fullmatch(part):
+            raise ValueError(part)
         pid = int(part, 10)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{_number_text(part)!r} is not a pid") from None

@@ -39,9 +39,26 @@ def human_age(seconds: Any) -> str:
     return f"{whole // 86400}d{whole % 86400 // 3600:02d}h"
 
 
+# A number as people type one, in ASCII digits: float() and int() also read other scripts'
+# digits ("\u0664\u0660" is 40 to them) and underscores ("1_0"), which no dynprof option documents.
+_FLOAT = re.compile(
+    r"[+-]?(?:(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?|inf(?:inity)?|nan)", re.ASCII | re.IGNORECASE
+)
+_SPACE = " \t\n\r\f\v"
+
+
+def ascii_float(text: str) -> float:
+    """``text`` (ASCII white space around it allowed) as a float, if it is a number written in
+    ASCII digits (or ``inf``, ``nan``: the caller says whether it takes them); ValueError if not."""
+    core = text.strip(_SPACE)
+    if not _FLOAT.fullmatch(core):
+        raise ValueError(f"not a number in ASCII digits: {text[:40]!a}")
+    return float(core)
+
+
 def parse_size(text: str) -> int:
-    """Parse ``"512M"``, ``"20G"``, ``"1073741824"`` into bytes."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)i?[bB]?\s*", text)
+    """Parse ``"512M"``, ``"20G"``, ``"1073741824"`` into bytes (ASCII digits only)."""
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kKmMgGtT]?)i?[bB]?\s*", text, re.ASCII)
     if not match:
         raise ArtifactError(f"cannot read size {text!r}", help="Write it as bytes or with K, M, G, T.")
     number, unit = match.groups()

@@ -194,14 +194,16 @@ def collect(request: MemoryRequest) -> Collected:
 # -- plans ---------------------------------------------------------------------------------------
 def parse_budget(text: str) -> tuple[int | None, float | None]:
     """``SIZE`` (bytes, K/M/G/T) or ``P%`` (of the measured peak): (bytes, fraction)."""
-    from dynprof.units import parse_size
+    from dynprof.units import ascii_float, parse_size
 
     raw = text.strip()
     if raw.endswith("%"):
         try:
-            value = float(raw[:-1])
+            value = ascii_float(raw[:-1])
         except ValueError:
-            value = -1.0
+            raise errors.UsageError(
+                f"--budget {text[:80]!r}: not a percentage (ASCII digits)", help="Write e.g. 60% or 40G."
+            ) from None
         if not 0 < value < 100:
             raise errors.UsageError(
                 f"--budget {text[:80]!r}: a percentage must be between 0 and 100", help="Write e.g. 60% or 40G."
@@ -293,6 +295,15 @@ class MemoryPlanRequest:
             size, fraction = parse_budget(self.budget)
             return {"budget_bytes": size if size is not None else int(m.peak_bytes * (fraction or 0))}
         size, fraction = parse_budget(self.save or "")
+        if size is not None and size > m.peak_bytes:
+            from dynprof.units import human_bytes
+
+            raise errors.UsageError(
+                f"--save {(self.save or '')[:80]!r} is more than the measured step's peak ({human_bytes(m.peak_bytes)}): "
+                "no plan saves more than the whole peak",
+                help="Ask for less than the peak (--save 8G, --save 30%), or say what the step must fit in "
+                "(--budget 40G).",
+            )
         return {"save_bytes": size if size is not None else int(m.peak_bytes * (fraction or 0))}
 
     def plan(self, measurement: dict[str, Any]) -> dict[str, Any]:

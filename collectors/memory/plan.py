@@ -5,7 +5,11 @@ freeable saved-tensor bytes, recompute time and events, the step's memory *timel
 highest level between block events), the peak and its parts. The plan is the set of blocks
 whose checkpointing brings the predicted peak under the budget less a margin (or saves the
 asked bytes) at the least added recompute time, found by dynamic programming over the blocks
-in forward order.
+in forward order (:func:`solve`). The search is bounded whatever the measurement (it may come
+from a hostile node: ``ls --fetch``): it extends at most :data:`WORK` states (under a second for
+4 096 crafted blocks with every entry the decoder allows, scripts/bench_plan_solver.py); beyond
+that it merges alike states, says the plan is not exact and how many bytes of budget it may
+have given away; every set it answers is checked by the predicted-peak rule.
 
 **The predicted peak** (:func:`peak_with`). Checkpointing block j takes its freeable bytes out
 of every timeline segment from its forward end to its backward start (less, while autocast is
@@ -50,6 +54,9 @@ MAX_BLOCKS = 4096
 MAX_SEGMENTS = 5 * MAX_BLOCKS + 64
 MAX_LATE = 64
 MAX_KEPT = 64
+# late_freeable and kept_inputs entries of all blocks together: each predicted peak walks those of
+# the chosen (a real step has a few per block; 64 for each of 4 096 blocks would cost seconds a plan)
+MAX_ENTRIES = 8 * MAX_BLOCKS
 # The share of the peak above parameters, gradients and optimizer state that a plan keeps under
 # the budget beyond its predicted peak. On the CPU harness (scripts/bench_memory_plan.py --device
 # cpu, and a Hugging Face Llama) predictions matched the real peak to the byte, or were short
@@ -57,7 +64,11 @@ MAX_KEPT = 64
 # measured step cannot see: a kernel's workspace where the peak statistic cannot be reset, a
 # step whose shapes differ.
 MARGIN = 0.01
-MAX_FRONT = 200_000  # DP states kept; beyond it a spread of them is kept (and the plan says it is not exact)
+# The most states one solve extends, over all candidates: it bounds the search's time and memory
+# whatever the measurement (scripts/bench_plan_solver.py); beyond it, solve merges alike states.
+WORK = 60_000
+MAX_CHECKS = 16  # sets the search found that peak_with checks beyond those it keeps
+MIN_KEYS = 8  # keys kept after each candidate, however many candidates
 MAX_BYTES = 1 << 60
 RUNNERS_UP = 3
 
@@ -115,11 +126,15 @@ class Measurement:
     preexisting_bytes: int = 0  # tensors alive at the step's start that Python held (not the model's)
     schema: int = SCHEMA
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self, blocks: bool = True) -> dict[str, Any]:
+        """The measurement as :func:`from_json` reads it (``blocks`` False: without its blocks
+        and timeline, what the plan's text shows of it)."""
         return {
             "schema": self.schema,
             "device": self.device,
-            "blocks": [
+            "blocks": []
+            if not blocks
+            else [
                 {
                     "name": b.name,
                     "class": b.cls,
@@ -140,7 +155,7 @@ class Measurement:
                 }
                 for b in self.blocks
             ],
-            "timeline": [list(t) for t in self.timeline],
+            "timeline": [list(t) for t in self.timeline] if blocks else [],
             "untracked_bytes": self.untracked_bytes,
             "drift_bytes": self.drift_bytes,
             "drift_over_bytes": self.drift_over_bytes,
@@ -182,6 +197,14 @@ def _str(doc: dict[str, Any], key: str, limit: int = 500) -> str:
     return v[:limit]
 
 
+def _counts(values: list[Any]) -> bool:
+    """Whether every one of ``values`` is a byte count (or a segment, or a group)."""
+    for v in values:
+        if type(v) is not int or not 0 <= v <= MAX_BYTES:
+            return False
+    return True
+
+
 def from_json(doc: Any) -> Measurement:
     """The measurement in ``doc`` (from an agent, a file, a sidecar), checked and bounded.
 
@@ -204,15 +227,12 @@ def from_json(doc: Any) -> Measurement:
         raise ArtifactError(f"memory plan measurement: timeline is not a list of at most {MAX_SEGMENTS}")
     timeline: list[tuple[int, int]] = []
     for seg in raw_timeline:
-        if (
-            not isinstance(seg, list)
-            or len(seg) != 2
-            or any(isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_BYTES for v in seg)
-        ):
+        if not (isinstance(seg, list) and len(seg) == 2 and _counts(seg)):
             raise ArtifactError("memory plan measurement: a timeline segment is not two byte counts")
         timeline.append((seg[0], seg[1]))
     segments = len(timeline)
     blocks = []
+    entries = 0
     for b in raw_blocks:
         if not isinstance(b, dict):
             raise ArtifactError("memory plan measurement: a block is not an object")
@@ -240,23 +260,20 @@ def from_json(doc: Any) -> Measurement:
             late = b.get("late_freeable", [])
             if not isinstance(late, list) or len(late) > MAX_LATE:
                 raise ArtifactError(f"memory plan measurement: late_freeable is not a list of at most {MAX_LATE}")
-            for x in late:
-                if (
-                    not isinstance(x, list)
-                    or len(x) != 2
-                    or any(isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_BYTES for v in x)
-                ):
-                    raise ArtifactError("memory plan measurement: a late_freeable entry is not a segment and bytes")
-                block.late_freeable.append((min(x[0], segments), x[1]))
             kept = b.get("kept_inputs", [])
             if not isinstance(kept, list) or len(kept) > MAX_KEPT:
                 raise ArtifactError(f"memory plan measurement: kept_inputs is not a list of at most {MAX_KEPT}")
+            entries += len(late) + len(kept)
+            if entries > MAX_ENTRIES:
+                raise ArtifactError(
+                    f"memory plan measurement: over {MAX_ENTRIES} late_freeable and kept_inputs entries in all"
+                )
+            for x in late:
+                if not (isinstance(x, list) and len(x) == 2 and _counts(x)):
+                    raise ArtifactError("memory plan measurement: a late_freeable entry is not a segment and bytes")
+                block.late_freeable.append((min(x[0], segments), x[1]))
             for x in kept:
-                if (
-                    not isinstance(x, list)
-                    or len(x) != 3
-                    or any(isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_BYTES for v in x)
-                ):
+                if not (isinstance(x, list) and len(x) == 3 and _counts(x)):
                     raise ArtifactError(
                         "memory plan measurement: a kept_inputs entry is not a segment, bytes and a group"
                     )
@@ -338,6 +355,7 @@ class Candidates:
     static: int
     # (segment, bytes, group) its checkpoint keeps from then on (see Block.kept_inputs)
     kept: list[list[tuple[int, int, int]]] = field(default_factory=list)
+    rules: Any = field(default=None, repr=False, compare=False)  # made by solve, once
 
 
 def candidates(m: Measurement) -> Candidates:
@@ -505,9 +523,121 @@ def _kept_rule(c: Candidates) -> tuple[list[int], list[int], bool]:
     return kept, since, exact
 
 
-def solve(c: Candidates, target: int, keep: int = 1 + RUNNERS_UP) -> tuple[list[Choice], bool]:
+@dataclass(frozen=True)
+class _Rules:
+    """What :func:`solve` reads of the candidates whatever the target: each constraint as the
+    level it holds the chosen to (the target is taken off it per solve). ``NONE``: no constraint."""
+
+    exact: bool  # the search is exact for these candidates (see _prefix_lengths, _kept_rule)
+    kept: list[int]  # per candidate: the bytes of the inputs its checkpoint keeps
+    level_plain: list[int]  # per m: the highest level of the segments whose held set is the first m
+    level_cached: list[int]  # the same, while autocast's cache is on
+    before_plain: list[int]  # per candidate j: its segments before its inputs' death, j the last held
+    before_cached: list[int]
+    gate_plain: list[int]  # per candidate k: its recompute, and its backward's segment
+    gate_cached: list[int]
+    top_plain: int  # the highest of all, less nothing: what no state needs to free more than
+    top_cached: int
+
+
+_NONE = -(1 << 100)  # a constraint that none is: below any state, whatever the target
+
+
+def _rules(c: Candidates) -> _Rules:
+    """The candidates' :class:`_Rules`, made once (a plan solves for many targets)."""
+    got = c.rules
+    if isinstance(got, _Rules):
+        return got
+    n = len(c.freeable)
+    prefix, exact = _prefix_lengths(c)
+    kept, since, kept_exact = _kept_rule(c)
+    level_plain = [_NONE] * (n + 1)
+    level_cached = [_NONE] * (n + 1)
+    before_plain = [_NONE] * n
+    before_cached = [_NONE] * n
+    for i, (lp, lc) in enumerate(c.timeline):
+        m = prefix[i]
+        j = m - 1
+        if 0 <= j < n and kept[j] and c.forward_end[j] <= i < since[j]:
+            before_plain[j] = max(before_plain[j], lp)
+            before_cached[j] = max(before_cached[j], lc)
+        else:
+            level_plain[m] = max(level_plain[m], lp)
+            level_cached[m] = max(level_cached[m], lc)
+    # taking candidate k: the chosen before it must free this much (its own bytes are held too,
+    # its inputs kept) for its recompute, and for its backward's segment (its inputs still kept)
+    gate_plain = [c.recompute_peak[k] - c.freeable[k] + kept[k] for k in range(n)]
+    gate_cached = [_NONE] * n
+    for k in range(n):
+        b = c.backward_start[k]
+        if kept[k] and 0 <= b < len(c.timeline):
+            lp, lc = c.timeline[b]
+            if lp:
+                gate_plain[k] = max(gate_plain[k], lp + kept[k])
+            if lc:
+                gate_cached[k] = lc + kept[k]
+    rules = _Rules(
+        exact=exact and kept_exact,
+        kept=kept,
+        level_plain=level_plain,
+        level_cached=level_cached,
+        before_plain=before_plain,
+        before_cached=before_cached,
+        gate_plain=gate_plain,
+        gate_cached=gate_cached,
+        top_plain=max([*level_plain, *gate_plain, *before_plain]),
+        top_cached=max([*level_cached, *gate_cached, *before_cached]),
+    )
+    c.rules = rules
+    return rules
+
+
+# A state of the search: its cost and the chosen candidates as a linked list, last first
+# ((index, rest) or None), so that a state grows by one candidate in constant time and memory.
+_Chosen = tuple[int, Any] | None
+_State = tuple[float, _Chosen]
+_Front = dict[tuple[int, int], list[_State]]
+
+
+def _chosen(node: _Chosen) -> tuple[int, ...]:
+    out = []
+    while node is not None:
+        out.append(node[0])
+        node = node[1]
+    return tuple(reversed(out))
+
+
+def _cheapest(states: list[_State], keep: int) -> list[_State]:
+    """The ``keep`` cheapest of ``states``, one of each cost: two of one cost in one state
+    (equal blocks in another order) are one alternative."""
+    if len(states) == 1:
+        return states
+    states.sort(key=_cost)
+    out = [states[0]]
+    last = states[0][0]
+    for s in states:
+        if len(out) >= keep:
+            break
+        if s[0] - last > 1e-9:
+            out.append(s)
+            last = s[0]
+    return out
+
+
+def _cost(state: _State) -> float:
+    return state[0]
+
+
+def solve(
+    c: Candidates,
+    target: int,
+    keep: int = 1 + RUNNERS_UP,
+    work: int = WORK,
+    info: dict[str, int] | None = None,
+) -> tuple[list[Choice], bool]:
     """The cheapest sets of candidates whose :func:`peak_with` is at most ``target``, cheapest
-    first (at most ``keep``), and whether the search was exact.
+    first (at most ``keep``, no two of equal cost and equal peak freeing the same bytes), and
+    whether the search was exact.
 
     Dynamic programming over the candidates in forward order. Each segment's constraint is a
     lower bound on the bytes freed by the chosen candidates held in it: with the blocks in a
@@ -517,79 +647,119 @@ def solve(c: Candidates, target: int, keep: int = 1 + RUNNERS_UP) -> tuple[list[
     held set is the first m is checked there; a candidate's recompute and its backward's
     segment (where its inputs are still kept, its bytes no longer freed) when it is taken; the
     segments from its forward end to its inputs' death (freed, not kept yet) when it is
-    decided (:func:`_kept_rule`). States that `keep` others beat (they free at least as much of
-    both for no more time) are dropped. Every answer is checked against :func:`peak_with`."""
+    decided (:func:`_kept_rule`). Of the states of one key, the ``keep`` cheapest are kept, one
+    of each cost (equal blocks in another order are one alternative).
+
+    **Bounded whatever the candidates.** The keys kept after each candidate are at most
+    ``work / ((candidates + 1) * keep)`` (and :data:`MIN_KEYS`), so a solve extends at most
+    about ``work`` states. Beyond it, the states that ``keep`` others beat (as many bytes freed
+    of both kinds or more, for no more time) are dropped; if still too many, states whose bytes
+    differ by less than a width are merged into one cell, under its least bytes of each kind
+    (never overstated), the cell's cheapest kept, and the search is not exact. A merge takes
+    less than its width off the bytes freed on the way to any answer, so the cheapest answer
+    costs no more than the cheapest set that meets ``target`` less the widths summed
+    (``info["slack_bytes"]``; checked against brute force). Every answer is checked with
+    :func:`peak_with` (at most ``keep + MAX_CHECKS`` sets): a returned set always meets the target."""
     n = len(c.freeable)
-    t = target - c.untracked
     if c.static > target:
         return [], True
-    prefix, exact = _prefix_lengths(c)
-    kept, since, kept_exact = _kept_rule(c)
-    exact = exact and kept_exact
-    none = -MAX_BYTES * 4  # no constraint
-    need_plain = [none] * (n + 1)  # bytes the first m must free (less the inputs they keep)
-    need_cached = [none] * (n + 1)
-    # the segments from candidate j's forward end to its inputs' death, j the last held: the
-    # first j+1 must free this much, j's inputs not kept yet
-    before_plain = [none] * n
-    before_cached = [none] * n
-    for i, (lp, lc) in enumerate(c.timeline):
-        m = prefix[i]
-        j = m - 1
-        if 0 <= j < n and kept[j] and c.forward_end[j] <= i < since[j]:
-            before_plain[j] = max(before_plain[j], lp - t)
-            before_cached[j] = max(before_cached[j], lc - t)
-        else:
-            need_plain[m] = max(need_plain[m], lp - t)
-            need_cached[m] = max(need_cached[m], lc - t)
-    # taking candidate k: the chosen before it must free this much (its own bytes are held too,
-    # its inputs kept) for its recompute, and for its backward's segment (its inputs still kept)
-    gate = [c.recompute_peak[k] - t - c.freeable[k] + kept[k] for k in range(n)]
-    gate_cached = [none] * n
-    for k in range(n):
-        b = c.backward_start[k]
-        if kept[k] and 0 <= b < len(c.timeline):
-            lp, lc = c.timeline[b]
-            if lp:
-                gate[k] = max(gate[k], lp - t + kept[k])
-            if lc:
-                gate_cached[k] = lc - t + kept[k]
-    cap_p = max([0, *need_plain, *gate, *before_plain])
-    cap_c = max([0, *need_cached, *gate_cached, *before_cached])
-    front: dict[tuple[int, int], list[tuple[float, tuple[int, ...]]]] = {(0, 0): [(0.0, ())]}
+    rules = _rules(c)
+    exact = rules.exact
+    t = target - c.untracked
+    need_plain = [v - t for v in rules.level_plain]
+    need_cached = [v - t for v in rules.level_cached]
+    before_plain = [v - t for v in rules.before_plain]
+    before_cached = [v - t for v in rules.before_cached]
+    gate_plain = [v - t for v in rules.gate_plain]
+    gate_cached = [v - t for v in rules.gate_cached]
+    cap_p = max(0, rules.top_plain - t)
+    cap_c = max(0, rules.top_cached - t)
+    limit = max(MIN_KEYS, work // ((n + 1) * keep))
+    slack = 0
+    front: _Front = {(0, 0): [(0.0, None)]}
     for m in range(n + 1):
         front = {k: v for k, v in front.items() if k[0] >= need_plain[m] and k[1] >= need_cached[m]}
         if m == n or not front:
             break
-        f, fc, sec = c.freeable[m], c.freeable[m] - c.casts[m], c.seconds[m]
-        add: dict[tuple[int, int], list[tuple[float, tuple[int, ...]]]] = {}
+        f, fc, sec, km = c.freeable[m], c.freeable[m] - c.casts[m], c.seconds[m], rules.kept[m]
+        gp, gc, bp, bc = gate_plain[m], gate_cached[m], before_plain[m], before_cached[m]
+        add: _Front = {}
         for (fp, fcc), states in front.items():
-            if fp < gate[m] or fcc < gate_cached[m] or fp + f < before_plain[m] or fcc + fc < before_cached[m]:
+            if fp < gp or fcc < gc or fp + f < bp or fcc + fc < bc:
                 continue
-            key = (min(cap_p, fp + f - kept[m]), min(cap_c, fcc + fc - kept[m]))
-            add.setdefault(key, []).extend((cost + sec, (*chosen, m)) for cost, chosen in states)
+            key = (min(cap_p, fp + f - km), min(cap_c, fcc + fc - km))
+            grown: list[_State] = [(cost + sec, (m, node)) for cost, node in states]
+            got = add.get(key)
+            if got is None:
+                add[key] = grown
+            else:
+                got.extend(grown)
         # not taking it: its segments before its inputs' death as measured, less the chosen before
-        front = {k: v for k, v in front.items() if k[0] >= before_plain[m] and k[1] >= before_cached[m]}
+        front = {k: v for k, v in front.items() if k[0] >= bp and k[1] >= bc}
         for key, states in add.items():
-            front[key] = sorted(front.get(key, []) + states)[:keep]
-        front = _prune(front, keep)
-        if len(front) > MAX_FRONT:
+            old = front.get(key)
+            front[key] = _cheapest(states if old is None else old + states, keep)
+        if len(front) > limit:
+            if not slack:  # (once merged, merging again keeps the cheapest: no need to look for the beaten)
+                front = _prune(front, keep)
+            if len(front) > limit:
+                front, width = _merge(front, limit, keep, (cap_p, cap_c))
+                slack += width
+                exact = False
+    ordered = sorted((s for states in front.values() for s in states), key=lambda s: s[0])
+    found: list[Choice] = []
+    seen: set[tuple[float, int, int]] = set()
+    checks = 0
+    for cost, node in ordered:
+        if len(found) >= keep and round(cost, 9) > round(found[keep - 1].cost, 9):
+            break
+        if checks >= keep + MAX_CHECKS:
             exact = False
-            keys = sorted(front)
-            front = {key: front[key] for key in keys[:: len(keys) // MAX_FRONT + 1]}
-    found = []
-    for states in front.values():
-        for cost, chosen in states:
-            peak = peak_with(c, chosen)
-            if peak <= target:
-                found.append(Choice(chosen, sum(c.freeable[i] for i in chosen), cost, peak))
-    found.sort(key=lambda ch: (ch.cost, ch.peak, len(ch.blocks), ch.blocks))
+            break
+        checks += 1
+        chosen = _chosen(node)
+        peak = peak_with(c, chosen)
+        if peak > target:
+            continue
+        freed = sum(c.freeable[i] for i in chosen)
+        alike = (round(cost, 9), peak, freed)
+        if alike not in seen:
+            seen.add(alike)
+            found.append(Choice(chosen, freed, cost, peak))
+            found.sort(key=lambda ch: (ch.cost, ch.peak, len(ch.blocks), ch.blocks))
+    if info is not None:
+        info["slack_bytes"] = slack
     return found[:keep], exact
 
 
-def _prune(
-    front: dict[tuple[int, int], list[tuple[float, tuple[int, ...]]]], keep: int
-) -> dict[tuple[int, int], list[tuple[float, tuple[int, ...]]]]:
+def _merge(front: _Front, limit: int, keep: int, cap: tuple[int, int]) -> tuple[_Front, int]:
+    """``front`` in at most ``limit`` cells of bytes freed (of both kinds): each cell's
+    ``keep`` cheapest states under its least bytes of each kind (what they free is never
+    overstated: a merged state meets no constraint the states in it did not); and the width
+    of the cells (a merged state frees less than one it replaced by less than it). A kind at
+    its ``cap`` (no constraint asks for more) is a cell of its own: it stays at the cap."""
+    lo_p = min(k[0] for k in front)
+    lo_c = min(k[1] for k in front)
+    span = max(max(k[0] for k in front) - lo_p, max(k[1] for k in front) - lo_c)
+    width = span // max(1, limit // 2) + 1
+    while True:
+        cells: dict[tuple[int, int], list[tuple[int, int]]] = {}
+        for p, c in front:
+            cell = (-1 if p >= cap[0] else (p - lo_p) // width, -1 if c >= cap[1] else (c - lo_c) // width)
+            cells.setdefault(cell, []).append((p, c))
+        if len(cells) <= limit or width > span:  # (then at most four: at the caps or not)
+            break
+        width *= 2
+    out: _Front = {}
+    for keys in cells.values():
+        least = (min(k[0] for k in keys), min(k[1] for k in keys))
+        pooled = [s for key in keys for s in front[key]]
+        old = out.get(least)
+        out[least] = _cheapest(pooled if old is None else old + pooled, keep)
+    return out, width
+
+
+def _prune(front: _Front, keep: int) -> _Front:
     """Drop the states that ``keep`` others beat: as many bytes freed of both kinds or more, for
     no more time. A sweep by the first kind, descending, over a Fenwick tree indexed by the
     second kind (descending) whose nodes keep their ``keep`` cheapest costs."""
@@ -599,7 +769,7 @@ def _prune(
     rank = {v: i + 1 for i, v in enumerate(seconds)}
     size = len(seconds)
     tree: list[list[float]] = [[] for _ in range(size + 1)]
-    out: dict[tuple[int, int], list[tuple[float, tuple[int, ...]]]] = {}
+    out: _Front = {}
     keys = sorted(front, reverse=True)
     i = 0
     while i < len(keys):
@@ -646,25 +816,32 @@ def margin_bytes(m: Measurement) -> int:
     return int(MARGIN * max(0, m.peak_bytes - _static(m))) + m.drift_bytes
 
 
-def floor_bytes(m: Measurement) -> int:
+def floor_bytes(m: Measurement, c: Candidates | None = None, info: dict[str, Any] | None = None) -> int:
     """The lowest predicted peak checkpointing reaches: the least :func:`peak_with` over the
     sets of candidates (found by bisection with :func:`solve`; every candidate checkpointed
-    where that is lower), never under what parameters, gradients and optimizer state hold."""
-    c = candidates(m)
+    where that is lower), never under what parameters, gradients and optimizer state hold.
+
+    The bisection's searches share :data:`WORK`: where one was cut at its bound, the floor is
+    the lowest peak of a set found (reached, maybe not the least) and ``info["exact"]`` False."""
+    c = candidates(m) if c is None else c
     n = len(c.freeable)
     every = peak_with(c, range(n)) if n else max(m.peak_bytes, c.static)
     lo, hi = c.static, min(every, peak_with(c, ()))
-    if n == 0 or lo >= hi:
-        return max(hi, c.static)
-    step = max(64, (hi - lo) // 4096)
-    while hi - lo > step:
-        mid = (lo + hi) // 2
-        got, _ = solve(c, mid, keep=1)
-        if got:
-            hi = got[0].peak
-        else:
-            lo = mid + 1
-    return hi
+    exact = True
+    if n and lo < hi:
+        step = max(64, (hi - lo) // 4096)
+        share = WORK // (4 * max(1, (hi - lo).bit_length() - step.bit_length() + 1))
+        while hi - lo > step:
+            mid = (lo + hi) // 2
+            got, done = solve(c, mid, keep=1, work=share)
+            exact = exact and done
+            if got:
+                hi = got[0].peak
+            else:
+                lo = mid + 1
+    if info is not None:
+        info["exact"] = exact
+    return max(hi, c.static)
 
 
 def predict(m: Measurement, modules: set[str]) -> dict[str, Any]:
@@ -696,23 +873,35 @@ def predict(m: Measurement, modules: set[str]) -> dict[str, Any]:
     }
 
 
-def make_plan(m: Measurement, budget: int | None = None, save: int | None = None) -> dict[str, Any]:
+def make_plan(
+    m: Measurement, budget: int | None = None, save: int | None = None, measurement: bool = True
+) -> dict[str, Any]:
     """The plan's document (``--json``): the chosen blocks, the predicted peak and step-time
-    increase, the runners-up, the floor, and how to apply it.
+    increase, the runners-up, the floor, and how to apply it (``measurement`` False: the
+    measurement in it without its blocks and timeline, as the text shows it).
 
     The plan aims under ``budget`` less a margin (:func:`margin_bytes`): the predicted peak
     of the chosen set is at most ``budget - margin``."""
     if (budget is None) == (save is None):
         raise ValueError("give exactly one of budget and save")
+    if (budget if budget is not None else save or 0) < 0 or (save or 0) > m.peak_bytes:
+        raise ValueError("a budget under 0, or a saving beyond the measured peak")
     need = (m.peak_bytes - budget) if budget is not None else int(save or 0)
     target = budget if budget is not None else m.peak_bytes - need
     margin = margin_bytes(m)
     c = candidates(m)
     step = m.typical_step_s or m.step_s
+    searched: dict[str, int] = {}
     if need <= 0:
         choices, exact = [Choice((), 0, 0.0, m.peak_bytes)], True
     else:
-        choices, exact = solve(c, target - margin)
+        choices, exact = solve(c, target - margin, info=searched)
+        n = len(c.freeable)
+        if not choices and not exact and n:
+            # the search, cut at its bound, found none: every candidate, if that meets the rule
+            every = peak_with(c, range(n))
+            if every <= target - margin:
+                choices = [Choice(tuple(range(n)), sum(c.freeable), sum(c.seconds), every)]
 
     def describe(ch: Choice) -> dict[str, Any]:
         names = [m.blocks[c.index[i]].name for i in ch.blocks]
@@ -725,14 +914,19 @@ def make_plan(m: Measurement, budget: int | None = None, save: int | None = None
             "added_step_fraction": round(ch.cost / step, 4) if step else None,
         }
 
-    floor = floor_bytes(m)
+    floored: dict[str, Any] = {}
+    floor = floor_bytes(m, c, floored)
     doc: dict[str, Any] = {
         "schema": PLAN_SCHEMA,
-        "measurement": m.to_json(),
+        "measurement": m.to_json(blocks=measurement),
         "budget_bytes": target,
         "need_bytes": max(need, 0),
         "margin_bytes": margin,
-        "exact": exact,
+        # False: a search was cut at its bound (WORK): the plan and the floor are sets that meet
+        # the rule, maybe not the cheapest and the lowest; the plan is no dearer than the
+        # cheapest for a budget slack_bytes lower
+        "exact": exact and floored["exact"],
+        "slack_bytes": searched.get("slack_bytes", 0),
         "floor_bytes": floor,
         "candidates": len(c.index),
     }
@@ -901,11 +1095,15 @@ def plan_step(
 
 
 def render_text(doc: dict[str, Any]) -> str:
+    """The plan for a person. Every string of the measurement (its device, the peak's source,
+    its notes, the blocks' names: from a process, a file, another node) is shown as one
+    printable line (:func:`dynprof.safetext.one_line`): none forges a line of the plan."""
+    from dynprof.safetext import one_line
     from dynprof.units import human_bytes as hb
 
     m = doc["measurement"]
     lines = [
-        f"measured step on {m['device']}: peak {hb(m['peak_bytes'])} ({m['peak_source']})",
+        f"measured step on {one_line(m['device'], 40)}: peak {hb(m['peak_bytes'])} ({one_line(m['peak_source'], 200)})",
         f"  parameters {hb(m['parameter_bytes'])}, gradients {hb(m['gradient_bytes'])}, "
         f"optimizer state {hb(m['optimizer_state_bytes'])}, activations {hb(m['activation_bytes'])} "
         f"({hb(m['unrecomputable_activation_bytes'])} no block can free), temporaries {hb(m['temporary_bytes'])}",
@@ -913,7 +1111,7 @@ def render_text(doc: dict[str, Any]) -> str:
         + (f" (typical step {m['typical_step_s']:.3f} s)" if m.get("typical_step_s") else ""),
     ]
     for n in m.get("notes") or []:
-        lines.append(f"  note: {n}")
+        lines.append(f"  note: {one_line(n, 500)}")
     lines.append(f"budget {hb(doc['budget_bytes'])}: needs {hb(doc['need_bytes'])} off the peak")
     margin = doc.get("margin_bytes")
     if margin:
@@ -934,7 +1132,8 @@ def render_text(doc: dict[str, Any]) -> str:
     elif plan:
         frac = plan.get("added_step_fraction")
         lines.append(
-            f"plan: checkpoint {len(plan['modules'])} module(s): {', '.join(plan['modules'][:12])}"
+            f"plan: checkpoint {len(plan['modules'])} module(s): "
+            + ", ".join(one_line(name, 300) for name in plan["modules"][:12])
             + (" ..." if len(plan["modules"]) > 12 else "")
         )
         lines.append(
@@ -948,7 +1147,7 @@ def render_text(doc: dict[str, Any]) -> str:
                 f"+{r['added_step_s'] * 1000:.1f} ms"
             )
         lines.append("how to apply (torch.utils.checkpoint):")
-        lines.extend("  " + x for x in doc["apply"]["torch.utils.checkpoint"].splitlines())
+        lines.extend("  " + one_line(x, None) for x in doc["apply"]["torch.utils.checkpoint"].split("\n"))
         lines.append("  (--json has the same for FSDP's checkpoint_wrapper, Hugging Face and DeepSpeed)")
     else:
         lines.append(
@@ -961,7 +1160,11 @@ def render_text(doc: dict[str, Any]) -> str:
                     f"  {o['option']}: saves {hb(figure)}" + (" with 8 ranks" if "saves_bytes" not in o else "")
                 )
     if not doc.get("exact", True):
-        lines.append("  (not exact: too many distinct block sizes; the search kept a spread of its states)")
+        slack = doc.get("slack_bytes") or 0
+        lines.append(
+            "  (not exact: the search reached its bound and merged alike states; the plan meets the rule, "
+            + (f"no dearer than the cheapest for a budget {hb(slack)} lower)" if slack else "maybe not the cheapest)")
+        )
     return "\n".join(lines)
 
 
@@ -982,9 +1185,11 @@ def render_artifact(artifact: Any) -> tuple[dict[str, Any], str]:
     asked: dict[str, Any] = raw if isinstance(raw, dict) else {}
     budget, save = asked.get("budget_bytes"), asked.get("save_bytes")
     if isinstance(budget, int) and not isinstance(budget, bool) and budget >= 0:
-        plan = make_plan(m, budget=budget)
-    elif isinstance(save, int) and not isinstance(save, bool) and save >= 0:
-        plan = make_plan(m, save=save)
+        plan = make_plan(m, budget=budget, measurement=False)
+    elif isinstance(save, int) and not isinstance(save, bool) and 0 <= save <= m.peak_bytes:
+        plan = make_plan(m, save=save, measurement=False)
+    elif isinstance(save, int) and not isinstance(save, bool) and save > m.peak_bytes:
+        raise ArtifactError(f"{PLAN_FILE} asks to save {save} bytes, more than its measured peak ({m.peak_bytes})")
     else:
         raise ArtifactError(f"{PLAN_FILE} says neither the budget nor the saving that was asked for")
     chosen = plan.get("plan") or {}

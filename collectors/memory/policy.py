@@ -20,6 +20,7 @@ applies them only in a process that has already initialised CUDA.
 from __future__ import annotations
 
 import inspect
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -107,6 +108,8 @@ def parse_policy(text: str | None, default: HistoryPolicy = DEFAULT_POLICY) -> H
             stacks, number = kind, value[len(prefix) + 1 :]
             break
     try:
+        if not re.fullmatch(r"[0-9][0-9_]*", number, re.ASCII):  # int() takes other scripts' digits
+            raise ValueError(number)
         entries = int(number.replace("_", ""))
     except ValueError:
         raise PolicyError(f"memory history {text!r} is not off, a number of entries, all-stacks[:N] or state") from None
@@ -118,9 +121,11 @@ def parse_policy(text: str | None, default: HistoryPolicy = DEFAULT_POLICY) -> H
 
 
 def _parse_budget(text: str) -> float:
+    from dynprof.units import ascii_float
+
     raw = text.strip().rstrip("%").strip()
     try:
-        percent = float(raw)
+        percent = ascii_float(raw)
     except ValueError:
         raise PolicyError(f"auto:{text}: the budget is a percentage of step time, e.g. auto:0.5%") from None
     if not 0 < percent <= MAX_BUDGET * 100 or percent != percent:

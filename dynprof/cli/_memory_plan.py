@@ -7,7 +7,7 @@ from typing import Any
 
 from collectors.memory.plan import render_text
 from collectors.memory.plan_scale import describe
-from dynprof.cli._common import table
+from dynprof.cli._common import printable, table
 
 
 def render(doc: dict[str, Any]) -> str:
@@ -27,7 +27,9 @@ def render(doc: dict[str, Any]) -> str:
         parts.append(f"{who}, pid {r['pid']}:\n" + render_text(r["plan"]) + more + kept)
     if rows:
         parts.append(table(rows, ["rank", "pid", "status", "result"]))
-        parts.extend(f"  what to do: {r['help']}" for r in doc["results"] if r["status"] != "ok" and r.get("help"))
+        parts.extend(
+            f"  what to do: {printable(r['help'])}" for r in doc["results"] if r["status"] != "ok" and r.get("help")
+        )
     return "\n\n".join(parts)
 
 

@@ -178,3 +178,17 @@ def test_parse_pids_reads_a_comma_list_and_skips_empty_parts():
         parse_pids(" , ,")
     with pytest.raises(Bad, match="is not a pid"):
         parse_pids("1,x")
+
+
+@pytest.mark.parametrize("text", ["\u0664", "\u0664.\u0665", "1_0", "\uff14"])
+def test_parse_float_takes_ascii_digits_only(text):
+    # GIVEN a number float() reads, written with another script's digits or underscores
+    # WHEN it is given as an option THEN it is not a number
+    with pytest.raises(Bad, match="is not a number"):
+        parse_float(text, 0.0, 100.0)
+
+
+@pytest.mark.parametrize("text", ["\u0661\u0662", "1_2", "\uff11\uff12"])
+def test_a_pid_takes_ascii_digits_only(text):
+    with pytest.raises(Bad, match="is not a pid"):
+        parse_pid(text)

@@ -157,3 +157,18 @@ def test_a_process_that_is_gone_is_named_by_its_pid(collector):
     with pytest.raises(errors.DynprofError) as gone:
         collector((pid,))
     assert str(pid) in gone.value.message
+
+
+@pytest.mark.parametrize(
+    ("text", "said"),
+    [
+        ("\u0664\u0660G", "cannot read size"),  # Arabic-Indic 40G: float() and int() read it as 40
+        ("\u0664\u0660%", "not a percentage (ASCII digits)"),
+        ("1_0%", "not a percentage (ASCII digits)"),
+        ("nan%", "between 0 and 100"),
+    ],
+)
+def test_a_budget_takes_ascii_digits_only(text, said):
+    # GIVEN a budget written with another script's digits WHEN the request is made THEN refused
+    with pytest.raises(errors.UsageError, match=said.replace("(", r"\(").replace(")", r"\)")):
+        MemoryPlanRequest(pids=(1,), budget=text)

@@ -69,3 +69,10 @@ def test_bad_variables_fall_back_to_defaults():
 
 def test_host_watch_can_be_turned_off():
     assert MemoryOptions.from_env({"DYNPROF_HOST_MEMORY_FRACTION": "off"}).host_fraction == 0.0
+
+
+@pytest.mark.parametrize("text", ["\u0661\u0660\u0660", "python:\u0661\u0660", "auto:\u0660.\u0665%"])
+def test_a_policy_takes_ascii_digits_only(text):
+    # GIVEN entries or a budget written with another script's digits WHEN parsed THEN refused
+    with pytest.raises(PolicyError):
+        parse_policy(text)
