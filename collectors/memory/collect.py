@@ -138,6 +138,7 @@ class Collected:
     exit_code: int
     failures: list[errors.DynprofError] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    jobs: list[dict[str, Any]] = field(default_factory=list)  # plans: one per group of a job's ranks that agree
 
 
 def _failed_row(res: dict[str, Any], exc: errors.DynprofError) -> None:
@@ -343,7 +344,8 @@ def save_plan(record: AgentRecord, measurement: dict[str, Any], request: MemoryP
 
 def collect_plan(request: MemoryPlanRequest) -> Collected:
     """Measure the next step of each process ``request`` names and plan it; each plan kept as an
-    artifact (a plan that could not be kept is a note, its row still ``ok``)."""
+    artifact (a plan that could not be kept is a note, its row still ``ok``). The ranks of a
+    job whose measurements agree get one plan besides (``jobs``: :func:`job_plans`)."""
     from dynprof.client import AgentClient
     from dynprof.proto import pb
     from dynprof.untrusted import loads_json
@@ -373,6 +375,7 @@ def collect_plan(request: MemoryPlanRequest) -> Collected:
     results: list[dict[str, Any]] = []
     failures: list[errors.DynprofError] = []
     save_errors: list[str] = []
+    measured: list[tuple[dict[str, Any], dict[str, Any]]] = []  # (row, measurement) of each plan
     for record, reply in zip(records, replies):
         res: dict[str, Any] = {"pid": record.pid, "rank": record.rank, "job": record.job_id}
         if isinstance(reply, errors.DynprofError):
@@ -405,13 +408,61 @@ def collect_plan(request: MemoryPlanRequest) -> Collected:
                 failures.append(err)
             else:
                 res.update(status="ok", plan=plan)
+                measured.append((res, doc))
                 try:
                     res["artifact"] = save_plan(record, doc, request)
                 except (OSError, errors.DynprofError) as exc:
                     res["artifact"] = None
                     save_errors.append(f"pid {record.pid}: the plan was not saved: {exc}")
         results.append(res)
-    return Collected(results, _exit_code(results, ("ok",)), failures, save_errors)
+    jobs = job_plans(request, measured, save_errors)
+    return Collected(results, _exit_code(results, ("ok",)), failures, save_errors, jobs)
+
+
+def job_plans(
+    request: MemoryPlanRequest, measured: list[tuple[dict[str, Any], dict[str, Any]]], notes: list[str]
+) -> list[dict[str, Any]]:
+    """One plan per group of a job's ranks whose measurements agree
+    (:mod:`collectors.memory.plan_ranks`), for each job of two measured ranks or more: the
+    group's ranks and pids, the plan of their merged measurement (the highest peak's bytes, the
+    slowest rank's times), each rank's own figures, and for a group after the job's first, the
+    ranks it differs from and how. A group that cannot be planned is a note."""
+    from collectors.memory import plan_ranks
+
+    by_job: dict[str, list[plan_ranks.Member]] = {}
+    for row, doc in measured:
+        if row.get("job"):
+            try:
+                by_job.setdefault(str(row["job"]), []).append(plan_ranks.member(row, doc))
+            except errors.ArtifactError as exc:
+                notes.append(f"pid {row['pid']}: left out of its job's plan: {exc.message}")
+    out: list[dict[str, Any]] = []
+    for job, members in by_job.items():
+        if len(members) < 2:
+            continue
+        for g in plan_ranks.group(job, members):
+            doc, highest, slowest = plan_ranks.merged(g)
+            try:
+                plan = request.plan(doc)
+            except errors.ArtifactError as exc:
+                notes.append(f"job {job}, {plan_ranks.ranks_text(g.ranks)}: not planned: {exc.message}")
+                continue
+            modules = list((plan.get("plan") or {}).get("modules") or [])
+            out.append(
+                {
+                    "job": job,
+                    "ranks": g.ranks,
+                    "pids": [m.pid for m in g.members],
+                    "tolerance": plan_ranks.TOLERANCE,
+                    "bytes_of": {"rank": highest.rank, "pid": highest.pid},
+                    "times_of": {"rank": slowest.rank, "pid": slowest.pid},
+                    "differs_from": g.differs_from,
+                    "how": g.how,
+                    "plan": plan,
+                    "rank_figures": plan_ranks.rank_figures(g, modules),
+                }
+            )
+    return out
 
 
 def collect_undo(request: MemoryPlanRequest) -> Collected:

@@ -1176,11 +1176,16 @@ MAX_PLAN_FILE_BYTES = 64 << 20
 def render_artifact(artifact: Any) -> tuple[dict[str, Any], str]:
     """Summary and text of a ``memory-plan`` artifact (``dynprof show``, the sidecar's page): the
     plan as ``dynprof memory plan`` printed it, re-derived from the measurement it saved (read
-    with :func:`from_json`'s checks) for the budget or saving it was asked for."""
+    with :func:`from_json`'s checks) for the budget or saving it was asked for; for one of
+    ``dynprof run --checkpoint``, first what it applied and verified
+    (:mod:`collectors.memory.plan_applied`, also the summary's ``checkpoint``)."""
+    from collectors.memory import plan_applied
+
     doc = artifact.read_json(PLAN_FILE, MAX_PLAN_FILE_BYTES)
     if not isinstance(doc, dict) or not isinstance(doc.get("measurement"), dict):
         raise ArtifactError(f"{PLAN_FILE} holds no measurement")
     m = from_json(doc["measurement"])
+    plan_applied.clean_measurement(m)  # the file's strings, one printable line each
     raw = doc.get("asked")
     asked: dict[str, Any] = raw if isinstance(raw, dict) else {}
     budget, save = asked.get("budget_bytes"), asked.get("save_bytes")
@@ -1200,4 +1205,9 @@ def render_artifact(artifact: Any) -> tuple[dict[str, Any], str]:
         "predicted_peak_bytes": chosen.get("predicted_peak_bytes"),
         "measured_peak_bytes": m.peak_bytes,
     }
-    return summary, render_text(plan)
+    text = render_text(plan)
+    applied = plan_applied.read(doc.get("applied"))  # `dynprof run --checkpoint`: what it applied, verified
+    if applied is not None:
+        summary["checkpoint"] = applied
+        text = "\n".join(plan_applied.lines(applied)) + "\n\nthe plan of the measured step, for this budget:\n" + text
+    return summary, text

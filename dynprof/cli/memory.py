@@ -33,7 +33,8 @@ class MemoryResults(Result):
 
 @dataclass
 class MemoryPlanResults(Result):
-    """``dynprof memory plan``: ``{"schema": 1, "results": [one row per process, with its plan]}``."""
+    """``dynprof memory plan``: ``{"schema": 1, "results": [one row per process, with its plan],
+    "jobs": [one plan per group of a job's ranks that agree, with each rank's figures]}``."""
 
 
 class MemoryCommand(JobCommand):
@@ -144,7 +145,7 @@ class MemoryCommand(JobCommand):
         got = collect_plan(request)
         if raise_single and len(got.results) == 1 and got.failures:
             raise got.failures[0]
-        doc = {"schema": 1, "results": got.results, "notes": got.notes}
+        doc = {"schema": 1, "results": got.results, "jobs": got.jobs, "notes": got.notes}
         return MemoryPlanResults(doc=doc, exit_code=got.exit_code, messages=list(got.notes))
 
     def action_requests(self) -> dict[str, tuple[Callable[[dict[str, Any]], Any], Callable[[Any], Result]]]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 
+from tests._ports import free_port
 from tests.conftest import ROOT
 
 PROGRAM = "tests/integration/programs/plan_program.py"
@@ -139,3 +140,50 @@ def test_an_evaluation_after_the_last_step_ends_the_measurement_and_the_cli_says
     (line,) = target.wait_for_line("EVAL")
     assert line == "EVAL forward=0 saved_tensors=False grad=False mode=False", line
     assert os.path.exists(f"/proc/{pid}")
+
+
+def test_a_job_s_identical_ddp_ranks_get_one_plan_with_each_rank_s_figures(spawn, cli):
+    # GIVEN a 2-rank gloo job, its model in DDP, each rank under `dynprof run` with the job's id
+    port = str(free_port())
+    targets = []
+    for rank in (0, 1):
+        env = {
+            "PYTHONPATH": str(ROOT),
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": port,
+            "DYNPROF_JOB_ID": "planjob",
+        }
+        args = [PROGRAM, "--ddp", "--width", "32", "--depth", "4", "--batch", "512", "--max-seconds", "600"]
+        targets.append(spawn(args, env=env))
+    pids = [pid for t in targets for pid in t.ready_pids(timeout=120)]
+
+    # WHEN the job's plan is asked for, for 80 % of the peak
+    res = cli("memory", "plan", "--job", "planjob", "--budget", "80%", "--json", "--timeout", "120")
+    text = cli("memory", "plan", "--job", "planjob", "--budget", "80%", "--timeout", "120")
+
+    # THEN both ranks were measured, and the job has one plan for ranks 0 and 1
+    assert res.returncode == 0, res.stderr + "".join(t.state(p) for t, p in zip(targets, pids))
+    doc = json.loads(res.stdout)
+    assert sorted(r["pid"] for r in doc["results"]) == sorted(pids)
+    (job,) = doc["jobs"]
+    assert job["job"] == "planjob" and job["ranks"] == [0, 1] and job["differs_from"] == [], job["how"]
+    # AND it names the blocks as the user's code holds the model: no DDP `module.` before them
+    plan = job["plan"]
+    assert plan["status"] == "fits", plan
+    assert plan["plan"]["modules"] and all(n.startswith("blocks.") for n in plan["plan"]["modules"]), plan["plan"]
+    assert [b["name"] for b in plan["measurement"]["blocks"]] == [f"blocks.{i}" for i in range(4)]
+    # AND it is timed by the slower rank, and each rank's own peak fits the budget with it
+    step = {f["rank"]: f["typical_step_s"] or f["step_s"] for f in job["rank_figures"]}
+    assert job["times_of"]["rank"] == max(step, key=lambda r: step[r])
+    for f in job["rank_figures"]:
+        assert f["predicted_peak_bytes"] <= plan["budget_bytes"] < f["peak_bytes"], (f, plan["budget_bytes"])
+    # AND the text says it once, for both ranks, with a row per rank
+    assert text.returncode == 0, text.stderr
+    head = f"job planjob, ranks 0-1 (pids {', '.join(map(str, pids))}): one plan, their measured steps agree"
+    assert text.stdout.startswith(head) or head in text.stdout, text.stdout
+    assert text.stdout.count("plan: checkpoint ") == 1, text.stdout
+    rows = text.stdout.split("each rank, measured and with the plan:\n")[1].splitlines()
+    assert [r.split()[0] for r in rows[1:3]] == ["0", "1"], rows

@@ -274,7 +274,12 @@ def test_a_plan_is_asked_with_its_options_and_its_notes_said(answers, capsys):
     answers["collect_plan"] = Collected([plan_row], 9, [], ["the step was measured twice"])
     assert main(["memory", "plan", "--job", "j", "--budget", "40G", "--json"]) == 9
     captured = capsys.readouterr()
-    assert json.loads(captured.out) == {"schema": 1, "results": [plan_row], "notes": ["the step was measured twice"]}
+    assert json.loads(captured.out) == {
+        "schema": 1,
+        "results": [plan_row],
+        "jobs": [],
+        "notes": ["the step was measured twice"],
+    }
     assert "dynprof: the step was measured twice" in captured.err
     assert answers["asked"] == [MemoryPlanRequest(job="j", budget="40G")]
     # in text, the failed plan's row and what to do

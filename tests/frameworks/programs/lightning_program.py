@@ -1,4 +1,7 @@
-"""Lightning ``Trainer.fit`` on CPU: a small MLP regressor, synthetic data, an LR scheduler."""
+"""Lightning ``Trainer.fit`` on CPU: a small MLP regressor, synthetic data, an LR scheduler.
+
+With ``--blocks N`` the regressor's middle is N residual blocks (Linear W -> 4W, GELU, Linear
+4W -> W) in a ``ModuleList``: the repeated blocks a memory plan checkpoints."""
 
 from __future__ import annotations
 
@@ -13,6 +16,8 @@ def main() -> int:
     p = parser(__doc__ or "")
     p.add_argument("--width", type=int, default=64)
     p.add_argument("--accum", type=int, default=1, help="accumulate_grad_batches")
+    p.add_argument("--blocks", type=int, default=0, help="residual blocks between the two layers (0: none)")
+    p.add_argument("--batch", type=int, default=16)
     args = p.parse_args()
     seed_everything(0, args.threads)
     try:
@@ -22,16 +27,33 @@ def main() -> int:
 
     pacer = Pacer(args)
 
+    class Block(torch.nn.Module):
+        def __init__(self, width: int) -> None:
+            super().__init__()
+            self.up = torch.nn.Linear(width, 4 * width)
+            self.act = torch.nn.GELU()
+            self.down = torch.nn.Linear(4 * width, width)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.down(self.act(self.up(x)))
+
     class Regressor(L.LightningModule):  # type: ignore[misc]
         def __init__(self) -> None:
             super().__init__()
             self.net = torch.nn.Sequential(
                 torch.nn.Linear(args.width, args.width * 2), torch.nn.ReLU(), torch.nn.Linear(args.width * 2, 1)
             )
+            self.blocks = torch.nn.ModuleList([Block(args.width) for _ in range(args.blocks)])
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for block in self.blocks:
+                x = block(x)
+            out: torch.Tensor = self.net(x)
+            return out
 
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
             x, y = batch
-            loss = torch.nn.functional.mse_loss(self.net(x), y)
+            loss = torch.nn.functional.mse_loss(self(x), y)
             pacer.loss(f"{self.global_step + 1}:{batch_idx}", loss.item())
             return loss
 
@@ -48,7 +70,7 @@ def main() -> int:
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(512, args.width, generator=gen)
     y = torch.randn(512, 1, generator=gen)
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=16, shuffle=True)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=args.batch, shuffle=True)
     trainer = L.Trainer(
         accelerator="cpu",
         devices=1,

@@ -2,7 +2,9 @@
 
 Prints ``READY <pid>`` after its first optimizer step and trains until --max-seconds. Each
 block is Linear(W, 4W) -> GELU -> Linear(4W, W) with a residual; the blocks sit in a ModuleList
-between an input Linear and a head.
+between an input Linear and a head. With --ddp, one rank of a gloo job (RANK, WORLD_SIZE,
+MASTER_ADDR and MASTER_PORT from the environment, as torchrun sets them), the model wrapped in
+DistributedDataParallel, each rank on its own data of the same shapes.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ def main() -> int:
     )
     parser.add_argument("--compile-backend", default="eager")
     parser.add_argument("--device", default="cpu", help="cpu, cuda (the model and its data on that device)")
+    parser.add_argument("--ddp", action="store_true", help="one rank of a gloo job, the model in DDP")
     parser.add_argument("--steps", type=int, default=0, help="stop training after this many steps (0: --max-seconds)")
     parser.add_argument("--losses", action="store_true", help="print each step's loss, exactly (LOSS i float.hex)")
     parser.add_argument(
@@ -77,11 +80,21 @@ def main() -> int:
     if args.losses:  # losses compared bit for bit between runs
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
-    model = Model(args.width, args.depth).to(args.device)
+    model: torch.nn.Module = Model(args.width, args.depth).to(args.device)
+    rank = 0
+    if args.ddp:
+        import torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel
+
+        torch.set_num_threads(1)  # ranks on a small CPU machine: no intra-op threads fighting
+        dist.init_process_group("gloo")
+        rank = dist.get_rank()
+        model = DistributedDataParallel(model)
+        torch.manual_seed(100 + rank)  # each rank's own data, of the same shapes
     if args.compile == "model":
         model.compile(backend=args.compile_backend)
     elif args.compile == "blocks":
-        for block in model.blocks:
+        for block in blocks_of(model):
             block.compile(backend=args.compile_backend)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     x = torch.randn(args.batch, args.width, device=args.device)
@@ -93,7 +106,7 @@ def main() -> int:
         if args.steps and step >= args.steps:
             os.write(1, b"DONE\n")
             break
-        if args.eval_when_measured and any(b._forward_pre_hooks for b in model.blocks):
+        if args.eval_when_measured and any(b._forward_pre_hooks for b in blocks_of(model)):
             evaluate(model, x, deadline)
             break
         loss = torch.nn.functional.mse_loss(model(x), y)
@@ -104,7 +117,7 @@ def main() -> int:
         if args.losses:
             os.write(1, f"LOSS {step} {loss.item().hex()}\n".encode())
         if args.report_wrapped:
-            n = sum(1 for b in model.blocks if "forward" in b.__dict__)
+            n = sum(1 for b in blocks_of(model) if "forward" in b.__dict__)
             os.write(1, f"WRAPPED {step} {n}\n".encode())
         if not ready:
             os.write(1, f"READY {os.getpid()}\n".encode())
@@ -114,6 +127,13 @@ def main() -> int:
             args.probe_file = ""
         time.sleep(args.step_sleep)
     return 0
+
+
+def blocks_of(model: torch.nn.Module) -> torch.nn.ModuleList:
+    inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+    blocks = inner.blocks
+    assert isinstance(blocks, torch.nn.ModuleList)
+    return blocks
 
 
 def hooks_state(model: torch.nn.Module) -> str:
