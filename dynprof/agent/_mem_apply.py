@@ -6,7 +6,8 @@ Only a job that asked (``DYNPROF_CHECKPOINT`` in its environment, which ``dynpro
 agent's threads never touch the job's torch objects; each step below that does runs on the
 training thread, at a step boundary (the step tracker's listener):
 
-1. the 3rd boundary (warm-up and the optimizer's first step behind): the step after it is
+1. the 8th boundary (warm-up behind; the baseline step time is the median of the job's steps
+   from the 3rd boundary on): the step after it is
    measured (:class:`~collectors.memory.plan_capture.StepMeasurement`, as ``dynprof memory
    plan`` measures), unless a plan measurement or a trace is under way (then the next one);
 2. the next boundary: the measurement stops and turns into plain numbers; a thread of the
@@ -42,9 +43,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("dynprof.agent")
 
-WARMUP_BOUNDARIES = 3  # the step after the 3rd boundary is measured
+# The step after the 8th boundary is measured: the job's first steps are its slowest (kernels
+# chosen, caches filled, a framework's first-step work), and the baseline step time is the
+# median of the steps between the 3rd boundary and the measured one, not of those.
+WARMUP_BOUNDARIES = 8
+BASELINE_SKIP = 2  # the first step intervals left out of the baseline
 MAX_ROUNDS = 3  # plans made again after a verified peak over the budget
-TIMED_STEPS = 3
+TIMED_STEPS = 5
 # States in which nothing more happens without a request (the listener is off).
 FINAL = ("applied", "fits-already", "unreachable", "refused", "failed", "undone")
 
@@ -91,7 +96,7 @@ class CheckpointApplier:
     # -- any thread: plain data ------------------------------------------------------------------
     def start(self) -> None:
         self.agent.steps.add_listener(self._listener)
-        log.info("checkpoint %s asked: the step after the %drd boundary is measured", self.spec, WARMUP_BOUNDARIES)
+        log.info("checkpoint %s asked: the step after boundary %d is measured", self.spec, WARMUP_BOUNDARIES)
 
     def busy(self) -> bool:
         """Whether a measurement or a peak reading of this process's steps is under way."""
@@ -207,9 +212,9 @@ class CheckpointApplier:
                 why += " (DeepSpeed's ZeRO optimizer steps flattened partitions, not the model's parameters)"
             self._final("refused", why + "; nothing is wrapped")
             return
-        typical = steps.typical_step_s()
-        if not typical and self._times:
-            typical = sorted(self._times)[len(self._times) // 2]
+        own = sorted(self._times[BASELINE_SKIP:])
+        typical = own[len(own) // 2] if own else steps.typical_step_s()
+        self._times = []
         self.baseline_step_s = round(typical, 6) if typical else None
         limit = max(MEASURED_STEP_MIN_S, MEASURED_STEP_TYPICAL * typical) if typical else MEASURED_STEP_MIN_S
         try:

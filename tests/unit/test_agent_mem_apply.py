@@ -71,6 +71,17 @@ def wrapped(model) -> list[str]:
     return [n for n, m in model.named_modules() if "forward" in m.__dict__]
 
 
+@pytest.fixture(autouse=True)
+def short_phases(monkeypatch):
+    """The state machine's phases as short as they go (the step counts below are written for
+    them): measured after the 3rd boundary, 3 timed steps."""
+    import dynprof.agent._mem_apply as apply
+
+    monkeypatch.setattr(apply, "WARMUP_BOUNDARIES", 3)
+    monkeypatch.setattr(apply, "TIMED_STEPS", 3)
+    monkeypatch.setattr(apply, "BASELINE_SKIP", 0)
+
+
 def train(applier, steps, step, n: int, on_step=None) -> list[float]:
     """``n`` steps, each followed by its boundary; a plan made on the agent's thread is waited for."""
     losses = []
@@ -225,3 +236,26 @@ def test_a_job_that_did_not_ask_is_never_changed():
 
 def test_final_states_stop_listening():
     assert set(FINAL) >= {"applied", "undone", "refused", "unreachable"}
+
+
+def test_the_baseline_step_time_leaves_out_the_jobs_first_steps(monkeypatch):
+    # GIVEN a job whose first two steps are slow (kernels chosen, a framework's first-step work)
+    import dynprof.agent._mem_apply as apply
+
+    monkeypatch.setattr(apply, "WARMUP_BOUNDARIES", 8)
+    monkeypatch.setattr(apply, "BASELINE_SKIP", 2)
+    model, opt, step = job()
+    agent = fake_agent(opt)
+    applier = CheckpointApplier(agent, "80%")
+    applier.start()
+    import itertools
+
+    # 5 s and 4 s, then 0.1 s steps (and a clock that goes on for whatever else reads it)
+    clock = itertools.chain([0.0, 5.0, 9.0, 9.1, 9.2, 9.3, 9.4, 9.5], itertools.count(9.6, 0.1))
+    monkeypatch.setattr(apply.time, "perf_counter", lambda: next(clock))
+    # WHEN the 8 boundaries before the measured step go by
+    for i in range(1, 9):
+        agent.steps._notify(i)
+    # THEN the baseline is the job's steady step, not its first ones
+    assert applier.state == "measuring"
+    assert applier.baseline_step_s == pytest.approx(0.1)
