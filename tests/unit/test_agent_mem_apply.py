@@ -244,7 +244,7 @@ def test_the_baseline_step_time_leaves_out_the_jobs_first_steps(monkeypatch):
 
     monkeypatch.setattr(apply, "WARMUP_BOUNDARIES", 8)
     monkeypatch.setattr(apply, "BASELINE_SKIP", 2)
-    model, opt, step = job()
+    _model, opt, _step = job()
     agent = fake_agent(opt)
     applier = CheckpointApplier(agent, "80%")
     applier.start()
