@@ -227,12 +227,13 @@ def main(argv: list[str] | None = None) -> int:
             token_file.write_text(token)
             token_file.chmod(0o600)
             port = _free_port()
+            sidecar_log = open(work / "sidecar.log", "w")
             sidecar = subprocess.Popen(
                 [sys.executable, "-m", "dynprof", "serve", "--port", str(port), "--token-file", str(token_file)],
                 env=env,
                 cwd=str(ROOT),
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
+                stdout=sidecar_log,
+                stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
             threading.Thread(
@@ -278,12 +279,14 @@ def main(argv: list[str] | None = None) -> int:
         for p in spinners:
             p.kill()
             p.wait()
+        sidecar_output = ""
         if sidecar is not None:
             sidecar.terminate()
             try:
                 sidecar.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 sidecar.kill()
+            sidecar_output = (work / "sidecar.log").read_text(errors="replace")
         if args.keep:
             print(f"kept: {work}")
         else:
@@ -298,6 +301,8 @@ def main(argv: list[str] | None = None) -> int:
     print("refused, by reason: " + (", ".join(f"{k} x{v}" for k, v in sorted(tally.reasons.items())) or "none"))
     print(f"deaths of the job: {len(tally.deaths)}")
     print("sidecar polls: " + (", ".join(f"{k} x{v}" for k, v in sorted(tally.polls.items())) or "none"))
+    if sidecar is not None and not any(k.endswith(" 200") for k in tally.polls):
+        print("the sidecar answered no poll; its output:\n" + sidecar_output[-2000:])
     for (kind, outcome), text in sorted(tally.examples.items()):
         if outcome != "ok":
             print(f"\nan example of {kind} {outcome}:\n{text}")
