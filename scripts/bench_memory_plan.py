@@ -267,6 +267,11 @@ def bench(name: str, device: torch.device, args: argparse.Namespace) -> dict[str
     m = from_json(doc)
     budget = int(m.peak_bytes * args.budget_fraction)
     plan = make_plan(m, budget=budget)
+    # the same job measured and planned again, for the same budget: how stable the plan is
+    gc.collect()
+    again = make_plan(
+        from_json(measure_step(model, opt, step, reset_peak=not args.as_agent, clock=clock(device))), budget=budget
+    )
     chosen = set(plan["plan"]["modules"]) if plan["plan"] else set()
     every = {n for n, _ in find_blocks([model])}
     pred_plan = predict(m, chosen)
@@ -332,6 +337,12 @@ def bench(name: str, device: torch.device, args: argparse.Namespace) -> dict[str
         "every_block_step_error": err(every_s - base_s, pred_every["added_step_s"]),
         "every_block_gib_saved_per_added_ms_real": per_ms(base_peak - every_peak, every_s - base_s),
         "floor_bytes": plan["floor_bytes"],
+        # a second measurement and plan of the same job for the same budget
+        "again_blocks": len((again["plan"] or {}).get("modules") or []),
+        "again_predicted_added_step_s": (again["plan"] or {}).get("added_step_s"),
+        "again_vs_first": err((again["plan"] or {}).get("added_step_s") or 0.0, p.get("added_step_s"))
+        if chosen
+        else None,
     }
     return out
 
@@ -419,7 +430,9 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.empty_cache()
         print(
             f"{r['model']}: {r['blocks']} blocks ({', '.join(r['block_names'][:3])}, ...), {r['status']}, "
-            f"chosen {', '.join(r['chosen']) or 'none'}; measured in {r['measure_s']} s",
+            f"chosen {', '.join(r['chosen']) or 'none'}; measured in {r['measure_s']} s; measured and planned "
+            f"again: {r['again_blocks']} block(s), added time {ms(r['again_predicted_added_step_s'])} ms against "
+            f"{ms(r['predicted_added_step_s'])} ms ({(r['again_vs_first'] or 0) * 100:+.1f} %)",
             flush=True,
         )
     summary: dict[str, Any] = {
