@@ -326,6 +326,15 @@ def hygiene() -> Iterator[None]:
         from torch.autograd import profiler as autograd_profiler
 
         assert not autograd_profiler._is_profiler_enabled, "a torch profiler was left running"
+        # a measurement's saved-tensor hooks or dispatch mode left on this thread would change
+        # every later test of the worker (seen: another test's plan measured through them)
+        top = getattr(getattr(getattr(torch, "_C", None), "_autograd", None), "_top_saved_tensors_default_hooks", None)
+        if top is not None:  # the real torch (a test may stand a fake one in sys.modules)
+            from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+            hooks = top(False)
+            assert hooks is None, f"saved-tensor hooks were left on: {hooks}"
+            assert _get_current_dispatch_mode() is None, "a dispatch mode was left on"
     deadline = time.monotonic() + 2
     while time.monotonic() < deadline:
         stray = [t.name for t in threading.enumerate() if t.name == "dynprof-agent" and t.is_alive()]
