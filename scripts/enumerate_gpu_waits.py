@@ -2,14 +2,15 @@
 
 Each candidate idiom of a training loop (scalar reads, Python conditions and formatting on CUDA
 tensors, data-dependent shapes, host copies either way, waits on streams, events and the device,
-cuBLAS/cuDNN calls and kernel launches behind a full launch queue, NCCL host waits) is run once
-on the GPU under ``torch.cuda.set_sync_debug_mode("warn")``, with a dispatch mode that notes
-which aten operator raised torch's "called a synchronizing CUDA operation" warning. An idiom
-torch reports is in the suite with the operators it named; an idiom whose wait is the API's
+cuBLAS/cuDNN calls and kernel launches behind a full launch queue, NCCL host waits) is run on
+the GPU under ``torch.cuda.set_sync_debug_mode("warn")`` (does torch say it synchronizes?) and,
+when it does, again under ``"error"`` with a dispatch mode that names each aten operator that
+raised torch's "called a synchronizing CUDA operation" at its synchronize. An idiom torch
+reports is in the suite with the operators it named; an idiom whose wait is the API's
 contract (an explicit synchronize, a launch into a full queue, a host wait on NCCL work: torch
 does not warn for those) is in the suite by that contract, said so; an idiom torch does not
 report and no contract makes a wait (a non-blocking copy into pinned memory, say) is left out
-and printed as such. So the suite (tests/gpu/test_gpu_waits.py, one rank blocked behind an
+and printed as such. So the suite (tests/gpu/test_gpu_faults.py, one rank blocked behind an
 endless kernel per idiom) follows what the installed torch does.
 
     python scripts/enumerate_gpu_waits.py            # enumerate, print, write tests/gpu/gpu_waits.json
@@ -245,8 +246,15 @@ def torch() -> Any:
     return t
 
 
-def _recorder() -> Any:
-    """A dispatch mode that notes each aten operator during which torch warned of a sync."""
+def _recorder(set_mode: Callable[[str], None]) -> Any:
+    """A dispatch mode that names each aten operator that synchronizes.
+
+    Run under ``set_sync_debug_mode("error")``: torch then raises inside the operator at the
+    moment it would synchronize, so the operator that does is the one whose call raised here. A
+    warning (the ``"warn"`` mode) is only turned into a Python warning when the outermost call
+    from Python returns, after every operator it dispatched: it cannot name one (seen on an H100:
+    every operator column empty). The raising operator is noted and run again with the check
+    off (``set_mode``), so the idiom goes on as it would."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class SyncRecorder(TorchDispatchMode):
@@ -255,40 +263,58 @@ def _recorder() -> Any:
             self.ops: list[str] = []
 
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                out = func(*args, **(kwargs or {}))
-            if any(SYNC_WARNING in str(w.message) for w in caught):
-                name = str(func.overloadpacket.__name__) if hasattr(func, "overloadpacket") else str(func)
-                if name not in self.ops:
-                    self.ops.append(name)
-            for w in caught:
-                if SYNC_WARNING not in str(w.message):
-                    warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-            return out
+            kwargs = kwargs or {}
+            try:
+                return func(*args, **kwargs)
+            except RuntimeError as exc:
+                if SYNC_WARNING not in str(exc):
+                    raise
+            name = str(func.overloadpacket.__name__) if hasattr(func, "overloadpacket") else str(func)
+            if name not in self.ops:
+                self.ops.append(name)
+            set_mode("default")
+            try:
+                return func(*args, **kwargs)
+            finally:
+                set_mode("error")
 
     return SyncRecorder()
 
 
 def try_idiom(idiom: Idiom, c: Context) -> dict[str, Any]:
-    """Run ``idiom`` once under the sync debug mode: whether torch warned, and during which ops."""
+    """Run ``idiom`` under the sync debug mode: whether torch warns that it synchronizes (once,
+    ``"warn"``), and which operators do (again, ``"error"``; a synchronize outside any operator,
+    as ``torch.cuda.synchronize``, is said as such)."""
     t = torch()
-    record = _recorder()
     t.cuda.synchronize(c.device)
     error = None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         t.cuda.set_sync_debug_mode("warn")
         try:
-            with record:
-                idiom.run(c)
+            idiom.run(c)
         except Exception as exc:  # a candidate this torch cannot run: said, not in the suite
             error = f"{type(exc).__name__}: {exc}"[:300]
         finally:
             t.cuda.set_sync_debug_mode("default")
     t.cuda.synchronize(c.device)
     reported = any(SYNC_WARNING in str(w.message) for w in caught)
-    return {"torch_reports": reported, "ops": record.ops, "error": error}
+    ops: list[str] = []
+    if reported and error is None:
+        record = _recorder(t.cuda.set_sync_debug_mode)
+        t.cuda.set_sync_debug_mode("error")
+        try:
+            with record:
+                idiom.run(c)
+        except RuntimeError as exc:
+            if SYNC_WARNING not in str(exc):
+                raise
+            record.ops.append("(outside any operator)")
+        finally:
+            t.cuda.set_sync_debug_mode("default")
+        t.cuda.synchronize(c.device)
+        ops = list(record.ops)
+    return {"torch_reports": reported, "ops": ops, "error": error}
 
 
 def _context() -> Context:

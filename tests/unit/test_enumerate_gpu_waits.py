@@ -4,6 +4,7 @@ suite's list it hands the GPU tests is read back from the enumeration's file, bo
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -66,3 +67,45 @@ def test_without_the_file_the_suite_takes_the_candidates_expected_to_wait(tmp_pa
         # THEN every candidate but those torch is expected not to report
         assert "item" in names and "launch-queue-full" in names and "nccl-wait" in names
         assert "d2h-non-blocking" not in names
+
+
+def test_the_recorder_names_the_operator_that_raises_at_its_sync_and_runs_it_again():
+    # GIVEN the recorder, under torch's "error" sync mode (simulated: an operator that raises
+    # torch's error at its synchronize while the check is on, and another that does not)
+    pytest.importorskip("torch")
+    modes: list[str] = ["error"]
+
+    class Op:
+        def __init__(self, name: str, syncs: bool) -> None:
+            self.overloadpacket = SimpleNamespace(__name__=name)
+            self.syncs = syncs
+            self.calls = 0
+
+        def __call__(self, *args, **kwargs):
+            self.calls += 1
+            if self.syncs and modes[-1] == "error":
+                raise RuntimeError("called a synchronizing CUDA operation")
+            return 42
+
+    recorder = script._recorder(modes.append)
+    item, add = Op("_local_scalar_dense", True), Op("add", False)
+    # WHEN each is dispatched through it
+    got = [recorder.__torch_dispatch__(op, ()) for op in (add, item, item)]
+    # THEN the one that synchronizes is named once, each still returns its result (run again with
+    # the check off, then back on), and the other is run once and not named
+    assert got == [42, 42, 42]
+    assert recorder.ops == ["_local_scalar_dense"]
+    assert add.calls == 1 and item.calls == 4
+    assert modes == ["error", "default", "error", "default", "error"]
+
+
+def test_the_recorder_lets_other_errors_through():
+    pytest.importorskip("torch")
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("shape mismatch")
+
+    recorder = script._recorder(lambda mode: None)
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        recorder.__torch_dispatch__(broken, ())
+    assert recorder.ops == []
