@@ -342,13 +342,27 @@ def save_plan(record: AgentRecord, measurement: dict[str, Any], request: MemoryP
         return str(writer.finish("complete", summary=asked).path)
 
 
+def _answer(record: AgentRecord, text: str, short: str, what: str, max_values: int) -> dict[str, Any]:
+    """An agent's JSON answer (a measurement, a checkpoint state), read bounded: at most
+    ``MAX_MEASUREMENT_BYTES`` and ``max_values`` values, a JSON object. Raises
+    :class:`~dynprof.errors.ArtifactError` naming the process."""
+    from dynprof.untrusted import loads_json
+
+    text = text or "{}"
+    if len(text) > MAX_MEASUREMENT_BYTES:
+        raise errors.ArtifactError(f"pid {record.pid}: the {short} is over {MAX_MEASUREMENT_BYTES} bytes")
+    doc = loads_json(text, f"pid {record.pid}'s {what}", max_values=max_values)
+    if not isinstance(doc, dict):
+        raise errors.ArtifactError(f"pid {record.pid}: the {short} is not a JSON object")
+    return doc
+
+
 def collect_plan(request: MemoryPlanRequest) -> Collected:
     """Measure the next step of each process ``request`` names and plan it; each plan kept as an
     artifact (a plan that could not be kept is a note, its row still ``ok``). The ranks of a
     job whose measurements agree get one plan besides (``jobs``: :func:`job_plans`)."""
     from dynprof.client import AgentClient
     from dynprof.proto import pb
-    from dynprof.untrusted import loads_json
 
     if request.undo:
         return collect_undo(request)
@@ -384,15 +398,8 @@ def collect_plan(request: MemoryPlanRequest) -> Collected:
         elif isinstance(reply, Exception):
             raise reply
         else:
-            text = reply.summary_json or "{}"
             try:
-                if len(text) > MAX_MEASUREMENT_BYTES:
-                    raise errors.ArtifactError(
-                        f"pid {record.pid}: the measurement is over {MAX_MEASUREMENT_BYTES} bytes"
-                    )
-                doc = loads_json(text, f"pid {record.pid}'s memory plan measurement", max_values=1_000_000)
-                if not isinstance(doc, dict):
-                    raise errors.ArtifactError(f"pid {record.pid}: the measurement is not a JSON object")
+                doc = _answer(record, reply.summary_json, "measurement", "memory plan measurement", 1_000_000)
                 plan = request.plan(doc) if reply.status == "complete" else None
             except errors.ArtifactError as exc:
                 _failed_row(res, exc)
@@ -472,7 +479,6 @@ def collect_undo(request: MemoryPlanRequest) -> Collected:
     (nothing was wrapped), its ``checkpoint`` the agent's state after."""
     from dynprof.client import AgentClient
     from dynprof.proto import pb
-    from dynprof.untrusted import loads_json
 
     records = resolve(pids=request.pids, job=request.job)
     token = f"{os.getpid()}-{time.monotonic_ns()}"
@@ -501,13 +507,8 @@ def collect_undo(request: MemoryPlanRequest) -> Collected:
         elif isinstance(reply, Exception):
             raise reply
         else:
-            text = reply.summary_json or "{}"
             try:
-                if len(text) > MAX_MEASUREMENT_BYTES:
-                    raise errors.ArtifactError(
-                        f"pid {record.pid}: the checkpoint state is over {MAX_MEASUREMENT_BYTES} bytes"
-                    )
-                state = loads_json(text, f"pid {record.pid}'s checkpoint state", max_values=100_000)
+                state = _answer(record, reply.summary_json, "checkpoint state", "checkpoint state", 100_000)
             except errors.ArtifactError as exc:
                 _failed_row(res, exc)
                 failures.append(exc)
