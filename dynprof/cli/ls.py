@@ -106,7 +106,10 @@ class LsCommand(JobCommand):
             for row in rows(a, "artifacts"):
                 row["node"] = labels[a.node]
                 found.append((a.node, row))
-        found.sort(key=lambda nr: str(nr[1].get("created_at") or ""), reverse=True)
+        found.sort(
+            key=lambda nr: (str(nr[1].get("created_at") or ""), str(nr[1].get("id") or "").rsplit("/", 1)[-1]),
+            reverse=True,
+        )
         if request.limit:
             found = found[: request.limit]  # each node kept its newest; the newest of all remain
         fetched = fetch(client, Path(reach.fetch), [(n, row.get("id")) for n, row in found]) if reach.fetch else None

@@ -475,7 +475,9 @@ class ArtifactStore:
         found = [
             a for a in arts if (job is None or str(a.manifest.get("job")) == job) and (kind is None or a.kind == kind)
         ]
-        found.sort(key=lambda a: a.created_at, reverse=True)
+        # created_at counts milliseconds; the directory's name starts with the microsecond it was
+        # made, so two artifacts of one millisecond still come newest first
+        found.sort(key=lambda a: (a.created_at, a.path.name), reverse=True)
         return found, bad
 
     def list(self, job: str | None = None, kind: str | None = None) -> builtins.list[Artifact]:
