@@ -248,13 +248,16 @@ def bench(name: str, device: torch.device, args: argparse.Namespace) -> dict[str
     small = device.type != "cuda"
     model, batch, loss_of = build(name, device, small)
     model.to(device)
+    # the step's data, swapped whole for the micro-batch twice the size (the first freed)
+    data = {"batch": batch, "loss": loss_of}
+    del batch, loss_of
     # foreach: what AdamW uses on CUDA by default (its temporaries are part of the peak)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
     amp_on = device.type == "cuda" or args.cpu_amp
 
     def step() -> None:
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp_on):
-            loss = loss_of(model(batch()))
+            loss = data["loss"](model(data["batch"]()))
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -307,7 +310,7 @@ def bench(name: str, device: torch.device, args: argparse.Namespace) -> dict[str
     fewer["real_even_spread_peak_bytes"] = peak_of(set(spread)) if spread else None
     fewer["real_even_spread_under_budget"] = fewer["real_even_spread_peak_bytes"] <= budget if spread else None
     # the micro-batch at twice the measured one: the scaled prediction against a real run of it
-    double = twice_the_batch(name, device, small, model, opt, amp_on)
+    double = twice_the_batch(name, device, small, data, step, model, opt)
     predicted_double = predicted_peak(m, 2.0)
 
     def per_ms(saved: float, added_s: float) -> float | None:
@@ -413,25 +416,23 @@ def fewer_fit(m: Any, plan: dict[str, Any]) -> dict[str, Any]:
 
 
 def twice_the_batch(
-    name: str, device: torch.device, small: bool, model: torch.nn.Module, opt: Any, amp_on: bool
+    name: str, device: torch.device, small: bool, data: dict[str, Any], step: Any, model: Any, opt: Any
 ) -> int | None:
-    """The real peak of the same model's step on a micro-batch twice the usual; None where it
-    does not fit the device."""
-    _, batch, loss_of = build(name, device, small, times=2)
-
-    def step() -> None:
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp_on):
-            loss = loss_of(model(batch()))
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
+    """The real peak of the same model's step on a micro-batch twice the usual (the usual one's
+    tensors freed first, as in a job run with the larger size); None where it does not fit the
+    device."""
+    other, data["batch"], data["loss"] = build(name, device, small, times=2)
+    del other  # the model build() made beside the data: not part of the step
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     try:
         step()  # warm up: kernels for the new shapes
         return real_peak(step, device, model, opt)
     except torch.OutOfMemoryError:
         return None
     finally:
+        data.clear()
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
