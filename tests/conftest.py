@@ -285,8 +285,8 @@ def dynprof_dirs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[di
 def eager_process(monkeypatch: pytest.MonkeyPatch) -> Callable[..., list[str]]:
     """The memory plan's measurement in this pytest process as in a job that compiled nothing:
     other tests of the same worker run torch.compile in-process, and a measured step refuses a
-    process with compiled code (collectors.memory.plan_capture.compiled_code says why)."""
-    import collectors.memory.plan_capture as capture
+    process with compiled code (collectors.memory.plan.blocks.compiled_code says why)."""
+    import collectors.memory.plan.capture as capture
 
     real: Callable[..., list[str]] = capture.compiled_code
     monkeypatch.setattr(capture, "compiled_code", lambda limit=3: [])

@@ -24,8 +24,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from collectors.memory.plan import from_json as measurement_from_json
-from collectors.memory.plan import make_plan
+from collectors.memory.plan import ranks as plan_ranks
+from collectors.memory.plan.measurement import from_json as measurement_from_json
+from collectors.memory.plan.render import KIND, PLAN_FILE
+from collectors.memory.plan.scale import micro_batches
+from collectors.memory.plan.solve import make_plan
 from dynprof import errors
 from dynprof.agents import parallel, resolve
 from dynprof.arguments import MAX_HISTORY_EVENTS, MAX_PID, MAX_SECONDS
@@ -316,8 +319,6 @@ class MemoryPlanRequest:
         else:
             plan = make_plan(m, save=asked["save_bytes"])
         if len(m.blocks) <= MICRO_BATCH_MAX_BLOCKS:
-            from collectors.memory.plan_scale import micro_batches
-
             # which micro-batch fits the same budget, scaled from this step's tokens
             plan["micro_batches"] = micro_batches(measurement, int(plan["budget_bytes"]))
         return plan
@@ -325,7 +326,6 @@ class MemoryPlanRequest:
 
 def save_plan(record: AgentRecord, measurement: dict[str, Any], request: MemoryPlanRequest) -> str:
     """Keep the measurement and what was asked as a ``memory-plan`` artifact; its path."""
-    from collectors.memory.plan import KIND, PLAN_FILE
     from dynprof.store import ArtifactStore
 
     asked = request.asked_bytes(measurement)
@@ -430,12 +430,10 @@ def job_plans(
     request: MemoryPlanRequest, measured: list[tuple[dict[str, Any], dict[str, Any]]], notes: list[str]
 ) -> list[dict[str, Any]]:
     """One plan per group of a job's ranks whose measurements agree
-    (:mod:`collectors.memory.plan_ranks`), for each job of two measured ranks or more: the
+    (:mod:`collectors.memory.plan.ranks`), for each job of two measured ranks or more: the
     group's ranks and pids, the plan of their merged measurement (the highest peak's bytes, the
     slowest rank's times), each rank's own figures, and for a group after the job's first, the
     ranks it differs from and how. A group that cannot be planned is a note."""
-    from collectors.memory import plan_ranks
-
     by_job: dict[str, list[plan_ranks.Member]] = {}
     for row, doc in measured:
         if row.get("job"):

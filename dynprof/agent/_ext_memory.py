@@ -16,7 +16,7 @@ capture per ``DYNPROF_MEMORY_OOM_INTERVAL_S`` and ``DYNPROF_MEMORY_OOM_MAX`` per
 happen, since OOMs repeat in retry loops.
 
 **What it loads.** Of the ``memory`` kind's package, only :mod:`collectors.memory.capture` and
-:mod:`collectors.memory.policy`, with this module (and :mod:`collectors.memory.plan_capture`
+:mod:`collectors.memory.policy`, with this module (and :mod:`collectors.memory.plan.capture`
 when a memory plan is asked for, see dynprof/agent/_mem_plan.py); the summary and advice modules that the
 artifact's ``summary.json`` needs are imported by the first capture, and the snapshot
 unpickler and the renderers never enter the job.

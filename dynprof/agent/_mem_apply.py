@@ -8,12 +8,12 @@ training thread, at a step boundary (the step tracker's listener):
 
 1. the 8th boundary (warm-up behind; the baseline step time is the median of the job's steps
    from the 3rd boundary on): the step after it is
-   measured (:class:`~collectors.memory.plan_capture.StepMeasurement`, as ``dynprof memory
+   measured (:class:`~collectors.memory.plan.capture.StepMeasurement`, as ``dynprof memory
    plan`` measures), unless a plan measurement or a trace is under way (then the next one);
 2. the next boundary: the measurement stops and turns into plain numbers; a thread of the
-   agent plans from them (:func:`collectors.memory.plan.make_plan`);
+   agent plans from them (:func:`collectors.memory.plan.solve.make_plan`);
 3. the boundary after the plan is ready: the chosen blocks' forward is wrapped in
-   non-reentrant ``torch.utils.checkpoint`` (:mod:`collectors.memory.plan_apply`; a block
+   non-reentrant ``torch.utils.checkpoint`` (:mod:`collectors.memory.plan.apply`; a block
    already checkpointed, compiled, or of a model whose cache a recompute would fill twice is
    refused in words, and nothing is wrapped), and the next step's real peak is read;
 4. a peak over the budget plans again for the budget less what the prediction missed (more
@@ -35,7 +35,18 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from collectors.memory.plan_apply import ENV, MAX_SPEC, parse_spec
+from collectors.memory.plan.apply import (
+    ENV,
+    MAX_SPEC,
+    StepPeak,
+    auto_budget,
+    blocks_by_name,
+    known_tensors,
+    parse_spec,
+    why_not_wrap,
+    wrap,
+)
+from collectors.memory.plan.blocks import MeasurementRefused, find_models
 from dynprof.agent._mem_plan import MEASURED_STEP_MIN_S, MEASURED_STEP_TYPICAL, busy_with_trace
 
 if TYPE_CHECKING:
@@ -193,7 +204,7 @@ class CheckpointApplier:
                 self._final("applied", self._summary())
 
     def _begin(self) -> None:
-        from collectors.memory.plan_capture import MeasurementRefused, StepMeasurement, find_models
+        from collectors.memory.plan.capture import StepMeasurement
 
         planner = getattr(getattr(self.agent, "memory", None), "planner", None)
         tracing = getattr(getattr(self.agent, "trace", None), "state", "")
@@ -238,8 +249,6 @@ class CheckpointApplier:
                 self._final("failed", f"the measured step did not end: {why}; nothing is wrapped")
 
     def _apply(self) -> None:
-        from collectors.memory.plan_apply import StepPeak, blocks_by_name, known_tensors, why_not_wrap, wrap
-        from collectors.memory.plan_capture import find_models
 
         chosen = self._pending or []
         self._pending = None
@@ -351,7 +360,8 @@ class CheckpointApplier:
 
     def _plan(self, measurement: Any, budget: int | None) -> None:
         from collectors.memory.collect import parse_budget
-        from collectors.memory.plan import from_json, make_plan
+        from collectors.memory.plan.measurement import from_json
+        from collectors.memory.plan.solve import make_plan
 
         try:
             if measurement is not None:
@@ -409,7 +419,7 @@ class CheckpointApplier:
 
     def _save(self) -> None:
         """Keep the measurement, the budget and what was verified as a ``memory-plan`` artifact."""
-        from collectors.memory.plan import KIND, PLAN_FILE
+        from collectors.memory.plan.render import KIND, PLAN_FILE
         from dynprof.store import ArtifactStore
 
         try:
@@ -452,8 +462,6 @@ class CheckpointApplier:
 
 def _auto_budget(roots: list[Any]) -> tuple[int, str]:
     """``auto``'s budget for the device of the models' parameters (training thread)."""
-    from collectors.memory.plan_apply import auto_budget
-
     device = "cpu"
     for root in roots:
         for p in root.parameters():

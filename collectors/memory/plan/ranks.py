@@ -29,7 +29,9 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any
 
-from collectors.memory.plan import Measurement, from_json, predict
+from collectors.memory.plan.measurement import Measurement, from_json
+from collectors.memory.plan.predict import predict
+from collectors.memory.plan.scale import input_shape
 
 TOLERANCE = 0.05  # of the larger of two byte figures: within it, two ranks' figures agree
 MAX_SAID = 4  # differences said per rank (the first found, in the order of the figures)
@@ -69,7 +71,7 @@ def differences(
 ) -> list[str]:
     """How ``b`` differs from ``a`` (at most :data:`MAX_SAID` of it, each said of ``b``
     against ``a``); ``[]``: they agree. ``shape_a``/``shape_b``: their first block input's
-    shape (:func:`collectors.memory.plan_scale.input_shape`; not compared when unknown)."""
+    shape (:func:`collectors.memory.plan.scale.input_shape`; not compared when unknown)."""
     out: list[str] = []
     if a.device.split(":")[0] != b.device.split(":")[0]:
         out.append(f"device {b.device} against {a.device}")
@@ -129,7 +131,6 @@ def group(job: str | None, members: list[Member], tolerance: float = TOLERANCE) 
     """``members`` (one job's ranks) in groups that agree, in rank order: each rank joins the
     first group whose first rank it agrees with, else starts a group that says how it differs
     from the job's first group."""
-    from collectors.memory.plan_scale import input_shape
 
     def key(m: Member) -> tuple[int, int]:
         return (m.rank if m.rank is not None else 1 << 62, m.pid)
