@@ -57,6 +57,7 @@ from collectors.memory.policy import (
     parse_policy,
 )
 from dynprof import _settings
+from dynprof.agent._post_import import PostImportFinder
 
 if TYPE_CHECKING:
     from dynprof.agent._agent import Agent
@@ -197,9 +198,7 @@ class MemoryController:
             # is not there yet. Check again once that import is done.
             threading.Thread(target=self._wait_for_cuda_module, name="dynprof-memory-init", daemon=True).start()
             return
-        from dynprof.agent._steps import _PostImportFinder
-
-        self._finder = _PostImportFinder(CUDA_MODULE, self._queue_on)
+        self._finder = PostImportFinder(CUDA_MODULE, self._queue_on)
         sys.meta_path.insert(0, self._finder)
 
     def _wait_for_cuda_module(self) -> None:

@@ -29,6 +29,8 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from dynprof.agent._post_import import PostImportFinder
+
 log = logging.getLogger("dynprof.agent")
 
 # Python files whose frames on the stack mean "inside torch.compile": tracing, compiling, or
@@ -305,10 +307,9 @@ def watch_when_imported() -> None:
     if PROFILER_MODULE in sys.modules:
         WATCH.install()
         return
-    from dynprof.agent._steps import _PostImportFinder
 
     def install(_module: Any) -> None:
         WATCH.install()
 
-    if not any(isinstance(f, _PostImportFinder) and f.name == PROFILER_MODULE for f in sys.meta_path):
-        sys.meta_path.insert(0, _PostImportFinder(PROFILER_MODULE, install))
+    if not any(isinstance(f, PostImportFinder) and f.name == PROFILER_MODULE for f in sys.meta_path):
+        sys.meta_path.insert(0, PostImportFinder(PROFILER_MODULE, install))
