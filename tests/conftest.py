@@ -105,7 +105,7 @@ ONE_WORKER_MODULES = (
     "tests/integration/test_serve_abuse.py",
     "tests/integration/test_hostile_sidecar_http.py",
     "tests/integration/test_healthcheck_fleet_simulated.py",
-    "tests/unit/test_memory_plan_recipes.py",
+    "tests/unit/test_collectors_memory_plan_recipes.py",
     "tests/unit/test_sidecar_server.py",
     "tests/unit/test_watch_sample_addresses.py",
     "tests/integration/test_trace.py",

@@ -14,7 +14,7 @@ autocast does (``input.float()``, the ``_to_copy`` autocast's cast runs), in the
 a checkpoint's recompute alike.
 
 "Real" is the step's live tensor bytes after every operator (:class:`LiveTensorBytes`), as in
-test_memory_plan_prediction.py; memory on the CPU does not depend on timing. No test here
+test_collectors_memory_plan_predict.py; memory on the CPU does not depend on timing. No test here
 looks at a clock.
 """
 
