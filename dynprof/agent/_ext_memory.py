@@ -143,7 +143,7 @@ class MemoryController:
         self.last_artifact = ""
         self._capture_lock = threading.Lock()
         self._in_oom = threading.local()
-        self._finder: Any = None
+        self._finder: PostImportFinder | None = None
         self._host: HostMemoryWatcher | None = None
         # An observer cannot be detached from torch: once the agent stops, its callbacks return
         # at once (a restarted agent's new controller takes over).
@@ -182,10 +182,7 @@ class MemoryController:
         if self._host is not None:
             self._host.stop()
         if self._finder is not None:
-            try:
-                sys.meta_path.remove(self._finder)
-            except ValueError:
-                pass
+            self._finder.step_aside()
             self._finder = None
 
     def _hook_cuda_init(self) -> None:

@@ -50,10 +50,7 @@ class PostImportFinder(importlib.abc.MetaPathFinder):
 
             def exec_module(self, module: ModuleType) -> None:
                 loader.exec_module(module)
-                try:
-                    sys.meta_path.remove(this)
-                except ValueError:
-                    pass
+                this.step_aside()
                 try:
                     callback(module)
                 except Exception:
@@ -61,3 +58,10 @@ class PostImportFinder(importlib.abc.MetaPathFinder):
 
         spec.loader = _Loader()
         return spec
+
+    def step_aside(self) -> None:
+        """Leave the import system (nothing to do where it has left already)."""
+        try:
+            sys.meta_path.remove(self)
+        except ValueError:
+            pass

@@ -219,11 +219,7 @@ class ProfilerWatch:
                 finally:
                     watch._exited(prof)
 
-            for wrapper, original in ((_prepare_trace, prepare), (__exit__, leave)):
-                functools.update_wrapper(wrapper, original)
-                setattr(wrapper, "_dynprof_watch", True)  # noqa: B010
-            cls._prepare_trace = _prepare_trace
-            cls.__exit__ = __exit__
+            _wrap(cls, {"_prepare_trace": (_prepare_trace, prepare), "__exit__": (__exit__, leave)})
             self.installed = True
             log.info("watching torch.profiler for the job's own profilers")
             return True
@@ -257,11 +253,7 @@ class ProfilerWatch:
                 except Exception:
                     log.exception("noting the end of a profiler failed")
 
-        for wrapper, original in ((start_wrapper, start), (stop_wrapper, stop)):
-            functools.update_wrapper(wrapper, original)
-            setattr(wrapper, "_dynprof_watch", True)  # noqa: B010
-        cls.start = start_wrapper
-        cls.stop = stop_wrapper
+        _wrap(cls, {"start": (start_wrapper, start), "stop": (stop_wrapper, stop)})
         self._sessions_watched = True
 
     @contextlib.contextmanager
@@ -294,6 +286,16 @@ class ProfilerWatch:
             self._ours.discard(prof)
         except Exception:
             log.exception("noting the end of a profiler failed")
+
+
+def _wrap(cls: Any, wrappers: dict[str, tuple[Callable[..., Any], Callable[..., Any]]]) -> None:
+    """Put each wrapper on ``cls`` in place of its original method of that name, looking like
+    it and marked as the watch's (``_dynprof_watch``)."""
+    for wrapper, original in wrappers.values():
+        functools.update_wrapper(wrapper, original)
+        setattr(wrapper, "_dynprof_watch", True)  # noqa: B010
+    for name, (wrapper, _original) in wrappers.items():
+        setattr(cls, name, wrapper)
 
 
 WATCH = ProfilerWatch()

@@ -312,10 +312,7 @@ class StepTracker:
 
     def uninstall(self) -> None:
         if self._finder is not None:
-            try:
-                sys.meta_path.remove(self._finder)
-            except ValueError:
-                pass
+            self._finder.step_aside()
             self._finder = None
         if self._handle is not None:
             try:
