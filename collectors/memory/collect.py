@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from collectors.memory.plan import ranks as plan_ranks
+from collectors.memory.plan.budget import parse_budget
 from collectors.memory.plan.measurement import from_json as measurement_from_json
 from collectors.memory.plan.render import KIND, PLAN_FILE
 from collectors.memory.plan.scale import micro_batches
@@ -34,6 +35,7 @@ from dynprof.agents import parallel, resolve
 from dynprof.arguments import MAX_HISTORY_EVENTS, MAX_PID, MAX_SECONDS
 from dynprof.registry import AgentRecord
 from dynprof.requests import TARGETS, read_options
+from dynprof.units import human_bytes
 
 DEFAULT_TIMEOUT_S = 300.0
 HISTORY_TIMEOUT_S = 30.0  # turning history on or off answers at once
@@ -196,35 +198,6 @@ def collect(request: MemoryRequest) -> Collected:
 
 
 # -- plans ---------------------------------------------------------------------------------------
-def parse_budget(text: str) -> tuple[int | None, float | None]:
-    """``SIZE`` (bytes, K/M/G/T) or ``P%`` (of the measured peak): (bytes, fraction)."""
-    from dynprof.units import ascii_float, parse_size
-
-    raw = text.strip()
-    if raw.endswith("%"):
-        try:
-            value = ascii_float(raw[:-1])
-        except ValueError:
-            raise errors.UsageError(
-                f"--budget {text[:80]!r}: not a percentage (ASCII digits)", help="Write e.g. 60% or 40G."
-            ) from None
-        if not 0 < value < 100:
-            raise errors.UsageError(
-                f"--budget {text[:80]!r}: a percentage must be between 0 and 100", help="Write e.g. 60% or 40G."
-            )
-        return None, value / 100.0
-    try:
-        return parse_size(raw), None
-    except errors.DynprofError as exc:
-        raise errors.UsageError(
-            f"--budget/--save {text[:80]!r}: {exc.message[:200]}", help="Write e.g. 40G, 512M or 60%."
-        ) from None
-    except OverflowError:  # more digits than a float holds
-        raise errors.UsageError(
-            f"--budget/--save {text[:80]!r}: not a size", help="Write e.g. 40G, 512M or 60%."
-        ) from None
-
-
 @dataclass(frozen=True)
 class MemoryPlanRequest:
     """Whose next optimizer step to measure: exactly one of ``pids``, ``job`` or ``all``; what
@@ -300,8 +273,6 @@ class MemoryPlanRequest:
             return {"budget_bytes": size if size is not None else int(m.peak_bytes * (fraction or 0))}
         size, fraction = parse_budget(self.save or "")
         if size is not None and size > m.peak_bytes:
-            from dynprof.units import human_bytes
-
             raise errors.UsageError(
                 f"--save {(self.save or '')[:80]!r} is more than the measured step's peak ({human_bytes(m.peak_bytes)}): "
                 "no plan saves more than the whole peak",

@@ -58,6 +58,7 @@ from collectors.memory.policy import (
 )
 from dynprof import _settings
 from dynprof.agent._post_import import PostImportFinder
+from dynprof.units import parse_size
 
 if TYPE_CHECKING:
     from dynprof.agent._agent import Agent
@@ -79,8 +80,6 @@ class MemoryOptions:
 
     @classmethod
     def from_env(cls, env: Any = None) -> MemoryOptions:
-        from dynprof.units import parse_size
-
         env = _settings.environ() if env is None else env
         opts = cls()
         problems = []

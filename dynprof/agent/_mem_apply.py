@@ -47,7 +47,10 @@ from collectors.memory.plan.apply import (
     wrap,
 )
 from collectors.memory.plan.blocks import MeasurementRefused, find_models
+from collectors.memory.plan.budget import parse_budget
+from collectors.memory.plan.measurement import from_json
 from dynprof.agent._mem_plan import MEASURED_STEP_MIN_S, MEASURED_STEP_TYPICAL, busy_with_trace
+from dynprof.units import human_bytes
 
 if TYPE_CHECKING:
     from dynprof.agent._agent import Agent
@@ -296,16 +299,16 @@ class CheckpointApplier:
                 self._take_back()
                 self._final(
                     "unreachable",
-                    f"after {self.rounds} more plan(s) the peak is still {_hb(self.verified_peak_bytes)}, over the "
-                    f"budget {_hb(budget)}; every wrapper is taken back, the job runs as it was",
+                    f"after {self.rounds} more plan(s) the peak is still {human_bytes(self.verified_peak_bytes)}, over the "
+                    f"budget {human_bytes(budget)}; every wrapper is taken back, the job runs as it was",
                 )
                 return
             self.rounds += 1
             missed = max(1, self.verified_peak_bytes - predicted)
             self.state = "planning"
             self.detail = (
-                f"the peak was {_hb(self.verified_peak_bytes)}, {_hb(missed)} over the prediction: planning for "
-                f"{_hb(budget - missed)}"
+                f"the peak was {human_bytes(self.verified_peak_bytes)}, {human_bytes(missed)} over the prediction: planning for "
+                f"{human_bytes(budget - missed)}"
             )
             log.info("checkpoint: %s", self.detail)
             self._plan_in_thread(None, budget - missed)
@@ -344,8 +347,8 @@ class CheckpointApplier:
         p, v = self.predicted_peak_bytes or 0, self.verified_peak_bytes or 0
         text = (
             f"{len(self.modules)} block(s) recomputed in backward ({', '.join(self.modules[:8])}"
-            f"{' ...' if len(self.modules) > 8 else ''}): peak {_hb(v)} ({self.verified_peak_source}), predicted "
-            f"{_hb(p)}, budget {_hb(self.budget_bytes or 0)}"
+            f"{' ...' if len(self.modules) > 8 else ''}): peak {human_bytes(v)} ({self.verified_peak_source}), predicted "
+            f"{human_bytes(p)}, budget {human_bytes(self.budget_bytes or 0)}"
         )
         predicted_s = self.predicted_step_s()
         if self.verified_step_s is not None and predicted_s:
@@ -359,8 +362,6 @@ class CheckpointApplier:
         ).start()
 
     def _plan(self, measurement: Any, budget: int | None) -> None:
-        from collectors.memory.collect import parse_budget
-        from collectors.memory.plan.measurement import from_json
         from collectors.memory.plan.solve import make_plan
 
         try:
@@ -387,15 +388,15 @@ class CheckpointApplier:
                     self.predicted_peak_bytes = m.peak_bytes
                     self._final(
                         "fits-already",
-                        f"the measured peak {_hb(m.peak_bytes)} is under the budget {_hb(self.budget_bytes or 0)} "
+                        f"the measured peak {human_bytes(m.peak_bytes)} is under the budget {human_bytes(self.budget_bytes or 0)} "
                         f"({self.budget_source}): nothing to recompute, nothing is wrapped",
                     )
                     return
                 chosen = (plan.get("plan") or {}).get("modules") or []
                 if plan["status"] == "unreachable" or (self._wrapped and not chosen):
                     reason = (
-                        f"no set of blocks brings the peak under {_hb(budget or self.budget_bytes or 0)}: the least "
-                        f"recomputation reaches is {_hb(plan['floor_bytes'])}"
+                        f"no set of blocks brings the peak under {human_bytes(budget or self.budget_bytes or 0)}: the least "
+                        f"recomputation reaches is {human_bytes(plan['floor_bytes'])}"
                     )
                     if self._wrapped:
                         self._undo_reason = reason + "; every wrapper is taken back, the job runs as it was"
@@ -475,12 +476,6 @@ def _auto_budget(roots: list[Any]) -> tuple[int, str]:
         return int(host_memory.resolve_limit(None, host_memory.find_cgroup()).bytes)
 
     return auto_budget(device, host_limit)
-
-
-def _hb(n: int) -> str:
-    from dynprof.units import human_bytes
-
-    return str(human_bytes(n))
 
 
 def install(agent: Agent, environ: Any) -> CheckpointApplier | None:

@@ -27,8 +27,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from collectors.memory.plan.blocks import find_blocks, live_tensors
+from collectors.memory.plan.blocks import CHECKPOINT_CLASSES, find_blocks, live_tensors
+from collectors.memory.plan.budget import parse_budget
 from collectors.memory.plan.meter import LiveTensorBytes
+from dynprof import errors
 
 # ``--checkpoint auto`` plans for this share of the device's memory (or of the process's cap): the
 # rest is for the CUDA context, the allocator's cached blocks that fragmentation leaves unused,
@@ -38,17 +40,10 @@ ENV = "DYNPROF_CHECKPOINT"  # the job's request: a budget or auto (set by `dynpr
 MAX_SPEC = 64
 MARK = "__dynprof_checkpoint__"  # set on the forward dynprof put in place
 
-# Module classes whose forward is already checkpointed (FSDP's checkpoint_wrapper, fairscale's,
-# DeepSpeed's pipeline module's wrapper).
-CHECKPOINT_CLASSES = ("CheckpointWrapper", "CheckpointModule", "CheckpointFunction")
-
 
 def parse_spec(text: str) -> str:
     """``auto``, a size (``40G``) or a percentage of the measured peak (``60%``), checked;
     raises ValueError with the reason."""
-    from collectors.memory.collect import parse_budget
-    from dynprof import errors
-
     spec = text.strip()
     if not spec or len(spec) > MAX_SPEC:
         raise ValueError(f"not a budget: {spec[:MAX_SPEC]!r}")

@@ -13,8 +13,9 @@ from collectors.memory.plan.measurement import MAX_BLOCKS
 
 MAX_MODULES = 1_000_000
 
-# Module classes whose instances are already checkpointed: their saved tensors are not seen.
-_CHECKPOINT_WRAPPERS = ("CheckpointWrapper", "CheckpointModule", "CheckpointFunction")
+# Module classes whose instances are already checkpointed (FSDP's checkpoint_wrapper, fairscale's,
+# DeepSpeed's pipeline module's wrapper): their saved tensors are not seen, nor are they wrapped again.
+CHECKPOINT_CLASSES = ("CheckpointWrapper", "CheckpointModule", "CheckpointFunction")
 
 
 def find_blocks(roots: Iterable[Any]) -> list[tuple[str, Any]]:
@@ -200,7 +201,7 @@ def _limits(roots: list[Any], optimizers: list[Any], blocks: list[tuple[str, Any
                 break
     for name, m in blocks:
         cls = type(m).__name__
-        if cls in _CHECKPOINT_WRAPPERS or getattr(m, "gradient_checkpointing", False):
+        if cls in CHECKPOINT_CLASSES or getattr(m, "gradient_checkpointing", False):
             notes.append(f"block {name} is already checkpointed; it is left out of the plan")
     if len(roots) > 1:
         named = ", ".join(model_prefixes([unwrapped(r) for r in roots])[:8])

@@ -39,7 +39,7 @@ from collections.abc import Callable
 from typing import Any
 
 from collectors.memory.plan.blocks import (
-    _CHECKPOINT_WRAPPERS,
+    CHECKPOINT_CLASSES,
     COMPILED_HELP,
     MeasurementRefused,
     _limits,
@@ -130,7 +130,7 @@ class StepMeasurement(StepTimeline, StepResult):
         self.skipped = {
             name
             for name, m in self.blocks
-            if type(m).__name__ in _CHECKPOINT_WRAPPERS or getattr(m, "gradient_checkpointing", False)
+            if type(m).__name__ in CHECKPOINT_CLASSES or getattr(m, "gradient_checkpointing", False)
         }
         n = len(self.blocks)
         self._handles: list[Any] = []

@@ -32,6 +32,7 @@ from typing import Any
 from collectors.memory.plan.measurement import Measurement, from_json
 from collectors.memory.plan.predict import predict
 from collectors.memory.plan.scale import input_shape
+from dynprof.units import human_bytes
 
 TOLERANCE = 0.05  # of the larger of two byte figures: within it, two ranks' figures agree
 MAX_SAID = 4  # differences said per rank (the first found, in the order of the figures)
@@ -46,12 +47,6 @@ FIGURES = (
 )
 
 
-def _hb(n: int) -> str:
-    from dynprof.units import human_bytes
-
-    return str(human_bytes(n))
-
-
 def _agree(a: int, b: int, tolerance: float) -> bool:
     return abs(a - b) <= tolerance * max(a, b)
 
@@ -59,7 +54,7 @@ def _agree(a: int, b: int, tolerance: float) -> bool:
 def _against(name: str, a: int, b: int) -> str:
     """``peak 12.0 MiB against 10.0 MiB (+20 %)``: ``b`` against the reference ``a``."""
     pct = f" ({(b - a) / a * 100:+.0f} %)" if a else ""
-    return f"{name} {_hb(b)} against {_hb(a)}{pct}"
+    return f"{name} {human_bytes(b)} against {human_bytes(a)}{pct}"
 
 
 def differences(
