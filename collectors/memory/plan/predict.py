@@ -50,7 +50,7 @@ class Choice:
 @dataclass
 class Candidates:
     """The blocks a plan may choose (not checkpointed already, freeing something), in forward
-    order, with the timeline: what :func:`peak_with` and :func:`solve` work on."""
+    order, with the timeline: what :func:`peak_with` and :func:`.solve.solve` work on."""
 
     index: list[int]  # into Measurement.blocks
     freeable: list[int]
