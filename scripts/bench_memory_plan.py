@@ -5,7 +5,7 @@ For each model (a decoder-only transformer, a ViT-B/16, a ResNet-50 with torchvi
 synthetic data; bf16 autocast and AdamW with foreach, as on CUDA by default):
 
 1. train two steps, take the real peak of a third, then measure one with
-   :func:`collectors.memory.plan_capture.measure_step` (``reset_peak``: this is the
+   :func:`collectors.memory.plan.capture.measure_step` (``reset_peak``: this is the
    benchmark's own process);
 2. plan for a budget of --budget-fraction (0.6) of the measured peak;
 3. run again with the chosen modules wrapped in ``torch.utils.checkpoint`` (non-reentrant, the
@@ -44,9 +44,13 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint as cp
 
-from collectors.memory.plan import candidates, from_json, make_plan, peak_with, predict
-from collectors.memory.plan_capture import LiveTensorBytes, find_blocks, live_tensors, measure_step
-from collectors.memory.plan_scale import predicted_peak
+from collectors.memory.plan.blocks import find_blocks, live_tensors
+from collectors.memory.plan.capture import measure_step
+from collectors.memory.plan.measurement import from_json
+from collectors.memory.plan.meter import LiveTensorBytes
+from collectors.memory.plan.predict import candidates, peak_with, predict
+from collectors.memory.plan.scale import predicted_peak
+from collectors.memory.plan.solve import make_plan
 
 GIB = 1024**3
 
