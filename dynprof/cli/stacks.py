@@ -36,6 +36,7 @@ from dynprof.cli._common import (
     seconds,
 )
 from dynprof.cli.job import JobCommand, Reach
+from dynprof.job.stacks import read_answers
 from dynprof.nodes import Node
 from dynprof.result import Result
 
@@ -220,7 +221,6 @@ class StacksCommand(JobCommand):
         """Every node's sidecar reads its own ranks (``stacks`` there, :meth:`collect_local`)
         with ``options`` (the action's); their answers are merged as files are, each process
         named with its node."""
-        from collectors.stacks import from_json
         from dynprof.cli import job
         from dynprof.job.answers import node_labels
 
@@ -229,23 +229,7 @@ class StacksCommand(JobCommand):
         full = bool(options.get("full"))
         answers = reach.client.action_all(nodes, "stacks", options, timeout=request.timeout + 5.0)
         labels = node_labels(nodes)
-        sources: list[Source] = []
-        failures: dict[str, str] = {}
-        budget = Budget()
-        for a in answers:
-            label = labels[a.node]
-            if not a.answered:
-                failures[f"node {label}"] = a.error or "no answer"
-                continue
-            try:
-                found = from_json(a.result, budget)
-            except errors.ArtifactError as exc:
-                why = (a.command_error() or f"exit code {a.exit_code}") if a.exit_code else exc.message
-                failures[f"node {label}"] = why
-                continue
-            if a.exit_code and not found.processes:
-                failures[f"node {label}"] = a.command_error() or f"exit code {a.exit_code}"
-            sources.append(Source(found, node=label))
+        sources, failures = read_answers(answers, labels)
         try:
             stacks = merge(sources, by_host=True)
         except errors.ArtifactError as exc:
