@@ -14,11 +14,16 @@ from typing import Any
 
 from collectors.flight_recorder.collect import NcclRequest
 from dynprof import errors
+from dynprof.arguments import parse_float
 from dynprof.cli._common import printable, printable_lines, seconds
 from dynprof.cli.job import client_for, node_messages
-from dynprof.job.discovery import add_node_args
+from dynprof.job.client import SidecarClient, tls_context
+from dynprof.job.discovery import add_node_args, resolve_nodes
 from dynprof.job.nccl import collect_nodes
 from dynprof.nodes import Node
+from dynprof.watch.engine import WatchConfig
+from dynprof.watch.render import render_verdict_text
+from dynprof.watch.sampler import samplers_for
 from dynprof.watch.signals import all_signals, sample_event
 from dynprof.watch.sources import FLIGHT_RECORDER_OFF, FLIGHT_RECORDER_TIMEOUT_S, LocalSource, SidecarSource
 
@@ -79,9 +84,7 @@ def add_watch_options(parser: argparse.ArgumentParser | Any) -> None:
     )
 
 
-def config_of(args: argparse.Namespace) -> Any:
-    from dynprof.watch.engine import WatchConfig
-
+def config_of(args: argparse.Namespace) -> WatchConfig:
     return WatchConfig(
         job=args.job,
         interval_s=args.interval,
@@ -96,8 +99,6 @@ def config_of(args: argparse.Namespace) -> Any:
 
 def nonnegative_seconds(text: str) -> float:
     """A sampled signal's interval: 0 (never sample) up to a week."""
-    from dynprof.arguments import parse_float
-
     return parse_float(text, 0.0, 7 * 86400.0, low_open=False, what="seconds (0 <= SEC <= 604800)")
 
 
@@ -113,7 +114,6 @@ def every_of(args: argparse.Namespace) -> dict[str, float | None]:
 def samplers_of(args: argparse.Namespace, source: Any) -> list[Any]:
     """The engine's samplers over ``source`` (the nodes' sidecars, or this node's agents): every
     signal's, at the intervals the options say."""
-    from dynprof.watch.sampler import samplers_for
 
     return samplers_for(source, every_of(args))
 
@@ -200,8 +200,6 @@ class VerdictPrinter:
 
 def render_verdict(verdict: Any, path: str | None) -> str:
     """A verdict for people: the conclusion, the times, the culprits, every rank in a table."""
-    from dynprof.watch.render import render_verdict_text
-
     text = render_verdict_text(verdict)
     if path:
         text += f"\nartifact {path}"
@@ -209,13 +207,17 @@ def render_verdict(verdict: Any, path: str | None) -> str:
 
 
 # -- where the watch reads -------------------------------------------------------------------------
-def node_source(args: argparse.Namespace, nodes: list[Node]) -> Any:
-    """The nodes' sidecars, with the flight recorder read by ``nccl``'s own job-wide path."""
-    client = client_for(args)
+def polled_source(client: SidecarClient, nodes: list[Node], flight_recorder: Any = None) -> SidecarSource:
+    """The nodes' sidecars as the watch polls them through ``client``."""
     # A poll holds every node's progress and then its stacks: the client's total is shared
     # among those answers (one per node each, native stacks more for a few).
     client.shared_by = max(1, len(nodes))
     client.answers_per_node = 2
+    return SidecarSource(client, nodes, flight_recorder=flight_recorder)
+
+
+def node_source(args: argparse.Namespace, nodes: list[Node]) -> SidecarSource:
+    """The nodes' sidecars, with the flight recorder read by ``nccl``'s own job-wide path."""
 
     def flight_recorder(job: str) -> tuple[dict[str, Any] | None, str | None]:
         # A client of its own: the dumps read back are not among the poll's shared answers.
@@ -226,7 +228,7 @@ def node_source(args: argparse.Namespace, nodes: list[Node]) -> Any:
             return None, "; ".join(node_messages(got.answers)[:5])[:1000] or "no flight recorder dump (is it on?)"
         return got.analysis, None
 
-    return SidecarSource(client, nodes, flight_recorder=flight_recorder)
+    return polled_source(client_for(args), nodes, flight_recorder)
 
 
 # -- serve --watch ----------------------------------------------------------------------------------
@@ -257,17 +259,12 @@ def start_hosted_watch(args: argparse.Namespace, token: str) -> Any:
     check_hosted_watch(args)
     if not getattr(args, "watch", False):
         return None
-    from dynprof.job.client import SidecarClient, tls_context
-    from dynprof.job.discovery import resolve_nodes
     from dynprof.watch.engine import WatchEngine
 
     nodes = resolve_nodes(args)
     if nodes is not None:
         tls = tls_context(args.cacert) if args.cacert else None
-        client = SidecarClient(token, tls=tls)
-        client.shared_by = max(1, len(nodes))  # as node_source's: progress and stacks of every node
-        client.answers_per_node = 2
-        source: Any = SidecarSource(client, nodes)
+        source: Any = polled_source(SidecarClient(token, tls=tls), nodes)
     else:
         source = LocalSource()
     printer = VerdictPrinter(False, args.on_verdict, args.on_verdict_timeout, out=sys.stderr)

@@ -23,16 +23,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from collectors.flight_recorder import collect as nccl
 from collectors.stacks import Budget, Source, Stacks, merge
+from collectors.stacks import collect as stacks_kind
 from collectors.stacks.collect import StacksRequest
 from dynprof import errors
+from dynprof.identity import detect
 from dynprof.job.answers import node_labels
 from dynprof.job.client import NodeFailure
 from dynprof.job.fetch import fetch_by_path
 from dynprof.job.stacks import read_answer
 from dynprof.job.start import PS_TIMEOUT_S, START_ARM_TIMEOUT_S, arm_at_one_step, follow_traces
+from dynprof.registry import list_records
 from dynprof.watch.evidence import healthcheck_summary, report_summary
 from dynprof.watch.model import NodeProgress
+from dynprof.watch.progress import read_progress
 from dynprof.watch.traces import (
     KEEP_SAMPLES,
     MAX_TRACE_DURATION_S,
@@ -325,8 +330,6 @@ class LocalSource:
         stacks_timeout: float = DEFAULT_STACKS_TIMEOUT_S,
         run_trace: LocalTrace = local_trace,
     ) -> None:
-        from dynprof.identity import detect
-
         self.host = host or detect().host or socket.gethostname()
         self.stacks_timeout = stacks_timeout
         self.run_trace = run_trace
@@ -336,19 +339,14 @@ class LocalSource:
         return [self.host]
 
     def progress(self, job: str, fresh: bool = False) -> list[NodeRead]:  # always read now
-        from dynprof.registry import list_records
-        from dynprof.watch.progress import read_progress
-
         return [NodeRead(self.host, read_progress(list_records(), self.host, job, timeout=1.0))]
 
     def stacks(self, job: str, native: dict[str, list[int]]) -> StacksRead:
-        from collectors.stacks.collect import collect
-
         failures: dict[str, str] = {}
 
         def read(request: StacksRequest) -> Stacks:
             try:
-                return collect(request).stacks
+                return stacks_kind.collect(request).stacks
             except errors.DynprofError as exc:
                 failures[f"node {self.host}"] = exc.message
                 return Stacks([])
@@ -364,8 +362,6 @@ class LocalSource:
         return StacksRead(merged, failures)
 
     def flight_recorder(self, job: str) -> tuple[dict[str, Any] | None, str | None]:
-        from collectors.flight_recorder import collect as nccl
-
         try:
             got = nccl.collect(nccl.NcclRequest(job=job, timeout=FLIGHT_RECORDER_TIMEOUT_S))
         except errors.Unsupported:
