@@ -1,9 +1,12 @@
 """The watch's decisions, as pure functions of what it read: is the job stalled, and when it
 is, what each rank is doing and what that makes of the job (a hang, with its culprits, or busy).
 
-Nothing here reads a process or a node: :mod:`dynprof.watch.engine` gathers the progress rows
+Nothing here reads a process or a node: :mod:`dynprof.watch.look` gathers the progress rows
 (:class:`~dynprof.watch.model.RankProgress`) and two samples of every rank's stacks (merged by
-:func:`collectors.stacks.merge`), and hands them here.
+:func:`collectors.stacks.merge`), and hands them here. The rules live in four modules, each
+pure: the stall (:mod:`dynprof.watch.stall`), where a main thread is
+(:mod:`dynprof.watch.frames`), one rank's state (:mod:`dynprof.watch.classify`) and, here, the
+job's decision (:func:`decide`) with the flight recorder's reading.
 
 **Stall.** No rank advanced for ``stall_after`` seconds (default: the larger of 60 s and 20x
 the job's median step time). A rank's age is the time since its last step; before its first
