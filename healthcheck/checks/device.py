@@ -399,20 +399,3 @@ def check_processes(r: DeviceReadings, source: str, own_pids: frozenset[int] = f
             ),
         ],
     )
-
-
-def passive_device_checks(
-    r: DeviceReadings, source: str, *, peer_nvlinks: int | None = None, own_pids: frozenset[int] = frozenset()
-) -> list[CheckResult]:
-    """Every passive check of one device except the PCIe link (which needs a loaded reading)."""
-    return [
-        check_persistence_mode(r, source),
-        check_ecc_mode(r, source),
-        check_ecc_errors(r, source),
-        check_row_remap(r, source),
-        check_retired_pages(r, source),
-        check_clocks(r, source),
-        check_temperature(r, source),
-        check_nvlink(r, source, peer_nvlinks),
-        check_processes(r, source, own_pids),
-    ]
