@@ -8,6 +8,7 @@ run"): 2 means "unhealthy" to a scheduler.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 from typing import NoReturn
@@ -28,6 +29,13 @@ from healthcheck.options import LEVELS, SHARED_FS_ENV
 from healthcheck.result import EXIT_COULD_NOT_RUN
 
 _DEFAULT = HealthcheckRequest()
+# The judgement's thresholds (fractions), each a field of the request: what its flag says.
+THRESHOLDS = (
+    ("fail_below", "fail a measurement below F x baseline"),
+    ("warn_below", "warn below F x baseline"),
+    ("peer_fail", "fail a device slower than its peers' median by F"),
+    ("peer_warn", "warn a device slower than its peers' median by F"),
+)
 
 DESCRIPTION = """\
 Check this node's accelerators and host before a job runs on it.
@@ -46,8 +54,7 @@ class UsageParser(argparse.ArgumentParser):
     """Usage errors exit 3 ("could not run"): 2 means "unhealthy" to a scheduler."""
 
     def error(self, message: str) -> NoReturn:
-        self.print_usage(sys.stderr)
-        self.exit(EXIT_COULD_NOT_RUN, f"{self.prog}: error: {message}\n")
+        _exit_3(self, message)
 
 
 def _fraction(text: str) -> float:
@@ -109,34 +116,15 @@ def add_check_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="baseline file (from `baseline learn`); wins over the shipped ones",
     )
-    parser.add_argument(
-        "--fail-below",
-        type=_fraction,
-        default=_DEFAULT.fail_below,
-        metavar="F",
-        help=f"fail a measurement below F x baseline (default {_DEFAULT.fail_below:.2f})",
-    )
-    parser.add_argument(
-        "--warn-below",
-        type=_fraction,
-        default=_DEFAULT.warn_below,
-        metavar="F",
-        help=f"warn below F x baseline (default {_DEFAULT.warn_below:.2f})",
-    )
-    parser.add_argument(
-        "--peer-fail",
-        type=_fraction,
-        default=_DEFAULT.peer_fail,
-        metavar="F",
-        help=f"fail a device slower than its peers' median by F (default {_DEFAULT.peer_fail:.2f})",
-    )
-    parser.add_argument(
-        "--peer-warn",
-        type=_fraction,
-        default=_DEFAULT.peer_warn,
-        metavar="F",
-        help=f"warn a device slower than its peers' median by F (default {_DEFAULT.peer_warn:.2f})",
-    )
+    for name, text in THRESHOLDS:
+        default = getattr(_DEFAULT, name)
+        parser.add_argument(
+            "--" + name.replace("_", "-"),
+            type=_fraction,
+            default=default,
+            metavar="F",
+            help=f"{text} (default {default:.2f})",
+        )
     parser.add_argument(
         "--disk", action="append", type=path_arg, metavar="PATH", help="check free space here (default: / and /tmp)"
     )
@@ -214,36 +202,23 @@ def add_check_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def request_from_args(args: argparse.Namespace) -> HealthcheckRequest:
-    """The request of the options :func:`add_check_arguments` parsed."""
-    return HealthcheckRequest(
-        level=args.level,
-        job=args.job,
-        backend=args.backend,
-        expect_devices=args.expect_devices,
-        skip=tuple(sorted(args.skip)),
-        timeout_scale=args.timeout_scale,
-        fail_below=args.fail_below,
-        warn_below=args.warn_below,
-        peer_fail=args.peer_fail,
-        peer_warn=args.peer_warn,
-        min_disk_gib=args.min_disk_gib,
-        xid_window=args.xid_window,
-        no_save=args.no_save,
-        smi_tool=args.smi_tool,
-        baseline=tuple(args.baseline),
-        disk=tuple(args.disk or ()),
-        shared_fs=None if args.shared_fs is None else tuple(args.shared_fs),
-        probe_timeout=args.probe_timeout,
-        counter_window=args.counter_window,
-        prometheus=args.prometheus,
-    )
+    """The request of the options :func:`add_check_arguments` parsed: each option is the
+    request's field of its name, the lists made tuples (``--skip`` sorted)."""
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(HealthcheckRequest) if f.name != "timeout"}
+    given["skip"] = tuple(sorted(args.skip))
+    for name in ("baseline", "disk", "shared_fs"):
+        if given[name] is not None:
+            given[name] = tuple(given[name])
+    given["disk"] = given["disk"] or ()
+    return HealthcheckRequest(**given)
 
 
 def usage_errors_exit_3(parser: argparse.ArgumentParser) -> None:
     """Make ``parser`` (created by someone else) exit 3 on a usage error, like :class:`UsageParser`."""
 
-    def error(message: str) -> NoReturn:
-        parser.print_usage(sys.stderr)
-        parser.exit(EXIT_COULD_NOT_RUN, f"{parser.prog}: error: {message}\n")
+    parser.error = lambda message: _exit_3(parser, message)  # type: ignore[method-assign]
 
-    parser.error = error  # type: ignore[method-assign]
+
+def _exit_3(parser: argparse.ArgumentParser, message: str) -> NoReturn:
+    parser.print_usage(sys.stderr)
+    parser.exit(EXIT_COULD_NOT_RUN, f"{parser.prog}: error: {message}\n")
