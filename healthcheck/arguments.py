@@ -210,6 +210,8 @@ def request_from_args(args: argparse.Namespace) -> HealthcheckRequest:
         if given[name] is not None:
             given[name] = tuple(given[name])
     given["disk"] = given["disk"] or ()
+    for name in ("job", "smi_tool"):  # given empty: as not given
+        given[name] = given[name] or None
     return HealthcheckRequest(**given)
 
 

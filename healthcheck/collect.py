@@ -14,6 +14,7 @@ prints on stdout can be taken for it). Its stderr's last line says why, when no 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import subprocess
@@ -162,28 +163,14 @@ class HealthcheckRequest:
         _number("--counter-window", self.counter_window, MAX_COUNTER_WINDOW_S)
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "level": self.level,
-            "job": self.job,
-            "timeout": self.timeout,
-            "backend": self.backend,
-            "expect_devices": self.expect_devices,
-            "skip": list(self.skip),
-            "timeout_scale": self.timeout_scale,
-            "fail_below": self.fail_below,
-            "warn_below": self.warn_below,
-            "peer_fail": self.peer_fail,
-            "peer_warn": self.peer_warn,
-            "min_disk_gib": self.min_disk_gib,
-            "xid_window": self.xid_window,
-            "no_save": self.no_save,
-            **{
-                k: list(v) if isinstance(v, tuple) else v
-                for k in self.LOCAL_OPTIONS
-                for v in [getattr(self, k)]
-                if v != getattr(_DEFAULT, k)
-            },
-        }
+        """Every field (lists for tuples); of :data:`LOCAL_OPTIONS` only those not at their
+        defaults, so that a request made away from a node's files reads as it always did."""
+        doc: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name not in self.LOCAL_OPTIONS or value != getattr(_DEFAULT, f.name):
+                doc[f.name] = list(value) if isinstance(value, tuple) else value
+        return doc
 
     def action_options(self) -> dict[str, Any]:
         """The options of the sidecar's ``healthcheck`` action for this request: those set (a

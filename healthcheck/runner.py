@@ -26,7 +26,7 @@ from dynprof.store import utcnow_iso
 from healthcheck.backends import Backend, NoAccelerator, open_backend
 from healthcheck.baseline import Baseline, find_baseline, load_baselines
 from healthcheck.checks.counters import counter_checks
-from healthcheck.checks.device import check_clocks, check_pcie_link
+from healthcheck.checks.device import check_clocks, check_devices, check_pcie_link
 from healthcheck.checks.ib_counters import IbPortCounters, check_ib_counters, read_ib_counters
 from healthcheck.checks.shared_fs import SharedFsProbe, start_probes
 from healthcheck.checks.table import host_probes, passive_device_checks
@@ -121,64 +121,7 @@ class _Run:
             return
         count = self.count = int(got)
         self.counted = True
-        if expected is None:
-            if count:
-                self.add(
-                    CheckResult(
-                        "devices",
-                        Status.PASS,
-                        f"{count} found through {name} (no expected count: give --expect-devices or run under Slurm)",
-                        value=count,
-                        critical=True,
-                    )
-                )
-            else:
-                self.add(
-                    CheckResult(
-                        "devices",
-                        Status.UNKNOWN,
-                        f"{name} lists no device",
-                        value=0,
-                        expected=">= 1",
-                        critical=True,
-                        details={"help": NoAccelerator.default_help},
-                    )
-                )
-        elif count == expected:
-            self.add(
-                CheckResult(
-                    "devices",
-                    Status.PASS,
-                    f"{count} found, {expected} expected ({source})",
-                    value=count,
-                    expected=str(expected),
-                    critical=True,
-                )
-            )
-        elif count < expected:
-            self.add(
-                CheckResult(
-                    "devices",
-                    Status.FAIL,
-                    f"{expected - count} devices missing ({source} expects "
-                    f"{expected}): fallen off the bus or not given to this container",
-                    value=count,
-                    expected=str(expected),
-                    action="drain",
-                    critical=True,
-                )
-            )
-        else:
-            self.add(
-                CheckResult(
-                    "devices",
-                    Status.WARN,
-                    f"more devices than expected ({source})",
-                    value=count,
-                    expected=str(expected),
-                    critical=True,
-                )
-            )
+        self.add(check_devices(count, expected, source, name))
         driver, why = self.probe(self.backend.driver_version, f"{name}: reading the driver version")
         if why is not None:
             self.add(CheckResult("driver", Status.UNKNOWN, why))

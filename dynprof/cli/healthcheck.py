@@ -31,7 +31,7 @@ from healthcheck.arguments import add_check_arguments, request_from_args, usage_
 from healthcheck.baseline import learn_files
 from healthcheck.collect import Checked, HealthcheckRequest, collect_here
 from healthcheck.fleet_text import render_fleet
-from healthcheck.report import render_table
+from healthcheck.report import Report, render_table
 from healthcheck.result import EXIT_COULD_NOT_RUN
 
 
@@ -42,6 +42,14 @@ class HealthReport(Result):
         super().__init__({}, checked.report.exit_code, checked.messages)
         self.checked = checked
         self.failures_only = failures_only
+
+    @property
+    def report(self) -> Report:
+        return self.checked.report
+
+    @property
+    def artifact(self) -> str | None:
+        return self.checked.artifact
 
     def to_json(self) -> dict[str, Any]:
         return self.checked.to_json()
@@ -232,8 +240,8 @@ class HealthcheckCommand:
         if isinstance(result, LearnedBaseline):
             return "" if result.output else json.dumps(result.doc, indent=2)
         assert isinstance(result, HealthReport)
-        text = render_table(result.checked.report, show_passed=not result.failures_only)
-        return text + (f"\nsaved: {result.checked.artifact}" if result.checked.artifact else "")
+        text = render_table(result.report, show_passed=not result.failures_only)
+        return text + (f"\nsaved: {result.artifact}" if result.artifact else "")
 
 
 def _check(args: argparse.Namespace) -> HealthReport:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from healthcheck.backends.base import NoAccelerator
 from healthcheck.readings import (
     CLOCK_HW_POWER_BRAKE,
     CLOCK_HW_SLOWDOWN,
@@ -398,4 +399,40 @@ def check_processes(r: DeviceReadings, source: str, own_pids: frozenset[int] = f
                 details={"processes": [{"pid": p.pid, "used_memory_bytes": p.used_memory_bytes} for p in others]},
             ),
         ],
+    )
+
+
+def check_devices(count: int, expected: int | None, source: str, backend: str) -> CheckResult:
+    """How many devices ``backend`` lists, against how many this node must have (None: not
+    said; ``source`` says who expects them)."""
+    missing = (expected or 0) - count
+    return decide(
+        "devices",
+        [
+            row(
+                expected is None and count > 0,
+                Status.PASS,
+                f"{count} found through {backend} (no expected count: give --expect-devices or run under Slurm)",
+                expected=None,
+            ),
+            row(
+                expected is None,
+                Status.UNKNOWN,
+                f"{backend} lists no device",
+                expected=">= 1",
+                details={"help": NoAccelerator.default_help},
+            ),
+            row(count == expected, Status.PASS, f"{count} found, {expected} expected ({source})"),
+            row(
+                missing > 0,
+                Status.FAIL,
+                f"{missing} devices missing ({source} expects {expected}): fallen off the bus or not given to "
+                "this container",
+                action="drain",
+            ),
+            row(OTHERWISE, Status.WARN, f"more devices than expected ({source})"),
+        ],
+        value=count,
+        expected=str(expected),
+        critical=True,
     )

@@ -124,3 +124,9 @@ def test_usage_errors_exit_3_changes_a_parser_made_elsewhere(capsys):
         parser.parse_args(["--n", "x"])
     assert info.value.code == 3
     assert "dynprof healthcheck: error:" in capsys.readouterr().err
+
+
+def test_an_empty_job_or_smi_tool_is_as_not_given():
+    request = request_from_args(parse(["--job", "", "--smi-tool", ""]))
+    assert (request.job, request.smi_tool) == (None, None)
+    assert request.options().job_pids == frozenset()

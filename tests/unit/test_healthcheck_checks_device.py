@@ -6,6 +6,7 @@ import pytest
 
 from healthcheck.checks.device import (
     check_clocks,
+    check_devices,
     check_ecc_errors,
     check_ecc_mode,
     check_nvlink,
@@ -238,3 +239,23 @@ def test_not_read_names_every_missing_field_and_each_error_once():
     got = not_read(r, "c", ["temperature_c", "sm_clock_mhz"], "nvml")
     assert got.status is Status.UNKNOWN
     assert got.reason == "could not read temperature_c, sm_clock_mhz: NVML: Unknown Error"
+
+
+# -- the devices the backend lists ----------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("count", "expected", "status", "said"),
+    [
+        (8, None, Status.PASS, "8 found through nvml (no expected count"),
+        (0, None, Status.UNKNOWN, "nvml lists no device"),
+        (8, 8, Status.PASS, "8 found, 8 expected (SLURM_GPUS_ON_NODE)"),
+        (6, 8, Status.FAIL, "2 devices missing (SLURM_GPUS_ON_NODE expects 8): fallen off the bus"),
+        (9, 8, Status.WARN, "more devices than expected (SLURM_GPUS_ON_NODE)"),
+    ],
+)
+def test_the_devices_listed_are_judged_against_those_expected(count, expected, status, said):
+    got = check_devices(count, expected, "SLURM_GPUS_ON_NODE", "nvml")
+    assert (got.name, got.status, got.critical, got.value) == ("devices", status, True, count)
+    assert got.reason.startswith(said)
+    assert got.expected == (None if expected is None and count else ">= 1" if expected is None else str(expected))
+    assert got.action == ("drain" if status is Status.FAIL else None)
+    assert ("help" in got.details) == (status is Status.UNKNOWN)
