@@ -1,8 +1,9 @@
 """Many nodes' healthcheck reports judged together: one table, peers across nodes, what to drain.
 
-The faces (``dynprof healthcheck --hosts/--slurm`` through the sidecars, ``--srun`` without
-them) hand in one :class:`NodeOutcome` per node: what came back, or why nothing did. Everything
-here is pure: no network, no processes.
+The job-wide healthcheck (:mod:`dynprof.job.healthcheck`: ``dynprof healthcheck --hosts/--slurm``
+through the sidecars, ``--srun`` without them) hands in one :class:`NodeOutcome` per node: what
+came back, or why nothing did. Everything here is pure: no network, no processes. Its text is
+:mod:`healthcheck.fleet_text`'s.
 
 * Every node's report is decoded by :meth:`NodeReport.from_json`, a bounded, typed reader:
   nothing a node sends is trusted (wrong types, NaN, huge lists and long text are refused, and a
