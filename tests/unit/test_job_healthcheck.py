@@ -1,5 +1,7 @@
-"""dynprof.job.healthcheck: the job-wide healthcheck's srun launcher (the request handed to each
-task as one JSON argument; srun's labelled output read back per task, bounded) and its wait."""
+"""dynprof.job.healthcheck: the job-wide healthcheck through the sidecars (each asked the
+request's action options, the answers judged together), its srun launcher (the request handed
+to each task as one JSON argument; srun's labelled output read back per task, bounded) and
+each node's wait."""
 
 from __future__ import annotations
 
@@ -10,11 +12,14 @@ from dynprof.job.healthcheck import (
     MAX_TASK_OUTPUT_BYTES,
     MAX_TASK_OUTPUT_LINES,
     MAX_UNLABELLED_LINES,
+    SIDECAR_GRACE_S,
     JobWide,
     TaskOutput,
+    collect_nodes,
     node_wait,
     srun_command,
 )
+from dynprof.nodes import Node, NodeAnswer
 from healthcheck.collect import HealthcheckRequest
 
 
@@ -77,3 +82,63 @@ def test_lines_that_name_no_task_are_bounded_and_the_unanswered_tasks_named():
     assert out.outcome(0, "n0", False, stopped=True).report == {"a": 1}
     assert out.outcome(1, "n1", False, stopped=True).error == "srun was stopped before its task answered"
     assert out.outcome(2, "n2", False, stopped=True).error == "srun was stopped before its task answered"
+
+
+class FakeClient:
+    """The sidecars' client: each node answers the report it is given, or nothing."""
+
+    max_in_flight = 8
+
+    def __init__(self, answers: dict[str, NodeAnswer]) -> None:
+        self.answers = answers
+        self.timeout = 0.0
+        self.asked: list[tuple[str, str, dict, float | None]] = []
+
+    def action(self, node: Node, name: str, options: dict, timeout: float | None = None) -> NodeAnswer:
+        self.asked.append((node.address, name, options, timeout))
+        return self.answers[node.address]
+
+
+class Quiet:
+    def update(self, text: str) -> None:
+        pass
+
+    def done(self) -> None:
+        pass
+
+
+def node_report(exit_code: int = 0) -> dict:
+    return {
+        "schema": "dynprof.healthcheck",
+        "schema_version": 1,
+        "level": "quick",
+        "exit_code": exit_code,
+        "devices": [],
+        "checks": [{"name": "disk_free", "status": "pass" if exit_code == 0 else "fail", "value": 1.0}],
+    }
+
+
+def test_every_sidecar_is_asked_the_requests_action_options_and_the_answers_judged_together():
+    # GIVEN two nodes on one host (named host:port), one that answers healthy, one whose check
+    # failed, and a third that does not answer (refused its token)
+    nodes = [Node("a", 1), Node("a", 2), Node("b", 1)]
+    client = FakeClient(
+        {
+            "a:1": NodeAnswer(nodes[0], True, exit_code=0, result=node_report()),
+            "a:2": NodeAnswer(nodes[1], True, exit_code=2, result=node_report(2)),
+            "b:1": NodeAnswer(nodes[2], False, error="401 Unauthorized", status=401),
+        }
+    )
+    request = HealthcheckRequest(fail_below=0.8, skip=("ecc_errors",))
+    # WHEN the job-wide healthcheck runs through the sidecars
+    report = collect_nodes(request, JobWide(peer_threshold=0.2), nodes, client, 30.0, Quiet())  # type: ignore[arg-type]
+    # THEN each was asked the request's action options, under the level's wait, the client's
+    # timeout the nodes' own plus the sidecars' grace
+    assert {a[0] for a in client.asked} == {"a:1", "a:2", "b:1"}
+    assert all(a[1:] == ("healthcheck", request.action_options(), 120.0) for a in client.asked)
+    assert client.timeout == 30.0 + SIDECAR_GRACE_S
+    # AND the answers are judged together, each node named as output names it
+    by_label = {v.outcome.label: v for v in report.verdicts}
+    assert {label: v.status for label, v in by_label.items()} == {"a:1": "healthy", "a:2": "unhealthy", "b": "unknown"}
+    assert by_label["b"].reasons[0].code == "refused"
+    assert (report.threshold, report.how, report.exit_code) == (0.2, "sidecars", 2)
