@@ -10,6 +10,12 @@ cannot), and the GPU checks must leave no CUDA or NVML state in the process that
 the sidecar hosting it). The child is this module, ``python -m healthcheck.collect OUT``: the
 request's JSON on its stdin, the report's JSON written to the file ``OUT`` (nothing a check
 prints on stdout can be taken for it). Its stderr's last line says why, when no report came.
+
+Where the checks are what a process is for (``dynprof healthcheck`` and ``python -m healthcheck``
+on the node, whose options make the request: :mod:`healthcheck.arguments`; the sidecar's
+``healthcheck`` action, itself run in a child; each task of ``dynprof healthcheck --srun``,
+``python -m healthcheck.collect --task REQUEST``), :func:`collect_here` runs them in that
+process and saves the report as an artifact, unless the request says not to.
 """
 
 from __future__ import annotations
