@@ -142,7 +142,7 @@ def test_a_process_that_runs_no_python_is_not_python(not_python):
 
 
 def test_a_python_too_old_is_unsupported(monkeypatch):
-    monkeypatch.setattr(_preflight._elf, "python_version", lambda pid: (3, 9))
+    monkeypatch.setattr(_preflight, "python_version", lambda pid: (3, 9))
     with pytest.raises(errors.Unsupported, match=r"runs Python 3\.9; dynprof needs 3\.10 or newer"):
         _preflight.target_python(os.getpid())
 

@@ -11,6 +11,7 @@ from collectors.torch_trace.collect import TraceRequest
 from dynprof import errors
 from dynprof.cli.start import StartCommand, request_from_args
 from dynprof.sidecar.actions import check_options
+from tests.support.records import agent_record
 from tests.unit._action_flags import flags
 
 
@@ -105,13 +106,7 @@ class _Lines:
 
 
 def _record(pid: int, job: str | None = "j1"):
-    from dynprof.registry import AgentRecord
-
-    return AgentRecord(
-        pid=pid, ppid=1, host="h", rank=0, local_rank=0, world_size=1, job_id=job, cmdline=["python"],
-        python_version="3", torch_version=None, dynprof_version="0", started_at=0.0, start_ticks=None,
-        socket="/s", log="/l", activation="run",
-    )  # fmt: skip
+    return agent_record(pid, rank=0, world_size=1, job_id=job, socket="/s", log="/l")
 
 
 @pytest.fixture

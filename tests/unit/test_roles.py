@@ -10,28 +10,11 @@ import dynprof
 from dynprof import _phase, roles
 from dynprof.agents import select_workers
 from dynprof.registry import AgentRecord
+from tests.support.records import agent_record
 
 
 def _record(pid: int, ppid: int = 1, rank: int | None = None, role: str | None = None, job: str = "j") -> AgentRecord:
-    return AgentRecord(
-        pid=pid,
-        ppid=ppid,
-        host="h",
-        rank=rank,
-        local_rank=rank,
-        world_size=None,
-        job_id=job,
-        cmdline=["python"],
-        python_version="3",
-        torch_version=None,
-        dynprof_version="0",
-        started_at=0.0,
-        start_ticks=None,
-        socket="/x",
-        log="",
-        activation="run",
-        role=role,
-    )
+    return agent_record(pid, ppid=ppid, rank=rank, job_id=job, role=role)
 
 
 @pytest.mark.parametrize(
