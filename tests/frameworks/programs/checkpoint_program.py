@@ -47,14 +47,15 @@ def main() -> int:
     x = torch.randn(64, args.width).to(device).requires_grad_(args.reentrant)
     y = torch.randn(64, 1).to(device)
     pacer = Pacer(args)
-    while True:
+
+    def step() -> torch.Tensor:
         loss = torch.nn.functional.mse_loss(model(x), y)
         opt.zero_grad()
         loss.backward()
         opt.step()
-        pacer.loss(pacer.steps + 1, loss.item())
-        if pacer.step_done():
-            break
+        return loss
+
+    pacer.train(step)
     pacer.done()
     return 0
 

@@ -40,16 +40,15 @@ def main() -> int:
     x = torch.randn(32, args.width, generator=gen)
     y = torch.randn(32, 1, generator=gen)
     pacer = Pacer(args, rank)
-    while True:
+
+    def step() -> torch.Tensor:
         loss = torch.nn.functional.mse_loss(model(x), y)
         opt.zero_grad()
         loss.backward()
         opt.step()
-        pacer.loss(f"r{rank}:{pacer.steps + 1}", loss.item())
-        stop = torch.tensor([1.0 if pacer.step_done() else 0.0])
-        dist.all_reduce(stop)
-        if stop.item() > 0:
-            break
+        return loss
+
+    pacer.train(step, ranks=True)
     pacer.done()
     dist.barrier()  # both ranks are done with their collectives before gloo is torn down
     dist.destroy_process_group()

@@ -27,12 +27,13 @@ def main() -> int:
     x = torch.randn(64, args.width)
     y = torch.randn(64, 1)
     pacer = Pacer(args)
-    while True:
+
+    def step() -> torch.Tensor:
         loss = torch.nn.functional.mse_loss(model(x), y)
         loss.backward()  # every optimizer steps in here
-        pacer.loss(pacer.steps + 1, loss.item())
-        if pacer.step_done():
-            break
+        return loss
+
+    pacer.train(step)
     pacer.done()
     return 0
 

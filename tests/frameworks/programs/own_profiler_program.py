@@ -35,15 +35,16 @@ def main() -> int:
     if args.device.startswith("cuda"):
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     with torch.profiler.profile(activities=activities, schedule=schedule, on_trace_ready=on_trace_ready) as prof:
-        while True:
+
+        def step() -> torch.Tensor:
             loss = torch.nn.functional.mse_loss(model(x), y)
             opt.zero_grad()
             loss.backward()
             opt.step()
             prof.step()
-            pacer.loss(pacer.steps + 1, loss.item())
-            if pacer.step_done():
-                break
+            return loss
+
+        pacer.train(step)
     pacer.done()
     return 0
 
