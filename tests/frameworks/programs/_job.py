@@ -58,6 +58,23 @@ def mlp(width: int) -> torch.nn.Sequential:
     )
 
 
+def mse_step(
+    model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor
+) -> Callable[[], torch.Tensor]:
+    """The plain training iteration several programs run: MSE loss of ``model(x)`` against
+    ``y``, ``zero_grad``, ``backward``, the optimizer's step; it returns the loss."""
+    import torch
+
+    def step() -> torch.Tensor:
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return loss
+
+    return step
+
+
 class Pacer:
     """Called after each optimizer step: READY once, the pause, and whether to stop."""
 
@@ -107,6 +124,12 @@ class Pacer:
                 self.loss(self.steps + 1, loss.item())
                 if self.step_done():
                     return
+
+    def run(self, step: Callable[[], torch.Tensor]) -> int:
+        """A one-process program's whole loop: :meth:`train`, then DONE; its exit status."""
+        self.train(step)
+        self.done()
+        return 0
 
     @staticmethod
     def _stop_together(stop: bool) -> bool:

@@ -66,9 +66,7 @@ def main() -> int:
         sched.step()
         return loss
 
-    pacer.train(step)
-    pacer.done()
-    return 0
+    return pacer.run(step)
 
 
 if __name__ == "__main__":

@@ -33,9 +33,7 @@ def main() -> int:
         loss.backward()  # every optimizer steps in here
         return loss
 
-    pacer.train(step)
-    pacer.done()
-    return 0
+    return pacer.run(step)
 
 
 if __name__ == "__main__":
