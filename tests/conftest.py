@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests._ports import free_port
+from tests.support.ranks import rank_env
 
 ROOT = Path(__file__).resolve().parent.parent
 PROGRAMS = ROOT / "tests" / "integration" / "programs"
@@ -625,13 +626,7 @@ def hang_job(spawn: object) -> object:
         port = str(free_port())
         targets = []
         for rank in (0, 1):
-            env = {
-                "RANK": str(rank),
-                "WORLD_SIZE": "2",
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": port,
-                "DYNPROF_JOB_ID": job,
-            }
+            env = rank_env(rank, 2, port, DYNPROF_JOB_ID=job)
             args = [
                 "-m",
                 "dynprof",

@@ -6,14 +6,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from dynprof.attach._discover import JobProcess, find_job_processes
+from tests.support.procs import wait_exec_done
 
 PARK = "import sys; sys.stdin.read()"  # a Python process that waits for its stdin to close
 # A Python process that starts one child of its own (the same environment), says its pid, and waits.
@@ -22,22 +21,6 @@ WRAPPER = (
     f"c = subprocess.Popen([sys.executable, '-c', {PARK!r}], stdin=subprocess.PIPE); "
     "print(c.pid, flush=True); sys.stdin.read(); c.stdin.close(); c.wait()"
 )
-
-
-def wait_exec_done(pid: int, env: dict[str, str] | None) -> None:
-    """Wait until ``pid``'s new command line and environment can be read from /proc: the exec
-    that Popen waited for closes its error pipe a moment before the kernel sets them up."""
-    wanted = [f"{k}={v}".encode() for k, v in (env or {}).items()]
-    for _ in range(500):
-        try:
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            environ, cmdline = [], b""
-        if cmdline and all(w in environ for w in wanted):
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"pid {pid} did not finish its exec")
 
 
 @pytest.fixture

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,22 +13,7 @@ import pytest
 
 from dynprof import errors
 from dynprof.attach import _preflight
-
-
-def wait_exec_done(pid: int, env: dict[str, str] | None) -> None:
-    """Wait until ``pid``'s new command line and environment can be read from /proc: the exec
-    that Popen waited for closes its error pipe a moment before the kernel sets them up."""
-    wanted = [f"{k}={v}".encode() for k, v in (env or {}).items()]
-    for _ in range(500):
-        try:
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            environ, cmdline = [], b""
-        if cmdline and all(w in environ for w in wanted):
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"pid {pid} did not finish its exec")
+from tests.support.procs import wait_exec_done
 
 
 @pytest.fixture
