@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests._ports import free_port
+from tests.support.lines import LineReader
 from tests.support.ranks import rank_env
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -373,20 +374,12 @@ def parked() -> object:
 
 
 # -- real target processes ------------------------------------------------------------------
-class Target:
+class Target(LineReader):
     """A child process started for a test, with its output lines collected."""
 
     def __init__(self, proc: subprocess.Popen[str], run_dir: str | None = None) -> None:
-        self.proc = proc
         self.run_dir = run_dir  # its DYNPROF_RUN_DIR, where its agents' logs are
-        self.lines: list[str] = []
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append(line.rstrip("\n"))
+        super().__init__(proc)
 
     @property
     def pid(self) -> int:

@@ -436,14 +436,7 @@ def test_ptrace_refused_exits_11_and_names_the_settings(nobody):
     proc, pid = _start_as_nobody(nobody, code)
     try:
         # WHEN nobody, without CAP_SYS_PTRACE, attaches to it
-        result = subprocess.run(
-            nobody.dynprof("attach", str(pid)),
-            capture_output=True,
-            text=True,
-            env=nobody.full_env(),
-            cwd=str(nobody.base),
-            timeout=60,
-        )
+        result = nobody.run_dynprof("attach", str(pid))
         # THEN it exits 11, naming the sysctl and the Kubernetes securityContext line
         assert result.returncode == 11, result.stderr
         assert "ptrace of process" in result.stderr and "refused" in result.stderr

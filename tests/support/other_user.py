@@ -51,6 +51,17 @@ class OtherUser:
     def full_env(self) -> dict[str, str]:
         return {**os.environ, **self.env}
 
+    def run_dynprof(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+        """`dynprof ARGS` run as `nobody` to its end, in its directory; what it printed."""
+        return subprocess.run(
+            self.dynprof(*args),
+            capture_output=True,
+            text=True,
+            env=self.full_env(),
+            timeout=timeout,
+            cwd=str(self.base),
+        )
+
 
 def unavailable(reason: str) -> None:
     """Skip with ``reason``; under CI (DYNPROF_CI=1) fail with it: CI must run these tests."""
