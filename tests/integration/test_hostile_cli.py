@@ -22,6 +22,7 @@ import pytest
 
 from dynprof.cli import COMMANDS, main
 from dynprof.store import ArtifactStore
+from tests.support.records import record_doc
 
 ROOT = Path(__file__).resolve().parents[2]
 # README "Exit codes" (0-11, 130 after Ctrl-C); healthcheck: 0 healthy .. 3 could not run.
@@ -385,24 +386,14 @@ def test_a_target_exiting_while_its_stacks_are_read_is_exit_3(monkeypatch, capsy
 def _write_record(run_dir: Path, pid: int, **fields: object) -> None:
     agents = run_dir / "agents"
     agents.mkdir(mode=0o700, exist_ok=True)
-    record = {
-        "pid": pid,
-        "ppid": os.getppid(),
-        "host": "h",
-        "rank": None,
-        "local_rank": None,
-        "world_size": None,
-        "job_id": "job",
-        "cmdline": ["python", "train.py"],
-        "python_version": "3",
-        "torch_version": None,
-        "dynprof_version": "0",
-        "started_at": time.time(),
-        "start_ticks": None,
-        "socket": str(agents / f"{pid}.sock"),
-        "log": "",
-        "activation": "run",
-    }
+    record = record_doc(
+        pid,
+        ppid=os.getppid(),
+        job_id="job",
+        cmdline=["python", "train.py"],
+        started_at=time.time(),
+        socket=str(agents / f"{pid}.sock"),
+    )
     record.update(fields)
     (agents / f"{pid}.json").write_text(json.dumps(record))
 

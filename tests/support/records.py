@@ -3,6 +3,7 @@
 ``agent_record(pid, **fields)`` is an :class:`dynprof.registry.AgentRecord` of a plain Python
 process that has no rank, no job and no live socket; each test names only what it is about
 (its rank, job, role, socket...). ``local_rank`` follows ``rank`` unless given.
+``record_doc(pid, **fields)`` is the same record as the JSON document a test writes itself.
 """
 
 from __future__ import annotations
@@ -28,8 +29,15 @@ _DEFAULTS: dict[str, Any] = {
 }
 
 
+def record_doc(pid: int, **fields: Any) -> dict[str, Any]:
+    """The registration record of process ``pid`` as JSON holds it: the defaults above, then
+    ``fields``. Only the fields every record has (no role, schema_version or extra, unless
+    given): a record written by hand, as a test forges one."""
+    doc = {"pid": pid, **_DEFAULTS, "cmdline": ["python"], **fields}
+    doc.setdefault("local_rank", doc["rank"])
+    return doc
+
+
 def agent_record(pid: int, **fields: Any) -> AgentRecord:
     """The record of process ``pid``: the defaults above, then ``fields``."""
-    values = {**_DEFAULTS, "cmdline": ["python"], **fields}
-    values.setdefault("local_rank", values["rank"])
-    return AgentRecord(pid=pid, **values)
+    return AgentRecord(**record_doc(pid, **fields))
