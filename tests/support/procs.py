@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 
 def wait_exec_done(pid: int, env: dict[str, str] | None) -> None:
@@ -20,3 +23,22 @@ def wait_exec_done(pid: int, env: dict[str, str] | None) -> None:
             return
         time.sleep(0.01)
     raise AssertionError(f"pid {pid} did not finish its exec")
+
+
+class Children:
+    """Child processes of a test, each returned once its exec is done; ``close`` kills them all."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen[Any]] = []
+
+    def start(self, argv: list[str], env: dict[str, str] | None = None, **popen: Any) -> subprocess.Popen[Any]:
+        """``argv`` with a pipe on its stdin and this environment plus ``env``."""
+        child = subprocess.Popen(argv, stdin=subprocess.PIPE, env={**os.environ, **(env or {})}, **popen)
+        self.procs.append(child)
+        wait_exec_done(child.pid, env)
+        return child
+
+    def close(self) -> None:
+        for child in self.procs:
+            child.kill()
+            child.wait()

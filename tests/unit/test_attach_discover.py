@@ -3,7 +3,6 @@ environment, with launchers, workers and other jobs left out (and each left-out 
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import uuid
@@ -12,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 
 from dynprof.attach._discover import JobProcess, find_job_processes
-from tests.support.procs import wait_exec_done
+from tests.support.procs import Children, wait_exec_done
 
 PARK = "import sys; sys.stdin.read()"  # a Python process that waits for its stdin to close
 # A Python process that starts one child of its own (the same environment), says its pid, and waits.
@@ -31,24 +30,13 @@ def job() -> str:
 @pytest.fixture
 def start() -> Iterator[object]:
     """``start(env, code=PARK, program=python)``: a child with ``env`` added; all ended at the end."""
-    children: list[subprocess.Popen[str]] = []
+    children = Children()
 
     def _start(env: dict[str, str], code: str = PARK, argv: list[str] | None = None) -> subprocess.Popen[str]:
-        child = subprocess.Popen(
-            argv or [sys.executable, "-c", code],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            env={**os.environ, **env},
-        )
-        children.append(child)
-        wait_exec_done(child.pid, env)
-        return child
+        return children.start(argv or [sys.executable, "-c", code], env, stdout=subprocess.PIPE, text=True)
 
     yield _start
-    for child in children:
-        child.kill()
-        child.wait()
+    children.close()
 
 
 def test_the_ranks_of_a_job_are_found_in_rank_order_and_a_rankless_one_is_a_launcher(job, start):

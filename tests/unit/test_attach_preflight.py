@@ -13,7 +13,7 @@ import pytest
 
 from dynprof import errors
 from dynprof.attach import _preflight
-from tests.support.procs import wait_exec_done
+from tests.support.procs import Children, wait_exec_done
 
 
 @pytest.fixture
@@ -31,22 +31,13 @@ def not_python() -> Iterator[subprocess.Popen[bytes]]:
 @pytest.fixture
 def python_child() -> Iterator[object]:
     """``python_child(args, env)``: a live Python process (parked on its stdin)."""
-    children: list[subprocess.Popen[bytes]] = []
+    children = Children()
 
     def start(args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-        child = subprocess.Popen(
-            [sys.executable, *args, "-c", "import sys; sys.stdin.read()"],
-            stdin=subprocess.PIPE,
-            env={**os.environ, **(env or {})},
-        )
-        children.append(child)
-        wait_exec_done(child.pid, env)
-        return child
+        return children.start([sys.executable, *args, "-c", "import sys; sys.stdin.read()"], env)
 
     yield start
-    for child in children:
-        child.kill()
-        child.wait()
+    children.close()
 
 
 def test_this_process_passes_the_process_check():
