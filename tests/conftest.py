@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from tests._ports import free_port
-from tests.support.lines import LineReader
+from tests.support.lines import LineReader, start_in_session
+from tests.support.procs import terminate
 from tests.support.ranks import rank_env
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -429,12 +430,7 @@ class Target(LineReader):
         resource tracker and DataLoader workers outlive a terminated parent, and would go on
         writing to the test's run directory after the test."""
         if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
+            terminate(self.proc)
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, signal.SIGKILL)
 
@@ -451,16 +447,7 @@ def start_target(args: list[str], under_run: bool = True, env: dict[str, str] | 
         if under_run
         else [sys.executable, *args]
     )
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=full_env,
-        cwd=str(ROOT),
-        start_new_session=True,
-    )
-    return Target(proc, full_env.get("DYNPROF_RUN_DIR"))
+    return Target(start_in_session(cmd, full_env, ROOT), full_env.get("DYNPROF_RUN_DIR"))
 
 
 @pytest.fixture

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tests.support.lines import LineReader
+from tests.support.lines import LineReader, start_in_session
 
 ROOT = Path(__file__).resolve().parents[2]
 PROGRAMS = Path(__file__).resolve().parent / "programs"
@@ -159,17 +159,7 @@ def normalize(line: str) -> str:
 # -- processes --------------------------------------------------------------------------------
 class _Job(LineReader):
     def __init__(self, argv: list[str], env: dict[str, str]) -> None:
-        super().__init__(
-            subprocess.Popen(
-                argv,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-                env=env,
-                cwd=str(ROOT),
-                start_new_session=True,
-            )
-        )
+        super().__init__(start_in_session(argv, env, ROOT))
 
     def wait_until(self, pred: Any, timeout: float) -> bool:
         deadline = time.monotonic() + timeout

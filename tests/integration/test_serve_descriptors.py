@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests._ports import free_port as _free_port
+from tests.support.procs import terminate
 from tests.support.serving import healthz
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -70,12 +71,7 @@ def _flood(port: int, count: int, flood: list[socket.socket]) -> None:
 def _end(proc: subprocess.Popen[bytes], flood: list[socket.socket]) -> None:
     for s in flood:
         s.close()
-    proc.terminate()
-    try:
-        proc.wait(20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    terminate(proc, 20)
 
 
 @pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="counts descriptors in /proc")

@@ -4,6 +4,14 @@ from __future__ import annotations
 
 import subprocess
 import threading
+from pathlib import Path
+
+
+def start_in_session(argv: list[str], env: dict[str, str], cwd: Path) -> subprocess.Popen[str]:
+    """``argv`` in a session of its own (its group is its pid), its stdout and stderr one text pipe."""
+    return subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=str(cwd), start_new_session=True
+    )
 
 
 class LineReader:

@@ -42,3 +42,13 @@ class Children:
         for child in self.procs:
             child.kill()
             child.wait()
+
+
+def terminate(proc: subprocess.Popen[Any], timeout: float = 10) -> None:
+    """End ``proc``: SIGTERM, then SIGKILL if it has not exited within ``timeout``; reaped."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=timeout)
