@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests._ports import free_port
+from tests.support.commands import run_dynprof
 from tests.support.lines import LineReader, start_in_session
 from tests.support.procs import terminate
 from tests.support.ranks import rank_env
@@ -577,14 +578,7 @@ def run_cli(*args: str, timeout: float = 120, env: dict[str, str] | None = None)
     full_env = dict(os.environ)
     if env:
         full_env.update(env)
-    return subprocess.run(
-        [sys.executable, "-m", "dynprof", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=full_env,
-        cwd=str(ROOT),
-    )
+    return run_dynprof(list(args), full_env, timeout)
 
 
 @pytest.fixture

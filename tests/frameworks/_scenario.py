@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tests.support.commands import run_dynprof
 from tests.support.lines import LineReader, start_in_session
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -218,14 +219,7 @@ def base_env(run_dir: Path, artifacts: Path, job_id: str) -> dict[str, str]:
 def cli(env: dict[str, str], *args: str, timeout: float = CLI_TIMEOUT_S) -> Outcome:
     argv = list(args)
     try:
-        proc = subprocess.run(
-            [sys.executable, "-m", "dynprof", *argv],
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            env=env,
-            cwd=str(ROOT),
-        )
+        proc = run_dynprof(argv, env, timeout)
     except subprocess.TimeoutExpired:
         return Outcome(argv, error=f"no answer within {timeout:g} s")
     return Outcome(argv, proc=proc)
