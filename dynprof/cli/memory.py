@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from collectors.memory.collect import MemoryPlanRequest, MemoryRequest
@@ -20,21 +18,11 @@ from dynprof.cli._common import (
     table,
 )
 from dynprof.cli.job import JobCommand
+from dynprof.job import memory
+from dynprof.job.answers import Reach
+from dynprof.job.memory import MemoryPlanResults, MemoryResults
+from dynprof.nodes import Node
 from dynprof.result import Result
-
-
-@dataclass
-class MemoryResults(Result):
-    """This node's answer: ``{"results": [one row per process]}``; ``history`` says whether it
-    answers a history request (``--history-start``/``--history-stop``) or a snapshot."""
-
-    history: bool = False
-
-
-@dataclass
-class MemoryPlanResults(Result):
-    """``dynprof memory plan``: ``{"schema": 1, "results": [one row per process, with its plan],
-    "jobs": [one plan per group of a job's ranks that agree, with each rank's figures]}``."""
 
 
 class MemoryCommand(JobCommand):
@@ -131,29 +119,14 @@ class MemoryCommand(JobCommand):
     def collect_request(self, request: MemoryRequest, raise_single: bool = False) -> Result:
         """This node's answer to ``request`` (``raise_single``: one process only, and it
         failed: its error, as the text view says it)."""
-        from collectors.memory.collect import collect
-
-        got = collect(request)
-        if raise_single and len(got.results) == 1 and got.failures:
-            raise got.failures[0]
-        return MemoryResults(doc={"results": got.results}, exit_code=got.exit_code, history=request.history)
+        return memory.collect(request, raise_single)
 
     def collect_plan_request(self, request: MemoryPlanRequest, raise_single: bool = False) -> Result:
         """This node's plans for ``request`` (``raise_single`` as :meth:`collect_request`)."""
-        from collectors.memory.collect import collect_plan
+        return memory.collect_plan(request, raise_single)
 
-        got = collect_plan(request)
-        if raise_single and len(got.results) == 1 and got.failures:
-            raise got.failures[0]
-        doc = {"schema": 1, "results": got.results, "jobs": got.jobs, "notes": got.notes}
-        return MemoryPlanResults(doc=doc, exit_code=got.exit_code, messages=list(got.notes))
-
-    def action_requests(self) -> dict[str, tuple[Callable[[dict[str, Any]], Any], Callable[[Any], Result]]]:
-        """The sidecar's ``memory`` and ``memory-plan`` actions, read as the kind's requests."""
-        return {
-            "memory": (MemoryRequest.from_json, self.collect_request),
-            "memory-plan": (MemoryPlanRequest.from_json, self.collect_plan_request),
-        }
+    def collect_job(self, options: dict[str, Any], nodes: list[Node], reach: Reach) -> Result:
+        return memory.collect_job(options, nodes, reach)
 
     def render(self, result: Result) -> str:
         if isinstance(result, MemoryPlanResults):

@@ -256,7 +256,6 @@ class ServeCommand:
             import cheroot  # noqa: F401
         except ImportError as exc:
             raise errors.Unsupported(f"the HTTP server needs cheroot: {exc}", help="pip install cheroot") from None
-        from dynprof.cli.sidecar_actions import action_commands
         from dynprof.sidecar.server import connection_cap, min_open_files, raise_open_file_limit
 
         before, limit = raise_open_file_limit(args.max_open_files)
@@ -272,7 +271,7 @@ class ServeCommand:
         # server that stops, or one that never started (a port in use, a bad node option).
         try:
             from dynprof.identity import detect
-            from dynprof.sidecar.actions import LinkPolicy
+            from dynprof.sidecar.policy import LinkPolicy
             from dynprof.sidecar.progress import ProgressBook
 
             book = ProgressBook(detect().host, args.progress_every, stall_after=args.stall_after)
@@ -280,7 +279,6 @@ class ServeCommand:
             app = create_app(
                 progress=book,
                 watch_gauges=(lambda: hosted[0].gauges() if hosted else []) if args.watch else None,
-                commands=action_commands(),
                 views=page_views(),
                 token=token,
                 host=args.host,
@@ -340,7 +338,7 @@ def _fanout_config(token: str, source: str, cacert: str | None) -> tuple[Any, st
     a job share one token). A token given on the command line or generated is written to a file
     of mode 0600 in the private run directory for the life of the server (second value)."""
     from dynprof.paths import run_dir
-    from dynprof.sidecar.actions import FanoutConfig
+    from dynprof.sidecar.policy import FanoutConfig
 
     if source not in ("--token", "generated"):
         return FanoutConfig(os.path.abspath(source), cacert), None
@@ -388,7 +386,7 @@ def _serve_until_signalled(server: Any) -> int:
         while not signalled and worker.is_alive():
             select.select([wake_r], [], [], 1.0)
     finally:
-        from dynprof.sidecar.actions import kill_children
+        from dynprof.sidecar.child import kill_children
 
         kill_children()  # first: a healthcheck's processes never outlive the sidecar, nor hold up its stop
         server.stop()

@@ -35,7 +35,8 @@ from dynprof.cli._common import (
     printable_lines,
     seconds,
 )
-from dynprof.cli.job import JobCommand, Reach
+from dynprof.cli.job import JobCommand
+from dynprof.job.answers import Reach
 from dynprof.nodes import Node
 from dynprof.result import Result
 
@@ -150,8 +151,8 @@ class StacksCommand(JobCommand):
         """This node's answer to ``request`` (``full``: the text view prints every dump)."""
         got = collect(request)
         return StacksResult(
-            doc={**got.stacks.to_json(), "artifact": got.artifact, "elapsed_s": round(got.elapsed_s, 3)},
-            exit_code=1 if got.stacks.failures else 0,
+            doc=got.to_json(),
+            exit_code=got.exit_code,
             stacks=got.stacks,
             full=full,
             elapsed_s=got.elapsed_s,
@@ -221,7 +222,7 @@ class StacksCommand(JobCommand):
         with ``options`` (the action's); their answers are merged as files are, each process
         named with its node."""
         from collectors.stacks import from_json
-        from dynprof.cli import job
+        from dynprof.job import answers as job
         from dynprof.job.answers import node_labels
 
         decode, _ = self.action_requests()["stacks"]

@@ -1,7 +1,9 @@
 """The NCCL flight recorders of a whole job: every node's sidecar dumps its ranks' recorders
 into one artifact (its ``nccl`` action, :func:`collectors.flight_recorder.collect.collect`
 there); each rank's dump is read back from those artifacts, checked against their manifests,
-and all are analysed together. ``dynprof nccl --hosts`` and the watch call :func:`collect_nodes`.
+and all are analysed together. ``dynprof nccl --hosts`` and the sidecar's job-wide ``nccl``
+answer with :func:`collect_job`; the watch calls :func:`collect_nodes`. :func:`collect` is
+one node's answer (``dynprof nccl`` there, the sidecar's ``nccl`` action).
 
 A rank's dump is read up to 64 MiB; at most :data:`MAX_DUMPS_TOTAL_BYTES` of dumps are read
 back from all nodes together.
@@ -15,9 +17,22 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from collectors import flight_recorder as fr
+from collectors.flight_recorder import collect as kind
 from collectors.flight_recorder.collect import MAX_DUMP_BYTES, NcclRequest
 from dynprof import errors
-from dynprof.job.answers import as_list, node_labels
+from dynprof.job.answers import (
+    JobResult,
+    Reach,
+    artifacts_of,
+    as_list,
+    envelope,
+    exit_code,
+    fetched_doc,
+    maybe_fetch,
+    node_labels,
+    node_messages,
+    with_fetch,
+)
 from dynprof.nodes import Node, NodeAnswer
 from dynprof.units import human_bytes
 
@@ -42,6 +57,43 @@ class NodesCollected:
     where: dict[int, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     recorder_off: bool = False
+
+
+def collect(request: NcclRequest) -> JobResult:
+    """This node's answer to ``request``: the analysis of its ranks' dumps, and the artifact."""
+    got = kind.collect(request)
+    # The artifact's id under the store: `nccl --hosts` reads every rank's dump from it
+    # through each node's sidecar and analyses the dumps of all nodes together.
+    doc = {
+        "artifact": got.artifact,
+        "artifact_id": got.artifact_id,
+        "elapsed_s": round(got.elapsed_s, 3),
+        "analysis": got.analysis,
+        "notes": got.notes,
+    }
+    return JobResult(doc, 1 if got.partial else 0, context={"ranks": len(got.ranks), "elapsed_s": got.elapsed_s})
+
+
+def collect_job(options: dict[str, Any], nodes: list[Node], reach: Reach) -> JobResult:
+    """Each node dumps its ranks' flight recorders into one artifact; every rank's dump is
+    read back from those artifacts and all are analysed together (:func:`collect_nodes`)."""
+    request = NcclRequest.from_json(options)
+    got = collect_nodes(reach.client, nodes, request)
+    artifacts = artifacts_of(got.answers, got.labels, lambda r: [r.get("artifact")])
+    fetched = maybe_fetch(reach, request.job, got.answers, artifacts)
+    code = with_fetch(exit_code(got.answers), fetched)
+    if got.analysis is None and code == 0:
+        code = 1
+    doc = {
+        **envelope(got.answers),
+        "analysis": got.analysis,
+        "recorder_off": got.recorder_off,
+        "ranks": {str(r): got.where[r] for r in sorted(got.where)},
+        "notes": got.notes,
+        "artifacts": artifacts,
+        **fetched_doc(fetched),
+    }
+    return JobResult(doc, code, node_messages(got.answers))
 
 
 def collect_nodes(client: SidecarClient, nodes: list[Node], request: NcclRequest) -> NodesCollected:

@@ -1,8 +1,8 @@
 """The sidecar web app: a page and an HTTP API over this node's agents, tools and artifacts.
 
 It lists agents as `dynprof ps` does, renders artifacts with the same renderers as `dynprof
-show`, and runs actions (:mod:`dynprof.sidecar.actions`: the CLI's own commands, handed in by
-``dynprof serve`` as ``commands``, answering with their results).
+show`, and runs actions (:mod:`dynprof.sidecar.actions`: each a row of :data:`dynprof.sidecar.table.ACTIONS`,
+the kind's request and its collect, answering with the kind's answer).
 Every request, on every address (loopback included: other users of the machine can reach
 loopback too), must carry the access token: ``Authorization: Bearer TOKEN``, ``?token=TOKEN``
 (the page then sets an HttpOnly, SameSite=Strict cookie so its links work), or that cookie;
@@ -58,20 +58,12 @@ from dynprof import __version__, roles, safetext
 from dynprof.errors import ArtifactError
 from dynprof.identity import detect
 from dynprof.registry import list_records
-from dynprof.sidecar.actions import (
-    ACTIONS,
-    API_VERSION,
-    LINK_TEST,
-    ActionCommand,
-    ActionError,
-    ActionsBusy,
-    ActionSlots,
-    FanoutConfig,
-    LinkPolicy,
-)
+from dynprof.sidecar.actions import API_VERSION, LINK_TEST, ActionError, ActionsBusy, ActionSlots
 from dynprof.sidecar.metrics import CONTENT_TYPE, CaptureCounts, SidecarCollector, exposition, registry_of
 from dynprof.sidecar.page import PAGE_JS, PAGE_STYLE, VerdictItem, live_html, verdict_item, verdicts_html
+from dynprof.sidecar.policy import FanoutConfig, LinkPolicy
 from dynprof.sidecar.progress import ProgressBook
+from dynprof.sidecar.table import ACTIONS, Action
 from dynprof.store import Artifact, ArtifactStore
 
 if TYPE_CHECKING:
@@ -341,7 +333,7 @@ def create_app(
     extra_hosts: Iterable[str] = (),
     fanout: FanoutConfig | None = None,
     links: LinkPolicy | None = None,
-    commands: Mapping[str, ActionCommand] | None = None,
+    table: Mapping[str, Action] | None = None,
     views: PageViews = NO_VIEWS,
     progress: ProgressBook | None = None,
     watch_gauges: Callable[[], list[WatchGauges]] | None = None,
@@ -352,8 +344,7 @@ def create_app(
     jobs. ``extra_hosts`` are more names the Host header may carry (DNS aliases of this node).
     ``fanout`` lets actions take ``hosts`` (a job-wide view through the other nodes' sidecars).
     ``links`` lets the ``link-test`` action run, where it allows (without it, it is refused).
-    ``commands`` are what the actions run (``dynprof serve`` builds them from the CLI's commands;
-    without them, an action answers that it has no command); ``views`` how agents and
+    ``table`` the actions it runs (by default every row of :data:`ACTIONS`); ``views`` how agents and
     artifacts are shown (without them, none are listed nor summarised). ``progress`` is the
     node's progress book (``dynprof serve`` starts its poller; without one, ``/api/progress``
     reads on demand and ``/metrics`` reads at most once a second); ``watch_gauges`` what a
@@ -362,7 +353,7 @@ def create_app(
     app.config["MAX_CONTENT_LENGTH"] = MAX_REQUEST_BYTES
     store = store or ArtifactStore()
     names = allowed_hosts(host) | {_strip_port(h) for h in extra_hosts if h.strip()}
-    slots = ActionSlots(max_actions, fanout, commands, links)
+    slots = ActionSlots(max_actions, fanout, table, links)
     runner = run_action or slots.run
     refusals = refusals or RefusalLog()
     book = progress or ProgressBook(detect().host, every_s=0.0)
@@ -485,13 +476,13 @@ def create_app(
 
     def _allowed_actions() -> list[str]:
         """The actions this sidecar does: none that a read-only one refuses, no link test
-        without a link policy (``--no-job-wide``), none without its command (where given)."""
+        without a link policy (``--no-job-wide``), none outside its table (where given)."""
         return sorted(
             n
             for n, a in ACTIONS.items()
             if not (read_only and a.changes_jobs)
             and not (n == LINK_TEST and links is None)
-            and (commands is None or n in commands)
+            and (table is None or n in table)
         )
 
     @app.get("/healthz")

@@ -183,15 +183,15 @@ def test_the_options_are_the_kind_s_request():
 
 
 def test_the_sidecar_s_actions_are_read_as_the_kind_s_requests():
-    command = MemoryCommand()
-    actions = command.action_requests()
-    assert set(actions) == {"memory", "memory-plan"}
-    read, answer = actions["memory"]
-    assert read({"job": "j", "history_stop": True}) == MemoryRequest(job="j", history_stop=True)
-    assert answer.__func__ is MemoryCommand.collect_request  # type: ignore[attr-defined]
-    read, answer = actions["memory-plan"]
-    assert read({"job": "j", "budget": "40G"}) == MemoryPlanRequest(job="j", budget="40G")
-    assert answer.__func__ is MemoryCommand.collect_plan_request  # type: ignore[attr-defined]
+    from dynprof.job import memory
+    from dynprof.sidecar.table import ACTIONS
+
+    row = ACTIONS["memory"]
+    assert row.decode({"job": "j", "history_stop": True}) == MemoryRequest(job="j", history_stop=True)
+    assert row.collect is memory.collect and row.command == "memory"
+    row = ACTIONS["memory-plan"]
+    assert row.decode({"job": "j", "budget": "40G"}) == MemoryPlanRequest(job="j", budget="40G")
+    assert row.collect is memory.collect_plan and row.leading == ("plan",)
 
 
 # -- the answer ---------------------------------------------------------------------------------------

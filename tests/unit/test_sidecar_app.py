@@ -440,11 +440,11 @@ def test_a_sidecar_without_job_wide_refuses_the_link_test_action(store):
     assert "link-test" in wide.test_client().get("/api/v1/info", headers=AUTH).get_json()["actions"]
 
 
-def test_info_lists_only_the_actions_it_has_commands_for(store):
-    # GIVEN a sidecar handed the commands of two actions only
-    from dynprof.cli.sidecar_actions import action_commands
+def test_info_lists_only_the_actions_of_its_table(store):
+    # GIVEN a sidecar given the rows of two actions only
+    from dynprof.sidecar.table import ACTIONS
 
-    given = {n: c for n, c in action_commands().items() if n in ("ps", "stacks")}
-    client = create_app(store, token="t" * 20, commands=given).test_client()
+    given = {n: row for n, row in ACTIONS.items() if n in ("ps", "stacks")}
+    client = create_app(store, token="t" * 20, table=given).test_client()
     # WHEN its info is read THEN it offers those two
     assert client.get("/api/v1/info", headers=AUTH).get_json()["actions"] == ["ps", "stacks"]
