@@ -10,8 +10,8 @@ import argparse
 
 from dynprof import errors
 from dynprof.cli._common import bounded_int, path_arg, seconds
-from dynprof.job.answers import DEFAULT_MAX_IN_FLIGHT, DEFAULT_NODE_TIMEOUT_S
 from dynprof.job.discovery import add_node_args, resolve_nodes
+from dynprof.job.merge import DEFAULT_MAX_IN_FLIGHT, DEFAULT_NODE_TIMEOUT_S
 from dynprof.nodes import Node
 
 

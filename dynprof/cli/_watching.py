@@ -232,7 +232,7 @@ def node_source(args: argparse.Namespace, nodes: list[Node]) -> Any:
 
             return None, FLIGHT_RECORDER_OFF
         if got.analysis is None:
-            from dynprof.job.answers import node_messages
+            from dynprof.job.merge import node_messages
 
             return None, "; ".join(node_messages(got.answers)[:5])[:1000] or "no flight recorder dump (is it on?)"
         return got.analysis, None

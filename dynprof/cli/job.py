@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from dynprof.cli._common import add_json, printable
 from dynprof.cli._node_args import add_many_node_args, nodes_requested
-from dynprof.job.answers import DEFAULT_NODE_TIMEOUT_S, Reach, client_of
+from dynprof.job.merge import DEFAULT_NODE_TIMEOUT_S, Reach, client_of
 from dynprof.nodes import Node
 from dynprof.result import Result
 

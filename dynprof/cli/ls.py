@@ -15,7 +15,7 @@ from typing import Any
 from dynprof.cli._common import bounded_int, human_bytes, printable, table
 from dynprof.cli.job import JobCommand, Text, answered_count
 from dynprof.job import ls
-from dynprof.job.answers import JobResult, Reach
+from dynprof.job.merge import JobResult, Reach
 from dynprof.node_requests import MAX_LIMIT, LsRequest
 from dynprof.nodes import Node
 from dynprof.result import Result

@@ -19,8 +19,8 @@ from dynprof.cli._common import (
 )
 from dynprof.cli.job import JobCommand
 from dynprof.job import memory
-from dynprof.job.answers import Reach
 from dynprof.job.memory import MemoryPlanResults, MemoryResults
+from dynprof.job.merge import Reach
 from dynprof.nodes import Node
 from dynprof.result import Result
 

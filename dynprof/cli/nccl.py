@@ -29,7 +29,7 @@ from dynprof.cli._common import (
 )
 from dynprof.cli.job import JobCommand, Text, answered_count
 from dynprof.job import nccl
-from dynprof.job.answers import JobResult, Reach
+from dynprof.job.merge import JobResult, Reach
 from dynprof.nodes import Node
 from dynprof.result import Result
 

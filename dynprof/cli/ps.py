@@ -18,7 +18,7 @@ from typing import Any
 from dynprof.cli._common import human_age, printable, seconds, table
 from dynprof.cli.job import JobCommand, Text, answered_count
 from dynprof.job import ps
-from dynprof.job.answers import JobResult, Reach
+from dynprof.job.merge import JobResult, Reach
 from dynprof.node_requests import PS_TIMEOUT_S, PsRequest
 from dynprof.nodes import Node
 from dynprof.result import Result

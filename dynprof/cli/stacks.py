@@ -36,7 +36,7 @@ from dynprof.cli._common import (
     seconds,
 )
 from dynprof.cli.job import JobCommand
-from dynprof.job.answers import Reach
+from dynprof.job.merge import Reach
 from dynprof.nodes import Node
 from dynprof.result import Result
 
@@ -222,7 +222,7 @@ class StacksCommand(JobCommand):
         with ``options`` (the action's); their answers are merged as files are, each process
         named with its node."""
         from collectors.stacks import from_json
-        from dynprof.job import answers as job
+        from dynprof.job import merge as job
         from dynprof.job.answers import node_labels
 
         decode, _ = self.action_requests()["stacks"]

@@ -33,7 +33,7 @@ from dynprof.cli._common import (
 )
 from dynprof.cli.job import JobCommand, Text, render_per_rank, who
 from dynprof.job import start
-from dynprof.job.answers import JobResult, Reach
+from dynprof.job.merge import JobResult, Reach
 from dynprof.nodes import Node
 from dynprof.result import Result
 

@@ -12,7 +12,7 @@ from typing import Any
 from dynprof.cli._common import Progress, add_attach_flag, add_targets, attach_first, printable, seconds
 from dynprof.cli.job import JobCommand
 from dynprof.job import stop
-from dynprof.job.answers import JobResult, Reach
+from dynprof.job.merge import JobResult, Reach
 from dynprof.node_requests import STOP_TIMEOUT_S, StopRequest
 from dynprof.nodes import Node
 from dynprof.result import Result

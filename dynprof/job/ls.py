@@ -7,17 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from dynprof.job.answers import (
-    JobResult,
-    Reach,
-    envelope,
-    exit_code,
-    fetched_doc,
-    node_labels,
-    node_messages,
-    rows,
-    with_fetch,
-)
+from dynprof.job.answers import node_labels, rows
+from dynprof.job.merge import JobResult, Reach, envelope, exit_code, fetched_doc, node_messages, with_fetch
 from dynprof.node_requests import LsRequest
 from dynprof.nodes import Node
 from dynprof.output import printable

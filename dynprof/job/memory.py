@@ -10,7 +10,7 @@ from typing import Any
 
 from collectors.memory import collect as kind
 from collectors.memory.collect import DEFAULT_TIMEOUT_S, MemoryPlanRequest, MemoryRequest
-from dynprof.job.answers import JobResult, Reach, collect_per_rank
+from dynprof.job.merge import JobResult, Reach, collect_per_rank
 from dynprof.nodes import Node
 from dynprof.result import Result
 

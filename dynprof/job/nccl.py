@@ -20,16 +20,15 @@ from collectors import flight_recorder as fr
 from collectors.flight_recorder import collect as kind
 from collectors.flight_recorder.collect import MAX_DUMP_BYTES, NcclRequest
 from dynprof import errors
-from dynprof.job.answers import (
+from dynprof.job.answers import as_list, node_labels
+from dynprof.job.merge import (
     JobResult,
     Reach,
     artifacts_of,
-    as_list,
     envelope,
     exit_code,
     fetched_doc,
     maybe_fetch,
-    node_labels,
     node_messages,
     with_fetch,
 )

@@ -8,16 +8,8 @@ from typing import Any
 
 from dynprof import errors
 from dynprof.agents import agent_rows
-from dynprof.job.answers import (
-    JobResult,
-    Reach,
-    envelope,
-    exit_code,
-    node_labels,
-    node_messages,
-    rank_key,
-    rows,
-)
+from dynprof.job.answers import node_labels, rank_key, rows
+from dynprof.job.merge import JobResult, Reach, envelope, exit_code, node_messages
 from dynprof.node_requests import PsRequest
 from dynprof.nodes import Node
 from dynprof.output import printable

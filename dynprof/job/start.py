@@ -22,22 +22,19 @@ from collectors.torch_trace import collect as kind
 from collectors.torch_trace.align import ALIGN_LEAD_S, ALIGN_RETRIES, MAX_STEP_NUMBER, alignment_step, step_time_of_ms
 from collectors.torch_trace.collect import TraceRequest
 from dynprof import errors, output, roles
-from dynprof.job.answers import (
+from dynprof.job.answers import int_or_none, node_labels, rank_key, rows
+from dynprof.job.client import SidecarClient
+from dynprof.job.merge import (
     JobResult,
     Reach,
     envelope,
     exit_code,
     fetched_doc,
-    int_or_none,
     maybe_fetch,
-    node_labels,
     node_messages,
     per_rank_result,
-    rank_key,
-    rows,
     with_fetch,
 )
-from dynprof.job.client import SidecarClient
 from dynprof.nodes import Node, NodeAnswer
 
 # How far ahead the common start step is put: the fan-out round trip (ps, then start) is

@@ -15,7 +15,7 @@ from collectors.torch_trace import WRITING_AT_EXIT, result_from_store
 from dynprof import errors
 from dynprof.agents import parallel, resolve
 from dynprof.client import AgentClient
-from dynprof.job.answers import JobResult, Reach, collect_per_rank
+from dynprof.job.merge import JobResult, Reach, collect_per_rank
 from dynprof.node_requests import STOP_TIMEOUT_S, StopRequest
 from dynprof.nodes import Node
 from dynprof.output import Progress, printable

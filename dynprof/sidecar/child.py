@@ -28,7 +28,7 @@ import threading
 from typing import Any
 
 from dynprof import errors, jsontext
-from dynprof.job.answers import Reach, client_of
+from dynprof.job.merge import Reach, client_of
 from dynprof.nodes import parse_node
 from dynprof.procs import kill_group
 from dynprof.result import error_json

@@ -21,7 +21,7 @@ from collectors.stacks.collect import StacksRequest
 from collectors.torch_trace.collect import TraceRequest
 from dynprof import errors
 from dynprof.job import links, ls, memory, nccl, ps, start, stop
-from dynprof.job.answers import Reach
+from dynprof.job.merge import Reach
 from dynprof.node_requests import LsRequest, PsRequest, StopRequest
 from dynprof.nodes import Node
 from dynprof.result import Result

@@ -12,7 +12,7 @@ import pytest
 
 from dynprof import errors
 from dynprof.cli import job, main
-from dynprof.job.answers import JobResult
+from dynprof.job.merge import JobResult
 from dynprof.nodes import CommandError, Node, NodeAnswer
 
 A, B = Node("node-a", 8787), Node("node-b", 9000)

@@ -13,7 +13,7 @@ from collectors import flight_recorder as fr
 from dynprof.cli import job, main
 from dynprof.cli.nccl import NcclCommand, request_from_args
 from dynprof.job import nccl as job_nccl
-from dynprof.job.answers import JobResult
+from dynprof.job.merge import JobResult
 from dynprof.nodes import Node, NodeAnswer
 
 DATA = Path(__file__).parent / "data"

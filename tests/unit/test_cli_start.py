@@ -19,7 +19,7 @@ from dynprof import errors
 from dynprof.cli import job, main
 from dynprof.cli import start as start_cli
 from dynprof.job import start as job_start
-from dynprof.job.answers import JobResult
+from dynprof.job.merge import JobResult
 from dynprof.nodes import Node, NodeAnswer
 
 GROUP = "sample-0123456789ab"

@@ -9,7 +9,7 @@ import os
 import dynprof.agent
 from dynprof.cli import main
 from dynprof.cli.stop import StopCommand
-from dynprof.job.answers import JobResult
+from dynprof.job.merge import JobResult
 from dynprof.result import Result
 
 

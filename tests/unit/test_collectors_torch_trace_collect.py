@@ -169,7 +169,7 @@ def test_past_the_write_bound_the_trace_is_still_being_written_not_failed(fast, 
     import os
 
     from dynprof.cli.start import StartCommand
-    from dynprof.job.answers import JobResult
+    from dynprof.job.merge import JobResult
 
     monkeypatch.setattr(fast, "WRITE_WAIT_MIN_S", 0.0)
     monkeypatch.setattr(fast, "WRITE_WAIT_PER_PROFILED_S", 0.0)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from dynprof.job import ls
-from dynprof.job.answers import Reach
+from dynprof.job.merge import Reach
 from dynprof.node_requests import LsRequest
 from dynprof.nodes import Node, NodeAnswer
 from dynprof.store import ArtifactStore

@@ -10,7 +10,7 @@ import pytest
 import dynprof.agent
 from dynprof import errors
 from dynprof.job import stop
-from dynprof.job.answers import Reach
+from dynprof.job.merge import Reach
 from dynprof.node_requests import STOP_TIMEOUT_S, StopRequest
 from dynprof.nodes import Node, NodeAnswer
 
