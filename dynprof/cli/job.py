@@ -118,6 +118,9 @@ def who(row: dict[str, Any]) -> str:
 # -- the command -----------------------------------------------------------------------------------
 class JobCommand:
     name: ClassVar[str]  # the subcommand, and the sidecar action of the same name
+    # The job layer's job-wide answer (dynprof/job/<kind>.py's ``collect_job``), which the
+    # sidecar's row of the same action names too.
+    job_wide: ClassVar[staticmethod[[dict[str, Any], list[Node], Reach], Result]]
     takes_fetch: ClassVar[bool] = False  # job-wide, it can copy the artifacts back (--fetch)
 
     def prepare_parser(self, parser: argparse.ArgumentParser) -> None:
@@ -148,8 +151,8 @@ class JobCommand:
 
     def collect_job(self, options: dict[str, Any], nodes: list[Node], reach: Reach) -> Result:
         """The job-wide answer to ``options`` (the action's, checked: what the sidecar's
-        job-wide action is given too), merged from the nodes' answers."""
-        raise NotImplementedError
+        job-wide action is given too), merged from the nodes' answers (:attr:`job_wide`)."""
+        return type(self).job_wide(options, nodes, reach)
 
     def render(self, result: Result) -> str:
         """The text of a job-wide answer: one ``rank R on NODE: ...`` line per rank."""

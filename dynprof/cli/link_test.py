@@ -64,10 +64,6 @@ class LinkTestCommand:
             start_at=args.start_at,
             bind=args.bind,
         )
-        return self.collect_request(request)
-
-    def collect_request(self, request: LinkTestRequest) -> Result:
-        """This node's side of the link test ``request`` (the sidecar's ``link-test`` action)."""
         return links.collect(request)
 
     def render(self, result: Result) -> str:

@@ -25,6 +25,7 @@ class LsCommand(JobCommand):
     """List the artifacts in the store, newest first."""
 
     name = "ls"
+    job_wide = staticmethod(ls.collect_job)
     takes_fetch = True
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
@@ -36,11 +37,8 @@ class LsCommand(JobCommand):
         parser.add_argument("--all", action="store_true", help="also list artifacts still being written")
 
     def collect_local(self, args: argparse.Namespace) -> Result:
-        return self.collect_request(request_from_args(args), name_skipped=not getattr(args, "json", False))
-
-    def collect_request(self, request: LsRequest, name_skipped: bool = False) -> Result:
-        """This node's artifacts, as ``request`` asks (``name_skipped``: named on stderr)."""
-        return ls.collect(request, name_skipped)
+        # the text view names the entries it skipped on stderr; the JSON document lists them
+        return ls.collect(request_from_args(args), name_skipped=not getattr(args, "json", False))
 
     def collect_job(self, options: dict[str, Any], nodes: list[Node], reach: Reach) -> Result:
         return ls.collect_job(options, nodes, reach)

@@ -40,6 +40,7 @@ class MemoryCommand(JobCommand):
     """
 
     name = "memory"
+    job_wide = staticmethod(memory.collect_job)
     takes_fetch = True
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
@@ -103,7 +104,7 @@ class MemoryCommand(JobCommand):
             plan_request = plan_request_from_args(args)
             if args.attach:
                 attach_first(args)
-            return self.collect_plan_request(plan_request, raise_single=not getattr(args, "json", False))
+            return memory.collect_plan(plan_request, raise_single=not getattr(args, "json", False))
         if args.budget is not None or args.save is not None or args.undo:
             raise errors.UsageError(
                 "--budget, --save and --undo are options of `dynprof memory plan`",
@@ -114,16 +115,7 @@ class MemoryCommand(JobCommand):
         request = request_from_args(args)
         if args.attach:
             attach_first(args)
-        return self.collect_request(request, raise_single=not getattr(args, "json", False))
-
-    def collect_request(self, request: MemoryRequest, raise_single: bool = False) -> Result:
-        """This node's answer to ``request`` (``raise_single``: one process only, and it
-        failed: its error, as the text view says it)."""
-        return memory.collect(request, raise_single)
-
-    def collect_plan_request(self, request: MemoryPlanRequest, raise_single: bool = False) -> Result:
-        """This node's plans for ``request`` (``raise_single`` as :meth:`collect_request`)."""
-        return memory.collect_plan(request, raise_single)
+        return memory.collect(request, raise_single=not getattr(args, "json", False))
 
     def collect_job(self, options: dict[str, Any], nodes: list[Node], reach: Reach) -> Result:
         return memory.collect_job(options, nodes, reach)

@@ -38,6 +38,7 @@ class NcclCommand(JobCommand):
     """Collect every rank's NCCL flight-recorder dump and say who is missing from which collective."""
 
     name = "nccl"
+    job_wide = staticmethod(nccl.collect_job)
     takes_fetch = True
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
@@ -55,10 +56,6 @@ class NcclCommand(JobCommand):
         request = request_from_args(args)
         if args.attach:
             attach_first(args)
-        return self.collect_request(request)
-
-    def collect_request(self, request: NcclRequest) -> Result:
-        """This node's answer to ``request``: the analysis of its ranks' dumps, and the artifact."""
         return nccl.collect(request)
 
     def collect_job(self, options: dict[str, Any], nodes: list[Node], reach: Reach) -> Result:

@@ -28,6 +28,7 @@ class PsCommand(JobCommand):
     """List the dynprof agents on this node, newest first."""
 
     name = "ps"
+    job_wide = staticmethod(ps.collect_job)
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--job", help="only this job's agents")
@@ -39,11 +40,7 @@ class PsCommand(JobCommand):
         )
 
     def collect_local(self, args: argparse.Namespace) -> Result:
-        return self.collect_request(request_from_args(args))
-
-    def collect_request(self, request: PsRequest) -> Result:
-        """This node's agents, as ``request`` asks."""
-        return ps.collect(request)
+        return ps.collect(request_from_args(args))
 
     def collect_job(self, options: dict[str, Any], nodes: list[Node], reach: Reach) -> Result:
         return ps.collect_job(options, nodes, reach)

@@ -59,6 +59,7 @@ class StartCommand(JobCommand):
     """Start a torch.profiler trace in running processes."""
 
     name = "start"
+    job_wide = staticmethod(start.collect_job)
     takes_fetch = True
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
@@ -128,11 +129,7 @@ class StartCommand(JobCommand):
         request = request_from_args(args)
         if args.attach:
             attach_first(args)
-        return self.collect_request(request, Progress(enabled=not getattr(args, "json", False)))
-
-    def collect_request(self, request: TraceRequest, progress: Progress | None = None) -> Result:
-        """This node's start of ``request``, followed (``progress``: where it says so meanwhile)."""
-        return start.collect(request, progress)
+        return start.collect(request, Progress(enabled=not getattr(args, "json", False)))
 
     def collect_job(self, options: dict[str, Any], nodes: list[Node], reach: Reach) -> Result:
         return start.collect_job(options, nodes, reach)

@@ -22,6 +22,7 @@ class StopCommand(JobCommand):
     """End a running trace; the artifact is written and its path printed."""
 
     name = "stop"
+    job_wide = staticmethod(stop.collect_job)
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         add_targets(parser)
@@ -33,11 +34,7 @@ class StopCommand(JobCommand):
         request = request_from_args(args)
         if args.attach:
             attach_first(args)
-        return self.collect_request(request, Progress(enabled=not getattr(args, "json", False)))
-
-    def collect_request(self, request: StopRequest, progress: Progress | None = None) -> Result:
-        """This node's stop of ``request``'s traces (``progress``: where it says so meanwhile)."""
-        return stop.collect(request, progress)
+        return stop.collect(request, Progress(enabled=not getattr(args, "json", False)))
 
     def collect_job(self, options: dict[str, Any], nodes: list[Node], reach: Reach) -> Result:
         return stop.collect_job(options, nodes, reach)
