@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
 from collectors.memory.collect import MemoryPlanRequest, MemoryRequest
 from dynprof import errors
@@ -17,11 +16,11 @@ from dynprof.cli._common import (
     seconds,
     table,
 )
+from dynprof.cli._memory_plan import render as render_plan
+from dynprof.cli._node_args import nodes_requested
 from dynprof.cli.job import JobCommand
 from dynprof.job import memory
 from dynprof.job.memory import MemoryPlanResults, MemoryResults
-from dynprof.job.merge import Reach
-from dynprof.nodes import Node
 from dynprof.result import Result
 
 
@@ -88,8 +87,6 @@ class MemoryCommand(JobCommand):
 
     def collect(self, args: argparse.Namespace) -> Result:
         if getattr(args, "what", None) == "plan":
-            from dynprof.cli._node_args import nodes_requested
-
             if nodes_requested(args) is not None:
                 raise errors.UsageError(
                     "dynprof memory plan asks this node's agents only",
@@ -117,14 +114,9 @@ class MemoryCommand(JobCommand):
             attach_first(args)
         return memory.collect(request, raise_single=not getattr(args, "json", False))
 
-    def collect_job(self, options: dict[str, Any], nodes: list[Node], reach: Reach) -> Result:
-        return memory.collect_job(options, nodes, reach)
-
     def render(self, result: Result) -> str:
         if isinstance(result, MemoryPlanResults):
-            from dynprof.cli._memory_plan import render
-
-            return render(result.doc)
+            return render_plan(result.doc)
         if not isinstance(result, MemoryResults):
             return super().render(result)  # the job-wide answer, rank by rank
         results = result.doc["results"]

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from collectors import flight_recorder as fr
 from collectors.flight_recorder.collect import NcclRequest
 from dynprof.cli._common import (
     add_attach_flag,
@@ -62,8 +63,6 @@ class NcclCommand(JobCommand):
         return nccl.collect_job(options, nodes, reach)
 
     def render(self, result: Result) -> str:
-        from collectors import flight_recorder as fr
-
         doc = result.to_json()
         context = result.context if isinstance(result, JobResult) else {}
         text = Text()

@@ -29,8 +29,13 @@ import threading
 from typing import Any
 
 from dynprof import errors
+from dynprof.agents import agent_rows
 from dynprof.arguments import nonnegative_float
 from dynprof.cli._common import host_arg, path_arg, port
+from dynprof.identity import detect
+from dynprof.paths import run_dir
+from dynprof.renderers import render, render_html
+from dynprof.sidecar.policy import FanoutConfig, LinkPolicy
 from dynprof.tokens import check_token, read_token_file
 
 
@@ -270,8 +275,6 @@ class ServeCommand:
         # The token file written for the job-wide actions (own_file) is removed however this ends: a
         # server that stops, or one that never started (a port in use, a bad node option).
         try:
-            from dynprof.identity import detect
-            from dynprof.sidecar.policy import LinkPolicy
             from dynprof.sidecar.progress import ProgressBook
 
             book = ProgressBook(detect().host, args.progress_every, stall_after=args.stall_after)
@@ -326,8 +329,6 @@ class ServeCommand:
 def page_views() -> Any:
     """How the sidecar's page and listings show agents and artifacts: as ``ps`` and ``show`` do
     (a :class:`dynprof.sidecar.app.PageViews`; the sidecar imports no CLI)."""
-    from dynprof.agents import agent_rows
-    from dynprof.renderers import render, render_html
     from dynprof.sidecar.app import PageViews
 
     return PageViews(agent_rows, render, render_html)
@@ -337,9 +338,6 @@ def _fanout_config(token: str, source: str, cacert: str | None) -> tuple[Any, st
     """How job-wide actions reach the other nodes: with this sidecar's token file (the nodes of
     a job share one token). A token given on the command line or generated is written to a file
     of mode 0600 in the private run directory for the life of the server (second value)."""
-    from dynprof.paths import run_dir
-    from dynprof.sidecar.policy import FanoutConfig
-
     if source not in ("--token", "generated"):
         return FanoutConfig(os.path.abspath(source), cacert), None
     path = os.path.join(run_dir(), f"serve-{os.getpid()}.token")
