@@ -20,6 +20,7 @@ import argparse
 from typing import Any
 
 from collectors import flight_recorder as fr
+from collectors.flight_recorder import collect as kind
 from collectors.flight_recorder.collect import NcclRequest
 from dynprof.cli._common import (
     add_attach_flag,
@@ -57,7 +58,8 @@ class NcclCommand(JobCommand):
         request = request_from_args(args)
         if args.attach:
             attach_first(args)
-        return nccl.collect(request)
+        got = kind.collect(request)
+        return JobResult(got.to_json(), got.exit_code, context={"ranks": len(got.ranks), "elapsed_s": got.elapsed_s})
 
     def collect_job(self, options: dict[str, Any], nodes: list[Node], reach: Reach) -> Result:
         return nccl.collect_job(options, nodes, reach)

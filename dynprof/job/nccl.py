@@ -2,8 +2,8 @@
 into one artifact (its ``nccl`` action, :func:`collectors.flight_recorder.collect.collect`
 there); each rank's dump is read back from those artifacts, checked against their manifests,
 and all are analysed together. ``dynprof nccl --hosts`` and the sidecar's job-wide ``nccl``
-answer with :func:`collect_job`; the watch calls :func:`collect_nodes`. :func:`collect` is
-one node's answer (``dynprof nccl`` there, the sidecar's ``nccl`` action).
+answer with :func:`collect_job`; the watch calls :func:`collect_nodes`. Each node's answer is
+read by the kind's own decoder (:meth:`collectors.flight_recorder.collect.Collected.from_json`).
 
 A rank's dump is read up to 64 MiB; at most :data:`MAX_DUMPS_TOTAL_BYTES` of dumps are read
 back from all nodes together.
@@ -17,10 +17,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from collectors import flight_recorder as fr
-from collectors.flight_recorder import collect as kind
-from collectors.flight_recorder.collect import MAX_DUMP_BYTES, NcclRequest
+from collectors.flight_recorder.collect import MAX_DUMP_BYTES, Collected, NcclRequest
 from dynprof import errors
-from dynprof.job.answers import as_list, node_labels
+from dynprof.job.answers import node_labels
 from dynprof.job.merge import (
     JobResult,
     Reach,
@@ -58,21 +57,6 @@ class NodesCollected:
     recorder_off: bool = False
 
 
-def collect(request: NcclRequest) -> JobResult:
-    """This node's answer to ``request``: the analysis of its ranks' dumps, and the artifact."""
-    got = kind.collect(request)
-    # The artifact's id under the store: `nccl --hosts` reads every rank's dump from it
-    # through each node's sidecar and analyses the dumps of all nodes together.
-    doc = {
-        "artifact": got.artifact,
-        "artifact_id": got.artifact_id,
-        "elapsed_s": round(got.elapsed_s, 3),
-        "analysis": got.analysis,
-        "notes": got.notes,
-    }
-    return JobResult(doc, 1 if got.partial else 0, context={"ranks": len(got.ranks), "elapsed_s": got.elapsed_s})
-
-
 def collect_job(options: dict[str, Any], nodes: list[Node], reach: Reach) -> JobResult:
     """Each node dumps its ranks' flight recorders into one artifact; every rank's dump is
     read back from those artifacts and all are analysed together (:func:`collect_nodes`)."""
@@ -104,8 +88,7 @@ def collect_nodes(client: SidecarClient, nodes: list[Node], request: NcclRequest
     labels = node_labels(nodes)
     notes: list[str] = []
     for a in answers:
-        result = a.result if isinstance(a.result, dict) else {}
-        notes.extend(f"{labels[a.node]}: {str(n)[:2000]}" for n in as_list(result.get("notes")))
+        notes.extend(f"{labels[a.node]}: {n}" for n in Collected.from_json(a.result).notes)
     ids = artifact_ids(client, answers, "nccl", request.job)
     per_rank: dict[int, dict[str, Any]] = {}
     where: dict[int, str] = {}

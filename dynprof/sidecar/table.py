@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
+from collectors.flight_recorder import collect as flight_recorder
 from collectors.flight_recorder.collect import NcclRequest
 from collectors.memory.collect import MemoryPlanRequest, MemoryRequest
 from collectors.stacks import collect as stacks
@@ -214,7 +215,7 @@ ACTIONS: dict[str, Action] = {
     "nccl": _request_action(
         "nccl",
         NcclRequest,
-        nccl.collect,
+        flight_recorder.collect,
         nccl.collect_job,
         timeout_option="timeout",
         default_timeout_s=15.0,

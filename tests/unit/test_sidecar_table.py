@@ -11,6 +11,7 @@ from typing import Any, ClassVar
 
 import pytest
 
+from collectors.flight_recorder.collect import collect as nccl_collect
 from collectors.memory.collect import MemoryPlanRequest
 from collectors.stacks.collect import collect as stacks_collect
 from dynprof import errors
@@ -150,7 +151,7 @@ def test_each_row_names_its_kinds_collect_and_its_job_wide_function():
     assert rows["stop"].collect is stop.collect and rows["stop"].job is stop.collect_job
     assert rows["start"].collect is start.collect and rows["start"].job is start.collect_job
     assert rows["memory"].collect is memory.collect and rows["memory"].job is memory.collect_job
-    assert rows["nccl"].collect is nccl.collect and rows["nccl"].job is nccl.collect_job
+    assert rows["nccl"].collect is nccl_collect and rows["nccl"].job is nccl.collect_job
     # the stacks kind's own collect answers a node's stacks
     assert rows["stacks"].collect is stacks_collect
     # every action carries its kind's request: the healthcheck's and the link test's too
