@@ -3,22 +3,12 @@
 ``--slurm``, ``--discover``), on every node's through their sidecars.
 
 A subclass adds its own options (:meth:`JobCommand.add_arguments`) and answers both ways:
-:meth:`collect_local` (this node's; the sidecar's action of the same name collects the same
-request) and :meth:`collect_job` (the job-wide answer to the action's options, merged from the
-nodes' answers; the CLI's ``--hosts`` and the sidecar's job-wide action both call it).
-The dispatch between them, and the node options, are here once.
-
-Job-wide, each node's sidecar runs the command with the command's own options (one level
-only: never the node options themselves) and the answers merge::
-
-    {"nodes": [{"node": "node-5:8787", "host": "node-5", "ok": true, "error": null, "exit_code": 0, ...}],
-     "per_node": {"node-5:8787": <that node's `--json` output>, ...},
-     <a top-level list over all nodes: "agents", "groups", "results", "artifacts", ...>}
-
-A node that does not answer is named in ``nodes`` and on stderr with its reason; the others
-are still merged. Exit code: 12 when some node did not answer, else the highest exit code of
-the nodes' commands (0 when every node succeeded). The default :meth:`JobCommand.collect_job`
-merges the nodes' per-rank rows (``results``) in rank order, each with its node.
+:meth:`collect_local` (this node's: the kind's collect, or its job module's, which the
+sidecar's action of the same name calls too) and :meth:`collect_job` (the job-wide answer to
+the action's options: the command's ``job_wide``, ``dynprof/job/<kind>.py``'s ``collect_job``,
+which the sidecar's job-wide action calls too; the merge they share is
+:mod:`dynprof.job.merge`). The dispatch between them, the node options and the text of a
+job-wide answer are here once.
 """
 
 from __future__ import annotations
