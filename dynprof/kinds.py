@@ -75,7 +75,7 @@ KINDS: tuple[Kind, ...] = (
         agent_extension="dynprof.agent._ext_memory",
         renderer="collectors.memory.render:render_artifact",
     ),
-    Kind("memory-plan", renderer="collectors.memory.plan:render_artifact"),
+    Kind("memory-plan", renderer="collectors.memory.plan.render:render_artifact"),
     Kind("host-memory", renderer="collectors.host_memory:render_artifact"),
     Kind("memory-report", command=("memory-report", "memory_report", "MemoryReportCommand")),
     Kind("hang", agent_extension="dynprof.agent._ext_hang", renderer="collectors.stacks:render_artifact"),

@@ -252,3 +252,18 @@ def _result_files(directory: Path) -> list[Path]:
             elif root == str(directory) and name.endswith(".json"):
                 top.append(Path(root) / name)
     return sorted(found) or sorted(top)
+
+
+def learn_files(paths: list[str], source: str = "", output: str | None = None) -> tuple[dict[str, Any], str | None]:
+    """``healthcheck baseline learn``: the baseline of the results under ``paths``, written to
+    ``output`` when given; with the line that says so (None when not written)."""
+    results = read_results(paths)
+    baseline = learn(results, source=source)
+    if not output:
+        return baseline, None
+    try:
+        Path(output).write_text(json.dumps(baseline, indent=2) + "\n")
+    except OSError as exc:
+        raise DynprofError(f"cannot write the baseline to {output}: {exc.strerror or exc}") from None
+    skus = ", ".join(f"{b['sku']['name']} {b['sku']['memory_gib']}GiB" for b in baseline["baselines"])
+    return baseline, f"baseline for {skus} from {len(results)} results written to {output}"

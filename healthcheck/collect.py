@@ -10,10 +10,17 @@ cannot), and the GPU checks must leave no CUDA or NVML state in the process that
 the sidecar hosting it). The child is this module, ``python -m healthcheck.collect OUT``: the
 request's JSON on its stdin, the report's JSON written to the file ``OUT`` (nothing a check
 prints on stdout can be taken for it). Its stderr's last line says why, when no report came.
+
+Where the checks are what a process is for (``dynprof healthcheck`` and ``python -m healthcheck``
+on the node, whose options make the request: :mod:`healthcheck.arguments`; the sidecar's
+``healthcheck`` action, itself run in a child; each task of ``dynprof healthcheck --srun``,
+``python -m healthcheck.collect --task REQUEST``), :func:`collect_here` runs them in that
+process and saves the report as an artifact, unless the request says not to.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import subprocess
@@ -25,16 +32,25 @@ from typing import Any, ClassVar
 
 from dynprof import errors, jsontext
 from dynprof.procs import kill_group
+from dynprof.registry import list_records
+from dynprof.store import ArtifactStore
 from dynprof.untrusted import loads_json
+from healthcheck.checks.table import ALL_CHECKS
 from healthcheck.compare import Thresholds
 from healthcheck.fleet import NodeReport, ReportError
-from healthcheck.runner import ALL_CHECKS, LEVELS, Options
+from healthcheck.options import LEVELS, Options
+from healthcheck.report import Report, render_prometheus, render_table, write_atomically
+from healthcheck.runner import run
+from healthcheck.timeouts import PROBE_TIMEOUT_S
 
 DEFAULT_TIMEOUT_S = 120.0
 MAX_TIMEOUT_S = 3600.0
 MAX_JOB_CHARS = 200
 MAX_REQUEST_BYTES = 4096  # a request is a few dozen bytes
 MAX_REQUEST_KEYS = 16
+MAX_LOCAL_REQUEST_BYTES = 128 * 1024  # with the node's own files and tools (--srun's tasks: one argument)
+MAX_PATHS = 256
+MAX_PATH_CHARS = 4096
 MAX_REPORT_BYTES = 16 << 20  # real reports are a few KiB to a few hundred KiB
 MAX_REPORT_VALUES = 1_000_000
 STDERR_TAIL_BYTES = 4096
@@ -46,6 +62,8 @@ MAX_TIMEOUT_SCALE = 100.0
 MAX_DISK_GIB = 1_000_000.0
 MAX_XID_WINDOW_MIN = 525_600.0  # a year
 MAX_DEVICES = 4096
+MAX_PROBE_TIMEOUT_S = 600.0
+MAX_COUNTER_WINDOW_S = 600.0
 
 
 @dataclass(frozen=True)
@@ -69,13 +87,22 @@ class HealthcheckRequest:
     expect_devices: int | None = None
     skip: tuple[str, ...] = ()
     timeout_scale: float = 1.0
-    fail_below: float = 0.90
-    warn_below: float = 0.95
-    peer_fail: float = 0.08
-    peer_warn: float = 0.05
+    fail_below: float = Thresholds.fail_below
+    warn_below: float = Thresholds.warn_below
+    peer_fail: float = Thresholds.peer_fail
+    peer_warn: float = Thresholds.peer_warn
     min_disk_gib: float = 10.0
     xid_window: float = 60.0  # minutes
     no_save: bool = False
+    # The node's own files and tools, and how this process probes: given on the node (the
+    # command's flags, --srun's tasks), never through a sidecar (LOCAL_OPTIONS).
+    smi_tool: str | None = None
+    baseline: tuple[str, ...] = ()
+    disk: tuple[str, ...] = ()  # none: / and /tmp
+    shared_fs: tuple[str, ...] | None = None  # None: $DYNPROF_HEALTHCHECK_SHARED_FS
+    probe_timeout: float = PROBE_TIMEOUT_S
+    counter_window: float = 0.0
+    prometheus: str | None = None
 
     OPTIONS: ClassVar[dict[str, str]] = {
         "level": "str",
@@ -91,6 +118,15 @@ class HealthcheckRequest:
         "min_disk_gib": "float",
         "xid_window": "float",
         "job": "str",
+    }
+    LOCAL_OPTIONS: ClassVar[dict[str, str]] = {
+        "smi_tool": "str",
+        "baseline": "strs",
+        "disk": "strs",
+        "shared_fs": "strs",
+        "probe_timeout": "float",
+        "counter_window": "float",
+        "prometheus": "str",
     }
 
     def __post_init__(self) -> None:
@@ -123,35 +159,52 @@ class HealthcheckRequest:
         _number("--xid-window", self.xid_window, MAX_XID_WINDOW_MIN)
         if not isinstance(self.no_save, bool):
             raise errors.UsageError("--no-save is true or false")
+        for name in ("smi_tool", "prometheus"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value or len(value) > MAX_PATH_CHARS):
+                raise errors.UsageError(f"--{name.replace('_', '-')} is a non-empty text")
+        for name in ("baseline", "disk", "shared_fs"):
+            _paths("--" + name.replace("_", "-"), getattr(self, name))
+        _number("--probe-timeout", self.probe_timeout, MAX_PROBE_TIMEOUT_S, open_low=True)
+        _number("--counter-window", self.counter_window, MAX_COUNTER_WINDOW_S)
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "level": self.level,
-            "job": self.job,
-            "timeout": self.timeout,
-            "backend": self.backend,
-            "expect_devices": self.expect_devices,
-            "skip": list(self.skip),
-            "timeout_scale": self.timeout_scale,
-            "fail_below": self.fail_below,
-            "warn_below": self.warn_below,
-            "peer_fail": self.peer_fail,
-            "peer_warn": self.peer_warn,
-            "min_disk_gib": self.min_disk_gib,
-            "xid_window": self.xid_window,
-            "no_save": self.no_save,
-        }
+        """Every field (lists for tuples); of :data:`LOCAL_OPTIONS` only those not at their
+        defaults, so that a request made away from a node's files reads as it always did."""
+        doc: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name not in self.LOCAL_OPTIONS or value != getattr(_DEFAULT, f.name):
+                doc[f.name] = list(value) if isinstance(value, tuple) else value
+        return doc
+
+    def action_options(self) -> dict[str, Any]:
+        """The options of the sidecar's ``healthcheck`` action for this request: those set (a
+        false, empty or unset one left out), and of :data:`NEWER_ACTION_OPTIONS` only those not
+        at their defaults, so that the sidecars of older releases still answer."""
+        doc = self.to_json()
+        out: dict[str, Any] = {}
+        for key in self.OPTIONS:
+            value = doc[key]
+            if value is None or value is False or value == []:
+                continue
+            if key in NEWER_ACTION_OPTIONS and value == getattr(_DEFAULT, key):
+                continue
+            out[key] = value
+        return out
 
     @classmethod
-    def from_json(cls, doc: Any) -> HealthcheckRequest:
+    def from_json(cls, doc: Any, *, local: bool = False) -> HealthcheckRequest:
         """The request of a JSON document (what the child and the sidecar's action read): a
         missing or null key takes its default; an unknown key, or anything else wrong, is a
-        :class:`~dynprof.errors.UsageError`."""
+        :class:`~dynprof.errors.UsageError`. ``local``: read on the node it checks (the child,
+        --srun's tasks), so :data:`LOCAL_OPTIONS` are known too."""
         if not isinstance(doc, dict):
             raise errors.UsageError("a healthcheck request is a JSON object")
-        if len(doc) > MAX_REQUEST_KEYS:
-            raise errors.UsageError(f"a healthcheck request has at most {MAX_REQUEST_KEYS} keys, not {len(doc)}")
-        known = (*cls.OPTIONS, "timeout")
+        most = MAX_REQUEST_KEYS + (len(cls.LOCAL_OPTIONS) if local else 0)
+        if len(doc) > most:
+            raise errors.UsageError(f"a healthcheck request has at most {most} keys, not {len(doc)}")
+        known = (*cls.OPTIONS, "timeout", *(cls.LOCAL_OPTIONS if local else ()))
         for key in doc:
             if key not in known:
                 raise errors.UsageError(
@@ -166,33 +219,59 @@ class HealthcheckRequest:
             if any(not isinstance(n, str) for n in items):
                 raise errors.UsageError("--skip is a list of check names")
             given["skip"] = tuple(sorted(set(items)))
+        for key in ("baseline", "disk", "shared_fs"):
+            if isinstance(given.get(key), list):
+                if len(given[key]) > MAX_PATHS:
+                    raise errors.UsageError(f"--{key.replace('_', '-')} names at most {MAX_PATHS} paths")
+                given[key] = tuple(given[key])
         return cls(**{k: v for k, v in given.items() if v is not None})
 
     @classmethod
-    def from_text(cls, data: bytes | str) -> HealthcheckRequest:
-        """The request of its JSON text, at most :data:`MAX_REQUEST_BYTES`."""
+    def from_text(cls, data: bytes | str, *, local: bool = False, limit: int = MAX_REQUEST_BYTES) -> HealthcheckRequest:
+        """The request of its JSON text, at most ``limit`` bytes (``local``: see :meth:`from_json`)."""
         size = len(data.encode("utf-8", "surrogateescape") if isinstance(data, str) else data)
-        if size > MAX_REQUEST_BYTES:
-            raise errors.UsageError(f"a healthcheck request is at most {MAX_REQUEST_BYTES} bytes, not {size}")
+        if size > limit:
+            raise errors.UsageError(f"a healthcheck request is at most {limit} bytes, not {size}")
         try:
             doc = loads_json(data, "the healthcheck request", max_depth=4)
         except errors.ArtifactError as exc:
             raise errors.UsageError(exc.message) from None
-        return cls.from_json(doc)
+        return cls.from_json(doc, local=local)
 
     def options(self) -> Options:
         """The runner's options: those of ``dynprof healthcheck`` with the same flags."""
         return Options(
             level=self.level,
             backend=self.backend,
+            smi_tool=self.smi_tool,
             expect_devices=self.expect_devices,
+            disk_paths=list(self.disk) or ["/", "/tmp"],
             min_disk_gib=self.min_disk_gib,
             xid_window_s=self.xid_window * 60,
             thresholds=Thresholds(self.fail_below, self.warn_below, self.peer_fail, self.peer_warn),
+            baseline_paths=list(self.baseline),
             skip=set(self.skip),
             timeout_scale=self.timeout_scale,
+            probe_timeout_s=self.probe_timeout,
+            shared_fs=None if self.shared_fs is None else list(self.shared_fs),
+            counter_window_s=self.counter_window,
             job_pids=job_pids(self.job),
         )
+
+
+# Options the healthcheck action takes since the job-wide healthcheck: sent only when they are
+# not at their defaults (:meth:`HealthcheckRequest.action_options`).
+NEWER_ACTION_OPTIONS = ("fail_below", "warn_below", "peer_fail", "peer_warn", "min_disk_gib", "xid_window")
+
+
+def _paths(name: str, value: Any) -> None:
+    """``value`` is a tuple of paths (``shared_fs`` may also be None)."""
+    if value is None and name == "--shared-fs":
+        return
+    if not isinstance(value, tuple):
+        raise errors.UsageError(f"{name} is a list of paths")
+    if any(not isinstance(p, str) or not p or len(p) > MAX_PATH_CHARS for p in value):
+        raise errors.UsageError(f"{name} is a list of paths")
 
 
 def _number(name: str, value: Any, high: float, *, open_low: bool = False) -> None:
@@ -204,12 +283,13 @@ def _number(name: str, value: Any, high: float, *, open_low: bool = False) -> No
         raise errors.UsageError(f"{name} of {value:g}: {low}, at most {high:g}")
 
 
+_DEFAULT = HealthcheckRequest()
+
+
 def job_pids(job: str | None) -> frozenset[int]:
     """The pids of the live processes of ``job`` with dynprof agents on this node (this user's)."""
     if not job:
         return frozenset()
-    from dynprof.registry import list_records
-
     try:
         return frozenset(r.pid for r in list_records(clean=False) if r.job_id == job)
     except OSError:
@@ -277,17 +357,103 @@ def read_report(path: Path) -> NodeReport:
         raise errors.ArtifactError(f"the healthcheck's report is not one this version reads: {exc}") from None
 
 
+@dataclass(frozen=True)
+class Checked:
+    """This node's checks run in this process (:func:`collect_here`): the report, the artifact it
+    was saved as (None when not saved) and what to say on stderr (one line each, without the
+    ``dynprof `` prefix)."""
+
+    report: Report
+    artifact: str | None
+    messages: list[str]
+
+    def to_json(self) -> dict[str, Any]:
+        """The report's document with the artifact it was saved as (``--json``)."""
+        data: dict[str, Any] = self.report.to_json()
+        data["artifact"] = self.artifact
+        return data
+
+
+def collect_here(request: HealthcheckRequest, *, show_progress: bool = False) -> Checked:
+    """Run the checks of ``request`` in this process; save the artifact (unless ``no_save``) and
+    the Prometheus file it names. Progress, when ``show_progress``, goes only to a person watching
+    (a terminal): never into a log, a pipe or an answer."""
+    shown = show_progress and sys.stderr.isatty()
+
+    def progress(text: str) -> None:
+        if shown:
+            sys.stderr.write("\r\033[K" + text)
+            sys.stderr.flush()
+
+    report = run(request.options(), progress=progress)
+    if shown:
+        sys.stderr.write("\r\033[K")
+    messages: list[str] = []
+    artifact: str | None = None
+    if not request.no_save:
+        try:
+            artifact = save_artifact(report, render_table(report))
+        except (errors.ArtifactError, OSError) as exc:
+            messages.append(f"healthcheck: results not saved: {exc}")
+    if request.prometheus:
+        try:
+            write_atomically(request.prometheus, render_prometheus(report))
+        except OSError as exc:
+            raise errors.DynprofError(
+                f"cannot write the Prometheus file {request.prometheus}: {exc.strerror or exc}",
+                help="Point --prometheus at a writable file (the node exporter's textfile directory).",
+            ) from None
+    return Checked(report, artifact, messages)
+
+
+def save_artifact(report: Report, table_text: str) -> str:
+    data = report.to_json()
+    job = os.environ.get("DYNPROF_JOB_ID") or os.environ.get("SLURM_JOB_ID") or None
+    writer = ArtifactStore().create("healthcheck", job=job, host=report.host, options=report.options)
+    writer.write_json("results.json", data)
+    writer.write_text("report.txt", table_text + "\n")
+    summary = {k: data[k] for k in ("level", "verdict", "exit_code", "counts", "actions", "duration_s")}
+    return str(writer.finish("complete", summary=summary).path)
+
+
+TASK_FLAG = "--task"
+
+
+def task_command(request: HealthcheckRequest, python: str = sys.executable) -> list[str]:
+    """One node's healthcheck as a task of a job-wide run (``--srun``): ``python -m
+    healthcheck.collect --task REQUEST``, the request's JSON one argument; the task prints
+    its report as ``--json`` does (:func:`task`)."""
+    return [python, "-m", "healthcheck.collect", TASK_FLAG, jsontext.dumps(request.to_json())]
+
+
+def task(text: str) -> int:
+    """The task of :func:`task_command`: the checks of the request ``text`` run here, saved as an
+    artifact unless it says not to, the report (with its artifact) printed on stdout as indented
+    JSON; the exit code is the node's."""
+    try:
+        checked = collect_here(HealthcheckRequest.from_text(text, local=True, limit=MAX_LOCAL_REQUEST_BYTES))
+    except errors.DynprofError as exc:
+        print(f"healthcheck: error: {exc.message}", file=sys.stderr)
+        if exc.help:
+            print(f"  what to do: {exc.help}", file=sys.stderr)
+        return EXIT_NO_REPORT
+    for line in checked.messages:
+        print(f"dynprof {line}", file=sys.stderr)
+    print(jsontext.dumps(checked.to_json(), indent=2, default=str), flush=True)
+    return checked.report.exit_code
+
+
 def main(argv: list[str] | None = None) -> int:
-    """The child: ``python -m healthcheck.collect OUT``, the request's JSON on stdin."""
+    """The child: ``python -m healthcheck.collect OUT``, the request's JSON on stdin; or a task of
+    a job-wide run, ``python -m healthcheck.collect --task REQUEST``."""
     args = sys.argv[1:] if argv is None else argv
+    if len(args) == 2 and args[0] == TASK_FLAG:
+        return task(args[1])
     if len(args) != 1:
         print("usage: python -m healthcheck.collect OUT  (the request's JSON on stdin)", file=sys.stderr)
         return EXIT_NO_REPORT
-    from healthcheck.report import write_atomically
-    from healthcheck.runner import run
-
     try:
-        request = HealthcheckRequest.from_text(sys.stdin.buffer.read(MAX_REQUEST_BYTES + 1))
+        request = HealthcheckRequest.from_text(sys.stdin.buffer.read(MAX_REQUEST_BYTES + 1), local=True)
         report = run(request.options())
         write_atomically(args[0], jsontext.dumps(report.to_json()))
     except errors.DynprofError as exc:

@@ -1,8 +1,9 @@
 """Many nodes' healthcheck reports judged together: one table, peers across nodes, what to drain.
 
-The faces (``dynprof healthcheck --hosts/--slurm`` through the sidecars, ``--srun`` without
-them) hand in one :class:`NodeOutcome` per node: what came back, or why nothing did. Everything
-here is pure: no network, no processes.
+The job-wide healthcheck (:mod:`dynprof.job.healthcheck`: ``dynprof healthcheck --hosts/--slurm``
+through the sidecars, ``--srun`` without them) hands in one :class:`NodeOutcome` per node: what
+came back, or why nothing did. Everything here is pure: no network, no processes. Its text is
+:mod:`healthcheck.fleet_text`'s.
 
 * Every node's report is decoded by :meth:`NodeReport.from_json`, a bounded, typed reader:
   nothing a node sends is trusted (wrong types, NaN, huge lists and long text are refused, and a
@@ -34,6 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from dynprof import __version__
 from healthcheck.result import Status
 
 SCHEMA = "dynprof.healthcheck.fleet"
@@ -565,8 +567,6 @@ class FleetReport:
         return out
 
     def to_json(self, drain_kind: str | None = None) -> dict[str, Any]:
-        from dynprof import __version__
-
         doc: dict[str, Any] = {
             "schema": SCHEMA,
             "schema_version": SCHEMA_VERSION,
@@ -687,59 +687,3 @@ def drain_commands(report: FleetReport, kind: str) -> list[str]:
                 shlex.join(["kubectl", "taint", "nodes", name, f"{TAINT_KEY}={value}:NoSchedule", "--overwrite"])
             )
     return lines
-
-
-# -- text ----------------------------------------------------------------------------------------------
-def render_table(report: FleetReport, failures_only: bool = False) -> str:
-    """Nodes x checks: a column for every check that is not a pass (or skipped) everywhere."""
-    from dynprof.output import printable, table
-
-    cells = [v.check_cells() for v in report.verdicts]
-    names: list[str] = list(dict.fromkeys(name for row in cells for name in row))
-    shown = [n for n in names if any(row.get(n) not in (None, "pass", "skipped") for row in cells)]
-    rows = []
-    for v, row in zip(report.verdicts, cells, strict=True):
-        if failures_only and v.status == "healthy":
-            continue
-        first = v.reasons[0].describe() if v.reasons else (v.warnings[0].describe() if v.warnings else "")
-        more = len(v.reasons) + (len(v.warnings) if not v.reasons else 0) - 1
-        reason = first + (f" (+{more} more)" if more > 0 else "")
-        rows.append(
-            [v.outcome.label, v.status.upper() if v.drain else v.status, *(row.get(n, "") for n in shown), reason]
-        )
-    counts = report.counts()
-    head = (
-        f"dynprof healthcheck: {counts['nodes']} nodes ({report.how}), level {report.level or '-'}"
-        + (f", {report.duration_s:.1f} s" if report.duration_s is not None else "")
-        + f"; {counts['healthy']} healthy, {counts['warning']} warning, {counts['unhealthy']} unhealthy, "
-        f"{counts['unknown']} not checked"
-    )
-    compared = [p for p in report.peers if p.compared]
-    peer_line = (
-        f"peers: {len(compared)} of {len(report.peers)} figures compared across nodes "
-        f"(slow: more than {report.threshold:.0%} below the fleet median"
-        + (f"; under {MIN_PEER_NODES} nodes, no median" if len(compared) < len(report.peers) else "")
-        + ")"
-    )
-    lines = [head, peer_line, ""]
-    lines.append(table(rows, ["NODE", "VERDICT", *shown, "REASON"]) if rows else "(no node to show)")
-    passed = len(names) - len(shown)
-    if passed:
-        lines.append(f"({passed} other check(s) passed or were skipped on every node that answered)")
-    if report.links is not None:
-        rounds = report.links.get("rounds") or []
-        named = [f for f in report.links.get("findings") or [] if f.get("isolated")]
-        lines.append(
-            f"links: {len(rounds)} round(s) of pair tests ({report.links.get('backend')}, "
-            f"{report.links.get('pattern')}); " + (f"{len(named)} node(s) named" if named else "no node named")
-        )
-        for note in report.links.get("notes") or []:
-            lines.append(printable(f"  note: {note}"))
-    drained = report.drained()
-    if drained:
-        lines += ["", f"drain ({len(drained)}):"]
-        for v in drained:
-            for r in v.reasons:
-                lines.append(printable(f"  {v.outcome.label}: {r.describe()}"))
-    lines += ["", f"verdict: {report.verdict.upper()} (exit {report.exit_code})"]
-    return "\n".join(lines)

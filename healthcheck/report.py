@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from dynprof import __version__
+from dynprof.output import table
 from healthcheck.result import CheckResult, Status, exit_code, verdict
 
 SCHEMA = "dynprof.healthcheck"
@@ -101,8 +102,6 @@ def _fmt(value: Any) -> str:
 
 
 def render_table(report: Report, show_passed: bool = True) -> str:
-    from dynprof.output import table
-
     rows = []
     for c in report.checks:
         if not show_passed and c.status in (Status.PASS, Status.SKIPPED):

@@ -19,116 +19,28 @@ import functools
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
+import healthcheck.xid as xidlog
 from dynprof.store import utcnow_iso
-from healthcheck import xid as xidlog
 from healthcheck.backends import Backend, NoAccelerator, open_backend
 from healthcheck.baseline import Baseline, find_baseline, load_baselines
 from healthcheck.checks.counters import counter_checks
-from healthcheck.checks.device import check_clocks, check_pcie_link, passive_device_checks
-from healthcheck.checks.host import host_probes
-from healthcheck.checks.ib_counters import IB_ROOT, IbPortCounters, check_ib_counters, read_ib_counters
+from healthcheck.checks.device import check_clocks, check_devices, check_pcie_link
+from healthcheck.checks.ib_counters import IbPortCounters, check_ib_counters, read_ib_counters
 from healthcheck.checks.shared_fs import SharedFsProbe, start_probes
+from healthcheck.checks.table import host_probes, passive_device_checks
 from healthcheck.checks.xid import check_kernel_log_xids, check_live_xids
-from healthcheck.compare import DeviceMeasurement, Thresholds, judge, needs_retry
-from healthcheck.functional.table import HOST_FUNCTIONAL_CHECKS, Scope, checks_of, find, result_names, row_of_result
+from healthcheck.compare import DeviceMeasurement, judge, needs_retry
+from healthcheck.functional import launcher
+from healthcheck.functional.table import Scope, checks_of, find, row_of_result
+from healthcheck.options import LEVELS, Options, expected_devices, visible_cuda_count
 from healthcheck.pci import normalize_bus_id
+from healthcheck.pcie_load import loaded_links
 from healthcheck.readings import DeviceReadings
 from healthcheck.report import DeviceSummary, Report
 from healthcheck.result import CheckResult, Status
-from healthcheck.timeouts import PROBE_TIMEOUT_S, Call, TimedOut, call_with_timeout, did_not_return
-
-LEVELS = ("quick", "standard", "full")
-EXPECT_ENV = ("DYNPROF_EXPECT_DEVICES", "SLURM_GPUS_ON_NODE")
-
-# Every check name, in report order (for --skip and the docs).
-PASSIVE_CHECKS = (
-    "accelerators",
-    "devices",
-    "driver",
-    "persistence_mode",
-    "ecc_mode",
-    "ecc_errors",
-    "row_remap",
-    "retired_pages",
-    "pcie_link",
-    "clock_events",
-    "temperature",
-    "nvlink",
-    "nvlink_errors",
-    "recovery_action",
-    "pcie_replay",
-    "device_processes",
-    "xid_kernel_log",
-    "xid_live",
-)
-# The functional checks' results, from their rows (healthcheck.functional.table); the host's
-# own figures are HOST_FUNCTIONAL_CHECKS.
-FUNCTIONAL_CHECKS = result_names(Scope.DEVICE, Scope.NODE)
-HOST_CHECKS = ("disk_free", "shm_size", "host_memory", "host_processes", "ib_ports", "ib_counters", "shared_fs")
-SHARED_FS_ENV = "DYNPROF_HEALTHCHECK_SHARED_FS"
-ALL_CHECKS = PASSIVE_CHECKS + FUNCTIONAL_CHECKS + HOST_CHECKS + HOST_FUNCTIONAL_CHECKS
-
-
-@dataclass
-class Options:
-    level: str = "quick"
-    backend: str = "auto"
-    smi_tool: str | None = None
-    expect_devices: int | None = None
-    disk_paths: list[str] = field(default_factory=lambda: ["/", "/tmp"])
-    min_disk_gib: float = 10.0
-    xid_window_s: float = 3600.0
-    thresholds: Thresholds = field(default_factory=Thresholds)
-    baseline_paths: list[str] = field(default_factory=list)
-    skip: set[str] = field(default_factory=set)
-    timeout_scale: float = 1.0
-    # The time limit of every passive probe (a driver call, a tool run, a filesystem probe).
-    probe_timeout_s: float = PROBE_TIMEOUT_S
-    # Shared filesystems to probe (--shared-fs; default: $DYNPROF_HEALTHCHECK_SHARED_FS, ':'-separated).
-    shared_fs: list[str] | None = None
-    ib_root: str = IB_ROOT
-    # The least time between the two readings of the error counters (0: the start and the end
-    # of the run, whatever it took).
-    counter_window_s: float = 0.0
-    # The processes of the job the node runs (--job): device_processes does not count them as
-    # others holding the devices (a watch's verdict checks the nodes of the job it names).
-    job_pids: frozenset[int] = frozenset()
-
-    def shared_fs_paths(self) -> list[str]:
-        if self.shared_fs is not None:
-            return list(self.shared_fs)
-        return [p for p in os.environ.get(SHARED_FS_ENV, "").split(os.pathsep) if p.strip()]
-
-    def to_json(self) -> dict[str, Any]:
-        data = dict(self.__dict__)
-        data["thresholds"] = self.thresholds.__dict__
-        data["skip"] = sorted(self.skip)
-        data["shared_fs"] = self.shared_fs_paths()
-        data["job_pids"] = sorted(self.job_pids)
-        data["read_timeout_s"] = self.probe_timeout_s  # the name before every probe had a limit
-        return data
-
-
-def expected_devices(options: Options) -> tuple[int | None, str]:
-    if options.expect_devices is not None:
-        return options.expect_devices, "--expect-devices"
-    for name in EXPECT_ENV:
-        value = os.environ.get(name, "").strip()
-        if value.isdigit():
-            return int(value), name
-    return None, ""
-
-
-def visible_cuda_count(backend_count: int) -> int:
-    """How many devices CUDA will show (CUDA_VISIBLE_DEVICES may hide some)."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is None:
-        return backend_count
-    entries = [e for e in visible.split(",") if e.strip()]
-    return min(len(entries), backend_count)
+from healthcheck.timeouts import Call, TimedOut, call_with_timeout, did_not_return
 
 
 class _Run:
@@ -209,64 +121,7 @@ class _Run:
             return
         count = self.count = int(got)
         self.counted = True
-        if expected is None:
-            if count:
-                self.add(
-                    CheckResult(
-                        "devices",
-                        Status.PASS,
-                        f"{count} found through {name} (no expected count: give --expect-devices or run under Slurm)",
-                        value=count,
-                        critical=True,
-                    )
-                )
-            else:
-                self.add(
-                    CheckResult(
-                        "devices",
-                        Status.UNKNOWN,
-                        f"{name} lists no device",
-                        value=0,
-                        expected=">= 1",
-                        critical=True,
-                        details={"help": NoAccelerator.default_help},
-                    )
-                )
-        elif count == expected:
-            self.add(
-                CheckResult(
-                    "devices",
-                    Status.PASS,
-                    f"{count} found, {expected} expected ({source})",
-                    value=count,
-                    expected=str(expected),
-                    critical=True,
-                )
-            )
-        elif count < expected:
-            self.add(
-                CheckResult(
-                    "devices",
-                    Status.FAIL,
-                    f"{expected - count} devices missing ({source} expects "
-                    f"{expected}): fallen off the bus or not given to this container",
-                    value=count,
-                    expected=str(expected),
-                    action="drain",
-                    critical=True,
-                )
-            )
-        else:
-            self.add(
-                CheckResult(
-                    "devices",
-                    Status.WARN,
-                    f"more devices than expected ({source})",
-                    value=count,
-                    expected=str(expected),
-                    critical=True,
-                )
-            )
+        self.add(check_devices(count, expected, source, name))
         driver, why = self.probe(self.backend.driver_version, f"{name}: reading the driver version")
         if why is not None:
             self.add(CheckResult("driver", Status.UNKNOWN, why))
@@ -398,7 +253,6 @@ class _Run:
         error: str | None = None
         if idle_low:
             t0 = time.monotonic()
-            from healthcheck.pcie_load import loaded_links
 
             backend = self.backend
             try:
@@ -414,7 +268,6 @@ class _Run:
 
     def functional(self, baselines: list[Baseline]) -> bool:
         """Run the functional checks; True if they also judged the PCIe links (under load)."""
-        from healthcheck.functional.launcher import level_plan, run_workers
 
         assert self.backend is not None
         source = self.backend.name
@@ -425,10 +278,10 @@ class _Run:
             checks += [c.name for c in checks_of(Scope.NODE, level) if not self._skipped(c.name)]
         if not checks or count == 0:
             return False
-        plan = level_plan(self.o.level)
+        plan = launcher.level_plan(self.o.level)
         t0 = time.monotonic()
         self.progress(f"functional checks on {count} devices")
-        outcomes, identities = run_workers(
+        outcomes, identities = launcher.run_workers(
             list(range(count)), checks, plan, timeout_scale=self.o.timeout_scale, progress=self.progress
         )
         self.timed("functional", t0)
@@ -515,7 +368,6 @@ class _Run:
         reading_of: dict[int, DeviceReadings | None],
     ) -> None:
         """Repeat each slow measurement once (all flagged devices together); keep the better value."""
-        from healthcheck.functional.launcher import run_workers
 
         def check_of(result: str) -> str:
             row = row_of_result(result)
@@ -531,12 +383,12 @@ class _Run:
                 {ordinal_of.get(item.device, item.device) for item in device_retry if item.device is not None}
             )
             checks = sorted({check_of(item.measurement.check) for item in device_retry})
-            outcomes, _ = run_workers(ordinals, checks, plan, timeout_scale=self.o.timeout_scale)
+            outcomes, _ = launcher.run_workers(ordinals, checks, plan, timeout_scale=self.o.timeout_scale)
             self._merge(device_retry, outcomes, ordinal_of)
         if node_retry:
             count = visible_cuda_count(len(self.readings))
             checks = sorted({check_of(item.measurement.check) for item in node_retry})
-            outcomes, _ = run_workers(list(range(count)), checks, plan, timeout_scale=self.o.timeout_scale)
+            outcomes, _ = launcher.run_workers(list(range(count)), checks, plan, timeout_scale=self.o.timeout_scale)
             self._merge(node_retry, [o for o in outcomes if o.local_rank == 0], None)
         self.timed("retry", t0)
 
@@ -557,15 +409,14 @@ class _Run:
     def host_functional(self) -> None:
         """The host's CPU and memory figures, in one worker on the CPU device; judged like the
         other functional figures (no shipped baseline: the job-wide peer comparison uses them)."""
-        from healthcheck.functional.launcher import level_plan, run_workers
 
         checks = [c.name for c in checks_of(Scope.HOST, self.o.level) if not self._skipped(c.name)]
         if not checks:
             return
         t0 = time.monotonic()
         self.progress("host CPU and memory figures")
-        outcomes, _ = run_workers(
-            [0], checks, level_plan(self.o.level), device_type="cpu", timeout_scale=self.o.timeout_scale
+        outcomes, _ = launcher.run_workers(
+            [0], checks, launcher.level_plan(self.o.level), device_type="cpu", timeout_scale=self.o.timeout_scale
         )
         self.timed("host_functional", t0)
         items: list[DeviceMeasurement] = []

@@ -5,7 +5,7 @@ For each model (a decoder-only transformer, a ViT-B/16, a ResNet-50 with torchvi
 synthetic data; bf16 autocast and AdamW with foreach, as on CUDA by default):
 
 1. train two steps, take the real peak of a third, then measure one with
-   :func:`collectors.memory.plan_capture.measure_step` (``reset_peak``: this is the
+   :func:`collectors.memory.plan.capture.measure_step` (``reset_peak``: this is the
    benchmark's own process);
 2. plan for a budget of --budget-fraction (0.6) of the measured peak;
 3. run again with the chosen modules wrapped in ``torch.utils.checkpoint`` (non-reentrant, the
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import statistics
 import sys
@@ -43,8 +44,13 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint as cp
 
-from collectors.memory.plan import from_json, make_plan, predict
-from collectors.memory.plan_capture import LiveTensorBytes, find_blocks, live_tensors, measure_step
+from collectors.memory.plan.blocks import find_blocks, live_tensors
+from collectors.memory.plan.capture import measure_step
+from collectors.memory.plan.measurement import from_json
+from collectors.memory.plan.meter import LiveTensorBytes
+from collectors.memory.plan.predict import candidates, peak_with, predict
+from collectors.memory.plan.scale import predicted_peak
+from collectors.memory.plan.solve import make_plan
 
 GIB = 1024**3
 
@@ -158,25 +164,26 @@ class ResNet(torch.nn.Module):
         return self.fc(x.mean((2, 3)))
 
 
-def build(name: str, device: torch.device, small: bool) -> tuple[torch.nn.Module, Any, Any]:
-    """(model, a batch maker, the loss of a batch's output)."""
+def build(name: str, device: torch.device, small: bool, times: int = 1) -> tuple[torch.nn.Module, Any, Any]:
+    """(model, a batch maker, the loss of a batch's output); ``times``: the micro-batch that many
+    times the usual (the same model is built: seeded)."""
     classes = 10 if small else 1000
     model: torch.nn.Module
     if name == "decoder":
         vocab, d, heads, layers, batch, seq = (512, 128, 4, 8, 4, 256) if small else (32000, 2048, 16, 24, 4, 4096)
         model = Decoder(vocab, d, heads, layers)
-        ids = torch.randint(0, vocab, (batch, seq + 1), device=device)
+        ids = torch.randint(0, vocab, (batch * times, seq + 1), device=device)
         return model, lambda: ids[:, :-1], lambda out: F.cross_entropy(out.flatten(0, 1).float(), ids[:, 1:].flatten())
     if name == "vit":
         image, patch, d, heads, layers, batch = (64, 8, 96, 4, 6, 16) if small else (224, 16, 768, 12, 12, 256)
         model = ViT(image, patch, d, heads, layers, classes)
-        x = torch.randn(batch, 3, image, image, device=device)
-        y = torch.randint(0, classes, (batch,), device=device)
+        x = torch.randn(batch * times, 3, image, image, device=device)
+        y = torch.randint(0, classes, (batch * times,), device=device)
         return model, lambda: x, lambda out: F.cross_entropy(out.float(), y)
     depths, image, batch, base = ((3, 4, 6, 3), 128, 8, 8) if small else ((3, 4, 6, 3), 224, 256, 64)
     model = ResNet(depths, classes, base)
-    x = torch.randn(batch, 3, image, image, device=device)
-    y = torch.randint(0, classes, (batch,), device=device)
+    x = torch.randn(batch * times, 3, image, image, device=device)
+    y = torch.randint(0, classes, (batch * times,), device=device)
     return model, lambda: x, lambda out: F.cross_entropy(out.float(), y)
 
 
@@ -245,13 +252,16 @@ def bench(name: str, device: torch.device, args: argparse.Namespace) -> dict[str
     small = device.type != "cuda"
     model, batch, loss_of = build(name, device, small)
     model.to(device)
+    # the step's data, swapped whole for the micro-batch twice the size (the first freed)
+    data = {"batch": batch, "loss": loss_of}
+    del batch, loss_of
     # foreach: what AdamW uses on CUDA by default (its temporaries are part of the peak)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
     amp_on = device.type == "cuda" or args.cpu_amp
 
     def step() -> None:
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp_on):
-            loss = loss_of(model(batch()))
+            loss = data["loss"](model(data["batch"]()))
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -298,6 +308,14 @@ def bench(name: str, device: torch.device, args: argparse.Namespace) -> dict[str
             finally:
                 unwrap(restore)
     base_s, plan_s, every_s = (statistics.median(runs[k]) for k in ("base", "plan", "every"))
+    fewer = fewer_fit(m, plan)
+    # fewer blocks for real: an even spread of one block fewer than the plan's, run
+    spread = even_spread([n for n, _ in find_blocks([model])], len(chosen) - 1) if len(chosen) > 1 else None
+    fewer["real_even_spread_peak_bytes"] = peak_of(set(spread)) if spread else None
+    fewer["real_even_spread_under_budget"] = fewer["real_even_spread_peak_bytes"] <= budget if spread else None
+    # the micro-batch at twice the measured one: the scaled prediction against a real run of it
+    double = twice_the_batch(name, device, small, data, step, model, opt)
+    predicted_double = predicted_peak(m, 2.0)
 
     def per_ms(saved: float, added_s: float) -> float | None:
         return round(saved / GIB / (added_s * 1000), 6) if added_s > 0 else None
@@ -337,6 +355,11 @@ def bench(name: str, device: torch.device, args: argparse.Namespace) -> dict[str
         "every_block_step_error": err(every_s - base_s, pred_every["added_step_s"]),
         "every_block_gib_saved_per_added_ms_real": per_ms(base_peak - every_peak, every_s - base_s),
         "floor_bytes": plan["floor_bytes"],
+        "exact": plan.get("exact"),
+        "fewer": fewer,
+        "double_predicted_peak_bytes": predicted_double,
+        "double_real_peak_bytes": double,
+        "double_peak_error": err(double, predicted_double) if double else None,
         # a second measurement and plan of the same job for the same budget
         "again_blocks": len((again["plan"] or {}).get("modules") or []),
         "again_predicted_added_step_s": (again["plan"] or {}).get("added_step_s"),
@@ -345,6 +368,78 @@ def bench(name: str, device: torch.device, args: argparse.Namespace) -> dict[str
         else None,
     }
     return out
+
+
+def even_spread(names: list[str], k: int) -> list[str]:
+    """``k`` of ``names`` spread evenly (every other block, for half of them)."""
+    if k <= 0:
+        return []
+    n = len(names)
+    return [names[(i * n) // k] for i in range(k)]
+
+
+BRUTE_MAX = 1 << 17  # subsets of one size tried one by one at the most
+
+
+def fewer_fit(m: Any, plan: dict[str, Any]) -> dict[str, Any]:
+    """Whether a set of fewer blocks than the plan's meets the plan's own rule (predicted peak
+    at most the budget less the margin), by the measured figures: every set of one block fewer
+    where there are at most :data:`BRUTE_MAX` of them, else the plan's set less each of its
+    blocks and an even spread (checked, not searched)."""
+    chosen = (plan.get("plan") or {}).get("modules") or []
+    k = len(chosen)
+    out: dict[str, Any] = {"plan_blocks": k, "tried": 0, "fits": None, "how": None}
+    if k <= 1:
+        return out
+    c = candidates(m)
+    limit = plan["budget_bytes"] - plan["margin_bytes"]
+    n = len(c.index)
+    name_of = [m.blocks[i].name for i in c.index]
+    total = 1
+    for i in range(k - 1):  # C(n, k-1), stopped once over the bound
+        total = total * (n - i) // (i + 1)
+        if total > BRUTE_MAX:
+            break
+    if total <= BRUTE_MAX:
+        sets: Any = itertools.combinations(range(n), k - 1)
+        out["how"] = f"every set of {k - 1} of {n} blocks"
+    else:
+        pos = {nm: j for j, nm in enumerate(name_of)}
+        idx = [pos[nm] for nm in chosen if nm in pos]
+        sets = [tuple(x for x in idx if x != drop) for drop in idx]
+        sets.append(tuple(pos[nm] for nm in even_spread(name_of, k - 1)))
+        out["how"] = f"the plan's set less each block, and an even spread ({total:,}+ sets of {k - 1}: not all tried)"
+    best = None
+    for chosen_set in sets:
+        out["tried"] += 1
+        peak = peak_with(c, chosen_set)
+        best = peak if best is None else min(best, peak)
+    out["fits"] = best is not None and best <= limit
+    out["best_predicted_peak_bytes"] = best
+    return out
+
+
+def twice_the_batch(
+    name: str, device: torch.device, small: bool, data: dict[str, Any], step: Any, model: Any, opt: Any
+) -> int | None:
+    """The real peak of the same model's step on a micro-batch twice the usual (the usual one's
+    tensors freed first, as in a job run with the larger size); None where it does not fit the
+    device."""
+    other, data["batch"], data["loss"] = build(name, device, small, times=2)
+    del other  # the model build() made beside the data: not part of the step
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    try:
+        step()  # warm up: kernels for the new shapes
+        return real_peak(step, device, model, opt)
+    except torch.OutOfMemoryError:
+        return None
+    finally:
+        data.clear()
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
 
 
 def size(b: int | None, unit: int) -> str:
@@ -435,6 +530,31 @@ def main(argv: list[str] | None = None) -> int:
             f"{ms(r['predicted_added_step_s'])} ms ({(r['again_vs_first'] or 0) * 100:+.1f} %)",
             flush=True,
         )
+        f = r["fewer"]
+        unit, uname = (GIB, "GiB") if device.type == "cuda" else (1024**2, "MiB")
+        if f["how"]:
+            real = f.get("real_even_spread_peak_bytes")
+            print(
+                f"  fewest: the plan's {f['plan_blocks']} block(s); {f['how']}: {f['tried']} tried, "
+                f"{'one FITS' if f['fits'] else 'none fits'} by the measured figures"
+                + (
+                    f"; real peak of an even spread of {f['plan_blocks'] - 1}: {real / unit:.2f} {uname} "
+                    f"({'under' if f['real_even_spread_under_budget'] else 'over'} the budget "
+                    f"{r['budget_bytes'] / unit:.2f} {uname})"
+                    if real
+                    else ""
+                )
+                + f"; search exact: {r['exact']}",
+                flush=True,
+            )
+        if r["double_real_peak_bytes"]:
+            print(
+                f"  micro-batch x2: predicted {r['double_predicted_peak_bytes'] / unit:.2f} {uname}, real "
+                f"{r['double_real_peak_bytes'] / unit:.2f} {uname} ({pct(r['double_peak_error'])})",
+                flush=True,
+            )
+        else:
+            print("  micro-batch x2: does not fit the device", flush=True)
     summary: dict[str, Any] = {
         "schema": 2,
         "device": str(device),

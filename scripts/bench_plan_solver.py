@@ -4,7 +4,7 @@
 A ``memory-plan`` artifact (``plan.json``: a measurement and the budget asked) may come from a
 hostile node (``dynprof ls --fetch``); ``dynprof show`` and the sidecar's page re-plan it. This
 crafts, for 20, 400 and 4 096 blocks, the worst measurement the decoder
-(:func:`collectors.memory.plan.from_json`) lets through for the search and for the predicted
+(:func:`collectors.memory.plan.measurement.from_json`) lets through for the search and for the predicted
 peak:
 
 - a chain of blocks (the shape on which the search is exact, so it runs to the end), each
@@ -18,7 +18,7 @@ peak:
 
 and one honest-looking measurement of 4 096 alike blocks (a deep stack of equal layers) for
 comparison. For each it prints the seconds of one render as ``dynprof show`` does it
-(:func:`collectors.memory.plan.render_artifact`: the plan with its runners-up, the floor, the
+(:func:`collectors.memory.plan.render.render_artifact`: the plan with its runners-up, the floor, the
 text), whether the search was exact, the plan's blocks, and the peak of Python's memory
 (tracemalloc, a second run). With ``--baseline DIR`` it runs the same in a child process with
 the ``collectors`` package of another checkout (killed after ``--baseline-timeout`` seconds).
@@ -45,7 +45,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def craft(n: int, seed: int = 48, alike: bool = False) -> dict[str, Any]:
     """``plan.json`` of ``n`` blocks: adversarial (see the module's text), or ``alike``."""
-    from collectors.memory import plan
+    from collectors.memory.plan import measurement as plan
 
     MAX_KEPT, MAX_LATE, MAX_SEGMENTS = plan.MAX_KEPT, plan.MAX_LATE, plan.MAX_SEGMENTS
     # (a checkout from before the bound on entries in all gets the same file)
@@ -141,7 +141,7 @@ class _Stored:
 
 def measure(doc: dict[str, Any]) -> dict[str, Any]:
     """One render of ``doc`` as `dynprof show` does it: seconds, then tracemalloc's peak."""
-    from collectors.memory.plan import render_artifact
+    from collectors.memory.plan.render import render_artifact
 
     art = _Stored(doc)
     start = time.perf_counter()

@@ -8,7 +8,7 @@ directories) and a 2-rank gloo job (this script's own rank loop: a sleep standin
 loading, a small model's forward and backward, one all_reduce per gradient, the optimizer
 step), one rank per node, each under `dynprof run`; every rank writes the end time of each of
 its steps. In ONE run it then takes ``--rounds`` straggler samples
-(:func:`dynprof.watch.straggler.sample_stragglers`: arming at one step, the trace of
+(:func:`dynprof.watch.straggler.sampler.sample_stragglers` over the nodes' sidecars: arming at one step, the trace of
 ``--steps`` steps with Python stacks, the profiler's start and stop, the fetch, the analysis)
 and ``--stacks`` job-wide stacks samples per round (the nodes' ``stacks`` action), with
 untraced gaps between them.
@@ -53,7 +53,8 @@ sys.path.insert(0, str(ROOT))
 
 from dynprof.job.client import SidecarClient  # noqa: E402
 from dynprof.job.discovery import parse_node  # noqa: E402
-from dynprof.watch.straggler import SAMPLE_EVERY_S, sample_stragglers  # noqa: E402
+from dynprof.watch.sources import SidecarSource  # noqa: E402
+from dynprof.watch.straggler.sampler import SAMPLE_EVERY_S, sample_stragglers  # noqa: E402
 
 JOB = "bench-watch-sampling"
 BUDGET_SAMPLED = 0.005
@@ -248,7 +249,8 @@ def main() -> int:
         for i in range(args.rounds):
             keep = h.root / f"keep{i}"
             t0 = time.time()
-            report = sample_stragglers(addresses, JOB, client, steps=args.steps, keep=keep)
+            source = SidecarSource(client, nodes, keep_traces=keep)
+            report = sample_stragglers(source, JOB, steps=args.steps)
             samples.append((t0, time.time()))
             costs.append(report.cost_s)
             traced_ms = traced_step_ms(keep)

@@ -105,7 +105,7 @@ ONE_WORKER_MODULES = (
     "tests/integration/test_serve_abuse.py",
     "tests/integration/test_hostile_sidecar_http.py",
     "tests/integration/test_healthcheck_fleet_simulated.py",
-    "tests/unit/test_memory_plan_recipes.py",
+    "tests/unit/test_collectors_memory_plan_recipes.py",
     "tests/unit/test_sidecar_server.py",
     "tests/unit/test_watch_sample_addresses.py",
     "tests/integration/test_trace.py",
@@ -285,8 +285,8 @@ def dynprof_dirs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[di
 def eager_process(monkeypatch: pytest.MonkeyPatch) -> Callable[..., list[str]]:
     """The memory plan's measurement in this pytest process as in a job that compiled nothing:
     other tests of the same worker run torch.compile in-process, and a measured step refuses a
-    process with compiled code (collectors.memory.plan_capture.compiled_code says why)."""
-    import collectors.memory.plan_capture as capture
+    process with compiled code (collectors.memory.plan.blocks.compiled_code says why)."""
+    import collectors.memory.plan.capture as capture
 
     real: Callable[..., list[str]] = capture.compiled_code
     monkeypatch.setattr(capture, "compiled_code", lambda limit=3: [])

@@ -21,6 +21,9 @@ The modules, by where they run:
 :mod:`.advice`   size classes and advice from a summary.
 :mod:`.render`   text and HTML (``render_artifact`` for ``dynprof show``, ``render_html`` for
                  ``dynprof memory-report``).
+:mod:`.plan`     the memory plan, a package of its own (:mod:`collectors.memory.plan` lists its
+                 modules): which blocks to recompute to fit a budget, measured in the training
+                 process only when a plan is asked for.
 
 This file holds only the artifact's layout, which every one of them shares.
 """

@@ -12,6 +12,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from collectors.memory.plan.measurement import from_json
+from collectors.memory.plan.scale import MAX_SIZE_FACTOR, blocks_text, input_shape, scale, tokens_factor
+from collectors.memory.plan.solve import make_plan
+
 SIZE_CLASSES = (
     ("< 1 MiB", 1 << 20),
     ("1-16 MiB", 16 << 20),
@@ -199,8 +203,6 @@ def _plan_advice(summary: dict[str, Any]) -> str:
             "--budget SIZE` on the next run to learn which layers to recompute"
         )
     try:
-        from collectors.memory.plan import from_json, make_plan
-
         m = from_json(doc)
         if len(m.blocks) > PLAN_MAX_BLOCKS:
             return f"the last measured step has {len(m.blocks)} blocks; run `dynprof memory plan` for its plan"
@@ -239,8 +241,6 @@ def _scaled_to_failing_step(summary: dict[str, Any], doc: dict[str, Any], m: Any
     """The last measured step scaled to the failing step's tokens, where the failing frames hold
     tensors of more tokens than the measured step's first block took (a larger batch or a longer
     sequence): (the scaled measurement, what it says of the sizes); None otherwise."""
-    from collectors.memory.plan_scale import MAX_SIZE_FACTOR, input_shape, scale, tokens_factor
-
     shape = input_shape(doc)
     held = ((summary.get("attribution") or {}).get("frame_tensors")) or []
     factor = tokens_factor(shape, held if isinstance(held, list) else [])
@@ -263,9 +263,6 @@ def _scaled_to_failing_step(summary: dict[str, Any], doc: dict[str, Any], m: Any
 
 
 def _scaled_plan_text(m: Any, budget: int) -> str:
-    from collectors.memory.plan import make_plan
-    from collectors.memory.plan_scale import _blocks
-
     plan = make_plan(m, budget=budget)
     chosen = plan.get("plan")
     if plan["status"] == "fits-already":
@@ -279,6 +276,6 @@ def _scaled_plan_text(m: Any, budget: int) -> str:
     frac = f", +{chosen['added_step_s'] / step * 100:.0f} % step time" if step else ""
     return (
         f"its peak would be {_gib(m.peak_bytes)}; it fits {_gib(budget)} (90 % of the device) with "
-        f"{_blocks(chosen['modules'])} recomputed (predicted {_gib(chosen['predicted_peak_bytes'])}{frac}); "
+        f"{blocks_text(chosen['modules'])} recomputed (predicted {_gib(chosen['predicted_peak_bytes'])}{frac}); "
         "`dynprof run --checkpoint auto` applies it"
     )

@@ -24,13 +24,18 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from collectors.memory.plan import from_json as measurement_from_json
-from collectors.memory.plan import make_plan
+from collectors.memory.plan import ranks as plan_ranks
+from collectors.memory.plan.budget import parse_budget
+from collectors.memory.plan.measurement import from_json as measurement_from_json
+from collectors.memory.plan.render import KIND, PLAN_FILE
+from collectors.memory.plan.scale import micro_batches
+from collectors.memory.plan.solve import make_plan
 from dynprof import errors
 from dynprof.agents import parallel, resolve
 from dynprof.arguments import MAX_HISTORY_EVENTS, MAX_PID, MAX_SECONDS
 from dynprof.registry import AgentRecord
 from dynprof.requests import TARGETS, read_options
+from dynprof.units import human_bytes
 
 DEFAULT_TIMEOUT_S = 300.0
 HISTORY_TIMEOUT_S = 30.0  # turning history on or off answers at once
@@ -193,35 +198,6 @@ def collect(request: MemoryRequest) -> Collected:
 
 
 # -- plans ---------------------------------------------------------------------------------------
-def parse_budget(text: str) -> tuple[int | None, float | None]:
-    """``SIZE`` (bytes, K/M/G/T) or ``P%`` (of the measured peak): (bytes, fraction)."""
-    from dynprof.units import ascii_float, parse_size
-
-    raw = text.strip()
-    if raw.endswith("%"):
-        try:
-            value = ascii_float(raw[:-1])
-        except ValueError:
-            raise errors.UsageError(
-                f"--budget {text[:80]!r}: not a percentage (ASCII digits)", help="Write e.g. 60% or 40G."
-            ) from None
-        if not 0 < value < 100:
-            raise errors.UsageError(
-                f"--budget {text[:80]!r}: a percentage must be between 0 and 100", help="Write e.g. 60% or 40G."
-            )
-        return None, value / 100.0
-    try:
-        return parse_size(raw), None
-    except errors.DynprofError as exc:
-        raise errors.UsageError(
-            f"--budget/--save {text[:80]!r}: {exc.message[:200]}", help="Write e.g. 40G, 512M or 60%."
-        ) from None
-    except OverflowError:  # more digits than a float holds
-        raise errors.UsageError(
-            f"--budget/--save {text[:80]!r}: not a size", help="Write e.g. 40G, 512M or 60%."
-        ) from None
-
-
 @dataclass(frozen=True)
 class MemoryPlanRequest:
     """Whose next optimizer step to measure: exactly one of ``pids``, ``job`` or ``all``; what
@@ -297,8 +273,6 @@ class MemoryPlanRequest:
             return {"budget_bytes": size if size is not None else int(m.peak_bytes * (fraction or 0))}
         size, fraction = parse_budget(self.save or "")
         if size is not None and size > m.peak_bytes:
-            from dynprof.units import human_bytes
-
             raise errors.UsageError(
                 f"--save {(self.save or '')[:80]!r} is more than the measured step's peak ({human_bytes(m.peak_bytes)}): "
                 "no plan saves more than the whole peak",
@@ -316,8 +290,6 @@ class MemoryPlanRequest:
         else:
             plan = make_plan(m, save=asked["save_bytes"])
         if len(m.blocks) <= MICRO_BATCH_MAX_BLOCKS:
-            from collectors.memory.plan_scale import micro_batches
-
             # which micro-batch fits the same budget, scaled from this step's tokens
             plan["micro_batches"] = micro_batches(measurement, int(plan["budget_bytes"]))
         return plan
@@ -325,7 +297,6 @@ class MemoryPlanRequest:
 
 def save_plan(record: AgentRecord, measurement: dict[str, Any], request: MemoryPlanRequest) -> str:
     """Keep the measurement and what was asked as a ``memory-plan`` artifact; its path."""
-    from collectors.memory.plan import KIND, PLAN_FILE
     from dynprof.store import ArtifactStore
 
     asked = request.asked_bytes(measurement)
@@ -430,12 +401,10 @@ def job_plans(
     request: MemoryPlanRequest, measured: list[tuple[dict[str, Any], dict[str, Any]]], notes: list[str]
 ) -> list[dict[str, Any]]:
     """One plan per group of a job's ranks whose measurements agree
-    (:mod:`collectors.memory.plan_ranks`), for each job of two measured ranks or more: the
+    (:mod:`collectors.memory.plan.ranks`), for each job of two measured ranks or more: the
     group's ranks and pids, the plan of their merged measurement (the highest peak's bytes, the
     slowest rank's times), each rank's own figures, and for a group after the job's first, the
     ranks it differs from and how. A group that cannot be planned is a note."""
-    from collectors.memory import plan_ranks
-
     by_job: dict[str, list[plan_ranks.Member]] = {}
     for row, doc in measured:
         if row.get("job"):

@@ -24,6 +24,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from dynprof.units import ascii_float
+
 DEFAULT_MAX_ENTRIES = 100_000
 STACKS = ("python", "all")
 
@@ -121,8 +123,6 @@ def parse_policy(text: str | None, default: HistoryPolicy = DEFAULT_POLICY) -> H
 
 
 def _parse_budget(text: str) -> float:
-    from dynprof.units import ascii_float
-
     raw = text.strip().rstrip("%").strip()
     try:
         percent = ascii_float(raw)

@@ -24,6 +24,7 @@ from typing import Any
 from collectors.memory import SNAPSHOT_FILE, SUMMARY_FILE
 from collectors.memory.summary import summarize_snapshot
 from dynprof.errors import ArtifactError
+from dynprof.units import parse_size
 
 MAX_SNAPSHOT_BYTES = 4 << 30
 """A snapshot pickle larger than this is refused (``DYNPROF_MAX_SNAPSHOT_BYTES`` overrides)."""
@@ -34,8 +35,6 @@ def max_snapshot_bytes() -> int:
     env = os.environ.get("DYNPROF_MAX_SNAPSHOT_BYTES")
     if not env:
         return MAX_SNAPSHOT_BYTES
-    from dynprof.units import parse_size
-
     return max(1, parse_size(env))
 
 

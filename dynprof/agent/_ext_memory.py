@@ -16,7 +16,7 @@ capture per ``DYNPROF_MEMORY_OOM_INTERVAL_S`` and ``DYNPROF_MEMORY_OOM_MAX`` per
 happen, since OOMs repeat in retry loops.
 
 **What it loads.** Of the ``memory`` kind's package, only :mod:`collectors.memory.capture` and
-:mod:`collectors.memory.policy`, with this module (and :mod:`collectors.memory.plan_capture`
+:mod:`collectors.memory.policy`, with this module (and :mod:`collectors.memory.plan.capture`
 when a memory plan is asked for, see dynprof/agent/_mem_plan.py); the summary and advice modules that the
 artifact's ``summary.json`` needs are imported by the first capture, and the snapshot
 unpickler and the renderers never enter the job.
@@ -57,6 +57,8 @@ from collectors.memory.policy import (
     parse_policy,
 )
 from dynprof import _settings
+from dynprof.agent._post_import import PostImportFinder
+from dynprof.units import parse_size
 
 if TYPE_CHECKING:
     from dynprof.agent._agent import Agent
@@ -78,8 +80,6 @@ class MemoryOptions:
 
     @classmethod
     def from_env(cls, env: Any = None) -> MemoryOptions:
-        from dynprof.units import parse_size
-
         env = _settings.environ() if env is None else env
         opts = cls()
         problems = []
@@ -142,7 +142,7 @@ class MemoryController:
         self.last_artifact = ""
         self._capture_lock = threading.Lock()
         self._in_oom = threading.local()
-        self._finder: Any = None
+        self._finder: PostImportFinder | None = None
         self._host: HostMemoryWatcher | None = None
         # An observer cannot be detached from torch: once the agent stops, its callbacks return
         # at once (a restarted agent's new controller takes over).
@@ -181,10 +181,7 @@ class MemoryController:
         if self._host is not None:
             self._host.stop()
         if self._finder is not None:
-            try:
-                sys.meta_path.remove(self._finder)
-            except ValueError:
-                pass
+            self._finder.step_aside()
             self._finder = None
 
     def _hook_cuda_init(self) -> None:
@@ -197,9 +194,7 @@ class MemoryController:
             # is not there yet. Check again once that import is done.
             threading.Thread(target=self._wait_for_cuda_module, name="dynprof-memory-init", daemon=True).start()
             return
-        from dynprof.agent._steps import _PostImportFinder
-
-        self._finder = _PostImportFinder(CUDA_MODULE, self._queue_on)
+        self._finder = PostImportFinder(CUDA_MODULE, self._queue_on)
         sys.meta_path.insert(0, self._finder)
 
     def _wait_for_cuda_module(self) -> None:

@@ -8,12 +8,12 @@ training thread, at a step boundary (the step tracker's listener):
 
 1. the 8th boundary (warm-up behind; the baseline step time is the median of the job's steps
    from the 3rd boundary on): the step after it is
-   measured (:class:`~collectors.memory.plan_capture.StepMeasurement`, as ``dynprof memory
+   measured (:class:`~collectors.memory.plan.capture.StepMeasurement`, as ``dynprof memory
    plan`` measures), unless a plan measurement or a trace is under way (then the next one);
 2. the next boundary: the measurement stops and turns into plain numbers; a thread of the
-   agent plans from them (:func:`collectors.memory.plan.make_plan`);
+   agent plans from them (:func:`collectors.memory.plan.solve.make_plan`);
 3. the boundary after the plan is ready: the chosen blocks' forward is wrapped in
-   non-reentrant ``torch.utils.checkpoint`` (:mod:`collectors.memory.plan_apply`; a block
+   non-reentrant ``torch.utils.checkpoint`` (:mod:`collectors.memory.plan.apply`; a block
    already checkpointed, compiled, or of a model whose cache a recompute would fill twice is
    refused in words, and nothing is wrapped), and the next step's real peak is read;
 4. a peak over the budget plans again for the budget less what the prediction missed (more
@@ -35,8 +35,22 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from collectors.memory.plan_apply import ENV, MAX_SPEC, parse_spec
+from collectors.memory.plan.apply import (
+    ENV,
+    MAX_SPEC,
+    StepPeak,
+    auto_budget,
+    blocks_by_name,
+    known_tensors,
+    parse_spec,
+    why_not_wrap,
+    wrap,
+)
+from collectors.memory.plan.blocks import MeasurementRefused, find_models
+from collectors.memory.plan.budget import parse_budget
+from collectors.memory.plan.measurement import from_json
 from dynprof.agent._mem_plan import MEASURED_STEP_MIN_S, MEASURED_STEP_TYPICAL, busy_with_trace
+from dynprof.units import human_bytes
 
 if TYPE_CHECKING:
     from dynprof.agent._agent import Agent
@@ -193,7 +207,7 @@ class CheckpointApplier:
                 self._final("applied", self._summary())
 
     def _begin(self) -> None:
-        from collectors.memory.plan_capture import MeasurementRefused, StepMeasurement, find_models
+        from collectors.memory.plan.capture import StepMeasurement
 
         planner = getattr(getattr(self.agent, "memory", None), "planner", None)
         tracing = getattr(getattr(self.agent, "trace", None), "state", "")
@@ -238,8 +252,6 @@ class CheckpointApplier:
                 self._final("failed", f"the measured step did not end: {why}; nothing is wrapped")
 
     def _apply(self) -> None:
-        from collectors.memory.plan_apply import StepPeak, blocks_by_name, known_tensors, why_not_wrap, wrap
-        from collectors.memory.plan_capture import find_models
 
         chosen = self._pending or []
         self._pending = None
@@ -287,16 +299,16 @@ class CheckpointApplier:
                 self._take_back()
                 self._final(
                     "unreachable",
-                    f"after {self.rounds} more plan(s) the peak is still {_hb(self.verified_peak_bytes)}, over the "
-                    f"budget {_hb(budget)}; every wrapper is taken back, the job runs as it was",
+                    f"after {self.rounds} more plan(s) the peak is still {human_bytes(self.verified_peak_bytes)}, over the "
+                    f"budget {human_bytes(budget)}; every wrapper is taken back, the job runs as it was",
                 )
                 return
             self.rounds += 1
             missed = max(1, self.verified_peak_bytes - predicted)
             self.state = "planning"
             self.detail = (
-                f"the peak was {_hb(self.verified_peak_bytes)}, {_hb(missed)} over the prediction: planning for "
-                f"{_hb(budget - missed)}"
+                f"the peak was {human_bytes(self.verified_peak_bytes)}, {human_bytes(missed)} over the prediction: planning for "
+                f"{human_bytes(budget - missed)}"
             )
             log.info("checkpoint: %s", self.detail)
             self._plan_in_thread(None, budget - missed)
@@ -335,8 +347,8 @@ class CheckpointApplier:
         p, v = self.predicted_peak_bytes or 0, self.verified_peak_bytes or 0
         text = (
             f"{len(self.modules)} block(s) recomputed in backward ({', '.join(self.modules[:8])}"
-            f"{' ...' if len(self.modules) > 8 else ''}): peak {_hb(v)} ({self.verified_peak_source}), predicted "
-            f"{_hb(p)}, budget {_hb(self.budget_bytes or 0)}"
+            f"{' ...' if len(self.modules) > 8 else ''}): peak {human_bytes(v)} ({self.verified_peak_source}), predicted "
+            f"{human_bytes(p)}, budget {human_bytes(self.budget_bytes or 0)}"
         )
         predicted_s = self.predicted_step_s()
         if self.verified_step_s is not None and predicted_s:
@@ -350,8 +362,7 @@ class CheckpointApplier:
         ).start()
 
     def _plan(self, measurement: Any, budget: int | None) -> None:
-        from collectors.memory.collect import parse_budget
-        from collectors.memory.plan import from_json, make_plan
+        from collectors.memory.plan.solve import make_plan
 
         try:
             if measurement is not None:
@@ -377,15 +388,15 @@ class CheckpointApplier:
                     self.predicted_peak_bytes = m.peak_bytes
                     self._final(
                         "fits-already",
-                        f"the measured peak {_hb(m.peak_bytes)} is under the budget {_hb(self.budget_bytes or 0)} "
+                        f"the measured peak {human_bytes(m.peak_bytes)} is under the budget {human_bytes(self.budget_bytes or 0)} "
                         f"({self.budget_source}): nothing to recompute, nothing is wrapped",
                     )
                     return
                 chosen = (plan.get("plan") or {}).get("modules") or []
                 if plan["status"] == "unreachable" or (self._wrapped and not chosen):
                     reason = (
-                        f"no set of blocks brings the peak under {_hb(budget or self.budget_bytes or 0)}: the least "
-                        f"recomputation reaches is {_hb(plan['floor_bytes'])}"
+                        f"no set of blocks brings the peak under {human_bytes(budget or self.budget_bytes or 0)}: the least "
+                        f"recomputation reaches is {human_bytes(plan['floor_bytes'])}"
                     )
                     if self._wrapped:
                         self._undo_reason = reason + "; every wrapper is taken back, the job runs as it was"
@@ -409,7 +420,7 @@ class CheckpointApplier:
 
     def _save(self) -> None:
         """Keep the measurement, the budget and what was verified as a ``memory-plan`` artifact."""
-        from collectors.memory.plan import KIND, PLAN_FILE
+        from collectors.memory.plan.render import KIND, PLAN_FILE
         from dynprof.store import ArtifactStore
 
         try:
@@ -452,8 +463,6 @@ class CheckpointApplier:
 
 def _auto_budget(roots: list[Any]) -> tuple[int, str]:
     """``auto``'s budget for the device of the models' parameters (training thread)."""
-    from collectors.memory.plan_apply import auto_budget
-
     device = "cpu"
     for root in roots:
         for p in root.parameters():
@@ -467,12 +476,6 @@ def _auto_budget(roots: list[Any]) -> tuple[int, str]:
         return int(host_memory.resolve_limit(None, host_memory.find_cgroup()).bytes)
 
     return auto_budget(device, host_limit)
-
-
-def _hb(n: int) -> str:
-    from dynprof.units import human_bytes
-
-    return str(human_bytes(n))
 
 
 def install(agent: Agent, environ: Any) -> CheckpointApplier | None:

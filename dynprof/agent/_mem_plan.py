@@ -206,7 +206,8 @@ class MemoryPlanner:
             self._fail(run, f"{type(exc).__name__}: {exc}")
 
     def _begin(self, run: PlanRun) -> None:
-        from collectors.memory.plan_capture import MeasurementRefused, StepMeasurement, find_models
+        from collectors.memory.plan.blocks import MeasurementRefused, find_models
+        from collectors.memory.plan.capture import StepMeasurement
         from dynprof.proto import pb
 
         steps = self.agent.steps

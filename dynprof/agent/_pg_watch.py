@@ -15,6 +15,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from dynprof.agent._post_import import PostImportFinder
+
 log = logging.getLogger("dynprof.agent")
 
 C10D_MODULE = "torch.distributed.distributed_c10d"
@@ -35,11 +37,9 @@ class ProcessGroupWatch:
         if module is not None and hasattr(module, "init_process_group"):
             self.wrap(module)
             return
-        from dynprof.agent._steps import _PostImportFinder
-
         # Runs right after distributed_c10d has executed, before torch.distributed copies its
         # names with ``import *``: the package exports the wrapper too.
-        sys.meta_path.insert(0, _PostImportFinder(C10D_MODULE, self.wrap))
+        sys.meta_path.insert(0, PostImportFinder(C10D_MODULE, self.wrap))
 
     def wrap(self, module: Any) -> None:
         targets: list[Any] = [module, sys.modules.get("torch.distributed")]

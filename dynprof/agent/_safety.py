@@ -29,6 +29,8 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from dynprof.agent._post_import import PostImportFinder
+
 log = logging.getLogger("dynprof.agent")
 
 # Python files whose frames on the stack mean "inside torch.compile": tracing, compiling, or
@@ -217,11 +219,7 @@ class ProfilerWatch:
                 finally:
                     watch._exited(prof)
 
-            for wrapper, original in ((_prepare_trace, prepare), (__exit__, leave)):
-                functools.update_wrapper(wrapper, original)
-                setattr(wrapper, "_dynprof_watch", True)  # noqa: B010
-            cls._prepare_trace = _prepare_trace
-            cls.__exit__ = __exit__
+            _wrap(cls, {"_prepare_trace": (_prepare_trace, prepare), "__exit__": (__exit__, leave)})
             self.installed = True
             log.info("watching torch.profiler for the job's own profilers")
             return True
@@ -255,11 +253,7 @@ class ProfilerWatch:
                 except Exception:
                     log.exception("noting the end of a profiler failed")
 
-        for wrapper, original in ((start_wrapper, start), (stop_wrapper, stop)):
-            functools.update_wrapper(wrapper, original)
-            setattr(wrapper, "_dynprof_watch", True)  # noqa: B010
-        cls.start = start_wrapper
-        cls.stop = stop_wrapper
+        _wrap(cls, {"start": (start_wrapper, start), "stop": (stop_wrapper, stop)})
         self._sessions_watched = True
 
     @contextlib.contextmanager
@@ -294,6 +288,16 @@ class ProfilerWatch:
             log.exception("noting the end of a profiler failed")
 
 
+def _wrap(cls: Any, wrappers: dict[str, tuple[Callable[..., Any], Callable[..., Any]]]) -> None:
+    """Put each wrapper on ``cls`` in place of its original method of that name, looking like
+    it and marked as the watch's (``_dynprof_watch``)."""
+    for wrapper, original in wrappers.values():
+        functools.update_wrapper(wrapper, original)
+        setattr(wrapper, "_dynprof_watch", True)  # noqa: B010
+    for name, (wrapper, _original) in wrappers.items():
+        setattr(cls, name, wrapper)
+
+
 WATCH = ProfilerWatch()
 
 
@@ -305,10 +309,9 @@ def watch_when_imported() -> None:
     if PROFILER_MODULE in sys.modules:
         WATCH.install()
         return
-    from dynprof.agent._steps import _PostImportFinder
 
     def install(_module: Any) -> None:
         WATCH.install()
 
-    if not any(isinstance(f, _PostImportFinder) and f.name == PROFILER_MODULE for f in sys.meta_path):
-        sys.meta_path.insert(0, _PostImportFinder(PROFILER_MODULE, install))
+    if not any(isinstance(f, PostImportFinder) and f.name == PROFILER_MODULE for f in sys.meta_path):
+        sys.meta_path.insert(0, PostImportFinder(PROFILER_MODULE, install))

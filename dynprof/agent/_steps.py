@@ -13,19 +13,18 @@ the step ran on CUDA, one ``torch.cuda.is_initialized()`` call when not).
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
 import logging
 import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
 from dynprof.agent._gpu_step import GpuStepMarker
 from dynprof.agent._mainthread import call_soon_in_main_thread
+from dynprof.agent._post_import import PostImportFinder
 from dynprof.agent._safety import returning
 
 log = logging.getLogger("dynprof.agent")
@@ -87,7 +86,7 @@ class StepTracker:
         self._listeners: tuple[BoundaryListener, ...] = ()
         self._lock = threading.Lock()
         self._handle: Any = None
-        self._finder: _PostImportFinder | None = None
+        self._finder: PostImportFinder | None = None
         self.gpu = GpuStepMarker()  # the GPU's side of each step (a CUDA event per boundary)
 
     # -- listeners (armed only while a capture needs step boundaries) ----------------------
@@ -286,7 +285,7 @@ class StepTracker:
             self._register(module)
             return
         if self._finder is None:
-            self._finder = _PostImportFinder(OPTIMIZER_MODULE, self._register)
+            self._finder = PostImportFinder(OPTIMIZER_MODULE, self._register)
             sys.meta_path.insert(0, self._finder)
 
     def _register(self, module: ModuleType) -> None:
@@ -313,10 +312,7 @@ class StepTracker:
 
     def uninstall(self) -> None:
         if self._finder is not None:
-            try:
-                sys.meta_path.remove(self._finder)
-            except ValueError:
-                pass
+            self._finder.step_aside()
             self._finder = None
         if self._handle is not None:
             try:
@@ -530,52 +526,3 @@ def _when_returns(target: Any, callback: Callable[[], None]) -> Callable[[], Non
     target.f_trace = _on_target
     sys.settrace(_on_call)
     return _cancel_trace
-
-
-class _PostImportFinder(importlib.abc.MetaPathFinder):
-    """Calls ``callback(module)`` right after ``name`` has been imported, then steps aside."""
-
-    def __init__(self, name: str, callback: Callable[[ModuleType], None]) -> None:
-        self.name = name
-        self.callback = callback
-        self._busy = False
-
-    def find_spec(
-        self, fullname: str, path: Sequence[str] | None = None, target: ModuleType | None = None
-    ) -> importlib.machinery.ModuleSpec | None:
-        if fullname != self.name or self._busy:
-            return None
-        self._busy = True
-        try:
-            spec = None
-            for finder in sys.meta_path:
-                if finder is self or not hasattr(finder, "find_spec"):
-                    continue
-                spec = finder.find_spec(fullname, path, target)
-                if spec is not None:
-                    break
-        finally:
-            self._busy = False
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec
-        loader = spec.loader
-        callback = self.callback
-        this = self
-
-        class _Loader(importlib.abc.Loader):
-            def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
-                return loader.create_module(spec)
-
-            def exec_module(self, module: ModuleType) -> None:
-                loader.exec_module(module)
-                try:
-                    sys.meta_path.remove(this)
-                except ValueError:
-                    pass
-                try:
-                    callback(module)
-                except Exception:
-                    log.exception("post-import callback for %s failed", this.name)
-
-        spec.loader = _Loader()
-        return spec

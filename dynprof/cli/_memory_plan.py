@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from collectors.memory.plan import render_text
-from collectors.memory.plan_ranks import ranks_text
-from collectors.memory.plan_scale import describe
+from collectors.memory.plan.ranks import ranks_text
+from collectors.memory.plan.render import render_text
+from collectors.memory.plan.scale import describe
 from dynprof.cli._common import human_bytes, printable, table
 
 

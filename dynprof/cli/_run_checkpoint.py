@@ -30,7 +30,7 @@ def apply(args: argparse.Namespace, env: dict[str, str]) -> None:
     spec = getattr(args, "checkpoint", None)
     if spec is None:
         return
-    from collectors.memory.plan_apply import ENV, parse_spec
+    from collectors.memory.plan.apply import ENV, parse_spec
 
     try:
         env[ENV] = parse_spec(spec)

@@ -7,22 +7,27 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import sys
 import threading
 import time
 from typing import Any
 
+from collectors.flight_recorder.collect import NcclRequest
 from dynprof import errors
+from dynprof.arguments import parse_float
 from dynprof.cli._common import printable, printable_lines, seconds
-from dynprof.job.discovery import add_node_args
+from dynprof.cli.job import client_for
+from dynprof.job.client import SidecarClient, tls_context
+from dynprof.job.discovery import add_node_args, resolve_nodes
+from dynprof.job.merge import node_messages
+from dynprof.job.nccl import collect_nodes
 from dynprof.nodes import Node
+from dynprof.watch.engine import WatchConfig
+from dynprof.watch.render import render_verdict_text
+from dynprof.watch.sampler import samplers_for
 from dynprof.watch.signals import all_signals, sample_event
+from dynprof.watch.sources import FLIGHT_RECORDER_OFF, FLIGHT_RECORDER_TIMEOUT_S, LocalSource, SidecarSource
 
-# Each rank's dump: a rank whose agent does not answer (stopped, holding the GIL) is given up on
-# after this, and the others' dumps say what it missed.
-FLIGHT_RECORDER_TIMEOUT_S = 3.0
-HEALTHCHECK_TIMEOUT_S = 120.0
 EVENT_SCHEMA = "dynprof.watch.event"
 EVENT_VERSION = 1
 
@@ -80,9 +85,7 @@ def add_watch_options(parser: argparse.ArgumentParser | Any) -> None:
     )
 
 
-def config_of(args: argparse.Namespace) -> Any:
-    from dynprof.watch.engine import WatchConfig
-
+def config_of(args: argparse.Namespace) -> WatchConfig:
     return WatchConfig(
         job=args.job,
         interval_s=args.interval,
@@ -97,8 +100,6 @@ def config_of(args: argparse.Namespace) -> Any:
 
 def nonnegative_seconds(text: str) -> float:
     """A sampled signal's interval: 0 (never sample) up to a week."""
-    from dynprof.arguments import parse_float
-
     return parse_float(text, 0.0, 7 * 86400.0, low_open=False, what="seconds (0 <= SEC <= 604800)")
 
 
@@ -114,7 +115,6 @@ def every_of(args: argparse.Namespace) -> dict[str, float | None]:
 def samplers_of(args: argparse.Namespace, source: Any) -> list[Any]:
     """The engine's samplers over ``source`` (the nodes' sidecars, or this node's agents): every
     signal's, at the intervals the options say."""
-    from dynprof.watch.sampler import samplers_for
 
     return samplers_for(source, every_of(args))
 
@@ -201,8 +201,6 @@ class VerdictPrinter:
 
 def render_verdict(verdict: Any, path: str | None) -> str:
     """A verdict for people: the conclusion, the times, the culprits, every rank in a table."""
-    from dynprof.watch.render import render_verdict_text
-
     text = render_verdict_text(verdict)
     if path:
         text += f"\nartifact {path}"
@@ -210,126 +208,28 @@ def render_verdict(verdict: Any, path: str | None) -> str:
 
 
 # -- where the watch reads -------------------------------------------------------------------------
-def node_source(args: argparse.Namespace, nodes: list[Node]) -> Any:
-    """The nodes' sidecars, with the flight recorder read by ``nccl``'s own job-wide path."""
-    from dynprof.cli.job import client_for
-    from dynprof.watch.sources import SidecarSource
-
-    client = client_for(args)
+def polled_source(client: SidecarClient, nodes: list[Node], flight_recorder: Any = None) -> SidecarSource:
+    """The nodes' sidecars as the watch polls them through ``client``."""
     # A poll holds every node's progress and then its stacks: the client's total is shared
     # among those answers (one per node each, native stacks more for a few).
     client.shared_by = max(1, len(nodes))
     client.answers_per_node = 2
-
-    def flight_recorder(job: str) -> tuple[dict[str, Any] | None, str | None]:
-        from collectors.flight_recorder.collect import NcclRequest
-        from dynprof.job.nccl import collect_nodes
-
-        # A client of its own: the dumps read back are not among the poll's shared answers.
-        got = collect_nodes(client_for(args), nodes, NcclRequest(job=job, timeout=FLIGHT_RECORDER_TIMEOUT_S))
-        if got.recorder_off:
-            from dynprof.watch.sources import FLIGHT_RECORDER_OFF
-
-            return None, FLIGHT_RECORDER_OFF
-        if got.analysis is None:
-            from dynprof.job.merge import node_messages
-
-            return None, "; ".join(node_messages(got.answers)[:5])[:1000] or "no flight recorder dump (is it on?)"
-        return got.analysis, None
-
     return SidecarSource(client, nodes, flight_recorder=flight_recorder)
 
 
-class LocalSource:
-    """This node's agents: read directly (no sidecar), stacks and dumps by the commands' own
-    local paths."""
+def node_source(args: argparse.Namespace, nodes: list[Node]) -> SidecarSource:
+    """The nodes' sidecars, with the flight recorder read by ``nccl``'s own job-wide path."""
 
-    def __init__(self, host: str | None = None, stacks_timeout: float = 10.0) -> None:
-        from dynprof.identity import detect
-
-        self.host = host or detect().host or socket.gethostname()
-        self.stacks_timeout = stacks_timeout
-
-    def nodes(self) -> list[str]:
-        return [self.host]
-
-    def progress(self, job: str, fresh: bool = False) -> list[Any]:  # always read now
-        from dynprof.registry import list_records
-        from dynprof.watch.progress import read_progress
-        from dynprof.watch.sources import NodeRead
-
-        return [NodeRead(self.host, read_progress(list_records(), self.host, job, timeout=1.0))]
-
-    def stacks(self, job: str, native: dict[str, list[int]]) -> Any:
-        from collectors.stacks import Source, Stacks
-        from collectors.stacks.collect import StacksRequest, collect
-        from dynprof.watch.sources import StacksRead, merged_with_native
-
-        failures: dict[str, str] = {}
-
-        def read(request: StacksRequest) -> Stacks:
-            try:
-                return collect(request).stacks
-            except errors.DynprofError as exc:
-                failures[f"node {self.host}"] = exc.message
-                return Stacks([])
-
-        plain = read(StacksRequest(job=job, save=False, timeout=self.stacks_timeout))
-        pids = native.get(self.host) or []
-        natives = (
-            read(StacksRequest(pids=tuple(pids), native=True, save=False, timeout=self.stacks_timeout))
-            if pids
-            else Stacks([])
-        )
-        merged = merged_with_native([Source(plain, node=self.host)], [Source(natives, node=self.host)] if pids else [])
-        return StacksRead(merged, failures)
-
-    def flight_recorder(self, job: str) -> tuple[dict[str, Any] | None, str | None]:
-        from collectors.flight_recorder import collect as nccl
-
-        try:
-            got = nccl.collect(nccl.NcclRequest(job=job, timeout=FLIGHT_RECORDER_TIMEOUT_S))
-        except errors.Unsupported:
-            from dynprof.watch.sources import FLIGHT_RECORDER_OFF
-
-            return None, FLIGHT_RECORDER_OFF  # every rank said so (and no artifact was written)
-        except errors.DynprofError as exc:
-            return None, exc.message[:1000]
+    def flight_recorder(job: str) -> tuple[dict[str, Any] | None, str | None]:
+        # A client of its own: the dumps read back are not among the poll's shared answers.
+        got = collect_nodes(client_for(args), nodes, NcclRequest(job=job, timeout=FLIGHT_RECORDER_TIMEOUT_S))
+        if got.recorder_off:
+            return None, FLIGHT_RECORDER_OFF
+        if got.analysis is None:
+            return None, "; ".join(node_messages(got.answers)[:5])[:1000] or "no flight recorder dump (is it on?)"
         return got.analysis, None
 
-    def gpu_coredump(self, node: str, pid: int) -> dict[str, Any]:
-        """Dump process ``pid``'s GPU and name what it ran (``dynprof gpu-coredump``): its
-        ``kernel`` line and ``coredump`` facts, or why it is not named."""
-        from collectors import gpu_coredump as gc
-
-        try:
-            got = gc.take(pid, timeout=60.0)
-        except gc.TriggerError as exc:
-            return {"kernel": f"not named: {exc.message}"[:1000]}
-        dump = got.get("dump")
-        if not dump:
-            return {"kernel": f"not named: the dump ({got['artifact']}) cannot be read: {got.get('error')}"[:1000]}
-        running = dump["running"]
-        facts = {"artifact": got["artifact"], "dump_s": got["dump_s"], "running": running[:16]}
-        if not running:
-            return {"kernel": "no kernel was running on its GPU when it was dumped", "coredump": facts}
-        more = f" and {len(running) - 3} more" if len(running) > 3 else ""
-        return {"kernel": "running " + "; ".join(running[:3]) + more, "coredump": facts}
-
-    def healthcheck(self, nodes: list[str], job: str | None = None) -> dict[str, dict[str, Any]]:
-        """This node's quick healthcheck, through the kind's own entry point
-        (:func:`healthcheck.collect.collect`): it runs in a child process, killed past its time,
-        since it may touch the GPUs, which must leave no CUDA state in the watch (nor in the
-        sidecar that hosts it)."""
-        from dynprof.watch.evidence import report_summary
-        from healthcheck.collect import HealthcheckRequest, collect
-
-        try:
-            # the job's own ranks hold the devices: not "other processes"
-            report = collect(HealthcheckRequest(level="quick", job=job or None, timeout=HEALTHCHECK_TIMEOUT_S))
-        except errors.DynprofError as exc:
-            return {self.host: {"verdict": "could not run", "error": exc.message[:1000], "problems": []}}
-        return {self.host: report_summary(report)}
+    return polled_source(client_for(args), nodes, flight_recorder)
 
 
 # -- serve --watch ----------------------------------------------------------------------------------
@@ -360,18 +260,12 @@ def start_hosted_watch(args: argparse.Namespace, token: str) -> Any:
     check_hosted_watch(args)
     if not getattr(args, "watch", False):
         return None
-    from dynprof.job.client import SidecarClient, tls_context
-    from dynprof.job.discovery import resolve_nodes
     from dynprof.watch.engine import WatchEngine
-    from dynprof.watch.sources import SidecarSource
 
     nodes = resolve_nodes(args)
     if nodes is not None:
         tls = tls_context(args.cacert) if args.cacert else None
-        client = SidecarClient(token, tls=tls)
-        client.shared_by = max(1, len(nodes))  # as node_source's: progress and stacks of every node
-        client.answers_per_node = 2
-        source: Any = SidecarSource(client, nodes)
+        source: Any = polled_source(SidecarClient(token, tls=tls), nodes)
     else:
         source = LocalSource()
     printer = VerdictPrinter(False, args.on_verdict, args.on_verdict_timeout, out=sys.stderr)

@@ -25,7 +25,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from collectors.stacks import Budget, Source, Stacks, merge, render_merged, render_process
+from collectors.stacks import (
+    KIND,
+    Budget,
+    Source,
+    Stacks,
+    merge,
+    read_document,
+    render_merged,
+    render_process,
+    write_request_artifact,
+)
 from collectors.stacks.collect import METHODS, StacksRequest, collect
 from dynprof import errors
 from dynprof.cli._common import (
@@ -36,17 +46,19 @@ from dynprof.cli._common import (
     seconds,
 )
 from dynprof.cli.job import JobCommand
+from dynprof.job import merge as job
+from dynprof.job.answers import node_labels
 from dynprof.job.merge import Reach
+from dynprof.job.stacks import read_answers
 from dynprof.nodes import Node
 from dynprof.result import Result
+from dynprof.store import ArtifactStore
 
 
 def read_stacks_file(path: str, budget: Budget) -> Stacks:
     """One node's ``stacks --json`` output (a stacks document): a regular file, read with the
     bounds of :func:`collectors.stacks.read_document` (``budget``: what all files of one merge
     may keep)."""
-    from collectors.stacks import read_document
-
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO must not block the merge
     except OSError as exc:
@@ -221,32 +233,12 @@ class StacksCommand(JobCommand):
         """Every node's sidecar reads its own ranks (``stacks`` there, :meth:`collect_local`)
         with ``options`` (the action's); their answers are merged as files are, each process
         named with its node."""
-        from collectors.stacks import from_json
-        from dynprof.job import merge as job
-        from dynprof.job.answers import node_labels
-
         decode, _ = self.action_requests()["stacks"]
         request = decode(options)
         full = bool(options.get("full"))
         answers = reach.client.action_all(nodes, "stacks", options, timeout=request.timeout + 5.0)
         labels = node_labels(nodes)
-        sources: list[Source] = []
-        failures: dict[str, str] = {}
-        budget = Budget()
-        for a in answers:
-            label = labels[a.node]
-            if not a.answered:
-                failures[f"node {label}"] = a.error or "no answer"
-                continue
-            try:
-                found = from_json(a.result, budget)
-            except errors.ArtifactError as exc:
-                why = (a.command_error() or f"exit code {a.exit_code}") if a.exit_code else exc.message
-                failures[f"node {label}"] = why
-                continue
-            if a.exit_code and not found.processes:
-                failures[f"node {label}"] = a.command_error() or f"exit code {a.exit_code}"
-            sources.append(Source(found, node=label))
+        sources, failures = read_answers(answers, labels)
         try:
             stacks = merge(sources, by_host=True)
         except errors.ArtifactError as exc:
@@ -323,9 +315,6 @@ class StacksCommand(JobCommand):
         return "\n".join(lines)
 
     def _save_merged(self, args: argparse.Namespace, stacks: Stacks) -> Any:
-        from collectors.stacks import KIND, write_request_artifact
-        from dynprof.store import ArtifactStore
-
         jobs = {p.job for p in stacks.processes if p.job}
         options = {"merged_files": [os.path.basename(f) for f in args.merge][:1000]}
         writer = ArtifactStore().create(KIND, job=jobs.pop() if len(jobs) == 1 else None, options=options)

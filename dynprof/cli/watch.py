@@ -29,13 +29,13 @@ from dynprof import errors
 from dynprof.cli._common import add_json, positive_float, printable
 from dynprof.cli._node_args import add_many_node_args, nodes_requested
 from dynprof.cli._watching import (
-    LocalSource,
     VerdictPrinter,
     add_watch_options,
     config_of,
     node_source,
     samplers_of,
 )
+from dynprof.watch.sources import LocalSource
 
 HELP = __doc__
 HANG_EXIT = 20
@@ -107,4 +107,4 @@ class WatchCommand:
         return 0
 
 
-__all__ = ["HANG_EXIT", "LocalSource", "WatchCommand", "node_source"]
+__all__ = ["HANG_EXIT", "WatchCommand"]

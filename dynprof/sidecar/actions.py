@@ -1,45 +1,43 @@
-"""The actions a node's sidecar takes on request: the CLI's own commands, called for their result.
+"""The actions a node's sidecar takes on request: each the row of a kind's request, collected
+here as the CLI collects it, and answered with the kind's answer.
 
-An action is a CLI command (``ps``, ``start``, ``stacks``, ...) and a JSON object of options.
-Only the options listed for the action exist (:data:`ACTIONS`; each action carries a kind's
-request, ``Action.request``, and takes that request's ``OPTIONS``, its row made from them; a
-unit test holds every row to the command's parser). Each value is checked here for its kind
-(:func:`check_options`), then read by the request's own ``from_json`` (the command's
-``decode``), so a value the request refuses is the command's usage error, as a value its parser
-refuses is. Nothing else can be named: no output path, no ``--attach``, no file of the
-sidecar's machine. The kind then collects the request, and the command answers with a
-:class:`~dynprof.result.Result`: the answer carries its ``to_json()`` (what the CLI's
+An action is a name of :data:`~dynprof.sidecar.table.ACTIONS` (``ps``, ``start``, ``stacks``,
+...) and a JSON object of options. Only the options of the action's row exist (each row carries
+a kind's request, ``Action.request``, and takes that request's ``OPTIONS``; a unit test holds
+every row to its command's parser). Each value is checked here for its kind
+(:func:`check_options`), then read by the row's ``decode`` (the request's own ``from_json``),
+so a value the request refuses is the command's usage error, as a value its parser refuses is.
+Nothing else can be named: no output path, no ``--attach``, no file of the sidecar's machine.
+The row's ``collect`` (the kind's) then answers the request with an answer that owns its codec
+(:class:`~dynprof.sidecar.outcome.Answer`): the sidecar sends its ``to_json()`` (what the CLI's
 ``--json`` prints), its exit code and its messages; a :class:`~dynprof.errors.DynprofError`
 travels as a structured ``error`` (type, message, help, exit code). Nothing printed is parsed,
-and the sidecar builds no argument list: an action that runs in a child process hands it the
-checked options as JSON (:meth:`Checked.to_json`). The job-wide form (``hosts``) sends every
-node the same options and merges their answers (the command's ``collect_job``).
+and the sidecar builds no argument list: an action that runs in a child process
+(:mod:`dynprof.sidecar.child`) hands it the checked options as JSON (:meth:`Checked.to_json`).
+The job-wide form (``hosts``) sends every node the same options and merges their answers (the
+row's job-wide function, ``job``). The sidecar imports no CLI module.
 
-The sidecar imports no CLI module: ``dynprof serve`` hands it the commands
-(:class:`ActionCommand`: the request's reader and the command's ``collect`` functions), and a child
-process runs :data:`CHILD_MODULE`, named here as a string only.
-
-Commands run in this process, on a thread of their own, and return their result: nothing they
+Collects run in this process, on a thread of their own, and return their answer: nothing they
 do touches ``sys.stdout``. ``healthcheck`` runs in a child process: it drives the GPUs and must
 not leave CUDA state in the sidecar; so does ``link-test`` (one side of a link test between
 nodes, torch.distributed with gloo or NCCL).
 
 The job-level actions (``ps``, ``ls``, ``stacks``, ``start``, ``stop``, ``memory``, ``nccl``)
-also take ``hosts``, a list of ``HOST[:PORT]``: the command's ``collect_job`` then reaches
-those nodes' sidecars (so the page can ask its own sidecar for a job-wide view). It runs in a
-child process too: a job-wide answer merges up to 4096 nodes' answers of up to 64 MiB each,
-which must not stay in the sidecar's heap, and the child (with its connections) can be killed
-past the action's limit, which a thread cannot. ``hosts`` is not among the action's
-``options``: the fan-out forwards exactly those, so the requests it sends to the nodes never
-carry ``hosts`` again, and a node collects on its own (one level only, by construction).
+also take ``hosts``, a list of ``HOST[:PORT]``: the row's job-wide function then reaches those
+nodes' sidecars (so the page can ask its own sidecar for a job-wide view). It runs in a child
+process too: a job-wide answer merges up to 4096 nodes' answers of up to 64 MiB each, which
+must not stay in the sidecar's heap, and the child (with its connections) can be killed past
+the action's limit, which a thread cannot. ``hosts`` is not among the action's ``options``: the
+fan-out forwards exactly those, so the requests it sends to the nodes never carry ``hosts``
+again, and a node collects on its own (one level only, by construction).
 
 Every action has a hard time limit: the command's own ``--timeout`` (capped per action), plus a
 grace period. A child process still running past it is killed with its whole process group; a
-command running in this process cannot be killed, so its caller is answered (exit code 9, timed
-out) and the command keeps its slot of :class:`ActionSlots` until it ends, so a stuck command
-can never let more than ``max_actions`` run at once.
+collect running in this process cannot be killed, so its caller is answered (exit code 9, timed
+out) and the collect keeps its slot of :class:`ActionSlots` until it ends, so a stuck one can
+never let more than ``max_actions`` run at once.
 
-    >>> run_action("ps", {"job": "j1"}, commands=table)["result"]["agents"]      # doctest: +SKIP
+    >>> run_action("ps", {"job": "j1"})["result"]["agents"]      # doctest: +SKIP
 """
 
 from __future__ import annotations

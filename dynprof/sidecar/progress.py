@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from dynprof.registry import AgentRecord
-from dynprof.watch import detect
+from dynprof.watch import stall as stall_rule
 from dynprof.watch.model import NodeProgress, RankProgress
 from dynprof.watch.progress import read_progress
 
@@ -33,9 +33,9 @@ log = logging.getLogger("dynprof.sidecar")
 DEFAULT_EVERY_S = 2.0
 MAX_RANKS = 1024  # per node: far above any node's ranks, a bound against a flood of records
 FORGET_AFTER_POLLS = 15  # a gone process's row is kept this many polls, then forgotten
-# The stall rule is the watch's (dynprof.watch.detect.stall_after_for), written once.
-MIN_STALL_AFTER_S = detect.DEFAULT_MIN_STALL_S
-STALL_STEP_FACTOR = detect.STALL_STEP_FACTOR
+# The stall rule is the watch's (dynprof.watch.stall.stall_after_for), written once.
+MIN_STALL_AFTER_S = stall_rule.DEFAULT_MIN_STALL_S
+STALL_STEP_FACTOR = stall_rule.STALL_STEP_FACTOR
 # Step-time histogram buckets (seconds): training steps from 10 ms to minutes, 9 bounds + Inf.
 STEP_BUCKETS = (0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 120.0)
 READ_TIMEOUT_S = 1.0
@@ -96,9 +96,9 @@ class BookView:
 
 def stall_after_s(step_times: list[float], given: float | None) -> float:
     """The stall time of a job: ``given`` (``serve --stall-after``) when set, else the watch's
-    rule (:func:`dynprof.watch.detect.stall_after_for`: the larger of 60 s and 20 times the
+    rule (:func:`dynprof.watch.stall.stall_after_for`: the larger of 60 s and 20 times the
     median step time of the job's ranks whose step time is known)."""
-    return detect.stall_after_for(step_times, given)
+    return stall_rule.stall_after_for(step_times, given)
 
 
 class ProgressBook:

@@ -26,8 +26,7 @@ from dynprof.job.merge import Reach
 from dynprof.node_requests import LsRequest, PsRequest, StopRequest
 from dynprof.nodes import Node
 from dynprof.result import Result
-from healthcheck import cli as healthcheck
-from healthcheck.collect import HealthcheckRequest
+from healthcheck.collect import HealthcheckRequest, collect_here
 from healthcheck.links.side import LinkTestRequest
 
 HEALTHCHECK_COULD_NOT_RUN = 3  # the healthcheck's exit when it could not run (1 and 2 are the node's health)
@@ -140,11 +139,11 @@ def _healthcheck(request: HealthcheckRequest) -> Result:
     """This node's checks for ``request`` (the report with the artifact it was saved as); an
     error is exit 3, whatever its own code."""
     try:
-        report, artifact, messages = healthcheck.check_request(request)
+        checked = collect_here(request)
     except errors.DynprofError as exc:
         exc.exit_code = HEALTHCHECK_COULD_NOT_RUN
         raise
-    return Result({**report.to_json(), "artifact": artifact}, report.exit_code, messages)
+    return Result(checked.to_json(), checked.report.exit_code, checked.messages)
 
 
 ACTIONS: dict[str, Action] = {

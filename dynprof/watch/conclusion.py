@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from collectors.stacks import Stacks
+from dynprof.store import ArtifactStore
 from dynprof.watch.model import VERDICT_KIND, Verdict
 
 
@@ -29,8 +30,6 @@ def write_verdict(verdict: Verdict, stacks: Stacks | None) -> str:
     """The verdict as a ``verdict`` artifact in this machine's store: ``verdict.json`` (the
     verdict document) and, when the watch looked, ``stacks.json`` (the merged stacks
     document); the manifest's summary carries the conclusion. Returns its path."""
-    from dynprof.store import ArtifactStore
-
     writer = ArtifactStore().create(
         VERDICT_KIND, job=verdict.job, options={"kind": verdict.kind, "culprits": len(verdict.culprits)}
     )

@@ -3,12 +3,12 @@
 Every ``interval`` the engine reads each node's progress (one ``GET /api/progress?job=J`` per
 node, all nodes at once, through :class:`~dynprof.job.client.SidecarClient`, or this node's
 agents directly); nodes that do not answer are named in what it says, never dropped. When no
-rank advanced for the stall time (:func:`dynprof.watch.detect.check_stall`) it looks: every
-rank's stacks twice, ``look_interval`` apart, through the nodes' ``stacks`` action (native
-frames for the ranks whose agent does not answer), merged by :func:`collectors.stacks.merge`,
-and decides (:func:`dynprof.watch.detect.decide`). On a hang it gathers the evidence (the
-flight recorder's analysis when the job has it on; each involved node's quick healthcheck),
-builds the :class:`~dynprof.watch.model.Verdict`, writes it as a ``verdict`` artifact, hands
+rank advanced for the stall time (:func:`dynprof.watch.stall.check_stall`) it looks
+(:mod:`dynprof.watch.look`): every rank's stacks twice, ``look_interval`` apart, through the
+nodes' ``stacks`` action (native frames for the ranks whose agent does not answer), merged by
+:func:`collectors.stacks.merge`, and decides (:func:`dynprof.watch.detect.decide`). On a hang it
+gathers the evidence (the flight recorder's analysis when the job has it on; each involved
+node's quick healthcheck), builds the :class:`~dynprof.watch.model.Verdict`, writes it as a ``verdict`` artifact, hands
 it to ``on_verdict`` (printing, the user's hook) and does not say it again while the stall
 lasts, unless the verdict changes (other culprits, busy becoming a hang); when progress
 resumes it says that once. It never acts on the job.
@@ -19,10 +19,9 @@ sample's gauges are kept for ``/metrics``, its verdict is published as the loop'
 report handed to ``on_sample``; the engine knows no signal by name.
 
 Where the engine reads is a :class:`~dynprof.watch.sources.WatchSource`:
-:class:`~dynprof.watch.sources.SidecarSource` (the nodes' sidecars), or one the face builds on
-this node's agents (``dynprof watch`` without nodes, ``dynprof serve --watch``); the flight
-recorder and the healthcheck come from callables the face hands in, the commands that already
-read them. What a verdict keeps of what it read is shaped in :mod:`dynprof.watch.evidence`, its
+:class:`~dynprof.watch.sources.SidecarSource` (the nodes' sidecars) or
+:class:`~dynprof.watch.sources.LocalSource` (this node's agents: ``dynprof watch`` without
+nodes, ``dynprof serve --watch``). What a verdict keeps of what it read is shaped in :mod:`dynprof.watch.evidence`, its
 conclusion's healthcheck clause and its artifact in :mod:`dynprof.watch.conclusion`, and the
 user's ``--on-verdict`` hook runs in :mod:`dynprof.watch.hook`.
 """
@@ -30,37 +29,28 @@ user's ``--on-verdict`` hook runs in :mod:`dynprof.watch.hook`.
 from __future__ import annotations
 
 import logging
-import statistics
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from collectors.stacks import ProcessStacks, Stacks
+from collectors.stacks import Stacks
 from dynprof import errors
-from dynprof.watch import detect, gpu_side
-from dynprof.watch.conclusion import health_clause, write_verdict
-from dynprof.watch.evidence import by_process, failure_of, fr_summary, name_kernels_of, rank_row, stacks_evidence
+from dynprof.watch import detect, look
+from dynprof.watch.classify import MOVING_CPU_S
+from dynprof.watch.conclusion import write_verdict
+from dynprof.watch.evidence import rank_row
 from dynprof.watch.model import RankProgress, RankValues, Verdict, WatchGauges
 from dynprof.watch.sampler import Sampler, SignalReport
 from dynprof.watch.sources import WatchSource
-
-if TYPE_CHECKING:
-    from dynprof.watch.straggler import StragglerReport
+from dynprof.watch.stall import Stall, check_stall
 
 log = logging.getLogger("dynprof.watch")
 
 DEFAULT_INTERVAL_S = 5.0
 DEFAULT_LOOK_INTERVAL_S = 3.0
 ONCE_CONFIRM_LOOKS = 2  # --once: looks again at most this many times to confirm a hang it found
-
-Straggler = Callable[[str], "StragglerReport | None"]
-"""``straggler(job)``: one sampled straggler check of the job, on the nodes the face built it for
-(the very node objects its source reads: the engine never hands it node labels to re-parse).
-Handed to the engine as ``straggler=``, it runs as the straggler's sampler every
-``WatchConfig.sample_every_s``; the faces hand their samplers as ``samplers=``."""
 
 
 @dataclass
@@ -84,10 +74,9 @@ class WatchConfig:
     stall_after_s: float | None = None  # None: the larger of 60 s and 20x the median step time
     look_interval_s: float = DEFAULT_LOOK_INTERVAL_S
     confirm_s: float | None = None  # None: half the stall time
-    sample_every_s: float | None = None  # the interval of a straggler hook handed as ``straggler=``; None: never
     healthcheck: bool = True
     save: bool = True
-    moving_cpu_s: float = detect.MOVING_CPU_S
+    moving_cpu_s: float = MOVING_CPU_S
     # on a hang, dump the GPU of each culprit whose step's GPU work has not finished, to name the
     # kernel it runs (the driver's user-triggered core dump; it ends that rank's GPU work)
     gpu_coredump: bool = False
@@ -111,7 +100,7 @@ class Tick:
 
     ranks: int
     nodes_unanswered: dict[str, str]
-    stall: detect.Stall | None
+    stall: Stall | None
     verdict: Verdict | None = None
     artifact: str | None = None
     ended: bool = False
@@ -130,7 +119,6 @@ class WatchEngine:
         source: WatchSource,
         on_verdict: Callable[[Verdict, str | None], None] | None = None,
         on_tick: Callable[[Tick], None] | None = None,
-        straggler: Straggler | None = None,
         clock: Callable[[], float] = time.time,
         sleep: Callable[[float], None] | None = None,
         on_sample: Callable[[SignalReport], None] | None = None,
@@ -142,10 +130,6 @@ class WatchEngine:
         self.on_tick = on_tick
         self.on_sample = on_sample  # each sample's report (a SignalReport)
         chosen = list(samplers)
-        if straggler is not None:
-            from dynprof.watch.straggler import StragglerSampler
-
-            chosen.insert(0, StragglerSampler(straggler, config.sample_every_s, clock=clock))
         self.clock = clock
         self._stop = threading.Event()
         self._sleep = sleep or (lambda s: self._stop.wait(s) and None)
@@ -264,7 +248,7 @@ class WatchEngine:
         if self.seen and not rows and not failed:
             self._set_stalled(False)
             return Tick(0, failed, None, ended=True, note="every rank of the job is gone")
-        if rows and all(_exited(r) for _, r in rows):
+        if rows and all(look.exited(r) for _, r in rows):
             # Only the rows a node keeps a while of ranks that exited: a job that ended (done or
             # crashed) is neither a hang nor progress. The watch waits, saying nothing, until the
             # nodes forget them (it ends) or a launcher starts the ranks again (it goes on).
@@ -275,7 +259,7 @@ class WatchEngine:
             note = "no rank of the job on any node that answered"
             return Tick(0, failed, None, note=note)
         self._maybe_sample(now)
-        stall = detect.check_stall([r for _, r in rows], self.config.stall_after_s)
+        stall = check_stall([r for _, r in rows], self.config.stall_after_s)
         if not stall.stalled and not force_look:
             tick = Tick(len(rows), failed, stall)
             if self.episode is not None:
@@ -312,152 +296,47 @@ class WatchEngine:
         rows: list[tuple[str, RankProgress]],
         gone: list[tuple[str, RankProgress]],
         failed: dict[str, str],
-        stall: detect.Stall,
+        stall: Stall,
     ) -> tuple[Verdict | None, str | None]:
+        """One look (:mod:`dynprof.watch.look`): the verdict it says and its artifact, or
+        nothing (a decision to confirm, one already said, a job that ended during the look)."""
         assert self.episode is not None
         episode = self.episode
-        look_started = self.clock()
-        first = self.source.stacks(self.config.job, {})
-        wait = self.config.look_interval_s - (self.clock() - look_started)
-        if wait > 0:
-            self._sleep(wait)
-        # read now: the CPU a rank spent is measured across the look, which the nodes' last polls
-        # (every few seconds) may not span; and each CUDA rank's progress probe says whether its
-        # GPU finished what was queued before the look (dynprof/agent/_gpu_step.py)
-        after_rows, after_failed = self.poll(fresh=True)
-        after = {(node, r.pid): r for node, r in after_rows}
-        if not after_failed and all(_exited(after.get((node, r.pid))) for node, r in rows):
-            # Every rank exited during the look (a job ends some seconds after its last step):
-            # no verdict on a job that is no more; the next round says that its ranks exited.
+        config = self.config
+        sample = look.take(
+            self.source, config.job, rows, gone, config.look_interval_s, self.clock, self._sleep, self.poll
+        )
+        if sample is None:  # every rank exited during the look: the next round says so
             return None, None
-        native: dict[str, list[int]] = {}
-        seen_first = by_process(first.stacks)
-        in_collective = {key: _in_python_collective(p) for key, p in seen_first.items()}
-        others_wait = any(in_collective.values())
-        candidates = 0
-        for node, r in rows:
-            if r.process_state == "stopped":
-                continue
-            if r.agent == "unresponsive":
-                native.setdefault(node, []).append(r.pid)
-            elif (
-                not in_collective.get((node, r.pid), False)
-                and candidates < MAX_NATIVE_CANDIDATES
-                and (others_wait or _gpu_behind(after.get((node, r.pid)), self.config.look_interval_s))
-            ):
-                # read natively the ranks that do not wait with the others (the culprits to be):
-                # where one is in C (a CUDA synchronize behind a long kernel) is its native frame.
-                # When no rank waits, only those whose GPU has not finished work queued a while
-                # ago (all ranks behind their GPUs: a hang on the devices): a native read costs
-                # a node far more, and a busy phase needs none.
-                candidates += 1
-                native.setdefault(node, []).append(r.pid)
-        second = self.source.stacks(self.config.job, native)
-        first_by = by_process(first.stacks)
-        second_by = by_process(second.stacks)
-        unread = {**first.failures, **second.failures, **second.stacks.failures}
-        looks = []
-        for node, r in rows:
-            where = (node, r.pid)
-            looks.append(
-                detect.RankLook(
-                    node=node,
-                    before=r,
-                    after=after.get(where),
-                    first=first_by.get(where),
-                    second=second_by.get(where),
-                    unread=failure_of(unread, node, r),
-                )
-            )
-        for node, r in gone:
-            looks.append(detect.RankLook(node=node, before=r, after=None))
-        looked = self.clock()
-        confirm = self.config.confirm_s if self.config.confirm_s is not None else stall.stall_after_s / 2
-        moving = self.config.moving_cpu_s
-        first_take = detect.decide(looks, stall, None, None, confirm, moving)
-        # The waiting ranks' wait is timed across looks: a hang whose culprits only move waits for it.
-        waited = self._waiting_for(first_take.waiting_key, looked)
-        decision = detect.decide(looks, stall, None, waited, confirm, moving)
-        fr_analysis: dict[str, Any] | None = None
-        fr_note: str | None = None
-        health: dict[str, Any] | None = None
+        confirm = config.confirm_s if config.confirm_s is not None else stall.stall_after_s / 2
+        moving = config.moving_cpu_s
+        decision, waited = look.decide(sample, stall, confirm, moving, self._waiting_for)
+        hang = look.HangEvidence()
         if decision.kind == "hang":
-            # The flight recorder and the involved nodes' healthcheck at once: both take seconds.
-            with ThreadPoolExecutor(max_workers=2) as pool:
-                involved = sorted({c.host for c in decision.culprits} or {n for n, _ in rows})
-                health_future = pool.submit(self._healthcheck, involved) if self.config.healthcheck else None
-                fr_analysis, fr_note = self._flight_recorder()
-                health = health_future.result() if health_future is not None else None
-            decision = detect.decide(looks, stall, fr_analysis, waited, confirm, moving)
-            if health is not None:
-                more = sorted({c.host for c in decision.culprits} - set(health) - {"?"})
-                if more:
-                    health.update(self._healthcheck(more))
+            decision, hang = look.hang_evidence(
+                sample,
+                rows,
+                decision,
+                stall,
+                lambda fr: detect.decide(sample.looks, stall, fr, waited, confirm, moving),
+                self._flight_recorder,
+                self._healthcheck if config.healthcheck else None,
+            )
         if decision.kind == "pending":
-            episode.confirm_at = looked + max(0.0, confirm - (waited or 0.0))
+            episode.confirm_at = sample.looked_at + max(0.0, confirm - (waited or 0.0))
             return None, None
         # Said (or to be said again only if it changes): look again in half a stall time, not
         # every round: each look reads every rank's stacks twice.
-        episode.next_look_at = self.clock() + max(self.config.interval_s, stall.stall_after_s / 2)
-        key: tuple[Any, ...] = (
-            decision.kind,
-            tuple(sorted((c.host, c.rank if c.rank is not None else -1) for c in decision.culprits)),
-        )
+        episode.next_look_at = self.clock() + max(config.interval_s, stall.stall_after_s / 2)
+        key = look.verdict_key(decision)
         if key == episode.last_key:
             return None, None
-        detected_s = max(0.0, episode.detected_at - episode.started_at)
-        evidence: dict[str, Any] = {
-            "stall": {
-                "age_s": round(stall.age_s or 0.0, 3),
-                "stall_after_s": stall.stall_after_s,
-                "first_step": stall.first_step,
-                "last_step": stall.last_step,
-                "median_step_time_s": round(detect.median_step_time([r for _, r in rows]), 6),
-                "started_at": episode.started_at,
-            },
-            "stacks": stacks_evidence(second.stacks),
-            "samples": {
-                "look_interval_s": self.config.look_interval_s,
-                "look_s": round(looked - look_started, 3),
-                "first_at": look_started,
-                "unread": dict(list(unread.items())[:100]),
-                "native_read": {n: p[:100] for n, p in native.items()},
-            },
-        }
-        if decision.kind == "hang":
-            evidence["flight_recorder"] = {"analysis": fr_summary(fr_analysis), "note": fr_note}
-            if health is not None:
-                evidence["healthcheck"] = health
-        conclusion = decision.conclusion + health_clause(evidence.get("healthcheck"))
-        gpu = gpu_side.evidence(decision.kind, decision.culprits, [*rows, *after_rows])
-        if gpu and self.config.gpu_coredump and decision.kind == "hang":
-            waiting = {(st.node, st.pid) for st in decision.states if st.state == "waiting-gpu"}
-            name_kernels_of(self, gpu, waiting)
-        if gpu:  # what each culprit's GPU is doing (dynprof/watch/gpu_side.py)
-            evidence["gpu"] = gpu
-            conclusion += gpu_side.clause(gpu)
-        if failed:
-            conclusion += "; no answer from node(s) " + ", ".join(sorted(failed)[:20])
-        decided = self.clock()
-        evidence["timing"] = {
-            "stall_started_at": episode.started_at,
-            "detected_at": episode.detected_at,
-            "detection_s": round(detected_s, 3),
-            "verdict_s": round(decided - episode.detected_at, 3),
-            "look_s": round(looked - look_started, 3),
-        }
-        verdict = Verdict(
-            kind=decision.kind,
-            job=self.config.job,
-            conclusion=conclusion,
-            detected_at=episode.detected_at,
-            decided_at=decided,
-            culprits=decision.culprits,
-            ranks=[s.row() for s in decision.states],
-            evidence=evidence,
-            nodes_unanswered=sorted(failed),
+        said = look.Said(
+            config.job, episode.started_at, episode.detected_at, config.look_interval_s, config.gpu_coredump
         )
-        artifact = self._publish(verdict, second.stacks)
+        namer = look.kernel_namer(self.source, self._gpu_dumps)
+        verdict = look.verdict_of(said, sample, rows, failed, stall, decision, hang, namer, self.clock)
+        artifact = self._publish(verdict, sample.second.stacks)
         episode.last_key = key
         episode.verdicts += 1
         return verdict, artifact
@@ -487,7 +366,7 @@ class WatchEngine:
 
     # -- the other verdicts ---------------------------------------------------------------------
     def _resumed(
-        self, rows: list[tuple[str, RankProgress]], failed: dict[str, str], stall: detect.Stall, now: float
+        self, rows: list[tuple[str, RankProgress]], failed: dict[str, str], stall: Stall, now: float
     ) -> tuple[Verdict | None, str | None]:
         episode = self.episode
         self.episode = None
@@ -506,9 +385,7 @@ class WatchEngine:
         )
         return verdict, self._publish(verdict, None)
 
-    def _ok(
-        self, rows: list[tuple[str, RankProgress]], failed: dict[str, str], stall: detect.Stall, now: float
-    ) -> Verdict:
+    def _ok(self, rows: list[tuple[str, RankProgress]], failed: dict[str, str], stall: Stall, now: float) -> Verdict:
         """``--once`` on a job that moves: no artifact, no hook."""
         age = f"{stall.age_s:.1f} s ago" if stall.age_s is not None else "unknown"
         verdict = Verdict(
@@ -575,36 +452,6 @@ class WatchEngine:
                 self.on_sample(report)
             except Exception as exc:  # a face's printing must not stop the watch
                 log.warning("dynprof watch: on_sample failed: %s", exc)
-
-
-MAX_NATIVE_CANDIDATES = 64  # ranks read natively in one look for not waiting with the others
-GPU_BEHIND_S = 1.0  # a rank's GPU is behind when work queued this long ago has not finished
-
-
-def _exited(row: RankProgress | None) -> bool:
-    """The rank's process exited (or its row is no more), as its node saw it: an agent that
-    answers is not exited, whatever its pid means on that node (another pid namespace)."""
-    return row is None or (row.agent != "up" and row.process_state in detect.EXITED_STATES)
-
-
-def _gpu_behind(row: RankProgress | None, look_interval_s: float) -> bool:
-    """Its agent's progress probe says its GPU has not finished work queued a while ago: the
-    probe asked at the look's start, read about ``look_interval_s`` later, is not done after
-    half that (at most GPU_BEHIND_S)."""
-    limit = min(GPU_BEHIND_S, 0.5 * look_interval_s)
-    return row is not None and row.gpu_step is not None and row.gpu_step.gpu_behind(limit)
-
-
-def _in_python_collective(p: ProcessStacks | None) -> bool:
-    """Whether a process's main thread was seen in a torch.distributed collective's Python frame."""
-    if p is None:
-        return False
-    main = p.main_thread()
-    return main is not None and detect.collective_of(detect.python_frames(main.frames)) is not None
-
-
-def median(values: Sequence[float]) -> float:
-    return float(statistics.median(values)) if values else 0.0
 
 
 __all__ = ["Episode", "Tick", "WatchConfig", "WatchEngine"]

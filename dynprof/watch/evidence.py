@@ -8,14 +8,14 @@ it gathered into the verdict's ``evidence`` and ``ranks``, bounded, whatever a n
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from collectors.stacks import ProcessStacks, Stacks
-from dynprof.watch import detect
 from dynprof.watch.model import RankProgress
+from dynprof.watch.stall import rank_age
 
-if TYPE_CHECKING:  # for the annotations only: the engine imports this module
-    from dynprof.watch.engine import WatchEngine
+if TYPE_CHECKING:  # for the annotations only
     from healthcheck.fleet import NodeReport
 
 MAX_STACKS_EVIDENCE_GROUPS = 50
@@ -84,19 +84,23 @@ def rank_row(node: str, r: RankProgress) -> dict[str, Any]:
         "host": node,
         "pid": r.pid,
         "step": r.step,
-        "last_step_age_s": None if detect.rank_age(r) is None else round(detect.rank_age(r) or 0.0, 3),
+        "last_step_age_s": None if rank_age(r) is None else round(rank_age(r) or 0.0, 3),
         "state": "stepping" if r.agent == "up" else r.agent,
     }
 
 
 def name_kernels_of(
-    engine: WatchEngine, items: list[dict[str, Any]], waiting_gpu: set[tuple[str, int]] | frozenset[Any] = frozenset()
+    take: Callable[[str, int], dict[str, Any]],
+    dumps: dict[tuple[str, int], dict[str, Any]],
+    items: list[dict[str, Any]],
+    waiting_gpu: set[tuple[str, int]] | frozenset[Any] = frozenset(),
 ) -> None:
     """With ``--gpu-coredump``: dump the GPU of each culprit whose driver is armed and that waits
     for its GPU (``waiting_gpu``: (node, pid) of the ranks in a blocking CUDA call) or whose step's
-    GPU work has not finished, once per process, and put the kernels it ran into its ``gpu``
-    evidence (``kernel``, ``coredump``) and its line."""
-    take = getattr(engine.source, "gpu_coredump", None)
+    GPU work has not finished, once per process (``dumps``: (node, pid) -> what its dump named,
+    the watch's), with ``take(node, pid)`` (its source's
+    :meth:`~dynprof.watch.sources.WatchSource.gpu_coredump`), and put the kernels it ran into its
+    ``gpu`` evidence (``kernel``, ``coredump``) and its line."""
     for item in items:
         step = item.get("gpu_step") or {}
         pid = item.get("pid")
@@ -105,16 +109,10 @@ def name_kernels_of(
         key = (str(item.get("host")), pid)
         if step.get("done") is not False and key not in waiting_gpu:
             continue  # its GPU finished what it was given and the rank does not wait for it
-        found = engine._gpu_dumps.get(key)
+        found = dumps.get(key)
         if found is None:
-            if take is None:
-                found = {
-                    "kernel": "not named: this watch dumps GPUs on its own node only; on "
-                    f"{item.get('host')}: `dynprof gpu-coredump --pid {pid} --yes` (it ends the rank's GPU work)"
-                }
-            else:
-                found = take(str(item.get("host")), pid)
-            engine._gpu_dumps[key] = found
+            found = take(str(item.get("host")), pid)
+            dumps[key] = found
         item["kernel"] = found["kernel"]
         if found.get("coredump"):
             item["coredump"] = found["coredump"]

@@ -69,12 +69,12 @@ STRAGGLER = Signal(
     flag="--sample-every",
     # One sample costs the ranks about half a second to a second of training
     # (scripts/bench_watch_sampling.py), so one every ten minutes is under 0.2 % of the job's
-    # time, inside the 0.5 % budget (dynprof.watch.straggler.SAMPLE_EVERY_S).
+    # time, inside the 0.5 % budget (dynprof.watch.straggler.sampler.SAMPLE_EVERY_S).
     every_s=600.0,
     help="every SEC take an aligned trace of a couple of steps on every rank (through the sidecars, or this "
     "node's agents without node options) and run analyze's straggler rule (default 600: about 0.1 %% of "
     "training time, docs/watch-stragglers.md; 0: never)",
-    sampler="dynprof.watch.straggler:sampler_for",
+    sampler="dynprof.watch.straggler.sampler:sampler_for",
     verdict_kind="straggler",  # one rank holds the others back
     label="Straggler",
     gauges=(

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from healthcheck.backends.base import NoAccelerator
 from healthcheck.readings import (
     CLOCK_HW_POWER_BRAKE,
     CLOCK_HW_SLOWDOWN,
@@ -401,18 +402,37 @@ def check_processes(r: DeviceReadings, source: str, own_pids: frozenset[int] = f
     )
 
 
-def passive_device_checks(
-    r: DeviceReadings, source: str, *, peer_nvlinks: int | None = None, own_pids: frozenset[int] = frozenset()
-) -> list[CheckResult]:
-    """Every passive check of one device except the PCIe link (which needs a loaded reading)."""
-    return [
-        check_persistence_mode(r, source),
-        check_ecc_mode(r, source),
-        check_ecc_errors(r, source),
-        check_row_remap(r, source),
-        check_retired_pages(r, source),
-        check_clocks(r, source),
-        check_temperature(r, source),
-        check_nvlink(r, source, peer_nvlinks),
-        check_processes(r, source, own_pids),
-    ]
+def check_devices(count: int, expected: int | None, source: str, backend: str) -> CheckResult:
+    """How many devices ``backend`` lists, against how many this node must have (None: not
+    said; ``source`` says who expects them)."""
+    missing = (expected or 0) - count
+    return decide(
+        "devices",
+        [
+            row(
+                expected is None and count > 0,
+                Status.PASS,
+                f"{count} found through {backend} (no expected count: give --expect-devices or run under Slurm)",
+                expected=None,
+            ),
+            row(
+                expected is None,
+                Status.UNKNOWN,
+                f"{backend} lists no device",
+                expected=">= 1",
+                details={"help": NoAccelerator.default_help},
+            ),
+            row(count == expected, Status.PASS, f"{count} found, {expected} expected ({source})"),
+            row(
+                missing > 0,
+                Status.FAIL,
+                f"{missing} devices missing ({source} expects {expected}): fallen off the bus or not given to "
+                "this container",
+                action="drain",
+            ),
+            row(OTHERWISE, Status.WARN, f"more devices than expected ({source})"),
+        ],
+        value=count,
+        expected=str(expected),
+        critical=True,
+    )

@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import shutil
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -289,26 +288,3 @@ def read_ib_ports(root: Path = Path("/sys/class/infiniband")) -> list[CheckResul
                     IbPort(dev.name, port.name, attr("state"), attr("phys_state"), attr("rate"), attr("link_layer"))
                 )
     return check_ib_ports(ports)
-
-
-def host_probes(
-    disk_paths: list[str], min_disk_gib: float, ib_root: str | Path = "/sys/class/infiniband"
-) -> list[tuple[str, str, Callable[[], list[CheckResult]]]]:
-    """``(check name, what it reads, probe)`` for every host check, so that each runs under its
-    own time limit (a hung disk does not take the memory check with it)."""
-
-    def disk(path: str) -> Callable[[], list[CheckResult]]:
-        return lambda: [read_disk(path, min_disk_gib)]
-
-    probes = [("disk_free", f"statvfs of {p}", disk(p)) for p in disk_paths]
-    probes += [
-        ("shm_size", "statvfs of /dev/shm", lambda: [read_shm()]),
-        ("host_memory", "reading the host memory", lambda: [read_memory()]),
-        ("host_processes", "reading /proc", lambda: [read_process_states()]),
-        ("ib_ports", f"reading {ib_root}", lambda: read_ib_ports(Path(ib_root))),
-    ]
-    return probes
-
-
-def host_checks(disk_paths: list[str], min_disk_gib: float) -> list[CheckResult]:
-    return [result for _, _, probe in host_probes(disk_paths, min_disk_gib) for result in probe()]

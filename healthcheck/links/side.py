@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 
 from dynprof import errors
 from dynprof.procs import kill_group
+from dynprof.requests import read_options
 from healthcheck.links.worker import LINK_SIDE_SCHEMA
 
 MAX_WORKER_OUTPUT = 64 * 1024
@@ -115,8 +116,6 @@ class LinkTestRequest:
     def from_json(cls, doc: Any) -> LinkTestRequest:
         """The request of the sidecar's action options (``OPTIONS``, and ``bind`` the sidecar
         adds); an unknown option or a value of the wrong type is a UsageError."""
-        from dynprof.requests import read_options
-
         return cls(**read_options(doc, {**cls.OPTIONS, "bind": "str"}, "link-test"))
 
     def to_json(self) -> dict[str, Any]:

@@ -315,6 +315,7 @@ def test_an_nvml_call_that_never_returns_is_unknown_and_named_on_real_nvml(monke
     import pynvml
 
     from healthcheck import runner
+    from healthcheck.options import Options
 
     # GIVEN real NVML whose PCIe replay counter call blocks (as a hung driver call would)
     release = threading.Event()
@@ -322,7 +323,7 @@ def test_an_nvml_call_that_never_returns_is_unknown_and_named_on_real_nvml(monke
     try:
         # WHEN the quick level runs with a 2 s probe limit
         report = runner.run(
-            runner.Options(level="quick", disk_paths=["/"], min_disk_gib=0.001, probe_timeout_s=2.0, skip={"pcie_link"})
+            Options(level="quick", disk_paths=["/"], min_disk_gib=0.001, probe_timeout_s=2.0, skip={"pcie_link"})
         )
     finally:
         release.set()

@@ -6,7 +6,7 @@ casts, kept inputs and events), for each checkpointed run the predicted and real
 the prediction's peak is (segment or recompute; level measured there, bytes freed, inputs
 kept, untracked), and what is live at the real peak, by where it was made (a CUDA memory
 history of that step). With ``DYNPROF_GPU_KEEP`` set to a folder, the measurement
-(``measure-<variant>.json``, replayable with ``collectors.memory.plan.from_json``) and each
+(``measure-<variant>.json``, replayable with ``collectors.memory.plan.measurement.from_json``) and each
 run's memory snapshot (``<variant>-<case>.pickle``: pytorch.org/memory_viz,
 ``torch.cuda._memory_viz``) are kept there.
 """
@@ -24,8 +24,10 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint as cp
 
-from collectors.memory.plan import from_json, make_plan, predict
-from collectors.memory.plan_capture import measure_step
+from collectors.memory.plan.capture import measure_step
+from collectors.memory.plan.measurement import from_json
+from collectors.memory.plan.predict import predict
+from collectors.memory.plan.solve import make_plan
 from collectors.memory.summary import allocation_site
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("eager_process")]

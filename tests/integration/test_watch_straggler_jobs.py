@@ -9,8 +9,11 @@ import json
 from dynprof.job.answers import node_labels
 from dynprof.job.client import SidecarClient
 from dynprof.nodes import parse_node
+from dynprof.watch import sources
 from dynprof.watch.model import Verdict
-from dynprof.watch.straggler import report_json, sample_stragglers, straggler_hook
+from dynprof.watch.sources import SidecarSource
+from dynprof.watch.straggler.rule import report_json
+from dynprof.watch.straggler.sampler import StragglerSampler, sample_stragglers
 from tests.support.nodes import split_job
 
 STRAGGLER = "tests/integration/programs/straggler_program.py"
@@ -18,6 +21,11 @@ STRAGGLER = "tests/integration/programs/straggler_program.py"
 
 def _client(nodes_fixture: dict) -> SidecarClient:
     return SidecarClient(nodes_fixture["token"].read_text().strip(), timeout=20.0)
+
+
+def _source(nodes_fixture: dict, *addresses: str) -> SidecarSource:
+    """The nodes' sidecars as the watch reads them: the node objects of the addresses the user named."""
+    return SidecarSource(_client(nodes_fixture), [parse_node(a) for a in addresses])
 
 
 def _names(*addresses: str) -> list[str]:
@@ -37,9 +45,8 @@ def test_rank_30_percent_slower_is_named_with_its_node_and_cause(sim_nodes, spaw
     for t in targets:
         t.ready_pids(timeout=120)
 
-    # WHEN the watch's straggler hook samples the job through both sidecars
-    hook = straggler_hook(_client(sim_nodes), [parse_node(a.address), parse_node(b.address)])
-    report = hook("watch-slow")
+    # WHEN the watch's straggler sampler samples the job through both sidecars
+    report = StragglerSampler(_source(sim_nodes, a.address, b.address), None).sample("watch-slow")
     name_a, name_b = _names(a.address, b.address)
 
     # THEN the verdict names rank 2 on node B, its cause the input pipeline (load_batch)
@@ -74,7 +81,7 @@ def test_even_job_gets_no_verdict_and_zero_scores(sim_nodes, spawn):
         t.ready_pids(timeout=120)
 
     # WHEN it is sampled for 3 steps
-    report = sample_stragglers([a.address, b.address], "watch-even", _client(sim_nodes), steps=3)
+    report = sample_stragglers(_source(sim_nodes, a.address, b.address), "watch-even", steps=3)
     name_a, name_b = _names(a.address, b.address)
 
     # THEN no verdict, every rank scores 0, and the rule's noise threshold is the note
@@ -91,14 +98,12 @@ def test_even_job_gets_no_verdict_and_zero_scores(sim_nodes, spawn):
     assert all(first.values()) and len(report.groups) == 2, (first, report.groups)
     assert all(g.startswith("sample-") for g in report.groups)
     # WHEN a watch that keeps one sample samples again
-    import dynprof.watch.straggler as st
-
-    keep = st.KEEP_SAMPLES
-    st.KEEP_SAMPLES = 1
+    keep = sources.KEEP_SAMPLES
+    sources.KEEP_SAMPLES = 1
     try:
-        again = sample_stragglers([a.address, b.address], "watch-even", _client(sim_nodes), steps=3)
+        again = sample_stragglers(_source(sim_nodes, a.address, b.address), "watch-even", steps=3)
     finally:
-        st.KEEP_SAMPLES = keep
+        sources.KEEP_SAMPLES = keep
     # THEN each node deleted the first sample's traces before tracing the second's
     assert again.scores, again.note
     for n in ("a", "b"):
@@ -111,7 +116,7 @@ def test_a_job_that_is_not_there_is_a_note_not_an_exception(sim_nodes):
     a, b = sim_nodes["a"], sim_nodes["b"]
 
     # WHEN it is sampled
-    report = sample_stragglers([a.address, b.address], "watch-none", _client(sim_nodes), limit_s=30)
+    report = sample_stragglers(_source(sim_nodes, a.address, b.address), "watch-none", limit_s=30)
 
     # THEN nothing is decided, and the note says why
     assert report.verdict is None and report.scores == {}

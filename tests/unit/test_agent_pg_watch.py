@@ -10,7 +10,7 @@ import sys
 import types
 
 from dynprof.agent._pg_watch import C10D_MODULE, ProcessGroupWatch
-from dynprof.agent._steps import _PostImportFinder
+from dynprof.agent._post_import import PostImportFinder
 
 
 def _c10d(calls: list) -> types.ModuleType:
@@ -100,7 +100,7 @@ def test_install_wraps_a_loaded_module_at_once_and_only_once(monkeypatch):
 
     # THEN the module's function is the wrapper, wrapped once, and no import hook was added
     assert getattr(first, "__dynprof_wrapped__", False) and module.init_process_group is first
-    assert not any(isinstance(f, _PostImportFinder) for f in sys.meta_path)
+    assert not any(isinstance(f, PostImportFinder) for f in sys.meta_path)
 
 
 def test_install_before_torch_waits_for_the_import(monkeypatch):
@@ -114,5 +114,5 @@ def test_install_before_torch_waits_for_the_import(monkeypatch):
 
     # THEN an import hook for that module is first in line, calling the watch's wrap
     finder = sys.meta_path[0]
-    assert isinstance(finder, _PostImportFinder)
+    assert isinstance(finder, PostImportFinder)
     assert finder.name == C10D_MODULE and finder.callback == watch.wrap

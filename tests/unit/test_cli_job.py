@@ -1,6 +1,6 @@
 """dynprof/cli/job.py, the shape of every job-level command: the dispatch between this node and
 the nodes, the options sent to the nodes' sidecars and the text of a job-wide answer (the merge
-of the nodes' answers is dynprof/job/answers.py's: tests/unit/test_job_answers.py)."""
+of the nodes' answers is dynprof/job/merge.py's: tests/unit/test_job_merge.py)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,8 @@
 """dynprof.cli._watching: the watch as `dynprof watch` and `dynprof serve --watch` run it. Its
 options and the engine's configuration and samplers they make (the straggler's, over this node's
 agents or the nodes' sidecars; 0: never), what the printer says of verdicts, samples and rounds
-(text, JSON lines, the --on-verdict hook), this node's source (each read through its kind's own
-entry point, replaced here), the sidecars' source, and the hosted watch's checks and start (with
-the engine replaced: no thread is left polling)."""
+(text, JSON lines, the --on-verdict hook), the sidecars' source as the face builds it, and the
+hosted watch's checks and start (with the engine replaced: no thread is left polling)."""
 
 from __future__ import annotations
 
@@ -17,17 +16,17 @@ from types import SimpleNamespace
 
 import pytest
 
-from collectors.stacks import Frame, ProcessStacks, Stacks, ThreadStack
 from dynprof import errors
 from dynprof.cli import _watching
 from dynprof.nodes import Node, NodeAnswer
-from dynprof.watch import straggler
-from dynprof.watch.detect import Stall
 from dynprof.watch.engine import Tick, WatchEngine
 from dynprof.watch.hook import HookResult
 from dynprof.watch.model import Culprit, NodeProgress, RankProgress, Verdict
-from dynprof.watch.sources import FLIGHT_RECORDER_OFF, NodeRead, SidecarSource
-from dynprof.watch.straggler import StragglerReport, StragglerSampler
+from dynprof.watch.sources import FLIGHT_RECORDER_OFF, FLIGHT_RECORDER_TIMEOUT_S, LocalSource, NodeRead, SidecarSource
+from dynprof.watch.stall import Stall
+from dynprof.watch.straggler import sampler as straggler_sampler
+from dynprof.watch.straggler.rule import StragglerReport
+from dynprof.watch.straggler.sampler import StragglerSampler
 
 ESC = "\x1b[2J"
 
@@ -64,7 +63,7 @@ def test_the_defaults_make_the_engines_configuration():
     assert config.stall_after_s is None and config.confirm_s is None
     assert config.healthcheck is True and config.save is True and config.gpu_coredump is False
     # the straggler samples at its default interval (the engine's samplers, not its configuration)
-    assert _watching.every_of(_parse("--job", "j")) == {"straggler": straggler.SAMPLE_EVERY_S}
+    assert _watching.every_of(_parse("--job", "j")) == {"straggler": straggler_sampler.SAMPLE_EVERY_S}
 
 
 def test_every_option_reaches_the_configuration():
@@ -100,8 +99,8 @@ def test_a_namespace_without_gpu_coredump_does_not_dump():
 
 def test_sample_every_zero_is_never():
     assert _watching.every_of(argparse.Namespace(sample_every=0.0)) == {"straggler": None}
-    assert _watching.every_of(argparse.Namespace(sample_every=None)) == {"straggler": straggler.SAMPLE_EVERY_S}
-    assert _watching.every_of(argparse.Namespace()) == {"straggler": straggler.SAMPLE_EVERY_S}
+    assert _watching.every_of(argparse.Namespace(sample_every=None)) == {"straggler": straggler_sampler.SAMPLE_EVERY_S}
+    assert _watching.every_of(argparse.Namespace()) == {"straggler": straggler_sampler.SAMPLE_EVERY_S}
     assert _watching.every_of(argparse.Namespace(sample_every=30.0)) == {"straggler": 30.0}
 
 
@@ -145,7 +144,7 @@ class SteppingSource:
 def test_a_watch_told_sample_every_0_never_samples(monkeypatch, every, samples):
     # GIVEN the watch's samplers as `dynprof watch --job j --sample-every N` builds them on this node
     sampled: list[str] = []
-    monkeypatch.setattr(straggler, "local_straggler_hook", lambda host, trace: lambda job: sampled.append(job))
+    monkeypatch.setattr(straggler_sampler, "sample_stragglers", lambda source, job, **kw: sampled.append(job))
     source = SteppingSource()
     samplers = _watching.samplers_of(_parse("--job", "j", "--sample-every", every), source)
     engine = WatchEngine(_watching.config_of(_parse("--job", "j")), source, clock=lambda: source.t, samplers=samplers)
@@ -322,165 +321,6 @@ def test_the_printer_keeps_the_last_two_rounds():
     assert printer.ticks == ticks[-2:]
 
 
-# -- this node's source ------------------------------------------------------------------------------
-def test_the_local_source_is_this_node():
-    source = _watching.LocalSource(host="node-x", stacks_timeout=4.0)
-    assert source.nodes() == ["node-x"] and source.stacks_timeout == 4.0
-    assert _watching.LocalSource().host  # detected (or the hostname): never empty
-
-
-def test_the_local_progress_reads_this_nodes_agents_now():
-    [read] = _watching.LocalSource(host="node-x").progress("no-such-job")
-    assert read.node == "node-x" and read.error is None
-    assert read.progress.host == "node-x" and read.progress.ranks == []
-
-
-def _process(pid: int, function: str, native: bool = False) -> ProcessStacks:
-    frames = [Frame(function=function, file="/t.py", line=3)]
-    return ProcessStacks(
-        pid=pid, method="py-spy", native=native, threads=[ThreadStack(tid=pid, main=True, frames=frames)]
-    )
-
-
-def test_the_local_stacks_are_read_plain_then_natively_for_the_asked_pids(monkeypatch):
-    requests = []
-
-    def collect(request):
-        requests.append(request)
-        if request.native:
-            return SimpleNamespace(stacks=Stacks([_process(pid, "cudaSync", native=True) for pid in request.pids]))
-        return SimpleNamespace(stacks=Stacks([_process(10, "step"), _process(11, "step")]))
-
-    monkeypatch.setattr("collectors.stacks.collect.collect", collect)
-    read = _watching.LocalSource(host="h", stacks_timeout=7.0).stacks("j", {"h": [11], "other": [99]})
-    plain, native = requests
-    assert (plain.job, plain.save, plain.timeout, plain.native) == ("j", False, 7.0, False)
-    assert (native.pids, native.native, native.save) == ((11,), True, False)
-    by_pid = {p.pid: p for p in read.stacks.processes}
-    assert set(by_pid) == {10, 11} and by_pid[11].native and not by_pid[10].native
-    assert read.failures == {}
-
-
-def test_local_stacks_that_fail_are_named_by_node(monkeypatch):
-    def collect(request):
-        raise errors.NoAgent(f"no agent {ESC}")
-
-    monkeypatch.setattr("collectors.stacks.collect.collect", collect)
-    read = _watching.LocalSource(host="h").stacks("j", {})
-    assert read.stacks.processes == [] and read.failures == {"node h": f"no agent {ESC}"}
-
-
-@pytest.mark.parametrize(
-    ("outcome", "expected"),
-    [
-        (errors.Unsupported("recorder off"), (None, FLIGHT_RECORDER_OFF)),
-        (errors.Timeout("x" * 3000), (None, "x" * 1000)),
-        (SimpleNamespace(analysis={"verdict": "rank 3 behind"}), ({"verdict": "rank 3 behind"}, None)),
-    ],
-)
-def test_the_local_flight_recorder(monkeypatch, outcome, expected):
-    asked = []
-
-    def collect(request):
-        asked.append(request)
-        if isinstance(outcome, Exception):
-            raise outcome
-        return outcome
-
-    monkeypatch.setattr("collectors.flight_recorder.collect.collect", collect)
-    assert _watching.LocalSource(host="h").flight_recorder("j") == expected
-    assert asked[0].job == "j" and asked[0].timeout == _watching.FLIGHT_RECORDER_TIMEOUT_S
-
-
-def _take(answer):
-    def take(pid, timeout=60.0):
-        if isinstance(answer, Exception):
-            raise answer
-        return answer
-
-    return take
-
-
-def test_a_gpu_coredump_names_the_running_kernels(monkeypatch):
-    running = [f"k{i}" for i in range(20)]
-    got = {"artifact": "/store/gc", "dump_s": 1.5, "dump": {"running": running}}
-    monkeypatch.setattr("collectors.gpu_coredump.take", _take(got))
-    said = _watching.LocalSource(host="h").gpu_coredump("h", 5)
-    assert said["kernel"] == "running k0; k1; k2 and 17 more"
-    assert said["coredump"] == {"artifact": "/store/gc", "dump_s": 1.5, "running": running[:16]}
-
-
-def test_a_gpu_coredump_with_nothing_running_says_so(monkeypatch):
-    monkeypatch.setattr(
-        "collectors.gpu_coredump.take", _take({"artifact": "/a", "dump_s": 1.0, "dump": {"running": []}})
-    )
-    said = _watching.LocalSource(host="h").gpu_coredump("h", 5)
-    assert said["kernel"] == "no kernel was running on its GPU when it was dumped" and said["coredump"]["running"] == []
-
-
-def test_a_gpu_coredump_that_cannot_be_taken_or_read_names_no_kernel(monkeypatch):
-    from collectors.gpu_coredump import TriggerError
-
-    monkeypatch.setattr("collectors.gpu_coredump.take", _take(TriggerError("not started with --gpu-coredump")))
-    assert _watching.LocalSource(host="h").gpu_coredump("h", 5) == {
-        "kernel": "not named: not started with --gpu-coredump"
-    }
-    monkeypatch.setattr("collectors.gpu_coredump.take", _take({"artifact": "/a", "dump": None, "error": "truncated"}))
-    assert _watching.LocalSource(host="h").gpu_coredump("h", 5) == {
-        "kernel": "not named: the dump (/a) cannot be read: truncated"
-    }
-
-
-def test_the_local_healthcheck_is_quick_and_its_failure_could_not_run(monkeypatch):
-    asked = []
-
-    def collect(request):
-        asked.append(request)
-        if request.job == "bad":
-            raise errors.Unsupported("no NVML " + "y" * 2000)
-        return "report"
-
-    monkeypatch.setattr("healthcheck.collect.collect", collect)
-    monkeypatch.setattr("dynprof.watch.evidence.report_summary", lambda report: {"verdict": "healthy", "of": report})
-    source = _watching.LocalSource(host="h")
-    assert source.healthcheck(["h"], job="") == {"h": {"verdict": "healthy", "of": "report"}}
-    assert (asked[0].level, asked[0].job, asked[0].timeout) == ("quick", None, _watching.HEALTHCHECK_TIMEOUT_S)
-    failed = source.healthcheck(["h"], job="bad")["h"]
-    assert failed["verdict"] == "could not run" and failed["problems"] == []
-    assert failed["error"].startswith("no NVML") and len(failed["error"]) == 1000
-
-
-def test_the_local_straggler_sample_is_the_trace_kinds_own_start(monkeypatch):
-    hooked = {}
-    monkeypatch.setattr(
-        straggler, "local_straggler_hook", lambda host, trace: hooked.update(host=host, trace=trace) or "hook"
-    )
-    asked = []
-    monkeypatch.setattr(
-        "collectors.torch_trace.collect.collect",
-        lambda request: asked.append(request) or SimpleNamespace(doc={"ok": 1}),
-    )
-    [sampler] = _watching.samplers_of(_parse("--job", "j"), _watching.LocalSource(host="node-x"))
-    assert isinstance(sampler, StragglerSampler) and sampler.hook == "hook"
-    assert sampler.every_s == straggler.SAMPLE_EVERY_S
-    assert hooked["host"] == "node-x"
-    assert hooked["trace"]("j", 3, 5.0) == {"ok": 1}
-    hooked["trace"]("j", 2, 9999.0)
-    short, long = asked
-    assert (short.job, short.steps, short.with_stack, short.timeout, short.max_duration) == ("j", 3, True, 5.0, 10.0)
-    assert long.max_duration == straggler.MAX_TRACE_DURATION_S and long.timeout == 9999.0
-
-
-def test_the_sidecars_straggler_sample_uses_the_sources_client_and_nodes(monkeypatch):
-    monkeypatch.setattr(straggler, "straggler_hook", lambda client, nodes: (client, nodes))
-    client = object()
-    source = SidecarSource(client, [Node("a", 8787), Node("b", 9000)])
-    [sampler] = _watching.samplers_of(_parse("--job", "j", "--sample-every", "30"), source)
-    # the very client and node objects the progress is read through
-    assert sampler.hook[0] is client and sampler.hook[1] is source.node_list
-    assert isinstance(sampler, StragglerSampler) and sampler.every_s == 30.0
-
-
 # -- the sidecars' source ----------------------------------------------------------------------------
 @pytest.fixture
 def node_args(tmp_path):
@@ -531,14 +371,14 @@ def test_the_node_sources_flight_recorder_is_nccls_job_wide_read(node_args, monk
         asked.append((client, nodes, request))
         return got
 
-    monkeypatch.setattr("dynprof.job.nccl.collect_nodes", collect_nodes)
+    monkeypatch.setattr(_watching, "collect_nodes", collect_nodes)
     nodes = [Node("a", 8787)]
     source = _watching.node_source(node_args, nodes)
     assert source._flight_recorder("j") == expected
     [(client, asked_nodes, request)] = asked
     # a client of its own, not the polls' shared one
     assert client is not source.client and client.answers_per_node != source.client.answers_per_node
-    assert asked_nodes == nodes and request.job == "j" and request.timeout == _watching.FLIGHT_RECORDER_TIMEOUT_S
+    assert asked_nodes == nodes and request.job == "j" and request.timeout == FLIGHT_RECORDER_TIMEOUT_S
 
 
 # -- serve --watch ---------------------------------------------------------------------------------
@@ -608,12 +448,12 @@ def test_the_hosted_watch_on_this_node_runs_on_and_survives_a_failed_round(fake_
     assert engine is fake_engine.made[0]
     _wait(engine.done)
     assert engine.runs == 2
-    assert isinstance(engine.source, _watching.LocalSource)
+    assert isinstance(engine.source, LocalSource)
     assert engine.config.job == f"j{ESC}" and engine.config.interval_s == 0.01
     # the straggler's sample over this node's agents, at its default interval
     [sampler] = engine.samplers
-    assert isinstance(sampler, StragglerSampler) and sampler.every_s == straggler.SAMPLE_EVERY_S
-    assert sampler.hook.__qualname__.startswith("local_straggler_hook.")
+    assert isinstance(sampler, StragglerSampler) and sampler.every_s == straggler_sampler.SAMPLE_EVERY_S
+    assert sampler.source is engine.source
     printer = engine.on_verdict.__self__
     assert printer.as_json is False and printer.hook == "n.sh" and printer.out is sys.stderr
     err = capsys.readouterr().err
@@ -634,8 +474,8 @@ def test_the_hosted_watch_over_nodes_reads_their_sidecars_with_this_token(fake_e
     assert source.client.token == token and source.client.tls is None
     # the straggler's sample over the same sidecars, and the samples printed by the verdicts' printer
     [sampler] = engine.samplers
-    assert isinstance(sampler, StragglerSampler) and sampler.every_s == straggler.SAMPLE_EVERY_S
-    assert sampler.hook.__qualname__.startswith("straggler_hook.")
+    assert isinstance(sampler, StragglerSampler) and sampler.every_s == straggler_sampler.SAMPLE_EVERY_S
+    assert sampler.source is source
     assert engine.on_sample == engine.on_verdict.__self__.sample
 
 

@@ -9,7 +9,8 @@ import os
 
 import pytest
 
-from collectors.memory.collect import MemoryPlanRequest, MemoryRequest, collect, collect_plan, parse_budget
+from collectors.memory.collect import MemoryPlanRequest, MemoryRequest, collect, collect_plan
+from collectors.memory.plan.budget import parse_budget
 from dynprof import errors
 from dynprof.cli.memory import MemoryCommand, plan_request_from_args, request_from_args
 from dynprof.requests import MAX_ITEMS, MAX_TEXT

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from collectors.memory import plan_applied
-from collectors.memory.plan import KIND, PLAN_FILE, render_artifact
+from collectors.memory.plan import applied as plan_applied
+from collectors.memory.plan.render import KIND, PLAN_FILE, render_artifact
 from dynprof.cli import main
 from dynprof.store import ArtifactStore
 

@@ -9,7 +9,7 @@ import types
 import pytest
 import torch
 
-from collectors.memory.plan_apply import StepPeak, auto_budget, known_tensors, parse_spec, why_not_wrap, wrap
+from collectors.memory.plan.apply import StepPeak, auto_budget, known_tensors, parse_spec, why_not_wrap, wrap
 
 
 class Block(torch.nn.Module):

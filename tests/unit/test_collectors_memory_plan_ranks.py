@@ -10,9 +10,11 @@ from typing import Any
 import pytest
 import torch
 
-from collectors.memory import plan_ranks
 from collectors.memory.collect import MemoryPlanRequest, job_plans
-from collectors.memory.plan import from_json, predict
+from collectors.memory.plan import ranks as plan_ranks
+from collectors.memory.plan.blocks import MAX_MODULES
+from collectors.memory.plan.measurement import from_json
+from collectors.memory.plan.predict import predict
 
 
 def _model() -> torch.nn.Module:
@@ -30,7 +32,7 @@ def _model() -> torch.nn.Module:
 
 def _measure(batch: int, seed: int = 0) -> dict[str, Any]:
     """A real measured step of :func:`_model` on ``batch`` rows."""
-    import collectors.memory.plan_capture as capture
+    import collectors.memory.plan.capture as capture
 
     torch.manual_seed(seed)
     model = _model()
@@ -49,7 +51,7 @@ def _measure(batch: int, seed: int = 0) -> dict[str, Any]:
         # the tensors other tests of this worker still hold are not this rank's: its measured
         # bytes are the model's and the step's alone (a CI run counted another test's leftovers
         # in one rank and not the other)
-        mp.setattr(capture, "live_tensors", lambda limit=capture.MAX_MODULES: [])
+        mp.setattr(capture, "live_tensors", lambda limit=MAX_MODULES: [])
         return capture.measure_step(model, opt, step)
 
 

@@ -6,9 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from collectors.memory.plan import from_json, predict
-from collectors.memory.plan_capture import LiveTensorBytes, measure_step
-from collectors.memory.plan_scale import _blocks, describe, micro_batches, predicted_peak, scale, tokens_factor
+from collectors.memory.plan.capture import measure_step
+from collectors.memory.plan.measurement import from_json
+from collectors.memory.plan.meter import LiveTensorBytes
+from collectors.memory.plan.predict import predict
+from collectors.memory.plan.scale import blocks_text as _blocks
+from collectors.memory.plan.scale import describe, micro_batches, predicted_peak, scale, tokens_factor
 
 pytestmark = pytest.mark.usefixtures("eager_process")
 

@@ -6,6 +6,7 @@ import pytest
 
 from healthcheck.checks.device import (
     check_clocks,
+    check_devices,
     check_ecc_errors,
     check_ecc_mode,
     check_nvlink,
@@ -16,7 +17,6 @@ from healthcheck.checks.device import (
     check_row_remap,
     check_temperature,
     not_read,
-    passive_device_checks,
     result,
     verdict,
 )
@@ -241,25 +241,21 @@ def test_not_read_names_every_missing_field_and_each_error_once():
     assert got.reason == "could not read temperature_c, sm_clock_mhz: NVML: Unknown Error"
 
 
-def test_passive_device_checks_run_every_check_but_the_pcie_link_once():
-    got = passive_device_checks(readings(), "nvml")
-    names = [r.name for r in got]
-    assert len(names) == len(set(names)) == 9
-    assert not any("pcie" in n for n in names), "the PCIe link needs a loaded reading"
-    assert all(r.device == 3 for r in got)
-
-
-def test_passive_device_checks_on_a_device_with_nothing_read_never_pass():
-    # GIVEN readings where nothing could be read
-    got = passive_device_checks(readings(), "smi:ppu-smi")
-    # THEN no check passes on missing data
-    assert not [r.name for r in got if r.status is Status.PASS]
-
-
-def test_passive_device_checks_pass_our_own_pids_and_the_peers_links_through():
-    r = readings(processes=[DeviceProcess(pid=4242)], nvlinks=[NvLinkReading(0, True)])
-    got = {x.name: x for x in passive_device_checks(r, "nvml", peer_nvlinks=4, own_pids=frozenset({4242}))}
-    nvlink = next(x for name, x in got.items() if name.startswith("nvlink"))
-    processes = next(x for name, x in got.items() if "process" in name)
-    assert nvlink.status is Status.FAIL, "1 active link where peers have 4"
-    assert processes.status is Status.PASS, "our own process is not another user's"
+# -- the devices the backend lists ----------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("count", "expected", "status", "said"),
+    [
+        (8, None, Status.PASS, "8 found through nvml (no expected count"),
+        (0, None, Status.UNKNOWN, "nvml lists no device"),
+        (8, 8, Status.PASS, "8 found, 8 expected (SLURM_GPUS_ON_NODE)"),
+        (6, 8, Status.FAIL, "2 devices missing (SLURM_GPUS_ON_NODE expects 8): fallen off the bus"),
+        (9, 8, Status.WARN, "more devices than expected (SLURM_GPUS_ON_NODE)"),
+    ],
+)
+def test_the_devices_listed_are_judged_against_those_expected(count, expected, status, said):
+    got = check_devices(count, expected, "SLURM_GPUS_ON_NODE", "nvml")
+    assert (got.name, got.status, got.critical, got.value) == ("devices", status, True, count)
+    assert got.reason.startswith(said)
+    assert got.expected == (None if expected is None and count else ">= 1" if expected is None else str(expected))
+    assert got.action == ("drain" if status is Status.FAIL else None)
+    assert ("help" in got.details) == (status is Status.UNKNOWN)

@@ -17,7 +17,6 @@ from healthcheck.checks.host import (
     check_memory,
     check_process_states,
     check_shm,
-    host_probes,
     read_disk,
     read_ib_ports,
     read_memory,
@@ -199,17 +198,3 @@ def test_an_unreadable_port_state_is_not_active(tmp_path):
 def test_no_infiniband_directory_is_skipped(tmp_path):
     [result] = read_ib_ports(tmp_path / "absent")
     assert result.status is Status.SKIPPED
-
-
-# -- probes -----------------------------------------------------------------------------------
-def test_host_probes_give_one_probe_per_disk_and_one_per_other_check(tmp_path):
-    probes = host_probes([str(tmp_path), "/"], 0, ib_root=tmp_path / "no-ib")
-    names = [name for name, _, _ in probes]
-    assert names == ["disk_free", "disk_free", "shm_size", "host_memory", "host_processes", "ib_ports"]
-    assert probes[0][1] == f"statvfs of {tmp_path}"
-    # WHEN the first disk probe and the IB probe run
-    [disk] = probes[0][2]()
-    [ib_result] = probes[-1][2]()
-    # THEN each probe reads what it names
-    assert disk.details["path"] == str(tmp_path)
-    assert ib_result.status is Status.SKIPPED

@@ -1,21 +1,15 @@
-"""healthcheck.cli: the command line's bounds (usage errors exit 3, never 2, which means
-"unhealthy"), what reaches the runner, and `baseline learn`; the run itself is faked."""
+"""healthcheck.cli (`python -m healthcheck`): the command line's bounds (usage errors exit 3,
+never 2, which means "unhealthy"), what it prints, and `baseline learn`; the run itself is faked."""
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import pytest
 
-from healthcheck import cli
+from healthcheck import cli, collect
+from healthcheck.collect import Checked
 from healthcheck.result import EXIT_COULD_NOT_RUN
-
-
-def parse(argv: list[str]) -> argparse.Namespace:
-    parser = cli._Parser(prog="python -m healthcheck")
-    cli.prepare_parser(parser)
-    return parser.parse_args(argv)
 
 
 @pytest.mark.parametrize(
@@ -69,57 +63,6 @@ def test_a_prometheus_file_name_over_255_bytes_is_refused(tmp_path, capsys):
     assert "longer than 255 bytes" in capsys.readouterr().err
 
 
-def test_options_carry_the_command_line_to_the_runner():
-    # GIVEN a command line with every conversion the runner relies on
-    args = parse(
-        [
-            "--level",
-            "standard",
-            "--xid-window",
-            "30",
-            "--fail-below",
-            "0.8",
-            "--warn-below",
-            "0.9",
-            "--peer-fail",
-            "0.2",
-            "--peer-warn",
-            "0.1",
-            "--skip",
-            " ecc_errors , ,clock_events",
-            "--disk",
-            "/scratch",
-            "--expect-devices",
-            "0",
-        ]
-    )
-    # WHEN made into options
-    options = cli.options_from_args(args)
-    # THEN minutes became seconds, the thresholds are in order, and the skip list is clean
-    assert options.level == "standard"
-    assert options.xid_window_s == 1800.0
-    th = options.thresholds
-    assert (th.fail_below, th.warn_below, th.peer_fail, th.peer_warn) == (0.8, 0.9, 0.2, 0.1)
-    assert options.skip == {"ecc_errors", "clock_events"}
-    assert options.disk_paths == ["/scratch"]
-    assert options.expect_devices == 0
-    assert options.job_pids == frozenset()
-
-
-def test_default_options_check_root_and_tmp_with_the_default_limits():
-    options = cli.options_from_args(parse([]))
-    assert options.disk_paths == ["/", "/tmp"]
-    assert (options.level, options.backend, options.expect_devices) == ("quick", "auto", None)
-    assert options.probe_timeout_s == cli.PROBE_TIMEOUT_S
-    assert options.counter_window_s == 0.0
-
-
-def test_no_job_has_no_pids_and_an_unknown_job_none_either():
-    assert cli.job_pids(None) == frozenset()
-    assert cli.job_pids("") == frozenset()
-    assert cli.job_pids("no-such-job-7f3a") == frozenset()
-
-
 class FakeReport:
     exit_code = 2
 
@@ -128,7 +71,8 @@ class FakeReport:
 
 
 def fake_check(monkeypatch, artifact: str | None = "/store/healthcheck-1", messages=()):
-    monkeypatch.setattr(cli, "check", lambda args: (FakeReport(), artifact, list(messages)))
+    checked = Checked(FakeReport(), artifact, list(messages))  # type: ignore[arg-type]
+    monkeypatch.setattr(cli, "collect_here", lambda request, show_progress: checked)
     monkeypatch.setattr(cli, "render_table", lambda report, show_passed=True: f"TABLE show_passed={show_passed}")
 
 
@@ -149,40 +93,14 @@ def test_json_output_carries_the_artifact_path(monkeypatch, capsys):
     assert data == {"schema": "dynprof.healthcheck", "verdict": "unhealthy", "artifact": None}
 
 
-def test_check_writes_the_prometheus_file_and_saves_nothing_with_no_save(monkeypatch, tmp_path):
-    # GIVEN a faked run, --no-save and a Prometheus file
-    monkeypatch.setattr(cli, "run", lambda options, progress: FakeReport())
-    monkeypatch.setattr(cli, "render_prometheus", lambda report: "dynprof_healthcheck_exit_code 2\n")
-    monkeypatch.setattr(cli, "save_artifact", lambda *a: pytest.fail("--no-save saves nothing"))
-    target = tmp_path / "hc.prom"
-    # WHEN checked
-    report, artifact, messages = cli.check(parse(["--no-save", "-q", "--prometheus", str(target)]))
-    # THEN the file holds the metrics, and no artifact is named
-    assert target.read_text() == "dynprof_healthcheck_exit_code 2\n"
-    assert (artifact, messages, report.exit_code) == (None, [], 2)
-
-
-def test_an_artifact_that_cannot_be_saved_is_a_message_not_a_failure(monkeypatch):
-    monkeypatch.setattr(cli, "run", lambda options, progress: FakeReport())
-    monkeypatch.setattr(cli, "render_table", lambda report: "T")
-
-    def refuse(report, text):
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr(cli, "save_artifact", refuse)
-    _, artifact, messages = cli.check(parse(["-q"]))
-    assert artifact is None
-    assert messages == ["healthcheck: results not saved: [Errno 28] No space left on device"]
-
-
 def test_a_prometheus_file_that_cannot_be_written_is_an_error_that_exits_3(monkeypatch, tmp_path, capsys):
-    monkeypatch.setattr(cli, "run", lambda options, progress: FakeReport())
-    monkeypatch.setattr(cli, "render_prometheus", lambda report: "x\n")
+    monkeypatch.setattr(collect, "run", lambda options, progress: FakeReport())
+    monkeypatch.setattr(collect, "render_prometheus", lambda report: "x\n")
 
     def refuse(path, text):
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr(cli, "write_atomically", refuse)
+    monkeypatch.setattr(collect, "write_atomically", refuse)
     code = cli.main(["--no-save", "-q", "--prometheus", str(tmp_path / "hc.prom")])
     err = capsys.readouterr().err
     assert code == 3
@@ -226,13 +144,3 @@ def test_baseline_learn_from_nothing_usable_is_an_error_with_help_exit_3(tmp_pat
     err = capsys.readouterr().err
     assert code == 3
     assert "healthcheck: error:" in err and "is not a dynprof healthcheck result" in err
-
-
-def test_usage_errors_exit_3_changes_a_parser_made_elsewhere(capsys):
-    parser = argparse.ArgumentParser(prog="dynprof healthcheck")
-    parser.add_argument("--n", type=int)
-    cli.usage_errors_exit_3(parser)
-    with pytest.raises(SystemExit) as info:
-        parser.parse_args(["--n", "x"])
-    assert info.value.code == 3
-    assert "dynprof healthcheck: error:" in capsys.readouterr().err

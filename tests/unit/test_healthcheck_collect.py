@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from dynprof import errors
-from healthcheck import cli
 from healthcheck import collect as hc
+from healthcheck.arguments import add_check_arguments, request_from_args
 from healthcheck.collect import HealthcheckRequest
 from healthcheck.result import Status
 
@@ -107,8 +107,8 @@ def test_request_text_that_is_oversized_or_malformed_is_refused(text, said):
 @pytest.mark.parametrize("argv, job", [(["--level", "quick", "--job", "j1"], "j1"), ([], None)])
 def test_the_request_checks_as_the_command_does_with_the_same_options(argv, job):
     parser = argparse.ArgumentParser()
-    cli.prepare_parser(parser)
-    assert HealthcheckRequest(job=job).options() == cli.options_from_args(parser.parse_args(argv))
+    add_check_arguments(parser)
+    assert HealthcheckRequest(job=job).options() == request_from_args(parser.parse_args(argv)).options()
 
 
 def test_a_real_child_runs_the_checks_and_its_report_is_decoded():
@@ -222,3 +222,100 @@ def test_the_child_refuses_a_bad_request_and_writes_no_report(tmp_path):
         assert done.returncode == 3
         assert said in done.stderr.decode()
         assert not out.exists()
+
+
+class FakeReport:
+    exit_code = 2
+
+    def to_json(self) -> dict:
+        return {"schema": "dynprof.healthcheck", "verdict": "unhealthy"}
+
+
+def test_no_job_has_no_pids_and_an_unknown_job_none_either():
+    assert hc.job_pids(None) == frozenset()
+    assert hc.job_pids("") == frozenset()
+    assert hc.job_pids("no-such-job-7f3a") == frozenset()
+
+
+def test_checks_here_write_the_prometheus_file_and_saves_nothing_with_no_save(monkeypatch, tmp_path):
+    # GIVEN a faked run, --no-save and a Prometheus file
+    monkeypatch.setattr(hc, "run", lambda options, progress: FakeReport())
+    monkeypatch.setattr(hc, "render_prometheus", lambda report: "dynprof_healthcheck_exit_code 2\n")
+    monkeypatch.setattr(hc, "save_artifact", lambda *a: pytest.fail("--no-save saves nothing"))
+    target = tmp_path / "hc.prom"
+    # WHEN checked
+    checked = hc.collect_here(HealthcheckRequest(no_save=True, prometheus=str(target)))
+    # THEN the file holds the metrics, and no artifact is named
+    assert target.read_text() == "dynprof_healthcheck_exit_code 2\n"
+    assert (checked.artifact, checked.messages, checked.report.exit_code) == (None, [], 2)
+
+
+def test_an_artifact_that_cannot_be_saved_is_a_message_not_a_failure(monkeypatch):
+    monkeypatch.setattr(hc, "run", lambda options, progress: FakeReport())
+    monkeypatch.setattr(hc, "render_table", lambda report: "T")
+
+    def refuse(report, text):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(hc, "save_artifact", refuse)
+    checked = hc.collect_here(HealthcheckRequest())
+    assert checked.artifact is None
+    assert checked.messages == ["healthcheck: results not saved: [Errno 28] No space left on device"]
+
+
+def test_a_task_prints_its_report_with_its_artifact_and_exits_with_the_nodes_code(monkeypatch, capsys):
+    # GIVEN the checks faked, and a request handed as one JSON argument (as --srun's tasks are)
+    seen = []
+
+    def here(request, show_progress=False):
+        seen.append(request)
+        return hc.Checked(FakeReport(), "/store/hc-1", ["healthcheck: results not saved: x"])  # type: ignore[arg-type]
+
+    monkeypatch.setattr(hc, "collect_here", here)
+    request = HealthcheckRequest(level="standard", disk=("/scratch",), smi_tool="ppu-smi", skip=("ecc_errors",))
+    argv = hc.task_command(request, "/opt/python")
+    assert argv[:4] == ["/opt/python", "-m", "healthcheck.collect", "--task"] and len(argv) == 5
+    # WHEN the task runs
+    code = hc.main(argv[3:])
+    # THEN it checked that request, printed the report as indented JSON with its artifact, and
+    # said on stderr what it could not do
+    out, err = capsys.readouterr()
+    assert seen == [request]
+    assert json.loads(out) == {"schema": "dynprof.healthcheck", "verdict": "unhealthy", "artifact": "/store/hc-1"}
+    assert out.rstrip().splitlines()[-1] == "}"
+    assert code == 2 and "dynprof healthcheck: results not saved: x" in err
+
+
+def test_a_task_handed_a_request_it_refuses_exits_3_without_a_report(capsys):
+    assert hc.main(["--task", '{"level": "deep"}']) == 3
+    out, err = capsys.readouterr()
+    assert out == "" and "healthcheck: error:" in err
+
+
+def test_the_local_options_travel_only_on_the_node():
+    # GIVEN a request with the node's own files and tools
+    request = HealthcheckRequest(baseline=("/b.json",), disk=("/d",), shared_fs=(), probe_timeout=3.0)
+    doc = request.to_json()
+    # THEN its document carries them (those not at their defaults), the node reads them back,
+    # and the sidecar's action neither takes nor is sent them
+    assert doc["baseline"] == ["/b.json"] and doc["shared_fs"] == [] and "smi_tool" not in doc
+    assert HealthcheckRequest.from_json(doc, local=True) == request
+    with pytest.raises(errors.UsageError) as refused:
+        HealthcheckRequest.from_json({"level": "quick", "disk": ["/d"]})
+    assert "unknown option 'disk'" in refused.value.message
+    assert not set(request.action_options()) & set(HealthcheckRequest.LOCAL_OPTIONS)
+    # AND a default request's document is the one it always was
+    assert set(HealthcheckRequest().to_json()) == {*HealthcheckRequest.OPTIONS, "timeout"}
+
+
+def test_options_at_their_defaults_are_not_sent_to_the_sidecars():
+    # GIVEN a request, one threshold changed
+    request = HealthcheckRequest(fail_below=0.8, skip=("disk_free",))
+    # WHEN the healthcheck action's options are made
+    options = request.action_options()
+    # THEN the changed one travels, the others at their defaults stay home (older sidecars know none of them)
+    assert options["fail_below"] == 0.8 and options["skip"] == ["disk_free"] and options["level"] == "quick"
+    assert not {"warn_below", "peer_fail", "peer_warn", "min_disk_gib", "xid_window"} & set(options)
+    # AND what is unset, false or empty is left out
+    assert not {"job", "expect_devices", "no_save"} & set(options)
+    assert "skip" not in HealthcheckRequest().action_options()

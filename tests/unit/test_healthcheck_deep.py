@@ -23,6 +23,7 @@ from healthcheck import runner as runner_mod
 from healthcheck.backends.base import XidEvent
 from healthcheck.backends.nvml import NvmlBackend
 from healthcheck.checks.counters import check_nvlink_errors, check_pcie_replay, check_recovery_action
+from healthcheck.options import Options
 from healthcheck.readings import DeviceReadings, NvLinkReading
 from healthcheck.result import Status
 from healthcheck.timeouts import InFlight
@@ -372,7 +373,7 @@ def quick(tmp_path: Path, **options: Any) -> Any:
     defaults: dict[str, Any] = dict(
         level="quick", disk_paths=["/"], min_disk_gib=0.001, ib_root=str(tmp_path / "no-ib"), shared_fs=[]
     )
-    return runner_mod.run(runner_mod.Options(**{**defaults, **options}))
+    return runner_mod.run(Options(**{**defaults, **options}))
 
 
 def by_name(report: Any, name: str) -> list[Any]:
@@ -647,10 +648,13 @@ def test_a_read_only_shared_filesystem_warns_and_mounts_are_found_without_touchi
 def test_shared_fs_comes_from_the_option_or_the_environment(monkeypatch):
     import argparse
 
-    from healthcheck.cli import options_from_args, prepare_parser
+    from healthcheck.arguments import add_check_arguments, request_from_args
+
+    def options_from_args(args: argparse.Namespace) -> Options:
+        return request_from_args(args).options()
 
     parser = argparse.ArgumentParser()
-    prepare_parser(parser)
+    add_check_arguments(parser)
     args = parser.parse_args(
         ["--shared-fs", "/a", "--shared-fs", "/b", "--probe-timeout", "3", "--counter-window", "2"]
     )
@@ -670,11 +674,12 @@ def test_a_probe_thread_that_never_returns_does_not_keep_the_process_alive(tmp_p
         import sys, threading
         sys.path.insert(0, {str(ROOT / "tests" / "unit")!r})
         from healthcheck import runner
+        from healthcheck.options import Options
         from test_healthcheck_deep import FakeBackend, healthy
         backend = FakeBackend([healthy(0)], hang_read={{0}})
         runner.open_backend = lambda kind, tool: backend
         runner.xidlog.read_kernel_log_xids = lambda window, now=None: ([], "test")
-        report = runner.run(runner.Options(level="quick", disk_paths=["/"], min_disk_gib=0.001,
+        report = runner.run(Options(level="quick", disk_paths=["/"], min_disk_gib=0.001,
                                            ib_root={str(tmp_path)!r}, shared_fs=[], probe_timeout_s=0.5))
         print([c.reason for c in report.checks if c.name == "device_read"][0], flush=True)
         """

@@ -12,6 +12,7 @@ import pytest
 
 from healthcheck import fleet
 from healthcheck.fleet import NodeOutcome, NodeReport, ReportError
+from healthcheck.fleet_text import render_fleet
 
 
 def check(name: str, status: str = "pass", device: int | None = None, value: Any = None, **extra: Any) -> dict:
@@ -213,7 +214,7 @@ def test_nodes_that_did_not_answer_refused_timed_out_or_did_not_finish_are_named
     assert verdicts["half"].reasons[0].check == "gemm_bf16"
     assert all(verdicts[label].status == "unknown" for label in ("down", "half"))
     assert result.exit_code == 3 and len(result.drained()) == 6
-    text = fleet.render_table(result)
+    text = render_fleet(result)
     assert "down" in text and "connection refused" in text and "verdict: COULD NOT RUN (exit 3)" in text
 
 
@@ -389,7 +390,7 @@ def test_link_findings_drain_the_isolated_node_and_warn_about_the_undecided_ones
     doc = result.to_json("slurm")
     assert doc["links"]["schema"] == "dynprof.healthcheck.links"
     assert "link-slow busbw" in doc["drain_commands"][0]
-    assert "links: 2 round(s)" in fleet.render_table(result)
+    assert "links: 2 round(s)" in render_fleet(result)
 
 
 # -- the peer comparison on its own ----------------------------------------------------------------

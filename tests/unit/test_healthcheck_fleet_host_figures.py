@@ -7,6 +7,8 @@ from __future__ import annotations
 from healthcheck import runner
 from healthcheck.backends import NoAccelerator
 from healthcheck.functional.cpu import host_gemm, host_memory_bandwidth
+from healthcheck.functional.table import HOST_FUNCTIONAL_CHECKS
+from healthcheck.options import Options
 from healthcheck.result import Status
 
 
@@ -33,7 +35,7 @@ def test_a_standard_run_without_accelerators_reports_the_host_figures(monkeypatc
     monkeypatch.setattr(runner, "open_backend", no_backend)
 
     # WHEN the standard level runs (a real CPU worker process)
-    report = runner.run(runner.Options(level="standard", expect_devices=0, disk_paths=["/"], min_disk_gib=0.001))
+    report = runner.run(Options(level="standard", expect_devices=0, disk_paths=["/"], min_disk_gib=0.001))
 
     # THEN both host figures are there, measured, node-level, and pass without a baseline
     figures = {c.name: c for c in report.checks if c.name.startswith("host_") and c.metric}
@@ -45,9 +47,9 @@ def test_a_standard_run_without_accelerators_reports_the_host_figures(monkeypatc
 
 def test_quick_runs_no_host_figure_and_skip_leaves_them_out(monkeypatch):
     monkeypatch.setattr(runner, "open_backend", lambda kind, tool: (_ for _ in ()).throw(NoAccelerator("none")))
-    quick = runner.run(runner.Options(level="quick", expect_devices=0, disk_paths=["/"], min_disk_gib=0.001))
+    quick = runner.run(Options(level="quick", expect_devices=0, disk_paths=["/"], min_disk_gib=0.001))
     skipped = runner.run(
-        runner.Options(
+        Options(
             level="standard",
             expect_devices=0,
             disk_paths=["/"],
@@ -56,4 +58,4 @@ def test_quick_runs_no_host_figure_and_skip_leaves_them_out(monkeypatch):
         )
     )
     for report in (quick, skipped):
-        assert not [c for c in report.checks if c.name in runner.HOST_FUNCTIONAL_CHECKS]
+        assert not [c for c in report.checks if c.name in HOST_FUNCTIONAL_CHECKS]

@@ -11,11 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from healthcheck import runner
+from healthcheck.checks import table as checks_table
 from healthcheck.functional import table, worker
 from healthcheck.functional.launcher import free_port, level_plan
 from healthcheck.functional.measurement import Measurement
-from healthcheck.functional.table import CHECKS, Check, Scope, Target, check_named, find
+from healthcheck.functional.table import CHECKS, HOST_FUNCTIONAL_CHECKS, Check, Scope, Target, check_named, find
+from healthcheck.options import LEVELS
 
 CPU = torch.device("cpu")
 ROOT = Path(__file__).resolve().parents[2]
@@ -48,7 +49,7 @@ TINY: dict[str, dict] = {
 @pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.name)
 def test_every_level_of_a_row_has_its_parameters_and_a_positive_timeout(check: Check):
     assert check.levels, "a row runs at some level"
-    assert set(check.levels) <= set(runner.LEVELS) - {"quick"}, "quick measures nothing"
+    assert set(check.levels) <= set(LEVELS) - {"quick"}, "quick measures nothing"
     assert set(check.params_by_level) == set(check.levels), "parameters for exactly the row's levels"
     assert set(check.timeout_by_level) == set(check.levels), "a time limit for exactly the row's levels"
     for level in check.levels:
@@ -62,8 +63,8 @@ def test_the_names_of_the_rows_and_of_their_results_are_unique_among_all_checks(
     results = [name for c in CHECKS for name in (*c.result_names, *c.under_load)]
     assert len(results) == len(set(results))
     # a functional result never takes the name of a passive or host check (--skip names one check)
-    assert not set(results) & set(runner.PASSIVE_CHECKS + runner.HOST_CHECKS)
-    assert len(runner.ALL_CHECKS) == len(set(runner.ALL_CHECKS))
+    assert not set(results) & set(checks_table.PASSIVE_CHECKS + checks_table.HOST_CHECKS)
+    assert len(checks_table.ALL_CHECKS) == len(set(checks_table.ALL_CHECKS))
 
 
 def test_a_rows_results_are_its_name_unless_it_names_them():
@@ -74,17 +75,17 @@ def test_a_rows_results_are_its_name_unless_it_names_them():
 def test_the_runners_lists_are_read_from_the_rows_in_table_order():
     # each row's results, then the checks judged under its load, row after row
     expected = [name for c in CHECKS if c.scope is not Scope.HOST for name in (*c.result_names, *c.under_load)]
-    assert list(runner.FUNCTIONAL_CHECKS) == expected
-    assert runner.FUNCTIONAL_CHECKS[:2] == ("gemm_bf16", "clocks_under_load")
-    assert runner.HOST_FUNCTIONAL_CHECKS == tuple(c.name for c in CHECKS if c.scope is Scope.HOST)
+    assert list(checks_table.FUNCTIONAL_CHECKS) == expected
+    assert checks_table.FUNCTIONAL_CHECKS[:2] == ("gemm_bf16", "clocks_under_load")
+    assert HOST_FUNCTIONAL_CHECKS == tuple(c.name for c in CHECKS if c.scope is Scope.HOST)
     assert table.PER_DEVICE_CHECKS == tuple(c.name for c in CHECKS if c.scope is Scope.DEVICE)
-    assert set(runner.ALL_CHECKS) >= set(runner.FUNCTIONAL_CHECKS + runner.HOST_FUNCTIONAL_CHECKS)
+    assert set(checks_table.ALL_CHECKS) >= set(checks_table.FUNCTIONAL_CHECKS + HOST_FUNCTIONAL_CHECKS)
 
 
 def test_every_functional_check_is_documented():
     docs = ROOT / "docs"
     text = (docs / "healthcheck.md").read_text() + (docs / "preflight.md").read_text()
-    missing = [name for name in runner.FUNCTIONAL_CHECKS + runner.HOST_FUNCTIONAL_CHECKS if f"`{name}`" not in text]
+    missing = [name for name in checks_table.FUNCTIONAL_CHECKS + HOST_FUNCTIONAL_CHECKS if f"`{name}`" not in text]
     assert not missing, f"document these checks in docs/healthcheck.md: {missing}"
 
 

@@ -12,8 +12,10 @@ from typing import Any
 import pytest
 
 from healthcheck import runner as runner_mod
+from healthcheck.arguments import add_check_arguments, request_from_args
 from healthcheck.backends.base import XidEvent
 from healthcheck.functional import launcher
+from healthcheck.options import Options
 from healthcheck.readings import DeviceReadings, NvLinkReading
 from healthcheck.result import Status
 
@@ -145,7 +147,7 @@ def test_quick_on_a_healthy_node_is_exit_0(node):
     node([healthy(0), healthy(1)])
 
     # WHEN the quick level runs
-    report = runner_mod.run(runner_mod.Options(level="quick", expect_devices=2, disk_paths=["/"], min_disk_gib=0.001))
+    report = runner_mod.run(Options(level="quick", expect_devices=2, disk_paths=["/"], min_disk_gib=0.001))
 
     # THEN every device check passed or was skipped as not applicable
     device_checks = [c for c in report.checks if c.device is not None]
@@ -164,7 +166,7 @@ def test_a_missing_device_fails_and_a_pending_remap_names_reset(node):
     node([bad])
 
     # WHEN the quick level runs
-    report = runner_mod.run(runner_mod.Options(level="quick", expect_devices=2, disk_paths=["/"], min_disk_gib=0.001))
+    report = runner_mod.run(Options(level="quick", expect_devices=2, disk_paths=["/"], min_disk_gib=0.001))
 
     # THEN the node is unhealthy (exit 2) and the device needs a reset
     assert by_name(report, "devices")[0].status is Status.FAIL
@@ -178,7 +180,7 @@ def test_live_xid_during_the_run_fails_the_device(node):
     node([healthy(0), healthy(1)], xids=[XidEvent(device=1, xid=79)])
 
     # WHEN the quick level runs
-    report = runner_mod.run(runner_mod.Options(level="quick", disk_paths=["/"], min_disk_gib=0.001))
+    report = runner_mod.run(Options(level="quick", disk_paths=["/"], min_disk_gib=0.001))
 
     # THEN that device fails with the drain action
     live = {c.device: c for c in by_name(report, "xid_live")}
@@ -194,7 +196,7 @@ def test_standard_measures_each_device_and_flags_a_slow_one(node, monkeypatch):
     node([healthy(0), healthy(1)], slow={1: 0.7})
 
     # WHEN the standard level runs (real worker processes, on the CPU)
-    report = runner_mod.run(runner_mod.Options(level="standard", disk_paths=["/"], min_disk_gib=0.001))
+    report = runner_mod.run(Options(level="standard", disk_paths=["/"], min_disk_gib=0.001))
 
     # THEN every device was measured, the slow one fails against its peers after one repeat
     gemm = {c.device: c for c in by_name(report, "gemm_bf16")}
@@ -226,7 +228,7 @@ def test_a_check_that_outlives_its_timeout_is_unknown_not_pass(node, monkeypatch
     monkeypatch.setattr(launcher, "run_workers", with_slow_plan)
 
     # WHEN the standard level runs
-    report = runner_mod.run(runner_mod.Options(level="standard", disk_paths=["/"], min_disk_gib=0.001))
+    report = runner_mod.run(Options(level="standard", disk_paths=["/"], min_disk_gib=0.001))
 
     # THEN the GEMM is unknown with the timeout as reason, the checks after it did not run, exit 3
     (gemm,) = by_name(report, "gemm_bf16")
@@ -244,7 +246,6 @@ def test_the_processes_of_the_job_named_are_not_others_holding_the_devices(node,
     import subprocess
 
     from dynprof.registry import AgentRecord, write_record
-    from healthcheck import cli as hc_cli
     from healthcheck.readings import DeviceProcess
 
     def record(pid: int, job: str) -> AgentRecord:
@@ -265,11 +266,11 @@ def test_the_processes_of_the_job_named_are_not_others_holding_the_devices(node,
 
         # WHEN the quick level runs for job hjob (as a watch's verdict asks), and for no job
         parser = argparse.ArgumentParser()
-        hc_cli.prepare_parser(parser)
+        add_check_arguments(parser)
         argv = ["--job", "hjob", "--disk", "/", "--min-disk-gib", "0.001"]
-        options = hc_cli.options_from_args(parser.parse_args(argv))
+        options = request_from_args(parser.parse_args(argv)).options()
         for_job = runner_mod.run(options)
-        for_none = runner_mod.run(runner_mod.Options(level="quick", disk_paths=["/"], min_disk_gib=0.001))
+        for_none = runner_mod.run(Options(level="quick", disk_paths=["/"], min_disk_gib=0.001))
     finally:
         rank.kill()
         rank.wait(timeout=30)

@@ -53,7 +53,7 @@ RENDERERS_BEFORE = {
     "stacks": "collectors.stacks:render_artifact",
     "hang": "collectors.stacks:render_artifact",
     "memory": "collectors.memory.render:render_artifact",
-    "memory-plan": "collectors.memory.plan:render_artifact",
+    "memory-plan": "collectors.memory.plan.render:render_artifact",
     "host-memory": "collectors.host_memory:render_artifact",
     "nccl": "collectors.flight_recorder:render_artifact",
     "analysis": "collectors.trace_analysis.render:render_artifact",

@@ -12,8 +12,13 @@ import pytest
 import torch
 import torch.utils.checkpoint as cp
 
-from collectors.memory.plan import from_json, how_to_apply, make_plan, predict
-from collectors.memory.plan_capture import LiveTensorBytes, find_blocks, live_tensors, measure_step
+from collectors.memory.plan.blocks import find_blocks, live_tensors
+from collectors.memory.plan.capture import measure_step
+from collectors.memory.plan.measurement import from_json
+from collectors.memory.plan.meter import LiveTensorBytes
+from collectors.memory.plan.predict import predict
+from collectors.memory.plan.recipes import how_to_apply
+from collectors.memory.plan.solve import make_plan
 
 pytestmark = pytest.mark.usefixtures("eager_process")
 

@@ -9,7 +9,9 @@ import pytest
 
 from collectors.stacks import Frame, ProcessStacks, ThreadStack
 from collectors.stacks.readers import parse_py_spy
-from dynprof.watch import detect
+from dynprof.watch import classify, detect
+from dynprof.watch import frames as frame_rules
+from dynprof.watch import stall as stall_rule
 from dynprof.watch.model import RankProgress
 
 DIST = "/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py"
@@ -61,12 +63,12 @@ def look(
     second: tuple[Frame, ...] | None = None,
     cpu_delta: float = 0.0,
     **kw,
-) -> detect.RankLook:
+) -> classify.RankLook:
     before = row(rank, **kw)
     after = row(rank, cpu=before.cpu_s + cpu_delta, t=NOW + 3.0, **{**kw, "age": (kw.get("age", 80.0) or 0) + 3.0})
     if kw.get("age", 80.0) is None:
         after.last_step_age_s = None
-    return detect.RankLook(
+    return classify.RankLook(
         node=node,
         before=before,
         after=after,
@@ -75,38 +77,7 @@ def look(
     )
 
 
-STALL = detect.Stall(stalled=True, age_s=80.0, stall_after_s=60.0, first_step=False, last_step=100, ranks=4)
-
-
-def test_stall_default_is_the_larger_of_60_s_and_20_median_step_times():
-    # GIVEN ranks stepping every 0.5 s, and a job of 10 s steps
-    fast = [row(r) for r in range(4)]
-    slow = [row(r, step_time_s=10.0) for r in range(4)]
-    # WHEN / THEN
-    assert detect.default_stall_after(fast) == 60.0
-    assert detect.default_stall_after(slow) == 200.0
-    assert detect.check_stall(fast).stalled  # 80 s without a step
-    assert not detect.check_stall(slow).stalled
-
-
-def test_one_rank_that_stepped_recently_means_no_stall():
-    # GIVEN three ranks idle for 80 s, one that stepped 2 s ago
-    rows = [row(0), row(1), row(2), row(3, age=2.0)]
-    # WHEN
-    stall = detect.check_stall(rows, 30.0)
-    # THEN the job's age is the youngest rank's
-    assert not stall.stalled and stall.age_s == 2.0
-
-
-def test_before_the_first_step_the_age_counts_from_the_processes_start():
-    # GIVEN ranks with no step yet, started 20 s ago
-    rows = [row(r, step=0, age=None, started_at=NOW - 20.0) for r in range(2)]
-    # WHEN
-    early = detect.check_stall(rows, 30.0)
-    late = detect.check_stall(rows, 10.0)
-    # THEN no stall is called from step ages alone: the start time counts
-    assert not early.stalled and early.first_step and early.age_s == 20.0
-    assert late.stalled
+STALL = stall_rule.Stall(stalled=True, age_s=80.0, stall_after_s=60.0, first_step=False, last_step=100, ranks=4)
 
 
 def test_a_rank_parked_in_data_loading_is_the_culprit_of_the_others_wait():
@@ -169,7 +140,7 @@ def test_a_rank_that_holds_the_gil_but_works_is_moving_not_stuck():
     native = Frame("PyImport_ImportModule", "", 0, native=True, library="/usr/lib/libpython3.11.so")
     frames = (native, py("<module>", "/job/train.py", 3))
     looks = [look(r, "n", frames, cpu_delta=2.0, step=0, age=None, agent="unresponsive") for r in range(2)]
-    stall = detect.Stall(True, 30.0, 20.0, first_step=True, last_step=0, ranks=2)
+    stall = stall_rule.Stall(True, 30.0, 20.0, first_step=True, last_step=0, ranks=2)
     # WHEN
     decision = detect.decide(looks, stall)
     # THEN busy, never a hang
@@ -210,16 +181,6 @@ def test_ranks_blocked_writing_a_checkpoint_are_busy_not_parked():
     assert all("I/O +8.0 MB" in d for d in details[2:]), details
 
 
-def test_a_few_kilobytes_of_io_do_not_make_a_parked_rank_move():
-    # GIVEN a rank parked in load_next_batch whose agent answered status requests (a few kB)
-    frames = (py("load_next_batch", "/job/data.py", 77),)
-    (lk,) = [look(3, "n", frames, cpu_delta=0.0)]
-    assert lk.after is not None
-    lk.before.io_bytes, lk.after.io_bytes = 5_000, 9_000
-    # WHEN / THEN still parked
-    assert detect.classify(lk).state == "parked"
-
-
 def test_one_poll_seen_twice_does_not_claim_no_cpu():
     # GIVEN a look whose two progress rows are the same poll of the node (a sidecar that
     # answers from its book and did not poll in between)
@@ -227,7 +188,7 @@ def test_one_poll_seen_twice_does_not_claim_no_cpu():
     lk = look(0, "n", frames)
     lk.after = lk.before
     # WHEN
-    state = detect.classify(lk)
+    state = classify.classify(lk)
     # THEN its CPU is unknown, and nothing says it spent none
     assert state.cpu_delta_s is None
     assert state.state == "parked" and "not measured" in state.detail
@@ -290,7 +251,7 @@ def test_a_dataloader_warm_up_is_moving_through_its_workers_cpu():
     # GIVEN ranks whose main thread waits for the first batch while their workers compute
     frames = (py("_poll", "/usr/lib/python3.11/multiprocessing/connection.py", 440), py("main", "/job/train.py", 60))
     looks = [look(r, "n", frames, cpu_delta=2.5, step=0, age=None) for r in range(2)]
-    stall = detect.Stall(True, 30.0, 20.0, first_step=True, last_step=0, ranks=2)
+    stall = stall_rule.Stall(True, 30.0, 20.0, first_step=True, last_step=0, ranks=2)
     # WHEN
     decision = detect.decide(looks, stall)
     # THEN busy
@@ -300,9 +261,9 @@ def test_a_dataloader_warm_up_is_moving_through_its_workers_cpu():
 def test_ranks_text_names_nodes_and_spans():
     # GIVEN states on two nodes
     states = [
-        detect.RankState(node="node-1", rank=r, pid=r, step=1, age_s=1.0, state="parked", where="x")
+        classify.RankState(node="node-1", rank=r, pid=r, step=1, age_s=1.0, state="parked", where="x")
         for r in (0, 1, 2, 5)
-    ] + [detect.RankState(node="node-2", rank=8, pid=8, step=1, age_s=1.0, state="parked", where="x")]
+    ] + [classify.RankState(node="node-2", rank=8, pid=8, step=1, age_s=1.0, state="parked", where="x")]
     # WHEN / THEN
     assert detect.ranks_text(states) == "ranks 0-2,5 on node-1, rank 8 on node-2"
 
@@ -533,21 +494,6 @@ def test_a_rank_held_in_any_gpu_library_while_its_gpu_runs_waits_for_its_gpu_at_
     assert "moving" not in decision.conclusion
 
 
-@pytest.mark.parametrize("gpu", ["unfinished-step", "unfinished-probe", "busy"])
-def test_the_gpu_side_agrees_by_unfinished_work_or_a_busy_device(gpu):
-    # GIVEN a rank held in a stripped driver call, its GPU's side saying it has work in one way
-    side = {
-        "unfinished-step": gpu_busy(done=False, util=0),
-        "unfinished-probe": gpu_busy(done=True, util=0, probe_done=False),
-        "busy": gpu_busy(done=True, util=97),
-    }[gpu]
-    held = (*stripped(5), *TRAIN)
-    # WHEN it is classified
-    state = detect.classify(look(1, "n", held, held, cpu_delta=2.0, **side))
-    # THEN it waits for its GPU, its GPU agreeing
-    assert state.state == "waiting-gpu" and "its GPU agrees: " in state.detail, state.detail
-
-
 def test_a_rank_held_in_a_gpu_library_whose_gpu_is_idle_and_done_says_both():
     # GIVEN rank 1 in the same driver call in both samples, but its GPU idle (0 %) and its last
     # step's work finished; ranks 0 and 2 wait in all_reduce
@@ -571,79 +517,6 @@ def test_a_rank_held_in_a_gpu_library_whose_gpu_is_idle_and_done_says_both():
     ) in decision.conclusion
     assert state.row()["state"].startswith("held on the host in a call into the CUDA driver")
     assert "waits for its GPU" not in decision.conclusion
-
-
-def test_a_rank_held_in_a_gpu_library_with_no_gpu_side_read_says_it_judged_from_its_stack():
-    # GIVEN a rank in a stripped driver call in both samples, no GPU step and no NVML reading
-    held = (*stripped(5), *TRAIN)
-    # WHEN it is classified
-    state = detect.classify(look(1, "n", held, held, cpu_delta=2.0))
-    # THEN it waits for its GPU, and says the GPU's side was not read
-    assert state.state == "waiting-gpu"
-    assert "judged from its stack alone: no reading of its device (its device not read)" in state.detail
-
-
-def test_a_rank_in_libc_poll_is_not_waiting_for_its_gpu():
-    # GIVEN a rank in poll (libc) under Python's select, and one in poll under gloo, in both samples
-    in_select = (
-        native("poll", LIBC),
-        native("0x55d1", "/usr/lib/python3.12/lib-dynload/select.cpython-312.so"),
-        py("select", "/usr/lib/python3.12/selectors.py", 415),
-        *TRAIN,
-    )
-    in_gloo = (native("poll", LIBC), native("gloo::transport::tcp::Loop::run", "/torch/lib/libgloo.so"), *TRAIN)
-    for frames in (in_select, in_gloo):
-        # WHEN it is classified, its GPU busy
-        state = detect.classify(look(1, "n", frames, frames, cpu_delta=0.0, **gpu_busy()))
-        # THEN it is no GPU wait (parked, where it is)
-        assert detect.gpu_wait_of(frames) is None
-        assert state.state not in ("waiting-gpu", "in-gpu-library"), state.state
-    # nor is a stack whose innermost frame is Python, or a library of the program's over the runtime
-    assert detect.gpu_wait_of((py("step"),)) is None
-    ext = Frame("spin", "", 0, native=True, library="/usr/lib/libmyext.so")
-    assert detect.gpu_wait_of((ext, native("cudaStreamSynchronize", "libcudart.so"))) is None
-
-
-def test_a_gpu_call_not_held_across_the_look_is_not_a_wait():
-    # GIVEN a rank in a launch in both samples but at different lines, one whose first sample was
-    # read natively outside any GPU library, and one that made a step in between
-    launch = (*stripped(3), native("cuLaunchKernel", LIBCUDA))
-    at40 = (*launch, *TRAIN)
-    at41 = (*launch, py("train_step", "/job/train.py", 41), TRAIN[1])
-    elsewhere = (native("memcpy", LIBC), native("at::native::add", "/torch/lib/libtorch_cpu.so"), *TRAIN)
-    moved_lines = look(1, "n", at41, at40, cpu_delta=3.0, **gpu_busy())
-    elsewhere_first = look(1, "n", elsewhere, at40, cpu_delta=3.0, **gpu_busy())
-    stepped = look(1, "n", at40, at40, cpu_delta=3.0, **gpu_busy())
-    assert stepped.after is not None
-    stepped.after.step += 1
-    # WHEN each is classified
-    states = [detect.classify(x) for x in (moved_lines, elsewhere_first, stepped)]
-    # THEN none is held in the GPU library: each moves
-    assert [s.state for s in states] == ["moving", "moving", "moving"], [s.detail for s in states]
-
-
-def test_the_library_decides_not_the_symbol():
-    # GIVEN the same symbol in a GPU library and in a library of the program's
-    in_driver = (native("cuLaunchKernel", LIBCUDA), *TRAIN)
-    in_program = (native("cuLaunchKernel", "/job/libmyshim.so"), *TRAIN)
-    # THEN only the first is a call into a GPU library
-    assert detect.gpu_wait_of(in_driver) is not None
-    assert detect.gpu_wait_of(in_program) is None
-    # AND the libraries of the GPU's host side are known by their files, named or in a CUDA folder
-    for lib in (
-        LIBCUDA,
-        LIBCUDART,
-        LIBTORCH_CUDA,
-        "/usr/lib/libc10_cuda.so",
-        "/usr/lib/libnccl.so.2",
-        "libcublas.so.13",
-        "libcublasLt.so.13",
-        "libcudnn_ops.so.9",
-        "/usr/local/cuda-12.4/lib64/libsomething.so",
-    ):
-        assert detect.is_gpu_library(native("x", lib)), lib
-    for lib in (LIBC, "/usr/lib/libcurl.so.4", "/torch/lib/libtorch_cpu.so", "/torch/lib/libgloo.so"):
-        assert not detect.is_gpu_library(native("x", lib)), lib
 
 
 def test_every_rank_waiting_for_its_gpu_is_a_hang_on_the_devices_once_confirmed():
@@ -876,8 +749,8 @@ def test_a_stripped_nccl_is_named_by_the_call_into_it_never_by_its_nearest_expor
     from_c10d = (*inside, native("c10d::ProcessGroupNCCL::allreduce", LIBTORCH_CUDA), *TRAIN)
     alone = (*inside, *TRAIN)
     # WHEN / THEN the call into it is named where torch's code made it, and said unnamed otherwise
-    assert detect.collective_of(from_c10d) == "c10d::ProcessGroupNCCL::allreduce"
-    assert detect.collective_of(alone) == "a call into libnccl.so.2 (stripped: the call is not named)"
+    assert frame_rules.collective_of(from_c10d) == "c10d::ProcessGroupNCCL::allreduce"
+    assert frame_rules.collective_of(alone) == "a call into libnccl.so.2 (stripped: the call is not named)"
     # AND a rank in _CoalescingManager.wait (torch.distributed, NCCL spinning under it) waits in it
     coalesced = (*inside, py("_CoalescingManager.wait", DIST, 2620), *TRAIN)
     looks = [look(r, "n", coalesced, cpu_delta=2.9, **gpu_busy()) for r in range(3)] + [look(3, "n", LOAD)]
@@ -900,7 +773,7 @@ def test_the_rest_of_torch_distributed_is_judged_by_what_it_does():
     decision = detect.decide(looks, STALL)
     # THEN busy: it is no collective (not the communication API), it works at the disk
     assert decision.kind == "busy" and [s.state for s in decision.states] == ["moving"] * 4
-    assert detect.collective_of(dcp) is None
+    assert frame_rules.collective_of(dcp) is None
     assert decision.conclusion == (
         "no step for 80 s: all ranks in save_checkpoint (/job/train.py:210), moving (in disk I/O (process state D))"
     )
@@ -922,19 +795,6 @@ def test_a_busy_verdict_says_what_was_measured_of_each_group():
         "no step for 80 s: all ranks in save_checkpoint (/job/train.py:210), moving "
         "(2 of 4: CPU +0.5 s in 3.0 s, 2 of 4: I/O +8.0 MB, 2 of 4: in disk I/O (process state D))"
     )
-
-
-def test_the_stall_rule_is_one_for_the_watch_and_the_sidecar():
-    # GIVEN step times of a few jobs
-    from dynprof.sidecar import progress
-
-    for times in ([], [0.0], [0.5, 0.5], [10.0, 12.0, 0.0], [4.0]):
-        # WHEN / THEN the sidecar's stall time is the watch's
-        assert progress.stall_after_s(list(times), None) == detect.stall_after_for(times)
-        rows = [row(r, step_time_s=t) for r, t in enumerate(times)]
-        assert detect.default_stall_after(rows) == detect.stall_after_for(times)
-    assert detect.stall_after_for([10.0, 12.0, 0.0]) == 220.0
-    assert detect.stall_after_for([0.5], 7.5) == 7.5
 
 
 # -- the flight recorder: the group the watch sees, every kind of evidence it holds ---------------

@@ -15,7 +15,8 @@ from dynprof.watch.engine import WatchConfig, WatchEngine
 from dynprof.watch.model import NodeProgress, RankProgress, Verdict
 from dynprof.watch.render import render_verdict_text
 from dynprof.watch.sources import NodeRead, StacksRead
-from dynprof.watch.straggler import StragglerReport
+from dynprof.watch.straggler.rule import StragglerReport
+from dynprof.watch.straggler.sampler import StragglerSampler
 
 DIST = "/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py"
 
@@ -165,8 +166,21 @@ def test_nodes_that_do_not_answer_are_named_not_dropped():
     assert "no answer from node(s) node-1" in verdict.conclusion
 
 
-def test_the_straggler_hook_is_called_every_sample_and_its_scores_exported():
-    # GIVEN a straggler callable that scores rank 2
+class HookSampler:
+    """The straggler's sampler, its samples ``hook(job)``: what a sample says, without a trace."""
+
+    name = "straggler"
+
+    def __init__(self, hook: Any, every_s: float) -> None:
+        self.hook = hook
+        self.every_s = every_s
+
+    def sample(self, job: str) -> StragglerReport:
+        return self.hook(job)
+
+
+def test_the_straggler_sampler_is_called_every_sample_and_its_scores_exported():
+    # GIVEN a straggler sampler that scores rank 2
     source = FakeSource()
     calls: list[str] = []
 
@@ -175,9 +189,13 @@ def test_the_straggler_hook_is_called_every_sample_and_its_scores_exported():
         return StragglerReport(sampled_at=source.t, steps=2, scores={("node-2", 2): 0.3})
 
     said: list[Verdict] = []
-    config = WatchConfig(job="j", interval_s=1.0, stall_after_s=60.0, sample_every_s=3.0)
+    config = WatchConfig(job="j", interval_s=1.0, stall_after_s=60.0)
     engine = WatchEngine(
-        config, source, on_verdict=lambda v, p: said.append(v), straggler=straggler, clock=lambda: source.t
+        config,
+        source,
+        on_verdict=lambda v, p: said.append(v),
+        samplers=[HookSampler(straggler, 3.0)],
+        clock=lambda: source.t,
     )
     # WHEN ten rounds of one second run (each sample done before the next round)
     for _ in range(10):
@@ -202,8 +220,9 @@ def test_progress_polls_go_on_while_a_sample_is_in_flight():
         return StragglerReport(sampled_at=source.t, steps=2, scores={("node-2", 2): 0.0}, check="no straggler")
 
     samples: list[StragglerReport] = []
-    config = WatchConfig(job="j", interval_s=1.0, stall_after_s=5.0, look_interval_s=0.0, sample_every_s=2.0)
-    engine = WatchEngine(config, source, straggler=straggler, clock=lambda: source.t, on_sample=samples.append)
+    config = WatchConfig(job="j", interval_s=1.0, stall_after_s=5.0, look_interval_s=0.0)
+    samplers = [HookSampler(straggler, 2.0)]
+    engine = WatchEngine(config, source, samplers=samplers, clock=lambda: source.t, on_sample=samples.append)
     try:
         # WHEN rounds run after the sample started, and the job stalls meanwhile
         engine.tick()
@@ -226,15 +245,17 @@ def test_progress_polls_go_on_while_a_sample_is_in_flight():
 
 
 def test_a_sample_that_raises_is_still_said():
-    # GIVEN a straggler hook that fails
+    # GIVEN the straggler's sampler over a source whose trace fails
     source = FakeSource()
 
-    def straggler(job: str) -> StragglerReport:
+    def trace(job: str, steps: int, limit_s: float) -> Any:
         raise RuntimeError("boom")
 
+    source.trace = trace  # type: ignore[attr-defined]
     samples: list[StragglerReport] = []
-    config = WatchConfig(job="j", interval_s=1.0, stall_after_s=60.0, sample_every_s=1.0)
-    engine = WatchEngine(config, source, straggler=straggler, clock=lambda: source.t, on_sample=samples.append)
+    config = WatchConfig(job="j", interval_s=1.0, stall_after_s=60.0)
+    samplers = [StragglerSampler(source, 1.0, clock=lambda: source.t)]
+    engine = WatchEngine(config, source, samplers=samplers, clock=lambda: source.t, on_sample=samples.append)
     # WHEN a sample is due (the round's poll moves the clock 1 s)
     engine.tick()
     assert engine.wait_for_sample(timeout=30)

@@ -10,14 +10,13 @@ import pytest
 
 from collectors.flight_recorder import collect as nccl
 from dynprof import errors
-from dynprof.cli import job as job_cli
-from dynprof.cli import watch as watch_cli
+from dynprof.cli import _watching
 from dynprof.nodes import CommandError, Node, NodeAnswer
 from dynprof.registry import AgentRecord
 from dynprof.store import ArtifactStore
 from dynprof.watch import evidence
 from dynprof.watch.model import RankProgress
-from dynprof.watch.sources import FLIGHT_RECORDER_OFF
+from dynprof.watch.sources import FLIGHT_RECORDER_OFF, LocalSource, SidecarSource
 
 A, B = Node("node-a", 8787), Node("node-b", 8787)
 
@@ -98,7 +97,7 @@ def test_this_node_s_watch_says_the_recorder_is_off_for_the_job(monkeypatch):
 
     monkeypatch.setattr(nccl, "collect", refuse)
     # WHEN the watch reads the flight recorder
-    analysis, note = watch_cli.LocalSource(host="h").flight_recorder("frjob")
+    analysis, note = LocalSource(host="h").flight_recorder("frjob")
     # THEN its verdict says the recorder is not on, and how to have it
     assert analysis is None and note == FLIGHT_RECORDER_OFF
     assert "dynprof run --flight-recorder" in note
@@ -107,9 +106,9 @@ def test_this_node_s_watch_says_the_recorder_is_off_for_the_job(monkeypatch):
 def test_the_nodes_watch_says_the_recorder_is_off_for_the_job_and_checks_health_for_it(monkeypatch):
     # GIVEN two nodes whose ranks all answer that the recorder is off
     nodes = RecorderOffNodes()
-    monkeypatch.setattr(job_cli, "client_for", lambda args: nodes)
+    monkeypatch.setattr(_watching, "client_for", lambda args: nodes)
     args = argparse.Namespace(token_file=None, cacert=None, node_timeout=10.0, max_in_flight=4)
-    source = watch_cli.node_source(args, [A, B])
+    source = _watching.node_source(args, [A, B])
     # WHEN the watch reads the flight recorder, then the nodes' health for the job
     analysis, note = source.flight_recorder("frjob")
     health = source.healthcheck(source.nodes(), "frjob")
@@ -133,7 +132,7 @@ def test_this_node_s_watch_runs_the_healthcheck_for_the_job(monkeypatch):
 
     monkeypatch.setattr(hc_collect, "collect", recording)
     # WHEN the watch checks this node for job frjob
-    health = watch_cli.LocalSource(host="h").healthcheck(["h"], "frjob")
+    health = LocalSource(host="h").healthcheck(["h"], "frjob")
     # THEN the quick healthcheck is told the job (its ranks are its own processes), and what it
     # found is kept under this node's name
     assert [(r.level, r.job) for r in asked] == [("quick", "frjob")]
@@ -151,7 +150,7 @@ def test_this_node_s_healthcheck_that_cannot_run_is_said_with_why(monkeypatch):
 
     monkeypatch.setattr(hc_collect, "collect", broken)
     # WHEN the watch checks this node
-    health = watch_cli.LocalSource(host="h").healthcheck(["h"], None)
+    health = LocalSource(host="h").healthcheck(["h"], None)
     # THEN the node's evidence says it could not run, and why
     assert health == {
         "h": {"verdict": "could not run", "error": "the healthcheck ran past 120 s and was killed", "problems": []}
@@ -159,9 +158,6 @@ def test_this_node_s_healthcheck_that_cannot_run_is_said_with_why(monkeypatch):
 
 
 def test_with_gpu_coredump_the_culprits_with_unfinished_gpu_work_are_dumped_once_and_named():
-    import types
-
-    from dynprof.watch.engine import WatchConfig, WatchEngine
     from dynprof.watch.evidence import name_kernels_of
 
     calls: list[tuple[str, int]] = []
@@ -179,10 +175,10 @@ def test_with_gpu_coredump_the_culprits_with_unfinished_gpu_work_are_dumped_once
             "gpu_step": {"step": 6, "done": done, "coredump_armed": armed},
         }
 
-    engine = WatchEngine(WatchConfig(job="j", gpu_coredump=True), types.SimpleNamespace(gpu_coredump=take))
+    dumps: dict = {}
     # GIVEN a culprit behind unfinished GPU work, one whose work finished, one not armed
     items = [item(11, done=False), item(12, done=True), item(13, done=False, armed=False)]
-    name_kernels_of(engine, items)
+    name_kernels_of(take, dumps, items)
     # THEN only the first is dumped, and its kernel is in its evidence and its line
     assert calls == [("vm", 11)]
     assert items[0]["kernel"] == "running spin_kernel(long)<<<(1,1,1),(1,1,1)>>>"
@@ -192,17 +188,17 @@ def test_with_gpu_coredump_the_culprits_with_unfinished_gpu_work_are_dumped_once
     # AND a rank whose marked step finished but that waits for its GPU in a blocking call (its
     # endless kernel queued after the step's marker) is dumped too
     waits = [item(14, done=True)]
-    name_kernels_of(engine, waits, {("vm", 14)})
+    name_kernels_of(take, dumps, waits, {("vm", 14)})
     assert calls == [("vm", 11), ("vm", 14)] and waits[0]["kernel"].startswith("running ")
     calls.remove(("vm", 14))
     # AND a later verdict of the same process says the same without a second dump
     again = [item(11, done=False)]
-    name_kernels_of(engine, again)
+    name_kernels_of(take, dumps, again)
     assert calls == [("vm", 11)] and again[0]["kernel"] == items[0]["kernel"]
     # AND a watch whose source cannot dump (the sidecars') says where it can be done
-    remote = WatchEngine(WatchConfig(job="j", gpu_coredump=True), types.SimpleNamespace())
+    remote = SidecarSource(object(), [Node("vm", 8787)])
     far = [item(21, done=False)]
-    name_kernels_of(remote, far)
+    name_kernels_of(remote.gpu_coredump, {}, far)
     assert (
         "dumps GPUs on its own node only" in far[0]["kernel"]
         and "dynprof gpu-coredump --pid 21 --yes" in far[0]["kernel"]

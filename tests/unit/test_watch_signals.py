@@ -11,7 +11,7 @@ from dynprof.errors import ArtifactError
 from dynprof.watch import signals
 from dynprof.watch.model import VERDICT_KINDS, Verdict, verdict_kinds
 from dynprof.watch.signals import STRAGGLER, RankGauge, Signal, rank_columns, signal_named, signal_of_kind
-from dynprof.watch.straggler import SAMPLE_EVERY_S, sampler_for
+from dynprof.watch.straggler.sampler import SAMPLE_EVERY_S, sampler_for
 
 LOADER = Signal(
     name="loader",
@@ -36,8 +36,8 @@ def test_the_straggler_row_is_what_the_watch_said_of_it_before_the_table():
     assert (STRAGGLER.verdict_kind, STRAGGLER.label) == ("straggler", "Straggler")
     assert [(g.name, g.metric) for g in STRAGGLER.gauges] == [("score", "dynprof_watch_straggler_score")]
     assert rank_columns() == ("step_ms", "work_ms", "collective_ms", "score")
-    assert STRAGGLER.sampler == "dynprof.watch.straggler:sampler_for"
-    assert sampler_for.__module__ == "dynprof.watch.straggler"
+    assert STRAGGLER.sampler == "dynprof.watch.straggler.sampler:sampler_for"
+    assert sampler_for.__module__ == "dynprof.watch.straggler.sampler"
     # and the verdict kinds keep their order: the looks' findings, the signals', then the rest
     assert VERDICT_KINDS == verdict_kinds() == ("hang", "busy", "straggler", "agent-down", "ok")
 

@@ -7,7 +7,7 @@ of the same step with ``factor`` times its tokens: every level of its timeline k
 parameters, optimizer state and the gradients made by then (each block's from its backward's
 start, the others' from the last block's), and the rest is multiplied; each block's freeable,
 kept and recompute bytes, and its recompute time, are multiplied too (autocast's parameter
-casts are not). The plan of a scaled measurement (:func:`collectors.memory.plan.make_plan`) is
+casts are not). The plan of a scaled measurement (:func:`collectors.memory.plan.solve.make_plan`) is
 the plan for that size.
 
 :func:`micro_batches` answers "which micro-batch fits": the largest size whose predicted peak,
@@ -30,7 +30,10 @@ import math
 from collections.abc import Iterable
 from typing import Any
 
-from collectors.memory.plan import Measurement, from_json, make_plan, margin_bytes
+from collectors.memory.plan.measurement import Measurement, from_json
+from collectors.memory.plan.predict import margin_bytes
+from collectors.memory.plan.solve import make_plan
+from dynprof.units import human_bytes as hb
 
 MAX_SIZE_FACTOR = 64  # the largest micro-batch looked for, in multiples of the measured one
 MAX_SHAPE_DIMS = 8
@@ -202,8 +205,6 @@ def tokens_factor(shape: list[int], held: Iterable[Any]) -> float | None:
 
 def describe(doc: dict[str, Any]) -> list[str]:
     """The text of :func:`micro_batches`' answer ``doc``."""
-    from dynprof.units import human_bytes as hb
-
     unit, budget = doc["unit"], doc["budget_bytes"]
 
     def size(row: dict[str, Any]) -> str:
@@ -221,7 +222,7 @@ def describe(doc: dict[str, Any]) -> list[str]:
         p = planned["plan"]
         frac = p.get("added_step_fraction")
         lines.append(
-            f"  {size(planned)} fits with {_blocks(p['modules'])} recomputed (predicted "
+            f"  {size(planned)} fits with {blocks_text(p['modules'])} recomputed (predicted "
             f"{hb(p['predicted_peak_bytes'])}"
             + (f", +{frac * 100:.0f} % step time" if frac is not None else "")
             + f" for {planned['tokens_factor']:g}x the tokens)"
@@ -230,7 +231,7 @@ def describe(doc: dict[str, Any]) -> list[str]:
     p = twice.get("plan") or {}
     if p.get("status") == "fits" and p.get("modules"):
         lines.append(
-            f"  {size(twice)}: peak {hb(twice['predicted_peak_bytes'])}; fits with {_blocks(p['modules'])} recomputed "
+            f"  {size(twice)}: peak {hb(twice['predicted_peak_bytes'])}; fits with {blocks_text(p['modules'])} recomputed "
             f"(predicted {hb(p['predicted_peak_bytes'])}, +{(p.get('added_step_fraction') or 0) * 100:.0f} % step time "
             "for 2x the tokens)"
         )
@@ -244,7 +245,7 @@ def describe(doc: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _blocks(names: list[str]) -> str:
+def blocks_text(names: list[str]) -> str:
     """``blocks 2-19`` for a run of one container's numbered blocks, else the names."""
     heads = {n.rsplit(".", 1)[0] for n in names}
     tails = [n.rsplit(".", 1)[-1] for n in names]

@@ -20,9 +20,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from collectors.memory import plan_capture as pc
-from collectors.memory.plan import candidates, from_json, make_plan, margin_bytes, peak_with, render_text
-from collectors.memory.plan_capture import LiveTensorBytes, StepMeasurement, live_tensors, measure_step, shared_costs
+from collectors.memory.plan import capture as pc
+from collectors.memory.plan.blocks import live_tensors
+from collectors.memory.plan.capture import StepMeasurement, measure_step
+from collectors.memory.plan.measurement import from_json
+from collectors.memory.plan.meter import LiveTensorBytes
+from collectors.memory.plan.predict import candidates, margin_bytes, peak_with
+from collectors.memory.plan.render import render_text
+from collectors.memory.plan.result import shared_costs
+from collectors.memory.plan.solve import make_plan
 
 pytestmark = pytest.mark.usefixtures("eager_process")
 

@@ -1,6 +1,6 @@
 """The watch's sampled traces in the store: the latest few and those that named a straggler are
-kept, the others deleted (dynprof.watch.straggler.SampleTraces), and a local sample that cannot
-trace says why."""
+kept, the others deleted (dynprof.watch.traces.SampleTraces), and a local sample that cannot
+trace says why (dynprof.watch.traces.local_traces, through this node's source)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ from pathlib import Path
 from collectors.torch_trace.samples import prune_sample_traces
 from dynprof import errors
 from dynprof.store import ArtifactStore
-from dynprof.watch.straggler import KEEP_SAMPLES, SampleTraces, sample_local_stragglers
+from dynprof.watch.sources import LocalSource
+from dynprof.watch.straggler.sampler import sample_stragglers
+from dynprof.watch.traces import KEEP_SAMPLES, SampleTraces
 
 
 def trace_artifact(store: ArtifactStore, rank: int, group: str) -> str:
@@ -78,6 +80,13 @@ def test_a_path_outside_the_store_is_never_deleted(tmp_path):
     assert removed == [] and outside.is_dir()
 
 
+def _local(trace, traces: SampleTraces) -> LocalSource:
+    """This node's source on host ``h``, its traces taken by ``trace`` and kept by ``traces``."""
+    source = LocalSource(host="h", run_trace=trace)
+    source.sample_traces = traces
+    return source
+
+
 def test_a_local_sample_that_cannot_trace_says_why_and_keeps_nothing():
     # GIVEN a trace that fails (no agent), and one whose ranks wrote no trace
     def no_agent(job: str, steps: int, limit_s: float) -> dict:
@@ -88,8 +97,8 @@ def test_a_local_sample_that_cannot_trace_says_why_and_keeps_nothing():
 
     traces = SampleTraces(ArtifactStore())
     # WHEN each is sampled
-    failed = sample_local_stragglers("j", "h", no_agent, traces=traces)
-    empty = sample_local_stragglers("j", "h", nothing, traces=traces)
+    failed = sample_stragglers(_local(no_agent, traces), "j")
+    empty = sample_stragglers(_local(nothing, traces), "j")
     # THEN the notes say why, nothing is decided
     assert failed.verdict is None and "no process of job 'j' with a dynprof agent" in failed.note
     assert empty.verdict is None and empty.at_step == 12
@@ -117,8 +126,8 @@ def test_an_artifact_an_answer_names_that_is_not_the_samples_trace_is_neither_re
 
     traces = SampleTraces(store, keep=1)
     # WHEN it is sampled twice (the first sample's traces would be pruned by the second)
-    first = sample_local_stragglers("j", "h", answers, traces=traces)
-    sample_local_stragglers("j", "h", answers, traces=traces)
+    first = sample_stragglers(_local(answers, traces), "j")
+    sample_stragglers(_local(answers, traces), "j")
     # THEN neither is taken for a trace of the sample, and both are still there
     assert first.traces == [] and first.verdict is None
     assert "rank 0 (pid 7): " in first.note and "is not a trace of this sample in the store" in first.note

@@ -9,7 +9,9 @@ import html
 import pytest
 
 from collectors.memory.collect import MemoryPlanRequest
-from collectors.memory.plan import KIND, PLAN_FILE, from_json, make_plan, render_artifact
+from collectors.memory.plan.measurement import from_json
+from collectors.memory.plan.render import KIND, PLAN_FILE, render_artifact
+from collectors.memory.plan.solve import make_plan
 from dynprof import errors
 from dynprof.cli import main
 from dynprof.cli.serve import page_views

@@ -14,8 +14,10 @@ import types
 import pytest
 import torch
 
-from collectors.memory.plan import from_json, how_to_apply, make_plan
-from collectors.memory.plan_capture import measure_step
+from collectors.memory.plan.capture import measure_step
+from collectors.memory.plan.measurement import from_json
+from collectors.memory.plan.recipes import how_to_apply
+from collectors.memory.plan.solve import make_plan
 
 pytestmark = pytest.mark.usefixtures("eager_process")
 
@@ -78,7 +80,7 @@ def chosen_and_recipes():
         opt.zero_grad(set_to_none=True)
 
     step()  # the optimizer's state exists: its first step's is not the peak the plan is for
-    import collectors.memory.plan_capture as capture
+    import collectors.memory.plan.capture as capture
 
     with pytest.MonkeyPatch.context() as mp:
         # as eager_process does (a module's fixture sees none of the tests' monkeypatches): other

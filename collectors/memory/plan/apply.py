@@ -14,7 +14,7 @@ drives it): the job's modules are touched there only, never from the agent's thr
   ``torch.compile``, or its model keeps a cache that a recompute would fill twice.
 - :class:`StepPeak` reads one step's real peak: on CUDA the allocator's highest count during
   the step where it rose past the process's earlier peak (read, never reset), and always the
-  live tensor bytes after every operator (:class:`~.plan_capture.LiveTensorBytes`), the scale
+  live tensor bytes after every operator (:class:`~.meter.LiveTensorBytes`), the scale
   the plan predicts on.
 - :func:`auto_budget` is the budget of ``--checkpoint auto``: the device's memory (or the
   process's cap) less a margin.
@@ -27,6 +27,11 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from collectors.memory.plan.blocks import CHECKPOINT_CLASSES, find_blocks, live_tensors
+from collectors.memory.plan.budget import parse_budget
+from collectors.memory.plan.meter import LiveTensorBytes
+from dynprof import errors
+
 # ``--checkpoint auto`` plans for this share of the device's memory (or of the process's cap): the
 # rest is for the CUDA context, the allocator's cached blocks that fragmentation leaves unused,
 # and NCCL's buffers, none of which the allocated-bytes peak counts.
@@ -35,17 +40,10 @@ ENV = "DYNPROF_CHECKPOINT"  # the job's request: a budget or auto (set by `dynpr
 MAX_SPEC = 64
 MARK = "__dynprof_checkpoint__"  # set on the forward dynprof put in place
 
-# Module classes whose forward is already checkpointed (FSDP's checkpoint_wrapper, fairscale's,
-# DeepSpeed's pipeline module's wrapper).
-CHECKPOINT_CLASSES = ("CheckpointWrapper", "CheckpointModule", "CheckpointFunction")
-
 
 def parse_spec(text: str) -> str:
     """``auto``, a size (``40G``) or a percentage of the measured peak (``60%``), checked;
     raises ValueError with the reason."""
-    from collectors.memory.collect import parse_budget
-    from dynprof import errors
-
     spec = text.strip()
     if not spec or len(spec) > MAX_SPEC:
         raise ValueError(f"not a budget: {spec[:MAX_SPEC]!r}")
@@ -141,8 +139,6 @@ def wrap(name: str, module: Any) -> Wrapped:
 def blocks_by_name(roots: list[Any]) -> dict[str, tuple[Any, Any]]:
     """The plan's candidate blocks of ``roots`` by the names the measurement gave them:
     name -> (module, its root)."""
-    from collectors.memory.plan_capture import find_blocks
-
     out: dict[str, tuple[Any, Any]] = {}
     for name, module in find_blocks(roots):
         root = roots[0] if len(roots) == 1 else _root_of(name, roots)
@@ -168,8 +164,6 @@ class StepPeak:
 
     def __init__(self, known: Iterable[Any], device: str) -> None:
         import torch
-
-        from collectors.memory.plan_capture import LiveTensorBytes
 
         self.device = device
         self._dev = torch.device(device) if device.startswith("cuda") else None
@@ -209,8 +203,6 @@ def known_tensors(roots: Iterable[Any], optimizers: Iterable[Any]) -> list[Any]:
     and every other tensor Python holds (counted from the start as the measurement counts them,
     so the verified peak is read as the predicted one was). On the training thread."""
     import torch
-
-    from collectors.memory.plan_capture import live_tensors
 
     out: list[Any] = []
     for root in roots:

@@ -7,8 +7,14 @@ from __future__ import annotations
 import itertools
 import random
 
-import collectors.memory.plan as plan
-from collectors.memory.plan import Candidates, from_json, make_plan, peak_with, predict, render_artifact, solve
+import pytest
+
+import collectors.memory.plan.solve as plan_solve
+from collectors.memory.plan.measurement import from_json
+from collectors.memory.plan.predict import Candidates, peak_with, predict
+from collectors.memory.plan.render import render_artifact
+from collectors.memory.plan.solve import make_plan, solve
+from tests.unit._plan_models import brute_force, chain
 from tests.unit._scripts import load_script
 
 
@@ -90,7 +96,7 @@ def test_the_cheapest_set_is_brute_forces_on_200_random_plans_of_1_to_12_blocks(
 
 def test_a_search_cut_at_its_bound_is_no_dearer_than_the_cheapest_for_the_budget_less_its_slack(monkeypatch):
     # GIVEN random chains, and a search allowed 3 states per block (it must merge)
-    monkeypatch.setattr(plan, "MIN_KEYS", 3)
+    monkeypatch.setattr(plan_solve, "MIN_KEYS", 3)
     rng = random.Random(5)
     merged = compared = 0
     for _ in range(300):
@@ -133,13 +139,13 @@ def test_a_crafted_plan_of_4096_blocks_is_answered_within_the_bound_and_says_it_
     bench = load_script("bench_plan_solver")
     doc = bench.craft(4096)
     checked = []
-    real = plan.peak_with
+    real = plan_solve.peak_with
 
     def counting(c, chosen, where=None):
         checked.append(len(chosen))
         return real(c, chosen, where)
 
-    monkeypatch.setattr(plan, "peak_with", counting)
+    monkeypatch.setattr(plan_solve, "peak_with", counting)
     # WHEN `dynprof show` renders it
     summary, text = render_artifact(bench._Stored(doc))
     # THEN it fits, says the search was cut at its bound and how much budget that may cost,
@@ -147,10 +153,64 @@ def test_a_crafted_plan_of_4096_blocks_is_answered_within_the_bound_and_says_it_
     assert summary["status"] == "fits"
     assert "not exact: the search reached its bound" in text and "for a budget" in text
     assert len(checked) <= 40
-    monkeypatch.setattr(plan, "peak_with", real)
+    monkeypatch.setattr(plan_solve, "peak_with", real)
     m = from_json(doc["measurement"])
     full = make_plan(m, budget=doc["asked"]["budget_bytes"])
     assert full["slack_bytes"] > 0 and not full["exact"]
     for p in [full["plan"], *full["runners_up"]]:
         assert predict(m, set(p["modules"]))["predicted_peak_bytes"] == p["predicted_peak_bytes"]
         assert p["predicted_peak_bytes"] <= full["budget_bytes"] - full["margin_bytes"]
+
+
+def test_the_solver_matches_brute_force_on_random_instances():
+    # GIVEN 300 random chains of up to 8 blocks and a target
+    rng = random.Random(28)
+    compared = 0
+    for _ in range(300):
+        c = chain(rng, rng.randint(1, 8))
+        every, none = peak_with(c, range(len(c.freeable))), peak_with(c, [])
+        target = rng.randint(min(every, none) - 10, max(every, none))
+        # WHEN the DP solves it
+        got, exact = solve(c, target)
+        want = brute_force(c, target)
+        # THEN it is exact, finds the cheapest set and the same runners-up costs, or says none
+        assert exact
+        if not want:
+            assert got == []
+            continue
+        compared += 1
+        assert [round(ch.cost, 9) for ch in got] == [round(x, 9) for x in want[: len(got)]]
+        assert len(got) == min(4, len(want))
+        for ch in got:
+            assert ch.peak == peak_with(c, ch.blocks) <= target
+            assert ch.freed == sum(c.freeable[i] for i in ch.blocks)
+    assert compared > 100
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["own-inputs", "shared-inputs"])
+def test_the_solver_matches_brute_force_where_checkpoints_keep_their_inputs(shared):
+    # GIVEN 300 random chains whose blocks' checkpoints keep inputs the step let go (shared:
+    # some one storage of two blocks), and a target
+    rng = random.Random(29)
+    compared = 0
+    for _ in range(300):
+        c = chain(rng, rng.randint(1, 8), kept=True, shared=shared)
+        every, none = peak_with(c, range(len(c.freeable))), peak_with(c, [])
+        target = rng.randint(min(every, none) - 10, max(every, none))
+        # WHEN the DP solves it
+        got, exact = solve(c, target)
+        want = brute_force(c, target)
+        # THEN every answer meets the target by peak_with; where the search says it is exact
+        # (no storage kept by two, no block freeing less than it keeps), it is brute force's
+        for ch in got:
+            assert ch.peak == peak_with(c, ch.blocks) <= target
+        if not want:
+            assert got == []
+            continue
+        if not exact:
+            assert not got or round(got[0].cost, 9) >= round(want[0], 9)
+            continue
+        compared += 1
+        assert [round(ch.cost, 9) for ch in got] == [round(x, 9) for x in want[: len(got)]]
+        assert len(got) == min(4, len(want))
+    assert compared > (30 if shared else 100)

@@ -1,13 +1,12 @@
-"""The memory plan: its solver against brute force, its measurement against hand-computed
-saved-tensor bytes, its clean-up, its decoder against hostile documents."""
+"""The memory plan's measurement: a measured step against hand-computed saved-tensor bytes, its
+clean-up, what ends it early, its decoder against hostile documents. (The predicted peak and the
+solver against brute force: test_collectors_memory_plan_predict.py, _solve.py.)"""
 
 from __future__ import annotations
 
 import copy
 import gc
-import itertools
 import json
-import random
 import threading
 from pathlib import Path
 
@@ -16,190 +15,17 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from collectors.memory.advice import advise
-from collectors.memory.plan import Candidates, from_json, make_plan, margin_bytes, peak_with, predict, solve
-from collectors.memory.plan_capture import (
-    LiveTensorBytes,
-    MeasurementRefused,
-    StepMeasurement,
-    find_blocks,
-    find_models,
-    live_tensors,
-    measure_step,
-)
+from collectors.memory.plan.blocks import MeasurementRefused, find_blocks, find_models, live_tensors
+from collectors.memory.plan.capture import StepMeasurement, measure_step
+from collectors.memory.plan.measurement import from_json
+from collectors.memory.plan.meter import LiveTensorBytes
+from collectors.memory.plan.predict import margin_bytes, predict
+from collectors.memory.plan.solve import make_plan
 from dynprof.errors import ArtifactError
 
 pytestmark = pytest.mark.usefixtures("eager_process")
 
 F32 = 4
-
-
-def chain(rng, n, kept=False, shared=False):
-    """A random measurement-like problem of n blocks in a chain: segment 0 before the blocks,
-    then each block's forward and the segment after it, the loss, then each block's backward
-    in reverse; block j is held from its forward end to its backward start. With ``kept``,
-    about half the blocks' checkpoints keep an input that died at their forward end or in the
-    next segment; with ``shared``, some of those inputs are one storage of two blocks."""
-    fe = [2 + 2 * j for j in range(n)]
-    mid = 2 * n + 1
-    bs = [mid + 1 + (n - 1 - j) for j in range(n)]
-    segments = mid + n + 2
-    timeline = [(rng.randint(50, 400), rng.choice([0, rng.randint(50, 400)])) for _ in range(segments)]
-    freeable = [rng.randint(0, 60) for _ in range(n)]
-    casts = [rng.randint(0, f) for f in freeable]
-    inputs = [[] for _ in range(n)]
-    if kept:
-        for j in range(n):
-            if rng.random() < 0.5 and freeable[j] > casts[j]:
-                inputs[j].append((fe[j] + rng.randint(0, 1), rng.randint(1, freeable[j] - casts[j]), j))
-        if shared:
-            for j in range(1, n):
-                if inputs[j - 1] and rng.random() < 0.5:
-                    inputs[j].append(inputs[j - 1][0])
-    return Candidates(
-        index=list(range(n)),
-        freeable=freeable,
-        casts=casts,
-        seconds=[round(rng.uniform(0.01, 3.0), 3) for _ in range(n)],
-        forward_end=fe,
-        backward_start=bs,
-        recompute_peak=[rng.randint(100, 450) for _ in range(n)],
-        late=[[] for _ in range(n)],
-        timeline=timeline,
-        untracked=rng.choice([0, 5]),
-        static=rng.randint(0, 60),
-        kept=inputs,
-    )
-
-
-def brute_force(c, target):
-    """Every subset's cost whose predicted peak is at most ``target``, by peak_with itself."""
-    out = []
-    n = len(c.freeable)
-    for r in range(n + 1):
-        for subset in itertools.combinations(range(n), r):
-            if peak_with(c, subset) <= target:
-                out.append(sum(c.seconds[i] for i in subset))
-    return sorted(out)
-
-
-def test_peak_with_follows_the_rule_written_out():
-    # GIVEN two blocks: held in segments 1..4 and 2..3; block 1 saved 4 bytes of casts
-    c = Candidates(
-        index=[0, 1],
-        freeable=[10, 20],
-        casts=[0, 4],
-        seconds=[1.0, 1.0],
-        forward_end=[1, 2],
-        backward_start=[5, 4],
-        recompute_peak=[90, 95],
-        late=[[(4, 7)], []],
-        timeline=[(50, 0), (60, 0), (0, 100), (100, 0), (80, 0), (70, 0), (40, 0)],
-        untracked=0,
-        static=10,
-    )
-    # WHEN each set's peak is predicted THEN it is the highest of each segment less what the
-    # chosen hold there (casts stay while autocast is on), and each recompute
-    assert peak_with(c, []) == 100
-    assert peak_with(c, [1]) == max(50, 60, 100 - 16, 100 - 20, 80, 70, 40, 95 - 20)
-    assert peak_with(c, [0]) == max(50, 60 - 10, 100 - 10, 100 - 10, 80 - 10 - 7, 70, 40, 90 - 10 - 7)
-    assert peak_with(c, [0, 1]) == max(50, 50, 100 - 26, 100 - 30, 80 - 17, 70, 40, 95 - 30, 90 - 17)
-
-
-def test_peak_with_counts_the_inputs_a_checkpoint_keeps_once_until_its_backward():
-    # GIVEN two blocks held in segments 1..4 and 2..3 whose checkpoints keep an input: block 0
-    # one of 5 bytes that died in segment 2, both one of 3 bytes (one storage) that died in 3
-    c = Candidates(
-        index=[0, 1],
-        freeable=[10, 20],
-        casts=[0, 0],
-        seconds=[1.0, 1.0],
-        forward_end=[1, 2],
-        backward_start=[5, 4],
-        recompute_peak=[90, 95],
-        late=[[], []],
-        timeline=[(50, 0), (60, 0), (100, 0), (100, 0), (80, 0), (70, 0), (40, 0)],
-        untracked=0,
-        static=10,
-        kept=[[(2, 5, 0), (3, 3, 1)], [(3, 3, 1)]],
-    )
-    # WHEN each set's peak is predicted THEN each kept input is counted from the segment it
-    # died in through the backward start's segment of the last block keeping it, once, and
-    # at each recompute that is kept then
-    assert peak_with(c, [1]) == max(50, 60, 100 - 20, 100 - 20 + 3, 80 + 3, 70, 40, 95 - 20 + 3)
-    assert peak_with(c, [0]) == max(50, 60 - 10, 100 - 10 + 5, 100 - 10 + 8, 80 - 10 + 8, 70 + 8, 40, 90 - 10 + 8)
-    assert peak_with(c, [0, 1]) == max(
-        50, 50, 100 - 30 + 5, 100 - 30 + 8, 80 - 10 + 8, 70 + 8, 40, 95 - 30 + 8, 90 - 10 + 8
-    )
-
-
-def test_the_solver_matches_brute_force_on_random_instances():
-    # GIVEN 300 random chains of up to 8 blocks and a target
-    rng = random.Random(28)
-    compared = 0
-    for _ in range(300):
-        c = chain(rng, rng.randint(1, 8))
-        every, none = peak_with(c, range(len(c.freeable))), peak_with(c, [])
-        target = rng.randint(min(every, none) - 10, max(every, none))
-        # WHEN the DP solves it
-        got, exact = solve(c, target)
-        want = brute_force(c, target)
-        # THEN it is exact, finds the cheapest set and the same runners-up costs, or says none
-        assert exact
-        if not want:
-            assert got == []
-            continue
-        compared += 1
-        assert [round(ch.cost, 9) for ch in got] == [round(x, 9) for x in want[: len(got)]]
-        assert len(got) == min(4, len(want))
-        for ch in got:
-            assert ch.peak == peak_with(c, ch.blocks) <= target
-            assert ch.freed == sum(c.freeable[i] for i in ch.blocks)
-    assert compared > 100
-
-
-def test_peak_with_says_where_its_peak_is():
-    # GIVEN random chains whose checkpoints keep inputs, and random sets of blocks
-    rng = random.Random(30)
-    for _ in range(300):
-        c = chain(rng, rng.randint(1, 8), kept=True, shared=True)
-        chosen = [j for j in range(len(c.freeable)) if rng.random() < 0.5]
-        # WHEN the peak is predicted, asking where it is
-        where = {}
-        peak = peak_with(c, chosen, where)
-        # THEN it is the level measured there, less what the chosen free, plus the inputs they
-        # keep, plus the untracked bytes (or the parameters, gradients and state, if more)
-        assert peak == max(where["measured"] - where["freed"] + where["kept"] + c.untracked, c.static)
-        assert where["recompute"] == -1 or where["recompute"] in chosen
-        assert peak == peak_with(c, chosen)
-
-
-@pytest.mark.parametrize("shared", [False, True], ids=["own-inputs", "shared-inputs"])
-def test_the_solver_matches_brute_force_where_checkpoints_keep_their_inputs(shared):
-    # GIVEN 300 random chains whose blocks' checkpoints keep inputs the step let go (shared:
-    # some one storage of two blocks), and a target
-    rng = random.Random(29)
-    compared = 0
-    for _ in range(300):
-        c = chain(rng, rng.randint(1, 8), kept=True, shared=shared)
-        every, none = peak_with(c, range(len(c.freeable))), peak_with(c, [])
-        target = rng.randint(min(every, none) - 10, max(every, none))
-        # WHEN the DP solves it
-        got, exact = solve(c, target)
-        want = brute_force(c, target)
-        # THEN every answer meets the target by peak_with; where the search says it is exact
-        # (no storage kept by two, no block freeing less than it keeps), it is brute force's
-        for ch in got:
-            assert ch.peak == peak_with(c, ch.blocks) <= target
-        if not want:
-            assert got == []
-            continue
-        if not exact:
-            assert not got or round(got[0].cost, 9) >= round(want[0], 9)
-            continue
-        compared += 1
-        assert [round(ch.cost, 9) for ch in got] == [round(x, 9) for x in want[: len(got)]]
-        assert len(got) == min(4, len(want))
-    assert compared > (30 if shared else 100)
 
 
 class Block(torch.nn.Module):
@@ -238,7 +64,7 @@ def train_step(model, opt, x):
 def test_a_block_is_never_free_to_recompute_when_the_meters_cost_is_overestimated(monkeypatch):
     # GIVEN a measurement whose calibration says each operator's trip through the meter costs far
     # more than it does (a loaded machine: the calibration rounds and the step run at other speeds)
-    from collectors.memory import plan_capture
+    from collectors.memory.plan import capture as plan_capture
 
     def overestimated(self) -> None:
         self._per_op_s = 1.0
@@ -496,7 +322,7 @@ def test_every_form_of_a_module_compiled_in_place_is_refused(form):
 
 def test_a_process_that_ran_compiled_code_is_refused_naming_the_code(monkeypatch, eager_process):
     # GIVEN an eager model in a process where torch.compile compiled a function (its loss, say)
-    import collectors.memory.plan_capture as capture
+    import collectors.memory.plan.capture as capture
 
     monkeypatch.setattr(capture, "compiled_code", eager_process)  # dynamo's own record, here
     model = MLP()
@@ -509,14 +335,14 @@ def test_a_process_that_ran_compiled_code_is_refused_naming_the_code(monkeypatch
     compiled_loss_of_this_test(torch.randn(3))
 
     # WHEN a step is measured THEN it refuses, naming the compiled code and where it is
-    assert any("compiled_loss_of_this_test" in c for c in capture.compiled_code(limit=100))
+    assert any("compiled_loss_of_this_test" in c for c in eager_process(limit=100))
     with pytest.raises(MeasurementRefused, match=r"torch\.compile has compiled code in this process"):
         measure_step(model, opt, lambda: None)
 
 
 def test_a_forward_without_grad_ends_the_measurement_at_once_and_says_why():
     # GIVEN a measurement armed on a training thread (the job's last step is behind it)
-    from collectors.memory.plan_capture import StepMeasurement
+    from collectors.memory.plan.capture import StepMeasurement
 
     model = MLP()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -562,7 +388,7 @@ def test_a_reentrant_checkpoint_forward_without_grad_is_part_of_the_step():
 
 def test_a_step_past_its_time_limit_ends_at_the_next_block_forward():
     # GIVEN a measurement whose step may last 0 s (any forward after the start is past it)
-    from collectors.memory.plan_capture import StepMeasurement
+    from collectors.memory.plan.capture import StepMeasurement
 
     model = MLP()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -14,7 +14,7 @@ autocast does (``input.float()``, the ``_to_copy`` autocast's cast runs), in the
 a checkpoint's recompute alike.
 
 "Real" is the step's live tensor bytes after every operator (:class:`LiveTensorBytes`), as in
-test_memory_plan_prediction.py; memory on the CPU does not depend on timing. No test here
+test_collectors_memory_plan_predict.py; memory on the CPU does not depend on timing. No test here
 looks at a clock.
 """
 
@@ -27,8 +27,12 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint as cp
 
-from collectors.memory.plan import from_json, make_plan, predict
-from collectors.memory.plan_capture import LiveTensorBytes, live_tensors, measure_step
+from collectors.memory.plan.blocks import live_tensors
+from collectors.memory.plan.capture import measure_step
+from collectors.memory.plan.measurement import from_json
+from collectors.memory.plan.meter import LiveTensorBytes
+from collectors.memory.plan.predict import predict
+from collectors.memory.plan.solve import make_plan
 
 pytestmark = pytest.mark.usefixtures("eager_process")
 

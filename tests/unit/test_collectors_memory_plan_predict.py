@@ -13,14 +13,21 @@ No test here looks at a clock.
 from __future__ import annotations
 
 import gc
+import random
 
 import pytest
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint as cp
 
-from collectors.memory.plan import from_json, how_to_apply, make_plan, predict
-from collectors.memory.plan_capture import LiveTensorBytes, find_blocks, live_tensors, measure_step
+from collectors.memory.plan.blocks import find_blocks, live_tensors
+from collectors.memory.plan.capture import measure_step
+from collectors.memory.plan.measurement import from_json
+from collectors.memory.plan.meter import LiveTensorBytes
+from collectors.memory.plan.predict import Candidates, peak_with, predict
+from collectors.memory.plan.recipes import how_to_apply
+from collectors.memory.plan.solve import make_plan
+from tests.unit._plan_models import chain
 
 pytestmark = pytest.mark.usefixtures("eager_process")
 
@@ -233,3 +240,70 @@ def test_a_resnet_is_planned_bottleneck_by_bottleneck_and_the_recipe_names_them(
     step()
     assert {n for n, c in calls.items() if c == 2} == {"layer3.0", *chosen}
     assert all(c in (1, 2) for c in calls.values())
+
+
+# -- the rule, written out ---------------------------------------------------------------------
+def test_peak_with_follows_the_rule_written_out():
+    # GIVEN two blocks: held in segments 1..4 and 2..3; block 1 saved 4 bytes of casts
+    c = Candidates(
+        index=[0, 1],
+        freeable=[10, 20],
+        casts=[0, 4],
+        seconds=[1.0, 1.0],
+        forward_end=[1, 2],
+        backward_start=[5, 4],
+        recompute_peak=[90, 95],
+        late=[[(4, 7)], []],
+        timeline=[(50, 0), (60, 0), (0, 100), (100, 0), (80, 0), (70, 0), (40, 0)],
+        untracked=0,
+        static=10,
+    )
+    # WHEN each set's peak is predicted THEN it is the highest of each segment less what the
+    # chosen hold there (casts stay while autocast is on), and each recompute
+    assert peak_with(c, []) == 100
+    assert peak_with(c, [1]) == max(50, 60, 100 - 16, 100 - 20, 80, 70, 40, 95 - 20)
+    assert peak_with(c, [0]) == max(50, 60 - 10, 100 - 10, 100 - 10, 80 - 10 - 7, 70, 40, 90 - 10 - 7)
+    assert peak_with(c, [0, 1]) == max(50, 50, 100 - 26, 100 - 30, 80 - 17, 70, 40, 95 - 30, 90 - 17)
+
+
+def test_peak_with_counts_the_inputs_a_checkpoint_keeps_once_until_its_backward():
+    # GIVEN two blocks held in segments 1..4 and 2..3 whose checkpoints keep an input: block 0
+    # one of 5 bytes that died in segment 2, both one of 3 bytes (one storage) that died in 3
+    c = Candidates(
+        index=[0, 1],
+        freeable=[10, 20],
+        casts=[0, 0],
+        seconds=[1.0, 1.0],
+        forward_end=[1, 2],
+        backward_start=[5, 4],
+        recompute_peak=[90, 95],
+        late=[[], []],
+        timeline=[(50, 0), (60, 0), (100, 0), (100, 0), (80, 0), (70, 0), (40, 0)],
+        untracked=0,
+        static=10,
+        kept=[[(2, 5, 0), (3, 3, 1)], [(3, 3, 1)]],
+    )
+    # WHEN each set's peak is predicted THEN each kept input is counted from the segment it
+    # died in through the backward start's segment of the last block keeping it, once, and
+    # at each recompute that is kept then
+    assert peak_with(c, [1]) == max(50, 60, 100 - 20, 100 - 20 + 3, 80 + 3, 70, 40, 95 - 20 + 3)
+    assert peak_with(c, [0]) == max(50, 60 - 10, 100 - 10 + 5, 100 - 10 + 8, 80 - 10 + 8, 70 + 8, 40, 90 - 10 + 8)
+    assert peak_with(c, [0, 1]) == max(
+        50, 50, 100 - 30 + 5, 100 - 30 + 8, 80 - 10 + 8, 70 + 8, 40, 95 - 30 + 8, 90 - 10 + 8
+    )
+
+
+def test_peak_with_says_where_its_peak_is():
+    # GIVEN random chains whose checkpoints keep inputs, and random sets of blocks
+    rng = random.Random(30)
+    for _ in range(300):
+        c = chain(rng, rng.randint(1, 8), kept=True, shared=True)
+        chosen = [j for j in range(len(c.freeable)) if rng.random() < 0.5]
+        # WHEN the peak is predicted, asking where it is
+        where = {}
+        peak = peak_with(c, chosen, where)
+        # THEN it is the level measured there, less what the chosen free, plus the inputs they
+        # keep, plus the untracked bytes (or the parameters, gradients and state, if more)
+        assert peak == max(where["measured"] - where["freed"] + where["kept"] + c.untracked, c.static)
+        assert where["recompute"] == -1 or where["recompute"] in chosen
+        assert peak == peak_with(c, chosen)

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from collectors.memory.plan import MAX_BYTES, Measurement
+from collectors.memory.plan.measurement import MAX_BYTES, Measurement
 from dynprof.safetext import one_line
+from dynprof.units import human_bytes
 
 MAX_MODULES = 4096
 MAX_TEXTS = 32  # refusals and notes kept
@@ -63,8 +64,6 @@ def read(raw: Any) -> dict[str, Any] | None:
 
 
 def _hb(n: Any) -> str:
-    from dynprof.units import human_bytes
-
     return str(human_bytes(n)) if isinstance(n, int) else "?"
 
 

@@ -1,9 +1,9 @@
-"""The straggler check's pure parts: the cause class from the analysis's work categories, and
-the score and verdict from an analysis document."""
+"""The straggler rule (dynprof.watch.straggler.rule), pure: the cause class from the analysis's
+work categories, and the score and verdict from an analysis document."""
 
 from __future__ import annotations
 
-from dynprof.watch.straggler import (
+from dynprof.watch.straggler.rule import (
     StragglerReport,
     category_excess,
     sample_line,

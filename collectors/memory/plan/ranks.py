@@ -29,7 +29,10 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any
 
-from collectors.memory.plan import Measurement, from_json, predict
+from collectors.memory.plan.measurement import Measurement, from_json
+from collectors.memory.plan.predict import predict
+from collectors.memory.plan.scale import input_shape
+from dynprof.units import human_bytes
 
 TOLERANCE = 0.05  # of the larger of two byte figures: within it, two ranks' figures agree
 MAX_SAID = 4  # differences said per rank (the first found, in the order of the figures)
@@ -44,12 +47,6 @@ FIGURES = (
 )
 
 
-def _hb(n: int) -> str:
-    from dynprof.units import human_bytes
-
-    return str(human_bytes(n))
-
-
 def _agree(a: int, b: int, tolerance: float) -> bool:
     return abs(a - b) <= tolerance * max(a, b)
 
@@ -57,7 +54,7 @@ def _agree(a: int, b: int, tolerance: float) -> bool:
 def _against(name: str, a: int, b: int) -> str:
     """``peak 12.0 MiB against 10.0 MiB (+20 %)``: ``b`` against the reference ``a``."""
     pct = f" ({(b - a) / a * 100:+.0f} %)" if a else ""
-    return f"{name} {_hb(b)} against {_hb(a)}{pct}"
+    return f"{name} {human_bytes(b)} against {human_bytes(a)}{pct}"
 
 
 def differences(
@@ -69,7 +66,7 @@ def differences(
 ) -> list[str]:
     """How ``b`` differs from ``a`` (at most :data:`MAX_SAID` of it, each said of ``b``
     against ``a``); ``[]``: they agree. ``shape_a``/``shape_b``: their first block input's
-    shape (:func:`collectors.memory.plan_scale.input_shape`; not compared when unknown)."""
+    shape (:func:`collectors.memory.plan.scale.input_shape`; not compared when unknown)."""
     out: list[str] = []
     if a.device.split(":")[0] != b.device.split(":")[0]:
         out.append(f"device {b.device} against {a.device}")
@@ -129,7 +126,6 @@ def group(job: str | None, members: list[Member], tolerance: float = TOLERANCE) 
     """``members`` (one job's ranks) in groups that agree, in rank order: each rank joins the
     first group whose first rank it agrees with, else starts a group that says how it differs
     from the job's first group."""
-    from collectors.memory.plan_scale import input_shape
 
     def key(m: Member) -> tuple[int, int]:
         return (m.rank if m.rank is not None else 1 << 62, m.pid)
