@@ -176,22 +176,12 @@ def answer(name: str, options: dict[str, Any], hosts: list[str] | None, cacert: 
                 raise errors.UsageError(f"{name} runs on this node only")
             row.decode(options)  # a value the request refuses: the usage error, as on a node
             nodes = [parse_node(h) for h in hosts]
-            result = _job_wide(name, row.job)(options, nodes, Reach(client_of(None, cacert)))
+            result = row.job(options, nodes, Reach(client_of(None, cacert)))
         else:
             result = row.collect(row.decode(options))
     except errors.DynprofError as exc:
         return {"result": None, "exit_code": exc.exit_code, "messages": [], "error": error_json(exc)}
     return {"result": result.to_json(), "exit_code": result.exit_code, "messages": result.messages, "error": None}
-
-
-def _job_wide(name: str, job: Any) -> Any:
-    """The job-wide function of action ``name``: its row's, but for ``stacks``, whose merge of
-    the nodes' answers is still the stacks command's own (imported here, in the child only)."""
-    if name != "stacks":
-        return job
-    from dynprof.cli.stacks import StacksCommand
-
-    return StacksCommand().collect_job
 
 
 def main() -> int:

@@ -22,6 +22,7 @@ from collectors.stacks.collect import StacksRequest
 from collectors.torch_trace.collect import TraceRequest
 from dynprof import errors
 from dynprof.job import links, ls, memory, nccl, ps, start, stop
+from dynprof.job import stacks as stacks_job
 from dynprof.job.merge import Reach
 from dynprof.node_requests import LsRequest, PsRequest, StopRequest
 from dynprof.nodes import Node
@@ -108,22 +109,6 @@ def _request_action(
     )
 
 
-def _stacks_request(options: dict[str, Any]) -> StacksRequest:
-    """The ``stacks`` action's options as the kind's request (``full`` is the text view's, not
-    the request's: an action answers the document, which it does not change)."""
-    options = dict(options)
-    full = options.pop("full", None)
-    if full is not None and not isinstance(full, bool):
-        raise errors.UsageError("stacks: option 'full' must be true or false")
-    return StacksRequest.from_json(options)
-
-
-def _stacks_job(options: dict[str, Any], nodes: list[Node], reach: Reach) -> Any:
-    """The nodes' stacks, merged: the stacks command's job-wide read-back, which the child of a
-    job-wide action imports (``dynprof.sidecar.child``) until it moves below the CLI."""
-    raise NotImplementedError("run by dynprof.sidecar.child")
-
-
 def _healthcheck_request(options: dict[str, Any]) -> HealthcheckRequest:
     """The ``healthcheck`` action's options as the kind's request; a value it refuses is the
     healthcheck's usage error (exit 3: 1 and 2 are the node's health)."""
@@ -162,8 +147,8 @@ ACTIONS: dict[str, Action] = {
         "stacks",
         StacksRequest,
         stacks.collect,
-        _stacks_job,
-        decode=_stacks_request,
+        stacks_job.collect_job,
+        decode=stacks_job.request_of,
         text_options={"full": "bool"},
         timeout_option="timeout",
         default_timeout_s=15.0,

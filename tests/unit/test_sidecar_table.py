@@ -16,6 +16,7 @@ from collectors.memory.collect import MemoryPlanRequest
 from collectors.stacks.collect import collect as stacks_collect
 from dynprof import errors
 from dynprof.job import links, ls, memory, nccl, ps, start, stop
+from dynprof.job import stacks as stacks_job
 from dynprof.node_requests import LsRequest
 from dynprof.result import Result
 from dynprof.sidecar import actions, table
@@ -153,7 +154,8 @@ def test_each_row_names_its_kinds_collect_and_its_job_wide_function():
     assert rows["memory"].collect is memory.collect and rows["memory"].job is memory.collect_job
     assert rows["nccl"].collect is nccl_collect and rows["nccl"].job is nccl.collect_job
     # the stacks kind's own collect answers a node's stacks
-    assert rows["stacks"].collect is stacks_collect
+    assert rows["stacks"].collect is stacks_collect and rows["stacks"].job is stacks_job.collect_job
+    assert rows["stacks"].decode is stacks_job.request_of
     # every action carries its kind's request: the healthcheck's and the link test's too
     assert rows["link-test"].decode == LinkTestRequest.from_json and rows["link-test"].collect is links.collect
     assert rows["healthcheck"].decode({"level": "quick"}) == HealthcheckRequest(level="quick")
