@@ -33,7 +33,7 @@ def main() -> int:
     import torch
 
     from collectors.torch_trace import TraceOptions, TraceSession, read_trace
-    from dynprof.agent._trace import DEFAULT_EXIT_WAIT_S, exit_wait_s
+    from dynprof.agent._trace_write import DEFAULT_EXIT_WAIT_S, exit_wait_s
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(

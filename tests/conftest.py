@@ -18,6 +18,10 @@ from pathlib import Path
 import pytest
 
 from tests._ports import free_port
+from tests.support.commands import run_dynprof
+from tests.support.lines import LineReader, start_in_session
+from tests.support.procs import terminate
+from tests.support.ranks import rank_env
 
 ROOT = Path(__file__).resolve().parent.parent
 PROGRAMS = ROOT / "tests" / "integration" / "programs"
@@ -372,20 +376,12 @@ def parked() -> object:
 
 
 # -- real target processes ------------------------------------------------------------------
-class Target:
+class Target(LineReader):
     """A child process started for a test, with its output lines collected."""
 
     def __init__(self, proc: subprocess.Popen[str], run_dir: str | None = None) -> None:
-        self.proc = proc
         self.run_dir = run_dir  # its DYNPROF_RUN_DIR, where its agents' logs are
-        self.lines: list[str] = []
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append(line.rstrip("\n"))
+        super().__init__(proc)
 
     @property
     def pid(self) -> int:
@@ -435,12 +431,7 @@ class Target:
         resource tracker and DataLoader workers outlive a terminated parent, and would go on
         writing to the test's run directory after the test."""
         if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
+            terminate(self.proc)
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, signal.SIGKILL)
 
@@ -457,16 +448,7 @@ def start_target(args: list[str], under_run: bool = True, env: dict[str, str] | 
         if under_run
         else [sys.executable, *args]
     )
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=full_env,
-        cwd=str(ROOT),
-        start_new_session=True,
-    )
-    return Target(proc, full_env.get("DYNPROF_RUN_DIR"))
+    return Target(start_in_session(cmd, full_env, ROOT), full_env.get("DYNPROF_RUN_DIR"))
 
 
 @pytest.fixture
@@ -596,14 +578,7 @@ def run_cli(*args: str, timeout: float = 120, env: dict[str, str] | None = None)
     full_env = dict(os.environ)
     if env:
         full_env.update(env)
-    return subprocess.run(
-        [sys.executable, "-m", "dynprof", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=full_env,
-        cwd=str(ROOT),
-    )
+    return run_dynprof(list(args), full_env, timeout)
 
 
 @pytest.fixture
@@ -625,13 +600,7 @@ def hang_job(spawn: object) -> object:
         port = str(free_port())
         targets = []
         for rank in (0, 1):
-            env = {
-                "RANK": str(rank),
-                "WORLD_SIZE": "2",
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": port,
-                "DYNPROF_JOB_ID": job,
-            }
+            env = rank_env(rank, 2, port, DYNPROF_JOB_ID=job)
             args = [
                 "-m",
                 "dynprof",

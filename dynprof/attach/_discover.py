@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dynprof import roles
-from dynprof.attach import _elf
+from dynprof.attach._elf import python_version
 from dynprof.identity import detect
 
 JOB_VARIABLES = ("DYNPROF_JOB_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID")
@@ -94,7 +94,7 @@ def find_job_processes(job: str, proc: Path = Path("/proc")) -> JobSearch:
         if env is None:
             continue
         matched = next((name for name in JOB_VARIABLES if env.get(name) == job), None)
-        if matched is None or _elf.python_version(pid) is None:
+        if matched is None or python_version(pid) is None:
             continue
         try:
             cmdline = [a.decode(errors="replace") for a in (entry / "cmdline").read_bytes().split(b"\0") if a]

@@ -8,7 +8,7 @@ import shutil
 from pathlib import Path
 
 from dynprof import errors
-from dynprof.attach import _elf
+from dynprof.attach._elf import python_version, resolve
 
 CAP_SYS_PTRACE = 19
 MIN_PYTHON = (3, 10)
@@ -82,10 +82,10 @@ def check_process(pid: int) -> None:
 
 def target_python(pid: int) -> tuple[int, int]:
     """The CPython version of ``pid``; :class:`~dynprof.errors.NotPython` if it runs none."""
-    version = _elf.python_version(pid)
+    version = python_version(pid)
     if version is None:
         try:
-            symbols = _elf.resolve(pid, ["Py_AddPendingCall", "Py_Version"])
+            symbols = resolve(pid, ["Py_AddPendingCall", "Py_Version"])
         except OSError:
             symbols = {}
         if "Py_AddPendingCall" not in symbols:
@@ -108,7 +108,7 @@ def target_python(pid: int) -> tuple[int, int]:
 
 def gdb_symbols(pid: int) -> dict[str, int]:
     try:
-        found = _elf.resolve(pid, GDB_SYMBOLS)
+        found = resolve(pid, GDB_SYMBOLS)
     except FileNotFoundError:
         raise errors.ProcessNotFound(f"process {pid} exited") from None
     except OSError as exc:

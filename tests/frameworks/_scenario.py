@@ -19,11 +19,13 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from tests.support.commands import run_dynprof
+from tests.support.lines import LineReader, start_in_session
 
 ROOT = Path(__file__).resolve().parents[2]
 PROGRAMS = Path(__file__).resolve().parent / "programs"
@@ -156,25 +158,9 @@ def normalize(line: str) -> str:
 
 
 # -- processes --------------------------------------------------------------------------------
-class _Job:
+class _Job(LineReader):
     def __init__(self, argv: list[str], env: dict[str, str]) -> None:
-        self.proc = subprocess.Popen(
-            argv,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=env,
-            cwd=str(ROOT),
-            start_new_session=True,
-        )
-        self.lines: list[str] = []
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append(line.rstrip("\n"))
+        super().__init__(start_in_session(argv, env, ROOT))
 
     def wait_until(self, pred: Any, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
@@ -233,14 +219,7 @@ def base_env(run_dir: Path, artifacts: Path, job_id: str) -> dict[str, str]:
 def cli(env: dict[str, str], *args: str, timeout: float = CLI_TIMEOUT_S) -> Outcome:
     argv = list(args)
     try:
-        proc = subprocess.run(
-            [sys.executable, "-m", "dynprof", *argv],
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            env=env,
-            cwd=str(ROOT),
-        )
+        proc = run_dynprof(argv, env, timeout)
     except subprocess.TimeoutExpired:
         return Outcome(argv, error=f"no answer within {timeout:g} s")
     return Outcome(argv, proc=proc)

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from tests._ports import free_port
+from tests.support.ranks import rank_env
 
 PROGRAM = "tests/integration/programs/straggler_program.py"
 pytestmark = [pytest.mark.gpu, pytest.mark.multi_gpu]
@@ -20,14 +21,7 @@ def test_nccl_rank_with_extra_compute_is_named_and_categories_add_up(spawn, cli)
     port = str(free_port())
     targets = []
     for rank in (0, 1):
-        env = {
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": "2",
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": port,
-            "DYNPROF_JOB_ID": "ncclslow",
-        }
+        env = rank_env(rank, 2, port, LOCAL_RANK=str(rank), DYNPROF_JOB_ID="ncclslow")
         args = ["-m", "dynprof", "run", "-q", "--", sys.executable, PROGRAM, "--device", "cuda"]
         args += ["--width", "1024", "--slow-ranks", "1", "--load-ms", "1", "--extra-matmuls", "20"]
         args += ["--max-seconds", "120"]

@@ -13,6 +13,7 @@ import pytest
 
 from collectors.flight_recorder import dump_through_pipe, load_dump_bytes
 from tests._ports import free_port as _free_port
+from tests.support.ranks import rank_env
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multi_gpu, pytest.mark.ptrace]
 HANG = "tests/integration/programs/hang_program.py"
@@ -24,15 +25,7 @@ def nccl_job(spawn):
     port = str(_free_port())
     targets = []
     for rank in (0, 1):
-        env = {
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": "2",
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": port,
-            "DYNPROF_JOB_ID": "ncclhang",
-            "NCCL_NVLS_ENABLE": "0",
-        }
+        env = rank_env(rank, 2, port, LOCAL_RANK=str(rank), DYNPROF_JOB_ID="ncclhang", NCCL_NVLS_ENABLE="0")
         targets.append(
             spawn(
                 [

@@ -11,10 +11,9 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 from dynprof.client import AgentClient
 from dynprof.proto import PROTOCOL_VERSION, pb, recv_frame, send_frame
+from tests.support.other_user import as_nobody, needs_root
 
 PROGRAM = "tests/integration/programs/train_program.py"
 ROOT = Path(__file__).resolve().parents[2]
@@ -205,48 +204,13 @@ def test_unknown_job(cli):
     assert "no-such-job" in result.stderr or "no dynprof agent" in result.stderr
 
 
-def _as_nobody(fn):
-    """Run ``fn()`` in a forked child with uid/gid nobody; return its exit code and stderr."""
-    # The child cannot read this Python's files under /root: import what it needs first.
-    import concurrent.futures  # noqa: F401
-
-    from dynprof.cli import build_parser
-
-    build_parser()
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # child
-        code = 99
-        try:
-            os.close(r)
-            os.dup2(w, 2)
-            sys.stderr = open(2, "w", closefd=False)
-            os.setgroups([])
-            os.setgid(65534)
-            os.setuid(65534)
-            code = fn()
-        except BaseException as exc:  # report, never return into pytest
-            os.write(2, f"{type(exc).__name__}: {exc}".encode())
-        finally:
-            sys.stderr.flush()
-            os._exit(code if isinstance(code, int) else 98)
-    os.close(w)
-    with os.fdopen(r) as fh:
-        err = fh.read()
-    _, status = os.waitpid(pid, 0)
-    return os.waitstatus_to_exitcode(status), err
-
-
-needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to switch to the nobody user")
-
-
 @needs_root
 def test_another_users_process_is_refused_with_a_clear_message(shared_target):
     from dynprof.cli import main
 
     target = shared_target(LOOP)
     (pid,) = target.ready_pids()
-    code, err = _as_nobody(lambda: main(["start", "--pid", str(pid), "--steps", "2"]))
+    code, err = as_nobody(lambda: main(["start", "--pid", str(pid), "--steps", "2"]))
     assert code == 4, err
     assert f"process {pid} belongs to another user" in err
     assert "same user" in err
@@ -276,6 +240,6 @@ def test_agent_refuses_commands_from_another_uid(spawn, dynprof_dirs):
         return 10 if data == b"" else 11  # 10: the agent hung up without answering
 
     # WHEN the nobody user sends a valid request, THEN the agent closes without serving it
-    code, err = _as_nobody(connect_and_ping)
+    code, err = as_nobody(connect_and_ping)
     assert code == 10, err
     assert AgentClient.for_pid(pid).status().pid == pid

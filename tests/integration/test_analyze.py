@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from tests._ports import free_port
+from tests.support.ranks import rank_env
 
 PROGRAM = "tests/integration/programs/straggler_program.py"
 
@@ -22,14 +23,7 @@ def two_rank_job(spawn):
         port = str(free_port())
         targets = []
         for rank in (0, 1):
-            env = {
-                "RANK": str(rank),
-                "LOCAL_RANK": str(rank),
-                "WORLD_SIZE": "2",
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": port,
-                "DYNPROF_JOB_ID": job,
-            }
+            env = rank_env(rank, 2, port, LOCAL_RANK=str(rank), DYNPROF_JOB_ID=job)
             args = ["-m", "dynprof", "run", "-q", "--", sys.executable, PROGRAM, "--max-seconds", "90", *program_args]
             targets.append(spawn(args, under_run=False, env=env))
         for t in targets:

@@ -15,6 +15,7 @@ import pytest
 
 from collectors.torch_trace import profiler_steps, read_trace
 from tests._ports import free_port as _free_port
+from tests.support.ranks import rank_env
 
 PROGRAM = "tests/integration/programs/attach_program.py"
 ROOT = Path(__file__).resolve().parent.parent.parent
@@ -148,14 +149,7 @@ def test_two_rank_gloo_job_attached_by_job_id_and_traced_at_the_same_step(spawn,
         spawn(
             [PROGRAM, "--dist", "--step-sleep", "0.02"],
             under_run=False,
-            env={
-                "RANK": str(rank),
-                "LOCAL_RANK": str(rank),
-                "WORLD_SIZE": "2",
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": port,
-                "TORCHELASTIC_RUN_ID": "gloojob",
-            },
+            env=rank_env(rank, 2, port, LOCAL_RANK=str(rank), TORCHELASTIC_RUN_ID="gloojob"),
         )
         for rank in (0, 1)
     ]
@@ -442,14 +436,7 @@ def test_ptrace_refused_exits_11_and_names_the_settings(nobody):
     proc, pid = _start_as_nobody(nobody, code)
     try:
         # WHEN nobody, without CAP_SYS_PTRACE, attaches to it
-        result = subprocess.run(
-            nobody.dynprof("attach", str(pid)),
-            capture_output=True,
-            text=True,
-            env=nobody.full_env(),
-            cwd=str(nobody.base),
-            timeout=60,
-        )
+        result = nobody.run_dynprof("attach", str(pid))
         # THEN it exits 11, naming the sysctl and the Kubernetes securityContext line
         assert result.returncode == 11, result.stderr
         assert "ptrace of process" in result.stderr and "refused" in result.stderr

@@ -17,6 +17,7 @@ pytest.importorskip("torch")
 from dynprof.job import discovery
 from tests._ports import free_port
 from tests.support.nodes import sidecar_nodes, split_job, token_file
+from tests.support.ranks import rank_env
 
 TRAIN = "tests/integration/programs/train_program.py"
 # How long discovery may wait for each agent's answer in the timed call: far longer than the
@@ -35,16 +36,15 @@ def _two_node_job(spawn: Any, job: str, run_dirs: list[Path], extra: list[str] =
     port = _free_port()
     targets = []
     for rank in (0, 1):
-        env = {
-            "RANK": str(rank),
-            "WORLD_SIZE": "2",
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": port,
-            "DYNPROF_JOB_ID": job,
-            "DYNPROF_RUN_DIR": str(run_dirs[rank]),
-            "DYNPROF_HOST": f"node-{rank}",
-            "DYNPROF_SIDECAR": f"127.0.0.1:{9100 + rank}",
-        }
+        env = rank_env(
+            rank,
+            2,
+            port,
+            DYNPROF_JOB_ID=job,
+            DYNPROF_RUN_DIR=str(run_dirs[rank]),
+            DYNPROF_HOST=f"node-{rank}",
+            DYNPROF_SIDECAR=f"127.0.0.1:{9100 + rank}",
+        )
         args = ["-m", "dynprof", "run", "-q", "--", sys.executable, TRAIN, "--dist", "--step-sleep", "0.05", *extra]
         targets.append(spawn(args, under_run=False, env=env))
     for t in targets:

@@ -22,12 +22,13 @@ import pytest
 
 from dynprof.cli import COMMANDS, main
 from dynprof.store import ArtifactStore
+from tests.support.other_user import as_nobody, needs_root
+from tests.support.records import record_doc
 
 ROOT = Path(__file__).resolve().parents[2]
 # README "Exit codes" (0-11, 130 after Ctrl-C); healthcheck: 0 healthy .. 3 could not run.
 DOCUMENTED = set(range(12)) | {130}
 HEALTHCHECK_DOCUMENTED = {0, 1, 2, 3}
-needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to switch to the nobody user")
 
 
 def _run_main(argv: list[str]) -> tuple[int | None, str, str]:
@@ -385,24 +386,14 @@ def test_a_target_exiting_while_its_stacks_are_read_is_exit_3(monkeypatch, capsy
 def _write_record(run_dir: Path, pid: int, **fields: object) -> None:
     agents = run_dir / "agents"
     agents.mkdir(mode=0o700, exist_ok=True)
-    record = {
-        "pid": pid,
-        "ppid": os.getppid(),
-        "host": "h",
-        "rank": None,
-        "local_rank": None,
-        "world_size": None,
-        "job_id": "job",
-        "cmdline": ["python", "train.py"],
-        "python_version": "3",
-        "torch_version": None,
-        "dynprof_version": "0",
-        "started_at": time.time(),
-        "start_ticks": None,
-        "socket": str(agents / f"{pid}.sock"),
-        "log": "",
-        "activation": "run",
-    }
+    record = record_doc(
+        pid,
+        ppid=os.getppid(),
+        job_id="job",
+        cmdline=["python", "train.py"],
+        started_at=time.time(),
+        socket=str(agents / f"{pid}.sock"),
+    )
     record.update(fields)
     (agents / f"{pid}.json").write_text(json.dumps(record))
 
@@ -447,42 +438,6 @@ def test_ls_escapes_control_characters_from_manifests(dynprof_dirs, capsys):
     assert code == 0 and "\x1b" not in out and "\\x1b[2Jtrace" in out
 
 
-def _as_nobody(fn) -> tuple[int, str]:
-    """Run ``fn()`` in a forked child as uid/gid nobody; (its exit code, what it wrote on stderr)."""
-    import concurrent.futures  # noqa: F401  (the child cannot read this Python's files under /root)
-
-    from dynprof.cli import build_parser
-
-    build_parser()
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # child
-        code = 99
-        try:
-            os.close(r)
-            os.dup2(w, 1)
-            os.dup2(w, 2)
-            sys.stdout = open(1, "w", closefd=False)
-            sys.stderr = open(2, "w", closefd=False)
-            os.setgroups([])
-            os.setgid(65534)
-            os.setuid(65534)
-            code = fn()
-        except BaseException:
-            os.write(2, traceback.format_exc().encode())
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code if isinstance(code, int) else 98)
-    os.close(w)
-    chunks = []
-    while chunk := os.read(r, 65536):
-        chunks.append(chunk)
-    os.close(r)
-    _, status = os.waitpid(pid, 0)
-    return os.waitstatus_to_exitcode(status), b"".join(chunks).decode(errors="replace")
-
-
 @needs_root
 def test_commands_on_another_users_process_fail_cleanly(monkeypatch):
     import shutil
@@ -506,7 +461,7 @@ def test_commands_on_another_users_process_fail_cleanly(monkeypatch):
     ]
     try:
         # WHEN nobody points each command at it
-        results = [(argv, *_as_nobody(lambda argv=argv: main(argv))) for argv in cases]
+        results = [(argv, *as_nobody(lambda argv=argv: main(argv))) for argv in cases]
     finally:
         target.kill()
         target.wait()

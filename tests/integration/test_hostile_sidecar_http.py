@@ -78,6 +78,13 @@ def _answer_after_busy(server: Any) -> int | str:
     return got
 
 
+def _wait_for_a_cut_off(counts: dict[str, int]) -> None:
+    """Wait (at most 2 FAR_S) until the server has closed one of the dripping connections."""
+    deadline = time.monotonic() + 2 * FAR_S
+    while counts["closed_by_server"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.5)
+
+
 def test_dripping_heads_do_not_starve_healthz_or_the_api(server):
     # GIVEN as many connections as the server has threads, each sending its head a byte at a time
     head = f"GET / HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\n".encode()
@@ -86,9 +93,7 @@ def test_dripping_heads_do_not_starve_healthz_or_the_api(server):
         # WHEN a probe and a token holder ask THEN both are answered while the attack goes on
         _answers(server)
         # AND the server cuts the dripping connections off (a whole-request deadline, not an idle one)
-        deadline = time.monotonic() + 2 * FAR_S
-        while counts["closed_by_server"] == 0 and time.monotonic() < deadline:
-            time.sleep(0.5)
+        _wait_for_a_cut_off(counts)
     assert counts["closed_by_server"] > 0
     assert server.tracebacks() == 0, server.stderr()
 
@@ -119,9 +124,7 @@ def test_a_dripping_body_does_not_starve_the_server(server):
         time.sleep(1)
         # THEN the others are answered, and the dripping bodies are cut off (408)
         _answers_busy(server)
-        deadline = time.monotonic() + 2 * FAR_S
-        while counts["closed_by_server"] == 0 and time.monotonic() < deadline:
-            time.sleep(0.5)
+        _wait_for_a_cut_off(counts)
     assert counts["closed_by_server"] > 0
     assert server.tracebacks() == 0, server.stderr()
 

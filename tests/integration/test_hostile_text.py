@@ -10,6 +10,8 @@ import subprocess
 import sys
 import time
 
+from tests.support.records import record_doc
+
 TOKEN = "hostile-text-token-0123456789abcdef"
 
 
@@ -55,24 +57,17 @@ def _forge_record(pid: int, job_id: str) -> None:
 
     directory = agents_dir()
     directory.mkdir(parents=True, exist_ok=True)
-    record = {
-        "pid": pid,
-        "ppid": os.getpid(),
-        "host": "node\u202e",
-        "rank": 0,
-        "local_rank": 0,
-        "world_size": 1,
-        "job_id": job_id,
-        "cmdline": ["python", "train\x1b[2J.py"],
-        "python_version": "3",
-        "torch_version": None,
-        "dynprof_version": "0",
-        "started_at": time.time(),
-        "start_ticks": None,
-        "socket": str(directory / f"{pid}.sock"),
-        "log": "",
-        "activation": "run",
-    }
+    record = record_doc(
+        pid,
+        ppid=os.getpid(),
+        host="node\u202e",
+        rank=0,
+        world_size=1,
+        job_id=job_id,
+        cmdline=["python", "train\x1b[2J.py"],
+        started_at=time.time(),
+        socket=str(directory / f"{pid}.sock"),
+    )
     (directory / f"{pid}.json").write_text(json.dumps(record))
 
 
@@ -95,31 +90,9 @@ def test_the_job_ids_named_when_none_matches_are_one_line_each(cli):
 
 def test_ps_shows_a_forged_job_id_on_one_line(cli):
     # GIVEN an agent's registration record whose job id holds a newline and an escape sequence
-    from dynprof.paths import agents_dir
-
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     try:
-        directory = agents_dir()
-        directory.mkdir(parents=True, exist_ok=True)
-        record = {
-            "pid": child.pid,
-            "ppid": os.getpid(),
-            "host": "node\u202e",
-            "rank": 0,
-            "local_rank": 0,
-            "world_size": 1,
-            "job_id": "j\n12345  trainer  0  fine",
-            "cmdline": ["python", "train\x1b[2J.py"],
-            "python_version": "3",
-            "torch_version": None,
-            "dynprof_version": "0",
-            "started_at": time.time(),
-            "start_ticks": None,
-            "socket": str(directory / f"{child.pid}.sock"),
-            "log": "",
-            "activation": "run",
-        }
-        (directory / f"{child.pid}.json").write_text(json.dumps(record))
+        _forge_record(child.pid, "j\n12345  trainer  0  fine")
         # WHEN `dynprof ps` lists this node's agents
         shown = cli("ps", timeout=120)
     finally:

@@ -12,6 +12,7 @@ from dynprof.store import ArtifactStore
 from dynprof.watch.model import NodeProgress
 from dynprof.watch.progress import read_progress
 from tests._ports import free_port
+from tests.support.procs import terminate
 
 
 def _wait(pred, timeout: float = 60.0):
@@ -135,12 +136,7 @@ def test_the_sidecars_poller_keeps_a_stopped_ranks_last_step(spawn, tmp_path):
     finally:
         if stopped:
             os.kill(pid, signal.SIGCONT)
-        serve.terminate()
-        try:
-            serve.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            serve.kill()
-            serve.wait(timeout=15)
+        terminate(serve, 15)
 
 
 def test_a_process_and_its_children_io_is_counted(tmp_path):

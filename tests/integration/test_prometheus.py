@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 from tests._ports import free_port
+from tests.support.procs import terminate
 
 ROOT = Path(__file__).resolve().parents[2]
 RULES = ROOT / "scripts" / "deploy" / "prometheus" / "dynprof-alerts.yml"
@@ -74,12 +75,7 @@ def start(argv: list[str], log: Path, env: dict[str, str] | None = None) -> subp
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
     if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=15)
+        terminate(proc, 15)
 
 
 def test_prometheus_scrapes_the_sidecar_and_the_stall_alert_fires(spawn, tmp_path):

@@ -42,6 +42,18 @@ def spawn_group(spawn):
             os.killpg(target.pid, signal.SIGTERM)
 
 
+def _never_stepping(spawn_group, job: str, *run_options: str) -> int:
+    """A process of job ``job`` that never steps an optimizer, under `dynprof run RUN_OPTIONS`,
+    once it is ready: its pid."""
+    never = spawn_group(
+        ["-m", "dynprof", "run", "-q", *run_options, "--", sys.executable, TRAIN, "--no-optimizer"],
+        under_run=False,
+        env={"DYNPROF_JOB_ID": job},
+    )
+    (pid,) = never.ready_pids(timeout=90)
+    return pid
+
+
 def _agents(cli, job: str) -> list[dict]:
     result = cli("ps", "--job", job, "--json")
     assert result.returncode == 0, result.stderr
@@ -127,13 +139,7 @@ def test_spawned_dataloader_workers_are_not_processes_of_the_job(spawn_group, cl
 
     # WHEN the job is listed, traced and its stacks read, and a process that never steps has
     # had its first-step timeout pass
-    never = spawn_group(
-        ["-m", "dynprof", "run", "-q", "--hang-first-step-timeout", "1", "--hang-timeout", "30", "--",
-         sys.executable, TRAIN, "--no-optimizer"],
-        under_run=False,
-        env={"DYNPROF_JOB_ID": "nostepjob"},
-    )  # fmt: skip
-    (never_pid,) = never.ready_pids(timeout=90)
+    never_pid = _never_stepping(spawn_group, "nostepjob", "--hang-first-step-timeout", "1", "--hang-timeout", "30")
     _wait_for(lambda: any(a.manifest.get("pid") == never_pid for a in _hang_artifacts()), what="the control's dump")
 
     # THEN --job means the trainer, the watchdog dumped the process that never steps but no
@@ -164,13 +170,7 @@ def test_spawned_workers_slow_to_import_are_not_dumped_before_they_know_they_are
     # WHEN a process that never steps, started after them under the same watchdog, has been
     # dumped twice (its first-step timeout and the second dump 3 timeouts later have passed:
     # the workers have been held longer than that), and the workers are then let go
-    never = spawn_group(
-        ["-m", "dynprof", "run", "-q", "--hang-timeout", "1", "--hang-first-step-timeout", "1", "--",
-         sys.executable, TRAIN, "--no-optimizer"],
-        under_run=False,
-        env={"DYNPROF_JOB_ID": "gatecontrol"},
-    )  # fmt: skip
-    (never_pid,) = never.ready_pids(timeout=90)
+    never_pid = _never_stepping(spawn_group, "gatecontrol", "--hang-timeout", "1", "--hang-first-step-timeout", "1")
     _wait_for(
         lambda: sum(a.manifest.get("pid") == never_pid for a in _hang_artifacts()) >= 2, what="the control's dumps"
     )
@@ -198,13 +198,7 @@ def test_torchrun_launcher_and_ranks_workers(spawn_group, cli):
     launcher = target.pid
 
     # WHEN the job is listed and traced, after the first-step timeout of a control process
-    never = spawn_group(
-        ["-m", "dynprof", "run", "-q", "--hang-first-step-timeout", "1", "--hang-timeout", "30", "--",
-         sys.executable, TRAIN, "--no-optimizer"],
-        under_run=False,
-        env={"DYNPROF_JOB_ID": "nostepjob2"},
-    )  # fmt: skip
-    (never_pid,) = never.ready_pids(timeout=90)
+    never_pid = _never_stepping(spawn_group, "nostepjob2", "--hang-first-step-timeout", "1", "--hang-timeout", "30")
     agents = _agents(cli, "trjob")
     traced = _traced_pids(cli, "trjob")
     _wait_for(lambda: any(a.manifest.get("pid") == never_pid for a in _hang_artifacts()), what="the control's dump")

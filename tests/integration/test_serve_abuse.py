@@ -29,6 +29,7 @@ import pytest
 
 from dynprof.store import MANIFEST, ArtifactStore
 from tests._ports import free_port
+from tests.support.procs import terminate
 
 ROOT = Path(__file__).resolve().parents[2]
 SECRET = "dynprof-secret-" + hashlib.sha256(b"outside the store (integration)").hexdigest()[:16]
@@ -234,12 +235,7 @@ def server(hostile: dict[str, object]) -> Iterator[Server]:
     try:
         yield srv
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+        terminate(proc)
 
 
 def test_serve_prints_a_url_carrying_the_token(server, hostile):

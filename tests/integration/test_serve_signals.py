@@ -9,27 +9,17 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from tests._ports import free_port
+from tests.support.serving import healthz
 
 ROOT = Path(__file__).resolve().parents[2]
 ROUNDS = 20
 HANG_BOUND_S = 60.0  # only bounds a hang: a stop takes well under a second
-
-
-def _healthz(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=2) as s:
-            s.settimeout(2)
-            s.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
-            return s.recv(64).startswith(b"HTTP/1.1 200")
-    except OSError:
-        return False
 
 
 def _serving(tmp_path: Path, round_: int) -> tuple[subprocess.Popen[bytes], Path]:
@@ -48,7 +38,7 @@ def _serving(tmp_path: Path, round_: int) -> tuple[subprocess.Popen[bytes], Path
             stdout=log, stderr=log, env=env, cwd=ROOT,
         )  # fmt: skip
     deadline = time.monotonic() + HANG_BOUND_S
-    while not _healthz(port):
+    while not healthz(port):
         assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
         time.sleep(0.1)
     return proc, log_path

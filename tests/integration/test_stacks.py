@@ -109,14 +109,7 @@ def test_another_users_pid_exits_4(nobody, spawn):
     target = spawn(["-c", "import os,time\nprint('READY', os.getpid(), flush=True)\ntime.sleep(60)"], under_run=False)
     (pid,) = target.ready_pids()
     # WHEN user nobody reads its stacks
-    result = subprocess.run(
-        nobody.dynprof("stacks", "--pid", str(pid)),
-        capture_output=True,
-        text=True,
-        env=nobody.full_env(),
-        timeout=60,
-        cwd=str(nobody.base),
-    )
+    result = nobody.run_dynprof("stacks", "--pid", str(pid))
     # THEN it is refused as another user's, saying who may read it
     assert result.returncode == 4, result.stderr
     assert f"process {pid} belongs to another user" in result.stderr
@@ -157,14 +150,7 @@ def test_ptrace_refused_falls_back_to_the_agent(nobody):
     proc, pid = _nondumpable_target(nobody, under_run=True)
     try:
         # WHEN its stacks are read by a user without CAP_SYS_PTRACE
-        result = subprocess.run(
-            nobody.dynprof("stacks", "--pid", str(pid), "--json"),
-            capture_output=True,
-            text=True,
-            env=nobody.full_env(),
-            timeout=60,
-            cwd=str(nobody.base),
-        )
+        result = nobody.run_dynprof("stacks", "--pid", str(pid), "--json")
         # THEN the agent answers, and the output says why and how to fix the first method
         assert result.returncode == 0, result.stderr
         out = json.loads(result.stdout)
@@ -184,14 +170,7 @@ def test_ptrace_refused_without_agent_exits_11(nobody):
     proc, pid = _nondumpable_target(nobody, under_run=False)
     try:
         # WHEN its stacks are read by a user without CAP_SYS_PTRACE
-        result = subprocess.run(
-            nobody.dynprof("stacks", "--pid", str(pid)),
-            capture_output=True,
-            text=True,
-            env=nobody.full_env(),
-            timeout=60,
-            cwd=str(nobody.base),
-        )
+        result = nobody.run_dynprof("stacks", "--pid", str(pid))
         # THEN it exits 11, saying why and how to have an agent to fall back on
         assert result.returncode == 11, result.stderr
         assert "refused" in result.stderr and "CAP_SYS_PTRACE" in result.stderr

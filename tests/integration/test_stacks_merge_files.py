@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from tests._ports import free_port
+from tests.support.ranks import rank_env
 
 pytest.importorskip("torch")
 
@@ -26,15 +27,9 @@ def test_stacks_of_each_node_merged(spawn: Any, cli: Any, tmp_path: Path) -> Non
     try:
         port = str(free_port())
         for rank in (0, 1):
-            env = {
-                "RANK": str(rank),
-                "WORLD_SIZE": "2",
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": port,
-                "DYNPROF_JOB_ID": "mrg",
-                "DYNPROF_RUN_DIR": str(run_dirs[rank]),
-                "DYNPROF_HOST": f"node-{rank}",
-            }
+            env = rank_env(
+                rank, 2, port, DYNPROF_JOB_ID="mrg", DYNPROF_RUN_DIR=str(run_dirs[rank]), DYNPROF_HOST=f"node-{rank}"
+            )
             args = ["-m", "dynprof", "run", "-q", "--", sys.executable, HANG, "--hold", "sleep", "--seconds", "90"]
             targets.append(spawn(args, under_run=False, env=env))
         for t in targets:

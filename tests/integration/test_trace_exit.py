@@ -51,15 +51,22 @@ def _wait_for_state(cli, pid: int, state: str, timeout: float = 60.0) -> None:
     raise AssertionError(f"process {pid} never reached trace state {state!r}")
 
 
+def _exit_mid_trace(target, cli, *start_args: str) -> int:
+    """Start a trace of ``target``'s ready process (``dynprof start --no-wait START_ARGS``) and
+    wait for the job's exit; the process's pid."""
+    (pid,) = target.ready_pids()
+    assert cli("start", "--pid", str(pid), *start_args, "--no-wait").returncode == 0
+    target.wait_for_line("EXITING", timeout=60)
+    target.proc.wait(timeout=120)
+    return pid
+
+
 def test_a_write_longer_than_the_exit_wait_leaves_a_failed_artifact_and_says_so(spawn, cli, tmp_path):
     # GIVEN a loop that exits mid-trace, whose trace takes longer to write than the exit waits
     target = spawn([PROGRAM, "--release-file", str(tmp_path / "never")], env={"DYNPROF_TRACE_EXIT_WAIT_S": "1"})
-    (pid,) = target.ready_pids()
-    assert cli("start", "--pid", str(pid), "--no-wait").returncode == 0
 
     # WHEN the job exits
-    target.wait_for_line("EXITING", timeout=60)
-    target.proc.wait(timeout=120)
+    pid = _exit_mid_trace(target, cli)
 
     # THEN the store holds a failed artifact that says why
     (listed,) = _trace_artifacts(cli)
@@ -87,12 +94,9 @@ def test_a_write_cut_off_by_the_exit_leaves_no_temporary_file_behind(spawn, cli,
         [PROGRAM, "--release-file", str(tmp_path / "never"), "--hold-in", "torch-write"],
         env={"DYNPROF_TRACE_EXIT_WAIT_S": "1", "TMPDIR": str(job_tmp)},
     )
-    (pid,) = target.ready_pids()
-    assert cli("start", "--pid", str(pid), "--no-wait").returncode == 0
 
     # WHEN the job exits
-    target.wait_for_line("EXITING", timeout=60)
-    target.proc.wait(timeout=120)
+    _exit_mid_trace(target, cli)
 
     # THEN the store holds a failed artifact with its manifest alone
     (listed,) = _trace_artifacts(cli)
@@ -109,12 +113,9 @@ def test_a_finished_trace_still_being_written_when_the_job_exits_is_not_lost(spa
         [PROGRAM, "--release-file", str(tmp_path / "never"), "--exit-on", "exporting"],
         env={"DYNPROF_TRACE_EXIT_WAIT_S": "1"},
     )
-    (pid,) = target.ready_pids()
-    assert cli("start", "--pid", str(pid), "--steps", "2", "--no-wait").returncode == 0
 
     # WHEN the job exits while the trace is being written
-    target.wait_for_line("EXITING", timeout=60)
-    target.proc.wait(timeout=120)
+    _exit_mid_trace(target, cli, "--steps", "2")
 
     # THEN the store holds a failed artifact that says why, and one line of the output says so
     (listed,) = _trace_artifacts(cli)

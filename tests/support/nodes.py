@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from tests._ports import free_port
+from tests.support.procs import terminate
 
 ROOT = Path(__file__).resolve().parents[2]
 # Two nodes whose names the output tells apart: the host is how the CLI and the watch name a
@@ -113,12 +114,7 @@ def sidecar_nodes(
     finally:
         for sim in sims:
             if sim.proc is not None:
-                sim.proc.terminate()
-                try:
-                    sim.proc.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    sim.proc.kill()
-                    sim.proc.wait(timeout=10)
+                terminate(sim.proc)
             shutil.rmtree(sim.run_dir, ignore_errors=True)
 
 

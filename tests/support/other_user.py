@@ -19,7 +19,8 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+import traceback
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent.parent
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to switch to the nobody user")
 PACKAGES = ("dynprof", "collectors", "healthcheck")  # pyproject's packages: what `python -m dynprof` imports
 SETPRIV = ("setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups")
 PROBE = "import dynprof.__main__, dynprof.cli.attach, dynprof.cli.stacks, dynprof.agent; print(dynprof.__file__)"
@@ -50,6 +52,17 @@ class OtherUser:
 
     def full_env(self) -> dict[str, str]:
         return {**os.environ, **self.env}
+
+    def run_dynprof(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+        """`dynprof ARGS` run as `nobody` to its end, in its directory; what it printed."""
+        return subprocess.run(
+            self.dynprof(*args),
+            capture_output=True,
+            text=True,
+            env=self.full_env(),
+            timeout=timeout,
+            cwd=str(self.base),
+        )
 
 
 def unavailable(reason: str) -> None:
@@ -152,3 +165,40 @@ def other_user(site: Path, python: str) -> Iterator[OtherUser]:
         yield OtherUser(base=base, python=python, env=env)
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+def as_nobody(fn: Callable[[], object]) -> tuple[int, str]:
+    """Run ``fn()`` in a forked child as uid/gid nobody (root only); its exit code, and what it
+    wrote on its stdout and stderr (a traceback, if it raised)."""
+    import concurrent.futures  # noqa: F401  (the child cannot read this Python's files under /root)
+
+    from dynprof.cli import build_parser
+
+    build_parser()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child
+        code = 99
+        try:
+            os.close(r)
+            os.dup2(w, 1)
+            os.dup2(w, 2)
+            sys.stdout = open(1, "w", closefd=False)
+            sys.stderr = open(2, "w", closefd=False)
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(65534)
+            code = fn()
+        except BaseException:
+            os.write(2, traceback.format_exc().encode())
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code if isinstance(code, int) else 98)
+    os.close(w)
+    chunks: list[bytes] = []
+    while chunk := os.read(r, 65536):
+        chunks.append(chunk)
+    os.close(r)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status), b"".join(chunks).decode(errors="replace")

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from dynprof import errors
+from dynprof.sidecar.actions import check_options
 from dynprof.sidecar.table import ACTIONS, Option
 
 
@@ -65,6 +66,12 @@ def parse_options(
         error = errors.UsageError(f"{name}: {message}", help=f"See `dynprof {name} --help`.")
         error.exit_code = exc.status or 2
         raise error from None
+
+
+def read_options(action: str, command: Any, options: dict[str, Any]) -> argparse.Namespace:
+    """Action ``action``'s ``options``, checked as the sidecar checks them, read by its command's
+    own parser on this node (no hosts): what the command makes of the flags the CLI maps them to."""
+    return parse_options(action, command, check_options(action, options).options, None, None)
 
 
 def flags(action: str, options: dict[str, Any], hosts: Sequence[str] | None, cacert: str | None) -> list[str]:

@@ -16,22 +16,13 @@ import torch  # noqa: F401  (the controller traces PyTorch code: torch is import
 
 from dynprof.agent import _trace
 from dynprof.agent._server import CommandError
-from dynprof.agent._steps import StepTracker
-from dynprof.identity import Identity
 from dynprof.proto import pb
+from tests.support.trace_controller import idle_controller
 
 
 @pytest.fixture
 def controller(monkeypatch: pytest.MonkeyPatch) -> Iterator[_trace.TraceController]:
-    # The job's profiler watch stands in here: the controller under test never wraps torch.
-    monkeypatch.setattr(_trace, "WATCH", types.SimpleNamespace(install=lambda: True, on_foreign_prepare=None))
-    steps = StepTracker()
-    steps.hook_installed = True  # as after torch.optim's import; no hook is registered
-    steps.step = 10
-    agent = types.SimpleNamespace(
-        steps=steps, identity=Identity(host="h", rank=0, local_rank=0, world_size=1, job_id="j")
-    )
-    found = _trace.TraceController(agent)  # type: ignore[arg-type]
+    found = idle_controller(monkeypatch)
     yield found
     found._cancel_timers()
 
@@ -154,56 +145,12 @@ def test_an_armed_trace_that_never_reaches_its_step_ends_at_the_cap(controller, 
     assert controller.state_pb().last_error == controller.last_error
 
 
-def test_the_exit_of_a_process_with_an_armed_trace_says_it_never_started(controller):
-    # GIVEN an armed trace
-    controller.handle_start(pb.StartTraceRequest(steps=1, at_step=1000))
-
-    # WHEN the job exits
-    controller.at_exit()
-
-    # THEN the controller is idle, and the reason is recorded
-    assert controller.state == "idle" and "exited before the trace started" in controller.last_error
-
-
-@pytest.mark.parametrize("text", ["abc", "-1", "nan", str(_trace.MAX_EXIT_WAIT_S + 1)])
-def test_a_bad_exit_wait_setting_falls_back_to_the_default_with_a_warning(monkeypatch, caplog, text):
-    # GIVEN a setting that is no duration in range
-    monkeypatch.setenv("DYNPROF_TRACE_EXIT_WAIT_S", text)
-
-    # WHEN read
-    with caplog.at_level(logging.INFO, logger="dynprof.agent"):
-        value = _trace.exit_wait_s()
-
-    # THEN the default, and a warning naming the variable
-    assert value == _trace.DEFAULT_EXIT_WAIT_S
-    assert "DYNPROF_TRACE_EXIT_WAIT_S" in caplog.text
-
-
-def test_an_exit_wait_setting_in_range_is_used(monkeypatch):
-    # GIVEN 0 (do not wait) and 12.5 s
-    monkeypatch.setenv("DYNPROF_TRACE_EXIT_WAIT_S", "0")
-    assert _trace.exit_wait_s() == 0.0
-    monkeypatch.setenv("DYNPROF_TRACE_EXIT_WAIT_S", " 12.5 ")
-    assert _trace.exit_wait_s() == 12.5
-
-
 def test_a_bad_trace_cap_setting_falls_back_to_600_s(monkeypatch):
     # GIVEN a cap that is no duration, and one that is
     monkeypatch.setenv("DYNPROF_TRACE_MAX_S", "-5")
     assert _trace._default_max_duration() == 600.0
     monkeypatch.setenv("DYNPROF_TRACE_MAX_S", "30")
     assert _trace._default_max_duration() == 30.0
-
-
-def test_an_export_is_finished_by_whoever_claims_it_first():
-    # GIVEN a trace being written
-    export = _trace._Export()
-
-    # WHEN the export thread claims it, then the job's exit tries to
-    # THEN the first claim wins and is kept; the other is refused
-    assert export.claim("export") is True
-    assert export.claim("exit") is False
-    assert export.claim("export") is True and export.owner == "export"
 
 
 def test_an_unaligned_start_that_finds_no_safe_point_also_starts_at_the_next_boundary(controller, monkeypatch):

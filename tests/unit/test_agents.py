@@ -12,28 +12,13 @@ import pytest
 from dynprof import agents, errors
 from dynprof.agents import agent_rows, parallel, refresh_records, resolve, select_workers
 from dynprof.proto import pb
-from dynprof.registry import AgentRecord, write_record
+from dynprof.registry import write_record
+from tests.support.records import agent_record
 
 
 def _record(pid: int, rank: int | None = None, job: str | None = "j", ppid: int = 1, role: str | None = None):
-    return AgentRecord(
-        pid=pid,
-        ppid=ppid,
-        host="h",
-        rank=rank,
-        local_rank=rank,
-        world_size=None,
-        job_id=job,
-        cmdline=["python", "train.py"],
-        python_version="3",
-        torch_version=None,
-        dynprof_version="0",
-        started_at=0.0,
-        start_ticks=None,
-        socket="/nonexistent.sock",
-        log="",
-        activation="run",
-        role=role,
+    return agent_record(
+        pid, ppid=ppid, rank=rank, job_id=job, cmdline=["python", "train.py"], socket="/nonexistent.sock", role=role
     )
 
 

@@ -3,17 +3,15 @@ environment, with launchers, workers and other jobs left out (and each left-out 
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from dynprof.attach._discover import JobProcess, find_job_processes
+from tests.support.procs import Children, wait_exec_done
 
 PARK = "import sys; sys.stdin.read()"  # a Python process that waits for its stdin to close
 # A Python process that starts one child of its own (the same environment), says its pid, and waits.
@@ -24,22 +22,6 @@ WRAPPER = (
 )
 
 
-def wait_exec_done(pid: int, env: dict[str, str] | None) -> None:
-    """Wait until ``pid``'s new command line and environment can be read from /proc: the exec
-    that Popen waited for closes its error pipe a moment before the kernel sets them up."""
-    wanted = [f"{k}={v}".encode() for k, v in (env or {}).items()]
-    for _ in range(500):
-        try:
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            environ, cmdline = [], b""
-        if cmdline and all(w in environ for w in wanted):
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"pid {pid} did not finish its exec")
-
-
 @pytest.fixture
 def job() -> str:
     return f"job-{uuid.uuid4().hex}"
@@ -48,24 +30,13 @@ def job() -> str:
 @pytest.fixture
 def start() -> Iterator[object]:
     """``start(env, code=PARK, program=python)``: a child with ``env`` added; all ended at the end."""
-    children: list[subprocess.Popen[str]] = []
+    children = Children()
 
     def _start(env: dict[str, str], code: str = PARK, argv: list[str] | None = None) -> subprocess.Popen[str]:
-        child = subprocess.Popen(
-            argv or [sys.executable, "-c", code],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            env={**os.environ, **env},
-        )
-        children.append(child)
-        wait_exec_done(child.pid, env)
-        return child
+        return children.start(argv or [sys.executable, "-c", code], env, stdout=subprocess.PIPE, text=True)
 
     yield _start
-    for child in children:
-        child.kill()
-        child.wait()
+    children.close()
 
 
 def test_the_ranks_of_a_job_are_found_in_rank_order_and_a_rankless_one_is_a_launcher(job, start):

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,22 +13,7 @@ import pytest
 
 from dynprof import errors
 from dynprof.attach import _preflight
-
-
-def wait_exec_done(pid: int, env: dict[str, str] | None) -> None:
-    """Wait until ``pid``'s new command line and environment can be read from /proc: the exec
-    that Popen waited for closes its error pipe a moment before the kernel sets them up."""
-    wanted = [f"{k}={v}".encode() for k, v in (env or {}).items()]
-    for _ in range(500):
-        try:
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            environ, cmdline = [], b""
-        if cmdline and all(w in environ for w in wanted):
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"pid {pid} did not finish its exec")
+from tests.support.procs import Children, wait_exec_done
 
 
 @pytest.fixture
@@ -47,22 +31,13 @@ def not_python() -> Iterator[subprocess.Popen[bytes]]:
 @pytest.fixture
 def python_child() -> Iterator[object]:
     """``python_child(args, env)``: a live Python process (parked on its stdin)."""
-    children: list[subprocess.Popen[bytes]] = []
+    children = Children()
 
     def start(args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-        child = subprocess.Popen(
-            [sys.executable, *args, "-c", "import sys; sys.stdin.read()"],
-            stdin=subprocess.PIPE,
-            env={**os.environ, **(env or {})},
-        )
-        children.append(child)
-        wait_exec_done(child.pid, env)
-        return child
+        return children.start([sys.executable, *args, "-c", "import sys; sys.stdin.read()"], env)
 
     yield start
-    for child in children:
-        child.kill()
-        child.wait()
+    children.close()
 
 
 def test_this_process_passes_the_process_check():
@@ -142,7 +117,7 @@ def test_a_process_that_runs_no_python_is_not_python(not_python):
 
 
 def test_a_python_too_old_is_unsupported(monkeypatch):
-    monkeypatch.setattr(_preflight._elf, "python_version", lambda pid: (3, 9))
+    monkeypatch.setattr(_preflight, "python_version", lambda pid: (3, 9))
     with pytest.raises(errors.Unsupported, match=r"runs Python 3\.9; dynprof needs 3\.10 or newer"):
         _preflight.target_python(os.getpid())
 

@@ -9,6 +9,7 @@ import re
 import pytest
 
 from dynprof.cli import main
+from tests.support.records import agent_record
 
 
 @pytest.mark.parametrize("pid", ["2147483648", "9" * 200, "0", "-1", "4194305"])
@@ -53,7 +54,7 @@ class FakeAgent:
         import sys
         import threading
 
-        from dynprof.registry import AgentRecord, process_start_ticks, socket_path, write_record
+        from dynprof.registry import process_start_ticks, socket_path, write_record
 
         self.child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
         self.pid = self.child.pid
@@ -66,24 +67,7 @@ class FakeAgent:
         self.answer = answer
         self.stopped = False
         write_record(
-            AgentRecord(
-                pid=self.pid,
-                ppid=os.getpid(),
-                host="h",
-                rank=None,
-                local_rank=None,
-                world_size=None,
-                job_id=None,
-                cmdline=["python"],
-                python_version="3",
-                torch_version=None,
-                dynprof_version="0",
-                started_at=0.0,
-                start_ticks=process_start_ticks(self.pid),
-                socket=path,
-                log="",
-                activation="run",
-            ),
+            agent_record(self.pid, ppid=os.getpid(), start_ticks=process_start_ticks(self.pid), socket=path),
             run_dir / "agents",
         )
         self.thread = threading.Thread(target=self._serve, daemon=True)

@@ -4,11 +4,10 @@ still being written with --all, damaged entries on stderr, and the nodes' listin
 from __future__ import annotations
 
 import json
-from typing import Any
 
 from dynprof.cli import job, main
-from dynprof.nodes import Node, NodeAnswer
 from dynprof.store import ArtifactStore
+from tests.support.job_client import FakeJobClient, answered
 
 
 def _finished(kind: str, job_id: str, rank: int = 0):
@@ -70,36 +69,13 @@ def test_a_damaged_manifest_is_skipped_and_named_on_stderr(capsys):
     assert len(json.loads(captured.out)["bad"]) == 1 and captured.err == ""
 
 
-class FakeClient:
-    def __init__(self, answers: list[NodeAnswer]) -> None:
-        self.answers = answers
-        self.options: dict[str, Any] = {}
-
-    def action_all(self, nodes: list[Node], name: str, options: dict[str, Any], timeout: float | None = None):
-        assert name == "ls"
-        self.options = options
-        return self.answers
-
-
 def test_nodes_listings_merge_newest_first_and_limit_applies_to_all(monkeypatch, capsys):
-    a, b = Node("node-a", 8787), Node("node-b", 8787)
-    fake = FakeClient(
+    fake = FakeJobClient(
+        "ls",
         [
-            NodeAnswer(
-                a,
-                True,
-                host="node-a",
-                exit_code=0,
-                result={"artifacts": [{"id": "old", "created_at": "2026-01-01", "bytes": 1}]},
-            ),
-            NodeAnswer(
-                b,
-                True,
-                host="node-b",
-                exit_code=0,
-                result={"artifacts": [{"id": "new", "created_at": "2026-02-01", "bytes": 2}]},
-            ),
-        ]
+            answered("node-a", {"artifacts": [{"id": "old", "created_at": "2026-01-01", "bytes": 1}]}),
+            answered("node-b", {"artifacts": [{"id": "new", "created_at": "2026-02-01", "bytes": 2}]}),
+        ],
     )
     monkeypatch.setattr(job, "client_for", lambda args: fake)
     assert main(["ls", "--hosts", "node-a,node-b", "--kind", "trace", "--json"]) == 0

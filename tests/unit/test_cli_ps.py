@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
 
 import dynprof.agent
 from dynprof.cli import job, main
 from dynprof.cli.ps import _age
-from dynprof.nodes import Node, NodeAnswer
+from tests.support.job_client import FakeJobClient, answered
 
 
 def test_no_agent_says_how_to_start_one(capsys):
@@ -45,34 +44,13 @@ def test_ages_of_nodes_are_shown_whatever_they_answer():
     assert _age(5) != "-"
 
 
-class FakeClient:
-    def __init__(self, answers: list[NodeAnswer]) -> None:
-        self.answers = answers
-
-    def action_all(self, nodes: list[Node], name: str, options: dict[str, Any], timeout: float | None = None):
-        assert name == "ps"
-        return self.answers
-
-
 def test_nodes_agents_are_one_table_in_rank_order(monkeypatch, capsys):
-    a, b = Node("node-a", 8787), Node("node-b", 8787)
-    fake = FakeClient(
+    fake = FakeJobClient(
+        "ps",
         [
-            NodeAnswer(
-                a,
-                True,
-                host="node-a",
-                exit_code=0,
-                result={"agents": [{"pid": 11, "rank": 1, "state": "idle", "age_s": 3}]},
-            ),
-            NodeAnswer(
-                b,
-                True,
-                host="node-b",
-                exit_code=0,
-                result={"agents": [{"pid": 22, "rank": 0, "state": "idle", "cmdline": ["python", "t.py"]}]},
-            ),
-        ]
+            answered("node-a", {"agents": [{"pid": 11, "rank": 1, "state": "idle", "age_s": 3}]}),
+            answered("node-b", {"agents": [{"pid": 22, "rank": 0, "state": "idle", "cmdline": ["python", "t.py"]}]}),
+        ],
     )
     monkeypatch.setattr(job, "client_for", lambda args: fake)
     assert main(["ps", "--hosts", "node-a,node-b"]) == 0

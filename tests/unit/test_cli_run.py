@@ -12,6 +12,7 @@ import pytest
 
 from dynprof.cli import main
 from dynprof.cli.run import BOOTSTRAP_DIR, RunCommand, build_environment, generated_job_id
+from tests.support.records import agent_record
 
 
 def _args(*argv: str) -> argparse.Namespace:
@@ -106,13 +107,7 @@ def test_a_job_id_that_is_not_utf8_is_shown_as_recorded_with_a_ps_line_that_find
 
 
 def _record(job: str):
-    from dynprof.registry import AgentRecord
-
-    return AgentRecord(
-        pid=1, ppid=0, host="h", rank=0, local_rank=0, world_size=1, job_id=job, cmdline=["python"],
-        python_version="3", torch_version=None, dynprof_version="0", started_at=0.0, start_ticks=None,
-        socket="/s", log="/l", activation="run",
-    )  # fmt: skip
+    return agent_record(1, ppid=0, rank=0, world_size=1, job_id=job, socket="/s", log="/l")
 
 
 def test_a_utf8_job_id_keeps_its_plain_banner(monkeypatch, capsys):

@@ -15,6 +15,7 @@ from dynprof import errors
 from dynprof.client import AgentClient, AgentReplyError, error_from_reply, expected_reply
 from dynprof.proto import PROTOCOL_VERSION, pb, recv_frame, send_frame
 from dynprof.registry import AgentRecord, write_record
+from tests.support.records import agent_record
 
 
 @pytest.fixture
@@ -173,24 +174,7 @@ def test_exactly_one_command_per_request(tmp_path):
 
 
 def _record(pid: int, sock: str) -> AgentRecord:
-    return AgentRecord(
-        pid=pid,
-        ppid=1,
-        host="h",
-        rank=None,
-        local_rank=None,
-        world_size=None,
-        job_id=None,
-        cmdline=["python"],
-        python_version="3",
-        torch_version=None,
-        dynprof_version="0",
-        started_at=0.0,
-        start_ticks=None,
-        socket=sock,
-        log="",
-        activation="run",
-    )
+    return agent_record(pid, socket=sock)
 
 
 def test_for_pid_without_a_record_is_no_agent():

@@ -4,26 +4,13 @@ send to every node)."""
 
 from __future__ import annotations
 
-import argparse
-
 import pytest
 
 from collectors.flight_recorder.collect import NcclRequest
 from dynprof import errors
 from dynprof.cli.nccl import NcclCommand, request_from_args
-from dynprof.sidecar.actions import ACTIONS, check_options
-from tests.unit._action_flags import flags
-
-
-def _flags(name: str, options: dict) -> list[str]:
-    """The command's arguments for the action's options, as the CLI maps them (each one flag)."""
-    return flags(name, check_options(name, options).options, None, None)
-
-
-def _parse(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(add_help=False)
-    NcclCommand().prepare_parser(parser)
-    return parser.parse_args(argv)
+from dynprof.sidecar.actions import ACTIONS
+from tests.unit._action_flags import read_options
 
 
 @pytest.mark.parametrize(
@@ -58,7 +45,7 @@ def test_the_action_options_of_a_request_are_the_same_request_on_the_node(reques
     options = request_.options()
 
     # WHEN a node's sidecar turns them into the command's arguments and the command reads them
-    on_the_node = request_from_args(_parse(_flags("nccl", options)))
+    on_the_node = request_from_args(read_options("nccl", NcclCommand(), options))
 
     # THEN every option is one the action takes, and the node runs exactly the same request
     assert set(options) <= set(ACTIONS["nccl"].options)

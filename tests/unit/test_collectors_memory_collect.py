@@ -4,7 +4,6 @@ trusting it, and the same request whichever way it comes (the CLI's options, or 
 
 from __future__ import annotations
 
-import argparse
 import os
 
 import pytest
@@ -14,19 +13,7 @@ from collectors.memory.plan.budget import parse_budget
 from dynprof import errors
 from dynprof.cli.memory import MemoryCommand, plan_request_from_args, request_from_args
 from dynprof.requests import MAX_ITEMS, MAX_TEXT
-from dynprof.sidecar.actions import check_options
-from tests.unit._action_flags import flags
-
-
-def _flags(name: str, options: dict) -> list[str]:
-    """The command's arguments for the action's options, as the CLI maps them (each one flag)."""
-    return flags(name, check_options(name, options).options, None, None)
-
-
-def _parse(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(add_help=False)
-    MemoryCommand().prepare_parser(parser)
-    return parser.parse_args(argv)
+from tests.unit._action_flags import read_options
 
 
 @pytest.mark.parametrize(
@@ -77,7 +64,7 @@ def test_a_plan_request_that_cannot_be_run_is_refused_when_made(kwargs, said):
 )
 def test_the_memory_action_s_options_are_the_request_both_ways(options, expected):
     # WHEN a node's sidecar turns the action's options into the command's arguments, or reads them as JSON
-    from_cli = request_from_args(_parse(_flags("memory", options)))
+    from_cli = request_from_args(read_options("memory", MemoryCommand(), options))
     from_json = MemoryRequest.from_json(options)
     # THEN the kind is asked exactly that, and the request writes itself back as the same options
     assert from_cli == from_json == expected
@@ -92,7 +79,7 @@ def test_the_memory_action_s_options_are_the_request_both_ways(options, expected
     ],
 )
 def test_the_memory_plan_action_s_options_are_the_request_both_ways(options, expected):
-    from_cli = plan_request_from_args(_parse(_flags("memory-plan", options)))
+    from_cli = plan_request_from_args(read_options("memory-plan", MemoryCommand(), options))
     assert from_cli == MemoryPlanRequest.from_json(options) == expected
     assert MemoryPlanRequest.from_json(expected.to_json()) == expected
 

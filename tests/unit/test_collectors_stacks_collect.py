@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import argparse
 import os
 
 import pytest
@@ -11,19 +10,7 @@ import pytest
 from collectors.stacks.collect import StacksRequest, collect
 from dynprof import errors
 from dynprof.cli.stacks import StacksCommand, request_from_args
-from dynprof.sidecar.actions import check_options
-from tests.unit._action_flags import flags
-
-
-def _flags(name: str, options: dict) -> list[str]:
-    """The command's arguments for the action's options, as the CLI maps them (each one flag)."""
-    return flags(name, check_options(name, options).options, None, None)
-
-
-def _parse(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(add_help=False)
-    StacksCommand().prepare_parser(parser)
-    return parser.parse_args(argv)
+from tests.unit._action_flags import read_options
 
 
 @pytest.mark.parametrize(
@@ -58,7 +45,7 @@ def test_a_request_that_cannot_be_run_is_refused_when_made(kwargs, said):
 )
 def test_the_sidecar_s_stacks_action_becomes_the_request_its_options_say(options, expected):
     # WHEN a node's sidecar turns an action's options into the command's arguments
-    request = request_from_args(_parse(_flags("stacks", options)))
+    request = request_from_args(read_options("stacks", StacksCommand(), options))
     # THEN the kind is asked exactly that
     assert request == expected
 

@@ -43,6 +43,7 @@ from collectors.torch_trace import (
 from dynprof.errors import ArtifactError, MissingFile
 from dynprof.registry import AgentRecord
 from dynprof.store import ArtifactStore
+from tests.support.records import agent_record
 
 
 def x(name: str, ts: float, dur: float, cat: str = "cpu_op", **more: Any) -> dict[str, Any]:
@@ -565,11 +566,7 @@ def test_an_artifact_without_figures_or_operators_says_what_it_has():
 
 # -- a request's trace, read back from the store ---------------------------------------------------
 def record(pid: int = 4242, rank: int | None = 3) -> AgentRecord:
-    return AgentRecord(
-        pid=pid, ppid=1, host="h", rank=rank, local_rank=rank, world_size=4, job_id="j", cmdline=["python"],
-        python_version="3", torch_version=None, dynprof_version="0", started_at=0.0, start_ticks=None,
-        socket="/nonexistent.sock", log="", activation="run",
-    )  # fmt: skip
+    return agent_record(pid, rank=rank, world_size=4, job_id="j", socket="/nonexistent.sock")
 
 
 def stored(pid: int, group: str, status: str = "complete", summary: dict[str, Any] | None = None, **extra: Any) -> Any:

@@ -3,26 +3,13 @@ same request whichever way it comes (the CLI's options, or the sidecar's ``start
 
 from __future__ import annotations
 
-import argparse
-
 import pytest
 
 from collectors.torch_trace.collect import TraceRequest
 from dynprof import errors
 from dynprof.cli.start import StartCommand, request_from_args
-from dynprof.sidecar.actions import check_options
-from tests.unit._action_flags import flags
-
-
-def _flags(name: str, options: dict) -> list[str]:
-    """The command's arguments for the action's options, as the CLI maps them (each one flag)."""
-    return flags(name, check_options(name, options).options, None, None)
-
-
-def _parse(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(add_help=False)
-    StartCommand().prepare_parser(parser)
-    return parser.parse_args(argv)
+from tests.support.records import agent_record
+from tests.unit._action_flags import read_options
 
 
 @pytest.mark.parametrize(
@@ -37,7 +24,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 )
 def test_the_start_action_s_options_are_the_request_both_ways(options):
     # WHEN a node's sidecar turns the action's options into the command's arguments, or reads them as JSON
-    from_cli = request_from_args(_parse(_flags("start", options)))
+    from_cli = request_from_args(read_options("start", StartCommand(), options))
     from_json = TraceRequest.from_json(options)
     # THEN the kind is asked the same, and the request writes itself back as options of that request
     assert from_json == from_cli
@@ -105,13 +92,7 @@ class _Lines:
 
 
 def _record(pid: int, job: str | None = "j1"):
-    from dynprof.registry import AgentRecord
-
-    return AgentRecord(
-        pid=pid, ppid=1, host="h", rank=0, local_rank=0, world_size=1, job_id=job, cmdline=["python"],
-        python_version="3", torch_version=None, dynprof_version="0", started_at=0.0, start_ticks=None,
-        socket="/s", log="/l", activation="run",
-    )  # fmt: skip
+    return agent_record(pid, rank=0, world_size=1, job_id=job, socket="/s", log="/l")
 
 
 @pytest.fixture

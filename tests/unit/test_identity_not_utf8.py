@@ -11,6 +11,7 @@ import time
 
 from dynprof.identity import detect
 from dynprof.registry import AgentRecord
+from tests.support.records import record_doc
 
 
 def test_identity_of_an_environment_that_is_not_utf8():
@@ -25,24 +26,17 @@ def test_identity_of_an_environment_that_is_not_utf8():
 
 
 def _record(**kw):
-    doc = {
-        "pid": os.getpid(),
-        "ppid": os.getppid(),
-        "host": socket.gethostname(),
-        "rank": 0,
-        "local_rank": 0,
-        "world_size": 1,
-        "job_id": "j",
-        "cmdline": ["python", "train.py"],
-        "python_version": "3",
-        "torch_version": None,
-        "dynprof_version": "0",
-        "started_at": time.time(),
-        "start_ticks": None,
-        "socket": "/tmp/x.sock",
-        "log": "",
-        "activation": "run",
-    }
+    doc = record_doc(
+        os.getpid(),
+        ppid=os.getppid(),
+        host=socket.gethostname(),
+        rank=0,
+        world_size=1,
+        job_id="j",
+        cmdline=["python", "train.py"],
+        started_at=time.time(),
+        socket="/tmp/x.sock",
+    )
     doc.update(kw)
     return doc
 

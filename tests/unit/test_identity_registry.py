@@ -11,7 +11,8 @@ from collectors.torch_trace.align import alignment_step
 from dynprof.agents import select_workers
 from dynprof.identity import detect
 from dynprof.proto import pb
-from dynprof.registry import AgentRecord, list_records, process_start_ticks, write_record
+from dynprof.registry import list_records, process_start_ticks, write_record
+from tests.support.records import agent_record
 
 
 def test_torchrun_environment():
@@ -31,24 +32,7 @@ def test_torchrun_default_run_id_is_not_a_job_id():
 
 
 def _record(pid, rank=None, job="j", ppid=1, started=0.0):
-    return AgentRecord(
-        pid=pid,
-        ppid=ppid,
-        host="h",
-        rank=rank,
-        local_rank=rank,
-        world_size=2,
-        job_id=job,
-        cmdline=["python"],
-        python_version="3",
-        torch_version=None,
-        dynprof_version="0",
-        started_at=started,
-        start_ticks=None,
-        socket="/x",
-        log="",
-        activation="run",
-    )
+    return agent_record(pid, ppid=ppid, rank=rank, world_size=2, job_id=job, started_at=started)
 
 
 def test_select_workers_drops_launcher_and_dataloader_children():

@@ -21,29 +21,21 @@ from dynprof.registry import (
     socket_path,
     write_record,
 )
+from tests.support.records import agent_record
 
 
 def _record(pid: int | None = None, **more) -> AgentRecord:
     fields = dict(
-        pid=pid or os.getpid(),
-        ppid=1,
-        host="h",
         rank=0,
-        local_rank=0,
         world_size=1,
         job_id="j",
         cmdline=["python", "train.py"],
         python_version="3.11",
-        torch_version=None,
-        dynprof_version="0",
         started_at=1.0,
-        start_ticks=None,
         socket="/x.sock",
-        log="",
-        activation="run",
     )
     fields.update(more)
-    return AgentRecord(**fields)
+    return agent_record(pid or os.getpid(), **fields)
 
 
 def test_a_record_written_reads_back_the_same(dynprof_dirs):

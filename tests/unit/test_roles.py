@@ -10,28 +10,11 @@ import dynprof
 from dynprof import _phase, roles
 from dynprof.agents import select_workers
 from dynprof.registry import AgentRecord
+from tests.support.records import agent_record
 
 
 def _record(pid: int, ppid: int = 1, rank: int | None = None, role: str | None = None, job: str = "j") -> AgentRecord:
-    return AgentRecord(
-        pid=pid,
-        ppid=ppid,
-        host="h",
-        rank=rank,
-        local_rank=rank,
-        world_size=None,
-        job_id=job,
-        cmdline=["python"],
-        python_version="3",
-        torch_version=None,
-        dynprof_version="0",
-        started_at=0.0,
-        start_ticks=None,
-        socket="/x",
-        log="",
-        activation="run",
-        role=role,
-    )
+    return agent_record(pid, ppid=ppid, rank=rank, job_id=job, role=role)
 
 
 @pytest.mark.parametrize(
@@ -50,37 +33,34 @@ def test_launcher_command_lines(argv, launcher):
     assert roles.is_launcher_cmdline(argv) is launcher
 
 
+def _role(**facts):
+    """The role ``roles.decide`` gives a process of no rank that has not stepped, given ``facts``."""
+    base = dict(
+        stepped=False,
+        worker=lambda: False,
+        launcher_cmdline=False,
+        has_agent_children=lambda: False,
+        rank=None,
+        mp_child=False,
+    )
+    return roles.decide(**{**base, **facts})
+
+
 def test_a_process_that_stepped_is_a_trainer_whatever_else_it_is():
     # GIVEN every other fact pointing elsewhere, WHEN the process stepped, THEN it is a trainer
-    role = roles.decide(
-        stepped=True,
-        worker=lambda: True,
-        launcher_cmdline=True,
-        has_agent_children=lambda: True,
-        rank=None,
-        mp_child=True,
+    role = _role(
+        stepped=True, worker=lambda: True, launcher_cmdline=True, has_agent_children=lambda: True, mp_child=True
     )
     assert role == roles.TRAINER
 
 
 def test_roles_before_the_first_step():
-    def role(**facts):
-        base = dict(
-            stepped=False,
-            worker=lambda: False,
-            launcher_cmdline=False,
-            has_agent_children=lambda: False,
-            rank=None,
-            mp_child=False,
-        )
-        return roles.decide(**{**base, **facts})
-
-    assert role(worker=lambda: True, rank=0) == roles.WORKER
-    assert role(has_agent_children=lambda: True) == roles.LAUNCHER
-    assert role(launcher_cmdline=True, rank=3) == roles.LAUNCHER  # torchrun under srun knows SLURM_PROCID
-    assert role(rank=1) == roles.TRAINER
-    assert role(rank=1, mp_child=True) == roles.OTHER  # a helper spawned by rank 1 inherits RANK=1
-    assert role() == roles.OTHER
+    assert _role(worker=lambda: True, rank=0) == roles.WORKER
+    assert _role(has_agent_children=lambda: True) == roles.LAUNCHER
+    assert _role(launcher_cmdline=True, rank=3) == roles.LAUNCHER  # torchrun under srun knows SLURM_PROCID
+    assert _role(rank=1) == roles.TRAINER
+    assert _role(rank=1, mp_child=True) == roles.OTHER  # a helper spawned by rank 1 inherits RANK=1
+    assert _role() == roles.OTHER
 
 
 def test_a_wrapper_without_ranks_is_the_launcher_of_its_child():

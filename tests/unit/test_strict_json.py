@@ -12,6 +12,7 @@ import pytest
 from dynprof import jsontext, registry
 from dynprof.registry import AgentRecord
 from dynprof.store import ArtifactStore
+from tests.support.records import agent_record
 
 
 def _strict(text: str) -> object:
@@ -47,24 +48,7 @@ def test_a_manifest_and_a_json_file_of_an_artifact_are_strict_json(tmp_path):
 
 
 def _record(pid: int) -> AgentRecord:
-    return AgentRecord(
-        pid=pid,
-        ppid=1,
-        host="h",
-        rank=None,
-        local_rank=None,
-        world_size=None,
-        job_id="j",
-        cmdline=["python"],
-        python_version="3",
-        torch_version=None,
-        dynprof_version="0",
-        started_at=0.0,
-        start_ticks=None,
-        socket="/x",
-        log="",
-        activation="run",
-    )
+    return agent_record(pid, job_id="j")
 
 
 def test_a_registry_write_on_a_full_run_directory_leaves_no_temporary_file(tmp_path, monkeypatch):

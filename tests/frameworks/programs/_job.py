@@ -1,4 +1,5 @@
-"""What every framework test program shares: its command line, its output lines and its pacing.
+"""What every framework test program shares: its command line, its output lines, its pacing and
+its training loop (`Pacer.train`).
 
 A program prints ``READY <pid>`` (one write) once its first optimizer step is done, then one
 ``LOSS <tag> <value>`` line per loss it computes (``repr`` of the float: bit-exact), and
@@ -13,6 +14,7 @@ import argparse
 import os
 import random
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -56,6 +58,23 @@ def mlp(width: int) -> torch.nn.Sequential:
     )
 
 
+def mse_step(
+    model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor
+) -> Callable[[], torch.Tensor]:
+    """The plain training iteration several programs run: MSE loss of ``model(x)`` against
+    ``y``, ``zero_grad``, ``backward``, the optimizer's step; it returns the loss."""
+    import torch
+
+    def step() -> torch.Tensor:
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return loss
+
+    return step
+
+
 class Pacer:
     """Called after each optimizer step: READY once, the pause, and whether to stop."""
 
@@ -89,3 +108,34 @@ class Pacer:
 
     def done(self) -> None:
         emit(f"DONE {self.steps}")
+
+    def train(self, step: Callable[[], torch.Tensor], ranks: bool = False) -> None:
+        """The training loop: ``step()`` runs one iteration and returns its loss; after each,
+        its LOSS line and the pacing, until the program should stop. With ``ranks`` (a job of
+        several ranks, its process group up) the tag names the rank, and all ranks stop at the
+        same step: the first where any of them would."""
+        while True:
+            loss = step()
+            if ranks:
+                self.loss(f"r{self.rank}:{self.steps + 1}", loss.item())
+                if self._stop_together(self.step_done()):
+                    return
+            else:
+                self.loss(self.steps + 1, loss.item())
+                if self.step_done():
+                    return
+
+    def run(self, step: Callable[[], torch.Tensor]) -> int:
+        """A one-process program's whole loop: :meth:`train`, then DONE; its exit status."""
+        self.train(step)
+        self.done()
+        return 0
+
+    @staticmethod
+    def _stop_together(stop: bool) -> bool:
+        import torch
+        import torch.distributed as dist
+
+        flag = torch.tensor([1.0 if stop else 0.0])
+        dist.all_reduce(flag)
+        return flag.item() > 0

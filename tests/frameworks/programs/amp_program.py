@@ -54,7 +54,8 @@ def main() -> int:
     images = torch.randn(8, args.batch, 3, 16, 16, generator=gen)
     labels = torch.randint(0, 10, (8, args.batch), generator=gen)
     pacer = Pacer(args)
-    while True:
+
+    def step() -> torch.Tensor:
         i = pacer.steps % images.shape[0]
         with torch.autocast(device_type="cpu", dtype=torch.bfloat16):
             loss = nn.functional.cross_entropy(model(images[i]), labels[i])
@@ -63,11 +64,9 @@ def main() -> int:
         scaler.step(opt)
         scaler.update()
         sched.step()
-        pacer.loss(pacer.steps + 1, loss.item())
-        if pacer.step_done():
-            break
-    pacer.done()
-    return 0
+        return loss
+
+    return pacer.run(step)
 
 
 if __name__ == "__main__":

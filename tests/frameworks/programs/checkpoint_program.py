@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 
 import torch
-from _job import Pacer, parser, seed_everything
+from _job import Pacer, mse_step, parser, seed_everything
 from torch.utils.checkpoint import checkpoint
 
 
@@ -46,17 +46,7 @@ def main() -> int:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x = torch.randn(64, args.width).to(device).requires_grad_(args.reentrant)
     y = torch.randn(64, 1).to(device)
-    pacer = Pacer(args)
-    while True:
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        pacer.loss(pacer.steps + 1, loss.item())
-        if pacer.step_done():
-            break
-    pacer.done()
-    return 0
+    return Pacer(args).run(mse_step(model, opt, x, y))
 
 
 if __name__ == "__main__":

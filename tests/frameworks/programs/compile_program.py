@@ -28,17 +28,16 @@ def main() -> int:
     x = torch.randn(64, args.width)
     y = torch.randn(64, 1)
     pacer = Pacer(args)
-    while True:
+
+    def step() -> torch.Tensor:
         loss = torch.nn.functional.mse_loss(compiled(x), y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt_step()
         sched.step()
-        pacer.loss(pacer.steps + 1, loss.item())
-        if pacer.step_done():
-            break
-    pacer.done()
-    return 0
+        return loss
+
+    return pacer.run(step)
 
 
 if __name__ == "__main__":

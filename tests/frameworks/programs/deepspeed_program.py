@@ -72,15 +72,14 @@ def main() -> int:
     x = torch.randn(args.batch, args.width, generator=gen)
     y = torch.randn(args.batch, 1, generator=gen)
     pacer = Pacer(args, rank)
-    while True:
+
+    def step() -> torch.Tensor:
         loss = torch.nn.functional.mse_loss(engine(x), y)
         engine.backward(loss)
         engine.step()
-        pacer.loss(f"r{rank}:{pacer.steps + 1}", loss.item())
-        stop = torch.tensor([1.0 if pacer.step_done() else 0.0])
-        dist.all_reduce(stop)
-        if stop.item() > 0:
-            break
+        return loss
+
+    pacer.train(step, ranks=True)
     pacer.done()
     dist.barrier()
     dist.destroy_process_group()

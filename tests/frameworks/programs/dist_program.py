@@ -10,7 +10,7 @@ import sys
 
 import torch
 import torch.distributed as dist
-from _job import Pacer, mlp, parser, seed_everything
+from _job import Pacer, mlp, mse_step, parser, seed_everything
 
 
 def main() -> int:
@@ -40,16 +40,7 @@ def main() -> int:
     x = torch.randn(32, args.width, generator=gen)
     y = torch.randn(32, 1, generator=gen)
     pacer = Pacer(args, rank)
-    while True:
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        pacer.loss(f"r{rank}:{pacer.steps + 1}", loss.item())
-        stop = torch.tensor([1.0 if pacer.step_done() else 0.0])
-        dist.all_reduce(stop)
-        if stop.item() > 0:
-            break
+    pacer.train(mse_step(model, opt, x, y), ranks=True)
     pacer.done()
     dist.barrier()  # both ranks are done with their collectives before gloo is torn down
     dist.destroy_process_group()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 
 import torch
-from _job import Pacer, emit, parser, seed_everything
+from _job import Pacer, emit, mse_step, parser, seed_everything
 
 
 def main() -> int:
@@ -35,15 +35,14 @@ def main() -> int:
     if args.device.startswith("cuda"):
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     with torch.profiler.profile(activities=activities, schedule=schedule, on_trace_ready=on_trace_ready) as prof:
-        while True:
-            loss = torch.nn.functional.mse_loss(model(x), y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
+        train_step = mse_step(model, opt, x, y)
+
+        def step() -> torch.Tensor:
+            loss = train_step()
             prof.step()
-            pacer.loss(pacer.steps + 1, loss.item())
-            if pacer.step_done():
-                break
+            return loss
+
+        pacer.train(step)
     pacer.done()
     return 0
 

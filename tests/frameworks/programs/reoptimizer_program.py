@@ -24,7 +24,9 @@ def main() -> int:
     opt: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=50, gamma=0.5)
     stage = 1
-    while True:
+
+    def step() -> torch.Tensor:
+        nonlocal opt, sched, stage
         if stage == 1 and pacer.steps == args.stage_steps:
             stage = 2
             opt = torch.optim.Adam(model.parameters(), lr=1e-3)
@@ -35,11 +37,9 @@ def main() -> int:
         loss.backward()
         opt.step()
         sched.step()
-        pacer.loss(pacer.steps + 1, loss.item())
-        if pacer.step_done():
-            break
-    pacer.done()
-    return 0
+        return loss
+
+    return pacer.run(step)
 
 
 if __name__ == "__main__":

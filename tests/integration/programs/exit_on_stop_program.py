@@ -7,19 +7,11 @@ while the export may still be running: the agent finishes it at exit.
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 
 import torch
-
-import dynprof.agent
-
-
-def trace_state() -> str:
-    agent = dynprof.agent.get()
-    controller = agent.extensions.get("dynprof.agent._ext_trace") if agent is not None else None
-    return str(getattr(controller, "state", "idle"))
+from _trace_loop import after_step, mse_step, trace_state
 
 
 def main() -> int:
@@ -30,13 +22,9 @@ def main() -> int:
     deadline = time.monotonic() + 120
     step = 0
     while time.monotonic() < deadline:
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+        mse_step(model, opt, x, y)
         step += 1
-        if step == 1:
-            os.write(1, f"READY {os.getpid()}\n".encode())
+        after_step(step)
         if trace_state() == "exporting":
             break
         time.sleep(0.005)

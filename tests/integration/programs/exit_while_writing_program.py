@@ -13,22 +13,15 @@ name), as a write that the job's exit cuts off in the middle is.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+from _trace_loop import after_step, trace_state
 
 import collectors.torch_trace
-import dynprof.agent
-
-
-def trace_state() -> str:
-    agent = dynprof.agent.get()
-    controller = agent.extensions.get("dynprof.agent._ext_trace") if agent is not None else None
-    return str(getattr(controller, "state", "idle"))
 
 
 def slow_export(release: Path, hold_s: float) -> None:
@@ -84,8 +77,7 @@ def main() -> int:
             loss.backward()
         opt.step()
         step += 1
-        if step == 1:
-            os.write(1, f"READY {os.getpid()}\n".encode())
+        after_step(step)
         state = trace_state()
         if state == "tracing":
             traced += 1

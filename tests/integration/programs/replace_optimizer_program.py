@@ -9,19 +9,11 @@ SGD optimizer is replaced by a new AdamW (the old one dropped, or kept alive wit
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
 import torch
-
-import dynprof.agent
-
-
-def trace_state() -> str:
-    agent = dynprof.agent.get()
-    controller = agent.extensions.get("dynprof.agent._ext_trace") if agent is not None else None
-    return str(getattr(controller, "state", "idle"))
+from _trace_loop import after_step, mse_step, trace_state
 
 
 def main() -> int:
@@ -41,13 +33,9 @@ def main() -> int:
             if args.keep_old:
                 kept.append(opt)
             opt = torch.optim.AdamW(model.parameters(), lr=0.001)  # the SGD one is dropped here
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+        mse_step(model, opt, x, y)
         step += 1
-        if step == 1:
-            os.write(1, f"READY {os.getpid()}\n".encode())
+        after_step(step)
         if args.wait_trace and step == 5:
             deadline = time.monotonic() + 60
             while trace_state() == "idle" and time.monotonic() < deadline:
