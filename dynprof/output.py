@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -55,3 +56,30 @@ def silence_stdout() -> None:
         os.dup2(devnull, fd)
     finally:
         os.close(devnull)
+
+
+class Progress:
+    """A one-line progress display on stderr (rewritten in place on a terminal)."""
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self.tty = sys.stderr.isatty()
+        self._last = ""
+        self._last_print = 0.0
+
+    def update(self, text: str) -> None:
+        if not self.enabled or text == self._last:
+            return
+        now = time.monotonic()
+        if self.tty:
+            sys.stderr.write("\r\033[K" + text)
+            sys.stderr.flush()
+        elif now - self._last_print >= 1.0:
+            sys.stderr.write(text + "\n")
+            self._last_print = now
+        self._last = text
+
+    def done(self) -> None:
+        if self.enabled and self.tty and self._last:
+            sys.stderr.write("\n")
+        self._last = ""

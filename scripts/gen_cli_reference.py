@@ -61,7 +61,7 @@ def render_actions() -> str:
     """The sidecar's action table (docs/api.md, "Actions"): one row per action, as the sidecar
     takes it: its command, its options (an action that carries a kind's request takes the
     request's ``OPTIONS``), that request, whether it acts on jobs, whether it takes ``hosts``, its time limits."""
-    from dynprof.sidecar.actions import ACTIONS
+    from dynprof.sidecar.table import ACTIONS
 
     def yes(flag: bool) -> str:
         return "yes" if flag else "no"

@@ -95,19 +95,62 @@ class NcclRequest:
         return out
 
 
+MAX_NOTE_CHARS = 2000  # a note read back from a node's answer
+
+
 @dataclass
 class Collected:
     """The analysis of every rank dumped (``analysis``), the artifact holding the dumps, what
     is worth saying besides (``notes``: a rank dumped through the pipe, a rank not dumped),
     and whether some rank could not be dumped (``partial``)."""
 
-    analysis: dict[str, Any]
-    artifact: str
-    artifact_id: str
+    analysis: dict[str, Any] | None
+    artifact: str | None
+    artifact_id: str | None
     elapsed_s: float
     ranks: list[int] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     partial: bool = False
+
+    @property
+    def exit_code(self) -> int:
+        """1 when some rank could not be dumped, else 0."""
+        return 1 if self.partial else 0
+
+    @property
+    def messages(self) -> list[str]:
+        """Nothing is said on stderr: the notes are in the document."""
+        return []
+
+    def to_json(self) -> dict[str, Any]:
+        """One node's answer (``dynprof nccl --json``, the sidecar's ``nccl`` action): the
+        analysis, the artifact (its path, and its id under the store: ``nccl --hosts`` reads
+        every rank's dump from it through each node's sidecar) and the notes."""
+        return {
+            "artifact": self.artifact,
+            "artifact_id": self.artifact_id,
+            "elapsed_s": round(self.elapsed_s, 3),
+            "analysis": self.analysis,
+            "notes": self.notes,
+        }
+
+    @classmethod
+    def from_json(cls, doc: Any) -> Collected:
+        """A node's answer, untrusted: each field taken only when it has its type (the analysis
+        an object, the artifact's path and id strings, the seconds a number), each note a line
+        of at most :data:`MAX_NOTE_CHARS`; what is missing or of another type is left empty.
+        The ranks and whether the dump was partial are the node's own (its exit code)."""
+        doc = doc if isinstance(doc, dict) else {}
+        analysis, artifact, artifact_id = doc.get("analysis"), doc.get("artifact"), doc.get("artifact_id")
+        elapsed = doc.get("elapsed_s")
+        notes = doc.get("notes")
+        return cls(
+            analysis if isinstance(analysis, dict) else None,
+            artifact if isinstance(artifact, str) else None,
+            artifact_id if isinstance(artifact_id, str) else None,
+            float(elapsed) if isinstance(elapsed, (int, float)) and not isinstance(elapsed, bool) else 0.0,
+            notes=[str(n)[:MAX_NOTE_CHARS] for n in notes] if isinstance(notes, list) else [],
+        )
 
 
 def collect(request: NcclRequest) -> Collected:

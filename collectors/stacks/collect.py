@@ -27,7 +27,7 @@ from typing import Any, ClassVar
 from collectors.stacks import readers
 from collectors.stacks.artifact import write_request_artifact
 from collectors.stacks.merge import Source, merge
-from collectors.stacks.model import KIND, ProcessStacks, Stacks
+from collectors.stacks.model import KIND, Budget, ProcessStacks, Stacks, from_json
 from dynprof import errors
 from dynprof.agents import parallel, resolve
 from dynprof.arguments import MAX_PID, MAX_SECONDS
@@ -132,6 +132,34 @@ class Collected:
     stacks: Stacks
     elapsed_s: float
     artifact: str | None = None
+
+    @property
+    def exit_code(self) -> int:
+        """1 when some process was not read, else 0."""
+        return 1 if self.stacks.failures else 0
+
+    @property
+    def messages(self) -> list[str]:
+        """Nothing is said on stderr: who was not read is in the document."""
+        return []
+
+    def to_json(self) -> dict[str, Any]:
+        """The stacks document of one node's answer (``dynprof stacks --json``, the sidecar's
+        ``stacks`` action): the stacks, the artifact and the seconds reading took."""
+        return {**self.stacks.to_json(), "artifact": self.artifact, "elapsed_s": round(self.elapsed_s, 3)}
+
+    @classmethod
+    def from_json(cls, doc: Any, budget: Budget | None = None) -> Collected:
+        """A node's answer, untrusted (:func:`collectors.stacks.from_json` reads its stacks
+        within ``budget``); a value of the wrong type is left out."""
+        stacks = from_json(doc, budget)
+        elapsed = doc.get("elapsed_s") if isinstance(doc, dict) else None
+        artifact = doc.get("artifact") if isinstance(doc, dict) else None
+        return cls(
+            stacks,
+            float(elapsed) if isinstance(elapsed, (int, float)) and not isinstance(elapsed, bool) else 0.0,
+            artifact if isinstance(artifact, str) else None,
+        )
 
 
 @dataclass

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 
 from dynprof import errors
 
@@ -31,6 +30,7 @@ from dynprof.arguments import path_arg as path_arg
 from dynprof.arguments import port as port
 from dynprof.arguments import positive_float as positive_float
 from dynprof.arguments import seconds as seconds
+from dynprof.output import Progress as Progress
 from dynprof.output import print_json as print_json
 from dynprof.output import printable as printable
 from dynprof.output import printable_lines as printable_lines
@@ -93,31 +93,3 @@ def attach_first(args: argparse.Namespace) -> None:
             continue
         result = attach(pid, AttachOptions(settings=dict(settings)))
         print(f"dynprof: {result.describe()}", file=sys.stderr)
-
-
-# -- output -------------------------------------------------------------------------------------
-class Progress:
-    """A one-line progress display on stderr (rewritten in place on a terminal)."""
-
-    def __init__(self, enabled: bool = True) -> None:
-        self.enabled = enabled
-        self.tty = sys.stderr.isatty()
-        self._last = ""
-        self._last_print = 0.0
-
-    def update(self, text: str) -> None:
-        if not self.enabled or text == self._last:
-            return
-        now = time.monotonic()
-        if self.tty:
-            sys.stderr.write("\r\033[K" + text)
-            sys.stderr.flush()
-        elif now - self._last_print >= 1.0:
-            sys.stderr.write(text + "\n")
-            self._last_print = now
-        self._last = text
-
-    def done(self) -> None:
-        if self.enabled and self.tty and self._last:
-            sys.stderr.write("\n")
-        self._last = ""

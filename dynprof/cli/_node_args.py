@@ -11,11 +11,8 @@ import argparse
 from dynprof import errors
 from dynprof.cli._common import bounded_int, path_arg, seconds
 from dynprof.job.discovery import add_node_args, resolve_nodes
+from dynprof.job.merge import DEFAULT_MAX_IN_FLIGHT, DEFAULT_NODE_TIMEOUT_S
 from dynprof.nodes import Node
-
-# The same as dynprof.job.client's (a unit test holds them equal).
-DEFAULT_NODE_TIMEOUT_S = 10.0
-DEFAULT_MAX_IN_FLIGHT = 64
 
 
 def add_many_node_args(parser: argparse.ArgumentParser, fetch: bool = False) -> None:

@@ -16,9 +16,10 @@ from collectors.flight_recorder.collect import NcclRequest
 from dynprof import errors
 from dynprof.arguments import parse_float
 from dynprof.cli._common import printable, printable_lines, seconds
-from dynprof.cli.job import client_for, node_messages
+from dynprof.cli.job import client_for
 from dynprof.job.client import SidecarClient, tls_context
 from dynprof.job.discovery import add_node_args, resolve_nodes
+from dynprof.job.merge import node_messages
 from dynprof.job.nccl import collect_nodes
 from dynprof.nodes import Node
 from dynprof.watch.engine import WatchConfig

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Callable
 from typing import Any
 
 from dynprof import errors
@@ -29,7 +28,7 @@ from healthcheck import fleet
 from healthcheck.arguments import DESCRIPTION as NODE_DESCRIPTION
 from healthcheck.arguments import add_check_arguments, request_from_args, usage_errors_exit_3
 from healthcheck.baseline import learn_files
-from healthcheck.collect import Checked, HealthcheckRequest, collect_here
+from healthcheck.collect import Checked, collect_here
 from healthcheck.fleet_text import render_fleet
 from healthcheck.report import Report, render_table
 from healthcheck.result import EXIT_COULD_NOT_RUN
@@ -228,10 +227,6 @@ class HealthcheckCommand:
             exc.exit_code = EXIT_COULD_NOT_RUN
             raise
 
-    def action_requests(self) -> dict[str, tuple[Callable[[dict[str, Any]], Any], Callable[[Any], Result]]]:
-        """The sidecar's ``healthcheck`` action read as the kind's request."""
-        return {"healthcheck": (decode_request, collect_request)}
-
     def render(self, result: Result) -> str:
         if isinstance(result, FleetResult):
             if result.drain_kind:
@@ -246,27 +241,6 @@ class HealthcheckCommand:
 
 def _check(args: argparse.Namespace) -> HealthReport:
     return HealthReport(collect_here(request_from_args(args), show_progress=not args.quiet), args.failures_only)
-
-
-def decode_request(options: dict[str, Any]) -> HealthcheckRequest:
-    """The sidecar's ``healthcheck`` action read as the kind's request; a value it refuses is
-    the healthcheck's usage error (exit 3: 1 and 2 are the node's health)."""
-    try:
-        return HealthcheckRequest.from_json(options)
-    except DynprofError as exc:
-        error = errors.UsageError(f"healthcheck: {exc.message}", help="See `dynprof healthcheck --help`.")
-        error.exit_code = EXIT_COULD_NOT_RUN
-        raise error from None
-
-
-def collect_request(request: HealthcheckRequest) -> HealthReport:
-    """This node's checks for ``request``, saved as an artifact unless it says not to."""
-    try:
-        checked = collect_here(request)
-    except DynprofError as exc:
-        exc.exit_code = EXIT_COULD_NOT_RUN
-        raise
-    return HealthReport(checked, False)
 
 
 def _learn(args: argparse.Namespace) -> LearnedBaseline:

@@ -7,23 +7,11 @@ action (healthcheck.links.rounds); it can be run by hand on two nodes to test th
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
-from typing import Any
 
-from dynprof.errors import DynprofError, Timeout
+from dynprof.job import links
+from dynprof.job.links import LinkSide
 from dynprof.result import Result
-from healthcheck.links.side import BACKENDS, PATTERNS, LinkTestRequest, SideResult, run_side
-
-LINK_TEST_SCHEMA = "dynprof.link_test"
-
-
-class LinkSide(Result):
-    def __init__(self, side: SideResult) -> None:
-        super().__init__({}, 0 if side.status == "ok" else 1, [])
-        self.side = side
-
-    def to_json(self) -> dict[str, Any]:
-        return {"schema": LINK_TEST_SCHEMA, "schema_version": 1, **self.side.to_json()}
+from healthcheck.links.side import BACKENDS, PATTERNS, LinkTestRequest
 
 
 class LinkTestCommand:
@@ -76,36 +64,7 @@ class LinkTestCommand:
             start_at=args.start_at,
             bind=args.bind,
         )
-        return self.collect_request(request)
-
-    def collect_request(self, request: LinkTestRequest) -> Result:
-        """This node's side of the link test ``request`` (the sidecar's ``link-test`` action)."""
-        try:
-            assert request.store_host is not None  # checked when the request was made
-            side = run_side(
-                rank=request.rank,
-                world=request.world,
-                store_host=request.store_host,
-                store_port=request.store_port,
-                backend=request.backend,
-                pattern=request.pattern,
-                size_bytes=request.size,
-                iters=request.iters,
-                warmup=request.warmup,
-                limit_s=request.limit,
-                start_at=request.start_at,
-                bind=request.bind,
-            )
-        except OSError as exc:
-            raise DynprofError(f"link-test could not start its worker: {exc}") from None
-        result = LinkSide(side)
-        if side.status == "hung":
-            result.exit_code = Timeout.exit_code
-        return result
-
-    def action_requests(self) -> dict[str, tuple[Callable[[dict[str, Any]], Any], Callable[[Any], Result]]]:
-        """The sidecar's ``link-test`` action read as its request."""
-        return {"link-test": (LinkTestRequest.from_json, self.collect_request)}
+        return links.collect(request)
 
     def render(self, result: Result) -> str:
         assert isinstance(result, LinkSide)

@@ -10,35 +10,22 @@ entries in it) is refused with the reason; nothing outside the store is walked.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from dynprof.cli._common import bounded_int, human_bytes, printable, table
-from dynprof.cli.job import (
-    JobCommand,
-    JobResult,
-    Reach,
-    Text,
-    answered_count,
-    envelope,
-    exit_code,
-    fetched_doc,
-    node_messages,
-    with_fetch,
-)
+from dynprof.cli.job import JobCommand, Text, answered_count
+from dynprof.job import ls
+from dynprof.job.merge import JobResult, Reach
 from dynprof.node_requests import MAX_LIMIT, LsRequest
 from dynprof.nodes import Node
 from dynprof.result import Result
-from dynprof.store import ArtifactStore
-
-LS_TIMEOUT_S = 30.0
 
 
 class LsCommand(JobCommand):
     """List the artifacts in the store, newest first."""
 
     name = "ls"
+    job_wide = staticmethod(ls.collect_job)
     takes_fetch = True
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
@@ -50,75 +37,11 @@ class LsCommand(JobCommand):
         parser.add_argument("--all", action="store_true", help="also list artifacts still being written")
 
     def collect_local(self, args: argparse.Namespace) -> Result:
-        return self.collect_request(request_from_args(args), name_skipped=not getattr(args, "json", False))
-
-    def collect_request(self, request: LsRequest, name_skipped: bool = False) -> Result:
-        """This node's artifacts, as ``request`` asks (``name_skipped``: the text view names the
-        entries it skipped on stderr; the JSON document lists them)."""
-        store = ArtifactStore()
-        arts, bad = store.scan(job=request.job, kind=request.kind)
-        if request.limit:
-            arts = arts[: request.limit]
-        temps = store.temporaries() if request.all else []
-        doc = {
-            "root": str(store.root),
-            "artifacts": [
-                {
-                    "id": a.id,
-                    "path": str(a.path),
-                    "kind": a.kind,
-                    "status": a.status,
-                    "job": a.manifest.get("job"),
-                    "host": a.manifest.get("host"),
-                    "rank": a.manifest.get("rank"),
-                    "pid": a.manifest.get("pid"),
-                    "created_at": a.created_at,
-                    "bytes": a.size,
-                }
-                for a in arts
-            ],
-            "writing": [str(t.path) for t in temps if not t.stale],
-            "stale": [str(t.path) for t in temps if t.stale],
-            "bad": [{"path": str(b.path), "reason": b.reason} for b in bad],
-        }
-        messages = [f"skipped {printable(b.id)}: {printable(b.reason)}" for b in bad] if name_skipped else []
-        rows = [
-            (t.id, t.kind, "stale" if t.stale else "writing", t.rank, f"{t.age_s:.0f} s ago", human_bytes(t.size))
-            for t in temps
-        ]
-        return JobResult(doc, 0, messages, context={"temporaries": rows})
-
-    def action_requests(self) -> dict[str, tuple[Callable[[dict[str, Any]], Any], Callable[[Any], Result]]]:
-        """The sidecar's ``ls`` action read as its request (an action answers JSON: nothing is
-        named on stderr)."""
-        return {"ls": (LsRequest.from_json, self.collect_request)}
+        # the text view names the entries it skipped on stderr; the JSON document lists them
+        return ls.collect(request_from_args(args), name_skipped=not getattr(args, "json", False))
 
     def collect_job(self, options: dict[str, Any], nodes: list[Node], reach: Reach) -> Result:
-        from dynprof.job.answers import node_labels, rows
-        from dynprof.job.fetch import fetch
-
-        request = LsRequest.from_json(options)
-        client = reach.client
-        answers = client.action_all(nodes, "ls", options, timeout=LS_TIMEOUT_S)
-        labels = node_labels(nodes)
-        found: list[tuple[Node, dict[str, Any]]] = []
-        for a in answers:
-            for row in rows(a, "artifacts"):
-                row["node"] = labels[a.node]
-                found.append((a.node, row))
-        found.sort(
-            key=lambda nr: (str(nr[1].get("created_at") or ""), str(nr[1].get("id") or "").rsplit("/", 1)[-1]),
-            reverse=True,
-        )
-        if request.limit:
-            found = found[: request.limit]  # each node kept its newest; the newest of all remain
-        fetched = fetch(client, Path(reach.fetch), [(n, row.get("id")) for n, row in found]) if reach.fetch else None
-        doc = {
-            **envelope(answers, strip=("artifacts",)),
-            "artifacts": [row for _, row in found],
-            **fetched_doc(fetched),
-        }
-        return JobResult(doc, with_fetch(exit_code(answers), fetched), node_messages(answers))
+        return ls.collect_job(options, nodes, reach)
 
     def render(self, result: Result) -> str:
         doc = result.to_json()

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
 
 from collectors.memory.collect import MemoryPlanRequest, MemoryRequest
 from dynprof import errors
@@ -19,22 +16,12 @@ from dynprof.cli._common import (
     seconds,
     table,
 )
+from dynprof.cli._memory_plan import render as render_plan
+from dynprof.cli._node_args import nodes_requested
 from dynprof.cli.job import JobCommand
+from dynprof.job import memory
+from dynprof.job.memory import MemoryPlanResults, MemoryResults
 from dynprof.result import Result
-
-
-@dataclass
-class MemoryResults(Result):
-    """This node's answer: ``{"results": [one row per process]}``; ``history`` says whether it
-    answers a history request (``--history-start``/``--history-stop``) or a snapshot."""
-
-    history: bool = False
-
-
-@dataclass
-class MemoryPlanResults(Result):
-    """``dynprof memory plan``: ``{"schema": 1, "results": [one row per process, with its plan],
-    "jobs": [one plan per group of a job's ranks that agree, with each rank's figures]}``."""
 
 
 class MemoryCommand(JobCommand):
@@ -52,6 +39,7 @@ class MemoryCommand(JobCommand):
     """
 
     name = "memory"
+    job_wide = staticmethod(memory.collect_job)
     takes_fetch = True
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
@@ -99,8 +87,6 @@ class MemoryCommand(JobCommand):
 
     def collect(self, args: argparse.Namespace) -> Result:
         if getattr(args, "what", None) == "plan":
-            from dynprof.cli._node_args import nodes_requested
-
             if nodes_requested(args) is not None:
                 raise errors.UsageError(
                     "dynprof memory plan asks this node's agents only",
@@ -115,7 +101,7 @@ class MemoryCommand(JobCommand):
             plan_request = plan_request_from_args(args)
             if args.attach:
                 attach_first(args)
-            return self.collect_plan_request(plan_request, raise_single=not getattr(args, "json", False))
+            return memory.collect_plan(plan_request, raise_single=not getattr(args, "json", False))
         if args.budget is not None or args.save is not None or args.undo:
             raise errors.UsageError(
                 "--budget, --save and --undo are options of `dynprof memory plan`",
@@ -126,40 +112,11 @@ class MemoryCommand(JobCommand):
         request = request_from_args(args)
         if args.attach:
             attach_first(args)
-        return self.collect_request(request, raise_single=not getattr(args, "json", False))
-
-    def collect_request(self, request: MemoryRequest, raise_single: bool = False) -> Result:
-        """This node's answer to ``request`` (``raise_single``: one process only, and it
-        failed: its error, as the text view says it)."""
-        from collectors.memory.collect import collect
-
-        got = collect(request)
-        if raise_single and len(got.results) == 1 and got.failures:
-            raise got.failures[0]
-        return MemoryResults(doc={"results": got.results}, exit_code=got.exit_code, history=request.history)
-
-    def collect_plan_request(self, request: MemoryPlanRequest, raise_single: bool = False) -> Result:
-        """This node's plans for ``request`` (``raise_single`` as :meth:`collect_request`)."""
-        from collectors.memory.collect import collect_plan
-
-        got = collect_plan(request)
-        if raise_single and len(got.results) == 1 and got.failures:
-            raise got.failures[0]
-        doc = {"schema": 1, "results": got.results, "jobs": got.jobs, "notes": got.notes}
-        return MemoryPlanResults(doc=doc, exit_code=got.exit_code, messages=list(got.notes))
-
-    def action_requests(self) -> dict[str, tuple[Callable[[dict[str, Any]], Any], Callable[[Any], Result]]]:
-        """The sidecar's ``memory`` and ``memory-plan`` actions, read as the kind's requests."""
-        return {
-            "memory": (MemoryRequest.from_json, self.collect_request),
-            "memory-plan": (MemoryPlanRequest.from_json, self.collect_plan_request),
-        }
+        return memory.collect(request, raise_single=not getattr(args, "json", False))
 
     def render(self, result: Result) -> str:
         if isinstance(result, MemoryPlanResults):
-            from dynprof.cli._memory_plan import render
-
-            return render(result.doc)
+            return render_plan(result.doc)
         if not isinstance(result, MemoryResults):
             return super().render(result)  # the job-wide answer, rank by rank
         results = result.doc["results"]

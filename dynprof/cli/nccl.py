@@ -17,9 +17,10 @@ Over many nodes (--hosts), at most 2 GiB of dumps are read back in all.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
 from typing import Any
 
+from collectors import flight_recorder as fr
+from collectors.flight_recorder import collect as kind
 from collectors.flight_recorder.collect import NcclRequest
 from dynprof.cli._common import (
     add_attach_flag,
@@ -28,20 +29,9 @@ from dynprof.cli._common import (
     printable_lines,
     seconds,
 )
-from dynprof.cli.job import (
-    JobCommand,
-    JobResult,
-    Reach,
-    Text,
-    answered_count,
-    artifacts_of,
-    envelope,
-    exit_code,
-    fetched_doc,
-    maybe_fetch,
-    node_messages,
-    with_fetch,
-)
+from dynprof.cli.job import JobCommand, Text, answered_count
+from dynprof.job import nccl
+from dynprof.job.merge import JobResult, Reach
 from dynprof.nodes import Node
 from dynprof.result import Result
 
@@ -50,6 +40,7 @@ class NcclCommand(JobCommand):
     """Collect every rank's NCCL flight-recorder dump and say who is missing from which collective."""
 
     name = "nccl"
+    job_wide = staticmethod(nccl.collect_job)
     takes_fetch = True
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
@@ -67,54 +58,13 @@ class NcclCommand(JobCommand):
         request = request_from_args(args)
         if args.attach:
             attach_first(args)
-        return self.collect_request(request)
-
-    def collect_request(self, request: NcclRequest) -> Result:
-        """This node's answer to ``request``: the analysis of its ranks' dumps, and the artifact."""
-        from collectors.flight_recorder.collect import collect
-
-        got = collect(request)
-        # The artifact's id under the store: `nccl --hosts` reads every rank's dump from it
-        # through each node's sidecar and analyses the dumps of all nodes together.
-        doc = {
-            "artifact": got.artifact,
-            "artifact_id": got.artifact_id,
-            "elapsed_s": round(got.elapsed_s, 3),
-            "analysis": got.analysis,
-            "notes": got.notes,
-        }
-        return JobResult(doc, 1 if got.partial else 0, context={"ranks": len(got.ranks), "elapsed_s": got.elapsed_s})
-
-    def action_requests(self) -> dict[str, tuple[Callable[[dict[str, Any]], Any], Callable[[Any], Result]]]:
-        """The sidecar's ``nccl`` action read as the kind's request."""
-        return {"nccl": (NcclRequest.from_json, self.collect_request)}
+        got = kind.collect(request)
+        return JobResult(got.to_json(), got.exit_code, context={"ranks": len(got.ranks), "elapsed_s": got.elapsed_s})
 
     def collect_job(self, options: dict[str, Any], nodes: list[Node], reach: Reach) -> Result:
-        """Each node dumps its ranks' flight recorders into one artifact; every rank's dump is
-        read back from those artifacts and all are analysed together (:mod:`dynprof.job.nccl`)."""
-        from dynprof.job.nccl import collect_nodes
-
-        request = NcclRequest.from_json(options)
-        got = collect_nodes(reach.client, nodes, request)
-        artifacts = artifacts_of(got.answers, got.labels, lambda r: [r.get("artifact")])
-        fetched = maybe_fetch(reach, request.job, got.answers, artifacts)
-        code = with_fetch(exit_code(got.answers), fetched)
-        if got.analysis is None and code == 0:
-            code = 1
-        doc = {
-            **envelope(got.answers),
-            "analysis": got.analysis,
-            "recorder_off": got.recorder_off,
-            "ranks": {str(r): got.where[r] for r in sorted(got.where)},
-            "notes": got.notes,
-            "artifacts": artifacts,
-            **fetched_doc(fetched),
-        }
-        return JobResult(doc, code, node_messages(got.answers))
+        return nccl.collect_job(options, nodes, reach)
 
     def render(self, result: Result) -> str:
-        from collectors import flight_recorder as fr
-
         doc = result.to_json()
         context = result.context if isinstance(result, JobResult) else {}
         text = Text()

@@ -13,25 +13,14 @@ DataLoader workers have no agent. Commands given ``--job`` target the trainers.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
 from typing import Any
 
-from dynprof import errors
-from dynprof.agents import agent_rows
 from dynprof.cli._common import human_age, printable, seconds, table
-from dynprof.cli.job import (
-    JobCommand,
-    JobResult,
-    Reach,
-    Text,
-    answered_count,
-    envelope,
-    exit_code,
-    node_messages,
-)
+from dynprof.cli.job import JobCommand, Text, answered_count
+from dynprof.job import ps
+from dynprof.job.merge import JobResult, Reach
 from dynprof.node_requests import PS_TIMEOUT_S, PsRequest
 from dynprof.nodes import Node
-from dynprof.registry import list_records
 from dynprof.result import Result
 
 
@@ -39,6 +28,7 @@ class PsCommand(JobCommand):
     """List the dynprof agents on this node, newest first."""
 
     name = "ps"
+    job_wide = staticmethod(ps.collect_job)
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--job", help="only this job's agents")
@@ -50,37 +40,10 @@ class PsCommand(JobCommand):
         )
 
     def collect_local(self, args: argparse.Namespace) -> Result:
-        return self.collect_request(request_from_args(args))
-
-    def collect_request(self, request: PsRequest) -> Result:
-        """This node's agents, as ``request`` asks."""
-        records = list_records()
-        if request.job:
-            records = [r for r in records if r.job_id == request.job]
-        rows = agent_rows(records, request.timeout)
-        failed = [r for r in rows if r["state"] == "error"]
-        code = errors.AgentError.exit_code if failed else 0
-        messages = [f"agent of pid {r['pid']}: {printable(r['error'])}" for r in failed]
-        return JobResult({"agents": rows}, code, messages, context={"job": request.job})
-
-    def action_requests(self) -> dict[str, tuple[Callable[[dict[str, Any]], Any], Callable[[Any], Result]]]:
-        """The sidecar's ``ps`` action read as its request."""
-        return {"ps": (PsRequest.from_json, self.collect_request)}
+        return ps.collect(request_from_args(args))
 
     def collect_job(self, options: dict[str, Any], nodes: list[Node], reach: Reach) -> Result:
-        from dynprof.job.answers import node_labels, rank_key, rows
-
-        request = PsRequest.from_json(options)
-        answers = reach.client.action_all(nodes, "ps", options, timeout=request.timeout + 1.0)
-        labels = node_labels(nodes)
-        agents = []
-        for a in answers:
-            for row in rows(a, "agents"):
-                row["node"] = labels[a.node]
-                agents.append(row)
-        agents.sort(key=rank_key)
-        doc = {**envelope(answers, strip=("agents",)), "agents": agents}
-        return JobResult(doc, exit_code(answers), node_messages(answers))
+        return ps.collect_job(options, nodes, reach)
 
     def render(self, result: Result) -> str:
         doc = result.to_json()

@@ -29,8 +29,13 @@ import threading
 from typing import Any
 
 from dynprof import errors
+from dynprof.agents import agent_rows
 from dynprof.arguments import nonnegative_float
 from dynprof.cli._common import host_arg, path_arg, port
+from dynprof.identity import detect
+from dynprof.paths import run_dir
+from dynprof.renderers import render, render_html
+from dynprof.sidecar.policy import FanoutConfig, LinkPolicy
 from dynprof.tokens import check_token, read_token_file
 
 
@@ -256,7 +261,6 @@ class ServeCommand:
             import cheroot  # noqa: F401
         except ImportError as exc:
             raise errors.Unsupported(f"the HTTP server needs cheroot: {exc}", help="pip install cheroot") from None
-        from dynprof.cli.sidecar_actions import action_commands
         from dynprof.sidecar.server import connection_cap, min_open_files, raise_open_file_limit
 
         before, limit = raise_open_file_limit(args.max_open_files)
@@ -271,8 +275,6 @@ class ServeCommand:
         # The token file written for the job-wide actions (own_file) is removed however this ends: a
         # server that stops, or one that never started (a port in use, a bad node option).
         try:
-            from dynprof.identity import detect
-            from dynprof.sidecar.actions import LinkPolicy
             from dynprof.sidecar.progress import ProgressBook
 
             book = ProgressBook(detect().host, args.progress_every, stall_after=args.stall_after)
@@ -280,7 +282,6 @@ class ServeCommand:
             app = create_app(
                 progress=book,
                 watch_gauges=(lambda: hosted[0].gauges() if hosted else []) if args.watch else None,
-                commands=action_commands(),
                 views=page_views(),
                 token=token,
                 host=args.host,
@@ -328,8 +329,6 @@ class ServeCommand:
 def page_views() -> Any:
     """How the sidecar's page and listings show agents and artifacts: as ``ps`` and ``show`` do
     (a :class:`dynprof.sidecar.app.PageViews`; the sidecar imports no CLI)."""
-    from dynprof.agents import agent_rows
-    from dynprof.renderers import render, render_html
     from dynprof.sidecar.app import PageViews
 
     return PageViews(agent_rows, render, render_html)
@@ -339,9 +338,6 @@ def _fanout_config(token: str, source: str, cacert: str | None) -> tuple[Any, st
     """How job-wide actions reach the other nodes: with this sidecar's token file (the nodes of
     a job share one token). A token given on the command line or generated is written to a file
     of mode 0600 in the private run directory for the life of the server (second value)."""
-    from dynprof.paths import run_dir
-    from dynprof.sidecar.actions import FanoutConfig
-
     if source not in ("--token", "generated"):
         return FanoutConfig(os.path.abspath(source), cacert), None
     path = os.path.join(run_dir(), f"serve-{os.getpid()}.token")
@@ -388,7 +384,7 @@ def _serve_until_signalled(server: Any) -> int:
         while not signalled and worker.is_alive():
             select.select([wake_r], [], [], 1.0)
     finally:
-        from dynprof.sidecar.actions import kill_children
+        from dynprof.sidecar.child import kill_children
 
         kill_children()  # first: a healthcheck's processes never outlive the sidecar, nor hold up its stop
         server.stop()

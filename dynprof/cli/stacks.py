@@ -21,7 +21,6 @@ import argparse
 import os
 import stat
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -38,7 +37,6 @@ from collectors.stacks import (
 )
 from collectors.stacks.collect import METHODS, StacksRequest, collect
 from dynprof import errors
-from dynprof.cli import job
 from dynprof.cli._common import (
     add_targets,
     path_arg,
@@ -46,9 +44,9 @@ from dynprof.cli._common import (
     printable_lines,
     seconds,
 )
-from dynprof.cli.job import JobCommand, Reach
-from dynprof.job.answers import node_labels
-from dynprof.job.stacks import read_answers
+from dynprof.cli.job import JobCommand
+from dynprof.job import stacks as stacks_job
+from dynprof.job.merge import Reach
 from dynprof.nodes import Node
 from dynprof.result import Result
 from dynprof.store import ArtifactStore
@@ -162,26 +160,13 @@ class StacksCommand(JobCommand):
         """This node's answer to ``request`` (``full``: the text view prints every dump)."""
         got = collect(request)
         return StacksResult(
-            doc={**got.stacks.to_json(), "artifact": got.artifact, "elapsed_s": round(got.elapsed_s, 3)},
-            exit_code=1 if got.stacks.failures else 0,
+            doc=got.to_json(),
+            exit_code=got.exit_code,
             stacks=got.stacks,
             full=full,
             elapsed_s=got.elapsed_s,
             artifact=got.artifact,
         )
-
-    def action_requests(self) -> dict[str, tuple[Callable[[dict[str, Any]], Any], Callable[[Any], Result]]]:
-        """The sidecar's ``stacks`` action read as the kind's request (``full`` is the text
-        view's, not the request's: an action answers the document, which it does not change)."""
-
-        def decode(options: dict[str, Any]) -> StacksRequest:
-            options = dict(options)
-            full = options.pop("full", None)
-            if full is not None and not isinstance(full, bool):
-                raise errors.UsageError("stacks: option 'full' must be true or false")
-            return StacksRequest.from_json(options)
-
-        return {"stacks": (decode, self.collect_request)}
 
     def collect_merge(self, args: argparse.Namespace) -> Result:
         """``--merge FILE...``: the no-sidecar path over many nodes (each node ran
@@ -229,43 +214,20 @@ class StacksCommand(JobCommand):
         )
 
     def collect_job(self, options: dict[str, Any], nodes: list[Node], reach: Reach) -> Result:
-        """Every node's sidecar reads its own ranks (``stacks`` there, :meth:`collect_local`)
-        with ``options`` (the action's); their answers are merged as files are, each process
-        named with its node."""
-        decode, _ = self.action_requests()["stacks"]
-        request = decode(options)
-        full = bool(options.get("full"))
-        answers = reach.client.action_all(nodes, "stacks", options, timeout=request.timeout + 5.0)
-        labels = node_labels(nodes)
-        sources, failures = read_answers(answers, labels)
-        try:
-            stacks = merge(sources, by_host=True)
-        except errors.ArtifactError as exc:
-            raise errors.DynprofError(f"cannot merge: {exc.message}") from None
-        stacks.failures = {**failures, **stacks.failures}
-        stacks.processes.sort(
-            key=lambda p: (p.job or "", p.rank if p.rank is not None else 1 << 30, p.host or "", p.pid)
-        )
-        artifacts = job.artifacts_of(answers, labels, lambda r: [r.get("artifact")])
-        fetched = job.maybe_fetch(reach, request.job, answers, artifacts)
-        doc = {
-            # Each node's processes and groups are in the merged lists (named by node): per_node keeps the rest.
-            **job.envelope(answers, strip=("processes", "groups")),
-            **stacks.to_json(),
-            "artifacts": artifacts,
-            **({"fetched": fetched} if fetched is not None else {}),
-        }
+        """Every node's stacks, merged (:func:`dynprof.job.stacks.collect_job`, which the
+        sidecar's job-wide ``stacks`` action answers with too), for the text view."""
+        got = stacks_job.collect_job(options, nodes, reach)
         return StacksResult(
-            doc=doc,
-            exit_code=job.with_fetch(job.exit_code(answers), fetched),
-            messages=job.node_messages(answers),
-            stacks=stacks,
+            doc=got.to_json(),
+            exit_code=got.exit_code,
+            messages=got.messages,
+            stacks=got.stacks,
             view="nodes",
-            full=full,
-            nodes=len(nodes),
-            nodes_answered=sum(a.answered for a in answers),
-            artifacts=artifacts,
-            fetched=fetched,
+            full=bool(options.get("full")),
+            nodes=got.nodes,
+            nodes_answered=got.nodes_answered,
+            artifacts=got.artifacts,
+            fetched=got.fetched,
         )
 
     # -- text ----------------------------------------------------------------------------------

@@ -16,11 +16,9 @@ from __future__ import annotations
 
 import argparse
 import re
-from collections.abc import Callable
 from typing import Any
 
 from collectors.torch_trace.collect import TraceRequest
-from dynprof import errors
 from dynprof.cli._common import (
     MAX_SECONDS,
     MAX_STEP_NUMBER,
@@ -33,21 +31,9 @@ from dynprof.cli._common import (
     printable,
     seconds,
 )
-from dynprof.cli.job import (
-    JobCommand,
-    JobResult,
-    Reach,
-    Text,
-    envelope,
-    exit_code,
-    fetched_doc,
-    maybe_fetch,
-    node_messages,
-    per_rank_result,
-    render_per_rank,
-    who,
-    with_fetch,
-)
+from dynprof.cli.job import JobCommand, Text, render_per_rank, who
+from dynprof.job import start
+from dynprof.job.merge import JobResult, Reach
 from dynprof.nodes import Node
 from dynprof.result import Result
 
@@ -73,6 +59,7 @@ class StartCommand(JobCommand):
     """Start a torch.profiler trace in running processes."""
 
     name = "start"
+    job_wide = staticmethod(start.collect_job)
     takes_fetch = True
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
@@ -142,87 +129,10 @@ class StartCommand(JobCommand):
         request = request_from_args(args)
         if args.attach:
             attach_first(args)
-        return self.collect_request(request, Progress(enabled=not getattr(args, "json", False)))
-
-    def collect_request(self, request: TraceRequest, progress: Progress | None = None) -> Result:
-        """This node's start of ``request``, followed (``progress``: where it says so meanwhile)."""
-        from collectors.torch_trace.collect import collect
-
-        got = collect(request, progress)
-        context = {"requested": got.requested, **({"active": got.active} if got.active is not None else {})}
-        return JobResult(got.doc, got.exit_code, got.messages, context=context)
-
-    def action_requests(self) -> dict[str, tuple[Callable[[dict[str, Any]], Any], Callable[[Any], Result]]]:
-        """The sidecar's ``start`` action read as the trace kind's request."""
-        return {"start": (TraceRequest.from_json, self.collect_request)}
+        return start.collect(request, Progress(enabled=not getattr(args, "json", False)))
 
     def collect_job(self, options: dict[str, Any], nodes: list[Node], reach: Reach) -> Result:
-        """Steps mode: one start step for every rank of every node (:mod:`dynprof.job.start`),
-        then each rank's trace followed until written. Duration and open-ended traces go to
-        every node as they are. ``options``: the action's (what the CLI's flags say)."""
-        from dynprof.job import start as job_start
-        from dynprof.job.answers import node_labels
-
-        if not options.get("job") and not options.get("all"):
-            raise errors.UsageError("with --hosts, select the ranks with --job JOB (or --all)")
-        if options.get("duration") is not None and options.get("at_step") is not None:
-            raise errors.UsageError("--at-step applies to step mode, not to --duration")
-        request = TraceRequest.from_json(options)
-        client = reach.client
-        if not request.steps:
-            # --duration, or until `dynprof stop`: every node starts its ranks as it would alone.
-            wait = options.get("timeout") or job_start.START_WAIT_DEFAULT_S
-            answers = client.action_all(nodes, "start", {**options, "timeout": wait}, timeout=wait + 5.0)
-            result = per_rank_result(reach, request.job, nodes, answers, ("results", "targets"))
-            result.context["as_is"] = True
-            return result
-        labels = node_labels(nodes)
-        progress = Progress(enabled=reach.progress)
-        ps_options = {**({"job": request.job} if request.job else {}), "timeout": job_start.PS_TIMEOUT_S}
-        arm_options = {k: v for k, v in options.items() if k != "at_step"}
-        armed = job_start.arm_at_one_step(
-            client,
-            nodes,
-            labels,
-            at_step=options.get("at_step"),
-            job=request.job,
-            select_all=request.all,
-            start_options={**arm_options, "no_wait": True, "timeout": job_start.START_ARM_TIMEOUT_S},
-            ps_options=ps_options,
-            progress=progress,
-        )
-        results, missed = job_start.follow_traces(
-            client,
-            nodes,
-            labels,
-            armed,
-            ps_options=ps_options,
-            no_wait=request.no_wait,
-            timeout=options.get("timeout"),
-            node_timeout=reach.node_timeout,
-            progress=progress,
-        )
-        address = {labels[n]: n.address for n in nodes}
-        artifacts = [
-            {"node": r["node"], "node_address": address[r["node"]], "path": r["artifact"]}
-            for r in results
-            if isinstance(r.get("artifact"), str) and r["artifact"]
-        ]
-        fetched = maybe_fetch(reach, request.job, armed.answers, artifacts)
-        code = with_fetch(exit_code(armed.answers), fetched)
-        if missed and code == 0:
-            code = 1
-        doc = {
-            **envelope(armed.answers, strip=("targets",)),
-            "at_step": armed.at_step,
-            "plan": armed.plan(),
-            "results": results,
-            "missed": missed,
-            "artifacts": artifacts,
-            **fetched_doc(fetched),
-        }
-        messages = armed.messages + node_messages(armed.answers)
-        return JobResult(doc, code, messages, context={"steps": request.steps})
+        return start.collect_job(options, nodes, reach)
 
     def render(self, result: Result) -> str:
         doc = result.to_json()

@@ -7,26 +7,14 @@ no optimizer steps), then export the trace in the background.
 from __future__ import annotations
 
 import argparse
-import time
-from collections.abc import Callable
 from typing import Any
 
-from collectors.torch_trace import WRITING_AT_EXIT, result_from_store
-from dynprof import errors
-from dynprof.agents import resolve
-from dynprof.cli._common import (
-    Progress,
-    add_attach_flag,
-    add_targets,
-    attach_first,
-    parallel,
-    printable,
-    seconds,
-)
-from dynprof.cli.job import JobCommand, JobResult
-from dynprof.client import AgentClient
+from dynprof.cli._common import Progress, add_attach_flag, add_targets, attach_first, printable, seconds
+from dynprof.cli.job import JobCommand
+from dynprof.job import stop
+from dynprof.job.merge import JobResult, Reach
 from dynprof.node_requests import STOP_TIMEOUT_S, StopRequest
-from dynprof.proto import pb
+from dynprof.nodes import Node
 from dynprof.result import Result
 
 
@@ -34,6 +22,7 @@ class StopCommand(JobCommand):
     """End a running trace; the artifact is written and its path printed."""
 
     name = "stop"
+    job_wide = staticmethod(stop.collect_job)
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         add_targets(parser)
@@ -45,116 +34,10 @@ class StopCommand(JobCommand):
         request = request_from_args(args)
         if args.attach:
             attach_first(args)
-        return self.collect_request(request, Progress(enabled=not getattr(args, "json", False)))
+        return stop.collect(request, Progress(enabled=not getattr(args, "json", False)))
 
-    def action_requests(self) -> dict[str, tuple[Callable[[dict[str, Any]], Any], Callable[[Any], Result]]]:
-        """The sidecar's ``stop`` action read as its request."""
-        return {"stop": (StopRequest.from_json, self.collect_request)}
-
-    def collect_request(self, request: StopRequest, progress: Progress | None = None) -> Result:
-        """This node's stop of ``request``'s traces, each followed until written unless
-        ``no_wait`` (``progress``: where it says so meanwhile)."""
-        records = resolve(pids=list(request.pids) or None, job=request.job)
-        clients = [AgentClient.for_record(r) for r in records]
-        replies = parallel(lambda c: c.request(stop_trace=pb.StopTraceRequest()), clients)
-        at_exit: dict[int, str | None] = {}  # pid -> where its trace is being written at exit
-        stopping = []
-        results: list[dict[str, Any]] = []
-        messages: list[str] = []
-        for record, client, reply in zip(records, clients, replies):
-            if isinstance(reply, Exception):
-                not_running = getattr(reply, "code", None) == pb.NOT_RUNNING
-                results.append(
-                    {
-                        "pid": record.pid,
-                        "rank": record.rank,
-                        "status": "not-running" if not_running else "failed",
-                        "artifact": None,
-                        "error": str(reply),
-                    }
-                )
-            else:
-                trace = reply.trace_stopped.trace
-                stopping.append((record, client, trace.group_id))
-                if trace.state == "exporting" and trace.last_artifact_status == WRITING_AT_EXIT:
-                    where = f" to {trace.last_artifact}" if trace.last_artifact else " into the store"
-                    messages.append(
-                        printable(f"pid {record.pid}: the job is exiting and its trace is being written at exit{where}")
-                    )
-                    at_exit[record.pid] = trace.last_artifact or None
-        if not stopping:
-            return JobResult({"results": results}, 1, context={"none_stopping": True})
-        if not request.no_wait:
-            if progress is None:
-                progress = Progress(enabled=False)
-            deadline = time.monotonic() + request.timeout
-            pending = list(stopping)
-            while pending:
-                states = parallel(lambda p: p[1].status().trace, pending)
-                still = []
-                for item, st in zip(pending, states):
-                    record, _, group = item
-                    if isinstance(st, Exception):
-                        # The process went away (it exited once its loop ended, say) after the
-                        # stop was accepted: the agent finishes the export on the way out, so
-                        # the artifact of this request's group may well be in the store.
-                        found = result_from_store(record, group, 0)
-                        if found is None and isinstance(st, (errors.Timeout, errors.Busy)) and record.is_alive():
-                            still.append(item)  # a busy agent, not a lost one: ask again
-                            continue
-                        results.append(
-                            {
-                                "pid": record.pid,
-                                "rank": record.rank,
-                                "status": found["status"],
-                                "artifact": found["artifact"],
-                                "error": found["error"],
-                            }
-                            if found is not None
-                            else {
-                                "pid": record.pid,
-                                "rank": record.rank,
-                                "status": "failed",
-                                "artifact": None,
-                                "error": f"lost contact with the process before it wrote a trace: {st}",
-                            }
-                        )
-                    elif st.state == "idle" and st.group_id == group:
-                        results.append(
-                            {
-                                "pid": record.pid,
-                                "rank": record.rank,
-                                "status": st.last_artifact_status or "failed",
-                                "artifact": st.last_artifact or None,
-                                "error": st.last_error or None,
-                            }
-                        )
-                    else:
-                        still.append(item)
-                pending = still
-                if pending:
-                    if time.monotonic() > deadline:
-                        progress.done()
-                        raise errors.Timeout(
-                            f"the trace of {len(pending)} process(es) was not written within {request.timeout:g} s",
-                            help="See `dynprof ps` and `dynprof ls`.",
-                        )
-                    progress.update(f"stopping: waiting for {len(pending)} artifact(s)")
-                    time.sleep(0.1)
-            progress.done()
-        else:
-            results.extend(
-                {
-                    "pid": r.pid,
-                    "rank": r.rank,
-                    "status": WRITING_AT_EXIT if r.pid in at_exit else "stopping",
-                    "artifact": at_exit.get(r.pid),
-                    "error": None,
-                }
-                for r, _, _ in stopping
-            )
-        ok = all(r["status"] in ("complete", "partial", "stopping", WRITING_AT_EXIT) for r in results)
-        return Result({"results": results}, 0 if ok else 1, messages)
+    def collect_job(self, options: dict[str, Any], nodes: list[Node], reach: Reach) -> Result:
+        return stop.collect_job(options, nodes, reach)
 
     def render(self, result: Result) -> str:
         doc = result.to_json()

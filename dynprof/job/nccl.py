@@ -1,7 +1,9 @@
 """The NCCL flight recorders of a whole job: every node's sidecar dumps its ranks' recorders
 into one artifact (its ``nccl`` action, :func:`collectors.flight_recorder.collect.collect`
 there); each rank's dump is read back from those artifacts, checked against their manifests,
-and all are analysed together. ``dynprof nccl --hosts`` and the watch call :func:`collect_nodes`.
+and all are analysed together. ``dynprof nccl --hosts`` and the sidecar's job-wide ``nccl``
+answer with :func:`collect_job`; the watch calls :func:`collect_nodes`. Each node's answer is
+read by the kind's own decoder (:meth:`collectors.flight_recorder.collect.Collected.from_json`).
 
 A rank's dump is read up to 64 MiB; at most :data:`MAX_DUMPS_TOTAL_BYTES` of dumps are read
 back from all nodes together.
@@ -15,9 +17,20 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from collectors import flight_recorder as fr
-from collectors.flight_recorder.collect import MAX_DUMP_BYTES, NcclRequest
+from collectors.flight_recorder.collect import MAX_DUMP_BYTES, Collected, NcclRequest
 from dynprof import errors
-from dynprof.job.answers import as_list, node_labels
+from dynprof.job.answers import node_labels
+from dynprof.job.merge import (
+    JobResult,
+    Reach,
+    artifacts_of,
+    envelope,
+    exit_code,
+    fetched_doc,
+    maybe_fetch,
+    node_messages,
+    with_fetch,
+)
 from dynprof.nodes import Node, NodeAnswer
 from dynprof.units import human_bytes
 
@@ -44,6 +57,28 @@ class NodesCollected:
     recorder_off: bool = False
 
 
+def collect_job(options: dict[str, Any], nodes: list[Node], reach: Reach) -> JobResult:
+    """Each node dumps its ranks' flight recorders into one artifact; every rank's dump is
+    read back from those artifacts and all are analysed together (:func:`collect_nodes`)."""
+    request = NcclRequest.from_json(options)
+    got = collect_nodes(reach.client, nodes, request)
+    artifacts = artifacts_of(got.answers, got.labels, lambda r: [r.get("artifact")])
+    fetched = maybe_fetch(reach, request.job, got.answers, artifacts)
+    code = with_fetch(exit_code(got.answers), fetched)
+    if got.analysis is None and code == 0:
+        code = 1
+    doc = {
+        **envelope(got.answers),
+        "analysis": got.analysis,
+        "recorder_off": got.recorder_off,
+        "ranks": {str(r): got.where[r] for r in sorted(got.where)},
+        "notes": got.notes,
+        "artifacts": artifacts,
+        **fetched_doc(fetched),
+    }
+    return JobResult(doc, code, node_messages(got.answers))
+
+
 def collect_nodes(client: SidecarClient, nodes: list[Node], request: NcclRequest) -> NodesCollected:
     """Ask every node's sidecar for ``request`` and analyse the dumps of all nodes together."""
     from dynprof.job.client import NodeFailure
@@ -53,8 +88,7 @@ def collect_nodes(client: SidecarClient, nodes: list[Node], request: NcclRequest
     labels = node_labels(nodes)
     notes: list[str] = []
     for a in answers:
-        result = a.result if isinstance(a.result, dict) else {}
-        notes.extend(f"{labels[a.node]}: {str(n)[:2000]}" for n in as_list(result.get("notes")))
+        notes.extend(f"{labels[a.node]}: {n}" for n in Collected.from_json(a.result).notes)
     ids = artifact_ids(client, answers, "nccl", request.job)
     per_rank: dict[int, dict[str, Any]] = {}
     where: dict[int, str] = {}

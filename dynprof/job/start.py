@@ -18,10 +18,23 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, Protocol
 
+from collectors.torch_trace import collect as kind
 from collectors.torch_trace.align import ALIGN_LEAD_S, ALIGN_RETRIES, MAX_STEP_NUMBER, alignment_step, step_time_of_ms
-from dynprof import roles
-from dynprof.job.answers import int_or_none, rank_key, rows
+from collectors.torch_trace.collect import TraceRequest
+from dynprof import errors, output, roles
+from dynprof.job.answers import int_or_none, node_labels, rank_key, rows
 from dynprof.job.client import SidecarClient
+from dynprof.job.merge import (
+    JobResult,
+    Reach,
+    envelope,
+    exit_code,
+    fetched_doc,
+    maybe_fetch,
+    node_messages,
+    per_rank_result,
+    with_fetch,
+)
 from dynprof.nodes import Node, NodeAnswer
 
 # How far ahead the common start step is put: the fan-out round trip (ps, then start) is
@@ -263,3 +276,77 @@ def follow_traces(
         missed.extend({"rank": r["rank"], "pid": r["pid"], "node": labels[a.node], "reason": why} for r in ranks)
     missed.sort(key=rank_key)
     return done, missed
+
+
+# -- the start of a trace, on this node and job-wide -------------------------------------------
+def collect(request: TraceRequest, progress: Any = None) -> JobResult:
+    """This node's start of ``request``, followed (``progress``: where it says so meanwhile)."""
+    got = kind.collect(request, progress)
+    context = {"requested": got.requested, **({"active": got.active} if got.active is not None else {})}
+    return JobResult(got.doc, got.exit_code, got.messages, context=context)
+
+
+def collect_job(options: dict[str, Any], nodes: list[Node], reach: Reach) -> JobResult:
+    """Steps mode: one start step for every rank of every node (:mod:`dynprof.job.start`),
+    then each rank's trace followed until written. Duration and open-ended traces go to
+    every node as they are. ``options``: the action's (what the CLI's flags say)."""
+    if not options.get("job") and not options.get("all"):
+        raise errors.UsageError("with --hosts, select the ranks with --job JOB (or --all)")
+    if options.get("duration") is not None and options.get("at_step") is not None:
+        raise errors.UsageError("--at-step applies to step mode, not to --duration")
+    request = TraceRequest.from_json(options)
+    client = reach.client
+    if not request.steps:
+        # --duration, or until `dynprof stop`: every node starts its ranks as it would alone.
+        wait = options.get("timeout") or START_WAIT_DEFAULT_S
+        answers = client.action_all(nodes, "start", {**options, "timeout": wait}, timeout=wait + 5.0)
+        result = per_rank_result(reach, request.job, nodes, answers, ("results", "targets"))
+        result.context["as_is"] = True
+        return result
+    labels = node_labels(nodes)
+    progress = output.Progress(enabled=reach.progress)
+    ps_options = {**({"job": request.job} if request.job else {}), "timeout": PS_TIMEOUT_S}
+    arm_options = {k: v for k, v in options.items() if k != "at_step"}
+    armed = arm_at_one_step(
+        client,
+        nodes,
+        labels,
+        at_step=options.get("at_step"),
+        job=request.job,
+        select_all=request.all,
+        start_options={**arm_options, "no_wait": True, "timeout": START_ARM_TIMEOUT_S},
+        ps_options=ps_options,
+        progress=progress,
+    )
+    results, missed = follow_traces(
+        client,
+        nodes,
+        labels,
+        armed,
+        ps_options=ps_options,
+        no_wait=request.no_wait,
+        timeout=options.get("timeout"),
+        node_timeout=reach.node_timeout,
+        progress=progress,
+    )
+    address = {labels[n]: n.address for n in nodes}
+    artifacts = [
+        {"node": r["node"], "node_address": address[r["node"]], "path": r["artifact"]}
+        for r in results
+        if isinstance(r.get("artifact"), str) and r["artifact"]
+    ]
+    fetched = maybe_fetch(reach, request.job, armed.answers, artifacts)
+    code = with_fetch(exit_code(armed.answers), fetched)
+    if missed and code == 0:
+        code = 1
+    doc = {
+        **envelope(armed.answers, strip=("targets",)),
+        "at_step": armed.at_step,
+        "plan": armed.plan(),
+        "results": results,
+        "missed": missed,
+        "artifacts": artifacts,
+        **fetched_doc(fetched),
+    }
+    messages = armed.messages + node_messages(armed.answers)
+    return JobResult(doc, code, messages, context={"steps": request.steps})

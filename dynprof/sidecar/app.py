@@ -1,8 +1,8 @@
 """The sidecar web app: a page and an HTTP API over this node's agents, tools and artifacts.
 
 It lists agents as `dynprof ps` does, renders artifacts with the same renderers as `dynprof
-show`, and runs actions (:mod:`dynprof.sidecar.actions`: the CLI's own commands, handed in by
-``dynprof serve`` as ``commands``, answering with their results).
+show`, and runs actions (:mod:`dynprof.sidecar.actions`: each a row of :data:`dynprof.sidecar.table.ACTIONS`,
+the kind's request and its collect, answering with the kind's answer).
 Every request, on every address (loopback included: other users of the machine can reach
 loopback too), must carry the access token: ``Authorization: Bearer TOKEN``, ``?token=TOKEN``
 (the page then sets an HttpOnly, SameSite=Strict cookie so its links work), or that cookie;
@@ -36,19 +36,13 @@ from __future__ import annotations
 
 import hmac
 import html
-import ipaddress
 import json
 import logging
-import math
-import re
 import secrets
-import socket
-import sys
-import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, urlsplit
 
 from flask import Flask, Response, abort, g, jsonify, request, send_file
@@ -58,20 +52,21 @@ from dynprof import __version__, roles, safetext
 from dynprof.errors import ArtifactError
 from dynprof.identity import detect
 from dynprof.registry import list_records
-from dynprof.sidecar.actions import (
-    ACTIONS,
-    API_VERSION,
-    LINK_TEST,
-    ActionCommand,
-    ActionError,
-    ActionsBusy,
-    ActionSlots,
-    FanoutConfig,
-    LinkPolicy,
+from dynprof.sidecar.actions import API_VERSION, LINK_TEST, ActionError, ActionsBusy, ActionSlots
+from dynprof.sidecar.guard import (
+    RefusalLog,
+    _RedactTokens,
+    _strip_port,
+    allowed_hosts,
+    host_is_allowed,
+    parse_action_body,
+    same_origin,
 )
 from dynprof.sidecar.metrics import CONTENT_TYPE, CaptureCounts, SidecarCollector, exposition, registry_of
 from dynprof.sidecar.page import PAGE_JS, PAGE_STYLE, VerdictItem, live_html, verdict_item, verdicts_html
+from dynprof.sidecar.policy import FanoutConfig, LinkPolicy
 from dynprof.sidecar.progress import ProgressBook
+from dynprof.sidecar.table import ACTIONS, Action
 from dynprof.store import Artifact, ArtifactStore
 
 if TYPE_CHECKING:
@@ -84,11 +79,7 @@ from dynprof.watch.progress import read_progress
 COOKIE = "dynprof_token"
 CSRF_HEADER = "X-Dynprof-CSRF"
 MAX_REQUEST_BYTES = 64 * 1024
-MAX_JSON_DEPTH = 16
 RETRY_AFTER_S = 2
-REFUSAL_LOG_BURST = 20
-REFUSAL_LOG_WINDOW_S = 10.0
-_TOKEN_IN_URL = re.compile(r"([?&]token=)[^&\s\"]*")
 
 _STYLE = PAGE_STYLE
 _CSP = "default-src 'none'; style-src 'unsafe-inline'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
@@ -132,203 +123,6 @@ def _value(v: Any) -> str:
     return str(v)
 
 
-def _strip_port(host: str) -> str:
-    host = host.strip().lower()
-    if host.startswith("["):  # [::1]:8787
-        return host[1 : host.find("]")] if "]" in host else host
-    if host.count(":") == 1:
-        return host.split(":", 1)[0]
-    return host
-
-
-def allowed_hosts(bound: str) -> set[str]:
-    """Names a Host header may carry for a server bound to ``bound`` (besides IP literals)."""
-    names = {"localhost", "localhost.localdomain", "ip6-localhost", _strip_port(bound)}
-    try:
-        unspecified = ipaddress.ip_address(_strip_port(bound)).is_unspecified
-    except ValueError:
-        unspecified = False
-    if unspecified:  # bound to every address: this machine's own names too, short and long
-        for name in (socket.gethostname(), socket.getfqdn()):
-            if name:
-                names.add(name.lower())
-                names.add(name.lower().split(".", 1)[0])
-    return names
-
-
-def host_is_allowed(host_header: str, bound: str, names: Iterable[str]) -> bool:
-    """A Host header is allowed when it names the bound host, a loopback name, one of
-    ``names``, or is an IP literal that is loopback, the bound address, or any address when
-    bound to all. A DNS name an attacker controls (DNS rebinding) is none of these."""
-    host = _strip_port(host_header)
-    if not host:
-        return False
-    if host in names:
-        return True
-    try:
-        ip = ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    if ip.is_loopback:
-        return True
-    try:
-        bound_ip = ipaddress.ip_address(_strip_port(bound))
-    except ValueError:
-        return False
-    return bound_ip.is_unspecified or ip == bound_ip
-
-
-_DEFAULT_PORTS = {"http": 80, "https": 443}
-
-
-def same_origin(origin: str, host_header: str, scheme: str) -> bool:
-    """Whether an ``Origin`` header names this server as the client reached it: the same
-    scheme, host and port as ``scheme``://``host_header`` (a default port written or not).
-    A page of another server on this machine (another port) is another origin."""
-    o = urlsplit(origin)
-    h = urlsplit(f"//{host_header}")
-    try:
-        o_port, h_port = o.port, h.port
-    except ValueError:  # a port that is not one
-        return False
-    default = _DEFAULT_PORTS.get(scheme)
-    return (
-        o.scheme == scheme
-        and bool(o.hostname)
-        and o.hostname == h.hostname
-        and (o_port or default) == (h_port or default)
-        and not (o.path or o.query or o.fragment or o.username or o.password)
-    )
-
-
-class _RedactTokens(logging.Filter):
-    """Keep the token out of the request log (``GET /?token=...``)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.args:
-            record.args = tuple(_TOKEN_IN_URL.sub(r"\1<redacted>", a) if isinstance(a, str) else a for a in record.args)
-        if isinstance(record.msg, str):
-            record.msg = _TOKEN_IN_URL.sub(r"\1<redacted>", record.msg)
-        return True
-
-
-class RefusalLog:
-    """One stderr line per refused request, without the token (no query string, no headers),
-    at most ``burst`` lines per ``window_s`` seconds; what a flood has left out is counted and
-    reported in one line when the next window opens."""
-
-    def __init__(
-        self, stream: TextIO | None = None, burst: int = REFUSAL_LOG_BURST, window_s: float = REFUSAL_LOG_WINDOW_S
-    ) -> None:
-        self._stream = stream
-        self._burst = burst
-        self._window_s = window_s
-        self._lock = threading.Lock()
-        self._window_start = -math.inf
-        self._logged = 0
-        self._dropped = 0
-
-    def refused(self, status: int, why: str, method: str, path: str, remote: str | None) -> None:
-        where = safetext.one_line(path.split("?", 1)[0], 200)
-        self.say(
-            f"dynprof serve: refused {status} ({why}): {safetext.one_line(method, 16)} {where} from {remote or '?'}"
-        )
-
-    def say(self, line: str) -> None:
-        """One line (made printable), under the same rate limit as the refusals."""
-        now = time.monotonic()
-        lines = []
-        with self._lock:
-            if now - self._window_start >= self._window_s:
-                if self._dropped:
-                    lines.append(f"dynprof serve: {self._dropped} more refused request(s) not logged (rate limit)")
-                self._window_start, self._logged, self._dropped = now, 0, 0
-            if self._logged >= self._burst:
-                self._dropped += 1
-            else:
-                self._logged += 1
-                lines.append(safetext.one_line(line, None))
-        if lines:
-            stream = self._stream or sys.__stderr__ or sys.stderr
-            try:
-                stream.write("".join(line + "\n" for line in lines))
-                stream.flush()
-            except (OSError, ValueError):
-                pass
-
-
-class _StrictJSONError(ValueError):
-    pass
-
-
-def parse_action_body(raw: bytes) -> tuple[dict[str, Any], float | None]:
-    """(options, timeout) from an action's body: a JSON object with at most ``options`` (an
-    object) and ``timeout`` (positive seconds); an empty body is ``{}``. No duplicate keys, no
-    NaN or Infinity, at most ``MAX_JSON_DEPTH`` levels. ActionError otherwise."""
-    if not raw.strip():
-        return {}, None
-
-    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for k, v in items:
-            if k in out:
-                raise _StrictJSONError(f"duplicate key {k[:40]!r}")
-            out[k] = v
-        return out
-
-    def constant(name: str) -> Any:
-        raise _StrictJSONError(f"{name} is not JSON")
-
-    if raw.count(b"[") + raw.count(b"{") > 4096 or _depth(raw) > MAX_JSON_DEPTH:
-        raise ActionError(f"the body nests more than {MAX_JSON_DEPTH} levels")
-    try:
-        body = json.loads(raw.decode("utf-8"), object_pairs_hook=pairs, parse_constant=constant)
-    except _StrictJSONError as exc:
-        raise ActionError(f"bad JSON body: {exc}") from None
-    except (ValueError, RecursionError):
-        raise ActionError("the body is not valid JSON (UTF-8)") from None
-    if not isinstance(body, dict):
-        raise ActionError('the body must be a JSON object: {"options": {...}, "timeout": SECONDS}')
-    extra = set(body) - {"options", "timeout"}
-    if extra:
-        raise ActionError(
-            f"unknown key(s) in the body: {', '.join(sorted(k[:40] for k in extra))}; known: options, timeout"
-        )
-    options = body.get("options", {})
-    if options is None:
-        options = {}
-    if not isinstance(options, dict):
-        raise ActionError("options must be a JSON object")
-    timeout = body.get("timeout")
-    if timeout is not None and (
-        isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout) or timeout <= 0
-    ):
-        raise ActionError("timeout must be a positive number of seconds")
-    return options, (float(timeout) if timeout is not None else None)
-
-
-def _depth(raw: bytes) -> int:
-    """Nesting depth of a JSON text, counted on brackets outside strings (before parsing)."""
-    depth = deepest = 0
-    in_str = escaped = False
-    for b in raw:
-        if in_str:
-            if escaped:
-                escaped = False
-            elif b == 0x5C:
-                escaped = True
-            elif b == 0x22:
-                in_str = False
-        elif b == 0x22:
-            in_str = True
-        elif b in (0x5B, 0x7B):
-            depth += 1
-            deepest = max(deepest, depth)
-        elif b in (0x5D, 0x7D):
-            depth -= 1
-    return deepest
-
-
 def create_app(
     store: ArtifactStore | None = None,
     token: str | None = None,
@@ -341,7 +135,7 @@ def create_app(
     extra_hosts: Iterable[str] = (),
     fanout: FanoutConfig | None = None,
     links: LinkPolicy | None = None,
-    commands: Mapping[str, ActionCommand] | None = None,
+    table: Mapping[str, Action] | None = None,
     views: PageViews = NO_VIEWS,
     progress: ProgressBook | None = None,
     watch_gauges: Callable[[], list[WatchGauges]] | None = None,
@@ -352,8 +146,7 @@ def create_app(
     jobs. ``extra_hosts`` are more names the Host header may carry (DNS aliases of this node).
     ``fanout`` lets actions take ``hosts`` (a job-wide view through the other nodes' sidecars).
     ``links`` lets the ``link-test`` action run, where it allows (without it, it is refused).
-    ``commands`` are what the actions run (``dynprof serve`` builds them from the CLI's commands;
-    without them, an action answers that it has no command); ``views`` how agents and
+    ``table`` the actions it runs (by default every row of :data:`ACTIONS`); ``views`` how agents and
     artifacts are shown (without them, none are listed nor summarised). ``progress`` is the
     node's progress book (``dynprof serve`` starts its poller; without one, ``/api/progress``
     reads on demand and ``/metrics`` reads at most once a second); ``watch_gauges`` what a
@@ -362,7 +155,7 @@ def create_app(
     app.config["MAX_CONTENT_LENGTH"] = MAX_REQUEST_BYTES
     store = store or ArtifactStore()
     names = allowed_hosts(host) | {_strip_port(h) for h in extra_hosts if h.strip()}
-    slots = ActionSlots(max_actions, fanout, commands, links)
+    slots = ActionSlots(max_actions, fanout, table, links)
     runner = run_action or slots.run
     refusals = refusals or RefusalLog()
     book = progress or ProgressBook(detect().host, every_s=0.0)
@@ -485,13 +278,13 @@ def create_app(
 
     def _allowed_actions() -> list[str]:
         """The actions this sidecar does: none that a read-only one refuses, no link test
-        without a link policy (``--no-job-wide``), none without its command (where given)."""
+        without a link policy (``--no-job-wide``), none outside its table (where given)."""
         return sorted(
             n
             for n, a in ACTIONS.items()
             if not (read_only and a.changes_jobs)
             and not (n == LINK_TEST and links is None)
-            and (commands is None or n in commands)
+            and (table is None or n in table)
         )
 
     @app.get("/healthz")

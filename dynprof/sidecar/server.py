@@ -62,7 +62,7 @@ from cheroot.ssl.builtin import BuiltinSSLAdapter
 from cheroot.wsgi import Server
 from werkzeug.wsgi import ClosingIterator
 
-from dynprof.sidecar.app import RefusalLog
+from dynprof.sidecar.guard import RefusalLog
 
 HEALTHZ_REQUEST = b"GET /healthz HTTP/1."
 _CLOSED = b"\0closed"  # _peek_head: the client closed (or its socket failed) before a request

@@ -33,7 +33,7 @@ from urllib.parse import quote
 import pytest
 
 from dynprof.safetext import one_line
-from dynprof.sidecar.app import REFUSAL_LOG_BURST, REFUSAL_LOG_WINDOW_S
+from dynprof.sidecar.guard import REFUSAL_LOG_BURST, REFUSAL_LOG_WINDOW_S
 from tests._ports import free_port
 from tests.support.chromium import chromium
 

@@ -12,7 +12,20 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from dynprof import errors
-from dynprof.sidecar.actions import ACTIONS, Option, check_options
+from dynprof.sidecar.actions import check_options
+from dynprof.sidecar.table import ACTIONS, Option
+
+
+def load_command(name: str) -> Any:
+    """The command object of subcommand ``name`` (as ``dynprof NAME`` builds it)."""
+    import importlib
+
+    from dynprof.cli import COMMANDS
+
+    for command_name, module_name, class_name in COMMANDS:
+        if command_name == name:
+            return getattr(importlib.import_module(f"dynprof.cli.{module_name}"), class_name)()
+    raise KeyError(name)
 
 
 def command_parser(name: str, command: Any) -> argparse.ArgumentParser:

@@ -10,8 +10,9 @@ import time
 import pytest
 
 from dynprof import errors
-from dynprof.cli import link_test
-from dynprof.cli.link_test import LINK_TEST_SCHEMA, LinkSide, LinkTestCommand
+from dynprof.cli.link_test import LinkTestCommand
+from dynprof.job import links
+from dynprof.job.links import LINK_TEST_SCHEMA, LinkSide
 from healthcheck.links.side import SideResult
 
 
@@ -41,7 +42,7 @@ def _parse(*argv: str) -> argparse.Namespace:
     ],
 )
 def test_bad_options_are_usage_errors_before_any_worker(argv, said, monkeypatch):
-    monkeypatch.setattr(link_test, "run_side", lambda **kw: pytest.fail("a worker was started"))
+    monkeypatch.setattr(links, "run_side", lambda **kw: pytest.fail("a worker was started"))
     with pytest.raises(errors.UsageError, match=said):
         LinkTestCommand().collect(_parse(*argv))
 
@@ -57,7 +58,7 @@ def test_the_options_reach_the_side_and_ok_is_exit_0(monkeypatch):
         seen.update(kw)
         return _side("ok", busbw_gbps=12.3456, seconds=0.5, backend="gloo", pattern="sendrecv", size_bytes=64, iters=3)
 
-    monkeypatch.setattr(link_test, "run_side", run_side)
+    monkeypatch.setattr(links, "run_side", run_side)
     command = LinkTestCommand()
     result = command.collect(_parse("--rank", "1", "--size", "64", "--iters", "3", "--backend", "gloo"))
     assert result.exit_code == 0
@@ -77,7 +78,7 @@ def test_the_options_reach_the_side_and_ok_is_exit_0(monkeypatch):
 
 
 def test_a_hung_side_is_exit_9_and_a_failed_one_exit_1(monkeypatch):
-    monkeypatch.setattr(link_test, "run_side", lambda **kw: _side("hung", error="peer never joined"))
+    monkeypatch.setattr(links, "run_side", lambda **kw: _side("hung", error="peer never joined"))
     result = LinkTestCommand().collect(_parse())
     assert result.exit_code == errors.Timeout.exit_code == 9
     assert LinkTestCommand().render(result) == "link test hung: peer never joined"
@@ -88,6 +89,6 @@ def test_a_worker_that_cannot_start_is_a_dynprof_error(monkeypatch):
     def run_side(**kw: object) -> SideResult:
         raise OSError("no more processes")
 
-    monkeypatch.setattr(link_test, "run_side", run_side)
+    monkeypatch.setattr(links, "run_side", run_side)
     with pytest.raises(errors.DynprofError, match="could not start its worker: no more processes"):
         LinkTestCommand().collect(_parse())

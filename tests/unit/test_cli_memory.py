@@ -27,6 +27,7 @@ from dynprof.cli.memory import (
     plan_request_from_args,
     request_from_args,
 )
+from dynprof.job import memory
 from dynprof.result import Result
 
 # -- the answer and its text (moved whole from test_memory_command.py) -----------------------------
@@ -183,15 +184,15 @@ def test_the_options_are_the_kind_s_request():
 
 
 def test_the_sidecar_s_actions_are_read_as_the_kind_s_requests():
-    command = MemoryCommand()
-    actions = command.action_requests()
-    assert set(actions) == {"memory", "memory-plan"}
-    read, answer = actions["memory"]
-    assert read({"job": "j", "history_stop": True}) == MemoryRequest(job="j", history_stop=True)
-    assert answer.__func__ is MemoryCommand.collect_request  # type: ignore[attr-defined]
-    read, answer = actions["memory-plan"]
-    assert read({"job": "j", "budget": "40G"}) == MemoryPlanRequest(job="j", budget="40G")
-    assert answer.__func__ is MemoryCommand.collect_plan_request  # type: ignore[attr-defined]
+    from dynprof.job import memory
+    from dynprof.sidecar.table import ACTIONS
+
+    row = ACTIONS["memory"]
+    assert row.decode({"job": "j", "history_stop": True}) == MemoryRequest(job="j", history_stop=True)
+    assert row.collect is memory.collect and row.command == "memory"
+    row = ACTIONS["memory-plan"]
+    assert row.decode({"job": "j", "budget": "40G"}) == MemoryPlanRequest(job="j", budget="40G")
+    assert row.collect is memory.collect_plan and row.leading == ("plan",)
 
 
 # -- the answer ---------------------------------------------------------------------------------------
@@ -256,15 +257,14 @@ def test_history_on_and_off_are_asked_and_answered_as_history(answers, capsys):
     assert answers["asked"][-1] == MemoryRequest(job="j", history_stop=True)
 
 
-def test_collect_request_raises_only_for_a_single_failed_process(answers):
+def test_collect_raises_only_for_a_single_failed_process(answers):
     failure = errors.Timeout("took too long")
     row = {"pid": 1, "rank": None, "status": "failed", "error": "took too long", "exit_code": 9}
     answers["collect"] = Collected([row], 9, [failure])
-    command = MemoryCommand()
     with pytest.raises(errors.Timeout) as raised:
-        command.collect_request(MemoryRequest(job="j"), raise_single=True)
+        memory.collect(MemoryRequest(job="j"), raise_single=True)
     assert raised.value is failure
-    result = command.collect_request(MemoryRequest(job="j", history_stop=True))
+    result = memory.collect(MemoryRequest(job="j", history_stop=True))
     assert isinstance(result, MemoryResults) and result.history and result.exit_code == 9
     assert result.to_json() == {"results": [row]}
 
@@ -288,13 +288,12 @@ def test_a_plan_is_asked_with_its_options_and_its_notes_said(answers, capsys):
     assert "rank 1  4    failed  no step ran" in out and "what to do: train" in out
 
 
-def test_collect_plan_request_raises_only_for_a_single_failed_process(answers):
+def test_collect_plan_raises_only_for_a_single_failed_process(answers):
     failure = errors.AgentError("the agent died")
     answers["collect_plan"] = Collected([{"pid": 1, "rank": None, "status": "failed", "error": "x"}], 8, [failure], [])
-    command = MemoryCommand()
     with pytest.raises(errors.AgentError):
-        command.collect_plan_request(MemoryPlanRequest(job="j", save="1G"), raise_single=True)
-    result = command.collect_plan_request(MemoryPlanRequest(job="j", save="1G"))
+        memory.collect_plan(MemoryPlanRequest(job="j", save="1G"), raise_single=True)
+    result = memory.collect_plan(MemoryPlanRequest(job="j", save="1G"))
     assert isinstance(result, MemoryPlanResults) and result.exit_code == 8 and result.messages == []
 
 

@@ -11,9 +11,9 @@ from typing import Any
 
 from collectors import flight_recorder as fr
 from dynprof.cli import job, main
-from dynprof.cli.job import JobResult
 from dynprof.cli.nccl import NcclCommand, request_from_args
 from dynprof.job import nccl as job_nccl
+from dynprof.job.merge import JobResult
 from dynprof.nodes import Node, NodeAnswer
 
 DATA = Path(__file__).parent / "data"

@@ -61,15 +61,13 @@ def test_nodes_agents_are_one_table_in_rank_order(monkeypatch, capsys):
 
 
 def test_the_sidecars_ps_action_answers_what_ps_json_prints(capsys):
-    from dynprof.cli.sidecar_actions import action_commands
     from dynprof.sidecar.actions import run_action
 
     # GIVEN the agent of this process, and the command table `dynprof serve` hands the sidecar
     dynprof.agent.start()
-    table = action_commands(["ps"])
     for options, argv in (({}, []), ({"job": "another-job"}, ["--job", "another-job"])):
         # WHEN ps runs as an action (its options read as the request) and as the CLI with --json
-        answer = run_action("ps", options, commands=table)
+        answer = run_action("ps", options)
         assert main(["ps", *argv, "--json"]) == answer["exit_code"] == 0
         printed = json.loads(capsys.readouterr().out)
         # THEN the answer is what the CLI printed (but each agent's age, which moved on)
@@ -78,4 +76,4 @@ def test_the_sidecars_ps_action_answers_what_ps_json_prints(capsys):
                 row.pop("age_s")
         assert answer["result"] == printed and answer["error"] is None
     assert [r["pid"] for r in printed["agents"]] == [] and [r["pid"] for r in answer["result"]["agents"]] == []
-    assert [r["pid"] for r in run_action("ps", {}, commands=table)["result"]["agents"]] == [os.getpid()]
+    assert [r["pid"] for r in run_action("ps", {})["result"]["agents"]] == [os.getpid()]

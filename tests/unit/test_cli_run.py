@@ -99,8 +99,8 @@ def test_a_job_id_that_is_not_utf8_is_shown_as_recorded_with_a_ps_line_that_find
     # and that line, pasted into a shell, selects the recorded job, as the raw bytes do
     pasted = _bash_reads("'bad\\xff'")
     seen = []
-    monkeypatch.setattr("dynprof.cli.ps.list_records", lambda: [_record(recorded), _record("other")])
-    monkeypatch.setattr("dynprof.cli.ps.agent_rows", lambda records, timeout: seen.append(records) or [])
+    monkeypatch.setattr("dynprof.job.ps.list_records", lambda: [_record(recorded), _record("other")])
+    monkeypatch.setattr("dynprof.job.ps.agent_rows", lambda records, timeout: seen.append(records) or [])
     for spelling in (pasted, raw):
         main(["ps", "--job", spelling])
     assert [[r.job_id for r in records] for records in seen] == [[recorded], [recorded]]

@@ -19,7 +19,7 @@ import pytest
 from dynprof import errors
 from dynprof.cli import main
 from dynprof.cli import serve as serve_cli
-from dynprof.sidecar import actions
+from dynprof.sidecar import child
 from tests._ports import free_port as _free_port
 
 TOKEN = "k" * 24
@@ -254,7 +254,7 @@ class FakeServer:
 @pytest.fixture
 def no_children(monkeypatch):
     killed = []
-    monkeypatch.setattr(actions, "kill_children", lambda: killed.append(True) or 0)
+    monkeypatch.setattr(child, "kill_children", lambda: killed.append(True) or 0)
     return killed
 
 
@@ -286,7 +286,7 @@ def test_a_server_that_ends_by_itself_ends_the_command(no_children):
 
 
 def test_a_port_in_use_is_said(capsys, monkeypatch):
-    monkeypatch.setattr(actions, "_closing", False)
+    monkeypatch.setattr(child, "_closing", False)
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen(1)
@@ -298,7 +298,7 @@ def test_a_port_in_use_is_said(capsys, monkeypatch):
 
 
 def test_a_serve_that_cannot_bind_leaves_no_token_file(capsys, monkeypatch, dynprof_dirs):
-    monkeypatch.setattr(actions, "_closing", False)
+    monkeypatch.setattr(child, "_closing", False)
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen(1)
@@ -309,7 +309,7 @@ def test_a_serve_that_cannot_bind_leaves_no_token_file(capsys, monkeypatch, dynp
 
 def test_a_serve_that_cannot_use_its_certificate_leaves_no_token_file(capsys, monkeypatch, dynprof_dirs, tmp_path):
     # the server is built (and refuses the certificate) after the token file is written
-    monkeypatch.setattr(actions, "_closing", False)
+    monkeypatch.setattr(child, "_closing", False)
     cert = tmp_path / "c.pem"
     cert.write_text("not a certificate")
     argv = ["--port", str(_free_port()), "--certfile", str(cert), "--keyfile", str(tmp_path / "k.pem")]
@@ -320,7 +320,7 @@ def test_a_serve_that_cannot_use_its_certificate_leaves_no_token_file(capsys, mo
 
 def test_serve_answers_and_stops_on_sigterm_leaving_no_token_file(capsys, monkeypatch, dynprof_dirs):
     # GIVEN `dynprof serve` on an ephemeral port of 127.0.0.1, a token given on the command line
-    monkeypatch.setattr(actions, "_closing", False)  # restored after: the stop closes the actions
+    monkeypatch.setattr(child, "_closing", False)  # restored after: the stop closes the actions
     port = _free_port()
     token_file = dynprof_dirs["run"] / f"serve-{os.getpid()}.token"
     seen: dict[str, object] = {}

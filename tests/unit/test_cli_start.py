@@ -18,8 +18,8 @@ from collectors.torch_trace.collect import Started, TraceRequest
 from dynprof import errors
 from dynprof.cli import job, main
 from dynprof.cli import start as start_cli
-from dynprof.cli.job import JobResult
 from dynprof.job import start as job_start
+from dynprof.job.merge import JobResult
 from dynprof.nodes import Node, NodeAnswer
 
 GROUP = "sample-0123456789ab"
@@ -225,10 +225,11 @@ def test_attach_first_then_start(monkeypatch):
 
 
 def test_the_sidecars_start_action_reads_the_kinds_request():
-    command = start_cli.StartCommand()
-    decode, collect_request = command.action_requests()["start"]
-    assert decode == TraceRequest.from_json
-    assert collect_request.__func__ is start_cli.StartCommand.collect_request
+    from dynprof.job import start
+    from dynprof.sidecar.table import ACTIONS
+
+    assert ACTIONS["start"].decode == TraceRequest.from_json
+    assert ACTIONS["start"].collect is start.collect and ACTIONS["start"].job is start.collect_job
 
 
 # -- over nodes ------------------------------------------------------------------------------------

@@ -8,8 +8,8 @@ import os
 
 import dynprof.agent
 from dynprof.cli import main
-from dynprof.cli.job import JobResult
 from dynprof.cli.stop import StopCommand
+from dynprof.job.merge import JobResult
 from dynprof.result import Result
 
 
@@ -53,14 +53,13 @@ def test_when_nothing_stops_the_text_is_the_errors():
 
 
 def test_the_sidecars_stop_action_answers_what_stop_json_prints(capsys):
-    from dynprof.cli.sidecar_actions import action_commands
+
     from dynprof.sidecar.actions import run_action
 
     # GIVEN the agent of this process, running no trace, and the command table `dynprof serve` hands the sidecar
     dynprof.agent.start()
-    table = action_commands(["stop"])
     # WHEN stop runs as an action (its options read as the request) and as the CLI with --json
-    answer = run_action("stop", {"pid": [os.getpid()], "no_wait": True}, commands=table)
+    answer = run_action("stop", {"pid": [os.getpid()], "no_wait": True})
     assert main(["stop", "--pid", str(os.getpid()), "--no-wait", "--json"]) == 1
     # THEN the answer is what the CLI printed: this process, not running a trace, exit 1
     assert answer["exit_code"] == 1 and answer["error"] is None
@@ -68,6 +67,6 @@ def test_the_sidecars_stop_action_answers_what_stop_json_prints(capsys):
     [row] = answer["result"]["results"]
     assert row["pid"] == os.getpid() and row["status"] == "not-running"
     # AND a job no agent here runs is answered with the CLI's error, its code and its document
-    answer = run_action("stop", {"job": "no-such-job"}, commands=table)
+    answer = run_action("stop", {"job": "no-such-job"})
     code = main(["stop", "--job", "no-such-job", "--json"])
     assert answer["exit_code"] == code != 0 and answer["result"] == json.loads(capsys.readouterr().out)

@@ -74,3 +74,36 @@ def test_a_hostile_document_is_a_usage_error(doc, said):
     with pytest.raises(errors.UsageError) as refused:
         NcclRequest.from_json(doc)
     assert said in refused.value.message
+
+
+# -- the answer's codec ---------------------------------------------------------------------------
+def test_an_answer_is_written_and_read_back_by_its_own_codec():
+    from collectors.flight_recorder.collect import Collected
+
+    got = Collected({"groups": []}, "/s/a", "j/h/node/nccl/x", 1.23456, ranks=[0, 1], notes=["rank 1 by pipe"])
+    doc = got.to_json()
+    assert doc == {
+        "artifact": "/s/a",
+        "artifact_id": "j/h/node/nccl/x",
+        "elapsed_s": 1.235,
+        "analysis": {"groups": []},
+        "notes": ["rank 1 by pipe"],
+    }
+    assert (got.exit_code, got.messages) == (0, []) and Collected(None, None, None, 0.0, partial=True).exit_code == 1
+    back = Collected.from_json(doc)
+    assert (back.analysis, back.artifact, back.artifact_id, back.elapsed_s, back.notes) == (
+        {"groups": []},
+        "/s/a",
+        "j/h/node/nccl/x",
+        1.235,
+        ["rank 1 by pipe"],
+    )
+
+
+def test_a_hostile_answer_reads_as_empty_fields_and_bounded_notes():
+    from collectors.flight_recorder.collect import MAX_NOTE_CHARS, Collected
+
+    back = Collected.from_json({"analysis": [1], "artifact": 7, "elapsed_s": True, "notes": ["x" * 5000, 3]})
+    assert (back.analysis, back.artifact, back.artifact_id, back.elapsed_s) == (None, None, None, 0.0)
+    assert back.notes == ["x" * MAX_NOTE_CHARS, "3"]
+    assert Collected.from_json("not an object").notes == []

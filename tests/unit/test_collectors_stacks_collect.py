@@ -94,3 +94,18 @@ def test_a_hostile_document_is_a_usage_error(doc, said):
 def test_a_core_files_request_is_not_sent_as_json():
     with pytest.raises(errors.UsageError, match="core file"):
         StacksRequest(core="core.1").to_json()
+
+
+# -- the answer's codec ---------------------------------------------------------------------------
+def test_a_nodes_answer_is_written_and_read_back_by_its_own_codec():
+    from collectors.stacks.collect import Collected
+    from collectors.stacks.model import Stacks
+
+    got = Collected(Stacks([], failures={"pid 7": "gone"}), 0.12345, "/s/stacks")
+    doc = got.to_json()
+    assert doc["artifact"] == "/s/stacks" and doc["elapsed_s"] == 0.123 and doc["failures"] == {"pid 7": "gone"}
+    assert (got.exit_code, got.messages) == (1, [])
+    back = Collected.from_json(doc)
+    assert back.artifact == "/s/stacks" and back.elapsed_s == 0.123 and back.stacks.failures == {"pid 7": "gone"}
+    odd = Collected.from_json({**doc, "artifact": 3, "elapsed_s": "x"})
+    assert odd.artifact is None and odd.elapsed_s == 0.0

@@ -149,8 +149,8 @@ def test_an_agent_that_answers_while_writing_shows_how_long_the_write_has_run(fa
 def test_past_the_write_bound_the_trace_is_still_being_written_not_failed(fast, monkeypatch):
     import os
 
-    from dynprof.cli.job import JobResult
     from dynprof.cli.start import StartCommand
+    from dynprof.job.merge import JobResult
 
     monkeypatch.setattr(fast, "WRITE_WAIT_MIN_S", 0.0)
     monkeypatch.setattr(fast, "WRITE_WAIT_PER_PROFILED_S", 0.0)

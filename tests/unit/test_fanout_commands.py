@@ -212,15 +212,21 @@ def test_garbage_from_the_nodes_never_crashes_a_command(monkeypatch, capsys, tmp
 def test_a_sidecar_action_never_fans_out_again():
     # GIVEN a job-level command whose job-wide answer must never be reached from a node
 
+    import dataclasses
+
     from dynprof.result import Result
-    from dynprof.sidecar.actions import ActionCommand, run_action
+    from dynprof.sidecar.actions import run_action
+    from dynprof.sidecar.table import ACTIONS
 
     def collect_nodes(options, hosts, cacert):
         raise AssertionError("a sidecar's action fanned out")
 
-    table = {"ps": ActionCommand(lambda options: options, lambda request: Result({"agents": []}), collect_nodes)}
+    row = ACTIONS["ps"]
+    table = {
+        "ps": dataclasses.replace(row, decode=lambda o: o, collect=lambda r: Result({"agents": []}), job=collect_nodes)
+    }
     # WHEN the sidecar runs ps as an action (as the fan-out asks a node: without hosts)
-    answer = run_action("ps", {}, commands=table)
+    answer = run_action("ps", {}, table=table)
     # THEN it answers with this node's agents only: the node-side call is its request's collect
     assert answer["exit_code"] == 0 and answer["result"] == {"agents": []}
 

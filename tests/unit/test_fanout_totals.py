@@ -14,8 +14,9 @@ from typing import Any
 import pytest
 
 from dynprof.cli import main
+from dynprof.job import budget as answer_budget
 from dynprof.job import client as fanout
-from dynprof.job.client import AnswerBudget, SidecarClient
+from dynprof.job.client import SidecarClient
 from dynprof.nodes import Node
 from dynprof.untrusted import count_json_values
 
@@ -137,29 +138,6 @@ def test_small_answers_are_never_cut(sidecars):
     assert all(a.ok for a in answers) and not any(a.cut for a in answers)
 
 
-def test_a_big_node_may_draw_past_its_equal_share_while_the_pool_lasts():
-    # GIVEN a total of 1000 bytes for 4 nodes: each is sure of 125, and 500 are a pool
-    budget = AnswerBudget(4, total_bytes=1000, total_values=1000)
-    small, big, late = budget.share(), budget.share(), budget.share()
-    # WHEN a small node keeps 100 and a big one 600
-    assert small.take_bytes(100)
-    assert big.take_bytes(600)
-    # THEN a third may still keep its floor, but not more than the pool has left
-    assert late.take_bytes(125) and not late.take_bytes(100)
-    # and what a dropped answer drew goes back to the pool
-    big.release()
-    assert late.take_bytes(100)
-
-
-def test_requests_for_one_node_at_a_time_keep_an_equal_share():
-    # GIVEN requests made one node at a time for a caller holding 8 answers together
-    budget = AnswerBudget(8, total_bytes=800, total_values=80, pooled=False)
-    share = budget.share()
-    # THEN each may keep 1/8 of the total, and no more
-    assert share.take_bytes(100) and not share.take_bytes(1)
-    assert share.take_values(10) and not share.take_values(1)
-
-
 def test_a_caller_holding_two_answers_per_node_counts_its_nodes_once():
     # GIVEN the watch's client over 64 nodes: it holds each node's progress and stacks at once
     client = SidecarClient(TOKEN)
@@ -273,7 +251,7 @@ def test_a_fetch_holds_its_manifests_to_a_total_and_names_the_nodes_cut(artifact
 
     nodes, state = artifact_nodes
     # GIVEN 64 nodes whose manifests are 1 MiB each, and a total of 8 MiB of manifests held at once
-    monkeypatch.setattr(fanout, "TOTAL_MANIFEST_BYTES", 8 << 20, raising=False)
+    monkeypatch.setattr(answer_budget, "TOTAL_MANIFEST_BYTES", 8 << 20)
     state["manifest"] = manifest_answer(0, pad_bytes=(1 << 20) - 1024)
     client = SidecarClient(TOKEN, timeout=60, max_in_flight=NODES)
     # WHEN their artifacts are fetched, all the manifests held while the files are copied

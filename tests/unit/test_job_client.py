@@ -17,10 +17,10 @@ from typing import Any
 import pytest
 
 from collectors.stacks import Frame, ProcessStacks, ThreadStack, group_processes
-from dynprof.cli.job import NODES_FAILED_EXIT, exit_code
 from dynprof.job import client as fanout
 from dynprof.job.answers import node_labels
 from dynprof.job.client import NodeFailure, SidecarClient, check_artifact_id, check_file_name
+from dynprof.job.merge import NODES_FAILED_EXIT, exit_code
 from dynprof.nodes import Node, NodeAnswer
 from tests._ports import free_port
 

@@ -13,7 +13,6 @@ import pytest
 
 from dynprof import errors
 from dynprof.arguments import MAX_PID
-from dynprof.cli import sidecar_actions as sa
 from dynprof.cli.ls import LsCommand
 from dynprof.cli.ls import request_from_args as ls_from_args
 from dynprof.cli.ps import PsCommand
@@ -171,19 +170,18 @@ def test_a_hostile_document_is_refused_as_a_usage_error(name, doc, said):
 
 # -- through the sidecar's action, with the real commands --------------------------------------------
 def test_the_actions_are_read_as_requests_with_no_argv(dynprof_dirs, monkeypatch):
-    # GIVEN the real command table, and no argument parser that may be reached meanwhile
+    # GIVEN the real rows, and no argument parser that may be reached meanwhile
     asked: list[object] = []
 
     def refuse_parse(self: argparse.ArgumentParser, args: object = None, namespace: object = None) -> None:
         asked.append(args)
         raise AssertionError("parsed argv")
 
-    table = sa.action_commands(["ps", "ls", "stop"])
     monkeypatch.setattr(argparse.ArgumentParser, "parse_known_args", refuse_parse)
     # WHEN each action runs on this node
-    ps = run_action("ps", {"job": "j"}, commands=table)
-    ls = run_action("ls", {"limit": 1}, commands=table)
-    stop = run_action("stop", {"all": True}, commands=table)
+    ps = run_action("ps", {"job": "j"})
+    ls = run_action("ls", {"limit": 1})
+    stop = run_action("stop", {"all": True})
     # THEN each answered from its request, as the CLI would here (no agent, an empty store)
     assert asked == []
     assert ps["exit_code"] == 0 and ps["result"] == {"agents": []}, ps
@@ -192,10 +190,9 @@ def test_the_actions_are_read_as_requests_with_no_argv(dynprof_dirs, monkeypatch
 
 
 def test_a_refused_value_is_the_commands_usage_error_as_before():
-    # GIVEN the real command table WHEN the actions get values their commands refuse
-    table = sa.action_commands(["ls", "stop"])
-    ls = run_action("ls", {"limit": -3}, commands=table)
-    stop = run_action("stop", {"job": "j", "all": True}, commands=table)
+    # GIVEN the real rows WHEN the actions get values their commands refuse
+    ls = run_action("ls", {"limit": -3})
+    stop = run_action("stop", {"job": "j", "all": True})
     # THEN each is a usage error (2), in the words of the command's parser, with its help
     for answer, message in (
         (ls, "ls: argument --limit: -3 is out of range (0..1000000000)"),

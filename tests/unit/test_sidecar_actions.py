@@ -4,6 +4,7 @@ answered as they are, structured errors, slots, hard time limits, child process 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import subprocess
 import sys
@@ -16,9 +17,8 @@ import pytest
 
 from dynprof import errors
 from dynprof.result import Result
-from dynprof.sidecar import actions
+from dynprof.sidecar import actions, outcome
 from dynprof.sidecar.actions import (
-    ActionCommand,
     ActionError,
     ActionsBusy,
     ActionSlots,
@@ -29,8 +29,8 @@ from dynprof.sidecar.actions import (
 
 
 def stub_table(collect: Any = None, seen: list[dict[str, Any]] | None = None, collect_nodes: Any = None):
-    """A command table whose every action reads its options as the request itself (recording
-    them in ``seen``) and answers with ``collect`` (default: an empty result)."""
+    """A table whose every action reads its options as the request itself (recording them in
+    ``seen``) and answers with ``collect`` (default: an empty result)."""
 
     def decode(options: dict[str, Any]) -> dict[str, Any]:
         if seen is not None:
@@ -38,7 +38,10 @@ def stub_table(collect: Any = None, seen: list[dict[str, Any]] | None = None, co
         return options
 
     local = collect or (lambda request: Result({}))
-    return {name: ActionCommand(decode, local, collect_nodes) for name in actions.ACTIONS}
+    return {
+        name: dataclasses.replace(row, decode=decode, collect=local, job=collect_nodes or row.job)
+        for name, row in actions.ACTIONS.items()
+    }
 
 
 def test_options_are_checked_for_their_kind_and_unknown_ones_are_refused():
@@ -82,7 +85,7 @@ def test_a_command_that_overruns_is_answered_timed_out_and_keeps_its_slot(monkey
         release.wait(300)
         return Result({"late": True})
 
-    slots = ActionSlots(1, commands=stub_table(slow))
+    slots = ActionSlots(1, table=stub_table(slow))
     # WHEN it runs with a 0.3 s limit
     t0 = time.monotonic()
     answer = slots.run("ls", {}, timeout=0.3)
@@ -115,40 +118,12 @@ def test_a_bad_request_is_refused_before_taking_a_slot():
 def test_an_own_timeout_option_is_capped_too():
     seen: list[dict[str, Any]] = []
     table = stub_table(seen=seen)
-    run_action("ps", {"timeout": 1e9}, commands=table)
+    run_action("ps", {"timeout": 1e9}, table=table)
     assert seen[0]["timeout"] == actions.ACTIONS["ps"].max_timeout_s
-    run_action("ps", {}, commands=table)
+    run_action("ps", {}, table=table)
     assert "timeout" not in seen[1]  # the command's own default stands
-    run_action("start", {"pid": [1]}, commands=table)
+    run_action("start", {"pid": [1]}, table=table)
     assert seen[2]["timeout"] == 600.0  # start waits for ever by itself: never over HTTP
-
-
-def test_stopping_kills_running_children_and_starts_no_more(monkeypatch):
-    # GIVEN an action whose child (and its own child) would run for ten minutes
-    real_popen = subprocess.Popen
-
-    def popen(args, **kwargs):
-        return real_popen(["sh", "-c", "sleep 600 & wait"], **kwargs)
-
-    monkeypatch.setattr(actions.subprocess, "Popen", popen)
-    monkeypatch.setattr(actions, "_closing", False)
-    answers = []
-    worker = threading.Thread(target=lambda: answers.append(actions._run_child("healthcheck", actions.Checked({}), 60)))
-    worker.start()
-    deadline = time.monotonic() + 60
-    while not actions._children:
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
-    # WHEN the sidecar stops
-    t0 = time.monotonic()
-    assert actions.kill_children() == 1
-    worker.join(120)
-    # THEN the action ends at once (not when its child would have), answered "killed", and no
-    # new child starts
-    assert answers and answers[0].exit_code == 9 and "stopped" in answers[0].messages[0]
-    assert time.monotonic() - t0 < 300
-    assert actions._run_child("healthcheck", actions.Checked({}), 60).exit_code == 9
-    assert not actions._children
 
 
 # -- job-wide actions: `hosts` ----------------------------------------------------------------------
@@ -180,14 +155,11 @@ def test_hosts_is_never_among_the_options_the_fan_out_forwards():
     for name, action in actions.ACTIONS.items():
         assert "hosts" not in action.options, name
         assert "hostfile" not in action.options and "token_file" not in action.options, name
-    # AND the actions that fan out are those whose command has a job-wide half (collect_job),
-    # but an action of a command's own subcommand (memory-plan: `memory plan`), which runs on
-    # this node only: a row that says it fans out and cannot, or forgot to, is caught
-    from dynprof.cli.sidecar_actions import action_commands
-
-    job_wide = {name for name, command in action_commands().items() if command.collect_job is not None}
+    # AND the actions that fan out are those whose row names a job-wide function, never an
+    # action of a command's own subcommand (memory-plan: `memory plan`), which runs on this node only
     fans_out = {n for n, a in actions.ACTIONS.items() if a.fans_out}
-    assert fans_out == {n for n in job_wide if not actions.ACTIONS[n].leading}
+    assert fans_out == {n for n, a in actions.ACTIONS.items() if a.job is not None}
+    assert not any(actions.ACTIONS[n].leading for n in fans_out)
     assert {"ps", "ls", "stacks", "start", "stop", "memory", "nccl"} <= fans_out
     assert not {"memory-plan", "healthcheck", "link-test"} & fans_out
 
@@ -201,9 +173,9 @@ def test_a_job_wide_action_runs_in_a_child_with_the_sidecars_token_file(monkeypa
         calls.append((checked, timeout, extra_env))
         return actions.Outcome(0, {"nodes": [], "agents": []})
 
-    monkeypatch.setattr(actions, "_run_child", child)
+    monkeypatch.setattr(actions, "run_child", child)
     in_process = stub_table(lambda args: pytest.fail("ran in the sidecar's process"))
-    slots = ActionSlots(1, FanoutConfig("/run/dynprof/token"), commands=in_process)
+    slots = ActionSlots(1, FanoutConfig("/run/dynprof/token"), table=in_process)
     answer = slots.run("ps", {"job": "j", "hosts": ["node-1", "node-2"]}, timeout=20)
     assert answer["exit_code"] == 0 and answer["result"] == {"nodes": [], "agents": []}
     ((checked, timeout, env),) = calls
@@ -229,8 +201,7 @@ def row_problems(name: str, action: actions.Action) -> list[str]:
     """What is wrong with ``action``'s options against the parser of its command: a flag it
     does not have, or a kind that does not fit (bool is store_true; int, float and str parse
     to their type; a list kind parses, from the comma-joined value the sidecar sends, to a list)."""
-    from dynprof.cli.sidecar_actions import load_command
-    from tests.unit._action_flags import command_parser, parse_options
+    from tests.unit._action_flags import command_parser, load_command, parse_options
 
     command = load_command(action.command)
     parser = command_parser(action.command, command)
@@ -288,6 +259,8 @@ def test_a_wrong_row_is_caught():
             "limit": actions.Option("--limit", "bool"),
             "job": actions.Option("--job", "ints"),
         },
+        collect=lambda request: request,
+        decode=dict,
     )
     # WHEN they are held to `dynprof ls`'s parser
     problems = row_problems("ls", wrong)
@@ -318,7 +291,7 @@ def test_an_action_answers_the_result_and_takes_no_stdout(capsys):
     other = threading.Thread(target=chatter)
     other.start()
     # WHEN the action runs
-    answer = run_action("ps", {}, commands=table)
+    answer = run_action("ps", {}, table=table)
     other.join(60)
     # THEN its answer is exactly the Result, with its messages as the CLI's stderr lines, and
     # the line printed meanwhile went where it was printed, not into the answer
@@ -332,10 +305,10 @@ def test_an_action_answers_the_result_and_takes_no_stdout(capsys):
 def test_a_result_is_answered_as_strict_json_and_bounded(monkeypatch):
     # GIVEN results with a non-finite number, a value JSON lacks, and one over the limit
     table = stub_table(lambda args: Result({"ratio": float("nan"), "path": Path("/x")}))
-    answer = run_action("ls", {}, commands=table)
+    answer = run_action("ls", {}, table=table)
     assert answer["result"] == {"ratio": None, "path": "/x"}
-    monkeypatch.setattr(actions, "MAX_OUTPUT_BYTES", 100)
-    big = run_action("ls", {}, commands=stub_table(lambda args: Result({"x": "y" * 200})))
+    monkeypatch.setattr(outcome, "MAX_OUTPUT_BYTES", 100)
+    big = run_action("ls", {}, table=stub_table(lambda args: Result({"x": "y" * 200})))
     assert big["exit_code"] == 1 and big["result"] is None and "over" in big["error"]["message"]
 
 
@@ -348,7 +321,7 @@ def test_a_dynprof_error_is_answered_structured_and_the_client_reads_it():
         raise errors.NoAgent("no agent of job 'j' on this node")
 
     # WHEN it runs as an action
-    answer = run_action("ps", {"job": "j"}, commands=stub_table(collect))
+    answer = run_action("ps", {"job": "j"}, table=stub_table(collect))
     # THEN the answer carries the error, structured, and the CLI's --json error document
     expected = {
         "type": "NoAgent",
@@ -376,7 +349,7 @@ def test_a_bug_in_a_command_is_an_internal_error_not_a_crash():
     def collect(args):
         raise KeyError("oops")
 
-    answer = run_action("ps", {}, commands=stub_table(collect))
+    answer = run_action("ps", {}, table=stub_table(collect))
     assert answer["exit_code"] == 1 and answer["error"]["message"] == "internal error: KeyError: 'oops'"
 
 
@@ -385,98 +358,40 @@ def test_the_node_side_of_a_job_level_action_collects_its_request_here():
     def collect_nodes(options, hosts, cacert):
         raise AssertionError("fanned out")
 
-    answer = run_action("stacks", {"job": "j"}, commands=stub_table(collect_nodes=collect_nodes))
+    answer = run_action("stacks", {"job": "j"}, table=stub_table(collect_nodes=collect_nodes))
     # THEN the node answers from its request's collect, on this node
     assert answer["exit_code"] == 0 and answer["result"] == {}
 
 
 # -- the real command table --------------------------------------------------------------------------
 def test_the_command_table_parses_with_each_commands_own_parser():
-    from dynprof.cli.sidecar_actions import action_commands
 
     # GIVEN the table `dynprof serve` hands the sidecar
-    table = action_commands()
+    table = actions.ACTIONS
     assert set(table) == set(actions.ACTIONS)
     # WHEN healthcheck gets a level its parser refuses
-    answer = run_action("healthcheck", {"level": "thorough"}, commands=table)
+    answer = run_action("healthcheck", {"level": "thorough"}, table=table)
     # THEN it is a usage error with healthcheck's own code (3: 2 means "unhealthy"), nothing run
     assert answer["exit_code"] == 3 and answer["error"]["type"] == "UsageError", answer
     assert "--level" in answer["error"]["message"] and "thorough" in answer["error"]["message"]
     # AND a job-level command's refused value is a usage error (2)
-    answer = run_action("ls", {"limit": -3}, commands=table)
+    answer = run_action("ls", {"limit": -3}, table=table)
     assert answer["exit_code"] == 2 and answer["error"]["type"] == "UsageError", answer
 
 
 def test_an_action_answers_what_the_cli_prints_with_json(dynprof_dirs, capsys):
     # GIVEN an artifact in the store
     from dynprof.cli import main
-    from dynprof.cli.sidecar_actions import action_commands
     from dynprof.store import ArtifactStore
 
     writer = ArtifactStore().create("trace", job="j", rank=0)
     writer.write_text("x.txt", "data")
     writer.finish("complete")
     # WHEN ls runs as an action, and as the CLI with --json
-    answer = run_action("ls", {"job": "j"}, commands=action_commands(["ls"]))
+    answer = run_action("ls", {"job": "j"})
     assert main(["ls", "--job", "j", "--json"]) == 0
     # THEN the answer's result is what the CLI printed
     assert answer["exit_code"] == 0 and answer["result"] == json.loads(capsys.readouterr().out)
-
-
-def test_a_child_writes_the_result_as_json(dynprof_dirs):
-    # GIVEN an artifact in the store WHEN ls runs in an action's child process
-    from dynprof.store import ArtifactStore
-
-    writer = ArtifactStore().create("trace", job="j", rank=0)
-    writer.finish("complete")
-    outcome = actions._run_child("ls", actions.Checked({"job": "j"}), 120)
-    # THEN the child's answer is the listing
-    assert outcome.exit_code == 0 and outcome.messages == [] and outcome.error is None, outcome
-    assert [a["kind"] for a in outcome.result["artifacts"]] == ["trace"]
-
-
-def test_a_childs_error_is_structured():
-    outcome = actions._child_answer(
-        "healthcheck",
-        json.dumps(
-            {
-                "result": None,
-                "exit_code": 3,
-                "messages": [],
-                "error": {"type": "Unsupported", "message": "no NVML", "help": "install it", "exit_code": 3},
-            }
-        ),
-        0,
-        3,
-    )
-    assert outcome.exit_code == 3 and outcome.error == {
-        "type": "Unsupported",
-        "message": "no NVML",
-        "help": "install it",
-        "exit_code": 3,
-    }
-    assert outcome.messages == ["dynprof: error: no NVML", "  what to do: install it"]
-    broken = actions._child_answer("healthcheck", "Traceback ...", 1, 3)
-    assert broken.exit_code == 3 and "ended without an answer" in broken.error["message"]
-
-
-def test_a_healthcheck_killed_by_a_signal_says_so_with_a_documented_code(monkeypatch):
-    from dynprof.cli.sidecar_actions import action_commands
-
-    # GIVEN a healthcheck whose process is killed by SIGKILL (the OOM killer, say)
-    real_popen = subprocess.Popen
-
-    def popen(args, **kwargs):
-        return real_popen(["sh", "-c", "kill -9 $$"], **kwargs)
-
-    monkeypatch.setattr(actions.subprocess, "Popen", popen)
-    monkeypatch.setattr(actions, "_closing", False)
-    # WHEN the action runs
-    answer = run_action("healthcheck", {}, commands=action_commands(["healthcheck"]))
-    # THEN it answers "could not run" (3, in healthcheck's documented set) and says why
-    assert answer["exit_code"] == 3, answer
-    assert "killed by SIGKILL" in answer["error"]["message"], answer
-    assert answer["messages"][0].startswith("dynprof: error: healthcheck could not finish")
 
 
 def test_the_sidecar_imports_no_cli():
@@ -505,52 +420,6 @@ def test_a_sidecar_without_job_wide_runs_no_link_test():
     assert slots._sem.acquire(blocking=False)
 
 
-def test_a_sidecar_bound_to_loopback_links_only_over_loopback_and_listens_there():
-    policy = actions.LinkPolicy.for_sidecar("127.0.0.1", env={})
-    # GIVEN a sidecar bound to loopback: a peer elsewhere is refused
-    for host in ("10.9.9.9", "node-7", "0.0.0.0"):
-        with pytest.raises(actions.ActionError, match="bound to loopback"):
-            actions.check_options("link-test", {**LINK, "store_host": host}, links=policy)
-    # THEN a loopback peer runs, and rank 0's rendezvous listens on the sidecar's address only
-    checked = actions.check_options("link-test", {**LINK, "rank": 0, "store_host": "127.0.0.1"}, links=policy)
-    assert checked.options["bind"] == "127.0.0.1"
-    # AND the caller cannot name where it listens
-    with pytest.raises(actions.ActionError, match="unknown option 'bind'"):
-        actions.check_options("link-test", {**LINK, "store_host": "127.0.0.1", "bind": "0.0.0.0"}, links=policy)
-
-
-def test_link_test_peers_are_the_allowed_nodes_and_ports_are_unprivileged():
-    # GIVEN a sidecar on every address of a node of a Slurm allocation, one more peer allowed
-    env = {"SLURM_JOB_NODELIST": "gpu[01-03]"}
-    policy = actions.LinkPolicy.for_sidecar("0.0.0.0", ["spare-9"], env=env)
-    # THEN the allocation's nodes, the extra peer and this machine are reachable
-    for host in ("gpu02", "GPU03.", "spare-9", "127.0.0.1"):
-        assert (
-            actions.check_options("link-test", {**LINK, "store_host": host}, links=policy).options["bind"] == "0.0.0.0"
-        )
-    # AND any other host is refused (another loopback address is another service of this
-    # machine, not this sidecar), as is a privileged port
-    for host in ("10.9.9.9", "gpu04", "evil.example.com", "127.0.0.9", "127.1.2.3"):
-        with pytest.raises(actions.ActionError, match="not a node this sidecar may reach"):
-            actions.check_options("link-test", {**LINK, "store_host": host}, links=policy)
-    for port in (81, 1023, 0):
-        with pytest.raises(actions.ActionError, match="no privileged port"):
-            actions.check_options("link-test", {**LINK, "store_host": "gpu01", "store_port": port}, links=policy)
-
-
-def test_a_loopback_sidecars_peers_are_its_own_address_and_the_allowed_ones():
-    # GIVEN sidecars bound to 127.0.0.1 and to 127.0.0.5, one with 127.0.0.7 allowed as a peer
-    standard = actions.LinkPolicy.for_sidecar("127.0.0.1", env={})
-    other = actions.LinkPolicy.for_sidecar("127.0.0.5", ["127.0.0.7"], env={})
-    # THEN each reaches its own address (localhost names 127.0.0.1) and the allowed peer
-    for policy, host in ((standard, "127.0.0.1"), (standard, "localhost"), (other, "127.0.0.5"), (other, "127.0.0.7")):
-        assert policy.refusal(host, 29720) is None, (policy, host)
-    # AND no other loopback address: another service of this machine listens there
-    for policy, host in ((standard, "127.0.0.9"), (standard, "127.0.0.2"), (other, "127.0.0.1"), (other, "localhost")):
-        why = policy.refusal(host, 29720)
-        assert why is not None and "bound to loopback" in why and host in why, (policy, host)
-
-
 # -- actions whose kind has a request ----------------------------------------------------------------
 def test_an_action_with_a_request_is_read_by_its_from_json_and_collected_without_argv():
     # GIVEN a command that reads its action's options as a request
@@ -560,9 +429,13 @@ def test_an_action_with_a_request_is_read_by_its_from_json_and_collected_without
         seen.append(request)
         return Result({"asked": request})
 
-    table = {"memory": actions.ActionCommand(lambda options: dict(options), collect_request)}
+    table = {
+        "memory": dataclasses.replace(
+            actions.ACTIONS["memory"], decode=lambda options: dict(options), collect=collect_request
+        )
+    }
     # WHEN the action runs on this node
-    answer = run_action("memory", {"job": "j", "history_start": 10}, timeout=20, commands=table)
+    answer = run_action("memory", {"job": "j", "history_start": 10}, timeout=20, table=table)
     # THEN the request is what the options say (the action's limit given as its timeout)
     assert answer["exit_code"] == 0 and answer["error"] is None, answer
     assert seen == [{"job": "j", "history_start": 10, "timeout": 20.0}]
@@ -573,10 +446,9 @@ def test_the_real_table_reads_requests_for_the_kinds_that_have_them():
     from collectors.memory.collect import MemoryPlanRequest, MemoryRequest
     from collectors.stacks.collect import StacksRequest
     from collectors.torch_trace.collect import TraceRequest
-    from dynprof.cli.sidecar_actions import action_commands
 
-    table = action_commands()
-    # GIVEN the table `dynprof serve` hands the sidecar: memory, memory-plan, stacks, nccl, start decode requests
+    table = actions.ACTIONS
+    # GIVEN the sidecar's rows: memory, memory-plan, stacks, nccl, start decode requests
     assert table["memory"].decode == MemoryRequest.from_json
     assert table["memory-plan"].decode == MemoryPlanRequest.from_json
     assert table["nccl"].decode == NcclRequest.from_json
@@ -604,15 +476,15 @@ def test_the_real_table_reads_requests_for_the_kinds_that_have_them():
         ("link-test", {"rank": 1, "store_host": "127.0.0.1", "size": 2}, "--size is 4 bytes to 1 GiB"),
         ("stop", {}, "stop: one of the arguments --pid --job --all is required"),
     ):
-        answer = run_action(name, options, commands=table, links=loopback)
+        answer = run_action(name, options, table=table, links=loopback)
         # THEN it is the command's usage error (2), answered, as when the parser refused it
         assert answer["exit_code"] == 2 and answer["error"]["type"] == "UsageError", answer
         assert said in answer["error"]["message"], answer
     # AND a value of the wrong type is still refused before anything runs (HTTP 400)
     with pytest.raises(actions.ActionError, match="'history_start' must be an integer"):
-        run_action("memory", {"job": "j", "history_start": "5"}, commands=table)
+        run_action("memory", {"job": "j", "history_start": "5"}, table=table)
     # AND a request that is run answers as the command does: a process that is gone is named
-    answer = run_action("memory", {"pid": [2**22]}, commands=table)
+    answer = run_action("memory", {"pid": [2**22]}, table=table)
     assert answer["exit_code"] != 0 and str(2**22) in answer["error"]["message"], answer
 
 
@@ -621,9 +493,8 @@ def test_each_request_read_from_json_takes_exactly_its_actions_options():
     action's options: the row is made from it (``Action.request``), so every action whose
     command reads a request must carry that request in its row, with the same options and
     kinds, or a body the sidecar accepts would be refused by the request (or the other way round)."""
-    from dynprof.cli.sidecar_actions import action_commands
 
-    table = action_commands()
+    table = actions.ACTIONS
     with_requests = {name for name, command in table.items() if command.decode is not None}
     assert with_requests == {name for name, action in actions.ACTIONS.items() if action.request is not None}
     assert {"stacks", "nccl", "start", "memory", "memory-plan"} <= with_requests

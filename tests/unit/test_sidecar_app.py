@@ -253,7 +253,7 @@ def test_healthz_needs_no_token_and_says_nothing_else(store):
 def test_refusal_log_lines_carry_no_token_and_are_rate_limited(store):
     import io
 
-    from dynprof.sidecar.app import RefusalLog
+    from dynprof.sidecar.guard import RefusalLog
 
     out = io.StringIO()
     log = RefusalLog(out, burst=3, window_s=3600)
@@ -268,20 +268,6 @@ def test_refusal_log_lines_carry_no_token_and_are_rate_limited(store):
     client.get("/api/v1/info")
     assert "7 more refused request(s) not logged" in out.getvalue()
     assert out.getvalue().splitlines()[-1].startswith("dynprof serve: refused 401 (missing token)")
-
-
-def test_refusal_log_lines_escape_what_a_client_sent_with_the_one_sanitiser():
-    import io
-
-    from dynprof.sidecar.app import RefusalLog
-
-    # GIVEN a refused request whose method and path carry a newline, an escape and a bidi override
-    out = io.StringIO()
-    RefusalLog(out).refused(401, "missing token", "GE\nT", "/x\x1b[31m\u202eevil\nforged line", "127.0.0.1")
-    # THEN it is one line, each of them escaped as everywhere else (never a bare "?")
-    (line,) = out.getvalue().splitlines()
-    assert "\\x1b" in line and "\\u202e" in line and "\\n" in line, line
-    assert line.startswith("dynprof serve: refused 401 (missing token): GE\\nT /x"), line
 
 
 def test_aliases_of_this_node_pass_the_host_check(store, monkeypatch):
@@ -440,11 +426,11 @@ def test_a_sidecar_without_job_wide_refuses_the_link_test_action(store):
     assert "link-test" in wide.test_client().get("/api/v1/info", headers=AUTH).get_json()["actions"]
 
 
-def test_info_lists_only_the_actions_it_has_commands_for(store):
-    # GIVEN a sidecar handed the commands of two actions only
-    from dynprof.cli.sidecar_actions import action_commands
+def test_info_lists_only_the_actions_of_its_table(store):
+    # GIVEN a sidecar given the rows of two actions only
+    from dynprof.sidecar.table import ACTIONS
 
-    given = {n: c for n, c in action_commands().items() if n in ("ps", "stacks")}
-    client = create_app(store, token="t" * 20, commands=given).test_client()
+    given = {n: row for n, row in ACTIONS.items() if n in ("ps", "stacks")}
+    client = create_app(store, token="t" * 20, table=given).test_client()
     # WHEN its info is read THEN it offers those two
     assert client.get("/api/v1/info", headers=AUTH).get_json()["actions"] == ["ps", "stacks"]

@@ -25,7 +25,7 @@ import pytest
 from cheroot.errors import FatalSSLAlert
 
 from dynprof.sidecar import server as srv
-from dynprof.sidecar.app import RefusalLog
+from dynprof.sidecar.guard import RefusalLog
 from dynprof.sidecar.server import (
     MIN_CONNECTIONS,
     LazyHandshakeSSLAdapter,
@@ -726,7 +726,7 @@ def test_an_accept_out_of_descriptors_pauses_accepting_and_is_logged_once(monkey
     import io
 
     from dynprof.sidecar import server as srv
-    from dynprof.sidecar.app import RefusalLog
+    from dynprof.sidecar.guard import RefusalLog
 
     # GIVEN a prepared sidecar server whose accept fails for want of descriptors (EMFILE)
     out = io.StringIO()

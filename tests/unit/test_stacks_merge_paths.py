@@ -14,6 +14,7 @@ import pytest
 
 import collectors.stacks.collect
 import dynprof.cli.stacks
+import dynprof.job.stacks
 from collectors.stacks import Frame, ProcessStacks, ThreadStack, readers
 from dynprof.cli import job, main
 from dynprof.nodes import NodeAnswer
@@ -83,7 +84,8 @@ def test_local_node_answers_and_files_are_grouped_by_one_merge(
         calls.append(len(sources))
         return real(sources, by_host)
 
-    monkeypatch.setattr(dynprof.cli.stacks, "merge", spy)  # the files' and the nodes' paths
+    monkeypatch.setattr(dynprof.cli.stacks, "merge", spy)  # the files' path
+    monkeypatch.setattr(dynprof.job.stacks, "merge", spy)  # the nodes' path
     monkeypatch.setattr(collectors.stacks.collect, "merge", spy)  # the kind's own, reading this node
     pid_list = ",".join(map(str, four_processes))
 
