@@ -40,6 +40,8 @@ ZOO: dict[str, tuple[str, str, dict[str, Any], str]] = {
     "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", SMALL, "lm"),
     "bloom": ("BloomConfig", "BloomForCausalLM", {"hidden_size": 64, "n_layer": 4, "n_head": 4}, "lm"),
     "bert": ("BertConfig", "BertForMaskedLM", SMALL, "mlm"),
+    # one layer's weights shared by every layer: the same module runs four times a step
+    "albert": ("AlbertConfig", "AlbertForMaskedLM", {**SMALL, "embedding_size": 32}, "mlm"),
     "roberta": ("RobertaConfig", "RobertaForMaskedLM", {**SMALL, "max_position_embeddings": 300}, "mlm"),
     "t5": (
         "T5Config",
@@ -78,9 +80,92 @@ ZOO: dict[str, tuple[str, str, dict[str, Any], str]] = {
     ),
 }
 VOCAB = 1000
+# plain torch models beside the zoo (no config class): skip connections, routed experts
+PLAIN = {"unet": "image", "moe": "lm"}
+
+
+def plain_model(arch: str) -> Any:
+    import torch
+    from torch import nn
+
+    class Down(nn.Module):
+        def __init__(self, cin: int, cout: int) -> None:
+            super().__init__()
+            self.conv = nn.Sequential(nn.Conv2d(cin, cout, 3, padding=1), nn.GroupNorm(4, cout), nn.SiLU())
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.conv(x)
+
+    class UNet(nn.Module):
+        """Encoder outputs kept for the decoder: a block's input lives until a later block."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.downs = nn.ModuleList([Down(3, 16), Down(16, 32), Down(32, 64)])
+            self.ups = nn.ModuleList([Down(64 + 32, 32), Down(32 + 16, 16)])
+            self.head = nn.Linear(16, 10)
+
+        def forward(self, pixel_values: torch.Tensor, labels: torch.Tensor) -> Any:
+            skips, x = [], pixel_values
+            for i, d in enumerate(self.downs):
+                x = d(x)
+                if i < 2:
+                    skips.append(x)
+                    x = nn.functional.max_pool2d(x, 2)
+            for u in self.ups:
+                x = nn.functional.interpolate(x, scale_factor=2.0)
+                x = u(torch.cat([x, skips.pop()], 1))
+            loss = nn.functional.cross_entropy(self.head(x.mean((2, 3))), labels)
+            return type("Out", (), {"loss": loss})()
+
+    class Expert(nn.Module):
+        def __init__(self, d: int) -> None:
+            super().__init__()
+            self.up, self.down = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.down(nn.functional.gelu(self.up(x)))
+
+    class MoE(nn.Module):
+        """Top-1 routing over 4 experts: data-dependent shapes, experts a token batch may skip."""
+
+        def __init__(self, d: int) -> None:
+            super().__init__()
+            self.router = nn.Linear(d, 4)
+            self.experts = nn.ModuleList(Expert(d) for _ in range(4))
+            self.norm = nn.LayerNorm(d)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.norm(x)
+            choice = self.router(h).argmax(-1)
+            out = torch.zeros_like(h)
+            for i, e in enumerate(self.experts):
+                sel = choice == i
+                if sel.any():
+                    out[sel] = e(h[sel])
+            return x + out
+
+    class MoELM(nn.Module):
+        def __init__(self, d: int = 64, layers: int = 4) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(VOCAB, d)
+            self.layers = nn.ModuleList(MoE(d) for _ in range(layers))
+            self.head = nn.Linear(d, VOCAB)
+
+        def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> Any:
+            x = self.embed(input_ids)
+            for layer in self.layers:
+                x = layer(x)
+            logits = self.head(x)
+            loss = nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+            return type("Out", (), {"loss": loss})()
+
+    return UNet() if arch == "unet" else MoELM()
 
 
 def build(arch: str) -> Any:
+    if arch in PLAIN:
+        return plain_model(arch), PLAIN[arch]
     import transformers
 
     config_name, model_name, over, kind = ZOO[arch]
@@ -115,7 +200,7 @@ def batch_of(kind: str, batch: int, seq: int, gen: Any) -> dict[str, Any]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--arch", choices=sorted(ZOO), required=True)
+    p.add_argument("--arch", choices=sorted([*ZOO, *PLAIN]), required=True)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=128)

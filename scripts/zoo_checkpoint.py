@@ -35,7 +35,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-from _zoo_job import ZOO  # noqa: E402
+from _zoo_job import PLAIN, ZOO  # noqa: E402
 
 MIB = 1024**2
 
@@ -139,7 +139,7 @@ def pct(real: Any, predicted: Any) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--arch", default=",".join(ZOO), help="comma-separated architectures")
+    parser.add_argument("--arch", default=",".join([*ZOO, *PLAIN]), help="comma-separated architectures")
     parser.add_argument("--budget", default="70%")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--accumulate", type=int, default=1)
@@ -150,9 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         parser.error("needs transformers: pip install -e '.[frameworks]'")
     archs = [a.strip() for a in args.arch.split(",") if a.strip()]
-    unknown = [a for a in archs if a not in ZOO]
+    unknown = [a for a in archs if a not in ZOO and a not in PLAIN]
     if unknown:
-        parser.error(f"unknown architecture(s) {', '.join(unknown)}; known: {', '.join(ZOO)}")
+        parser.error(f"unknown architecture(s) {', '.join(unknown)}; known: {', '.join([*ZOO, *PLAIN])}")
     rows = []
     bad = 0
     for i, arch in enumerate(archs, 1):
