@@ -134,6 +134,42 @@ class ResNet(torch.nn.Module):
         return self.fc(x.mean((2, 3)))
 
 
+class MoEBlock(torch.nn.Module):
+    """Top-1 routing over 4 experts: the router's scores are read only by argmax, so autograd
+    drops the router's graph branch (and the normed input it saved) during the forward."""
+
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(d)
+        self.router = torch.nn.Linear(d, 4)
+        self.experts = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(d, 4 * d), torch.nn.GELU(), torch.nn.Linear(4 * d, d)) for _ in range(4)
+        )
+
+    def forward(self, x):
+        h = self.norm(x)
+        choice = self.router(h).argmax(-1)
+        out = torch.zeros_like(h)
+        for i, expert in enumerate(self.experts):
+            sel = choice == i
+            out[sel] = expert(h[sel])
+        return x + out
+
+
+class MoE(torch.nn.Module):
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(128, d)
+        self.layers = torch.nn.ModuleList(MoEBlock(d) for _ in range(4))
+        self.head = torch.nn.Linear(d, 128)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
 def setup(kind: str):
     """(model, optimizer, step) with a fixed batch; AdamW with foreach, as on CUDA."""
     torch.manual_seed(0)
@@ -145,6 +181,13 @@ def setup(kind: str):
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 out = model(ids[:, :-1])
                 return F.cross_entropy(out.flatten(0, 1).float(), ids[:, 1:].flatten())
+
+    elif kind == "moe":
+        model = MoE()
+        ids = torch.randint(0, 128, (8, 129))
+
+        def loss():
+            return F.cross_entropy(model(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
 
     else:
         model = ViT() if kind == "vit" else ResNet()
@@ -185,7 +228,7 @@ def real_peak(model, opt, step, names):
             mod.forward = fwd
 
 
-@pytest.mark.parametrize("kind", ["decoder", "vit", "resnet"])
+@pytest.mark.parametrize("kind", ["decoder", "vit", "resnet", "moe"])
 def test_the_predicted_peak_is_the_real_one_for_the_plan_and_for_every_block(kind):
     # GIVEN a small model's measured step, and a plan for 60 % of its peak
     model, opt, step = setup(kind)

@@ -15,9 +15,11 @@ it afterwards:
   storages after every operator, forward, backward and optimizer step, cut into segments at
   each block event: the step's memory timeline.
 
-A storage is *freeable* by checkpointing block B when it was made during B's forward and only
-B saved it (not an input of B: a checkpoint keeps its inputs; not a buffer or a table made
-before). One that others saved too (the next block, as its input; an operator outside the
+A storage is *freeable* by checkpointing block B when it was made during B's forward, only B
+saved it (not an input of B: a checkpoint keeps its inputs; not a buffer or a table made
+before), and autograd still held it when B's backward began: one whose graph branch the step
+dropped before then (a router's scores read only by argmax) is not held by the step, so B's
+checkpoint frees nothing of it. One that others saved too (the next block, as its input; an operator outside the
 blocks) is freed by B's checkpoint only once they are done with it. What no block can free
 (the inputs between blocks, what the embedding, the head and the loss save) is the
 unrecomputable rest. An input of B that the step lets go before B's backward (nothing saved
@@ -187,6 +189,12 @@ class StepMeasurement(StepTimeline, StepResult):
         self._saved_born: dict[tuple[int, int], int] = {}  # the same, for the saved ones, read when saved
         # (storage, saver) -> the segment that began when autograd let go of the saver's copy
         self._released: dict[tuple[tuple[int, int], int], int] = {}
+        # storage -> the copies autograd holds of it (a storage saved twice is held twice)
+        self._holds: dict[tuple[int, int], int] = {}
+        # storages a block alone saved that autograd let go of before that block's backward (the
+        # graph branch was dropped: an output only a non-differentiable operator read, such as a
+        # router's scores under argmax): the step does not hold them, so a checkpoint frees nothing
+        self._dropped: set[tuple[int, int]] = set()
         self._bwd_level: list[int] = [0] * n
         self._meter: LiveTensorBytes | None = None
         self._meter_entered = False
@@ -550,6 +558,7 @@ class StepMeasurement(StepTimeline, StepResult):
                     # its birth, read now while it is alive (its address may serve another later)
                     self._saved_born[key] = self._born.get(key, -1)
                 self._owners.setdefault(key, set()).add(owner)
+                self._holds[key] = self._holds.get(key, 0) + 1
                 if owner >= 0 and _is_param_cast(t) and self._amp():
                     import torch
 
@@ -591,6 +600,16 @@ class StepMeasurement(StepTimeline, StepResult):
             return
         key = _storage(t)
         owners = self._owners.get(key) if key is not None else None
+        if key is not None and key in self._holds:
+            self._holds[key] -= 1
+            if (
+                self._holds[key] <= 0
+                and owners == {owner}
+                and owner >= 0
+                and self._bwd_start[owner] < 0
+                and len(self._dropped) < MAX_STORAGES
+            ):
+                self._dropped.add(key)
         if key is None or not owners or not any(o >= 0 and o != owner for o in owners):
             return
         if all(self._bwd_start[o] >= 0 for o in owners if o >= 0):

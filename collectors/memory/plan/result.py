@@ -47,6 +47,7 @@ class StepResult:
     _inputs: list[set[tuple[int, int]]]
     _saved_born: dict[tuple[int, int], int]
     _released: dict[tuple[tuple[int, int], int], int]
+    _dropped: set[tuple[int, int]]
     _born: dict[tuple[int, int], int]
     _fwd_start: list[int]
     _fwd_end: list[int]
@@ -222,6 +223,11 @@ class StepResult:
                 if owner >= 0:
                     saved[owner] += size
             makers = [o for o in owners if made_in(o, key)]
+            if len(makers) == 1 and key in self._dropped:
+                # its only saver's graph branch was dropped before that block's backward: the
+                # step does not hold it then, a checkpoint frees nothing of it
+                outside += size
+                continue
             if len(makers) == 1:
                 k = makers[0]
                 if len(owners) == 1:
