@@ -251,6 +251,29 @@ def flight_recorder_reading(analysis: dict[str, Any] | None, waiting: Sequence[i
     return FlightRecorderReading(culprits, "flight recorder: " + "; ".join(parts))
 
 
+def _hang_or_pending(
+    text: str,
+    pending_text: str,
+    pending: bool,
+    culprits: list[Culprit],
+    states: list[RankState],
+    fr_text: str | None,
+    waiting: list[RankState],
+) -> Decision:
+    """A hang called with ``text``, or, while ``pending`` (not confirmed yet), a pending one
+    said with ``pending_text``; either way keyed by what ``waiting`` wait in."""
+    if pending:
+        return Decision(
+            "pending",
+            pending_text,
+            culprits[:MAX_CULPRITS],
+            states,
+            fr_text,
+            waiting_key=_waiting_key(waiting),
+        )
+    return Decision("hang", text, culprits[:MAX_CULPRITS], states, fr_text, _waiting_key(waiting))
+
+
 def decide(
     looks: Sequence[RankLook],
     stall: Stall,
@@ -288,18 +311,16 @@ def decide(
             + f"; {_the_others(len(waiting))} in {collective} "
             + f"at {main_where}{fr_clause}"
         )
-        culprits = [_culprit(s, s.detail or s.state) for s in others]
-        if not stuck and (waiting_for_s is None or waiting_for_s < confirm_s):
-            return Decision(
-                "pending",
-                f"{head}: {text}; not called a hang yet (the waiting ranks wait for "
-                f"{waiting_for_s or 0:.0f} s of the {confirm_s:.0f} s asked)",
-                culprits[:MAX_CULPRITS],
-                states,
-                fr_text,
-                waiting_key=_waiting_key(waiting),
-            )
-        return Decision("hang", text, culprits[:MAX_CULPRITS], states, fr_text, _waiting_key(waiting))
+        return _hang_or_pending(
+            text,
+            f"{head}: {text}; not called a hang yet (the waiting ranks wait for "
+            f"{waiting_for_s or 0:.0f} s of the {confirm_s:.0f} s asked)",
+            not stuck and (waiting_for_s is None or waiting_for_s < confirm_s),
+            [_culprit(s, s.detail or s.state) for s in others],
+            states,
+            fr_text,
+            waiting,
+        )
     if waiting and not others:
         groups = _groups(waiting, lambda s: (s.collective, s.stack_key))
         main = groups[0]
@@ -367,17 +388,15 @@ def decide(
                 "which NCCL collective each rank is in"
             )
         )
-        culprits = [_culprit(s, s.detail) for s in on_gpu]
-        if waiting_for_s is None or waiting_for_s < confirm_s:
-            return Decision(
-                "pending",
-                f"{text}; not called a hang yet (seen for {waiting_for_s or 0:.0f} s of the {confirm_s:.0f} s asked)",
-                culprits[:MAX_CULPRITS],
-                states,
-                fr_text,
-                waiting_key=_waiting_key(on_gpu),
-            )
-        return Decision("hang", text, culprits[:MAX_CULPRITS], states, fr_text, _waiting_key(on_gpu))
+        return _hang_or_pending(
+            text,
+            f"{text}; not called a hang yet (seen for {waiting_for_s or 0:.0f} s of the {confirm_s:.0f} s asked)",
+            waiting_for_s is None or waiting_for_s < confirm_s,
+            [_culprit(s, s.detail) for s in on_gpu],
+            states,
+            fr_text,
+            on_gpu,
+        )
     stuck = [s for s in states if s.state in ("stopped", "in-c")]
     if stuck:
         rest = [s for s in states if s.state not in ("stopped", "in-c")]
