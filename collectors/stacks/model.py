@@ -157,18 +157,12 @@ class ProcessStacks:
         items = d.get("threads")
         threads = [b.thread(t) for t in b.items(items, MAX_THREADS)] if isinstance(items, list) else []
         notes = d.get("notes")
-        return cls(
-            pid=pid,
-            method=b.text(d.get("method"), 40) or "?",
-            native=d.get("native") is True,
-            rank=_int(d.get("rank")),
-            job=b.text(d.get("job")),
-            host=b.text(d.get("host")),
-            threads=[t for t in threads if t is not None],
+        return b.process(
+            d,
+            pid,
+            [t for t in threads if t is not None],
             captured_at=_float(d.get("captured_at")),
             duration_s=_float(d.get("duration_s")),
-            fallback_reason=b.text(d.get("fallback_reason")),
-            fallback_help=b.text(d.get("fallback_help")),
             notes=[n for n in (b.text(x) for x in b.items(notes, MAX_NOTES)) if n] if isinstance(notes, list) else [],
         )
 
@@ -403,6 +397,11 @@ class Budget:
             if thread is not None:
                 thread.tid = thread.tid or pid
                 threads.append(thread)
+        return self.process(d, pid, threads, file=self.text(d.get("file"), 255))
+
+    def process(self, d: dict[str, Any], pid: int, threads: list[ThreadStack], **more: Any) -> ProcessStacks:
+        """The process of a dump or of a document's row: the fields both carry, read from ``d``,
+        and ``more``."""
         return ProcessStacks(
             pid=pid,
             method=self.text(d.get("method"), 40) or "?",
@@ -413,7 +412,7 @@ class Budget:
             threads=threads,
             fallback_reason=self.text(d.get("fallback_reason")),
             fallback_help=self.text(d.get("fallback_help")),
-            file=self.text(d.get("file"), 255),
+            **more,
         )
 
     def failures(self, found: Any) -> dict[str, str]:

@@ -23,9 +23,10 @@ from typing import Any
 from dynprof import __version__, nofollow, untrusted
 from dynprof.errors import ArtifactError, StoreError
 from dynprof.paths import artifact_dir
+from dynprof.registry import pid_alive
 from dynprof.store.artifact import Artifact, BadArtifact
 from dynprof.store.manifest import MANIFEST, SCHEMA, SCHEMA_VERSION, utcnow_iso
-from dynprof.store.owner import owner_tag, pid_alive, pid_namespace
+from dynprof.store.owner import owner_tag, pid_namespace
 from dynprof.store.writer import TEMP_MARKER, ArtifactWriter, TempDir, artifact_modes
 from dynprof.units import parse_size
 

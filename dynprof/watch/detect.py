@@ -262,16 +262,8 @@ def _hang_or_pending(
 ) -> Decision:
     """A hang called with ``text``, or, while ``pending`` (not confirmed yet), a pending one
     said with ``pending_text``; either way keyed by what ``waiting`` wait in."""
-    if pending:
-        return Decision(
-            "pending",
-            pending_text,
-            culprits[:MAX_CULPRITS],
-            states,
-            fr_text,
-            waiting_key=_waiting_key(waiting),
-        )
-    return Decision("hang", text, culprits[:MAX_CULPRITS], states, fr_text, _waiting_key(waiting))
+    kind, conclusion = ("pending", pending_text) if pending else ("hang", text)
+    return Decision(kind, conclusion, culprits[:MAX_CULPRITS], states, fr_text, _waiting_key(waiting))
 
 
 def decide(
