@@ -599,6 +599,17 @@ def sort_key(p: ProcessStacks) -> tuple[int, int]:
     return (p.rank if p.rank is not None else 1 << 30, p.pid)
 
 
+def rank_runs(ranks: Sequence[int]) -> str:
+    """Sorted ranks in runs: ``[0, 1, 2, 3, 5]`` -> ``0-3,5``."""
+    spans: list[list[int]] = []
+    for r in ranks:
+        if spans and r == spans[-1][1] + 1:
+            spans[-1][1] = r
+        else:
+            spans.append([r, r])
+    return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans)
+
+
 def rank_labels(members: Sequence[ProcessStacks], by_host: bool = False) -> str:
     """``ranks 0-6``, ``rank 7``, ``ranks 0,2,5-7``, or pids where ranks are unknown. With
     ``by_host``: ``rank 37 on node-5``, ``ranks 0-7 on node-1, ranks 8-15 on node-2``, or past
@@ -615,14 +626,7 @@ def rank_labels(members: Sequence[ProcessStacks], by_host: bool = False) -> str:
     pids = sorted(m.pid for m in members if m.rank is None)
     parts = []
     if ranks:
-        spans: list[list[int]] = []
-        for r in ranks:
-            if spans and r == spans[-1][1] + 1:
-                spans[-1][1] = r
-            else:
-                spans.append([r, r])
-        text = ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans)
-        parts.append(("ranks " if len(ranks) > 1 else "rank ") + text)
+        parts.append(("ranks " if len(ranks) > 1 else "rank ") + rank_runs(ranks))
     if pids:
         parts.append(("pids " if len(pids) > 1 else "pid ") + ",".join(str(p) for p in pids))
     return " + ".join(parts) or "no processes"

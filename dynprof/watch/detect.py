@@ -80,7 +80,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from collectors.stacks import Frame, is_library_path
+from collectors.stacks import Frame, is_library_path, rank_runs
 from dynprof.watch.classify import MOVING_CPU_S, RankLook, RankState, classify
 from dynprof.watch.frames import where
 from dynprof.watch.model import MAX_CULPRITS, Culprit
@@ -107,7 +107,7 @@ def ranks_text(states: Sequence[RankState], of_total: int | None = None) -> str:
     for node, ranks in by_node.items():
         known = sorted(r for r in ranks if r is not None)
         pids = [s.pid for s in states if s.node == node and s.rank is None]
-        label = _span(known)
+        label = rank_runs(known)
         text = (f"rank {label}" if len(known) == 1 else f"ranks {label}") if known else ""
         if pids:
             text = (text + ", " if text else "") + "pid " + ",".join(str(p) for p in pids[:8])
@@ -115,18 +115,6 @@ def ranks_text(states: Sequence[RankState], of_total: int | None = None) -> str:
     if len(parts) > 4:
         return f"{len(states)} ranks on {len(parts)} nodes"
     return ", ".join(parts)
-
-
-def _span(ranks: list[int]) -> str:
-    out: list[str] = []
-    i = 0
-    while i < len(ranks):
-        j = i
-        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
-            j += 1
-        out.append(str(ranks[i]) if i == j else f"{ranks[i]}-{ranks[j]}")
-        i = j + 1
-    return ",".join(out)
 
 
 def _culprit(s: RankState, why: str) -> Culprit:
