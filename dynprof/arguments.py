@@ -31,14 +31,19 @@ def _number_text(text: str) -> str:
 _INTEGER = re.compile(r"[+-]?[0-9]+")
 
 
-def parse_int(text: str, low: int, high: int, what: str = "an integer") -> int:
-    digits = text.strip()
+def _base10(digits: str, shown: str, what: str) -> int:
+    """``digits`` as a base-10 integer (a sign and ASCII digits); where it is not one,
+    :class:`argparse.ArgumentTypeError` "``shown`` is not ``what``"."""
     try:
         if not _INTEGER.fullmatch(digits):
-            raise ValueError(text)
-        value = int(digits, 10)
+            raise ValueError(digits)
+        return int(digits, 10)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{_number_text(text)!r} is not {what}") from None
+        raise argparse.ArgumentTypeError(f"{_number_text(shown)!r} is not {what}") from None
+
+
+def parse_int(text: str, low: int, high: int, what: str = "an integer") -> int:
+    value = _base10(text.strip(), text, what)
     if not low <= value <= high:
         raise argparse.ArgumentTypeError(
             f"{value if len(str(value)) <= 40 else _number_text(text)} is out of range ({low}..{high})"
@@ -138,12 +143,7 @@ def port(text: str) -> int:
 def parse_pid(text: str) -> int:
     """An argparse ``type``: one process id, a base-10 integer in ``1..MAX_PID``."""
     part = text.strip()
-    try:
-        if not _INTEGER.fullmatch(part):
-            raise ValueError(part)
-        pid = int(part, 10)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{_number_text(part)!r} is not a pid") from None
+    pid = _base10(part, part, "a pid")
     if not 0 < pid <= MAX_PID:
         raise argparse.ArgumentTypeError(f"{pid if len(part) <= 40 else _number_text(part)} is not a valid pid")
     return pid

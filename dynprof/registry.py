@@ -223,7 +223,8 @@ def list_records(directory: Path | None = None, clean: bool = True) -> list[Agen
     return records
 
 
-def _pid_runs(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` of this pid namespace runs (as any user)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -245,7 +246,7 @@ def prune_logs(logs: Path, agents: Path, now: float | None = None) -> list[Path]
             if found is None or not entry.is_file(follow_symlinks=False):
                 continue
             pid = int(found.group(1))
-            if record_path(pid, agents).exists() or _pid_runs(pid):
+            if record_path(pid, agents).exists() or pid_alive(pid):
                 continue
             with contextlib.suppress(OSError):
                 dead.append((entry.stat(follow_symlinks=False).st_mtime, Path(entry.path)))

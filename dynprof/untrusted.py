@@ -376,6 +376,17 @@ class _TextStream:
             if not self.fill(_CHUNK):
                 return ""
 
+    def closes(self, close: str, malformed: str) -> bool:
+        """After a value of an array or object: True at its ``close``, False at a comma (either
+        consumed); :class:`ArtifactError` ``malformed`` at anything else."""
+        sep = self.skip_ws()
+        self.pos += 1
+        if sep == close:
+            return True
+        if sep != ",":
+            raise ArtifactError(malformed)
+        return False
+
     def expect(self, char: str) -> None:
         if self.skip_ws() != char:
             got = self.buf[self.pos : self.pos + 20] or "the end of the file"
@@ -445,23 +456,16 @@ def iter_json_document(
             if text.skip_ws() == "]":
                 text.pos += 1
             else:
+                malformed = f"{what}: malformed JSON array under {key!r}"
                 while True:
                     # Elements are checked for depth only by the parser's own recursion limit:
                     # walking each of millions of events again would double the cost.
                     yield key, text.value(decoder, max_value_chars, check_depth=False, max_depth=max_depth), True
-                    sep = text.skip_ws()
-                    text.pos += 1
-                    if sep == "]":
+                    if text.closes("]", malformed):
                         break
-                    if sep != ",":
-                        raise ArtifactError(f"{what}: malformed JSON array under {key!r}")
         else:
             yield key, text.value(decoder, max_value_chars, max_depth=max_depth), False
-        sep = text.skip_ws()
-        text.pos += 1
-        if sep == "}":
+        if text.closes("}", f"{what}: malformed JSON object"):
             break
-        if sep != ",":
-            raise ArtifactError(f"{what}: malformed JSON object")
     if text.skip_ws() != "":
         raise ArtifactError(f"{what}: unexpected data after the JSON document")

@@ -42,6 +42,7 @@ from healthcheck.options import LEVELS, Options
 from healthcheck.report import Report, render_prometheus, render_table, write_atomically
 from healthcheck.runner import run
 from healthcheck.timeouts import PROBE_TIMEOUT_S
+from healthcheck.tools import tool_env
 
 DEFAULT_TIMEOUT_S = 120.0
 MAX_TIMEOUT_S = 3600.0
@@ -307,8 +308,7 @@ def collect(request: HealthcheckRequest, command: tuple[str, ...] = CHILD) -> No
     when what it wrote is not a report this version reads, and
     :class:`~dynprof.errors.DynprofError` when it could not start or wrote nothing (its stderr's
     last line says why)."""
-    env = dict(os.environ)
-    env.pop("DYNPROF", None)  # a tool, not a job: no agent in it
+    env = tool_env()
     with tempfile.TemporaryDirectory(prefix="dynprof-healthcheck-") as tmp:
         out = Path(tmp) / "report.json"
         with open(Path(tmp) / "stderr", "w+b") as err:

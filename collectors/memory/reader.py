@@ -19,7 +19,7 @@ import stat
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from collectors.memory import SNAPSHOT_FILE, SUMMARY_FILE
 from collectors.memory.summary import summarize_snapshot
@@ -88,7 +88,34 @@ class _WholeReads(io.BytesIO):
         return data
 
 
-class _SnapshotUnpickler(pickle._Unpickler):
+if TYPE_CHECKING:
+    _UnpicklerBase = pickle.Unpickler
+else:
+    _UnpicklerBase = object
+
+
+class _SnapshotClasses(_UnpicklerBase):
+    """The class rules of both unpicklers below (mixed in before the unpickler they run on)."""
+
+    _ALLOWED = {
+        ("collections", "OrderedDict"),
+        ("builtins", "set"),
+        ("builtins", "frozenset"),
+        ("builtins", "complex"),
+    }
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("builtins", "bytearray"):
+            return _bytearray
+        if (module, name) in self._ALLOWED:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"it refers to {module}.{name}, which a memory snapshot never does")
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise pickle.UnpicklingError("it holds a persistent id, which a memory snapshot never does")
+
+
+class _SnapshotUnpickler(_SnapshotClasses, pickle._Unpickler):
     """Unpickles plain data only: a snapshot is dicts, lists, strings and numbers. Any other
     class reference is refused, so opening a file does not run code from it.
 
@@ -114,38 +141,11 @@ class _SnapshotUnpickler(pickle._Unpickler):
                 "snapshot of its size takes"
             )
 
-    _ALLOWED = {
-        ("collections", "OrderedDict"),
-        ("builtins", "set"),
-        ("builtins", "frozenset"),
-        ("builtins", "complex"),
-    }
 
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) == ("builtins", "bytearray"):
-            return _bytearray
-        if (module, name) in self._ALLOWED:
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"it refers to {module}.{name}, which a memory snapshot never does")
-
-    def persistent_load(self, pid: Any) -> Any:
-        raise pickle.UnpicklingError("it holds a persistent id, which a memory snapshot never does")
-
-
-class _FastSnapshotUnpickler(pickle.Unpickler):
+class _FastSnapshotUnpickler(_SnapshotClasses, pickle.Unpickler):
     """The C unpickler with the same class rules, for a process that can bound its own
     address space while it runs (:func:`_address_space_limit`): its memo can then not
     allocate past the budget either."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) == ("builtins", "bytearray"):
-            return _bytearray
-        if (module, name) in _SnapshotUnpickler._ALLOWED:
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"it refers to {module}.{name}, which a memory snapshot never does")
-
-    def persistent_load(self, pid: Any) -> Any:
-        raise pickle.UnpicklingError("it holds a persistent id, which a memory snapshot never does")
 
 
 @contextlib.contextmanager

@@ -22,6 +22,7 @@ from __future__ import annotations
 import base64
 import html
 import zlib
+from collections.abc import Callable
 from typing import Any
 
 from collectors.memory import STACK_FILE
@@ -335,6 +336,35 @@ code{font-size:12px}
 """
 
 
+def _listing(out: list[str], items: Any, head: str, line: Callable[[Any], str], close: str = "</table>") -> None:
+    """A section of the page, one line per item, where there are items."""
+    if items:
+        out.append(head)
+        out.extend(line(item) for item in items)
+        out.append(close)
+
+
+def _site_row(s: dict[str, Any]) -> str:
+    stack = "\n".join(s.get("stack") or [])
+    return (
+        f"<tr><td class=n>{_e(_b(s['bytes']))}</td><td class=n>{s['blocks']}</td><td>"
+        f"<details><summary><code>{_e(s['site'])}</code></summary><pre>{_e(stack)}</pre></details>"
+        "</td></tr>"
+    )
+
+
+def _block_row(b: dict[str, Any]) -> str:
+    return (
+        f"<tr><td class=n>{_e(_b(b['size']))}</td><td>cuda:{b['device']}</td><td><code>{_e(b['address'])}"
+        f"</code></td><td><code>{_e(b.get('site') or NO_STACK)}</code></td></tr>"
+    )
+
+
+def _history_item(h: dict[str, Any]) -> str:
+    acts = ", ".join(f"{_e(k)} {v}" for k, v in sorted(h["actions"].items()))
+    return f"<li>cuda:{h['device']}: {h['entries']} events ({acts})</li>"
+
+
 def render_html(
     snapshot: dict[str, Any], summary: dict[str, Any], title: str, source: str, pickle_bytes: bytes | None = None
 ) -> str:
@@ -408,39 +438,20 @@ def render_html(
             )
             out.append(svg)
 
-    sites = summary.get("top_sites") or []
-    if sites:
-        out.append(
-            "<h2>Top allocation sites (live blocks, by bytes)</h2><table><tr><th class=n>bytes</th>"
-            "<th class=n>blocks</th><th>site</th></tr>"
-        )
-        for s in sites:
-            stack = "\n".join(s.get("stack") or [])
-            out.append(
-                f"<tr><td class=n>{_e(_b(s['bytes']))}</td><td class=n>{s['blocks']}</td><td>"
-                f"<details><summary><code>{_e(s['site'])}</code></summary><pre>{_e(stack)}</pre></details>"
-                "</td></tr>"
-            )
-        out.append("</table>")
-    largest = summary.get("largest_blocks") or []
-    if largest:
-        out.append(
-            "<h2>Largest live blocks</h2><table><tr><th class=n>size</th><th>device</th><th>address</th>"
-            "<th>site</th></tr>"
-        )
-        for b in largest:
-            out.append(
-                f"<tr><td class=n>{_e(_b(b['size']))}</td><td>cuda:{b['device']}</td><td><code>{_e(b['address'])}"
-                f"</code></td><td><code>{_e(b.get('site') or NO_STACK)}</code></td></tr>"
-            )
-        out.append("</table>")
-    hist = summary.get("history") or []
-    if hist:
-        out.append("<h2>Recorded history</h2><ul>")
-        for h in hist:
-            acts = ", ".join(f"{_e(k)} {v}" for k, v in sorted(h["actions"].items()))
-            out.append(f"<li>cuda:{h['device']}: {h['entries']} events ({acts})</li>")
-        out.append("</ul>")
+    _listing(
+        out,
+        summary.get("top_sites"),
+        "<h2>Top allocation sites (live blocks, by bytes)</h2><table><tr><th class=n>bytes</th>"
+        "<th class=n>blocks</th><th>site</th></tr>",
+        _site_row,
+    )
+    _listing(
+        out,
+        summary.get("largest_blocks"),
+        "<h2>Largest live blocks</h2><table><tr><th class=n>size</th><th>device</th><th>address</th><th>site</th></tr>",
+        _block_row,
+    )
+    _listing(out, summary.get("history"), "<h2>Recorded history</h2><ul>", _history_item, "</ul>")
     cap = summary.get("capture")
     if cap:
         out.append(

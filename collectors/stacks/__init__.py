@@ -20,6 +20,7 @@ from collectors.stacks.model import (
     from_json,
     headline,
     is_library_path,
+    rank_runs,
     read_document,
     short_path,
 )
@@ -59,6 +60,7 @@ __all__ = [
     "merge",
     "parse_faulthandler",
     "ptrace_refusal",
+    "rank_runs",
     "read_document",
     "render_artifact",
     "render_merged",

@@ -31,6 +31,16 @@ def _frames(thread: Any, native: bool) -> list[dict[str, Any]]:
             "locals": {str(k): str(v) for k, v in loc.items()} or None,
         }
 
+    def c(nf: Any) -> dict[str, Any]:
+        return {
+            "function": nf.symbol,
+            "file": nf.path,
+            "line": int(nf.linenumber or 0),
+            "native": True,
+            "library": nf.library,
+            "locals": None,
+        }
+
     py_frames = [f for f in thread.all_frames]
     outer_first: list[dict[str, Any]] = []
     eval_count = sum(
@@ -51,29 +61,13 @@ def _frames(thread: Any, native: bool) -> list[dict[str, Any]]:
                     if current is not None and current.is_entry:
                         break
             elif kind == NativeFrame.FrameType.OTHER:
-                outer_first.append(
-                    {
-                        "function": nf.symbol,
-                        "file": nf.path,
-                        "line": int(nf.linenumber or 0),
-                        "native": True,
-                        "library": nf.library,
-                        "locals": None,
-                    }
-                )
+                outer_first.append(c(nf))
     else:
         outer_first = [py(f) for f in py_frames if not f.is_shim]
         if native and thread.native_frames:
             # Could not interleave: keep the C frames innermost, after the Python ones.
             outer_first += [
-                {
-                    "function": nf.symbol,
-                    "file": nf.path,
-                    "line": int(nf.linenumber or 0),
-                    "native": True,
-                    "library": nf.library,
-                    "locals": None,
-                }
+                c(nf)
                 for nf in thread.native_frames
                 if frame_type(nf, thread.python_version) == NativeFrame.FrameType.OTHER
             ]

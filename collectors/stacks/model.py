@@ -157,18 +157,12 @@ class ProcessStacks:
         items = d.get("threads")
         threads = [b.thread(t) for t in b.items(items, MAX_THREADS)] if isinstance(items, list) else []
         notes = d.get("notes")
-        return cls(
-            pid=pid,
-            method=b.text(d.get("method"), 40) or "?",
-            native=d.get("native") is True,
-            rank=_int(d.get("rank")),
-            job=b.text(d.get("job")),
-            host=b.text(d.get("host")),
-            threads=[t for t in threads if t is not None],
+        return b.process(
+            d,
+            pid,
+            [t for t in threads if t is not None],
             captured_at=_float(d.get("captured_at")),
             duration_s=_float(d.get("duration_s")),
-            fallback_reason=b.text(d.get("fallback_reason")),
-            fallback_help=b.text(d.get("fallback_help")),
             notes=[n for n in (b.text(x) for x in b.items(notes, MAX_NOTES)) if n] if isinstance(notes, list) else [],
         )
 
@@ -403,6 +397,11 @@ class Budget:
             if thread is not None:
                 thread.tid = thread.tid or pid
                 threads.append(thread)
+        return self.process(d, pid, threads, file=self.text(d.get("file"), 255))
+
+    def process(self, d: dict[str, Any], pid: int, threads: list[ThreadStack], **more: Any) -> ProcessStacks:
+        """The process of a dump or of a document's row: the fields both carry, read from ``d``,
+        and ``more``."""
         return ProcessStacks(
             pid=pid,
             method=self.text(d.get("method"), 40) or "?",
@@ -413,7 +412,7 @@ class Budget:
             threads=threads,
             fallback_reason=self.text(d.get("fallback_reason")),
             fallback_help=self.text(d.get("fallback_help")),
-            file=self.text(d.get("file"), 255),
+            **more,
         )
 
     def failures(self, found: Any) -> dict[str, str]:
@@ -600,6 +599,17 @@ def sort_key(p: ProcessStacks) -> tuple[int, int]:
     return (p.rank if p.rank is not None else 1 << 30, p.pid)
 
 
+def rank_runs(ranks: Sequence[int]) -> str:
+    """Sorted ranks in runs: ``[0, 1, 2, 3, 5]`` -> ``0-3,5``."""
+    spans: list[list[int]] = []
+    for r in ranks:
+        if spans and r == spans[-1][1] + 1:
+            spans[-1][1] = r
+        else:
+            spans.append([r, r])
+    return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans)
+
+
 def rank_labels(members: Sequence[ProcessStacks], by_host: bool = False) -> str:
     """``ranks 0-6``, ``rank 7``, ``ranks 0,2,5-7``, or pids where ranks are unknown. With
     ``by_host``: ``rank 37 on node-5``, ``ranks 0-7 on node-1, ranks 8-15 on node-2``, or past
@@ -616,14 +626,7 @@ def rank_labels(members: Sequence[ProcessStacks], by_host: bool = False) -> str:
     pids = sorted(m.pid for m in members if m.rank is None)
     parts = []
     if ranks:
-        spans: list[list[int]] = []
-        for r in ranks:
-            if spans and r == spans[-1][1] + 1:
-                spans[-1][1] = r
-            else:
-                spans.append([r, r])
-        text = ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans)
-        parts.append(("ranks " if len(ranks) > 1 else "rank ") + text)
+        parts.append(("ranks " if len(ranks) > 1 else "rank ") + rank_runs(ranks))
     if pids:
         parts.append(("pids " if len(pids) > 1 else "pid ") + ",".join(str(p) for p in pids))
     return " + ".join(parts) or "no processes"

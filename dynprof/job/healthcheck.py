@@ -36,6 +36,7 @@ from healthcheck import fleet
 from healthcheck.collect import HealthcheckRequest, task_command
 from healthcheck.links.rounds import run_link_rounds
 from healthcheck.links.scheme import DEFAULT_THRESHOLD
+from healthcheck.tools import start_tool
 
 if TYPE_CHECKING:  # the HTTP client is made by the caller, imported only where nodes are asked
     from dynprof.job.client import SidecarClient
@@ -327,17 +328,8 @@ def collect_srun(request: HealthcheckRequest, job: JobWide, progress: Progress) 
     wait = node_wait(request, job.timeout, cap=None) + SRUN_START_S
     argv = srun_command(request, job, len(hosts))
     sink = TaskOutput(len(hosts))
-    env = dict(os.environ)
-    env.pop("DYNPROF", None)  # the healthchecks are tools, not jobs
     try:
-        proc = subprocess.Popen(
-            argv,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            env=env,
-            start_new_session=True,
-        )
+        proc = start_tool(argv)  # the healthchecks are tools, not jobs
     except OSError as exc:
         raise errors.UsageError(f"cannot start srun: {exc.strerror or exc}") from None
     stderr_tail: list[str] = []

@@ -28,30 +28,34 @@ def id_under(path: Path, root: Path | None) -> str:
     return str(path)
 
 
+class InStore:
+    """Something of the store named by its ``path``: its ``id``, that path under the store's
+    ``root`` (the full path outside it)."""
+
+    path: Path
+    root: Path | None
+
+    @property
+    def id(self) -> str:
+        return id_under(self.path, self.root)
+
+
 @dataclass
-class BadArtifact:
+class BadArtifact(InStore):
     """A directory in the store whose manifest could not be used, and why."""
 
     path: Path
     reason: str
     root: Path | None = None
 
-    @property
-    def id(self) -> str:
-        return id_under(self.path, self.root)
-
 
 @dataclass
-class Artifact:
+class Artifact(InStore):
     """A finished artifact on disk, as described by its (validated) manifest."""
 
     path: Path
     manifest: dict[str, Any]
     root: Path | None = None
-
-    @property
-    def id(self) -> str:
-        return id_under(self.path, self.root)
 
     @property
     def kind(self) -> str:

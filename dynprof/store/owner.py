@@ -1,5 +1,6 @@
 """Which process writes: what the name of an artifact's temporary directory records of its
-writer (``PID@PIDNS``), and whether a writer of this host and pid namespace still runs."""
+writer (``PID@PIDNS``); whether a writer of this host and pid namespace still runs is
+:func:`dynprof.registry.pid_alive`."""
 
 from __future__ import annotations
 
@@ -16,13 +17,3 @@ def pid_namespace() -> int:
 def owner_tag() -> str:
     """``PID@PIDNS`` of this process: what a temporary directory's name records of its writer."""
     return f"{os.getpid()}@{pid_namespace()}"
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True  # another user's process: alive
-    return True

@@ -23,9 +23,10 @@ from typing import Any
 from dynprof import __version__, nofollow, untrusted
 from dynprof.errors import ArtifactError, StoreError
 from dynprof.paths import artifact_dir
+from dynprof.registry import pid_alive
 from dynprof.store.artifact import Artifact, BadArtifact
 from dynprof.store.manifest import MANIFEST, SCHEMA, SCHEMA_VERSION, utcnow_iso
-from dynprof.store.owner import owner_tag, pid_alive, pid_namespace
+from dynprof.store.owner import owner_tag, pid_namespace
 from dynprof.store.writer import TEMP_MARKER, ArtifactWriter, TempDir, artifact_modes
 from dynprof.units import parse_size
 
@@ -579,11 +580,7 @@ class ArtifactStore:
             return False
         with self._root_fd(write=True) as root_fd:
             assert root_fd is not None
-            fd = os.open(
-                LOCK, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, artifact_modes()[1], dir_fd=root_fd
-            )
-            with os.fdopen(fd, "rb") as lock:
-                fcntl.flock(lock, fcntl.LOCK_EX)
+            with _store_lock(root_fd):
                 try:
                     with self._kind_dir(parts[:4]) as kind_fd:
                         st = nofollow.lstat_at(kind_fd, parts[4])
@@ -624,12 +621,7 @@ class ArtifactStore:
         removed: builtins.list[Path] = []
         with self._root_fd(write=True) as root_fd:
             assert root_fd is not None
-            # Read-only is enough for flock, so users of a store shared on purpose can all take it.
-            fd = os.open(
-                LOCK, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, artifact_modes()[1], dir_fd=root_fd
-            )
-            with os.fdopen(fd, "rb") as lock:
-                fcntl.flock(lock, fcntl.LOCK_EX)
+            with _store_lock(root_fd):
                 removed += self._sweep_at(root_fd)[0]
                 total = nofollow.disk_blocks(root_fd, ".")
                 if total <= self.max_bytes:
@@ -652,6 +644,17 @@ class ArtifactStore:
                             total -= size
                             removed.append(art.path)
         return removed
+
+
+@contextlib.contextmanager
+def _store_lock(root_fd: int) -> Iterator[None]:
+    """The store's lock (its root's LOCK file, made when missing, never through a link), held
+    exclusively for the ``with`` block."""
+    # Read-only is enough for flock, so users of a store shared on purpose can all take it.
+    fd = os.open(LOCK, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, artifact_modes()[1], dir_fd=root_fd)
+    with os.fdopen(fd, "rb") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 def open_temporary_dir(directory: Path | str) -> int | None:

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 from dynprof import jsontext, nofollow, untrusted
 from dynprof.errors import ArtifactError, StoreError
-from dynprof.store.artifact import Artifact, id_under
+from dynprof.store.artifact import Artifact, InStore
 from dynprof.store.manifest import MANIFEST, STATUSES, utcnow_iso
 from dynprof.store.owner import owner_tag
 
@@ -100,7 +100,7 @@ def write_file_atomically(directory: Path, name: str, data: bytes) -> Path:
 
 
 @dataclass
-class TempDir:
+class TempDir(InStore):
     """The temporary directory of an artifact being written (or left by a writer that died)."""
 
     path: Path
@@ -109,10 +109,6 @@ class TempDir:
     size: int
     stale: bool
     root: Path | None = None
-
-    @property
-    def id(self) -> str:
-        return id_under(self.path, self.root)
 
     @property
     def kind(self) -> str:

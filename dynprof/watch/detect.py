@@ -80,7 +80,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from collectors.stacks import Frame, is_library_path
+from collectors.stacks import Frame, is_library_path, rank_runs
 from dynprof.watch.classify import MOVING_CPU_S, RankLook, RankState, classify
 from dynprof.watch.frames import where
 from dynprof.watch.model import MAX_CULPRITS, Culprit
@@ -107,7 +107,7 @@ def ranks_text(states: Sequence[RankState], of_total: int | None = None) -> str:
     for node, ranks in by_node.items():
         known = sorted(r for r in ranks if r is not None)
         pids = [s.pid for s in states if s.node == node and s.rank is None]
-        label = _span(known)
+        label = rank_runs(known)
         text = (f"rank {label}" if len(known) == 1 else f"ranks {label}") if known else ""
         if pids:
             text = (text + ", " if text else "") + "pid " + ",".join(str(p) for p in pids[:8])
@@ -115,18 +115,6 @@ def ranks_text(states: Sequence[RankState], of_total: int | None = None) -> str:
     if len(parts) > 4:
         return f"{len(states)} ranks on {len(parts)} nodes"
     return ", ".join(parts)
-
-
-def _span(ranks: list[int]) -> str:
-    out: list[str] = []
-    i = 0
-    while i < len(ranks):
-        j = i
-        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
-            j += 1
-        out.append(str(ranks[i]) if i == j else f"{ranks[i]}-{ranks[j]}")
-        i = j + 1
-    return ",".join(out)
 
 
 def _culprit(s: RankState, why: str) -> Culprit:
@@ -251,6 +239,21 @@ def flight_recorder_reading(analysis: dict[str, Any] | None, waiting: Sequence[i
     return FlightRecorderReading(culprits, "flight recorder: " + "; ".join(parts))
 
 
+def _hang_or_pending(
+    text: str,
+    pending_text: str,
+    pending: bool,
+    culprits: list[Culprit],
+    states: list[RankState],
+    fr_text: str | None,
+    waiting: list[RankState],
+) -> Decision:
+    """A hang called with ``text``, or, while ``pending`` (not confirmed yet), a pending one
+    said with ``pending_text``; either way keyed by what ``waiting`` wait in."""
+    kind, conclusion = ("pending", pending_text) if pending else ("hang", text)
+    return Decision(kind, conclusion, culprits[:MAX_CULPRITS], states, fr_text, _waiting_key(waiting))
+
+
 def decide(
     looks: Sequence[RankLook],
     stall: Stall,
@@ -288,18 +291,16 @@ def decide(
             + f"; {_the_others(len(waiting))} in {collective} "
             + f"at {main_where}{fr_clause}"
         )
-        culprits = [_culprit(s, s.detail or s.state) for s in others]
-        if not stuck and (waiting_for_s is None or waiting_for_s < confirm_s):
-            return Decision(
-                "pending",
-                f"{head}: {text}; not called a hang yet (the waiting ranks wait for "
-                f"{waiting_for_s or 0:.0f} s of the {confirm_s:.0f} s asked)",
-                culprits[:MAX_CULPRITS],
-                states,
-                fr_text,
-                waiting_key=_waiting_key(waiting),
-            )
-        return Decision("hang", text, culprits[:MAX_CULPRITS], states, fr_text, _waiting_key(waiting))
+        return _hang_or_pending(
+            text,
+            f"{head}: {text}; not called a hang yet (the waiting ranks wait for "
+            f"{waiting_for_s or 0:.0f} s of the {confirm_s:.0f} s asked)",
+            not stuck and (waiting_for_s is None or waiting_for_s < confirm_s),
+            [_culprit(s, s.detail or s.state) for s in others],
+            states,
+            fr_text,
+            waiting,
+        )
     if waiting and not others:
         groups = _groups(waiting, lambda s: (s.collective, s.stack_key))
         main = groups[0]
@@ -367,17 +368,15 @@ def decide(
                 "which NCCL collective each rank is in"
             )
         )
-        culprits = [_culprit(s, s.detail) for s in on_gpu]
-        if waiting_for_s is None or waiting_for_s < confirm_s:
-            return Decision(
-                "pending",
-                f"{text}; not called a hang yet (seen for {waiting_for_s or 0:.0f} s of the {confirm_s:.0f} s asked)",
-                culprits[:MAX_CULPRITS],
-                states,
-                fr_text,
-                waiting_key=_waiting_key(on_gpu),
-            )
-        return Decision("hang", text, culprits[:MAX_CULPRITS], states, fr_text, _waiting_key(on_gpu))
+        return _hang_or_pending(
+            text,
+            f"{text}; not called a hang yet (seen for {waiting_for_s or 0:.0f} s of the {confirm_s:.0f} s asked)",
+            waiting_for_s is None or waiting_for_s < confirm_s,
+            [_culprit(s, s.detail) for s in on_gpu],
+            states,
+            fr_text,
+            on_gpu,
+        )
     stuck = [s for s in states if s.state in ("stopped", "in-c")]
     if stuck:
         rest = [s for s in states if s.state not in ("stopped", "in-c")]

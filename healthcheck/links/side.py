@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ from dynprof import errors
 from dynprof.procs import kill_group
 from dynprof.requests import read_options
 from healthcheck.links.worker import LINK_SIDE_SCHEMA
+from healthcheck.tools import start_tool
 
 MAX_WORKER_OUTPUT = 64 * 1024
 WORKER_MODULE = "healthcheck.links.worker"
@@ -199,17 +199,8 @@ def run_side(
     ]
     if bind:
         argv.append(f"--bind={bind}")
-    env = dict(os.environ)
-    env.pop("DYNPROF", None)  # a tool, not a job: no agent in it
     started = time.monotonic()
-    proc = subprocess.Popen(
-        argv,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        env=env,
-        start_new_session=True,
-    )
+    proc = start_tool(argv)
     try:
         out, err = proc.communicate(timeout=limit_s)
     except subprocess.TimeoutExpired:

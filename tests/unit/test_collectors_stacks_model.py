@@ -24,6 +24,7 @@ from collectors.stacks.model import (
     is_library_path,
     process_row,
     rank_labels,
+    rank_runs,
     read_document,
     short_path,
     short_symbol,
@@ -325,6 +326,12 @@ def test_rank_labels_collapse_runs_of_ranks_and_list_pids_where_ranks_are_unknow
     assert rank_labels([_process(pid=30, rank=None), _process(pid=20, rank=None)]) == "pids 20,30"
     assert rank_labels([_process(rank=1), _process(pid=20, rank=None)]) == "rank 1 + pid 20"
     assert rank_labels([]) == "no processes"
+
+
+def test_rank_runs_join_consecutive_ranks_into_runs():
+    assert rank_runs([0, 1, 2, 3, 5, 7, 8]) == "0-3,5,7-8"
+    assert rank_runs([4]) == "4"
+    assert rank_runs([]) == ""
 
 
 def test_rank_labels_by_host_name_each_node_and_count_them_past_a_few():

@@ -209,7 +209,7 @@ def test_prune_logs_keeps_logs_of_live_processes_and_records_and_skips_odd_names
 def test_prune_logs_keeps_recent_logs_up_to_the_count_and_removes_the_oldest_beyond(tmp_path, monkeypatch):
     # GIVEN four recent logs of gone processes and a limit of two
     monkeypatch.setattr(registry, "MAX_DEAD_LOGS", 2)
-    monkeypatch.setattr(registry, "_pid_runs", lambda pid: False)
+    monkeypatch.setattr(registry, "pid_alive", lambda pid: False)
     logs, agents = tmp_path / "logs", tmp_path / "agents"
     logs.mkdir()
     agents.mkdir()
