@@ -22,6 +22,7 @@ from collectors.memory.plan.meter import LiveTensorBytes
 from collectors.memory.plan.predict import margin_bytes, predict
 from collectors.memory.plan.solve import make_plan
 from dynprof.errors import ArtifactError
+from tests.support.plan_models import checkpoint_modules
 
 pytestmark = pytest.mark.usefixtures("eager_process")
 
@@ -132,12 +133,7 @@ def known(model, opt):
 
 def checkpointed(model, names):
     """The torch.utils.checkpoint recipe, as the plan prints it (non-reentrant)."""
-    import torch.utils.checkpoint as cp
-
-    for name, mod in model.named_modules():
-        if name in names:
-            fwd = mod.forward
-            mod.forward = lambda *a, _f=fwd, **k: cp.checkpoint(_f, *a, use_reentrant=False, **k)
+    checkpoint_modules(model, names)
     return model
 
 

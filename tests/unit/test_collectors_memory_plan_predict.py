@@ -18,15 +18,14 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
-import torch.utils.checkpoint as cp
 
-from collectors.memory.plan.blocks import find_blocks, live_tensors
+from collectors.memory.plan.blocks import find_blocks
 from collectors.memory.plan.capture import measure_step
 from collectors.memory.plan.measurement import from_json
-from collectors.memory.plan.meter import LiveTensorBytes
 from collectors.memory.plan.predict import Candidates, peak_with, predict
 from collectors.memory.plan.recipes import how_to_apply
 from collectors.memory.plan.solve import make_plan
+from tests.support.plan_models import checkpointed, live_peak
 from tests.unit._plan_models import chain
 
 pytestmark = pytest.mark.usefixtures("eager_process")
@@ -167,22 +166,8 @@ def setup(kind: str):
 
 def real_peak(model, opt, step, names):
     """The peak of a step with ``names`` checkpointed as the recipe says, the wrapping undone after."""
-    restore = []
-    for name, mod in model.named_modules():
-        if name in names:
-            fwd = mod.forward
-            restore.append((mod, fwd))
-            mod.forward = lambda *a, _f=fwd, **k: cp.checkpoint(_f, *a, use_reentrant=False, **k)
-    try:
-        step()
-        gc.collect()
-        with LiveTensorBytes(live_tensors()) as live:  # every tensor alive, as the measurement counts
-            step()
-        live.close()
-        return live.peak
-    finally:
-        for mod, fwd in restore:
-            mod.forward = fwd
+    with checkpointed(model, names):
+        return live_peak(step)
 
 
 @pytest.mark.parametrize("kind", ["decoder", "vit", "resnet"])

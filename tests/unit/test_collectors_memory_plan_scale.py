@@ -12,18 +12,9 @@ from collectors.memory.plan.meter import LiveTensorBytes
 from collectors.memory.plan.predict import predict
 from collectors.memory.plan.scale import blocks_text as _blocks
 from collectors.memory.plan.scale import describe, micro_batches, predicted_peak, scale, tokens_factor
+from tests.support.plan_models import Block, checkpoint_modules
 
 pytestmark = pytest.mark.usefixtures("eager_process")
-
-
-class Block(torch.nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.up = torch.nn.Linear(width, 4 * width)
-        self.down = torch.nn.Linear(4 * width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.nn.functional.gelu(self.up(x)))
 
 
 class Decoder(torch.nn.Module):
@@ -60,12 +51,7 @@ def setup(batch: int, seq: int = 64):
 
 
 def real_peak(model, opt, step, checkpointed: set[str] = frozenset()) -> int:
-    import torch.utils.checkpoint as cp
-
-    for name, mod in model.named_modules():
-        if name in checkpointed:
-            fwd = mod.forward
-            mod.forward = lambda *a, _f=fwd, **k: cp.checkpoint(_f, *a, use_reentrant=False, **k)
+    checkpoint_modules(model, checkpointed)
     known = [p for p in model.parameters()] + [p.grad for p in model.parameters() if p.grad is not None]
     for per in opt.state.values():
         known += [v for v in per.values() if isinstance(v, torch.Tensor)]

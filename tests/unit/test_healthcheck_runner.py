@@ -247,13 +247,10 @@ def test_the_processes_of_the_job_named_are_not_others_holding_the_devices(node,
 
     from dynprof.registry import AgentRecord, write_record
     from healthcheck.readings import DeviceProcess
+    from tests.support.records import agent_record
 
     def record(pid: int, job: str) -> AgentRecord:
-        return AgentRecord(
-            pid=pid, ppid=1, host="h", rank=0, local_rank=0, world_size=1, job_id=job, cmdline=["python"],
-            python_version="3", torch_version=None, dynprof_version="0", started_at=0.0, start_ticks=None,
-            socket="/x", log="", activation="run",
-        )  # fmt: skip
+        return agent_record(pid, rank=0, world_size=1, job_id=job)
 
     rank = subprocess.Popen(["sleep", "120"])  # a live process: the job's rank
     try:
