@@ -27,6 +27,7 @@ from healthcheck.options import Options
 from healthcheck.readings import DeviceReadings, NvLinkReading
 from healthcheck.result import Status
 from healthcheck.timeouts import InFlight
+from tests.support.readings import healthy_readings
 
 ROOT = Path(__file__).resolve().parents[2]
 NOT_SUPPORTED = pynvml.NVML_ERROR_NOT_SUPPORTED
@@ -269,35 +270,7 @@ def test_nvlink_counters_not_readable_are_skipped_or_unknown_never_pass():
 
 # -- a runner over a fake backend -------------------------------------------------------------
 def healthy(index: int, **fields: Any) -> DeviceReadings:
-    base: dict[str, Any] = dict(
-        name="Fake GPU",
-        uuid=f"GPU-{index}",
-        pci_bus_id=f"00000000:{0x18 + index:02X}:00.0",
-        memory_total_bytes=80 * 1024**3,
-        persistence_mode=True,
-        ecc_enabled=True,
-        ecc_pending_enabled=True,
-        ecc_uncorrected_volatile=0,
-        ecc_uncorrected_aggregate=0,
-        remapped_rows_correctable=0,
-        remapped_rows_uncorrectable=0,
-        remap_pending=False,
-        remap_failure=False,
-        remap_banks_exhausted=0,
-        pcie_gen_current=5,
-        pcie_gen_max=5,
-        pcie_width_current=16,
-        pcie_width_max=16,
-        clock_event_reasons=0x1,
-        temperature_c=35,
-        temperature_slowdown_c=87,
-        nvlinks=[NvLinkReading(link, True, 0, 0, 0, 0) for link in range(2)],
-        processes=[],
-        pcie_replay_count=0,
-        recovery_action=0,
-    )
-    base.update(fields)
-    return DeviceReadings(index=index, **base)
+    return healthy_readings(index, links=2, **fields)
 
 
 class FakeBackend:
