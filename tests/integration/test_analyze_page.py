@@ -17,7 +17,7 @@ import pytest
 from dynprof.cli import main
 from tests._ports import free_port
 from tests.support.chromium import chromium, headless
-from tests.support.serving import serve, token_file, wait_answering
+from tests.support.serving import serve, wait_answering, write_token
 
 TRACES = Path(__file__).resolve().parents[1] / "unit" / "data" / "traces"
 
@@ -32,7 +32,7 @@ def analysis_page(dynprof_dirs, tmp_path, capsys) -> Iterator[str]:
     port = free_port()
     token = "analysis-page-test-token-0123"
     server = serve(
-        port, token_file(tmp_path / "token", token), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        port, write_token(tmp_path / "token", token), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     url = f"http://127.0.0.1:{port}/artifact/{art_id}?token={token}"
     try:

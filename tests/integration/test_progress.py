@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 
 from dynprof.registry import list_records
 from dynprof.sidecar.app import create_app
@@ -13,17 +12,12 @@ from dynprof.watch.model import NodeProgress
 from dynprof.watch.progress import read_progress
 from tests._ports import free_port
 from tests.support.procs import terminate
-from tests.support.serving import serve, token_file
+from tests.support.serving import serve, write_token
+from tests.support.waiting import wait_for
 
 
 def _wait(pred, timeout: float = 60.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError("condition not met before the far deadline")
+    return wait_for(pred, timeout)
 
 
 def test_progress_of_a_stepping_rank_and_a_stopped_one(spawn, tmp_path):
@@ -78,7 +72,7 @@ def test_the_sidecars_poller_keeps_a_stopped_ranks_last_step(spawn, tmp_path):
         env={"DYNPROF_JOB_ID": "pp", "RANK": "0", "WORLD_SIZE": "1"},
     )
     (pid,) = rank.ready_pids()
-    token = token_file(tmp_path / "token", "progress-poller-token-0123456789\n")
+    token = write_token(tmp_path / "token", "progress-poller-token-0123456789\n")
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "DYNPROF_TOKEN_FILE"}
     with open(tmp_path / "serve.log", "wb") as log:

@@ -20,7 +20,7 @@ from dynprof.watch.html import VERDICT_FILE
 from dynprof.watch.model import Culprit, Verdict
 from tests._ports import free_port as _free_port
 from tests.support.chromium import chromium, headless
-from tests.support.serving import serve, token_file, wait_answering
+from tests.support.serving import serve, wait_answering, write_token
 
 PROGRAM = "tests/integration/programs/straggler_program.py"
 HOSTILE = "<img src=x onerror=\"document.title='pwned'\"><b id=injected>bold</b>"
@@ -57,7 +57,7 @@ def page(spawn, tmp_path) -> Iterator[dict[str, str]]:
         art = writer.finish("complete", summary={"kind": "hang", "conclusion": verdict.conclusion})
     port = _free_port()
     token = "watch-page-test-token-0123456789"
-    server = serve(port, token_file(tmp_path / "token", token), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = serve(port, write_token(tmp_path / "token", token), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}"
     try:
         wait_answering(f"{base}/healthz", server, 60)

@@ -23,7 +23,7 @@ def healthz(port: int) -> bool:
         return False
 
 
-def token_file(path: Path, text: str) -> Path:
+def write_token(path: Path, text: str) -> Path:
     """``text`` written to ``path``, readable by its owner only (as `dynprof serve` asks)."""
     path.write_text(text)
     path.chmod(0o600)
