@@ -4,9 +4,11 @@
 LayerNorm first, as a transformer's MLP); ``Model`` sits ``depth`` of them in a ModuleList
 between an input Linear and a head. ``checkpoint_modules`` wraps the named modules the way the
 plan's recipe prints it (torch.utils.checkpoint, non-reentrant) and returns what
-``restore_forwards`` undoes; ``checkpointed`` does both around a block of code. ``live_peak``
-is the live tensor bytes' peak of a step (every tensor alive counted, as the measurement
-counts), after a first step that warms it.
+``restore_forwards`` undoes; ``checkpointed`` does both around a block of code. ``adamw_step``
+is a training step of a model under AdamW, taken once so that the optimizer state exists.
+``live_peak`` is the live tensor bytes' peak of a step (every tensor alive counted, as the
+measurement counts), after a first step that warms it; ``real_peak`` that of a step with
+modules checkpointed.
 """
 
 from __future__ import annotations
@@ -90,3 +92,24 @@ def live_peak(step: Callable[[], None]) -> int:
         step()
     live.close()
     return live.peak
+
+
+def real_peak(model: torch.nn.Module, step: Callable[[], None], names: Collection[str]) -> int:
+    """The live-bytes peak of a step with ``names`` checkpointed as the plan's recipe says, the
+    wrapping undone after."""
+    with checkpointed(model, names):
+        return live_peak(step)
+
+
+def adamw_step(model: torch.nn.Module, loss: Callable[[], torch.Tensor], lr: float) -> tuple[Any, Callable[[], None]]:
+    """(optimizer, step): ``loss()``'s backward and an AdamW step (foreach, as on CUDA), the
+    gradients set to None after; one step already taken, so that the optimizer state exists."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, foreach=True)
+
+    def step() -> None:
+        loss().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()  # the optimizer state exists
+    return opt, step

@@ -29,7 +29,7 @@ from collectors.memory.plan.capture import measure_step
 from collectors.memory.plan.measurement import from_json
 from collectors.memory.plan.predict import predict
 from collectors.memory.plan.solve import make_plan
-from tests.support.plan_models import Model, checkpointed, live_peak
+from tests.support.plan_models import Model, adamw_step, real_peak
 
 pytestmark = pytest.mark.usefixtures("eager_process")
 
@@ -52,24 +52,14 @@ def setup(cuda_layer_norm: bool):
         for m in model.modules():
             if isinstance(m, torch.nn.LayerNorm):
                 m.register_forward_pre_hook(_cuda_autocast_layer_norm)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
     x = torch.randn(BATCH, SEQ, D)
 
-    def step():
+    def loss():
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = model(x).float().square().mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+            return model(x).float().square().mean()
 
-    step()  # the optimizer state exists
+    opt, step = adamw_step(model, loss, lr=1e-4)
     return model, opt, step
-
-
-def real_peak(model, opt, step, names):
-    """The live-bytes peak of a step with ``names`` checkpointed as the plan's recipe says."""
-    with checkpointed(model, names):
-        return live_peak(step)
 
 
 def test_a_block_whose_input_nothing_saves_is_predicted_with_that_input_kept_by_its_checkpoint():
@@ -86,7 +76,7 @@ def test_a_block_whose_input_nothing_saves_is_predicted_with_that_input_kept_by_
     # WHEN the plan, every block and every other block are checkpointed in real steps
     cases = {"plan": set(plan["plan"]["modules"]), "every": every, "alternate": {b.name for b in m.blocks[::2]}}
     figures = {
-        label: (predict(m, names)["predicted_peak_bytes"], real_peak(model, opt, step, names))
+        label: (predict(m, names)["predicted_peak_bytes"], real_peak(model, step, names))
         for label, names in cases.items()
     }
 

@@ -18,7 +18,7 @@ from collectors.memory.plan.measurement import from_json
 from collectors.memory.plan.predict import predict
 from collectors.memory.plan.recipes import how_to_apply
 from collectors.memory.plan.solve import make_plan
-from tests.support.plan_models import checkpointed, live_peak
+from tests.support.plan_models import real_peak
 
 pytestmark = pytest.mark.usefixtures("eager_process")
 
@@ -218,7 +218,6 @@ def test_gradient_accumulation_is_measured_per_micro_batch():
     # checkpointed holds at its highest (not "no set reaches the budget")
     every = {b.name for b in m.blocks}
     for names in (set(), every):
-        with checkpointed(model, names):
-            peak = live_peak(step)
+        peak = real_peak(model, step, names)
         predicted = predict(m, names)["predicted_peak_bytes"]
         assert abs(peak - predicted) <= 0.01 * peak, (sorted(names), predicted, peak)
