@@ -372,15 +372,20 @@ def test_a_device_read_that_never_returns_is_unknown_naming_the_call_and_the_run
     assert backend.closed is False
 
 
-def test_an_nvml_call_that_never_returns_is_named(install, tmp_path):
-    # GIVEN NVML whose PCIe replay counter call blocks forever
-    nvml = FakeNvml(fields={(RECOVERY, 0): (OK, 0)}, hang={"nvmlDeviceGetPcieReplayCounter": 1})
+def quick_with_replay_counter_hanging(install, tmp_path, from_call: int):
+    """The quick level's report over NVML whose PCIe replay counter call blocks forever from its
+    ``from_call``-th call (1: at the start; 2: at the end of the check)."""
+    nvml = FakeNvml(fields={(RECOVERY, 0): (OK, 0)}, hang={"nvmlDeviceGetPcieReplayCounter": from_call})
     backend = NvmlBackend(nvml)
     backend.release = nvml.release  # type: ignore[attr-defined]
     install(backend)
+    return quick(tmp_path, probe_timeout_s=0.5)
 
+
+def test_an_nvml_call_that_never_returns_is_named(install, tmp_path):
+    # GIVEN NVML whose PCIe replay counter call blocks forever
     # WHEN the quick level runs
-    report = quick(tmp_path, probe_timeout_s=0.5)
+    report = quick_with_replay_counter_hanging(install, tmp_path, from_call=1)
 
     # THEN the device is unknown and the reason names the NVML call that did not return
     (read,) = by_name(report, "device_read")
@@ -391,13 +396,8 @@ def test_an_nvml_call_that_never_returns_is_named(install, tmp_path):
 
 def test_an_nvml_call_that_hangs_at_the_end_makes_the_counter_checks_unknown(install, tmp_path):
     # GIVEN NVML whose replay counter answers at the start and blocks at the end
-    nvml = FakeNvml(fields={(RECOVERY, 0): (OK, 0)}, hang={"nvmlDeviceGetPcieReplayCounter": 2})
-    backend = NvmlBackend(nvml)
-    backend.release = nvml.release  # type: ignore[attr-defined]
-    install(backend)
-
     # WHEN the quick level runs
-    report = quick(tmp_path, probe_timeout_s=0.5)
+    report = quick_with_replay_counter_hanging(install, tmp_path, from_call=2)
 
     # THEN the counter checks are unknown, naming the call; none passes
     for name in ("recovery_action", "pcie_replay"):
