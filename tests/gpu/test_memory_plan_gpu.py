@@ -21,53 +21,17 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
-import torch.utils.checkpoint as cp
 
 from collectors.memory.plan.capture import measure_step
 from collectors.memory.plan.measurement import from_json
 from collectors.memory.plan.predict import predict
 from collectors.memory.plan.solve import make_plan
 from collectors.memory.summary import allocation_site
+from tests.support.plan_models import Model, checkpointed
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("eager_process")]
 
 MIB = 1 << 20
-
-
-class Block(torch.nn.Module):
-    def __init__(self, d: int) -> None:
-        super().__init__()
-        self.ln = torch.nn.LayerNorm(d)
-        self.up = torch.nn.Linear(d, 4 * d)
-        self.down = torch.nn.Linear(4 * d, d)
-
-    def forward(self, x):
-        return x + self.down(F.gelu(self.up(self.ln(x))))
-
-
-class Model(torch.nn.Module):
-    def __init__(self, d: int, depth: int) -> None:
-        super().__init__()
-        self.embed = torch.nn.Linear(d, d)
-        self.blocks = torch.nn.ModuleList([Block(d) for _ in range(depth)])
-        self.head = torch.nn.Linear(d, 1)
-
-    def forward(self, x):
-        x = self.embed(x)
-        for b in self.blocks:
-            x = b(x)
-        return self.head(x)
-
-
-def checkpointed(model, names):
-    restore = []
-    for name, mod in model.named_modules():
-        if name in names:
-            fwd = mod.forward
-            restore.append((mod, fwd))
-            mod.forward = lambda *a, _f=fwd, **k: cp.checkpoint(_f, *a, use_reentrant=False, **k)
-    return restore
 
 
 def _made_by(frames) -> str:
@@ -156,7 +120,7 @@ def test_the_predicted_peak_is_within_10_percent_of_the_real_one_and_under_the_b
     print(f"\n[{variant}] allocated before the test: {torch.cuda.memory_allocated()} (another test's leftovers?)")
     torch.manual_seed(0)
     dev = torch.device("cuda")
-    model = Model(256, 12).to(dev)
+    model = Model(256, 12, layer_norm=True).to(dev)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     x = torch.randn(64, 512, 256, device=dev)
     block_input = 64 * 512 * 256 * 2  # one block's bf16 input
@@ -187,8 +151,7 @@ def test_the_predicted_peak_is_within_10_percent_of_the_real_one_and_under_the_b
     figures = {}
     for label, names in (("plan", set(plan["plan"]["modules"])), ("every block", every)):
         # AND the blocks are checkpointed in a second run
-        restore = checkpointed(model, names)
-        try:
+        with checkpointed(model, names):
             step()
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -199,9 +162,6 @@ def test_the_predicted_peak_is_within_10_percent_of_the_real_one_and_under_the_b
                 snapshot = torch.cuda.memory._snapshot()
             finally:
                 torch.cuda.memory._record_memory_history(enabled=None)
-        finally:
-            for mod, fwd in restore:
-                mod.forward = fwd
         real = torch.cuda.max_memory_allocated()
         said = predict(m, names)
         figures[label] = (said["predicted_peak_bytes"], real)

@@ -8,8 +8,6 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
-import sys
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +17,7 @@ import pytest
 from dynprof.cli import main
 from tests._ports import free_port
 from tests.support.chromium import chromium, headless
+from tests.support.serving import serve, wait_answering, write_token
 
 TRACES = Path(__file__).resolve().parents[1] / "unit" / "data" / "traces"
 
@@ -32,26 +31,12 @@ def analysis_page(dynprof_dirs, tmp_path, capsys) -> Iterator[str]:
     art_id = re.search(r"saved as (\S+)", capsys.readouterr().out).group(1)  # type: ignore[union-attr]
     port = free_port()
     token = "analysis-page-test-token-0123"
-    token_file = tmp_path / "token"
-    token_file.write_text(token)
-    token_file.chmod(0o600)
-    server = subprocess.Popen(
-        [sys.executable, "-m", "dynprof", "serve", "--port", str(port), "--token-file", str(token_file)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
+    server = serve(
+        port, write_token(tmp_path / "token", token), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     url = f"http://127.0.0.1:{port}/artifact/{art_id}?token={token}"
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                urllib.request.urlopen(url, timeout=2).read()
-                break
-            except OSError:
-                if time.monotonic() > deadline or server.poll() is not None:
-                    raise AssertionError("dynprof serve did not answer") from None
-                time.sleep(0.2)
+        wait_answering(url, server, 30)
         yield url
     finally:
         server.terminate()

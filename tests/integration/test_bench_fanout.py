@@ -3,7 +3,6 @@ measured, and leave no process behind."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
@@ -13,20 +12,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tests.support.scripts import load_script
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _bench() -> Any:
-    spec = importlib.util.spec_from_file_location("bench_fanout", ROOT / "scripts" / "bench_fanout.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_fanout"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_cluster_starts_answers_and_stops(cli: Any) -> None:
-    bench = _bench()
+    bench = load_script("bench_fanout")
     # GIVEN two simulated nodes of two light ranks each
     cluster = bench.Cluster(2, 2, job="tiny")
     try:
@@ -112,7 +104,7 @@ def _descends_from(pid: int, ancestor: int) -> bool:
 
 
 def test_report_states_the_model(capsys: Any) -> None:
-    bench = _bench()
+    bench = load_script("bench_fanout")
     # GIVEN runs whose wall time grows by 20 ms a node over 0.5 s, and 4 ms of CLI CPU a node
     results = {
         ("ps", n): [bench.Run(0.5 + 0.02 * n, 0.3 + 0.004 * n, 0.05 * n, 8 * n, 0) for _ in range(3)]

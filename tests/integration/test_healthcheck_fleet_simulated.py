@@ -7,28 +7,15 @@ peers'.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shlex
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support.scripts import load_script
 
-
-def _bench() -> Any:
-    spec = importlib.util.spec_from_file_location("bench_preflight", ROOT / "scripts" / "bench_preflight.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_preflight"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-BENCH = _bench()
+BENCH = load_script("bench_preflight")
 # All nodes at once, so that the healthy ones measure while this (shared) machine is as busy for
 # each of them, and at the full level, whose host GEMM takes the best of five runs over 2 s (the
 # standard level's 1 s windows were seen 0.7-1.4 x the median on healthy nodes here, under

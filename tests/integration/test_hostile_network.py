@@ -7,29 +7,20 @@ harness kills a CLI run after a minute: a hang detector); the figures are the sc
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.support.scripts import load_script
+
 ROOT = Path(__file__).resolve().parents[2]
 FAR_RSS_MB = 400  # the script's target is 200 MB; this is the far bound a test can hold
 
 
-def _script() -> Any:
-    spec = importlib.util.spec_from_file_location("hostile_network", ROOT / "scripts" / "hostile_network.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["hostile_network"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-hn = _script()
+hn = load_script("hostile_network")
 
 
 @pytest.fixture

@@ -9,7 +9,6 @@ script's. Run with -s to see the server's peak RSS.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -20,6 +19,8 @@ from typing import Any
 
 import pytest
 
+from tests.support.scripts import load_script
+
 ROOT = Path(__file__).resolve().parents[2]
 THREADS = 4
 DRIP_S = 2.0  # a byte every 2 s: far below any idle timeout, so only a whole-request deadline ends it
@@ -27,16 +28,7 @@ FAR_S = 30.0
 RSS_TARGET_MB = 200
 
 
-def _harness() -> Any:
-    spec = importlib.util.spec_from_file_location("hostile_sidecar", ROOT / "scripts" / "hostile_sidecar.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["hostile_sidecar"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-hs = _harness()
+hs = load_script("hostile_sidecar")
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -17,6 +16,8 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests._ports import free_port
+from tests.support.serving import serve, write_token
+from tests.support.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 TOKEN = "hostile-text-token-0123456789abcdef"
@@ -25,13 +26,7 @@ PROGRAM = "tests/integration/programs/train_program.py"
 
 def _wait(pred, timeout: float = 120.0, what: str = "condition", seen=lambda: ""):
     """Until ``pred()`` is true; past the deadline, an error that says ``what`` and ``seen()``."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"{what} not met before the far deadline\n{seen()}")
+    return wait_for(pred, timeout, what, seen)
 
 
 def _tails(folder: Path, *names: str) -> str:
@@ -93,26 +88,16 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
 def test_a_job_id_that_is_not_utf8_fails_neither_the_sidecar_nor_the_jobs_output(tmp_path, cli):
     # GIVEN a real job started with DYNPROF_JOB_ID=$'bad\xff', another job of the same node, and
     # a real `dynprof serve` polling every agent every 0.5 s
-    token = tmp_path / "token"
-    token.write_text(TOKEN + "\n")
-    token.chmod(0o600)
+    token = write_token(tmp_path / "token", TOKEN + "\n")
     port = free_port()
     bad = _job(b"bad\xff", tmp_path / "bad.err")
     good = _job(b"good", tmp_path / "good.err")
     with open(tmp_path / "serve.err", "wb") as log:
-        serve = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "dynprof",
-                "serve",
-                "--port",
-                str(port),
-                "--token-file",
-                str(token),
-                "--progress-every",
-                "0.5",
-            ],
+        server = serve(
+            port,
+            token,
+            "--progress-every",
+            "0.5",
             env=_environb(),
             stdout=subprocess.DEVNULL,
             stderr=log,
@@ -135,7 +120,7 @@ def test_a_job_id_that_is_not_utf8_fails_neither_the_sidecar_nor_the_jobs_output
 
         def seen() -> str:
             state = (
-                f"jobs running: bad {bad.poll() is None}, good {good.poll() is None}, sidecar {serve.poll() is None}"
+                f"jobs running: bad {bad.poll() is None}, good {good.poll() is None}, sidecar {server.poll() is None}"
             )
             return f"last progress: {last[0]}\n{state}\n" + _tails(tmp_path, "bad.err", "good.err", "serve.err")
 
@@ -157,7 +142,7 @@ def test_a_job_id_that_is_not_utf8_fails_neither_the_sidecar_nor_the_jobs_output
     finally:
         _stop(bad)
         _stop(good)
-        _stop(serve)
+        _stop(server)
     # THEN /metrics answers with every job's series, the bad id as its escaped text
     assert metrics_code == 200, (tmp_path / "serve.err").read_text()
     samples = [s for f in text_string_to_metric_families(metrics.decode()) for s in f.samples]

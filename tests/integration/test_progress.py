@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 
 from dynprof.registry import list_records
 from dynprof.sidecar.app import create_app
@@ -13,16 +12,12 @@ from dynprof.watch.model import NodeProgress
 from dynprof.watch.progress import read_progress
 from tests._ports import free_port
 from tests.support.procs import terminate
+from tests.support.serving import serve, write_token
+from tests.support.waiting import wait_for
 
 
 def _wait(pred, timeout: float = 60.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError("condition not met before the far deadline")
+    return wait_for(pred, timeout)
 
 
 def test_progress_of_a_stepping_rank_and_a_stopped_one(spawn, tmp_path):
@@ -70,7 +65,6 @@ def test_the_sidecars_poller_keeps_a_stopped_ranks_last_step(spawn, tmp_path):
     # GIVEN a real sidecar polling every 0.5 s, and a rank of a job that then stops (SIGSTOP)
     import json
     import subprocess
-    import sys
     import urllib.request
 
     rank = spawn(
@@ -78,25 +72,15 @@ def test_the_sidecars_poller_keeps_a_stopped_ranks_last_step(spawn, tmp_path):
         env={"DYNPROF_JOB_ID": "pp", "RANK": "0", "WORLD_SIZE": "1"},
     )
     (pid,) = rank.ready_pids()
-    token = tmp_path / "token"
-    token.write_text("progress-poller-token-0123456789\n")
-    token.chmod(0o600)
+    token = write_token(tmp_path / "token", "progress-poller-token-0123456789\n")
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "DYNPROF_TOKEN_FILE"}
     with open(tmp_path / "serve.log", "wb") as log:
-        serve = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "dynprof",
-                "serve",
-                "--port",
-                str(port),
-                "--token-file",
-                str(token),
-                "--progress-every",
-                "0.5",
-            ],
+        server = serve(
+            port,
+            token,
+            "--progress-every",
+            "0.5",
             stdout=subprocess.DEVNULL,
             stderr=log,
             env=env,
@@ -112,7 +96,7 @@ def test_the_sidecars_poller_keeps_a_stopped_ranks_last_step(spawn, tmp_path):
             with urllib.request.urlopen(request, timeout=10) as answer:
                 return NodeProgress.from_json(json.loads(answer.read()))
         except OSError:
-            assert serve.poll() is None, (tmp_path / "serve.log").read_text()
+            assert server.poll() is None, (tmp_path / "serve.log").read_text()
             return None
 
     stopped = False
@@ -136,7 +120,7 @@ def test_the_sidecars_poller_keeps_a_stopped_ranks_last_step(spawn, tmp_path):
     finally:
         if stopped:
             os.kill(pid, signal.SIGCONT)
-        terminate(serve, 15)
+        terminate(server, 15)
 
 
 def test_a_process_and_its_children_io_is_counted(tmp_path):

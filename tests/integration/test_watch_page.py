@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import re
 import subprocess
-import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -21,6 +20,7 @@ from dynprof.watch.html import VERDICT_FILE
 from dynprof.watch.model import Culprit, Verdict
 from tests._ports import free_port as _free_port
 from tests.support.chromium import chromium, headless
+from tests.support.serving import serve, wait_answering, write_token
 
 PROGRAM = "tests/integration/programs/straggler_program.py"
 HOSTILE = "<img src=x onerror=\"document.title='pwned'\"><b id=injected>bold</b>"
@@ -57,25 +57,10 @@ def page(spawn, tmp_path) -> Iterator[dict[str, str]]:
         art = writer.finish("complete", summary={"kind": "hang", "conclusion": verdict.conclusion})
     port = _free_port()
     token = "watch-page-test-token-0123456789"
-    token_file = tmp_path / "token"
-    token_file.write_text(token)
-    token_file.chmod(0o600)
-    server = subprocess.Popen(
-        [sys.executable, "-m", "dynprof", "serve", "--port", str(port), "--token-file", str(token_file)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    server = serve(port, write_token(tmp_path / "token", token), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                urllib.request.urlopen(f"{base}/healthz", timeout=2).read()
-                break
-            except OSError:
-                if time.monotonic() > deadline or server.poll() is not None:
-                    raise AssertionError("dynprof serve did not answer") from None
-                time.sleep(0.2)
+        wait_answering(f"{base}/healthz", server, 60)
         yield {
             "index": f"{base}/?token={token}",
             "verdict": f"{base}/artifact/{quote(art.id)}?token={token}",

@@ -121,29 +121,28 @@ class SimNodes:
         """SIGSTOP node i's sidecar (its process group): it never answers nor joins."""
         os.killpg(self.procs[i].pid, signal.SIGSTOP)
 
+    def _signal_all(self, *signals: int) -> None:
+        """Send ``signals`` in turn to each sidecar's process group."""
+        for proc in self.procs:
+            for sig in signals:
+                try:
+                    os.killpg(proc.pid, sig)
+                except (ProcessLookupError, PermissionError):
+                    pass
+
+    def _wait_all(self, timeout: float) -> None:
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                pass
+
     def close(self) -> None:
-        for proc in self.procs:  # a sidecar that stops kills its actions' children first
-            for sig in (signal.SIGCONT, signal.SIGTERM):
-                try:
-                    os.killpg(proc.pid, sig)
-                except (ProcessLookupError, PermissionError):
-                    pass
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                pass
-        for proc in self.procs:
-            for sig in (signal.SIGCONT, signal.SIGKILL):
-                try:
-                    os.killpg(proc.pid, sig)
-                except (ProcessLookupError, PermissionError):
-                    pass
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                pass
+        # a sidecar that stops kills its actions' children first
+        self._signal_all(signal.SIGCONT, signal.SIGTERM)
+        self._wait_all(15)
+        self._signal_all(signal.SIGCONT, signal.SIGKILL)
+        self._wait_all(20)
         shutil.rmtree(self.workdir, ignore_errors=True)
         for run_dir in self.run_dirs:
             shutil.rmtree(run_dir, ignore_errors=True)

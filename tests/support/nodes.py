@@ -26,6 +26,7 @@ from typing import Any
 
 from tests._ports import free_port
 from tests.support.procs import terminate
+from tests.support.serving import serve, write_token
 
 ROOT = Path(__file__).resolve().parents[2]
 # Two nodes whose names the output tells apart: the host is how the CLI and the watch name a
@@ -62,10 +63,7 @@ class SimNode:
 
 def token_file(directory: Path, token: str) -> Path:
     """A token file of mode 0600 in ``directory``."""
-    path = directory / "token"
-    path.write_text(token + "\n")
-    path.chmod(0o600)
-    return path
+    return write_token(directory / "token", token + "\n")
 
 
 def wait_listening(port: int, proc: subprocess.Popen[bytes], timeout: float = 60.0) -> None:
@@ -98,15 +96,16 @@ def sidecar_nodes(
             env = {**os.environ, **sim.env, "PYTHONUNBUFFERED": "1"}
             env.pop("DYNPROF_TOKEN_FILE", None)
             with open(workdir / f"serve-{name}.log", "wb") as log:  # the child keeps its own descriptor
-                sim.proc = subprocess.Popen(
-                    [sys.executable, "-m", "dynprof", "serve", "--port", str(sim.port), "--token-file", str(token),
-                     *serve_args],
+                sim.proc = serve(
+                    sim.port,
+                    token,
+                    *serve_args,
                     env=env,
                     cwd=str(ROOT),
                     stdout=subprocess.DEVNULL,
                     stderr=log,
                     start_new_session=True,
-                )  # fmt: skip
+                )
         for sim in sims:
             assert sim.proc is not None
             wait_listening(sim.port, sim.proc)

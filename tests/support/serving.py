@@ -1,8 +1,15 @@
-"""A `dynprof serve` that a test started, asked over a raw socket."""
+"""A `dynprof serve` that a test starts (its token file, its process, its first answer), asked
+over a raw socket or over HTTP."""
 
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
 
 
 def healthz(port: int) -> bool:
@@ -14,3 +21,29 @@ def healthz(port: int) -> bool:
             return s.recv(64).startswith(b"HTTP/1.1 200")
     except OSError:
         return False
+
+
+def write_token(path: Path, text: str) -> Path:
+    """``text`` written to ``path``, readable by its owner only (as `dynprof serve` asks)."""
+    path.write_text(text)
+    path.chmod(0o600)
+    return path
+
+
+def serve(port: int, token: Path, *args: str, **popen: Any) -> subprocess.Popen:
+    """`dynprof serve --port PORT --token-file TOKEN ARGS...` started with ``popen``'s keywords."""
+    command = [sys.executable, "-m", "dynprof", "serve", "--port", str(port), "--token-file", str(token), *args]
+    return subprocess.Popen(command, **popen)
+
+
+def wait_answering(url: str, server: subprocess.Popen, seconds: float) -> None:
+    """Return once ``url`` answers; an AssertionError if ``server`` exits or ``seconds`` pass first."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            urllib.request.urlopen(url, timeout=2).read()
+            return
+        except OSError:
+            if time.monotonic() > deadline or server.poll() is not None:
+                raise AssertionError("dynprof serve did not answer") from None
+            time.sleep(0.2)

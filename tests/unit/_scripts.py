@@ -1,20 +1,8 @@
-"""The project's scripts (``scripts/*.py``, not a package) as modules, for the unit tests."""
+"""The project's scripts as modules: kept where unit tests still import it from; the loader is
+tests/support/scripts.py."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-from types import ModuleType
+from tests.support.scripts import SCRIPTS, load_script
 
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
-
-
-def load_script(name: str) -> ModuleType:
-    """``scripts/<name>.py`` imported as the module ``name``."""
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+__all__ = ["SCRIPTS", "load_script"]

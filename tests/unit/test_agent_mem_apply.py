@@ -14,32 +14,9 @@ import torch
 
 from dynprof.agent._mem_apply import FINAL, CheckpointApplier, install
 from dynprof.agent._steps import StepTracker
+from tests.support.plan_models import Model
 
 pytestmark = pytest.mark.usefixtures("eager_process")
-
-
-class Block(torch.nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.up = torch.nn.Linear(width, 4 * width)
-        self.down = torch.nn.Linear(4 * width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.nn.functional.gelu(self.up(x)))
-
-
-class Model(torch.nn.Module):
-    def __init__(self, width: int = 16, depth: int = 4) -> None:
-        super().__init__()
-        self.embed = torch.nn.Linear(width, width)
-        self.blocks = torch.nn.ModuleList([Block(width) for _ in range(depth)])
-        self.head = torch.nn.Linear(width, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.embed(x)
-        for b in self.blocks:
-            x = b(x)
-        return self.head(x)
 
 
 def job(seed: int = 0):

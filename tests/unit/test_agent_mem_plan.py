@@ -39,12 +39,8 @@ def setup(model):
     return MemoryPlanner(agent), steps, opt
 
 
-def hooks(model):
-    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
-
-
-def test_one_step_is_measured_between_two_boundaries_and_answered_by_token():
-    # GIVEN a planner over a job's model and optimizer
+def stepping_job():
+    """Three blocks, their planner and step tracker, and a training step over them."""
     model = torch.nn.Sequential(Block(), Block(), Block())
     planner, steps, opt = setup(model)
     x = torch.randn(3, 4)
@@ -54,6 +50,16 @@ def test_one_step_is_measured_between_two_boundaries_and_answered_by_token():
         opt.step()
         opt.zero_grad()
 
+    return model, planner, steps, train_step
+
+
+def hooks(model):
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+
+def test_one_step_is_measured_between_two_boundaries_and_answered_by_token():
+    # GIVEN a planner over a job's model and optimizer
+    model, planner, steps, train_step = stepping_job()
     # WHEN a client arms it, another asks with another token, and the steps go by
     armed = planner.handle(pb.MemoryPlanRequest(token="a"))
     with pytest.raises(CommandError) as busy:
@@ -176,15 +182,7 @@ def _torch_calls_of(fn):
 def test_the_server_thread_never_touches_the_jobs_torch_objects():
     # GIVEN a job's model and optimizer, and a planner whose requests come on another thread
     # (the agent's server thread), while this thread (the training thread) steps
-    model = torch.nn.Sequential(Block(), Block(), Block())
-    planner, steps, opt = setup(model)
-    x = torch.randn(3, 4)
-
-    def train_step():
-        model(x).sum().backward()
-        opt.step()
-        opt.zero_grad()
-
+    _model, planner, steps, train_step = stepping_job()
     # WHEN a plan is armed, measured over one step and answered, each request on its own thread
     calls, armed = _torch_calls_of(lambda: planner.handle(pb.MemoryPlanRequest(token="s")))
     steps._notify(1)

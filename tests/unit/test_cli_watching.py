@@ -21,12 +21,13 @@ from dynprof.cli import _watching
 from dynprof.nodes import Node, NodeAnswer
 from dynprof.watch.engine import Tick, WatchEngine
 from dynprof.watch.hook import HookResult
-from dynprof.watch.model import Culprit, NodeProgress, RankProgress, Verdict
-from dynprof.watch.sources import FLIGHT_RECORDER_OFF, FLIGHT_RECORDER_TIMEOUT_S, LocalSource, NodeRead, SidecarSource
+from dynprof.watch.model import Culprit, Verdict
+from dynprof.watch.sources import FLIGHT_RECORDER_OFF, FLIGHT_RECORDER_TIMEOUT_S, LocalSource, SidecarSource
 from dynprof.watch.stall import Stall
 from dynprof.watch.straggler import sampler as straggler_sampler
 from dynprof.watch.straggler.rule import StragglerReport
 from dynprof.watch.straggler.sampler import StragglerSampler
+from tests.support.sources import SteppingSource
 
 ESC = "\x1b[2J"
 
@@ -110,42 +111,12 @@ def test_sample_every_zero_is_accepted_by_the_parser():
     assert _watching.every_of(_parse("--job", "j", "--sample-every", "0")) == {"straggler": None}
 
 
-class SteppingSource:
-    """This node with two ranks that step every poll."""
-
-    host = "node-x"
-
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def nodes(self) -> list[str]:
-        return [self.host]
-
-    def progress(self, job: str, fresh: bool = False) -> list[NodeRead]:
-        rows = [
-            RankProgress(
-                job=job,
-                rank=r,
-                world_size=2,
-                pid=100 + r,
-                host=self.host,
-                step=int(self.t),
-                last_step_at=self.t,
-                last_step_age_s=0.0,
-                step_time_s=0.1,
-                polled_at=self.t,
-            )
-            for r in (0, 1)
-        ]
-        return [NodeRead(self.host, NodeProgress(host=self.host, time=self.t, poll_every_s=1.0, ranks=rows))]
-
-
 @pytest.mark.parametrize(("every", "samples"), [("0", 0), ("600", 3)])
 def test_a_watch_told_sample_every_0_never_samples(monkeypatch, every, samples):
     # GIVEN the watch's samplers as `dynprof watch --job j --sample-every N` builds them on this node
     sampled: list[str] = []
     monkeypatch.setattr(straggler_sampler, "sample_stragglers", lambda source, job, **kw: sampled.append(job))
-    source = SteppingSource()
+    source = SteppingSource("node-x")  # this node with two ranks that step every poll
     samplers = _watching.samplers_of(_parse("--job", "j", "--sample-every", every), source)
     engine = WatchEngine(_watching.config_of(_parse("--job", "j")), source, clock=lambda: source.t, samplers=samplers)
     # WHEN three rounds run, each 700 s after the last (past the interval every time)

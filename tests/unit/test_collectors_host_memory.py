@@ -121,38 +121,42 @@ def _write(directory: Path, **files: str) -> Path:
     return directory
 
 
-def test_cgroup_v2_usage(tmp_path):
-    d = _write(
-        tmp_path / "g",
-        memory_current="5000\n",
-        memory_stat="anon 3000\nfile 1500\nshmem 10\nkernel 99\nanon_thp x\n",
-        memory_events="low 0\nhigh 4\nmax 7\noom 2\noom_kill 1\noom_group_kill 0\n",
-    )
-    assert Cgroup(version=2, path=str(d)).usage() == {
-        "current_bytes": 5000,
-        "anon_bytes": 3000,
-        "file_bytes": 1500,
-        "shmem_bytes": 10,
-        "events_high": 4,
-        "events_max": 7,
-        "events_oom": 2,
-        "events_oom_kill": 1,
-    }
-
-
-def test_cgroup_v1_usage(tmp_path):
-    d = _write(
-        tmp_path / "g",
-        **{"memory_usage_in_bytes": "7000\n", "memory_failcnt": "3\n"},
-        memory_stat="rss 1\ntotal_rss 4000\ntotal_cache 2000\ntotal_shmem 5\n",
-    )
-    assert Cgroup(version=1, path=str(d)).usage() == {
-        "current_bytes": 7000,
-        "anon_bytes": 4000,
-        "file_bytes": 2000,
-        "shmem_bytes": 5,
-        "failcnt": 3,
-    }
+@pytest.mark.parametrize(
+    ("version", "files", "usage"),
+    [
+        (
+            2,
+            {
+                "memory_current": "5000\n",
+                "memory_stat": "anon 3000\nfile 1500\nshmem 10\nkernel 99\nanon_thp x\n",
+                "memory_events": "low 0\nhigh 4\nmax 7\noom 2\noom_kill 1\noom_group_kill 0\n",
+            },
+            {
+                "current_bytes": 5000,
+                "anon_bytes": 3000,
+                "file_bytes": 1500,
+                "shmem_bytes": 10,
+                "events_high": 4,
+                "events_max": 7,
+                "events_oom": 2,
+                "events_oom_kill": 1,
+            },
+        ),
+        (
+            1,
+            {
+                "memory_usage_in_bytes": "7000\n",
+                "memory_failcnt": "3\n",
+                "memory_stat": "rss 1\ntotal_rss 4000\ntotal_cache 2000\ntotal_shmem 5\n",
+            },
+            {"current_bytes": 7000, "anon_bytes": 4000, "file_bytes": 2000, "shmem_bytes": 5, "failcnt": 3},
+        ),
+    ],
+    ids=["v2", "v1"],
+)
+def test_cgroup_usage(tmp_path, version, files, usage):
+    d = _write(tmp_path / "g", **files)
+    assert Cgroup(version=version, path=str(d)).usage() == usage
 
 
 def test_a_cgroup_whose_files_are_gone_has_no_usage(tmp_path):

@@ -17,36 +17,25 @@ from tests.unit._action_flags import read_options
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "said"),
+    ("kind", "kwargs", "said"),
     [
-        ({}, "exactly one of --pid, --job or --all"),
-        ({"job": "j", "all": True}, "exactly one of --pid, --job or --all"),
-        ({"pids": (0,)}, "a process id is 1-"),
-        ({"job": "j", "history_start": 0}, "--history-start N needs"),
-        ({"job": "j", "history_start": 5, "history_stop": True}, "not both"),
-        ({"job": "j", "stacks": "cpp"}, "--stacks 'cpp'"),
-        ({"job": "j", "timeout": 0.0}, "a timeout of 0 s"),
+        (MemoryRequest, {}, "exactly one of --pid, --job or --all"),
+        (MemoryRequest, {"job": "j", "all": True}, "exactly one of --pid, --job or --all"),
+        (MemoryRequest, {"pids": (0,)}, "a process id is 1-"),
+        (MemoryRequest, {"job": "j", "history_start": 0}, "--history-start N needs"),
+        (MemoryRequest, {"job": "j", "history_start": 5, "history_stop": True}, "not both"),
+        (MemoryRequest, {"job": "j", "stacks": "cpp"}, "--stacks 'cpp'"),
+        (MemoryRequest, {"job": "j", "timeout": 0.0}, "a timeout of 0 s"),
+        (MemoryPlanRequest, {"job": "j"}, "needs --budget SIZE or --save SIZE"),
+        (MemoryPlanRequest, {"job": "j", "budget": "40G", "save": "8G"}, "not both"),
+        (MemoryPlanRequest, {"job": "j", "budget": "140%"}, "between 0 and 100"),
+        (MemoryPlanRequest, {"job": "j", "save": "lots"}, "--budget/--save 'lots'"),
+        (MemoryPlanRequest, {"budget": "40G"}, "exactly one of --pid, --job or --all"),
     ],
 )
-def test_a_memory_request_that_cannot_be_run_is_refused_when_made(kwargs, said):
+def test_a_memory_or_plan_request_that_cannot_be_run_is_refused_when_made(kind, kwargs, said):
     with pytest.raises(errors.UsageError) as refused:
-        MemoryRequest(**kwargs)
-    assert said in refused.value.message
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "said"),
-    [
-        ({"job": "j"}, "needs --budget SIZE or --save SIZE"),
-        ({"job": "j", "budget": "40G", "save": "8G"}, "not both"),
-        ({"job": "j", "budget": "140%"}, "between 0 and 100"),
-        ({"job": "j", "save": "lots"}, "--budget/--save 'lots'"),
-        ({"budget": "40G"}, "exactly one of --pid, --job or --all"),
-    ],
-)
-def test_a_plan_request_that_cannot_be_run_is_refused_when_made(kwargs, said):
-    with pytest.raises(errors.UsageError) as refused:
-        MemoryPlanRequest(**kwargs)
+        kind(**kwargs)
     assert said in refused.value.message
 
 

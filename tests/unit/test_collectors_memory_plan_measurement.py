@@ -4,11 +4,8 @@ solver against brute force: test_collectors_memory_plan_predict.py, _solve.py.)"
 
 from __future__ import annotations
 
-import copy
 import gc
-import json
 import threading
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +19,8 @@ from collectors.memory.plan.meter import LiveTensorBytes
 from collectors.memory.plan.predict import margin_bytes, predict
 from collectors.memory.plan.solve import make_plan
 from dynprof.errors import ArtifactError
+from tests.support.oom import activations_oom
+from tests.support.plan_models import checkpoint_modules
 
 pytestmark = pytest.mark.usefixtures("eager_process")
 
@@ -132,12 +131,7 @@ def known(model, opt):
 
 def checkpointed(model, names):
     """The torch.utils.checkpoint recipe, as the plan prints it (non-reentrant)."""
-    import torch.utils.checkpoint as cp
-
-    for name, mod in model.named_modules():
-        if name in names:
-            fwd = mod.forward
-            mod.forward = lambda *a, _f=fwd, **k: cp.checkpoint(_f, *a, use_reentrant=False, **k)
+    checkpoint_modules(model, names)
     return model
 
 
@@ -455,25 +449,9 @@ def test_the_decoder_refuses_hostile_measurements(mutate, message):
         from_json(doc)
 
 
-OOM_SUMMARY = Path(__file__).resolve().parent.parent / "data" / "memory_oom_artifact" / "summary.json"
-
-
-def activations_oom(measurement, limit):
-    """The real OOM artifact's summary, with an attribution where activations are the largest
-    part, the device's memory ``limit`` and (if any) the last measured step."""
-    s = copy.deepcopy(json.loads(OOM_SUMMARY.read_text()))
-    s["attribution"] = {
-        "optimizers": 1,
-        "parameters_bytes": 0,
-        "gradients_bytes": 0,
-        "optimizer_state_bytes": 0,
-        "frame_tensors_bytes": 0,
-        "frame_tensors": [],
-    }
-    s["failing_allocation"] = {**(s.get("failing_allocation") or {}), "device_limit_bytes": limit}
-    if measurement is not None:
-        s["memory_plan_measurement"] = measurement
-    return {a["rule"]: a for a in advise(s)}
+def advice_of_activations_oom(measurement, limit):
+    """The advice on the real OOM artifact made one of activations (tests/support/oom.py), by rule."""
+    return {a["rule"]: a for a in advise(activations_oom(measurement, limit))}
 
 
 def test_an_oom_dominated_by_activations_carries_the_last_plan_or_says_there_is_none():
@@ -487,8 +465,8 @@ def test_an_oom_dominated_by_activations_carries_the_last_plan_or_says_there_is_
     expected = make_plan(m, budget=limit * 9 // 10)["plan"]
 
     # WHEN an OOM's advice is made with that measurement, and without one
-    with_plan = activations_oom(doc, limit)["activations"]["advice"]
-    without = activations_oom(None, limit)["activations"]["advice"]
+    with_plan = advice_of_activations_oom(doc, limit)["activations"]["advice"]
+    without = advice_of_activations_oom(None, limit)["activations"]["advice"]
 
     # THEN the first names the plan's modules and its predicted peak; the second says how to get one
     assert f"checkpoint {len(expected['modules'])} module(s)" in with_plan

@@ -18,15 +18,14 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
-import torch.utils.checkpoint as cp
 
-from collectors.memory.plan.blocks import find_blocks, live_tensors
+from collectors.memory.plan.blocks import find_blocks
 from collectors.memory.plan.capture import measure_step
 from collectors.memory.plan.measurement import from_json
-from collectors.memory.plan.meter import LiveTensorBytes
 from collectors.memory.plan.predict import Candidates, peak_with, predict
 from collectors.memory.plan.recipes import how_to_apply
 from collectors.memory.plan.solve import make_plan
+from tests.support.plan_models import adamw_step, real_peak
 from tests.unit._plan_models import chain
 
 pytestmark = pytest.mark.usefixtures("eager_process")
@@ -197,35 +196,8 @@ def setup(kind: str):
         def loss():
             return F.cross_entropy(model(x), y)
 
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
-
-    def step():
-        loss().backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    step()  # the optimizer state exists
+    opt, step = adamw_step(model, loss, lr=1e-3)
     return model, opt, step
-
-
-def real_peak(model, opt, step, names):
-    """The peak of a step with ``names`` checkpointed as the recipe says, the wrapping undone after."""
-    restore = []
-    for name, mod in model.named_modules():
-        if name in names:
-            fwd = mod.forward
-            restore.append((mod, fwd))
-            mod.forward = lambda *a, _f=fwd, **k: cp.checkpoint(_f, *a, use_reentrant=False, **k)
-    try:
-        step()
-        gc.collect()
-        with LiveTensorBytes(live_tensors()) as live:  # every tensor alive, as the measurement counts
-            step()
-        live.close()
-        return live.peak
-    finally:
-        for mod, fwd in restore:
-            mod.forward = fwd
 
 
 @pytest.mark.parametrize("kind", ["decoder", "vit", "resnet", "moe"])
@@ -244,13 +216,13 @@ def test_the_predicted_peak_is_the_real_one_for_the_plan_and_for_every_block(kin
     cases = {"plan": chosen, "every": every, "alternate": {b.name for b in m.blocks[::2]}}
     for label, names in cases.items():
         predicted = predict(m, names)["predicted_peak_bytes"]
-        real = real_peak(model, opt, step, names)
+        real = real_peak(model, step, names)
         # THEN each real peak is the predicted one, within the bound
         assert abs(real - predicted) <= TOLERANCE * real, (label, predicted, real)
     # AND the plan's real peak is under the budget
-    assert real_peak(model, opt, step, chosen) <= budget
+    assert real_peak(model, step, chosen) <= budget
     # AND the measured peak is the real one of the step without checkpoints
-    assert m.peak_bytes == real_peak(model, opt, step, set())
+    assert m.peak_bytes == real_peak(model, step, set())
 
 
 def test_a_resnet_is_planned_bottleneck_by_bottleneck_and_the_recipe_names_them():

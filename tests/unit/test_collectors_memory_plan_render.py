@@ -17,7 +17,7 @@ from dynprof.cli import main
 from dynprof.cli.serve import page_views
 from dynprof.sidecar.app import create_app
 from dynprof.store import ArtifactStore
-from tests.unit._scripts import load_script
+from tests.support.scripts import load_script
 
 # What a hostile node puts in every string: a newline that would start a line of its own, a
 # carriage return, a terminal escape, a bidirectional override, a line separator.

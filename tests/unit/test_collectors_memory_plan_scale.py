@@ -12,18 +12,10 @@ from collectors.memory.plan.meter import LiveTensorBytes
 from collectors.memory.plan.predict import predict
 from collectors.memory.plan.scale import blocks_text as _blocks
 from collectors.memory.plan.scale import describe, micro_batches, predicted_peak, scale, tokens_factor
+from tests.support.oom import activations_oom
+from tests.support.plan_models import Block, checkpoint_modules
 
 pytestmark = pytest.mark.usefixtures("eager_process")
-
-
-class Block(torch.nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.up = torch.nn.Linear(width, 4 * width)
-        self.down = torch.nn.Linear(4 * width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.nn.functional.gelu(self.up(x)))
 
 
 class Decoder(torch.nn.Module):
@@ -60,12 +52,7 @@ def setup(batch: int, seq: int = 64):
 
 
 def real_peak(model, opt, step, checkpointed: set[str] = frozenset()) -> int:
-    import torch.utils.checkpoint as cp
-
-    for name, mod in model.named_modules():
-        if name in checkpointed:
-            fwd = mod.forward
-            mod.forward = lambda *a, _f=fwd, **k: cp.checkpoint(_f, *a, use_reentrant=False, **k)
+    checkpoint_modules(model, checkpointed)
     known = [p for p in model.parameters()] + [p.grad for p in model.parameters() if p.grad is not None]
     for per in opt.state.values():
         known += [v for v in per.values() if isinstance(v, torch.Tensor)]
@@ -139,28 +126,14 @@ def test_block_ranges_are_named_as_ranges():
 
 
 def test_an_oom_at_twice_the_batch_gets_the_plan_for_the_failing_size():
-    import copy
-    import json
-    from pathlib import Path
-
     from collectors.memory.advice import advise
 
     # GIVEN a step measured at batch 8, and an OOM whose frames hold hidden states of batch 16
     doc = measure_step(*setup(8))
     m2 = scale(from_json(doc), 2.0)
     limit = int(m2.peak_bytes * 0.85 * 10 / 9)  # 90 % of the device: 85 % of the larger step's peak
-    summary_file = Path(__file__).resolve().parent.parent / "data" / "memory_oom_artifact" / "summary.json"
-    s = copy.deepcopy(json.loads(summary_file.read_text()))
-    s["attribution"] = {
-        "optimizers": 1,
-        "parameters_bytes": 0,
-        "gradients_bytes": 0,
-        "optimizer_state_bytes": 0,
-        "frame_tensors_bytes": 0,
-        "frame_tensors": [{"name": "x", "frame": "forward", "bytes": 1, "tensors": 1, "shape": [16, 64, 32]}],
-    }
-    s["failing_allocation"] = {**(s.get("failing_allocation") or {}), "device_limit_bytes": limit}
-    s["memory_plan_measurement"] = doc
+    frames = [{"name": "x", "frame": "forward", "bytes": 1, "tensors": 1, "shape": [16, 64, 32]}]
+    s = activations_oom(doc, limit, frames)
 
     # WHEN the advice is made
     advice = {a["rule"]: a for a in advise(s)}["activations"]["advice"]

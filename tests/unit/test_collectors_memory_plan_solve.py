@@ -14,8 +14,8 @@ from collectors.memory.plan.measurement import from_json
 from collectors.memory.plan.predict import Candidates, peak_with, predict
 from collectors.memory.plan.render import render_artifact
 from collectors.memory.plan.solve import make_plan, solve
+from tests.support.scripts import load_script
 from tests.unit._plan_models import brute_force, chain
-from tests.unit._scripts import load_script
 
 
 def random_chain(rng: random.Random, n: int, scale: int = 1000) -> Candidates:

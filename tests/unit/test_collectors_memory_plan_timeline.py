@@ -24,46 +24,18 @@ import gc
 
 import pytest
 import torch
-import torch.nn.functional as F
-import torch.utils.checkpoint as cp
 
-from collectors.memory.plan.blocks import live_tensors
 from collectors.memory.plan.capture import measure_step
 from collectors.memory.plan.measurement import from_json
-from collectors.memory.plan.meter import LiveTensorBytes
 from collectors.memory.plan.predict import predict
 from collectors.memory.plan.solve import make_plan
+from tests.support.plan_models import Model, adamw_step, real_peak
 
 pytestmark = pytest.mark.usefixtures("eager_process")
 
 D, DEPTH, BATCH, SEQ = 32, 12, 4, 256
 BF16 = 2
 TOLERANCE = 0.01
-
-
-class Block(torch.nn.Module):
-    def __init__(self, d: int) -> None:
-        super().__init__()
-        self.ln = torch.nn.LayerNorm(d)
-        self.up = torch.nn.Linear(d, 4 * d)
-        self.down = torch.nn.Linear(4 * d, d)
-
-    def forward(self, x):
-        return x + self.down(F.gelu(self.up(self.ln(x))))
-
-
-class Model(torch.nn.Module):
-    def __init__(self, d: int, depth: int) -> None:
-        super().__init__()
-        self.embed = torch.nn.Linear(d, d)
-        self.blocks = torch.nn.ModuleList([Block(d) for _ in range(depth)])
-        self.head = torch.nn.Linear(d, 1)
-
-    def forward(self, x):
-        x = self.embed(x)
-        for b in self.blocks:
-            x = b(x)
-        return self.head(x)
 
 
 def _cuda_autocast_layer_norm(module, args):
@@ -75,43 +47,19 @@ def _cuda_autocast_layer_norm(module, args):
 
 def setup(cuda_layer_norm: bool):
     torch.manual_seed(0)
-    model = Model(D, DEPTH)
+    model = Model(D, DEPTH, layer_norm=True)
     if cuda_layer_norm:
         for m in model.modules():
             if isinstance(m, torch.nn.LayerNorm):
                 m.register_forward_pre_hook(_cuda_autocast_layer_norm)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
     x = torch.randn(BATCH, SEQ, D)
 
-    def step():
+    def loss():
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = model(x).float().square().mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+            return model(x).float().square().mean()
 
-    step()  # the optimizer state exists
+    opt, step = adamw_step(model, loss, lr=1e-4)
     return model, opt, step
-
-
-def real_peak(model, opt, step, names):
-    """The live-bytes peak of a step with ``names`` checkpointed as the plan's recipe says."""
-    restore = []
-    for name, mod in model.named_modules():
-        if name in names:
-            fwd = mod.forward
-            restore.append((mod, fwd))
-            mod.forward = lambda *a, _f=fwd, **k: cp.checkpoint(_f, *a, use_reentrant=False, **k)
-    try:
-        step()
-        gc.collect()
-        with LiveTensorBytes(live_tensors()) as live:  # every tensor alive, as the measurement counts
-            step()
-        live.close()
-        return live.peak
-    finally:
-        for mod, fwd in restore:
-            mod.forward = fwd
 
 
 def test_a_block_whose_input_nothing_saves_is_predicted_with_that_input_kept_by_its_checkpoint():
@@ -128,7 +76,7 @@ def test_a_block_whose_input_nothing_saves_is_predicted_with_that_input_kept_by_
     # WHEN the plan, every block and every other block are checkpointed in real steps
     cases = {"plan": set(plan["plan"]["modules"]), "every": every, "alternate": {b.name for b in m.blocks[::2]}}
     figures = {
-        label: (predict(m, names)["predicted_peak_bytes"], real_peak(model, opt, step, names))
+        label: (predict(m, names)["predicted_peak_bytes"], real_peak(model, step, names))
         for label, names in cases.items()
     }
 

@@ -30,24 +30,19 @@ def promtool(*args: str, cwd: Path = DEPLOY) -> subprocess.CompletedProcess[str]
 
 
 @needs_promtool
-def test_the_rules_are_valid():
-    result = promtool("check", "rules", "dynprof-alerts.yml")
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (("check", "rules", "dynprof-alerts.yml"), "SUCCESS: 3 rules found"),
+        (("check", "config", "prometheus.yml"), "is valid prometheus config file syntax"),
+        (("test", "rules", "dynprof-alerts.test.yml"), "SUCCESS"),
+    ],
+    ids=["the_rules_are_valid", "the_scrape_config_is_valid", "the_rules_unit_tests_pass"],
+)
+def test_promtool_passes_the_deployed_files(args, said):
+    result = promtool(*args)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "SUCCESS: 3 rules found" in result.stdout
-
-
-@needs_promtool
-def test_the_scrape_config_is_valid():
-    result = promtool("check", "config", "prometheus.yml")
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "is valid prometheus config file syntax" in result.stdout
-
-
-@needs_promtool
-def test_the_rules_unit_tests_pass():
-    result = promtool("test", "rules", "dynprof-alerts.test.yml")
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "SUCCESS" in result.stdout
+    assert said in result.stdout
 
 
 @needs_promtool

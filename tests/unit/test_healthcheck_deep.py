@@ -27,6 +27,7 @@ from healthcheck.options import Options
 from healthcheck.readings import DeviceReadings, NvLinkReading
 from healthcheck.result import Status
 from healthcheck.timeouts import InFlight
+from tests.support.readings import healthy_readings
 
 ROOT = Path(__file__).resolve().parents[2]
 NOT_SUPPORTED = pynvml.NVML_ERROR_NOT_SUPPORTED
@@ -269,35 +270,7 @@ def test_nvlink_counters_not_readable_are_skipped_or_unknown_never_pass():
 
 # -- a runner over a fake backend -------------------------------------------------------------
 def healthy(index: int, **fields: Any) -> DeviceReadings:
-    base: dict[str, Any] = dict(
-        name="Fake GPU",
-        uuid=f"GPU-{index}",
-        pci_bus_id=f"00000000:{0x18 + index:02X}:00.0",
-        memory_total_bytes=80 * 1024**3,
-        persistence_mode=True,
-        ecc_enabled=True,
-        ecc_pending_enabled=True,
-        ecc_uncorrected_volatile=0,
-        ecc_uncorrected_aggregate=0,
-        remapped_rows_correctable=0,
-        remapped_rows_uncorrectable=0,
-        remap_pending=False,
-        remap_failure=False,
-        remap_banks_exhausted=0,
-        pcie_gen_current=5,
-        pcie_gen_max=5,
-        pcie_width_current=16,
-        pcie_width_max=16,
-        clock_event_reasons=0x1,
-        temperature_c=35,
-        temperature_slowdown_c=87,
-        nvlinks=[NvLinkReading(link, True, 0, 0, 0, 0) for link in range(2)],
-        processes=[],
-        pcie_replay_count=0,
-        recovery_action=0,
-    )
-    base.update(fields)
-    return DeviceReadings(index=index, **base)
+    return healthy_readings(index, links=2, **fields)
 
 
 class FakeBackend:
@@ -399,15 +372,20 @@ def test_a_device_read_that_never_returns_is_unknown_naming_the_call_and_the_run
     assert backend.closed is False
 
 
-def test_an_nvml_call_that_never_returns_is_named(install, tmp_path):
-    # GIVEN NVML whose PCIe replay counter call blocks forever
-    nvml = FakeNvml(fields={(RECOVERY, 0): (OK, 0)}, hang={"nvmlDeviceGetPcieReplayCounter": 1})
+def quick_with_replay_counter_hanging(install, tmp_path, from_call: int):
+    """The quick level's report over NVML whose PCIe replay counter call blocks forever from its
+    ``from_call``-th call (1: at the start; 2: at the end of the check)."""
+    nvml = FakeNvml(fields={(RECOVERY, 0): (OK, 0)}, hang={"nvmlDeviceGetPcieReplayCounter": from_call})
     backend = NvmlBackend(nvml)
     backend.release = nvml.release  # type: ignore[attr-defined]
     install(backend)
+    return quick(tmp_path, probe_timeout_s=0.5)
 
+
+def test_an_nvml_call_that_never_returns_is_named(install, tmp_path):
+    # GIVEN NVML whose PCIe replay counter call blocks forever
     # WHEN the quick level runs
-    report = quick(tmp_path, probe_timeout_s=0.5)
+    report = quick_with_replay_counter_hanging(install, tmp_path, from_call=1)
 
     # THEN the device is unknown and the reason names the NVML call that did not return
     (read,) = by_name(report, "device_read")
@@ -418,13 +396,8 @@ def test_an_nvml_call_that_never_returns_is_named(install, tmp_path):
 
 def test_an_nvml_call_that_hangs_at_the_end_makes_the_counter_checks_unknown(install, tmp_path):
     # GIVEN NVML whose replay counter answers at the start and blocks at the end
-    nvml = FakeNvml(fields={(RECOVERY, 0): (OK, 0)}, hang={"nvmlDeviceGetPcieReplayCounter": 2})
-    backend = NvmlBackend(nvml)
-    backend.release = nvml.release  # type: ignore[attr-defined]
-    install(backend)
-
     # WHEN the quick level runs
-    report = quick(tmp_path, probe_timeout_s=0.5)
+    report = quick_with_replay_counter_hanging(install, tmp_path, from_call=2)
 
     # THEN the counter checks are unknown, naming the call; none passes
     for name in ("recovery_action", "pcie_replay"):

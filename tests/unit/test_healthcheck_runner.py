@@ -16,8 +16,9 @@ from healthcheck.arguments import add_check_arguments, request_from_args
 from healthcheck.backends.base import XidEvent
 from healthcheck.functional import launcher
 from healthcheck.options import Options
-from healthcheck.readings import DeviceReadings, NvLinkReading
+from healthcheck.readings import DeviceReadings
 from healthcheck.result import Status
+from tests.support.readings import healthy_readings
 
 _real_run = launcher.run_workers
 
@@ -37,36 +38,7 @@ SMALL = launcher.LevelPlan(
 
 
 def healthy(index: int) -> DeviceReadings:
-    return DeviceReadings(
-        index=index,
-        name="Fake GPU",
-        uuid=f"GPU-{index}",
-        pci_bus_id=f"00000000:{0x18 + index:02X}:00.0",
-        memory_total_bytes=80 * 1024**3,
-        driver_version="999.1",
-        persistence_mode=True,
-        ecc_enabled=True,
-        ecc_pending_enabled=True,
-        ecc_uncorrected_volatile=0,
-        ecc_uncorrected_aggregate=0,
-        ecc_corrected_volatile=0,
-        remapped_rows_correctable=0,
-        remapped_rows_uncorrectable=0,
-        remap_pending=False,
-        remap_failure=False,
-        remap_banks_exhausted=0,
-        pcie_gen_current=5,
-        pcie_gen_max=5,
-        pcie_width_current=16,
-        pcie_width_max=16,
-        clock_event_reasons=0x1,
-        temperature_c=35,
-        temperature_slowdown_c=87,
-        nvlinks=[NvLinkReading(link, True, 0, 0, 0, 0) for link in range(4)],
-        processes=[],
-        pcie_replay_count=0,
-        recovery_action=0,
-    )
+    return healthy_readings(index, links=4, driver_version="999.1", ecc_corrected_volatile=0)
 
 
 class FakeBackend:
@@ -247,13 +219,10 @@ def test_the_processes_of_the_job_named_are_not_others_holding_the_devices(node,
 
     from dynprof.registry import AgentRecord, write_record
     from healthcheck.readings import DeviceProcess
+    from tests.support.records import agent_record
 
     def record(pid: int, job: str) -> AgentRecord:
-        return AgentRecord(
-            pid=pid, ppid=1, host="h", rank=0, local_rank=0, world_size=1, job_id=job, cmdline=["python"],
-            python_version="3", torch_version=None, dynprof_version="0", started_at=0.0, start_ticks=None,
-            socket="/x", log="", activation="run",
-        )  # fmt: skip
+        return agent_record(pid, rank=0, world_size=1, job_id=job)
 
     rank = subprocess.Popen(["sleep", "120"])  # a live process: the job's rank
     try:

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from tests.unit._scripts import load_script
+from tests.support.scripts import load_script
 
 tomllib = pytest.importorskip("tomllib", reason="reading pyproject.toml needs Python 3.11 or later")
 

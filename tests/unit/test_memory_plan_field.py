@@ -12,13 +12,13 @@ import pytest
 import torch
 import torch.utils.checkpoint as cp
 
-from collectors.memory.plan.blocks import find_blocks, live_tensors
+from collectors.memory.plan.blocks import find_blocks
 from collectors.memory.plan.capture import measure_step
 from collectors.memory.plan.measurement import from_json
-from collectors.memory.plan.meter import LiveTensorBytes
 from collectors.memory.plan.predict import predict
 from collectors.memory.plan.recipes import how_to_apply
 from collectors.memory.plan.solve import make_plan
+from tests.support.plan_models import real_peak
 
 pytestmark = pytest.mark.usefixtures("eager_process")
 
@@ -218,18 +218,6 @@ def test_gradient_accumulation_is_measured_per_micro_batch():
     # checkpointed holds at its highest (not "no set reaches the budget")
     every = {b.name for b in m.blocks}
     for names in (set(), every):
-        restore = []
-        for name, mod in model.named_modules():
-            if name in names:
-                fwd = mod.forward
-                restore.append((mod, fwd))
-                mod.forward = lambda *a, _f=fwd, **k: cp.checkpoint(_f, *a, use_reentrant=False, **k)
-        step()
-        gc.collect()
-        with LiveTensorBytes(live_tensors()) as live:
-            step()
-        live.close()
-        for mod, fwd in restore:
-            mod.forward = fwd
+        peak = real_peak(model, step, names)
         predicted = predict(m, names)["predicted_peak_bytes"]
-        assert abs(live.peak - predicted) <= 0.01 * live.peak, (sorted(names), predicted, live.peak)
+        assert abs(peak - predicted) <= 0.01 * peak, (sorted(names), predicted, peak)

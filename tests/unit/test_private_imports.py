@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from types import ModuleType
 
-from tests.unit._scripts import load_script
+from tests.support.scripts import load_script
 
 
 def load_checker() -> ModuleType:

@@ -161,16 +161,23 @@ def test_all_ranks_saving_a_checkpoint_are_busy():
     assert decision.conclusion == "no step for 80 s: all ranks in write (/job/ckpt.py:12), moving (CPU +1.5 s in 3.0 s)"
 
 
-def test_ranks_blocked_writing_a_checkpoint_are_busy_not_parked():
-    # GIVEN every rank in save_checkpoint with no CPU between the samples (a slow disk's fsync),
-    # two of them seen in disk I/O (state D), the other two having written 8 MB meanwhile
+def checkpoint_writers(writers_cpu_delta: float):
+    """Four ranks in save_checkpoint: 0 and 1 in disk I/O (state D) with no CPU between the
+    samples, 2 and 3 having written 8 MB meanwhile with ``writers_cpu_delta`` s of CPU."""
     frames = (py("save_checkpoint", "/job/train.py", 210),)
-    looks = [look(r, "n", frames, cpu_delta=0.0) for r in range(4)]
+    looks = [look(r, "n", frames, cpu_delta=0.0 if r < 2 else writers_cpu_delta) for r in range(4)]
     for lk in looks[:2]:
         lk.before.process_state = "disk-sleep"
     for lk in looks[2:]:
         assert lk.after is not None
         lk.before.io_bytes, lk.after.io_bytes = 10_000_000, 18_000_000
+    return looks
+
+
+def test_ranks_blocked_writing_a_checkpoint_are_busy_not_parked():
+    # GIVEN every rank in save_checkpoint with no CPU between the samples (a slow disk's fsync),
+    # two of them seen in disk I/O (state D), the other two having written 8 MB meanwhile
+    looks = checkpoint_writers(writers_cpu_delta=0.0)
     # WHEN
     decision = detect.decide(looks, STALL)
     # THEN busy: they work (at the disk), and each says how it was seen to
@@ -781,13 +788,7 @@ def test_the_rest_of_torch_distributed_is_judged_by_what_it_does():
 
 def test_a_busy_verdict_says_what_was_measured_of_each_group():
     # GIVEN ranks in save_checkpoint: two seen in disk I/O, two that wrote 8 MB and spent 0.5 s of CPU
-    frames = (py("save_checkpoint", "/job/train.py", 210),)
-    looks = [look(r, "n", frames, cpu_delta=0.0 if r < 2 else 0.5) for r in range(4)]
-    for lk in looks[:2]:
-        lk.before.process_state = "disk-sleep"
-    for lk in looks[2:]:
-        assert lk.after is not None
-        lk.before.io_bytes, lk.after.io_bytes = 10_000_000, 18_000_000
+    looks = checkpoint_writers(writers_cpu_delta=0.5)
     # WHEN
     decision = detect.decide(looks, STALL)
     # THEN each fact once, with how many ranks showed it

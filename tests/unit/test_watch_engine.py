@@ -106,6 +106,15 @@ def engine_for(source: FakeSource, **kw: Any) -> tuple[WatchEngine, list[tuple[V
     return engine, said
 
 
+def first_verdict(engine: WatchEngine, said: list[tuple[Verdict, str | None]]) -> Verdict:
+    """The first verdict the watch says, ticking 20 times at most (then an IndexError)."""
+    for _ in range(20):
+        engine.tick()
+        if said:
+            break
+    return said[0][0]
+
+
 def test_a_hang_is_said_once_per_stall_with_its_evidence_and_saved_as_a_verdict_artifact():
     # GIVEN a job that steps, then rank 3 parks in data loading
     source = FakeSource()
@@ -428,13 +437,9 @@ def test_a_rank_whose_agent_stopped_answering_is_said_at_the_last_step_the_watch
             engine.tick()
         last_step_at = source.step_times[stops_at]
         # WHEN the watch goes on until it says the hang
-        for _ in range(20):
-            engine.tick()
-            if said:
-                break
+        verdict = first_verdict(engine, said)
         # THEN the culprit is rank 3, since the last step the watch saw it make, and its age
         # counts from that step, not from its process's start
-        verdict = said[0][0]
         assert [c.rank for c in verdict.culprits] == [3], verdict.conclusion
         assert verdict.culprits[0].since_step == stops_at, verdict.conclusion
         assert f"since step {stops_at}" in verdict.conclusion
@@ -452,13 +457,9 @@ def test_a_rank_whose_agent_never_answered_this_watch_is_said_with_its_last_step
         source.progress("j")
     engine, said = engine_for(source)
     # WHEN the watch looks
-    for _ in range(20):
-        engine.tick()
-        if said:
-            break
+    verdict = first_verdict(engine, said)
     # THEN rank 3 is the culprit, with its last step and its age unknown, never "since step 0"
     # nor aged from its process's start; the other ranks keep theirs
-    verdict = said[0][0]
     assert [c.rank for c in verdict.culprits] == [3], verdict.conclusion
     assert verdict.culprits[0].since_step is None
     assert "since step 0" not in verdict.conclusion, verdict.conclusion

@@ -17,16 +17,13 @@ from dynprof.store import ArtifactStore
 from dynprof.watch import evidence
 from dynprof.watch.model import RankProgress
 from dynprof.watch.sources import FLIGHT_RECORDER_OFF, LocalSource, SidecarSource
+from tests.support.records import agent_record
 
 A, B = Node("node-a", 8787), Node("node-b", 8787)
 
 
 def _record(pid: int, rank: int) -> AgentRecord:
-    return AgentRecord(
-        pid=pid, ppid=1, host="h", rank=rank, local_rank=rank, world_size=2, job_id="frjob", cmdline=["python"],
-        python_version="3", torch_version=None, dynprof_version="0", started_at=0.0, start_ticks=None,
-        socket="/x", log="", activation="run",
-    )  # fmt: skip
+    return agent_record(pid, rank=rank, world_size=2, job_id="frjob")
 
 
 def _off(pid: int) -> errors.Unsupported:

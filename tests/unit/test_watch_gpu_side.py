@@ -230,8 +230,8 @@ def test_the_progress_read_carries_the_status_gpu_step_and_reads_nvml_for_a_stal
     import time
 
     from dynprof.proto import pb
-    from dynprof.registry import AgentRecord
     from dynprof.watch import progress
+    from tests.support.records import agent_record
 
     status = pb.Status(
         pid=os.getpid(),
@@ -253,25 +253,7 @@ def test_the_progress_read_carries_the_status_gpu_step_and_reads_nvml_for_a_stal
     )
     unrecorded = pb.Status(pid=1, step=3, job_id="j", rank=0, role="trainer", gpu_step=pb.GpuStep(recorded=False))
     records = [
-        AgentRecord(
-            pid=pid,
-            ppid=1,
-            host="h",
-            rank=rank,
-            local_rank=rank,
-            world_size=2,
-            job_id="j",
-            cmdline=["python"],
-            python_version="3",
-            torch_version=None,
-            dynprof_version="0",
-            started_at=0.0,
-            start_ticks=None,
-            socket="",
-            log="",
-            activation="run",
-            role="trainer",
-        )
+        agent_record(pid, rank=rank, world_size=2, job_id="j", socket="", role="trainer")
         for pid, rank in ((os.getpid(), 1), (1, 0))
     ]
     answers = {os.getpid(): status, 1: unrecorded}

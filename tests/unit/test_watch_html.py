@@ -9,18 +9,11 @@ from typing import Any
 
 from dynprof.watch import html as vhtml
 from dynprof.watch.model import Culprit, Verdict
+from tests.support.verdicts import hang_verdict
 
 
 def _verdict(**kw: Any) -> Verdict:
-    base: dict[str, Any] = {
-        "kind": "hang",
-        "job": "job-7",
-        "conclusion": "rank 3 never entered the all_reduce",
-        "detected_at": 100.0,
-        "decided_at": 104.5,
-    }
-    base.update(kw)
-    return Verdict(**base)
+    return hang_verdict(**{"decided_at": 104.5, **kw})
 
 
 def test_the_heading_names_the_kind_in_words_and_the_conclusion_follows():

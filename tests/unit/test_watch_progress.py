@@ -17,26 +17,19 @@ from dynprof import errors
 from dynprof.proto import pb
 from dynprof.registry import AgentRecord
 from dynprof.watch import progress
+from tests.support.records import agent_record
 
 
 def _record(pid: int, rank: int | None, job: str = "j", role: str | None = "trainer", ppid: int = 1) -> AgentRecord:
-    return AgentRecord(
-        pid=pid,
+    return agent_record(
+        pid,
         ppid=ppid,
-        host="h",
         rank=rank,
-        local_rank=rank,
         world_size=4,
         job_id=job,
         cmdline=["python", "train.py"],
-        python_version="3",
-        torch_version=None,
-        dynprof_version="0",
         started_at=12.0,
-        start_ticks=None,
         socket="",
-        log="",
-        activation="run",
         role=role,
     )
 

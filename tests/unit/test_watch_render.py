@@ -9,23 +9,12 @@ from typing import Any
 from dynprof.watch import render
 from dynprof.watch.model import Culprit, Verdict
 from dynprof.watch.render import MAX_RANK_LINES, render_artifact, render_verdict_text
-
-
-def _verdict(**kw: Any) -> Verdict:
-    base: dict[str, Any] = {
-        "kind": "hang",
-        "job": "job-7",
-        "conclusion": "rank 3 never entered the all_reduce",
-        "detected_at": 100.0,
-        "decided_at": 104.0,
-    }
-    base.update(kw)
-    return Verdict(**base)
+from tests.support.verdicts import hang_verdict
 
 
 def test_the_first_line_names_the_kind_the_job_and_the_conclusion():
     # GIVEN a hang verdict with nothing else
-    verdict = _verdict()
+    verdict = hang_verdict()
 
     # WHEN rendered
     text = render_verdict_text(verdict)
@@ -36,7 +25,7 @@ def test_the_first_line_names_the_kind_the_job_and_the_conclusion():
 
 def test_timing_and_culprits_are_shown_with_a_rank_or_else_a_pid():
     # GIVEN timings and two culprits, one known only by its pid
-    verdict = _verdict(
+    verdict = hang_verdict(
         evidence={"timing": {"detection_s": 12.34, "verdict_s": 2, "look_s": True}},
         culprits=[
             Culprit(rank=3, host="node-2", where="load_batch (data.py:88)", why="not in the collective"),
@@ -58,7 +47,7 @@ def test_more_than_sixteen_culprits_are_counted_not_listed():
     culprits = [Culprit(rank=i, host="n", where="w", why="y") for i in range(20)]
 
     # WHEN rendered
-    lines = render_verdict_text(_verdict(culprits=culprits)).split("\n")
+    lines = render_verdict_text(hang_verdict(culprits=culprits)).split("\n")
 
     # THEN 16 are listed and the 4 others counted
     assert sum(1 for line in lines if line.startswith("  culprit rank")) == 16
@@ -68,7 +57,7 @@ def test_more_than_sixteen_culprits_are_counted_not_listed():
 def test_the_flight_recorder_and_health_check_findings_are_listed_per_group_and_per_node():
     # GIVEN a flight recorder analysis (one group with a verdict, one without) and two nodes' checks
     problems = [{"name": f"check{i}", "status": "fail", "reason": f"r{i}"} for i in range(6)]
-    verdict = _verdict(
+    verdict = hang_verdict(
         evidence={
             "flight_recorder": {
                 "analysis": [{"process_group": "0", "verdict": "rank 3 missing"}, {"process_group": "1"}, "junk"],
@@ -93,7 +82,7 @@ def test_the_flight_recorder_and_health_check_findings_are_listed_per_group_and_
 
 def test_nodes_without_an_answer_are_named_up_to_twenty():
     # GIVEN 25 nodes that did not answer
-    verdict = _verdict(nodes_unanswered=[f"n{i}" for i in range(25)])
+    verdict = hang_verdict(nodes_unanswered=[f"n{i}" for i in range(25)])
 
     # WHEN rendered
     line = render_verdict_text(verdict).split("\n")[-1]
@@ -112,7 +101,7 @@ def test_the_rank_table_shows_where_a_rank_is_and_is_cut_at_its_limit():
     ranks += [{"rank": i, "host": "h", "step": 1, "state": "moving"} for i in range(2, MAX_RANK_LINES + 5)]
 
     # WHEN rendered
-    lines = render_verdict_text(_verdict(ranks=ranks)).split("\n")
+    lines = render_verdict_text(hang_verdict(ranks=ranks)).split("\n")
 
     # THEN a header, MAX_RANK_LINES rows, and the count of the others
     head = lines.index("  rank  host                  step      age  state")
@@ -125,7 +114,7 @@ def test_the_rank_table_shows_where_a_rank_is_and_is_cut_at_its_limit():
 
 def test_what_a_node_said_never_makes_a_line_of_its_own():
     # GIVEN a conclusion, a host and a frame with newlines and a terminal escape
-    verdict = _verdict(
+    verdict = hang_verdict(
         conclusion="line one\nHANG job fake: forged",
         culprits=[Culprit(rank=1, host="evil\nhost", where="f\x1b[2J", why="w")],
         ranks=[{"rank": 1, "host": "x\ny", "state": "s\rt"}],
@@ -153,7 +142,7 @@ class _Artifact:
 
 def test_the_show_renderer_reads_verdict_json_and_summarises_it():
     # GIVEN a verdict artifact
-    verdict = _verdict(
+    verdict = hang_verdict(
         culprits=[Culprit(rank=3, host="node-2", where="w", why="y")],
         evidence={"timing": {"detection_s": 1.0}},
         nodes_unanswered=["node-9"],

@@ -24,46 +24,21 @@ from dynprof.sidecar.progress import ProgressBook
 from dynprof.store import ArtifactStore
 from dynprof.watch import signals
 from dynprof.watch.engine import WatchConfig, WatchEngine
-from dynprof.watch.model import Culprit, NodeProgress, RankProgress, Verdict
+from dynprof.watch.model import Culprit, NodeProgress, Verdict
 from dynprof.watch.sampler import Sampler, SignalReport, factory_of, samplers_for
 from dynprof.watch.signals import STRAGGLER, RankGauge, Signal
-from dynprof.watch.sources import NodeRead, SidecarSource
+from dynprof.watch.sources import SidecarSource
 from dynprof.watch.straggler.rule import StragglerReport
 from dynprof.watch.straggler.sampler import StragglerSampler
+from tests.support.sources import SteppingSource
 
 TOKEN = "sampler-test-token-0123456789"
 SHARES = {("node-1", 0): 0.05, ("node-1", 1): 0.62}
 
 
-class Source:
+def _source() -> SteppingSource:
     """One node, two ranks that step every poll; each poll moves the clock one second."""
-
-    host = "node-1"
-
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def nodes(self) -> list[str]:
-        return ["node-1"]
-
-    def progress(self, job: str, fresh: bool = False) -> list[NodeRead]:
-        self.t += 1.0
-        rows = [
-            RankProgress(
-                job=job,
-                rank=r,
-                world_size=2,
-                pid=100 + r,
-                host="node-1",
-                step=int(self.t),
-                last_step_at=self.t,
-                last_step_age_s=0.0,
-                step_time_s=0.1,
-                polled_at=self.t,
-            )
-            for r in (0, 1)
-        ]
-        return [NodeRead("node-1", NodeProgress(host="node-1", time=self.t, poll_every_s=1.0, ranks=rows))]
+    return SteppingSource("node-1", tick=1.0)
 
 
 class LoaderReport:
@@ -96,7 +71,7 @@ class LoaderSampler:
 
     name = "loader"
 
-    def __init__(self, source: Source, every_s: float | None) -> None:
+    def __init__(self, source: SteppingSource, every_s: float | None) -> None:
         self.source = source
         self.every_s = every_s
         self.calls: list[float] = []
@@ -124,7 +99,7 @@ class LoaderSampler:
 BUILT: list[LoaderSampler] = []
 
 
-def loader_for(source: Source, every_s: float | None) -> LoaderSampler:
+def loader_for(source: SteppingSource, every_s: float | None) -> LoaderSampler:
     BUILT.append(LoaderSampler(source, every_s))
     return BUILT[-1]
 
@@ -164,7 +139,7 @@ def test_a_second_sampler_runs_on_its_schedule_and_reaches_the_model_metrics_ren
 ):
     # GIVEN a watch with the straggler's sampler every 3 s and the loader's (built by its row's
     # factory) every 2 s, printing as `dynprof watch --json` prints
-    source = Source()
+    source = _source()
     straggler_calls: list[float] = []
 
     def straggler(job: str) -> StragglerReport:
@@ -231,7 +206,7 @@ def test_the_faces_take_each_signals_option_and_build_its_sampler(loader):
     # GIVEN the watch's options with the loader registered
     parser = argparse.ArgumentParser()
     add_watch_options(parser)
-    source = Source()
+    source = _source()
     # WHEN parsed with its option, and without (and options set to 0)
     chosen = parser.parse_args(["--loader-every", "45"])
     default = parser.parse_args([])
@@ -248,7 +223,7 @@ def test_the_faces_take_each_signals_option_and_build_its_sampler(loader):
 
 def test_a_sampler_that_raises_is_logged_and_sampled_again_at_its_next_time(caplog):
     # GIVEN a sampler whose first sample raises
-    source = Source()
+    source = _source()
 
     class Flaky:
         name = "flaky"
@@ -281,7 +256,7 @@ def test_a_sampler_that_raises_is_logged_and_sampled_again_at_its_next_time(capl
 def test_the_straggler_row_builds_its_sampler_for_the_source():
     # GIVEN the nodes' sidecars, and this node's agents
     sidecars = SidecarSource(object(), [parse_node("127.0.0.1:9")])
-    here = Source()
+    here = _source()
     # WHEN the table's samplers are built for each
     over_sidecars = samplers_for(sidecars, {"straggler": 5.0})
     over_agents = samplers_for(here, {})
