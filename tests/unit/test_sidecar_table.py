@@ -22,8 +22,8 @@ from dynprof.result import Result
 from dynprof.sidecar import actions, table
 from healthcheck.collect import HealthcheckRequest
 from healthcheck.links.side import LinkTestRequest
+from tests.support.scripts import load_script
 from tests.unit import _action_flags as af
-from tests.unit._scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 SAMPLES: dict[str, Any] = {"int": 1, "float": 1.5, "str": "60%", "bool": True, "ints": [1], "strs": ["x"]}
