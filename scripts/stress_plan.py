@@ -106,13 +106,17 @@ class Tally:
         self.deaths: list[str] = []
         self.polls = Counter[str]()
         self.reasons: Counter[str] = Counter()
+        self.reason_examples: dict[str, str] = {}  # one answer per reason a request was refused for
 
     def add(self, kind: str, outcome: str, detail: str = "") -> None:
         with self.lock:
             self.counts[(kind, outcome)] += 1
             if outcome == "refused":
                 code = re.search(r"\[([A-Z_]+)\]", detail)
-                self.reasons[f"{kind} {code.group(1) if code else 'other'}"] += 1
+                reason = f"{kind} {code.group(1) if code else 'other'}"
+                self.reasons[reason] += 1
+                if detail and reason not in self.reason_examples:
+                    self.reason_examples[reason] = detail[-600:]
             if detail and (kind, outcome) not in self.examples:
                 self.examples[(kind, outcome)] = detail[-600:]
 
@@ -304,8 +308,10 @@ def main(argv: list[str] | None = None) -> int:
     if sidecar is not None and not any(k.endswith(" 200") for k in tally.polls):
         print("the sidecar answered no poll; its output:\n" + sidecar_output[-2000:])
     for (kind, outcome), text in sorted(tally.examples.items()):
-        if outcome != "ok":
+        if outcome == "failed":
             print(f"\nan example of {kind} {outcome}:\n{text}")
+    for reason, text in sorted(tally.reason_examples.items()):
+        print(f"\nan example of {reason} (refused):\n{text}")
     for death in tally.deaths:
         print(f"\n{death}")
     failed = sum(v for (k, o), v in tally.counts.items() if o == "failed")
