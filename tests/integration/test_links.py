@@ -106,7 +106,7 @@ def test_a_stopped_node_is_a_hung_link_reported_within_the_rounds_limit(loopback
     first = doc["rounds"][0]["groups"][1]
     assert first["status"] == "hung"
     partner = first["sides"][0]
-    assert partner["host"] == "node-2" and partner["status"] == "hung"
+    assert partner["host"] == "node-2" and partner["status"] == "hung", partner
     assert "60 s" in partner["error"]
 
 
