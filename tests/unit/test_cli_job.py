@@ -6,36 +6,14 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any
 
 import pytest
 
 from dynprof import errors
 from dynprof.cli import job, main
 from dynprof.job.merge import JobResult
-from dynprof.nodes import CommandError, Node, NodeAnswer
-
-A, B = Node("node-a", 8787), Node("node-b", 9000)
-
-
-def _answered(node: Node, result: Any, code: int = 0, messages: list[str] | None = None) -> NodeAnswer:
-    return NodeAnswer(node, True, host=node.host, exit_code=code, result=result, messages=messages or [])
-
-
-def _silent(node: Node, error: str = "connection refused") -> NodeAnswer:
-    return NodeAnswer(node, False, error=error)
-
-
-class FakeClient:
-    """The sidecars' client: each node answers what ``answers`` holds for it."""
-
-    def __init__(self, answers: dict[Node, NodeAnswer]) -> None:
-        self.answers = answers
-        self.calls: list[tuple[list[str], str, dict[str, Any], float | None]] = []
-
-    def action_all(self, nodes: list[Node], name: str, options: dict[str, Any], timeout: float | None = None):
-        self.calls.append(([n.address for n in nodes], name, dict(options), timeout))
-        return [self.answers[n] for n in nodes]
+from dynprof.nodes import CommandError, NodeAnswer
+from tests.support.job_answers import A, B, FakeClient, answered
 
 
 def test_forward_options_sends_only_the_actions_options_that_are_set():
@@ -44,7 +22,7 @@ def test_forward_options_sends_only_the_actions_options_that_are_set():
     assert job.forward_options("ps", args, timeout=2.0) == {"job": "j", "timeout": 2.0}
 
 
-def test_answered_count_counts_the_nodes_that_answered():
+def test_answered_count_counts_the_nodes_thatanswered():
     assert job.answered_count({"nodes": [{"answered": True}, {"answered": False}, {}]}) == 1
     assert job.answered_count({}) == 0
 
@@ -115,7 +93,7 @@ def test_the_client_needs_a_token_file(monkeypatch):
 def test_a_job_command_given_nodes_asks_their_sidecars(monkeypatch, capsys):
     fake = FakeClient(
         {
-            A: _answered(A, {"agents": [{"pid": 1, "rank": 1, "state": "idle"}]}),
+            A: answered(A, {"agents": [{"pid": 1, "rank": 1, "state": "idle"}]}),
             B: NodeAnswer(B, False, error="refused", failure=CommandError("X", "no", "", 1)),
         }
     )

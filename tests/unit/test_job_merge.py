@@ -3,37 +3,13 @@ per-node envelope, artifacts, per-rank rows)."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from dynprof.job import merge as job
 from dynprof.job.merge import Reach
-from dynprof.nodes import Node, NodeAnswer
-
-A, B = Node("node-a", 8787), Node("node-b", 9000)
-
-
-def _answered(node: Node, result: Any, code: int = 0, messages: list[str] | None = None) -> NodeAnswer:
-    return NodeAnswer(node, True, host=node.host, exit_code=code, result=result, messages=messages or [])
-
-
-def _silent(node: Node, error: str = "connection refused") -> NodeAnswer:
-    return NodeAnswer(node, False, error=error)
-
-
-class FakeClient:
-    """The sidecars' client: each node answers what ``answers`` holds for it."""
-
-    def __init__(self, answers: dict[Node, NodeAnswer]) -> None:
-        self.answers = answers
-        self.calls: list[tuple[list[str], str, dict[str, Any], float | None]] = []
-
-    def action_all(self, nodes: list[Node], name: str, options: dict[str, Any], timeout: float | None = None):
-        self.calls.append(([n.address for n in nodes], name, dict(options), timeout))
-        return [self.answers[n] for n in nodes]
+from tests.support.job_answers import A, B, FakeClient, answered, silent
 
 
 def test_the_default_job_wide_answer_waits_the_options_timeout_else_the_default():
-    client = FakeClient({A: _answered(A, {"results": [{"rank": 0, "status": "ok"}]})})
+    client = FakeClient({A: answered(A, {"results": [{"rank": 0, "status": "ok"}]})})
     result = job.collect_per_rank("stop", {"job": "j"}, [A], Reach(client), 120.0)  # type: ignore[arg-type]
     job.collect_per_rank("stop", {"timeout": 3.0}, [A], Reach(client), 120.0)  # type: ignore[arg-type]
     assert [c[3] for c in client.calls] == [125.0, 8.0]
@@ -42,8 +18,8 @@ def test_the_default_job_wide_answer_waits_the_options_timeout_else_the_default(
 
 def test_exit_code_is_12_when_a_node_is_silent_else_the_highest():
     assert job.exit_code([]) == 0
-    assert job.exit_code([_answered(A, {}), _answered(B, {}, code=8)]) == 8
-    assert job.exit_code([_answered(A, {}, code=8), _silent(B)]) == job.NODES_FAILED_EXIT == 12
+    assert job.exit_code([answered(A, {}), answered(B, {}, code=8)]) == 8
+    assert job.exit_code([answered(A, {}, code=8), silent(B)]) == job.NODES_FAILED_EXIT == 12
 
 
 def test_a_failed_fetch_makes_a_success_exit_1_only():
@@ -55,7 +31,7 @@ def test_a_failed_fetch_makes_a_success_exit_1_only():
 
 def test_node_messages_name_each_node_bounded_and_escaped():
     many = [f"dynprof: line {i}" for i in range(job.MAX_MESSAGES_SHOWN + 3)]
-    out = job.node_messages([_silent(A, "timed out\x1b[2J"), _answered(B, {}, messages=many), _answered(A, {}, code=5)])
+    out = job.node_messages([silent(A, "timed out\x1b[2J"), answered(B, {}, messages=many), answered(A, {}, code=5)])
     assert out[0].startswith("node node-a:8787: timed out") and "\x1b" not in out[0]
     assert out[1] == "node node-b:9000: line 0"  # the node's own prefix is not repeated
     assert out[job.MAX_MESSAGES_SHOWN + 1] == "node node-b:9000: ... 3 more line(s)"
@@ -63,22 +39,22 @@ def test_node_messages_name_each_node_bounded_and_escaped():
 
 
 def test_envelope_keeps_each_nodes_answer_without_the_merged_lists():
-    doc = job.envelope([_answered(A, {"agents": [1], "kept": True}), _silent(B)], strip=("agents",))
+    doc = job.envelope([answered(A, {"agents": [1], "kept": True}), silent(B)], strip=("agents",))
     assert doc["per_node"] == {"node-a:8787": {"kept": True}, "node-b:9000": None}
     assert [n["node"] for n in doc["nodes"]] == ["node-a:8787", "node-b:9000"]
     assert [n["answered"] for n in doc["nodes"]] == [True, False]
 
 
 def test_artifacts_of_lists_the_paths_of_answered_nodes():
-    answers = [_answered(A, {"paths": ["/s/1", "", 7]}), _silent(B)]
+    answers = [answered(A, {"paths": ["/s/1", "", 7]}), silent(B)]
     rows = job.artifacts_of(answers, {A: "node-a", B: "node-b"}, lambda r: r["paths"])
     assert rows == [{"node": "node-a", "node_address": "node-a:8787", "path": "/s/1"}]
 
 
 def test_per_rank_rows_merge_in_rank_order_with_their_node():
     answers = [
-        _answered(A, {"results": [{"rank": 2, "status": "ok", "artifact": "/s/2"}]}),
-        _answered(B, {"results": [{"rank": 0, "status": "ok", "artifact": "/s/0"}, {"rank": 1, "status": "x"}]}),
+        answered(A, {"results": [{"rank": 2, "status": "ok", "artifact": "/s/2"}]}),
+        answered(B, {"results": [{"rank": 0, "status": "ok", "artifact": "/s/0"}, {"rank": 1, "status": "x"}]}),
     ]
     result = job.per_rank_result(Reach(FakeClient({})), None, [A, B], answers, ("results",))  # type: ignore[arg-type]
     assert [(r["rank"], r["node"]) for r in result.doc["results"]] == [(0, "node-b"), (1, "node-b"), (2, "node-a")]
