@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from dynprof.errors import ArtifactError, MissingFile
+from dynprof.units import parse_size
 
 MANIFEST_MAX_BYTES = 1 << 20
 """A manifest larger than this is refused (real ones are a few KiB)."""
@@ -69,8 +70,6 @@ def max_trace_bytes() -> int:
     env = os.environ.get("DYNPROF_MAX_TRACE_BYTES")
     if not env:
         return DEFAULT_MAX_TRACE_BYTES
-    from dynprof.units import parse_size
-
     return max(1, parse_size(env))
 
 

@@ -23,6 +23,8 @@ from collectors import flight_recorder as fr
 from dynprof import errors, untrusted
 from dynprof.agents import parallel, resolve
 from dynprof.arguments import MAX_PID, MAX_SECONDS
+from dynprof.client import AgentClient
+from dynprof.proto import pb
 from dynprof.registry import AgentRecord, read_record
 from dynprof.requests import TARGETS, read_options
 from dynprof.units import human_bytes
@@ -235,9 +237,6 @@ def _targets(request: NcclRequest) -> list[tuple[int, AgentRecord | None]]:
 
 
 def _dump(pid: int, record: AgentRecord | None, writer: Any, request: NcclRequest) -> Any:
-    from dynprof.client import AgentClient
-    from dynprof.proto import pb
-
     rank = record.rank if record is not None else None
     if rank is None:
         rank = _environ_rank(pid)

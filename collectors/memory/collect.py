@@ -33,6 +33,8 @@ from collectors.memory.plan.solve import make_plan
 from dynprof import errors
 from dynprof.agents import parallel, resolve
 from dynprof.arguments import MAX_HISTORY_EVENTS, MAX_PID, MAX_SECONDS
+from dynprof.client import AgentClient
+from dynprof.proto import pb
 from dynprof.registry import AgentRecord
 from dynprof.requests import TARGETS, read_options
 from dynprof.units import human_bytes
@@ -160,9 +162,6 @@ def _exit_code(results: list[dict[str, Any]], ok: tuple[str, ...]) -> int:
 
 def collect(request: MemoryRequest) -> Collected:
     """A snapshot of each process ``request`` names, or its history turned on or off."""
-    from dynprof.client import AgentClient
-    from dynprof.proto import pb
-
     records = resolve(pids=request.pids, job=request.job)
     if request.history:
         message: Any = pb.MemoryHistoryRequest(
@@ -332,9 +331,6 @@ def collect_plan(request: MemoryPlanRequest) -> Collected:
     """Measure the next step of each process ``request`` names and plan it; each plan kept as an
     artifact (a plan that could not be kept is a note, its row still ``ok``). The ranks of a
     job whose measurements agree get one plan besides (``jobs``: :func:`job_plans`)."""
-    from dynprof.client import AgentClient
-    from dynprof.proto import pb
-
     if request.undo:
         return collect_undo(request)
     records = resolve(pids=request.pids, job=request.job)
@@ -446,9 +442,6 @@ def collect_undo(request: MemoryPlanRequest) -> Collected:
     wrapped: the agent does it at the job's next step boundary, on its training thread; this
     waits for it (at most ``request.timeout``). A row's ``undo`` is ``undone`` or ``nothing``
     (nothing was wrapped), its ``checkpoint`` the agent's state after."""
-    from dynprof.client import AgentClient
-    from dynprof.proto import pb
-
     records = resolve(pids=request.pids, job=request.job)
     token = f"{os.getpid()}-{time.monotonic_ns()}"
     deadline = time.monotonic() + request.timeout

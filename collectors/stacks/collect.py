@@ -31,6 +31,9 @@ from collectors.stacks.model import KIND, Budget, ProcessStacks, Stacks, from_js
 from dynprof import errors
 from dynprof.agents import parallel, resolve
 from dynprof.arguments import MAX_PID, MAX_SECONDS
+from dynprof.client import AgentClient
+from dynprof.paths import run_dir
+from dynprof.proto import pb
 from dynprof.registry import AgentRecord, read_record
 from dynprof.requests import TARGETS, read_options
 
@@ -270,10 +273,6 @@ def _finish(result: ProcessStacks, target: Target, attempts: list[str]) -> Proce
 
 
 def _from_agent(target: Target, request: StacksRequest) -> ProcessStacks:
-    from dynprof.client import AgentClient
-    from dynprof.paths import run_dir
-    from dynprof.proto import pb
-
     assert target.record is not None
     client = AgentClient.for_record(target.record, timeout=min(request.timeout, AGENT_TIMEOUT_S))
     # In the run directory: the agent writes only into dynprof's own places.

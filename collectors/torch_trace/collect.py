@@ -33,6 +33,7 @@ from dynprof.output import printable
 from dynprof.proto import pb
 from dynprof.registry import AgentRecord
 from dynprof.requests import TARGETS, read_options
+from dynprof.safetext import shell_word
 
 POLL_S = 0.1
 ACTIVITIES = ("cpu", "cuda", "xpu")
@@ -530,8 +531,6 @@ def write_wait_s(last: Any) -> float:
 def still_writing(record: AgentRecord, at_step: int, silent: float, last: Any) -> dict[str, Any]:
     """A process's result when its agent stayed busy past :func:`write_wait_s` (``last``: the
     trace state it answered last): the trace is still being written, and where it will appear."""
-    from dynprof.safetext import shell_word
-
     where = "`dynprof ls --kind trace" + (f" --job {shell_word(record.job_id)}`" if record.job_id else "`")
     if last is not None and last.state in ("tracing", "exporting"):
         note = (

@@ -8,6 +8,8 @@ from __future__ import annotations
 from typing import Any
 
 from collectors.trace_analysis.reader import TraceError
+from dynprof.errors import ArtifactError
+from dynprof.untrusted import loads_json
 
 KIND = "analysis"
 ANALYSIS_FILE = "analysis.json"
@@ -18,9 +20,6 @@ MAX_ANALYSIS_FILE_BYTES = 64 * 1024**2
 
 def load_analysis(artifact: Any) -> dict[str, Any]:
     """The analysis saved in an ``analysis`` artifact (bounded read, schema checked)."""
-    from dynprof.errors import ArtifactError
-    from dynprof.untrusted import loads_json
-
     what = f"{ANALYSIS_FILE} in {artifact.path}"
     try:
         data = loads_json(artifact.read_bytes(ANALYSIS_FILE, MAX_ANALYSIS_FILE_BYTES), what)

@@ -34,6 +34,7 @@ from dynprof.output import printable
 from dynprof.requests import read_options
 from dynprof.result import Result
 from dynprof.store import Artifact, ArtifactStore
+from dynprof.untrusted import max_trace_bytes
 
 MAX_TOP = 10_000
 MAX_WORKERS = 1024
@@ -131,8 +132,6 @@ class AnalysisRequest:
 
     def trace_limit(self) -> int:
         """The largest decompressed trace read: the request's, else ``DYNPROF_MAX_TRACE_BYTES``."""
-        from dynprof.untrusted import max_trace_bytes
-
         return self.max_bytes if self.max_bytes is not None else max_trace_bytes()
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from dynprof.errors import ArtifactError
+from dynprof.untrusted import DecompressedReader, open_in
 
 DEFAULT_MAX_TRACE_BYTES = 2 * 1024**3
 MAX_VALUE_CHARS = 64 * 1024**2
@@ -108,8 +109,6 @@ def iter_trace(
     """Yield the events of a Chrome trace one by one; top-level keys other than
     ``traceEvents`` go into ``header`` (those after the event array only once it is exhausted)."""
     header = {} if header is None else header
-    from dynprof.untrusted import DecompressedReader, open_in
-
     scan = json.scanner.make_scanner(json.JSONDecoder())  # type: ignore[arg-type]
     path = Path(path)
     try:

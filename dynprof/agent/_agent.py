@@ -22,6 +22,8 @@ from dataclasses import replace
 from typing import Any
 
 from dynprof import __version__, roles
+from dynprof.agent._safety import WATCH as PROFILER_WATCH
+from dynprof.agent._safety import watch_when_imported
 from dynprof.agent._steps import StepTracker
 from dynprof.identity import Identity, detect
 from dynprof.kinds import agent_extensions
@@ -408,9 +410,7 @@ class Agent:
     def _on_torch_imported(self) -> None:
         """torch.optim was just imported (so torch is): record torch's version, and watch for
         the job's own profilers (see ``_safety.ProfilerWatch``)."""
-        from dynprof.agent._safety import WATCH, watch_when_imported
-
-        WATCH.install()
+        PROFILER_WATCH.install()
         watch_when_imported()  # torch.profiler may be imported later than torch.optim
         self._update_record()
 

@@ -11,9 +11,11 @@ import json
 import os
 from typing import TYPE_CHECKING, Any
 
+from dynprof.agent._ext_stacks import open_output
 from dynprof.agent._server import CommandError
 from dynprof.errors import FLIGHT_RECORDER_HELP
 from dynprof.proto import pb
+from dynprof.store import ArtifactStore
 
 if TYPE_CHECKING:
     from dynprof.agent._agent import Agent
@@ -22,7 +24,6 @@ if TYPE_CHECKING:
 def install(agent: Agent) -> None:
     def flight_recorder_dump(msg: Any) -> tuple[str, Any]:
         from collectors import flight_recorder as fr
-        from dynprof.agent._ext_stacks import open_output
 
         try:
             doc = fr.dump_in_process(
@@ -41,8 +42,6 @@ def install(agent: Agent) -> None:
             with os.fdopen(fd, "w") as fh:
                 json.dump(doc, fh, default=str)
             return "artifact", pb.ArtifactWritten(path=str(path), status="complete", summary_json=summary)
-        from dynprof.store import ArtifactStore
-
         writer = ArtifactStore().create(fr.KIND, job=ident.job_id, host=ident.host, rank=ident.rank)
         writer.write_json(f"rank{ident.rank}-pid{os.getpid()}.json", doc)
         rank = ident.rank if ident.rank is not None else 0

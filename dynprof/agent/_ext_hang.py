@@ -38,6 +38,8 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 from dynprof import _phase, _settings, roles
+from dynprof.paths import ensure_private_dir, run_dir
+from dynprof.store import ArtifactStore
 
 if TYPE_CHECKING:
     from dynprof.agent._agent import Agent
@@ -85,8 +87,6 @@ class HangWatchdog:
 
     # -- life cycle -------------------------------------------------------------------------
     def start(self) -> None:
-        from dynprof.paths import ensure_private_dir, run_dir
-
         self._dir = run_dir() / "hang"
         ensure_private_dir(self._dir)
         self._thread = threading.Thread(target=self._run, name="dynprof-hang", daemon=True)
@@ -241,7 +241,6 @@ class HangWatchdog:
 
     def _register(self, dump: Path, step: int, from_c_timer: bool = False) -> None:
         from collectors.stacks import HANG_KIND, ProcessStacks, parse_faulthandler, render_process
-        from dynprof.store import ArtifactStore
 
         if len(self.artifacts) >= MAX_ARTIFACTS:
             log.warning("hang dump %s not registered: %d artifacts already", dump, MAX_ARTIFACTS)

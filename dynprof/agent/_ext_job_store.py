@@ -34,6 +34,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from dynprof import _settings
+from dynprof.agent import _pg_watch
 from dynprof.agent._server import CommandError
 from dynprof.proto import pb
 
@@ -329,10 +330,8 @@ class JobStoreRegistration:
 
     # -- noticing the process group ---------------------------------------------------------
     def install(self) -> None:
-        from dynprof.agent._pg_watch import WATCH
-
-        WATCH.install()  # normally done already by the agent's start-up
-        WATCH.listeners.append(self.schedule)
+        _pg_watch.WATCH.install()  # normally done already by the agent's start-up
+        _pg_watch.WATCH.listeners.append(self.schedule)
         self.schedule()  # a group created before now (dynprof attach, or a fast job)
         # Backstop for a job that bound init_process_group under its own name before the agent
         # wrapped it: look once more at the first step boundary, then never again.
@@ -340,10 +339,8 @@ class JobStoreRegistration:
         self.agent.exit_callbacks.append(self.uninstall)
 
     def uninstall(self) -> None:
-        from dynprof.agent._pg_watch import WATCH
-
         with contextlib.suppress(ValueError):
-            WATCH.listeners.remove(self.schedule)
+            _pg_watch.WATCH.listeners.remove(self.schedule)
         self.agent.steps.remove_listener(self._first_step_listener)
 
     def _first_step(self, _step: int) -> None:

@@ -57,7 +57,13 @@ from collectors.memory.policy import (
     parse_policy,
 )
 from dynprof import _settings
+from dynprof.agent._mainthread import call_soon_in_main_thread
+from dynprof.agent._mem_apply import install as install_checkpoint
+from dynprof.agent._mem_plan import MemoryPlanner
 from dynprof.agent._post_import import PostImportFinder
+from dynprof.agent._server import CommandError
+from dynprof.proto import pb
+from dynprof.store import ArtifactStore
 from dynprof.units import parse_size
 
 if TYPE_CHECKING:
@@ -155,12 +161,8 @@ class MemoryController:
     def install(self) -> None:
         self.agent.handlers["memory_snapshot"] = self.handle_snapshot
         self.agent.handlers["memory_history"] = self.handle_history
-        from dynprof.agent._mem_plan import MemoryPlanner
-
         self.planner = MemoryPlanner(self.agent)
         self.agent.handlers["memory_plan"] = self.planner.handle
-        from dynprof.agent._mem_apply import install as install_checkpoint
-
         # only a job started with `dynprof run --checkpoint` (DYNPROF_CHECKPOINT) is ever changed
         self.checkpoint = install_checkpoint(self.agent, _settings.environ())
         self.agent.exit_callbacks.append(self.at_exit)
@@ -350,8 +352,6 @@ class MemoryController:
     def _capture(
         self, trigger: str, stack: str, oom: dict[str, Any] | None = None, attribution: dict[str, Any] | None = None
     ) -> Any:
-        from dynprof.store import ArtifactStore
-
         ident = self.agent.identity
         art = capture.capture(
             ArtifactStore(),
@@ -375,9 +375,6 @@ class MemoryController:
 
     # -- commands --------------------------------------------------------------------------------
     def _require_cuda(self) -> None:
-        from dynprof.agent._server import CommandError
-        from dynprof.proto import pb
-
         torch = sys.modules.get("torch")
         if torch is None:
             raise CommandError(
@@ -395,9 +392,6 @@ class MemoryController:
             )
 
     def handle_snapshot(self, _request: Any) -> tuple[str, Any]:
-        from dynprof.agent._server import CommandError
-        from dynprof.proto import pb
-
         self._require_cuda()
         if not self._capture_lock.acquire(blocking=False):
             raise CommandError(
@@ -425,9 +419,6 @@ class MemoryController:
         return capture.thread_stack(frame, ident=ident, name=name)
 
     def handle_history(self, request: Any) -> tuple[str, Any]:
-        from dynprof.agent._server import CommandError
-        from dynprof.proto import pb
-
         self._require_cuda()
         if not request.enable:
             self._set_policy(OFF, clear=False)
@@ -467,8 +458,6 @@ class HostMemoryWatcher:
     def _run(self) -> None:
         try:
             from collectors import host_memory
-            from dynprof.agent._mainthread import call_soon_in_main_thread
-            from dynprof.store import ArtifactStore
 
             cgroup = host_memory.find_cgroup()
             limit = host_memory.resolve_limit(self.options.host_limit_bytes, cgroup)

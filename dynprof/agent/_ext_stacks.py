@@ -13,8 +13,12 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from dynprof import untrusted
 from dynprof.agent._server import CommandError
+from dynprof.errors import ArtifactError
+from dynprof.paths import run_dir
 from dynprof.proto import pb
+from dynprof.store import ArtifactStore, open_temporary_dir
 
 if TYPE_CHECKING:
     from dynprof.agent._agent import Agent
@@ -36,8 +40,6 @@ def _refuse(message: str) -> CommandError:
 def _run_dir_fd(directory: Path) -> int | None:
     """A descriptor of ``directory`` if it lies under this user's dynprof run directory, every
     directory from there down ours, not writable by others, and none reached through a link."""
-    from dynprof.paths import run_dir
-
     base = Path(os.path.abspath(run_dir(create=False)))
     if directory != base and base not in directory.parents:
         return None
@@ -70,10 +72,6 @@ def open_output(text: str) -> tuple[int, Path]:
     """Create the output file a client named: a new file (``O_EXCL``), mode 0600, never through
     a link, and only in dynprof's own places (the run directory, an artifact being written in
     a dynprof store). Returns its descriptor and path; anything else is ``INVALID_ARGUMENT``."""
-    from dynprof import untrusted
-    from dynprof.errors import ArtifactError
-    from dynprof.store import open_temporary_dir
-
     path = Path(text)
     if not path.is_absolute() or ".." in path.parts:
         raise _refuse(f"output path {text[:200]!r} must be an absolute file path")
@@ -115,7 +113,6 @@ def install(agent: Agent) -> None:
                 json.dump(stacks.to_json(), fh)
             return "artifact", pb.ArtifactWritten(path=str(path), status="complete", summary_json=json.dumps(summary))
         from collectors.stacks import write_request_artifact
-        from dynprof.store import ArtifactStore
 
         writer = ArtifactStore().create(
             KIND,

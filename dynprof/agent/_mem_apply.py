@@ -50,6 +50,7 @@ from collectors.memory.plan.blocks import MeasurementRefused, find_models
 from collectors.memory.plan.budget import parse_budget
 from collectors.memory.plan.measurement import from_json
 from dynprof.agent._mem_plan import MEASURED_STEP_MIN_S, MEASURED_STEP_TYPICAL, busy_with_trace
+from dynprof.store import ArtifactStore
 from dynprof.units import human_bytes
 
 if TYPE_CHECKING:
@@ -421,7 +422,6 @@ class CheckpointApplier:
     def _save(self) -> None:
         """Keep the measurement, the budget and what was verified as a ``memory-plan`` artifact."""
         from collectors.memory.plan.render import KIND, PLAN_FILE
-        from dynprof.store import ArtifactStore
 
         try:
             ident = self.agent.identity

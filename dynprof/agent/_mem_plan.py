@@ -32,6 +32,10 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
+from collectors.memory.plan.blocks import MeasurementRefused, find_models
+from dynprof.agent._server import CommandError
+from dynprof.proto import pb
+
 if TYPE_CHECKING:
     from dynprof.agent._agent import Agent
 
@@ -76,9 +80,6 @@ class MemoryPlanner:
     def handle(self, request: Any) -> tuple[str, Any]:
         import json
         import sys
-
-        from dynprof.agent._server import CommandError
-        from dynprof.proto import pb
 
         token = str(request.token)
         if not token or len(token) > MAX_TOKEN or not token.isprintable():
@@ -206,9 +207,7 @@ class MemoryPlanner:
             self._fail(run, f"{type(exc).__name__}: {exc}")
 
     def _begin(self, run: PlanRun) -> None:
-        from collectors.memory.plan.blocks import MeasurementRefused, find_models
         from collectors.memory.plan.capture import StepMeasurement
-        from dynprof.proto import pb
 
         steps = self.agent.steps
         optimizers = [o for o in (r() for r in list(steps.optimizers.values())) if o is not None]

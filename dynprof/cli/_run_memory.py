@@ -8,6 +8,7 @@ from collectors.memory.policy import PolicyError, parse_policy
 from dynprof import errors
 from dynprof.cli._common import MAX_SECONDS, bounded_int, nonnegative_float
 from dynprof.cli._run_options import RUN_OPTIONS
+from dynprof.units import parse_size
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -77,8 +78,6 @@ def apply(args: argparse.Namespace, env: dict[str, str]) -> None:
             env["DYNPROF_HOST_MEMORY_FRACTION"] = repr(value)
     limit = getattr(args, "host_memory_limit", None)
     if limit is not None:
-        from dynprof.units import parse_size
-
         try:
             env["DYNPROF_HOST_MEMORY_LIMIT"] = str(parse_size(limit))
         except errors.DynprofError as exc:

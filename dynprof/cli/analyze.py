@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 
 from collectors.trace_analysis.collect import Analysis, AnalysisRequest, Comparison, collect
+from collectors.trace_analysis.render import render_compare_text, render_text
 from dynprof.cli._common import add_json, bounded_int, printable, printable_lines
 from dynprof.result import Result
 from dynprof.store import ArtifactStore
 from dynprof.units import parse_size
+from dynprof.untrusted import max_trace_bytes
 
 
 class AnalyzeCommand:
@@ -57,8 +59,6 @@ class AnalyzeCommand:
         return result
 
     def render(self, result: Result) -> str:
-        from collectors.trace_analysis.render import render_compare_text, render_text
-
         if isinstance(result, Comparison):
             return printable_lines(render_compare_text(result.comparison, result.a_label, result.b_label))
         assert isinstance(result, Analysis)
@@ -73,8 +73,6 @@ class AnalyzeCommand:
 def request_from_args(args: argparse.Namespace) -> AnalysisRequest:
     """The options of `dynprof analyze` as the kind's request (``--max-trace-bytes`` read as a
     size, else ``DYNPROF_MAX_TRACE_BYTES``)."""
-    from dynprof.untrusted import max_trace_bytes
-
     return AnalysisRequest(
         artifacts=tuple(args.artifacts),
         job=args.job,

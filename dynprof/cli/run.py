@@ -23,6 +23,7 @@ from pathlib import Path
 import dynprof
 from dynprof import errors
 from dynprof.cli._run_options import RUN_OPTIONS, load_run_options
+from dynprof.safetext import one_line, shell_word, valid_text
 
 BOOTSTRAP_DIR = Path(dynprof.__file__).resolve().parent / "_bootstrap"
 
@@ -52,8 +53,6 @@ def banner(job: str, cmd: list[str]) -> str:
     """What ``dynprof run`` says before it runs ``cmd``: the job id as the agents record it
     (bytes that are not UTF-8 as ``\\xNN``, :func:`dynprof.safetext.valid_text`), and a ``ps``
     command line that finds it when pasted (:func:`dynprof.safetext.shell_word`)."""
-    from dynprof.safetext import one_line, shell_word, valid_text
-
     recorded = valid_text(job)
     lines = [f"dynprof: job {one_line(recorded, None)}: agent enabled for {one_line(' '.join(cmd), None)}"]
     if recorded != job:

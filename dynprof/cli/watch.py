@@ -35,6 +35,7 @@ from dynprof.cli._watching import (
     node_source,
     samplers_of,
 )
+from dynprof.watch.engine import WatchEngine
 from dynprof.watch.sources import LocalSource
 
 HELP = __doc__
@@ -64,8 +65,6 @@ class WatchCommand:
         add_many_node_args(parser)
 
     def run(self, args: argparse.Namespace) -> int:
-        from dynprof.watch.engine import WatchEngine
-
         if len(args.job) > 200:
             raise errors.UsageError("--job takes at most 200 characters")
         nodes = nodes_requested(args)

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
-from dynprof import __version__
+from dynprof import __version__, errors
 from dynprof.errors import ArtifactError
 from dynprof.job.budget import TOTAL_ANSWER_BYTES, TOTAL_ANSWER_VALUES, AnswerBudget, AnswerShare, ManifestBudget
 from dynprof.nodes import CommandError, Node, NodeAnswer
@@ -91,8 +91,6 @@ class NodeFailure(Exception):
 
 def tls_context(cacert: str) -> ssl.SSLContext:
     """Verify the sidecars' certificates against ``cacert`` (a PEM file of CA or self-signed certs)."""
-    from dynprof import errors
-
     try:
         return ssl.create_default_context(cafile=cacert)
     except (OSError, ssl.SSLError) as exc:

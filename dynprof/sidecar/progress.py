@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from dynprof.registry import AgentRecord
+from dynprof.registry import AgentRecord, list_records
 from dynprof.watch import stall as stall_rule
 from dynprof.watch.model import NodeProgress, RankProgress
 from dynprof.watch.progress import read_progress
@@ -118,8 +118,6 @@ class ProgressBook:
         timeout: float = READ_TIMEOUT_S,
     ) -> None:
         if records is None:
-            from dynprof.registry import list_records
-
             records = list_records
         self.host = host
         self.every_s = every_s
