@@ -14,7 +14,6 @@ from collectors.stacks.merge import Source, merge
 from collectors.stacks.model import HANG_KIND, Budget, ProcessStacks, Stacks, headline, read_document
 from collectors.stacks.render import render_merged, render_process
 from dynprof.errors import ArtifactError
-from dynprof.untrusted import check_name, open_in, read_json_in
 
 
 def process_file_stem(p: ProcessStacks) -> str:
@@ -56,6 +55,8 @@ def write_request_artifact(writer: Any, processes: Sequence[ProcessStacks], fail
 
 
 def _process_from(directory: Path, name: str, budget: Budget) -> ProcessStacks:
+    from dynprof.untrusted import read_json_in
+
     data = read_json_in(directory, name)
     try:
         return ProcessStacks.from_json(data, budget)
@@ -67,6 +68,8 @@ def load_processes(directory: Path) -> list[ProcessStacks]:
     """The processes of a stacks artifact, every thread. Its files are untrusted: only plain
     names inside ``directory`` are read (an entry naming ``../x`` or ``/etc/x`` is refused),
     never through a link, with the bounds of :mod:`collectors.stacks.model`."""
+    from dynprof.untrusted import check_name, open_in
+
     directory = Path(directory)
     budget = Budget()
     if os.path.lexists(directory / "merged.json"):

@@ -36,6 +36,7 @@ from dynprof.paths import run_dir
 from dynprof.proto import pb
 from dynprof.registry import AgentRecord, read_record
 from dynprof.requests import TARGETS, read_options
+from dynprof.store import ArtifactStore
 
 METHODS = ("auto", "py-spy", "pystack", "agent")
 DEFAULT_TIMEOUT_S = 15.0
@@ -360,8 +361,6 @@ def _core(request: StacksRequest) -> ProcessStacks:
 
 # -- artifact --------------------------------------------------------------------------------
 def _save(request: StacksRequest, processes: list[ProcessStacks], failures: dict[str, str]) -> str:
-    from dynprof.store import ArtifactStore
-
     jobs = {p.job for p in processes if p.job}
     job = request.job or (jobs.pop() if len(jobs) == 1 else None)
     writer = ArtifactStore().create(KIND, job=job, options=request.options([p.pid for p in processes]))

@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 from typing import IO, Any
 
 from dynprof.errors import ArtifactError
-from dynprof.untrusted import iter_json_document, loads_json, text_depth
 
 SCHEMA = "dynprof.stacks"  # a stacks document (many processes, grouped)
 PROCESS_SCHEMA = "dynprof.stacks.process"  # one process's full dump
@@ -489,6 +488,8 @@ def read_document(fh: IO[bytes], budget: Budget | None = None) -> Stacks:
     :data:`MAX_FILE_BYTES`, one row, group or other field at most :data:`MAX_VALUE_CHARS`,
     and never more in memory than the budget allows plus one such value; nesting deeper than
     :data:`MAX_DOCUMENT_DEPTH` is refused from the text, before it is decoded."""
+    from dynprof.untrusted import iter_json_document, loads_json, text_depth
+
     budget = budget if budget is not None else Budget()
     head = fh.read(SMALL_FILE_BYTES + 1)
     try:

@@ -38,6 +38,7 @@ from dynprof.attach._discover import JobProcess as JobProcess
 from dynprof.attach._discover import JobSearch as JobSearch
 from dynprof.attach._discover import find_job_processes as find_job_processes
 from dynprof.attach._gdb import GdbSession
+from dynprof.client import AgentClient
 from dynprof.paths import artifact_dir, ensure_private_dir, run_dir
 from dynprof.registry import AgentRecord, read_record
 
@@ -102,8 +103,6 @@ def existing_agent(pid: int) -> AgentRecord | None:
     record = read_record(pid)
     if record is None or not record.is_alive() or not os.path.exists(record.socket):
         return None
-    from dynprof.client import AgentClient
-
     try:
         AgentClient.for_record(record, timeout=2.0).status()
     except errors.DynprofError:
@@ -269,8 +268,6 @@ def confirm_ready(pid: int, result: Mapping[str, Any], timeout: float = CONFIRM_
     The bootstrap's word is not enough: an agent whose server thread died (a module it needs
     missing from the job's environment) has bound its socket and registered, but nobody
     serves it. Raises AgentError with the reason from the agent's log when it does not answer."""
-    from dynprof.client import AgentClient
-
     sock = result.get("socket")
     log = result.get("log") or f"{run_dir() / 'logs'}/{pid}.log"
     if not isinstance(sock, str) or not sock:

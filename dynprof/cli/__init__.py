@@ -20,7 +20,7 @@ from typing import Protocol
 from dynprof import __version__
 from dynprof.errors import DynprofError
 from dynprof.kinds import commands
-from dynprof.output import silence_stdout
+from dynprof.output import print_json, printable_lines, silence_stdout
 from dynprof.result import Result
 from dynprof.safetext import valid_text
 
@@ -41,8 +41,6 @@ class CollectingCommand(Command, Protocol):
 
 def emit(command: CollectingCommand, result: Result, as_json: bool) -> int:
     """Show a command's result: its messages on stderr, then its JSON or its text on stdout."""
-    from dynprof.cli._common import print_json, printable_lines
-
     for line in result.messages:
         print(f"dynprof: {printable_lines(line)}", file=sys.stderr)
     if as_json:
@@ -157,8 +155,6 @@ def report_error(exc: DynprofError, as_json: bool = False) -> None:
                 indent=2,
             )
         )
-    from dynprof.cli._common import printable_lines
-
     # Messages may quote what a target, a file or an argument said: escape it for the terminal.
     print(f"dynprof: error: {printable_lines(exc.message)}", file=sys.stderr)
     if exc.help:

@@ -14,6 +14,7 @@ import sys
 
 from dynprof import errors
 from dynprof.cli._run_options import RUN_OPTIONS
+from dynprof.paths import ensure_private_dir, run_dir
 
 MAX_ENTRIES = 1_000_000
 
@@ -41,7 +42,6 @@ def apply(args: argparse.Namespace, env: dict[str, str]) -> None:
     if not 0 < entries <= MAX_ENTRIES:
         raise errors.UsageError(f"--flight-recorder takes 1..{MAX_ENTRIES} entries, not {entries}")
     from collectors import flight_recorder as fr
-    from dynprof.paths import ensure_private_dir, run_dir
     from dynprof.store import ArtifactStore, safe_segment
 
     job = env.get("DYNPROF_JOB_ID") or "nojob"

@@ -24,6 +24,7 @@ import sys
 
 from dynprof import errors
 from dynprof.cli._run_options import RUN_OPTIONS
+from dynprof.paths import ensure_private_dir, run_dir
 
 GENERATION_FLAGS = (
     "skip_abort,skip_nonrelocated_elf_images,skip_global_memory,skip_shared_memory,skip_local_memory,"
@@ -56,7 +57,6 @@ def coredump_environment(pipe_dir: str, dump_dir: str) -> dict[str, str]:
 def apply(args: argparse.Namespace, env: dict[str, str]) -> None:
     if not getattr(args, "gpu_coredump", False):
         return
-    from dynprof.paths import ensure_private_dir, run_dir
     from dynprof.store import ArtifactStore, safe_segment
 
     job = env.get("DYNPROF_JOB_ID") or "nojob"

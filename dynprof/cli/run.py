@@ -23,6 +23,7 @@ from pathlib import Path
 import dynprof
 from dynprof import errors
 from dynprof.cli._run_options import RUN_OPTIONS, load_run_options
+from dynprof.paths import MAX_SOCKET_PATH, run_dir
 from dynprof.safetext import one_line, shell_word, valid_text
 
 BOOTSTRAP_DIR = Path(dynprof.__file__).resolve().parent / "_bootstrap"
@@ -88,8 +89,6 @@ class RunCommand:
         exe = shutil.which(cmd[0])
         if exe is None:
             raise errors.UsageError(f"command not found: {cmd[0]}", help="Check the name and your PATH.")
-        from dynprof.paths import MAX_SOCKET_PATH, run_dir
-
         # An unusable runtime directory is said here, once, not by every process of the job.
         longest_socket = run_dir() / "agents" / "4194304.sock"
         if len(str(longest_socket).encode()) > MAX_SOCKET_PATH:

@@ -32,6 +32,7 @@ from dynprof import errors
 from dynprof.agents import agent_rows
 from dynprof.arguments import nonnegative_float
 from dynprof.cli._common import host_arg, path_arg, port
+from dynprof.cli._watching import add_serve_watch_args, check_hosted_watch, start_hosted_watch
 from dynprof.identity import detect
 from dynprof.paths import run_dir
 from dynprof.renderers import render, render_html
@@ -233,13 +234,9 @@ class ServeCommand:
             help="read every rank's progress from its agent every S seconds, for /api/progress and /metrics "
             f"(default 2; at least {MIN_PROGRESS_EVERY_S:g}; 0: read only when asked)",
         )
-        from dynprof.cli._watching import add_serve_watch_args
-
         add_serve_watch_args(parser)
 
     def run(self, args: argparse.Namespace) -> int:
-        from dynprof.cli._watching import check_hosted_watch, start_hosted_watch
-
         check_hosted_watch(args)
         if bool(args.certfile) != bool(args.keyfile):
             raise errors.UsageError("give --certfile and --keyfile together (TLS needs both)")

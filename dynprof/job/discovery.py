@@ -25,7 +25,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dynprof import errors
+from dynprof.agents import refresh_records
+from dynprof.client import AgentClient
 from dynprof.nodes import DEFAULT_PORT, Node, parse_hosts, parse_node, read_hostfile, sidecar_port
+from dynprof.proto import pb
+from dynprof.registry import list_records
 
 MAX_NODES = 65536
 
@@ -309,14 +313,8 @@ def discover_job(
     answer wins. Registrations are used as :class:`Discovery` says: ``allowed`` nodes only
     (default: loopback and this Slurm allocation's nodes), or any node when ``tls`` verifies
     every sidecar before the token is sent."""
-    from dynprof.client import AgentClient
-    from dynprof.proto import pb
-    from dynprof.registry import list_records
-
     records = [r for r in list_records() if r.job_id == job]
     if not records:
-        from dynprof.agents import refresh_records
-
         records = [r for r in refresh_records(list_records()) if r.job_id == job]
     if not records:
         raise errors.NoAgent(
