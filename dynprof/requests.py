@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from dynprof import errors
+from dynprof.arguments import MAX_PID, MAX_SECONDS
 
 MAX_TEXT = 4096
 MAX_ITEMS = 1024
@@ -25,6 +26,51 @@ KINDS = ("bool", "int", "float", "str", "ints", "strs")
 # The options that name the processes a request acts on, as every command that takes them lists
 # them: a job, process ids, or every agent of this node.
 TARGETS: dict[str, str] = {"job": "str", "pid": "ints", "all": "bool"}
+
+
+def check_one_target(pids: tuple[int, ...], job: str | None, all_: bool, command: str) -> None:
+    """A usage error unless exactly one of ``pids``, ``job`` and ``all_`` is given (``command``:
+    the command whose help the error points to)."""
+    if len([x for x in (pids, job, all_) if x]) != 1:
+        raise errors.UsageError("give exactly one of --pid, --job or --all", help=f"See `dynprof {command} --help`.")
+
+
+def check_pids(pids: tuple[int, ...]) -> None:
+    """A usage error unless every one of ``pids`` is a process id (an integer, 1 to MAX_PID)."""
+    if any(isinstance(pid, bool) or not isinstance(pid, int) or not 0 < pid <= MAX_PID for pid in pids):
+        raise errors.UsageError(f"a process id is 1-{MAX_PID}")
+
+
+def check_timeout(timeout: float) -> None:
+    """A usage error unless ``timeout`` is more than 0 seconds and at most MAX_SECONDS."""
+    if not 0 < timeout <= MAX_SECONDS:
+        raise errors.UsageError(f"a timeout of {timeout:g} s: more than 0, at most {MAX_SECONDS:g}")
+
+
+def targets_of(options: Mapping[str, Any]) -> dict[str, Any]:
+    """A request's targets (its ``pids``, ``job`` and ``all`` fields) of the options
+    :func:`read_options` read with :data:`TARGETS`.
+
+    >>> targets_of({"pid": [7, 8]})
+    {'pids': (7, 8), 'job': None, 'all': False}
+    """
+    return {"pids": tuple(options.get("pid", ())), "job": options.get("job"), "all": options.get("all", False)}
+
+
+def targets_json(pids: tuple[int, ...], job: str | None, all_: bool) -> dict[str, Any]:
+    """A request's targets as the options of :data:`TARGETS` (those left unset out).
+
+    >>> targets_json((), "j1", False)
+    {'job': 'j1'}
+    """
+    out: dict[str, Any] = {}
+    if pids:
+        out["pid"] = list(pids)
+    if job:
+        out["job"] = job
+    if all_:
+        out["all"] = True
+    return out
 
 
 def read_options(doc: Any, spec: Mapping[str, str], what: str) -> dict[str, Any]:

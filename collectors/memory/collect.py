@@ -32,9 +32,17 @@ from collectors.memory.plan.scale import micro_batches
 from collectors.memory.plan.solve import make_plan
 from dynprof import errors
 from dynprof.agents import parallel, resolve
-from dynprof.arguments import MAX_HISTORY_EVENTS, MAX_PID, MAX_SECONDS
+from dynprof.arguments import MAX_HISTORY_EVENTS
 from dynprof.registry import AgentRecord
-from dynprof.requests import TARGETS, read_options
+from dynprof.requests import (
+    TARGETS,
+    check_one_target,
+    check_pids,
+    check_timeout,
+    read_options,
+    targets_json,
+    targets_of,
+)
 from dynprof.units import human_bytes
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -43,29 +51,6 @@ STACKS = ("python", "all")
 POLL_S = 0.2
 MAX_MEASUREMENT_BYTES = 8 * 1024 * 1024
 MICRO_BATCH_MAX_BLOCKS = 512  # the micro-batch sizes plan a dozen times: only up to this many blocks
-
-
-def _check_targets(pids: tuple[int, ...], job: str | None, all_: bool, command: str) -> None:
-    if len([x for x in (pids, job, all_) if x]) != 1:
-        raise errors.UsageError("give exactly one of --pid, --job or --all", help=f"See `dynprof {command} --help`.")
-    if any(isinstance(pid, bool) or not isinstance(pid, int) or not 0 < pid <= MAX_PID for pid in pids):
-        raise errors.UsageError(f"a process id is 1-{MAX_PID}")
-
-
-def _check_timeout(timeout: float) -> None:
-    if not 0 < timeout <= MAX_SECONDS:
-        raise errors.UsageError(f"a timeout of {timeout:g} s: more than 0, at most {MAX_SECONDS:g}")
-
-
-def _targets_json(pids: tuple[int, ...], job: str | None, all_: bool) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    if pids:
-        out["pid"] = list(pids)
-    if job:
-        out["job"] = job
-    if all_:
-        out["all"] = True
-    return out
 
 
 @dataclass(frozen=True)
@@ -85,7 +70,8 @@ class MemoryRequest:
     timeout: float = DEFAULT_TIMEOUT_S
 
     def __post_init__(self) -> None:
-        _check_targets(self.pids, self.job, self.all, "memory")
+        check_one_target(self.pids, self.job, self.all, "memory")
+        check_pids(self.pids)
         if self.history_start is not None and self.history_stop:
             raise errors.UsageError("give --history-start or --history-stop, not both")
         if self.history_start is not None and not 0 < self.history_start <= MAX_HISTORY_EVENTS:
@@ -94,7 +80,7 @@ class MemoryRequest:
             )
         if self.stacks not in STACKS:
             raise errors.UsageError(f"--stacks {self.stacks[:40]!a}: one of {', '.join(STACKS)}")
-        _check_timeout(self.timeout)
+        check_timeout(self.timeout)
 
     @property
     def history(self) -> bool:
@@ -113,9 +99,7 @@ class MemoryRequest:
         """The request of a JSON object of the ``memory`` action's options (:meth:`to_json`)."""
         o = read_options(doc, cls.OPTIONS, "memory")
         return cls(
-            pids=tuple(o.get("pid", ())),
-            job=o.get("job"),
-            all=o.get("all", False),
+            **targets_of(o),
             history_start=o.get("history_start"),
             history_stop=o.get("history_stop", False),
             stacks=o.get("stacks", "python"),
@@ -123,7 +107,7 @@ class MemoryRequest:
         )
 
     def to_json(self) -> dict[str, Any]:
-        out = {**_targets_json(self.pids, self.job, self.all), "timeout": self.timeout}
+        out = {**targets_json(self.pids, self.job, self.all), "timeout": self.timeout}
         if self.history_start is not None:
             out["history_start"] = self.history_start
         if self.history_stop:
@@ -215,11 +199,12 @@ class MemoryPlanRequest:
     undo: bool = False  # take back what `dynprof run --checkpoint` applied, instead of a plan
 
     def __post_init__(self) -> None:
-        _check_targets(self.pids, self.job, self.all, "memory")
+        check_one_target(self.pids, self.job, self.all, "memory")
+        check_pids(self.pids)
         if self.undo:
             if self.budget is not None or self.save is not None:
                 raise errors.UsageError("--undo takes no --budget or --save")
-            _check_timeout(self.timeout)
+            check_timeout(self.timeout)
             return
         if self.budget is None and self.save is None:
             raise errors.UsageError(
@@ -230,7 +215,7 @@ class MemoryPlanRequest:
         if self.budget is not None and self.save is not None:
             raise errors.UsageError("give --budget or --save, not both")
         parse_budget(self.budget if self.budget is not None else self.save or "")
-        _check_timeout(self.timeout)
+        check_timeout(self.timeout)
 
     OPTIONS: ClassVar[dict[str, str]] = {
         **TARGETS,
@@ -245,9 +230,7 @@ class MemoryPlanRequest:
         """The request of a JSON object of the ``memory-plan`` action's options (:meth:`to_json`)."""
         o = read_options(doc, cls.OPTIONS, "memory-plan")
         return cls(
-            pids=tuple(o.get("pid", ())),
-            job=o.get("job"),
-            all=o.get("all", False),
+            **targets_of(o),
             budget=o.get("budget"),
             save=o.get("save"),
             timeout=o.get("timeout", DEFAULT_TIMEOUT_S),
@@ -255,7 +238,7 @@ class MemoryPlanRequest:
         )
 
     def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {**_targets_json(self.pids, self.job, self.all), "timeout": self.timeout}
+        out: dict[str, Any] = {**targets_json(self.pids, self.job, self.all), "timeout": self.timeout}
         if self.undo:
             out["undo"] = True
         if self.budget is not None:

@@ -22,17 +22,25 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
-from collectors.torch_trace import WRITING_AT_EXIT, result_from_store, target_row
+from collectors.torch_trace import SWITCHES, WRITING_AT_EXIT, TraceOptions, result_from_store, target_row
 from collectors.torch_trace.align import ALIGN_LEAD_S, ALIGN_RETRIES, aligned_steps, alignment_step, boundary_offsets
 from collectors.torch_trace.samples import SAMPLE_GROUP_PREFIX, prune_sample_traces
 from dynprof import errors
 from dynprof.agents import parallel, resolve
-from dynprof.arguments import MAX_PID, MAX_SECONDS, MAX_STEP_NUMBER, MAX_TRACE_STEPS
+from dynprof.arguments import MAX_SECONDS, MAX_STEP_NUMBER, MAX_TRACE_STEPS
 from dynprof.client import AgentClient
 from dynprof.output import printable
 from dynprof.proto import pb
 from dynprof.registry import AgentRecord
-from dynprof.requests import TARGETS, read_options
+from dynprof.requests import (
+    TARGETS,
+    check_one_target,
+    check_pids,
+    check_timeout,
+    read_options,
+    targets_json,
+    targets_of,
+)
 
 POLL_S = 0.1
 ACTIVITIES = ("cpu", "cuda", "xpu")
@@ -79,8 +87,7 @@ class TraceRequest:
     keep_groups: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
-        if len([x for x in (self.pids, self.job, self.all) if x]) != 1:
-            raise errors.UsageError("give exactly one of --pid, --job or --all", help="See `dynprof start --help`.")
+        check_one_target(self.pids, self.job, self.all, "start")
         if self.steps and self.duration:
             raise errors.UsageError("give --steps or --duration, not both")
         if self.at_step and self.duration:
@@ -92,10 +99,9 @@ class TraceRequest:
         for name, value in (("--duration", self.duration), ("--max-duration", self.max_duration)):
             if not 0 <= value <= MAX_SECONDS:
                 raise errors.UsageError(f"{name} {value:g}: at most {MAX_SECONDS:g} s")
-        if self.timeout is not None and not 0 < self.timeout <= MAX_SECONDS:
-            raise errors.UsageError(f"a timeout of {self.timeout:g} s: more than 0, at most {MAX_SECONDS:g}")
-        if any(not 0 < pid <= MAX_PID for pid in self.pids):
-            raise errors.UsageError(f"a process id is 1-{MAX_PID}")
+        if self.timeout is not None:
+            check_timeout(self.timeout)
+        check_pids(self.pids)
         bad = [a for a in self.activities if a not in ACTIVITIES]
         if bad:
             raise errors.UsageError(f"unknown activity {bad[0][:40]!a} (choose from {', '.join(ACTIVITIES)})")
@@ -125,7 +131,7 @@ class TraceRequest:
         "sample_keep": "int",
         "keep_groups": "strs",
     }
-    _SWITCHES = ("record_shapes", "with_stack", "profile_memory", "with_flops", "with_modules", "no_wait")
+    _SWITCHES = (*SWITCHES, "no_wait")
 
     @classmethod
     def from_json(cls, doc: Any) -> TraceRequest:
@@ -140,9 +146,7 @@ class TraceRequest:
         activities = [a.strip().lower() for item in o.get("activities", ()) for a in item.split(",") if a.strip()]
         groups = [g.strip() for item in o.get("keep_groups", ()) for g in item.split(",") if g.strip()]
         return cls(
-            pids=tuple(o.get("pid", ())),
-            job=o.get("job"),
-            all=o.get("all", False),
+            **targets_of(o),
             steps=o.get("steps", 0),
             duration=o.get("duration", 0.0),
             at_step=o.get("at_step", 0),
@@ -156,13 +160,7 @@ class TraceRequest:
 
     def to_json(self) -> dict[str, Any]:
         """The request as the ``start`` action's options (those left unset out)."""
-        out: dict[str, Any] = {}
-        if self.pids:
-            out["pid"] = list(self.pids)
-        if self.job:
-            out["job"] = self.job
-        if self.all:
-            out["all"] = True
+        out = targets_json(self.pids, self.job, self.all)
         for key in ("steps", "duration", "at_step", "max_duration", "sample_keep"):
             if getattr(self, key):
                 out[key] = getattr(self, key)
@@ -241,14 +239,7 @@ def collect(request: TraceRequest, progress: ProgressLine | None = None) -> Star
             gone = prune_sample_traces(job, request.sample_keep - 1, set(request.keep_groups))
             if gone:
                 messages.append(f"deleted {len(gone)} older straggler-sample trace(s) of job {job}")
-    options = pb.TraceOptions(
-        record_shapes=request.record_shapes,
-        with_stack=request.with_stack,
-        profile_memory=request.profile_memory,
-        with_flops=request.with_flops,
-        with_modules=request.with_modules,
-        activities=list(request.activities),
-    )
+    options = pb.TraceOptions(**TraceOptions.of(request).to_dict())
     lead = ALIGN_LEAD_S
     # Attached processes count steps from their attach: align them by boundary times.
     by_time = align and not request.at_step and any(r.activation == "attach" for r in records)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 from dynprof import errors
 
@@ -54,6 +55,11 @@ def add_targets(parser: argparse.ArgumentParser, required: bool = True) -> None:
         help="the trainers of this job on this node: every rank, no launcher (ROLE in `dynprof ps`)",
     )
     group.add_argument("--all", action="store_true", help="every agent on this node")
+
+
+def targets_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The targets of :func:`add_targets`' options as a request's fields (``pids``, ``job``, ``all``)."""
+    return {"pids": tuple(args.pid or ()), "job": args.job, "all": bool(args.all)}
 
 
 def add_attach_flag(parser: argparse.ArgumentParser) -> None:

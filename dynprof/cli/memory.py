@@ -15,6 +15,7 @@ from dynprof.cli._common import (
     human_bytes,
     seconds,
     table,
+    targets_from_args,
 )
 from dynprof.cli._memory_plan import render as render_plan
 from dynprof.cli._node_args import nodes_requested
@@ -147,9 +148,7 @@ class MemoryCommand(JobCommand):
 def request_from_args(args: argparse.Namespace) -> MemoryRequest:
     """The options of `dynprof memory` (a snapshot, or history on or off) as the kind's request."""
     return MemoryRequest(
-        pids=tuple(args.pid or ()),
-        job=args.job,
-        all=bool(args.all),
+        **targets_from_args(args),
         history_start=args.history_start,
         history_stop=bool(args.history_stop),
         stacks=args.stacks,
@@ -160,9 +159,7 @@ def request_from_args(args: argparse.Namespace) -> MemoryRequest:
 def plan_request_from_args(args: argparse.Namespace) -> MemoryPlanRequest:
     """The options of `dynprof memory plan` as the kind's request."""
     return MemoryPlanRequest(
-        pids=tuple(args.pid or ()),
-        job=args.job,
-        all=bool(args.all),
+        **targets_from_args(args),
         budget=args.budget,
         save=args.save,
         timeout=args.timeout,

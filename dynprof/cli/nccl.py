@@ -28,6 +28,7 @@ from dynprof.cli._common import (
     attach_first,
     printable_lines,
     seconds,
+    targets_from_args,
 )
 from dynprof.cli.job import JobCommand, Text, answered_count
 from dynprof.job import nccl
@@ -87,9 +88,7 @@ class NcclCommand(JobCommand):
 def request_from_args(args: argparse.Namespace) -> NcclRequest:
     """The options of `dynprof nccl` as the kind's request."""
     return NcclRequest(
-        pids=tuple(args.pid or ()),
-        job=args.job,
-        all=bool(args.all),
+        **targets_from_args(args),
         only_active=args.only_active,
         stack_traces=not args.no_stack_traces,
         timeout=args.timeout,

@@ -43,6 +43,7 @@ from dynprof.cli._common import (
     printable,
     printable_lines,
     seconds,
+    targets_from_args,
 )
 from dynprof.cli.job import JobCommand
 from dynprof.job import stacks as stacks_job
@@ -286,9 +287,7 @@ class StacksCommand(JobCommand):
 def request_from_args(args: argparse.Namespace) -> StacksRequest:
     """The options of `dynprof stacks` (this node's processes, or a core file) as the kind's request."""
     return StacksRequest(
-        pids=tuple(args.pid or ()),
-        job=args.job,
-        all=bool(args.all),
+        **targets_from_args(args),
         core=args.core,
         executable=args.executable,
         native=args.native,

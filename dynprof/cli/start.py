@@ -18,6 +18,7 @@ import argparse
 import re
 from typing import Any
 
+from collectors.torch_trace import SWITCHES
 from collectors.torch_trace.collect import TraceRequest
 from dynprof.cli._common import (
     MAX_SECONDS,
@@ -30,6 +31,7 @@ from dynprof.cli._common import (
     bounded_int,
     printable,
     seconds,
+    targets_from_args,
 )
 from dynprof.cli.job import JobCommand, Text, render_per_rank, who
 from dynprof.job import start
@@ -181,17 +183,11 @@ def _render_nodes(doc: dict[str, Any], steps: int) -> str:
 def request_from_args(args: argparse.Namespace) -> TraceRequest:
     """The options of `dynprof start` on this node as the trace kind's request."""
     return TraceRequest(
-        pids=tuple(args.pid or ()),
-        job=args.job,
-        all=bool(args.all),
+        **targets_from_args(args),
         steps=args.steps or 0,
         duration=args.duration or 0.0,
         at_step=args.at_step or 0,
-        record_shapes=args.record_shapes,
-        with_stack=args.with_stack,
-        profile_memory=args.profile_memory,
-        with_flops=args.with_flops,
-        with_modules=args.with_modules,
+        **{key: getattr(args, key) for key in SWITCHES},
         activities=tuple(args.activities),
         max_duration=args.max_duration or 0.0,
         no_wait=args.no_wait,

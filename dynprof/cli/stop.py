@@ -9,7 +9,15 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from dynprof.cli._common import Progress, add_attach_flag, add_targets, attach_first, printable, seconds
+from dynprof.cli._common import (
+    Progress,
+    add_attach_flag,
+    add_targets,
+    attach_first,
+    printable,
+    seconds,
+    targets_from_args,
+)
 from dynprof.cli.job import JobCommand
 from dynprof.job import stop
 from dynprof.job.merge import JobResult, Reach
@@ -55,6 +63,4 @@ class StopCommand(JobCommand):
 
 def request_from_args(args: argparse.Namespace) -> StopRequest:
     """The options of `dynprof stop` on this node as its request."""
-    return StopRequest(
-        pids=tuple(args.pid or ()), job=args.job, all=bool(args.all), no_wait=args.no_wait, timeout=args.timeout
-    )
+    return StopRequest(**targets_from_args(args), no_wait=args.no_wait, timeout=args.timeout)

@@ -50,6 +50,17 @@ def test_targets_may_be_optional():
     assert args.pid is None and args.job is None and args.all is False
 
 
+def test_the_targets_given_are_a_requests_fields():
+    parser = _parser(required=False)
+    assert _common.targets_from_args(parser.parse_args(["--pid", "12,13"])) == {
+        "pids": (12, 13),
+        "job": None,
+        "all": False,
+    }
+    assert _common.targets_from_args(parser.parse_args(["--job", "j-1"])) == {"pids": (), "job": "j-1", "all": False}
+    assert _common.targets_from_args(parser.parse_args([])) == {"pids": (), "job": None, "all": False}
+
+
 # -- target selection ------------------------------------------------------------------------------
 def test_resolve_agents_asks_for_the_pids_or_the_job(monkeypatch):
     asked = []

@@ -25,6 +25,7 @@ from collectors import torch_trace
 from collectors.torch_trace import (
     KINETO_QUIET_LEVEL,
     MAX_WARNINGS_KEPT,
+    SWITCHES,
     TRACE_FILE,
     TRACE_UNCOMPRESSED_FILE,
     TraceOptions,
@@ -71,6 +72,21 @@ def test_options_are_plain_data():
     }
     o = TraceOptions(record_shapes=True, activities=["cpu"])
     assert o.to_dict()["record_shapes"] is True and o.to_dict()["activities"] == ["cpu"]
+
+
+def test_options_are_read_from_what_carries_them_by_name():
+    carrier = types.SimpleNamespace(
+        record_shapes=True,
+        with_stack=False,
+        profile_memory=True,
+        with_flops=False,
+        with_modules=True,
+        activities=("cuda",),
+    )
+    assert TraceOptions.of(carrier) == TraceOptions(
+        record_shapes=True, profile_memory=True, with_modules=True, activities=["cuda"]
+    )
+    assert set(SWITCHES) | {"activities"} == set(TraceOptions().to_dict())
 
 
 class FakeProfiler:
