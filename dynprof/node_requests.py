@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 
 from dynprof import errors
 from dynprof.arguments import MAX_PID, parse_int, parse_pid
-from dynprof.requests import TARGETS, check_timeout, read_options, targets_of
+from dynprof.requests import TARGETS, TargetedRequest, check_timeout, read_options
 
 PS_TIMEOUT_S = 1.0  # seconds to wait for each agent
 STOP_TIMEOUT_S = 120.0  # seconds to wait for the artifacts
@@ -110,13 +110,10 @@ def _refuse_targets(named: list[str]) -> None:
 
 
 @dataclass(frozen=True)
-class StopRequest:
+class StopRequest(TargetedRequest):
     """Whose trace ends: exactly one of ``pids``, ``job`` (its trainers on this node) or ``all``
     (every agent here); the artifacts waited for ``timeout`` seconds, or not at all (``no_wait``)."""
 
-    pids: tuple[int, ...] = ()
-    job: str | None = None
-    all: bool = False
     no_wait: bool = False
     timeout: float = STOP_TIMEOUT_S
 
@@ -152,7 +149,7 @@ class StopRequest:
         # in the document's order, as the command's parser reads its arguments
         _refuse_targets([key for key in o if key in ("pid", "job") or (key == "all" and o[key])])
         return cls(
-            **targets_of(o),
+            **cls.targets_of(o),
             no_wait=o.get("no_wait", False),
             timeout=o.get("timeout", STOP_TIMEOUT_S),
         )

@@ -23,15 +23,7 @@ from collectors import flight_recorder as fr
 from dynprof import errors, untrusted
 from dynprof.agents import parallel, resolve
 from dynprof.registry import AgentRecord, read_record
-from dynprof.requests import (
-    TARGETS,
-    check_one_target,
-    check_pids,
-    check_timeout,
-    read_options,
-    targets_json,
-    targets_of,
-)
+from dynprof.requests import TARGETS, TargetedRequest, check_timeout, read_options
 from dynprof.units import human_bytes
 
 MAX_DUMP_BYTES = 64 * 1024 * 1024
@@ -41,23 +33,20 @@ DEFAULT_TIMEOUT_S = 15.0
 
 
 @dataclass(frozen=True)
-class NcclRequest:
+class NcclRequest(TargetedRequest):
     """Whose recorders: exactly one of ``pids``, ``job`` (its trainers on this node) or ``all``;
     what: only the collectives not yet completed (``only_active``), with or without the Python
     stacks of each collective's caller (``stack_traces``); ``timeout`` per rank. Checked when
     made: a bad request raises :class:`~dynprof.errors.UsageError`."""
 
-    pids: tuple[int, ...] = ()
-    job: str | None = None
-    all: bool = False
     only_active: bool = False
     stack_traces: bool = True
     timeout: float = DEFAULT_TIMEOUT_S
 
     def __post_init__(self) -> None:
-        check_one_target(self.pids, self.job, self.all, "nccl")
+        self.check_one_target("nccl")
         check_timeout(self.timeout)
-        check_pids(self.pids)
+        self.check_pids()
 
     OPTIONS: ClassVar[dict[str, str]] = {
         **TARGETS,
@@ -71,7 +60,7 @@ class NcclRequest:
         """The request of a JSON object of the ``nccl`` action's options (:meth:`to_json`)."""
         o = read_options(doc, cls.OPTIONS, "nccl")
         return cls(
-            **targets_of(o),
+            **cls.targets_of(o),
             only_active=o.get("only_active", False),
             stack_traces=not o.get("no_stack_traces", False),
             timeout=o.get("timeout", DEFAULT_TIMEOUT_S),
@@ -83,7 +72,7 @@ class NcclRequest:
 
     def options(self) -> dict[str, Any]:
         """The request as the sidecar's ``nccl`` action takes it (the options it leaves unset out)."""
-        out: dict[str, Any] = {"timeout": self.timeout, **targets_json(self.pids, self.job, self.all)}
+        out: dict[str, Any] = {"timeout": self.timeout, **self.targets_json()}
         if self.only_active:
             out["only_active"] = True
         if not self.stack_traces:

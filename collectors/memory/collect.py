@@ -34,15 +34,7 @@ from dynprof import errors
 from dynprof.agents import parallel, resolve
 from dynprof.arguments import MAX_HISTORY_EVENTS
 from dynprof.registry import AgentRecord
-from dynprof.requests import (
-    TARGETS,
-    check_one_target,
-    check_pids,
-    check_timeout,
-    read_options,
-    targets_json,
-    targets_of,
-)
+from dynprof.requests import TARGETS, TargetedRequest, check_timeout, read_options
 from dynprof.units import human_bytes
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -54,24 +46,21 @@ MICRO_BATCH_MAX_BLOCKS = 512  # the micro-batch sizes plan a dozen times: only u
 
 
 @dataclass(frozen=True)
-class MemoryRequest:
+class MemoryRequest(TargetedRequest):
     """Whose memory: exactly one of ``pids``, ``job`` (its trainers on this node) or ``all``.
     What: a snapshot (the default, each waited for ``timeout`` seconds), or history turned on
     for the next ``history_start`` allocator events (with ``stacks`` python or all), or turned
     off (``history_stop``). Checked when made: a bad request raises
     :class:`~dynprof.errors.UsageError`."""
 
-    pids: tuple[int, ...] = ()
-    job: str | None = None
-    all: bool = False
     history_start: int | None = None
     history_stop: bool = False
     stacks: str = "python"
     timeout: float = DEFAULT_TIMEOUT_S
 
     def __post_init__(self) -> None:
-        check_one_target(self.pids, self.job, self.all, "memory")
-        check_pids(self.pids)
+        self.check_one_target("memory")
+        self.check_pids()
         if self.history_start is not None and self.history_stop:
             raise errors.UsageError("give --history-start or --history-stop, not both")
         if self.history_start is not None and not 0 < self.history_start <= MAX_HISTORY_EVENTS:
@@ -99,7 +88,7 @@ class MemoryRequest:
         """The request of a JSON object of the ``memory`` action's options (:meth:`to_json`)."""
         o = read_options(doc, cls.OPTIONS, "memory")
         return cls(
-            **targets_of(o),
+            **cls.targets_of(o),
             history_start=o.get("history_start"),
             history_stop=o.get("history_stop", False),
             stacks=o.get("stacks", "python"),
@@ -107,7 +96,7 @@ class MemoryRequest:
         )
 
     def to_json(self) -> dict[str, Any]:
-        out = {**targets_json(self.pids, self.job, self.all), "timeout": self.timeout}
+        out = {**self.targets_json(), "timeout": self.timeout}
         if self.history_start is not None:
             out["history_start"] = self.history_start
         if self.history_stop:
@@ -183,24 +172,21 @@ def collect(request: MemoryRequest) -> Collected:
 
 # -- plans ---------------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class MemoryPlanRequest:
+class MemoryPlanRequest(TargetedRequest):
     """Whose next optimizer step to measure: exactly one of ``pids``, ``job`` or ``all``; what
     to plan for: exactly one of ``budget`` (the peak the step must fit in: ``40G``, or ``60%`` of
     the measured peak) or ``save`` (the bytes to take off the peak); how long to wait for the
     step (``timeout``). Checked when made: a bad request raises
     :class:`~dynprof.errors.UsageError`."""
 
-    pids: tuple[int, ...] = ()
-    job: str | None = None
-    all: bool = False
     budget: str | None = None
     save: str | None = None
     timeout: float = DEFAULT_TIMEOUT_S
     undo: bool = False  # take back what `dynprof run --checkpoint` applied, instead of a plan
 
     def __post_init__(self) -> None:
-        check_one_target(self.pids, self.job, self.all, "memory")
-        check_pids(self.pids)
+        self.check_one_target("memory")
+        self.check_pids()
         if self.undo:
             if self.budget is not None or self.save is not None:
                 raise errors.UsageError("--undo takes no --budget or --save")
@@ -230,7 +216,7 @@ class MemoryPlanRequest:
         """The request of a JSON object of the ``memory-plan`` action's options (:meth:`to_json`)."""
         o = read_options(doc, cls.OPTIONS, "memory-plan")
         return cls(
-            **targets_of(o),
+            **cls.targets_of(o),
             budget=o.get("budget"),
             save=o.get("save"),
             timeout=o.get("timeout", DEFAULT_TIMEOUT_S),
@@ -238,7 +224,7 @@ class MemoryPlanRequest:
         )
 
     def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {**targets_json(self.pids, self.job, self.all), "timeout": self.timeout}
+        out: dict[str, Any] = {**self.targets_json(), "timeout": self.timeout}
         if self.undo:
             out["undo"] = True
         if self.budget is not None:

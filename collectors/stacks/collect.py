@@ -31,7 +31,7 @@ from collectors.stacks.model import KIND, Budget, ProcessStacks, Stacks, from_js
 from dynprof import errors
 from dynprof.agents import parallel, resolve
 from dynprof.registry import AgentRecord, read_record
-from dynprof.requests import TARGETS, check_pids, check_timeout, read_options, targets_json, targets_of
+from dynprof.requests import TARGETS, TargetedRequest, check_timeout, read_options
 
 METHODS = ("auto", "py-spy", "pystack", "agent")
 DEFAULT_TIMEOUT_S = 15.0
@@ -40,16 +40,13 @@ AGENT_TIMEOUT_S = 10.0  # the agent answers from inside the process: never longe
 
 
 @dataclass(frozen=True)
-class StacksRequest:
+class StacksRequest(TargetedRequest):
     """What to read: exactly one of ``pids``, ``job`` (its trainers on this node), ``all``
     (every agent here) or ``core`` (a core file, with its ``executable`` if given); how
     (``method``, ``native`` frames, ``locals``, ``timeout`` per process and reader); and
     whether the answer is kept as an artifact (``save``). Checked when made: a bad request
     raises :class:`~dynprof.errors.UsageError`, never a failure further down."""
 
-    pids: tuple[int, ...] = ()
-    job: str | None = None
-    all: bool = False
     core: str | None = None
     executable: str | None = None
     native: bool = False
@@ -69,7 +66,7 @@ class StacksRequest:
         if self.method not in METHODS:
             raise errors.UsageError(f"unknown method {self.method[:40]!a}: one of {', '.join(METHODS)}")
         check_timeout(self.timeout)
-        check_pids(self.pids)
+        self.check_pids()
 
     OPTIONS: ClassVar[dict[str, str]] = {
         **TARGETS,
@@ -86,7 +83,7 @@ class StacksRequest:
         A core file is never named in JSON: it is a file of the machine that reads it."""
         o = read_options(doc, cls.OPTIONS, "stacks")
         return cls(
-            **targets_of(o),
+            **cls.targets_of(o),
             native=o.get("native", False),
             locals=o.get("locals", False),
             method=o.get("method", "auto"),
@@ -98,7 +95,7 @@ class StacksRequest:
         """The request as the ``stacks`` action's options (a core file's request has none)."""
         if self.core:
             raise errors.UsageError("a core file is read on its own machine: its request is not sent as JSON")
-        out: dict[str, Any] = {"timeout": self.timeout, **targets_json(self.pids, self.job, self.all)}
+        out: dict[str, Any] = {"timeout": self.timeout, **self.targets_json()}
         for key in ("native", "locals"):
             if getattr(self, key):
                 out[key] = True

@@ -32,15 +32,7 @@ from dynprof.client import AgentClient
 from dynprof.output import printable
 from dynprof.proto import pb
 from dynprof.registry import AgentRecord
-from dynprof.requests import (
-    TARGETS,
-    check_one_target,
-    check_pids,
-    check_timeout,
-    read_options,
-    targets_json,
-    targets_of,
-)
+from dynprof.requests import TARGETS, TargetedRequest, check_timeout, read_options
 
 POLL_S = 0.1
 ACTIVITIES = ("cpu", "cuda", "xpu")
@@ -59,7 +51,7 @@ DEFAULT_ACTIVE_WAIT_S = 120.0  # an open-ended trace is waited for until active,
 
 
 @dataclass(frozen=True)
-class TraceRequest:
+class TraceRequest(TargetedRequest):
     """Which processes: exactly one of ``pids``, ``job`` (its trainers on this node) or ``all``.
     How long: ``steps`` optimizer steps (from ``at_step``, else the next boundary), or
     ``duration`` seconds, or neither (until `dynprof stop`). What torch.profiler records (the
@@ -68,9 +60,6 @@ class TraceRequest:
     (``sample_keep``) the older samples of the job this node keeps (``keep_groups``). Checked
     when made: a bad request raises :class:`~dynprof.errors.UsageError`."""
 
-    pids: tuple[int, ...] = ()
-    job: str | None = None
-    all: bool = False
     steps: int = 0
     duration: float = 0.0
     at_step: int = 0
@@ -87,7 +76,7 @@ class TraceRequest:
     keep_groups: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
-        check_one_target(self.pids, self.job, self.all, "start")
+        self.check_one_target("start")
         if self.steps and self.duration:
             raise errors.UsageError("give --steps or --duration, not both")
         if self.at_step and self.duration:
@@ -101,7 +90,7 @@ class TraceRequest:
                 raise errors.UsageError(f"{name} {value:g}: at most {MAX_SECONDS:g} s")
         if self.timeout is not None:
             check_timeout(self.timeout)
-        check_pids(self.pids)
+        self.check_pids()
         bad = [a for a in self.activities if a not in ACTIVITIES]
         if bad:
             raise errors.UsageError(f"unknown activity {bad[0][:40]!a} (choose from {', '.join(ACTIVITIES)})")
@@ -146,7 +135,7 @@ class TraceRequest:
         activities = [a.strip().lower() for item in o.get("activities", ()) for a in item.split(",") if a.strip()]
         groups = [g.strip() for item in o.get("keep_groups", ()) for g in item.split(",") if g.strip()]
         return cls(
-            **targets_of(o),
+            **cls.targets_of(o),
             steps=o.get("steps", 0),
             duration=o.get("duration", 0.0),
             at_step=o.get("at_step", 0),
@@ -160,7 +149,7 @@ class TraceRequest:
 
     def to_json(self) -> dict[str, Any]:
         """The request as the ``start`` action's options (those left unset out)."""
-        out = targets_json(self.pids, self.job, self.all)
+        out = self.targets_json()
         for key in ("steps", "duration", "at_step", "max_duration", "sample_keep"):
             if getattr(self, key):
                 out[key] = getattr(self, key)

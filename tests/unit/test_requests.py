@@ -10,12 +10,9 @@ from dynprof.requests import (
     MAX_ITEMS,
     MAX_TEXT,
     TARGETS,
-    check_one_target,
-    check_pids,
+    TargetedRequest,
     check_timeout,
     read_options,
-    targets_json,
-    targets_of,
 )
 
 SPEC = {"job": "str", "pid": "ints", "all": "bool", "n": "int", "t": "float", "names": "strs"}
@@ -56,16 +53,16 @@ def test_what_is_not_an_option_of_its_kind_is_a_usage_error(doc, said):
 @pytest.mark.parametrize(("pids", "job", "all_"), [((), None, False), ((1,), "j", False), ((), "j", True)])
 def test_not_exactly_one_target_is_a_usage_error_pointing_at_the_commands_help(pids, job, all_):
     with pytest.raises(errors.UsageError, match="exactly one of --pid, --job or --all") as info:
-        check_one_target(pids, job, all_, "nccl")
+        TargetedRequest(pids, job, all_).check_one_target("nccl")
     assert info.value.help == "See `dynprof nccl --help`."
-    check_one_target((), None, True, "nccl")
+    TargetedRequest(all=True).check_one_target("nccl")
 
 
 @pytest.mark.parametrize("pid", [0, -1, MAX_PID + 1, True, 1.5, "7"])
 def test_a_pid_that_is_no_process_id_is_a_usage_error(pid):
     with pytest.raises(errors.UsageError, match=f"a process id is 1-{MAX_PID}"):
-        check_pids((3, pid))
-    check_pids((1, MAX_PID))
+        TargetedRequest(pids=(3, pid)).check_pids()
+    TargetedRequest(pids=(1, MAX_PID)).check_pids()
 
 
 @pytest.mark.parametrize("timeout", [0, -1.0, MAX_SECONDS + 1])
@@ -76,8 +73,8 @@ def test_a_timeout_out_of_range_is_a_usage_error(timeout):
 
 
 def test_targets_read_and_written_round_trip():
-    for fields in ({"pids": (4, 5), "job": None, "all": False}, {"pids": (), "job": "j1", "all": False}):
-        doc = targets_json(fields["pids"], fields["job"], fields["all"])
-        assert targets_of(read_options(doc, TARGETS, "x")) == fields
-    assert targets_json((), None, True) == {"all": True}
-    assert targets_json((), None, False) == {}
+    for request in (TargetedRequest(pids=(4, 5)), TargetedRequest(job="j1"), TargetedRequest(all=True)):
+        doc = request.targets_json()
+        assert TargetedRequest(**TargetedRequest.targets_of(read_options(doc, TARGETS, "x"))) == request
+    assert TargetedRequest(all=True).targets_json() == {"all": True}
+    assert TargetedRequest().targets_json() == {}
