@@ -17,7 +17,6 @@ Over many nodes (--hosts), at most 2 GiB of dumps are read back in all.
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
 from collectors import flight_recorder as fr
 from collectors.flight_recorder import collect as kind
@@ -32,8 +31,7 @@ from dynprof.cli._common import (
 )
 from dynprof.cli.job import JobCommand, Text, answered_count
 from dynprof.job import nccl
-from dynprof.job.merge import JobResult, Reach
-from dynprof.nodes import Node
+from dynprof.job.merge import JobResult
 from dynprof.result import Result
 
 
@@ -61,9 +59,6 @@ class NcclCommand(JobCommand):
             attach_first(args)
         got = kind.collect(request)
         return JobResult(got.to_json(), got.exit_code, context={"ranks": len(got.ranks), "elapsed_s": got.elapsed_s})
-
-    def collect_job(self, options: dict[str, Any], nodes: list[Node], reach: Reach) -> Result:
-        return nccl.collect_job(options, nodes, reach)
 
     def render(self, result: Result) -> str:
         doc = result.to_json()

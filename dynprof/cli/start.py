@@ -35,8 +35,7 @@ from dynprof.cli._common import (
 )
 from dynprof.cli.job import JobCommand, Text, render_per_rank, who
 from dynprof.job import start
-from dynprof.job.merge import JobResult, Reach
-from dynprof.nodes import Node
+from dynprof.job.merge import JobResult
 from dynprof.result import Result
 
 _SAMPLE_GROUP = re.compile(r"sample-[0-9a-f]{12}")
@@ -132,9 +131,6 @@ class StartCommand(JobCommand):
         if args.attach:
             attach_first(args)
         return start.collect(request, Progress(enabled=not getattr(args, "json", False)))
-
-    def collect_job(self, options: dict[str, Any], nodes: list[Node], reach: Reach) -> Result:
-        return start.collect_job(options, nodes, reach)
 
     def render(self, result: Result) -> str:
         doc = result.to_json()

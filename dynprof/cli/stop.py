@@ -7,7 +7,6 @@ no optimizer steps), then export the trace in the background.
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
 from dynprof.cli._common import (
     Progress,
@@ -20,9 +19,8 @@ from dynprof.cli._common import (
 )
 from dynprof.cli.job import JobCommand
 from dynprof.job import stop
-from dynprof.job.merge import JobResult, Reach
+from dynprof.job.merge import JobResult
 from dynprof.node_requests import STOP_TIMEOUT_S, StopRequest
-from dynprof.nodes import Node
 from dynprof.result import Result
 
 
@@ -43,9 +41,6 @@ class StopCommand(JobCommand):
         if args.attach:
             attach_first(args)
         return stop.collect(request, Progress(enabled=not getattr(args, "json", False)))
-
-    def collect_job(self, options: dict[str, Any], nodes: list[Node], reach: Reach) -> Result:
-        return stop.collect_job(options, nodes, reach)
 
     def render(self, result: Result) -> str:
         doc = result.to_json()

@@ -75,17 +75,9 @@ def test_options_are_plain_data():
 
 
 def test_options_are_read_from_what_carries_them_by_name():
-    carrier = types.SimpleNamespace(
-        record_shapes=True,
-        with_stack=False,
-        profile_memory=True,
-        with_flops=False,
-        with_modules=True,
-        activities=("cuda",),
-    )
-    assert TraceOptions.of(carrier) == TraceOptions(
-        record_shapes=True, profile_memory=True, with_modules=True, activities=["cuda"]
-    )
+    switches = dict.fromkeys(SWITCHES, False) | {"record_shapes": True, "profile_memory": True}
+    carrier = types.SimpleNamespace(**switches, activities=("cuda",))
+    assert TraceOptions.of(carrier) == TraceOptions(record_shapes=True, profile_memory=True, activities=["cuda"])
     assert set(SWITCHES) | {"activities"} == set(TraceOptions().to_dict())
 
 
