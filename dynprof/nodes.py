@@ -79,6 +79,17 @@ def parse_node(text: str) -> Node:
     return Node(host, port)
 
 
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a name or an IP literal, as written) is this machine's loopback:
+    ``localhost`` or an address of 127.0.0.0/8 or ::1 (no DNS is asked)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def _is_ipv6(text: str) -> bool:
     try:
         ipaddress.IPv6Address(text)

@@ -15,7 +15,6 @@ loads this policy.
 
 from __future__ import annotations
 
-import os
 import re
 import time
 import uuid
@@ -31,7 +30,7 @@ from dynprof.arguments import MAX_SECONDS, MAX_STEP_NUMBER, MAX_TRACE_STEPS
 from dynprof.client import AgentClient
 from dynprof.output import printable
 from dynprof.proto import pb
-from dynprof.registry import AgentRecord
+from dynprof.registry import AgentRecord, pid_alive
 from dynprof.requests import TARGETS, TargetedRequest, check_timeout, read_options
 
 POLL_S = 0.1
@@ -536,12 +535,8 @@ def _agent_busy(exc: Exception, pid: int) -> bool:
 
 def _alive(pid: int) -> bool:
     """The process exists and has not exited (a zombie, not yet reaped by its parent, has)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+    if not pid_alive(pid):
         return False
-    except OSError:
-        pass  # another user's: it exists
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             state = f.read(4096).rpartition(b")")[2].split()[:1]

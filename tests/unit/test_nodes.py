@@ -14,6 +14,7 @@ from dynprof.nodes import (
     CommandError,
     Node,
     NodeAnswer,
+    is_loopback,
     parse_hosts,
     parse_node,
     read_hostfile,
@@ -175,3 +176,19 @@ def test_summary_says_why_a_node_failed():
     assert summary["error"] == "HTTP 403" and summary["elapsed_s"] == 0.123
     failed = NodeAnswer(node, True, exit_code=1, messages=["dynprof: boom"]).summary("n")
     assert failed["error"] == "dynprof: boom" and failed["exit_code"] == 1
+
+
+@pytest.mark.parametrize(
+    ("host", "loopback"),
+    [
+        ("localhost", True),
+        ("127.0.0.1", True),
+        ("127.9.9.9", True),
+        ("::1", True),
+        ("0.0.0.0", False),
+        ("10.0.0.5", False),
+        ("node-1", False),
+    ],
+)
+def test_loopback_addresses(host, loopback):
+    assert is_loopback(host) is loopback
