@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from dynprof import errors
 
@@ -39,6 +40,8 @@ from dynprof.output import table as table
 from dynprof.registry import AgentRecord
 from dynprof.units import human_age as human_age
 from dynprof.units import human_bytes as human_bytes
+
+R = TypeVar("R")
 
 
 # -- option groups -----------------------------------------------------------------------------
@@ -78,6 +81,15 @@ def resolve_agents(args: argparse.Namespace) -> list[AgentRecord]:
     if getattr(args, "attach", False):
         attach_first(args)
     return resolve(pids=getattr(args, "pid", None), job=getattr(args, "job", None))
+
+
+def request_then_attach(args: argparse.Namespace, make: Callable[[argparse.Namespace], R]) -> R:
+    """The request ``make`` reads from ``args`` (so a bad option is refused before anything
+    starts), once ``--attach`` has started the agent in its targets that have none."""
+    request = make(args)
+    if args.attach:
+        attach_first(args)
+    return request
 
 
 def attach_first(args: argparse.Namespace) -> None:

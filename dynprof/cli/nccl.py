@@ -24,8 +24,8 @@ from collectors.flight_recorder.collect import NcclRequest
 from dynprof.cli._common import (
     add_attach_flag,
     add_targets,
-    attach_first,
     printable_lines,
+    request_then_attach,
     seconds,
     targets_from_args,
 )
@@ -54,9 +54,7 @@ class NcclCommand(JobCommand):
         )
 
     def collect_local(self, args: argparse.Namespace) -> Result:
-        request = request_from_args(args)
-        if args.attach:
-            attach_first(args)
+        request = request_then_attach(args, request_from_args)
         got = kind.collect(request)
         return JobResult(got.to_json(), got.exit_code, context={"ranks": len(got.ranks), "elapsed_s": got.elapsed_s})
 

@@ -27,9 +27,9 @@ from dynprof.cli._common import (
     Progress,
     add_attach_flag,
     add_targets,
-    attach_first,
     bounded_int,
     printable,
+    request_then_attach,
     seconds,
     targets_from_args,
 )
@@ -127,9 +127,7 @@ class StartCommand(JobCommand):
         )
 
     def collect_local(self, args: argparse.Namespace) -> Result:
-        request = request_from_args(args)
-        if args.attach:
-            attach_first(args)
+        request = request_then_attach(args, request_from_args)
         return start.collect(request, Progress(enabled=not getattr(args, "json", False)))
 
     def render(self, result: Result) -> str:

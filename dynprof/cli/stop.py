@@ -12,8 +12,8 @@ from dynprof.cli._common import (
     Progress,
     add_attach_flag,
     add_targets,
-    attach_first,
     printable,
+    request_then_attach,
     seconds,
     targets_from_args,
 )
@@ -37,9 +37,7 @@ class StopCommand(JobCommand):
         parser.add_argument("--timeout", type=seconds, default=STOP_TIMEOUT_S, help="seconds to wait for the artifacts")
 
     def collect_local(self, args: argparse.Namespace) -> Result:
-        request = request_from_args(args)
-        if args.attach:
-            attach_first(args)
+        request = request_then_attach(args, request_from_args)
         return stop.collect(request, Progress(enabled=not getattr(args, "json", False)))
 
     def render(self, result: Result) -> str:

@@ -82,6 +82,24 @@ def test_resolve_agents_with_attach_attaches_first(monkeypatch):
     assert order == ["attach", "resolve"]
 
 
+def test_a_request_is_made_before_attach_and_a_bad_one_attaches_nothing(monkeypatch):
+    order = []
+    monkeypatch.setattr(_common, "attach_first", lambda args: order.append("attach"))
+
+    def make(args):
+        order.append("request")
+        if args.pid == [0]:
+            raise errors.UsageError("a process id is 1-4194304")
+        return "the request"
+
+    assert _common.request_then_attach(argparse.Namespace(pid=[1], attach=True), make) == "the request"
+    assert _common.request_then_attach(argparse.Namespace(pid=[1], attach=False), make) == "the request"
+    assert order == ["request", "attach", "request"]
+    with pytest.raises(errors.UsageError):
+        _common.request_then_attach(argparse.Namespace(pid=[0], attach=True), make)
+    assert order == ["request", "attach", "request", "request"]
+
+
 @pytest.fixture
 def attaching(monkeypatch):
     """dynprof.attach without a debugger: who has an agent, and the calls of attach()."""
