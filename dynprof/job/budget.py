@@ -4,7 +4,9 @@ and JSON values shared by the nodes (each sure of a floor, the rest a pool), a n
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 
 from dynprof.nodes import Node
 from dynprof.units import human_bytes
@@ -149,6 +151,17 @@ class AnswerShare:
         """The answer is not kept: what it drew from the pool goes back."""
         self.budget._give_back(self._pool_bytes, self._pool_values)
         self.bytes = self.values = self._pool_bytes = self._pool_values = 0
+
+    @contextlib.contextmanager
+    def holding(self) -> Iterator[None]:
+        """Around reading one answer: what it took is kept (:meth:`keep`) when the reading ends,
+        and given back (:meth:`release`) when it raises."""
+        try:
+            yield
+        except BaseException:
+            self.release()
+            raise
+        self.keep()
 
     def keep(self) -> None:
         """The answer is kept: count what it holds."""
