@@ -21,17 +21,12 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from dynprof import errors
-from dynprof.arguments import MAX_PID, MAX_SECONDS, parse_int, parse_pid
-from dynprof.requests import TARGETS, read_options
+from dynprof.arguments import MAX_PID, parse_int, parse_pid
+from dynprof.requests import TARGETS, TargetedRequest, check_timeout, read_options
 
 PS_TIMEOUT_S = 1.0  # seconds to wait for each agent
 STOP_TIMEOUT_S = 120.0  # seconds to wait for the artifacts
 MAX_LIMIT = 10**9  # `ls --limit`
-
-
-def _check_timeout(timeout: float) -> None:
-    if not 0 < timeout <= MAX_SECONDS:
-        raise errors.UsageError(f"a timeout of {timeout:g} s: more than 0, at most {MAX_SECONDS:g}")
 
 
 @dataclass(frozen=True)
@@ -42,7 +37,7 @@ class PsRequest:
     timeout: float = PS_TIMEOUT_S
 
     def __post_init__(self) -> None:
-        _check_timeout(self.timeout)
+        check_timeout(self.timeout)
 
     OPTIONS: ClassVar[dict[str, str]] = {"job": "str", "timeout": "float"}
 
@@ -115,13 +110,10 @@ def _refuse_targets(named: list[str]) -> None:
 
 
 @dataclass(frozen=True)
-class StopRequest:
+class StopRequest(TargetedRequest):
     """Whose trace ends: exactly one of ``pids``, ``job`` (its trainers on this node) or ``all``
     (every agent here); the artifacts waited for ``timeout`` seconds, or not at all (``no_wait``)."""
 
-    pids: tuple[int, ...] = ()
-    job: str | None = None
-    all: bool = False
     no_wait: bool = False
     timeout: float = STOP_TIMEOUT_S
 
@@ -142,7 +134,7 @@ class StopRequest:
                     except argparse.ArgumentTypeError as exc:  # the words of the command's own parser
                         why = str(exc)
                 raise errors.UsageError(f"stop: argument --pid: {why}", help=_STOP_HELP)
-        _check_timeout(self.timeout)
+        check_timeout(self.timeout)
 
     OPTIONS: ClassVar[dict[str, str]] = {
         **TARGETS,
@@ -157,9 +149,7 @@ class StopRequest:
         # in the document's order, as the command's parser reads its arguments
         _refuse_targets([key for key in o if key in ("pid", "job") or (key == "all" and o[key])])
         return cls(
-            pids=tuple(o.get("pid", ())),
-            job=o.get("job"),
-            all=o.get("all", False),
+            **cls.targets_of(o),
             no_wait=o.get("no_wait", False),
             timeout=o.get("timeout", STOP_TIMEOUT_S),
         )

@@ -10,11 +10,11 @@ from __future__ import annotations
 import ipaddress
 import os
 import re
-import stat
 from dataclasses import dataclass, field
 from typing import Any
 
 from dynprof import errors
+from dynprof.untrusted import open_regular
 
 DEFAULT_PORT = 8787
 MAX_HOSTFILE_BYTES = 16 * 1024 * 1024
@@ -79,6 +79,17 @@ def parse_node(text: str) -> Node:
     return Node(host, port)
 
 
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a name or an IP literal, as written) is this machine's loopback:
+    ``localhost`` or an address of 127.0.0.0/8 or ::1 (no DNS is asked)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def _is_ipv6(text: str) -> bool:
     try:
         ipaddress.IPv6Address(text)
@@ -104,14 +115,9 @@ def parse_hosts(text: str) -> list[Node]:
 def read_hostfile(path: str) -> list[Node]:
     """One node per line (``HOST[:PORT]``; MPI-style ``HOST slots=8`` is read as ``HOST``);
     blank lines and ``#`` comments are skipped."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO must not block the command
-    except OSError as exc:
-        raise errors.UsageError(f"cannot read the host file {path}: {exc.strerror}") from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise errors.UsageError(f"the host file {path} is not a regular file")
-    with os.fdopen(fd, "rb") as fh:
+    with open_regular(
+        path, f"cannot read the host file {path}", f"the host file {path} is not a regular file", errors.UsageError
+    ) as fh:
         data = fh.read(MAX_HOSTFILE_BYTES + 1)
     if len(data) > MAX_HOSTFILE_BYTES:
         raise errors.UsageError(f"the host file {path} is over {MAX_HOSTFILE_BYTES} bytes")

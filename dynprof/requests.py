@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from dynprof import errors
+from dynprof.arguments import MAX_PID, MAX_SECONDS
 
 MAX_TEXT = 4096
 MAX_ITEMS = 1024
@@ -25,6 +27,58 @@ KINDS = ("bool", "int", "float", "str", "ints", "strs")
 # The options that name the processes a request acts on, as every command that takes them lists
 # them: a job, process ids, or every agent of this node.
 TARGETS: dict[str, str] = {"job": "str", "pid": "ints", "all": "bool"}
+
+
+def check_timeout(timeout: float) -> None:
+    """A usage error unless ``timeout`` is more than 0 seconds and at most MAX_SECONDS."""
+    if not 0 < timeout <= MAX_SECONDS:
+        raise errors.UsageError(f"a timeout of {timeout:g} s: more than 0, at most {MAX_SECONDS:g}")
+
+
+@dataclass(frozen=True)
+class TargetedRequest:
+    """The processes a request acts on, its first fields: process ids (``pids``), the trainers
+    of job ``job`` on this node, or every agent here (``all``). Read from and written to the
+    options of :data:`TARGETS` (``pid``, ``job``, ``all``).
+
+    >>> TargetedRequest.targets_of({"pid": [7, 8]})
+    {'pids': (7, 8), 'job': None, 'all': False}
+    >>> TargetedRequest(job="j1").targets_json()
+    {'job': 'j1'}
+    """
+
+    pids: tuple[int, ...] = ()
+    job: str | None = None
+    all: bool = False
+
+    def check_one_target(self, command: str) -> None:
+        """A usage error unless exactly one of the targets is given (``command``: the command
+        whose help the error points to)."""
+        if len([x for x in (self.pids, self.job, self.all) if x]) != 1:
+            raise errors.UsageError(
+                "give exactly one of --pid, --job or --all", help=f"See `dynprof {command} --help`."
+            )
+
+    def check_pids(self) -> None:
+        """A usage error unless every one of ``pids`` is a process id (an integer, 1 to MAX_PID)."""
+        if any(isinstance(pid, bool) or not isinstance(pid, int) or not 0 < pid <= MAX_PID for pid in self.pids):
+            raise errors.UsageError(f"a process id is 1-{MAX_PID}")
+
+    def targets_json(self) -> dict[str, Any]:
+        """The targets as options of :data:`TARGETS` (those left unset out)."""
+        out: dict[str, Any] = {}
+        if self.pids:
+            out["pid"] = list(self.pids)
+        if self.job:
+            out["job"] = self.job
+        if self.all:
+            out["all"] = True
+        return out
+
+    @staticmethod
+    def targets_of(options: Mapping[str, Any]) -> dict[str, Any]:
+        """The targets' fields of the options :func:`read_options` read with :data:`TARGETS`."""
+        return {"pids": tuple(options.get("pid", ())), "job": options.get("job"), "all": options.get("all", False)}
 
 
 def read_options(doc: Any, spec: Mapping[str, str], what: str) -> dict[str, Any]:

@@ -9,6 +9,7 @@ import os
 import stat
 
 from dynprof import errors
+from dynprof.untrusted import open_regular
 
 MIN_TOKEN_CHARS = 16
 MAX_TOKEN_FILE_BYTES = 4096
@@ -18,14 +19,9 @@ def read_token_file(path: str) -> str:
     """The token in ``path``: the file must be a regular file owned by us (or root), not
     readable or writable by group or others, and hold one token of 16+ characters (UTF-8 text:
     other bytes are refused, never replaced)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
-    except OSError as exc:
-        raise errors.UsageError(f"cannot open the token file {path}: {exc.strerror}") from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):  # before fdopen, which refuses a directory itself
-        os.close(fd)
-        raise errors.UsageError(f"the token file {path} is not a regular file")
-    with os.fdopen(fd, "rb") as fh:
+    with open_regular(
+        path, f"cannot open the token file {path}", f"the token file {path} is not a regular file", errors.UsageError
+    ) as fh:
         st = os.fstat(fh.fileno())
         if st.st_uid not in (os.getuid(), 0):
             raise errors.PermissionDenied(

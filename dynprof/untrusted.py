@@ -31,7 +31,7 @@ from collections.abc import Generator, Iterable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
-from dynprof.errors import ArtifactError, MissingFile
+from dynprof.errors import ArtifactError, DynprofError, MissingFile
 from dynprof.units import parse_size
 
 MANIFEST_MAX_BYTES = 1 << 20
@@ -132,6 +132,20 @@ def open_in(directory: Path | str, name: str) -> IO[bytes]:
     except BaseException:
         os.close(fd)
         raise
+
+
+def open_regular(path: str, cannot_open: str, not_regular: str, error: type[DynprofError]) -> IO[bytes]:
+    """Open ``path`` (a file a person named) for reading: a regular file only, and a FIFO put in
+    its place never blocks the reader. ``error`` is raised with ``cannot_open`` and the reason
+    when it cannot be opened, with ``not_regular`` when it is no regular file."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError as exc:
+        raise error(f"{cannot_open}: {exc.strerror or exc}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):  # before fdopen, which refuses a directory itself
+        os.close(fd)
+        raise error(not_regular)
+    return os.fdopen(fd, "rb")
 
 
 def stat_in(directory: Path | str, name: str) -> os.stat_result:

@@ -22,11 +22,10 @@ from typing import Any, ClassVar
 from collectors import flight_recorder as fr
 from dynprof import errors, untrusted
 from dynprof.agents import parallel, resolve
-from dynprof.arguments import MAX_PID, MAX_SECONDS
 from dynprof.client import AgentClient
 from dynprof.proto import pb
 from dynprof.registry import AgentRecord, read_record
-from dynprof.requests import TARGETS, read_options
+from dynprof.requests import TARGETS, TargetedRequest, check_timeout, read_options
 from dynprof.units import human_bytes
 
 MAX_DUMP_BYTES = 64 * 1024 * 1024
@@ -36,26 +35,20 @@ DEFAULT_TIMEOUT_S = 15.0
 
 
 @dataclass(frozen=True)
-class NcclRequest:
+class NcclRequest(TargetedRequest):
     """Whose recorders: exactly one of ``pids``, ``job`` (its trainers on this node) or ``all``;
     what: only the collectives not yet completed (``only_active``), with or without the Python
     stacks of each collective's caller (``stack_traces``); ``timeout`` per rank. Checked when
     made: a bad request raises :class:`~dynprof.errors.UsageError`."""
 
-    pids: tuple[int, ...] = ()
-    job: str | None = None
-    all: bool = False
     only_active: bool = False
     stack_traces: bool = True
     timeout: float = DEFAULT_TIMEOUT_S
 
     def __post_init__(self) -> None:
-        if len([x for x in (self.pids, self.job, self.all) if x]) != 1:
-            raise errors.UsageError("give exactly one of --pid, --job or --all", help="See `dynprof nccl --help`.")
-        if not 0 < self.timeout <= MAX_SECONDS:
-            raise errors.UsageError(f"a timeout of {self.timeout:g} s: more than 0, at most {MAX_SECONDS:g}")
-        if any(not 0 < pid <= MAX_PID for pid in self.pids):
-            raise errors.UsageError(f"a process id is 1-{MAX_PID}")
+        self.check_one_target("nccl")
+        check_timeout(self.timeout)
+        self.check_pids()
 
     OPTIONS: ClassVar[dict[str, str]] = {
         **TARGETS,
@@ -69,9 +62,7 @@ class NcclRequest:
         """The request of a JSON object of the ``nccl`` action's options (:meth:`to_json`)."""
         o = read_options(doc, cls.OPTIONS, "nccl")
         return cls(
-            pids=tuple(o.get("pid", ())),
-            job=o.get("job"),
-            all=o.get("all", False),
+            **cls.targets_of(o),
             only_active=o.get("only_active", False),
             stack_traces=not o.get("no_stack_traces", False),
             timeout=o.get("timeout", DEFAULT_TIMEOUT_S),
@@ -83,13 +74,7 @@ class NcclRequest:
 
     def options(self) -> dict[str, Any]:
         """The request as the sidecar's ``nccl`` action takes it (the options it leaves unset out)."""
-        out: dict[str, Any] = {"timeout": self.timeout}
-        if self.pids:
-            out["pid"] = list(self.pids)
-        if self.job:
-            out["job"] = self.job
-        if self.all:
-            out["all"] = True
+        out: dict[str, Any] = {"timeout": self.timeout, **self.targets_json()}
         if self.only_active:
             out["only_active"] = True
         if not self.stack_traces:

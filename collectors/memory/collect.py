@@ -32,11 +32,11 @@ from collectors.memory.plan.scale import micro_batches
 from collectors.memory.plan.solve import make_plan
 from dynprof import errors
 from dynprof.agents import parallel, resolve
-from dynprof.arguments import MAX_HISTORY_EVENTS, MAX_PID, MAX_SECONDS
+from dynprof.arguments import MAX_HISTORY_EVENTS
 from dynprof.client import AgentClient
 from dynprof.proto import pb
 from dynprof.registry import AgentRecord
-from dynprof.requests import TARGETS, read_options
+from dynprof.requests import TARGETS, TargetedRequest, check_timeout, read_options
 from dynprof.units import human_bytes
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -47,47 +47,22 @@ MAX_MEASUREMENT_BYTES = 8 * 1024 * 1024
 MICRO_BATCH_MAX_BLOCKS = 512  # the micro-batch sizes plan a dozen times: only up to this many blocks
 
 
-def _check_targets(pids: tuple[int, ...], job: str | None, all_: bool, command: str) -> None:
-    if len([x for x in (pids, job, all_) if x]) != 1:
-        raise errors.UsageError("give exactly one of --pid, --job or --all", help=f"See `dynprof {command} --help`.")
-    if any(isinstance(pid, bool) or not isinstance(pid, int) or not 0 < pid <= MAX_PID for pid in pids):
-        raise errors.UsageError(f"a process id is 1-{MAX_PID}")
-
-
-def _check_timeout(timeout: float) -> None:
-    if not 0 < timeout <= MAX_SECONDS:
-        raise errors.UsageError(f"a timeout of {timeout:g} s: more than 0, at most {MAX_SECONDS:g}")
-
-
-def _targets_json(pids: tuple[int, ...], job: str | None, all_: bool) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    if pids:
-        out["pid"] = list(pids)
-    if job:
-        out["job"] = job
-    if all_:
-        out["all"] = True
-    return out
-
-
 @dataclass(frozen=True)
-class MemoryRequest:
+class MemoryRequest(TargetedRequest):
     """Whose memory: exactly one of ``pids``, ``job`` (its trainers on this node) or ``all``.
     What: a snapshot (the default, each waited for ``timeout`` seconds), or history turned on
     for the next ``history_start`` allocator events (with ``stacks`` python or all), or turned
     off (``history_stop``). Checked when made: a bad request raises
     :class:`~dynprof.errors.UsageError`."""
 
-    pids: tuple[int, ...] = ()
-    job: str | None = None
-    all: bool = False
     history_start: int | None = None
     history_stop: bool = False
     stacks: str = "python"
     timeout: float = DEFAULT_TIMEOUT_S
 
     def __post_init__(self) -> None:
-        _check_targets(self.pids, self.job, self.all, "memory")
+        self.check_one_target("memory")
+        self.check_pids()
         if self.history_start is not None and self.history_stop:
             raise errors.UsageError("give --history-start or --history-stop, not both")
         if self.history_start is not None and not 0 < self.history_start <= MAX_HISTORY_EVENTS:
@@ -96,7 +71,7 @@ class MemoryRequest:
             )
         if self.stacks not in STACKS:
             raise errors.UsageError(f"--stacks {self.stacks[:40]!a}: one of {', '.join(STACKS)}")
-        _check_timeout(self.timeout)
+        check_timeout(self.timeout)
 
     @property
     def history(self) -> bool:
@@ -115,9 +90,7 @@ class MemoryRequest:
         """The request of a JSON object of the ``memory`` action's options (:meth:`to_json`)."""
         o = read_options(doc, cls.OPTIONS, "memory")
         return cls(
-            pids=tuple(o.get("pid", ())),
-            job=o.get("job"),
-            all=o.get("all", False),
+            **cls.targets_of(o),
             history_start=o.get("history_start"),
             history_stop=o.get("history_stop", False),
             stacks=o.get("stacks", "python"),
@@ -125,7 +98,7 @@ class MemoryRequest:
         )
 
     def to_json(self) -> dict[str, Any]:
-        out = {**_targets_json(self.pids, self.job, self.all), "timeout": self.timeout}
+        out = {**self.targets_json(), "timeout": self.timeout}
         if self.history_start is not None:
             out["history_start"] = self.history_start
         if self.history_stop:
@@ -198,27 +171,25 @@ def collect(request: MemoryRequest) -> Collected:
 
 # -- plans ---------------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class MemoryPlanRequest:
+class MemoryPlanRequest(TargetedRequest):
     """Whose next optimizer step to measure: exactly one of ``pids``, ``job`` or ``all``; what
     to plan for: exactly one of ``budget`` (the peak the step must fit in: ``40G``, or ``60%`` of
     the measured peak) or ``save`` (the bytes to take off the peak); how long to wait for the
     step (``timeout``). Checked when made: a bad request raises
     :class:`~dynprof.errors.UsageError`."""
 
-    pids: tuple[int, ...] = ()
-    job: str | None = None
-    all: bool = False
     budget: str | None = None
     save: str | None = None
     timeout: float = DEFAULT_TIMEOUT_S
     undo: bool = False  # take back what `dynprof run --checkpoint` applied, instead of a plan
 
     def __post_init__(self) -> None:
-        _check_targets(self.pids, self.job, self.all, "memory")
+        self.check_one_target("memory")
+        self.check_pids()
         if self.undo:
             if self.budget is not None or self.save is not None:
                 raise errors.UsageError("--undo takes no --budget or --save")
-            _check_timeout(self.timeout)
+            check_timeout(self.timeout)
             return
         if self.budget is None and self.save is None:
             raise errors.UsageError(
@@ -229,7 +200,7 @@ class MemoryPlanRequest:
         if self.budget is not None and self.save is not None:
             raise errors.UsageError("give --budget or --save, not both")
         parse_budget(self.budget if self.budget is not None else self.save or "")
-        _check_timeout(self.timeout)
+        check_timeout(self.timeout)
 
     OPTIONS: ClassVar[dict[str, str]] = {
         **TARGETS,
@@ -244,9 +215,7 @@ class MemoryPlanRequest:
         """The request of a JSON object of the ``memory-plan`` action's options (:meth:`to_json`)."""
         o = read_options(doc, cls.OPTIONS, "memory-plan")
         return cls(
-            pids=tuple(o.get("pid", ())),
-            job=o.get("job"),
-            all=o.get("all", False),
+            **cls.targets_of(o),
             budget=o.get("budget"),
             save=o.get("save"),
             timeout=o.get("timeout", DEFAULT_TIMEOUT_S),
@@ -254,7 +223,7 @@ class MemoryPlanRequest:
         )
 
     def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {**_targets_json(self.pids, self.job, self.all), "timeout": self.timeout}
+        out: dict[str, Any] = {**self.targets_json(), "timeout": self.timeout}
         if self.undo:
             out["undo"] = True
         if self.budget is not None:

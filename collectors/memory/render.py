@@ -72,12 +72,10 @@ def format_summary(summary: dict[str, Any], top: int = 10) -> str:
         f"{'frag':>5} {'free (CUDA)':>12} {'total':>11} {'segments':>8}"
     )
     for d in summary.get("devices", []):
-        extra = live.get(str(d["device"]), {})
+        device, allocated, active, reserved, cached_free, frag, free, total, segments = _device_cells(d, live)
         lines.append(
-            f"cuda:{d['device']:<3} {_b(d['allocated_bytes']):>11} {_b(d['active_bytes']):>11} "
-            f"{_b(d['reserved_bytes']):>11} {_b(d['inactive_bytes']):>11} {d['fragmentation']:>5.2f} "
-            f"{_b(extra.get('free_bytes')) if extra else '-':>12} "
-            f"{_b(extra.get('total_bytes')) if extra else '-':>11} {d['segments']:>8}"
+            f"{device:<8} {allocated:>11} {active:>11} {reserved:>11} {cached_free:>11} {frag:>5} "
+            f"{free:>12} {total:>11} {segments:>8}"
         )
     sites = summary.get("top_sites") or []
     if sites:
@@ -168,6 +166,25 @@ PALETTE = ["#4e79a7", "#f28e2c", "#e15759", "#76b7b2", "#59a14f", "#edc949", "#a
 MAX_SEGMENTS_DRAWN = 200
 MAX_TIMELINE_POINTS = 1500
 MAX_TRACE_LINES = 4000
+
+
+def _device_cells(d: dict[str, Any], live: dict[str, Any]) -> list[str]:
+    """One device of the summary as its table shows it, in both renderers: its name, the bytes
+    allocated, active, reserved and cached free, the fragmentation, the free and total bytes as
+    CUDA says them (``live``: the process's device memory, by device; ``-`` when not read), and
+    its segments."""
+    extra = live.get(str(d["device"]), {})
+    return [
+        f"cuda:{d['device']}",
+        _b(d["allocated_bytes"]),
+        _b(d["active_bytes"]),
+        _b(d["reserved_bytes"]),
+        _b(d["inactive_bytes"]),
+        f"{d['fragmentation']:.2f}",
+        _b(extra.get("free_bytes")) if extra else "-",
+        _b(extra.get("total_bytes")) if extra else "-",
+        str(d["segments"]),
+    ]
 
 
 def _e(text: Any) -> str:
@@ -404,15 +421,8 @@ def render_html(
         "<th class=n>free (CUDA)</th><th class=n>total</th><th class=n>segments</th><th class=n>blocks</th></tr>"
     )
     for d in summary.get("devices", []):
-        extra = live.get(str(d["device"]), {})
-        out.append(
-            f"<tr><td>cuda:{d['device']}</td><td class=n>{_e(_b(d['allocated_bytes']))}</td>"
-            f"<td class=n>{_e(_b(d['active_bytes']))}</td><td class=n>{_e(_b(d['reserved_bytes']))}</td>"
-            f"<td class=n>{_e(_b(d['inactive_bytes']))}</td><td class=n>{d['fragmentation']:.2f}</td>"
-            f"<td class=n>{_e(_b(extra.get('free_bytes')) if extra else '-')}</td>"
-            f"<td class=n>{_e(_b(extra.get('total_bytes')) if extra else '-')}</td>"
-            f"<td class=n>{d['segments']}</td><td class=n>{d['blocks']}</td></tr>"
-        )
+        device, *figures = [*_device_cells(d, live), str(d["blocks"])]
+        out.append(f"<tr><td>{_e(device)}</td>" + "".join(f"<td class=n>{_e(f)}</td>" for f in figures) + "</tr>")
     out.append(
         "</table><p class=muted>fragmentation: 1 &minus; largest cached free block / all cached free memory.</p>"
     )

@@ -30,12 +30,11 @@ from collectors.stacks.merge import Source, merge
 from collectors.stacks.model import KIND, Budget, ProcessStacks, Stacks, from_json
 from dynprof import errors
 from dynprof.agents import parallel, resolve
-from dynprof.arguments import MAX_PID, MAX_SECONDS
 from dynprof.client import AgentClient
 from dynprof.paths import run_dir
 from dynprof.proto import pb
 from dynprof.registry import AgentRecord, read_record
-from dynprof.requests import TARGETS, read_options
+from dynprof.requests import TARGETS, TargetedRequest, check_timeout, read_options
 from dynprof.store import ArtifactStore
 
 METHODS = ("auto", "py-spy", "pystack", "agent")
@@ -45,16 +44,13 @@ AGENT_TIMEOUT_S = 10.0  # the agent answers from inside the process: never longe
 
 
 @dataclass(frozen=True)
-class StacksRequest:
+class StacksRequest(TargetedRequest):
     """What to read: exactly one of ``pids``, ``job`` (its trainers on this node), ``all``
     (every agent here) or ``core`` (a core file, with its ``executable`` if given); how
     (``method``, ``native`` frames, ``locals``, ``timeout`` per process and reader); and
     whether the answer is kept as an artifact (``save``). Checked when made: a bad request
     raises :class:`~dynprof.errors.UsageError`, never a failure further down."""
 
-    pids: tuple[int, ...] = ()
-    job: str | None = None
-    all: bool = False
     core: str | None = None
     executable: str | None = None
     native: bool = False
@@ -73,10 +69,8 @@ class StacksRequest:
             raise errors.UsageError("--executable goes with --core")
         if self.method not in METHODS:
             raise errors.UsageError(f"unknown method {self.method[:40]!a}: one of {', '.join(METHODS)}")
-        if not 0 < self.timeout <= MAX_SECONDS:
-            raise errors.UsageError(f"a timeout of {self.timeout:g} s: more than 0, at most {MAX_SECONDS:g}")
-        if any(not 0 < pid <= MAX_PID for pid in self.pids):
-            raise errors.UsageError(f"a process id is 1-{MAX_PID}")
+        check_timeout(self.timeout)
+        self.check_pids()
 
     OPTIONS: ClassVar[dict[str, str]] = {
         **TARGETS,
@@ -93,9 +87,7 @@ class StacksRequest:
         A core file is never named in JSON: it is a file of the machine that reads it."""
         o = read_options(doc, cls.OPTIONS, "stacks")
         return cls(
-            pids=tuple(o.get("pid", ())),
-            job=o.get("job"),
-            all=o.get("all", False),
+            **cls.targets_of(o),
             native=o.get("native", False),
             locals=o.get("locals", False),
             method=o.get("method", "auto"),
@@ -107,13 +99,7 @@ class StacksRequest:
         """The request as the ``stacks`` action's options (a core file's request has none)."""
         if self.core:
             raise errors.UsageError("a core file is read on its own machine: its request is not sent as JSON")
-        out: dict[str, Any] = {"timeout": self.timeout}
-        if self.pids:
-            out["pid"] = list(self.pids)
-        if self.job:
-            out["job"] = self.job
-        if self.all:
-            out["all"] = True
+        out: dict[str, Any] = {"timeout": self.timeout, **self.targets_json()}
         for key in ("native", "locals"):
             if getattr(self, key):
                 out[key] = True

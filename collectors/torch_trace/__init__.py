@@ -51,6 +51,11 @@ _KINETO_SEVERITY_SYMBOL = "_ZN9libkineto6Logger14severityLevel_E"  # libkineto::
 MAX_WARNINGS_KEPT = 20
 
 
+# What torch.profiler records besides its activities: one switch each, named as its arguments
+# (and as TraceOptions' fields, the trace request's, the wire's and the command line's).
+SWITCHES = ("record_shapes", "with_stack", "profile_memory", "with_flops", "with_modules")
+
+
 @dataclass
 class TraceOptions:
     record_shapes: bool = False
@@ -59,6 +64,12 @@ class TraceOptions:
     with_flops: bool = False
     with_modules: bool = False
     activities: list[str] = field(default_factory=list)  # empty: cpu, plus cuda if initialised
+
+    @classmethod
+    def of(cls, source: Any) -> TraceOptions:
+        """The options that ``source`` carries in fields of the same names (a trace request,
+        the wire's ``TraceOptions``)."""
+        return cls(**{key: getattr(source, key) for key in SWITCHES}, activities=list(source.activities))
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)

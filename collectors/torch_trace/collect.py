@@ -15,24 +15,23 @@ loads this policy.
 
 from __future__ import annotations
 
-import os
 import re
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
-from collectors.torch_trace import WRITING_AT_EXIT, result_from_store, target_row
+from collectors.torch_trace import SWITCHES, WRITING_AT_EXIT, TraceOptions, result_from_store, target_row
 from collectors.torch_trace.align import ALIGN_LEAD_S, ALIGN_RETRIES, aligned_steps, alignment_step, boundary_offsets
 from collectors.torch_trace.samples import SAMPLE_GROUP_PREFIX, prune_sample_traces
 from dynprof import errors
 from dynprof.agents import parallel, resolve
-from dynprof.arguments import MAX_PID, MAX_SECONDS, MAX_STEP_NUMBER, MAX_TRACE_STEPS
+from dynprof.arguments import MAX_SECONDS, MAX_STEP_NUMBER, MAX_TRACE_STEPS
 from dynprof.client import AgentClient
 from dynprof.output import printable
 from dynprof.proto import pb
-from dynprof.registry import AgentRecord
-from dynprof.requests import TARGETS, read_options
+from dynprof.registry import AgentRecord, pid_alive
+from dynprof.requests import TARGETS, TargetedRequest, check_timeout, read_options
 from dynprof.safetext import shell_word
 
 POLL_S = 0.1
@@ -52,7 +51,7 @@ DEFAULT_ACTIVE_WAIT_S = 120.0  # an open-ended trace is waited for until active,
 
 
 @dataclass(frozen=True)
-class TraceRequest:
+class TraceRequest(TargetedRequest):
     """Which processes: exactly one of ``pids``, ``job`` (its trainers on this node) or ``all``.
     How long: ``steps`` optimizer steps (from ``at_step``, else the next boundary), or
     ``duration`` seconds, or neither (until `dynprof stop`). What torch.profiler records (the
@@ -61,9 +60,6 @@ class TraceRequest:
     (``sample_keep``) the older samples of the job this node keeps (``keep_groups``). Checked
     when made: a bad request raises :class:`~dynprof.errors.UsageError`."""
 
-    pids: tuple[int, ...] = ()
-    job: str | None = None
-    all: bool = False
     steps: int = 0
     duration: float = 0.0
     at_step: int = 0
@@ -80,8 +76,7 @@ class TraceRequest:
     keep_groups: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
-        if len([x for x in (self.pids, self.job, self.all) if x]) != 1:
-            raise errors.UsageError("give exactly one of --pid, --job or --all", help="See `dynprof start --help`.")
+        self.check_one_target("start")
         if self.steps and self.duration:
             raise errors.UsageError("give --steps or --duration, not both")
         if self.at_step and self.duration:
@@ -93,10 +88,9 @@ class TraceRequest:
         for name, value in (("--duration", self.duration), ("--max-duration", self.max_duration)):
             if not 0 <= value <= MAX_SECONDS:
                 raise errors.UsageError(f"{name} {value:g}: at most {MAX_SECONDS:g} s")
-        if self.timeout is not None and not 0 < self.timeout <= MAX_SECONDS:
-            raise errors.UsageError(f"a timeout of {self.timeout:g} s: more than 0, at most {MAX_SECONDS:g}")
-        if any(not 0 < pid <= MAX_PID for pid in self.pids):
-            raise errors.UsageError(f"a process id is 1-{MAX_PID}")
+        if self.timeout is not None:
+            check_timeout(self.timeout)
+        self.check_pids()
         bad = [a for a in self.activities if a not in ACTIVITIES]
         if bad:
             raise errors.UsageError(f"unknown activity {bad[0][:40]!a} (choose from {', '.join(ACTIVITIES)})")
@@ -126,7 +120,7 @@ class TraceRequest:
         "sample_keep": "int",
         "keep_groups": "strs",
     }
-    _SWITCHES = ("record_shapes", "with_stack", "profile_memory", "with_flops", "with_modules", "no_wait")
+    _SWITCHES = (*SWITCHES, "no_wait")
 
     @classmethod
     def from_json(cls, doc: Any) -> TraceRequest:
@@ -141,9 +135,7 @@ class TraceRequest:
         activities = [a.strip().lower() for item in o.get("activities", ()) for a in item.split(",") if a.strip()]
         groups = [g.strip() for item in o.get("keep_groups", ()) for g in item.split(",") if g.strip()]
         return cls(
-            pids=tuple(o.get("pid", ())),
-            job=o.get("job"),
-            all=o.get("all", False),
+            **cls.targets_of(o),
             steps=o.get("steps", 0),
             duration=o.get("duration", 0.0),
             at_step=o.get("at_step", 0),
@@ -157,13 +149,7 @@ class TraceRequest:
 
     def to_json(self) -> dict[str, Any]:
         """The request as the ``start`` action's options (those left unset out)."""
-        out: dict[str, Any] = {}
-        if self.pids:
-            out["pid"] = list(self.pids)
-        if self.job:
-            out["job"] = self.job
-        if self.all:
-            out["all"] = True
+        out = self.targets_json()
         for key in ("steps", "duration", "at_step", "max_duration", "sample_keep"):
             if getattr(self, key):
                 out[key] = getattr(self, key)
@@ -242,14 +228,7 @@ def collect(request: TraceRequest, progress: ProgressLine | None = None) -> Star
             gone = prune_sample_traces(job, request.sample_keep - 1, set(request.keep_groups))
             if gone:
                 messages.append(f"deleted {len(gone)} older straggler-sample trace(s) of job {job}")
-    options = pb.TraceOptions(
-        record_shapes=request.record_shapes,
-        with_stack=request.with_stack,
-        profile_memory=request.profile_memory,
-        with_flops=request.with_flops,
-        with_modules=request.with_modules,
-        activities=list(request.activities),
-    )
+    options = pb.TraceOptions(**TraceOptions.of(request).to_dict())
     lead = ALIGN_LEAD_S
     # Attached processes count steps from their attach: align them by boundary times.
     by_time = align and not request.at_step and any(r.activation == "attach" for r in records)
@@ -555,12 +534,8 @@ def _agent_busy(exc: Exception, pid: int) -> bool:
 
 def _alive(pid: int) -> bool:
     """The process exists and has not exited (a zombie, not yet reaped by its parent, has)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+    if not pid_alive(pid):
         return False
-    except OSError:
-        pass  # another user's: it exists
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             state = f.read(4096).rpartition(b")")[2].split()[:1]

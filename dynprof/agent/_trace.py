@@ -298,15 +298,7 @@ class TraceController(TraceWriting):
         }
 
     def _options(self) -> TraceOptions:
-        o = self.req.options
-        return TraceOptions(
-            record_shapes=o.record_shapes,
-            with_stack=o.with_stack,
-            profile_memory=o.profile_memory,
-            with_flops=o.with_flops,
-            with_modules=o.with_modules,
-            activities=list(o.activities),
-        )
+        return TraceOptions.of(self.req.options)
 
     # -- training-thread side ---------------------------------------------------------------
     def _begin(self, first_step: int | None) -> bool:

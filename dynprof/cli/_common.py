@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from dynprof import errors
 
@@ -39,6 +41,8 @@ from dynprof.registry import AgentRecord
 from dynprof.units import human_age as human_age
 from dynprof.units import human_bytes as human_bytes
 
+R = TypeVar("R")
+
 
 # -- option groups -----------------------------------------------------------------------------
 def add_json(parser: argparse.ArgumentParser) -> None:
@@ -54,6 +58,11 @@ def add_targets(parser: argparse.ArgumentParser, required: bool = True) -> None:
         help="the trainers of this job on this node: every rank, no launcher (ROLE in `dynprof ps`)",
     )
     group.add_argument("--all", action="store_true", help="every agent on this node")
+
+
+def targets_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The targets of :func:`add_targets`' options as a request's fields (``pids``, ``job``, ``all``)."""
+    return {"pids": tuple(args.pid or ()), "job": args.job, "all": bool(args.all)}
 
 
 def add_attach_flag(parser: argparse.ArgumentParser) -> None:
@@ -72,6 +81,15 @@ def resolve_agents(args: argparse.Namespace) -> list[AgentRecord]:
     if getattr(args, "attach", False):
         attach_first(args)
     return resolve(pids=getattr(args, "pid", None), job=getattr(args, "job", None))
+
+
+def request_then_attach(args: argparse.Namespace, make: Callable[[argparse.Namespace], R]) -> R:
+    """The request ``make`` reads from ``args`` (so a bad option is refused before anything
+    starts), once ``--attach`` has started the agent in its targets that have none."""
+    request = make(args)
+    if args.attach:
+        attach_first(args)
+    return request
 
 
 def attach_first(args: argparse.Namespace) -> None:

@@ -7,6 +7,7 @@ action (healthcheck.links.rounds); it can be run by hand on two nodes to test th
 from __future__ import annotations
 
 import argparse
+from dataclasses import fields
 
 from dynprof.job import links
 from dynprof.job.links import LinkSide
@@ -50,20 +51,8 @@ class LinkTestCommand:
         parser.add_argument("--json", action="store_true", help="print the JSON document")
 
     def collect(self, args: argparse.Namespace) -> Result:
-        request = LinkTestRequest(
-            rank=args.rank,
-            world=args.world,
-            store_host=args.store_host,
-            store_port=args.store_port,
-            backend=args.backend,
-            pattern=args.pattern,
-            size=args.size,
-            iters=args.iters,
-            warmup=args.warmup,
-            limit=args.limit,
-            start_at=args.start_at,
-            bind=args.bind,
-        )
+        # every field of the request is an option of this command, of the same name
+        request = LinkTestRequest(**{f.name: getattr(args, f.name) for f in fields(LinkTestRequest)})
         return links.collect(request)
 
     def render(self, result: Result) -> str:

@@ -15,9 +15,8 @@ from typing import Any
 from dynprof.cli._common import bounded_int, human_bytes, printable, table
 from dynprof.cli.job import JobCommand, Text, answered_count
 from dynprof.job import ls
-from dynprof.job.merge import JobResult, Reach
+from dynprof.job.merge import JobResult
 from dynprof.node_requests import MAX_LIMIT, LsRequest
-from dynprof.nodes import Node
 from dynprof.result import Result
 
 
@@ -39,9 +38,6 @@ class LsCommand(JobCommand):
     def collect_local(self, args: argparse.Namespace) -> Result:
         # the text view names the entries it skipped on stderr; the JSON document lists them
         return ls.collect(request_from_args(args), name_skipped=not getattr(args, "json", False))
-
-    def collect_job(self, options: dict[str, Any], nodes: list[Node], reach: Reach) -> Result:
-        return ls.collect_job(options, nodes, reach)
 
     def render(self, result: Result) -> str:
         doc = result.to_json()

@@ -10,11 +10,12 @@ from dynprof.cli._common import (
     MAX_HISTORY_EVENTS,
     add_attach_flag,
     add_targets,
-    attach_first,
     bounded_int,
     human_bytes,
+    request_then_attach,
     seconds,
     table,
+    targets_from_args,
 )
 from dynprof.cli._memory_plan import render as render_plan
 from dynprof.cli._node_args import nodes_requested
@@ -98,9 +99,7 @@ class MemoryCommand(JobCommand):
         if getattr(args, "what", None) == "plan":
             if args.history_start is not None or args.history_stop:
                 raise errors.UsageError("dynprof memory plan takes no --history-start/--history-stop")
-            plan_request = plan_request_from_args(args)
-            if args.attach:
-                attach_first(args)
+            plan_request = request_then_attach(args, plan_request_from_args)
             return memory.collect_plan(plan_request, raise_single=not getattr(args, "json", False))
         if args.budget is not None or args.save is not None or args.undo:
             raise errors.UsageError(
@@ -109,9 +108,7 @@ class MemoryCommand(JobCommand):
             )
         if args.history_start is not None and args.history_start <= 0:
             raise errors.UsageError("--history-start N needs N > 0 events", help="Use --history-stop to stop.")
-        request = request_from_args(args)
-        if args.attach:
-            attach_first(args)
+        request = request_then_attach(args, request_from_args)
         return memory.collect(request, raise_single=not getattr(args, "json", False))
 
     def render(self, result: Result) -> str:
@@ -147,9 +144,7 @@ class MemoryCommand(JobCommand):
 def request_from_args(args: argparse.Namespace) -> MemoryRequest:
     """The options of `dynprof memory` (a snapshot, or history on or off) as the kind's request."""
     return MemoryRequest(
-        pids=tuple(args.pid or ()),
-        job=args.job,
-        all=bool(args.all),
+        **targets_from_args(args),
         history_start=args.history_start,
         history_stop=bool(args.history_stop),
         stacks=args.stacks,
@@ -160,9 +155,7 @@ def request_from_args(args: argparse.Namespace) -> MemoryRequest:
 def plan_request_from_args(args: argparse.Namespace) -> MemoryPlanRequest:
     """The options of `dynprof memory plan` as the kind's request."""
     return MemoryPlanRequest(
-        pids=tuple(args.pid or ()),
-        job=args.job,
-        all=bool(args.all),
+        **targets_from_args(args),
         budget=args.budget,
         save=args.save,
         timeout=args.timeout,

@@ -17,7 +17,6 @@ Over many nodes (--hosts), at most 2 GiB of dumps are read back in all.
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
 from collectors import flight_recorder as fr
 from collectors.flight_recorder import collect as kind
@@ -25,14 +24,14 @@ from collectors.flight_recorder.collect import NcclRequest
 from dynprof.cli._common import (
     add_attach_flag,
     add_targets,
-    attach_first,
     printable_lines,
+    request_then_attach,
     seconds,
+    targets_from_args,
 )
 from dynprof.cli.job import JobCommand, Text, answered_count
 from dynprof.job import nccl
-from dynprof.job.merge import JobResult, Reach
-from dynprof.nodes import Node
+from dynprof.job.merge import JobResult
 from dynprof.result import Result
 
 
@@ -55,14 +54,9 @@ class NcclCommand(JobCommand):
         )
 
     def collect_local(self, args: argparse.Namespace) -> Result:
-        request = request_from_args(args)
-        if args.attach:
-            attach_first(args)
+        request = request_then_attach(args, request_from_args)
         got = kind.collect(request)
         return JobResult(got.to_json(), got.exit_code, context={"ranks": len(got.ranks), "elapsed_s": got.elapsed_s})
-
-    def collect_job(self, options: dict[str, Any], nodes: list[Node], reach: Reach) -> Result:
-        return nccl.collect_job(options, nodes, reach)
 
     def render(self, result: Result) -> str:
         doc = result.to_json()
@@ -87,9 +81,7 @@ class NcclCommand(JobCommand):
 def request_from_args(args: argparse.Namespace) -> NcclRequest:
     """The options of `dynprof nccl` as the kind's request."""
     return NcclRequest(
-        pids=tuple(args.pid or ()),
-        job=args.job,
-        all=bool(args.all),
+        **targets_from_args(args),
         only_active=args.only_active,
         stack_traces=not args.no_stack_traces,
         timeout=args.timeout,

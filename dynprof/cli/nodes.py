@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from collectors.stacks import rank_runs
 from dynprof import errors
 from dynprof.cli._common import add_json, printable
 from dynprof.job import discovery
@@ -55,20 +56,10 @@ class NodesCommand:
                         f"job {found.job}: {len(found.ranks)} of {found.world_size} rank(s) registered "
                         f"in {found.store} on {len(found.nodes)} node(s)"
                     )
-                    + (f"; not registered: ranks {_spans(missing)}" if missing else "")
+                    + (f"; not registered: ranks {rank_runs(missing)}" if missing else "")
                 )
         return Result(doc, 0, messages)
 
     def render(self, result: Result) -> str:
         """A host file: one ``HOST:PORT`` a line."""
         return "\n".join(printable(address) for address in result.doc["nodes"])
-
-
-def _spans(values: list[int]) -> str:
-    spans: list[list[int]] = []
-    for v in values:
-        if spans and v == spans[-1][1] + 1:
-            spans[-1][1] = v
-        else:
-            spans.append([v, v])
-    return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans)

@@ -18,9 +18,8 @@ from typing import Any
 from dynprof.cli._common import human_age, printable, seconds, table
 from dynprof.cli.job import JobCommand, Text, answered_count
 from dynprof.job import ps
-from dynprof.job.merge import JobResult, Reach
+from dynprof.job.merge import JobResult
 from dynprof.node_requests import PS_TIMEOUT_S, PsRequest
-from dynprof.nodes import Node
 from dynprof.result import Result
 
 
@@ -41,9 +40,6 @@ class PsCommand(JobCommand):
 
     def collect_local(self, args: argparse.Namespace) -> Result:
         return ps.collect(request_from_args(args))
-
-    def collect_job(self, options: dict[str, Any], nodes: list[Node], reach: Reach) -> Result:
-        return ps.collect_job(options, nodes, reach)
 
     def render(self, result: Result) -> str:
         doc = result.to_json()

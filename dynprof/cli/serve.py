@@ -40,15 +40,6 @@ from dynprof.sidecar.policy import FanoutConfig, LinkPolicy
 from dynprof.tokens import check_token, read_token_file
 
 
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def resolve_token(token: str | None, token_file: str | None) -> tuple[str, str]:
     """(token, where it came from): --token, --token-file, DYNPROF_TOKEN_FILE, or generated."""
     if token is not None and token_file is not None:

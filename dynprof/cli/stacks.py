@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import stat
 import time
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -43,6 +42,7 @@ from dynprof.cli._common import (
     printable,
     printable_lines,
     seconds,
+    targets_from_args,
 )
 from dynprof.cli.job import JobCommand
 from dynprof.job import stacks as stacks_job
@@ -50,20 +50,14 @@ from dynprof.job.merge import Reach
 from dynprof.nodes import Node
 from dynprof.result import Result
 from dynprof.store import ArtifactStore
+from dynprof.untrusted import open_regular
 
 
 def read_stacks_file(path: str, budget: Budget) -> Stacks:
     """One node's ``stacks --json`` output (a stacks document): a regular file, read with the
     bounds of :func:`collectors.stacks.read_document` (``budget``: what all files of one merge
     may keep)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO must not block the merge
-    except OSError as exc:
-        raise errors.DynprofError(f"cannot open it: {exc.strerror or exc}") from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise errors.DynprofError("not a regular file")
-    with os.fdopen(fd, "rb") as fh:
+    with open_regular(path, "cannot open it", "not a regular file", errors.DynprofError) as fh:
         return read_document(fh, budget)
 
 
@@ -286,9 +280,7 @@ class StacksCommand(JobCommand):
 def request_from_args(args: argparse.Namespace) -> StacksRequest:
     """The options of `dynprof stacks` (this node's processes, or a core file) as the kind's request."""
     return StacksRequest(
-        pids=tuple(args.pid or ()),
-        job=args.job,
-        all=bool(args.all),
+        **targets_from_args(args),
         core=args.core,
         executable=args.executable,
         native=args.native,

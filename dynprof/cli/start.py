@@ -18,6 +18,7 @@ import argparse
 import re
 from typing import Any
 
+from collectors.torch_trace import SWITCHES
 from collectors.torch_trace.collect import TraceRequest
 from dynprof.cli._common import (
     MAX_SECONDS,
@@ -26,15 +27,15 @@ from dynprof.cli._common import (
     Progress,
     add_attach_flag,
     add_targets,
-    attach_first,
     bounded_int,
     printable,
+    request_then_attach,
     seconds,
+    targets_from_args,
 )
 from dynprof.cli.job import JobCommand, Text, render_per_rank, who
 from dynprof.job import start
-from dynprof.job.merge import JobResult, Reach
-from dynprof.nodes import Node
+from dynprof.job.merge import JobResult
 from dynprof.result import Result
 
 _SAMPLE_GROUP = re.compile(r"sample-[0-9a-f]{12}")
@@ -126,13 +127,8 @@ class StartCommand(JobCommand):
         )
 
     def collect_local(self, args: argparse.Namespace) -> Result:
-        request = request_from_args(args)
-        if args.attach:
-            attach_first(args)
+        request = request_then_attach(args, request_from_args)
         return start.collect(request, Progress(enabled=not getattr(args, "json", False)))
-
-    def collect_job(self, options: dict[str, Any], nodes: list[Node], reach: Reach) -> Result:
-        return start.collect_job(options, nodes, reach)
 
     def render(self, result: Result) -> str:
         doc = result.to_json()
@@ -181,17 +177,11 @@ def _render_nodes(doc: dict[str, Any], steps: int) -> str:
 def request_from_args(args: argparse.Namespace) -> TraceRequest:
     """The options of `dynprof start` on this node as the trace kind's request."""
     return TraceRequest(
-        pids=tuple(args.pid or ()),
-        job=args.job,
-        all=bool(args.all),
+        **targets_from_args(args),
         steps=args.steps or 0,
         duration=args.duration or 0.0,
         at_step=args.at_step or 0,
-        record_shapes=args.record_shapes,
-        with_stack=args.with_stack,
-        profile_memory=args.profile_memory,
-        with_flops=args.with_flops,
-        with_modules=args.with_modules,
+        **{key: getattr(args, key) for key in SWITCHES},
         activities=tuple(args.activities),
         max_duration=args.max_duration or 0.0,
         no_wait=args.no_wait,

@@ -7,14 +7,20 @@ no optimizer steps), then export the trace in the background.
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
-from dynprof.cli._common import Progress, add_attach_flag, add_targets, attach_first, printable, seconds
+from dynprof.cli._common import (
+    Progress,
+    add_attach_flag,
+    add_targets,
+    printable,
+    request_then_attach,
+    seconds,
+    targets_from_args,
+)
 from dynprof.cli.job import JobCommand
 from dynprof.job import stop
-from dynprof.job.merge import JobResult, Reach
+from dynprof.job.merge import JobResult
 from dynprof.node_requests import STOP_TIMEOUT_S, StopRequest
-from dynprof.nodes import Node
 from dynprof.result import Result
 
 
@@ -31,13 +37,8 @@ class StopCommand(JobCommand):
         parser.add_argument("--timeout", type=seconds, default=STOP_TIMEOUT_S, help="seconds to wait for the artifacts")
 
     def collect_local(self, args: argparse.Namespace) -> Result:
-        request = request_from_args(args)
-        if args.attach:
-            attach_first(args)
+        request = request_then_attach(args, request_from_args)
         return stop.collect(request, Progress(enabled=not getattr(args, "json", False)))
-
-    def collect_job(self, options: dict[str, Any], nodes: list[Node], reach: Reach) -> Result:
-        return stop.collect_job(options, nodes, reach)
 
     def render(self, result: Result) -> str:
         doc = result.to_json()
@@ -55,6 +56,4 @@ class StopCommand(JobCommand):
 
 def request_from_args(args: argparse.Namespace) -> StopRequest:
     """The options of `dynprof stop` on this node as its request."""
-    return StopRequest(
-        pids=tuple(args.pid or ()), job=args.job, all=bool(args.all), no_wait=args.no_wait, timeout=args.timeout
-    )
+    return StopRequest(**targets_from_args(args), no_wait=args.no_wait, timeout=args.timeout)

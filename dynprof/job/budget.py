@@ -4,7 +4,9 @@ and JSON values shared by the nodes (each sure of a floor, the rest a pool), a n
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 
 from dynprof.nodes import Node
 from dynprof.units import human_bytes
@@ -128,25 +130,38 @@ class AnswerShare:
 
     def take_bytes(self, amount: int) -> bool:
         """Room for ``amount`` more bytes of this answer; False (nothing taken) when none is left."""
-        over = max(0, self.bytes + amount - (self.budget.floor_bytes + self._pool_bytes))
-        if over and not self.budget._draw("bytes", over):
-            return False
-        self._pool_bytes += over
-        self.bytes += amount
-        return True
+        return self._take("bytes", amount)
 
     def take_values(self, amount: int) -> bool:
-        over = max(0, self.values + amount - (self.budget.floor_values + self._pool_values))
-        if over and not self.budget._draw("values", over):
+        """Room for ``amount`` more JSON values of this answer; False (nothing taken) when none is left."""
+        return self._take("values", amount)
+
+    def _take(self, what: str, amount: int) -> bool:
+        """``amount`` more of ``what`` (``bytes`` or ``values``): from this answer's floor while it
+        lasts, then drawn from the budget's pool."""
+        held, pool = getattr(self, what), getattr(self, f"_pool_{what}")
+        over = max(0, held + amount - (getattr(self.budget, f"floor_{what}") + pool))
+        if over and not self.budget._draw(what, over):
             return False
-        self._pool_values += over
-        self.values += amount
+        setattr(self, f"_pool_{what}", pool + over)
+        setattr(self, what, held + amount)
         return True
 
     def release(self) -> None:
         """The answer is not kept: what it drew from the pool goes back."""
         self.budget._give_back(self._pool_bytes, self._pool_values)
         self.bytes = self.values = self._pool_bytes = self._pool_values = 0
+
+    @contextlib.contextmanager
+    def holding(self) -> Iterator[None]:
+        """Around reading one answer: what it took is kept (:meth:`keep`) when the reading ends,
+        and given back (:meth:`release`) when it raises."""
+        try:
+            yield
+        except BaseException:
+            self.release()
+            raise
+        self.keep()
 
     def keep(self) -> None:
         """The answer is kept: count what it holds."""

@@ -311,64 +311,45 @@ class SidecarClient:
     ) -> dict[str, Any]:
         """A JSON request with one retry on 429; the answer's JSON object, or :class:`NodeFailure`.
         The answer is decoded only when it holds at most ``max_values`` JSON values, and, given
-        a ``share`` of the command's total, only when the share has room for them."""
-        try:
-            doc = self._call_json_once(node, method, path, payload, deadline, max_bytes, max_values, share)
-        except BaseException:
-            if share is not None:
-                share.release()
-            raise
-        if share is not None:
-            share.keep()
-        return doc
-
-    def _call_json_once(
-        self,
-        node: Node,
-        method: str,
-        path: str,
-        payload: Any,
-        deadline: float,
-        max_bytes: int,
-        max_values: int,
-        share: AnswerShare | None,
-    ) -> dict[str, Any]:
-        body = None if payload is None else json.dumps(payload).encode()
-        for attempt in (1, 2):
-            if share is not None:
-                share.release()  # a refusal's body, or a retried answer, is not kept
-            status, headers, data = self._request(node, method, path, body, deadline, max_bytes, share=share)
-            if status == 429 and attempt == 1:
-                wait = _retry_after(headers.get("retry-after"))
-                if time.monotonic() + wait < deadline - 0.5:
-                    time.sleep(wait)
-                    continue
-            if status != 200:
-                raise NodeFailure(_http_reason(node, status, data, path), status)
-            values = count_json_values(data)
-            if values > max_values:
-                raise NodeFailure(f"the answer of {node} to {path} holds over {max_values} JSON values: refused")
-            if share is not None and not share.take_values(values):
-                raise NodeFailure(share.budget.reason("values", node), cut=True)
-            try:
-                # The text alone while it is parsed: the bytes go first (an answer may be 80 MiB).
-                text = data.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                raise NodeFailure(
-                    f"not a dynprof sidecar: the answer of {node} to {path}: not valid JSON ({str(exc)[:120]})"
-                ) from None
-            del data
-            try:
-                doc = loads_json(text, f"the answer of {node} to {path}")
-            except ArtifactError as exc:
-                raise NodeFailure(f"not a dynprof sidecar: {exc.message}") from None
-            if not isinstance(doc, dict):
-                raise NodeFailure(f"not a dynprof sidecar: {node} answered {path} with JSON that is not an object")
-            api = doc.get("api")
-            if api != API_VERSION and "api" in doc:
-                raise NodeFailure(f"api version {_short(api)} on {node}, this CLI speaks {API_VERSION}")
-            return doc
-        raise AssertionError("unreachable")  # pragma: no cover
+        a ``share`` of the command's total, only when the share has room for them (kept when
+        the answer is, given back when it is not)."""
+        with share.holding() if share is not None else contextlib.nullcontext():
+            body = None if payload is None else json.dumps(payload).encode()
+            for attempt in (1, 2):
+                if share is not None:
+                    share.release()  # a refusal's body, or a retried answer, is not kept
+                status, headers, data = self._request(node, method, path, body, deadline, max_bytes, share=share)
+                if status == 429 and attempt == 1:
+                    wait = _retry_after(headers.get("retry-after"))
+                    if time.monotonic() + wait < deadline - 0.5:
+                        time.sleep(wait)
+                        continue
+                if status != 200:
+                    raise NodeFailure(_http_reason(node, status, data, path), status)
+                values = count_json_values(data)
+                if values > max_values:
+                    raise NodeFailure(f"the answer of {node} to {path} holds over {max_values} JSON values: refused")
+                if share is not None and not share.take_values(values):
+                    raise NodeFailure(share.budget.reason("values", node), cut=True)
+                try:
+                    # The text alone while it is parsed: the bytes go first (an answer may be 80 MiB).
+                    text = data.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    raise NodeFailure(
+                        f"not a dynprof sidecar: the answer of {node} to {path}: not valid JSON ({str(exc)[:120]})"
+                    ) from None
+                del data
+                try:
+                    doc = loads_json(text, f"the answer of {node} to {path}")
+                except ArtifactError as exc:
+                    raise NodeFailure(f"not a dynprof sidecar: {exc.message}") from None
+                if not isinstance(doc, dict):
+                    raise NodeFailure(f"not a dynprof sidecar: {node} answered {path} with JSON that is not an object")
+                api = doc.get("api")
+                if api != API_VERSION and "api" in doc:
+                    raise NodeFailure(f"api version {_short(api)} on {node}, this CLI speaks {API_VERSION}")
+                return doc
+            raise AssertionError("unreachable")  # pragma: no cover
 
     # -- the API ----------------------------------------------------------------------------
     def info(self, node: Node) -> dict[str, Any]:

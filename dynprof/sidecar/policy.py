@@ -4,7 +4,6 @@ and where it listens)."""
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import socket
 from collections.abc import Iterable, Mapping
@@ -14,6 +13,7 @@ from typing import Any
 from dynprof import errors
 from dynprof.identity import detect
 from dynprof.job.discovery import SLURM_NODELIST_VARIABLES, expand_nodelist
+from dynprof.nodes import is_loopback
 
 
 @dataclass(frozen=True)
@@ -30,13 +30,7 @@ def _host_key(host: str) -> str:
 
 
 def _is_loopback_host(host: str) -> bool:
-    key = _host_key(host)
-    if key == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(key).is_loopback
-    except ValueError:
-        return False
+    return is_loopback(_host_key(host))
 
 
 MIN_LINK_PORT = 1024  # a link test's rendezvous is never on a privileged port

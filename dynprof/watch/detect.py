@@ -76,7 +76,7 @@ the same places ``confirm_s`` later.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -121,31 +121,29 @@ def _culprit(s: RankState, why: str) -> Culprit:
     return Culprit(rank=s.rank, host=s.node, pid=s.pid, where=s.where, why=why, since_step=s.step)
 
 
+# What a culprit is doing, by its state, after "rank 37 on node-5 " (``tail``: where the others
+# wait, when it is elsewhere); a state not here cannot be read.
+_PHRASES: dict[str, Callable[[RankState, str], str]] = {
+    "stopped": lambda s, tail: f"is stopped (SIGSTOP or a debugger) in {s.where}",
+    "in-c": lambda s, tail: f"is stuck in C holding the GIL in {s.where}",
+    "moving": lambda s, tail: f"is in {s.where}, {s.detail}{tail}",
+    "parked": lambda s, tail: f"is in {s.where}, parked" + (" (no CPU)" if s.cpu_delta_s is not None else ""),
+    "waiting": lambda s, tail: f"waits in {s.collective} at {s.where}",
+    "waiting-gpu": lambda s, tail: f"waits for its GPU in {s.gpu_call}{tail}",
+    "in-gpu-library": lambda s, tail: (
+        f"is held in {s.gpu_call}{tail}, but its GPU has nothing to wait for ({s.gpu_evidence}): "
+        "the call waits on the host, not on the device"
+    ),
+    "gone": lambda s, tail: "is gone (its process exited)",
+}
+
+
 def _phrase(s: RankState, others: str | None) -> str:
     """What a culprit is doing, after "rank 37 on node-5 ": "is in load_next_batch (...) ..."."""
-    if s.state == "stopped":
-        return f"is stopped (SIGSTOP or a debugger) in {s.where}"
-    if s.state == "in-c":
-        return f"is stuck in C holding the GIL in {s.where}"
-    if s.state == "moving":
-        tail = f", not in the {others} the others wait in" if others else ""
-        return f"is in {s.where}, {s.detail}{tail}"
-    if s.state == "parked":
-        return f"is in {s.where}, parked" + (" (no CPU)" if s.cpu_delta_s is not None else "")
-    if s.state == "waiting":
-        return f"waits in {s.collective} at {s.where}"
-    if s.state == "waiting-gpu":
-        tail = f", not in the {others} the others wait in" if others else ""
-        return f"waits for its GPU in {s.gpu_call}{tail}"
-    if s.state == "in-gpu-library":
-        tail = f", not in the {others} the others wait in" if others else ""
-        return (
-            f"is held in {s.gpu_call}{tail}, but its GPU has nothing to wait for ({s.gpu_evidence}): "
-            "the call waits on the host, not on the device"
-        )
-    if s.state == "gone":
-        return "is gone (its process exited)"
-    return f"cannot be read ({s.detail})"
+    phrase = _PHRASES.get(s.state)
+    if phrase is None:
+        return f"cannot be read ({s.detail})"
+    return phrase(s, f", not in the {others} the others wait in" if others else "")
 
 
 def _groups(states: Sequence[RankState], key: Any) -> list[list[RankState]]:

@@ -50,6 +50,17 @@ def test_targets_may_be_optional():
     assert args.pid is None and args.job is None and args.all is False
 
 
+def test_the_targets_given_are_a_requests_fields():
+    parser = _parser(required=False)
+    assert _common.targets_from_args(parser.parse_args(["--pid", "12,13"])) == {
+        "pids": (12, 13),
+        "job": None,
+        "all": False,
+    }
+    assert _common.targets_from_args(parser.parse_args(["--job", "j-1"])) == {"pids": (), "job": "j-1", "all": False}
+    assert _common.targets_from_args(parser.parse_args([])) == {"pids": (), "job": None, "all": False}
+
+
 # -- target selection ------------------------------------------------------------------------------
 def test_resolve_agents_asks_for_the_pids_or_the_job(monkeypatch):
     asked = []
@@ -69,6 +80,24 @@ def test_resolve_agents_with_attach_attaches_first(monkeypatch):
     monkeypatch.setattr(_common, "resolve", lambda pids=None, job=None: order.append("resolve") or [])
     _common.resolve_agents(argparse.Namespace(pid=[1], job=None, attach=True))
     assert order == ["attach", "resolve"]
+
+
+def test_a_request_is_made_before_attach_and_a_bad_one_attaches_nothing(monkeypatch):
+    order = []
+    monkeypatch.setattr(_common, "attach_first", lambda args: order.append("attach"))
+
+    def make(args):
+        order.append("request")
+        if args.pid == [0]:
+            raise errors.UsageError("a process id is 1-4194304")
+        return "the request"
+
+    assert _common.request_then_attach(argparse.Namespace(pid=[1], attach=True), make) == "the request"
+    assert _common.request_then_attach(argparse.Namespace(pid=[1], attach=False), make) == "the request"
+    assert order == ["request", "attach", "request"]
+    with pytest.raises(errors.UsageError):
+        _common.request_then_attach(argparse.Namespace(pid=[0], attach=True), make)
+    assert order == ["request", "attach", "request", "request"]
 
 
 @pytest.fixture

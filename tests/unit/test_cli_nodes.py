@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 
+from collectors.stacks import rank_runs
 from dynprof.cli import main
-from dynprof.cli.nodes import _spans
 
 
 def test_hosts_and_hostfile_add_up_deduplicated_in_order(tmp_path, capsys):
@@ -40,7 +40,7 @@ def test_discover_without_job_is_a_usage_error(capsys):
     assert "--discover needs --job" in capsys.readouterr().err
 
 
-def test_missing_ranks_are_said_as_spans():
-    assert _spans([]) == ""
-    assert _spans([3]) == "3"
-    assert _spans([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
+def test_missing_ranks_are_said_asrank_runs():
+    assert rank_runs([]) == ""
+    assert rank_runs([3]) == "3"
+    assert rank_runs([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"

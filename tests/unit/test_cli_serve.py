@@ -153,21 +153,6 @@ def test_other_addresses_are_not_every_address(host):
     assert not serve_cli._is_unspecified(host)
 
 
-@pytest.mark.parametrize(
-    ("host", "loopback"),
-    [
-        ("localhost", True),
-        ("127.0.0.1", True),
-        ("127.9.9.9", True),
-        ("::1", True),
-        ("0.0.0.0", False),
-        ("node-1", False),
-    ],
-)
-def test_loopback_addresses(host, loopback):
-    assert serve_cli._is_loopback(host) is loopback
-
-
 def test_the_url_it_prints():
     assert serve_cli._url("127.0.0.1", 8787, "T") == "http://127.0.0.1:8787/?token=T"
     assert serve_cli._url("::1", 9000, "T", tls=True) == "https://[::1]:9000/?token=T"

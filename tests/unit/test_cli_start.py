@@ -16,7 +16,7 @@ import pytest
 
 from collectors.torch_trace.collect import Started, TraceRequest
 from dynprof import errors
-from dynprof.cli import job, main
+from dynprof.cli import _common, job, main
 from dynprof.cli import start as start_cli
 from dynprof.job import start as job_start
 from dynprof.job.merge import JobResult
@@ -137,7 +137,7 @@ def test_every_option_reaches_the_request():
 
 
 def test_a_request_the_kind_refuses_is_a_usage_error_before_anything_starts(capsys, monkeypatch):
-    monkeypatch.setattr(start_cli, "attach_first", lambda args: pytest.fail("nothing is attached"))
+    monkeypatch.setattr(_common, "attach_first", lambda args: pytest.fail("nothing is attached"))
     assert main(["start", "--pid", "7", "--attach", "--duration", "2", "--at-step", "5"]) == 2
     assert "--at-step applies to step mode, not to --duration" in capsys.readouterr().err
 
@@ -218,7 +218,7 @@ def test_collect_local_keeps_what_the_text_needs_out_of_the_document(collect):
 
 def test_attach_first_then_start(monkeypatch):
     order = []
-    monkeypatch.setattr(start_cli, "attach_first", lambda args: order.append(("attach", args.pid)))
+    monkeypatch.setattr(_common, "attach_first", lambda args: order.append(("attach", args.pid)))
     monkeypatch.setattr("collectors.torch_trace.collect.collect", lambda r, p=None: order.append("start") or _started())
     start_cli.StartCommand().collect_local(_parse("--pid", str(os.getpid()), "--attach", "--steps", "1"))
     assert order == [("attach", [os.getpid()]), "start"]

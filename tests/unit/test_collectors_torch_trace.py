@@ -25,6 +25,7 @@ from collectors import torch_trace
 from collectors.torch_trace import (
     KINETO_QUIET_LEVEL,
     MAX_WARNINGS_KEPT,
+    SWITCHES,
     TRACE_FILE,
     TRACE_UNCOMPRESSED_FILE,
     TraceOptions,
@@ -71,6 +72,13 @@ def test_options_are_plain_data():
     }
     o = TraceOptions(record_shapes=True, activities=["cpu"])
     assert o.to_dict()["record_shapes"] is True and o.to_dict()["activities"] == ["cpu"]
+
+
+def test_options_are_read_from_what_carries_them_by_name():
+    switches = dict.fromkeys(SWITCHES, False) | {"record_shapes": True, "profile_memory": True}
+    carrier = types.SimpleNamespace(**switches, activities=("cuda",))
+    assert TraceOptions.of(carrier) == TraceOptions(record_shapes=True, profile_memory=True, activities=["cuda"])
+    assert set(SWITCHES) | {"activities"} == set(TraceOptions().to_dict())
 
 
 class FakeProfiler:

@@ -38,3 +38,22 @@ def test_the_manifests_held_at_once_share_their_own_total_and_a_cut_says_so():
     reason = budget.reason("bytes", Node("n1", 8787))
     assert reason.startswith("cut: the artifact manifests this command holds at once")
     share.done()
+
+
+def test_an_answer_read_is_kept_and_one_that_failed_gives_back_what_it_drew():
+    budget = AnswerBudget(2, total_bytes=1000, total_values=100)
+    kept, failed = budget.share(), budget.share()
+    with kept.holding():
+        assert kept.take_bytes(700) and kept.take_values(10)
+    assert (budget.held_bytes, budget.held_values) == (700, 10)
+    try:
+        with failed.holding():
+            assert failed.take_bytes(300)
+            raise ValueError("not JSON")
+    except ValueError:
+        pass
+    # nothing of the failed answer is counted, and the pool it drew on is whole again
+    assert (budget.held_bytes, budget.held_values) == (700, 10)
+    assert (failed.bytes, failed.values) == (0, 0)
+    kept.done()
+    assert (budget.held_bytes, budget.held_values) == (0, 0)

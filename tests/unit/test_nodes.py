@@ -14,6 +14,7 @@ from dynprof.nodes import (
     CommandError,
     Node,
     NodeAnswer,
+    is_loopback,
     parse_hosts,
     parse_node,
     read_hostfile,
@@ -175,3 +176,13 @@ def test_summary_says_why_a_node_failed():
     assert summary["error"] == "HTTP 403" and summary["elapsed_s"] == 0.123
     failed = NodeAnswer(node, True, exit_code=1, messages=["dynprof: boom"]).summary("n")
     assert failed["error"] == "dynprof: boom" and failed["exit_code"] == 1
+
+
+@pytest.mark.parametrize("host", ["localhost", "127.0.0.1", "127.9.9.9", "::1"])
+def test_loopback_addresses(host):
+    assert is_loopback(host) is True
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "10.0.0.5", "node-1"])
+def test_other_addresses_are_not_loopback(host):
+    assert is_loopback(host) is False

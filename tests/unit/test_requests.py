@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 
 from dynprof import errors
-from dynprof.requests import MAX_ITEMS, MAX_TEXT, read_options
+from dynprof.arguments import MAX_PID, MAX_SECONDS
+from dynprof.requests import (
+    MAX_ITEMS,
+    MAX_TEXT,
+    TARGETS,
+    TargetedRequest,
+    check_timeout,
+    read_options,
+)
 
 SPEC = {"job": "str", "pid": "ints", "all": "bool", "n": "int", "t": "float", "names": "strs"}
 
@@ -39,3 +47,34 @@ def test_what_is_not_an_option_of_its_kind_is_a_usage_error(doc, said):
     with pytest.raises(errors.UsageError) as refused:
         read_options(doc, SPEC, "x")
     assert said in refused.value.message and refused.value.message.startswith("x: ")
+
+
+# -- the targets and the timeout every request of processes checks --------------------------------
+@pytest.mark.parametrize(("pids", "job", "all_"), [((), None, False), ((1,), "j", False), ((), "j", True)])
+def test_not_exactly_one_target_is_a_usage_error_pointing_at_the_commands_help(pids, job, all_):
+    with pytest.raises(errors.UsageError, match="exactly one of --pid, --job or --all") as info:
+        TargetedRequest(pids, job, all_).check_one_target("nccl")
+    assert info.value.help == "See `dynprof nccl --help`."
+    TargetedRequest(all=True).check_one_target("nccl")
+
+
+@pytest.mark.parametrize("pid", [0, -1, MAX_PID + 1, True, 1.5, "7"])
+def test_a_pid_that_is_no_process_id_is_a_usage_error(pid):
+    with pytest.raises(errors.UsageError, match=f"a process id is 1-{MAX_PID}"):
+        TargetedRequest(pids=(3, pid)).check_pids()
+    TargetedRequest(pids=(1, MAX_PID)).check_pids()
+
+
+@pytest.mark.parametrize("timeout", [0, -1.0, MAX_SECONDS + 1])
+def test_a_timeout_out_of_range_is_a_usage_error(timeout):
+    with pytest.raises(errors.UsageError, match=r"a timeout of .* s: more than 0, at most 86400"):
+        check_timeout(timeout)
+    check_timeout(MAX_SECONDS)
+
+
+def test_targets_read_and_written_round_trip():
+    for request in (TargetedRequest(pids=(4, 5)), TargetedRequest(job="j1"), TargetedRequest(all=True)):
+        doc = request.targets_json()
+        assert TargetedRequest(**TargetedRequest.targets_of(read_options(doc, TARGETS, "x"))) == request
+    assert TargetedRequest(all=True).targets_json() == {"all": True}
+    assert TargetedRequest().targets_json() == {}

@@ -11,7 +11,7 @@ import zlib
 import pytest
 
 from dynprof import untrusted
-from dynprof.errors import ArtifactError, MissingFile
+from dynprof.errors import ArtifactError, MissingFile, UsageError
 from dynprof.untrusted import (
     DecompressedReader,
     check_name,
@@ -24,6 +24,7 @@ from dynprof.untrusted import (
     max_gzip_ratio,
     max_trace_bytes,
     open_in,
+    open_regular,
     read_bytes_in,
     read_json_in,
     read_text_in,
@@ -81,6 +82,21 @@ def test_open_in_refuses_a_link_a_directory_a_fifo_and_says_what_is_missing(tmp_
         open_in(tmp_path, "absent")
     with pytest.raises(ArtifactError, match="cannot open"):
         open_in(tmp_path / "no-dir", "f")
+
+
+def test_open_regular_reads_a_named_file_and_says_in_the_callers_words_why_not(tmp_path):
+    (tmp_path / "hosts").write_bytes(b"a\nb\n")
+    (tmp_path / "link").symlink_to(tmp_path / "hosts")  # a file a person names may be a link
+    os.mkfifo(tmp_path / "fifo")
+    for name in ("hosts", "link"):
+        with open_regular(str(tmp_path / name), "cannot read it", "not a file", UsageError) as fh:
+            assert fh.read() == b"a\nb\n"
+    with pytest.raises(UsageError, match=r"^not a file$"):
+        open_regular(str(tmp_path / "fifo"), "cannot read it", "not a file", UsageError)  # never blocks
+    with pytest.raises(UsageError, match=r"^not a file$"):
+        open_regular(str(tmp_path), "cannot read it", "not a file", UsageError)
+    with pytest.raises(ArtifactError, match=r"^cannot read it: No such file or directory$"):
+        open_regular(str(tmp_path / "absent"), "cannot read it", "not a file", ArtifactError)
 
 
 def test_read_bytes_in_refuses_a_file_over_the_limit(tmp_path):
