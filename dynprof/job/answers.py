@@ -1,15 +1,47 @@
 """Reading the nodes' answers: every value in them is untrusted, so each is taken only when it
 has the type the merges expect (a list of objects, an int that is not a bool), and nodes are
 named as output names them.
+
+A kind's answer reads itself (its ``from_json``); :func:`answer_rows` is the part those
+readers share (the list of objects under one key), and :func:`read` asks a node's answer for
+its decoded form, ``None`` when the node gave none that reads.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from dynprof import errors
 
 if TYPE_CHECKING:  # the HTTP client is imported only where nodes are asked
     from dynprof.nodes import Node, NodeAnswer
+
+T = TypeVar("T")
+
+
+def answer_rows(doc: Any, key: str, what: str) -> list[dict[str, Any]]:
+    """The list ``key`` of the answer ``doc`` of ``what`` (``"ps"``, ``"stop"``, ...): its objects,
+    copied (an entry that is not an object is left out, as the merges always did). Raises
+    :class:`~dynprof.errors.ArtifactError` when ``doc`` is not an object or ``key`` not a list."""
+    if not isinstance(doc, dict):
+        raise errors.ArtifactError(f"the {what} answer is not a JSON object")
+    found = doc.get(key)
+    if not isinstance(found, list):
+        raise errors.ArtifactError(f"the {what} answer has no list {key!r}")
+    return [dict(r) for r in found if isinstance(r, dict)]
+
+
+def read(answer: NodeAnswer, decode: Callable[[Any], T]) -> T | None:
+    """A node's answer as ``decode`` (a kind's ``from_json``) reads it; ``None`` when the node did
+    not answer or its answer does not read (an error document, a malformed one)."""
+    if not answer.answered:
+        return None
+    try:
+        return decode(answer.result)
+    except errors.ArtifactError:
+        return None
 
 
 def rows(answer: NodeAnswer, key: str) -> list[dict[str, Any]]:

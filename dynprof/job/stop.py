@@ -9,12 +9,14 @@ no optimizer steps), then export the trace in the background.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from collectors.torch_trace import WRITING_AT_EXIT, result_from_store
 from dynprof import errors
 from dynprof.agents import parallel, resolve
 from dynprof.client import AgentClient
+from dynprof.job.answers import answer_rows
 from dynprof.job.merge import JobResult, Reach, collect_per_rank
 from dynprof.node_requests import STOP_TIMEOUT_S, StopRequest
 from dynprof.nodes import Node
@@ -23,7 +25,33 @@ from dynprof.proto import pb
 from dynprof.result import Result
 
 
-def collect(request: StopRequest, progress: Progress | None = None) -> Result:
+@dataclass
+class Stopped(Result):
+    """One node's ``stop`` answer: a row per process (``results``: pid, rank, status, artifact,
+    error); ``none_stopping`` when no process had a trace to stop (its text is then the errors)."""
+
+    results: list[dict[str, Any]] = field(default_factory=list)
+    none_stopping: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        """``dynprof stop --json`` on one node, the sidecar's ``stop`` answer: ``{"results": [...]}``."""
+        return {"results": self.results}
+
+    @classmethod
+    def from_json(cls, doc: Any) -> Stopped:
+        """A node's answer, untrusted: an object with a list ``results`` (its rows that are
+        objects kept, as they are); else :class:`~dynprof.errors.ArtifactError`."""
+        return cls(results=answer_rows(doc, "results", "stop"))
+
+    def rank_rows(self) -> list[dict[str, Any]]:
+        """The rows a job-wide answer merges rank by rank (:func:`dynprof.job.merge.per_rank_result`)."""
+        return self.results
+
+    def artifact_paths(self) -> list[Any]:
+        return [r.get("artifact") for r in self.results]
+
+
+def collect(request: StopRequest, progress: Progress | None = None) -> Stopped:
     """This node's stop of ``request``'s traces, each followed until written unless
     ``no_wait`` (``progress``: where it says so meanwhile)."""
     records = resolve(pids=list(request.pids) or None, job=request.job)
@@ -55,7 +83,7 @@ def collect(request: StopRequest, progress: Progress | None = None) -> Result:
                 )
                 at_exit[record.pid] = trace.last_artifact or None
     if not stopping:
-        return JobResult({"results": results}, 1, context={"none_stopping": True})
+        return Stopped(exit_code=1, results=results, none_stopping=True)
     if not request.no_wait:
         if progress is None:
             progress = Progress(enabled=False)
@@ -126,9 +154,9 @@ def collect(request: StopRequest, progress: Progress | None = None) -> Result:
             for r, _, _ in stopping
         )
     ok = all(r["status"] in ("complete", "partial", "stopping", WRITING_AT_EXIT) for r in results)
-    return Result({"results": results}, 0 if ok else 1, messages)
+    return Stopped(exit_code=0 if ok else 1, messages=messages, results=results)
 
 
 def collect_job(options: dict[str, Any], nodes: list[Node], reach: Reach) -> JobResult:
     """Every node stops its traces (the ``stop`` action with ``options``); rank by rank."""
-    return collect_per_rank("stop", options, nodes, reach, STOP_TIMEOUT_S)
+    return collect_per_rank("stop", options, nodes, reach, STOP_TIMEOUT_S, Stopped.from_json)

@@ -94,7 +94,7 @@ def local_trace(job: str, steps: int, limit_s: float) -> dict[str, Any]:
 
     cap = min(MAX_TRACE_DURATION_S, max(10.0, limit_s))
     request = TraceRequest(job=job, steps=steps, with_stack=True, max_duration=cap, timeout=limit_s)
-    return collect(request).doc
+    return collect(request).to_json()
 
 
 def local_traces(doc: Any, host: str) -> SampledTraces:

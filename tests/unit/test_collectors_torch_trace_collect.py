@@ -113,7 +113,7 @@ def _try(fn, item):
 
 def _wait(collect, client, record, progress):
     request = TraceRequest(pids=(record.pid,), steps=10)
-    return collect._wait_done(request, [client], [record], "g1", 10, 5, progress)["results"][0]
+    return collect._wait_done(request, [client], [record], "g1", 10, 5, progress)[0]
 
 
 def test_an_agent_silent_while_it_writes_the_trace_is_waited_for_not_lost(fast):
@@ -150,7 +150,6 @@ def test_past_the_write_bound_the_trace_is_still_being_written_not_failed(fast, 
     import os
 
     from dynprof.cli.start import StartCommand
-    from dynprof.job.merge import JobResult
 
     monkeypatch.setattr(fast, "WRITE_WAIT_MIN_S", 0.0)
     monkeypatch.setattr(fast, "WRITE_WAIT_PER_PROFILED_S", 0.0)
@@ -162,7 +161,7 @@ def test_past_the_write_bound_the_trace_is_still_being_written_not_failed(fast, 
     # THEN it is still being written, with where it will appear, and the start says so
     assert result["status"] == fast.WRITING and result["artifact"] is None and result["error"] is None
     assert "still being written" in result["note"] and "`dynprof ls --kind trace --job 'j 1'`" in result["note"]
-    text = StartCommand().render(JobResult({"results": [result]}, 9, [], context={}))
+    text = StartCommand().render(fast.Started(exit_code=9, results=[result]))
     assert text.startswith("rank 0 (pid ") and "still being written" in text and "failed" not in text
 
 

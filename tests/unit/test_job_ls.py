@@ -24,19 +24,19 @@ def test_this_nodes_listing_is_newest_first_filtered_and_limited(dynprof_dirs):
     second = _finished("stacks", "j2", rank=1)
     got = ls.collect(LsRequest())
     assert got.exit_code == 0 and got.messages == []
-    assert got.doc["root"] == str(dynprof_dirs["artifacts"])
-    assert [a["id"] for a in got.doc["artifacts"]] == [second.id, first.id]
-    assert [a["id"] for a in ls.collect(LsRequest(job="j1")).doc["artifacts"]] == [first.id]
-    assert [a["kind"] for a in ls.collect(LsRequest(kind="stacks")).doc["artifacts"]] == ["stacks"]
-    assert [a["id"] for a in ls.collect(LsRequest(limit=1)).doc["artifacts"]] == [second.id]
+    assert got.root == str(dynprof_dirs["artifacts"])
+    assert [a["id"] for a in got.artifacts] == [second.id, first.id]
+    assert [a["id"] for a in ls.collect(LsRequest(job="j1")).artifacts] == [first.id]
+    assert [a["kind"] for a in ls.collect(LsRequest(kind="stacks")).artifacts] == ["stacks"]
+    assert [a["id"] for a in ls.collect(LsRequest(limit=1)).artifacts] == [second.id]
 
 
 def test_an_artifact_being_written_is_listed_with_all_only(dynprof_dirs):
     writer = ArtifactStore().create("trace", job="j", rank=0)
     try:
-        assert ls.collect(LsRequest()).doc["writing"] == []
+        assert ls.collect(LsRequest()).writing == []
         got = ls.collect(LsRequest(all=True))
-        assert len(got.doc["writing"]) == 1 and got.context["temporaries"][0][2] == "writing"
+        assert len(got.writing) == 1 and got.temporaries[0][2] == "writing"
     finally:
         writer.finish("complete")
 

@@ -18,8 +18,8 @@ from dynprof.nodes import Node, NodeAnswer
 def test_an_agent_without_a_running_trace_is_not_running_exit_1():
     dynprof.agent.start()
     got = stop.collect(StopRequest(pids=(os.getpid(),)))
-    [row] = got.doc["results"]
-    assert got.exit_code == 1 and got.context == {"none_stopping": True}
+    [row] = got.results
+    assert got.exit_code == 1 and got.none_stopping
     assert row["pid"] == os.getpid() and row["status"] == "not-running" and row["artifact"] is None
 
 
