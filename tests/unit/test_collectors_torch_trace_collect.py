@@ -3,9 +3,11 @@ same request whichever way it comes (the CLI's options, or the sidecar's ``start
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from collectors.torch_trace.collect import TraceRequest
+from collectors.torch_trace.collect import Started, TraceRequest
 from dynprof import errors
 from dynprof.cli.start import StartCommand, request_from_args
 from tests.support.records import agent_record
@@ -216,3 +218,40 @@ def test_a_trace_that_left_nothing_before_another_began_fails_saying_so(fast, mo
     monkeypatch.setattr(fast, "result_from_store", lambda *a: None)
     result = _wait(fast, _Scripted([_state("idle", group="g2")]), _record(os.getpid()), _Lines())
     assert result["status"] == "failed" and "went on to another trace (group g2)" in result["error"]
+
+
+TARGET = {"pid": 7, "rank": 0, "job": "j", "start_step": 5}
+WRITTEN = {**TARGET, "status": "complete", "artifact": "/s/t", "error": None}
+
+
+@pytest.mark.parametrize(
+    "doc",
+    [
+        {"group_id": "g1", "at_step": 5, "state": "armed", "targets": [TARGET]},  # --no-wait
+        {"group_id": "g1", "at_step": None, "state": "armed", "targets": []},
+        {"group_id": "g1", "state": "tracing", "targets": [TARGET]},  # open-ended, active
+        {"group_id": "g1", "state": "ended", "targets": [], "results": [WRITTEN]},
+        {"group_id": "g1", "results": [WRITTEN]},  # steps or duration, waited for
+    ],
+)
+def test_a_starts_answer_reads_back_what_it_wrote_key_for_key(doc):
+    back = Started.from_json(json.loads(json.dumps(doc)))
+    assert json.dumps(back.to_json()) == json.dumps(doc)
+
+
+@pytest.mark.parametrize("doc", [None, "x", [], {"group_id": "g1"}, {"targets": {}, "results": "x"}])
+def test_a_starts_answer_without_targets_or_results_is_refused(doc):
+    with pytest.raises(errors.ArtifactError, match="start answer"):
+        Started.from_json(doc)
+
+
+def test_a_starts_fields_of_another_type_are_left_out():
+    got = Started.from_json({"group_id": 7, "state": ["x"], "at_step": True, "targets": [TARGET, 3], "results": "x"})
+    assert (got.group_id, got.state, got.at_step, got.targets, got.results) == (None, None, None, [TARGET], None)
+
+
+def test_the_rows_a_job_wide_start_merges_are_the_traces_written_else_the_targets():
+    both = Started(group_id="g", state="ended", targets=[TARGET], results=[WRITTEN])
+    assert both.rank_rows() == [WRITTEN] and both.artifact_paths() == ["/s/t"]
+    armed = Started(group_id="g", state="armed", targets=[TARGET])
+    assert armed.rank_rows() == [TARGET] and armed.artifact_paths() == []
