@@ -44,19 +44,6 @@ def read(answer: NodeAnswer, decode: Callable[[Any], T]) -> T | None:
         return None
 
 
-def rows(answer: NodeAnswer, key: str) -> list[dict[str, Any]]:
-    """The list ``key`` of a node's result, keeping only objects (copies: callers add to them)."""
-    if not answer.answered or not isinstance(answer.result, dict):
-        return []
-    return [dict(r) for r in rows_of(answer.result, key)]
-
-
-def rows_of(result: Any, key: str) -> list[dict[str, Any]]:
-    """The objects of the list ``key`` of a result that may be anything."""
-    found = result.get(key) if isinstance(result, dict) else None
-    return [r for r in found if isinstance(r, dict)] if isinstance(found, list) else []
-
-
 def as_list(value: Any) -> list[Any]:
     return value if isinstance(value, list) else []
 

@@ -28,9 +28,13 @@ def test_a_rank_key_orders_by_job_rank_node_and_pid_rankless_last():
 
 
 def test_rows_keep_only_objects_of_an_answered_nodes_list():
-    assert job.rows(_answered(A, {"agents": [{"pid": 1}, 2, "x"]}), "agents") == [{"pid": 1}]
-    assert job.rows(_answered(A, {"agents": "no"}), "agents") == []
-    assert job.rows(_silent(A), "agents") == []
+    def agents(doc: Any) -> list[dict[str, Any]]:
+        return job.answer_rows(doc, "agents", "ps")
+
+    assert job.read(_answered(A, {"agents": [{"pid": 1}, 2, "x"]}), agents) == [{"pid": 1}]
+    assert job.read(_answered(A, {"agents": "no"}), agents) is None
+    assert job.read(_answered(A, {"error": {"message": "boom"}}), agents) is None
+    assert job.read(_silent(A), agents) is None
 
 
 def test_nodes_sharing_a_host_are_named_with_their_port():
@@ -46,12 +50,3 @@ def test_answer_rows_refuse_a_document_without_its_list_and_copy_its_objects():
     for bad in (None, [], {"results": {"pid": 1}}, {"other": []}):
         with pytest.raises(errors.ArtifactError, match="the stop answer"):
             job.answer_rows(bad, "results", "stop")
-
-
-def test_read_is_the_decoded_answer_or_none_when_silent_or_unreadable():
-    def decode(doc: Any) -> list[dict[str, Any]]:
-        return job.answer_rows(doc, "agents", "ps")
-
-    assert job.read(_answered(A, {"agents": [{"pid": 1}]}), decode) == [{"pid": 1}]
-    assert job.read(_answered(A, {"error": {"message": "boom"}}), decode) is None
-    assert job.read(_silent(A), decode) is None
