@@ -174,14 +174,14 @@ def per_rank_result(
     answer that does not read has none), merged in rank order with their node; ``per_node``
     keeps the rest of each answer (``strip``: the keys of the rows left out)."""
     labels = node_labels(nodes)
-    decoded = {a.node: read(a, decode) for a in answers}
+    decoded = {id(a): read(a, decode) for a in answers}
     results = []
     for a in answers:
-        got = decoded[a.node]
+        got = decoded[id(a)]
         for row in got.rank_rows() if got is not None else []:
             results.append({**row, "node": labels[a.node]})
     results.sort(key=rank_key)
-    artifacts = artifacts_of(answers, labels, lambda a: _paths(decoded[a.node]))
+    artifacts = artifacts_of(answers, labels, lambda a: _paths(decoded[id(a)]))
     fetched = maybe_fetch(reach, job, answers, artifacts)
     doc = {**envelope(answers, strip=strip), "results": results, "artifacts": artifacts, **fetched_doc(fetched)}
     return JobResult(doc, with_fetch(exit_code(answers), fetched), node_messages(answers))
