@@ -11,14 +11,17 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from dynprof import errors
+from dynprof.result import Result
 
 if TYPE_CHECKING:  # the HTTP client is imported only where nodes are asked
     from dynprof.nodes import Node, NodeAnswer
 
 T = TypeVar("T")
+R = TypeVar("R", bound="ProcessResults")
 
 
 def answer_rows(doc: Any, key: str, what: str) -> list[dict[str, Any]]:
@@ -31,6 +34,32 @@ def answer_rows(doc: Any, key: str, what: str) -> list[dict[str, Any]]:
     if not isinstance(found, list):
         raise errors.ArtifactError(f"the {what} answer has no list {key!r}")
     return [dict(r) for r in found if isinstance(r, dict)]
+
+
+@dataclass
+class ProcessResults(Result):
+    """A node's answer of one row per process (``results``: pid, rank, status, artifact,
+    error, ...), as ``stop`` and ``memory`` answer; ``WHAT`` names the answer in an error."""
+
+    results: list[dict[str, Any]] = field(default_factory=list)
+    WHAT: ClassVar[str] = "node's"
+
+    def to_json(self) -> dict[str, Any]:
+        """The answer's document: ``{"results": [...]}``."""
+        return {"results": self.results}
+
+    @classmethod
+    def from_json(cls: type[R], doc: Any) -> R:
+        """A node's answer, untrusted: an object with a list ``results`` (its rows that are
+        objects kept, as they are); else :class:`~dynprof.errors.ArtifactError`."""
+        return cls(results=answer_rows(doc, "results", cls.WHAT))
+
+    def rank_rows(self) -> list[dict[str, Any]]:
+        """The rows a job-wide answer merges rank by rank (:func:`dynprof.job.merge.per_rank_result`)."""
+        return self.results
+
+    def artifact_paths(self) -> list[Any]:
+        return [r.get("artifact") for r in self.results]
 
 
 def read(answer: NodeAnswer, decode: Callable[[Any], T]) -> T | None:

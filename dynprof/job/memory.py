@@ -6,12 +6,12 @@ its optimizer-step plans (:func:`collect_plan`), or a whole job's snapshots, ran
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from collectors.memory import collect as kind
 from collectors.memory.collect import DEFAULT_TIMEOUT_S, MemoryPlanRequest, MemoryRequest
 from dynprof import errors
-from dynprof.job.answers import answer_rows, as_list
+from dynprof.job.answers import ProcessResults, answer_rows, as_list
 from dynprof.job.merge import JobResult, Reach, collect_per_rank
 from dynprof.nodes import Node
 from dynprof.result import Result
@@ -21,30 +21,15 @@ MAX_NOTE_CHARS = 2000  # a note read back from a node's answer
 
 
 @dataclass
-class MemoryResults(Result):
-    """This node's answer: ``{"results": [one row per process]}``; ``history`` says whether it
-    answers a history request (``--history-start``/``--history-stop``) or a snapshot (for its
-    text only: the document does not say)."""
+class MemoryResults(ProcessResults):
+    """This node's answer (``dynprof memory --json``, the sidecar's ``memory`` action):
+    ``{"results": [one row per process]}``, read back with
+    :meth:`~dynprof.job.answers.ProcessResults.from_json`; ``history`` says whether it answers a
+    history request (``--history-start``/``--history-stop``) or a snapshot (for its text only:
+    the document does not say)."""
 
-    results: list[dict[str, Any]] = field(default_factory=list)
     history: bool = False
-
-    def to_json(self) -> dict[str, Any]:
-        """``dynprof memory --json`` on one node, the sidecar's ``memory`` answer."""
-        return {"results": self.results}
-
-    @classmethod
-    def from_json(cls, doc: Any) -> MemoryResults:
-        """A node's answer, untrusted: an object with a list ``results`` (its rows that are
-        objects kept, as they are); else :class:`~dynprof.errors.ArtifactError`."""
-        return cls(results=answer_rows(doc, "results", "memory"))
-
-    def rank_rows(self) -> list[dict[str, Any]]:
-        """The rows a job-wide answer merges rank by rank (:func:`dynprof.job.merge.per_rank_result`)."""
-        return self.results
-
-    def artifact_paths(self) -> list[Any]:
-        return [r.get("artifact") for r in self.results]
+    WHAT: ClassVar[str] = "memory"
 
 
 @dataclass

@@ -9,46 +9,30 @@ no optimizer steps), then export the trace in the background.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from collectors.torch_trace import WRITING_AT_EXIT, result_from_store
 from dynprof import errors
 from dynprof.agents import parallel, resolve
 from dynprof.client import AgentClient
-from dynprof.job.answers import answer_rows
+from dynprof.job.answers import ProcessResults
 from dynprof.job.merge import JobResult, Reach, collect_per_rank
 from dynprof.node_requests import STOP_TIMEOUT_S, StopRequest
 from dynprof.nodes import Node
 from dynprof.output import Progress, printable
 from dynprof.proto import pb
-from dynprof.result import Result
 
 
 @dataclass
-class Stopped(Result):
-    """One node's ``stop`` answer: a row per process (``results``: pid, rank, status, artifact,
-    error); ``none_stopping`` when no process had a trace to stop (its text is then the errors)."""
+class Stopped(ProcessResults):
+    """One node's ``stop`` answer (``dynprof stop --json``, the sidecar's ``stop`` action): a row
+    per process (``results``: pid, rank, status, artifact, error; read back with
+    :meth:`~dynprof.job.answers.ProcessResults.from_json`); ``none_stopping`` when no process had
+    a trace to stop (its text is then the errors; not part of the document)."""
 
-    results: list[dict[str, Any]] = field(default_factory=list)
     none_stopping: bool = False
-
-    def to_json(self) -> dict[str, Any]:
-        """``dynprof stop --json`` on one node, the sidecar's ``stop`` answer: ``{"results": [...]}``."""
-        return {"results": self.results}
-
-    @classmethod
-    def from_json(cls, doc: Any) -> Stopped:
-        """A node's answer, untrusted: an object with a list ``results`` (its rows that are
-        objects kept, as they are); else :class:`~dynprof.errors.ArtifactError`."""
-        return cls(results=answer_rows(doc, "results", "stop"))
-
-    def rank_rows(self) -> list[dict[str, Any]]:
-        """The rows a job-wide answer merges rank by rank (:func:`dynprof.job.merge.per_rank_result`)."""
-        return self.results
-
-    def artifact_paths(self) -> list[Any]:
-        return [r.get("artifact") for r in self.results]
+    WHAT: ClassVar[str] = "stop"
 
 
 def collect(request: StopRequest, progress: Progress | None = None) -> Stopped:
