@@ -3,7 +3,7 @@ policy for a start, whoever asks (``dynprof start``, the sidecar's ``start`` act
 straggler samples on this node).
 
     >>> started = collect(TraceRequest(job="j1", steps=5))       # doctest: +SKIP
-    >>> [r["artifact"] for r in started.doc["results"]]           # doctest: +SKIP
+    >>> [r["artifact"] for r in started.results or []]             # doctest: +SKIP
 
 Several processes of a job stepping an optimizer start at one common step (by each process's
 own step count when some were attached: aligned by their step boundaries' times). A process
@@ -32,6 +32,7 @@ from dynprof.output import printable
 from dynprof.proto import pb
 from dynprof.registry import AgentRecord, pid_alive
 from dynprof.requests import TARGETS, TargetedRequest, check_timeout, read_options
+from dynprof.result import Result
 from dynprof.safetext import shell_word
 
 POLL_S = 0.1
@@ -164,17 +165,62 @@ class TraceRequest(TargetedRequest):
 
 
 @dataclass
-class Started:
-    """The trace's document (``group_id``, ``targets`` armed or active, ``results`` written),
-    the exit code it means (0: every trace complete), what is worth saying besides
-    (``messages``), and the lines a person reads: what was requested, and how to end an
-    open-ended trace (``active``)."""
+class Started(Result):
+    """A start's answer on this node: its trace group (``group_id``); armed (``no_wait``: the
+    step it is armed at, ``at_step``), active or ended (``state``); the processes armed or
+    tracing (``targets``) and the traces written (``results``: pid, rank, job, start_step,
+    status, artifact, error, and a note while one is still being written); the exit code it
+    means (0: every trace complete) and what is worth saying besides (``messages``). For the
+    text only: what was requested, and how to end an open-ended trace (``active``)."""
 
-    doc: dict[str, Any]
-    exit_code: int
-    messages: list[str]
-    requested: str
+    group_id: str | None = None
+    state: str | None = None  # "armed", "tracing", "ended"; None: the traces were waited for
+    at_step: int | None = None  # the step an armed trace starts after (state "armed")
+    targets: list[dict[str, Any]] | None = None
+    results: list[dict[str, Any]] | None = None
+    requested: str = ""
     active: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """``dynprof start --json`` on one node, the sidecar's ``start`` answer: ``group_id``,
+        then ``at_step`` (armed only), ``state``, ``targets`` and ``results``, each where it is set."""
+        out: dict[str, Any] = {"group_id": self.group_id}
+        if self.state == "armed":
+            out["at_step"] = self.at_step
+        if self.state is not None:
+            out["state"] = self.state
+        if self.targets is not None:
+            out["targets"] = self.targets
+        if self.results is not None:
+            out["results"] = self.results
+        return out
+
+    @classmethod
+    def from_json(cls, doc: Any) -> Started:
+        """A node's answer, untrusted: an object with a list ``targets`` or ``results`` (their
+        rows that are objects kept, as they are), else :class:`~dynprof.errors.ArtifactError`;
+        ``group_id`` and ``state`` taken when strings, ``at_step`` when an integer."""
+        if not isinstance(doc, dict):
+            raise errors.ArtifactError("the start answer is not a JSON object")
+        targets, results = doc.get("targets"), doc.get("results")
+        if not isinstance(targets, list) and not isinstance(results, list):
+            raise errors.ArtifactError("the start answer has no list 'targets' or 'results'")
+        group, state, at_step = doc.get("group_id"), doc.get("state"), doc.get("at_step")
+        return cls(
+            group_id=group if isinstance(group, str) else None,
+            state=state if isinstance(state, str) else None,
+            at_step=at_step if isinstance(at_step, int) and not isinstance(at_step, bool) else None,
+            targets=[dict(r) for r in targets if isinstance(r, dict)] if isinstance(targets, list) else None,
+            results=[dict(r) for r in results if isinstance(r, dict)] if isinstance(results, list) else None,
+        )
+
+    def rank_rows(self) -> list[dict[str, Any]]:
+        """The rows a job-wide answer merges rank by rank: the traces written, else the
+        processes armed or tracing."""
+        return self.results or self.targets or []
+
+    def artifact_paths(self) -> list[Any]:
+        return [r.get("artifact") for r in self.results or []]
 
 
 class ProgressLine(Protocol):
@@ -277,38 +323,44 @@ def collect(request: TraceRequest, progress: ProgressLine | None = None) -> Star
         f"dynprof: trace of {what} requested from {len(records)} process(es), starting {where} (group {group_id})"
     )
     if request.no_wait:
-        doc: dict[str, Any] = {
-            "group_id": group_id,
-            "at_step": at_step,
-            "state": "armed",
-            "targets": [target_row(r, started[r.pid].start_step) for r in records],
-        }
-        return Started(doc, 0, messages, requested)
+        targets = [target_row(r, started[r.pid].start_step) for r in records]
+        return Started(
+            exit_code=0,
+            messages=messages,
+            group_id=group_id,
+            state="armed",
+            at_step=at_step,
+            targets=targets,
+            requested=requested,
+        )
     if not steps and not duration:
-        doc = _wait_active(request, clients, records, group_id, progress)
+        got = _wait_active(request, clients, records, group_id, progress)
         sel = (
             f"--job {request.job}"
             if request.job
             else ("--all" if request.all else "--pid " + ",".join(str(r.pid) for r in records))
         )
-        n_active = len(doc["targets"])
+        n_active = len(got.targets or [])
         active = (
             f"dynprof: tracing in {n_active} process(es); end it with `dynprof stop {sel}`"
             if n_active
             else "dynprof: the trace already ended: the process(es) exited while tracing"
         )
-        code = 0 if all(r["artifact"] and r["status"] != "failed" for r in doc.get("results", [])) else 1
-        return Started(doc, code, messages, requested, active)
-    doc = _wait_done(request, clients, records, group_id, steps, at_step, progress)
-    code = 0 if all(r["status"] == "complete" for r in doc["results"]) else 1
-    if code and all(r["status"] in ("complete", WRITING) for r in doc["results"]):
+        got.exit_code = 0 if all(r["artifact"] and r["status"] != "failed" for r in got.results or []) else 1
+        got.messages, got.requested, got.active = messages, requested, active
+        return got
+    results = _wait_done(request, clients, records, group_id, steps, at_step, progress)
+    code = 0 if all(r["status"] == "complete" for r in results) else 1
+    if code and all(r["status"] in ("complete", WRITING) for r in results):
         code = errors.Timeout.exit_code  # not failed: still being written when the wait ended
-    return Started(doc, code, messages, requested)
+    return Started(exit_code=code, messages=messages, group_id=group_id, results=results, requested=requested)
 
 
 def _wait_active(
     request: TraceRequest, clients: list[AgentClient], records: list[AgentRecord], group_id: str, progress: ProgressLine
-) -> dict[str, Any]:
+) -> Started:
+    """The trace once every process is tracing or has ended (``state``, ``targets``, and the
+    traces already written, ``results``)."""
     deadline = time.monotonic() + (request.timeout or 120.0)
     ended: dict[int, dict[str, Any]] = {}  # pid -> the trace it already wrote
     while True:
@@ -361,18 +413,16 @@ def _wait_active(
             )
         if len(active) + len(ended) == len(records):
             progress.done()
-            doc: dict[str, Any] = {
-                "group_id": group_id,
-                "state": "tracing" if active else "ended",
-                "targets": [
+            return Started(
+                group_id=group_id,
+                state="tracing" if active else "ended",
+                targets=[
                     target_row(r, s.start_step)
                     for (r, _), s in zip(pending, states)
                     if not isinstance(s, Exception) and s.state == "tracing"
                 ],
-            }
-            if ended:
-                doc["results"] = [ended[r.pid] for r in records if r.pid in ended]
-            return doc
+                results=[ended[r.pid] for r in records if r.pid in ended] if ended else None,
+            )
         if time.monotonic() > deadline:
             progress.done()
             raise errors.Timeout(
@@ -391,7 +441,8 @@ def _wait_done(
     steps: int,
     at_step: int,
     progress: ProgressLine,
-) -> dict[str, Any]:
+) -> list[dict[str, Any]]:
+    """Each process's trace once written (in ``records``' order)."""
     deadline = time.monotonic() + request.timeout if request.timeout else None
     results: dict[int, dict[str, Any]] = {}
     seen: dict[int, Any] = {}  # pid -> the last trace state its agent answered
@@ -489,7 +540,7 @@ def _wait_done(
             help="The partial traces are listed by `dynprof ls --kind trace`.",
         ) from None
     progress.done()
-    return {"group_id": group_id, "results": [results[r.pid] for r in records]}
+    return [results[r.pid] for r in records]
 
 
 def write_wait_s(last: Any) -> float:

@@ -15,7 +15,6 @@ from typing import Any
 from dynprof.cli._common import bounded_int, human_bytes, printable, table
 from dynprof.cli.job import JobCommand, Text, answered_count
 from dynprof.job import ls
-from dynprof.job.merge import JobResult
 from dynprof.node_requests import MAX_LIMIT, LsRequest
 from dynprof.result import Result
 
@@ -40,13 +39,11 @@ class LsCommand(JobCommand):
         return ls.collect(request_from_args(args), name_skipped=not getattr(args, "json", False))
 
     def render(self, result: Result) -> str:
-        doc = result.to_json()
-        if "nodes" in doc:
-            return _render_nodes(doc)
-        temps = result.context.get("temporaries", []) if isinstance(result, JobResult) else []
-        arts = doc["artifacts"]
+        if not isinstance(result, ls.Listing):
+            return _render_nodes(result.to_json())  # the job-wide answer
+        arts, temps = result.artifacts, result.temporaries
         if not arts and not temps:
-            return f"no artifacts in {printable(doc['root'])}"
+            return f"no artifacts in {printable(result.root)}"
         rows = [
             (
                 a["id"],
@@ -60,7 +57,7 @@ class LsCommand(JobCommand):
         ]
         return (
             table(rows + temps, ["ID", "KIND", "STATUS", "RANK", "CREATED", "SIZE"])
-            + f"\n\n{len(arts)} artifact(s) in {printable(doc['root'])}"
+            + f"\n\n{len(arts)} artifact(s) in {printable(result.root)}"
         )
 
 

@@ -113,10 +113,10 @@ class MemoryCommand(JobCommand):
 
     def render(self, result: Result) -> str:
         if isinstance(result, MemoryPlanResults):
-            return render_plan(result.doc)
+            return render_plan(result.to_json())
         if not isinstance(result, MemoryResults):
             return super().render(result)  # the job-wide answer, rank by rank
-        results = result.doc["results"]
+        results = result.results
         rows = []
         for r in results:
             who = f"rank {r['rank']}" if r["rank"] is not None else "-"

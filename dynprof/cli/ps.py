@@ -18,7 +18,6 @@ from typing import Any
 from dynprof.cli._common import human_age, printable, seconds, table
 from dynprof.cli.job import JobCommand, Text, answered_count
 from dynprof.job import ps
-from dynprof.job.merge import JobResult
 from dynprof.node_requests import PS_TIMEOUT_S, PsRequest
 from dynprof.result import Result
 
@@ -42,11 +41,9 @@ class PsCommand(JobCommand):
         return ps.collect(request_from_args(args))
 
     def render(self, result: Result) -> str:
-        doc = result.to_json()
-        if "nodes" in doc:
-            return _render_nodes(doc)
-        rows = doc["agents"]
-        job = result.context.get("job") if isinstance(result, JobResult) else None
+        if not isinstance(result, ps.Agents):
+            return _render_nodes(result.to_json())  # the job-wide answer
+        rows, job = result.agents, result.job
         if not rows:
             return (
                 "no dynprof agents on this node"

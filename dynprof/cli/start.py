@@ -19,7 +19,7 @@ import re
 from typing import Any
 
 from collectors.torch_trace import SWITCHES
-from collectors.torch_trace.collect import TraceRequest
+from collectors.torch_trace.collect import Started, TraceRequest
 from dynprof.cli._common import (
     MAX_SECONDS,
     MAX_STEP_NUMBER,
@@ -131,16 +131,15 @@ class StartCommand(JobCommand):
         return start.collect(request, Progress(enabled=not getattr(args, "json", False)))
 
     def render(self, result: Result) -> str:
-        doc = result.to_json()
-        context = result.context if isinstance(result, JobResult) else {}
-        if context.get("as_is"):
-            return render_per_rank(result, _as_is_line)
-        if "nodes" in doc:
-            return _render_nodes(doc, context["steps"])
-        lines = [context["requested"]] if "requested" in context else []
-        if "active" in context:
-            lines.append(context["active"])
-        for res in doc.get("results", []):
+        if not isinstance(result, Started):  # the job-wide answer
+            context = result.context if isinstance(result, JobResult) else {}
+            if context.get("as_is"):
+                return render_per_rank(result, _as_is_line)
+            return _render_nodes(result.to_json(), context["steps"])
+        lines = [result.requested] if result.requested else []
+        if result.active is not None:
+            lines.append(result.active)
+        for res in result.results or []:
             who = f"rank {res['rank']} (pid {res['pid']})" if res["rank"] is not None else f"pid {res['pid']}"
             if res.get("note"):  # the trace is still being written (collect.WRITING)
                 lines.append(printable(f"{who}: {res['note']}"))

@@ -19,7 +19,6 @@ from dynprof.cli._common import (
 )
 from dynprof.cli.job import JobCommand
 from dynprof.job import stop
-from dynprof.job.merge import JobResult
 from dynprof.node_requests import STOP_TIMEOUT_S, StopRequest
 from dynprof.result import Result
 
@@ -41,14 +40,13 @@ class StopCommand(JobCommand):
         return stop.collect(request, Progress(enabled=not getattr(args, "json", False)))
 
     def render(self, result: Result) -> str:
-        doc = result.to_json()
-        if "nodes" in doc:
-            return super().render(result)
-        if isinstance(result, JobResult) and result.context.get("none_stopping"):
+        if not isinstance(result, stop.Stopped):
+            return super().render(result)  # the job-wide answer, rank by rank
+        if result.none_stopping:
             # Each error names its process already ("pid N: ...", "process N has no ...").
-            return "\n".join(printable(str(res["error"])) for res in doc["results"])
+            return "\n".join(printable(str(res["error"])) for res in result.results)
         lines = []
-        for res in doc["results"]:
+        for res in result.results:
             who = f"rank {res['rank']} (pid {res['pid']})" if res["rank"] is not None else f"pid {res['pid']}"
             lines.append(printable(f"{who}: {res['status']}: {res['artifact'] or res['error'] or ''}".rstrip(": ")))
         return "\n".join(lines)

@@ -22,7 +22,7 @@ from typing import Any
 
 from dynprof import jsontext, store, untrusted
 from dynprof.errors import ArtifactError
-from dynprof.job.answers import rows
+from dynprof.job.answers import answer_rows, read
 from dynprof.job.client import NodeFailure, SidecarClient, check_artifact_id, check_file_name
 from dynprof.nodes import Node, NodeAnswer
 from dynprof.units import human_bytes
@@ -184,6 +184,12 @@ def make_private_dirs(root: Path, target: Path) -> None:
         current.mkdir(mode=0o700, exist_ok=True)
 
 
+def listed(listing: NodeAnswer) -> list[dict[str, Any]]:
+    """The artifacts' rows of a node's ``ls`` answer, read as :meth:`dynprof.job.ls.Listing.from_json`
+    reads them (its objects; none when the answer does not read)."""
+    return read(listing, lambda doc: answer_rows(doc, "artifacts", "ls")) or []
+
+
 def fetch_by_path(
     client: SidecarClient,
     dest: Path,
@@ -198,7 +204,7 @@ def fetch_by_path(
     listings = client.action_all([nodes[n] for n in paths], "ls", {"job": job} if job else {}, LISTING_TIMEOUT_S)
     refused: list[dict[str, Any]] = []
     for listing in listings:
-        ids = {r.get("path"): r.get("id") for r in rows(listing, "artifacts")}
+        ids = {r.get("path"): r.get("id") for r in listed(listing)}
         for path in paths[listing.node.address]:
             if path in ids:
                 wanted.append((listing.node, ids[path]))
@@ -230,7 +236,7 @@ def artifact_ids(
         nodes = [a.node for a in answers if a.node.address in by_path]
         options = {"job": job, "kind": kind} if job else {"kind": kind}
         for listing in client.action_all(nodes, "ls", options, LISTING_TIMEOUT_S):
-            found = {r.get("path"): r.get("id") for r in rows(listing, "artifacts")}
+            found = {r.get("path"): r.get("id") for r in listed(listing)}
             path = by_path[listing.node.address]
             if path in found:
                 try:

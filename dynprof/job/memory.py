@@ -1,32 +1,67 @@
 """``memory``: this node's CUDA memory snapshots or allocator history switch (:func:`collect`),
 its optimizer-step plans (:func:`collect_plan`), or a whole job's snapshots, rank by rank
-(:func:`collect_job`). ``dynprof memory`` and the sidecar's ``memory`` and ``memory-plan``
-actions answer with these."""
+(:func:`collect_job`, each node's answer read with :meth:`MemoryResults.from_json`).
+``dynprof memory`` and the sidecar's ``memory`` and ``memory-plan`` actions answer with these."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 from collectors.memory import collect as kind
 from collectors.memory.collect import DEFAULT_TIMEOUT_S, MemoryPlanRequest, MemoryRequest
+from dynprof import errors
+from dynprof.job.answers import ProcessResults, answer_rows, as_list
 from dynprof.job.merge import JobResult, Reach, collect_per_rank
 from dynprof.nodes import Node
 from dynprof.result import Result
 
+PLAN_SCHEMA = 1
+MAX_NOTE_CHARS = 2000  # a note read back from a node's answer
+
 
 @dataclass
-class MemoryResults(Result):
-    """This node's answer: ``{"results": [one row per process]}``; ``history`` says whether it
-    answers a history request (``--history-start``/``--history-stop``) or a snapshot."""
+class MemoryResults(ProcessResults):
+    """This node's answer (``dynprof memory --json``, the sidecar's ``memory`` action):
+    ``{"results": [one row per process]}``, read back with
+    :meth:`~dynprof.job.answers.ProcessResults.from_json`; ``history`` says whether it answers a
+    history request (``--history-start``/``--history-stop``) or a snapshot (for its text only:
+    the document does not say)."""
 
     history: bool = False
+    WHAT: ClassVar[str] = "memory"
 
 
 @dataclass
 class MemoryPlanResults(Result):
     """``dynprof memory plan``: ``{"schema": 1, "results": [one row per process, with its plan],
-    "jobs": [one plan per group of a job's ranks that agree, with each rank's figures]}``."""
+    "jobs": [one plan per group of a job's ranks that agree, with each rank's figures],
+    "notes": [what is worth saying besides]}``."""
+
+    results: list[dict[str, Any]] = field(default_factory=list)
+    jobs: list[dict[str, Any]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        """``dynprof memory plan --json`` on one node, the sidecar's ``memory-plan`` answer."""
+        return {"schema": PLAN_SCHEMA, "results": self.results, "jobs": self.jobs, "notes": self.notes}
+
+    @classmethod
+    def from_json(cls, doc: Any) -> MemoryPlanResults:
+        """A node's answer, untrusted: an object of ``schema`` 1 with a list ``results`` (its
+        rows that are objects kept, as they are), else :class:`~dynprof.errors.ArtifactError`;
+        ``jobs`` (its objects) and ``notes`` (each a line of at most :data:`MAX_NOTE_CHARS`)
+        left empty when missing or not lists."""
+        results = answer_rows(doc, "results", "memory plan")
+        if doc.get("schema") != PLAN_SCHEMA or isinstance(doc.get("schema"), bool):
+            raise errors.ArtifactError(f"the memory plan answer is not of schema {PLAN_SCHEMA}")
+        notes = [str(n)[:MAX_NOTE_CHARS] for n in as_list(doc.get("notes"))]
+        return cls(
+            messages=list(notes),
+            results=results,
+            jobs=[dict(j) for j in as_list(doc.get("jobs")) if isinstance(j, dict)],
+            notes=notes,
+        )
 
 
 def collect(request: MemoryRequest, raise_single: bool = False) -> MemoryResults:
@@ -35,7 +70,7 @@ def collect(request: MemoryRequest, raise_single: bool = False) -> MemoryResults
     got = kind.collect(request)
     if raise_single and len(got.results) == 1 and got.failures:
         raise got.failures[0]
-    return MemoryResults(doc={"results": got.results}, exit_code=got.exit_code, history=request.history)
+    return MemoryResults(exit_code=got.exit_code, results=got.results, history=request.history)
 
 
 def collect_plan(request: MemoryPlanRequest, raise_single: bool = False) -> MemoryPlanResults:
@@ -43,10 +78,11 @@ def collect_plan(request: MemoryPlanRequest, raise_single: bool = False) -> Memo
     got = kind.collect_plan(request)
     if raise_single and len(got.results) == 1 and got.failures:
         raise got.failures[0]
-    doc = {"schema": 1, "results": got.results, "jobs": got.jobs, "notes": got.notes}
-    return MemoryPlanResults(doc=doc, exit_code=got.exit_code, messages=list(got.notes))
+    return MemoryPlanResults(
+        exit_code=got.exit_code, messages=list(got.notes), results=got.results, jobs=got.jobs, notes=got.notes
+    )
 
 
 def collect_job(options: dict[str, Any], nodes: list[Node], reach: Reach) -> JobResult:
     """Every node's snapshots or history switch (the ``memory`` action with ``options``), rank by rank."""
-    return collect_per_rank("memory", options, nodes, reach, DEFAULT_TIMEOUT_S)
+    return collect_per_rank("memory", options, nodes, reach, DEFAULT_TIMEOUT_S, MemoryResults.from_json)

@@ -13,12 +13,13 @@ per-rank rows (``results``) in rank order, each with its node.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from dynprof import errors
-from dynprof.job.answers import node_labels, rank_key, rows, rows_of
+from dynprof.job.answers import node_labels, rank_key, read
 from dynprof.output import printable
 from dynprof.result import Result
 from dynprof.tokens import read_token_file
@@ -117,12 +118,13 @@ def envelope(answers: list[NodeAnswer], strip: tuple[str, ...] = ()) -> dict[str
 
 
 def artifacts_of(answers: list[NodeAnswer], labels: dict[Node, str], paths_of: Any) -> list[dict[str, Any]]:
-    """Each answered node's artifact paths, as ``{"node", "node_address", "path"}`` rows."""
+    """Each answered node's artifact paths (``paths_of(answer)``, called for an answer whose
+    result is an object), as ``{"node", "node_address", "path"}`` rows."""
     out = []
     for a in answers:
         if not a.answered:
             continue
-        for path in paths_of(a.result) if isinstance(a.result, dict) else []:
+        for path in paths_of(a) if isinstance(a.result, dict) else []:
             if isinstance(path, str) and path:
                 out.append({"node": labels[a.node], "node_address": a.node.address, "path": path[:4096]})
     return out
@@ -151,34 +153,55 @@ def fetched_doc(fetched: list[dict[str, Any]] | None) -> dict[str, Any]:
     return {"fetched": fetched} if fetched is not None else {}
 
 
+class PerRank(Protocol):
+    """A node's answer read by its kind (``stop``, ``memory``, ``start``): the per-rank rows a
+    job-wide answer merges, and the artifacts' paths they name."""
+
+    def rank_rows(self) -> list[dict[str, Any]]: ...
+
+    def artifact_paths(self) -> list[Any]: ...
+
+
 def per_rank_result(
     reach: Reach,
     job: str | None,
     nodes: list[Node],
     answers: list[NodeAnswer],
-    keys: tuple[str, ...],
+    decode: Callable[[Any], PerRank],
+    strip: tuple[str, ...],
 ) -> JobResult:
-    """The nodes' per-rank rows (under the first of ``keys`` a node's answer has), merged in
-    rank order with their node."""
+    """The nodes' per-rank rows (each answer read by ``decode``, its kind's ``from_json``; an
+    answer that does not read has none), merged in rank order with their node; ``per_node``
+    keeps the rest of each answer (``strip``: the keys of the rows left out)."""
     labels = node_labels(nodes)
+    decoded = {id(a): read(a, decode) for a in answers}
     results = []
     for a in answers:
-        for row in next((found for found in (rows(a, k) for k in keys) if found), []):
-            row["node"] = labels[a.node]
-            results.append(row)
+        got = decoded[id(a)]
+        for row in got.rank_rows() if got is not None else []:
+            results.append({**row, "node": labels[a.node]})
     results.sort(key=rank_key)
-    artifacts = artifacts_of(answers, labels, lambda r: [x.get("artifact") for x in rows_of(r, "results")])
+    artifacts = artifacts_of(answers, labels, lambda a: _paths(decoded[id(a)]))
     fetched = maybe_fetch(reach, job, answers, artifacts)
-    doc = {**envelope(answers, strip=keys), "results": results, "artifacts": artifacts, **fetched_doc(fetched)}
+    doc = {**envelope(answers, strip=strip), "results": results, "artifacts": artifacts, **fetched_doc(fetched)}
     return JobResult(doc, with_fetch(exit_code(answers), fetched), node_messages(answers))
 
 
+def _paths(got: PerRank | None) -> list[Any]:
+    return got.artifact_paths() if got is not None else []
+
+
 def collect_per_rank(
-    action: str, options: dict[str, Any], nodes: list[Node], reach: Reach, default_wait: float
+    action: str,
+    options: dict[str, Any],
+    nodes: list[Node],
+    reach: Reach,
+    default_wait: float,
+    decode: Callable[[Any], PerRank],
 ) -> JobResult:
     """Every node runs ``action`` with ``options`` (the action's, checked: what the sidecar's
-    job-wide action is given too); their per-rank rows (``results``) merge in rank order.
-    A node waits its ``timeout`` option, else ``default_wait``."""
+    job-wide action is given too); their per-rank rows (``results``, each answer read by
+    ``decode``) merge in rank order. A node waits its ``timeout`` option, else ``default_wait``."""
     wait = options.get("timeout") or default_wait
     answers = reach.client.action_all(nodes, action, options, timeout=wait + 5.0)
-    return per_rank_result(reach, options.get("job"), nodes, answers, ("results",))
+    return per_rank_result(reach, options.get("job"), nodes, answers, decode, ("results",))

@@ -62,7 +62,7 @@ def collect_job(options: dict[str, Any], nodes: list[Node], reach: Reach) -> Job
     read back from those artifacts and all are analysed together (:func:`collect_nodes`)."""
     request = NcclRequest.from_json(options)
     got = collect_nodes(reach.client, nodes, request)
-    artifacts = artifacts_of(got.answers, got.labels, lambda r: [r.get("artifact")])
+    artifacts = artifacts_of(got.answers, got.labels, lambda a: [a.result.get("artifact")])
     fetched = maybe_fetch(reach, request.job, got.answers, artifacts)
     code = with_fetch(exit_code(got.answers), fetched)
     if got.analysis is None and code == 0:

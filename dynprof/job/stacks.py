@@ -98,7 +98,7 @@ def collect_job(options: dict[str, Any], nodes: list[Node], reach: Reach) -> Nod
         raise errors.DynprofError(f"cannot merge: {exc.message}") from None
     stacks.failures = {**failures, **stacks.failures}
     stacks.processes.sort(key=lambda p: (p.job or "", p.rank if p.rank is not None else 1 << 30, p.host or "", p.pid))
-    artifacts = artifacts_of(answers, labels, lambda r: [r.get("artifact")])
+    artifacts = artifacts_of(answers, labels, lambda a: [a.result.get("artifact")])
     fetched = maybe_fetch(reach, request.job, answers, artifacts)
     doc = {
         # Each node's processes and groups are in the merged lists (named by node): per_node keeps the rest.

@@ -20,9 +20,9 @@ from typing import Any, Protocol
 
 from collectors.torch_trace import collect as kind
 from collectors.torch_trace.align import ALIGN_LEAD_S, ALIGN_RETRIES, MAX_STEP_NUMBER, alignment_step, step_time_of_ms
-from collectors.torch_trace.collect import TraceRequest
+from collectors.torch_trace.collect import Started, TraceRequest
 from dynprof import errors, output, roles
-from dynprof.job.answers import int_or_none, node_labels, rank_key, rows
+from dynprof.job.answers import int_or_none, node_labels, rank_key, read
 from dynprof.job.client import SidecarClient
 from dynprof.job.merge import (
     JobResult,
@@ -35,6 +35,7 @@ from dynprof.job.merge import (
     per_rank_result,
     with_fetch,
 )
+from dynprof.job.ps import Agents
 from dynprof.nodes import Node, NodeAnswer
 
 # How far ahead the common start step is put: the fan-out round trip (ps, then start) is
@@ -81,7 +82,8 @@ def steps_of(
     step time (0 when the node gives none that is a step time)."""
     out = []
     for a in client.action_all(nodes, "ps", ps_options, timeout=PS_TIMEOUT_S + 1.0):
-        for row in rows(a, "agents"):
+        got = read(a, Agents.from_json)
+        for row in got.agents if got is not None else []:
             if job and row.get("job") != job:
                 continue
             step = int_or_none(row.get("step"))
@@ -177,11 +179,12 @@ def follow_traces(
     pending: dict[tuple[str, int], dict[str, Any]] = {}
     groups: dict[str, Any] = {}
     for a in armed.answers:
-        if not a.ok or not isinstance(a.result, dict):
+        started = read(a, Started.from_json) if a.ok else None
+        if started is None:
             continue
         label = labels[a.node]
-        groups[label] = a.result.get("group_id")
-        for row in rows(a, "targets"):
+        groups[label] = started.group_id
+        for row in started.targets or []:
             pid = int_or_none(row.get("pid"))
             if pid is None:
                 continue
@@ -222,7 +225,8 @@ def follow_traces(
                 continue
             last_heard[label] = time.monotonic()
             listed = set()
-            for row in rows(a, "agents"):
+            got = read(a, Agents.from_json)
+            for row in got.agents if got is not None else []:
                 key = (label, int_or_none(row.get("pid")) or 0)
                 listed.add(key)
                 if key not in pending:
@@ -279,11 +283,9 @@ def follow_traces(
 
 
 # -- the start of a trace, on this node and job-wide -------------------------------------------
-def collect(request: TraceRequest, progress: Any = None) -> JobResult:
+def collect(request: TraceRequest, progress: Any = None) -> Started:
     """This node's start of ``request``, followed (``progress``: where it says so meanwhile)."""
-    got = kind.collect(request, progress)
-    context = {"requested": got.requested, **({"active": got.active} if got.active is not None else {})}
-    return JobResult(got.doc, got.exit_code, got.messages, context=context)
+    return kind.collect(request, progress)
 
 
 def collect_job(options: dict[str, Any], nodes: list[Node], reach: Reach) -> JobResult:
@@ -300,7 +302,7 @@ def collect_job(options: dict[str, Any], nodes: list[Node], reach: Reach) -> Job
         # --duration, or until `dynprof stop`: every node starts its ranks as it would alone.
         wait = options.get("timeout") or START_WAIT_DEFAULT_S
         answers = client.action_all(nodes, "start", {**options, "timeout": wait}, timeout=wait + 5.0)
-        result = per_rank_result(reach, request.job, nodes, answers, ("results", "targets"))
+        result = per_rank_result(reach, request.job, nodes, answers, Started.from_json, ("results", "targets"))
         result.context["as_is"] = True
         return result
     labels = node_labels(nodes)

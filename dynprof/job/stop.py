@@ -9,21 +9,33 @@ no optimizer steps), then export the trace in the background.
 from __future__ import annotations
 
 import time
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from collectors.torch_trace import WRITING_AT_EXIT, result_from_store
 from dynprof import errors
 from dynprof.agents import parallel, resolve
 from dynprof.client import AgentClient
+from dynprof.job.answers import ProcessResults
 from dynprof.job.merge import JobResult, Reach, collect_per_rank
 from dynprof.node_requests import STOP_TIMEOUT_S, StopRequest
 from dynprof.nodes import Node
 from dynprof.output import Progress, printable
 from dynprof.proto import pb
-from dynprof.result import Result
 
 
-def collect(request: StopRequest, progress: Progress | None = None) -> Result:
+@dataclass
+class Stopped(ProcessResults):
+    """One node's ``stop`` answer (``dynprof stop --json``, the sidecar's ``stop`` action): a row
+    per process (``results``: pid, rank, status, artifact, error; read back with
+    :meth:`~dynprof.job.answers.ProcessResults.from_json`); ``none_stopping`` when no process had
+    a trace to stop (its text is then the errors; not part of the document)."""
+
+    none_stopping: bool = False
+    WHAT: ClassVar[str] = "stop"
+
+
+def collect(request: StopRequest, progress: Progress | None = None) -> Stopped:
     """This node's stop of ``request``'s traces, each followed until written unless
     ``no_wait`` (``progress``: where it says so meanwhile)."""
     records = resolve(pids=list(request.pids) or None, job=request.job)
@@ -55,7 +67,7 @@ def collect(request: StopRequest, progress: Progress | None = None) -> Result:
                 )
                 at_exit[record.pid] = trace.last_artifact or None
     if not stopping:
-        return JobResult({"results": results}, 1, context={"none_stopping": True})
+        return Stopped(exit_code=1, results=results, none_stopping=True)
     if not request.no_wait:
         if progress is None:
             progress = Progress(enabled=False)
@@ -126,9 +138,9 @@ def collect(request: StopRequest, progress: Progress | None = None) -> Result:
             for r, _, _ in stopping
         )
     ok = all(r["status"] in ("complete", "partial", "stopping", WRITING_AT_EXIT) for r in results)
-    return Result({"results": results}, 0 if ok else 1, messages)
+    return Stopped(exit_code=0 if ok else 1, messages=messages, results=results)
 
 
 def collect_job(options: dict[str, Any], nodes: list[Node], reach: Reach) -> JobResult:
     """Every node stops its traces (the ``stop`` action with ``options``); rank by rank."""
-    return collect_per_rank("stop", options, nodes, reach, STOP_TIMEOUT_S)
+    return collect_per_rank("stop", options, nodes, reach, STOP_TIMEOUT_S, Stopped.from_json)

@@ -27,9 +27,10 @@ from collectors.flight_recorder import collect as nccl
 from collectors.stacks import Budget, Source, Stacks, merge
 from collectors.stacks import collect as stacks_kind
 from collectors.stacks.collect import StacksRequest
+from collectors.torch_trace.collect import Started
 from dynprof import errors
 from dynprof.identity import detect
-from dynprof.job.answers import node_labels
+from dynprof.job.answers import node_labels, read
 from dynprof.job.client import NodeFailure
 from dynprof.job.fetch import fetch_by_path
 from dynprof.job.stacks import read_answer
@@ -260,13 +261,8 @@ class SidecarSource:
             progress=_Quiet(),
         )
         got.at_step = armed.at_step
-        got.groups = sorted(
-            {
-                str(a.result["group_id"])
-                for a in armed.answers
-                if a.ok and isinstance(a.result, dict) and isinstance(a.result.get("group_id"), str)
-            }
-        )[:256]
+        armed_answers = [read(a, Started.from_json) for a in armed.answers if a.ok]
+        got.groups = sorted({s.group_id for s in armed_answers if s is not None and s.group_id is not None})[:256]
         if armed.at_step is None:
             got.note = "; ".join(armed.messages) or "no rank of the job has stepped"
             return got

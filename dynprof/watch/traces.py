@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from collectors.torch_trace.collect import Started
 from dynprof import store
 from dynprof.errors import DynprofError
 
@@ -94,16 +95,21 @@ def local_trace(job: str, steps: int, limit_s: float) -> dict[str, Any]:
 
     cap = min(MAX_TRACE_DURATION_S, max(10.0, limit_s))
     request = TraceRequest(job=job, steps=steps, with_stack=True, max_duration=cap, timeout=limit_s)
-    return collect(request).doc
+    return collect(request).to_json()
 
 
 def local_traces(doc: Any, host: str) -> SampledTraces:
-    """What a :data:`LocalTrace`'s document says of this node's sample: its traces in this
-    machine's store (only those written for the sample's request count), the ranks' notes."""
-    results = [r for r in (doc.get("results") if isinstance(doc, dict) else None) or [] if isinstance(r, dict)]
+    """What a :data:`LocalTrace`'s document (read by :meth:`Started.from_json`) says of this
+    node's sample: its traces in this machine's store (only those written for the sample's
+    request count), the ranks' notes."""
+    try:
+        started = Started.from_json(doc)
+    except DynprofError:  # not a start's answer: no trace written
+        started = Started()
+    results = started.results or []
     starts = [r["start_step"] for r in results if isinstance(r.get("start_step"), int) and r["start_step"] > 0]
     got = SampledTraces(at_step=min(starts) if starts else None)
-    group = doc.get("group_id") if isinstance(doc, dict) else None
+    group = started.group_id
     written: list[str] = []
     for r in results[:4096]:
         path = r.get("artifact")

@@ -52,7 +52,7 @@ SNAPSHOT_ROWS = [
 
 def test_snapshot_results_render_as_a_table_with_the_artifact_and_what_to_do():
     # GIVEN a snapshot taken in one process and refused in another
-    result = MemoryResults(doc={"results": SNAPSHOT_ROWS}, exit_code=7)
+    result = MemoryResults(results=SNAPSHOT_ROWS, exit_code=7)
     # WHEN it is rendered
     text = MemoryCommand().render(result)
     # THEN the text is the table the command has always printed, then the failure's help
@@ -71,7 +71,7 @@ def test_history_results_name_the_policy_now_recording():
     # GIVEN a history request answered by one process
     rows = [{"pid": 1, "rank": 3, "job": "j", "status": "ok", "memory_history": "python:100"}]
     # WHEN it is rendered
-    text = MemoryCommand().render(MemoryResults(doc={"results": rows}, history=True))
+    text = MemoryCommand().render(MemoryResults(results=rows, history=True))
     # THEN each row says what the process records now
     assert text == "rank    pid  status  result\nrank 3  1    ok      memory history: python:100"
 
@@ -220,7 +220,7 @@ def test_a_snapshot_is_printed_as_its_table_with_the_kind_s_exit_code(answers, c
     # two processes, one failed: the table, not the failure alone
     assert main(["memory", "--job", "j"]) == 7
     out = capsys.readouterr().out
-    assert out == MemoryCommand().render(MemoryResults(doc={"results": SNAPSHOT_ROWS})) + "\n"
+    assert out == MemoryCommand().render(MemoryResults(results=SNAPSHOT_ROWS)) + "\n"
     assert answers["asked"] == [MemoryRequest(job="j")]
     assert main(["memory", "--job", "j", "--json"]) == 7
     assert json.loads(capsys.readouterr().out) == {"results": SNAPSHOT_ROWS}
@@ -300,14 +300,14 @@ def test_collect_plan_raises_only_for_a_single_failed_process(answers):
 # -- the text ------------------------------------------------------------------------------------------
 def test_a_snapshot_without_a_summary_or_a_top_site_says_what_it_has():
     rows = [{"pid": 5, "rank": 2, "job": "j", "status": "complete", "artifact": "/x", "summary": None}]
-    text = MemoryCommand().render(MemoryResults(doc={"results": rows}))
+    text = MemoryCommand().render(MemoryResults(results=rows))
     assert text.splitlines()[1] == "rank 2  5    complete  0 B allocated / 0 B reserved, None s"
     assert "top site" not in text and text.splitlines()[2].strip() == "/x"
 
 
 def test_a_process_that_answered_is_given_no_what_to_do():
     rows = [{"pid": 1, "rank": 0, "job": "j", "status": "ok", "memory_history": "off", "help": "never shown"}]
-    assert "what to do" not in MemoryCommand().render(MemoryResults(doc={"results": rows}, history=True))
+    assert "what to do" not in MemoryCommand().render(MemoryResults(results=rows, history=True))
 
 
 def test_a_job_wide_answer_is_rendered_rank_by_rank():

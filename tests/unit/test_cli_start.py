@@ -154,8 +154,14 @@ class FakeCollect:
 
 
 def _started(results=None, code=0, messages=(), active=None) -> Started:
-    doc = {"group_id": "g1", "results": results if results is not None else []}
-    return Started(doc, code, list(messages), requested="tracing 2 steps of 1 process(es)", active=active)
+    return Started(
+        exit_code=code,
+        messages=list(messages),
+        group_id="g1",
+        results=results if results is not None else [],
+        requested="tracing 2 steps of 1 process(es)",
+        active=active,
+    )
 
 
 @pytest.fixture
@@ -209,11 +215,12 @@ def test_json_prints_the_kinds_document_and_shows_no_progress(collect, capsys):
 def test_collect_local_keeps_what_the_text_needs_out_of_the_document(collect):
     collect(_started(active="until stop"))
     result = start_cli.StartCommand().collect_local(_parse("--all", "--json"))
-    assert isinstance(result, JobResult)
-    assert result.context == {"requested": "tracing 2 steps of 1 process(es)", "active": "until stop"}
-    assert "requested" not in result.to_json()
+    assert isinstance(result, Started)
+    assert (result.requested, result.active) == ("tracing 2 steps of 1 process(es)", "until stop")
+    assert "requested" not in result.to_json() and "active" not in result.to_json()
     collect(_started())
-    assert "active" not in start_cli.StartCommand().collect_local(_parse("--all")).context
+    got = start_cli.StartCommand().collect_local(_parse("--all"))
+    assert isinstance(got, Started) and got.active is None
 
 
 def test_attach_first_then_start(monkeypatch):
@@ -430,11 +437,9 @@ def test_the_nodes_text_without_a_common_step():
 
 
 def test_a_plain_result_renders_as_this_nodes():
-    # a Result that is not a JobResult (as the sidecar's answer reads back): no context, only results
-    from dynprof.result import Result
-
-    result = Result({"results": [{"pid": 3, "rank": None, "status": "complete", "artifact": "/a", "error": None}]})
-    assert start_cli.StartCommand().render(result) == "pid 3: complete: /a"
+    # a node's answer as the sidecar's answer reads back: nothing of the text's, only results
+    doc = {"results": [{"pid": 3, "rank": None, "status": "complete", "artifact": "/a", "error": None}]}
+    assert start_cli.StartCommand().render(Started.from_json(doc)) == "pid 3: complete: /a"
 
 
 def test_a_namespace_the_parser_did_not_make_is_checked_by_the_request():

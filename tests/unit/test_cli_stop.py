@@ -9,8 +9,7 @@ import os
 import dynprof.agent
 from dynprof.cli import main
 from dynprof.cli.stop import StopCommand
-from dynprof.job.merge import JobResult
-from dynprof.result import Result
+from dynprof.job.stop import Stopped
 
 
 def test_an_agent_without_a_running_trace_is_not_running_exit_1(capsys):
@@ -31,14 +30,12 @@ def test_no_agent_for_the_pid_is_exit_5(capsys):
 
 
 def test_results_read_as_one_line_per_process():
-    result = Result(
-        {
-            "results": [
-                {"pid": 10, "rank": 0, "status": "complete", "artifact": "/store/a", "error": None},
-                {"pid": 11, "rank": None, "status": "stopping", "artifact": None, "error": None},
-                {"pid": 12, "rank": 2, "status": "failed", "artifact": None, "error": "boom\x1b[0m"},
-            ]
-        }
+    result = Stopped(
+        results=[
+            {"pid": 10, "rank": 0, "status": "complete", "artifact": "/store/a", "error": None},
+            {"pid": 11, "rank": None, "status": "stopping", "artifact": None, "error": None},
+            {"pid": 12, "rank": 2, "status": "failed", "artifact": None, "error": "boom\x1b[0m"},
+        ]
     )
     assert StopCommand().render(result).splitlines() == [
         "rank 0 (pid 10): complete: /store/a",
@@ -48,7 +45,7 @@ def test_results_read_as_one_line_per_process():
 
 
 def test_when_nothing_stops_the_text_is_the_errors():
-    result = JobResult({"results": [{"error": "pid 3: no trace running"}]}, 1, context={"none_stopping": True})
+    result = Stopped(exit_code=1, results=[{"error": "pid 3: no trace running"}], none_stopping=True)
     assert StopCommand().render(result) == "pid 3: no trace running"
 
 

@@ -3,9 +3,11 @@ same request whichever way it comes (the CLI's options, or the sidecar's ``start
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from collectors.torch_trace.collect import TraceRequest
+from collectors.torch_trace.collect import Started, TraceRequest
 from dynprof import errors
 from dynprof.cli.start import StartCommand, request_from_args
 from tests.support.records import agent_record
@@ -113,7 +115,7 @@ def _try(fn, item):
 
 def _wait(collect, client, record, progress):
     request = TraceRequest(pids=(record.pid,), steps=10)
-    return collect._wait_done(request, [client], [record], "g1", 10, 5, progress)["results"][0]
+    return collect._wait_done(request, [client], [record], "g1", 10, 5, progress)[0]
 
 
 def test_an_agent_silent_while_it_writes_the_trace_is_waited_for_not_lost(fast):
@@ -150,7 +152,6 @@ def test_past_the_write_bound_the_trace_is_still_being_written_not_failed(fast, 
     import os
 
     from dynprof.cli.start import StartCommand
-    from dynprof.job.merge import JobResult
 
     monkeypatch.setattr(fast, "WRITE_WAIT_MIN_S", 0.0)
     monkeypatch.setattr(fast, "WRITE_WAIT_PER_PROFILED_S", 0.0)
@@ -162,7 +163,7 @@ def test_past_the_write_bound_the_trace_is_still_being_written_not_failed(fast, 
     # THEN it is still being written, with where it will appear, and the start says so
     assert result["status"] == fast.WRITING and result["artifact"] is None and result["error"] is None
     assert "still being written" in result["note"] and "`dynprof ls --kind trace --job 'j 1'`" in result["note"]
-    text = StartCommand().render(JobResult({"results": [result]}, 9, [], context={}))
+    text = StartCommand().render(fast.Started(exit_code=9, results=[result]))
     assert text.startswith("rank 0 (pid ") and "still being written" in text and "failed" not in text
 
 
@@ -217,3 +218,40 @@ def test_a_trace_that_left_nothing_before_another_began_fails_saying_so(fast, mo
     monkeypatch.setattr(fast, "result_from_store", lambda *a: None)
     result = _wait(fast, _Scripted([_state("idle", group="g2")]), _record(os.getpid()), _Lines())
     assert result["status"] == "failed" and "went on to another trace (group g2)" in result["error"]
+
+
+TARGET = {"pid": 7, "rank": 0, "job": "j", "start_step": 5}
+WRITTEN = {**TARGET, "status": "complete", "artifact": "/s/t", "error": None}
+
+
+@pytest.mark.parametrize(
+    "doc",
+    [
+        {"group_id": "g1", "at_step": 5, "state": "armed", "targets": [TARGET]},  # --no-wait
+        {"group_id": "g1", "at_step": None, "state": "armed", "targets": []},
+        {"group_id": "g1", "state": "tracing", "targets": [TARGET]},  # open-ended, active
+        {"group_id": "g1", "state": "ended", "targets": [], "results": [WRITTEN]},
+        {"group_id": "g1", "results": [WRITTEN]},  # steps or duration, waited for
+    ],
+)
+def test_a_starts_answer_reads_back_what_it_wrote_key_for_key(doc):
+    back = Started.from_json(json.loads(json.dumps(doc)))
+    assert json.dumps(back.to_json()) == json.dumps(doc)
+
+
+@pytest.mark.parametrize("doc", [None, "x", [], {"group_id": "g1"}, {"targets": {}, "results": "x"}])
+def test_a_starts_answer_without_targets_or_results_is_refused(doc):
+    with pytest.raises(errors.ArtifactError, match="start answer"):
+        Started.from_json(doc)
+
+
+def test_a_starts_fields_of_another_type_are_left_out():
+    got = Started.from_json({"group_id": 7, "state": ["x"], "at_step": True, "targets": [TARGET, 3], "results": "x"})
+    assert (got.group_id, got.state, got.at_step, got.targets, got.results) == (None, None, None, [TARGET], None)
+
+
+def test_the_rows_a_job_wide_start_merges_are_the_traces_written_else_the_targets():
+    both = Started(group_id="g", state="ended", targets=[TARGET], results=[WRITTEN])
+    assert both.rank_rows() == [WRITTEN] and both.artifact_paths() == ["/s/t"]
+    armed = Started(group_id="g", state="armed", targets=[TARGET])
+    assert armed.rank_rows() == [TARGET] and armed.artifact_paths() == []

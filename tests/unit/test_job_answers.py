@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
+from dynprof import errors
 from dynprof.job import answers as job
 from dynprof.nodes import Node, NodeAnswer
 
@@ -25,12 +28,25 @@ def test_a_rank_key_orders_by_job_rank_node_and_pid_rankless_last():
 
 
 def test_rows_keep_only_objects_of_an_answered_nodes_list():
-    assert job.rows(_answered(A, {"agents": [{"pid": 1}, 2, "x"]}), "agents") == [{"pid": 1}]
-    assert job.rows(_answered(A, {"agents": "no"}), "agents") == []
-    assert job.rows(_silent(A), "agents") == []
+    def agents(doc: Any) -> list[dict[str, Any]]:
+        return job.answer_rows(doc, "agents", "ps")
+
+    assert job.read(_answered(A, {"agents": [{"pid": 1}, 2, "x"]}), agents) == [{"pid": 1}]
+    assert job.read(_answered(A, {"agents": "no"}), agents) is None
+    assert job.read(_answered(A, {"error": {"message": "boom"}}), agents) is None
+    assert job.read(_silent(A), agents) is None
 
 
 def test_nodes_sharing_a_host_are_named_with_their_port():
     same = Node("node-a", 9999)
     assert job.node_labels([A, B]) == {A: "node-a", B: "node-b"}
     assert job.node_labels([A, same]) == {A: "node-a:8787", same: "node-a:9999"}
+
+
+def test_answer_rows_refuse_a_document_without_its_list_and_copy_its_objects():
+    doc = {"results": [{"pid": 1}, 2, None]}
+    got = job.answer_rows(doc, "results", "stop")
+    assert got == [{"pid": 1}] and got[0] is not doc["results"][0]
+    for bad in (None, [], {"results": {"pid": 1}}, {"other": []}):
+        with pytest.raises(errors.ArtifactError, match="the stop answer"):
+            job.answer_rows(bad, "results", "stop")

@@ -164,3 +164,11 @@ def test_make_private_dirs_will_not_write_through_a_link(tmp_path):
     (tmp_path / "dest" / "j").symlink_to(tmp_path / "elsewhere")
     with pytest.raises(NodeFailure, match="is a link"):
         f.make_private_dirs(tmp_path / "dest", tmp_path / "dest" / "j" / "h")
+
+
+def test_a_listings_artifacts_are_its_objects_and_none_when_it_does_not_read():
+    node = Node("node-a", 8787)
+    row = {"id": "a1", "path": "/s/a1"}
+    assert f.listed(NodeAnswer(node, True, exit_code=0, result={"root": "/s", "artifacts": [row, 3]})) == [row]
+    assert f.listed(NodeAnswer(node, True, exit_code=1, result={"error": {"message": "no store"}})) == []
+    assert f.listed(NodeAnswer(node, False, error="refused")) == []

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 from dynprof.job import merge as job
 from dynprof.job.merge import Reach
+from dynprof.job.stop import Stopped
 from tests.support.job_answers import A, B, FakeClient, answered, silent
 
 
 def test_the_default_job_wide_answer_waits_the_options_timeout_else_the_default():
     client = FakeClient({A: answered(A, {"results": [{"rank": 0, "status": "ok"}]})})
-    result = job.collect_per_rank("stop", {"job": "j"}, [A], Reach(client), 120.0)  # type: ignore[arg-type]
-    job.collect_per_rank("stop", {"timeout": 3.0}, [A], Reach(client), 120.0)  # type: ignore[arg-type]
+    result = job.collect_per_rank("stop", {"job": "j"}, [A], Reach(client), 120.0, Stopped.from_json)  # type: ignore[arg-type]
+    job.collect_per_rank("stop", {"timeout": 3.0}, [A], Reach(client), 120.0, Stopped.from_json)  # type: ignore[arg-type]
     assert [c[3] for c in client.calls] == [125.0, 8.0]
     assert [r["node"] for r in result.doc["results"]] == ["node-a"]
 
@@ -47,7 +48,7 @@ def test_envelope_keeps_each_nodes_answer_without_the_merged_lists():
 
 def test_artifacts_of_lists_the_paths_of_answered_nodes():
     answers = [answered(A, {"paths": ["/s/1", "", 7]}), silent(B)]
-    rows = job.artifacts_of(answers, {A: "node-a", B: "node-b"}, lambda r: r["paths"])
+    rows = job.artifacts_of(answers, {A: "node-a", B: "node-b"}, lambda a: a.result["paths"])
     assert rows == [{"node": "node-a", "node_address": "node-a:8787", "path": "/s/1"}]
 
 
@@ -56,7 +57,8 @@ def test_per_rank_rows_merge_in_rank_order_with_their_node():
         answered(A, {"results": [{"rank": 2, "status": "ok", "artifact": "/s/2"}]}),
         answered(B, {"results": [{"rank": 0, "status": "ok", "artifact": "/s/0"}, {"rank": 1, "status": "x"}]}),
     ]
-    result = job.per_rank_result(Reach(FakeClient({})), None, [A, B], answers, ("results",))  # type: ignore[arg-type]
+    reach = Reach(FakeClient({}))  # type: ignore[arg-type]
+    result = job.per_rank_result(reach, None, [A, B], answers, Stopped.from_json, ("results",))
     assert [(r["rank"], r["node"]) for r in result.doc["results"]] == [(0, "node-b"), (1, "node-b"), (2, "node-a")]
     assert [a["path"] for a in result.doc["artifacts"]] == ["/s/2", "/s/0"]
     assert result.exit_code == 0 and result.doc["per_node"]["node-a:8787"] == {}

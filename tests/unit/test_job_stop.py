@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -18,8 +19,8 @@ from dynprof.nodes import Node, NodeAnswer
 def test_an_agent_without_a_running_trace_is_not_running_exit_1():
     dynprof.agent.start()
     got = stop.collect(StopRequest(pids=(os.getpid(),)))
-    [row] = got.doc["results"]
-    assert got.exit_code == 1 and got.context == {"none_stopping": True}
+    [row] = got.results
+    assert got.exit_code == 1 and got.none_stopping
     assert row["pid"] == os.getpid() and row["status"] == "not-running" and row["artifact"] is None
 
 
@@ -46,3 +47,22 @@ def test_the_nodes_stops_merge_rank_by_rank_waiting_the_stops_default():
     assert fake.timeouts == [STOP_TIMEOUT_S + 5.0]
     assert [(r["rank"], r["node"]) for r in got.doc["results"]] == [(0, "node-a")]
     assert got.doc["artifacts"] == [{"node": "node-a", "path": "/s/t"}] and got.exit_code == 0
+
+
+def test_a_stops_answer_reads_back_what_it_wrote():
+    row = {"pid": 7, "rank": 0, "status": "complete", "artifact": "/s/t", "error": None}
+    answer = stop.Stopped(exit_code=1, messages=["m"], results=[row], none_stopping=True)
+    doc = json.loads(json.dumps(answer.to_json()))
+    assert doc == {"results": [row]}
+    back = stop.Stopped.from_json(doc)
+    assert back.to_json() == doc and back.rank_rows() == [row] and back.artifact_paths() == ["/s/t"]
+
+
+@pytest.mark.parametrize("doc", [None, [], {}, {"results": "x"}, {"error": {"message": "no agent"}}])
+def test_a_stops_answer_without_its_rows_is_refused(doc):
+    with pytest.raises(errors.ArtifactError, match="stop answer"):
+        stop.Stopped.from_json(doc)
+
+
+def test_a_stops_rows_that_are_not_objects_are_left_out():
+    assert stop.Stopped.from_json({"results": [1, "x", {"pid": 7}]}).results == [{"pid": 7}]

@@ -246,7 +246,7 @@ def test_the_local_trace_is_the_trace_kinds_own_start(monkeypatch):
     asked = []
     monkeypatch.setattr(
         "collectors.torch_trace.collect.collect",
-        lambda request: asked.append(request) or SimpleNamespace(doc={"ok": 1}),
+        lambda request: asked.append(request) or SimpleNamespace(to_json=lambda: {"ok": 1}),
     )
     source = LocalSource(host="node-x")
     assert source.run_trace is local_trace
