@@ -9,7 +9,11 @@ The lists that used to be written by hand, one per place, are read from these ro
   it is stale);
 - the agent's extensions (``dynprof.agent._agent.EXTENSIONS``, in the order it installs them);
 - the renderers of an artifact of the row's kind (``dynprof.renderers.RENDERERS`` and
-  ``HTML_RENDERERS``), for ``dynprof show`` and the web page.
+  ``HTML_RENDERERS``), for ``dynprof show`` and the web page;
+- the options that features add to ``dynprof run`` (``dynprof.cli._run_options.load_run_options``,
+  after the ones it lists itself);
+- the sidecar's actions of a kind (``dynprof.sidecar.table.ACTIONS``, after the rows written
+  there): each an :class:`dynprof.action_spec.ActionSpec` of the kind's own code.
 
 A row names modules and never imports them: the agent reads this table at start without
 loading any kind's module before its extension, and a renderer is imported only when an
@@ -35,7 +39,12 @@ class Kind(NamedTuple):
     - ``renderer``: ``"module:function"`` taking an artifact of kind ``name`` and returning its
       summary (a dict, for ``--json``) and its text;
     - ``html_renderer``: ``"module:function"`` returning the HTML fragment (self-contained, no
-      script) that the web page shows above the text.
+      script) that the web page shows above the text;
+    - ``run_option``: the module of its ``dynprof run`` option, which appends its
+      ``(add_arguments, apply)`` pair to ``dynprof.cli._run_options.RUN_OPTIONS``;
+    - ``action``: ``"module:ATTR"`` of its sidecar action, an
+      :class:`dynprof.action_spec.ActionSpec` (the request, the collect, the job-wide answer,
+      the limits), the action named after the row.
 
     A row is a named tuple (read-only) rather than a frozen dataclass: the agent reads the table
     when it starts in the training process, and making the dataclass would add a third of a
@@ -47,6 +56,8 @@ class Kind(NamedTuple):
     agent_extension: str | None = None
     renderer: str | None = None
     html_renderer: str | None = None
+    run_option: str | None = None
+    action: str | None = None
 
 
 KINDS: tuple[Kind, ...] = (
@@ -67,8 +78,13 @@ KINDS: tuple[Kind, ...] = (
         "nccl",
         command=("nccl", "nccl", "NcclCommand"),
         renderer="collectors.flight_recorder:render_artifact",
+        action="dynprof.job.nccl:ACTION",
     ),
-    Kind("gpu-coredump", command=("gpu-coredump", "gpu_coredump", "GpuCoredumpCommand")),
+    Kind(
+        "gpu-coredump",
+        command=("gpu-coredump", "gpu_coredump", "GpuCoredumpCommand"),
+        run_option="dynprof.cli._run_gpu",
+    ),
     Kind(
         "memory",
         command=("memory", "memory", "MemoryCommand"),
@@ -82,8 +98,12 @@ KINDS: tuple[Kind, ...] = (
     Kind("flight", agent_extension="dynprof.agent._ext_flight"),  # its dumps are `nccl` artifacts
     Kind("job_store", agent_extension="dynprof.agent._ext_job_store"),
     # A healthcheck artifact has no renderer: its manifest's summary says the verdict.
-    Kind("healthcheck", command=("healthcheck", "healthcheck", "HealthcheckCommand")),
-    Kind("link-test", command=("link-test", "link_test", "LinkTestCommand")),
+    Kind(
+        "healthcheck",
+        command=("healthcheck", "healthcheck", "HealthcheckCommand"),
+        action="healthcheck.collect:ACTION",
+    ),
+    Kind("link-test", command=("link-test", "link_test", "LinkTestCommand"), action="dynprof.job.links:ACTION"),
     Kind("ls", command=("ls", "ls", "LsCommand")),
     Kind("show", command=("show", "show", "ShowCommand")),
     Kind("analyze", command=("analyze", "analyze", "AnalyzeCommand")),
@@ -116,3 +136,13 @@ def renderers() -> dict[str, str]:
 def html_renderers() -> dict[str, str]:
     """Artifact kind -> ``"module:function"`` of its HTML renderer."""
     return {kind.name: kind.html_renderer for kind in KINDS if kind.html_renderer is not None}
+
+
+def run_options() -> tuple[str, ...]:
+    """Every row's ``dynprof run`` option module, in the table's order."""
+    return tuple(kind.run_option for kind in KINDS if kind.run_option is not None)
+
+
+def actions() -> dict[str, str]:
+    """Action name (the row's) -> ``"module:ATTR"`` of its spec, in the table's order."""
+    return {kind.name: kind.action for kind in KINDS if kind.action is not None}

@@ -31,8 +31,10 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from dynprof import errors, jsontext
+from dynprof.action_spec import ActionSpec
 from dynprof.procs import kill_group
 from dynprof.registry import list_records
+from dynprof.result import Result
 from dynprof.store import ArtifactStore
 from dynprof.untrusted import loads_json
 from healthcheck.checks.table import ALL_CHECKS
@@ -40,6 +42,7 @@ from healthcheck.compare import Thresholds
 from healthcheck.fleet import NodeReport, ReportError
 from healthcheck.options import LEVELS, Options
 from healthcheck.report import Report, render_prometheus, render_table, write_atomically
+from healthcheck.result import EXIT_COULD_NOT_RUN
 from healthcheck.runner import run
 from healthcheck.timeouts import PROBE_TIMEOUT_S
 from healthcheck.tools import tool_env
@@ -404,6 +407,44 @@ def collect_here(request: HealthcheckRequest, *, show_progress: bool = False) ->
                 help="Point --prometheus at a writable file (the node exporter's textfile directory).",
             ) from None
     return Checked(report, artifact, messages)
+
+
+def action_request(options: dict[str, Any]) -> HealthcheckRequest:
+    """The sidecar's ``healthcheck`` action's options as the request; a value it refuses is the
+    healthcheck's usage error (exit 3: 1 and 2 are the node's health)."""
+    try:
+        return HealthcheckRequest.from_json(options)
+    except errors.DynprofError as exc:
+        error = errors.UsageError(f"healthcheck: {exc.message}", help="See `dynprof healthcheck --help`.")
+        error.exit_code = EXIT_COULD_NOT_RUN
+        raise error from None
+
+
+def action_collect(request: HealthcheckRequest) -> Result:
+    """The sidecar's ``healthcheck`` action on this node: the checks for ``request`` (the
+    report with the artifact it was saved as); an error is exit 3, whatever its own code."""
+    try:
+        checked = collect_here(request)
+    except errors.DynprofError as exc:
+        exc.exit_code = EXIT_COULD_NOT_RUN
+        raise
+    return Result(checked.to_json(), checked.report.exit_code, checked.messages)
+
+
+# The sidecar's ``healthcheck`` action (the kinds' table names it): in a child of the sidecar,
+# acting on the node, "could not run" is exit 3.
+ACTION = ActionSpec(
+    HealthcheckRequest,
+    action_collect,
+    decode=action_request,
+    limits={
+        "default_timeout_s": 900.0,
+        "max_timeout_s": 900.0,
+        "in_subprocess": True,
+        "changes_jobs": True,
+        "failed_exit": EXIT_COULD_NOT_RUN,
+    },
+)
 
 
 def save_artifact(report: Report, table_text: str) -> str:

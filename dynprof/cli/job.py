@@ -5,9 +5,8 @@
 A subclass adds its own options (:meth:`JobCommand.add_arguments`) and answers both ways:
 :meth:`collect_local` (this node's: the kind's collect, or its job module's, which the
 sidecar's action of the same name calls too) and :meth:`collect_job` (the job-wide answer to
-the action's options: the command's ``job_wide``, ``dynprof/job/<kind>.py``'s ``collect_job``,
-which the sidecar's job-wide action calls too; the merge they share is
-:mod:`dynprof.job.merge`). The dispatch between them, the node options and the text of a
+the action's options: the job-wide function of the sidecar's row of the same action, which its
+job-wide action calls too; the merge they share is :mod:`dynprof.job.merge`). The dispatch between them, the node options and the text of a
 job-wide answer are here once.
 """
 
@@ -23,8 +22,9 @@ from dynprof.job.merge import DEFAULT_NODE_TIMEOUT_S, Reach, client_of
 from dynprof.nodes import Node
 from dynprof.result import Result
 
-if TYPE_CHECKING:  # the HTTP client is imported only where nodes are asked
+if TYPE_CHECKING:  # the HTTP client and the sidecar's table are imported only where nodes are asked
     from dynprof.job.client import SidecarClient
+    from dynprof.sidecar.table import Action
 
 
 def client_for(args: argparse.Namespace) -> SidecarClient:
@@ -42,12 +42,17 @@ def reach_of(args: argparse.Namespace, client: SidecarClient) -> Reach:
     )
 
 
-def forward_options(name: str, args: argparse.Namespace, **override: Any) -> dict[str, Any]:
-    """The command's own options, as action ``name`` takes them (unset ones left out)."""
+def action_of(name: str) -> Action:
+    """The sidecar's row of action ``name`` (its table is imported when a command asks nodes)."""
     from dynprof.sidecar.table import ACTIONS
 
+    return ACTIONS[name]
+
+
+def forward_options(name: str, args: argparse.Namespace, **override: Any) -> dict[str, Any]:
+    """The command's own options, as action ``name`` takes them (unset ones left out)."""
     out: dict[str, Any] = {}
-    for key in ACTIONS[name].options:
+    for key in action_of(name).options:
         value = override[key] if key in override else getattr(args, key, None)
         if value is None or value is False or value == []:
             continue
@@ -108,9 +113,6 @@ def who(row: dict[str, Any]) -> str:
 # -- the command -----------------------------------------------------------------------------------
 class JobCommand:
     name: ClassVar[str]  # the subcommand, and the sidecar action of the same name
-    # The job layer's job-wide answer (dynprof/job/<kind>.py's ``collect_job``), which the
-    # sidecar's row of the same action names too.
-    job_wide: ClassVar[staticmethod[[dict[str, Any], list[Node], Reach], Result]]
     takes_fetch: ClassVar[bool] = False  # job-wide, it can copy the artifacts back (--fetch)
 
     def prepare_parser(self, parser: argparse.ArgumentParser) -> None:
@@ -141,8 +143,12 @@ class JobCommand:
 
     def collect_job(self, options: dict[str, Any], nodes: list[Node], reach: Reach) -> Result:
         """The job-wide answer to ``options`` (the action's, checked: what the sidecar's
-        job-wide action is given too), merged from the nodes' answers (:attr:`job_wide`)."""
-        return type(self).job_wide(options, nodes, reach)
+        job-wide action is given too), merged from the nodes' answers: the job-wide function of
+        the sidecar's row of the same action."""
+        job = action_of(self.name).job
+        assert job is not None, f"the {self.name} action has no job-wide answer"
+        result: Result = job(options, nodes, reach)
+        return result
 
     def render(self, result: Result) -> str:
         """The text of a job-wide answer: one ``rank R on NODE: ...`` line per rank."""

@@ -23,7 +23,6 @@ class LsCommand(JobCommand):
     """List the artifacts in the store, newest first."""
 
     name = "ls"
-    job_wide = staticmethod(ls.collect_job)
     takes_fetch = True
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:

@@ -40,7 +40,6 @@ class MemoryCommand(JobCommand):
     """
 
     name = "memory"
-    job_wide = staticmethod(memory.collect_job)
     takes_fetch = True
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:

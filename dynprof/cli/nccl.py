@@ -30,7 +30,6 @@ from dynprof.cli._common import (
     targets_from_args,
 )
 from dynprof.cli.job import JobCommand, Text, answered_count
-from dynprof.job import nccl
 from dynprof.job.merge import JobResult
 from dynprof.result import Result
 
@@ -39,7 +38,6 @@ class NcclCommand(JobCommand):
     """Collect every rank's NCCL flight-recorder dump and say who is missing from which collective."""
 
     name = "nccl"
-    job_wide = staticmethod(nccl.collect_job)
     takes_fetch = True
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:

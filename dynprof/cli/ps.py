@@ -26,7 +26,6 @@ class PsCommand(JobCommand):
     """List the dynprof agents on this node, newest first."""
 
     name = "ps"
-    job_wide = staticmethod(ps.collect_job)
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--job", help="only this job's agents")

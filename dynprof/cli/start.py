@@ -60,7 +60,6 @@ class StartCommand(JobCommand):
     """Start a torch.profiler trace in running processes."""
 
     name = "start"
-    job_wide = staticmethod(start.collect_job)
     takes_fetch = True
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:

@@ -27,7 +27,6 @@ class StopCommand(JobCommand):
     """End a running trace; the artifact is written and its path printed."""
 
     name = "stop"
-    job_wide = staticmethod(stop.collect_job)
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         add_targets(parser)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from dynprof.action_spec import ActionSpec
 from dynprof.errors import DynprofError, Timeout
 from dynprof.result import Result
 from healthcheck.links.side import LinkTestRequest, SideResult, run_side
@@ -48,3 +49,13 @@ def collect(request: LinkTestRequest) -> LinkSide:
     if side.status == "hung":
         result.exit_code = Timeout.exit_code
     return result
+
+
+# The sidecar's ``link-test`` action (the kinds' table names it): one node's side of a link test
+# between nodes, in a child, which runs the torch.distributed worker in a process group of its
+# own, killed past --limit.
+ACTION = ActionSpec(
+    LinkTestRequest,
+    collect,
+    limits={"default_timeout_s": 120.0, "max_timeout_s": 900.0, "in_subprocess": True, "changes_jobs": True},
+)

@@ -1,6 +1,7 @@
 """``memory``: this node's CUDA memory snapshots or allocator history switch (:func:`collect`),
-its optimizer-step plans (:func:`collect_plan`), or a whole job's snapshots, rank by rank
-(:func:`collect_job`, each node's answer read with :meth:`MemoryResults.from_json`).
+its optimizer-step plans (:func:`collect_plan`); a whole job's snapshots, rank by rank, are
+the job layer's per-rank merge of the nodes' answers, each read with
+:meth:`MemoryResults.from_json` (the sidecar's ``memory`` row names it).
 ``dynprof memory`` and the sidecar's ``memory`` and ``memory-plan`` actions answer with these."""
 
 from __future__ import annotations
@@ -9,11 +10,9 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from collectors.memory import collect as kind
-from collectors.memory.collect import DEFAULT_TIMEOUT_S, MemoryPlanRequest, MemoryRequest
+from collectors.memory.collect import MemoryPlanRequest, MemoryRequest
 from dynprof import errors
 from dynprof.job.answers import ProcessResults, answer_rows, as_list
-from dynprof.job.merge import JobResult, Reach, collect_per_rank
-from dynprof.nodes import Node
 from dynprof.result import Result
 
 PLAN_SCHEMA = 1
@@ -81,8 +80,3 @@ def collect_plan(request: MemoryPlanRequest, raise_single: bool = False) -> Memo
     return MemoryPlanResults(
         exit_code=got.exit_code, messages=list(got.notes), results=got.results, jobs=got.jobs, notes=got.notes
     )
-
-
-def collect_job(options: dict[str, Any], nodes: list[Node], reach: Reach) -> JobResult:
-    """Every node's snapshots or history switch (the ``memory`` action with ``options``), rank by rank."""
-    return collect_per_rank("memory", options, nodes, reach, DEFAULT_TIMEOUT_S, MemoryResults.from_json)

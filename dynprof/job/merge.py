@@ -7,7 +7,8 @@
 A node that does not answer is named in ``nodes`` and on stderr with its reason; the others
 are still merged. Exit code: 12 when some node did not answer, else the highest exit code of
 the nodes' answers (0 when every node succeeded). :func:`collect_per_rank` merges the nodes'
-per-rank rows (``results``) in rank order, each with its node.
+per-rank rows (``results``) in rank order, each with its node; :class:`PerRankJob` is that
+merge as an action's job-wide answer.
 """
 
 from __future__ import annotations
@@ -205,3 +206,17 @@ def collect_per_rank(
     wait = options.get("timeout") or default_wait
     answers = reach.client.action_all(nodes, action, options, timeout=wait + 5.0)
     return per_rank_result(reach, options.get("job"), nodes, answers, decode, ("results",))
+
+
+@dataclass(frozen=True)
+class PerRankJob:
+    """The job-wide answer of action ``action`` whose nodes answer per-rank rows: called as
+    ``job(options, nodes, reach)``, it is :func:`collect_per_rank` with the kind's ``decode`` (a
+    node waits the ``timeout`` option, else ``default_wait``)."""
+
+    action: str
+    default_wait: float
+    decode: Callable[[Any], PerRank]
+
+    def __call__(self, options: dict[str, Any], nodes: list[Node], reach: Reach) -> JobResult:
+        return collect_per_rank(self.action, options, nodes, reach, self.default_wait, self.decode)

@@ -17,8 +17,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from collectors import flight_recorder as fr
+from collectors.flight_recorder import collect as kind
 from collectors.flight_recorder.collect import MAX_DUMP_BYTES, Collected, NcclRequest
 from dynprof import errors
+from dynprof.action_spec import ActionSpec
 from dynprof.job.answers import node_labels
 from dynprof.job.merge import (
     JobResult,
@@ -168,3 +170,13 @@ def read_rank_dumps(
         if isinstance(doc, dict):
             out.append((rank, doc))
     return out
+
+
+# The sidecar's ``nccl`` action (the kinds' table names it): the recorders dumped on a node, or,
+# job-wide, on every node and analysed together.
+ACTION = ActionSpec(
+    NcclRequest,
+    kind.collect,
+    collect_job,
+    limits={"timeout_option": "timeout", "default_timeout_s": 15.0, "max_timeout_s": 300.0, "changes_jobs": True},
+)

@@ -1,6 +1,7 @@
 """``stop``: end this node's running traces, each followed until its artifact is written
-(:func:`collect`), or a whole job's (:func:`collect_job`, rank by rank). ``dynprof stop`` and
-the sidecar's ``stop`` action answer with these.
+(:func:`collect`); a whole job's, rank by rank, is the job layer's per-rank merge of the
+nodes' answers, each read with :meth:`Stopped.from_json` (the sidecar's ``stop`` row names it).
+``dynprof stop`` and the sidecar's ``stop`` action answer with these.
 
 The processes stop at their next step boundary (or at once on the main thread when they have
 no optimizer steps), then export the trace in the background.
@@ -17,9 +18,7 @@ from dynprof import errors
 from dynprof.agents import parallel, resolve
 from dynprof.client import AgentClient
 from dynprof.job.answers import ProcessResults
-from dynprof.job.merge import JobResult, Reach, collect_per_rank
-from dynprof.node_requests import STOP_TIMEOUT_S, StopRequest
-from dynprof.nodes import Node
+from dynprof.node_requests import StopRequest
 from dynprof.output import Progress, printable
 from dynprof.proto import pb
 
@@ -139,8 +138,3 @@ def collect(request: StopRequest, progress: Progress | None = None) -> Stopped:
         )
     ok = all(r["status"] in ("complete", "partial", "stopping", WRITING_AT_EXIT) for r in results)
     return Stopped(exit_code=0 if ok else 1, messages=messages, results=results)
-
-
-def collect_job(options: dict[str, Any], nodes: list[Node], reach: Reach) -> JobResult:
-    """Every node stops its traces (the ``stop`` action with ``options``); rank by rank."""
-    return collect_per_rank("stop", options, nodes, reach, STOP_TIMEOUT_S, Stopped.from_json)

@@ -3,6 +3,13 @@ options are the request's ``OPTIONS``), the kind's ``collect`` that answers it o
 and, for a job-level action, its job-wide function (``job``: the same options sent to every
 node's sidecar and their answers merged), with the action's time limits and where it runs.
 
+The rows written here come first; then a row for each kind whose row of the kinds' table names
+its action (``action="module:ATTR"``, :mod:`dynprof.kinds`): an
+:class:`~dynprof.action_spec.ActionSpec` in the kind's own code, read in the table's order. A
+spec that gives ``per_rank`` (the kind's decoder of a node's per-rank rows) has the job layer's
+per-rank merge as its job-wide answer (:class:`~dynprof.job.merge.PerRankJob`), each node waiting
+the action's ``timeout`` option, else the row's ``default_timeout_s``.
+
 Each ``collect`` returns an answer with its own codec (``to_json()``, an exit code, stderr
 lines: :class:`dynprof.sidecar.outcome.Answer`); the sidecar sends that document, and the CLI
 renders the same answer. Nothing here imports the CLI.
@@ -10,27 +17,24 @@ renders the same answer. Nothing here imports the CLI.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
-from collectors.flight_recorder import collect as flight_recorder
-from collectors.flight_recorder.collect import NcclRequest
-from collectors.memory.collect import MemoryPlanRequest, MemoryRequest
+from collectors.memory.collect import DEFAULT_TIMEOUT_S, MemoryPlanRequest, MemoryRequest
 from collectors.stacks import collect as stacks
 from collectors.stacks.collect import StacksRequest
 from collectors.torch_trace.collect import TraceRequest
-from dynprof import errors
-from dynprof.job import links, ls, memory, nccl, ps, start, stop
+from dynprof.action_spec import ActionSpec
+from dynprof.job import ls, memory, ps, start, stop
 from dynprof.job import stacks as stacks_job
-from dynprof.job.merge import Reach
-from dynprof.node_requests import LsRequest, PsRequest, StopRequest
+from dynprof.job.memory import MemoryResults
+from dynprof.job.merge import PerRankJob, Reach
+from dynprof.job.stop import Stopped
+from dynprof.kinds import actions
+from dynprof.node_requests import STOP_TIMEOUT_S, LsRequest, PsRequest, StopRequest
 from dynprof.nodes import Node
-from dynprof.result import Result
-from healthcheck.collect import HealthcheckRequest, collect_here
-from healthcheck.links.side import LinkTestRequest
-
-HEALTHCHECK_COULD_NOT_RUN = 3  # the healthcheck's exit when it could not run (1 and 2 are the node's health)
 
 JobWide = Callable[[dict[str, Any], list[Node], Reach], Any]
 
@@ -91,12 +95,16 @@ def _request_action(
     *,
     decode: Callable[[dict[str, Any]], Any] | None = None,
     text_options: dict[str, str] | None = None,
+    per_rank: Callable[[Any], Any] | None = None,
     **row: Any,
 ) -> Action:
     """The row of an action that carries a kind's request: its options are the request's
     ``OPTIONS`` (one table, the kind's), then ``text_options``, each a flag of its name; the
-    request reads them (``decode``, by default the request's ``from_json``)."""
+    request reads them (``decode``, by default the request's ``from_json``). ``per_rank``, the
+    kind's decoder of a node's per-rank rows, makes the job-wide answer their merge."""
     text = text_options or {}
+    if per_rank is not None:
+        job = PerRankJob(command, row.get("default_timeout_s", Action.default_timeout_s), per_rank)
     return Action(
         command,
         _opts(**request.OPTIONS, **text),
@@ -109,26 +117,20 @@ def _request_action(
     )
 
 
-def _healthcheck_request(options: dict[str, Any]) -> HealthcheckRequest:
-    """The ``healthcheck`` action's options as the kind's request; a value it refuses is the
-    healthcheck's usage error (exit 3: 1 and 2 are the node's health)."""
-    try:
-        return HealthcheckRequest.from_json(options)
-    except errors.DynprofError as exc:
-        error = errors.UsageError(f"healthcheck: {exc.message}", help="See `dynprof healthcheck --help`.")
-        error.exit_code = HEALTHCHECK_COULD_NOT_RUN
-        raise error from None
+def _spec_action(name: str, spec: ActionSpec) -> Action:
+    """The row of the action ``name`` from a kind's spec."""
+    return _request_action(
+        name, spec.request, spec.collect, spec.job, decode=spec.decode, per_rank=spec.per_rank, **spec.limits
+    )
 
 
-def _healthcheck(request: HealthcheckRequest) -> Result:
-    """This node's checks for ``request`` (the report with the artifact it was saved as); an
-    error is exit 3, whatever its own code."""
-    try:
-        checked = collect_here(request)
-    except errors.DynprofError as exc:
-        exc.exit_code = HEALTHCHECK_COULD_NOT_RUN
-        raise
-    return Result(checked.to_json(), checked.report.exit_code, checked.messages)
+def _kinds_actions() -> dict[str, Action]:
+    """The rows of the kinds whose row of the kinds' table names their action, in its order."""
+    rows = {}
+    for name, target in actions().items():
+        module, _, attr = target.partition(":")
+        rows[name] = _spec_action(name, getattr(importlib.import_module(module), attr))
+    return rows
 
 
 ACTIONS: dict[str, Action] = {
@@ -169,9 +171,9 @@ ACTIONS: dict[str, Action] = {
         "stop",
         StopRequest,
         stop.collect,
-        stop.collect_job,
+        per_rank=Stopped.from_json,
         timeout_option="timeout",
-        default_timeout_s=120.0,
+        default_timeout_s=STOP_TIMEOUT_S,
         max_timeout_s=3600.0,
         changes_jobs=True,
     ),
@@ -179,9 +181,9 @@ ACTIONS: dict[str, Action] = {
         "memory",
         MemoryRequest,
         memory.collect,
-        memory.collect_job,
+        per_rank=MemoryResults.from_json,
         timeout_option="timeout",
-        default_timeout_s=300.0,
+        default_timeout_s=DEFAULT_TIMEOUT_S,
         max_timeout_s=3600.0,
         changes_jobs=True,
     ),
@@ -196,36 +198,6 @@ ACTIONS: dict[str, Action] = {
         changes_jobs=True,
         leading=("plan",),
     ),
-    "nccl": _request_action(
-        "nccl",
-        NcclRequest,
-        flight_recorder.collect,
-        nccl.collect_job,
-        timeout_option="timeout",
-        default_timeout_s=15.0,
-        max_timeout_s=300.0,
-        changes_jobs=True,
-    ),
-    "healthcheck": _request_action(
-        "healthcheck",
-        HealthcheckRequest,
-        _healthcheck,
-        decode=_healthcheck_request,
-        default_timeout_s=900.0,
-        max_timeout_s=900.0,
-        in_subprocess=True,
-        changes_jobs=True,
-        failed_exit=3,
-    ),
-    # one node's side of a link test between nodes (healthcheck.links): in a child, which runs
-    # the torch.distributed worker in a process group of its own, killed past --limit
-    "link-test": _request_action(
-        "link-test",
-        LinkTestRequest,
-        links.collect,
-        default_timeout_s=120.0,
-        max_timeout_s=900.0,
-        in_subprocess=True,
-        changes_jobs=True,
-    ),
+    # then the kinds' own (nccl, healthcheck, link-test): named by their rows of dynprof.kinds
+    **_kinds_actions(),
 }

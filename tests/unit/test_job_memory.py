@@ -7,9 +7,11 @@ import json
 
 import pytest
 
+from collectors.memory.collect import DEFAULT_TIMEOUT_S
 from dynprof import errors
 from dynprof.job import memory
 from dynprof.job.merge import Reach
+from dynprof.sidecar.table import ACTIONS
 from tests.support.job_answers import A, B, FakeClient, answered
 
 ROW = {"pid": 7, "rank": 0, "status": "ok", "artifact": "/s/m", "error": None, "summary": {"allocated_bytes": 5}}
@@ -73,7 +75,7 @@ def test_the_nodes_snapshots_merge_rank_by_rank_each_read_by_the_kinds_decoder()
             B: answered(B, {"results": "junk"}, code=1),
         }
     )
-    got = memory.collect_job({"job": "j"}, [A, B], Reach(client))  # type: ignore[arg-type]
+    got = ACTIONS["memory"].job({"job": "j"}, [A, B], Reach(client))  # type: ignore[misc]
     assert [(r["rank"], r["node"]) for r in got.doc["results"]] == [(1, "node-a")]
     assert got.doc["artifacts"] == [{"node": "node-a", "path": "/s/1"}] and got.exit_code == 1
-    assert client.calls[0][3] == memory.DEFAULT_TIMEOUT_S + 5.0
+    assert client.calls[0][3] == DEFAULT_TIMEOUT_S + 5.0

@@ -17,6 +17,14 @@ def test_the_default_job_wide_answer_waits_the_options_timeout_else_the_default(
     assert [r["node"] for r in result.doc["results"]] == ["node-a"]
 
 
+def test_a_per_rank_job_is_the_per_rank_merge_of_its_action_with_its_decoder():
+    client = FakeClient({A: answered(A, {"results": [{"rank": 0, "status": "ok"}]})})
+    job_wide = job.PerRankJob("stop", 120.0, Stopped.from_json)
+    result = job_wide({"job": "j"}, [A], Reach(client))  # type: ignore[arg-type]
+    assert [(c[1], c[3]) for c in client.calls] == [("stop", 125.0)]
+    assert result.doc == job.collect_per_rank("stop", {"job": "j"}, [A], Reach(client), 120.0, Stopped.from_json).doc  # type: ignore[arg-type]
+
+
 def test_exit_code_is_12_when_a_node_is_silent_else_the_highest():
     assert job.exit_code([]) == 0
     assert job.exit_code([answered(A, {}), answered(B, {}, code=8)]) == 8

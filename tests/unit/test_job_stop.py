@@ -14,6 +14,7 @@ from dynprof.job import stop
 from dynprof.job.merge import Reach
 from dynprof.node_requests import STOP_TIMEOUT_S, StopRequest
 from dynprof.nodes import Node, NodeAnswer
+from dynprof.sidecar.table import ACTIONS
 
 
 def test_an_agent_without_a_running_trace_is_not_running_exit_1():
@@ -43,7 +44,7 @@ def test_the_nodes_stops_merge_rank_by_rank_waiting_the_stops_default():
     a = Node("node-a", 8787)
     row = {"rank": 0, "pid": 7, "status": "complete", "artifact": "/s/t", "error": None}
     fake = FakeClient([NodeAnswer(a, True, host="node-a", exit_code=0, result={"results": [row]})])
-    got = stop.collect_job({"job": "j"}, [a], Reach(fake))  # type: ignore[arg-type]
+    got = ACTIONS["stop"].job({"job": "j"}, [a], Reach(fake))  # type: ignore[misc]
     assert fake.timeouts == [STOP_TIMEOUT_S + 5.0]
     assert [(r["rank"], r["node"]) for r in got.doc["results"]] == [(0, "node-a")]
     assert got.doc["artifacts"] == [{"node": "node-a", "path": "/s/t"}] and got.exit_code == 0

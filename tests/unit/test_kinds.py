@@ -116,7 +116,7 @@ def test_every_row_has_a_unique_name_and_something_to_register():
     names = [kind.name for kind in kinds.KINDS]
     assert len(names) == len(set(names))
     for kind in kinds.KINDS:
-        assert kind.command or kind.agent_extension or kind.renderer or kind.html_renderer, kind.name
+        assert kind.command or kind.agent_extension or kind.renderer or kind.html_renderer or kind.action, kind.name
         # an HTML view is shown above the text summary: never without it
         assert kind.html_renderer is None or kind.renderer is not None, kind.name
 
@@ -148,6 +148,34 @@ def test_every_renderer_is_a_function_of_its_module(field: str):
         if getattr(kind, field) is not None and not callable(_resolve(getattr(kind, field)))
     ]
     assert missing == []
+
+
+def test_every_run_option_is_a_module_that_adds_its_pair_and_loads_after_the_listed_ones():
+    from dynprof.cli import _run_options
+
+    # GIVEN the options the rows name and the ones listed in dynprof.cli._run_options
+    named = kinds.run_options()
+    assert named and not set(named) & set(_run_options.LISTED)
+    # WHEN a fresh interpreter loads them (as `dynprof run --help` does)
+    code = (
+        "from dynprof.cli import _run_options as o\n"
+        "o.load_run_options()\n"
+        "print('\\n'.join(add.__module__ for add, _ in o.RUN_OPTIONS))"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env, timeout=60)
+    assert out.returncode == 0, out.stderr
+    # THEN each module added its pair once, the listed ones first (`dynprof run --help`'s order)
+    assert out.stdout.split() == [*_run_options.LISTED, *named]
+
+
+def test_every_action_is_a_spec_of_its_module():
+    from dynprof.action_spec import ActionSpec
+
+    named = kinds.actions()
+    assert named
+    for name, target in named.items():
+        assert isinstance(_resolve(target), ActionSpec), f"{name}: {target}"
 
 
 def test_a_row_is_frozen():

@@ -12,12 +12,15 @@ from typing import Any, ClassVar
 import pytest
 
 from collectors.flight_recorder.collect import collect as nccl_collect
-from collectors.memory.collect import MemoryPlanRequest
+from collectors.memory.collect import DEFAULT_TIMEOUT_S, MemoryPlanRequest
 from collectors.stacks.collect import collect as stacks_collect
-from dynprof import errors
+from dynprof import errors, kinds
+from dynprof.action_spec import ActionSpec
 from dynprof.job import links, ls, memory, nccl, ps, start, stop
 from dynprof.job import stacks as stacks_job
-from dynprof.node_requests import LsRequest
+from dynprof.job.memory import MemoryResults
+from dynprof.job.merge import PerRankJob
+from dynprof.node_requests import STOP_TIMEOUT_S, LsRequest
 from dynprof.result import Result
 from dynprof.sidecar import actions, table
 from healthcheck.collect import HealthcheckRequest
@@ -149,9 +152,12 @@ def test_each_row_names_its_kinds_collect_and_its_job_wide_function():
     assert rows["ls"].decode == LsRequest.from_json
     assert rows["ls"].collect is ls.collect and rows["ls"].job is ls.collect_job
     assert rows["ps"].collect is ps.collect and rows["ps"].job is ps.collect_job
-    assert rows["stop"].collect is stop.collect and rows["stop"].job is stop.collect_job
     assert rows["start"].collect is start.collect and rows["start"].job is start.collect_job
-    assert rows["memory"].collect is memory.collect and rows["memory"].job is memory.collect_job
+    # a kind whose job-wide answer is its nodes' per-rank rows: the per-rank merge, read by its decoder
+    assert rows["stop"].collect is stop.collect
+    assert rows["stop"].job == PerRankJob("stop", STOP_TIMEOUT_S, stop.Stopped.from_json)
+    assert rows["memory"].collect is memory.collect
+    assert rows["memory"].job == PerRankJob("memory", DEFAULT_TIMEOUT_S, MemoryResults.from_json)
     assert rows["nccl"].collect is nccl_collect and rows["nccl"].job is nccl.collect_job
     # the stacks kind's own collect answers a node's stacks
     assert rows["stacks"].collect is stacks_collect and rows["stacks"].job is stacks_job.collect_job
@@ -161,6 +167,26 @@ def test_each_row_names_its_kinds_collect_and_its_job_wide_function():
     assert rows["healthcheck"].decode({"level": "quick"}) == HealthcheckRequest(level="quick")
     # an action of this node only
     assert rows["healthcheck"].job is None and rows["link-test"].job is None and rows["memory-plan"].job is None
+
+
+def test_the_kinds_rows_that_name_an_action_add_it_after_the_rows_written_here_in_their_order():
+    # GIVEN the actions the kinds' table names, each the spec in the kind's own code
+    named = kinds.actions()
+    # THEN each is a row of the table, made from its spec, and they come last, in the kinds' order
+    assert list(table.ACTIONS)[-len(named) :] == list(named) == ["nccl", "healthcheck", "link-test"]
+    assert table.ACTIONS["nccl"] == table._spec_action("nccl", nccl.ACTION)
+    assert table.ACTIONS["link-test"] == table._spec_action("link-test", links.ACTION)
+    assert table.ACTIONS["healthcheck"].failed_exit == 3 and table.ACTIONS["healthcheck"].in_subprocess
+
+
+def test_a_spec_with_per_rank_rows_has_their_merge_as_its_job_wide_answer():
+    # GIVEN a new kind's spec: its request, its collect, the decoder of a node's per-rank rows
+    spec = ActionSpec(GcRequest, collect_gc, per_rank=MemoryResults.from_json, limits={"default_timeout_s": 60.0})
+    # WHEN the sidecar makes its row
+    row = table._spec_action("gc", spec)
+    # THEN it fans out, each node waiting the row's default, read by the kind's decoder
+    assert row.fans_out and row.job == PerRankJob("gc", 60.0, MemoryResults.from_json)
+    assert row.command == "gc" and row.request is GcRequest and list(row.options) == list(GcRequest.OPTIONS)
 
 
 def test_an_action_of_a_subcommand_reads_that_subcommands_request():
