@@ -76,6 +76,14 @@ def _resolve(target: str) -> object:
     return getattr(importlib.import_module(module_name), function, None)
 
 
+def _printed_by_a_fresh_interpreter(code: str) -> list[str]:
+    """The words ``code`` prints, run by a fresh interpreter of this checkout."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.split()
+
+
 def test_the_derived_lists_keep_what_was_written_by_hand_in_its_order():
     # GIVEN the lists read from the table
     commands, extensions = kinds.commands(), kinds.agent_extensions()
@@ -162,11 +170,8 @@ def test_every_run_option_is_a_module_that_adds_its_pair_and_loads_after_the_lis
         "o.load_run_options()\n"
         "print('\\n'.join(add.__module__ for add, _ in o.RUN_OPTIONS))"
     )
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env, timeout=60)
-    assert out.returncode == 0, out.stderr
     # THEN each module added its pair once, the listed ones first (`dynprof run --help`'s order)
-    assert out.stdout.split() == [*_run_options.LISTED, *named]
+    assert _printed_by_a_fresh_interpreter(code) == [*_run_options.LISTED, *named]
 
 
 def test_every_action_is_a_spec_of_its_module():
@@ -205,8 +210,5 @@ def test_the_agent_reads_the_table_without_loading_any_kind():
         "'dynprof.agent._ext', 'dynprof.cli', 'dynprof.renderers')))))\n"
         "print('kinds' if 'dynprof.kinds' in sys.modules else '')"
     )
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env, timeout=60)
-    assert out.returncode == 0, out.stderr
     # THEN the table is loaded, and no kind's module, extension, command or renderer
-    assert out.stdout.split() == ["kinds"]
+    assert _printed_by_a_fresh_interpreter(code) == ["kinds"]
