@@ -101,9 +101,12 @@ def _request_action(
     """The row of an action that carries a kind's request: its options are the request's
     ``OPTIONS`` (one table, the kind's), then ``text_options``, each a flag of its name; the
     request reads them (``decode``, by default the request's ``from_json``). ``per_rank``, the
-    kind's decoder of a node's per-rank rows, makes the job-wide answer their merge."""
+    kind's decoder of a node's per-rank rows, makes the job-wide answer their merge: the nodes
+    are asked for action ``command``, so a subcommand's action (``leading``) has none."""
     text = text_options or {}
     if per_rank is not None:
+        if job is not None or row.get("leading"):
+            raise ValueError(f"{command}: per_rank is the job-wide answer of a command's own action, and its only one")
         job = PerRankJob(command, row.get("default_timeout_s", Action.default_timeout_s), per_rank)
     return Action(
         command,

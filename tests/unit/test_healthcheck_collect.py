@@ -319,3 +319,31 @@ def test_options_at_their_defaults_are_not_sent_to_the_sidecars():
     # AND what is unset, false or empty is left out
     assert not {"job", "expect_devices", "no_save"} & set(options)
     assert "skip" not in HealthcheckRequest().action_options()
+
+
+def test_the_sidecars_action_answers_the_report_with_its_artifact_and_an_error_is_exit_3(monkeypatch):
+    # GIVEN the checks faked: a report of exit 2, saved as an artifact
+    monkeypatch.setattr(hc, "collect_here", lambda request: hc.Checked(FakeReport(), "/store/hc-1", ["m"]))  # type: ignore[arg-type]
+    # WHEN the action's collect answers
+    got = hc.action_collect(HealthcheckRequest())
+    # THEN its document is the report with the artifact, its exit the node's health
+    assert got.to_json() == {"schema": "dynprof.healthcheck", "verdict": "unhealthy", "artifact": "/store/hc-1"}
+    assert (got.exit_code, got.messages) == (2, ["m"])
+
+    # AND a check run that fails is "could not run", whatever its own code
+    def fail(request):
+        raise errors.AgentError("no devices")
+
+    monkeypatch.setattr(hc, "collect_here", fail)
+    with pytest.raises(errors.AgentError) as info:
+        hc.action_collect(HealthcheckRequest())
+    assert info.value.exit_code == 3
+
+
+def test_the_sidecars_action_refuses_a_bad_option_as_the_healthchecks_usage_error():
+    assert hc.action_request({"level": "quick"}) == HealthcheckRequest(level="quick")
+    with pytest.raises(errors.UsageError) as info:
+        hc.action_request({"level": "thorough"})
+    assert info.value.exit_code == 3 and info.value.message.startswith("healthcheck: --level 'thorough'")
+    assert info.value.help == "See `dynprof healthcheck --help`."
+    assert hc.ACTION.request is HealthcheckRequest and hc.ACTION.limits["failed_exit"] == 3

@@ -187,6 +187,11 @@ def test_a_spec_with_per_rank_rows_has_their_merge_as_its_job_wide_answer():
     # THEN it fans out, each node waiting the row's default, read by the kind's decoder
     assert row.fans_out and row.job == PerRankJob("gc", 60.0, MemoryResults.from_json)
     assert row.command == "gc" and row.request is GcRequest and list(row.options) == list(GcRequest.OPTIONS)
+    # AND a spec cannot give both, nor a subcommand's action per-rank rows
+    with pytest.raises(ValueError, match="per_rank"):
+        table._spec_action("gc", ActionSpec(GcRequest, collect_gc, collect_gc, per_rank=MemoryResults.from_json))
+    with pytest.raises(ValueError, match="per_rank"):
+        table._request_action("memory", GcRequest, collect_gc, per_rank=MemoryResults.from_json, leading=("plan",))
 
 
 def test_an_action_of_a_subcommand_reads_that_subcommands_request():
