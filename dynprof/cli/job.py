@@ -6,8 +6,8 @@ A subclass adds its own options (:meth:`JobCommand.add_arguments`) and answers b
 :meth:`collect_local` (this node's: the kind's collect, or its job module's, which the
 sidecar's action of the same name calls too) and :meth:`collect_job` (the job-wide answer to
 the action's options: the job-wide function of the sidecar's row of the same action, which its
-job-wide action calls too; the merge they share is :mod:`dynprof.job.merge`). The dispatch between them, the node options and the text of a
-job-wide answer are here once.
+job-wide action calls too; the merge they share is :mod:`dynprof.job.merge`). The dispatch
+between them, the node options and the text of a job-wide answer are here once.
 """
 
 from __future__ import annotations
