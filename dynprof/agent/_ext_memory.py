@@ -262,7 +262,13 @@ class MemoryController:
         def on_plan(plan: Any) -> None:
             self.agent.memory_history_detail = plan.reason()  # type: ignore[attr-defined]
 
-        self.auto = AutoHistory(policy.budget, step_time=step_time, on_plan=on_plan, max_entries=policy.max_entries)
+        self.auto = AutoHistory(
+            policy.budget,
+            step_time=step_time,
+            on_plan=on_plan,
+            max_entries=policy.max_entries,
+            trainer_thread=lambda: self.agent.steps.hook_thread_id,
+        )
         self.policy = policy
         self.agent.memory_history_policy = policy.describe()  # type: ignore[attr-defined]
         self.agent.memory_history_detail = "measuring the allocator's event rate"  # type: ignore[attr-defined]

@@ -17,9 +17,23 @@ a GPU-bound loop hides most of that cost behind the GPU. ``auto`` keeps the cost
   cleared whenever recording goes off (PyTorch's allocator does that), so the history at an OOM
   holds only the window in progress, if one is.
 
-The thread holds the GIL for ~20 us per device per check and ~2 us per switch: less than
-0.01 % of a second. It never initialises CUDA (it starts from the CUDA start-up callback) and
-never raises: on any failure it turns recording off and ends.
+Both the read of the counters and the switch are calls into the CUDA caching allocator, which
+take the allocator's lock while holding the GIL. A job's thread can hold that lock for as long
+as its GPU is busy (``torch.cuda.empty_cache()`` frees cached blocks only once the work that may
+use them is done; a ``cudaFree`` on the allocator's retry after an OOM does the same): a call
+made then by a thread of dynprof would wait for the lock with the GIL held, and every Python
+thread of the job would stop with it, dynprof's agent included (measured on an H100: a
+``memory_stats`` call from a second thread during an ``empty_cache`` behind a long kernel
+stopped the process's Python until the kernel ended). So the controller's thread never calls
+the allocator itself: it hands each read and switch to the main thread, which runs it at its
+next bytecode (CPython's pending calls), when the main thread is not inside the allocator. A
+main thread in a long C call does not run it: after ``ON_MAIN_WAIT_S`` the call is cancelled,
+never run late, and the controller tries again at its next check (a switch-off is retried
+until it is done). Only a job whose optimizer steps run on another thread than the main one
+(whose main thread may never run Python again) gets the calls on the controller's thread, as
+before. A read costs the main thread ~20 us per device per check, a switch ~2 us: less than
+0.01 % of a second. The controller never initialises CUDA (it starts from the CUDA start-up
+callback) and never raises: on any failure it turns recording off and ends.
 """
 
 from __future__ import annotations
@@ -33,6 +47,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from collectors.memory.policy import DEFAULT_BUDGET, DEFAULT_MAX_ENTRIES, OFF, HistoryPolicy, apply
+from dynprof.agent._mainthread import call_soon_in_main_thread
 
 log = logging.getLogger("dynprof.agent")
 
@@ -43,6 +58,8 @@ CHECK_S = 0.5
 MIN_WINDOW_S = 0.02
 MAX_WINDOW_S = 0.5
 MAX_PERIOD_S = 60.0
+ON_MAIN_WAIT_S = 2.0  # how long an allocator call waits for the main thread to run it
+_MISSED = object()  # an allocator call the main thread did not run (cancelled)
 
 
 @dataclass(frozen=True)
@@ -111,8 +128,16 @@ class AutoHistory:
         on_plan: Callable[[Plan], None] | None = None,
         max_entries: int = DEFAULT_MAX_ENTRIES,
         cost_per_event_s: float = EVENT_COST_S,
+        trainer_thread: Callable[[], int | None] = lambda: None,
+        call_on_main: Callable[[Callable[[], None]], bool] = call_soon_in_main_thread,
     ) -> None:
         self.budget = budget
+        # the thread the job's optimizer steps run on (None before any) and how a call is handed
+        # to the main thread (see the module's docstring)
+        self.trainer_thread = trainer_thread
+        self.call_on_main = call_on_main
+        self.missed = 0  # allocator calls the main thread did not run in time (cancelled)
+        self._stopped_by_main = False
         self.step_time = step_time
         self.on_plan = on_plan
         self.cost_per_event_s = cost_per_event_s
@@ -135,9 +160,15 @@ class AutoHistory:
 
     def stop(self, timeout: float = 2.0) -> None:
         """Stop the controller; recording is left off."""
+        # stopped by the main thread, which waits in C below: the thread's last switch-off cannot
+        # run on it and is not waited for (done below, here on the main thread)
+        self._stopped_by_main = threading.current_thread() is threading.main_thread()
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
+        if self.recording and threading.current_thread() is threading.main_thread():
+            # the main thread waited here, in C: the thread's own switch-off could not run on it
+            self._switch(False)
 
     @property
     def running(self) -> bool:
@@ -154,34 +185,92 @@ class AutoHistory:
             total += int(alloc.get("allocated", 0)) + int(alloc.get("freed", 0))
         return total
 
-    def _set(self, on: bool) -> None:
-        if on == self.recording:
-            return
+    def _switch(self, on: bool) -> None:
         with self.hold:
-            apply(self.window_policy if on else OFF)
-            self.recording = on
+            if on != self.recording:
+                apply(self.window_policy if on else OFF)
+                self.recording = on
+
+    def _set(self, on: bool) -> bool:
+        """Switch recording; whether it is now as asked (not when the main thread did not run
+        the switch in time)."""
+        if on == self.recording:
+            return True
+        self._allocator(lambda: self._switch(on))
+        return on == self.recording
+
+    def _allocator(self, fn: Callable[[], Any]) -> Any:
+        """``fn()``, a call into the CUDA caching allocator, run where it cannot stop the job's
+        threads (the module's docstring): on the main thread, waited for at most
+        :data:`ON_MAIN_WAIT_S` (and while the controller is not stopped); :data:`_MISSED` when it
+        did not start by then (it is cancelled, never run late). On this thread when the job's
+        steps run on another thread than the main one."""
+        main = threading.main_thread()
+        trainer = self.trainer_thread()
+        if (trainer is not None and trainer != main.ident) or not main.is_alive():
+            return fn()
+        lock = threading.Lock()
+        done = threading.Event()
+        state: dict[str, Any] = {}
+
+        def task() -> None:
+            with lock:
+                if state.get("cancelled"):
+                    return
+                state["started"] = True
+            try:
+                state["value"] = fn()
+            except BaseException as exc:  # raised again on the controller's thread
+                state["error"] = exc
+            finally:
+                done.set()
+
+        if not self.call_on_main(task):
+            self.missed += 1
+            return _MISSED
+        deadline = time.monotonic() + ON_MAIN_WAIT_S
+        while not done.wait(0.05):
+            if time.monotonic() < deadline and not (self._stop.is_set() and self._stopped_by_main):
+                continue
+            with lock:
+                if not state.get("started"):
+                    state["cancelled"] = True
+                    self.missed += 1
+                    return _MISSED
+        if "error" in state:
+            raise state["error"]
+        return state.get("value")
 
     def _run(self) -> None:
         try:
             import torch
 
             self._devices = torch.cuda.device_count()
-            last_events, last_t = self._events(), time.monotonic()
-            wait = CHECK_S
+            last: tuple[int, float] | None = None  # the counters' last read, and when
+            wait = 0.0
             while not self._stop.wait(wait):
                 if os.getpid() != self._pid:
                     return  # a forked child: not ours to drive
-                events, now = self._events(), time.monotonic()
-                rate = (events - last_events) / max(now - last_t, 1e-6)
-                last_events, last_t = events, now
+                wait = CHECK_S
+                if self.recording and (self.plan is None or self.plan.recording != "continuous"):
+                    self._set(False)  # a window's switch-off that did not run: again until it does
+                    continue
+                events, now = self._allocator(self._events), time.monotonic()
+                if events is _MISSED:
+                    continue  # the rate spans the gap at the next read
+                if last is None:
+                    last = events, now
+                    continue
+                rate = (events - last[0]) / max(now - last[1], 1e-6)
+                last = events, now
                 p = plan(rate, self.budget, self.step_time(), self.cost_per_event_s)
                 self._publish(p)
                 if p.recording == "continuous":
                     self._set(True)
-                    wait = CHECK_S
                     continue
                 # One window, then off for the rest of the period (checked again at its end).
-                self._set(True)
+                if not self._set(True):
+                    continue
                 stopped = self._stop.wait(p.window_s)
                 self._set(False)
                 self.windows += 1

@@ -4,6 +4,7 @@ thread driving PyTorch's recording switch (with the allocator's counters faked).
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 
 import pytest
@@ -136,3 +137,74 @@ def test_a_failing_allocator_read_turns_recording_off_and_ends_quietly(monkeypat
     _wait_until(lambda: not auto.running)
     assert alloc.switches[-1][1] is False
     assert "memory history (auto) failed" in caplog.text
+
+
+class ThreadLog(FakeAllocator):
+    """The fake allocator, with the thread of every call into it."""
+
+    def __init__(self, monkeypatch, rate: float) -> None:
+        super().__init__(monkeypatch, rate)
+        self.threads: list[str] = []
+
+    def stats(self, device: int) -> dict:
+        self.threads.append(threading.current_thread().name)
+        return super().stats(device)
+
+    def record(self, enabled=None, **kw) -> None:
+        self.threads.append(threading.current_thread().name)
+        super().record(enabled, **kw)
+
+
+def test_every_call_into_the_allocator_runs_on_the_main_thread(monkeypatch):
+    # GIVEN the controller in a job that steps on its main thread (a call into the allocator
+    # from another thread could wait for its lock with the GIL held and stop every thread)
+    monkeypatch.setattr(_mem_auto, "CHECK_S", 0.02)
+    alloc = ThreadLog(monkeypatch, 40_000)
+    main = threading.get_ident()
+    auto = AutoHistory(budget=0.05, step_time=lambda: 0.02, trainer_thread=lambda: main)
+
+    # WHEN it reads the counters and switches recording, windows after windows
+    auto.start()
+    _wait_until(lambda: auto.windows >= 3)
+    auto.stop()
+
+    # THEN the main thread made every one of those calls, the switch-off at the stop included
+    assert alloc.threads and set(alloc.threads) == {threading.main_thread().name}, set(alloc.threads)
+    assert alloc.switches[-1][1] is False and not auto.running
+
+
+def test_a_main_thread_in_a_long_c_call_gets_no_allocator_call_and_none_runs_late(monkeypatch):
+    # GIVEN a main thread that runs no pending call (inside a long C call: an empty_cache behind
+    # the GPU): the calls handed to it stay queued
+    monkeypatch.setattr(_mem_auto, "CHECK_S", 0.02)
+    monkeypatch.setattr(_mem_auto, "ON_MAIN_WAIT_S", 0.1)
+    alloc = ThreadLog(monkeypatch, 100)
+    queued: list = []
+    auto = AutoHistory(budget=0.005, call_on_main=lambda fn: queued.append(fn) or True)
+
+    # WHEN the controller has tried several times, and the main thread then runs them all
+    auto.start()
+    _wait_until(lambda: auto.missed >= 3)
+    auto.stop()
+    for task in list(queued):
+        task()
+
+    # THEN nothing reached the allocator: each call was cancelled when it was not run in time
+    assert alloc.threads == [] and alloc.switches == []
+    assert not auto.recording and not auto.running
+
+
+def test_a_job_stepping_on_another_thread_gets_the_calls_on_the_controllers_thread(monkeypatch):
+    # GIVEN a job whose optimizer steps run on a thread other than the main one (its main
+    # thread may never run Python again: pending calls would never run)
+    monkeypatch.setattr(_mem_auto, "CHECK_S", 0.02)
+    alloc = ThreadLog(monkeypatch, 100)
+    auto = AutoHistory(budget=0.005, trainer_thread=lambda: -1)
+
+    # WHEN it records
+    auto.start()
+    _wait_until(lambda: auto.recording)
+    auto.stop()
+
+    # THEN its own thread read the counters and switched, as the only thread that can
+    assert "dynprof-memory-auto" in alloc.threads and threading.main_thread().name not in alloc.threads[:-1]
