@@ -357,9 +357,11 @@ class WatchEngine:
             log.warning("dynprof watch: healthcheck failed: %s", exc)
             return {n: {"verdict": "could not run", "error": f"{type(exc).__name__}: {exc}"[:300]} for n in nodes}
 
-    def _flight_recorder(self) -> tuple[dict[str, Any] | None, str | None]:
+    def _flight_recorder(
+        self, unanswered: frozenset[tuple[str, int]] = frozenset()
+    ) -> tuple[dict[str, Any] | None, str | None]:
         try:
-            return self.source.flight_recorder(self.config.job)
+            return self.source.flight_recorder(self.config.job, unanswered)
         except Exception as exc:  # best effort: the stacks decide without it
             log.warning("dynprof watch: reading the flight recorder failed: %s", exc)
             return None, f"reading the flight recorder failed: {type(exc).__name__}: {exc}"[:300]

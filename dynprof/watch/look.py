@@ -160,17 +160,19 @@ def hang_evidence(
     decision: detect.Decision,
     stall: Stall,
     decide_again: Callable[[dict[str, Any] | None], detect.Decision],
-    flight_recorder: Callable[[], tuple[dict[str, Any] | None, str | None]],
+    flight_recorder: Callable[[frozenset[tuple[str, int]]], tuple[dict[str, Any] | None, str | None]],
     healthcheck: Callable[[list[str]], dict[str, Any]] | None,
 ) -> tuple[detect.Decision, HangEvidence]:
-    """On a hang: the flight recorder and the involved nodes' healthcheck at once (both take
-    seconds), the decision again with the flight recorder (``decide_again(analysis)``), and the
+    """On a hang: the flight recorder (of the ranks whose agents answered the look) and the
+    involved nodes' healthcheck at once (both take seconds), the decision again with the flight recorder (``decide_again(analysis)``), and the
     healthcheck of the culprits' nodes it adds."""
     got = HangEvidence()
     with ThreadPoolExecutor(max_workers=2) as pool:
         involved = sorted({c.host for c in decision.culprits} or {n for n, _ in rows})
         health_future = pool.submit(healthcheck, involved) if healthcheck is not None else None
-        got.fr_analysis, got.fr_note = flight_recorder()
+        # the ranks whose agents did not answer the look's poll are not asked for a dump
+        unanswered = frozenset((node, r.pid) for node, r in sample.after_rows if r.agent == "unresponsive")
+        got.fr_analysis, got.fr_note = flight_recorder(unanswered)
         got.health = health_future.result() if health_future is not None else None
     decision = decide_again(got.fr_analysis)
     if got.health is not None and healthcheck is not None:

@@ -89,7 +89,12 @@ class WatchSource(Protocol):
 
     def stacks(self, job: str, native: dict[str, list[int]]) -> StacksRead: ...
 
-    def flight_recorder(self, job: str) -> tuple[dict[str, Any] | None, str | None]: ...
+    def flight_recorder(
+        self, job: str, unanswered: frozenset[tuple[str, int]] = frozenset()
+    ) -> tuple[dict[str, Any] | None, str | None]:
+        """The flight recorder's analysis of ``job`` (or why there is none). ``unanswered``:
+        the (node, pid) of ranks whose agents did not answer the look's last poll."""
+        ...
 
     def healthcheck(self, nodes: list[str], job: str | None = None) -> dict[str, dict[str, Any]]:
         """Each node's quick healthcheck; the processes of ``job`` there are its own, not others
@@ -187,7 +192,11 @@ class SidecarSource:
                 (native_sources if options.get("native") else plain_sources).append(source)
         return StacksRead(merged_with_native(plain_sources, native_sources), failures)
 
-    def flight_recorder(self, job: str) -> tuple[dict[str, Any] | None, str | None]:
+    def flight_recorder(
+        self, job: str, unanswered: frozenset[tuple[str, int]] = frozenset()
+    ) -> tuple[dict[str, Any] | None, str | None]:
+        # The nodes' sidecars ask every agent of the job: one that does not answer holds the
+        # read for its timeout (FLIGHT_RECORDER_TIMEOUT_S).
         if self._flight_recorder is None:
             return None, "the flight recorder is not read by this watch"
         return self._flight_recorder(job)
@@ -357,13 +366,30 @@ class LocalSource:
         merged = merged_with_native([Source(plain, node=self.host)], [Source(natives, node=self.host)] if pids else [])
         return StacksRead(merged, failures)
 
-    def flight_recorder(self, job: str) -> tuple[dict[str, Any] | None, str | None]:
+    def flight_recorder(
+        self, job: str, unanswered: frozenset[tuple[str, int]] = frozenset()
+    ) -> tuple[dict[str, Any] | None, str | None]:
+        # An agent that did not answer the look's poll (its process holds the GIL in a C call,
+        # or is stopped) cannot dump its recorder either: asked, it would only hold the read for
+        # its timeout. The others are asked; the note says who was not.
+        request = nccl.NcclRequest(job=job, timeout=FLIGHT_RECORDER_TIMEOUT_S)
+        skipped = sorted(pid for node, pid in unanswered if node == self.host)
+        if skipped:
+            pids = sorted(r.pid for r in list_records() if r.job_id == job and r.pid not in skipped)
+            if not pids:
+                return None, "not read: no rank's agent answered the look"
+            request = nccl.NcclRequest(pids=tuple(pids), timeout=FLIGHT_RECORDER_TIMEOUT_S)
         try:
-            got = nccl.collect(nccl.NcclRequest(job=job, timeout=FLIGHT_RECORDER_TIMEOUT_S))
+            got = nccl.collect(request)
         except errors.Unsupported:
             return None, FLIGHT_RECORDER_OFF  # every rank said so (and no artifact was written)
         except errors.DynprofError as exc:
             return None, exc.message[:1000]
+        if skipped:
+            return (
+                got.analysis,
+                f"not asked: process(es) {', '.join(map(str, skipped))}, whose agent did not answer the look",
+            )
         return got.analysis, None
 
     def gpu_coredump(self, node: str, pid: int) -> dict[str, Any]:

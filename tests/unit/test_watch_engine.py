@@ -30,6 +30,7 @@ class FakeSource:
         self.stuck = False
         self.down: set[str] = set()
         self.healthchecks: list[list[str]] = []
+        self.fr_unanswered: list[frozenset[tuple[str, int]]] = []
         self.healthcheck_jobs: list[str | None] = []
         self.stack_reads = 0
 
@@ -90,7 +91,10 @@ class FakeSource:
             sources.append(StacksSource(Stacks(processes), node=node))
         return StacksRead(merge(sources, by_host=True))
 
-    def flight_recorder(self, job: str) -> tuple[dict[str, Any] | None, str | None]:
+    def flight_recorder(
+        self, job: str, unanswered: frozenset[tuple[str, int]] = frozenset()
+    ) -> tuple[dict[str, Any] | None, str | None]:
+        self.fr_unanswered.append(unanswered)
         return None, "the flight recorder is off"
 
     def healthcheck(self, nodes: list[str], job: str | None = None) -> dict[str, dict[str, Any]]:
@@ -447,6 +451,8 @@ def test_a_rank_whose_agent_stopped_answering_is_said_at_the_last_step_the_watch
         assert row3["step"] == stops_at
         assert row3["last_step_age_s"] is not None
         assert abs(row3["last_step_age_s"] - (source.t - last_step_at)) <= 1.0, (row3, source.t, last_step_at)
+        # AND its agent, silent in the look's poll, was not asked for a flight-recorder dump
+        assert source.fr_unanswered and all({pid for _, pid in u} == {103} for u in source.fr_unanswered)
 
 
 def test_a_rank_whose_agent_never_answered_this_watch_is_said_with_its_last_step_unknown_not_0():

@@ -186,6 +186,29 @@ def test_the_local_flight_recorder(monkeypatch, outcome, expected):
     assert asked[0].job == "j" and asked[0].timeout == FLIGHT_RECORDER_TIMEOUT_S
 
 
+def test_the_local_flight_recorder_asks_only_the_agents_that_answered_the_look(monkeypatch):
+    # GIVEN a job of three ranks on this node, the agent of pid 12 silent in the look's poll
+    asked = []
+    records = [SimpleNamespace(pid=p, job_id="j") for p in (11, 12, 13)] + [SimpleNamespace(pid=14, job_id="k")]
+    monkeypatch.setattr("dynprof.watch.sources.list_records", lambda: records)
+
+    def collect(request):
+        asked.append(request)
+        return SimpleNamespace(analysis={"verdict": "ok"})
+
+    monkeypatch.setattr("collectors.flight_recorder.collect.collect", collect)
+    # WHEN the watch reads the flight recorder
+    analysis, note = LocalSource(host="h").flight_recorder("j", frozenset({("h", 12), ("other", 11)}))
+    # THEN the two others of the job are asked (not the silent one, whose dump would only time
+    # out; not another node's pid), and the note says who was not
+    assert asked[0].pids == (11, 13) and asked[0].job is None
+    assert analysis == {"verdict": "ok"} and note is not None and "12" in note and "did not answer" in note
+    # AND with no agent of the job answering, nothing is asked
+    asked.clear()
+    analysis, note = LocalSource(host="h").flight_recorder("j", frozenset({("h", 11), ("h", 12), ("h", 13)}))
+    assert asked == [] and analysis is None and "no rank's agent answered" in str(note)
+
+
 def _take(answer):
     def take(pid, timeout=60.0):
         if isinstance(answer, Exception):
