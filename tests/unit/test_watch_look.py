@@ -120,7 +120,9 @@ def test_a_hangs_evidence_reads_the_flight_recorder_and_the_culprits_nodes_healt
     assert got.fr_analysis == {"process_groups": []} and got.health == {"n": {"verdict": "healthy"}}
     assert checked == [["n"]]
     # without the healthcheck, none is read
-    _, none = look.hang_evidence(sample, _rows(), decision, STALL, lambda fr: decision, lambda unanswered: (None, "off"), None)
+    _, none = look.hang_evidence(
+        sample, _rows(), decision, STALL, lambda fr: decision, lambda unanswered: (None, "off"), None
+    )
     assert none.health is None and none.fr_note == "off"
 
 
