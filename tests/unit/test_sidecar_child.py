@@ -239,15 +239,20 @@ def test_an_answer_is_strict_json_even_of_odd_values(monkeypatch, capsys):
 
 
 # -- the sidecar's side ----------------------------------------------------------------------------
-def test_stopping_kills_running_children_and_starts_no_more(monkeypatch):
-    # GIVEN an action whose child (and its own child) would run for ten minutes
+def _children_run(monkeypatch, script: str) -> None:
+    """Every child the sidecar starts runs the shell ``script`` instead of the action."""
     real_popen = subprocess.Popen
 
     def popen(args, **kwargs):
-        return real_popen(["sh", "-c", "sleep 600 & wait"], **kwargs)
+        return real_popen(["sh", "-c", script], **kwargs)
 
     monkeypatch.setattr(child.subprocess, "Popen", popen)
     monkeypatch.setattr(child, "_closing", False)
+
+
+def test_stopping_kills_running_children_and_starts_no_more(monkeypatch):
+    # GIVEN an action whose child (and its own child) would run for ten minutes
+    _children_run(monkeypatch, "sleep 600 & wait")
     answers = []
     worker = threading.Thread(target=lambda: answers.append(child.run_child("healthcheck", Checked({}), 60)))
     worker.start()
@@ -301,15 +306,8 @@ def test_a_childs_error_is_structured():
 
 
 def test_a_healthcheck_killed_by_a_signal_says_so_with_a_documented_code(monkeypatch):
-
     # GIVEN a healthcheck whose process is killed by SIGKILL (the OOM killer, say)
-    real_popen = subprocess.Popen
-
-    def popen(args, **kwargs):
-        return real_popen(["sh", "-c", "kill -9 $$"], **kwargs)
-
-    monkeypatch.setattr(child.subprocess, "Popen", popen)
-    monkeypatch.setattr(child, "_closing", False)
+    _children_run(monkeypatch, "kill -9 $$")
     # WHEN the action runs
     answer = run_action("healthcheck", {})
     # THEN it answers "could not run" (3, in healthcheck's documented set) and says why
