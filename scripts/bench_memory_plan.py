@@ -51,6 +51,7 @@ from collectors.memory.plan.meter import LiveTensorBytes
 from collectors.memory.plan.predict import candidates, peak_with, predict
 from collectors.memory.plan.scale import predicted_peak
 from collectors.memory.plan.solve import make_plan
+from collectors.memory.plan.timing import TIMED_STEPS
 
 GIB = 1024**3
 
@@ -272,7 +273,9 @@ def bench(name: str, device: torch.device, args: argparse.Namespace) -> dict[str
     t0 = time.perf_counter()
     gc.collect()
     # --as-agent: measured as the agent measures a job (its peak statistic never reset)
-    doc = measure_step(model, opt, step, reset_peak=not args.as_agent, clock=clock(device))
+    doc = measure_step(
+        model, opt, step, reset_peak=not args.as_agent, clock=clock(device), timed_steps=args.timed_steps
+    )
     measure_s = time.perf_counter() - t0
     m = from_json(doc)
     budget = int(m.peak_bytes * args.budget_fraction)
@@ -280,7 +283,12 @@ def bench(name: str, device: torch.device, args: argparse.Namespace) -> dict[str
     # the same job measured and planned again, for the same budget: how stable the plan is
     gc.collect()
     again = make_plan(
-        from_json(measure_step(model, opt, step, reset_peak=not args.as_agent, clock=clock(device))), budget=budget
+        from_json(
+            measure_step(
+                model, opt, step, reset_peak=not args.as_agent, clock=clock(device), timed_steps=args.timed_steps
+            )
+        ),
+        budget=budget,
     )
     chosen = set(plan["plan"]["modules"]) if plan["plan"] else set()
     every = {n for n, _ in find_blocks([model])}
@@ -410,13 +418,39 @@ def fewer_fit(m: Any, plan: dict[str, Any]) -> dict[str, Any]:
         sets.append(tuple(pos[nm] for nm in even_spread(name_of, k - 1)))
         out["how"] = f"the plan's set less each block, and an even spread ({total:,}+ sets of {k - 1}: not all tried)"
     best = None
+    cheapest = None  # the least added time of a fewer-block set that fits
     for chosen_set in sets:
         out["tried"] += 1
         peak = peak_with(c, chosen_set)
         best = peak if best is None else min(best, peak)
+        if peak <= limit:
+            cost = sum(c.seconds[j] for j in chosen_set)
+            cheapest = cost if cheapest is None else min(cheapest, cost)
     out["fits"] = best is not None and best <= limit
     out["best_predicted_peak_bytes"] = best
+    out["fewer_fitting_added_s"] = cheapest
+    out["exhaustive"] = exhaustive(c, limit)
     return out
+
+
+EXHAUSTIVE_MAX = 16  # blocks up to which every set of them is tried
+
+
+def exhaustive(c: Any, limit: int) -> dict[str, Any] | None:
+    """The solver checked against every set of the candidates (at most :data:`EXHAUSTIVE_MAX`):
+    the least added time of a set whose predicted peak is at most ``limit``, and its size."""
+    n = len(c.index)
+    if n > EXHAUSTIVE_MAX:
+        return None
+    best: tuple[float, int] | None = None
+    for mask in range(1 << n):
+        chosen_set = tuple(j for j in range(n) if mask >> j & 1)
+        cost = sum(c.seconds[j] for j in chosen_set)
+        if best is not None and cost >= best[0]:
+            continue
+        if peak_with(c, chosen_set) <= limit:
+            best = (cost, len(chosen_set))
+    return {"sets": 1 << n, "added_s": best[0], "blocks": best[1]} if best else {"sets": 1 << n, "added_s": None}
 
 
 def twice_the_batch(
@@ -501,6 +535,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-fraction", type=float, default=0.6, help="the budget, as a fraction of the peak")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per configuration (median)")
     parser.add_argument("--models", default="decoder,vit,resnet")
+    parser.add_argument(
+        "--timed-steps",
+        type=int,
+        default=TIMED_STEPS,
+        help=f"plain steps whose blocks' forward is timed before the measured one, as the agent does "
+        f"(default {TIMED_STEPS}; 0: the measured step's own times)",
+    )
     parser.add_argument("--cpu-amp", action="store_true", help="on the CPU, bf16 autocast as on CUDA (slow)")
     parser.add_argument(
         "--as-agent",
@@ -547,6 +588,26 @@ def main(argv: list[str] | None = None) -> int:
                 + f"; search exact: {r['exact']}",
                 flush=True,
             )
+            plan_ms = (r["predicted_added_step_s"] or 0.0) * 1000
+            if f["fits"] and f.get("fewer_fitting_added_s") is not None:
+                print(
+                    f"  the fewer-block set that fits costs +{f['fewer_fitting_added_s'] * 1000:.1f} ms predicted, "
+                    f"the plan's +{plan_ms:.1f} ms",
+                    flush=True,
+                )
+            ex = f.get("exhaustive")
+            if ex:
+                cheapest = ex["added_s"]
+                print(
+                    f"  exhaustive: of all {ex['sets']:,} sets, the cheapest that fits the plan's limit: "
+                    + (
+                        f"{ex['blocks']} block(s), +{cheapest * 1000:.1f} ms predicted (the plan's "
+                        f"{f['plan_blocks']}, +{plan_ms:.1f} ms)"
+                        if cheapest is not None
+                        else "none"
+                    ),
+                    flush=True,
+                )
         if r["double_real_peak_bytes"]:
             print(
                 f"  micro-batch x2: predicted {r['double_predicted_peak_bytes'] / unit:.2f} {uname}, real "

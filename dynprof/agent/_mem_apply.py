@@ -6,10 +6,12 @@ Only a job that asked (``DYNPROF_CHECKPOINT`` in its environment, which ``dynpro
 agent's threads never touch the job's torch objects; each step below that does runs on the
 training thread, at a step boundary (the step tracker's listener):
 
-1. the 8th boundary (warm-up behind; the baseline step time is the median of the job's steps
-   from the 3rd boundary on): the step after it is
-   measured (:class:`~collectors.memory.plan.capture.StepMeasurement`, as ``dynprof memory
-   plan`` measures), unless a plan measurement or a trace is under way (then the next one);
+1. the 5th boundary: the blocks' plain forward is timed for the next
+   ``BLOCK_TIMED_STEPS`` steps (the recompute cost, as ``dynprof
+   memory plan`` times it); the 8th (warm-up behind; the baseline step time is the median of
+   the job's steps from the 3rd boundary on): the step after it is measured
+   (:class:`~collectors.memory.plan.capture.StepMeasurement`, as ``dynprof memory plan``
+   measures). While a plan measurement or a trace is under way, each waits a boundary;
 2. the next boundary: the measurement stops and turns into plain numbers; a thread of the
    agent plans from them (:func:`collectors.memory.plan.solve.make_plan`);
 3. the boundary after the plan is ready: the chosen blocks' forward is wrapped in
@@ -49,6 +51,8 @@ from collectors.memory.plan.apply import (
 from collectors.memory.plan.blocks import MeasurementRefused, find_models
 from collectors.memory.plan.budget import parse_budget
 from collectors.memory.plan.measurement import from_json
+from collectors.memory.plan.timing import TIMED_STEPS as BLOCK_TIMED_STEPS
+from collectors.memory.plan.timing import BlockTimer, on_cuda
 from dynprof.agent._mem_plan import MEASURED_STEP_MIN_S, MEASURED_STEP_TYPICAL, busy_with_trace
 from dynprof.store import ArtifactStore
 from dynprof.units import human_bytes
@@ -78,7 +82,9 @@ class CheckpointApplier:
         self.agent = agent
         self.spec = spec
         self.state = "waiting"
-        self.detail = "waiting for the 3rd step to measure it"
+        self.detail = (
+            f"waiting for step boundary {WARMUP_BOUNDARIES - BLOCK_TIMED_STEPS} to time the blocks, then measure a step"
+        )
         self.boundaries = 0
         self.budget_bytes: int | None = None
         self.budget_source = ""
@@ -102,6 +108,8 @@ class CheckpointApplier:
         self._undo_requested = False
         self._wrapped: list[Any] = []
         self._measurement: Any = None
+        self._timer: Any = None  # the blocks' timer before the measured step (training thread's)
+        self._timed: Any = None  # the same once stopped: plain numbers and dynprof's own events
         self._peak: Any = None
         self._times: list[float] = []
         self._last_t = 0.0
@@ -181,13 +189,16 @@ class CheckpointApplier:
             return
         state = self.state
         if state == "waiting":
-            now = time.perf_counter()
-            if self._last_t:
-                self._times.append(now - self._last_t)  # the job's own steps, for the baseline
-            self._last_t = now
-            self.boundaries += 1
-            if self.boundaries >= WARMUP_BOUNDARIES:
+            self._own_step()
+            if self.boundaries >= WARMUP_BOUNDARIES - BLOCK_TIMED_STEPS:
                 self._begin()
+        elif state == "measuring" and self._timer is not None:
+            self._own_step()  # the timer's hooks cost the step next to nothing: still the baseline
+            self._timer.boundary()
+            if self._timer.steps >= BLOCK_TIMED_STEPS:
+                self._timer.stop()
+                self._timed, self._timer = self._timer, None  # plain data now, for the planning thread
+                self._measure()
         elif state == "measuring":
             measurement, self._measurement = self._measurement, None
             measurement.stop()
@@ -227,13 +238,8 @@ class CheckpointApplier:
                 why += " (DeepSpeed's ZeRO optimizer steps flattened partitions, not the model's parameters)"
             self._final("refused", why + "; nothing is wrapped")
             return
-        own = sorted(self._times[BASELINE_SKIP:])
-        typical = own[len(own) // 2] if own else steps.typical_step_s()
-        self._times = []
-        self.baseline_step_s = round(typical, 6) if typical else None
-        limit = max(MEASURED_STEP_MIN_S, MEASURED_STEP_TYPICAL * typical) if typical else MEASURED_STEP_MIN_S
         try:
-            measurement = StepMeasurement(roots, optimizers, time_limit_s=limit, on_end=self._ended)
+            measurement = StepMeasurement(roots, optimizers, on_end=self._ended)
         except MeasurementRefused as exc:
             self._final("refused", f"the step cannot be measured right: {exc}; nothing is wrapped")
             return
@@ -242,8 +248,47 @@ class CheckpointApplier:
             self.budget_bytes, self.budget_source = _auto_budget(roots)
         del roots, optimizers
         self._measurement = measurement
-        self.state, self.detail = "measuring", "measuring one step"
+        # the blocks' plain forward first (the recompute cost), then the measured step
+        typical = self.agent.steps.typical_step_s()
+        self._timer = BlockTimer(
+            measurement.blocks,
+            cuda=on_cuda(measurement.blocks),
+            time_limit_s=max(MEASURED_STEP_MIN_S, MEASURED_STEP_TYPICAL * typical) if typical else MEASURED_STEP_MIN_S,
+            on_end=self._timer_ended,
+        )
+        self.state, self.detail = "measuring", f"timing the blocks' forward in {BLOCK_TIMED_STEPS} steps"
+        self._timer.start()
+
+    def _own_step(self) -> None:
+        """A boundary of the job's own steps: its interval kept for the baseline."""
+        now = time.perf_counter()
+        if self._last_t:
+            self._times.append(now - self._last_t)
+        self._last_t = now
+        self.boundaries += 1
+
+    def _measure(self) -> None:
+        """The measured step begins (the baseline is the job's steps before it)."""
+        own = sorted(self._times[BASELINE_SKIP:])
+        typical = own[len(own) // 2] if own else self.agent.steps.typical_step_s()
+        self._times = []
+        self.baseline_step_s = round(typical, 6) if typical else None
+        measurement = self._measurement
+        measurement.time_limit_s = (
+            max(MEASURED_STEP_MIN_S, MEASURED_STEP_TYPICAL * typical) if typical else MEASURED_STEP_MIN_S
+        )
+        self.detail = "measuring one step"
         measurement.start()
+
+    def _timer_ended(self, why: str) -> None:
+        # the blocks' timer ended itself inside one of its hooks (training thread), hooks off
+        with self._lock:
+            self._timer = None
+            measurement, self._measurement = self._measurement, None
+            if measurement is not None:
+                measurement.release()
+            if self.state == "measuring":
+                self._final("failed", f"the steps timed before the measured one did not end: {why}; nothing is wrapped")
 
     def _ended(self, why: str) -> None:
         # the measurement ended itself inside one of its hooks (training thread)
@@ -322,6 +367,9 @@ class CheckpointApplier:
         """Every wrapper off, the measurement and the peak reading stopped (training thread)."""
         wrapped, self._wrapped = self._wrapped, []
         n = sum(1 for w in wrapped if w.undo())
+        timer, self._timer = self._timer, None
+        if timer is not None:
+            timer.stop()
         measurement, self._measurement = self._measurement, None
         if measurement is not None:
             measurement.stop()
@@ -367,6 +415,9 @@ class CheckpointApplier:
 
         try:
             if measurement is not None:
+                timer, self._timed = self._timed, None
+                if timer is not None and timer.steps:
+                    measurement.timed, measurement.timed_steps = timer.per_call_s(), timer.steps
                 doc = measurement.result()  # plain data since freeze(); on CUDA waits for dynprof's events
                 doc["typical_step_s"] = self.baseline_step_s
                 self.measurement_doc = doc

@@ -14,9 +14,12 @@ measurement's own hooks:
 - At the next step boundary (training thread) the listener finds the job's models from its
   optimizers' parameters (one scan of the garbage collector's objects), checks that the step
   can be measured right (refusing, with the reason, a model that is compiled, sharded, or in a
-  process where torch.compile compiled code) and installs the measurement's hooks.
-- At the boundary after that (training thread) it removes them, turns everything it measured
-  into plain numbers, and lets go of every reference to the job's objects.
+  process where torch.compile compiled code) and installs the blocks' timer
+  (:mod:`collectors.memory.plan.timing`: a forward pre-hook and a forward hook per block, the
+  recompute cost from the job's plain steps).
+- :data:`TIMED_STEPS` boundaries later it removes the timer and installs the measurement's
+  hooks; at the boundary after that it removes them, turns everything it measured into plain
+  numbers, and lets go of every reference to the job's objects.
 - A measured step that does not end (the job's last optimizer step is behind it, an
   evaluation runs forwards without grad, a step far longer than the job's own) ends at the
   first block forward that shows it, on the training thread, and the client is told why.
@@ -33,6 +36,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from collectors.memory.plan.blocks import MeasurementRefused, find_models
+from collectors.memory.plan.timing import TIMED_STEPS, BlockTimer, on_cuda
 from dynprof.agent._server import CommandError
 from dynprof.proto import pb
 
@@ -63,14 +67,20 @@ class PlanRun:
         self.code = 0  # an error code (pb) when the measurement was refused; 0 otherwise
         self.doc: dict[str, Any] | None = None
         self.measurement: Any = None
+        self.timer: Any = None  # the blocks' timer (training thread's until stopped)
         self.scan_s = 0.0  # finding the models (the garbage collector's objects, GIL held)
 
 
 class MemoryPlanner:
+    timed_steps = TIMED_STEPS  # plain steps whose blocks are timed before the measured one (0: none)
+
     def __init__(self, agent: Agent) -> None:
         self.agent = agent
         self.run: PlanRun | None = None
         self.last_measurement: dict[str, Any] | None = None  # the latest complete one, for OOM advice
+        # a run dropped while timing: its timer and (unstarted) measurement, which hold the job's
+        # modules, stopped and let go of on the training thread at its next boundary
+        self._dropped: list[Any] = []
         self._lock = threading.RLock()  # state changes; never held while waiting
         # One bound method, kept: the step tracker removes a listener by identity, and each
         # `self._on_step` is a new object.
@@ -108,9 +118,15 @@ class MemoryPlanner:
                     # its figures are made below, outside the lock (the training thread takes
                     # it at its step boundaries and must never wait for a CUDA event here)
                     run.state = finish = "finishing"
-            elif run is not None and run.state in ("armed", "measuring", "stopped", "finishing"):
-                if run.state == "armed" and time.monotonic() - run.armed_at > ARMED_FOR_S:
-                    # nothing of the job is held while armed: drop it and arm this one
+            elif run is not None and run.state in ("armed", "timing", "measuring", "stopped", "finishing"):
+                if run.state in ("armed", "timing") and time.monotonic() - run.armed_at > ARMED_FOR_S:
+                    # nothing of the job is held while armed; a timer's hooks pass everything
+                    # through once inactive, and the training thread removes them at its next
+                    # boundary: drop it and arm this one
+                    if run.timer is not None:
+                        run.timer.active = False
+                        self._dropped = [run.timer, run.measurement]
+                        run.timer = run.measurement = None
                     run.state, run.error = "failed", "the step did not come"
                 else:
                     raise CommandError(
@@ -153,12 +169,16 @@ class MemoryPlanner:
             summary = json.dumps(run.doc)
         else:
             summary = json.dumps({"error": run.error, "help": run.help} if run.error else {})
-        state = "measuring" if run.state == "finishing" else run.state
+        state = "measuring" if run.state in ("finishing", "timing") else run.state
         return "artifact", pb.ArtifactWritten(path="", status=state, summary_json=summary)
 
     def _finish(self, run: PlanRun) -> None:
         """The figures of a stopped run, from plain data (and dynprof's own CUDA events)."""
         try:
+            timer = run.timer
+            if timer is not None and timer.steps:
+                # plain data and dynprof's own events, once the GPU has run past them
+                run.measurement.timed, run.measurement.timed_steps = timer.per_call_s(), timer.steps
             doc = run.measurement.result()
             # the median of the latest steps (the measured one among them moves it little)
             typical = run.typical_step_s or self.agent.steps.typical_step_s()
@@ -170,12 +190,15 @@ class MemoryPlanner:
         except Exception as exc:
             log.exception("memory plan figures failed")
             run.state, run.error = "failed", f"{type(exc).__name__}: {exc}"
-        run.measurement = None
+        run.measurement = run.timer = None
 
     def measuring(self) -> str:
-        """``armed`` or ``measuring`` while a measurement waits for or runs its step, else ``""``."""
+        """``armed`` or ``measuring`` while a measurement waits for or runs its step (or times the
+        plain steps before it), else ``""``."""
         run = self.run
-        return run.state if run is not None and run.state in ("armed", "measuring") else ""
+        if run is None:
+            return ""
+        return {"armed": "armed", "timing": "measuring", "measuring": "measuring"}.get(run.state, "")
 
     # -- the training thread: every touch of the job's objects -----------------------------
     def _on_step(self, count: int) -> None:
@@ -184,7 +207,8 @@ class MemoryPlanner:
             self._step_locked(self.run)
 
     def _step_locked(self, run: PlanRun | None) -> None:
-        if run is None or run.state not in ("armed", "measuring"):
+        self._let_go_dropped()
+        if run is None or run.state not in ("armed", "timing", "measuring"):
             self.agent.steps.remove_listener(self._listener)
             return
         try:
@@ -197,6 +221,12 @@ class MemoryPlanner:
                     self._fail(run, busy_with_trace(tracing)[0])
                     return
                 self._begin(run)
+            elif run.state == "timing":
+                run.timer.boundary()
+                if run.timer.steps >= self.timed_steps:
+                    run.timer.stop()
+                    run.state = "measuring"
+                    run.measurement.start()
             elif run.state == "measuring":
                 run.measurement.stop()
                 run.measurement.freeze()
@@ -205,6 +235,16 @@ class MemoryPlanner:
         except Exception as exc:
             log.exception("memory plan measurement failed")
             self._fail(run, f"{type(exc).__name__}: {exc}")
+
+    def _let_go_dropped(self) -> None:
+        dropped, self._dropped = self._dropped, []
+        for thing in dropped:
+            if thing is not None:
+                thing.stop()  # a timer's hooks off; a measurement never started has none
+                release = getattr(thing, "release", None)
+                if release is not None:
+                    release()
+        del dropped
 
     def _begin(self, run: PlanRun) -> None:
         from collectors.memory.plan.capture import StepMeasurement
@@ -251,8 +291,16 @@ class MemoryPlanner:
             return
         del roots, optimizers
         run.measurement = measurement
-        run.state = "measuring"
-        measurement.start()
+        if self.timed_steps <= 0:
+            run.state = "measuring"
+            measurement.start()
+            return
+        # the blocks' plain forward time first (the recompute cost), then the measured step
+        run.timer = BlockTimer(
+            measurement.blocks, cuda=on_cuda(measurement.blocks), time_limit_s=limit, on_end=self._timer_ended
+        )
+        run.state = "timing"
+        run.timer.start()
 
     def _ended(self, why: str) -> None:
         """The measurement ended itself before the step's end (inside one of its hooks, on the
@@ -263,13 +311,25 @@ class MemoryPlanner:
                 return
             self._end_early(run, why)
 
-    def _end_early(self, run: PlanRun, why: str) -> None:
+    def _timer_ended(self, why: str) -> None:
+        """The blocks' timer ended itself before its steps' end (inside one of its hooks, on the
+        training thread, its hooks already off)."""
+        with self._lock:
+            run = self.run
+            if run is None or run.state != "timing":
+                return
+            measurement, run.measurement = run.measurement, None
+            if measurement is not None:
+                measurement.release()  # never started: it holds the blocks, let go of here
+            self._end_early(run, why, "the steps timed before the measured one did not end")
+
+    def _end_early(self, run: PlanRun, why: str, what: str = "the measured step did not end") -> None:
         log.warning("dynprof: the memory plan measurement ended early: %s", why)
-        run.measurement = None
-        run.state, run.error = "failed", f"the measured step did not end: {why}"
+        run.measurement = run.timer = None
+        run.state, run.error = "failed", f"{what}: {why}"
         run.help = (
-            "The plan measures one whole training step (forward, backward, optimizer step). Ask while the job "
-            "trains, not during an evaluation or after its last step."
+            f"The plan times {TIMED_STEPS} training steps and measures the next one (forward, backward, optimizer "
+            "step). Ask while the job trains, not during an evaluation or after its last step."
         )
         self.agent.steps.remove_listener(self._listener)
 
@@ -279,6 +339,9 @@ class MemoryPlanner:
 
     def _fail(self, run: PlanRun, error: str) -> None:
         self.agent.steps.remove_listener(self._listener)
+        timer, run.timer = run.timer, None
+        if timer is not None:
+            timer.stop()
         measurement, run.measurement = run.measurement, None
         if measurement is not None:
             try:
@@ -294,6 +357,9 @@ class MemoryPlanner:
             return
         try:
             self.agent.steps.remove_listener(self._listener)
+            self._let_go_dropped()
+            if run.timer is not None:
+                run.timer.stop()
             if run.measurement is not None and run.state == "measuring":
                 run.measurement.stop()
         except Exception:

@@ -31,7 +31,7 @@ class MemoryCommand(JobCommand):
     dynprof memory --pid 1234                          snapshot now (same artifact as at an OOM)
     dynprof memory --job JOB --history-start 200000    record the next 200000 allocator events
     dynprof memory --all --history-stop                stop recording history
-    dynprof memory plan --pid 1234 --budget 60%        measure the next step; what to checkpoint
+    dynprof memory plan --pid 1234 --budget 60%        measure the next steps; what to checkpoint
     dynprof memory plan --pid 1234 --undo              take back what `dynprof run --checkpoint` applied
 
     Each snapshot is one `memory` artifact per process (see `dynprof show`, `dynprof memory-report`).
@@ -47,8 +47,9 @@ class MemoryCommand(JobCommand):
             "what",
             nargs="?",
             choices=("plan",),
-            help="plan: measure the next optimizer step (each block's saved activations and forward "
-            "time) and say which blocks to recompute in backward to fit --budget or free --save",
+            help="plan: time each block's forward over the next 3 steps, measure the step after them "
+            "(each block's saved activations) and say which blocks to recompute in backward to fit "
+            "--budget or free --save",
         )
         add_targets(parser)
         add_attach_flag(parser)

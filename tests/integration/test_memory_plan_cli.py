@@ -131,10 +131,12 @@ def test_an_evaluation_after_the_last_step_ends_the_measurement_and_the_cli_says
     # WHEN a plan is asked
     res = cli("memory", "plan", "--pid", str(pid), "--save", "1K", "--timeout", "120")
 
-    # THEN the CLI answers while the job runs: the measured step did not end, and why
+    # THEN the CLI answers while the job runs: the steps the plan times did not end, and why
     assert res.returncode != 0, res.stdout
     out = res.stdout + res.stderr
-    assert "the measured step did not end: a forward ran without grad" in out, out + target.state(pid)
+    assert "the steps timed before the measured one did not end: a forward ran without grad" in out, out + target.state(
+        pid
+    )
     assert "no listening dynprof agent" not in out
     # AND the evaluation runs with nothing of the measurement left on it
     (line,) = target.wait_for_line("EVAL")

@@ -12,7 +12,8 @@ import weakref
 import pytest
 import torch
 
-from dynprof.agent._mem_plan import MemoryPlanner
+from collectors.memory.plan.timing import TIMED_STEPS
+from dynprof.agent._mem_plan import ARMED_FOR_S, MemoryPlanner
 from dynprof.agent._server import CommandError
 from dynprof.agent._steps import StepTracker
 from dynprof.proto import pb
@@ -30,19 +31,22 @@ class Block(torch.nn.Module):
         return self.b(torch.relu(self.a(x)))
 
 
-def setup(model):
+def setup(model, timed=False):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     steps = StepTracker()
     steps.hook_installed = True
     steps.optimizers = {id(opt): weakref.ref(opt)}
     agent = types.SimpleNamespace(steps=steps)
-    return MemoryPlanner(agent), steps, opt
+    planner = MemoryPlanner(agent)
+    if not timed:
+        planner.timed_steps = 0  # the measured step right after the arming boundary
+    return planner, steps, opt
 
 
 def stepping_job():
     """Three blocks, their planner and step tracker, and a training step over them."""
     model = torch.nn.Sequential(Block(), Block(), Block())
-    planner, steps, opt = setup(model)
+    planner, steps, opt = setup(model, timed=True)
     x = torch.randn(3, 4)
 
     def train_step():
@@ -57,33 +61,66 @@ def hooks(model):
     return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
 
 
-def test_one_step_is_measured_between_two_boundaries_and_answered_by_token():
+def test_the_blocks_are_timed_in_plain_steps_then_one_step_is_measured_and_answered_by_token():
     # GIVEN a planner over a job's model and optimizer
     model, planner, steps, train_step = stepping_job()
     # WHEN a client arms it, another asks with another token, and the steps go by
     armed = planner.handle(pb.MemoryPlanRequest(token="a"))
     with pytest.raises(CommandError) as busy:
         planner.handle(pb.MemoryPlanRequest(token="b"))
-    steps._notify(1)  # the boundary before the measured step
+    steps._notify(1)  # the boundary before the timed steps
+    timing = (hooks(model), torch._C._autograd._top_saved_tensors_default_hooks(False) is not None)
+    for n in range(TIMED_STEPS):
+        train_step()
+        steps._notify(2 + n)
+    # the boundary before the measured step is behind
     during = (hooks(model), torch._C._autograd._top_saved_tensors_default_hooks(False) is not None)
     again = planner.handle(pb.MemoryPlanRequest(token="a"))
     train_step()
-    steps._notify(2)  # the boundary after it
+    steps._notify(2 + TIMED_STEPS)  # the boundary after it
     done = planner.handle(pb.MemoryPlanRequest(token="a"))
 
-    # THEN it was armed, the other was busy, hooks were there during the step only
+    # THEN it was armed, the other was busy; the timed steps had the timer's two hooks per block
+    # and no saved-tensor hook, the measured step the measurement's; none is left after
     assert armed[1].status == "armed"
     assert busy.value.code == pb.BUSY
+    assert timing == (6, False)
     assert during == (6, True) and again[1].status == "measuring"
     assert hooks(model) == 0 and torch._C._autograd._top_saved_tensors_default_hooks(False) is None
     assert steps._listeners == ()
-    # AND the answer is the measurement: three blocks, each freeing the ReLU's output (3x16 floats)
+    # AND the answer is the measurement: three blocks, each freeing the ReLU's output (3x16 floats),
+    # each block's forward timed in the plain steps
     doc = json.loads(done[1].summary_json)
     assert done[1].status == "complete"
     assert [b["freeable_bytes"] for b in doc["blocks"]] == [3 * 16 * 4] * 3
+    assert doc["timed_steps"] == TIMED_STEPS
+    assert all(b["forward_s"] > 0 and b["recompute_s"] <= b["forward_s"] for b in doc["blocks"])
     assert doc["model_scan_s"] > 0  # what finding the model cost, reported
     # AND it is kept for the advice of a later OOM
     assert planner.last_measurement == doc
+
+
+def test_a_run_dropped_while_timing_has_its_hooks_taken_off_at_the_next_boundary(monkeypatch):
+    # GIVEN a run timing the blocks whose steps stopped coming (an evaluation, a paused job)
+    model, planner, steps, train_step = stepping_job()
+    planner.handle(pb.MemoryPlanRequest(token="a"))
+    steps._notify(1)
+    assert hooks(model) == 6
+    # WHEN a new request comes after the armed time is over (the server thread)
+    monkeypatch.setattr(planner.run, "armed_at", planner.run.armed_at - ARMED_FOR_S - 1)
+    armed = planner.handle(pb.MemoryPlanRequest(token="b"))
+    # THEN the new run is armed; the old timer's hooks stay (only the training thread may take
+    # them off) but pass everything through, and come off at the next boundary
+    assert armed[1].status == "armed" and hooks(model) == 6
+    train_step()
+    steps._notify(2)
+    assert hooks(model) == 6  # the new run's timer, the old one's gone
+    assert planner.run.token == "b" and planner.run.state == "timing"
+    for n in range(TIMED_STEPS + 1):
+        train_step()
+        steps._notify(3 + n)
+    assert json.loads(planner.handle(pb.MemoryPlanRequest(token="b"))[1].summary_json)["timed_steps"] == TIMED_STEPS
+    assert hooks(model) == 0 and steps._listeners == ()
 
 
 def test_bad_tokens_and_unmeasurable_jobs_are_refused_with_the_reason():
@@ -185,9 +222,10 @@ def test_the_server_thread_never_touches_the_jobs_torch_objects():
     _model, planner, steps, train_step = stepping_job()
     # WHEN a plan is armed, measured over one step and answered, each request on its own thread
     calls, armed = _torch_calls_of(lambda: planner.handle(pb.MemoryPlanRequest(token="s")))
-    steps._notify(1)
-    train_step()
-    steps._notify(2)
+    for n in range(1, TIMED_STEPS + 2):  # the blocks timed over plain steps, then one measured
+        steps._notify(n)
+        train_step()
+    steps._notify(TIMED_STEPS + 2)
     calls2, done = _torch_calls_of(lambda: planner.handle(pb.MemoryPlanRequest(token="s")))
 
     # THEN the answer is the whole measurement, and the requests' thread called nothing of torch
@@ -195,7 +233,7 @@ def test_the_server_thread_never_touches_the_jobs_torch_objects():
     assert len(json.loads(done[1].summary_json)["blocks"]) == 3
     assert calls == [] and calls2 == [], (calls, calls2)
     # AND the planner holds no reference to the job's model or optimizer once answered
-    assert planner.run.measurement is None
+    assert planner.run.measurement is None and planner.run.timer is None
 
 
 def test_a_refusal_is_found_on_the_training_thread_and_told_to_the_next_request():

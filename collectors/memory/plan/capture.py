@@ -54,6 +54,7 @@ from collectors.memory.plan.meter import LiveTensorBytes, _autocast_nested, _is_
 from collectors.memory.plan.result import StepResult
 from collectors.memory.plan.solve import make_plan
 from collectors.memory.plan.timeline import MAX_STORAGES, StepTimeline
+from collectors.memory.plan.timing import BlockTimer, in_checkpoint, on_cuda
 
 MIN_OWN_SHARE = 0.05  # a block's CPU time is at least this share of its time under the measurement
 
@@ -204,6 +205,8 @@ class StepMeasurement(StepTimeline, StepResult):
         self._packs = 0
         self._backward_alloc = -1
         self.step_s = 0.0
+        self.timed: dict[str, float] | None = None  # set by the caller from a BlockTimer (.timing)
+        self.timed_steps = 0
         self._thread = 0
         self.error = ""
         self.started = False
@@ -423,7 +426,7 @@ class StepMeasurement(StepTimeline, StepResult):
         if index in self._hidden:
             return
         if not torch.is_grad_enabled():
-            if _in_checkpoint():
+            if in_checkpoint():
                 self._hidden[index] = "checkpointed"
             return
         top = torch._C._autograd._top_saved_tensors_default_hooks(False)
@@ -446,7 +449,7 @@ class StepMeasurement(StepTimeline, StepResult):
             torch._C._current_graph_task_id() == -1
             and torch.is_grad_enabled()
             and not torch.is_inference_mode_enabled()
-            and not _in_checkpoint()
+            and not in_checkpoint()
         )
 
     def _end_micro_batch(self) -> None:
@@ -474,7 +477,7 @@ class StepMeasurement(StepTimeline, StepResult):
         if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
             # not a checkpoint's recompute in backward, nor a reentrant checkpoint's first
             # forward (which runs without grad by design)
-            if torch._C._current_graph_task_id() == -1 and not _in_checkpoint():
+            if torch._C._current_graph_task_id() == -1 and not in_checkpoint():
                 return (
                     "a forward ran without grad before the step's optimizer step (an evaluation, or the job's "
                     "training is over); the measurement was removed"
@@ -618,21 +621,6 @@ class StepMeasurement(StepTimeline, StepResult):
             self._released[(key, owner)] = self._event()
 
 
-def _in_checkpoint(depth: int = 48) -> bool:
-    """Whether an activation-checkpointing function is on the calling thread's stack
-    (``torch.utils.checkpoint``, DeepSpeed's ``checkpointing.py``: a file named so)."""
-    import os
-    import sys
-
-    frame = sys._getframe(1)
-    while frame is not None and depth > 0:
-        if "checkpoint" in os.path.basename(frame.f_code.co_filename):
-            return True
-        frame = frame.f_back  # type: ignore[assignment]
-        depth -= 1
-    return False
-
-
 def _grad_output(output: Any) -> bool:
     """Whether a block's output (a tensor, or a tuple or list or dict holding some) requires grad."""
     if isinstance(output, dict):
@@ -654,8 +642,10 @@ def measure_step(
     reset_peak: bool = False,
     overhead_of: float | None = None,
     clock: Callable[[], float] | None = None,
+    timed_steps: int = 0,
 ) -> dict[str, Any]:
-    """Run ``step()`` once with the measurement's hooks and return the measurement's document.
+    """Run ``step()`` ``timed_steps`` times with only the blocks' timer (:mod:`.timing`), then
+    once with the measurement's hooks, and return the measurement's document.
 
     ``model`` is an ``nn.Module`` or a list of them, ``optimizer`` an optimizer or a list.
     ``reset_peak`` resets the CUDA peak statistic first (the caller's own process only: the
@@ -667,6 +657,16 @@ def measure_step(
     roots = list(model) if isinstance(model, (list, tuple)) else [model]
     optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
     m = StepMeasurement(roots, optimizers, reset_peak=reset_peak, clock=clock)
+    timer = BlockTimer(m.blocks, cuda=on_cuda(m.blocks), clock=clock) if timed_steps else None
+    if timer is not None:
+        try:
+            timer.start()
+            for _ in range(timed_steps):
+                step()
+                timer.boundary()
+        finally:
+            timer.stop()
+        m.timed, m.timed_steps = timer.per_call_s(), timer.steps
     try:
         m.start()
         step()

@@ -76,6 +76,7 @@ class Measurement:
     drift_bytes: int = 0  # how far the levels fell short of the allocator's count between events
     drift_over_bytes: int = 0  # how far they went over it (already in the levels: not in the margin)
     preexisting_bytes: int = 0  # tensors alive at the step's start that Python held (not the model's)
+    timed_steps: int = 0  # plain steps whose median timed the blocks' forward (0: the measured step)
     schema: int = SCHEMA
 
     def to_json(self, blocks: bool = True) -> dict[str, Any]:
@@ -122,6 +123,7 @@ class Measurement:
             "temporary_bytes": self.temporary_bytes,
             "step_s": self.step_s,
             "typical_step_s": self.typical_step_s,
+            "timed_steps": self.timed_steps,
             "peak_includes_gradients": self.peak_includes_gradients,
             "notes": list(self.notes),
             "error": self.error,
@@ -256,6 +258,7 @@ def from_json(doc: Any) -> Measurement:
         drift_bytes=_int(doc, "drift_bytes", 0) if schema == SCHEMA else 0,
         drift_over_bytes=_int(doc, "drift_over_bytes", 0) if schema == SCHEMA else 0,
         preexisting_bytes=_int(doc, "preexisting_bytes", 0) if schema == SCHEMA else 0,
+        timed_steps=min(_int(doc, "timed_steps", 0), 1000),
         schema=schema,
     )
     if schema == 1:

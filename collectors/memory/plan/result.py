@@ -35,6 +35,9 @@ class StepResult:
     accumulation: bool
     step_s: float
     error: str
+    # each block's median forward seconds per call in plain steps (.timing), and how many steps
+    timed: dict[str, float] | None
+    timed_steps: int
     _meter: LiveTensorBytes | None
     _cuda: Any
     _device: str
@@ -186,6 +189,8 @@ class StepResult:
             "operators": self._meter.ops if self._meter is not None else self._ops,
             "operator_overhead_s": round(self._per_op_s, 9),
             "step_s": round(self.step_s, 6),
+            # the plain steps whose median timed the blocks' forward (0: the measured step did)
+            "timed_steps": self.timed_steps if self.timed else 0,
             "notes": list(self.notes),
             "error": self.error,
         }
@@ -259,6 +264,24 @@ class StepResult:
             self._fwd[i] = total
             self._recompute[i] = recompute
 
+    def _plain_times(self) -> tuple[list[float], list[float]]:
+        """Each block's forward and recompute seconds in the step. Where the plain steps before
+        the measured one timed the block (:mod:`.timing`: ``timed``, its median seconds per
+        call), its forward is that per call times its calls in the measured step, and its
+        recompute the same share of it as in the measured step (a non-reentrant checkpoint
+        recomputes up to the block's last saved tensor); else the measured step's own."""
+        timed = self.timed or {}
+        fwd = list(self._fwd)
+        rec = [min(r, f) for r, f in zip(self._recompute, self._fwd)]
+        for i, (name, _m) in enumerate(self.blocks):
+            per_call = timed.get(name)
+            if per_call is None or not self._calls[i]:
+                continue
+            share = rec[i] / fwd[i] if fwd[i] > 0 else 1.0
+            fwd[i] = per_call * self._calls[i]
+            rec[i] = share * fwd[i]
+        return fwd, rec
+
     def _hold_later_micro_batches(self, frozen: dict[str, Any], segments: int) -> None:
         """Gradient accumulation: the levels of the micro-batches after the measured one."""
         # later micro-batches hold from their start the gradients the first one made
@@ -313,12 +336,8 @@ class StepResult:
     ) -> list[dict[str, Any]]:
         """The blocks' entries, in the order of their first forward call."""
         n = len(self.blocks)
-        fwd_s, recompute_s = shared_costs(
-            frozen.get("kinds") or [""] * n,
-            self._calls,
-            self._fwd,
-            [min(r, f) for r, f in zip(self._recompute, self._fwd)],
-        )
+        fwd, rec = self._plain_times()
+        fwd_s, recompute_s = shared_costs(frozen.get("kinds") or [""] * n, self._calls, fwd, rec)
         return [
             {
                 "name": name,
