@@ -4,7 +4,9 @@ A port the kernel hands out for ``bind(0)`` comes from the ephemeral range (3276
 default), the range every outgoing connection's local port also comes from: between a test
 choosing one and its server binding it (a TCPStore in a rank that first imports torch, seconds
 later on a loaded machine), a connection of another test can take it, and the store fails with
-EADDRINUSE. These ports come from below that range, each xdist worker from its own slice, and
+EADDRINUSE. These ports come from below that range, each xdist worker from its own slice (up to
+16 workers; the GPU machine runs the fault suite 12-14 at a time), picked by the system's random
+source (a plugin that seeds ``random`` for each test would give two workers the same pick), and
 each is checked free by binding it on every address.
 """
 
@@ -16,7 +18,9 @@ import re
 import socket
 
 BASE = 20000
-SLICE = 1500  # ports per xdist worker: 8 workers stay below 32000
+SLICE = 750  # ports per xdist worker: 16 workers stay below 32000
+WORKERS = 16
+_PICK = random.SystemRandom()
 
 
 def _ephemeral_low() -> int:
@@ -43,10 +47,10 @@ def _bindable(port: int) -> bool:
 
 def free_port() -> int:
     """A port free now, outside the ephemeral range where that range leaves room."""
-    start = BASE + (_worker() % 8) * SLICE
+    start = BASE + (_worker() % WORKERS) * SLICE
     if start + SLICE <= _ephemeral_low():
         for _ in range(100):
-            port = random.randrange(start, start + SLICE)
+            port = _PICK.randrange(start, start + SLICE)
             if _bindable(port):
                 return port
     with socket.socket() as s:  # no room below the range (a machine configured so): the kernel's pick

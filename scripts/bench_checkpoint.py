@@ -1,0 +1,173 @@
+#!/usr/bin/env python3
+"""`dynprof run --checkpoint` on the memory plan bench's models: the plan applied in a running
+job, its verified peak against the budget and its verified step time against the prediction.
+
+    PYTHONPATH=. python scripts/bench_checkpoint.py                       # CUDA: decoder, vit, resnet at 60 %
+    PYTHONPATH=. python scripts/bench_checkpoint.py --device cpu --budget 70%
+
+For each model of scripts/bench_memory_plan.py (on CUDA: a 24-block bf16 decoder with a
+32 000-word head and an fp32 loss, a ViT-B/16, a ResNet-50; on the CPU their small versions) it
+runs the model's training loop twice for --steps steps, in a process of its own: plain, and under
+`dynprof run --checkpoint BUDGET`. It reads the agent's final line on the job's stderr and the
+memory-plan artifact the agent kept, and prints one row per model: the state, the blocks
+recomputed, the budget, the measured, predicted and verified peak, the step time before, predicted
+and verified (and the error), whether every loss is the plain run's bit for bit, and whether each
+job ended by itself. Exits 1 when a job died or a verified peak is over its budget; the step
+time's error and the losses are reported, not judged (a GPU's kernels need not be bit-for-bit
+deterministic run to run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+
+from zoo_checkpoint import artifact_state, losses, run_job  # noqa: E402
+
+GIB = 1024**3
+UNIT = (GIB, "GiB")  # MiB for the CPU's small models (set in main)
+
+
+def train(model_name: str, device_name: str, steps: int) -> int:
+    """The job: the bench model's training loop, each step's loss printed (``LOSS i hex``)."""
+    import torch
+    from bench_memory_plan import build
+
+    device = torch.device(device_name)
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model, batch, loss_of = build(model_name, device, device.type != "cuda")
+    model.to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    for i in range(steps):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            loss = loss_of(model(batch()))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        print(f"LOSS {i} {loss.item().hex()}", flush=True)
+    return 0
+
+
+def one(model_name: str, args: argparse.Namespace) -> dict[str, Any]:
+    work = Path(tempfile.mkdtemp(prefix="dpckpt-"))
+    try:
+        env = dict(os.environ)
+        env.pop("DYNPROF", None)
+        env.update(
+            PYTHONUNBUFFERED="1",
+            OMP_NUM_THREADS="1",
+            DYNPROF_RUN_DIR=str(work / "run"),
+            DYNPROF_ARTIFACT_DIR=str(work / "artifacts"),
+            DYNPROF_JOB_ID=f"ckpt-{model_name}",
+            PYTHONPATH=os.pathsep.join([str(HERE.parent), env.get("PYTHONPATH", "")]),
+        )
+        job = [sys.executable, str(Path(__file__).resolve()), "--job", model_name]
+        job += ["--device", args.device, "--steps", str(args.steps)]
+        rc_plain, out_plain, err_plain = run_job(job, env, args.timeout)
+        ckpt = [sys.executable, "-m", "dynprof", "run", "-q", "--checkpoint", args.budget, "--", *job]
+        rc, out, err = run_job(ckpt, env, args.timeout)
+        said = [line for line in err.splitlines() if line.startswith(f"dynprof: checkpoint {args.budget}:")]
+        state = artifact_state(env) or {}
+        return {
+            "model": model_name,
+            "rc_plain": rc_plain,
+            "rc": rc,
+            "said": said[-1] if said else None,
+            "state": state.get("state"),
+            "modules": state.get("modules") or [],
+            "budget": state.get("budget_bytes"),
+            "measured": state.get("measured_peak_bytes"),
+            "predicted": state.get("predicted_peak_bytes"),
+            "verified": state.get("verified_peak_bytes"),
+            "verified_source": state.get("verified_peak_source"),
+            "before_s": state.get("baseline_step_s"),
+            "predicted_s": state.get("predicted_step_s"),
+            "verified_s": state.get("verified_step_s"),
+            "losses_same": bool(losses(out_plain)) and losses(out_plain) == losses(out),
+            "steps": len(losses(out)),
+            "tail": (err_plain if rc_plain else err)[-1500:],
+        }
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def gib(b: Any) -> str:
+    return "-" if not isinstance(b, (int, float)) else f"{b / UNIT[0]:.2f}"
+
+
+def pct(real: Any, predicted: Any) -> str:
+    if not isinstance(real, (int, float)) or not predicted:
+        return "-"
+    return f"{(real - predicted) / predicted * 100:+.1f} %"
+
+
+def ms(s: Any) -> str:
+    return "-" if not isinstance(s, (int, float)) else f"{s * 1000:.1f}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="decoder,vit,resnet")
+    parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (the small models)")
+    parser.add_argument("--budget", default="60%", help="dynprof run --checkpoint's budget (default 60%%)")
+    parser.add_argument("--steps", type=int, default=24, help="training steps per job")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per job")
+    parser.add_argument("--job", default="", help=argparse.SUPPRESS)  # the training job itself
+    args = parser.parse_args(argv)
+    if args.job:
+        return train(args.job, args.device, args.steps)
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    unknown = [m for m in models if m not in ("decoder", "vit", "resnet")]
+    if unknown:
+        parser.error(f"unknown model(s) {', '.join(unknown)}; known: decoder, vit, resnet")
+    global UNIT
+    if args.device == "cpu":
+        UNIT = (1024**2, "MiB")
+    rows = []
+    bad = 0
+    for i, name in enumerate(models, 1):
+        print(f"[{i}/{len(models)}] {name} ...", flush=True)
+        r = one(name, args)
+        rows.append(r)
+        died = r["rc"] != 0 or r["rc_plain"] != 0
+        over = isinstance(r["verified"], int) and isinstance(r["budget"], int) and r["verified"] > r["budget"]
+        if died or over:
+            bad += 1
+            print(f"  PROBLEM: exit {r['rc_plain']}/{r['rc']}, over budget {over}")
+            print("  " + r["tail"].replace("\n", "\n  "))
+        print(f"  {r['said'] or 'no final line on stderr'}", flush=True)
+    print()
+    print(
+        f"| model | state | blocks | budget {UNIT[1]} | measured | predicted | verified | peak error | under budget "
+        "| step before / predicted / verified ms | step error | losses bit-identical | exit plain / checkpoint |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        under = (
+            "-"
+            if not (isinstance(r["verified"], int) and isinstance(r["budget"], int))
+            else ("yes" if r["verified"] <= r["budget"] else "NO")
+        )
+        print(
+            f"| {r['model']} | {r['state'] or '-'} | {len(r['modules'])} | {gib(r['budget'])} | {gib(r['measured'])} "
+            f"| {gib(r['predicted'])} | {gib(r['verified'])} | {pct(r['verified'], r['predicted'])} | {under} "
+            f"| {ms(r['before_s'])} / {ms(r['predicted_s'])} / {ms(r['verified_s'])} "
+            f"| {pct(r['verified_s'], r['predicted_s'])} | {'yes' if r['losses_same'] else 'no'} "
+            f"| {r['rc_plain']} / {r['rc']} |"
+        )
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
