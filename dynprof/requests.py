@@ -59,10 +59,12 @@ class TargetedRequest:
                 "give exactly one of --pid, --job or --all", help=f"See `dynprof {command} --help`."
             )
 
-    def check_pids(self) -> None:
-        """A usage error unless every one of ``pids`` is a process id (an integer, 1 to MAX_PID)."""
-        if any(isinstance(pid, bool) or not isinstance(pid, int) or not 0 < pid <= MAX_PID for pid in self.pids):
-            raise errors.UsageError(f"a process id is 1-{MAX_PID}")
+    def check_pids(self, pids: tuple[int, ...] | None = None, what: str = "a process id") -> None:
+        """A usage error unless every one of ``pids`` (the targets' unless given) is a process id
+        (an integer, 1 to MAX_PID)."""
+        given = self.pids if pids is None else pids
+        if any(isinstance(pid, bool) or not isinstance(pid, int) or not 0 < pid <= MAX_PID for pid in given):
+            raise errors.UsageError(f"{what} is 1-{MAX_PID}")
 
     def targets_json(self) -> dict[str, Any]:
         """The targets as options of :data:`TARGETS` (those left unset out)."""

@@ -44,17 +44,25 @@ class NcclRequest(TargetedRequest):
     only_active: bool = False
     stack_traces: bool = True
     timeout: float = DEFAULT_TIMEOUT_S
+    # with ``job`` or ``all``: processes not asked (the watch's ranks whose agents did not answer
+    # its look: asked, each would hold the read for ``timeout``)
+    skip: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         self.check_one_target("nccl")
         check_timeout(self.timeout)
         self.check_pids()
+        if self.skip:
+            if self.pids:
+                raise errors.UsageError("skip goes with a job or all, not with process ids (give the ids to ask)")
+            self.check_pids(self.skip, "a process id to skip")
 
     OPTIONS: ClassVar[dict[str, str]] = {
         **TARGETS,
         "only_active": "bool",
         "no_stack_traces": "bool",
         "timeout": "float",
+        "skip_pid": "ints",
     }
 
     @classmethod
@@ -66,6 +74,7 @@ class NcclRequest(TargetedRequest):
             only_active=o.get("only_active", False),
             stack_traces=not o.get("no_stack_traces", False),
             timeout=o.get("timeout", DEFAULT_TIMEOUT_S),
+            skip=tuple(o.get("skip_pid", ())),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -79,6 +88,8 @@ class NcclRequest(TargetedRequest):
             out["only_active"] = True
         if not self.stack_traces:
             out["no_stack_traces"] = True
+        if self.skip:
+            out["skip_pid"] = list(self.skip)
         return out
 
 
@@ -218,7 +229,14 @@ def _targets(request: NcclRequest) -> list[tuple[int, AgentRecord | None]]:
             record = read_record(pid)
             out.append((pid, record if record is not None and record.is_alive() else None))
         return out
-    return [(r.pid, r) for r in resolve(job=request.job)]
+    records = [(r.pid, r) for r in resolve(job=request.job)]
+    kept: list[tuple[int, AgentRecord | None]] = [(pid, r) for pid, r in records if pid not in request.skip]
+    if records and not kept:
+        raise errors.DynprofError(
+            f"every process of {'job ' + repr(request.job) if request.job else 'this node'} here was to be skipped "
+            f"({', '.join(map(str, sorted(request.skip)))}): no recorder was asked"
+        )
+    return kept
 
 
 def _dump(pid: int, record: AgentRecord | None, writer: Any, request: NcclRequest) -> Any:

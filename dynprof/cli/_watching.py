@@ -220,9 +220,10 @@ def polled_source(client: SidecarClient, nodes: list[Node], flight_recorder: Any
 def node_source(args: argparse.Namespace, nodes: list[Node]) -> SidecarSource:
     """The nodes' sidecars, with the flight recorder read by ``nccl``'s own job-wide path."""
 
-    def flight_recorder(job: str) -> tuple[dict[str, Any] | None, str | None]:
+    def flight_recorder(job: str, skip: dict[Any, tuple[int, ...]]) -> tuple[dict[str, Any] | None, str | None]:
         # A client of its own: the dumps read back are not among the poll's shared answers.
-        got = collect_nodes(client_for(args), nodes, NcclRequest(job=job, timeout=FLIGHT_RECORDER_TIMEOUT_S))
+        request = NcclRequest(job=job, timeout=FLIGHT_RECORDER_TIMEOUT_S)
+        got = collect_nodes(client_for(args), nodes, request, skip=skip)
         if got.recorder_off:
             return None, FLIGHT_RECORDER_OFF
         if got.analysis is None:

@@ -24,6 +24,7 @@ from collectors.flight_recorder.collect import NcclRequest
 from dynprof.cli._common import (
     add_attach_flag,
     add_targets,
+    parse_pids,
     printable_lines,
     request_then_attach,
     seconds,
@@ -49,6 +50,13 @@ class NcclCommand(JobCommand):
         )
         parser.add_argument(
             "--timeout", type=seconds, default=15.0, metavar="SEC", help="per-rank limit for a dump (default 15)"
+        )
+        parser.add_argument(
+            "--skip-pid",
+            type=parse_pids,
+            metavar="PID[,PID...]",
+            help="with --job or --all: leave these processes out (a rank whose agent does not answer would "
+            "hold the read for --timeout)",
         )
 
     def collect_local(self, args: argparse.Namespace) -> Result:
@@ -83,4 +91,5 @@ def request_from_args(args: argparse.Namespace) -> NcclRequest:
         only_active=args.only_active,
         stack_traces=not args.no_stack_traces,
         timeout=args.timeout,
+        skip=tuple(args.skip_pid or ()),
     )

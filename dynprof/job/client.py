@@ -36,7 +36,7 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -406,18 +406,20 @@ class SidecarClient:
         self,
         nodes: Sequence[Node],
         name: str,
-        options: dict[str, Any],
+        options: dict[str, Any] | Callable[[Node], dict[str, Any]],
         timeout: float | None = None,
     ) -> list[NodeAnswer]:
         """``action`` on every node, at most ``max_in_flight`` at once; answers in node order.
-        The answers share this client's total (:class:`AnswerBudget`): a node whose answer
-        would take it past it is cut (``cut`` set, the reason in ``error``)."""
+        ``options``: the same for every node, or each node's (a function of it). The answers
+        share this client's total (:class:`AnswerBudget`): a node whose answer would take it
+        past it is cut (``cut`` set, the reason in ``error``)."""
         if not nodes:
             return []
         budget = AnswerBudget(len(nodes), self.total_bytes, self.total_values)
         self.last_budget = budget
+        of = options if callable(options) else (lambda _n: options)
         with ThreadPoolExecutor(max_workers=min(self.max_in_flight, len(nodes))) as pool:
-            return list(pool.map(lambda n: self.action(n, name, options, timeout, budget.share()), nodes))
+            return list(pool.map(lambda n: self.action(n, name, of(n), timeout, budget.share()), nodes))
 
     def artifact(self, node: Node, artifact_id: str, share: AnswerShare | None = None) -> dict[str, Any]:
         """An artifact's manifest, as the node's store has it (``{"id", "manifest"}``): at most

@@ -12,6 +12,7 @@ back from all nodes together.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -81,12 +82,24 @@ def collect_job(options: dict[str, Any], nodes: list[Node], reach: Reach) -> Job
     return JobResult(doc, code, node_messages(got.answers))
 
 
-def collect_nodes(client: SidecarClient, nodes: list[Node], request: NcclRequest) -> NodesCollected:
-    """Ask every node's sidecar for ``request`` and analyse the dumps of all nodes together."""
+def collect_nodes(
+    client: SidecarClient,
+    nodes: list[Node],
+    request: NcclRequest,
+    skip: Mapping[Node, Sequence[int]] | None = None,
+) -> NodesCollected:
+    """Ask every node's sidecar for ``request`` and analyse the dumps of all nodes together.
+    ``skip``: per node, processes of the job it does not ask (a job-wide request only)."""
     from dynprof.job.client import NodeFailure
     from dynprof.job.fetch import Budget, artifact_ids
 
-    answers = client.action_all(nodes, "nccl", request.options(), timeout=request.timeout + ACTION_MARGIN_S)
+    plain = request.options()
+
+    def options_of(node: Node) -> dict[str, Any]:
+        pids = sorted(set((skip or {}).get(node, ())))
+        return {**plain, "skip_pid": pids} if pids else plain
+
+    answers = client.action_all(nodes, "nccl", options_of, timeout=request.timeout + ACTION_MARGIN_S)
     labels = node_labels(nodes)
     notes: list[str] = []
     for a in answers:

@@ -112,7 +112,8 @@ class WatchSource(Protocol):
         ...
 
 
-FlightRecorder = Callable[[str], tuple[dict[str, Any] | None, str | None]]
+# (job, per node: the processes not to ask) -> (the analysis, or why there is none)
+FlightRecorder = Callable[[str, dict[Any, tuple[int, ...]]], tuple[dict[str, Any] | None, str | None]]
 
 
 class _Quiet:
@@ -195,11 +196,22 @@ class SidecarSource:
     def flight_recorder(
         self, job: str, unanswered: frozenset[tuple[str, int]] = frozenset()
     ) -> tuple[dict[str, Any] | None, str | None]:
-        # The nodes' sidecars ask every agent of the job: one that does not answer holds the
-        # read for its timeout (FLIGHT_RECORDER_TIMEOUT_S).
+        # An agent that did not answer the look's poll cannot dump its recorder either: asked,
+        # it would hold the read for its timeout (FLIGHT_RECORDER_TIMEOUT_S). Each node's
+        # sidecar is told which of its processes to leave out; the note says who was not asked.
         if self._flight_recorder is None:
             return None, "the flight recorder is not read by this watch"
-        return self._flight_recorder(job)
+        skip: dict[Any, list[int]] = {}
+        for label, pid in unanswered:
+            node = self.by_label.get(label)
+            if node is not None:
+                skip.setdefault(node, []).append(pid)
+        analysis, note = self._flight_recorder(job, {n: tuple(sorted(p)) for n, p in skip.items()})
+        if skip:
+            who = "; ".join(f"{self.labels[n]}: {', '.join(map(str, sorted(p)))}" for n, p in skip.items())
+            said = f"not asked: process(es) whose agent did not answer the look ({who})"
+            note = f"{note}; {said}" if note else said
+        return analysis, note
 
     def healthcheck(self, nodes: list[str], job: str | None = None) -> dict[str, dict[str, Any]]:
         chosen = [self.by_label[n] for n in nodes if n in self.by_label]

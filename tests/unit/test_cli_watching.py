@@ -338,15 +338,16 @@ def test_the_node_source_needs_the_sidecars_token(node_args, monkeypatch):
 def test_the_node_sources_flight_recorder_is_nccls_job_wide_read(node_args, monkeypatch, got, expected):
     asked = []
 
-    def collect_nodes(client, nodes, request):
-        asked.append((client, nodes, request))
+    def collect_nodes(client, nodes, request, skip=None):
+        asked.append((client, nodes, request, skip))
         return got
 
     monkeypatch.setattr(_watching, "collect_nodes", collect_nodes)
     nodes = [Node("a", 8787)]
     source = _watching.node_source(node_args, nodes)
-    assert source._flight_recorder("j") == expected
-    [(client, asked_nodes, request)] = asked
+    assert source._flight_recorder("j", {nodes[0]: (7,)}) == expected
+    [(client, asked_nodes, request, skip)] = asked
+    assert skip == {nodes[0]: (7,)}  # the processes to leave out go to the nodes as they are
     # a client of its own, not the polls' shared one
     assert client is not source.client and client.answers_per_node != source.client.answers_per_node
     assert asked_nodes == nodes and request.job == "j" and request.timeout == FLIGHT_RECORDER_TIMEOUT_S

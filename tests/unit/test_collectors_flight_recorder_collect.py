@@ -4,6 +4,9 @@ send to every node)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+from typing import Any
+
 import pytest
 
 from collectors.flight_recorder.collect import NcclRequest
@@ -22,6 +25,9 @@ from tests.unit._action_flags import read_options
         ({"job": "j", "timeout": 10.0**6}, "at most 86400"),
         ({"pids": (0,)}, "a process id is 1-"),
         ({"pids": (2**23,)}, "a process id is 1-"),
+        ({"pids": (5,), "skip": (6,)}, "skip goes with a job or all"),
+        ({"job": "j", "skip": (0,)}, "a process id to skip is 1-"),
+        ({"job": "j", "skip": (True,)}, "a process id to skip is 1-"),
     ],
 )
 def test_a_request_that_cannot_be_run_is_refused_when_made(kwargs, said):
@@ -38,6 +44,7 @@ def test_a_request_that_cannot_be_run_is_refused_when_made(kwargs, said):
         NcclRequest(job="j1"),
         NcclRequest(pids=(11, 12), only_active=True, timeout=3.5),
         NcclRequest(all=True, stack_traces=False),
+        NcclRequest(job="j2", skip=(31, 32)),
     ],
 )
 def test_the_action_options_of_a_request_are_the_same_request_on_the_node(request_):
@@ -53,7 +60,12 @@ def test_the_action_options_of_a_request_are_the_same_request_on_the_node(reques
 
 
 @pytest.mark.parametrize(
-    "request_", [NcclRequest(job="j1"), NcclRequest(pids=(3, 4), only_active=True, stack_traces=False, timeout=2.5)]
+    "request_",
+    [
+        NcclRequest(job="j1"),
+        NcclRequest(pids=(3, 4), only_active=True, stack_traces=False, timeout=2.5),
+        NcclRequest(all=True, skip=(9,)),
+    ],
 )
 def test_a_request_reads_back_from_its_json(request_):
     assert NcclRequest.from_json(request_.to_json()) == request_
@@ -107,3 +119,24 @@ def test_a_hostile_answer_reads_as_empty_fields_and_bounded_notes():
     assert (back.analysis, back.artifact, back.artifact_id, back.elapsed_s) == (None, None, None, 0.0)
     assert back.notes == ["x" * MAX_NOTE_CHARS, "3"]
     assert Collected.from_json("not an object").notes == []
+
+
+# -- the processes asked ----------------------------------------------------------------------------
+def _records(*pids: int) -> list[Any]:
+    return [SimpleNamespace(pid=p, job_id="j", rank=i, is_alive=lambda: True) for i, p in enumerate(pids)]
+
+
+def test_the_processes_to_skip_are_left_out_of_the_jobs(monkeypatch):
+    from collectors.flight_recorder import collect as kind
+
+    monkeypatch.setattr(kind, "resolve", lambda job=None: _records(11, 12, 13))
+    assert [pid for pid, _ in kind._targets(NcclRequest(job="j", skip=(12, 99)))] == [11, 13]
+
+
+def test_a_job_whose_every_process_is_skipped_asks_none_and_says_so(monkeypatch):
+    from collectors.flight_recorder import collect as kind
+
+    monkeypatch.setattr(kind, "resolve", lambda job=None: _records(11, 12))
+    with pytest.raises(errors.DynprofError) as refused:
+        kind._targets(NcclRequest(job="j", skip=(11, 12)))
+    assert refused.value.message == "every process of job 'j' here was to be skipped (11, 12): no recorder was asked"

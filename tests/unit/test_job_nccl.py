@@ -52,6 +52,7 @@ class FakeNodes:
         self.files: dict[tuple[str, str], bytes | NodeFailure] = {}
         self.calls: list[tuple[str, list[Node], dict[str, Any], float | None]] = []
         self.downloaded: list[tuple[str, str]] = []
+        self.per_node: list[dict[Node, dict[str, Any]]] = []
 
     def node(self, node: Node, result: Any, code: int = 0, failure: CommandError | None = None) -> None:
         self.answers[node] = NodeAnswer(node, True, host=node.host, exit_code=code, result=result, failure=failure)
@@ -65,7 +66,10 @@ class FakeNodes:
         for name, data in files.items():
             self.files[(artifact_id, name)] = data
 
-    def action_all(self, nodes: list[Node], name: str, options: dict[str, Any], timeout: float | None = None):
+    def action_all(self, nodes: list[Node], name: str, options: Any, timeout: float | None = None):
+        if callable(options):  # each node's own options
+            self.per_node.append({n: options(n) for n in nodes})
+            options = options(nodes[0]) if nodes else {}
         self.calls.append((name, list(nodes), dict(options), timeout))
         table = self.answers if name == "nccl" else self.listings
         return [table[n] for n in nodes]
@@ -112,6 +116,20 @@ def test_every_node_is_asked_for_the_request_and_the_dumps_are_analysed_together
     assert got.notes == ["node-a: pid 7: no dump"]
     assert sorted(nodes.downloaded) == [(ID_A, "rank0-pid11.json"), (ID_B, "rank1-pid21.json")]
     assert got.recorder_off is False
+
+
+def test_each_node_is_told_which_of_its_processes_to_leave_out():
+    # GIVEN two nodes, and the watch's rank on node-b whose agent did not answer its look
+    nodes = two_nodes()
+    request = NcclRequest(job="j", timeout=3.0)
+    # WHEN the job's recorders are collected, that process left out
+    got = collect_nodes(nodes, [A, B], request, skip={B: (22, 21, 22)})  # type: ignore[arg-type]
+    # THEN node-a is asked for the job as it is, node-b for the job less that process
+    (asked,) = nodes.per_node
+    assert asked[A] == request.options()
+    assert asked[B] == {**request.options(), "skip_pid": [21, 22]}
+    assert NcclRequest.from_json(asked[B]) == NcclRequest(job="j", timeout=3.0, skip=(21, 22))
+    assert got.analysis == fr.analyze({0: dump(0), 1: dump(1)})
 
 
 def test_a_rank_dumped_on_two_nodes_keeps_the_first_node_s_dump_and_says_so():

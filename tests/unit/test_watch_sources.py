@@ -111,6 +111,27 @@ def test_a_watch_without_the_flight_recorder_says_so():
     assert analysis is None and note == "the flight recorder is not read by this watch"
 
 
+def test_the_nodes_flight_recorder_leaves_out_the_processes_whose_agents_did_not_answer():
+    # GIVEN a sidecar watch of two nodes, and pid 12 on node-b and 13 on a node it does not watch
+    # whose agents did not answer the look
+    asked = []
+
+    def read(job: str, skip: dict[Any, tuple[int, ...]]) -> tuple[dict[str, Any] | None, str | None]:
+        asked.append((job, skip))
+        return {"pgs": []}, None
+
+    source = SidecarSource(Nodes(), [A, B], flight_recorder=read)
+    # WHEN the watch reads the flight recorder
+    analysis, note = source.flight_recorder("j", frozenset({("node-b", 12), ("node-b", 11), ("elsewhere", 13)}))
+    # THEN node-b's sidecar is told to leave 11 and 12 out (the unknown node is nobody's), and the
+    # note says who was not asked
+    assert asked == [("j", {B: (11, 12)})]
+    assert analysis == {"pgs": []}
+    assert note == "not asked: process(es) whose agent did not answer the look (node-b: 11, 12)"
+    # AND with every agent answering, every process is asked and nothing is noted
+    assert source.flight_recorder("j") == ({"pgs": []}, None) and asked[-1] == ("j", {})
+
+
 ESC = "\x1b[2J"
 
 
