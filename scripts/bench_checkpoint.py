@@ -20,7 +20,6 @@ deterministic run to run).
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import sys
 import tempfile
@@ -31,7 +30,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-from zoo_checkpoint import artifact_state, losses, run_job  # noqa: E402
+from zoo_checkpoint import job_env, pct, plain_and_checkpointed, run_rows  # noqa: E402
 
 GIB = 1024**3
 UNIT = (GIB, "GiB")  # MiB for the CPU's small models (set in main)
@@ -62,54 +61,16 @@ def train(model_name: str, device_name: str, steps: int) -> int:
 def one(model_name: str, args: argparse.Namespace) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="dpckpt-"))
     try:
-        env = dict(os.environ)
-        env.pop("DYNPROF", None)
-        env.update(
-            PYTHONUNBUFFERED="1",
-            OMP_NUM_THREADS="1",
-            DYNPROF_RUN_DIR=str(work / "run"),
-            DYNPROF_ARTIFACT_DIR=str(work / "artifacts"),
-            DYNPROF_JOB_ID=f"ckpt-{model_name}",
-            PYTHONPATH=os.pathsep.join([str(HERE.parent), env.get("PYTHONPATH", "")]),
-        )
         job = [sys.executable, str(Path(__file__).resolve()), "--job", model_name]
         job += ["--device", args.device, "--steps", str(args.steps)]
-        rc_plain, out_plain, err_plain = run_job(job, env, args.timeout)
-        ckpt = [sys.executable, "-m", "dynprof", "run", "-q", "--checkpoint", args.budget, "--", *job]
-        rc, out, err = run_job(ckpt, env, args.timeout)
-        said = [line for line in err.splitlines() if line.startswith(f"dynprof: checkpoint {args.budget}:")]
-        state = artifact_state(env) or {}
-        return {
-            "model": model_name,
-            "rc_plain": rc_plain,
-            "rc": rc,
-            "said": said[-1] if said else None,
-            "state": state.get("state"),
-            "modules": state.get("modules") or [],
-            "budget": state.get("budget_bytes"),
-            "measured": state.get("measured_peak_bytes"),
-            "predicted": state.get("predicted_peak_bytes"),
-            "verified": state.get("verified_peak_bytes"),
-            "verified_source": state.get("verified_peak_source"),
-            "before_s": state.get("baseline_step_s"),
-            "predicted_s": state.get("predicted_step_s"),
-            "verified_s": state.get("verified_step_s"),
-            "losses_same": bool(losses(out_plain)) and losses(out_plain) == losses(out),
-            "steps": len(losses(out)),
-            "tail": (err_plain if rc_plain else err)[-1500:],
-        }
+        env = job_env(work, f"ckpt-{model_name}")
+        return {"model": model_name, **plain_and_checkpointed(job, env, args.budget, args.timeout)}
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
 def gib(b: Any) -> str:
     return "-" if not isinstance(b, (int, float)) else f"{b / UNIT[0]:.2f}"
-
-
-def pct(real: Any, predicted: Any) -> str:
-    if not isinstance(real, (int, float)) or not predicted:
-        return "-"
-    return f"{(real - predicted) / predicted * 100:+.1f} %"
 
 
 def ms(s: Any) -> str:
@@ -134,19 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     global UNIT
     if args.device == "cpu":
         UNIT = (1024**2, "MiB")
-    rows = []
-    bad = 0
-    for i, name in enumerate(models, 1):
-        print(f"[{i}/{len(models)}] {name} ...", flush=True)
-        r = one(name, args)
-        rows.append(r)
-        died = r["rc"] != 0 or r["rc_plain"] != 0
-        over = isinstance(r["verified"], int) and isinstance(r["budget"], int) and r["verified"] > r["budget"]
-        if died or over:
-            bad += 1
-            print(f"  PROBLEM: exit {r['rc_plain']}/{r['rc']}, over budget {over}")
-            print("  " + r["tail"].replace("\n", "\n  "))
-        print(f"  {r['said'] or 'no final line on stderr'}", flush=True)
+    rows, bad = run_rows(models, lambda name: one(name, args), losses_judged=False)
     print()
     print(
         f"| model | state | blocks | budget {UNIT[1]} | measured | predicted | verified | peak error | under budget "

@@ -82,49 +82,83 @@ def artifact_state(env: dict[str, str]) -> dict[str, Any] | None:
     return c if isinstance(c, dict) else None
 
 
+def run_rows(names: list[str], run_one: Any, losses_judged: bool) -> tuple[list[dict[str, Any]], int]:
+    """Each of ``names`` run by ``run_one`` (its row), the agent's final line printed; and how
+    many had a problem: a job died, a verified peak over its budget, or (``losses_judged``) a
+    loss that changed."""
+    rows = []
+    bad = 0
+    for i, name in enumerate(names, 1):
+        print(f"[{i}/{len(names)}] {name} ...", flush=True)
+        r = run_one(name)
+        rows.append(r)
+        died = r["rc"] != 0 or r["rc_plain"] != 0
+        over = isinstance(r["verified"], int) and isinstance(r["budget"], int) and r["verified"] > r["budget"]
+        wrong = losses_judged and not r["losses_same"]
+        if died or over or wrong:
+            bad += 1
+            print(f"  PROBLEM: exit {r['rc_plain']}/{r['rc']}, losses same {r['losses_same']}, over budget {over}")
+            print("  " + r["tail"].replace("\n", "\n  "))
+        print(f"  {r['said'] or 'no final line on stderr'}", flush=True)
+    return rows, bad
+
+
+def job_env(work: Path, job_id: str) -> dict[str, str]:
+    """A job's environment: its own run and artifact directories under ``work``, offline, one
+    thread, this checkout on the path."""
+    env = dict(os.environ)
+    env.pop("DYNPROF", None)
+    env.update(
+        PYTHONUNBUFFERED="1",
+        OMP_NUM_THREADS="1",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        DYNPROF_RUN_DIR=str(work / "run"),
+        DYNPROF_ARTIFACT_DIR=str(work / "artifacts"),
+        DYNPROF_JOB_ID=job_id,
+        PYTHONPATH=os.pathsep.join([str(HERE.parent), env.get("PYTHONPATH", "")]),
+    )
+    return env
+
+
 def one(arch: str, args: argparse.Namespace) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="dpzoo-"))
     try:
-        env = dict(os.environ)
-        env.pop("DYNPROF", None)
-        env.update(
-            PYTHONUNBUFFERED="1",
-            OMP_NUM_THREADS="1",
-            HF_HUB_OFFLINE="1",
-            TRANSFORMERS_OFFLINE="1",
-            DYNPROF_RUN_DIR=str(work / "run"),
-            DYNPROF_ARTIFACT_DIR=str(work / "artifacts"),
-            DYNPROF_JOB_ID=f"zoo-{arch}",
-            PYTHONPATH=os.pathsep.join([str(HERE.parent), env.get("PYTHONPATH", "")]),
-        )
+        env = job_env(work, f"zoo-{arch}")
         job = [sys.executable, str(HERE / "_zoo_job.py"), "--arch", arch, "--steps", str(args.steps)]
         job += ["--accumulate", str(args.accumulate)]
-        rc_plain, out_plain, err_plain = run_job(job, env, args.timeout)
-        ckpt = [sys.executable, "-m", "dynprof", "run", "-q", "--checkpoint", args.budget, "--", *job]
-        rc, out, err = run_job(ckpt, env, args.timeout)
-        said = [line for line in err.splitlines() if line.startswith(f"dynprof: checkpoint {args.budget}:")]
-        state = artifact_state(env) or {}
-        return {
-            "arch": arch,
-            "rc_plain": rc_plain,
-            "rc": rc,
-            "said": said[-1] if said else None,
-            "state": state.get("state"),
-            "modules": state.get("modules") or [],
-            "refused": state.get("refused") or [],
-            "budget": state.get("budget_bytes"),
-            "measured": state.get("measured_peak_bytes"),
-            "predicted": state.get("predicted_peak_bytes"),
-            "verified": state.get("verified_peak_bytes"),
-            "before_s": state.get("baseline_step_s"),
-            "predicted_s": state.get("predicted_step_s"),
-            "verified_s": state.get("verified_step_s"),
-            "losses_same": bool(losses(out_plain)) and losses(out_plain) == losses(out),
-            "steps": len(losses(out)),
-            "tail": (err_plain if rc_plain else err)[-1500:],
-        }
+        return {"arch": arch, **plain_and_checkpointed(job, env, args.budget, args.timeout)}
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def plain_and_checkpointed(job: list[str], env: dict[str, str], budget: str, timeout: float) -> dict[str, Any]:
+    """Run ``job`` plain, then under `dynprof run --checkpoint BUDGET`; what each did, the agent's
+    final line and the kept memory-plan artifact's ``checkpoint`` section, and the losses."""
+    rc_plain, out_plain, err_plain = run_job(job, env, timeout)
+    ckpt = [sys.executable, "-m", "dynprof", "run", "-q", "--checkpoint", budget, "--", *job]
+    rc, out, err = run_job(ckpt, env, timeout)
+    said = [line for line in err.splitlines() if line.startswith(f"dynprof: checkpoint {budget}:")]
+    state = artifact_state(env) or {}
+    return {
+        "rc_plain": rc_plain,
+        "rc": rc,
+        "said": said[-1] if said else None,
+        "state": state.get("state"),
+        "modules": state.get("modules") or [],
+        "refused": state.get("refused") or [],
+        "budget": state.get("budget_bytes"),
+        "measured": state.get("measured_peak_bytes"),
+        "predicted": state.get("predicted_peak_bytes"),
+        "verified": state.get("verified_peak_bytes"),
+        "before_s": state.get("baseline_step_s"),
+        "predicted_s": state.get("predicted_step_s"),
+        "verified_s": state.get("verified_step_s"),
+        "losses_same": bool(losses(out_plain)) and losses(out_plain) == losses(out),
+        "verified_source": state.get("verified_peak_source"),
+        "steps": len(losses(out)),
+        "tail": (err_plain if rc_plain else err)[-1500:],
+    }
 
 
 def mib(b: Any) -> str:
@@ -153,20 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [a for a in archs if a not in ZOO and a not in PLAIN]
     if unknown:
         parser.error(f"unknown architecture(s) {', '.join(unknown)}; known: {', '.join([*ZOO, *PLAIN])}")
-    rows = []
-    bad = 0
-    for i, arch in enumerate(archs, 1):
-        print(f"[{i}/{len(archs)}] {arch} ...", flush=True)
-        r = one(arch, args)
-        rows.append(r)
-        died = r["rc"] != 0 or r["rc_plain"] != 0
-        over = isinstance(r["verified"], int) and isinstance(r["budget"], int) and r["verified"] > r["budget"]
-        wrong = not r["losses_same"]
-        if died or over or wrong:
-            bad += 1
-            print(f"  PROBLEM: exit {r['rc_plain']}/{r['rc']}, losses same {r['losses_same']}, over budget {over}")
-            print("  " + r["tail"].replace("\n", "\n  "))
-        print(f"  {r['said'] or 'no final line on stderr'}", flush=True)
+    rows, bad = run_rows(archs, lambda arch: one(arch, args), losses_judged=True)
     print()
     print(
         "| arch | state | blocks | budget MiB | measured | predicted | verified | peak error | "

@@ -54,7 +54,7 @@ from collectors.memory.plan.meter import LiveTensorBytes, _autocast_nested, _is_
 from collectors.memory.plan.result import StepResult
 from collectors.memory.plan.solve import make_plan
 from collectors.memory.plan.timeline import MAX_STORAGES, StepTimeline
-from collectors.memory.plan.timing import BlockTimer, in_checkpoint, on_cuda
+from collectors.memory.plan.timing import BlockTimer, in_checkpoint, not_the_step, on_cuda, remove_hooks
 
 MIN_OWN_SHARE = 0.05  # a block's CPU time is at least this share of its time under the measurement
 
@@ -315,11 +315,7 @@ class StepMeasurement(StepTimeline, StepResult):
             # training thread pops them after its next optimizer step.
             self._pop_later(meter if entered else None, ctx)
         handles, self._handles = self._handles, []
-        for h in handles:
-            try:
-                h.remove()
-            except Exception:
-                pass
+        remove_hooks(handles)
         if meter is not None:
             self.error = self.error or meter.error
             meter.close()
@@ -469,25 +465,8 @@ class StepMeasurement(StepTimeline, StepResult):
         self.freeze()
 
     def _not_the_step(self) -> str:
-        """Why the forward about to run is not part of the measured step (empty when it is):
-        a forward without grad saves nothing for a backward (an evaluation, or the job past its
-        last optimizer step), and a step past the time limit is not coming to its end."""
-        import torch
-
-        if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
-            # not a checkpoint's recompute in backward, nor a reentrant checkpoint's first
-            # forward (which runs without grad by design)
-            if torch._C._current_graph_task_id() == -1 and not in_checkpoint():
-                return (
-                    "a forward ran without grad before the step's optimizer step (an evaluation, or the job's "
-                    "training is over); the measurement was removed"
-                )
-        if self.time_limit_s is not None and time.perf_counter() - self._step_t0 > self.time_limit_s:
-            return (
-                f"no optimizer step within {self.time_limit_s:.0f} s of the measured step's start; "
-                "the measurement was removed"
-            )
-        return ""
+        """Why the forward about to run is not part of the measured step (empty when it is)."""
+        return not_the_step(self._step_t0, self.time_limit_s, "of the measured step's start", "the measurement")
 
     def _end_early(self, why: str) -> None:
         """End the measurement from inside a forward pre-hook, on the training thread (torch

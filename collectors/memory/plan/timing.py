@@ -57,6 +57,34 @@ def in_checkpoint(depth: int = 48) -> bool:
     return False
 
 
+def remove_hooks(handles: list[Any]) -> None:
+    """Remove each of the hooks' ``handles``; one that fails does not keep the others on."""
+    for h in handles:
+        try:
+            h.remove()
+        except Exception:
+            pass
+
+
+def not_the_step(t0: float, time_limit_s: float | None, since: str, what: str) -> str:
+    """Why a block forward about to run says the step dynprof watches (``what``, begun at
+    ``t0``) is not coming to its end, or ``""``: a forward without grad saves nothing for a
+    backward (an evaluation, or the job past its last optimizer step), and a step past
+    ``time_limit_s`` is not coming to its end. A checkpoint's recompute inside backward and a
+    reentrant checkpoint's first forward (without grad by design) are part of the step."""
+    import torch
+
+    if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
+        if torch._C._current_graph_task_id() == -1 and not in_checkpoint():
+            return (
+                "a forward ran without grad before the step's optimizer step (an evaluation, or the job's "
+                f"training is over); {what} was removed"
+            )
+    if time_limit_s is not None and time.perf_counter() - t0 > time_limit_s:
+        return f"no optimizer step within {time_limit_s:.0f} s {since}; {what} was removed"
+    return ""
+
+
 class BlockTimer:
     """Times the forward of each of ``blocks`` ((name, module) pairs) in plain steps."""
 
@@ -107,11 +135,7 @@ class BlockTimer:
         """Remove the hooks and let go of the modules (safe to call twice)."""
         self.active = False
         handles, self._handles = self._handles, []
-        for h in handles:
-            try:
-                h.remove()
-            except Exception:
-                pass
+        remove_hooks(handles)
         self._modules = []
         self._open = [[] for _ in self.names]
         self._step = [[] for _ in self.names]
@@ -138,19 +162,7 @@ class BlockTimer:
 
     def _not_the_step(self) -> str:
         """Why the forward about to run says the timed steps are not coming (empty when not)."""
-        import torch
-
-        if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
-            # not a checkpoint's recompute in backward, nor a reentrant checkpoint's first
-            # forward (which runs without grad by design)
-            if torch._C._current_graph_task_id() == -1 and not in_checkpoint():
-                return (
-                    "a forward ran without grad before the step's optimizer step (an evaluation, or the job's "
-                    "training is over); the blocks' timer was removed"
-                )
-        if self.time_limit_s is not None and time.perf_counter() - self._t0 > self.time_limit_s:
-            return f"no optimizer step within {self.time_limit_s:.0f} s; the blocks' timer was removed"
-        return ""
+        return not_the_step(self._t0, self.time_limit_s, "of the timer's start", "the blocks' timer")
 
     def _end_early(self, why: str) -> None:
         """End from inside a forward pre-hook, on the training thread (torch iterates a copy of
