@@ -52,7 +52,7 @@ from collectors.memory.plan.blocks import MeasurementRefused, find_models
 from collectors.memory.plan.budget import parse_budget
 from collectors.memory.plan.measurement import from_json
 from collectors.memory.plan.timing import TIMED_STEPS as BLOCK_TIMED_STEPS
-from collectors.memory.plan.timing import BlockTimer, on_cuda
+from collectors.memory.plan.timing import BlockTimer, apply_timer, on_cuda
 from dynprof.agent._mem_plan import MEASURED_STEP_MIN_S, MEASURED_STEP_TYPICAL, busy_with_trace
 from dynprof.store import ArtifactStore
 from dynprof.units import human_bytes
@@ -416,8 +416,8 @@ class CheckpointApplier:
         try:
             if measurement is not None:
                 timer, self._timed = self._timed, None
-                if timer is not None and timer.steps:
-                    measurement.timed, measurement.timed_steps = timer.per_call_s(), timer.steps
+                if timer is not None:
+                    apply_timer(measurement, timer)
                 doc = measurement.result()  # plain data since freeze(); on CUDA waits for dynprof's events
                 doc["typical_step_s"] = self.baseline_step_s
                 self.measurement_doc = doc

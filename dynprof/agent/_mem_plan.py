@@ -36,7 +36,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from collectors.memory.plan.blocks import MeasurementRefused, find_models
-from collectors.memory.plan.timing import TIMED_STEPS, BlockTimer, on_cuda
+from collectors.memory.plan.timing import TIMED_STEPS, BlockTimer, apply_timer, on_cuda
 from dynprof.agent._server import CommandError
 from dynprof.proto import pb
 
@@ -176,9 +176,8 @@ class MemoryPlanner:
         """The figures of a stopped run, from plain data (and dynprof's own CUDA events)."""
         try:
             timer = run.timer
-            if timer is not None and timer.steps:
-                # plain data and dynprof's own events, once the GPU has run past them
-                run.measurement.timed, run.measurement.timed_steps = timer.per_call_s(), timer.steps
+            if timer is not None:
+                apply_timer(run.measurement, timer)
             doc = run.measurement.result()
             # the median of the latest steps (the measured one among them moves it little)
             typical = run.typical_step_s or self.agent.steps.typical_step_s()

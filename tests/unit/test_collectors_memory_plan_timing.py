@@ -174,3 +174,27 @@ def test_on_cuda_reads_the_blocks_parameters():
     model = Stack(2)
     assert on_cuda(blocks_of(model)) is False
     assert on_cuda([("empty", torch.nn.ReLU())]) is False
+
+
+def test_a_timer_that_failed_in_part_leaves_a_note_and_the_measured_times():
+    # GIVEN a measurement whose plain steps were timed by a clock that fails
+    model = Stack(2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    calls = iter(range(10**9))
+
+    def clock() -> float:
+        n = next(calls)
+        if n < 2:  # the timer's two reads (its pre-hooks, 2 blocks, one step): both fail
+            raise RuntimeError("no clock")
+        return float(n)
+
+    # WHEN the step is measured after one timed step
+    doc = measure_step(model, opt, step_of(model, opt, torch.randn(2, 4)), clock=clock, timed_steps=1)
+    # THEN the blocks keep the measured step's own times, and a note says why
+    assert doc["timed_steps"] == 0
+    measured = [b["measured_forward_s"] for b in doc["blocks"]]  # equal blocks share their median
+    assert all(b["forward_s"] == pytest.approx(sum(measured) / 2) for b in doc["blocks"])
+    assert any(
+        "timing the blocks' forward in plain steps failed in part (forward pre-hook: no clock)" in n
+        for n in doc["notes"]
+    )

@@ -54,7 +54,14 @@ from collectors.memory.plan.meter import LiveTensorBytes, _autocast_nested, _is_
 from collectors.memory.plan.result import StepResult
 from collectors.memory.plan.solve import make_plan
 from collectors.memory.plan.timeline import MAX_STORAGES, StepTimeline
-from collectors.memory.plan.timing import BlockTimer, in_checkpoint, not_the_step, on_cuda, remove_hooks
+from collectors.memory.plan.timing import (
+    BlockTimer,
+    apply_timer,
+    in_checkpoint,
+    not_the_step,
+    on_cuda,
+    remove_hooks,
+)
 
 MIN_OWN_SHARE = 0.05  # a block's CPU time is at least this share of its time under the measurement
 
@@ -645,7 +652,7 @@ def measure_step(
                 timer.boundary()
         finally:
             timer.stop()
-        m.timed, m.timed_steps = timer.per_call_s(), timer.steps
+        apply_timer(m, timer)
     try:
         m.start()
         step()

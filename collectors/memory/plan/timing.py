@@ -228,3 +228,17 @@ class BlockTimer:
                 times = [end - start for start, end in calls]
             out[name] = max(0.0, statistics.median(times))
         return out
+
+
+def apply_timer(measurement: Any, timer: BlockTimer) -> None:
+    """Give a stopped measurement the timer's figures (plain data and dynprof's own events, once
+    the GPU has run past them): each block's seconds per call and the steps timed, and, where a
+    hook of the timer failed, a note saying so (the blocks it missed keep the measured step's
+    times)."""
+    if timer.steps:
+        measurement.timed, measurement.timed_steps = timer.per_call_s(), timer.steps
+    if timer.error:
+        measurement.notes.append(
+            f"timing the blocks' forward in plain steps failed in part ({timer.error[:200]}); a block it did not "
+            "time keeps the measured step's own time"
+        )
