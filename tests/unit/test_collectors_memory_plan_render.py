@@ -112,3 +112,14 @@ def test_a_saving_beyond_the_measured_peak_is_a_usage_error_not_a_negative_budge
     doc["asked"] = {"save_bytes": m.peak_bytes + 1}
     with pytest.raises(errors.ArtifactError, match="more than its measured peak"):
         render_artifact(_Stored(doc))
+
+
+@pytest.mark.parametrize(
+    ("timed_steps", "said"),
+    [(3, "recompute times from the blocks' forward in 3 plain steps"), (0, "recompute times from the measured step")],
+)
+def test_the_plans_text_says_where_its_recompute_times_come_from(timed_steps, said):
+    doc = load_script("bench_plan_solver").craft(6, alike=True)
+    doc["measurement"]["timed_steps"] = timed_steps
+    _summary, text = render_artifact(_Stored(doc))
+    assert said in text

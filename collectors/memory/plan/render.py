@@ -24,7 +24,12 @@ def render_text(doc: dict[str, Any]) -> str:
         f"optimizer state {hb(m['optimizer_state_bytes'])}, activations {hb(m['activation_bytes'])} "
         f"({hb(m['unrecomputable_activation_bytes'])} no block can free), temporaries {hb(m['temporary_bytes'])}",
         f"  {doc['candidates']} blocks can be checkpointed; measured step took {m['step_s']:.3f} s"
-        + (f" (typical step {m['typical_step_s']:.3f} s)" if m.get("typical_step_s") else ""),
+        + (f" (typical step {m['typical_step_s']:.3f} s)" if m.get("typical_step_s") else "")
+        + (
+            f"; recompute times from the blocks' forward in {m['timed_steps']} plain steps"
+            if m.get("timed_steps")
+            else "; recompute times from the measured step"
+        ),
     ]
     for n in m.get("notes") or []:
         lines.append(f"  note: {one_line(n, 500)}")
