@@ -99,7 +99,9 @@ def collect_nodes(
         pids = sorted(set((skip or {}).get(node, ())))
         return {**plain, "skip_pid": pids} if pids else plain
 
-    answers = client.action_all(nodes, "nccl", options_of, timeout=request.timeout + ACTION_MARGIN_S)
+    # each node its own options only where some node has processes to leave out
+    options = options_of if skip and any(skip.values()) else plain
+    answers = client.action_all(nodes, "nccl", options, timeout=request.timeout + ACTION_MARGIN_S)
     labels = node_labels(nodes)
     notes: list[str] = []
     for a in answers:
