@@ -383,14 +383,12 @@ class LocalSource:
     ) -> tuple[dict[str, Any] | None, str | None]:
         # An agent that did not answer the look's poll (its process holds the GIL in a C call,
         # or is stopped) cannot dump its recorder either: asked, it would only hold the read for
-        # its timeout. The others are asked; the note says who was not.
-        request = nccl.NcclRequest(job=job, timeout=FLIGHT_RECORDER_TIMEOUT_S)
+        # its timeout. The others are asked (the request's ``skip``, as each node's sidecar is
+        # told); the note says who was not.
         skipped = sorted(pid for node, pid in unanswered if node == self.host)
-        if skipped:
-            pids = sorted(r.pid for r in list_records() if r.job_id == job and r.pid not in skipped)
-            if not pids:
-                return None, "not read: no rank's agent answered the look"
-            request = nccl.NcclRequest(pids=tuple(pids), timeout=FLIGHT_RECORDER_TIMEOUT_S)
+        if skipped and not any(r.job_id == job and r.pid not in skipped for r in list_records()):
+            return None, "not read: no rank's agent answered the look"
+        request = nccl.NcclRequest(job=job, timeout=FLIGHT_RECORDER_TIMEOUT_S, skip=tuple(skipped))
         try:
             got = nccl.collect(request)
         except errors.Unsupported:
