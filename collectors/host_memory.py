@@ -15,6 +15,7 @@ came from, cgroup usage and OOM-kill counters, system memory, the largest CPU te
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import threading
@@ -24,8 +25,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from dynprof.onmain import NotRun, call_on_main
 from dynprof.safetext import one_line
 from dynprof.units import human_bytes
+
+log = logging.getLogger("dynprof.agent")
 
 KIND = "host-memory"
 SUMMARY_FILE = "summary.json"
@@ -334,32 +338,15 @@ def tensors_on_training_thread(
 
     The walk reads tensors and frame locals; on the thread that owns them it races nothing. The
     caller waits at most ``timeout_s`` (a main thread inside one long C call runs no bytecode);
-    a walk not begun by then is not run. ``call_soon(fn) -> bool`` queues ``fn`` on the main
-    thread (the agent's pending-call queue)."""
-    done = threading.Event()
-    out: list[Any] = []
-    state = {"cancelled": False}
-
-    def walk() -> None:
-        if state["cancelled"]:
-            return
-        try:
-            out.append(find_cpu_tensors(threads="own"))
-        finally:
-            done.set()
-
-    if threading.current_thread() is threading.main_thread():
-        tensors, visited = find_cpu_tensors(threads="own")
-        return tensors, visited, ""
-    if not call_soon(walk):
-        return [], 0, "not read: the main thread's queue of pending calls was full"
-    if not done.wait(timeout_s):
-        state["cancelled"] = True
-        if not done.is_set():
-            return [], 0, f"not read: the training thread ran no Python within {timeout_s:g} s (inside a long call)"
-    if not out:
+    a walk not begun by then is not run (:func:`dynprof.onmain.call_on_main`). ``call_soon(fn) ->
+    bool`` queues ``fn`` on the main thread (the agent's pending-call queue)."""
+    try:
+        tensors, visited = call_on_main(call_soon, lambda: find_cpu_tensors(threads="own"), timeout_s)
+    except NotRun as why:
+        return [], 0, f"not read: {why}"
+    except Exception:
+        log.exception("the walk of the training thread's tensors failed")
         return [], 0, "not read: the walk failed (see the agent log)"
-    tensors, visited = out[0]
     return tensors, visited, ""
 
 

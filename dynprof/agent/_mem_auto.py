@@ -48,6 +48,7 @@ from typing import Any
 
 from collectors.memory.policy import DEFAULT_BUDGET, DEFAULT_MAX_ENTRIES, OFF, HistoryPolicy, apply
 from dynprof.agent._mainthread import call_soon_in_main_thread
+from dynprof.onmain import NotRun, call_on_main
 
 log = logging.getLogger("dynprof.agent")
 
@@ -209,37 +210,13 @@ class AutoHistory:
         trainer = self.trainer_thread()
         if (trainer is not None and trainer != main.ident) or not main.is_alive():
             return fn()
-        lock = threading.Lock()
-        done = threading.Event()
-        state: dict[str, Any] = {}
-
-        def task() -> None:
-            with lock:
-                if state.get("cancelled"):
-                    return
-                state["started"] = True
-            try:
-                state["value"] = fn()
-            except BaseException as exc:  # raised again on the controller's thread
-                state["error"] = exc
-            finally:
-                done.set()
-
-        if not self.call_on_main(task):
+        try:
+            return call_on_main(
+                self.call_on_main, fn, ON_MAIN_WAIT_S, give_up=lambda: self._stop.is_set() and self._stopped_by_main
+            )
+        except NotRun:
             self.missed += 1
             return _MISSED
-        deadline = time.monotonic() + ON_MAIN_WAIT_S
-        while not done.wait(0.05):
-            if time.monotonic() < deadline and not (self._stop.is_set() and self._stopped_by_main):
-                continue
-            with lock:
-                if not state.get("started"):
-                    state["cancelled"] = True
-                    self.missed += 1
-                    return _MISSED
-        if "error" in state:
-            raise state["error"]
-        return state.get("value")
 
     def _run(self) -> None:
         try:
