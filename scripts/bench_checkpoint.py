@@ -11,8 +11,9 @@ runs the model's training loop twice for --steps steps, in a process of its own:
 `dynprof run --checkpoint BUDGET`. It reads the agent's final line on the job's stderr and the
 memory-plan artifact the agent kept, and prints one row per model: the state, the blocks
 recomputed, the budget, the measured, predicted and verified peak, the step time before, predicted
-and verified (and the error), whether every loss is the plain run's bit for bit, and whether each
-job ended by itself. Exits 1 when a job died or a verified peak is over its budget; the step
+and verified (and the error), whether every loss is the plain run's bit for bit (where not, the
+first step that differs and the first step the job ran with the wrappers), with --control whether
+the plain job run twice gives the same losses, and whether each job ended by itself. Exits 1 when a job died or a verified peak is over its budget; the step
 time's error and the losses are reported, not judged (a GPU's kernels need not be bit-for-bit
 deterministic run to run).
 """
@@ -30,7 +31,16 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-from zoo_checkpoint import job_env, pct, plain_and_checkpointed, run_rows  # noqa: E402
+from zoo_checkpoint import (  # noqa: E402
+    first_differ,
+    job_env,
+    losses,
+    pct,
+    plain_and_checkpointed,
+    run_job,
+    run_rows,
+    said_losses,
+)
 
 GIB = 1024**3
 UNIT = (GIB, "GiB")  # MiB for the CPU's small models (set in main)
@@ -64,9 +74,22 @@ def one(model_name: str, args: argparse.Namespace) -> dict[str, Any]:
         job = [sys.executable, str(Path(__file__).resolve()), "--job", model_name]
         job += ["--device", args.device, "--steps", str(args.steps)]
         env = job_env(work, f"ckpt-{model_name}")
-        return {"model": model_name, **plain_and_checkpointed(job, env, args.budget, args.timeout)}
+        row = {"model": model_name, **plain_and_checkpointed(job, env, args.budget, args.timeout)}
+        if args.control:
+            row["control"] = plain_again(job, env, args.timeout, row["plain_losses"])
+        return row
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def plain_again(job: list[str], env: dict[str, str], timeout: float, first: list[str]) -> str:
+    """The same plain job once more: whether the device's own kernels give the same losses run to
+    run (where they do not, a difference under --checkpoint is not the wrappers' alone)."""
+    rc, out, _err = run_job(job, env, timeout)
+    if rc:
+        return f"exit {rc}"
+    at = first_differ(first, losses(out))
+    return "yes" if at is None else f"no, from step {at}"
 
 
 def gib(b: Any) -> str:
@@ -84,6 +107,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget", default="60%", help="dynprof run --checkpoint's budget (default 60%%)")
     parser.add_argument("--steps", type=int, default=24, help="training steps per job")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per job")
+    parser.add_argument(
+        "--control",
+        action="store_true",
+        help="run each plain job twice, and say whether its own losses are the same run to run",
+    )
     parser.add_argument("--job", default="", help=argparse.SUPPRESS)  # the training job itself
     args = parser.parse_args(argv)
     if args.job:
@@ -99,9 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(
         f"| model | state | blocks | budget {UNIT[1]} | measured | predicted | verified | peak error | under budget "
-        "| step before / predicted / verified ms | step error | losses bit-identical | exit plain / checkpoint |"
+        "| step before / predicted / verified ms | step error | losses bit-identical | plain twice | exit plain / checkpoint |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         under = (
             "-"
@@ -112,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
             f"| {r['model']} | {r['state'] or '-'} | {len(r['modules'])} | {gib(r['budget'])} | {gib(r['measured'])} "
             f"| {gib(r['predicted'])} | {gib(r['verified'])} | {pct(r['verified'], r['predicted'])} | {under} "
             f"| {ms(r['before_s'])} / {ms(r['predicted_s'])} / {ms(r['verified_s'])} "
-            f"| {pct(r['verified_s'], r['predicted_s'])} | {'yes' if r['losses_same'] else 'no'} "
+            f"| {pct(r['verified_s'], r['predicted_s'])} | {said_losses(r)} | {r.get('control', 'not run')} "
             f"| {r['rc_plain']} / {r['rc']} |"
         )
     return 1 if bad else 0

@@ -55,6 +55,24 @@ def losses(lines: list[str]) -> list[str]:
     return [line for line in lines if line.startswith("LOSS ")]
 
 
+def first_differ(a: list[str], b: list[str]) -> int | None:
+    """The first step whose loss line differs between two runs (a run cut short differs at its
+    end); None when they are the same."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def said_losses(r: dict[str, Any], same: str = "yes") -> str:
+    """The losses column: ``same``, or from which step they differ and from which step the job
+    ran with the wrappers (a difference before it is not the wrappers')."""
+    if r["losses_same"]:
+        return same
+    wrapped = r.get("wrapped_from_step")
+    return f"no, from step {r.get('first_differ')} (wrapped from {'-' if wrapped is None else wrapped})"
+
+
 def artifact_state(env: dict[str, str]) -> dict[str, Any] | None:
     """The kept memory-plan artifact's ``checkpoint`` section (dynprof show --json)."""
     ls = subprocess.run(
@@ -155,6 +173,9 @@ def plain_and_checkpointed(job: list[str], env: dict[str, str], budget: str, tim
         "predicted_s": state.get("predicted_step_s"),
         "verified_s": state.get("verified_step_s"),
         "losses_same": bool(losses(out_plain)) and losses(out_plain) == losses(out),
+        "first_differ": first_differ(losses(out_plain), losses(out)),
+        "plain_losses": losses(out_plain),
+        "wrapped_from_step": state.get("wrapped_from_step"),
         "verified_source": state.get("verified_peak_source"),
         "steps": len(losses(out)),
         "tail": (err_plain if rc_plain else err)[-1500:],
@@ -204,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"| {r['arch']} | {state} | {len(r['modules'])} | {mib(r['budget'])} | {mib(r['measured'])} "
             f"| {mib(r['predicted'])} | {mib(r['verified'])} | {pct(r['verified'], r['predicted'])} | {times} "
-            f"| {'yes' if r['losses_same'] else 'NO'} ({r['steps']}) | {r['rc_plain']} / {r['rc']} |"
+            f"| {said_losses(r)} ({r['steps']}) | {r['rc_plain']} / {r['rc']} |"
         )
     print(f"\n{len(rows)} architecture(s), {bad} with a problem (a job died, a loss changed, a peak over budget)")
     return 1 if bad else 0

@@ -86,6 +86,8 @@ class CheckpointApplier:
             f"waiting for step boundary {WARMUP_BOUNDARIES - BLOCK_TIMED_STEPS} to time the blocks, then measure a step"
         )
         self.boundaries = 0
+        self._count = 0  # the job's optimizer steps so far (the step tracker's count)
+        self.wrapped_from_step: int | None = None  # the first step run with the wrappers (0-based)
         self.budget_bytes: int | None = None
         self.budget_source = ""
         self.modules: list[str] = []
@@ -147,6 +149,7 @@ class CheckpointApplier:
             "baseline_step_s": self.baseline_step_s,
             "predicted_step_s": self.predicted_step_s(),
             "verified_step_s": self.verified_step_s,
+            "wrapped_from_step": self.wrapped_from_step,
             "rounds": self.rounds,
             "refused": list(self.refused),
             "notes": list(self.notes),
@@ -169,6 +172,7 @@ class CheckpointApplier:
     # -- the training thread ---------------------------------------------------------------------
     def _on_step(self, count: int) -> None:
         with self._lock:
+            self._count = count
             try:
                 self._step()
             except Exception as exc:
@@ -325,6 +329,8 @@ class CheckpointApplier:
             if name not in have:
                 self._wrapped.append(wrap(name, blocks[name][0]))
         self.modules = [w.name for w in self._wrapped]
+        if self.wrapped_from_step is None:
+            self.wrapped_from_step = self._count
         device = (self.measurement_doc or {}).get("device") or "cpu"
         peak = StepPeak(known_tensors(roots, optimizers), str(device))
         del roots, optimizers, blocks

@@ -99,6 +99,9 @@ def test_the_plan_is_applied_verified_and_the_losses_are_bit_identical():
     assert s["verified_step_s"] > 0 and s["predicted_step_s"] > 0 and s["rounds"] == 0
     # AND the blocks were wrapped from a step boundary after the measured step, not before
     assert seen[3] == [] and wrapped(model) == s["modules"]
+    # AND the status names the first step that ran with them (the steps are counted from 0 and
+    # seen[i] is the state after the i-th step's boundary, before step i runs)
+    assert s["wrapped_from_step"] == min(i for i, names in seen.items() if names), seen
     # AND the job's losses are those of the plain run, bit for bit
     assert [x.hex() for x in losses] == [x.hex() for x in plain]
     # AND the listener is off once it is verified

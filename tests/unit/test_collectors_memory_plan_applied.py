@@ -43,6 +43,7 @@ APPLIED: dict[str, Any] = {
     "baseline_step_s": 0.1,
     "predicted_step_s": 0.12,
     "verified_step_s": 0.126,
+    "wrapped_from_step": 9,
     "rounds": 1,
     "refused": [],
     "notes": ["the loop accumulates no gradients"],
@@ -70,7 +71,7 @@ def test_show_renders_the_applied_modules_and_predicted_against_verified_figures
 
     # THEN the text says the state, the modules, predicted against verified peak and step time
     body = text.split("\n\n", 1)[1].splitlines()
-    assert body[:9] == [
+    assert body[:10] == [
         "dynprof run --checkpoint 80%: applied",
         "  2 block(s) recomputed in backward: blocks.0, blocks.1",
         "  budget 6.5 MiB (80%); measured peak 8.0 MiB",
@@ -78,6 +79,7 @@ def test_show_renders_the_applied_modules_and_predicted_against_verified_figures
         "under the budget",
         "  step: before 100.0 ms, predicted 120.0 ms, verified 126.0 ms (+5.0 % against the prediction)",
         "  the least recomputation reaches (the floor): 5.0 MiB",
+        "  wrapped from step 9 of the job (counted from 0); the steps before ran as they were",
         "  planned again 1 time(s) after a verified peak over the budget",
         "  note: the loop accumulates no gradients",
         "  2 block(s) recomputed in backward",
@@ -107,6 +109,7 @@ def test_strings_of_the_file_cannot_forge_lines_or_reach_the_terminal(capsys):
         "verified_peak_source": "\x1b]0;title\x07",
         "verified_peak_bytes": "6 MiB",  # not a byte count: left out
         "rounds": True,
+        "wrapped_from_step": -1,  # no step of a job: left out
     }
     art = _artifact(measurement, applied)
 
@@ -125,7 +128,7 @@ def test_strings_of_the_file_cannot_forge_lines_or_reach_the_terminal(capsys):
     # AND values of the wrong type are left out, not guessed
     c = summary["checkpoint"]
     assert c["modules"] == ["blocks.0\\nplan: checkpoint 0 module(s)\\x1b[2J"]
-    assert "verified_peak_bytes" not in c and "rounds" not in c
+    assert "verified_peak_bytes" not in c and "rounds" not in c and "wrapped_from_step" not in c
     assert "  peak: predicted 6.0 MiB, verified ?" in text
 
 

@@ -53,9 +53,10 @@ def read(raw: Any) -> dict[str, Any] | None:
         v = raw.get(key)
         if isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= 1e7:
             out[key] = float(v)
-    rounds = raw.get("rounds")
-    if isinstance(rounds, int) and not isinstance(rounds, bool) and 0 <= rounds <= 1000:
-        out["rounds"] = rounds
+    for key, most in (("rounds", 1000), ("wrapped_from_step", 10**12)):
+        v = raw.get(key)
+        if isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= most:
+            out[key] = v
     for key, limit in (("modules", MAX_MODULES), ("refused", MAX_TEXTS), ("notes", MAX_TEXTS)):
         v = raw.get(key)
         if isinstance(v, list):
@@ -105,6 +106,10 @@ def lines(a: dict[str, Any]) -> list[str]:
         )
     if "floor_bytes" in a:
         out.append(f"  the least recomputation reaches (the floor): {_hb(a['floor_bytes'])}")
+    if "wrapped_from_step" in a:
+        out.append(
+            f"  wrapped from step {a['wrapped_from_step']} of the job (counted from 0); the steps before ran as they were"
+        )
     if a.get("rounds"):
         out.append(f"  planned again {a['rounds']} time(s) after a verified peak over the budget")
     out.extend(f"  refused: {r}" for r in a.get("refused") or [])
