@@ -53,7 +53,7 @@ from collectors.memory.plan.budget import parse_budget
 from collectors.memory.plan.measurement import from_json
 from collectors.memory.plan.timing import TIMED_STEPS as BLOCK_TIMED_STEPS
 from collectors.memory.plan.timing import BlockTimer, apply_timer, on_cuda
-from dynprof.agent._mem_plan import MEASURED_STEP_MIN_S, MEASURED_STEP_TYPICAL, busy_with_trace
+from dynprof.agent._mem_plan import busy_with_trace, step_time_limit
 from dynprof.store import ArtifactStore
 from dynprof.units import human_bytes
 
@@ -257,7 +257,7 @@ class CheckpointApplier:
         self._timer = BlockTimer(
             measurement.blocks,
             cuda=on_cuda(measurement.blocks),
-            time_limit_s=max(MEASURED_STEP_MIN_S, MEASURED_STEP_TYPICAL * typical) if typical else MEASURED_STEP_MIN_S,
+            time_limit_s=step_time_limit(typical),
             on_end=self._timer_ended,
         )
         self.state, self.detail = "measuring", f"timing the blocks' forward in {BLOCK_TIMED_STEPS} steps"
@@ -278,9 +278,7 @@ class CheckpointApplier:
         self._times = []
         self.baseline_step_s = round(typical, 6) if typical else None
         measurement = self._measurement
-        measurement.time_limit_s = (
-            max(MEASURED_STEP_MIN_S, MEASURED_STEP_TYPICAL * typical) if typical else MEASURED_STEP_MIN_S
-        )
+        measurement.time_limit_s = step_time_limit(typical)
         self.detail = "measuring one step"
         measurement.start()
 

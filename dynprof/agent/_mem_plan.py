@@ -53,6 +53,12 @@ MEASURED_STEP_MIN_S = 120.0
 MEASURED_STEP_TYPICAL = 50.0
 
 
+def step_time_limit(typical_s: float | None) -> float:
+    """How long a measured (or timed) step may take before it is taken as not coming to its end:
+    :data:`MEASURED_STEP_TYPICAL` typical steps, at least :data:`MEASURED_STEP_MIN_S`."""
+    return max(MEASURED_STEP_MIN_S, MEASURED_STEP_TYPICAL * typical_s) if typical_s else MEASURED_STEP_MIN_S
+
+
 class PlanRun:
     """One plan's state. The server thread reads ``state``, ``error``, ``help``, ``code`` and
     ``doc`` (plain data); ``measurement`` is the training thread's until the step is over."""
@@ -276,7 +282,7 @@ class MemoryPlanner:
             )
             return
         typical = run.typical_step_s or steps.typical_step_s()
-        limit = max(MEASURED_STEP_MIN_S, MEASURED_STEP_TYPICAL * typical) if typical else MEASURED_STEP_MIN_S
+        limit = step_time_limit(typical)
         try:
             measurement = StepMeasurement(roots, optimizers, time_limit_s=limit, on_end=self._ended)
         except MeasurementRefused as exc:
@@ -327,7 +333,7 @@ class MemoryPlanner:
         run.measurement = run.timer = None
         run.state, run.error = "failed", f"{what}: {why}"
         run.help = (
-            f"The plan times {TIMED_STEPS} training steps and measures the next one (forward, backward, optimizer "
+            f"The plan times {self.timed_steps} training steps and measures the next one (forward, backward, optimizer "
             "step). Ask while the job trains, not during an evaluation or after its last step."
         )
         self.agent.steps.remove_listener(self._listener)
