@@ -475,7 +475,8 @@ def _wait_done(
                         **target_row(record, at_step),
                         "status": "failed",
                         "artifact": None,
-                        "error": f"lost contact with the process before it wrote a trace: {st}",
+                        "error": f"lost contact with the process before it wrote a trace "
+                        f"({'it still runs' if _alive(record.pid) else 'it has exited'}): {st}",
                     }
                     continue
                 silent_since.pop(record.pid, None)

@@ -61,7 +61,8 @@ def test_duration_traces_of_a_checkpointing_loop_start_and_stop_outside_backward
     statuses = []
     for i in range(40):
         result = cli("start", "--pid", str(pid), "--duration", "0.3", "--json")
-        assert result.returncode == 0, result.stdout + result.stderr + "\n".join(target.lines[-20:])
+        # (on failure: whether the job still runs, its last lines and its agent's log)
+        assert result.returncode == 0, result.stdout + result.stderr + target.state(pid)
         statuses.append(_result(result.stdout)["status"])
         assert _alive(target), "\n".join(target.lines[-30:])
         if i >= 9 and "waits for a safe point: inside autograd's backward" in _agent_log(dynprof_dirs, pid):

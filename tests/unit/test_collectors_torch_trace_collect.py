@@ -175,6 +175,18 @@ def test_a_process_that_is_gone_is_lost_contact(fast, monkeypatch):
     # WHEN followed THEN it failed: contact lost
     result = _wait(fast, client, _record(4_194_303), _Lines())
     assert result["status"] == "failed" and "lost contact" in result["error"]
+    assert "(it has exited)" in result["error"]
+
+
+def test_a_live_process_whose_agent_broke_the_connection_is_said_to_still_run(fast, monkeypatch):
+    # GIVEN a process that runs on, whose agent hung up without an answer
+    monkeypatch.setattr(fast, "result_from_store", lambda *a: None)
+    monkeypatch.setattr(fast, "_alive", lambda pid: True)
+    client = _Scripted([errors.AgentError("the agent of process 1 broke the connection: [Errno 104] reset")])
+    # WHEN followed THEN it failed, and the error says the process still runs (not that it died)
+    result = _wait(fast, client, _record(4_194_303), _Lines())
+    assert result["status"] == "failed" and "lost contact" in result["error"]
+    assert "(it still runs)" in result["error"] and "broke the connection" in result["error"]
 
 
 @pytest.mark.parametrize(
